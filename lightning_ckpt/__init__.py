@@ -1,0 +1,43 @@
+"""lightning_ckpt: automatic activation checkpointing for PyTorch Lightning.
+
+The core (discovery, plans, apply) works on any ``nn.Module``; the Lightning callback builds on it.
+"""
+
+from lightning_ckpt.apply import PlanHandle, applied_plan, apply_plan, plan_applied
+from lightning_ckpt.baselines import BASELINE_NAMES, baselines
+from lightning_ckpt.discovery import Block, LayerStack, discover_blocks
+from lightning_ckpt.errors import (
+    ApplyError,
+    ConfigurationError,
+    DiscoveryError,
+    LightningCkptError,
+    PlanError,
+    StalePlanError,
+)
+from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.policies import SAVE_LISTS
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BASELINE_NAMES",
+    "SAVE_LISTS",
+    "ApplyError",
+    "Block",
+    "BlockPlan",
+    "ConfigurationError",
+    "DiscoveryError",
+    "LayerStack",
+    "LightningCkptError",
+    "Plan",
+    "PlanError",
+    "PlanHandle",
+    "StalePlanError",
+    "__version__",
+    "applied_plan",
+    "apply_plan",
+    "baselines",
+    "discover_blocks",
+    "model_fingerprint",
+    "plan_applied",
+]

@@ -1,0 +1,356 @@
+"""Apply a plan to a model in place, reversibly, without changing a single FQN.
+
+Modules are never wrapped or replaced: each planned module gets an instance-level ``forward`` that
+runs the class's forward under non-reentrant checkpointing. So module names, ``state_dict`` keys and
+parameter objects stay exactly as they were (a checkpoint saved with a plan applied loads into a
+plain model), and ``PlanHandle.remove()`` deletes the instance attribute to restore the original.
+
+The instance forward is a ``functools.partial`` of a module-level function bound to the module, so
+``copy.deepcopy`` and ``pickle`` keep working and a deep-copied model calls its *own* layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_ckpt.discovery import unwrap_compiled
+from lightning_ckpt.errors import ApplyError, PlanError
+from lightning_ckpt.plan import Plan, closest_names
+from lightning_ckpt.policies import selective_context_fn
+
+__all__ = ["PlanHandle", "apply_plan", "applied_plan", "segment_chunks"]
+
+log = logging.getLogger(__name__)
+
+_PREV_FORWARD = "_lightning_ckpt_prev_forward"
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, PlanHandle] = weakref.WeakKeyDictionary()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The forwards we install. Each takes the module first (bound with functools.partial).
+# ---------------------------------------------------------------------------------------------------
+def _original_forward(module: nn.Module) -> Callable[..., Any]:
+    prev = module.__dict__.get(_PREV_FORWARD)
+    return prev if prev is not None else type(module).forward.__get__(module)
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # Args travel as one tuple and one dict so a block's own kwargs can never collide with
+    # checkpoint()'s (use_reentrant, context_fn, debug, ...).
+    return fn(*args, **kwargs)
+
+
+def _checkpointed_forward(module: nn.Module, save_list: str | None, *args: Any, **kwargs: Any) -> Any:
+    inner = _original_forward(module)
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    extra = {"context_fn": selective_context_fn(save_list)} if save_list else {}
+    return checkpoint(_call, inner, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
+
+
+def _first_device(module: nn.Module, args: tuple[Any, ...]) -> torch.device | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    p = next(module.parameters(), None)
+    return p.device if p is not None else None
+
+
+def _offloaded_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    inner = _original_forward(module)
+    device = _first_device(module, args)
+    # On a CPU model the activations already live in host memory; save_on_cpu would only copy them.
+    if not torch.is_grad_enabled() or device is None or device.type == "cpu":
+        return inner(*args, **kwargs)
+    with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+        return inner(*args, **kwargs)
+
+
+def _hidden_of(output: Any) -> Any:
+    """The part of a block's output that the next block takes as its first argument."""
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    return output
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects whose == is not a plain bool are simply "not the same"
+        return False
+
+
+class _Chunk:
+    """Run-time state of one segment: several consecutive blocks recomputed as one region.
+
+    The parent model still calls every block itself. The chunk's first block runs the whole chunk
+    inside one checkpoint and hands the later blocks' outputs to them as the parent calls them; each
+    later block checks it was called with exactly the previous block's output and the same other
+    arguments, so a parent loop that does anything else fails loudly instead of computing wrongly.
+    """
+
+    def __init__(self, stack_fqn: str, fqns: tuple[str, ...], modules: list[nn.Module]) -> None:
+        self.stack_fqn = stack_fqn
+        self.fqns = fqns
+        self.modules = modules
+        self.pending: list[Any] | None = None
+        self.last_output: Any = None
+        self.other_args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        outputs = []
+        current = args
+        for m in self.modules:
+            out = _original_forward(m)(*current, **kwargs)
+            outputs.append(out)
+            current = (_hidden_of(out), *args[1:])
+        return tuple(outputs)
+
+
+def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs: Any) -> Any:
+    chunk.pending = None
+    if not torch.is_grad_enabled() or not args:
+        return _original_forward(module)(*args, **kwargs)
+    outputs = checkpoint(chunk.run, args, kwargs, use_reentrant=False, preserve_rng_state=True)
+    chunk.pending = list(outputs[1:]) or None
+    chunk.last_output = outputs[0]
+    chunk.other_args, chunk.kwargs = args[1:], kwargs
+    return outputs[0]
+
+
+def _segment_member_forward(module: nn.Module, chunk: _Chunk, index: int, *args: Any, **kwargs: Any) -> Any:
+    if chunk.pending is None:
+        return _original_forward(module)(*args, **kwargs)
+    expected = _hidden_of(chunk.last_output)
+    same_args = (
+        bool(args)
+        and args[0] is expected
+        and len(args[1:]) == len(chunk.other_args)
+        and all(_same(a, b) for a, b in zip(args[1:], chunk.other_args))
+        and kwargs.keys() == chunk.kwargs.keys()
+        and all(_same(kwargs[k], chunk.kwargs[k]) for k in kwargs)
+    )
+    if not same_args:
+        chunk.pending = None
+        raise ApplyError(
+            f"segments on stack {chunk.stack_fqn!r} are unsafe for this model: block {chunk.fqns[index]!r} was not "
+            f"called with the previous block's output and the same other arguments as {chunk.fqns[0]!r}, so a "
+            "chunk cannot be recomputed as one region. Remove 'segments' for this stack from the plan and use "
+            "per-block modes (e.g. 'full') instead."
+        )
+    out = chunk.pending.pop(0)
+    chunk.last_output = out
+    if not chunk.pending:
+        chunk.pending = None
+    return out
+
+
+_OUR_FORWARDS = (_checkpointed_forward, _offloaded_forward, _segment_head_forward, _segment_member_forward)
+
+
+def _is_ours(fn: Any) -> bool:
+    return isinstance(fn, functools.partial) and fn.func in _OUR_FORWARDS
+
+
+# ---------------------------------------------------------------------------------------------------
+# Applying and removing
+# ---------------------------------------------------------------------------------------------------
+def segment_chunks(n_blocks: int, segments: int) -> list[tuple[int, int]]:
+    """[start, end) index ranges of ``segments`` near-equal chunks (first chunks get the remainder)."""
+    base, extra = divmod(n_blocks, segments)
+    ranges, start = [], 0
+    for i in range(segments):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+@dataclass
+class _Patch:
+    module: nn.Module
+    forward: functools.partial[Any]
+
+
+class PlanHandle:
+    """What ``apply_plan`` returns: the applied plan and the means to undo it exactly."""
+
+    def __init__(self, model: nn.Module, plan: Plan, patches: list[_Patch]) -> None:
+        self.plan = plan
+        self._model_ref = weakref.ref(model)
+        self._patches = patches
+        self._removed = False
+
+    @property
+    def active(self) -> bool:
+        return not self._removed
+
+    @property
+    def num_patched_modules(self) -> int:
+        return len(self._patches)
+
+    def remove(self) -> None:
+        """Restore every module's original forward; idempotent."""
+        if self._removed:
+            return
+        for p in reversed(self._patches):
+            d = p.module.__dict__
+            if d.get("forward") is p.forward:
+                del d["forward"]
+            prev = d.pop(_PREV_FORWARD, None)
+            if prev is not None:
+                d["forward"] = prev
+        self._removed = True
+        model = self._model_ref()
+        if model is not None and _ACTIVE.get(model) is self:
+            del _ACTIVE[model]
+
+    def __enter__(self) -> PlanHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active"
+        return f"PlanHandle({self.plan.describe()}, {len(self._patches)} modules, {state})"
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan currently applied to ``model`` by ``apply_plan``, if any."""
+    handle = _ACTIVE.get(unwrap_compiled(model))
+    return handle.plan if handle is not None and handle.active else None
+
+
+def _resolve(root: nn.Module, fqn: str, what: str) -> nn.Module:
+    try:
+        return root.get_submodule(fqn) if fqn else root
+    except AttributeError:
+        names = [n for n, _ in root.named_modules() if n]
+        raise PlanError(
+            f"{what} {fqn!r} does not exist in {type(root).__name__}. Closest module names: "
+            f"{closest_names(fqn, names)}. Fix the FQN in the plan, or re-tune for this model."
+        ) from None
+
+
+def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) -> PlanHandle:
+    """Apply ``plan`` to ``model`` in place and return a handle whose ``remove()`` undoes it.
+
+    Everything is validated before the first module is touched, so a refused plan leaves the model
+    as it was. Apply before ``torch.compile``-ing, or reset dynamo afterwards: a compiled graph
+    does not see a changed forward until it recompiles.
+    """
+    root = unwrap_compiled(model)
+    if applied_plan(root) is not None:
+        raise ApplyError(
+            f"A plan is already applied to this {type(root).__name__} ({_ACTIVE[root].plan.describe()}). "
+            "Call handle.remove() on the handle apply_plan returned before applying another plan."
+        )
+    if check_fingerprint:
+        plan.check_fingerprint(root)
+
+    installs: list[tuple[nn.Module, str, functools.partial[Any]]] = []
+    for fqn, bp in plan.blocks.items():
+        block = _resolve(root, fqn, "Block")
+        if bp.mode == "full":
+            installs.append((block, fqn, functools.partial(_checkpointed_forward, block, None)))
+        elif bp.mode == "ops":
+            installs.append((block, fqn, functools.partial(_checkpointed_forward, block, bp.save_list)))
+        elif bp.mode == "offload":
+            installs.append((block, fqn, functools.partial(_offloaded_forward, block)))
+        elif bp.mode == "selective":
+            for child_name in bp.children:
+                try:
+                    child = block.get_submodule(child_name)
+                except AttributeError:
+                    kids = [n for n, _ in block.named_children()]
+                    raise PlanError(
+                        f"Block {fqn!r} has no child {child_name!r} to checkpoint selectively. Its children are: "
+                        f"{', '.join(kids) or '(none)'}. Fix the 'children' list of this block in the plan."
+                    ) from None
+                installs.append((child, f"{fqn}.{child_name}", functools.partial(_checkpointed_forward, child, None)))
+
+    for stack_fqn, n_chunks in plan.segments.items():
+        stack = _resolve(root, stack_fqn, "Stack")
+        if not isinstance(stack, (nn.ModuleList, nn.Sequential)):
+            raise ApplyError(
+                f"segments need a stack that runs its blocks in order (nn.Sequential or nn.ModuleList), but "
+                f"{stack_fqn!r} is a {type(stack).__name__}, whose forward may call its children in any order. "
+                "Use per-block modes for this model instead of segments."
+            )
+        names = [n for n, _ in stack.named_children()]
+        if n_chunks > len(names):
+            raise PlanError(
+                f"segments[{stack_fqn!r}] = {n_chunks} but that stack has only {len(names)} blocks. "
+                f"Use a chunk count between 1 and {len(names)}."
+            )
+        overlapping = [f for f in plan.blocks if f == stack_fqn or f.startswith(f"{stack_fqn}." if stack_fqn else "")]
+        if overlapping:
+            raise PlanError(
+                f"Stack {stack_fqn!r} has segments and also per-block modes for {overlapping[:3]}; a plan gives a "
+                "stack either segments or per-block modes. Remove one of them."
+            )
+        # The last chunk is not checkpointed (as torch's checkpoint_sequential does): its activations
+        # are needed first in backward, so recomputing them would cost time and save no peak memory.
+        for start, end in segment_chunks(len(names), n_chunks)[:-1]:
+            fqns = tuple(f"{stack_fqn}.{n}" if stack_fqn else n for n in names[start:end])
+            modules = [stack.get_submodule(n) for n in names[start:end]]
+            chunk = _Chunk(stack_fqn, fqns, modules)
+            installs.append((modules[0], fqns[0], functools.partial(_segment_head_forward, modules[0], chunk)))
+            for i, m in enumerate(modules[1:], start=1):
+                installs.append((m, fqns[i], functools.partial(_segment_member_forward, m, chunk, i)))
+
+    seen: dict[int, str] = {}
+    for module, fqn, _ in installs:
+        if id(module) in seen:
+            raise PlanError(f"Module {fqn!r} is planned twice (also as {seen[id(module)]!r}). Give it one mode.")
+        seen[id(module)] = fqn
+        if _is_ours(module.__dict__.get("forward")):
+            raise ApplyError(
+                f"Module {fqn!r} already has lightning_ckpt checkpointing installed by another handle. "
+                "Remove that plan first (handle.remove())."
+            )
+    fqns_planned = sorted(seen.values())
+    for a, b in zip(fqns_planned, fqns_planned[1:]):
+        if b.startswith(a + "."):
+            raise PlanError(
+                f"Module {b!r} is planned inside {a!r}, which is planned too; nested checkpointing recomputes twice. "
+                "Plan either the block or its children."
+            )
+
+    patches: list[_Patch] = []
+    for module, _fqn, fwd in installs:
+        prev = module.__dict__.get("forward")
+        if prev is not None:
+            module.__dict__[_PREV_FORWARD] = prev
+        module.__dict__["forward"] = fwd
+        patches.append(_Patch(module, fwd))
+    handle = PlanHandle(root, plan, patches)
+    _ACTIVE[root] = handle
+    log.info("lightning_ckpt: applied plan %s (%d modules)", plan.describe(), len(patches))
+    return handle
+
+
+@contextlib.contextmanager
+def plan_applied(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) -> Iterator[PlanHandle]:
+    """Context manager form: the plan is removed on exit, even when the body raises."""
+    handle = apply_plan(model, plan, check_fingerprint=check_fingerprint)
+    try:
+        yield handle
+    finally:
+        handle.remove()

@@ -1,0 +1,54 @@
+"""The named reference plans every search starts from, and every benchmark compares against."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from torch import nn
+
+from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
+from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
+
+__all__ = ["BASELINE_NAMES", "baselines", "uniform_plan"]
+
+BASELINE_NAMES = ("none", "full", "sqrt_segments", "selective_mlp", "ops_save_matmuls", "offload")
+
+
+def uniform_plan(stacks: Sequence[LayerStack], block_plan: BlockPlan, *, name: str = "", fingerprint: str | None = None) -> Plan:
+    """The same mode on every block of every stack."""
+    return Plan({b.fqn: block_plan for s in stacks for b in s.blocks}, name=name, fingerprint=fingerprint)
+
+
+def baselines(
+    model: nn.Module,
+    *,
+    stacks: Sequence[LayerStack] | None = None,
+    block_types: Iterable[type | str] | None = None,
+) -> dict[str, Plan]:
+    """Named baseline plans for ``model``: none, full, sqrt_segments, selective_mlp, ops_save_matmuls, offload.
+
+    A baseline that does not make sense for the model is left out rather than faked: ``sqrt_segments``
+    needs a stack that is an ``nn.ModuleList``/``nn.Sequential``; ``selective_mlp`` needs blocks with
+    a recognisable feed-forward child.
+    """
+    root = unwrap_compiled(model)
+    stacks = list(stacks) if stacks is not None else discover_blocks(root, block_types=block_types)
+    fp = model_fingerprint(root)
+    out = {
+        "none": Plan(name="none", fingerprint=fp),
+        "full": uniform_plan(stacks, BlockPlan("full"), name="full", fingerprint=fp),
+    }
+    segmentable = {
+        s.fqn: max(1, round(math.sqrt(len(s.blocks))))
+        for s in stacks
+        if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2
+    }
+    if segmentable:
+        out["sqrt_segments"] = Plan(segments=segmentable, name="sqrt_segments", fingerprint=fp)
+    mlp = {b.fqn: BlockPlan("selective", b.children_of_kind("mlp")) for s in stacks for b in s.blocks if b.children_of_kind("mlp")}
+    if mlp:
+        out["selective_mlp"] = Plan(mlp, name="selective_mlp", fingerprint=fp)
+    out["ops_save_matmuls"] = uniform_plan(stacks, BlockPlan("ops", save_list="save_matmuls"), name="ops_save_matmuls", fingerprint=fp)
+    out["offload"] = uniform_plan(stacks, BlockPlan("offload"), name="offload", fingerprint=fp)
+    return out

@@ -1,0 +1,211 @@
+"""Find the repeated layer stack(s) of an arbitrary model.
+
+Checkpointing pays off at block granularity: a transformer layer has a small input (the residual
+stream) and large internals. Every model we care about keeps its layers in an ``nn.ModuleList`` or
+``nn.Sequential`` of same-class modules, so the stack holding most parameters is the one to plan
+over. Users whose models do not follow that convention name their blocks explicitly.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_ckpt.errors import DiscoveryError
+
+__all__ = ["Block", "Child", "LayerStack", "discover_blocks", "unwrap_compiled"]
+
+# Stacks holding less than this share of the largest stack's parameters are ignored by default:
+# encoder-decoder models have two large stacks, while small helper lists (e.g. a ModuleList of
+# two projection heads) are not worth planning over.
+_MIN_SHARE_OF_LARGEST = 0.1
+
+# Child names (or class names) that identify the feed-forward part of a block across nanoGPT,
+# HF Llama/GPT-2/ViT/BERT, timm and torchtitan naming conventions.
+_MLP_PATTERN = re.compile(r"(mlp|ffn|feed_?forward|intermediate|c_fc|fc\d?$|dense_h_to_4h|moe|experts)", re.I)
+_ATTN_PATTERN = re.compile(r"(attn|attention|self_attn|mixer)", re.I)
+_NORM_PATTERN = re.compile(r"(norm|ln)", re.I)
+
+
+@dataclass(frozen=True)
+class Child:
+    """A direct child of a block: the unit that ``selective`` plans checkpoint."""
+
+    name: str
+    class_name: str
+    kind: str  # "attention" | "mlp" | "norm" | "other"
+    num_params: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """One layer of a stack, addressed by its fully qualified name in the (uncompiled) model."""
+
+    fqn: str
+    index: int
+    class_name: str
+    num_params: int
+    children: tuple[Child, ...]
+
+    def children_of_kind(self, kind: str) -> tuple[str, ...]:
+        return tuple(c.name for c in self.children if c.kind == kind)
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A container whose children are the blocks, executed in order by the parent's forward."""
+
+    fqn: str
+    container_class: str
+    blocks: tuple[Block, ...]
+
+    @property
+    def num_params(self) -> int:
+        return sum(b.num_params for b in self.blocks)
+
+    @property
+    def block_fqns(self) -> tuple[str, ...]:
+        return tuple(b.fqn for b in self.blocks)
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """Return the module ``torch.compile`` wrapped, so FQNs are the same compiled or not."""
+    while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+        model = model._orig_mod
+    return model
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _classify(name: str, module: nn.Module) -> str:
+    cls = type(module).__name__
+    if _NORM_PATTERN.search(name) or "Norm" in cls:
+        return "norm"
+    if _ATTN_PATTERN.search(name) or "Attention" in cls:
+        return "attention"
+    if _MLP_PATTERN.search(name) or re.search(r"(MLP|FeedForward|Intermediate|MoE)", cls):
+        return "mlp"
+    return "other"
+
+
+def _make_block(fqn: str, index: int, module: nn.Module) -> Block:
+    children = tuple(
+        Child(name=n, class_name=type(c).__name__, kind=_classify(n, c), num_params=_num_params(c))
+        for n, c in module.named_children()
+    )
+    return Block(fqn, index, type(module).__name__, _num_params(module), children)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _auto_stacks(model: nn.Module) -> list[LayerStack]:
+    candidates: list[LayerStack] = []
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        kids = list(module.named_children())
+        if len({type(c) for _, c in kids}) != 1 or isinstance(kids[0][1], (nn.ModuleList, nn.Sequential)):
+            continue
+        blocks = tuple(_make_block(_join(fqn, n), i, c) for i, (n, c) in enumerate(kids))
+        stack = LayerStack(fqn, type(module).__name__, blocks)
+        if stack.num_params > 0:
+            candidates.append(stack)
+    if not candidates:
+        return []
+    candidates.sort(key=lambda s: s.num_params, reverse=True)
+    largest = candidates[0].num_params
+    chosen: list[LayerStack] = []
+    for stack in candidates:
+        if stack.num_params < _MIN_SHARE_OF_LARGEST * largest:
+            break
+        # A stack nested inside a chosen block (e.g. MoE experts inside a layer) is part of that
+        # block's plan, not a stack of its own.
+        if any(stack.fqn.startswith(b + ".") for c in chosen for b in c.block_fqns):
+            continue
+        # A stack enclosing a chosen one (a Sequential of stages each holding a ModuleList) would
+        # double-count; keep the inner, finer-grained one.
+        if any(c.fqn.startswith(stack.fqn + ".") or stack.fqn == "" for c in chosen):
+            continue
+        chosen.append(stack)
+    return sorted(chosen, key=lambda s: s.fqn)
+
+
+def _matches(fqn: str, module: nn.Module, types: Sequence[type], names: Sequence[str], patterns: Sequence[str]) -> bool:
+    if types and isinstance(module, tuple(types)):
+        return True
+    if names and type(module).__name__ in names:
+        return True
+    return any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
+
+
+def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[LayerStack]:
+    types: list[type] = []
+    names: list[str] = []
+    patterns: list[str] = []
+    for item in spec:
+        if isinstance(item, type):
+            types.append(item)
+        elif isinstance(item, str) and ("." in item or "*" in item or "?" in item or "[" in item):
+            patterns.append(item)
+        elif isinstance(item, str):
+            names.append(item)
+        else:
+            raise DiscoveryError(
+                f"block_types entries must be module classes, class names or FQN patterns, but got {item!r} "
+                f"({type(item).__name__}). Pass e.g. block_types=[MyBlock], ['MyBlock'] or ['encoder.layers.*']."
+            )
+    matched: list[tuple[str, nn.Module]] = []
+    for fqn, module in model.named_modules():
+        if fqn and _matches(fqn, module, types, names, patterns):
+            # Outermost matches only: a block inside a block is planned as part of its parent.
+            if not any(fqn.startswith(m + ".") for m, _ in matched):
+                matched.append((fqn, module))
+    if not matched:
+        known = sorted({type(m).__name__ for m in model.modules()})
+        raise DiscoveryError(
+            f"block_types={list(spec)!r} matched no module of {type(model).__name__}. "
+            f"Module classes in this model: {', '.join(known[:30])}. "
+            "Pass one of these class names, the class itself, or an FQN pattern such as 'model.layers.*'."
+        )
+    by_parent: dict[str, list[tuple[str, nn.Module]]] = {}
+    for fqn, module in matched:
+        parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        by_parent.setdefault(parent, []).append((fqn, module))
+    stacks = []
+    for parent, members in sorted(by_parent.items()):
+        container = model.get_submodule(parent) if parent else model
+        blocks = tuple(_make_block(fqn, i, m) for i, (fqn, m) in enumerate(members))
+        stacks.append(LayerStack(parent, type(container).__name__, blocks))
+    return stacks
+
+
+def discover_blocks(model: nn.Module, *, block_types: Iterable[type | str] | None = None) -> list[LayerStack]:
+    """Return the layer stacks to plan over, largest-parameter stacks first in FQN order.
+
+    ``block_types`` overrides the search: module classes, class names, or FQN glob patterns
+    (``"encoder.layer.*"``). FQNs are those of the uncompiled model, so a plan tuned on a compiled
+    model applies to the plain one and vice versa.
+    """
+    root = unwrap_compiled(model)
+    stacks = _explicit_stacks(root, block_types) if block_types is not None else _auto_stacks(root)
+    if not stacks:
+        raise DiscoveryError(
+            f"No repeated layer stack found in {type(root).__name__}: no nn.ModuleList or nn.Sequential of "
+            "two or more same-class modules with parameters. Name the blocks explicitly, e.g. "
+            "discover_blocks(model, block_types=[MyBlock]) or block_types=['backbone.stages.*'] "
+            "(ActivationCheckpointTuner(block_types=...) takes the same values)."
+        )
+    return stacks
+
+
+def all_blocks(stacks: Sequence[LayerStack]) -> list[Block]:
+    """Every block of every stack, in stack order."""
+    return [b for s in stacks for b in s.blocks]

@@ -1,0 +1,32 @@
+"""One exception family for everything lightning_ckpt refuses.
+
+Every message says what was wrong, what was found, and how to fix it, so a user can act on it
+without reading our source. Subclasses let callers (the tuner, the CLI) tell a bad plan from a
+bad argument without parsing strings.
+"""
+
+from __future__ import annotations
+
+
+class LightningCkptError(Exception):
+    """Base class of every error raised by lightning_ckpt."""
+
+
+class DiscoveryError(LightningCkptError):
+    """The model's repeated layer stack could not be found, or the user's override matched nothing."""
+
+
+class PlanError(LightningCkptError):
+    """A plan is malformed, from an unknown schema, or does not fit the model it is applied to."""
+
+
+class StalePlanError(PlanError):
+    """A plan was tuned for a different model (fingerprint mismatch)."""
+
+
+class ApplyError(LightningCkptError):
+    """A plan could not be applied (or removed) safely on this model."""
+
+
+class ConfigurationError(LightningCkptError, ValueError):
+    """An argument has an invalid value; raised at construction time, before any work is done."""

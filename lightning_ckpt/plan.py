@@ -1,0 +1,302 @@
+"""Plans: what to checkpoint, per block FQN, as frozen data with a versioned JSON form.
+
+A plan names modules by fully qualified name, never by position, so it survives compile wrappers
+and can be checked against any model. Blocks not listed are left alone (mode ``none``), which keeps
+plan files short and readable.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt.errors import PlanError, StalePlanError
+from lightning_ckpt.policies import get_save_list
+
+__all__ = [
+    "MODES",
+    "SCHEMA_VERSION",
+    "BlockPlan",
+    "Plan",
+    "model_fingerprint",
+    "library_versions",
+]
+
+SCHEMA_VERSION = 1
+MODES = ("none", "full", "selective", "ops", "offload")
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How one block is checkpointed.
+
+    mode: ``none`` | ``full`` (whole block) | ``selective`` (only ``children``) | ``ops`` (whole block
+    with op save-list ``save_list``) | ``offload`` (saved activations kept in host memory).
+    """
+
+    mode: str = "none"
+    children: tuple[str, ...] = ()
+    save_list: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise PlanError(
+                f"Unknown checkpointing mode {self.mode!r}. Known modes: {', '.join(MODES)}. "
+                "Fix the 'mode' field of the block in the plan."
+            )
+        object.__setattr__(self, "children", tuple(self.children))
+        if self.mode == "selective" and not self.children:
+            raise PlanError(
+                "Mode 'selective' needs the names of the children to checkpoint, but got none. "
+                "Give e.g. BlockPlan('selective', children=('mlp',))."
+            )
+        if self.mode != "selective" and self.children:
+            raise PlanError(f"'children' only applies to mode 'selective', but mode is {self.mode!r}.")
+        if self.mode == "ops":
+            if not self.save_list:
+                raise PlanError("Mode 'ops' needs a save_list name, e.g. BlockPlan('ops', save_list='save_matmuls').")
+            get_save_list(self.save_list)
+        elif self.save_list is not None:
+            raise PlanError(f"'save_list' only applies to mode 'ops', but mode is {self.mode!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"mode": self.mode}
+        if self.children:
+            d["children"] = list(self.children)
+        if self.save_list:
+            d["save_list"] = self.save_list
+        return d
+
+    def describe(self) -> str:
+        if self.mode == "selective":
+            return f"selective({','.join(self.children)})"
+        if self.mode == "ops":
+            return f"ops({self.save_list})"
+        return self.mode
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checkpointing plan for one model.
+
+    blocks: block FQN -> BlockPlan (absent means ``none``).
+    segments: stack FQN -> chunk count; each chunk stores only its input and is recomputed as one.
+    fingerprint: ``model_fingerprint`` of the model the plan was made for (None: not checked).
+    metadata: free-form JSON data: library versions, run description, budget, measured figures.
+    """
+
+    blocks: Mapping[str, BlockPlan] = field(default_factory=dict)
+    segments: Mapping[str, int] = field(default_factory=dict)
+    name: str = ""
+    fingerprint: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        blocks = {str(k): v for k, v in self.blocks.items() if v.mode != "none"}
+        for fqn, bp in blocks.items():
+            if not isinstance(bp, BlockPlan):
+                raise PlanError(f"Plan.blocks[{fqn!r}] must be a BlockPlan, but got {type(bp).__name__}.")
+        segments = {}
+        for fqn, n in self.segments.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise PlanError(f"segments[{fqn!r}] must be a positive chunk count, but got {n!r}.")
+            segments[str(fqn)] = n
+        object.__setattr__(self, "blocks", dict(sorted(blocks.items())))
+        object.__setattr__(self, "segments", dict(sorted(segments.items())))
+        object.__setattr__(self, "metadata", dict(self.metadata))
+
+    # -- identity -------------------------------------------------------------------------------
+    def key(self) -> str:
+        """A canonical string of what the plan *does* (not its name or metadata): equal plans, equal keys."""
+        return json.dumps(
+            {"blocks": {k: v.to_dict() for k, v in self.blocks.items()}, "segments": self.segments},
+            sort_keys=True,
+        )
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.key().encode()).hexdigest()[:16]
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and self.key() == other.key()
+
+    def mode_of(self, block_fqn: str) -> BlockPlan:
+        return self.blocks.get(block_fqn, BlockPlan())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.blocks and not self.segments
+
+    def with_metadata(self, **updates: Any) -> Plan:
+        return replace(self, metadata={**self.metadata, **updates})
+
+    def describe(self) -> str:
+        """A one-line human summary, e.g. ``full x12`` or ``selective(mlp) x6, none x6``."""
+        if self.is_empty:
+            return "none"
+        counts: dict[str, int] = {}
+        for bp in self.blocks.values():
+            counts[bp.describe()] = counts.get(bp.describe(), 0) + 1
+        parts = [f"{m} x{n}" for m, n in counts.items()]
+        parts += [f"segments({fqn or '<root>'}={n})" for fqn, n in self.segments.items()]
+        return ", ".join(parts)
+
+    # -- serialisation ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "blocks": {k: v.to_dict() for k, v in self.blocks.items()},
+            "segments": dict(self.segments),
+            "metadata": dict(self.metadata),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False, default=_json_default)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: a plan must be a JSON object, but found {type(data).__name__}.")
+        version = data.get("schema_version")
+        if version is None:
+            raise PlanError(f"{source}: no 'schema_version' field; this is not a lightning_ckpt plan file.")
+        if not isinstance(version, int) or version > SCHEMA_VERSION or version < 1:
+            raise PlanError(
+                f"{source}: plan schema version {version!r} is not supported by this lightning_ckpt "
+                f"(it reads schema versions 1..{SCHEMA_VERSION}). Upgrade lightning-ckpt, or re-tune to "
+                "write a plan in the current schema."
+            )
+        unknown = set(data) - {"schema_version", "name", "fingerprint", "blocks", "segments", "metadata"}
+        if unknown:
+            raise PlanError(f"{source}: unknown top-level fields {sorted(unknown)}; the file may be corrupted.")
+        blocks_raw = data.get("blocks", {})
+        if not isinstance(blocks_raw, dict):
+            raise PlanError(f"{source}: 'blocks' must map block FQNs to modes, but found {type(blocks_raw).__name__}.")
+        blocks = {}
+        for fqn, spec in blocks_raw.items():
+            if not isinstance(spec, dict) or "mode" not in spec:
+                raise PlanError(f"{source}: block {fqn!r} must be an object with a 'mode' field, but found {spec!r}.")
+            extra = set(spec) - {"mode", "children", "save_list"}
+            if extra:
+                raise PlanError(f"{source}: block {fqn!r} has unknown fields {sorted(extra)}.")
+            try:
+                blocks[fqn] = BlockPlan(spec["mode"], tuple(spec.get("children", ())), spec.get("save_list"))
+            except PlanError as err:
+                raise PlanError(f"{source}: block {fqn!r}: {err}") from None
+        segments = data.get("segments", {})
+        if not isinstance(segments, dict):
+            raise PlanError(f"{source}: 'segments' must map stack FQNs to chunk counts, but found {segments!r}.")
+        metadata = data.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise PlanError(f"{source}: 'metadata' must be an object, but found {type(metadata).__name__}.")
+        try:
+            return cls(blocks, segments, str(data.get("name", "")), data.get("fingerprint"), metadata)
+        except PlanError as err:
+            raise PlanError(f"{source}: {err}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write atomically: a crash or a full disk leaves any previous plan file intact."""
+        path = Path(path)
+        text = self.to_json()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise PlanError(f"Plan file {str(path)!r} does not exist. Check the path, or tune first to write it.") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(
+                f"Plan file {str(path)!r} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "
+                "Delete it and re-tune, or restore it from version control."
+            ) from None
+        return cls.from_dict(data, source=f"Plan file {str(path)!r}")
+
+    # -- checks against a model ---------------------------------------------------------------------
+    def check_fingerprint(self, model: nn.Module) -> None:
+        if self.fingerprint is None:
+            return
+        actual = model_fingerprint(model)
+        if actual != self.fingerprint:
+            raise StalePlanError(
+                f"Plan {self.name or self.digest()!r} was made for a model with fingerprint {self.fingerprint}, "
+                f"but this model's fingerprint is {actual} (module tree, parameter shapes or dtypes differ). "
+                "Re-tune for this model, or pass check_fingerprint=False if you know the plan still fits."
+            )
+
+
+def closest_names(name: str, candidates: list[str], n: int = 3) -> str:
+    close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.4)
+    return ", ".join(repr(c) for c in (close or candidates[:n]))
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"Plan metadata value of type {type(obj).__name__} is not JSON serialisable: {obj!r}")
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Hash of the module tree (FQN, class) and parameter/buffer names, shapes and dtypes.
+
+    Devices are deliberately excluded (a plan tuned on one GPU applies to the same model on another),
+    and compile wrappers are seen through so compiled and eager models share a fingerprint.
+    """
+    from lightning_ckpt.discovery import unwrap_compiled
+
+    root = unwrap_compiled(model)
+    h = hashlib.sha256()
+    for fqn, mod in root.named_modules():
+        h.update(f"M {fqn} {type(mod).__name__}\n".encode())
+    for fqn, p in root.named_parameters():
+        h.update(f"P {fqn} {tuple(p.shape)} {p.dtype}\n".encode())
+    for fqn, b in root.named_buffers():
+        h.update(f"B {fqn} {tuple(b.shape)} {b.dtype}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("lightning-ckpt", "torch", "lightning", "optuna"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    return out

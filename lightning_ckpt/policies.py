@@ -1,0 +1,112 @@
+"""Op-level save-lists: which aten ops' outputs an ``ops`` plan keeps instead of recomputing.
+
+This is the one place the save-lists live. Policies return ``MUST_SAVE``/``PREFER_RECOMPUTE``
+(never ``PREFER_SAVE``/``MUST_RECOMPUTE`` games) because those are what ``torch.compile`` honours
+for selective activation checkpointing, so the same plan means the same thing eager or compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lightning_ckpt.errors import PlanError
+
+__all__ = ["SaveList", "SAVE_LISTS", "get_save_list", "selective_context_fn"]
+
+aten = torch.ops.aten
+
+
+def _optional_ops(*names: str) -> tuple[Any, ...]:
+    """Ops that only exist in some builds (flash/cudnn attention) are looked up defensively."""
+    found = []
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(aten, packet, None), overload or "default", None)
+        if op is not None:
+            found.append(op)
+    return tuple(found)
+
+
+_MATMULS = _optional_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear")
+_ATTENTION = _optional_ops(
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+# Reductions whose outputs are tiny but whose recompute would need a full pass over the input.
+_REDUCTIONS = _optional_ops("max", "amax", "mean", "sum")
+
+
+@dataclass(frozen=True)
+class SaveList:
+    """A named op-level policy; ``alternate_mm`` keeps every other ``aten.mm`` (torchtitan's recipe)."""
+
+    name: str
+    description: str
+    ops: frozenset[Any]
+    alternate_mm: bool = False
+
+
+SAVE_LISTS: dict[str, SaveList] = {
+    s.name: s
+    for s in (
+        SaveList(
+            "save_matmuls",
+            "keep matmul and attention outputs, recompute pointwise ops and norms",
+            frozenset(_MATMULS + _ATTENTION + _REDUCTIONS),
+        ),
+        SaveList(
+            "save_matmuls_alternate",
+            "torchtitan's op SAC: keep matmul/attention outputs except every second mm",
+            frozenset(_MATMULS + _ATTENTION + _REDUCTIONS),
+            alternate_mm=True,
+        ),
+        SaveList(
+            "save_attention",
+            "keep only attention outputs (the O(T^2) part), recompute matmuls and pointwise ops",
+            frozenset(_ATTENTION),
+        ),
+    )
+}
+
+
+def get_save_list(name: str) -> SaveList:
+    try:
+        return SAVE_LISTS[name]
+    except KeyError:
+        raise PlanError(
+            f"Unknown op save-list {name!r}. Known save-lists: {', '.join(sorted(SAVE_LISTS))}. "
+            "Use one of these names in BlockPlan(mode='ops', save_list=...)."
+        ) from None
+
+
+def _policy(save_list: SaveList, meta: dict[str, int], ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    if save_list.alternate_mm and func is aten.mm.default:
+        # Count forward and recompute separately so both passes make identical decisions.
+        key = "recompute_mm" if ctx.is_recompute else "forward_mm"
+        meta[key] = meta.get(key, 0) + 1
+        if meta[key] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    if func in save_list.ops:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn(name: str) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` implementing save-list ``name``."""
+    save_list = get_save_list(name)
+
+    def context_fn() -> tuple[Any, Any]:
+        # Fresh counters per checkpoint call: each region decides for itself, forward and recompute alike.
+        return create_selective_checkpoint_contexts(functools.partial(_policy, save_list, {}))
+
+    return context_fn

@@ -1,0 +1,8 @@
+"""Small reference models shipped with the package, so tests, examples and benchmarks share them.
+
+Like ``optuna.testing``, this is public so users can reproduce our measurements on the same models.
+"""
+
+from lightning_ckpt.testing.nanogpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig"]
