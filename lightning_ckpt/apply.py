@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,10 +52,54 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
     return fn(*args, **kwargs)
 
 
+# Arguments that carry a KV cache. A block that appends to a cache in forward would append again
+# when recomputed, so the recompute would see different keys (and selective checkpointing fails with
+# "encountered during backward but not found in storage"). A training step never reads the cache,
+# so under checkpointing we pass None, exactly as HF's own gradient checkpointing does.
+_CACHE_ARGS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_params(cls: type) -> tuple[str, ...]:
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _without_caches(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    names = _forward_params(type(module))
+    dropped = [n for i, n in enumerate(names[: len(args)]) if n in _CACHE_ARGS and args[i] is not None]
+    dropped += [k for k in kwargs if k in _CACHE_ARGS and kwargs[k] is not None]
+    if not dropped and not kwargs.get("use_cache"):
+        return args, kwargs
+    if dropped:
+        _warn_cache_once(type(module).__name__, tuple(dropped))
+    args = tuple(None if i < len(names) and names[i] in _CACHE_ARGS else a for i, a in enumerate(args))
+    kwargs = {k: (None if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_cache_once(cls_name: str, dropped: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"lightning_ckpt: {cls_name} was called with a KV cache ({', '.join(dropped)}) while checkpointed; the cache "
+        "is not passed to checkpointed blocks because recomputation would append to it twice. Training does not "
+        "use the cache; pass use_cache=False to silence this warning.",
+        stacklevel=4,
+    )
+
+
 def _checkpointed_forward(module: nn.Module, save_list: str | None, *args: Any, **kwargs: Any) -> Any:
     inner = _original_forward(module)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
+    args, kwargs = _without_caches(module, args, kwargs)
     extra = {"context_fn": selective_context_fn(save_list)} if save_list else {}
     return checkpoint(_call, inner, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
 
@@ -114,6 +160,7 @@ class _Chunk:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         outputs = []
+        args, kwargs = _without_caches(self.modules[0], args, kwargs)
         current = args
         for m in self.modules:
             out = _original_forward(m)(*current, **kwargs)
@@ -141,7 +188,7 @@ def _segment_member_forward(module: nn.Module, chunk: _Chunk, index: int, *args:
         bool(args)
         and args[0] is expected
         and len(args[1:]) == len(chunk.other_args)
-        and all(_same(a, b) for a, b in zip(args[1:], chunk.other_args))
+        and all(_same(a, b) for a, b in zip(args[1:], chunk.other_args, strict=True))
         and kwargs.keys() == chunk.kwargs.keys()
         and all(_same(kwargs[k], chunk.kwargs[k]) for k in kwargs)
     )
@@ -326,7 +373,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
                 "Remove that plan first (handle.remove())."
             )
     fqns_planned = sorted(seen.values())
-    for a, b in zip(fqns_planned, fqns_planned[1:]):
+    for a, b in zip(fqns_planned, fqns_planned[1:], strict=False):
         if b.startswith(a + "."):
             raise PlanError(
                 f"Module {b!r} is planned inside {a!r}, which is planned too; nested checkpointing recomputes twice. "

@@ -15,7 +15,9 @@ __all__ = ["BASELINE_NAMES", "baselines", "uniform_plan"]
 BASELINE_NAMES = ("none", "full", "sqrt_segments", "selective_mlp", "ops_save_matmuls", "offload")
 
 
-def uniform_plan(stacks: Sequence[LayerStack], block_plan: BlockPlan, *, name: str = "", fingerprint: str | None = None) -> Plan:
+def uniform_plan(
+    stacks: Sequence[LayerStack], block_plan: BlockPlan, *, name: str = "", fingerprint: str | None = None
+) -> Plan:
     """The same mode on every block of every stack."""
     return Plan({b.fqn: block_plan for s in stacks for b in s.blocks}, name=name, fingerprint=fingerprint)
 
@@ -46,9 +48,16 @@ def baselines(
     }
     if segmentable:
         out["sqrt_segments"] = Plan(segments=segmentable, name="sqrt_segments", fingerprint=fp)
-    mlp = {b.fqn: BlockPlan("selective", b.children_of_kind("mlp")) for s in stacks for b in s.blocks if b.children_of_kind("mlp")}
+    mlp = {
+        b.fqn: BlockPlan("selective", b.children_of_kind("mlp"))
+        for s in stacks
+        for b in s.blocks
+        if b.children_of_kind("mlp")
+    }
     if mlp:
         out["selective_mlp"] = Plan(mlp, name="selective_mlp", fingerprint=fp)
-    out["ops_save_matmuls"] = uniform_plan(stacks, BlockPlan("ops", save_list="save_matmuls"), name="ops_save_matmuls", fingerprint=fp)
+    out["ops_save_matmuls"] = uniform_plan(
+        stacks, BlockPlan("ops", save_list="save_matmuls"), name="ops_save_matmuls", fingerprint=fp
+    )
     out["offload"] = uniform_plan(stacks, BlockPlan("offload"), name="offload", fingerprint=fp)
     return out

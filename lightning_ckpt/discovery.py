@@ -164,10 +164,13 @@ def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[Layer
             )
     matched: list[tuple[str, nn.Module]] = []
     for fqn, module in model.named_modules():
-        if fqn and _matches(fqn, module, types, names, patterns):
-            # Outermost matches only: a block inside a block is planned as part of its parent.
-            if not any(fqn.startswith(m + ".") for m, _ in matched):
-                matched.append((fqn, module))
+        # Outermost matches only: a block inside a block is planned as part of its parent.
+        if (
+            fqn
+            and _matches(fqn, module, types, names, patterns)
+            and not any(fqn.startswith(m + ".") for m, _ in matched)
+        ):
+            matched.append((fqn, module))
     if not matched:
         known = sorted({type(m).__name__ for m in model.modules()})
         raise DiscoveryError(

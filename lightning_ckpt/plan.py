@@ -231,7 +231,9 @@ class Plan:
         try:
             text = path.read_text()
         except FileNotFoundError:
-            raise PlanError(f"Plan file {str(path)!r} does not exist. Check the path, or tune first to write it.") from None
+            raise PlanError(
+                f"Plan file {str(path)!r} does not exist. Check the path, or tune first to write it."
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ckpt.testing import GPT, GPTConfig
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=32, dropout=0.1))
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 48, (2, 16), generator=torch.Generator().manual_seed(1))
