@@ -46,9 +46,14 @@ _ATTENTION = _optional_ops(
 _REDUCTIONS = _optional_ops("max", "amax", "mean", "sum")
 
 
+# torchtitan alternates aten.mm only (its Llama linears have no bias); biased linears on 3-D inputs
+# dispatch to addmm, so we alternate over both to mean the same thing for GPT-2-style models.
+_ALTERNATED = frozenset(_optional_ops("mm", "addmm"))
+
+
 @dataclass(frozen=True)
 class SaveList:
-    """A named op-level policy; ``alternate_mm`` keeps every other ``aten.mm`` (torchtitan's recipe)."""
+    """A named op-level policy; ``alternate_mm`` keeps every other matmul (torchtitan's recipe)."""
 
     name: str
     description: str
@@ -66,7 +71,7 @@ SAVE_LISTS: dict[str, SaveList] = {
         ),
         SaveList(
             "save_matmuls_alternate",
-            "torchtitan's op SAC: keep matmul/attention outputs except every second mm",
+            "torchtitan's op SAC: keep matmul/attention outputs except every second matmul (mm/addmm)",
             frozenset(_MATMULS + _ATTENTION + _REDUCTIONS),
             alternate_mm=True,
         ),
@@ -90,7 +95,7 @@ def get_save_list(name: str) -> SaveList:
 
 
 def _policy(save_list: SaveList, meta: dict[str, int], ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-    if save_list.alternate_mm and func is aten.mm.default:
+    if save_list.alternate_mm and func in _ALTERNATED:
         # Count forward and recompute separately so both passes make identical decisions.
         key = "recompute_mm" if ctx.is_recompute else "forward_mm"
         meta[key] = meta.get(key, 0) + 1
