@@ -30,3 +30,7 @@ class ApplyError(LightningCkptError):
 
 class ConfigurationError(LightningCkptError, ValueError):
     """An argument has an invalid value; raised at construction time, before any work is done."""
+
+
+class InfeasibleBudgetError(LightningCkptError):
+    """No candidate plan fits the memory budget and the caller asked to raise rather than fall back."""

@@ -1,0 +1,369 @@
+"""``ActivationCheckpointTuner``: the Lightning callback. A thin adapter from Trainer hooks to ``tune``.
+
+Design (see shared/design.md): trials are *sandboxed*. On the first training batch the callback runs
+the user's real ``training_step`` (under the Trainer's precision context) forward and backward on
+that batch for each candidate plan, never steps the optimizer, and restores gradients, buffers,
+metric states and RNG afterwards. Only then is the winner applied, so the restore cannot undo it,
+and the real first step runs as if tuning had never happened - except that it is checkpointed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.seed import isolate_rng
+
+from lightning_ckpt.apply import PlanHandle, apply_plan
+from lightning_ckpt.budget import validate_budget_args
+from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
+from lightning_ckpt.errors import ConfigurationError, StalePlanError
+from lightning_ckpt.plan import Plan
+from lightning_ckpt.space import SearchSpace
+from lightning_ckpt.tune import TuneResult, tune, validate_tune_args
+
+__all__ = ["ActivationCheckpointTuner"]
+
+_DEFAULT_TRIALS = 40
+
+
+class ActivationCheckpointTuner(Callback):
+    """Find, apply and save the fastest activation-checkpointing plan that fits a memory budget.
+
+    Args:
+        max_memory: peak memory budget: bytes, a size string (``"20GiB"``) or a fraction of the CUDA
+            device's memory (``0.8``). Default on CUDA: the device's capacity less 10%.
+        activation_budget: alternatively, a fraction of the no-checkpointing activation memory (``0.5``).
+        plan: a plan file (or ``Plan``) to apply without searching.
+        plan_path: where to write the chosen plan (atomically; rank 0). If the file exists and was
+            tuned for this model and budget, it is reused without searching.
+        n_trials: most candidate plans to try (baselines included); ``timeout``: most seconds to search.
+        search_space: a ``SearchSpace`` or a dict of overrides, e.g. ``{"modes": ["full"], "segments": False}``.
+        sampler, storage, study_name, seed: Optuna settings (TPE, in-memory, seeded by default).
+        warmup_steps, measure_steps: steps per trial excluded from / used for timing.
+        block_types: override block discovery (classes, class names or FQN patterns).
+        on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a plan file does not fit.
+        on_infeasible: ``"fallback"`` (lowest-memory plan, with a warning) or ``"raise"`` when nothing fits.
+        log_dir: TensorBoard directory when the Trainer has no TensorBoardLogger.
+    """
+
+    def __init__(
+        self,
+        max_memory: int | float | str | None = None,
+        *,
+        activation_budget: float | None = None,
+        plan: str | os.PathLike[str] | Plan | None = None,
+        plan_path: str | os.PathLike[str] | None = None,
+        n_trials: int | None = None,
+        timeout: float | None = None,
+        search_space: SearchSpace | Mapping[str, Any] | None = None,
+        sampler: Any = None,
+        storage: str | None = None,
+        study_name: str | None = None,
+        seed: int = 0,
+        warmup_steps: int = 1,
+        measure_steps: int = 3,
+        block_types: list[Any] | None = None,
+        on_stale_plan: str = "retune",
+        on_infeasible: str = "fallback",
+        tie_tolerance: float = 0.01,
+        log_dir: str | os.PathLike[str] | None = None,
+        verbose: bool = True,
+    ) -> None:
+        validate_budget_args(max_memory, activation_budget)
+        validate_tune_args(
+            n_trials=_DEFAULT_TRIALS if n_trials is None else n_trials,
+            timeout=timeout,
+            on_infeasible=on_infeasible,
+            tie_tolerance=tie_tolerance,
+        )
+        if on_stale_plan not in ("retune", "raise"):
+            raise ConfigurationError(f"on_stale_plan must be 'retune' or 'raise', but got {on_stale_plan!r}.")
+        for name, value in (("warmup_steps", warmup_steps), ("measure_steps", measure_steps)):
+            if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
+                raise ConfigurationError(
+                    f"{name} must be an integer >= {0 if name == 'warmup_steps' else 1}, got {value!r}."
+                )
+        searching = {
+            k: v for k, v in {"n_trials": n_trials, "timeout": timeout, "search_space": search_space,
+                              "sampler": sampler, "storage": storage}.items() if v is not None
+        }  # fmt: skip
+        if plan is not None and searching and on_stale_plan == "raise":
+            raise ConfigurationError(
+                f"plan= applies a saved plan without searching, but search settings were also given "
+                f"({', '.join(searching)}) with on_stale_plan='raise', so they could never be used. "
+                "Remove plan= to search, or remove the search settings to reuse the plan."
+            )
+        self.search_space = SearchSpace.from_config(search_space)  # validates names now, not mid-fit
+        self._plan_source = plan
+        self._given_plan = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
+        self.plan_path = Path(plan_path) if plan_path is not None else None
+        if self.plan_path is not None:
+            _check_writable(self.plan_path)
+        self.max_memory = max_memory
+        self.activation_budget = activation_budget
+        self.n_trials = _DEFAULT_TRIALS if n_trials is None else n_trials
+        self.timeout = timeout
+        self.sampler = sampler
+        self.storage = storage
+        self.study_name = study_name
+        self.seed = seed
+        self.warmup_steps = warmup_steps
+        self.measure_steps = measure_steps
+        self.block_types = block_types
+        self.on_stale_plan = on_stale_plan
+        self.on_infeasible = on_infeasible
+        self.tie_tolerance = tie_tolerance
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.verbose = verbose
+
+        self.plan: Plan | None = None  # the locked-in plan
+        self.result: TuneResult | None = None  # the search, when one ran in this process
+        self.trials_run = 0
+        self._resumed_plan: Plan | None = None
+        self._handle: PlanHandle | None = None
+        self._pending = False
+
+    # -- Lightning hooks ---------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        policy = getattr(trainer.strategy, "_activation_checkpointing_kwargs", None)
+        if policy:
+            raise ConfigurationError(
+                f"The Trainer's strategy ({type(trainer.strategy).__name__}) already applies activation checkpointing "
+                f"({policy}). Checkpointing twice recomputes twice. Remove activation_checkpointing_policy from the "
+                "strategy, or remove ActivationCheckpointTuner."
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = unwrap_compiled(pl_module)
+        discover_blocks(model, block_types=self.block_types)  # a model with nothing to checkpoint fails here
+        plan = self._resumed_plan or self._given_plan or self._reusable_plan_file(model)
+        if plan is not None:
+            try:
+                self._lock_in(model, plan, source="resumed checkpoint" if plan is self._resumed_plan else "plan file")
+                return
+            except StalePlanError as err:
+                if self.on_stale_plan == "raise":
+                    raise
+                rank_zero_warn(f"{err} Re-tuning instead (on_stale_plan='retune').")
+        if not pl_module.automatic_optimization:
+            raise ConfigurationError(
+                "ActivationCheckpointTuner cannot run trials with manual optimization (automatic_optimization=False): "
+                "training_step steps the optimizer itself, so a trial would change the weights. Tune once with "
+                "automatic optimization, or pass plan=... to apply a saved plan."
+            )
+        self._pending = True
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._pending:
+            return  # locked in: no per-step work
+        self._pending = False
+        model = unwrap_compiled(pl_module)
+        result = self._search(trainer, pl_module, model, batch, batch_idx)
+        self.result = result
+        self.trials_run = len(result.trials)
+        self._lock_in(model, result.best, source="search")
+        if trainer.is_global_zero:
+            self._report(trainer, result)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The model leaves fit as the user gave it; resuming or a new fit re-applies the locked-in plan.
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict() if self.plan is not None else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        data = state_dict.get("plan")
+        self._resumed_plan = (
+            Plan.from_dict(data, source="checkpointed ActivationCheckpointTuner state") if data else None
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _reusable_plan_file(self, model: torch.nn.Module) -> Plan | None:
+        if self.plan_path is None or not self.plan_path.exists():
+            return None
+        plan = Plan.load(self.plan_path)
+        budget = plan.metadata.get("budget", {})
+        wanted = (self.activation_budget, self.max_memory)
+        saved = (budget.get("fraction") if budget.get("kind") == "activation" else None, budget.get("requested"))
+        if wanted != saved and budget:
+            rank_zero_info(f"lightning_ckpt: {self.plan_path} was tuned for another budget; searching again.")
+            return None
+        return plan
+
+    def _lock_in(self, model: torch.nn.Module, plan: Plan, *, source: str) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle = apply_plan(model, plan)
+        self.plan = plan
+        if self.verbose:
+            rank_zero_info(f"lightning_ckpt: applied plan from {source}: {plan.describe()}")
+
+    def _search(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module, batch: Any, batch_idx: int
+    ) -> TuneResult:
+        batch = trainer.strategy.batch_to_device(batch) if _needs_transfer(batch, pl_module.device) else batch
+        precision = trainer.strategy.precision_plugin
+
+        def forward() -> torch.Tensor:
+            with precision.forward_context():
+                out = pl_module.training_step(batch, batch_idx)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            if not isinstance(loss, torch.Tensor):
+                raise ConfigurationError(
+                    f"training_step returned {type(out).__name__}; the tuner needs a loss tensor (or a dict with 'loss')."
+                )
+            return loss
+
+        def step() -> None:
+            forward().backward()
+
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        batch_size, seq_len = _batch_dims(batch)
+        writer = self._writer(trainer) if trainer.is_global_zero else None
+
+        def progress(trial: Any, budget: Any) -> None:
+            from lightning_ckpt import report
+
+            if self.verbose:
+                rank_zero_info(report.trial_line(trial, budget))
+            if writer is not None:
+                report.log_trial(writer, trial)
+
+        with _sandbox(pl_module):
+            result = tune(
+                model, step, forward_fn=forward, optimizer=optimizer, max_memory=self.max_memory,
+                activation_budget=self.activation_budget, n_trials=self.n_trials, timeout=self.timeout,
+                search_space=self.search_space, sampler=self.sampler, storage=self.storage,
+                study_name=self.study_name, seed=self.seed, warmup_steps=self.warmup_steps,
+                measure_steps=self.measure_steps, batch_size=batch_size, seq_len=seq_len,
+                block_types=self.block_types, on_infeasible=self.on_infeasible, tie_tolerance=self.tie_tolerance,
+                progress=progress, extra_tensors=tuple(_tensors(batch)),
+            )  # fmt: skip
+        return result
+
+    def _writer(self, trainer: pl.Trainer) -> Any:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                return logger.experiment
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = self.log_dir or Path(trainer.default_root_dir) / "lightning_ckpt"
+        return SummaryWriter(log_dir=str(log_dir))
+
+    def _report(self, trainer: pl.Trainer, result: TuneResult) -> None:
+        from lightning_ckpt import report
+
+        plan = result.best.with_metadata(budget={**result.budget.to_dict(), "requested": self.max_memory})
+        self.plan = plan
+        if self.plan_path is not None:
+            plan.save(self.plan_path)
+            rank_zero_info(f"lightning_ckpt: wrote plan to {self.plan_path}")
+        writer = self._writer(trainer)
+        log_dir = report.write_tensorboard(writer, result)
+        if self.verbose:
+            rank_zero_info(report.summary_table(result))
+            rank_zero_info(f"lightning_ckpt: TensorBoard logs in {log_dir}")
+
+
+@contextlib.contextmanager
+def _sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
+    """Run trials without leaving a trace: grads, buffers, metric states, RNG and logging are restored."""
+    params = list(pl_module.parameters())
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+    metric_states = _metric_states(pl_module)
+    training = {m: m.training for m in pl_module.modules()}
+    patched = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
+    pl_module.log = _no_log  # type: ignore[method-assign]
+    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    try:
+        with isolate_rng(include_cuda=torch.cuda.is_available()):
+            yield
+    finally:
+        for name, previous in patched.items():
+            if previous is None:
+                pl_module.__dict__.pop(name, None)
+            else:
+                pl_module.__dict__[name] = previous
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        for m, was in training.items():
+            m.training = was
+        _restore_metric_states(metric_states)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _metric_states(pl_module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics ships with lightning
+        return []
+    saved = []
+    for m in pl_module.modules():
+        if isinstance(m, Metric):
+            state = {k: copy.deepcopy(getattr(m, k)) for k in m._defaults}
+            state.update(_update_count=m._update_count, _computed=copy.deepcopy(m._computed))
+            saved.append((m, state))
+    return saved
+
+
+def _restore_metric_states(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+    for m, state in saved:
+        for k, v in state.items():
+            setattr(m, k, v)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+def _needs_transfer(batch: Any, device: torch.device) -> bool:
+    return any(t.device != device for t in _tensors(batch))
+
+
+def _batch_dims(batch: Any) -> tuple[int | None, int | None]:
+    """Samples per batch (first dim of the first tensor) and sequence length (token-id batches)."""
+    tensors = _tensors(batch)
+    if not tensors or tensors[0].dim() == 0:
+        return None, None
+    first = tensors[0]
+    seq = first.shape[1] if first.dim() == 2 and not first.is_floating_point() else None
+    return int(first.shape[0]), (int(seq) if seq is not None else None)
+
+
+def _check_writable(path: Path) -> None:
+    parent = path.parent if str(path.parent) else Path(".")
+    probe = parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigurationError(
+            f"plan_path={str(path)!r} cannot be written: {str(probe)!r} is not a writable directory. "
+            "Choose a plan_path in a directory you can write to."
+        )

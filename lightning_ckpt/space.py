@@ -1,0 +1,251 @@
+"""The search space: a few categorical dimensions that map one-to-one onto plans.
+
+Dimensions (each switchable):
+
+* ``structure``: ``none`` | ``blocks`` (per-block modes) | ``segments`` (sqrt(N)-style chunks);
+* ``selection``: which blocks of each stack get ``mode`` - ``all``, ``first:<fraction>``, ``every:<n>``;
+* ``mode``: ``full`` | ``selective:<kind>`` (children of that kind, e.g. ``mlp``) | ``ops:<save_list>`` | ``offload``;
+* ``rest_mode``: the mode of the blocks the selection leaves out (``none`` or a cheaper mode);
+* ``chunks``: segment count per stack when ``structure == segments``.
+
+Plans are built from these values alone, so every Optuna trial, enqueued baseline and exhaustive
+enumeration goes through the same ``plan_for`` function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from lightning_ckpt.discovery import Block, LayerStack
+from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.plan import BlockPlan, Plan
+from lightning_ckpt.policies import SAVE_LISTS
+
+__all__ = ["SearchSpace", "Candidate", "DIMENSIONS"]
+
+DIMENSIONS = ("structure", "selection", "mode", "rest_mode", "chunks")
+
+_DEFAULT_MODES = (
+    "full",
+    "selective:mlp",
+    "selective:attention",
+    "selective:attention+mlp",
+    "ops:save_matmuls",
+    "ops:save_matmuls_alternate",
+    "offload",
+)
+_DEFAULT_SELECTIONS = ("all", "first:0.25", "first:0.5", "first:0.75", "every:2", "every:3")
+_DEFAULT_REST_MODES = ("none", "selective:mlp", "ops:save_matmuls")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A point of the space: its dimension values and the plan they mean."""
+
+    params: Mapping[str, Any]
+    plan: Plan
+    label: str = ""
+
+
+def _mode_plan(block: Block, mode: str) -> BlockPlan | None:
+    """The BlockPlan for ``mode`` on ``block``; None when the block has nothing that mode can act on."""
+    if mode == "none":
+        return BlockPlan()
+    if mode in ("full", "offload"):
+        return BlockPlan(mode)
+    kind, _, arg = mode.partition(":")
+    if kind == "ops":
+        return BlockPlan("ops", save_list=arg)
+    if kind == "selective":
+        children: list[str] = []
+        for child_kind in arg.split("+"):
+            children.extend(block.children_of_kind(child_kind))
+        return BlockPlan("selective", tuple(children)) if children else None
+    raise ConfigurationError(f"Unknown mode {mode!r} in the search space.")
+
+
+def _selected(index: int, n_blocks: int, selection: str) -> bool:
+    if selection == "all":
+        return True
+    kind, _, arg = selection.partition(":")
+    if kind == "first":
+        return index < max(1, math.ceil(float(arg) * n_blocks))
+    if kind == "every":
+        return index % int(arg) == 0
+    raise ConfigurationError(f"Unknown selection {selection!r}; use 'all', 'first:<fraction>' or 'every:<n>'.")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which dimensions are searched and with which values; ``None``/empty switches a dimension off.
+
+    ``modes``/``rest_modes``/``selections``/``chunks`` restrict values; ``segments=False`` drops the
+    segments structure, ``offload`` is dropped automatically for models that are not on CUDA.
+    """
+
+    modes: tuple[str, ...] = _DEFAULT_MODES
+    selections: tuple[str, ...] = _DEFAULT_SELECTIONS
+    rest_modes: tuple[str, ...] = _DEFAULT_REST_MODES
+    chunks: tuple[int, ...] | None = None  # None: 2, sqrt(N), N/2 per the largest stack
+    segments: bool = True
+    baselines: bool = True
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for mode in (*self.modes, *self.rest_modes):
+            kind, _, arg = mode.partition(":")
+            if kind == "ops" and arg not in SAVE_LISTS:
+                raise ConfigurationError(
+                    f"Unknown op save-list {arg!r} in search space mode {mode!r}. Known: {', '.join(sorted(SAVE_LISTS))}."
+                )
+            if kind not in ("none", "full", "offload", "ops", "selective") or (kind == "selective" and not arg):
+                raise ConfigurationError(
+                    f"Unknown search space mode {mode!r}. Use 'full', 'offload', 'ops:<save_list>' or "
+                    "'selective:<kind>[+<kind>]' with kinds mlp, attention, norm, other."
+                )
+        for sel in self.selections:
+            _selected(0, 1, sel)
+        if not self.modes and not self.segments:
+            raise ConfigurationError("The search space is empty: give at least one mode or enable segments.")
+
+    @classmethod
+    def from_config(cls, config: SearchSpace | Mapping[str, Any] | None) -> SearchSpace:
+        """Build from a dict of overrides (e.g. from YAML); unknown names are refused with the known ones."""
+        if config is None:
+            return cls()
+        if isinstance(config, SearchSpace):
+            return config
+        if not isinstance(config, Mapping):
+            raise ConfigurationError(f"search_space must be a dict or SearchSpace, but got {type(config).__name__}.")
+        known = {"modes", "selections", "rest_modes", "chunks", "segments", "baselines"}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"Unknown search-space names {unknown}. Known names: {', '.join(sorted(known))}. "
+                "For example search_space={'modes': ['full', 'selective:mlp'], 'segments': False}."
+            )
+        kwargs: dict[str, Any] = {}
+        for key, value in config.items():
+            if key in ("segments", "baselines"):
+                kwargs[key] = bool(value)
+            elif value is False or value is None:
+                kwargs[key] = () if key != "chunks" else ()
+            else:
+                kwargs[key] = tuple(value)
+        return cls(**kwargs)
+
+    def for_device(self, device_type: str) -> SearchSpace:
+        if device_type == "cuda":
+            return self
+        # On a CPU model activations already live in host memory: offload cannot save anything.
+        return replace(
+            self,
+            modes=tuple(m for m in self.modes if m != "offload"),
+            rest_modes=tuple(m for m in self.rest_modes if m != "offload"),
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    def chunk_choices(self, stacks: Sequence[LayerStack]) -> tuple[int, ...]:
+        if not self.segments:
+            return ()
+        n = max(len(s.blocks) for s in stacks)
+        if self.chunks is not None:
+            return tuple(sorted({c for c in self.chunks if 2 <= c <= n}))
+        return tuple(sorted({c for c in (2, round(math.sqrt(n)), n // 2) if 2 <= c <= n}))
+
+    def structures(self, stacks: Sequence[LayerStack]) -> tuple[str, ...]:
+        out = ["none"]
+        if self.modes:
+            out.append("blocks")
+        if self.chunk_choices(stacks) and any(s.container_class in ("ModuleList", "Sequential") for s in stacks):
+            out.append("segments")
+        return tuple(out)
+
+    def plan_for(self, params: Mapping[str, Any], stacks: Sequence[LayerStack], *, fingerprint: str | None) -> Plan:
+        structure = params["structure"]
+        if structure == "none":
+            return Plan(fingerprint=fingerprint)
+        if structure == "segments":
+            chunks = int(params["chunks"])
+            segments = {
+                s.fqn: min(chunks, len(s.blocks))
+                for s in stacks
+                if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2
+            }
+            return Plan(segments=segments, fingerprint=fingerprint)
+        selection, mode = params["selection"], params["mode"]
+        rest = params.get("rest_mode", "none") if selection != "all" else "none"
+        blocks: dict[str, BlockPlan] = {}
+        for stack in stacks:
+            for block in stack.blocks:
+                chosen = mode if _selected(block.index, len(stack.blocks), selection) else rest
+                bp = _mode_plan(block, chosen)
+                if bp is not None:
+                    blocks[block.fqn] = bp
+        return Plan(blocks, fingerprint=fingerprint)
+
+    def suggest(self, trial: Any, stacks: Sequence[LayerStack]) -> dict[str, Any]:
+        """Draw dimension values from an Optuna trial (conditional dimensions only when they apply)."""
+        params: dict[str, Any] = {"structure": trial.suggest_categorical("structure", self.structures(stacks))}
+        if params["structure"] == "blocks":
+            params["selection"] = trial.suggest_categorical("selection", self.selections or ("all",))
+            params["mode"] = trial.suggest_categorical("mode", self.modes)
+            if params["selection"] != "all" and self.rest_modes:
+                params["rest_mode"] = trial.suggest_categorical("rest_mode", self.rest_modes)
+        elif params["structure"] == "segments":
+            params["chunks"] = trial.suggest_categorical("chunks", self.chunk_choices(stacks))
+        return params
+
+    def enumerate(self, stacks: Sequence[LayerStack], *, fingerprint: str | None) -> list[Candidate]:
+        """Every distinct plan of the space (deduplicated by what the plan does), baselines first."""
+        seen: dict[str, Candidate] = {}
+        for cand in self.baseline_candidates(stacks, fingerprint=fingerprint):
+            seen.setdefault(cand.plan.key(), cand)
+        for params in self._all_params(stacks):
+            plan = self.plan_for(params, stacks, fingerprint=fingerprint)
+            seen.setdefault(plan.key(), Candidate(params, plan, plan.describe()))
+        return list(seen.values())
+
+    def _all_params(self, stacks: Sequence[LayerStack]) -> Iterable[dict[str, Any]]:
+        for structure in self.structures(stacks):
+            if structure == "none":
+                yield {"structure": "none"}
+            elif structure == "segments":
+                for c in self.chunk_choices(stacks):
+                    yield {"structure": "segments", "chunks": c}
+            else:
+                for sel in self.selections or ("all",):
+                    for mode in self.modes:
+                        rests = self.rest_modes if sel != "all" and self.rest_modes else (None,)
+                        for rest in rests:
+                            p = {"structure": "blocks", "selection": sel, "mode": mode}
+                            if rest is not None:
+                                p["rest_mode"] = rest
+                            yield p
+
+    def baseline_candidates(self, stacks: Sequence[LayerStack], *, fingerprint: str | None) -> list[Candidate]:
+        """The named baselines (none, full, sqrt segments, selective MLP, op save-list) as points of this space."""
+        if not self.baselines:
+            return []
+        n = max(len(s.blocks) for s in stacks)
+        wanted: list[tuple[str, dict[str, Any]]] = [("none", {"structure": "none"})]
+        for mode, name in (
+            ("full", "full"),
+            ("selective:mlp", "selective_mlp"),
+            ("ops:save_matmuls", "ops_save_matmuls"),
+        ):
+            wanted.append((name, {"structure": "blocks", "selection": "all", "mode": mode}))
+        if self.segments:
+            wanted.append(("sqrt_segments", {"structure": "segments", "chunks": max(2, round(math.sqrt(n)))}))
+        out = []
+        for name, params in wanted:
+            if params["structure"] == "segments" and "segments" not in self.structures(stacks):
+                continue
+            plan = self.plan_for(params, stacks, fingerprint=fingerprint)
+            if params.get("mode") == "selective:mlp" and not plan.blocks:
+                continue  # no block has a recognisable MLP child
+            out.append(Candidate(params, replace(plan, name=name), f"baseline:{name}"))
+        return out

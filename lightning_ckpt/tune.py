@@ -1,0 +1,398 @@
+"""The study driver: propose plans, prune by the memory model, measure, keep the fastest that fits.
+
+Optuna's ask/tell interface lets this module own the loop, so the same engine runs inside the
+Lightning callback or from a plain script (``tune(model, step_fn, ...)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt.budget import Budget, format_bytes
+from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.plan import Plan
+from lightning_ckpt.space import SearchSpace
+
+__all__ = ["TrialRecord", "TuneResult", "choose_best", "tune"]
+
+log = logging.getLogger(__name__)
+
+# Trial statuses. "ok" and "over_budget" were measured; "pruned" was predicted over budget and not
+# run; "oom", "invalid" and "error" failed while running (see Measurement.status).
+STATUSES = ("ok", "over_budget", "pruned", "oom", "invalid", "error")
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One candidate plan and what happened to it."""
+
+    number: int
+    plan: Plan
+    label: str  # "baseline:full", or the plan's one-line description
+    params: Mapping[str, Any]  # the search dimensions that produced the plan (HParams)
+    status: str
+    predicted_peak_bytes: int | None = None
+    predicted_activation_bytes: int | None = None
+    peak_bytes: int | None = None
+    activation_bytes: int | None = None
+    samples_per_second: float | None = None
+    median_seconds: float | None = None
+    spread_seconds: float | None = None
+    recompute_flops: int | None = None
+    recompute_overhead: float | None = None  # extra FLOPs as a fraction of the no-checkpointing step's
+    seconds: float = 0.0  # wall time this trial cost (tuning cost)
+    steps: int = 0  # training steps this trial ran (warm-up + timed + memory pass)
+    error: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def feasible(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("plan", "params", "extra")}
+        d["plan"] = self.plan.describe()
+        d["params"] = dict(self.params)
+        d["extra"] = dict(self.extra)
+        return d
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The outcome of a search: the plan to use and the evidence for it."""
+
+    best: Plan  # the chosen plan, with metadata (budget, measured figures, baselines, settings)
+    best_trial: TrialRecord | None
+    trials: tuple[TrialRecord, ...]
+    budget: Budget
+    tuning_seconds: float
+    tuning_steps: int
+    fell_back: bool = False  # nothing fit the budget; the lowest-memory plan was chosen
+    memory_table: str = ""  # the memory model's per-block breakdown, printable
+    memory_breakdown: Mapping[str, Any] = field(default_factory=dict)  # the same as data
+
+    @property
+    def baselines(self) -> dict[str, TrialRecord]:
+        return {t.label.split(":", 1)[1]: t for t in self.trials if t.label.startswith("baseline:")}
+
+    @property
+    def n_measured(self) -> int:
+        return sum(t.status not in ("pruned",) for t in self.trials)
+
+
+# --------------------------------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------------------------------
+ProgressFn = Callable[[TrialRecord, Budget], None]
+
+
+def _status_value(trial: TrialRecord) -> float:
+    # Optuna maximises this; anything that did not run within budget scores 0 so the sampler learns
+    # to avoid it, while the record keeps the real reason.
+    return float(trial.samples_per_second or 0.0) if trial.feasible else 0.0
+
+
+def _sort_key(trial: TrialRecord, budget: Budget) -> tuple[float, float]:
+    mem = budget.value_of(trial.peak_bytes, trial.activation_bytes)
+    if mem is None:
+        mem = trial.peak_bytes or 0
+    return (-(trial.samples_per_second or 0.0), float(mem))
+
+
+def choose_best(trials: Sequence[TrialRecord], budget: Budget, *, tie_tolerance: float) -> TrialRecord | None:
+    """Fastest feasible trial; among those within ``tie_tolerance`` of it, the one using least memory."""
+    feasible = [t for t in trials if t.feasible and t.samples_per_second]
+    if not feasible:
+        return None
+    fastest = max(t.samples_per_second or 0.0 for t in feasible)
+    close = [t for t in feasible if (t.samples_per_second or 0.0) >= fastest * (1 - tie_tolerance)]
+
+    def memory(t: TrialRecord) -> float:
+        value = budget.value_of(t.peak_bytes, t.activation_bytes)
+        return float(value if value is not None else (t.peak_bytes or 0))
+
+    return min(close, key=lambda t: (memory(t), -(t.samples_per_second or 0.0)))
+
+
+def _lowest_memory(trials: Sequence[TrialRecord], budget: Budget) -> TrialRecord | None:
+    def memory(t: TrialRecord) -> float:
+        measured = budget.value_of(t.peak_bytes, t.activation_bytes)
+        if measured is not None:
+            return float(measured)
+        predicted = budget.value_of(t.predicted_peak_bytes, t.predicted_activation_bytes)
+        return float(predicted) if predicted is not None else float("inf")
+
+    runnable = [t for t in trials if t.status in ("ok", "over_budget", "pruned")]
+    return min(runnable, key=memory) if runnable else None
+
+
+def tune(
+    model: nn.Module,
+    step_fn: Callable[[], Any],
+    *,
+    forward_fn: Callable[[], Any] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    max_memory: int | float | str | None = None,
+    activation_budget: float | None = None,
+    n_trials: int = 40,
+    timeout: float | None = None,
+    search_space: SearchSpace | Mapping[str, Any] | None = None,
+    sampler: Any = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    seed: int = 0,
+    warmup_steps: int = 1,
+    measure_steps: int = 3,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    block_types: Any = None,
+    on_infeasible: str = "fallback",
+    tie_tolerance: float = 0.01,
+    count_flops: bool = True,
+    enforce_budget: bool = True,
+    progress: ProgressFn | None = None,
+    extra_tensors: tuple[Any, ...] = (),
+) -> TuneResult:
+    """Search checkpointing plans for the highest measured throughput within a memory budget.
+
+    ``step_fn`` runs one forward+backward (no optimizer step) on a fixed batch; ``forward_fn`` runs
+    the forward and returns the loss (used for the memory-safe profile; defaults to ``step_fn``).
+    The model is left exactly as it was: the caller applies ``result.best``.
+    """
+    import optuna
+
+    from lightning_ckpt.apply import apply_plan
+    from lightning_ckpt.budget import resolve_budget
+    from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
+    from lightning_ckpt.measure import measure_step
+    from lightning_ckpt.memory_model import profile_memory
+    from lightning_ckpt.plan import library_versions, model_fingerprint
+
+    validate_tune_args(n_trials=n_trials, timeout=timeout, on_infeasible=on_infeasible, tie_tolerance=tie_tolerance)
+    started = time.perf_counter()
+    root = unwrap_compiled(model)
+    stacks = discover_blocks(root, block_types=block_types)
+    device = _model_device(root)
+    space = SearchSpace.from_config(search_space).for_device(device.type)
+    fingerprint = model_fingerprint(root)
+
+    memory_model = profile_memory(root, forward_fn or step_fn, stacks=stacks, optimizer=optimizer)
+    none_activation = memory_model.predict_activation(Plan())
+    budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_activation)
+    log.info("lightning_ckpt: budget %s; no-checkpointing activation memory predicted %s",
+             budget.description, format_bytes(none_activation))  # fmt: skip
+
+    candidates = space.enumerate(stacks, fingerprint=fingerprint)
+    baseline_cands = [c for c in candidates if c.label.startswith("baseline:")]
+    exhaustive = len(candidates) <= n_trials
+    if sampler is None:
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(1, n_trials // 3)))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        direction="maximize",
+        sampler=sampler,
+        storage=storage,
+        study_name=study_name,
+        load_if_exists=storage is not None,
+    )
+
+    records: list[TrialRecord] = []
+    by_key: dict[str, TrialRecord] = {}
+    limit = budget.limit_bytes if (enforce_budget and budget.kind == "peak" and device.type == "cuda") else None
+
+    def run(params: Mapping[str, Any], plan: Plan, label: str) -> TrialRecord:
+        number = len(records)
+        t0 = time.perf_counter()
+        pred_peak = memory_model.predict_peak(plan)
+        pred_act = memory_model.predict_activation(plan)
+        common: dict[str, Any] = dict(
+            number=number, plan=plan, label=label, params=dict(params),
+            predicted_peak_bytes=pred_peak, predicted_activation_bytes=pred_act,
+        )  # fmt: skip
+        if not budget.fits(pred_peak, pred_act):
+            return TrialRecord(status="pruned", seconds=time.perf_counter() - t0, **common)
+        handle = apply_plan(root, plan, check_fingerprint=False)
+        try:
+            m = measure_step(
+                step_fn, model=root, optimizer=optimizer, warmup=warmup_steps, steps=measure_steps, device=device,
+                batch_size=batch_size, seq_len=seq_len, track_memory=True, count_flops=count_flops,
+                memory_limit_bytes=limit, extra=extra_tensors,
+            )  # fmt: skip
+        finally:
+            handle.remove()
+        status = m.status
+        if status == "ok" and not budget.fits(m.peak_bytes, m.activation_bytes):
+            status = "over_budget"
+        overhead = None
+        if m.recompute_flops is not None and memory_model.step_flops:
+            overhead = m.recompute_flops / memory_model.step_flops
+        steps = m.warmup_steps + len(m.step_seconds) + (1 if m.peak_bytes is not None else 0)
+        return TrialRecord(
+            status=status, peak_bytes=m.peak_bytes, activation_bytes=m.activation_bytes,
+            samples_per_second=m.samples_per_second, median_seconds=m.median_seconds,
+            spread_seconds=m.spread_seconds, recompute_flops=m.recompute_flops, recompute_overhead=overhead,
+            seconds=time.perf_counter() - t0, steps=steps, error=m.error, **common,
+        )  # fmt: skip
+
+    def record(trial: TrialRecord) -> TrialRecord:
+        records.append(trial)
+        by_key[trial.plan.key()] = trial
+        if progress is not None:
+            progress(trial, budget)
+        return trial
+
+    def out_of_time() -> bool:
+        return timeout is not None and time.perf_counter() - started > timeout
+
+    distributions = _distributions(space, stacks)
+    # Baselines first: they anchor the comparison and give the sampler good starting points.
+    queue = baseline_cands + ([c for c in candidates if not c.label.startswith("baseline:")] if exhaustive else [])
+    for cand in queue:
+        if len(records) >= n_trials or out_of_time():
+            break
+        if cand.plan.key() in by_key:
+            continue
+        trial = record(run(cand.params, cand.plan, cand.label))
+        _add_to_study(study, trial, distributions, optuna)
+
+    misses = 0
+    while not exhaustive and len(records) < n_trials and not out_of_time() and len(by_key) < len(candidates):
+        ot = study.ask()
+        params = space.suggest(ot, stacks)
+        plan = space.plan_for(params, stacks, fingerprint=fingerprint)
+        previous = by_key.get(plan.key())
+        if previous is not None:
+            # Already measured: tell the sampler the known result without spending a step on it.
+            study.tell(ot, _status_value(previous) if previous.status != "pruned" else None,
+                       state=None if previous.status != "pruned" else optuna.trial.TrialState.PRUNED)  # fmt: skip
+            misses += 1
+            if misses > 4 * len(candidates):
+                break
+            continue
+        misses = 0
+        trial = record(run(params, plan, plan.describe()))
+        for key, value in _attrs(trial).items():
+            ot.set_user_attr(key, value)
+        if trial.status == "pruned":
+            study.tell(ot, state=optuna.trial.TrialState.PRUNED)
+        else:
+            study.tell(ot, _status_value(trial))
+
+    best = choose_best(records, budget, tie_tolerance=tie_tolerance)
+    fell_back = False
+    if best is None:
+        lowest = _lowest_memory(records, budget)
+        summary = ", ".join(f"{t.label}={t.status}" for t in records[:8])
+        message = (
+            f"No checkpointing plan fits the budget ({budget.description}). Tried {len(records)} plans ({summary}). "
+            "Raise max_memory/activation_budget, reduce the batch size, or widen the search space."
+        )
+        if on_infeasible == "raise" or lowest is None:
+            raise InfeasibleBudgetError(message)
+        warnings.warn(message + f" Falling back to the lowest-memory plan: {lowest.label}.", stacklevel=2)
+        best, fell_back = lowest, True
+
+    baselines_measured = {
+        t.label.split(":", 1)[1]: {
+            "status": t.status, "samples_per_second": t.samples_per_second,
+            "peak_bytes": t.peak_bytes, "activation_bytes": t.activation_bytes,
+        }
+        for t in records if t.label.startswith("baseline:")
+    }  # fmt: skip
+    chosen = replace(
+        best.plan,
+        name=best.plan.name or "tuned",
+        fingerprint=fingerprint,
+        metadata={
+            **best.plan.metadata,
+            "versions": library_versions(),
+            "budget": budget.to_dict(),
+            "measured": {
+                "label": best.label, "status": best.status, "samples_per_second": best.samples_per_second,
+                "median_seconds": best.median_seconds, "peak_bytes": best.peak_bytes,
+                "activation_bytes": best.activation_bytes, "predicted_peak_bytes": best.predicted_peak_bytes,
+                "recompute_overhead": best.recompute_overhead,
+            },
+            "baselines": baselines_measured,
+            "search": {
+                "n_trials": n_trials, "trials_run": len(records), "exhaustive": exhaustive,
+                "space_size": len(candidates), "seed": seed, "sampler": type(sampler).__name__,
+                "tie_tolerance": tie_tolerance, "fell_back": fell_back,
+            },
+            "run": {"device": str(device), "batch_size": batch_size, "seq_len": seq_len},
+        },
+    )  # fmt: skip
+    return TuneResult(
+        best=chosen,
+        best_trial=best,
+        trials=tuple(records),
+        budget=budget,
+        tuning_seconds=time.perf_counter() - started,
+        tuning_steps=sum(t.steps for t in records) + memory_model.profile_steps,
+        fell_back=fell_back,
+        memory_table=memory_model.table(),
+        memory_breakdown=memory_model.to_dict(),
+    )
+
+
+def validate_tune_args(*, n_trials: int, timeout: float | None, on_infeasible: str, tie_tolerance: float) -> None:
+    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+        raise ConfigurationError(f"n_trials must be an integer >= 1, but got {n_trials!r}.")
+    if timeout is not None and not timeout > 0:
+        raise ConfigurationError(f"timeout must be a positive number of seconds or None, but got {timeout!r}.")
+    if on_infeasible not in ("fallback", "raise"):
+        raise ConfigurationError(f"on_infeasible must be 'fallback' or 'raise', but got {on_infeasible!r}.")
+    if not 0 <= tie_tolerance < 1:
+        raise ConfigurationError(f"tie_tolerance must be in [0, 1), but got {tie_tolerance!r}.")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _distributions(space: SearchSpace, stacks: Sequence[Any]) -> dict[str, Any]:
+    from optuna.distributions import CategoricalDistribution
+
+    dists = {"structure": CategoricalDistribution(space.structures(stacks))}
+    if space.modes:
+        dists["selection"] = CategoricalDistribution(space.selections or ("all",))
+        dists["mode"] = CategoricalDistribution(space.modes)
+        if space.rest_modes:
+            dists["rest_mode"] = CategoricalDistribution(space.rest_modes)
+    if space.chunk_choices(stacks):
+        dists["chunks"] = CategoricalDistribution(space.chunk_choices(stacks))
+    return dists
+
+
+def _attrs(trial: TrialRecord) -> dict[str, Any]:
+    return {
+        "label": trial.label, "status": trial.status, "plan": trial.plan.describe(),
+        "peak_bytes": trial.peak_bytes, "activation_bytes": trial.activation_bytes,
+        "predicted_peak_bytes": trial.predicted_peak_bytes, "samples_per_second": trial.samples_per_second,
+        "error": trial.error,
+    }  # fmt: skip
+
+
+def _add_to_study(study: Any, trial: TrialRecord, distributions: Mapping[str, Any], optuna: Any) -> None:
+    """Record a trial we ran outside ask/tell (a baseline) so the sampler learns from it too."""
+    params = {k: v for k, v in trial.params.items() if k in distributions}
+    if any(v not in distributions[k].choices for k, v in params.items()) or len(params) != len(trial.params):
+        return  # the baseline lies outside the user's restricted space; keep it out of the sampler's model
+    state = optuna.trial.TrialState.PRUNED if trial.status == "pruned" else optuna.trial.TrialState.COMPLETE
+    frozen = optuna.trial.create_trial(
+        params=params,
+        distributions={k: distributions[k] for k in params},
+        value=None if state == optuna.trial.TrialState.PRUNED else _status_value(trial),
+        state=state,
+        user_attrs=_attrs(trial),
+    )
+    study.add_trial(frozen)

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ckpt.budget import Budget, parse_bytes, resolve_budget, validate_budget_args
+from lightning_ckpt.errors import ConfigurationError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("20GiB", 20 * 2**30), ("512 MB", 512 * 10**6), ("1.5e9", 1_500_000_000), ("64k", 65536), (1024, 1024)],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["20 gigs", "GiB", "", "-5GiB", 0, -1, True])
+def test_unparseable_or_non_positive_budgets_are_refused(bad):
+    with pytest.raises(ConfigurationError):
+        parse_bytes(bad)
+
+
+def test_budget_argument_rules():
+    with pytest.raises(ConfigurationError, match="not both"):
+        validate_budget_args("1GiB", 0.5)
+    with pytest.raises(ConfigurationError, match=r"\(0, 1\]"):
+        validate_budget_args(None, 1.5)
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigurationError, match="fraction of device memory"):
+        resolve_budget(0.8, None, device=cpu)
+    assert resolve_budget(None, None, device=cpu).kind == "none"
+    b = resolve_budget(None, 0.5, device=cpu, none_activation_bytes=1000)
+    assert (b.kind, b.limit_bytes) == ("activation", 500)
+    assert b.fits(peak_bytes=10**9, activation_bytes=500) and not b.fits(peak_bytes=0, activation_bytes=501)
+    peak = resolve_budget("1KiB", None, device=cpu)
+    assert peak.fits(1024, None) and not peak.fits(1025, 0)
+    assert Budget("none").fits(None, None)

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from lightning_ckpt import discover_blocks, model_fingerprint
+from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.space import SearchSpace
+
+
+def test_baselines_come_first_and_are_named(gpt):
+    stacks = discover_blocks(gpt)
+    cands = SearchSpace().for_device("cpu").enumerate(stacks, fingerprint=None)
+    labels = [c.label for c in cands[:5]]
+    assert labels == ["baseline:none", "baseline:full", "baseline:selective_mlp", "baseline:ops_save_matmuls",
+                      "baseline:sqrt_segments"]  # fmt: skip
+    keys = [c.plan.key() for c in cands]
+    assert len(keys) == len(set(keys)), "candidates are deduplicated by what the plan does"
+    assert all(bp.mode != "offload" for c in cands for bp in c.plan.blocks.values()), "no offload on CPU"
+
+
+def test_plan_for_dimensions(gpt):
+    stacks = discover_blocks(gpt)
+    space = SearchSpace()
+    fp = model_fingerprint(gpt)
+    p = space.plan_for({"structure": "blocks", "selection": "first:0.5", "mode": "full", "rest_mode": "none"}, stacks,
+                       fingerprint=fp)  # fmt: skip
+    assert sorted(p.blocks) == ["transformer.h.0", "transformer.h.1"] and p.fingerprint == fp
+    p = space.plan_for({"structure": "blocks", "selection": "every:2", "mode": "full", "rest_mode": "selective:mlp"},
+                       stacks, fingerprint=None)  # fmt: skip
+    assert p.blocks["transformer.h.0"].mode == "full" and p.blocks["transformer.h.1"].children == ("mlp",)
+    p = space.plan_for({"structure": "blocks", "selection": "all", "mode": "selective:attention+mlp"}, stacks,
+                       fingerprint=None)  # fmt: skip
+    assert p.blocks["transformer.h.3"].children == ("attn", "mlp")
+    assert space.plan_for({"structure": "segments", "chunks": 2}, stacks, fingerprint=None).segments == {
+        "transformer.h": 2
+    }
+
+
+def test_suggest_round_trips_through_optuna(gpt):
+    stacks = discover_blocks(gpt)
+    space = SearchSpace().for_device("cpu")
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    keys = set()
+    for _ in range(30):
+        trial = study.ask()
+        params = space.suggest(trial, stacks)
+        keys.add(space.plan_for(params, stacks, fingerprint=None).key())
+        study.tell(trial, 1.0)
+    assert len(keys) > 5
+
+
+def test_restricted_space_is_small_enough_to_enumerate(gpt):
+    stacks = discover_blocks(gpt)
+    space = SearchSpace.from_config({"modes": ["full"], "selections": ["all", "first:0.5"], "rest_modes": [],
+                                     "segments": False})  # fmt: skip
+    plans = {c.plan.describe() for c in space.enumerate(stacks, fingerprint=None)}
+    assert plans == {"none", "full x4", "full x2", "selective(mlp) x4", "ops(save_matmuls) x4"}
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"modez": ["full"]}, "Unknown search-space names"),
+        ({"modes": ["ops:keep_everything"]}, "Unknown op save-list"),
+        ({"modes": ["sometimes"]}, "Unknown search space mode"),
+        ({"selections": ["middle:3"]}, "Unknown selection"),
+        ({"modes": [], "segments": False}, "empty"),
+    ],
+)
+def test_bad_search_spaces(config, match):
+    with pytest.raises(ConfigurationError, match=match):
+        SearchSpace.from_config(config)
