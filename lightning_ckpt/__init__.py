@@ -16,11 +16,25 @@ from lightning_ckpt.errors import (
 )
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
 from lightning_ckpt.policies import SAVE_LISTS
+from lightning_ckpt.tune import TuneResult, tune
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # The callback imports Lightning; load it on first use so the core stays importable (and fast)
+    # for users who only apply plans.
+    if name == "ActivationCheckpointTuner":
+        from lightning_ckpt.callback import ActivationCheckpointTuner
+
+        return ActivationCheckpointTuner
+    raise AttributeError(f"module 'lightning_ckpt' has no attribute {name!r}")
+
 __all__ = [
     "BASELINE_NAMES",
+    "ActivationCheckpointTuner",
+    "TuneResult",
+    "tune",
     "SAVE_LISTS",
     "ApplyError",
     "Block",

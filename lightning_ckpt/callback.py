@@ -131,6 +131,7 @@ class ActivationCheckpointTuner(Callback):
         self._resumed_plan: Plan | None = None
         self._handle: PlanHandle | None = None
         self._pending = False
+        self._writer_cache: Any = None
 
     # -- Lightning hooks ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -230,9 +231,6 @@ class ActivationCheckpointTuner(Callback):
                 )
             return loss
 
-        def step() -> None:
-            forward().backward()
-
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         batch_size, seq_len = _batch_dims(batch)
         writer = self._writer(trainer) if trainer.is_global_zero else None
@@ -247,7 +245,7 @@ class ActivationCheckpointTuner(Callback):
 
         with _sandbox(pl_module):
             result = tune(
-                model, step, forward_fn=forward, optimizer=optimizer, max_memory=self.max_memory,
+                model, forward, optimizer=optimizer, max_memory=self.max_memory,
                 activation_budget=self.activation_budget, n_trials=self.n_trials, timeout=self.timeout,
                 search_space=self.search_space, sampler=self.sampler, storage=self.storage,
                 study_name=self.study_name, seed=self.seed, warmup_steps=self.warmup_steps,
@@ -260,13 +258,18 @@ class ActivationCheckpointTuner(Callback):
     def _writer(self, trainer: pl.Trainer) -> Any:
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                return logger.experiment
+        if self._writer_cache is not None:
+            return self._writer_cache
         from torch.utils.tensorboard import SummaryWriter
 
-        log_dir = self.log_dir or Path(trainer.default_root_dir) / "lightning_ckpt"
-        return SummaryWriter(log_dir=str(log_dir))
+        # A run of its own beside the Trainer's: Lightning's TensorBoardLogger writes an HParams
+        # experiment summary (hp_metric) that would hide our per-trial columns in the same run.
+        log_dir = self.log_dir
+        if log_dir is None:
+            tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+            log_dir = Path(tb.log_dir if tb is not None else trainer.default_root_dir) / "lightning_ckpt"
+        self._writer_cache = SummaryWriter(log_dir=str(log_dir))
+        return self._writer_cache
 
     def _report(self, trainer: pl.Trainer, result: TuneResult) -> None:
         from lightning_ckpt import report
@@ -277,7 +280,9 @@ class ActivationCheckpointTuner(Callback):
             plan.save(self.plan_path)
             rank_zero_info(f"lightning_ckpt: wrote plan to {self.plan_path}")
         writer = self._writer(trainer)
-        log_dir = report.write_tensorboard(writer, result)
+        log_dir = report.write_tensorboard(writer, result, log_trials=False)  # trials were streamed
+        writer.close()
+        self._writer_cache = None
         if self.verbose:
             rank_zero_info(report.summary_table(result))
             rank_zero_info(f"lightning_ckpt: TensorBoard logs in {log_dir}")

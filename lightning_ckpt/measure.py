@@ -1,4 +1,4 @@
-"""Peak and activation memory of one training step, on CUDA and on CPU.
+"""Measure one training step honestly: time, peak and activation memory, recompute FLOPs, OOM capture.
 
 Definitions used everywhere in lightning_ckpt (budgets, predictions, tests):
 
@@ -7,7 +7,15 @@ Definitions used everywhere in lightning_ckpt (budgets, predictions, tests):
   CUDA: ``torch.cuda.max_memory_allocated``. CPU: a live-tensor tracker, since no allocator counter exists.
 * **activation bytes**: the highest number of bytes held at any moment by tensors the step itself
   created *other than* parameter gradients and optimizer state: saved activations, recomputed
-  activations and backward temporaries. This is the part checkpointing changes.
+  activations and backward temporaries. This is the part checkpointing changes. On CUDA the allocator
+  cannot tell gradients from activations, so there it is the step's growth above the resting state.
+* **resting bytes**: live bytes when the step starts (parameters, buffers, existing gradients,
+  optimizer state, and the tensors passed as ``extra``, e.g. the batch).
+* **recompute FLOPs**: FLOPs of the forward ops that run *again* during backward because of
+  checkpointing. They are counted exactly with ``FlopCounterMode``: an op counts as recompute when it
+  runs inside the autograd engine (``torch._C._current_graph_task_id() != -1``) with grad mode on.
+  Backward formulas run with grad mode off (unless ``create_graph=True``), while checkpoint
+  recomputation explicitly enables it, so the two are told apart without knowing the plan.
 
 torch's ``MemTracker`` reports categories at the moment the *total* peaks, which understates the
 activation peak of checkpointed plans (the total peaks late in backward, when gradients already
@@ -16,15 +24,36 @@ hold memory and activations are half freed). So we keep our own running maxima o
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable
-from dataclasses import dataclass
+import random
+import statistics
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MemoryReading", "track_step_memory"]
+from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
+
+__all__ = [
+    "MEASUREMENT_STATUSES",
+    "Measurement",
+    "MemoryReading",
+    "StateSnapshot",
+    "measure_step",
+    "new_live_tracker",
+    "track_step_memory",
+]
+
+MEASUREMENT_STATUSES = ("ok", "oom", "invalid", "error")
+
+# Messages of CPU allocation failures (c10/core/impl/alloc_cpu.cpp and friends). CPU OOM surfaces as a
+# plain RuntimeError, so the message is the only way to tell it from a bug.
+_CPU_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory", "not enough memory")
+_MAX_ERROR_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -37,29 +66,119 @@ class MemoryReading:
     device: str
 
 
+# ---------------------------------------------------------------------------------------------------
+# Live-tensor tracking (CPU, and CUDA when a per-phase breakdown is needed)
+# ---------------------------------------------------------------------------------------------------
+_TRACKER_CLASS: type | None = None
+
+
+class _IdSet:
+    """The part of a WeakSet ModTracker uses (add, in), by identity and without keeping modules alive."""
+
+    def __init__(self) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._items = WeakIdKeyDictionary()
+
+    def add(self, item: Any) -> None:
+        self._items[item] = True
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._items
+
+
 def _tracker_class() -> type:
+    global _TRACKER_CLASS
+    if _TRACKER_CLASS is not None:
+        return _TRACKER_CLASS
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
-    class _RunningPeakTracker(MemTracker):
-        """MemTracker that also keeps running maxima of the total and of activations+temporaries."""
+    class _LiveTracker(MemTracker):
+        """MemTracker with running maxima of the total and of activations+temporaries on one device.
 
-        def __init__(self) -> None:
+        Replaces the per-module peak bookkeeping (a loop over all modules on every op) with running
+        maxima: all lightning_ckpt needs, and much cheaper on models with many modules. Optional
+        *phases* (labels set by the caller, e.g. from module hooks) keep one pair of maxima each,
+        which is what the memory model is built from.
+        """
+
+        def __init__(self, device: torch.device) -> None:
             super().__init__()
+            self.device = device
+            # ModTracker keys modules by hash and equality, but torchmetrics' Metric overrides both
+            # (``==`` builds a CompositionalMetric, the hash follows the metric's state), so a
+            # LightningModule holding a metric fails with KeyError. Modules are identities: key by id.
+            from torch.utils.weak import WeakIdKeyDictionary
+
+            self._mod_tracker._known_modules = WeakIdKeyDictionary()
+            self._mod_tracker._seen_modules = _IdSet()
             self.total_peak = 0
             self.activation_peak = 0
+            self.phase: Hashable | None = None
+            self.phase_peaks: dict[Hashable, list[int]] = {}
 
-        # Replaces the per-module peak bookkeeping (a loop over all modules on every op) with two
-        # running maxima: all lightning_ckpt needs, and much cheaper on models with many modules.
-        def _update_peak_stats(self, peak_state: Any) -> None:  # noqa: ARG002
-            for snap in self._curr_mem_snap.values():
-                self.total_peak = max(self.total_peak, snap[_TOTAL_KEY])
-                act = snap.get(_MemRefType.ACT, 0) + snap.get(_MemRefType.TEMP, 0)
-                self.activation_peak = max(self.activation_peak, act)
+        def now(self) -> tuple[int, int]:
+            """(total, activation) bytes live on the tracked device right now."""
+            snap = self._curr_mem_snap.get(self.device)
+            if snap is None:
+                return 0, 0
+            return snap[_TOTAL_KEY], snap.get(_MemRefType.ACT, 0) + snap.get(_MemRefType.TEMP, 0)
 
-        def resting(self) -> int:
-            return sum(s[_TOTAL_KEY] for s in self._curr_mem_snap.values())
+        def enter_phase(self, label: Hashable) -> tuple[int, int]:
+            """Attribute the following ops to ``label``; returns the (total, activation) level now."""
+            total, act = self.now()
+            self.phase = label
+            peaks = self.phase_peaks.setdefault(label, [total, act])
+            peaks[0], peaks[1] = max(peaks[0], total), max(peaks[1], act)
+            return total, act
 
-    return _RunningPeakTracker
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            # MemTracker refuses a top-level module called twice in one step ("multiple iterative
+            # calls"), which is ordinary in a training_step (an encoder applied to two views, an
+            # embedding reused for an auxiliary loss). We only need its byte categories, not its
+            # per-module statistics, so treat the second call as a fresh module.
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                parents = set(self._mod_tracker.parents)
+                if name in parents:
+                    return  # re-entrant call (a module calling itself, e.g. torchmetrics' forward)
+                if parents == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:  # noqa: ARG002 - MemTracker's signature
+            total, act = self.now()
+            if total > self.total_peak:
+                self.total_peak = total
+            if act > self.activation_peak:
+                self.activation_peak = act
+            if self.phase is not None:
+                peaks = self.phase_peaks[self.phase]
+                if total > peaks[0]:
+                    peaks[0] = total
+                if act > peaks[1]:
+                    peaks[1] = act
+
+    _TRACKER_CLASS = _LiveTracker
+    return _LiveTracker
+
+
+def new_live_tracker(device: torch.device | str) -> Any:
+    """A live-tensor tracker (a ``MemTracker``) counting bytes on ``device`` only.
+
+    Use it as a context manager after ``track_external(model, optimizer, *tensors)``; read
+    ``total_peak``, ``activation_peak``, ``now()`` and, after ``enter_phase(label)`` calls,
+    ``phase_peaks[label] == [total_max, activation_max]``.
+    """
+    tracker = _tracker_class()(_normalise_device(torch.device(device)))
+    return tracker
+
+
+def _normalise_device(device: torch.device) -> torch.device:
+    # Tensors report cuda:N; a bare "cuda" would never match the tracker's per-device snapshots.
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def track_step_memory(
@@ -76,7 +195,7 @@ def track_step_memory(
     a step and track its memory in the same pass. ``extra`` are tensors created outside the step
     (e.g. the batch) that should count as resting state.
     """
-    device = torch.device(device) if device is not None else _model_device(model)
+    device = _normalise_device(torch.device(device) if device is not None else _model_device(model))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         gc.collect()
@@ -89,10 +208,11 @@ def track_step_memory(
         # the resting state is the closest allocator-level reading of activation memory.
         return MemoryReading(peak, max(0, peak - resting), resting, str(device))
 
-    tracker = _tracker_class()()
+    tracker = new_live_tracker(device)
     externals = [model, *extra] + ([optimizer] if optimizer is not None else [])
     tracker.track_external(*externals)
-    tracker.total_peak = resting = tracker.resting()
+    resting = tracker.now()[0]
+    tracker.total_peak = resting
     with tracker:
         step_fn()
     return MemoryReading(tracker.total_peak, tracker.activation_peak, resting, str(device))
@@ -101,3 +221,409 @@ def track_step_memory(
 def _model_device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Leaving no trace: RNG, buffers, gradients
+# ---------------------------------------------------------------------------------------------------
+class StateSnapshot:
+    """What measuring a step may disturb, captured so it can be put back exactly.
+
+    Covers the global RNG streams (torch CPU and CUDA, Python ``random``, NumPy), every buffer
+    (BatchNorm statistics change in a training-mode forward) and every parameter's ``.grad``
+    (backward creates or accumulates them). Copies live in host memory so they do not count
+    against the device memory being measured. Parameters are *not* copied (that would double
+    the model's memory); ``changed_parameters()`` detects in-place updates via version counters,
+    which is how an optimizer step inside ``step_fn`` is caught.
+    """
+
+    def __init__(self) -> None:
+        self._rng: dict[str, Any] = {}
+        self._grads: list[list[Any]] = []  # [param, grad object, grad version, host copy]
+        self._buffers: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]] = []
+        self._param_versions: list[tuple[str, nn.Parameter, int]] = []
+
+    @classmethod
+    def capture(cls, model: nn.Module) -> StateSnapshot:
+        snap = cls()
+        snap._rng = _rng_state()
+        seen: set[int] = set()
+        for name, p in model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            g = p.grad
+            copy = g.detach().to("cpu", copy=True) if g is not None else None
+            snap._grads.append([p, g, g._version if g is not None else 0, copy])
+            snap._param_versions.append((name, p, p._version))
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None:
+                    snap._buffers.append((module, name, b, b._version, b.detach().to("cpu", copy=True)))
+        return snap
+
+    def reset_grads(self) -> None:
+        """Put every ``.grad`` back as captured: ``None`` stays ``None``, values are copied back."""
+        for entry in self._grads:
+            p, g, version, copy = entry
+            if g is None:
+                p.grad = None
+                continue
+            if p.grad is not g:
+                p.grad = g
+            if g._version != version:
+                with torch.no_grad():
+                    g.copy_(copy)
+                # Remember the new version so an untouched grad is not copied again before the next step.
+                entry[2] = g._version
+
+    def restore_rng(self) -> None:
+        _set_rng_state(self._rng)
+
+    def restore(self) -> None:
+        """Gradients, buffers and RNG streams back to the captured state."""
+        self.reset_grads()
+        for module, name, b, version, copy in self._buffers:
+            if module._buffers.get(name) is not b:
+                module._buffers[name] = b
+            if b._version != version:
+                with torch.no_grad():
+                    b.copy_(copy)
+        self.restore_rng()
+
+    def changed_parameters(self) -> list[str]:
+        """Names of parameters modified in place since the snapshot (e.g. by an optimizer step)."""
+        return [name for name, p, version in self._param_versions if p._version != version]
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    # Only CUDA generators that exist already: reading them would otherwise initialise CUDA.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        pass
+    else:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Failure classification
+# ---------------------------------------------------------------------------------------------------
+class _BudgetExceeded(Exception):
+    """The tracked peak exceeded ``memory_limit_bytes`` where no allocator can enforce it (CPU)."""
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError, _BudgetExceeded)):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM_MESSAGES)
+
+
+def _classify(exc: Exception) -> tuple[str, str]:
+    """(status, message) for an exception raised while running a step."""
+    from torch.utils.checkpoint import CheckpointError
+
+    message = f"{type(exc).__name__}: {exc}"
+    if len(message) > _MAX_ERROR_CHARS:
+        message = message[: _MAX_ERROR_CHARS - 3] + "..."
+    if _is_oom(exc):
+        return "oom", message
+    # A checkpoint or plan error means "this plan cannot run on this model", not "the code is broken".
+    if isinstance(exc, (CheckpointError, PlanError, ApplyError)):
+        return "invalid", message
+    return "error", message
+
+
+def _release_memory(device: torch.device) -> None:
+    # Called after the ``except`` clause has ended: only then are the exception, its traceback and
+    # the frames holding the failed step's tensors unreachable, so collecting actually frees them.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The measurement
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Measurement:
+    """The outcome of measuring one training-step callable (one candidate plan).
+
+    status: ``ok`` | ``oom`` (out of memory, or over ``memory_limit_bytes``) | ``invalid`` (a
+    ``CheckpointError``, ``PlanError`` or ``ApplyError``: the plan cannot run on this model) |
+    ``error`` (anything else; ``error`` holds the exception type and message).
+    step_seconds: wall time of each timed step, warm-up excluded; empty unless status is ``ok``.
+    median_seconds / spread_seconds: median of ``step_seconds`` and their median absolute deviation
+    (MAD, unscaled: the median of ``|t - median|``), a spread robust to one slow outlier step.
+    peak_bytes / activation_bytes / resting_bytes: see the module docstring.
+    recompute_flops / step_flops: only when ``count_flops=True``; see the module docstring.
+    """
+
+    status: str
+    step_seconds: tuple[float, ...] = ()
+    median_seconds: float | None = None
+    spread_seconds: float | None = None
+    samples_per_second: float | None = None
+    tokens_per_second: float | None = None
+    peak_bytes: int | None = None
+    activation_bytes: int | None = None
+    recompute_flops: int | None = None
+    error: str | None = None
+    warmup_steps: int = 0
+    step_flops: int | None = None
+    resting_bytes: int | None = None
+    device: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in MEASUREMENT_STATUSES:
+            raise ConfigurationError(
+                f"Measurement.status must be one of {MEASUREMENT_STATUSES}, but got {self.status!r}."
+            )
+        object.__setattr__(self, "step_seconds", tuple(float(t) for t in self.step_seconds))
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def relative_spread(self) -> float | None:
+        """``spread_seconds / median_seconds``: below ~0.02 two candidates' medians are comparable."""
+        if not self.median_seconds or self.spread_seconds is None:
+            return None
+        return self.spread_seconds / self.median_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["step_seconds"] = list(self.step_seconds)
+        return d
+
+
+def median_and_spread(times: Sequence[float]) -> tuple[float, float]:
+    """Median and median absolute deviation of ``times`` (the statistics ``Measurement`` reports)."""
+    med = statistics.median(times)
+    return med, statistics.median(abs(t - med) for t in times)
+
+
+@contextlib.contextmanager
+def _enforced_memory_limit(device: torch.device, limit: int | None) -> Iterator[None]:
+    """Cap this process's CUDA allocator at ``limit`` bytes, restoring the previous cap afterwards."""
+    if limit is None or device.type != "cuda":
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    previous = torch.cuda.get_per_process_memory_fraction(device)
+    # Cached free blocks are handed out without checking the cap, so empty the cache first or a
+    # plan over budget could pass by reusing memory an earlier candidate left reserved.
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(previous, device)
+
+
+def _in_recompute() -> bool:
+    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+
+
+_FLOP_COUNTER_CLASS: type | None = None
+
+
+def _flop_counter() -> Any:
+    global _FLOP_COUNTER_CLASS
+    if _FLOP_COUNTER_CLASS is None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        class _RecomputeFlopCounter(FlopCounterMode):
+            """FlopCounterMode that also sums the FLOPs of ops run by checkpoint recomputation."""
+
+            def __init__(self) -> None:
+                super().__init__(display=False)
+                self.recompute_flops = 0
+
+            def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+                if func_packet in self.flop_registry and _in_recompute():
+                    self.recompute_flops += self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+                return super()._count_flops(func_packet, out, args, kwargs)
+
+        _FLOP_COUNTER_CLASS = _RecomputeFlopCounter
+    return _FLOP_COUNTER_CLASS()
+
+
+def _validate(warmup: int, steps: int, max_steps: int | None, target_rel_spread: float | None,
+              batch_size: int | None, seq_len: int | None, memory_limit_bytes: int | None) -> None:
+    def _is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not _is_int(warmup) or warmup < 0:
+        raise ConfigurationError(f"`warmup >= 0` must hold, but got warmup={warmup!r}.")
+    if not _is_int(steps) or steps < 1:
+        raise ConfigurationError(f"`steps >= 1` must hold, but got steps={steps!r}.")
+    if max_steps is not None and (not _is_int(max_steps) or max_steps < steps):
+        raise ConfigurationError(
+            f"`max_steps >= steps` must hold, but got (steps={steps!r}, max_steps={max_steps!r}). "
+            "Leave max_steps=None to time exactly `steps` steps."
+        )
+    if target_rel_spread is not None and not (isinstance(target_rel_spread, (int, float)) and target_rel_spread > 0):
+        raise ConfigurationError(f"`target_rel_spread > 0` must hold, but got {target_rel_spread!r}.")
+    if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
+        raise ConfigurationError(f"`batch_size >= 1` must hold, but got batch_size={batch_size!r}.")
+    if seq_len is not None and (not _is_int(seq_len) or seq_len < 1):
+        raise ConfigurationError(f"`seq_len >= 1` must hold, but got seq_len={seq_len!r}.")
+    if seq_len is not None and batch_size is None:
+        raise ConfigurationError(
+            "tokens/s needs the number of sequences per step: pass batch_size together with seq_len."
+        )
+    if memory_limit_bytes is not None and (not _is_int(memory_limit_bytes) or memory_limit_bytes < 1):
+        raise ConfigurationError(f"`memory_limit_bytes >= 1` must hold, but got {memory_limit_bytes!r}.")
+
+
+def measure_step(
+    step_fn: Callable[[], Any],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    warmup: int = 1,
+    steps: int = 3,
+    device: torch.device | str | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    track_memory: bool = True,
+    count_flops: bool = False,
+    memory_limit_bytes: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    max_steps: int | None = None,
+    target_rel_spread: float | None = None,
+    extra: tuple[Any, ...] = (),
+) -> Measurement:
+    """Time ``step_fn`` (forward + backward of one batch) and read its memory, never raising for OOM.
+
+    ``step_fn`` takes no arguments and must *not* step the optimizer: measuring must leave training
+    untouched. ``measure_step`` itself restores every ``.grad``, every buffer and the global RNG
+    streams afterwards, resets ``.grad`` to its starting state before every step (so each step
+    allocates its gradients as a real step does), and raises ``ConfigurationError`` if a parameter
+    was modified in place. ``optimizer`` is only used to count its state as resting memory.
+
+    Passes, in order: (CPU, ``track_memory``) one step under the live-tensor tracker, first because
+    it is the cheapest way to learn that a candidate does not fit; ``warmup`` untimed steps (compile
+    and allocator warm-up are not throughput); ``steps`` timed steps (CUDA: synchronised, with peak
+    stats reset first and ``max_memory_allocated`` read after); then (``count_flops``) one step under
+    ``FlopCounterMode``. With ``target_rel_spread``, timing continues past ``steps`` until
+    MAD/median falls below it or ``max_steps`` (default ``4 * steps``) steps were timed.
+
+    ``memory_limit_bytes`` enforces a budget: on CUDA for real, by capping the allocator with
+    ``torch.cuda.set_per_process_memory_fraction`` (the previous cap is restored), so a plan over
+    budget fails with an OOM instead of passing by luck; on CPU by comparing the tracked peak with
+    the limit (needs ``track_memory``). Either way the result is status ``oom``.
+
+    Failures never escape as exceptions (except ``BaseException``s such as ``KeyboardInterrupt``,
+    which are re-raised after restoring state); see ``Measurement`` for the statuses. Memory of a
+    failed step is released after the ``except`` clause, so the caller can go on to the next plan.
+    """
+    _validate(warmup, steps, max_steps, target_rel_spread, batch_size, seq_len, memory_limit_bytes)
+    device = _normalise_device(torch.device(device) if device is not None else _model_device(model))
+    is_cuda = device.type == "cuda"
+    limit_steps = steps if target_rel_spread is None else (max_steps or 4 * steps)
+
+    def sync() -> None:
+        if is_cuda:
+            torch.cuda.synchronize(device)
+
+    snapshot = StateSnapshot.capture(model)
+    times: list[float] = []
+    reading: MemoryReading | None = None
+    flops: tuple[int, int] | None = None
+    failure: tuple[str, str] | None = None
+    try:
+        with _enforced_memory_limit(device, memory_limit_bytes):
+            if track_memory and not is_cuda:
+                snapshot.reset_grads()
+                reading = track_step_memory(step_fn, model=model, optimizer=optimizer, device=device, extra=extra)
+                if memory_limit_bytes is not None and reading.peak_bytes > memory_limit_bytes:
+                    raise _BudgetExceeded(
+                        f"tracked peak of {reading.peak_bytes} bytes exceeds memory_limit_bytes={memory_limit_bytes}"
+                    )
+            for _ in range(warmup):
+                snapshot.reset_grads()
+                step_fn()
+            snapshot.reset_grads()
+            if is_cuda:
+                sync()
+                gc.collect()
+                resting = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            while True:
+                snapshot.reset_grads()
+                sync()
+                start = clock()
+                step_fn()
+                sync()
+                times.append(clock() - start)
+                if len(times) < steps:
+                    continue
+                if len(times) >= limit_steps:
+                    break
+                med, spread = median_and_spread(times)
+                if med > 0 and spread / med <= float(target_rel_spread or 0):
+                    break
+            if is_cuda and track_memory:
+                peak = torch.cuda.max_memory_allocated(device)
+                reading = MemoryReading(peak, max(0, peak - resting), resting, str(device))
+                if memory_limit_bytes is not None and peak > memory_limit_bytes:
+                    raise _BudgetExceeded(f"peak of {peak} bytes exceeds memory_limit_bytes={memory_limit_bytes}")
+            if count_flops:
+                snapshot.reset_grads()
+                counter = _flop_counter()
+                with counter:
+                    step_fn()
+                flops = (counter.recompute_flops, counter.get_total_flops())
+    except Exception as exc:  # BaseException (KeyboardInterrupt, SystemExit) propagates, state restored below
+        failure = _classify(exc)
+    finally:
+        _release_memory(device)
+        snapshot.restore()
+    changed = snapshot.changed_parameters()
+    if changed:
+        raise ConfigurationError(
+            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
+            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
+            "outside measure_step."
+        )
+
+    if failure is not None:
+        return Measurement(failure[0], error=failure[1], warmup_steps=warmup, device=str(device))
+    med, spread = median_and_spread(times)
+    samples = batch_size / med if batch_size is not None and med > 0 else None
+    tokens = samples * seq_len if samples is not None and seq_len is not None else None
+    return Measurement(
+        "ok",
+        step_seconds=tuple(times),
+        median_seconds=med,
+        spread_seconds=spread,
+        samples_per_second=samples,
+        tokens_per_second=tokens,
+        peak_bytes=reading.peak_bytes if reading else None,
+        activation_bytes=reading.activation_bytes if reading else None,
+        recompute_flops=flops[0] if flops else None,
+        error=None,
+        warmup_steps=warmup,
+        step_flops=flops[1] if flops else None,
+        resting_bytes=reading.resting_bytes if reading else None,
+        device=str(device),
+    )

@@ -138,7 +138,6 @@ def tune(
     model: nn.Module,
     step_fn: Callable[[], Any],
     *,
-    forward_fn: Callable[[], Any] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     max_memory: int | float | str | None = None,
     activation_budget: float | None = None,
@@ -163,9 +162,9 @@ def tune(
 ) -> TuneResult:
     """Search checkpointing plans for the highest measured throughput within a memory budget.
 
-    ``step_fn`` runs one forward+backward (no optimizer step) on a fixed batch; ``forward_fn`` runs
-    the forward and returns the loss (used for the memory-safe profile; defaults to ``step_fn``).
-    The model is left exactly as it was: the caller applies ``result.best``.
+    ``step_fn`` runs the forward of one training step on a fixed batch and returns the loss; tune
+    calls ``backward`` on it (and never steps an optimizer), both for the memory-safe profile and for
+    every measured trial. The model is left exactly as it was: the caller applies ``result.best``.
     """
     import optuna
 
@@ -184,7 +183,11 @@ def tune(
     space = SearchSpace.from_config(search_space).for_device(device.type)
     fingerprint = model_fingerprint(root)
 
-    memory_model = profile_memory(root, forward_fn or step_fn, stacks=stacks, optimizer=optimizer)
+    memory_model = profile_memory(root, step_fn, stacks=stacks, optimizer=optimizer, extra=extra_tensors)
+
+    def train_step() -> None:
+        _loss_of(step_fn()).backward()
+
     none_activation = memory_model.predict_activation(Plan())
     budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_activation)
     log.info("lightning_ckpt: budget %s; no-checkpointing activation memory predicted %s",
@@ -222,7 +225,7 @@ def tune(
         handle = apply_plan(root, plan, check_fingerprint=False)
         try:
             m = measure_step(
-                step_fn, model=root, optimizer=optimizer, warmup=warmup_steps, steps=measure_steps, device=device,
+                train_step, model=root, optimizer=optimizer, warmup=warmup_steps, steps=measure_steps, device=device,
                 batch_size=batch_size, seq_len=seq_len, track_memory=True, count_flops=count_flops,
                 memory_limit_bytes=limit, extra=extra_tensors,
             )  # fmt: skip
@@ -232,8 +235,8 @@ def tune(
         if status == "ok" and not budget.fits(m.peak_bytes, m.activation_bytes):
             status = "over_budget"
         overhead = None
-        if m.recompute_flops is not None and memory_model.step_flops:
-            overhead = m.recompute_flops / memory_model.step_flops
+        if m.recompute_flops is not None and m.step_flops:
+            overhead = m.recompute_flops / max(1, m.step_flops - m.recompute_flops)
         steps = m.warmup_steps + len(m.step_seconds) + (1 if m.peak_bytes is not None else 0)
         return TrialRecord(
             status=status, peak_bytes=m.peak_bytes, activation_bytes=m.activation_bytes,
@@ -336,11 +339,29 @@ def tune(
         trials=tuple(records),
         budget=budget,
         tuning_seconds=time.perf_counter() - started,
-        tuning_steps=sum(t.steps for t in records) + memory_model.profile_steps,
+        tuning_steps=sum(t.steps for t in records) + _PROFILE_STEPS,
         fell_back=fell_back,
         memory_table=memory_model.table(),
         memory_breakdown=memory_model.to_dict(),
     )
+
+
+# The memory profile runs one no-grad capture forward and one anchor step (plus per-block passes
+# that are each a fraction of a step); we count it as two steps of tuning cost.
+_PROFILE_STEPS = 2
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    if isinstance(out, Mapping):
+        out = out["loss"]
+    elif not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
+        out = out.loss
+    if not isinstance(out, torch.Tensor):
+        raise ConfigurationError(
+            f"step_fn must return the loss (a tensor, a dict with 'loss' or an object with .loss), but returned "
+            f"{type(out).__name__}."
+        )
+    return out
 
 
 def validate_tune_args(*, n_trials: int, timeout: float | None, on_infeasible: str, tie_tolerance: float) -> None:

@@ -1,0 +1,128 @@
+"""Train a character-level nanoGPT with ActivationCheckpointTuner on CPU.
+
+The corpus is the documentation the Python standard library ships (module, class and function
+docstrings), so nothing is downloaded. The memory budget (``--activation-budget``, a fraction of
+the no-checkpointing activation memory) is tight enough that checkpointing is necessary; the tuner
+searches plans on the first batch, applies the fastest one that fits, writes ``plans/gpt.json`` and
+TensorBoard logs under ``runs/``, then training continues with that plan.
+
+Run:           python examples/train_gpt.py
+Reuse a plan:  python examples/train_gpt.py --reuse        (zero trials)
+Quick check:   python examples/train_gpt.py --fast
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_ckpt import ActivationCheckpointTuner
+from lightning_ckpt.testing import GPT, GPTConfig
+
+STDLIB_MODULES = (
+    "argparse", "collections", "contextlib", "dataclasses", "functools", "itertools", "json", "logging",
+    "pathlib", "random", "re", "statistics", "string", "textwrap", "typing", "unittest", "heapq", "bisect",
+    "fractions", "decimal", "difflib", "calendar", "csv", "shutil", "tempfile", "threading", "queue",
+)  # fmt: skip
+
+
+def stdlib_corpus() -> str:
+    """Docstrings of a fixed list of standard-library modules: ~0.5 MB of English text, offline."""
+    parts = []
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for attr in sorted(dir(module)):
+            if attr.startswith("_"):
+                continue
+            doc = inspect.getdoc(getattr(module, attr, None))
+            if doc and len(doc) > 40:
+                parts.append(doc)
+    return "\n\n".join(p for p in parts if p)
+
+
+class CharDataset(Dataset):
+    def __init__(self, text: str, block_size: int, vocab: list[str]) -> None:
+        self.stoi = {c: i for i, c in enumerate(vocab)}
+        self.data = torch.tensor([self.stoi.get(c, 0) for c in text], dtype=torch.long)
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return len(self.data) - self.block_size - 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.data[i : i + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class CharGPT(L.LightningModule):
+    def __init__(self, config: GPTConfig, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(config)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.model(x, y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fast", action="store_true", help="tiny model and a handful of steps (used by tests)")
+    parser.add_argument("--reuse", action="store_true", help="apply the saved plan file without searching")
+    parser.add_argument("--activation-budget", type=float, default=0.5)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--trials", type=int, default=14)
+    parser.add_argument("--plan", type=Path, default=Path("plans/gpt.json"))
+    parser.add_argument("--logs", type=Path, default=Path("runs"))
+    args = parser.parse_args(argv)
+
+    L.seed_everything(0, verbose=False)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    text = stdlib_corpus()
+    vocab = sorted(set(text))
+    if args.fast:
+        config = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=len(vocab), dropout=0.1)
+        batch_size, steps, trials = 4, 3, min(args.trials, 6)
+    else:
+        config = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=128, vocab_size=len(vocab), dropout=0.1)
+        batch_size, steps, trials = 16, args.steps, args.trials
+    loader = DataLoader(CharDataset(text, config.block_size, vocab), batch_size=batch_size, shuffle=True, num_workers=0)
+
+    if args.reuse:
+        tuner = ActivationCheckpointTuner(plan=args.plan)
+    else:
+        tuner = ActivationCheckpointTuner(
+            activation_budget=args.activation_budget, plan_path=args.plan, n_trials=trials, measure_steps=2
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        callbacks=[tuner],
+        logger=TensorBoardLogger(args.logs, name="gpt"),
+        enable_checkpointing=False,
+        log_every_n_steps=5,
+        enable_model_summary=False,
+    )
+    trainer.fit(CharGPT(config), loader)
+    final_loss = float(trainer.callback_metrics["train_loss"])
+    print(f"\nplan: {tuner.plan.describe() if tuner.plan else None}; trials run: {tuner.trials_run}; "
+          f"final train loss {final_loss:.3f}")  # fmt: skip
+    print(f"view the search: tensorboard --logdir {args.logs}")
+    return {"plan": tuner.plan, "trials": tuner.trials_run, "loss": final_loss}
+
+
+if __name__ == "__main__":
+    main()

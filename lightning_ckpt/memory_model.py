@@ -1,0 +1,890 @@
+"""Predict a plan's peak and activation memory without running it, from one memory-safe profile.
+
+How the profile is built (``profile_memory``), and why it never needs the no-checkpointing peak:
+
+1. **Capture** (``torch.no_grad`` forward): forward pre-hooks record each block's call order and
+   keep the inputs of one representative per group of identical blocks (same class, parameter
+   shapes and input shapes). A no-grad forward holds one block's internals at a time.
+2. **Anchor** (one forward+backward with *every* block fully checkpointed, the cheapest plan):
+   a live-tensor tracker records the maximum of live bytes in each *phase* of the step (before
+   the stack, each block's forward, the head's forward, the head's backward, each block's backward,
+   after the stack), delimited by module hooks and gradient hooks on the blocks' hidden states.
+   This captures exactly what per-block arithmetic gets wrong: gradients accumulating during
+   backward, the logits and loss temporaries, the embedding backward.
+3. **Per-block profiles**: each representative block runs alone (forward+backward, its captured
+   inputs) under every mode (``none``, ``full``, ``offload``, each op save-list, selective children)
+   via ``apply_plan`` on that one FQN, under the tracker. Per mode we keep what the block holds after
+   its forward (its saved activations), its forward peak and its backward peak, relative to the same
+   starting level. Constant offsets (the input, the incoming gradient) cancel in the differences.
+
+A plan's prediction is, for every phase of the anchor, that phase's measured maximum plus the
+difference the plan makes there (``mode - full``) for the blocks alive in it: the saved bytes of
+blocks whose forward is done and whose backward is not, and the block's own forward or backward
+peak in its own phases. The predicted peak is the maximum over phases. Segments are modelled as
+torch runs them: a chunk stores its first block's input; in backward the whole chunk is recomputed
+at once, so while its blocks run backward the earlier blocks of the chunk hold their ``none``-mode
+activations.
+
+All byte counts follow ``lightning_ckpt.measure``'s definitions, so ``predict_peak`` is comparable to
+``Measurement.peak_bytes`` and ``predict_activation`` to ``Measurement.activation_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_ckpt.apply import _CACHE_ARGS, _forward_params, applied_plan, apply_plan, segment_chunks
+from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
+from lightning_ckpt.errors import ApplyError, ConfigurationError, LightningCkptError, PlanError, StalePlanError
+from lightning_ckpt.measure import StateSnapshot, _model_device, _normalise_device, new_live_tracker
+from lightning_ckpt.plan import BlockPlan, Plan, closest_names, model_fingerprint
+from lightning_ckpt.policies import SAVE_LISTS
+
+__all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction", "mode_key", "profile_memory"]
+
+_MB = 1024 * 1024
+
+
+def mode_key(block_plan: BlockPlan) -> str:
+    """The key of ``BlockMemory.saved_bytes`` for a block plan: ``none``, ``full``, ``offload``,
+    ``ops:<save_list>`` or ``selective:<child>[,<child>...]`` (children sorted)."""
+    if block_plan.mode == "ops":
+        return f"ops:{block_plan.save_list}"
+    if block_plan.mode == "selective":
+        return "selective:" + ",".join(sorted(block_plan.children))
+    return block_plan.mode
+
+
+def _block_plan_of(key: str) -> BlockPlan:
+    kind, _, rest = key.partition(":")
+    if kind == "ops":
+        return BlockPlan("ops", save_list=rest)
+    if kind == "selective":
+        return BlockPlan("selective", tuple(rest.split(",")))
+    return BlockPlan(kind)
+
+
+@dataclass(frozen=True)
+class ModeProfile:
+    """One block run alone under one mode. Bytes are relative to the level before its input existed,
+    so they include constant offsets (input, output, incoming gradient) that cancel between modes.
+
+    keep_bytes: held after the forward, the block's own output excluded: its saved activations
+    (its input included when the block saves it). keep_with_input_bytes: the same while the caller
+    still holds the input (the moment right after the block returns).
+    forward_peak_bytes: peak during its forward. backward_peak_bytes / backward_peak_activation_bytes:
+    peak during its backward, everything / without parameter gradients.
+    """
+
+    keep_bytes: int
+    keep_with_input_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    backward_peak_activation_bytes: int
+    output_bytes: int
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """Per-block table row: what this block keeps for backward under each mode.
+
+    saved_bytes: mode key (see ``mode_key``) -> activation bytes the block keeps from its forward to
+    its backward (its input included when saved, its output excluded). ``offload`` counts device
+    bytes only (on CPU offloading is a no-op, so it equals ``none``).
+    recompute_transient_bytes: extra memory while the block is recomputed and run backward under
+    ``full`` (its recomputed internals plus backward temporaries, gradients excluded).
+    shared_with: FQN of the identical block whose profile this row reuses (None: measured itself).
+    """
+
+    fqn: str
+    saved_bytes: Mapping[str, int]
+    recompute_transient_bytes: int
+    input_bytes: int = 0
+    shared_with: str | None = None
+    profiles: Mapping[str, ModeProfile] = field(default_factory=dict, repr=False)
+    failed: Mapping[str, str] = field(default_factory=dict, repr=False)  # mode key -> why it could not run
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    """The anchor (all blocks ``full``) step's maximum of live bytes in one phase.
+
+    kind: ``pre`` (before the first block) | ``fwd`` (block ``block``'s forward) | ``fwd_gap`` (after
+    block ``block``'s forward, up to the next block; for the last block: the head and loss) |
+    ``bw_head`` (backward before the last block) | ``bw`` (block ``block``'s backward) | ``bw_gap``
+    (after block ``block``'s backward, up to the previous block's; for block 0: the embeddings).
+    """
+
+    kind: str
+    block: int | None
+    peak_bytes: int
+    peak_activation_bytes: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's predicted memory and where in the step its peak falls."""
+
+    peak_bytes: int
+    activation_bytes: int
+    peak_phase: str  # e.g. "bw transformer.h.11", "bw_head"
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Predicted memory of any plan for one model, batch and training state (see the module docstring).
+
+    fixed_bytes: parameters + gradients (one per trainable parameter) + optimizer state + buffers.
+    other_activation_bytes: activations held outside the blocks at the end of the forward
+    (embeddings, head, loss), measured with every block fully checkpointed.
+    blocks: one row per block, in execution order. stacks: stack FQN -> its block FQNs in order.
+    resting_bytes: live bytes before the step, as ``measure_step`` reports them (CUDA: allocated bytes).
+    phases: the anchor step's timeline that predictions are built on (see ``PhasePeak``).
+    device_overhead_bytes: CUDA only: allocator peak minus tracked peak of the anchor step (memory
+    no tensor tracker sees: cuBLAS workspaces, other tensors in the process, block rounding), added to
+    every peak prediction. On CUDA ``predict_activation`` is peak minus resting, as measured there.
+    fingerprint: ``model_fingerprint`` of the profiled model; a plan made for another model is refused.
+    """
+
+    fixed_bytes: int
+    other_activation_bytes: int
+    blocks: tuple[BlockMemory, ...]
+    stacks: Mapping[str, tuple[str, ...]]
+    phases: tuple[PhasePeak, ...]
+    resting_bytes: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    buffer_bytes: int
+    device: str
+    device_overhead_bytes: int = 0
+    anchor_peak_bytes: int = 0
+    anchor_activation_bytes: int = 0
+    fingerprint: str | None = None
+
+    # -- prediction ---------------------------------------------------------------------------------
+    def predict_peak(self, plan: Plan) -> int:
+        """Predicted ``Measurement.peak_bytes`` of a forward+backward step under ``plan``."""
+        return self.predict(plan).peak_bytes
+
+    def predict_activation(self, plan: Plan) -> int:
+        """Predicted ``Measurement.activation_bytes`` of a forward+backward step under ``plan``."""
+        return self.predict(plan).activation_bytes
+
+    def predict(self, plan: Plan) -> Prediction:
+        """Peak, activation bytes and the phase where the peak falls, for ``plan``."""
+        st = self._resolve(plan)
+        n = len(self.blocks)
+        best_total, best_phase, best_act = -1, "", -1
+        keep_prefix = list(itertools.accumulate(st.keep_delta, initial=0))
+        chunk_adjust = st.chunk_adjust
+        for ph in self.phases:
+            i = ph.block
+            if ph.kind == "pre":
+                d_total = d_act = 0
+            elif ph.kind == "fwd":
+                d_total = d_act = keep_prefix[i] + st.fw_delta[i]
+            elif ph.kind == "fwd_gap":
+                d_total = d_act = keep_prefix[i + 1] + st.gap_delta[i]
+            elif ph.kind == "bw_head":
+                d_total = d_act = keep_prefix[n]
+            else:  # bw / bw_gap: earlier blocks still hold their activations
+                held = keep_prefix[i] + chunk_adjust[i]
+                own = (st.bw_delta[i], st.bw_act_delta[i]) if ph.kind == "bw" else (0, 0)
+                d_total, d_act = held + own[0], held + own[1]
+            total = ph.peak_bytes + d_total
+            if total > best_total:
+                label = ph.kind if i is None else f"{ph.kind} {self.blocks[i].fqn}"
+                best_total, best_phase = total, label
+            best_act = max(best_act, ph.peak_activation_bytes + d_act)
+        peak = best_total + self.device_overhead_bytes
+        if self.device.startswith("cuda"):
+            # measure_step reads activation memory on CUDA as the allocator's growth above resting.
+            best_act = peak - self.resting_bytes
+        return Prediction(peak, max(0, best_act), best_phase)
+
+    def saved_bytes(self, plan: Plan) -> dict[str, int]:
+        """Block FQN -> bytes it keeps from forward to backward under ``plan`` ("which layers hold the memory")."""
+        st = self._resolve(plan)
+        return {b.fqn: b.saved_bytes["full"] + st.keep_delta[i] for i, b in enumerate(self.blocks)}
+
+    # -- presentation -------------------------------------------------------------------------------
+    def table(self, plan: Plan | None = None) -> str:
+        """A printable per-block breakdown in MiB: saved activations under each mode (and ``plan``)."""
+        keys = self._mode_keys()
+        saved_under = self.saved_bytes(plan) if plan is not None else None
+        header = ["block", *keys, "recompute"] + (["plan"] if saved_under is not None else [])
+        rows = []
+        for b in self.blocks:
+            name = b.fqn + (" *" if b.shared_with else "")
+            cells = [_mib(b.saved_bytes[k]) if k in b.saved_bytes else "-" for k in keys]
+            row = [name, *cells, _mib(b.recompute_transient_bytes)]
+            if saved_under is not None:
+                row.append(_mib(saved_under[b.fqn]))
+            rows.append(row)
+        widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
+        fmt = "  ".join(f"{{:<{widths[0]}}}" if c == 0 else f"{{:>{widths[c]}}}" for c in range(len(header)))
+        lines = [
+            f"Memory profile on {self.device} (MiB; saved activations kept from forward to backward per block)",
+            f"fixed {_mib(self.fixed_bytes)} = parameters {_mib(self.parameter_bytes)} + gradients "
+            f"{_mib(self.gradient_bytes)} + optimizer state {_mib(self.optimizer_state_bytes)} + buffers "
+            f"{_mib(self.buffer_bytes)}; activations outside the blocks {_mib(self.other_activation_bytes)}",
+            fmt.format(*header),
+            *(fmt.format(*r) for r in rows),
+        ]
+        if any(b.shared_with for b in self.blocks):
+            lines.append("* profile shared with an identical block")
+        if plan is not None:
+            p = self.predict(plan)
+            lines.append(
+                f"plan {plan.describe()}: predicted peak {_mib(p.peak_bytes)}, activations "
+                f"{_mib(p.activation_bytes)}, peak in phase '{p.peak_phase}'"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (``from_dict`` reads it back)."""
+        return {
+            "fixed_bytes": self.fixed_bytes,
+            "other_activation_bytes": self.other_activation_bytes,
+            "resting_bytes": self.resting_bytes,
+            "parameter_bytes": self.parameter_bytes,
+            "gradient_bytes": self.gradient_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "buffer_bytes": self.buffer_bytes,
+            "device": self.device,
+            "device_overhead_bytes": self.device_overhead_bytes,
+            "anchor_peak_bytes": self.anchor_peak_bytes,
+            "anchor_activation_bytes": self.anchor_activation_bytes,
+            "fingerprint": self.fingerprint,
+            "stacks": {k: list(v) for k, v in self.stacks.items()},
+            "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
+            "blocks": [
+                {
+                    "fqn": b.fqn,
+                    "saved_bytes": dict(b.saved_bytes),
+                    "recompute_transient_bytes": b.recompute_transient_bytes,
+                    "input_bytes": b.input_bytes,
+                    "shared_with": b.shared_with,
+                    "profiles": {k: list(_profile_tuple(p)) for k, p in b.profiles.items()},
+                    "failed": dict(b.failed),
+                }
+                for b in self.blocks
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
+        blocks = tuple(
+            BlockMemory(
+                fqn=b["fqn"],
+                saved_bytes=dict(b["saved_bytes"]),
+                recompute_transient_bytes=b["recompute_transient_bytes"],
+                input_bytes=b.get("input_bytes", 0),
+                shared_with=b.get("shared_with"),
+                profiles={k: ModeProfile(*v) for k, v in b.get("profiles", {}).items()},
+                failed=dict(b.get("failed", {})),
+            )
+            for b in data["blocks"]
+        )
+        return cls(
+            fixed_bytes=data["fixed_bytes"],
+            other_activation_bytes=data["other_activation_bytes"],
+            blocks=blocks,
+            stacks={k: tuple(v) for k, v in data["stacks"].items()},
+            phases=tuple(PhasePeak(*p) for p in data["phases"]),
+            resting_bytes=data["resting_bytes"],
+            parameter_bytes=data["parameter_bytes"],
+            gradient_bytes=data["gradient_bytes"],
+            optimizer_state_bytes=data["optimizer_state_bytes"],
+            buffer_bytes=data["buffer_bytes"],
+            device=data["device"],
+            device_overhead_bytes=data.get("device_overhead_bytes", 0),
+            anchor_peak_bytes=data.get("anchor_peak_bytes", 0),
+            anchor_activation_bytes=data.get("anchor_activation_bytes", 0),
+            fingerprint=data.get("fingerprint"),
+        )
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _mode_keys(self) -> list[str]:
+        keys: list[str] = []
+        for b in self.blocks:
+            keys += [k for k in b.saved_bytes if k not in keys]
+        return keys
+
+    def _resolve(self, plan: Plan) -> _PlanState:
+        if plan.fingerprint is not None and self.fingerprint is not None and plan.fingerprint != self.fingerprint:
+            raise StalePlanError(
+                f"Plan {plan.name or plan.digest()!r} was made for a model with fingerprint {plan.fingerprint}, but "
+                f"this memory model profiled a model with fingerprint {self.fingerprint}. Profile the model the "
+                "plan is for, or re-tune the plan for this model."
+            )
+        index = {b.fqn: i for i, b in enumerate(self.blocks)}
+        n = len(self.blocks)
+        keys = ["none"] * n
+        chunk_of: list[int | None] = [None] * n
+        chunk_pos: list[tuple[int, int]] = [(0, 0)] * n  # (position in chunk, chunk length)
+        for fqn, bp in plan.blocks.items():
+            if fqn not in index:
+                raise PlanError(
+                    f"The memory model has no profile for block {fqn!r}. Closest profiled blocks: "
+                    f"{closest_names(fqn, list(index))}. Fix the FQN in the plan, or profile the stack that holds it."
+                )
+            keys[index[fqn]] = mode_key(bp)
+        chunk_id = 0
+        for stack_fqn, n_chunks in plan.segments.items():
+            if stack_fqn not in self.stacks:
+                raise PlanError(
+                    f"The memory model has no profiled stack {stack_fqn!r}; profiled stacks: "
+                    f"{', '.join(repr(s) for s in self.stacks) or '(none)'}. Fix 'segments' in the plan."
+                )
+            fqns = self.stacks[stack_fqn]
+            if n_chunks > len(fqns):
+                raise PlanError(
+                    f"segments[{stack_fqn!r}] = {n_chunks} but that stack has only {len(fqns)} blocks. "
+                    f"Use a chunk count between 1 and {len(fqns)}."
+                )
+            overlapping = [f for f in fqns if f in plan.blocks]
+            if overlapping:
+                raise PlanError(
+                    f"Stack {stack_fqn!r} has segments and also per-block modes for {overlapping[:3]}; a plan gives "
+                    "a stack either segments or per-block modes. Remove one of them."
+                )
+            for start, end in segment_chunks(len(fqns), n_chunks)[:-1]:
+                members = [index[f] for f in fqns[start:end] if f in index]
+                for pos, i in enumerate(members):
+                    chunk_of[i] = chunk_id
+                    chunk_pos[i] = (pos, len(members))
+                chunk_id += 1
+        st = _PlanState(n, chunk_of)
+        for i, b in enumerate(self.blocks):
+            full = b.profiles.get("full")
+            if full is None:  # a block that could not be profiled contributes nothing either way
+                continue
+            none = self._profile(b, "none")
+            st.recompute_delta[i] = none.keep_bytes - full.keep_bytes
+            # Right after a block returns, its caller still holds the block's input, saved or not.
+            input_held_full = full.keep_with_input_bytes - full.keep_bytes
+            if chunk_of[i] is not None:
+                pos, length = chunk_pos[i]
+                out = full.output_bytes
+                if pos == 0:
+                    # The head runs the whole chunk inside one checkpoint (which stores only the head's
+                    # input) and keeps every block's output until the parent has consumed it.
+                    fw = max(self._profile(self.blocks[i + j], "full").forward_peak_bytes + j * out for j in range(length))
+                    st.fw_delta[i] = fw - full.forward_peak_bytes
+                    st.gap_delta[i] = (length - 1) * out
+                else:
+                    # A member only hands over its pending output: nothing is computed or stored.
+                    st.keep_delta[i] = -full.keep_bytes
+                    st.fw_delta[i] = b.input_bytes + (length - pos) * out - full.forward_peak_bytes
+                    st.gap_delta[i] = b.input_bytes + (length - 1 - pos) * out - input_held_full
+                st.bw_delta[i] = none.backward_peak_bytes - full.backward_peak_bytes
+                st.bw_act_delta[i] = none.backward_peak_activation_bytes - full.backward_peak_activation_bytes
+                continue
+            prof = self._profile(b, keys[i])
+            st.keep_delta[i] = prof.keep_bytes - full.keep_bytes
+            st.fw_delta[i] = prof.forward_peak_bytes - full.forward_peak_bytes
+            st.gap_delta[i] = (prof.keep_with_input_bytes - prof.keep_bytes) - input_held_full
+            st.bw_delta[i] = prof.backward_peak_bytes - full.backward_peak_bytes
+            st.bw_act_delta[i] = prof.backward_peak_activation_bytes - full.backward_peak_activation_bytes
+        return st
+
+    def _profile(self, block: BlockMemory, key: str) -> ModeProfile:
+        prof = block.profiles.get(key)
+        if prof is not None:
+            return prof
+        if key in block.failed:
+            raise PlanError(f"Block {block.fqn!r} cannot run under {key!r}: {block.failed[key]}")
+        if key.startswith("selective:") and "," in key:
+            return self._combined_selective(block, key)
+        known = ", ".join(sorted(block.profiles))
+        raise PlanError(
+            f"The memory model has no profile of block {block.fqn!r} under {key!r}. Profiled modes: {known}. "
+            "Use one of these, or pass the child set to profile_memory(selective_sets=...)."
+        )
+
+    def _combined_selective(self, block: BlockMemory, key: str) -> ModeProfile:
+        # Children checkpointed together save what each saves alone: their differences from ``none``
+        # add up. Peaks are approximated the same way (exact combinations: profile_memory(selective_sets=)).
+        none = self._profile(block, "none")
+        parts = [self._profile(block, f"selective:{c}") for c in key.partition(":")[2].split(",")]
+        fields = ("keep_bytes", "keep_with_input_bytes", "forward_peak_bytes", "backward_peak_bytes", "backward_peak_activation_bytes")
+        values = {f: getattr(none, f) + sum(getattr(p, f) - getattr(none, f) for p in parts) for f in fields}
+        return ModeProfile(**values, output_bytes=none.output_bytes)
+
+
+class _PlanState:
+    """Per-block differences from the anchor (all ``full``) that one plan makes, in execution order."""
+
+    def __init__(self, n: int, chunk_of: list[int | None]) -> None:
+        self.keep_delta = [0] * n  # saved bytes held from forward to backward, vs full
+        self.fw_delta = [0] * n  # own forward peak, vs full
+        self.gap_delta = [0] * n  # right after its forward: input still held, segment outputs pending
+        self.bw_delta = [0] * n  # own backward peak, vs full
+        self.bw_act_delta = [0] * n
+        self.recompute_delta = [0] * n  # held once its chunk was recomputed (none-mode), vs full
+        self.chunk_of = chunk_of
+
+    @property
+    def chunk_adjust(self) -> list[int]:
+        """Per block: how much more the earlier blocks of its own chunk hold during its backward
+        (recomputed, ``none``-mode) than during the forward (nothing)."""
+        adjust, running, prev = [0] * len(self.chunk_of), 0, None
+        for i, c in enumerate(self.chunk_of):
+            running = running if c is not None and c == prev else 0
+            adjust[i] = running
+            if c is not None:
+                running += self.recompute_delta[i] - self.keep_delta[i]
+            prev = c
+        return adjust
+
+
+def _mib(n: int) -> str:
+    return f"{n / _MB:.2f}"
+
+
+def _profile_tuple(p: ModeProfile) -> tuple[int, ...]:
+    return dataclasses.astuple(p)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Profiling
+# ---------------------------------------------------------------------------------------------------
+def _loss_of(out: Any) -> torch.Tensor:
+    """The scalar to call backward on: a tensor, a dict's ``loss`` (Lightning) or ``.loss`` (HF outputs)."""
+    loss = out
+    if isinstance(out, Mapping) and "loss" in out:
+        loss = out["loss"]
+    elif not isinstance(out, torch.Tensor) and getattr(out, "loss", None) is not None:
+        loss = out.loss
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise ConfigurationError(
+            "forward_fn must return the loss: a scalar tensor that requires grad (or a dict / output object "
+            f"with a 'loss' entry), but it returned {type(out).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            + ". Pass e.g. lambda: model(x, targets), or lambda: module.training_step(batch, 0)."
+        )
+    return loss
+
+
+def _hidden_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """Where the block's hidden state is: ('arg', i) or ('kw', name): the first floating tensor."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return ("arg", i)
+    for name in ("hidden_states", "x", "input", "inputs", "hidden"):
+        v = kwargs.get(name)
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return ("kw", name)
+    for name, v in kwargs.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return ("kw", name)
+    return None
+
+
+def _spec(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(("T", tuple(leaf.shape), str(leaf.dtype), str(leaf.device)))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            out.append(leaf)
+        else:
+            out.append(type(leaf).__qualname__)
+    return (str(spec), tuple(out))
+
+
+def _group_key(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters())
+    buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers())
+    return (type(module), params, buffers, _spec(args), _spec(dict(sorted(kwargs.items()))))
+
+
+def _tensor_bytes(tensors: Iterable[Any]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def _without_kv_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The block's arguments with any KV cache replaced by None.
+
+    Running a block again with the captured cache would append to it a second time (attention over
+    twice the sequence). A training step's backward never reads the cache, and ``apply_plan`` drops it
+    under checkpointing for the same reason, so the profile runs every mode without it.
+    """
+    names = _forward_params(type(module))
+    args = tuple(None if i < len(names) and names[i] in _CACHE_ARGS else a for i, a in enumerate(args))
+    kwargs = {k: (None if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+@dataclass
+class _Captured:
+    fqn: str
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _capture(root: nn.Module, forward_fn: Callable[[], Any], blocks: dict[int, str], share: bool
+             ) -> tuple[list[str], dict[str, _Captured], dict[str, str]]:
+    """No-grad forward: block execution order, one captured input per group, and block -> representative."""
+    order: list[str] = []
+    reps: dict[Any, _Captured] = {}
+    rep_of: dict[str, str] = {}
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        fqn = blocks[id(module)]
+        order.append(fqn)
+        args, kwargs = _without_kv_cache(module, args, kwargs)
+        key = _group_key(module, args, kwargs) if share else fqn
+        if key not in reps:
+            reps[key] = _Captured(fqn, module, tuple(args), dict(kwargs))
+        rep_of[fqn] = reps[key].fqn
+
+    modules = {fqn: root.get_submodule(fqn) for fqn in blocks.values()}
+    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in modules.values()]
+    try:
+        with torch.no_grad():
+            out = forward_fn()
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    repeated = sorted({f for f in order if order.count(f) > 1})
+    if repeated:
+        raise LightningCkptError(
+            f"Block {repeated[0]!r} ran {order.count(repeated[0])} times in one forward; the memory model "
+            "assumes each block runs once per step (no weight sharing across calls). Measure plans with "
+            "measure_step instead of predicting them, or name blocks that run once via block_types."
+        )
+    return order, {c.fqn: c for c in reps.values()}, rep_of
+
+
+def _phase_rank(label: tuple[Any, ...], n: int) -> int:
+    kind = label[0]
+    if kind == "pre":
+        return 0
+    if kind == "fwd":
+        return 1 + 2 * label[1]
+    if kind == "fwd_gap":
+        return 2 + 2 * label[1]
+    if kind == "bw_head":
+        return 1 + 2 * n
+    if kind == "bw":
+        return 2 + 2 * n + 2 * (n - 1 - label[1])
+    return 3 + 2 * n + 2 * (n - 1 - label[1])  # bw_gap
+
+
+def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.requires_grad else None
+    leaves, _ = tree_flatten(obj)
+    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+
+
+def _anchor(root: nn.Module, forward_fn: Callable[[], Any], order: list[str], externals: list[Any],
+            device: torch.device) -> tuple[Any, int, tuple[int, int]]:
+    """Forward+backward with every block ``full``, phase maxima recorded.
+
+    Returns the tracker, the resting level and the (total, activation) level when the forward returned.
+    """
+    n = len(order)
+    index = {fqn: i for i, fqn in enumerate(order)}
+    tracker = new_live_tracker(device)
+    tracker.track_external(*externals)
+    current = [("pre",)]
+
+    def enter(label: tuple[Any, ...]) -> None:
+        # Hooks can fire out of phase order (one tensor is both a block's output and the next block's
+        # input); a phase never goes back, so the later one wins.
+        if _phase_rank(label, n) > _phase_rank(current[0], n):
+            current[0] = label
+            tracker.enter_phase(label)
+
+    def grad_marker(label: tuple[Any, ...]) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            enter(label)
+
+        return hook
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        i = index[fqn_of[id(module)]]
+        enter(("fwd", i))
+        where = _hidden_index(args, kwargs)
+        if where is not None:
+            t = args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+            if t.requires_grad:
+                t.register_hook(grad_marker(("bw_gap", i)))
+
+    def post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        i = index[fqn_of[id(module)]]
+        enter(("fwd_gap", i))
+        t = _first_grad_tensor(out)
+        if t is not None:
+            t.register_hook(grad_marker(("bw", i)))
+
+    fqn_of = {id(root.get_submodule(f)): f for f in order}
+    plan = Plan({f: BlockPlan("full") for f in order})
+    handle = apply_plan(root, plan, check_fingerprint=False)
+    handles = []
+    try:
+        for f in order:
+            m = root.get_submodule(f)
+            handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+        resting = tracker.now()[0]
+        tracker.total_peak = resting
+        with tracker:
+            tracker.enter_phase(("pre",))
+            loss = _loss_of(forward_fn())
+            end_of_forward = tracker.now()
+            enter(("bw_head",))
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+        handle.remove()
+    return tracker, resting, end_of_forward
+
+
+def _run_block(root: nn.Module, cap: _Captured, bp: BlockPlan, externals: list[Any], device: torch.device
+               ) -> tuple[ModeProfile, int]:
+    """Run one block alone under ``bp``; returns its profile and its input's bytes."""
+    where = _hidden_index(cap.args, cap.kwargs)
+    if where is None:
+        raise LightningCkptError(
+            f"Block {cap.fqn!r} takes no floating-point tensor input, so there is no hidden state to run it "
+            "on alone. Name blocks whose first argument is the hidden state via block_types."
+        )
+    hidden = cap.args[where[1]] if where[0] == "arg" else cap.kwargs[where[1]]
+    tracker = new_live_tracker(device)
+    captured = [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
+    tracker.track_external(*externals, *captured)
+    plan = Plan({cap.fqn: bp}) if bp.mode != "none" else Plan()
+    handle = apply_plan(root, plan, check_fingerprint=False)
+    try:
+        with tracker:
+            base, base_act = tracker.now()
+            # A fresh non-leaf input, as in the chain: a leaf would be kept alive by its AccumulateGrad
+            # node, hiding whether the block itself saves its input.
+            seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
+            x = hidden.detach() + seed
+            in_bytes = tracker.now()[0] - base
+            args, kwargs = list(cap.args), dict(cap.kwargs)
+            if where[0] == "arg":
+                args[where[1]] = x
+            else:
+                kwargs[where[1]] = x
+            tracker.enter_phase("fwd")
+            out = cap.module(*args, **kwargs)
+            out_t = _first_grad_tensor(out)
+            out_bytes = _tensor_bytes([out_t]) if out_t is not None else 0
+            keep_with_input = tracker.enter_phase("after_fwd")[0] - base - out_bytes
+            del args, kwargs, x
+            keep = tracker.now()[0] - base - out_bytes
+            if out_t is not None:
+                grad = torch.ones_like(out_t)
+                tracker.enter_phase("bw")
+                torch.autograd.backward([out_t], [grad])
+                del grad
+            bw_total, bw_act = tracker.phase_peaks.get("bw", tracker.phase_peaks["after_fwd"])
+            del out, out_t, seed
+        fw_total = tracker.phase_peaks["fwd"][0]
+    finally:
+        handle.remove()
+    return ModeProfile(keep, keep_with_input, fw_total - base, bw_total - base, bw_act - base_act, out_bytes), in_bytes
+
+
+def _default_selective_sets(stacks: Sequence[LayerStack]) -> dict[str, list[tuple[str, ...]]]:
+    sets: dict[str, list[tuple[str, ...]]] = {}
+    for s in stacks:
+        for b in s.blocks:
+            mine: list[tuple[str, ...]] = [(c.name,) for c in b.children]
+            attn, mlp = b.children_of_kind("attention"), b.children_of_kind("mlp")
+            for combo in (attn, mlp, attn + mlp):
+                if len(combo) > 1 and tuple(sorted(combo)) not in mine:
+                    mine.append(tuple(sorted(combo)))
+            sets[b.fqn] = mine
+    return sets
+
+
+def _state_bytes(root: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int, int]:
+    params = {id(p): p for p in root.parameters()}.values()
+    param_bytes = _tensor_bytes(params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    buffer_bytes = _tensor_bytes(root.buffers())
+    opt_bytes = 0
+    if optimizer is not None:
+        opt_bytes = _tensor_bytes(v for state in optimizer.state.values() for v in state.values())
+    return param_bytes, grad_bytes, opt_bytes, buffer_bytes
+
+
+def profile_memory(
+    model: nn.Module,
+    forward_fn: Callable[[], Any],
+    *,
+    stacks: Sequence[LayerStack] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: tuple[Any, ...] = (),
+    device: torch.device | str | None = None,
+    selective_sets: Mapping[str, Iterable[Iterable[str]]] | Iterable[Iterable[str]] | None = None,
+    share_identical_blocks: bool = True,
+    block_types: Iterable[type | str] | None = None,
+) -> MemoryModel:
+    """Profile ``model`` on one batch and return a ``MemoryModel`` that predicts any plan's memory.
+
+    ``forward_fn`` takes no arguments, runs the forward on the batch and returns the loss (a scalar
+    tensor, a dict with ``"loss"``, or an object with ``.loss``); the profile calls ``backward`` on it,
+    as the measured step will. Profile in the state you will measure in: same batch, same gradients
+    (``None`` or not), same optimizer state; ``extra`` are tensors created outside the step (e.g. the
+    batch) to count as resting memory, as in ``measure_step``. HF models should run with
+    ``use_cache=False`` (a KV cache filled during a training forward is memory no plan can remove).
+
+    Memory-safe: the most memory any pass needs is one step with every block fully checkpointed
+    (the lowest-memory plan) or one block's forward+backward without checkpointing. Model state
+    (gradients, buffers, RNG) is left as it was. The model must not have a plan applied.
+
+    ``selective_sets``: child sets to profile exactly for ``selective`` mode (every single child and
+    each block's attention, MLP and attention+MLP children are profiled by default); a mapping from
+    block FQN, or one list for all blocks. Other sets are predicted by adding single-child effects.
+    ``share_identical_blocks``: blocks with the same class, parameter shapes and input shapes share
+    one profile (run once instead of once per block).
+    """
+    root = unwrap_compiled(model)
+    if applied_plan(root) is not None:
+        raise ApplyError(
+            f"profile_memory needs the model without checkpointing, but plan {applied_plan(root).describe()!r} "
+            "is applied. Call handle.remove() first; the profile covers every plan, the applied one included."
+        )
+    stacks = list(stacks) if stacks is not None else discover_blocks(root, block_types=block_types)
+    dev = _normalise_device(torch.device(device) if device is not None else _model_device(root))
+    blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
+    sets = _default_selective_sets(stacks)
+    if selective_sets is not None:
+        extra_sets = selective_sets if isinstance(selective_sets, Mapping) else {f: selective_sets for f in sets}
+        for fqn, combos in extra_sets.items():
+            for combo in combos:
+                c = tuple(sorted(combo))
+                if c not in sets.setdefault(fqn, []):
+                    sets[fqn].append(c)
+    externals: list[Any] = [root, *extra] + ([optimizer] if optimizer is not None else [])
+
+    snapshot = StateSnapshot.capture(root)
+    try:
+        order, reps, rep_of = _capture(root, forward_fn, blocks, share_identical_blocks)
+        snapshot.restore()
+        tracker, resting, end_of_forward = _anchor(root, forward_fn, order, externals, dev)
+        snapshot.restore()
+        overhead = 0
+        if dev.type == "cuda":
+            allocator_peak, resting = _cuda_allocator_anchor(root, forward_fn, order, dev)
+            overhead = allocator_peak - tracker.total_peak
+            snapshot.restore()
+
+        profiles: dict[str, dict[str, ModeProfile]] = {}
+        failed: dict[str, dict[str, str]] = {}
+        in_bytes: dict[str, int] = {}
+        for fqn, cap in reps.items():
+            keys = ["none", "full", "offload", *(f"ops:{name}" for name in SAVE_LISTS)]
+            keys += ["selective:" + ",".join(c) for c in sets.get(fqn, [])]
+            profiles[fqn], failed[fqn] = {}, {}
+            for key in keys:
+                try:
+                    profiles[fqn][key], in_bytes[fqn] = _run_block(root, cap, _block_plan_of(key), externals, dev)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as err:
+                    # A mode this block cannot run under (e.g. an op save-list that does not apply) is
+                    # recorded; predicting a plan that uses it raises PlanError with this reason.
+                    if key in ("none", "full"):
+                        raise
+                    failed[fqn][key] = f"{type(err).__name__}: {err}"
+                finally:
+                    snapshot.restore()
+    finally:
+        snapshot.restore()
+
+    rows = []
+    for fqn in order:
+        rep = rep_of[fqn]
+        prof = profiles[rep]
+        full = prof["full"]
+        transient = max(0, full.backward_peak_activation_bytes - full.keep_bytes - 2 * full.output_bytes)
+        rows.append(
+            BlockMemory(
+                fqn=fqn,
+                saved_bytes={k: p.keep_bytes for k, p in prof.items()},
+                recompute_transient_bytes=transient,
+                input_bytes=in_bytes[rep],
+                shared_with=rep if rep != fqn else None,
+                profiles=dict(prof),
+                failed=dict(failed[rep]),
+            )
+        )
+    n = len(order)
+    phases = []
+    for label, (total, act) in tracker.phase_peaks.items():
+        phases.append(PhasePeak(label[0], label[1] if len(label) > 1 else None, total, act))
+    phases.sort(key=lambda p: _phase_rank((p.kind,) if p.block is None else (p.kind, p.block), n))
+    # Blocks' saved bytes include their inputs, so what is left at the end of the forward is the
+    # embeddings', head's and loss's (the last block's output included).
+    other = max(0, end_of_forward[1] - sum(r.saved_bytes["full"] for r in rows))
+    param_b, grad_b, opt_b, buf_b = _state_bytes(root, optimizer)
+    stack_map = {s.fqn: tuple(b.fqn for b in s.blocks if b.fqn in rep_of) for s in stacks}
+    return MemoryModel(
+        fixed_bytes=param_b + grad_b + opt_b + buf_b,
+        other_activation_bytes=other,
+        blocks=tuple(rows),
+        stacks=stack_map,
+        phases=tuple(phases),
+        resting_bytes=resting,
+        parameter_bytes=param_b,
+        gradient_bytes=grad_b,
+        optimizer_state_bytes=opt_b,
+        buffer_bytes=buf_b,
+        device=str(dev),
+        device_overhead_bytes=overhead,
+        anchor_peak_bytes=tracker.total_peak,
+        anchor_activation_bytes=tracker.activation_peak,
+        fingerprint=model_fingerprint(root),
+    )
+
+
+def _cuda_allocator_anchor(root: nn.Module, forward_fn: Callable[[], Any], order: list[str], device: torch.device
+                           ) -> tuple[int, int]:
+    """(max_memory_allocated, memory_allocated before) of the anchor step, for the tracker-to-allocator offset."""
+    plan = Plan({f: BlockPlan("full") for f in order})
+    handle = apply_plan(root, plan, check_fingerprint=False)
+    try:
+        torch.cuda.synchronize(device)
+        resting = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = _loss_of(forward_fn())
+        loss.backward()
+        del loss
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device), resting
+    finally:
+        handle.remove()

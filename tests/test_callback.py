@@ -1,0 +1,241 @@
+"""End-to-end: ActivationCheckpointTuner inside Trainer.fit on CPU with a tiny GPT."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+
+from lightning_ckpt import ActivationCheckpointTuner, Plan, applied_plan, apply_plan
+from lightning_ckpt.errors import ConfigurationError, DiscoveryError
+from lightning_ckpt.testing import GPT, GPTConfig
+
+SMALL_SPACE = {"modes": ["full", "selective:mlp", "ops:save_matmuls"], "selections": ["all", "first:0.5"],
+               "rest_modes": ["none"], "segments": True, "chunks": [2]}  # fmt: skip
+
+
+class TinyGPT(L.LightningModule):
+    def __init__(self, oom_on: str | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.1))
+        self.bn = nn.BatchNorm1d(32)  # a batch-dependent buffer the trials must not disturb
+        self.mean_loss = MeanMetric()
+        self.oom_on = oom_on
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        plan = applied_plan(self)
+        if self.oom_on and plan is not None and plan.describe() == self.oom_on and torch.is_grad_enabled():
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory. Tried to allocate 2.00 GiB")
+        loss = self.model(x, y) + 1e-3 * self.bn(self.model.transformer.wte(x).mean(1)).square().mean()
+        self.mean_loss(loss)
+        self.log("train_loss", loss)
+        self.log("mean_loss", self.mean_loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 48, (64, 17), generator=g)
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8, shuffle=False)
+
+
+def trainer(tmp_path, callbacks, *, steps=3, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", max_steps=steps, callbacks=callbacks, default_root_dir=tmp_path,
+        logger=TensorBoardLogger(tmp_path / "tb", name="run"), enable_checkpointing=kwargs.pop("ckpt", False),
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+def tuner(**kwargs) -> ActivationCheckpointTuner:
+    defaults = dict(n_trials=8, measure_steps=1, warmup_steps=1, search_space=SMALL_SPACE, verbose=False)
+    return ActivationCheckpointTuner(**{**defaults, **kwargs})
+
+
+def test_budget_forces_a_checkpointing_plan_that_fits(tmp_path):
+    cb = tuner(activation_budget=0.5, plan_path=tmp_path / "plans" / "gpt.json")
+    trainer(tmp_path, [cb]).fit(TinyGPT(), loader())
+    result = cb.result
+    assert not result.fell_back
+    assert result.best_trial.status == "ok" and not result.best.is_empty
+    assert result.best_trial.activation_bytes <= result.budget.limit_bytes
+    assert any(t.status in ("pruned", "over_budget") for t in result.trials), "the budget excluded something"
+    # The plan file round-trips and records the evidence.
+    saved = Plan.load(tmp_path / "plans" / "gpt.json")
+    assert saved == cb.plan == result.best
+    assert saved.metadata["budget"]["kind"] == "activation"
+    assert "none" in saved.metadata["baselines"] and saved.metadata["measured"]["samples_per_second"] > 0
+
+
+def test_without_budget_the_fastest_measured_plan_wins(tmp_path):
+    cb = tuner(tie_tolerance=0.0)
+    trainer(tmp_path, [cb]).fit(TinyGPT(), loader())
+    measured = [t for t in cb.result.trials if t.status == "ok"]
+    assert cb.result.best_trial.samples_per_second == max(t.samples_per_second for t in measured)
+
+
+def test_reuse_runs_zero_trials_and_applies_the_same_plan(tmp_path):
+    path = tmp_path / "gpt.json"
+    first = tuner(activation_budget=0.5, plan_path=path)
+    trainer(tmp_path, [first]).fit(TinyGPT(), loader())
+    reuse = ActivationCheckpointTuner(plan=path, verbose=False)
+    seen = {}
+
+    class Spy(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen["plan"] = applied_plan(pl_module)
+
+    trainer(tmp_path, [reuse, Spy()]).fit(TinyGPT(), loader())
+    assert reuse.trials_run == 0 and reuse.result is None
+    assert seen["plan"] == first.plan
+    # The same plan_path on a later run is a cache: same model and budget, no search.
+    again = tuner(activation_budget=0.5, plan_path=path)
+    trainer(tmp_path, [again]).fit(TinyGPT(), loader())
+    assert again.trials_run == 0 and again.plan == first.plan
+
+
+def test_resume_from_checkpoint_reapplies_without_trials(tmp_path):
+    cb = tuner(activation_budget=0.5)
+    t = trainer(tmp_path, [cb], steps=2, ckpt=True)
+    t.fit(TinyGPT(), loader())
+    ckpt = t.checkpoint_callback.best_model_path or t.checkpoint_callback.last_model_path
+    assert ckpt
+    resumed = tuner(activation_budget=0.5)
+    trainer(tmp_path, [resumed], steps=4, ckpt=True).fit(TinyGPT(), loader(), ckpt_path=ckpt)
+    assert resumed.trials_run == 0 and resumed.plan == cb.plan
+
+
+def test_simulated_oom_in_one_trial_is_survived(tmp_path):
+    cb = tuner(n_trials=8)
+    trainer(tmp_path, [cb]).fit(TinyGPT(oom_on="selective(mlp) x4"), loader())
+    statuses = {t.label: t.status for t in cb.result.trials}
+    assert statuses["baseline:selective_mlp"] == "oom"
+    assert cb.result.best.describe() != "selective(mlp) x4"
+
+
+def _fit_state(tmp_path, callbacks, plan=None):
+    L.seed_everything(7)
+    module = TinyGPT()
+    if plan is not None:
+        apply_plan(module, plan)
+    t = trainer(tmp_path, callbacks, steps=4)
+    t.fit(module, loader())
+    opt = t.optimizers[0].state_dict()
+    return {
+        "weights": {k: v.clone() for k, v in module.state_dict().items()},
+        "opt": [s["exp_avg"].clone() for s in opt["state"].values()],
+        "metrics": {k: float(v) for k, v in t.callback_metrics.items()},
+        "step": t.global_step,
+        "rng": torch.get_rng_state(),
+        "mean_loss_updates": module.mean_loss._update_count,
+    }
+
+
+def test_tuning_leaves_no_trace_beyond_the_chosen_plan(tmp_path):
+    cb = tuner(activation_budget=0.5)
+    with_tuner = _fit_state(tmp_path / "a", [cb])
+    by_hand = _fit_state(tmp_path / "b", [], plan=cb.plan)
+    assert with_tuner["step"] == by_hand["step"] == 4
+    assert with_tuner["metrics"] == by_hand["metrics"]
+    assert with_tuner["mean_loss_updates"] == by_hand["mean_loss_updates"]
+    assert torch.equal(with_tuner["rng"], by_hand["rng"])
+    for k, v in by_hand["weights"].items():
+        assert torch.equal(with_tuner["weights"][k], v), k  # includes BatchNorm running stats
+    for a, b in zip(with_tuner["opt"], by_hand["opt"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tensorboard_entries(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cb = tuner(activation_budget=0.5)
+    t = trainer(tmp_path, [cb])
+    t.fit(TinyGPT(), loader())
+    acc = EventAccumulator(
+        f"{t.logger.log_dir}/lightning_ckpt", size_guidance={"scalars": 0, "tensors": 0, "images": 0}
+    )
+    acc.Reload()
+    scalar_tags = acc.Tags()["scalars"]
+    assert any("samples_per_second" in tag for tag in scalar_tags)
+    assert any("peak" in tag for tag in scalar_tags)
+    assert acc.Tags()["images"], "the Pareto figure"
+    texts = [tag for tag in acc.Tags()["tensors"] if "plan" in tag]
+    assert texts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_memory": "20 gigs"}, "not a memory size"),
+        ({"max_memory": -1}, "positive"),
+        ({"activation_budget": 0}, r"\(0, 1\]"),
+        ({"n_trials": 0}, "n_trials"),
+        ({"search_space": {"mode": ["full"]}}, "Unknown search-space names"),
+        ({"plan_path": f"{__file__}/plan.json"}, "cannot be written"),  # parent is a file
+        ({"plan": Plan(), "n_trials": 5, "on_stale_plan": "raise"}, "could never be used"),
+        ({"on_infeasible": "shrug"}, "on_infeasible"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        ActivationCheckpointTuner(**kwargs)
+
+
+def test_model_with_nothing_to_checkpoint(tmp_path):
+    class Flat(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 48))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0].float()).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(DiscoveryError, match="block_types"):
+        trainer(tmp_path, [tuner()]).fit(Flat(), loader())
+
+
+def test_stale_plan_file_retunes_or_raises(tmp_path):
+    path = tmp_path / "stale.json"
+    other = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=48, block_size=16))
+    from lightning_ckpt import baselines
+
+    baselines(other)["full"].save(path)
+    data = json.loads(path.read_text())
+    data["blocks"] = {f"model.{k}": v for k, v in data["blocks"].items()}
+    path.write_text(json.dumps(data))
+    from lightning_ckpt.errors import StalePlanError
+
+    with pytest.raises(StalePlanError):
+        trainer(tmp_path, [ActivationCheckpointTuner(plan=path, on_stale_plan="raise", verbose=False)]).fit(
+            TinyGPT(), loader()
+        )
+    cb = tuner(plan=path)
+    with pytest.warns(UserWarning, match="Re-tuning"):
+        trainer(tmp_path, [cb]).fit(TinyGPT(), loader())
+    assert cb.trials_run > 0
+
+
+def test_strategy_that_already_checkpoints_is_refused():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_ckpt.testing.nanogpt import Block
+
+    strategy = FSDPStrategy(activation_checkpointing_policy={Block})
+    with pytest.raises(ConfigurationError, match="already applies activation checkpointing"):
+        tuner().setup(SimpleNamespace(strategy=strategy), TinyGPT(), "fit")

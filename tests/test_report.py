@@ -1,0 +1,379 @@
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+from matplotlib.figure import Figure
+from tensorboard.backend.event_processing import event_accumulator as ea
+from tensorboard.plugin_util import markdown_to_safe_html
+from tensorboard.plugins.hparams import metadata as hp_metadata
+from torch.utils.tensorboard import SummaryWriter
+
+from lightning_ckpt import report
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.plan import BlockPlan, Plan
+from lightning_ckpt.report import (
+    STATUS_CODES,
+    TAG_ACTIVATION_MIB,
+    TAG_MEMORY_BREAKDOWN,
+    TAG_PARETO,
+    TAG_PEAK_MIB,
+    TAG_PLAN,
+    TAG_PREFIX,
+    TAG_SAMPLES_PER_SECOND,
+    TAG_STATUS_CODE,
+    TAG_SUMMARY,
+    TAG_TRIAL_SECONDS,
+    TRIAL_SCALAR_TAGS,
+)
+from lightning_ckpt.tune import STATUSES, TrialRecord, TuneResult
+
+MiB = 2**20
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BLOCKS = ("transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.h.3")
+SIZE_GUIDANCE = {ea.SCALARS: 0, ea.TENSORS: 0, ea.IMAGES: 0}
+
+
+def uniform(block_plan: BlockPlan, name: str = "") -> Plan:
+    return Plan(dict.fromkeys(BLOCKS, block_plan), name=name)
+
+
+WINNER_PLAN = Plan(
+    {
+        "transformer.h.0": BlockPlan("full"),
+        "transformer.h.1": BlockPlan("full"),
+        "transformer.h.2": BlockPlan("selective", ("mlp",)),
+        "transformer.h.3": BlockPlan("ops", save_list="save_matmuls"),
+    },
+    name="tuned",
+)
+
+
+def trial(number, plan, label, status, *, params=None, peak=None, act=None, pred=None, sps=None, overhead=None, **kw):
+    return TrialRecord(
+        number=number,
+        plan=plan,
+        label=label,
+        params=params or {},
+        status=status,
+        predicted_peak_bytes=None if pred is None else pred * MiB,
+        predicted_activation_bytes=None if pred is None else (pred - 300) * MiB,
+        peak_bytes=None if peak is None else peak * MiB,
+        activation_bytes=None if act is None else act * MiB,
+        samples_per_second=sps,
+        median_seconds=None if sps is None else 8 / sps,
+        spread_seconds=None if sps is None else 0.001,
+        recompute_overhead=overhead,
+        seconds=1.5 + number,
+        steps=6,
+        **kw,
+    )
+
+
+@pytest.fixture
+def result() -> TuneResult:
+    trials = (
+        trial(0, Plan(name="none"), "baseline:none", "over_budget", peak=900, act=600, pred=880, sps=100.0),
+        trial(
+            1,
+            uniform(BlockPlan("full"), "full"),
+            "baseline:full",
+            "ok",
+            peak=400,
+            act=100,
+            pred=410,
+            sps=70.0,
+            overhead=0.33,
+        ),
+        trial(
+            2,
+            uniform(BlockPlan("selective", ("mlp",)), "selective_mlp"),
+            "baseline:selective_mlp",
+            "ok",
+            peak=550,
+            act=250,
+            pred=540,
+            sps=85.0,
+            overhead=0.12,
+        ),
+        trial(
+            3,
+            uniform(BlockPlan("offload"), "offload"),
+            "baseline:offload",
+            "oom",
+            pred=500,
+            error="CUDA out of memory.\nTried to allocate 2 GiB",
+        ),
+        trial(
+            4,
+            WINNER_PLAN,
+            WINNER_PLAN.describe(),
+            "ok",
+            peak=480,
+            act=180,
+            pred=470,
+            sps=90.0,
+            overhead=0.2,
+            params={
+                "mode_h.0": "full",
+                "children_h.2": ("mlp",),
+                "segments": None,
+                "offload": False,
+                "chunks": 2,
+                "frac": 0.5,
+            },
+        ),
+        trial(
+            5,
+            uniform(BlockPlan("selective", ("attn",))),
+            "selective(attn) x4",
+            "pruned",
+            pred=950,
+            params={"mode_h.0": "selective", "chunks": 4},
+        ),
+        trial(
+            6,
+            uniform(BlockPlan("ops", save_list="save_matmuls")),
+            "ops(save_matmuls) x4",
+            "ok",
+            peak=590,
+            act=290,
+            pred=600,
+            sps=88.0,
+            overhead=0.15,
+            params={"mode_h.0": "ops", "chunks": 1, "frac": 0.25},
+        ),
+        trial(7, Plan(segments={"transformer.h": 2}), "segments(transformer.h=2)", "error", error="RuntimeError: boom"),
+    )
+    return TuneResult(
+        best=WINNER_PLAN,
+        best_trial=trials[4],
+        trials=trials,
+        budget=Budget("peak", 600 * MiB, None, "600.0 MiB peak"),
+        tuning_seconds=42.0,
+        tuning_steps=48,
+        memory_table="block              none     full\ntransformer.h.0   150 MiB  25 MiB",
+    )
+
+
+def read(logdir) -> ea.EventAccumulator:
+    acc = ea.EventAccumulator(str(logdir), size_guidance=SIZE_GUIDANCE)
+    acc.Reload()
+    return acc
+
+
+def text_of(acc: ea.EventAccumulator, tag: str) -> str:
+    (event,) = acc.Tensors(report.text_tag(tag))
+    return event.tensor_proto.string_val[0].decode()
+
+
+def test_status_codes_cover_every_status():
+    assert set(STATUS_CODES) == set(STATUSES)
+    assert len(set(STATUS_CODES.values())) == len(STATUS_CODES)
+    assert all(tag.startswith(f"{TAG_PREFIX}/") for tag in (*TRIAL_SCALAR_TAGS, TAG_PLAN, TAG_SUMMARY, TAG_PARETO))
+
+
+def test_tensorboard_round_trip(tmp_path, result):
+    logdir = report.write_tensorboard(tmp_path / "tb", result)
+    assert logdir == tmp_path / "tb"
+    acc = read(logdir)
+    tags = acc.Tags()
+
+    assert set(TRIAL_SCALAR_TAGS) <= set(tags["scalars"])
+    sps = {e.step: e.value for e in acc.Scalars(TAG_SAMPLES_PER_SECOND)}
+    assert sps == pytest.approx({0: 100.0, 1: 70.0, 2: 85.0, 4: 90.0, 6: 88.0})  # never-run trials are skipped
+    peak = {e.step: e.value for e in acc.Scalars(TAG_PEAK_MIB)}
+    assert peak[1] == pytest.approx(400.0) and 5 not in peak
+    assert {e.step: e.value for e in acc.Scalars(TAG_ACTIVATION_MIB)}[4] == pytest.approx(180.0)
+    status = {e.step: int(e.value) for e in acc.Scalars(TAG_STATUS_CODE)}
+    assert status == {t.number: STATUS_CODES[t.status] for t in result.trials}
+    assert [e.step for e in acc.Scalars(TAG_TRIAL_SECONDS)] == list(range(8))
+
+    plan_text = text_of(acc, TAG_PLAN)
+    assert all(f"`{fqn}`" in plan_text for fqn in BLOCKS)
+    assert "selective(mlp)" in plan_text and "ops(save_matmuls)" in plan_text and "90.0" in plan_text
+    assert "<table>" in markdown_to_safe_html(plan_text)  # TensorBoard renders it as a table
+    memory_text = text_of(acc, TAG_MEMORY_BREAKDOWN)
+    assert memory_text.startswith("```\n") and result.memory_table in memory_text
+    assert "winner" in text_of(acc, TAG_SUMMARY)
+
+    (image,) = acc.Images(TAG_PARETO)
+    assert image.encoded_image_string.startswith(PNG_MAGIC) and image.width > 400 and image.height > 300
+    png = (logdir / report.PARETO_PNG).read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+    # One HParams session (a run of its own) per trial, with the dimensions, label and status.
+    seen_keys: set[str] = set()
+    for t in result.trials:
+        run = read(logdir / report.TRIAL_RUN_FORMAT.format(t.number))
+        content = run.PluginTagToContent(hp_metadata.PLUGIN_NAME)
+        assert hp_metadata.SESSION_END_INFO_TAG in content
+        assert hp_metadata.EXPERIMENT_TAG not in content  # columns come from the union of sessions
+        start = hp_metadata.parse_session_start_info_plugin_data(content[hp_metadata.SESSION_START_INFO_TAG])
+        assert start.hparams["label"].string_value == t.label
+        assert start.hparams["status"].string_value == t.status
+        seen_keys |= set(start.hparams)
+        if t.samples_per_second is not None:
+            (metric,) = run.Scalars(report.HPARAM_SAMPLES_PER_SECOND)
+            assert metric.value == pytest.approx(t.samples_per_second)
+        else:
+            assert report.HPARAM_SAMPLES_PER_SECOND not in run.Tags()["scalars"]
+    assert {"mode_h.0", "children_h.2", "segments", "offload", "chunks", "frac"} <= seen_keys
+
+    winner = read(logdir / "trial_004").PluginTagToContent(hp_metadata.PLUGIN_NAME)
+    hp = hp_metadata.parse_session_start_info_plugin_data(winner[hp_metadata.SESSION_START_INFO_TAG]).hparams
+    assert hp["children_h.2"].string_value == "mlp"
+    assert hp["segments"].string_value == "None" and hp["offload"].string_value == "False"
+    assert hp["chunks"].number_value == 2 and hp["frac"].number_value == 0.5
+
+
+def test_hparams_dashboard_shows_one_row_per_trial(tmp_path, result):
+    """Ask TensorBoard's own HParams plugin, as the browser would: one row per trial, all columns."""
+    from tensorboard.backend import application
+    from tensorboard.backend.event_processing import data_provider
+    from tensorboard.backend.event_processing import plugin_event_multiplexer as pem
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import hparams_plugin
+    from tensorboard.plugins.scalar import scalars_plugin
+    from werkzeug.test import Client
+
+    logdir = str(report.write_tensorboard(tmp_path, result))
+    mux = pem.EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
+    mux.AddRunsFromDirectory(logdir)
+    mux.Reload()
+    context = base_plugin.TBContext(
+        logdir=logdir, multiplexer=mux, data_provider=data_provider.MultiplexerDataProvider(mux, logdir)
+    )
+    plugins = [scalars_plugin.ScalarsPlugin(context)]
+    context.plugin_name_to_instance = {"scalars": plugins[0]}
+    plugins.append(hparams_plugin.HParamsPlugin(context))
+    context.plugin_name_to_instance["hparams"] = plugins[1]
+    client = Client(application.TensorBoardWSGI(plugins))
+    headers = {"X-XSRF-Protected": "1"}
+
+    experiment = client.post("/data/plugin/hparams/experiment", json={"experimentName": ""}, headers=headers).json
+    columns = {h["name"] for h in experiment["hparamInfos"]}
+    assert columns == {"label", "status", "mode_h.0", "children_h.2", "segments", "offload", "chunks", "frac"}
+    assert {m["name"]["tag"] for m in experiment["metricInfos"]} == set(report.HPARAM_METRIC_TAGS)
+    query = {
+        "experimentName": "",
+        "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
+        "colParams": [],
+        "startIndex": 0,
+        "sliceSize": 100,
+    }
+    groups = client.post("/data/plugin/hparams/session_groups", json=query, headers=headers).json["sessionGroups"]
+    assert [g["name"] for g in groups] == [report.TRIAL_RUN_FORMAT.format(t.number) for t in result.trials]
+    winner = {m["name"]["tag"]: m["value"] for m in groups[4]["metricValues"]}
+    assert winner[report.HPARAM_SAMPLES_PER_SECOND] == pytest.approx(90.0)
+    assert groups[4]["hparams"]["label"] == WINNER_PLAN.describe()
+
+
+def test_streamed_trials_are_not_logged_twice(tmp_path, result):
+    with SummaryWriter(log_dir=str(tmp_path)) as writer:
+        for t in result.trials:
+            report.log_trial(writer, t)
+        logdir = report.write_tensorboard(writer, result, memory_breakdown_table="custom table", log_trials=False)
+        # The caller's writer stays open: it belongs to the caller (e.g. Lightning's logger).
+        writer.add_scalar("user/after", 1.0, 0)
+    acc = read(logdir)
+    assert [e.step for e in acc.Scalars(TAG_STATUS_CODE)] == list(range(8))
+    assert "custom table" in text_of(acc, TAG_MEMORY_BREAKDOWN)
+    assert "user/after" in acc.Tags()["scalars"]
+
+
+def test_summary_table_names_the_winner_and_the_margin(result):
+    text = report.summary_table(result)
+    assert "winner (*): [trial 4]" in text and WINNER_PLAN.describe() in text
+    # Against the fastest baseline that *fits* (selective_mlp at 85/s), not 'none' (100/s, over budget).
+    assert "vs best feasible baseline selective_mlp" in text
+    assert "1.06x samples/s" in text and "0.87x peak memory" in text
+    assert "600.0 MiB peak" in text
+    assert "42.0 s, 48 steps over 8 trials (7 run, 1 pruned" in text
+    assert "NOTHING FIT" not in text
+    rows = text.splitlines()
+    assert len(rows[0]) > 0 and set(rows[1]) == {"-"}
+    assert rows[2 + 4].startswith("*")  # the winner's row is marked
+    assert "CUDA out of memory" not in text  # errors go in trial lines, the table stays one row each
+
+
+def test_summary_table_says_when_nothing_fit(result):
+    lowest = result.trials[1]
+    trials = tuple(dataclasses.replace(t, status="over_budget") if t.status == "ok" else t for t in result.trials)
+    fell = dataclasses.replace(
+        result,
+        trials=trials,
+        best=lowest.plan,
+        best_trial=trials[1],
+        fell_back=True,
+    )
+    text = report.summary_table(fell)
+    assert "NOTHING FIT THE BUDGET" in text and "baseline:full" in text
+    assert "no baseline fit the budget" in text
+    fig = report.pareto_figure(fell)
+    assert "fell back" in fig.axes[0].get_title()
+
+
+def test_trial_lines(result):
+    budget = result.budget
+    assert report.trial_line(result.trials[4], budget) == (
+        f"[trial 4] {WINNER_PLAN.describe()} | 90.0 samples/s | peak 480.0 MiB (pred 470.0 MiB) | ok"
+    )
+    assert report.trial_line(result.trials[0], budget).endswith("over_budget (900.0 MiB > 600.0 MiB)")
+    pruned = report.trial_line(result.trials[5], budget)
+    assert "not run" in pruned and pruned.endswith("pruned (predicted 950.0 MiB > 600.0 MiB)")
+    assert report.trial_line(result.trials[3], budget).endswith("oom: CUDA out of memory.")
+    activation = Budget("activation", 200 * MiB, 0.5, "50% of no-checkpointing activation memory")
+    line = report.trial_line(result.trials[4], activation)
+    assert "activation 180.0 MiB (pred 170.0 MiB), peak 480.0 MiB" in line
+
+
+def test_plan_markdown_edge_cases(result):
+    assert "No checkpointing" in report.plan_markdown(Plan(name="none"))
+    seg = report.plan_markdown(Plan(segments={"transformer.h": 2}), result.trials[7])
+    assert "`transformer.h` (stack) | segments: 2 chunks" in seg and "error" in seg
+    measured = Plan({"h.0": BlockPlan("full")}, metadata={"measured": {"samples_per_s": 12.5}})
+    assert "| samples_per_s | 12.5 |" in report.plan_markdown(measured)
+
+
+def test_pareto_figure_contents(result):
+    fig = report.pareto_figure(result)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "measured peak memory (MiB)"
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"fits the budget", "over the budget", "Pareto front"} <= set(legend)
+    assert f"winner: [trial 4] {WINNER_PLAN.describe()}" in legend
+    assert any(s.startswith("budget: 600.0 MiB") for s in legend)
+    assert any(s.startswith("out of memory") for s in legend) and any(s.startswith("pruned") for s in legend)
+    annotations = {t.get_text() for t in ax.texts}
+    assert {"none", "full", "selective_mlp"} <= annotations  # offload never ran: no label
+    assert [t.number for t in report.pareto_front(result)] == [1, 4, 0]
+
+    no_budget = dataclasses.replace(result, budget=Budget("none", description="no budget"))
+    assert "budget: no budget (no memory limit)" in report.summary_table(no_budget)
+    fig = report.pareto_figure(no_budget)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "measured" in legend and not any(s.startswith("budget") for s in legend)
+
+    act = dataclasses.replace(result, budget=Budget("activation", 200 * MiB, 0.5, "50%"))
+    assert report.pareto_figure(act).axes[0].get_xlabel() == "measured activation memory (MiB)"
+    assert [t.number for t in report.pareto_front(act)] == [1, 4, 0]
+
+
+def test_report_imports_neither_lightning_nor_pyplot(tmp_path):
+    code = (
+        "import sys, lightning_ckpt.report as r\n"
+        "assert 'lightning' not in sys.modules, 'report imported lightning'\n"
+        "from lightning_ckpt.plan import Plan\n"
+        "from lightning_ckpt.budget import Budget\n"
+        "from lightning_ckpt.tune import TuneResult\n"
+        f"r.write_tensorboard({str(tmp_path)!r}, TuneResult(Plan(), None, (), Budget('none'), 0.0, 0))\n"
+        "assert 'matplotlib.pyplot' not in sys.modules, 'report imported pyplot'\n"
+        "assert 'lightning' not in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / report.PARETO_PNG).exists()
