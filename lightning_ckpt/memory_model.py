@@ -686,10 +686,10 @@ def _run_block(root: nn.Module, cap: _Captured, bp: BlockPlan, externals: list[A
     handle = apply_plan(root, plan, check_fingerprint=False)
     try:
         with tracker:
-            base, base_act = tracker.now()
             # A fresh non-leaf input, as in the chain: a leaf would be kept alive by its AccumulateGrad
             # node, hiding whether the block itself saves its input.
             seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
+            base, base_act = tracker.now()
             x = hidden.detach() + seed
             in_bytes = tracker.now()[0] - base
             args, kwargs = list(cap.args), dict(cap.kwargs)
@@ -722,8 +722,8 @@ def _default_selective_sets(stacks: Sequence[LayerStack]) -> dict[str, list[tupl
     for s in stacks:
         for b in s.blocks:
             mine: list[tuple[str, ...]] = [(c.name,) for c in b.children]
-            attn, mlp = b.children_of_kind("attention"), b.children_of_kind("mlp")
-            for combo in (attn, mlp, attn + mlp):
+            kinds = [b.children_of_kind(k) for k in ("attention", "mlp", "norm", "other")]
+            for combo in (*kinds, kinds[0] + kinds[1]):
                 if len(combo) > 1 and tuple(sorted(combo)) not in mine:
                     mine.append(tuple(sorted(combo)))
             sets[b.fqn] = mine

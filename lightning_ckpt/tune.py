@@ -159,6 +159,7 @@ def tune(
     enforce_budget: bool = True,
     progress: ProgressFn | None = None,
     extra_tensors: tuple[Any, ...] = (),
+    process_warmup_steps: int = 2,
 ) -> TuneResult:
     """Search checkpointing plans for the highest measured throughput within a memory budget.
 
@@ -168,12 +169,16 @@ def tune(
     """
     import optuna
 
-    from lightning_ckpt.apply import apply_plan
+    from lightning_ckpt.apply import apply_plan, plan_applied
+    from lightning_ckpt.baselines import uniform_plan
     from lightning_ckpt.budget import resolve_budget
     from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
     from lightning_ckpt.measure import measure_step
     from lightning_ckpt.memory_model import profile_memory
-    from lightning_ckpt.plan import library_versions, model_fingerprint
+    from lightning_ckpt.plan import BlockPlan, library_versions, model_fingerprint
+
+    def baseline_full(stacks: Sequence[Any]) -> Plan:
+        return uniform_plan(stacks, BlockPlan("full"))
 
     validate_tune_args(n_trials=n_trials, timeout=timeout, on_infeasible=on_infeasible, tie_tolerance=tie_tolerance)
     started = time.perf_counter()
@@ -193,9 +198,17 @@ def tune(
     log.info("lightning_ckpt: budget %s; no-checkpointing activation memory predicted %s",
              budget.description, format_bytes(none_activation))  # fmt: skip
 
+    # Process warm-up, untimed: the first steps of a process are slow (thread pools, oneDNN/cuBLAS
+    # handles, allocator growth) and would handicap whichever plan is measured first. Run it under
+    # the lowest-memory plan so it cannot run out of memory; measure_step restores all state.
+    with plan_applied(root, baseline_full(stacks), check_fingerprint=False):
+        warm = measure_step(train_step, model=root, optimizer=optimizer, warmup=process_warmup_steps, steps=1,
+                            device=device, track_memory=False, count_flops=False, extra=extra_tensors)  # fmt: skip
+    warm_steps = warm.warmup_steps + len(warm.step_seconds)
+
     candidates = space.enumerate(stacks, fingerprint=fingerprint)
     baseline_cands = [c for c in candidates if c.label.startswith("baseline:")]
-    exhaustive = len(candidates) <= n_trials
+    exhaustive = len(candidates) <= n_trials  # every distinct plan can be measured: no sampling needed
     if sampler is None:
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(1, n_trials // 3)))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -258,8 +271,14 @@ def tune(
     distributions = _distributions(space, stacks)
     # Baselines first: they anchor the comparison and give the sampler good starting points.
     queue = baseline_cands + ([c for c in candidates if not c.label.startswith("baseline:")] if exhaustive else [])
+
+    def measured() -> int:
+        # Pruned candidates cost no step, so they do not use up n_trials; proposals are still
+        # bounded because the loop ends once every distinct plan of the space has been seen.
+        return sum(t.status != "pruned" for t in records)
+
     for cand in queue:
-        if len(records) >= n_trials or out_of_time():
+        if measured() >= n_trials or out_of_time():
             break
         if cand.plan.key() in by_key:
             continue
@@ -267,7 +286,7 @@ def tune(
         _add_to_study(study, trial, distributions, optuna)
 
     misses = 0
-    while not exhaustive and len(records) < n_trials and not out_of_time() and len(by_key) < len(candidates):
+    while not exhaustive and measured() < n_trials and not out_of_time() and len(by_key) < len(candidates):
         ot = study.ask()
         params = space.suggest(ot, stacks)
         plan = space.plan_for(params, stacks, fingerprint=fingerprint)
@@ -339,7 +358,7 @@ def tune(
         trials=tuple(records),
         budget=budget,
         tuning_seconds=time.perf_counter() - started,
-        tuning_steps=sum(t.steps for t in records) + _PROFILE_STEPS,
+        tuning_steps=sum(t.steps for t in records) + _PROFILE_STEPS + warm_steps,
         fell_back=fell_back,
         memory_table=memory_model.table(),
         memory_breakdown=memory_model.to_dict(),
