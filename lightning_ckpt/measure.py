@@ -52,7 +52,11 @@ MEASUREMENT_STATUSES = ("ok", "oom", "invalid", "error")
 
 # Messages of CPU allocation failures (c10/core/impl/alloc_cpu.cpp and friends). CPU OOM surfaces as a
 # plain RuntimeError, so the message is the only way to tell it from a bug.
-_CPU_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory", "not enough memory")
+_CPU_OOM_MESSAGES = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+    "not enough memory",
+)
 _MAX_ERROR_CHARS = 2000
 
 
@@ -145,6 +149,26 @@ def _tracker_class() -> type:
                 if parents == {"Global"}:
                     del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(
+            self, module: nn.Module, install_grad_hooks: bool = True
+        ) -> tuple[int, int]:
+            # MemTracker registers a gradient hook on every parameter, which raises for frozen ones
+            # ("cannot register a hook on a tensor that doesn't require gradient"): fine-tuned models
+            # with frozen layers could not be tracked at all. Hook only the trainable parameters.
+            sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                for param in module.parameters():
+                    if param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                        self._param_to_grad_hook_handles[param] = (
+                            param.register_hook(self._as_grad),
+                            param.register_post_accumulate_grad_hook(lambda p: self._as_grad(p.grad)),
+                        )
+            return sizes
+
+        def _as_grad(self, grad: torch.Tensor | None) -> None:
+            if grad is not None:
+                self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
         def _update_peak_stats(self, peak_state: Any) -> None:  # noqa: ARG002 - MemTracker's signature
             total, act = self.now()
@@ -239,8 +263,8 @@ class StateSnapshot:
 
     def __init__(self) -> None:
         self._rng: dict[str, Any] = {}
-        self._grads: list[list[Any]] = []  # [param, grad object, grad version, host copy]
-        self._buffers: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]] = []
+        self._grads: list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor | None]] = []
+        self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._param_versions: list[tuple[str, nn.Parameter, int]] = []
 
     @classmethod
@@ -254,28 +278,26 @@ class StateSnapshot:
             seen.add(id(p))
             g = p.grad
             copy = g.detach().to("cpu", copy=True) if g is not None else None
-            snap._grads.append([p, g, g._version if g is not None else 0, copy])
+            snap._grads.append((p, g, copy))
             snap._param_versions.append((name, p, p._version))
         for module in model.modules():
             for name, b in module._buffers.items():
                 if b is not None:
-                    snap._buffers.append((module, name, b, b._version, b.detach().to("cpu", copy=True)))
+                    snap._buffers.append((module, name, b, b.detach().to("cpu", copy=True)))
         return snap
 
     def reset_grads(self) -> None:
         """Put every ``.grad`` back as captured: ``None`` stays ``None``, values are copied back."""
-        for entry in self._grads:
-            p, g, version, copy = entry
+        for p, g, copy in self._grads:
             if g is None:
                 p.grad = None
                 continue
             if p.grad is not g:
                 p.grad = g
-            if g._version != version:
-                with torch.no_grad():
-                    g.copy_(copy)
-                # Remember the new version so an untouched grad is not copied again before the next step.
-                entry[2] = g._version
+            # Always copy: version counters are not bumped by every in-place update (BatchNorm's
+            # running statistics, for one), so they cannot tell us what was left untouched.
+            with torch.no_grad():
+                g.copy_(copy)
 
     def restore_rng(self) -> None:
         _set_rng_state(self._rng)
@@ -283,12 +305,11 @@ class StateSnapshot:
     def restore(self) -> None:
         """Gradients, buffers and RNG streams back to the captured state."""
         self.reset_grads()
-        for module, name, b, version, copy in self._buffers:
+        for module, name, b, copy in self._buffers:
             if module._buffers.get(name) is not b:
                 module._buffers[name] = b
-            if b._version != version:
-                with torch.no_grad():
-                    b.copy_(copy)
+            with torch.no_grad():
+                b.copy_(copy)
         self.restore_rng()
 
     def changed_parameters(self) -> list[str]:
@@ -466,8 +487,15 @@ def _flop_counter() -> Any:
     return _FLOP_COUNTER_CLASS()
 
 
-def _validate(warmup: int, steps: int, max_steps: int | None, target_rel_spread: float | None,
-              batch_size: int | None, seq_len: int | None, memory_limit_bytes: int | None) -> None:
+def _validate(
+    warmup: int,
+    steps: int,
+    max_steps: int | None,
+    target_rel_spread: float | None,
+    batch_size: int | None,
+    seq_len: int | None,
+    memory_limit_bytes: int | None,
+) -> None:
     def _is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 

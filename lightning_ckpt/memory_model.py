@@ -218,10 +218,15 @@ class MemoryModel:
 
     # -- presentation -------------------------------------------------------------------------------
     def table(self, plan: Plan | None = None) -> str:
-        """A printable per-block breakdown in MiB: saved activations under each mode (and ``plan``)."""
+        """A printable per-block breakdown in MiB: saved activations under each mode (and under ``plan``).
+
+        Columns are mode keys (``sel:`` = selective of one child); ``recompute`` is the transient of a
+        fully checkpointed block's backward. With ``plan``, a last column and the predicted peak.
+        """
         keys = self._mode_keys()
         saved_under = self.saved_bytes(plan) if plan is not None else None
-        header = ["block", *keys, "recompute"] + (["plan"] if saved_under is not None else [])
+        header = ["block", *(k.replace("selective:", "sel:") for k in keys), "recompute"]
+        header += ["plan"] if saved_under is not None else []
         rows = []
         for b in self.blocks:
             name = b.fqn + (" *" if b.shared_with else "")
@@ -315,9 +320,10 @@ class MemoryModel:
 
     # -- internals ------------------------------------------------------------------------------------
     def _mode_keys(self) -> list[str]:
+        # Child combinations stay in the data (``saved_bytes``) but would make the table unreadably wide.
         keys: list[str] = []
         for b in self.blocks:
-            keys += [k for k in b.saved_bytes if k not in keys]
+            keys += [k for k in b.saved_bytes if k not in keys and "," not in k]
         return keys
 
     def _resolve(self, plan: Plan) -> _PlanState:
@@ -379,7 +385,9 @@ class MemoryModel:
                 if pos == 0:
                     # The head runs the whole chunk inside one checkpoint (which stores only the head's
                     # input) and keeps every block's output until the parent has consumed it.
-                    fw = max(self._profile(self.blocks[i + j], "full").forward_peak_bytes + j * out for j in range(length))
+                    fw = max(
+                        self._profile(self.blocks[i + j], "full").forward_peak_bytes + j * out for j in range(length)
+                    )
                     st.fw_delta[i] = fw - full.forward_peak_bytes
                     st.gap_delta[i] = (length - 1) * out
                 else:
@@ -417,7 +425,13 @@ class MemoryModel:
         # add up. Peaks are approximated the same way (exact combinations: profile_memory(selective_sets=)).
         none = self._profile(block, "none")
         parts = [self._profile(block, f"selective:{c}") for c in key.partition(":")[2].split(",")]
-        fields = ("keep_bytes", "keep_with_input_bytes", "forward_peak_bytes", "backward_peak_bytes", "backward_peak_activation_bytes")
+        fields = (
+            "keep_bytes",
+            "keep_with_input_bytes",
+            "forward_peak_bytes",
+            "backward_peak_bytes",
+            "backward_peak_activation_bytes",
+        )
         values = {f: getattr(none, f) + sum(getattr(p, f) - getattr(none, f) for p in parts) for f in fields}
         return ModeProfile(**values, output_bytes=none.output_bytes)
 
@@ -522,8 +536,9 @@ def _tensor_bytes(tensors: Iterable[Any]) -> int:
     return total
 
 
-def _without_kv_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _without_kv_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The block's arguments with any KV cache replaced by None.
 
     Running a block again with the captured cache would append to it a second time (attention over
@@ -546,8 +561,9 @@ class _Captured:
     kwargs: dict[str, Any]
 
 
-def _capture(root: nn.Module, forward_fn: Callable[[], Any], blocks: dict[int, str], share: bool
-             ) -> tuple[list[str], dict[str, _Captured], dict[str, str]]:
+def _capture(
+    root: nn.Module, forward_fn: Callable[[], Any], blocks: dict[int, str], share: bool
+) -> tuple[list[str], dict[str, _Captured], dict[str, str]]:
     """No-grad forward: block execution order, one captured input per group, and block -> representative."""
     order: list[str] = []
     reps: dict[Any, _Captured] = {}
@@ -603,8 +619,9 @@ def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
     return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
-def _anchor(root: nn.Module, forward_fn: Callable[[], Any], order: list[str], externals: list[Any],
-            device: torch.device) -> tuple[Any, int, tuple[int, int]]:
+def _anchor(
+    root: nn.Module, forward_fn: Callable[[], Any], order: list[str], externals: list[Any], device: torch.device
+) -> tuple[Any, int, tuple[int, int]]:
     """Forward+backward with every block ``full``, phase maxima recorded.
 
     Returns the tracker, the resting level and the (total, activation) level when the forward returned.
@@ -669,8 +686,9 @@ def _anchor(root: nn.Module, forward_fn: Callable[[], Any], order: list[str], ex
     return tracker, resting, end_of_forward
 
 
-def _run_block(root: nn.Module, cap: _Captured, bp: BlockPlan, externals: list[Any], device: torch.device
-               ) -> tuple[ModeProfile, int]:
+def _run_block(
+    root: nn.Module, cap: _Captured, bp: BlockPlan, externals: list[Any], device: torch.device
+) -> tuple[ModeProfile, int]:
     """Run one block alone under ``bp``; returns its profile and its input's bytes."""
     where = _hidden_index(cap.args, cap.kwargs)
     if where is None:
@@ -872,8 +890,9 @@ def profile_memory(
     )
 
 
-def _cuda_allocator_anchor(root: nn.Module, forward_fn: Callable[[], Any], order: list[str], device: torch.device
-                           ) -> tuple[int, int]:
+def _cuda_allocator_anchor(
+    root: nn.Module, forward_fn: Callable[[], Any], order: list[str], device: torch.device
+) -> tuple[int, int]:
     """(max_memory_allocated, memory_allocated before) of the anchor step, for the tracker-to-allocator offset."""
     plan = Plan({f: BlockPlan("full") for f in order})
     handle = apply_plan(root, plan, check_fingerprint=False)
