@@ -160,7 +160,6 @@ class _Chunk:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         outputs = []
-        args, kwargs = _without_caches(self.modules[0], args, kwargs)
         current = args
         for m in self.modules:
             out = _original_forward(m)(*current, **kwargs)
@@ -173,8 +172,11 @@ def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs
     chunk.pending = None
     if not torch.is_grad_enabled() or not args:
         return _original_forward(module)(*args, **kwargs)
-    outputs = checkpoint(chunk.run, args, kwargs, use_reentrant=False, preserve_rng_state=True)
+    run_args, run_kwargs = _without_caches(module, args, kwargs)
+    outputs = checkpoint(chunk.run, run_args, run_kwargs, use_reentrant=False, preserve_rng_state=True)
     chunk.pending = list(outputs[1:]) or None
+    if chunk.pending is None:
+        return outputs[0]
     chunk.last_output = outputs[0]
     chunk.other_args, chunk.kwargs = args[1:], kwargs
     return outputs[0]
@@ -203,7 +205,9 @@ def _segment_member_forward(module: nn.Module, chunk: _Chunk, index: int, *args:
     out = chunk.pending.pop(0)
     chunk.last_output = out
     if not chunk.pending:
-        chunk.pending = None
+        # Drop every reference once the chunk is handed out, or its hidden states would outlive
+        # their backward (and the step).
+        chunk.pending, chunk.last_output, chunk.other_args, chunk.kwargs = None, None, (), {}
     return out
 
 

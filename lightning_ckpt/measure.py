@@ -44,6 +44,7 @@ __all__ = [
     "MemoryReading",
     "StateSnapshot",
     "measure_step",
+    "median_and_spread",
     "new_live_tracker",
     "track_step_memory",
 ]
@@ -447,7 +448,9 @@ def _enforced_memory_limit(device: torch.device, limit: int | None) -> Iterator[
         yield
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    previous = torch.cuda.get_per_process_memory_fraction(device)
+    # get_per_process_memory_fraction is recent; before it, the cap could only have been the default 1.0.
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    previous = getter(device) if getter is not None else 1.0
     # Cached free blocks are handed out without checking the cap, so empty the cache first or a
     # plan over budget could pass by reusing memory an earlier candidate left reserved.
     gc.collect()

@@ -152,6 +152,7 @@ class MemoryModel:
     no tensor tracker sees: cuBLAS workspaces, other tensors in the process, block rounding), added to
     every peak prediction. On CUDA ``predict_activation`` is peak minus resting, as measured there.
     fingerprint: ``model_fingerprint`` of the profiled model; a plan made for another model is refused.
+    idle_blocks: discovered blocks the profiled forward never ran; plans may name them, to no effect.
     """
 
     fixed_bytes: int
@@ -169,6 +170,7 @@ class MemoryModel:
     anchor_peak_bytes: int = 0
     anchor_activation_bytes: int = 0
     fingerprint: str | None = None
+    idle_blocks: tuple[str, ...] = ()
 
     # -- prediction ---------------------------------------------------------------------------------
     def predict_peak(self, plan: Plan) -> int:
@@ -270,6 +272,7 @@ class MemoryModel:
             "anchor_peak_bytes": self.anchor_peak_bytes,
             "anchor_activation_bytes": self.anchor_activation_bytes,
             "fingerprint": self.fingerprint,
+            "idle_blocks": list(self.idle_blocks),
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
@@ -316,6 +319,7 @@ class MemoryModel:
             anchor_peak_bytes=data.get("anchor_peak_bytes", 0),
             anchor_activation_bytes=data.get("anchor_activation_bytes", 0),
             fingerprint=data.get("fingerprint"),
+            idle_blocks=tuple(data.get("idle_blocks", ())),
         )
 
     # -- internals ------------------------------------------------------------------------------------
@@ -339,6 +343,8 @@ class MemoryModel:
         chunk_of: list[int | None] = [None] * n
         chunk_pos: list[tuple[int, int]] = [(0, 0)] * n  # (position in chunk, chunk length)
         for fqn, bp in plan.blocks.items():
+            if fqn in self.idle_blocks:
+                continue
             if fqn not in index:
                 raise PlanError(
                     f"The memory model has no profile for block {fqn!r}. Closest profiled blocks: "
@@ -870,7 +876,8 @@ def profile_memory(
     # embeddings', head's and loss's (the last block's output included).
     other = max(0, end_of_forward[1] - sum(r.saved_bytes["full"] for r in rows))
     param_b, grad_b, opt_b, buf_b = _state_bytes(root, optimizer)
-    stack_map = {s.fqn: tuple(b.fqn for b in s.blocks if b.fqn in rep_of) for s in stacks}
+    # All of each stack's blocks, run or not: apply_plan cuts segments over all of them.
+    stack_map = {s.fqn: s.block_fqns for s in stacks}
     return MemoryModel(
         fixed_bytes=param_b + grad_b + opt_b + buf_b,
         other_activation_bytes=other,
@@ -887,6 +894,7 @@ def profile_memory(
         anchor_peak_bytes=tracker.total_peak,
         anchor_activation_bytes=tracker.activation_peak,
         fingerprint=model_fingerprint(root),
+        idle_blocks=tuple(f for f in blocks.values() if f not in rep_of),
     )
 
 
