@@ -30,6 +30,7 @@ def __getattr__(name: str) -> object:
         return ActivationCheckpointTuner
     raise AttributeError(f"module 'lightning_ckpt' has no attribute {name!r}")
 
+
 __all__ = [
     "BASELINE_NAMES",
     "ActivationCheckpointTuner",
