@@ -212,6 +212,8 @@ def tune(
     if sampler is None:
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(1, n_trials // 3)))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if storage is not None and study_name is None:
+        study_name = f"lightning_ckpt-{fingerprint}"  # same model, same study: an interrupted search resumes
     study = optuna.create_study(
         direction="maximize",
         sampler=sampler,
@@ -222,6 +224,15 @@ def tune(
 
     records: list[TrialRecord] = []
     by_key: dict[str, TrialRecord] = {}
+    # A persisted study (storage=...) resumes: trials measured by an earlier, interrupted run are
+    # taken as they are instead of being measured again.
+    for frozen in study.trials:
+        resumed = _record_from_attrs(len(records), frozen.user_attrs)
+        if resumed is not None and resumed.plan.key() not in by_key:
+            records.append(resumed)
+            by_key[resumed.plan.key()] = resumed
+    if records:
+        log.info("lightning_ckpt: resumed %d trials from study %r", len(records), study.study_name)
     limit = budget.limit_bytes if (enforce_budget and budget.kind == "peak" and device.type == "cuda") else None
 
     def run(params: Mapping[str, Any], plan: Plan, label: str) -> TrialRecord:
@@ -413,20 +424,41 @@ def _distributions(space: SearchSpace, stacks: Sequence[Any]) -> dict[str, Any]:
     return dists
 
 
+_RECORD_FIELDS = (
+    "label", "status", "predicted_peak_bytes", "predicted_activation_bytes", "peak_bytes", "activation_bytes",
+    "samples_per_second", "median_seconds", "spread_seconds", "recompute_flops", "recompute_overhead",
+    "seconds", "steps", "error",
+)  # fmt: skip
+
+
 def _attrs(trial: TrialRecord) -> dict[str, Any]:
-    return {
-        "label": trial.label, "status": trial.status, "plan": trial.plan.describe(),
-        "peak_bytes": trial.peak_bytes, "activation_bytes": trial.activation_bytes,
-        "predicted_peak_bytes": trial.predicted_peak_bytes, "samples_per_second": trial.samples_per_second,
-        "error": trial.error,
-    }  # fmt: skip
+    """Everything needed to rebuild the record from a persisted study (``storage=``)."""
+    attrs = {k: getattr(trial, k) for k in _RECORD_FIELDS}
+    attrs["plan"] = trial.plan.to_dict()
+    attrs["params"] = dict(trial.params)
+    attrs["describe"] = trial.plan.describe()
+    return attrs
+
+
+def _record_from_attrs(number: int, attrs: Mapping[str, Any]) -> TrialRecord | None:
+    if "plan" not in attrs or attrs.get("status") not in STATUSES:
+        return None
+    plan = Plan.from_dict(attrs["plan"], source="stored Optuna trial")
+    fields = {k: attrs.get(k) for k in _RECORD_FIELDS}
+    fields["seconds"] = float(fields["seconds"] or 0.0)
+    fields["steps"] = int(fields["steps"] or 0)
+    return TrialRecord(
+        number=number, plan=plan, params=dict(attrs.get("params", {})), extra={"resumed": True}, **fields
+    )
 
 
 def _add_to_study(study: Any, trial: TrialRecord, distributions: Mapping[str, Any], optuna: Any) -> None:
     """Record a trial we ran outside ask/tell (a baseline) so the sampler learns from it too."""
     params = {k: v for k, v in trial.params.items() if k in distributions}
     if any(v not in distributions[k].choices for k, v in params.items()) or len(params) != len(trial.params):
-        return  # the baseline lies outside the user's restricted space; keep it out of the sampler's model
+        # The baseline lies outside the user's restricted space: store it (so a resumed study does not
+        # measure it again) without parameters, which keeps it out of the sampler's model.
+        params = {}
     state = optuna.trial.TrialState.PRUNED if trial.status == "pruned" else optuna.trial.TrialState.COMPLETE
     frozen = optuna.trial.create_trial(
         params=params,

@@ -1,0 +1,74 @@
+"""The study driver outside Lightning: tune(model, loss_fn, ...)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ckpt import Plan, tune
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.plan import BlockPlan
+from lightning_ckpt.tune import TrialRecord, choose_best
+
+SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
+
+
+def _loss_fn(gpt, tokens):
+    return lambda: gpt(tokens, tokens)
+
+
+def _rec(n, sps, act, status="ok"):
+    return TrialRecord(number=n, plan=Plan({f"h.{n}": BlockPlan("full")}), label=f"t{n}", params={}, status=status,
+                       samples_per_second=sps, activation_bytes=act, peak_bytes=act)  # fmt: skip
+
+
+def test_choose_best_prefers_speed_then_memory_within_tolerance():
+    budget = Budget("activation", 100)
+    trials = [_rec(0, 100.0, 90), _rec(1, 99.5, 50), _rec(2, 120.0, 95, status="over_budget"), _rec(3, 90.0, 10)]
+    assert choose_best(trials, budget, tie_tolerance=0.01).number == 1  # within 1% of the fastest, less memory
+    assert choose_best(trials, budget, tie_tolerance=0.0).number == 0
+    assert choose_best([_rec(0, 5.0, 1, status="oom")], budget, tie_tolerance=0.0) is None
+
+
+def test_tune_returns_model_untouched_and_a_plan_within_budget(gpt, tokens):
+    before = {k: v.clone() for k, v in gpt.state_dict().items()}
+    rng = torch.get_rng_state()
+    result = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.6, n_trials=10, search_space=SPACE,
+                  measure_steps=1, seed=0)  # fmt: skip
+    assert all(torch.equal(v, before[k]) for k, v in gpt.state_dict().items())
+    assert all(p.grad is None for p in gpt.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not any("forward" in vars(m) for m in gpt.modules()), "no plan left applied"
+    assert result.best_trial.activation_bytes <= result.budget.limit_bytes
+    assert result.best.metadata["measured"]["samples_per_second"] == result.best_trial.samples_per_second
+    assert result.tuning_steps > 0 and result.tuning_seconds > 0
+    assert "none" in result.baselines
+
+
+def test_infeasible_budget_raises_or_falls_back(gpt, tokens):
+    with pytest.raises(InfeasibleBudgetError, match="No checkpointing plan fits the budget"):
+        tune(gpt, _loss_fn(gpt, tokens), max_memory=1024, n_trials=4, search_space=SPACE, measure_steps=1,
+             on_infeasible="raise")  # fmt: skip
+    with pytest.warns(UserWarning, match="Falling back to the lowest-memory plan"):
+        result = tune(gpt, _loss_fn(gpt, tokens), max_memory=1024, n_trials=4, search_space=SPACE, measure_steps=1)
+    assert result.fell_back and result.best.describe() == "full x4"
+
+
+def test_persisted_study_resumes_without_measuring_again(gpt, tokens, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'tuning.db'}"
+    space = {"modes": ["full", "selective:mlp", "ops:save_matmuls", "selective:attention"],
+             "selections": ["all", "first:0.5"], "rest_modes": ["none"], "segments": False}  # fmt: skip
+    first = tune(gpt, _loss_fn(gpt, tokens), n_trials=3, search_space=space, storage=storage, measure_steps=1)
+    second = tune(gpt, _loss_fn(gpt, tokens), n_trials=5, search_space=space, storage=storage, measure_steps=1)
+    resumed = [t for t in second.trials if t.extra.get("resumed")]
+    assert [t.plan for t in resumed] == [t.plan for t in first.trials]
+    assert [t.samples_per_second for t in resumed] == [t.samples_per_second for t in first.trials]
+    assert sum(t.status != "pruned" for t in second.trials) == 5
+
+
+def test_bad_tune_arguments(gpt, tokens):
+    with pytest.raises(ConfigurationError, match="n_trials"):
+        tune(gpt, _loss_fn(gpt, tokens), n_trials=0)
+    with pytest.raises(ConfigurationError, match="must return the loss"):
+        tune(gpt, lambda: None, n_trials=2, search_space=SPACE)
