@@ -59,13 +59,23 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
 _CACHE_ARGS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
 
 
-@functools.lru_cache(maxsize=256)
+_FORWARD_PARAMS: dict[type, tuple[str, ...]] = {}
+
+
+# Called inside compiled regions: marked constant so dynamo calls it once at trace time instead of
+# tracing inspect.signature. A plain dict cache rather than functools.lru_cache, whose wrapper dynamo
+# traces through (with a warning) and does not treat as constant.
+@torch.compiler.assume_constant_result
 def _forward_params(cls: type) -> tuple[str, ...]:
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return ()
-    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    names = _FORWARD_PARAMS.get(cls)
+    if names is None:
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        except (TypeError, ValueError):
+            params = []
+        names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        _FORWARD_PARAMS[cls] = names
+    return names
 
 
 def _without_caches(

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from lightning_ckpt.apply import PlanHandle, apply_plan
 from lightning_ckpt.budget import validate_budget_args
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
-from lightning_ckpt.errors import ConfigurationError, StalePlanError
+from lightning_ckpt.errors import ApplyError, ConfigurationError, StalePlanError
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.space import SearchSpace
 from lightning_ckpt.tune import TuneResult, tune, validate_tune_args
@@ -132,6 +132,7 @@ class ActivationCheckpointTuner(Callback):
         self._handle: PlanHandle | None = None
         self._pending = False
         self._writer_cache: Any = None
+        self.wrote_plan_file = False
 
     # -- Lightning hooks ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -149,9 +150,15 @@ class ActivationCheckpointTuner(Callback):
         model = unwrap_compiled(pl_module)
         discover_blocks(model, block_types=self.block_types)  # a model with nothing to checkpoint fails here
         plan = self._resumed_plan or self._given_plan or self._reusable_plan_file(model)
+        source = "resumed checkpoint" if plan is not None and plan is self._resumed_plan else "plan file"
+        if trainer.world_size > 1:
+            # Rank 0 decides (its plan file, its checkpoint state); a rank that decided differently
+            # would run trials alone and hang the others' collectives.
+            data = trainer.strategy.broadcast(plan.to_dict() if plan is not None else None, src=0)
+            plan = Plan.from_dict(data, source="plan broadcast from rank 0") if data is not None else None
         if plan is not None:
             try:
-                self._lock_in(model, plan, source="resumed checkpoint" if plan is self._resumed_plan else "plan file")
+                self._lock_in(model, plan, source=source, trainer=trainer)
                 return
             except StalePlanError as err:
                 if self.on_stale_plan == "raise":
@@ -175,7 +182,7 @@ class ActivationCheckpointTuner(Callback):
         result = self._search(trainer, pl_module, model, batch, batch_idx)
         self.result = result
         self.trials_run = len(result.trials)
-        self._lock_in(model, result.best, source="search")
+        self._lock_in(model, result.best, source="search", trainer=trainer)
         if trainer.is_global_zero:
             self._report(trainer, result)
 
@@ -207,11 +214,19 @@ class ActivationCheckpointTuner(Callback):
             return None
         return plan
 
-    def _lock_in(self, model: torch.nn.Module, plan: Plan, *, source: str) -> None:
+    def _lock_in(self, model: torch.nn.Module, plan: Plan, *, source: str, trainer: pl.Trainer) -> None:
         if self._handle is not None:
             self._handle.remove()
         self._handle = apply_plan(model, plan)
         self.plan = plan
+        if trainer.world_size > 1:
+            digests = _StrategySync(trainer.strategy).all_gather(plan.digest())
+            if len(set(digests)) != 1:
+                self._handle.remove()
+                raise ApplyError(
+                    f"Ranks applied different checkpointing plans (digests by rank: {digests}). Every rank must "
+                    "train with the same plan; check that all ranks read the same plan file."
+                )
         if self.verbose:
             rank_zero_info(f"lightning_ckpt: applied plan from {source}: {plan.describe()}")
 
@@ -252,6 +267,7 @@ class ActivationCheckpointTuner(Callback):
                 measure_steps=self.measure_steps, batch_size=batch_size, seq_len=seq_len,
                 block_types=self.block_types, on_infeasible=self.on_infeasible, tie_tolerance=self.tie_tolerance,
                 progress=progress, extra_tensors=tuple(_tensors(batch)),
+                sync=_StrategySync(trainer.strategy) if trainer.world_size > 1 else None,
             )  # fmt: skip
         return result
 
@@ -278,6 +294,7 @@ class ActivationCheckpointTuner(Callback):
         self.plan = plan
         if self.plan_path is not None:
             plan.save(self.plan_path)
+            self.wrote_plan_file = True
             rank_zero_info(f"lightning_ckpt: wrote plan to {self.plan_path}")
         writer = self._writer(trainer)
         log_dir = report.write_tensorboard(writer, result, log_trials=False)  # trials were streamed
@@ -286,6 +303,33 @@ class ActivationCheckpointTuner(Callback):
         if self.verbose:
             rank_zero_info(report.summary_table(result))
             rank_zero_info(f"lightning_ckpt: TensorBoard logs in {log_dir}")
+
+
+class _StrategySync:
+    """``lightning_ckpt.distributed.Sync`` over a Lightning strategy's process group."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    @property
+    def is_leader(self) -> bool:
+        return self.strategy.global_rank == 0
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    def broadcast(self, obj: Any) -> Any:
+        return self.strategy.broadcast(obj, src=0)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
 
 
 @contextlib.contextmanager

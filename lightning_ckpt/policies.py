@@ -106,12 +106,18 @@ def _policy(save_list: SaveList, meta: dict[str, int], ctx: Any, func: Any, *arg
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _selective_contexts(name: str) -> tuple[Any, Any]:
+    # Fresh counters per checkpoint call: each region decides for itself, forward and recompute alike.
+    return create_selective_checkpoint_contexts(functools.partial(_policy, SAVE_LISTS[name], {}))
+
+
 def selective_context_fn(name: str) -> Callable[[], tuple[Any, Any]]:
-    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` implementing save-list ``name``."""
-    save_list = get_save_list(name)
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` implementing save-list ``name``.
 
-    def context_fn() -> tuple[Any, Any]:
-        # Fresh counters per checkpoint call: each region decides for itself, forward and recompute alike.
-        return create_selective_checkpoint_contexts(functools.partial(_policy, save_list, {}))
-
-    return context_fn
+    A ``functools.partial`` of a module-level function, not a closure: dynamo only accepts a plain
+    function or a partial as ``context_fn`` ("checkpoint not implemented for
+    NestedUserFunctionVariable context_fn"), so a closure would make every ``ops`` plan fail to compile.
+    Its argument is the save-list's name because dynamo guards on the partial's arguments as constants.
+    """
+    get_save_list(name)  # refuse unknown names here, not at the first backward
+    return functools.partial(_selective_contexts, name)

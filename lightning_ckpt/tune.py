@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.budget import Budget, format_bytes
-from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.errors import ApplyError, ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.space import SearchSpace
 
@@ -160,12 +160,16 @@ def tune(
     progress: ProgressFn | None = None,
     extra_tensors: tuple[Any, ...] = (),
     process_warmup_steps: int = 2,
+    sync: Any = None,
 ) -> TuneResult:
     """Search checkpointing plans for the highest measured throughput within a memory budget.
 
     ``step_fn`` runs the forward of one training step on a fixed batch and returns the loss; tune
     calls ``backward`` on it (and never steps an optimizer), both for the memory-safe profile and for
     every measured trial. The model is left exactly as it was: the caller applies ``result.best``.
+
+    ``sync`` (a ``lightning_ckpt.distributed.Sync``) runs the search on several ranks in lockstep:
+    rank 0 proposes, every rank measures, results are combined identically everywhere.
     """
     import optuna
 
@@ -173,6 +177,7 @@ def tune(
     from lightning_ckpt.baselines import uniform_plan
     from lightning_ckpt.budget import resolve_budget
     from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
+    from lightning_ckpt.distributed import combine_trials
     from lightning_ckpt.measure import measure_step
     from lightning_ckpt.memory_model import profile_memory
     from lightning_ckpt.plan import BlockPlan, library_versions, model_fingerprint
@@ -195,6 +200,9 @@ def tune(
 
     none_activation = memory_model.predict_activation(Plan())
     budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_activation)
+    leader = sync is None or sync.is_leader
+    if sync is not None:
+        budget = sync.broadcast(budget)  # one budget for all ranks: rank 0's
     log.info("lightning_ckpt: budget %s; no-checkpointing activation memory predicted %s",
              budget.description, format_bytes(none_activation))  # fmt: skip
 
@@ -214,28 +222,35 @@ def tune(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if storage is not None and study_name is None:
         study_name = f"lightning_ckpt-{fingerprint}"  # same model, same study: an interrupted search resumes
-    study = optuna.create_study(
-        direction="maximize",
-        sampler=sampler,
-        storage=storage,
-        study_name=study_name,
-        load_if_exists=storage is not None,
-    )
+    study = (
+        optuna.create_study(
+            direction="maximize", sampler=sampler, storage=storage, study_name=study_name,
+            load_if_exists=storage is not None,
+        )
+        if leader
+        else None
+    )  # fmt: skip
 
     records: list[TrialRecord] = []
     by_key: dict[str, TrialRecord] = {}
     # A persisted study (storage=...) resumes: trials measured by an earlier, interrupted run are
     # taken as they are instead of being measured again.
-    for frozen in study.trials:
-        resumed = _record_from_attrs(len(records), frozen.user_attrs)
+    stored = [dict(t.user_attrs) for t in study.trials] if study is not None else []
+    if sync is not None:
+        stored = sync.broadcast(stored)
+    for attrs in stored:
+        resumed = _record_from_attrs(len(records), attrs)
         if resumed is not None and resumed.plan.key() not in by_key:
             records.append(resumed)
             by_key[resumed.plan.key()] = resumed
     if records:
-        log.info("lightning_ckpt: resumed %d trials from study %r", len(records), study.study_name)
+        log.info("lightning_ckpt: resumed %d trials from a stored study", len(records))
     limit = budget.limit_bytes if (enforce_budget and budget.kind == "peak" and device.type == "cuda") else None
 
-    def run(params: Mapping[str, Any], plan: Plan, label: str) -> TrialRecord:
+    def predicted_over_budget(plan: Plan) -> bool:
+        return not budget.fits(memory_model.predict_peak(plan), memory_model.predict_activation(plan))
+
+    def run(params: Mapping[str, Any], plan: Plan, label: str, prune: bool | None = None) -> TrialRecord:
         number = len(records)
         t0 = time.perf_counter()
         pred_peak = memory_model.predict_peak(plan)
@@ -244,7 +259,7 @@ def tune(
             number=number, plan=plan, label=label, params=dict(params),
             predicted_peak_bytes=pred_peak, predicted_activation_bytes=pred_act,
         )  # fmt: skip
-        if not budget.fits(pred_peak, pred_act):
+        if prune if prune is not None else not budget.fits(pred_peak, pred_act):
             return TrialRecord(status="pruned", seconds=time.perf_counter() - t0, **common)
         handle = apply_plan(root, plan, check_fingerprint=False)
         try:
@@ -288,36 +303,59 @@ def tune(
         # bounded because the loop ends once every distinct plan of the space has been seen.
         return sum(t.status != "pruned" for t in records)
 
-    for cand in queue:
-        if measured() >= n_trials or out_of_time():
-            break
-        if cand.plan.key() in by_key:
-            continue
-        trial = record(run(cand.params, cand.plan, cand.label))
-        _add_to_study(study, trial, distributions, optuna)
-
-    misses = 0
-    while not exhaustive and measured() < n_trials and not out_of_time() and len(by_key) < len(candidates):
-        ot = study.ask()
-        params = space.suggest(ot, stacks)
-        plan = space.plan_for(params, stacks, fingerprint=fingerprint)
-        previous = by_key.get(plan.key())
-        if previous is not None:
-            # Already measured: tell the sampler the known result without spending a step on it.
-            study.tell(ot, _status_value(previous) if previous.status != "pruned" else None,
-                       state=None if previous.status != "pruned" else optuna.trial.TrialState.PRUNED)  # fmt: skip
-            misses += 1
-            if misses > 4 * len(candidates):
-                break
-            continue
+    def propose() -> Iterator[tuple[Mapping[str, Any], Plan, str]]:
+        """Rank 0's candidates, one at a time; after each yield the trial's record is ``records[-1]``."""
+        for cand in queue:
+            if measured() >= n_trials or out_of_time():
+                return
+            if cand.plan.key() in by_key:
+                continue
+            yield cand.params, cand.plan, cand.label
+            _add_to_study(study, records[-1], distributions, optuna)
         misses = 0
-        trial = record(run(params, plan, plan.describe()))
-        for key, value in _attrs(trial).items():
-            ot.set_user_attr(key, value)
-        if trial.status == "pruned":
-            study.tell(ot, state=optuna.trial.TrialState.PRUNED)
-        else:
-            study.tell(ot, _status_value(trial))
+        while not exhaustive and measured() < n_trials and not out_of_time() and len(by_key) < len(candidates):
+            ot = study.ask()
+            params = space.suggest(ot, stacks)
+            plan = space.plan_for(params, stacks, fingerprint=fingerprint)
+            previous = by_key.get(plan.key())
+            if previous is not None:
+                # Already measured: tell the sampler the known result without spending a step on it.
+                study.tell(ot, _status_value(previous) if previous.status != "pruned" else None,
+                           state=None if previous.status != "pruned" else optuna.trial.TrialState.PRUNED)  # fmt: skip
+                misses += 1
+                if misses > 4 * len(candidates):
+                    return
+                continue
+            misses = 0
+            yield params, plan, plan.describe()
+            trial = records[-1]
+            for key, value in _attrs(trial).items():
+                ot.set_user_attr(key, value)
+            if trial.status == "pruned":
+                study.tell(ot, state=optuna.trial.TrialState.PRUNED)
+            else:
+                study.tell(ot, _status_value(trial))
+
+    proposals = propose() if leader else None
+    while True:
+        proposal = next(proposals, None) if proposals is not None else None
+        if sync is None:
+            if proposal is None:
+                break
+            record(run(*proposal))
+            continue
+        # Lockstep: rank 0 decides the candidate and the pruning; every rank measures; all combine.
+        message = None
+        if proposal is not None:
+            params, plan, label = proposal
+            message = (dict(params), plan.to_dict(), label, predicted_over_budget(plan))
+        message = sync.broadcast(message)
+        if message is None:
+            break
+        params, plan_dict, label, prune = message
+        plan = proposal[1] if proposal is not None else Plan.from_dict(plan_dict, source="broadcast candidate")
+        local = run(params, plan, label, prune=prune)
+        record(combine_trials(sync.all_gather(local), budget))
 
     best = choose_best(records, budget, tie_tolerance=tie_tolerance)
     fell_back = False
@@ -363,6 +401,13 @@ def tune(
             "run": {"device": str(device), "batch_size": batch_size, "seq_len": seq_len},
         },
     )  # fmt: skip
+    if sync is not None:
+        leader_digest = sync.broadcast(chosen.digest())
+        if leader_digest != chosen.digest():
+            raise ApplyError(
+                f"Ranks disagree on the tuned plan: rank 0 chose {leader_digest}, this rank {chosen.digest()} "
+                f"({chosen.describe()}). Trials must be combined identically on every rank; please report this."
+            )
     return TuneResult(
         best=chosen,
         best_trial=best,

@@ -1,0 +1,201 @@
+"""Tuned plan vs every baseline that fits vs the exhaustive best, at several activation budgets.
+
+For the GPT example (8 layers, d=128, T=128, batch 16, CPU) and budgets of 80%, 50% and 30% of the
+no-checkpointing activation memory:
+
+1. ``tune`` with a TPE budget of ``--trials`` measured trials (the tuned plan, and its tuning cost);
+2. ``tune`` exhaustively over the same space (every distinct plan measured: the exhaustive best);
+3. a final side-by-side measurement, interleaved over ``--rounds`` rounds so that machine drift hits
+   every plan alike: every baseline that fits, the tuned plan, the exhaustive best.
+
+Then the lock-in check: steps of ``Trainer.fit`` with the tuned plan locked in by the callback
+(``plan=``) versus the same plan applied by hand, interleaved.
+
+Run: ``python benchmarks/tuner_vs_baselines.py`` (about 10 minutes on 2 cores); writes
+``benchmarks/results/tuner_vs_baselines.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_ckpt import Plan, baselines, discover_blocks, plan_applied, tune
+from lightning_ckpt.measure import measure_step
+from lightning_ckpt.memory_model import profile_memory
+from lightning_ckpt.space import SearchSpace
+from lightning_ckpt.testing import GPT, GPTConfig
+
+SPACE = SearchSpace.from_config(
+    {
+        "modes": ["full", "selective:mlp", "selective:attention+mlp", "ops:save_matmuls"],
+        "selections": ["all", "first:0.5", "every:2"],
+        "rest_modes": ["none", "selective:mlp"],
+        "chunks": [2, 3, 4],
+    }
+)
+
+
+def side_by_side(model: GPT, loss_fn: Any, plans: dict[str, Plan], *, rounds: int, steps: int, batch: int) -> dict:
+    """Median samples/s per plan over interleaved rounds, plus measured activation memory."""
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    memory: dict[str, int] = {}
+
+    def step() -> None:
+        loss_fn().backward()
+
+    for r in range(rounds):
+        for name, plan in plans.items():
+            with plan_applied(model, plan, check_fingerprint=False):
+                m = measure_step(step, model=model, warmup=1, steps=steps, batch_size=batch, track_memory=r == 0)
+            if m.status != "ok":
+                raise RuntimeError(f"{name}: {m.status} {m.error}")
+            times[name].append(m.median_seconds)
+            if r == 0:
+                memory[name] = m.activation_bytes
+    return {
+        name: {"samples_per_second": batch / statistics.median(ts), "activation_bytes": memory[name]}
+        for name, ts in times.items()
+    }
+
+
+def lockin_overhead(config: GPTConfig, plan: Plan, tokens: torch.Tensor, *, steps: int, rounds: int) -> dict:
+    """Per-step time of Trainer.fit with the plan locked in by the callback vs applied by hand."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ckpt import ActivationCheckpointTuner, apply_plan
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(batch[0], batch[0])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self._t = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.times.append(time.perf_counter() - self._t)
+
+    loader = DataLoader(TensorDataset(tokens.repeat(steps + 2, 1)), batch_size=tokens.shape[0])
+    results: dict[str, list[float]] = {"callback": [], "by_hand": []}
+    for _ in range(rounds):
+        for how in ("callback", "by_hand"):
+            module, timer = Module(), StepTimer()
+            callbacks: list[Any] = [timer]
+            if how == "callback":
+                callbacks.insert(0, ActivationCheckpointTuner(plan=plan, verbose=False))
+            else:
+                apply_plan(module, plan)
+            trainer = L.Trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+            trainer.fit(module, loader)
+            results[how].append(statistics.median(timer.times[2:]))  # the first steps warm up
+    cb, hand = statistics.median(results["callback"]), statistics.median(results["by_hand"])
+    return {"callback_step_seconds": cb, "by_hand_step_seconds": hand, "ratio": cb / hand, "raw": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.8, 0.5, 0.3])
+    parser.add_argument("--trials", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tuner_vs_baselines.json")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+
+    config = GPTConfig(n_layer=args.layers, n_head=4, n_embd=128, block_size=128, vocab_size=96, dropout=0.1)
+    torch.manual_seed(0)
+    model = GPT(config)
+    tokens = torch.randint(0, 96, (args.batch, 128), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn() -> torch.Tensor:
+        return model(tokens, tokens)
+
+    none_activation = profile_memory(model, loss_fn, extra=(tokens,)).predict_activation(Plan())
+    space_size = len(SPACE.enumerate(discover_blocks(model), fingerprint=None))
+    rows = []
+    for fraction in args.budgets:
+        limit = int(fraction * none_activation)
+        common = dict(activation_budget=fraction, search_space=SPACE, measure_steps=args.steps, seed=0,
+                      batch_size=args.batch, extra_tensors=(tokens,))  # fmt: skip
+        t0 = time.perf_counter()
+        tuned = tune(model, loss_fn, n_trials=args.trials, **common)
+        tuned_seconds = time.perf_counter() - t0
+        exhaustive = tune(model, loss_fn, n_trials=space_size, **common)
+        fitting = {
+            name: plan
+            for name, plan in baselines(model).items()
+            if name in exhaustive.baselines and exhaustive.baselines[name].status == "ok"
+        }
+        plans = {**{f"baseline:{k}": v for k, v in fitting.items()}, "tuned": tuned.best, "exhaustive": exhaustive.best}
+        measured = side_by_side(model, loss_fn, plans, rounds=args.rounds, steps=args.steps, batch=args.batch)
+        best_baseline = max((v["samples_per_second"], k) for k, v in measured.items() if k.startswith("baseline:"))
+        row = {
+            "budget_fraction": fraction,
+            "budget_bytes": limit,
+            "tuned_plan": tuned.best.describe(),
+            "exhaustive_plan": exhaustive.best.describe(),
+            "tuned_fell_back": tuned.fell_back,
+            "measured": measured,
+            "best_baseline": best_baseline[1],
+            "tuned_vs_best_baseline": measured["tuned"]["samples_per_second"] / best_baseline[0],
+            "tuned_vs_exhaustive": measured["tuned"]["samples_per_second"]
+            / measured["exhaustive"]["samples_per_second"],
+            "budget_violations": sum(
+                v["activation_bytes"] > limit for k, v in measured.items() if k in ("tuned", "exhaustive")
+            ),
+            "tuning_seconds": tuned_seconds,
+            "tuning_steps": tuned.tuning_steps,
+            "tuning_trials_measured": tuned.n_measured,
+            "exhaustive_trials_measured": exhaustive.n_measured,
+        }
+        rows.append(row)
+        print(f"\nbudget {fraction:.0%} of no-checkpointing activation memory ({limit / 2**20:.1f} MiB)")
+        print(f"  {'plan':<26}{'samples/s':>10}{'act MiB':>9}  fits")
+        for name, v in measured.items():
+            label = {"tuned": f"tuned: {row['tuned_plan']}", "exhaustive": f"exhaustive: {row['exhaustive_plan']}"}.get(
+                name, name
+            )
+            fits = "yes" if v["activation_bytes"] <= limit else "NO"
+            print(f"  {label:<26}{v['samples_per_second']:>10.1f}{v['activation_bytes'] / 2**20:>9.1f}  {fits}")
+        print(f"  tuned / best fitting baseline ({row['best_baseline']}): {row['tuned_vs_best_baseline']:.3f}x; "
+              f"tuned / exhaustive: {row['tuned_vs_exhaustive']:.3f}x; budget violations: {row['budget_violations']}; "
+              f"tuning cost {tuned_seconds:.0f} s, {tuned.tuning_steps} steps, {tuned.n_measured} trials measured")  # fmt: skip
+
+    # The tightest budget's plan, renamed for the LightningModule that holds the GPT as `model`.
+    in_module = Plan({f"model.{k}": v for k, v in tuned.best.blocks.items()},
+                     segments={f"model.{k}": n for k, n in tuned.best.segments.items()})  # fmt: skip
+    lockin = lockin_overhead(config, in_module, tokens, steps=20, rounds=2)
+    print(f"\nlock-in: step time with the callback {lockin['callback_step_seconds'] * 1e3:.1f} ms vs by hand "
+          f"{lockin['by_hand_step_seconds'] * 1e3:.1f} ms -> ratio {lockin['ratio']:.3f}")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"config": {k: str(v) for k, v in vars(args).items()}, "none_activation_bytes": none_activation,
+               "space_size": space_size, "rows": rows, "lockin": lockin, "torch": torch.__version__}  # fmt: skip
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

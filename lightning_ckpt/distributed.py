@@ -1,0 +1,79 @@
+"""Rank agreement for the tuner: every rank runs the same trials in lockstep and sees the same results.
+
+The tuner knows nothing about Lightning or process groups: it talks to a ``Sync`` (the callback
+adapts Lightning's strategy to it). Rank 0 (the leader) owns the Optuna study, decides every
+candidate and whether the memory model prunes it, and broadcasts the decision; every rank measures
+the candidate on its own batch *without any collective inside the step*, so an OOM on one rank
+cannot leave another rank waiting in an all-reduce; then all ranks gather their measurements and
+combine them identically: memory is the maximum over ranks, throughput the global samples/s
+limited by the slowest rank, and a failure on any rank fails the trial on all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.tune import TrialRecord
+
+__all__ = ["Sync", "combine_trials"]
+
+# Worst first: a trial is as bad as its worst rank.
+_SEVERITY = ("error", "invalid", "oom", "over_budget", "pruned", "ok")
+
+
+class Sync(Protocol):
+    """What the tuner needs from a process group."""
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (picklable objects)."""
+        ...
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        ...
+
+
+def _max(values: Sequence[int | float | None]) -> Any:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def combine_trials(per_rank: Sequence[TrialRecord], budget: Budget) -> TrialRecord:
+    """One record for a trial measured on every rank (``per_rank`` in rank order)."""
+    lead = per_rank[0]
+    status = min((t.status for t in per_rank), key=_SEVERITY.index)
+    peak = _max([t.peak_bytes for t in per_rank])
+    activation = _max([t.activation_bytes for t in per_rank])
+    sps = None
+    median = _max([t.median_seconds for t in per_rank])
+    if status == "ok" and all(t.samples_per_second and t.median_seconds for t in per_rank):
+        # Ranks step together, so the global step takes as long as the slowest rank's.
+        samples = sum((t.samples_per_second or 0.0) * (t.median_seconds or 0.0) for t in per_rank)
+        sps = samples / median
+    if status == "ok" and not budget.fits(peak, activation):
+        status = "over_budget"
+    errors = [f"rank {i}: {t.error}" for i, t in enumerate(per_rank) if t.error]
+    return replace(
+        lead,
+        status=status,
+        peak_bytes=peak,
+        activation_bytes=activation,
+        samples_per_second=sps if status in ("ok", "over_budget") else None,
+        median_seconds=median,
+        spread_seconds=_max([t.spread_seconds for t in per_rank]),
+        seconds=_max([t.seconds for t in per_rank]) or 0.0,
+        steps=_max([t.steps for t in per_rank]) or 0,
+        error="; ".join(errors) or None,
+        extra={**lead.extra, "ranks": len(per_rank),
+               "per_rank": [{"status": t.status, "samples_per_second": t.samples_per_second,
+                             "peak_bytes": t.peak_bytes} for t in per_rank]},
+    )  # fmt: skip

@@ -1,0 +1,83 @@
+"""Run by tests/test_distributed.py in a subprocess: a 2-rank CPU DDP fit with the tuner.
+
+Lightning's ``ddp`` launcher re-runs this script for rank 1; each rank writes what it saw to
+``<out>/rank<r>.json`` so the test can compare ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ckpt import ActivationCheckpointTuner, applied_plan
+from lightning_ckpt.testing import GPT, GPTConfig
+
+SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
+
+
+class TinyGPT(L.LightningModule):
+    def __init__(self, oom_rank: int = -1, oom_on: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
+        self.oom_rank, self.oom_on = oom_rank, oom_on
+
+    def training_step(self, batch, batch_idx):
+        plan = applied_plan(self)
+        if self.global_rank == self.oom_rank and plan is not None and plan.describe() == self.oom_on:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory on one rank")
+        x, y = batch
+        return self.model(x, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def data() -> TensorDataset:
+    tokens = torch.randint(0, 48, (8, 17), generator=torch.Generator().manual_seed(0))
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--reuse", action="store_true")
+    parser.add_argument("--oom-rank", type=int, default=-1)
+    parser.add_argument("--oom-on", default="")
+    args = parser.parse_args()
+    plan_path = args.out / "plan.json"
+    if args.reuse:
+        tuner = ActivationCheckpointTuner(plan=plan_path, verbose=False)
+    else:
+        tuner = ActivationCheckpointTuner(
+            plan_path=plan_path, n_trials=6, measure_steps=1, search_space=SPACE, verbose=False,
+            log_dir=args.out / "tb",
+        )  # fmt: skip
+    module = TinyGPT(args.oom_rank, args.oom_on)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=1, callbacks=[tuner], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=4, shuffle=False))
+    rank = trainer.global_rank
+    result = tuner.result
+    report = {
+        "rank": rank,
+        "plan": tuner.plan.to_dict() if tuner.plan else None,
+        "digest": tuner.plan.digest() if tuner.plan else None,
+        "trials_run": tuner.trials_run,
+        "statuses": {t.label: t.status for t in result.trials} if result else {},
+        "wrote_plan_file": tuner.wrote_plan_file,
+        "weights": {k: v.tolist() for k, v in module.state_dict().items()},
+    }
+    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

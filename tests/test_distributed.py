@@ -1,0 +1,75 @@
+"""The tuner under DDP (2 CPU ranks, gloo), run as subprocesses: ranks agree, only rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.distributed import combine_trials
+from lightning_ckpt.plan import Plan
+from lightning_ckpt.tune import TrialRecord
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+def _run(out: Path, *args: str) -> list[dict]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=out)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_survive_one_rank_oom_and_reuse(tmp_path):
+    first = _run(tmp_path, "--oom-rank", "1", "--oom-on", "selective(mlp) x2")
+    r0, r1 = first
+    assert r0["digest"] == r1["digest"] and r0["plan"]["blocks"] == r1["plan"]["blocks"]
+    assert r0["trials_run"] == r1["trials_run"] > 0
+    # The OOM happened on rank 1 only, yet both ranks recorded the trial as infeasible.
+    assert r0["statuses"]["baseline:selective_mlp"] == r1["statuses"]["baseline:selective_mlp"] == "oom"
+    assert r0["statuses"] == r1["statuses"]
+    assert r0["wrote_plan_file"] and not r1["wrote_plan_file"]
+    assert Plan.load(tmp_path / "plan.json").digest() == r0["digest"]
+
+    # One DDP step with the tuned plan equals one single-process step on the global batch.
+    sys.path.insert(0, str(WORKER.parent))
+    import ddp_worker
+
+    from lightning_ckpt import apply_plan
+
+    module = ddp_worker.TinyGPT()
+    apply_plan(module, Plan.load(tmp_path / "plan.json"))
+    x, y = ddp_worker.data().tensors
+    module.model(x, y).backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= 0.1 * p.grad
+    for k, v in module.state_dict().items():
+        torch.testing.assert_close(torch.tensor(r0["weights"][k]), v, rtol=1e-5, atol=1e-6)
+
+    reuse = _run(tmp_path, "--reuse")
+    assert [r["trials_run"] for r in reuse] == [0, 0]
+    assert reuse[0]["digest"] == reuse[1]["digest"] == r0["digest"]
+
+
+def _trial(status, sps, seconds, peak):
+    return TrialRecord(number=0, plan=Plan(), label="x", params={}, status=status, samples_per_second=sps,
+                       median_seconds=seconds, peak_bytes=peak, activation_bytes=peak)  # fmt: skip
+
+
+def test_combine_takes_worst_status_max_memory_and_slowest_rank():
+    budget = Budget("peak", 1000)
+    both = combine_trials([_trial("ok", 40.0, 0.1, 500), _trial("ok", 20.0, 0.2, 700)], budget)
+    assert both.status == "ok" and both.peak_bytes == 700
+    assert both.samples_per_second == pytest.approx((4 + 4) / 0.2)  # 8 samples per global step of 0.2 s
+    assert combine_trials([_trial("ok", 40.0, 0.1, 500), _trial("oom", None, None, None)], budget).status == "oom"
+    over = combine_trials([_trial("ok", 40.0, 0.1, 500), _trial("ok", 40.0, 0.1, 1500)], budget)
+    assert over.status == "over_budget"
