@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner, applied_plan
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true")
     parser.add_argument("--oom-rank", type=int, default=-1)
     parser.add_argument("--oom-on", default="")
+    parser.add_argument("--find-unused", action="store_true")
     args = parser.parse_args()
     plan_path = args.out / "plan.json"
     if args.reuse:
@@ -61,7 +63,8 @@ def main() -> None:
         )  # fmt: skip
     module = TinyGPT(args.oom_rank, args.oom_on)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=1, callbacks=[tuner], logger=False,
+        accelerator="cpu", devices=2, max_steps=1,
+        strategy=DDPStrategy(find_unused_parameters=True) if args.find_unused else "ddp", callbacks=[tuner], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module, DataLoader(data(), batch_size=4, shuffle=False))
