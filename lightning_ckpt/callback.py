@@ -75,6 +75,8 @@ class ActivationCheckpointTuner(Callback):
         on_stale_plan: str = "retune",
         on_infeasible: str = "fallback",
         tie_tolerance: float = 0.01,
+        tune_micro_batch: bool = False,
+        batch_arg_name: str = "batch_size",
         log_dir: str | os.PathLike[str] | None = None,
         verbose: bool = True,
     ) -> None:
@@ -122,6 +124,9 @@ class ActivationCheckpointTuner(Callback):
         self.on_stale_plan = on_stale_plan
         self.on_infeasible = on_infeasible
         self.tie_tolerance = tie_tolerance
+        self.tune_micro_batch = bool(tune_micro_batch)
+        self.batch_arg_name = batch_arg_name
+        self.micro_batch: dict[str, int] | None = None  # the applied {size, accumulation, global, original_size}
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.verbose = verbose
 
@@ -159,6 +164,8 @@ class ActivationCheckpointTuner(Callback):
         if plan is not None:
             try:
                 self._lock_in(model, plan, source=source, trainer=trainer)
+                if plan.metadata.get("micro_batch"):
+                    self._set_micro_batch(trainer, pl_module, plan.metadata["micro_batch"])
                 return
             except StalePlanError as err:
                 if self.on_stale_plan == "raise":
@@ -170,6 +177,9 @@ class ActivationCheckpointTuner(Callback):
                 "training_step steps the optimizer itself, so a trial would change the weights. Tune once with "
                 "automatic optimization, or pass plan=... to apply a saved plan."
             )
+        if self.tune_micro_batch:
+            self._search_micro_batch(trainer, pl_module, model)  # before the loop draws its first batch
+            return
         self._pending = True
 
     def on_train_batch_start(
@@ -270,6 +280,120 @@ class ActivationCheckpointTuner(Callback):
                 sync=_StrategySync(trainer.strategy) if trainer.world_size > 1 else None,
             )  # fmt: skip
         return result
+
+    def _search_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module) -> None:
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+
+        from lightning_ckpt import report
+        from lightning_ckpt.microbatch import resize_batch, tune_micro_batch
+
+        if trainer.world_size > 1:
+            raise ConfigurationError("tune_micro_batch=True is not supported under multi-process training yet.")
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise ConfigurationError(
+                f"tune_micro_batch=True changes the micro-batch through the '{self.batch_arg_name}' attribute of the "
+                "LightningModule or its datamodule (as Lightning's BatchSizeFinder does), but neither has it. Add "
+                f"self.{self.batch_arg_name} and use it in train_dataloader(), or set batch_arg_name=..."
+            )
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ConfigurationError(
+                "tune_micro_batch=True sets accumulate_grad_batches itself, but a GradientAccumulationScheduler is "
+                "also set. Remove one of them."
+            )
+        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
+            rank_zero_warn(
+                "tune_micro_batch=True: this model has BatchNorm layers, whose statistics depend on the micro-batch; "
+                "gradient accumulation is then not exactly equivalent to the original batch."
+            )
+        base = int(lightning_getattr(pl_module, self.batch_arg_name))
+        accumulation = int(trainer.accumulate_grad_batches)
+        global_batch = base * accumulation
+        trainer.fit_loop.setup_data()
+        loader = trainer.train_dataloader
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            raise ConfigurationError("tune_micro_batch=True needs a single train DataLoader.")
+        with isolate_rng():  # drawing a batch must not move the data order or any RNG
+            batch = next(iter(loader))
+        batch = trainer.strategy.batch_to_device(batch)
+        precision = trainer.strategy.precision_plugin
+
+        def loss_fn_for(m: int) -> Any:
+            resized = resize_batch(batch, base, m)
+
+            def forward() -> torch.Tensor:
+                with precision.forward_context():
+                    out = pl_module.training_step(resized, 0)
+                return out["loss"] if isinstance(out, Mapping) else out
+
+            return forward
+
+        writer = self._writer(trainer) if trainer.is_global_zero else None
+
+        def progress(trial: Any, budget: Any) -> None:
+            if self.verbose:
+                rank_zero_info(report.trial_line(trial, budget))
+            if writer is not None:
+                report.log_trial(writer, trial)
+
+        with _sandbox(pl_module):
+            found = tune_micro_batch(
+                model, loss_fn_for, base_micro_batch=base, global_batch=global_batch, max_memory=self.max_memory,
+                activation_budget=self.activation_budget, n_trials=self.n_trials, on_infeasible=self.on_infeasible,
+                tie_tolerance=self.tie_tolerance, progress=progress,
+                extra_for=lambda m: tuple(_tensors(resize_batch(batch, base, m))),
+                optimizer=trainer.optimizers[0] if trainer.optimizers else None, search_space=self.search_space,
+                seed=self.seed, warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
+                block_types=self.block_types,
+            )  # fmt: skip
+        self.result = found.result
+        self.trials_run = len(found.result.trials)
+        self._lock_in(model, found.result.best, source="joint micro-batch search", trainer=trainer)
+        self._set_micro_batch(trainer, pl_module, found.result.best.metadata["micro_batch"])
+        if trainer.is_global_zero:
+            self._report(trainer, found.result)
+
+    def _set_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Mapping[str, int]) -> None:
+        """Switch to ``spec``'s micro-batch and accumulation; restore both if the switch fails."""
+        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise ConfigurationError(
+                f"The plan sets micro-batch {spec['size']} x {spec['accumulation']} accumulation, but the model has "
+                f"no '{self.batch_arg_name}' attribute to set. Add it, or re-tune without tune_micro_batch."
+            )
+        old_size = lightning_getattr(pl_module, self.batch_arg_name)
+        old_accumulation = trainer.accumulate_grad_batches
+        if old_size * old_accumulation != spec["global"]:
+            rank_zero_warn(
+                f"lightning_ckpt: the plan's micro-batch was tuned for a global batch of {spec['global']}, but this run "
+                f"has {old_size} x {old_accumulation}; keeping this run's batch settings."
+            )
+            return
+        try:
+            lightning_setattr(pl_module, self.batch_arg_name, int(spec["size"]))
+            trainer.accumulate_grad_batches = int(spec["accumulation"])
+            trainer.fit_loop._combined_loader = None  # force a reload, as Lightning's batch-size tuner does
+            trainer.fit_loop.setup_data()
+            loader = trainer.train_dataloader
+            actual = getattr(loader, "batch_size", spec["size"])
+            if actual != spec["size"]:
+                raise ConfigurationError(
+                    f"Set {self.batch_arg_name}={spec['size']} but the reloaded train DataLoader still has batch_size "
+                    f"{actual}: train_dataloader() must build its DataLoader from self.{self.batch_arg_name}."
+                )
+        except BaseException:
+            lightning_setattr(pl_module, self.batch_arg_name, old_size)
+            trainer.accumulate_grad_batches = old_accumulation
+            trainer.fit_loop._combined_loader = None
+            trainer.fit_loop.setup_data()
+            raise
+        self.micro_batch = dict(spec)
+        if self.verbose:
+            rank_zero_info(
+                f"lightning_ckpt: micro-batch {spec['size']} x {spec['accumulation']} accumulation "
+                f"(global batch {spec['global']}, was {old_size} x {old_accumulation})"
+            )
 
     def _writer(self, trainer: pl.Trainer) -> Any:
         from lightning.pytorch.loggers import TensorBoardLogger

@@ -161,6 +161,8 @@ def tune(
     extra_tensors: tuple[Any, ...] = (),
     process_warmup_steps: int = 2,
     sync: Any = None,
+    memory_model: Any = None,
+    budget: Budget | None = None,
 ) -> TuneResult:
     """Search checkpointing plans for the highest measured throughput within a memory budget.
 
@@ -170,6 +172,8 @@ def tune(
 
     ``sync`` (a ``lightning_ckpt.distributed.Sync``) runs the search on several ranks in lockstep:
     rank 0 proposes, every rank measures, results are combined identically everywhere.
+    ``memory_model`` and ``budget`` replace the profile and the budget resolution when the caller
+    already has them (the joint micro-batch search profiles once and scales).
     """
     import optuna
 
@@ -193,13 +197,15 @@ def tune(
     space = SearchSpace.from_config(search_space).for_device(device.type)
     fingerprint = model_fingerprint(root)
 
-    memory_model = profile_memory(root, step_fn, stacks=stacks, optimizer=optimizer, extra=extra_tensors)
+    if memory_model is None:
+        memory_model = profile_memory(root, step_fn, stacks=stacks, optimizer=optimizer, extra=extra_tensors)
 
     def train_step() -> None:
         _loss_of(step_fn()).backward()
 
     none_activation = memory_model.predict_activation(Plan())
-    budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_activation)
+    if budget is None:
+        budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_activation)
     leader = sync is None or sync.is_leader
     if sync is not None:
         budget = sync.broadcast(budget)  # one budget for all ranks: rank 0's
