@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.apply import PlanHandle, apply_plan
 from lightning_ckpt.budget import validate_budget_args
+from lightning_ckpt.compile import is_compiled, reset_compiled
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, ConfigurationError, StalePlanError
 from lightning_ckpt.plan import Plan
@@ -53,6 +54,8 @@ class ActivationCheckpointTuner(Callback):
         on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a plan file does not fit.
         on_infeasible: ``"fallback"`` (lowest-memory plan, with a warning) or ``"raise"`` when nothing fits.
         log_dir: TensorBoard directory when the Trainer has no TensorBoardLogger.
+        allow_graph_breaks: under ``torch.compile``, a plan that adds graph breaks or hits the recompile
+            limit is a ``conflict`` and never chosen; ``True`` lets it win on throughput (still reported).
     """
 
     def __init__(
@@ -60,7 +63,7 @@ class ActivationCheckpointTuner(Callback):
         max_memory: int | float | str | None = None,
         *,
         activation_budget: float | None = None,
-        plan: str | os.PathLike[str] | Plan | None = None,
+        plan: str | os.PathLike | Plan | None = None,  # not PathLike[str]: jsonargparse then reads the file
         plan_path: str | os.PathLike[str] | None = None,
         n_trials: int | None = None,
         timeout: float | None = None,
@@ -79,6 +82,7 @@ class ActivationCheckpointTuner(Callback):
         batch_arg_name: str = "batch_size",
         log_dir: str | os.PathLike[str] | None = None,
         verbose: bool = True,
+        allow_graph_breaks: bool = False,
     ) -> None:
         validate_budget_args(max_memory, activation_budget)
         validate_tune_args(
@@ -124,6 +128,7 @@ class ActivationCheckpointTuner(Callback):
         self.on_stale_plan = on_stale_plan
         self.on_infeasible = on_infeasible
         self.tie_tolerance = tie_tolerance
+        self.allow_graph_breaks = bool(allow_graph_breaks)
         self.tune_micro_batch = bool(tune_micro_batch)
         self.batch_arg_name = batch_arg_name
         self.micro_batch: dict[str, int] | None = None  # the applied {size, accumulation, global, original_size}
@@ -229,6 +234,8 @@ class ActivationCheckpointTuner(Callback):
             self._handle.remove()
         self._handle = apply_plan(model, plan)
         self.plan = plan
+        if is_compiled(model):
+            reset_compiled()  # compile the locked-in plan afresh: no stale graphs, no recompiles counted (compile.py)
         if trainer.world_size > 1:
             digests = _StrategySync(trainer.strategy).all_gather(plan.digest())
             if len(set(digests)) != 1:
@@ -278,6 +285,7 @@ class ActivationCheckpointTuner(Callback):
                 block_types=self.block_types, on_infeasible=self.on_infeasible, tie_tolerance=self.tie_tolerance,
                 progress=progress, extra_tensors=tuple(_tensors(batch)),
                 sync=_StrategySync(trainer.strategy) if trainer.world_size > 1 else None,
+                allow_graph_breaks=self.allow_graph_breaks,
             )  # fmt: skip
         return result
 

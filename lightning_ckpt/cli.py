@@ -1,56 +1,523 @@
-"""The ``lightning-ckpt`` command: inspect plan files from the shell.
+"""The ``lightning-ckpt`` command: read, compare and check plan files from the shell.
 
-Exit codes: 0 success, 1 a plan or model was refused (the message says why), 2 bad usage.
+    lightning-ckpt show plans/gpt.json                    the plan, the run it was tuned for, the evidence
+    lightning-ckpt diff plans/old.json plans/new.json     what changed between two plans
+    lightning-ckpt validate plans/gpt.json --model mypkg.models:build_model
+                                                          does the plan fit this model? (for CI)
+    lightning-ckpt bench --layers 8                       the seed trade-off table (benchmarks/seed_table.py)
+
+Exit codes: 0 success; 1 a plan or model was refused (the message says why); 2 bad usage (an unknown
+option, a file that does not exist, a --model that cannot be imported).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import json
+import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from lightning_ckpt import __version__
-from lightning_ckpt.errors import LightningCkptError
-from lightning_ckpt.plan import Plan
+from lightning_ckpt.budget import format_bytes
+from lightning_ckpt.errors import LightningCkptError, PlanError
+from lightning_ckpt.plan import Plan, closest_names, library_versions, model_fingerprint
+
+__all__ = ["build_parser", "main"]
+
+# Where ``show`` looks for the memory model's per-block breakdown (``MemoryModel.to_dict()``, the same
+# data as ``TuneResult.memory_breakdown``). Plans written without it simply show no memory columns.
+MEMORY_BREAKDOWN_KEY = "memory_breakdown"
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """The command line names something that is not there (exit code 2, like argparse's own errors)."""
+
+
+# -------------------------------------------------------------------------------------------------
+# Small formatting helpers. Plan metadata is free-form JSON, so every reader tolerates absent keys.
+# -------------------------------------------------------------------------------------------------
+def _section(metadata: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = metadata.get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[int] = (), indent: str = ""
+) -> str:
+    """Aligned columns; ``right`` lists the columns of numbers, right-aligned so digits line up."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        return (indent + "  ".join(out)).rstrip()
+
+    return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def _rate(x: Any) -> str:
+    return f"{x:.1f}" if isinstance(x, (int, float)) else "-"
+
+
+def _bytes(x: Any) -> str:
+    return format_bytes(x) if isinstance(x, (int, float)) else "-"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0
+    return f"{a / b:.2f}x" if ok else "-"
+
+
+def _kv(mapping: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in mapping.items() if v is not None) or "-"
+
+
+def _budget_text(budget: Mapping[str, Any]) -> str:
+    if not budget:
+        return "-"
+    text = str(budget.get("description") or budget.get("kind") or "-")
+    if budget.get("requested") is not None:
+        text += f" (requested max_memory={budget['requested']!r})"
+    return text
+
+
+def _versions_text(versions: Mapping[str, Any]) -> str:
+    """Library versions the plan was tuned with, flagging the ones that differ from what is installed."""
+    installed = library_versions()
+    parts = []
+    for dist, version in versions.items():
+        now = installed.get(dist)
+        parts.append(f"{dist} {version}" + (f" (installed: {now})" if now is not None and now != version else ""))
+    return ", ".join(parts) or "-"
+
+
+def _pt2_budget(plan: Plan) -> float | None:
+    # Plans from schema 2 on may carry PT2's activation_memory_budget for compiled models.
+    return getattr(plan, "compile_memory_budget", None)
+
+
+def _load_plan(path: str) -> Plan:
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"plan file {path!r} does not exist. Check the path (tuning writes it to plan_path=...).")
+    if p.is_dir():
+        raise UsageError(f"{path!r} is a directory; give the path of a plan JSON file inside it.")
+    try:
+        return Plan.load(p)
+    except UnicodeDecodeError:
+        raise PlanError(f"Plan file {path!r} is not a text file, so it cannot be a JSON plan.") from None
+
+
+# -------------------------------------------------------------------------------------------------
+# show
+# -------------------------------------------------------------------------------------------------
+def _block_memory(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
+    """Per block: predicted bytes kept for backward under this plan, and without checkpointing."""
+    data = plan.metadata.get(MEMORY_BREAKDOWN_KEY)
+    if not isinstance(data, Mapping):
+        return None
+    from lightning_ckpt.memory_model import MemoryModel
+
+    try:
+        model = MemoryModel.from_dict(data)
+        return model.saved_bytes(plan), model.saved_bytes(Plan())
+    except Exception:  # a breakdown from another version of the memory model: show the plan without it
+        return None
+
+
+def format_plan(plan: Plan, *, source: str = "") -> str:
+    """The text ``lightning-ckpt show`` prints: identity, the run it was tuned for, blocks, evidence."""
+    md = plan.metadata
+    lines = [
+        f"file         {source or '-'}",
+        f"name         {plan.name or '(unnamed)'}  [{plan.describe()}]  digest {plan.digest()}",
+        f"fingerprint  {plan.fingerprint or '(not recorded: applies to any model with these block names)'}",
+    ]
+    if _pt2_budget(plan) is not None:
+        lines.append(f"compile      torch.compile activation_memory_budget={_pt2_budget(plan):g}")
+    run, budget, versions, search = (_section(md, k) for k in ("run", "budget", "versions", "search"))
+    if run or budget or versions:
+        lines += ["", "tuned for"]
+        lines.append(f"  run        {_kv(run)}")
+        lines.append(f"  budget     {_budget_text(budget)}")
+        lines.append(f"  versions   {_versions_text(versions)}")
+        if search:
+            lines.append(
+                f"  search     {search.get('trials_run', '?')} trials (n_trials={search.get('n_trials', '?')}) over "
+                f"{search.get('space_size', '?')} candidate plans, {search.get('sampler', '?')} seed "
+                f"{search.get('seed', '?')}{', exhaustive' if search.get('exhaustive') else ''}"
+            )
+        if search.get("fell_back"):
+            lines.append("  WARNING    no plan fit the budget; this is the lowest-memory plan measured")
+
+    memory = _block_memory(plan)
+    lines.append("")
+    if memory is None:
+        if plan.blocks:
+            rows = [[fqn, bp.describe()] for fqn, bp in plan.blocks.items()]
+            lines += [_table(["block", "mode"], rows), "(blocks not listed are not checkpointed)"]
+        elif not plan.segments:
+            lines.append("no block is checkpointed (the no-checkpointing plan)")
+    else:
+        saved, unplanned = memory
+        rows = [[fqn, plan.mode_of(fqn).describe(), _bytes(saved[fqn]), _bytes(unplanned.get(fqn))] for fqn in saved]
+        lines.append(_table(["block", "mode", "kept for backward", "without ckpt"], rows, right=(2, 3)))
+        lines.append("(memory: the memory model's prediction for the tuning batch)")
+    if plan.segments:
+        lines += [
+            "",
+            _table(["stack", "segments"], [[fqn or "<root>", f"{n} chunks"] for fqn, n in plan.segments.items()]),
+        ]
+
+    measured, baselines = _section(md, "measured"), _section(md, "baselines")
+    if measured or baselines:
+        lines += ["", "throughput and memory, measured on the first batch while tuning"]
+        win = measured.get("samples_per_second")
+        rows = []
+        if measured:
+            rows.append([
+                f"* {measured.get('label') or plan.describe()}", str(measured.get("status", "-")),
+                _rate(win), "1.00x" if isinstance(win, (int, float)) else "-",
+                _bytes(measured.get("peak_bytes")), _bytes(measured.get("activation_bytes")),
+                _bytes(measured.get("predicted_peak_bytes")),
+            ])  # fmt: skip
+        for name, b in baselines.items():
+            b = b if isinstance(b, Mapping) else {}
+            rows.append([
+                f"  baseline:{name}", str(b.get("status", "-")), _rate(b.get("samples_per_second")),
+                _ratio(win, b.get("samples_per_second")), _bytes(b.get("peak_bytes")),
+                _bytes(b.get("activation_bytes")), "",
+            ])  # fmt: skip
+        headers = ["plan", "status", "samples/s", "speed-up", "peak", "activation", "predicted peak"]
+        lines.append(_table(headers, rows, right=(2, 3, 4, 5, 6), indent="  "))
+        lines.append("  (*) the winner; speed-up: the winner's samples/s over that plan's")
+        if isinstance(measured.get("recompute_overhead"), (int, float)):
+            lines.append(f"  the winner's recompute costs {measured['recompute_overhead']:+.1%} FLOPs per step")
+
+    known = {"run", "budget", "versions", "search", "measured", "baselines", MEMORY_BREAKDOWN_KEY}
+    other = {k: v for k, v in md.items() if k not in known}
+    if other:
+        lines += ["", "other metadata"]
+        lines += [f"  {k}: {json.dumps(v, default=str)[:200]}" for k, v in other.items()]
+    return "\n".join(lines)
 
 
 def _show(args: argparse.Namespace) -> int:
-    plan = Plan.load(args.plan)
-    print(f"plan:        {plan.name or '(unnamed)'}  [{plan.describe()}]")
-    print(f"fingerprint: {plan.fingerprint or '(not checked)'}")
-    width = max([len(f) for f in plan.blocks] + [5])
-    if plan.blocks:
-        print(f"\n{'block':<{width}}  mode")
-        for fqn, bp in plan.blocks.items():
-            print(f"{fqn:<{width}}  {bp.describe()}")
-    for fqn, n in plan.segments.items():
-        print(f"segments: {fqn or '<root>'} in {n} chunks")
-    for key, value in plan.metadata.items():
-        print(f"{key}: {value}")
-    return 0
+    print(format_plan(_load_plan(args.plan), source=args.plan))
+    return EXIT_OK
 
 
+# -------------------------------------------------------------------------------------------------
+# diff
+# -------------------------------------------------------------------------------------------------
+def format_diff(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> str:
+    """What ``lightning-ckpt diff`` prints: blocks and segments that changed, then identity and evidence."""
+    lines = [f"a: {a_name}  [{a.describe()}]", f"b: {b_name}  [{b.describe()}]", ""]
+    rows = []
+    for fqn in sorted(set(a.blocks) | set(b.blocks)):
+        before, after = a.mode_of(fqn).describe(), b.mode_of(fqn).describe()
+        if before != after:
+            sign = "+" if fqn not in a.blocks else "-" if fqn not in b.blocks else "~"
+            rows.append([sign, fqn, before, "->", after])
+    for fqn in sorted(set(a.segments) | set(b.segments)):
+        before, after = a.segments.get(fqn), b.segments.get(fqn)
+        if before != after:
+            sign = "+" if before is None else "-" if after is None else "~"
+            label = f"{fqn or '<root>'} (segments)"
+            rows.append(
+                [sign, label, f"{before} chunks" if before else "none", "->", f"{after} chunks" if after else "none"]
+            )
+    if _pt2_budget(a) != _pt2_budget(b):
+        rows.append(["~", "torch.compile activation_memory_budget", str(_pt2_budget(a)), "->", str(_pt2_budget(b))])
+    if rows:
+        lines.append(_table(["", "block", "a", "", "b"], rows))
+        lines.append("(+ checkpointed only in b, - only in a, ~ checkpointed differently)")
+    else:
+        lines.append("same checkpointing: every block and segment has the same mode in both plans")
+
+    lines.append("")
+    if a.fingerprint == b.fingerprint:
+        lines.append(f"fingerprint  same ({a.fingerprint or 'not recorded'})")
+    elif a.fingerprint and b.fingerprint:
+        lines.append(f"fingerprint  {a.fingerprint} -> {b.fingerprint}: tuned for different models")
+    else:
+        lines.append(f"fingerprint  {a.fingerprint or 'not recorded'} -> {b.fingerprint or 'not recorded'}")
+    for key, render in (("budget", _budget_text), ("run", _kv), ("versions", _kv)):
+        if not (_section(a.metadata, key) or _section(b.metadata, key)):
+            continue
+        before, after = render(_section(a.metadata, key)), render(_section(b.metadata, key))
+        lines.append(f"{key:<12} " + (f"same ({before})" if before == after else f"{before} -> {after}"))
+    ma, mb = _section(a.metadata, "measured"), _section(b.metadata, "measured")
+    if ma or mb:
+        lines.append(
+            f"measured     samples/s {_rate(ma.get('samples_per_second'))} -> {_rate(mb.get('samples_per_second'))}, "
+            f"peak {_bytes(ma.get('peak_bytes'))} -> {_bytes(mb.get('peak_bytes'))}, "
+            f"activation {_bytes(ma.get('activation_bytes'))} -> {_bytes(mb.get('activation_bytes'))}"
+        )
+    return "\n".join(lines)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    print(format_diff(_load_plan(args.a), _load_plan(args.b), a_name=args.a, b_name=args.b))
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------------------------------
+# validate
+# -------------------------------------------------------------------------------------------------
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``pkg.module:factory`` or ``path/to/file.py:factory`` -> the object it names.
+
+    The current directory is importable (as with ``python -m``) and a file's own directory is on the
+    path while it loads (as with ``python file.py``), so project-local models need no installing.
+    """
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise UsageError(
+            f"--model {spec!r} must be MODULE:CALLABLE or FILE.py:CALLABLE, e.g. mypkg.models:build_model or "
+            "models.py:build_model, where the callable takes no arguments and returns the nn.Module."
+        )
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise UsageError(f"--model {spec!r}: the file {target!r} does not exist.")
+        module_name = f"_lightning_ckpt_model_{path.stem}"
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise UsageError(f"--model {spec!r}: {target!r} cannot be loaded as a Python file.")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.path.insert(0, str(path.resolve().parent))
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as err:
+            raise UsageError(f"--model {spec!r}: importing {target!r} failed: {type(err).__name__}: {err}") from None
+        finally:
+            sys.path.remove(str(path.resolve().parent))
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))  # console scripts do not put the current directory on the path
+        try:
+            module = importlib.import_module(target)
+        except Exception as err:
+            raise UsageError(
+                f"--model {spec!r}: cannot import module {target!r}: {type(err).__name__}: {err}"
+            ) from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            raise UsageError(
+                f"--model {spec!r}: {target!r} has no attribute {attr!r}. Closest names: {closest_names(part, names)}."
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_model(spec: str) -> Any:
+    """Call the factory that ``spec`` names and check it gave an ``nn.Module`` (an instance is used as is)."""
+    from torch import nn
+
+    obj = load_factory(spec)
+    if isinstance(obj, nn.Module):
+        return obj
+    if not callable(obj):
+        raise UsageError(f"--model {spec!r} names a {type(obj).__name__}, not a callable that returns an nn.Module.")
+    try:
+        model = obj()
+    except Exception as err:
+        raise LightningCkptError(
+            f"--model {spec!r}: calling it with no arguments raised {type(err).__name__}: {err}"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise LightningCkptError(f"--model {spec!r} returned {type(model).__name__} {model!r:.60}, not an nn.Module.")
+    return model
+
+
+def _prefix_hint(missing: str, names: list[str]) -> str:
+    """Spot the usual cause of missing names: the plan was tuned on a wrapper of this model, or vice versa."""
+    longer = [n for n in names if n.endswith("." + missing)]
+    if longer:
+        prefix = longer[0][: -len(missing)]
+        return (
+            f"this model has {missing!r} as {longer[0]!r}: the plan was tuned on the inner model; have the factory return "
+            f"the module at {prefix.rstrip('.')!r}, or re-tune on this model."
+        )
+    parts = missing.split(".")
+    for i in range(1, len(parts)):
+        if ".".join(parts[i:]) in names:
+            prefix = ".".join(parts[:i])
+            return (
+                f"without the leading {prefix + '.'!r}, {missing!r} exists: the plan was tuned on a wrapper (such as the "
+                f"LightningModule) whose {prefix!r} attribute holds this model; have the factory return that wrapper."
+            )
+    return ""
+
+
+def _canonical(fqn: str) -> str:
+    try:
+        from lightning_ckpt.discovery import canonical_fqn
+    except ImportError:  # a lightning_ckpt without nested-compile support: names are already canonical
+        return fqn
+    return canonical_fqn(fqn)
+
+
+def check_plan(plan: Plan, model: Any) -> list[str]:
+    """Every reason ``plan`` does not fit ``model`` (empty when it fits). The model is left as it was."""
+    from lightning_ckpt.apply import apply_plan
+    from lightning_ckpt.discovery import unwrap_compiled
+
+    root = unwrap_compiled(model)
+    problems = []
+    if plan.fingerprint is not None:
+        actual = model_fingerprint(root)
+        if actual != plan.fingerprint:
+            problems.append(
+                f"fingerprint: the plan was tuned for a model with fingerprint {plan.fingerprint}, but this "
+                f"{type(root).__name__} has {actual} (module tree, parameter shapes or dtypes differ). Re-tune for it."
+            )
+    # Plans name modules without the "_orig_mod" steps a nested torch.compile wrapper adds.
+    names = list(dict.fromkeys(_canonical(n) for n, _ in root.named_modules() if n))
+    name_set = set(names)
+    missing = [fqn for fqn in [*plan.blocks, *plan.segments] if fqn and fqn not in name_set]
+    for fqn in missing:
+        what = "stack" if fqn in plan.segments else "block"
+        problems.append(
+            f"{what} {fqn!r} does not exist in this {type(root).__name__}. Closest names: {closest_names(fqn, names)}."
+        )
+    if missing and (hint := _prefix_hint(missing[0], names)):
+        problems.append(f"hint: {hint}")
+    if not missing:
+        # Names resolve: let apply_plan judge the rest (children, nesting, segment stacks), then undo it.
+        try:
+            apply_plan(root, plan, check_fingerprint=False).remove()
+        except LightningCkptError as err:
+            problems.append(f"apply: {err}")
+    return problems
+
+
+def _validate(args: argparse.Namespace) -> int:
+    plan = _load_plan(args.plan)
+    model = build_model(args.model)
+    problems = check_plan(plan, model)
+    if problems:
+        print(f"REFUSED: {args.plan} does not fit {args.model} ({type(model).__name__}):", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return EXIT_REFUSED
+    checked = "fingerprint and block names" if plan.fingerprint else "block names (no fingerprint recorded)"
+    print(f"OK: {args.plan} fits {args.model} ({type(model).__name__}; {plan.describe()}; checked {checked})")
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------------------------------
+# bench
+# -------------------------------------------------------------------------------------------------
+def _find_benchmark(name: str) -> Path | None:
+    # A source checkout: the current directory, else the checkout this package is installed from (-e).
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        candidate = root / "benchmarks" / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _bench(args: argparse.Namespace, extra: list[str]) -> int:
+    script = Path(args.script) if args.script else _find_benchmark("seed_table.py")
+    if script is None or not script.is_file():
+        where = repr(args.script) if args.script else "benchmarks/seed_table.py"
+        raise UsageError(
+            f"{where} not found. `lightning-ckpt bench` runs the repository's benchmark script, which is not part of "
+            "an installed wheel: run it from a checkout of lightning-ckpt, or pass --script PATH."
+        )
+    # Run it as `python script.py ARGS` would: its own argv, its directory importable.
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(script), *extra]
+    sys.path.insert(0, str(script.resolve().parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return EXIT_REFUSED
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------------------------------
+# the command
+# -------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-ckpt", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lightning-ckpt",
+        description="Read, compare and check activation-checkpointing plan files.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"lightning-ckpt {__version__}")
-    sub = parser.add_subparsers(dest="command")
-    show = sub.add_parser("show", help="print a plan file as a table")
+    sub = parser.add_subparsers(dest="command", metavar="{show,diff,validate,bench}")
+
+    show = sub.add_parser("show", help="print a plan file: blocks, the run it was tuned for, measured figures")
     show.add_argument("plan", help="path to a plan JSON file")
     show.set_defaults(func=_show)
+
+    diff = sub.add_parser("diff", help="what changed between two plan files")
+    diff.add_argument("a", help="the older plan file")
+    diff.add_argument("b", help="the newer plan file")
+    diff.set_defaults(func=_diff)
+
+    validate = sub.add_parser(
+        "validate",
+        help="check a plan against a model: fingerprint and every block name (exit 0 OK, 1 refused)",
+        description="Build the model with --model and check that the plan was tuned for it (fingerprint) and "
+        "that every block it names exists and can be checkpointed. Nothing is trained.",
+    )
+    validate.add_argument("plan", help="path to a plan JSON file")
+    validate.add_argument(
+        "--model",
+        required=True,
+        help="MODULE:CALLABLE or FILE.py:CALLABLE; a callable taking no arguments that returns the model the plan "
+        "was tuned on (with the Lightning callback: the LightningModule)",
+    )
+    validate.set_defaults(func=_validate)
+
+    bench = sub.add_parser(
+        "bench",
+        help="run benchmarks/seed_table.py (memory saved and recompute cost per baseline plan)",
+        description="Run benchmarks/seed_table.py from this checkout. Every other argument goes to the script "
+        "(--layers, --embd, --seq, --batch, --dropout, --out; see `python benchmarks/seed_table.py --help`).",
+        allow_abbrev=False,
+    )
+    bench.add_argument("--script", help="the benchmark script to run (default: benchmarks/seed_table.py)")
+    bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit code (the console script exits with it)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if not hasattr(args, "func"):
-        parser.print_help()
-        return 2
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if extra and args.func is not _bench:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
+        return args.func(args, extra) if args.func is _bench else args.func(args)
+    except UsageError as err:
+        print(f"lightning-ckpt {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     except LightningCkptError as err:
-        print(f"lightning-ckpt: error: {err}", file=sys.stderr)
-        return 1
+        print(f"lightning-ckpt {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_REFUSED
 
 
 if __name__ == "__main__":
