@@ -7,6 +7,7 @@ Lightning callback or from a plain script (``tune(model, step_fn, ...)``).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 
 # Trial statuses. "ok" and "over_budget" were measured; "pruned" was predicted over budget and not
 # run; "oom", "invalid" and "error" failed while running (see Measurement.status).
-STATUSES = ("ok", "over_budget", "pruned", "oom", "invalid", "error")
+# "conflict": a compiled trial whose plan fights torch.compile (graph breaks, recompile limit; see compile.py).
+STATUSES = ("ok", "over_budget", "pruned", "oom", "invalid", "error", "conflict")
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,12 @@ def tune(
     extra_tensors: tuple[Any, ...] = (),
     process_warmup_steps: int = 2,
     sync: Any = None,
+    confirm_top: int = 3,
+    confirm_rounds: int = 2,
     memory_model: Any = None,
     budget: Budget | None = None,
+    compiled: bool | None = None,
+    allow_graph_breaks: bool = False,
 ) -> TuneResult:
     """Search checkpointing plans for the highest measured throughput within a memory budget.
 
@@ -174,12 +180,16 @@ def tune(
     rank 0 proposes, every rank measures, results are combined identically everywhere.
     ``memory_model`` and ``budget`` replace the profile and the budget resolution when the caller
     already has them (the joint micro-batch search profiles once and scales).
+    ``compiled`` (default: detected, see ``lightning_ckpt.compile``) makes every trial compile its plan;
+    plans that add graph breaks or hit the recompile limit are recorded as ``conflict`` and not chosen
+    unless ``allow_graph_breaks=True``.
     """
     import optuna
 
     from lightning_ckpt.apply import apply_plan, plan_applied
     from lightning_ckpt.baselines import uniform_plan
     from lightning_ckpt.budget import resolve_budget
+    from lightning_ckpt.compile import compiled_search, eager_while_profiling
     from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
     from lightning_ckpt.distributed import combine_trials
     from lightning_ckpt.measure import measure_step
@@ -196,14 +206,24 @@ def tune(
     device = _model_device(root)
     space = SearchSpace.from_config(search_space).for_device(device.type)
     fingerprint = model_fingerprint(root)
+    compiled_trials = compiled_search(
+        model, step_fn, compiled=compiled, device=device, optimizer=optimizer, extra=extra_tensors,
+        warmup_steps=warmup_steps, measure_steps=measure_steps, batch_size=batch_size, seq_len=seq_len,
+        allow_graph_breaks=allow_graph_breaks,
+    )  # fmt: skip
+    if compiled_trials is not None:
+        space = compiled_trials.adapt(space)
 
     if memory_model is None:
-        memory_model = profile_memory(root, step_fn, stacks=stacks, optimizer=optimizer, extra=extra_tensors)
+        with eager_while_profiling(compiled_trials is not None):
+            memory_model = profile_memory(root, step_fn, stacks=stacks, optimizer=optimizer, extra=extra_tensors)
 
     def train_step() -> None:
         _loss_of(step_fn()).backward()
 
     none_activation = memory_model.predict_activation(Plan())
+    if compiled_trials is not None:  # an activation budget is a fraction of the *compiled* step's activations
+        none_activation = compiled_trials.none_activation_bytes(Plan(fingerprint=fingerprint)) or none_activation
     if budget is None:
         budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_activation)
     leader = sync is None or sync.is_leader
@@ -215,7 +235,10 @@ def tune(
     # Process warm-up, untimed: the first steps of a process are slow (thread pools, oneDNN/cuBLAS
     # handles, allocator growth) and would handicap whichever plan is measured first. Run it under
     # the lowest-memory plan so it cannot run out of memory; measure_step restores all state.
-    with plan_applied(root, baseline_full(stacks), check_fingerprint=False):
+    with (
+        plan_applied(root, baseline_full(stacks), check_fingerprint=False),
+        eager_while_profiling(compiled_trials is not None),
+    ):
         warm = measure_step(train_step, model=root, optimizer=optimizer, warmup=process_warmup_steps, steps=1,
                             device=device, track_memory=False, count_flops=False, extra=extra_tensors)  # fmt: skip
     warm_steps = warm.warmup_steps + len(warm.step_seconds)
@@ -265,6 +288,8 @@ def tune(
             number=number, plan=plan, label=label, params=dict(params),
             predicted_peak_bytes=pred_peak, predicted_activation_bytes=pred_act,
         )  # fmt: skip
+        if compiled_trials is not None:
+            return compiled_trials.run(plan, common, budget, t0, limit)
         if prune if prune is not None else not budget.fits(pred_peak, pred_act):
             return TrialRecord(status="pruned", seconds=time.perf_counter() - t0, **common)
         handle = apply_plan(root, plan, check_fingerprint=False)
@@ -363,6 +388,13 @@ def tune(
         local = run(params, plan, label, prune=prune)
         record(combine_trials(sync.all_gather(local), budget))
 
+    if confirm_top > 0:
+        # Confirmation: re-time the leading plans and the best baseline side by side, interleaved
+        # over rounds, so the choice does not rest on one trial measured in a slow moment (the
+        # first trials of a process, a noisy neighbour). Memory was measured already and is kept.
+        records = _confirm(records, budget, confirm_top, confirm_rounds, train_step, root, optimizer, device,
+                           batch_size, seq_len, measure_steps, extra_tensors, sync)  # fmt: skip
+
     best = choose_best(records, budget, tie_tolerance=tie_tolerance)
     fell_back = False
     if best is None:
@@ -404,7 +436,8 @@ def tune(
                 "space_size": len(candidates), "seed": seed, "sampler": type(sampler).__name__,
                 "tie_tolerance": tie_tolerance, "fell_back": fell_back,
             },
-            "run": {"device": str(device), "batch_size": batch_size, "seq_len": seq_len},
+            "run": {"device": str(device), "batch_size": batch_size, "seq_len": seq_len,
+                    "compiled": list(compiled_trials.regions) if compiled_trials is not None else None},
         },
     )  # fmt: skip
     if sync is not None:
@@ -425,6 +458,52 @@ def tune(
         memory_table=memory_model.table(),
         memory_breakdown=memory_model.to_dict(),
     )
+
+
+def _confirm(
+    records: list[TrialRecord], budget: Budget, top: int, rounds: int, train_step: Callable[[], None],
+    root: nn.Module, optimizer: Any, device: torch.device, batch_size: int | None, seq_len: int | None,
+    steps: int, extra: tuple[Any, ...], sync: Any,
+) -> list[TrialRecord]:  # fmt: skip
+    """Re-time the ``top`` fastest feasible trials and the fastest feasible baseline, interleaved."""
+    from lightning_ckpt.apply import plan_applied
+    from lightning_ckpt.measure import measure_step
+
+    feasible = sorted((t for t in records if t.feasible and t.samples_per_second),
+                      key=lambda t: -(t.samples_per_second or 0.0))  # fmt: skip
+    chosen = feasible[:top]
+    baseline = next((t for t in feasible if t.label.startswith("baseline:")), None)
+    if baseline is not None and baseline not in chosen:
+        chosen.append(baseline)
+    if len(chosen) < 2:
+        return records
+    times: dict[int, list[float]] = {t.number: [] for t in chosen}
+    for _ in range(rounds):
+        for t in chosen:
+            with plan_applied(root, t.plan, check_fingerprint=False):
+                m = measure_step(train_step, model=root, optimizer=optimizer, warmup=1, steps=steps, device=device,
+                                 batch_size=batch_size, seq_len=seq_len, track_memory=False, count_flops=False,
+                                 extra=extra)  # fmt: skip
+            seconds = m.median_seconds if m.status == "ok" else None
+            if sync is not None:
+                # Ranks step together: a round takes as long as the slowest rank's step.
+                gathered = sync.all_gather(seconds)
+                seconds = None if any(g is None for g in gathered) else max(gathered)
+            if seconds is not None:
+                times[t.number].append(seconds)
+    samples = (batch_size or 1) * (sync.world_size if sync is not None else 1)
+    out = list(records)
+    for t in chosen:
+        if not times[t.number]:
+            continue
+        median = statistics.median([t.median_seconds or times[t.number][0], *times[t.number]])
+        out[out.index(t)] = replace(
+            t, samples_per_second=samples / median, median_seconds=median,
+            steps=t.steps + rounds * (steps + 1),
+            extra={**t.extra, "first_samples_per_second": t.samples_per_second,
+                   "confirmation_seconds": times[t.number]},
+        )  # fmt: skip
+    return out
 
 
 # The memory profile runs one no-grad capture forward and one anchor step (plus per-block passes
@@ -472,6 +551,8 @@ def _distributions(space: SearchSpace, stacks: Sequence[Any]) -> dict[str, Any]:
             dists["rest_mode"] = CategoricalDistribution(space.rest_modes)
     if space.chunk_choices(stacks):
         dists["chunks"] = CategoricalDistribution(space.chunk_choices(stacks))
+    if space.budget_choices:
+        dists["compile_budget"] = CategoricalDistribution(space.budget_choices)
     return dists
 
 
