@@ -1,0 +1,50 @@
+"""The README's usage snippet runs as written (with a small model and datamodule supplied)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_ckpt.callback
+from lightning_ckpt.testing import GPT, GPTConfig
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _snippet() -> str:
+    text = README.read_text()
+    match = re.search(r"<!-- readme-snippet -->\s*```python\n(.*?)```", text, re.S)
+    assert match, "README.md lost its <!-- readme-snippet --> code block"
+    return match.group(1)
+
+
+class Model(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=48, block_size=16))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(*batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Data(L.LightningDataModule):
+    def train_dataloader(self):
+        tokens = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+
+
+def test_readme_snippet_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(lightning_ckpt.callback, "_DEFAULT_TRIALS", 4)  # keep the search short in CI
+    code = _snippet().replace("max_steps=100", "max_steps=2, logger=False, enable_checkpointing=False")
+    namespace = {"model": Model(), "datamodule": Data()}
+    exec(compile(code, str(README), "exec"), namespace)
+    assert (tmp_path / "plans" / "gpt.json").exists()
+    assert namespace["tuner"].trials_run > 0
