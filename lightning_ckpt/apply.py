@@ -251,10 +251,13 @@ class _Patch:
 class PlanHandle:
     """What ``apply_plan`` returns: the applied plan and the means to undo it exactly."""
 
-    def __init__(self, model: nn.Module, plan: Plan, patches: list[_Patch]) -> None:
+    def __init__(
+        self, model: nn.Module, plan: Plan, patches: list[_Patch], previous_budget: float | None = None
+    ) -> None:
         self.plan = plan
         self._model_ref = weakref.ref(model)
         self._patches = patches
+        self._previous_budget = previous_budget  # the compile memory budget to restore (plan sets one)
         self._removed = False
 
     @property
@@ -276,6 +279,8 @@ class PlanHandle:
             prev = d.pop(_PREV_FORWARD, None)
             if prev is not None:
                 d["forward"] = prev
+        if self._previous_budget is not None:
+            _set_compile_memory_budget(self._previous_budget)
         self._removed = True
         model = self._model_ref()
         if model is not None and _ACTIVE.get(model) is self:
@@ -292,6 +297,15 @@ class PlanHandle:
         return f"PlanHandle({self.plan.describe()}, {len(self._patches)} modules, {state})"
 
 
+def _set_compile_memory_budget(value: float) -> float:
+    """Set PT2's activation memory budget (read by the partitioner at compile time); return the old value."""
+    import torch._functorch.config as functorch_config
+
+    previous = float(functorch_config.activation_memory_budget)
+    functorch_config.activation_memory_budget = value
+    return previous
+
+
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan currently applied to ``model`` by ``apply_plan``, if any."""
     handle = _ACTIVE.get(unwrap_compiled(model))
@@ -300,7 +314,9 @@ def applied_plan(model: nn.Module) -> Plan | None:
 
 def _resolve(root: nn.Module, fqn: str, what: str) -> nn.Module:
     try:
-        return root.get_submodule(fqn) if fqn else root
+        # Unwrapped so a block wrapped by torch.compile(block) gets its forward patched on the module
+        # the compiled code calls, inside the compiled region rather than around it.
+        return unwrap_compiled(root.get_submodule(fqn)) if fqn else root
     except AttributeError:
         names = [n for n, _ in root.named_modules() if n]
         raise PlanError(
@@ -314,7 +330,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
 
     Everything is validated before the first module is touched, so a refused plan leaves the model
     as it was. Apply before ``torch.compile``-ing, or reset dynamo afterwards: a compiled graph
-    does not see a changed forward until it recompiles.
+    does not see a changed forward until it recompiles. A plan's ``compile_memory_budget`` sets
+    ``torch._functorch.config.activation_memory_budget`` (process-wide) until ``remove()``.
     """
     root = unwrap_compiled(model)
     if applied_plan(root) is not None:
@@ -370,7 +387,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
         # are needed first in backward, so recomputing them would cost time and save no peak memory.
         for start, end in segment_chunks(len(names), n_chunks)[:-1]:
             fqns = tuple(f"{stack_fqn}.{n}" if stack_fqn else n for n in names[start:end])
-            modules = [stack.get_submodule(n) for n in names[start:end]]
+            modules = [unwrap_compiled(stack.get_submodule(n)) for n in names[start:end]]
             chunk = _Chunk(stack_fqn, fqns, modules)
             installs.append((modules[0], fqns[0], functools.partial(_segment_head_forward, modules[0], chunk)))
             for i, m in enumerate(modules[1:], start=1):
@@ -394,6 +411,11 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
                 "Plan either the block or its children."
             )
 
+    # The partitioner reads the budget when it compiles, so it is set process-wide for as long as the plan
+    # is applied (compiles that happen later, e.g. after a recompile, must see it too).
+    previous_budget = None
+    if plan.compile_memory_budget is not None:
+        previous_budget = _set_compile_memory_budget(plan.compile_memory_budget)
     patches: list[_Patch] = []
     for module, _fqn, fwd in installs:
         prev = module.__dict__.get("forward")
@@ -401,7 +423,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
             module.__dict__[_PREV_FORWARD] = prev
         module.__dict__["forward"] = fwd
         patches.append(_Patch(module, fwd))
-    handle = PlanHandle(root, plan, patches)
+    handle = PlanHandle(root, plan, patches, previous_budget)
     _ACTIVE[root] = handle
     log.info("lightning_ckpt: applied plan %s (%d modules)", plan.describe(), len(patches))
     return handle

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_ckpt.errors import DiscoveryError
 
-__all__ = ["Block", "Child", "LayerStack", "discover_blocks", "unwrap_compiled"]
+__all__ = ["Block", "Child", "LayerStack", "canonical_fqn", "discover_blocks", "is_compile_wrapper", "unwrap_compiled"]
 
 # Stacks holding less than this share of the largest stack's parameters are ignored by default:
 # encoder-decoder models have two large stacks, while small helper lists (e.g. a ModuleList of
@@ -79,6 +79,23 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_compile_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper (``OptimizedModule``) around ``_orig_mod``."""
+    return isinstance(module.__dict__.get("_modules", {}).get("_orig_mod"), nn.Module)
+
+
+def canonical_fqn(fqn: str) -> str:
+    """``fqn`` without the ``_orig_mod`` steps that ``torch.compile(submodule)`` wrappers add.
+
+    ``self.model = torch.compile(self.model)`` inside a LightningModule makes the blocks' names
+    ``model._orig_mod.transformer.h.0``; plans use ``model.transformer.h.0`` either way, which still
+    resolves on the compiled model because the wrapper forwards attribute lookups to ``_orig_mod``.
+    """
+    if "_orig_mod" not in fqn:
+        return fqn
+    return ".".join(part for part in fqn.split(".") if part != "_orig_mod")
+
+
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -95,6 +112,8 @@ def _classify(name: str, module: nn.Module) -> str:
 
 
 def _make_block(fqn: str, index: int, module: nn.Module) -> Block:
+    module = unwrap_compiled(module)  # a block wrapped by torch.compile(block): describe the block itself
+    fqn = canonical_fqn(fqn)
     children = tuple(
         Child(name=n, class_name=type(c).__name__, kind=_classify(n, c), num_params=_num_params(c))
         for n, c in module.named_children()
@@ -115,7 +134,7 @@ def _auto_stacks(model: nn.Module) -> list[LayerStack]:
         if len({type(c) for _, c in kids}) != 1 or isinstance(kids[0][1], (nn.ModuleList, nn.Sequential)):
             continue
         blocks = tuple(_make_block(_join(fqn, n), i, c) for i, (n, c) in enumerate(kids))
-        stack = LayerStack(fqn, type(module).__name__, blocks)
+        stack = LayerStack(canonical_fqn(fqn), type(module).__name__, blocks)
         if stack.num_params > 0:
             candidates.append(stack)
     if not candidates:
@@ -163,7 +182,10 @@ def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[Layer
                 f"({type(item).__name__}). Pass e.g. block_types=[MyBlock], ['MyBlock'] or ['encoder.layers.*']."
             )
     matched: list[tuple[str, nn.Module]] = []
-    for fqn, module in model.named_modules():
+    for raw_fqn, module in model.named_modules():
+        if is_compile_wrapper(module):
+            continue  # its _orig_mod is matched under the same canonical name
+        fqn = canonical_fqn(raw_fqn)
         # Outermost matches only: a block inside a block is planned as part of its parent.
         if (
             fqn

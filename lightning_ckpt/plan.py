@@ -32,7 +32,10 @@ __all__ = [
     "library_versions",
 ]
 
-SCHEMA_VERSION = 1
+# Version 2 added ``compile_memory_budget``. A plan is written with the lowest version that can hold it
+# (1 unless it sets a compile memory budget), so plans that do not use the new field stay readable by
+# lightning_ckpt releases that only know version 1.
+SCHEMA_VERSION = 2
 MODES = ("none", "full", "selective", "ops", "offload")
 
 
@@ -93,6 +96,10 @@ class Plan:
     segments: stack FQN -> chunk count; each chunk stores only its input and is recomputed as one.
     fingerprint: ``model_fingerprint`` of the model the plan was made for (None: not checked).
     metadata: free-form JSON data: library versions, run description, budget, measured figures.
+    compile_memory_budget: PT2's ``torch._functorch.config.activation_memory_budget`` (0..1) to compile
+        the model with: the min-cut partitioner then chooses what to recompute so that saved
+        activations stay under that fraction of its default choice. Only meaningful for a model run
+        under ``torch.compile``; ``apply_plan`` sets it process-wide and ``remove()`` restores it.
     """
 
     blocks: Mapping[str, BlockPlan] = field(default_factory=dict)
@@ -100,6 +107,7 @@ class Plan:
     name: str = ""
     fingerprint: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    compile_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         blocks = {str(k): v for k, v in self.blocks.items() if v.mode != "none"}
@@ -114,14 +122,22 @@ class Plan:
         object.__setattr__(self, "blocks", dict(sorted(blocks.items())))
         object.__setattr__(self, "segments", dict(sorted(segments.items())))
         object.__setattr__(self, "metadata", dict(self.metadata))
+        budget = self.compile_memory_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 <= budget <= 1.0:
+                raise PlanError(
+                    f"compile_memory_budget must be a number in [0, 1] (a fraction of the saved activations "
+                    f"torch.compile keeps by default), but got {budget!r}. Use e.g. 0.5, or None for the default."
+                )
+            object.__setattr__(self, "compile_memory_budget", float(budget))
 
     # -- identity -------------------------------------------------------------------------------
     def key(self) -> str:
         """A canonical string of what the plan *does* (not its name or metadata): equal plans, equal keys."""
-        return json.dumps(
-            {"blocks": {k: v.to_dict() for k, v in self.blocks.items()}, "segments": self.segments},
-            sort_keys=True,
-        )
+        data: dict[str, Any] = {"blocks": {k: v.to_dict() for k, v in self.blocks.items()}, "segments": self.segments}
+        if self.compile_memory_budget is not None:  # absent otherwise, so keys of older plans are unchanged
+            data["compile_memory_budget"] = self.compile_memory_budget
+        return json.dumps(data, sort_keys=True)
 
     def digest(self) -> str:
         return hashlib.sha256(self.key().encode()).hexdigest()[:16]
@@ -137,7 +153,7 @@ class Plan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.blocks and not self.segments
+        return not self.blocks and not self.segments and self.compile_memory_budget is None
 
     def with_metadata(self, **updates: Any) -> Plan:
         return replace(self, metadata={**self.metadata, **updates})
@@ -151,18 +167,23 @@ class Plan:
             counts[bp.describe()] = counts.get(bp.describe(), 0) + 1
         parts = [f"{m} x{n}" for m, n in counts.items()]
         parts += [f"segments({fqn or '<root>'}={n})" for fqn, n in self.segments.items()]
+        if self.compile_memory_budget is not None:
+            parts.append(f"pt2_budget({self.compile_memory_budget:g})")
         return ", ".join(parts)
 
     # -- serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": SCHEMA_VERSION,
+        d: dict[str, Any] = {
+            "schema_version": 1 if self.compile_memory_budget is None else SCHEMA_VERSION,
             "name": self.name,
             "fingerprint": self.fingerprint,
             "blocks": {k: v.to_dict() for k, v in self.blocks.items()},
             "segments": dict(self.segments),
             "metadata": dict(self.metadata),
         }
+        if self.compile_memory_budget is not None:
+            d["compile_memory_budget"] = self.compile_memory_budget
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False, default=_json_default)
@@ -180,9 +201,13 @@ class Plan:
                 f"(it reads schema versions 1..{SCHEMA_VERSION}). Upgrade lightning-ckpt, or re-tune to "
                 "write a plan in the current schema."
             )
-        unknown = set(data) - {"schema_version", "name", "fingerprint", "blocks", "segments", "metadata"}
+        known = {"schema_version", "name", "fingerprint", "blocks", "segments", "metadata"}
+        if version >= 2:
+            known.add("compile_memory_budget")
+        unknown = set(data) - known
         if unknown:
-            raise PlanError(f"{source}: unknown top-level fields {sorted(unknown)}; the file may be corrupted.")
+            hint = " ('compile_memory_budget' needs schema_version 2)" if "compile_memory_budget" in unknown else ""
+            raise PlanError(f"{source}: unknown top-level fields {sorted(unknown)}{hint}; the file may be corrupted.")
         blocks_raw = data.get("blocks", {})
         if not isinstance(blocks_raw, dict):
             raise PlanError(f"{source}: 'blocks' must map block FQNs to modes, but found {type(blocks_raw).__name__}.")
@@ -204,7 +229,10 @@ class Plan:
         if not isinstance(metadata, dict):
             raise PlanError(f"{source}: 'metadata' must be an object, but found {type(metadata).__name__}.")
         try:
-            return cls(blocks, segments, str(data.get("name", "")), data.get("fingerprint"), metadata)
+            return cls(
+                blocks, segments, str(data.get("name", "")), data.get("fingerprint"), metadata,
+                compile_memory_budget=data.get("compile_memory_budget"),
+            )  # fmt: skip
         except PlanError as err:
             raise PlanError(f"{source}: {err}") from None
 
@@ -279,16 +307,17 @@ def model_fingerprint(model: nn.Module) -> str:
     Devices are deliberately excluded (a plan tuned on one GPU applies to the same model on another),
     and compile wrappers are seen through so compiled and eager models share a fingerprint.
     """
-    from lightning_ckpt.discovery import unwrap_compiled
+    from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
 
     root = unwrap_compiled(model)
     h = hashlib.sha256()
     for fqn, mod in root.named_modules():
-        h.update(f"M {fqn} {type(mod).__name__}\n".encode())
+        if not is_compile_wrapper(mod):  # a nested torch.compile(submodule) adds a wrapper and "_orig_mod"
+            h.update(f"M {canonical_fqn(fqn)} {type(mod).__name__}\n".encode())
     for fqn, p in root.named_parameters():
-        h.update(f"P {fqn} {tuple(p.shape)} {p.dtype}\n".encode())
+        h.update(f"P {canonical_fqn(fqn)} {tuple(p.shape)} {p.dtype}\n".encode())
     for fqn, b in root.named_buffers():
-        h.update(f"B {fqn} {tuple(b.shape)} {b.dtype}\n".encode())
+        h.update(f"B {canonical_fqn(fqn)} {tuple(b.shape)} {b.dtype}\n".encode())
     return h.hexdigest()[:16]
 
 

@@ -19,7 +19,11 @@ TensorBoard layout (``logdir`` is the writer's directory)::
     * torch's ``add_text`` stores text under ``<tag>/text_summary``; ``text_tag(TAG_PLAN)`` gives that name.
 
 Status codes (the ``lightning_ckpt/trial/status_code`` scalar, see ``STATUS_CODES``):
-0 ok, 1 over_budget, 2 pruned, 3 oom, 4 invalid, 5 error, -1 anything else.
+0 ok, 1 over_budget, 2 pruned, 3 oom, 4 invalid, 5 error, 6 conflict, -1 anything else.
+
+Compiled trials (``torch.compile``, see ``lightning_ckpt.compile``) add ``COMPILE_SCALAR_TAGS`` per
+trial (compile seconds, graph breaks, recompiles) and a ``lightning_ckpt/compile_conflicts`` text
+listing every plan that conflicted with the compiler and why.
 
 Memory is logged in MiB (2**20 bytes) so the scalar charts read naturally; the text uses
 ``format_bytes``.
@@ -49,15 +53,18 @@ if TYPE_CHECKING:  # tune.py imports this module; importing it back at runtime w
 __all__ = [
     "HPARAM_METRIC_TAGS",
     "PARETO_PNG",
+    "COMPILE_SCALAR_TAGS",
     "STATUS_CODES",
     "TAG_PREFIX",
     "TAG_MEMORY_BREAKDOWN",
     "TAG_PARETO",
+    "TAG_CONFLICTS",
     "TAG_PLAN",
     "TAG_SUMMARY",
     "TEXT_TAG_SUFFIX",
     "TRIAL_RUN_FORMAT",
     "TRIAL_SCALAR_TAGS",
+    "conflicts_markdown",
     "log_trial",
     "pareto_figure",
     "pareto_front",
@@ -79,6 +86,11 @@ TAG_PREDICTED_ACTIVATION_MIB = f"{TAG_PREFIX}/trial/predicted_activation_memory_
 TAG_RECOMPUTE_OVERHEAD = f"{TAG_PREFIX}/trial/recompute_overhead"
 TAG_STATUS_CODE = f"{TAG_PREFIX}/trial/status_code"
 TAG_TRIAL_SECONDS = f"{TAG_PREFIX}/trial/seconds"
+# Compiled trials only: logged when a trial carries compile statistics (TrialRecord.extra["compile"]).
+TAG_COMPILE_SECONDS = f"{TAG_PREFIX}/trial/compile_seconds"
+TAG_GRAPH_BREAKS = f"{TAG_PREFIX}/trial/graph_breaks"
+TAG_RECOMPILES = f"{TAG_PREFIX}/trial/recompiles"
+COMPILE_SCALAR_TAGS = (TAG_COMPILE_SECONDS, TAG_GRAPH_BREAKS, TAG_RECOMPILES)
 TRIAL_SCALAR_TAGS = (
     TAG_SAMPLES_PER_SECOND,
     TAG_PEAK_MIB,
@@ -110,6 +122,7 @@ TAG_PLAN = f"{TAG_PREFIX}/plan"
 TAG_MEMORY_BREAKDOWN = f"{TAG_PREFIX}/memory_breakdown"
 TAG_SUMMARY = f"{TAG_PREFIX}/summary"
 TAG_PARETO = f"{TAG_PREFIX}/pareto"
+TAG_CONFLICTS = f"{TAG_PREFIX}/compile_conflicts"
 TEXT_TAG_SUFFIX = "/text_summary"
 
 TRIAL_RUN_FORMAT = "trial_{:03d}"  # sub-directory (TensorBoard run) of one trial's HParams session
@@ -117,7 +130,15 @@ PARETO_PNG = "pareto.png"
 
 # Explicit rather than derived from tune.STATUSES' order, so a reordering there cannot silently
 # change the meaning of logged numbers (a test checks the two agree).
-STATUS_CODES: dict[str, int] = {"ok": 0, "over_budget": 1, "pruned": 2, "oom": 3, "invalid": 4, "error": 5}
+STATUS_CODES: dict[str, int] = {
+    "ok": 0,
+    "over_budget": 1,
+    "pruned": 2,
+    "oom": 3,
+    "invalid": 4,
+    "error": 5,
+    "conflict": 6,
+}
 UNKNOWN_STATUS_CODE = -1
 
 _MIB = float(2**20)
@@ -130,6 +151,7 @@ _STATUS_STYLE: dict[str, tuple[str, str, str]] = {
     "oom": ("tab:red", "X", "out of memory (at predicted memory)"),
     "invalid": ("tab:purple", "D", "invalid (at predicted memory)"),
     "error": ("tab:brown", "P", "error (at predicted memory)"),
+    "conflict": ("tab:pink", "v", "conflicts with torch.compile"),
 }
 
 
@@ -183,11 +205,35 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
         parts.append(f"over_budget ({format_bytes(_constrained(trial, budget))} > {limit})")
     elif trial.status == "pruned":
         parts.append(f"pruned (predicted {format_bytes(_constrained_predicted(trial, budget))} > {limit})")
-    elif trial.status in ("oom", "invalid", "error") and trial.error:
-        parts.append(f"{trial.status}: {_short_error(trial.error)}")
+    stats = _compile_stats(trial)
+    if stats is not None:
+        parts.append(f"compile {stats.get('compile_seconds', 0.0):.1f} s, {stats.get('graph_breaks', 0)} graph breaks")
+    conflict = trial.extra.get("conflict")
+    if trial.status in ("oom", "invalid", "error", "conflict") and (trial.error or conflict):
+        parts.append(f"{trial.status}: {_short_error(conflict or trial.error, limit=160)}")
+    elif conflict:
+        parts.append(f"{trial.status} (conflict allowed: {_short_error(conflict, limit=120)})")
     else:
         parts.append(trial.status)
     return " | ".join(parts)
+
+
+def _compile_stats(trial: TrialRecord) -> Mapping[str, Any] | None:
+    stats = trial.extra.get("compile") if trial.extra else None
+    return stats if isinstance(stats, Mapping) else None
+
+
+def conflicts_markdown(result: TuneResult) -> str:
+    """Every compiled trial whose plan conflicted with torch.compile, and why (markdown for TensorBoard)."""
+    rows = [t for t in result.trials if t.extra.get("conflict")]
+    if not rows:
+        return "No plan conflicted with torch.compile (no added graph breaks, no recompile limit reached)."
+    lines = ["| trial | plan | status | graph breaks | reason |", "|---|---|---|---|---|"]
+    for t in rows:
+        stats = _compile_stats(t) or {}
+        reason = str(t.extra["conflict"]).replace("|", "\\|")
+        lines.append(f"| {t.number} | {t.label} | {t.status} | {stats.get('graph_breaks', '-')} | {reason} |")
+    return "\n".join(lines)
 
 
 def _best_feasible_baseline(result: TuneResult) -> tuple[str, TrialRecord] | None:
@@ -225,9 +271,14 @@ def summary_table(result: TuneResult) -> str:
         "recompute",
         "seconds",
     )
+    compiled = any(_compile_stats(t) is not None for t in result.trials)
+    if compiled:
+        header += ("compile s",)
     rows = [header]
     for t in result.trials:
         is_winner = winner is not None and t.number == winner.number
+        stats = _compile_stats(t)
+        compile_cell = (f"{stats.get('compile_seconds', 0.0):.1f}" if stats else "-",) if compiled else ()
         rows.append(
             (
                 "*" if is_winner else "",
@@ -240,6 +291,7 @@ def summary_table(result: TuneResult) -> str:
                 _fmt_rate(t.samples_per_second),
                 _fmt_overhead(t.recompute_overhead),
                 f"{t.seconds:.1f}",
+                *compile_cell,
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -287,6 +339,15 @@ def summary_table(result: TuneResult) -> str:
         f"tuning cost: {result.tuning_seconds:.1f} s, {result.tuning_steps} steps over {len(result.trials)} trials "
         f"({result.n_measured} run, {n_pruned} pruned by the memory model)"
     )
+    if compiled:
+        compiling = [s for t in result.trials if (s := _compile_stats(t)) is not None]
+        n_conflicts = sum(bool(t.extra.get("conflict")) for t in result.trials)
+        lines.append(
+            f"torch.compile: {sum(s.get('compile_seconds', 0.0) for s in compiling):.1f} s compiling {len(compiling)} "
+            f"plans (in the tuning cost, not in samples/s); {n_conflicts} plan(s) conflicted with the compiler"
+            f"{'' if not n_conflicts else ' (status conflict, or allowed: see compile_conflicts)'}; memory of a "
+            "compiled step on CPU = saved-for-backward bytes (see lightning_ckpt.compile)"
+        )
     if result.fell_back:
         chosen = f" ({winner.label}, {mem} {format_bytes(_constrained(winner, budget))})" if winner else ""
         lines.append(
@@ -532,6 +593,15 @@ def log_trial(writer: SummaryWriter, trial: TrialRecord) -> None:
         TAG_STATUS_CODE: STATUS_CODES.get(trial.status, UNKNOWN_STATUS_CODE),
         TAG_TRIAL_SECONDS: trial.seconds,
     }
+    stats = _compile_stats(trial)
+    if stats is not None:
+        scalars.update(
+            {
+                TAG_COMPILE_SECONDS: stats.get("compile_seconds"),
+                TAG_GRAPH_BREAKS: stats.get("graph_breaks"),
+                TAG_RECOMPILES: stats.get("recompiles"),
+            }
+        )
     for tag, value in scalars.items():
         if value is not None:
             writer.add_scalar(tag, float(value), global_step=n)
@@ -584,6 +654,8 @@ def write_tensorboard(
         if memory_table:
             writer.add_text(TAG_MEMORY_BREAKDOWN, _code_block(memory_table), global_step=0)
         writer.add_text(TAG_SUMMARY, _code_block(summary_table(result)), global_step=0)
+        if any(_compile_stats(t) is not None for t in result.trials):
+            writer.add_text(TAG_CONFLICTS, conflicts_markdown(result), global_step=0)
         fig = pareto_figure(result)
         logdir.mkdir(parents=True, exist_ok=True)
         fig.savefig(logdir / PARETO_PNG, dpi=110)

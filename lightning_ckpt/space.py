@@ -6,7 +6,9 @@ Dimensions (each switchable):
 * ``selection``: which blocks of each stack get ``mode`` - ``all``, ``first:<fraction>``, ``every:<n>``;
 * ``mode``: ``full`` | ``selective:<kind>`` (children of that kind, e.g. ``mlp``) | ``ops:<save_list>`` | ``offload``;
 * ``rest_mode``: the mode of the blocks the selection leaves out (``none`` or a cheaper mode);
-* ``chunks``: segment count per stack when ``structure == segments``.
+* ``chunks``: segment count per stack when ``structure == segments``;
+* ``compile_budget``: PT2's ``activation_memory_budget`` when ``structure == pt2_budget`` (compiled
+  models only: the partitioner's own knapsack, no checkpointing of ours).
 
 Plans are built from these values alone, so every Optuna trial, enqueued baseline and exhaustive
 enumeration goes through the same ``plan_for`` function.
@@ -26,7 +28,7 @@ from lightning_ckpt.policies import SAVE_LISTS
 
 __all__ = ["SearchSpace", "Candidate", "DIMENSIONS"]
 
-DIMENSIONS = ("structure", "selection", "mode", "rest_mode", "chunks")
+DIMENSIONS = ("structure", "selection", "mode", "rest_mode", "chunks", "compile_budget")
 
 _DEFAULT_MODES = (
     "full",
@@ -39,6 +41,14 @@ _DEFAULT_MODES = (
 )
 _DEFAULT_SELECTIONS = ("all", "first:0.25", "first:0.5", "first:0.75", "every:2", "every:3")
 _DEFAULT_REST_MODES = ("none", "selective:mlp", "ops:save_matmuls")
+# PT2 activation memory budgets tried for compiled models (fractions of what the partitioner saves by default).
+_DEFAULT_COMPILE_BUDGETS = (0.7, 0.5, 0.3, 0.1)
+# Modes the compiler already does by itself, dropped for compiled models. AOTAutograd's min-cut
+# partitioner recomputes cheap pointwise ops (and norms' pointwise parts) in backward instead of
+# saving them, and keeps matmul outputs: exactly what ``save_matmuls`` asks for, so under compile it
+# would only add a checkpoint region (and a compile) to get the partitioner's default. Save-lists that
+# *also* drop matmuls (``save_matmuls_alternate``, ``save_attention``) go beyond it and stay.
+COVERED_BY_PARTITIONER = ("ops:save_matmuls",)
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,8 @@ class SearchSpace:
 
     ``modes``/``rest_modes``/``selections``/``chunks`` restrict values; ``segments=False`` drops the
     segments structure, ``offload`` is dropped automatically for models that are not on CUDA.
+    ``compile_budgets`` are the PT2 memory budgets tried for compiled models (``None``: the defaults,
+    ``()``: none); ``for_compile()`` switches them on and drops what the partitioner already covers.
     """
 
     modes: tuple[str, ...] = _DEFAULT_MODES
@@ -93,8 +105,16 @@ class SearchSpace:
     segments: bool = True
     baselines: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)
+    compile_budgets: tuple[float, ...] | None = None
+    compiled: bool = False  # set by for_compile(): adds the pt2_budget structure
 
     def __post_init__(self) -> None:
+        for b in self.compile_budgets or ():
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b <= 1.0:
+                raise ConfigurationError(
+                    f"compile_budgets entries must be numbers in [0, 1] (fractions of the activations "
+                    f"torch.compile saves by default), but got {b!r}. Use e.g. compile_budgets=[0.5, 0.3]."
+                )
         for mode in (*self.modes, *self.rest_modes):
             kind, _, arg = mode.partition(":")
             if kind == "ops" and arg not in SAVE_LISTS:
@@ -120,7 +140,7 @@ class SearchSpace:
             return config
         if not isinstance(config, Mapping):
             raise ConfigurationError(f"search_space must be a dict or SearchSpace, but got {type(config).__name__}.")
-        known = {"modes", "selections", "rest_modes", "chunks", "segments", "baselines"}
+        known = {"modes", "selections", "rest_modes", "chunks", "segments", "baselines", "compile_budgets"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ConfigurationError(
@@ -133,6 +153,8 @@ class SearchSpace:
                 kwargs[key] = bool(value)
             elif value is False or value is None:
                 kwargs[key] = () if key != "chunks" else ()
+            elif key == "compile_budgets":
+                kwargs[key] = tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value)
             else:
                 kwargs[key] = tuple(value)
         return cls(**kwargs)
@@ -146,6 +168,21 @@ class SearchSpace:
             modes=tuple(m for m in self.modes if m != "offload"),
             rest_modes=tuple(m for m in self.rest_modes if m != "offload"),
         )
+
+    def for_compile(self) -> SearchSpace:
+        """The space for a model run under ``torch.compile``: PT2 memory budgets in, covered modes out."""
+        return replace(
+            self,
+            compiled=True,
+            compile_budgets=_DEFAULT_COMPILE_BUDGETS if self.compile_budgets is None else self.compile_budgets,
+            modes=tuple(m for m in self.modes if m not in COVERED_BY_PARTITIONER),
+            rest_modes=tuple(m for m in self.rest_modes if m not in COVERED_BY_PARTITIONER),
+        )
+
+    @property
+    def budget_choices(self) -> tuple[float, ...]:
+        """The PT2 memory budgets searched (empty unless the model is compiled)."""
+        return tuple(sorted(set(self.compile_budgets or ()), reverse=True)) if self.compiled else ()
 
     # ---------------------------------------------------------------------------------------------
     def chunk_choices(self, stacks: Sequence[LayerStack]) -> tuple[int, ...]:
@@ -162,12 +199,16 @@ class SearchSpace:
             out.append("blocks")
         if self.chunk_choices(stacks) and any(s.container_class in ("ModuleList", "Sequential") for s in stacks):
             out.append("segments")
+        if self.budget_choices:
+            out.append("pt2_budget")
         return tuple(out)
 
     def plan_for(self, params: Mapping[str, Any], stacks: Sequence[LayerStack], *, fingerprint: str | None) -> Plan:
         structure = params["structure"]
         if structure == "none":
             return Plan(fingerprint=fingerprint)
+        if structure == "pt2_budget":
+            return Plan(fingerprint=fingerprint, compile_memory_budget=float(params["compile_budget"]))
         if structure == "segments":
             chunks = int(params["chunks"])
             segments = {
@@ -197,6 +238,8 @@ class SearchSpace:
                 params["rest_mode"] = trial.suggest_categorical("rest_mode", self.rest_modes)
         elif params["structure"] == "segments":
             params["chunks"] = trial.suggest_categorical("chunks", self.chunk_choices(stacks))
+        elif params["structure"] == "pt2_budget":
+            params["compile_budget"] = trial.suggest_categorical("compile_budget", self.budget_choices)
         return params
 
     def enumerate(self, stacks: Sequence[LayerStack], *, fingerprint: str | None) -> list[Candidate]:
@@ -216,6 +259,9 @@ class SearchSpace:
             elif structure == "segments":
                 for c in self.chunk_choices(stacks):
                     yield {"structure": "segments", "chunks": c}
+            elif structure == "pt2_budget":
+                for b in self.budget_choices:
+                    yield {"structure": "pt2_budget", "compile_budget": b}
             else:
                 for sel in self.selections or ("all",):
                     for mode in self.modes:
@@ -237,9 +283,13 @@ class SearchSpace:
             ("selective:mlp", "selective_mlp"),
             ("ops:save_matmuls", "ops_save_matmuls"),
         ):
-            wanted.append((name, {"structure": "blocks", "selection": "all", "mode": mode}))
+            if not (self.compiled and mode in COVERED_BY_PARTITIONER):
+                wanted.append((name, {"structure": "blocks", "selection": "all", "mode": mode}))
         if self.segments:
             wanted.append(("sqrt_segments", {"structure": "segments", "chunks": max(2, round(math.sqrt(n)))}))
+        # The compiler's own answer at each memory level: what a user of torch.compile would try by hand.
+        for b in self.budget_choices:
+            wanted.append((f"pt2_budget_{b:g}", {"structure": "pt2_budget", "compile_budget": b}))
         out = []
         for name, params in wanted:
             if params["structure"] == "segments" and "segments" not in self.structures(stacks):

@@ -393,7 +393,8 @@ def tune(
         # over rounds, so the choice does not rest on one trial measured in a slow moment (the
         # first trials of a process, a noisy neighbour). Memory was measured already and is kept.
         records = _confirm(records, budget, confirm_top, confirm_rounds, train_step, root, optimizer, device,
-                           batch_size, seq_len, measure_steps, extra_tensors, sync)  # fmt: skip
+                           batch_size, seq_len, measure_steps, extra_tensors, sync,
+                           retime=compiled_trials.retime if compiled_trials is not None else None)  # fmt: skip
 
     best = choose_best(records, budget, tie_tolerance=tie_tolerance)
     fell_back = False
@@ -463,7 +464,7 @@ def tune(
 def _confirm(
     records: list[TrialRecord], budget: Budget, top: int, rounds: int, train_step: Callable[[], None],
     root: nn.Module, optimizer: Any, device: torch.device, batch_size: int | None, seq_len: int | None,
-    steps: int, extra: tuple[Any, ...], sync: Any,
+    steps: int, extra: tuple[Any, ...], sync: Any, retime: Callable[[Plan], Any] | None = None,
 ) -> list[TrialRecord]:  # fmt: skip
     """Re-time the ``top`` fastest feasible trials and the fastest feasible baseline, interleaved."""
     from lightning_ckpt.apply import plan_applied
@@ -480,10 +481,13 @@ def _confirm(
     times: dict[int, list[float]] = {t.number: [] for t in chosen}
     for _ in range(rounds):
         for t in chosen:
-            with plan_applied(root, t.plan, check_fingerprint=False):
-                m = measure_step(train_step, model=root, optimizer=optimizer, warmup=1, steps=steps, device=device,
-                                 batch_size=batch_size, seq_len=seq_len, track_memory=False, count_flops=False,
-                                 extra=extra)  # fmt: skip
+            if retime is not None:  # compiled: each plan is compiled afresh, compile untimed (compile.py)
+                m = retime(t.plan)
+            else:
+                with plan_applied(root, t.plan, check_fingerprint=False):
+                    m = measure_step(train_step, model=root, optimizer=optimizer, warmup=1, steps=steps,
+                                     device=device, batch_size=batch_size, seq_len=seq_len, track_memory=False,
+                                     count_flops=False, extra=extra)  # fmt: skip
             seconds = m.median_seconds if m.status == "ok" else None
             if sync is not None:
                 # Ranks step together: a round takes as long as the slowest rank's step.

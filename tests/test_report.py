@@ -171,6 +171,7 @@ def text_of(acc: ea.EventAccumulator, tag: str) -> str:
 
 def test_status_codes_cover_every_status():
     assert set(STATUS_CODES) == set(STATUSES)
+    assert STATUS_CODES["conflict"] == 6  # compiled plans that fight torch.compile (lightning_ckpt.compile)
     assert len(set(STATUS_CODES.values())) == len(STATUS_CODES)
     assert all(tag.startswith(f"{TAG_PREFIX}/") for tag in (*TRIAL_SCALAR_TAGS, TAG_PLAN, TAG_SUMMARY, TAG_PARETO))
 

@@ -1,0 +1,595 @@
+"""torch.compile: find what is compiled, run every trial compiled from scratch, and flag plans that fight the compiler.
+
+Checkpointing and the compiler interact in ways that make a compiled step silently *slower*:
+
+* a graph break inside a checkpointed region makes the whole region run eagerly (pytorch#135816,
+  pytorch#139989), and selective checkpointing can quietly defeat compile (pytorch#161889);
+* every plan change recompiles (dynamo guards on the instance ``forward`` that ``apply_plan``
+  installs), and a frame that reaches ``torch._dynamo.config.recompile_limit`` runs eagerly for the
+  rest of training (pytorch#135458).
+
+So a compiled trial (``CompiledTrials.run``) resets dynamo, compiles the plan in one untimed step
+(the compile time is reported as tuning cost, never as throughput), times the compiled steps, reads
+the memory the compiled step holds, resets dynamo again, and compares what dynamo did with the
+no-checkpointing reference. A plan that adds graph breaks, breaks a graph inside one of our
+checkpointed regions, runs more autograd ops outside compiled graphs, or reaches the recompile limit
+is a **conflict**: recorded with the reason and never chosen unless ``allow_graph_breaks=True``.
+
+**Memory of a compiled step on CPU.** The live-tensor tracker of ``lightning_ckpt.measure`` is a
+``TorchDispatchMode``, and dynamo runs compiled frames *eagerly* while a dispatch mode is active
+(checked with torch 2.13: the tracker's reading of a compiled step equals the eager step's), so it
+cannot measure what compiled code holds. ``torch.autograd.graph.saved_tensors_hooks`` still sees every
+tensor a compiled graph saves for backward (also under PT2's ``activation_memory_budget``). So on CPU
+a compiled trial reports:
+
+* **activation bytes** = the bytes of the distinct storages saved for backward during the forward
+  (deduplicated by storage, since q/k/v views of one projection share one; parameters, buffers,
+  gradients, optimizer state and the batch excluded). This is what checkpointing and the
+  partitioner change. It leaves out temporaries inside fused kernels and backward transients, so it
+  is a lower bound of the eager definition in ``measure`` and is only compared with other compiled
+  trials: an activation budget is a fraction of the *compiled* no-checkpointing step's saved bytes.
+* **peak bytes** = resting bytes (parameters, buffers, gradients, optimizer state, batch) + activation
+  bytes: the memory held when the forward ends, a lower bound of the step's true peak.
+
+On CUDA the allocator counters see compiled kernels like any other, so a compiled trial reports
+``torch.cuda.max_memory_allocated`` exactly as an eager one (and enforces a peak budget for real);
+the saved bytes are recorded in ``TrialRecord.extra`` for comparison.
+
+The memory model profiles the *eager* step, whose saved activations the partitioner changes (on the
+2-layer test GPT it saves 254 KiB compiled where eager saves 391 KiB, and ``full`` checkpointing
+saves more compiled than eager), so for compiled models it predicts nothing and prunes nothing:
+every candidate is compiled and measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
+from lightning_ckpt.plan import Plan
+
+__all__ = [
+    "CompileStats",
+    "CompiledMeasurement",
+    "CompiledTrials",
+    "compiled_regions",
+    "compiled_search",
+    "conflict_reason",
+    "eager_while_profiling",
+    "is_compiled",
+    "random_ops",
+    "recompile_count",
+    "reset_compiled",
+    "trial_status",
+]
+
+log = logging.getLogger(__name__)
+
+# Names of lightning_ckpt.apply's functions that run inside a checkpointed region when dynamo traces
+# one. A graph break whose user stack passes through one of them broke a graph inside our region.
+_REGION_FRAMES = frozenset({"_checkpointed_forward", "_call", "_segment_head_forward", "run"})
+_COMPILED_NODE = "CompiledFunctionBackward"  # autograd node of an AOTAutograd-compiled graph
+_MAX_REASONS = 5
+
+
+# ---------------------------------------------------------------------------------------------------
+# Detection
+# ---------------------------------------------------------------------------------------------------
+def compiled_regions(model: nn.Module) -> tuple[str, ...]:
+    """Canonical FQNs of the parts of ``model`` that run under ``torch.compile`` (``""``: all of it).
+
+    Recognises ``torch.compile(model)`` (an ``OptimizedModule``, also as Lightning unwraps it for
+    ``trainer.fit(torch.compile(model))``: ``LightningModule._compiler_ctx``), compiled submodules
+    (``self.model = torch.compile(self.model)``) and in-place ``module.compile()`` (per block,
+    torchtitan style, or on a submodule in ``configure_model``). A ``torch.compile``-d step function
+    cannot be seen from the model: pass ``compiled=True`` to ``tune`` for that.
+    """
+    regions: list[str] = []
+    root = unwrap_compiled(model)
+    if root is not model or getattr(root, "_compiler_ctx", None):
+        regions.append("")
+    for fqn, module in root.named_modules():
+        if is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None:
+            regions.append(canonical_fqn(fqn))
+    return tuple(dict.fromkeys(regions))
+
+
+def random_ops(model: nn.Module) -> str | None:
+    """The first module of ``model`` that draws random numbers in training (dropout with p > 0), if any.
+
+    Dropout modules are found by type; attention modules that pass a ``dropout``/``dropout_p``/
+    ``attention_dropout`` float to SDPA (nanoGPT, HF) by that attribute. Functional dropout called
+    with a literal probability cannot be seen from the module tree.
+    """
+    for fqn, module in unwrap_compiled(model).named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return canonical_fqn(fqn) or type(module).__name__
+        for name in ("dropout", "dropout_p", "attention_dropout"):
+            value = module.__dict__.get(name)
+            if isinstance(value, float) and value > 0:
+                return f"{canonical_fqn(fqn)}.{name}"
+    return None
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether any part of ``model`` runs under ``torch.compile`` (see ``compiled_regions``)."""
+    return bool(compiled_regions(model))
+
+
+def reset_compiled() -> None:
+    """Forget every compiled graph, so the next call compiles what is applied now.
+
+    ``torch._dynamo.reset()`` is process-wide: other compiled functions recompile once too. It is
+    what keeps plan changes from accumulating recompiles towards the recompile limit (pytorch#135458).
+    """
+    torch._dynamo.reset()
+
+
+def recompile_count() -> int:
+    """Recompilations since the last ``reset_compiled()``: guard failures dynamo recorded, all frames."""
+    from torch._dynamo.utils import guard_failures
+
+    return sum(len(reasons) for reasons in guard_failures.values())
+
+
+@contextlib.contextmanager
+def eager_while_profiling(enabled: bool) -> Iterator[None]:
+    """Run the enclosed passes eagerly (``torch.compiler.set_stance("force_eager")``) when ``enabled``.
+
+    The memory profile and the process warm-up describe the eager step and would otherwise pay a
+    compile each (tens of seconds on CPU) for graphs that every trial throws away.
+    """
+    if not enabled:
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"), warnings.catch_warnings():
+        # The live-tensor tracker's global module hooks make every OptimizedModule call warn that hooks
+        # fire twice; nothing is compiled here, and the tracker counts by tensor, not by hook call.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        yield
+
+
+# ---------------------------------------------------------------------------------------------------
+# What dynamo did during one trial
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompileStats:
+    """What compiling one plan cost and did; stored in ``TrialRecord.extra["compile"]``.
+
+    compile_seconds: wall time of the first (compiling) step, forward and backward: tuning cost.
+    graph_breaks: graph breaks dynamo took while compiling this plan (all frames).
+    region_breaks: of those, breaks inside a checkpointed region of ours (the region runs eagerly).
+    recompiles: recompilations during the trial's steps (a stable plan has none after the first step).
+    recompile_limit_hit: a frame reached ``torch._dynamo.config.recompile_limit`` and now runs eagerly.
+    eager_ops: autograd ops of the forward recorded outside compiled graphs (an op that ran eagerly).
+    saved_bytes: distinct storages saved for backward, state excluded (see the module docstring).
+    break_reasons: short descriptions of the graph breaks (``reason (file:line)``), at most five.
+    """
+
+    compile_seconds: float = 0.0
+    graph_breaks: int = 0
+    region_breaks: int = 0
+    recompiles: int = 0
+    recompile_limit_hit: bool = False
+    eager_ops: int | None = None
+    saved_bytes: int | None = None
+    break_reasons: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["break_reasons"] = list(self.break_reasons)
+        return d
+
+
+def conflict_reason(stats: CompileStats, reference: CompileStats | None) -> str | None:
+    """Why ``stats`` shows a plan fighting the compiler, compared with the no-checkpointing reference."""
+    ref = reference or CompileStats()
+    reasons = []
+    if stats.region_breaks:
+        where = next((r for r in stats.break_reasons if "[in checkpointed region]" in r), "")
+        reasons.append(
+            f"{stats.region_breaks} graph break(s) inside checkpointed regions, which then run eagerly "
+            f"(pytorch#135816){': ' + where if where else ''}"
+        )
+    if stats.graph_breaks > ref.graph_breaks and not stats.region_breaks:
+        reasons.append(f"{stats.graph_breaks} graph breaks where the uncheckpointed model has {ref.graph_breaks}")
+    if stats.recompile_limit_hit and not ref.recompile_limit_hit:
+        reasons.append("hit torch._dynamo.config.recompile_limit, so a frame runs eagerly from now on (pytorch#135458)")
+    if stats.eager_ops is not None and ref.eager_ops is not None and stats.eager_ops > ref.eager_ops:
+        reasons.append(
+            f"{stats.eager_ops - ref.eager_ops} more forward op(s) run outside compiled graphs than without "
+            "checkpointing"
+        )
+    return "; ".join(reasons) or None
+
+
+def trial_status(measured: str, conflict: str | None, *, allow_graph_breaks: bool, fits: bool) -> str:
+    """A compiled trial's status: a failed measurement first, then a conflict (unless allowed), then the budget."""
+    if measured != "ok":
+        return measured
+    if conflict is not None and not allow_graph_breaks:
+        return "conflict"
+    return "ok" if fits else "over_budget"
+
+
+class _DynamoWatch:
+    """Dynamo's process-wide failure counters (``torch._dynamo.utils.counters``), read as a difference."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.utils import counters
+
+        self._counters = counters
+        self._unimplemented = Counter(counters["unimplemented"])
+
+    def limit_hit(self) -> bool:
+        new = Counter(self._counters["unimplemented"]) - self._unimplemented
+        return any("recompile limit" in msg.lower() or "cache_size_limit" in msg for msg in new)
+
+
+def _break_summaries() -> tuple[int, int, tuple[str, ...]]:
+    """(graph breaks, breaks inside our regions, short reasons) recorded since the last dynamo reset.
+
+    ``torch._dynamo.utils.graph_break_reasons`` keeps each break's user stack (``counters["graph_break"]``
+    only its message), which is what tells a break inside our checkpoint wrapper from one elsewhere.
+    """
+    from torch._dynamo.utils import graph_break_reasons
+
+    from lightning_ckpt import apply as apply_module
+
+    ours = os.path.abspath(apply_module.__file__)
+    total, in_region, reasons = 0, 0, []
+    for r in graph_break_reasons:
+        total += 1
+        inside = any(os.path.abspath(f.filename) == ours and f.name in _REGION_FRAMES for f in r.user_stack)
+        in_region += inside
+        first = (r.reason or "").strip().splitlines()[0] if (r.reason or "").strip() else "graph break"
+        frame = r.user_stack[-1] if r.user_stack else None
+        where = f" ({os.path.basename(frame.filename)}:{frame.lineno})" if frame is not None else ""
+        text = f"{first[:120]}{where}{' [in checkpointed region]' if inside else ''}"
+        if text not in reasons and len(reasons) < _MAX_REASONS:
+            reasons.append(text)
+    # Region breaks first: they are the ones a user must see.
+    reasons.sort(key=lambda t: "[in checkpointed region]" not in t)
+    return total, in_region, tuple(reasons)
+
+
+def _eager_ops(loss: torch.Tensor) -> int:
+    """Autograd nodes of the step's graph outside compiled graphs (each an op that ran eagerly)."""
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    count = 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name != _COMPILED_NODE and name != "AccumulateGrad":
+            count += 1
+        stack.extend(fn for fn, _ in node.next_functions)
+    return count
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, functional wrappers)
+        return None
+    ptr = st.data_ptr()
+    return (ptr, st.nbytes()) if ptr else None
+
+
+def _state_tensors(root: nn.Module, optimizer: Any, extra: Sequence[Any]) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = [*root.parameters(), *root.buffers()]
+    tensors += [p.grad for p in root.parameters() if p.grad is not None]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    tensors += [t for t in extra if isinstance(t, torch.Tensor)]
+    return tensors
+
+
+def _bytes_of(keys: Mapping[int, int]) -> int:
+    return sum(keys.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trials
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompiledMeasurement:
+    """One plan measured compiled: the timing (``measurement``), what dynamo did, and the memory read.
+
+    ``peak_bytes``/``activation_bytes`` follow the module docstring (CPU: resting + saved-for-backward
+    bytes / saved-for-backward bytes; CUDA: the allocator's figures). ``error_status`` is ``conflict``
+    when the compiler refused the plan outright (``fullgraph=True`` and a graph break).
+    """
+
+    measurement: Any  # lightning_ckpt.measure.Measurement
+    stats: CompileStats
+    peak_bytes: int | None
+    activation_bytes: int | None
+    error_status: str | None = None
+
+
+class CompiledTrials:
+    """Measures candidate plans on a compiled model; ``tune`` hands each trial to ``run``.
+
+    Every trial starts and ends with ``reset_compiled()``, so a trial compiles exactly its own plan,
+    no trial's recompiles count towards the next one's limit, and the caller gets a dynamo state
+    with nothing cached from the search.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        step_fn: Callable[[], Any],
+        *,
+        regions: tuple[str, ...],
+        device: torch.device,
+        optimizer: torch.optim.Optimizer | None,
+        extra: tuple[Any, ...],
+        warmup_steps: int,
+        measure_steps: int,
+        batch_size: int | None,
+        seq_len: int | None,
+        allow_graph_breaks: bool,
+        memory_limit_bytes: int | None = None,
+    ) -> None:
+        self.root = root
+        self.step_fn = step_fn
+        self.regions = regions
+        self.device = device
+        self.optimizer = optimizer
+        self.extra = extra
+        self.warmup_steps = warmup_steps
+        self.measure_steps = measure_steps
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.allow_graph_breaks = allow_graph_breaks
+        self.memory_limit_bytes = memory_limit_bytes
+        self.reference: CompileStats | None = None
+        self._cache: dict[str, CompiledMeasurement] = {}
+
+    # -- public ---------------------------------------------------------------------------------
+    def adapt(self, space: Any) -> Any:
+        """The search space for this compiled model (``SearchSpace.for_compile``), minus unsafe PT2 budgets.
+
+        torch 2.13's memory-budget partitioner may recompute random ops (dropout) in backward with
+        fresh randomness, silently corrupting gradients at any ``activation_memory_budget < 1``
+        (pytorch#190758, pytorch#190717; we reproduced it on CPU with ``fallback_random=True``). So for
+        a model with active dropout the PT2 budgets are left out unless the user listed them.
+        """
+        compiled_space = space.for_compile()
+        rng = random_ops(self.root)
+        if rng and compiled_space.budget_choices:
+            if space.compile_budgets is None:
+                log.warning(
+                    "lightning_ckpt: not trying PT2 activation_memory_budget candidates: %s uses dropout, which "
+                    "the memory-budget partitioner may recompute with fresh randomness (wrong gradients, "
+                    "pytorch#190758). Set search_space={'compile_budgets': [...]} to try them anyway.",
+                    rng,
+                )
+                return dataclasses.replace(compiled_space, compile_budgets=())
+            warnings.warn(
+                f"lightning_ckpt: search_space['compile_budgets'] asks for PT2 memory budgets, but the model uses "
+                f"dropout ({rng}); torch's memory-budget partitioner may then compute wrong gradients "
+                "(pytorch#190758). Remove compile_budgets, or set dropout to 0, unless your torch has the fix.",
+                stacklevel=3,
+            )
+        return compiled_space
+
+    def describe(self) -> str:
+        return ", ".join(r or "<whole model>" for r in self.regions) or "<step function>"
+
+    def none_activation_bytes(self, none_plan: Plan) -> int | None:
+        """Activation bytes of the compiled step without checkpointing: what activation budgets are fractions of."""
+        outcome = self.measure(none_plan)
+        return outcome.activation_bytes
+
+    def run(
+        self, plan: Plan, common: Mapping[str, Any], budget: Any, started: float, memory_limit_bytes: int | None
+    ) -> Any:
+        """Measure ``plan`` compiled and return its ``TrialRecord`` (``common``: number, plan, label, params).
+
+        ``memory_limit_bytes`` caps the CUDA allocator during the timed steps (as for eager trials).
+        """
+        from lightning_ckpt.tune import TrialRecord
+
+        self.memory_limit_bytes = memory_limit_bytes
+        outcome = self.measure(plan)
+        m, stats = outcome.measurement, outcome.stats
+        reason = None if plan.is_empty else conflict_reason(stats, self.reference)
+        status = outcome.error_status or trial_status(
+            m.status, reason, allow_graph_breaks=self.allow_graph_breaks,
+            fits=budget.fits(outcome.peak_bytes, outcome.activation_bytes),
+        )  # fmt: skip
+        extra: dict[str, Any] = {"compile": stats.to_dict(), "compiled_regions": list(self.regions)}
+        if reason is not None:
+            extra["conflict"] = reason
+        steps = 1 + m.warmup_steps + len(m.step_seconds) + (1 if stats.saved_bytes is not None else 0)
+        fields = dict(common)
+        # The memory model predicts the eager step; for a compiled one it has nothing to say (see above).
+        fields.update(predicted_peak_bytes=None, predicted_activation_bytes=None)
+        return TrialRecord(
+            status=status, peak_bytes=outcome.peak_bytes, activation_bytes=outcome.activation_bytes,
+            samples_per_second=m.samples_per_second, median_seconds=m.median_seconds,
+            spread_seconds=m.spread_seconds, seconds=time.perf_counter() - started, steps=steps,
+            error=m.error or (reason if status == "conflict" else None), extra=extra, **fields,
+        )  # fmt: skip
+
+    def retime(self, plan: Plan) -> Any:
+        """Time ``plan`` again (a ``Measurement``): compiled afresh, the compile step untimed, no memory pass.
+
+        Switching plans on a warm compiled model would recompile through dynamo's guards, using up the
+        recompile limit, and a plan that only sets a PT2 budget changes no guard at all, so it would
+        silently run the previous plan's graph: every re-timing starts from ``reset_compiled()``.
+        """
+        return self._compile_and_measure(plan, memory=False).measurement
+
+    def measure(self, plan: Plan, *, cached: bool = True) -> CompiledMeasurement:
+        """Compile ``plan`` from scratch and measure it (``cached``: reuse an earlier measurement of it)."""
+        key = plan.key()
+        if cached and key in self._cache:
+            return self._cache[key]
+        outcome = self._compile_and_measure(plan)
+        self._cache[key] = outcome
+        if plan.is_empty and self.reference is None:
+            self.reference = outcome.stats
+        return outcome
+
+    def _train_step(self) -> None:
+        from lightning_ckpt.tune import _loss_of
+
+        _loss_of(self.step_fn()).backward()
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _compile_and_measure(self, plan: Plan, *, memory: bool = True) -> CompiledMeasurement:
+        from lightning_ckpt.apply import apply_plan
+        from lightning_ckpt.measure import Measurement, StateSnapshot, _classify, _release_memory, measure_step
+
+        is_cuda = self.device.type == "cuda"
+        handle = apply_plan(self.root, plan, check_fingerprint=False)
+        reset_compiled()
+        watch = _DynamoWatch()
+        snapshot = StateSnapshot.capture(self.root)
+        compile_seconds = 0.0
+        failure: tuple[str, str] | None = None
+        conflict = False
+        m: Any = None
+        recompiles = 0
+        saved: int | None = None
+        eager_ops: int | None = None
+        resting = 0
+        try:
+            try:
+                snapshot.reset_grads()
+                t0 = time.perf_counter()
+                self._train_step()  # compiles forward and backward: tuning cost, never throughput
+                compile_seconds = time.perf_counter() - t0
+            except Exception as exc:  # the compiler refused or failed on this plan
+                failure = _classify(exc)
+                conflict = _is_dynamo_refusal(exc)
+            finally:
+                snapshot.restore()
+            if failure is None:
+                m = measure_step(
+                    self._train_step, model=self.root, optimizer=self.optimizer, warmup=self.warmup_steps,
+                    steps=self.measure_steps, device=self.device, batch_size=self.batch_size, seq_len=self.seq_len,
+                    track_memory=is_cuda, count_flops=False, extra=self.extra,
+                    memory_limit_bytes=self.memory_limit_bytes if is_cuda else None,
+                )  # fmt: skip
+                recompiles = recompile_count()  # before the memory pass, which must not count
+                if m.ok and memory:
+                    try:
+                        saved, eager_ops, resting = self._saved_bytes(snapshot)
+                    except Exception as exc:  # noqa: BLE001 - a memory pass failure fails the trial, not the search
+                        failure = _classify(exc)
+                    finally:
+                        snapshot.restore()
+        finally:
+            handle.remove()
+            breaks, region_breaks, reasons = _break_summaries()
+            limit_hit = watch.limit_hit()
+            reset_compiled()
+            _release_memory(self.device)
+        stats = CompileStats(
+            compile_seconds=compile_seconds, graph_breaks=breaks, region_breaks=region_breaks, recompiles=recompiles,
+            recompile_limit_hit=limit_hit, eager_ops=eager_ops, saved_bytes=saved, break_reasons=reasons,
+        )  # fmt: skip
+        if failure is not None:
+            status, message = failure
+            measurement = Measurement(status, error=message, device=str(self.device))
+            return CompiledMeasurement(measurement, stats, None, None, "conflict" if conflict else None)
+        if is_cuda or saved is None:
+            return CompiledMeasurement(m, stats, m.peak_bytes, m.activation_bytes)
+        return CompiledMeasurement(m, stats, resting + saved, saved)
+
+    def _saved_bytes(self, snapshot: Any) -> tuple[int, int, int]:
+        """(saved activation bytes, eager ops, resting bytes) of one compiled step; see the module docstring."""
+        from lightning_ckpt.tune import _loss_of
+
+        snapshot.reset_grads()
+        state: dict[int, int] = {}
+        for t in _state_tensors(self.root, self.optimizer, self.extra):
+            key = _storage_key(t)
+            if key is not None:
+                state[key[0]] = key[1]
+        saved: dict[int, int] = {}
+
+        # Called by autograd for tensors saved by eager ops too, i.e. from inside frames dynamo is
+        # compiling: without disable() dynamo would trace the hook itself, graph-break on
+        # untyped_storage() and recompile it per dtype until the recompile limit.
+        @torch.compiler.disable
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage_key(t)
+            if key is not None and key[0] not in state:
+                saved[key[0]] = max(saved.get(key[0], 0), key[1])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+            loss = _loss_of(self.step_fn())
+        eager = _eager_ops(loss)
+        loss.backward()
+        return _bytes_of(saved), eager, _bytes_of(state)
+
+
+def compiled_search(
+    model: nn.Module,
+    step_fn: Callable[[], Any],
+    *,
+    compiled: bool | None,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer | None,
+    extra: tuple[Any, ...],
+    warmup_steps: int,
+    measure_steps: int,
+    batch_size: int | None,
+    seq_len: int | None,
+    allow_graph_breaks: bool,
+) -> CompiledTrials | None:
+    """``CompiledTrials`` for ``model`` when it is compiled (``compiled=None``: detect), else ``None``.
+
+    ``None`` costs one walk over the modules, so the eager search pays nothing for compile support.
+    """
+    if compiled is False:
+        return None
+    regions = compiled_regions(model)
+    if not regions and not compiled:
+        return None
+    trials = CompiledTrials(
+        unwrap_compiled(model), step_fn, regions=regions, device=device, optimizer=optimizer, extra=extra,
+        warmup_steps=warmup_steps, measure_steps=measure_steps, batch_size=batch_size, seq_len=seq_len,
+        allow_graph_breaks=allow_graph_breaks,
+    )  # fmt: skip
+    log.info("lightning_ckpt: compiled model (%s): every trial compiles its plan", trials.describe())
+    return trials
+
+
+@torch.compiler.disable
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _is_dynamo_refusal(exc: BaseException) -> bool:
+    """A graph break or recompile limit that dynamo turned into an error (``fullgraph=True``)."""
+    from torch._dynamo import exc as dynamo_exc
+
+    refusals = tuple(
+        cls
+        for cls in (getattr(dynamo_exc, n, None) for n in ("Unsupported", "FailOnRecompileLimitHit"))
+        if isinstance(cls, type)
+    )
+    return isinstance(exc, refusals)
