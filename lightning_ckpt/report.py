@@ -200,16 +200,16 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
         )
     memory.append(f"peak {format_bytes(trial.peak_bytes)} (pred {format_bytes(trial.predicted_peak_bytes)})")
     parts.append(", ".join(memory))
+    stats = _compile_stats(trial)
+    if stats is not None:
+        parts.append(f"compile {stats.get('compile_seconds', 0.0):.1f} s, {stats.get('graph_breaks', 0)} graph breaks")
     limit = format_bytes(budget.limit_bytes)
+    conflict = trial.extra.get("conflict")
     if trial.status == "over_budget":
         parts.append(f"over_budget ({format_bytes(_constrained(trial, budget))} > {limit})")
     elif trial.status == "pruned":
         parts.append(f"pruned (predicted {format_bytes(_constrained_predicted(trial, budget))} > {limit})")
-    stats = _compile_stats(trial)
-    if stats is not None:
-        parts.append(f"compile {stats.get('compile_seconds', 0.0):.1f} s, {stats.get('graph_breaks', 0)} graph breaks")
-    conflict = trial.extra.get("conflict")
-    if trial.status in ("oom", "invalid", "error", "conflict") and (trial.error or conflict):
+    elif trial.status in ("oom", "invalid", "error", "conflict") and (trial.error or conflict):
         parts.append(f"{trial.status}: {_short_error(conflict or trial.error, limit=160)}")
     elif conflict:
         parts.append(f"{trial.status} (conflict allowed: {_short_error(conflict, limit=120)})")
