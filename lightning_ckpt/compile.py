@@ -35,10 +35,15 @@ On CUDA the allocator counters see compiled kernels like any other, so a compile
 ``torch.cuda.max_memory_allocated`` exactly as an eager one (and enforces a peak budget for real);
 the saved bytes are recorded in ``TrialRecord.extra`` for comparison.
 
-The memory model profiles the *eager* step, whose saved activations the partitioner changes (on the
-2-layer test GPT it saves 254 KiB compiled where eager saves 391 KiB, and ``full`` checkpointing
-saves more compiled than eager), so for compiled models it predicts nothing and prunes nothing:
-every candidate is compiled and measured.
+The memory model predicts the *eager* step's activation peak, saved tensors plus recompute and
+backward transients, a different quantity (on the 2-layer test GPT, batch 4: ``full`` has an eager
+activation peak of 200 KiB, mostly logits and one block's recompute, while its compiled step saves
+29 KiB for backward), and it knows nothing of the partitioner's choices (PT2 budgets). So for
+compiled models it predicts nothing and prunes nothing: every candidate is compiled and measured.
+
+``compiled=True`` on an eager step function undercounts: saved-tensor hooks cannot see inside an
+*eager* checkpointed region (the checkpoint installs its own hooks), so force it only for a step
+that really is compiled (e.g. a ``torch.compile``-d function the model detection cannot see).
 """
 
 from __future__ import annotations
