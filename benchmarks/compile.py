@@ -19,8 +19,8 @@ to no checkpointing; run on a GPU for absolute numbers (``--preset gpt2-125m --d
 The model runs with dropout 0: with dropout, torch 2.13's memory-budget partitioner may recompute
 the dropout mask with fresh randomness (pytorch#190758), so the tuner leaves PT2 budgets out.
 
-Run: ``python benchmarks/compile.py --threads 1`` (CPU: about 20 minutes on 2 cores, most of it
-compiling); writes ``benchmarks/results/compile.json``.
+Run: ``python benchmarks/compile.py --threads 1`` (CPU, 2 cores: about 8 minutes with a warm inductor
+cache, 20 cold, most of it compiling); writes ``benchmarks/results/compile.json``.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.3])
     parser.add_argument("--trials", type=int, default=14, help="measured trials per tuning run")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1: steadier on a busy CPU)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the final measurement")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the final measurement")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compile.json")
     args = parser.parse_args()
 

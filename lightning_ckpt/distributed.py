@@ -21,7 +21,7 @@ from lightning_ckpt.tune import TrialRecord
 __all__ = ["Sync", "combine_trials"]
 
 # Worst first: a trial is as bad as its worst rank.
-_SEVERITY = ("error", "invalid", "oom", "over_budget", "pruned", "ok")
+_SEVERITY = ("error", "invalid", "oom", "conflict", "over_budget", "pruned", "ok")
 
 
 class Sync(Protocol):

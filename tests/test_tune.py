@@ -59,8 +59,9 @@ def test_persisted_study_resumes_without_measuring_again(gpt, tokens, tmp_path):
     storage = f"sqlite:///{tmp_path / 'tuning.db'}"
     space = {"modes": ["full", "selective:mlp", "ops:save_matmuls", "selective:attention"],
              "selections": ["all", "first:0.5"], "rest_modes": ["none"], "segments": False}  # fmt: skip
-    first = tune(gpt, _loss_fn(gpt, tokens), n_trials=3, search_space=space, storage=storage, measure_steps=1)
-    second = tune(gpt, _loss_fn(gpt, tokens), n_trials=5, search_space=space, storage=storage, measure_steps=1)
+    common = dict(search_space=space, storage=storage, measure_steps=1, confirm_top=0)  # confirmation re-times
+    first = tune(gpt, _loss_fn(gpt, tokens), n_trials=3, **common)
+    second = tune(gpt, _loss_fn(gpt, tokens), n_trials=5, **common)
     resumed = [t for t in second.trials if t.extra.get("resumed")]
     assert [t.plan for t in resumed] == [t.plan for t in first.trials]
     assert [t.samples_per_second for t in resumed] == [t.samples_per_second for t in first.trials]
