@@ -13,6 +13,7 @@ combination predicted over budget before anything runs.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -115,6 +116,8 @@ def tune_micro_batch(
     tie_tolerance: float = 0.01,
     progress: Callable[[TrialRecord, Budget], None] | None = None,
     extra_for: Callable[[int], tuple[Any, ...]] = lambda m: (),
+    confirm_top: int = 3,
+    confirm_rounds: int = 3,
     **tune_kwargs: Any,
 ) -> MicroBatchResult:
     """Search (plan, micro-batch) for the most samples/s within the budget at a fixed global batch.
@@ -122,6 +125,12 @@ def tune_micro_batch(
     ``loss_fn_for(m)`` returns a zero-argument function running the forward on a batch of ``m``
     samples and returning the loss. The budget is resolved at ``base_micro_batch`` (the user's), so
     ``activation_budget`` means a fraction of *the user's* no-checkpointing activation memory.
+
+    Each micro-batch is searched at a different moment, so comparing their winners' figures would
+    compare moments as much as configurations. The choice is therefore made in a confirmation round
+    (``confirm_rounds`` interleaved rounds) between the ``confirm_top`` fastest micro-batches' winners
+    and the reference a user would pick by hand: no checkpointing at the largest micro-batch where it
+    fits. ``confirm_top=0`` chooses from the search figures alone.
     """
     from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
     from lightning_ckpt.memory_model import profile_memory
@@ -187,7 +196,14 @@ def tune_micro_batch(
                     extra={**t.extra, "micro_batch": m, "accumulation": global_batch // m},
                 )
             )  # fmt: skip
-    best = choose_best(trials, budget, tie_tolerance=tie_tolerance)
+    confirmed = _confirm_across(
+        trials, budget, loss_fn_for, extra_for, root=root, optimizer=optimizer, top=confirm_top,
+        rounds=confirm_rounds, steps=int(tune_kwargs.get("measure_steps", 3)),
+    )  # fmt: skip
+    original = {t.number: t for t in trials}
+    if confirmed:
+        trials = [confirmed.get(t.number, t) for t in trials]
+    best = choose_best(list(confirmed.values()) or trials, budget, tie_tolerance=tie_tolerance)
     fell_back = False
     if best is None:
         if on_infeasible == "raise":
@@ -210,12 +226,65 @@ def tune_micro_batch(
         trials=tuple(trials),
         budget=budget,
         tuning_seconds=time.perf_counter() - started,
-        tuning_steps=sum(r.tuning_steps for r in per_m.values()),
+        tuning_steps=sum(r.tuning_steps for r in per_m.values())
+        + sum(t.steps - original[n].steps for n, t in confirmed.items()),
         fell_back=fell_back,
         memory_table=scaled.at(m).table(),
         memory_breakdown=scaled.at(m).to_dict(),
     )
     return MicroBatchResult(result, m, global_batch // m, global_batch, per_m, skipped)
+
+
+def _confirm_across(
+    trials: Sequence[TrialRecord], budget: Budget, loss_fn_for: Callable[[int], Callable[[], Any]],
+    extra_for: Callable[[int], tuple[Any, ...]], *, root: nn.Module, optimizer: Any, top: int, rounds: int,
+    steps: int,
+) -> dict[int, TrialRecord]:  # fmt: skip
+    """Re-time the leading (plan, micro-batch) pairs side by side; trial number -> re-timed record.
+
+    Candidates: the winner of each of the ``top`` fastest micro-batches, plus no checkpointing at the
+    largest micro-batch where it fits (what tuning must beat). Memory is not re-measured.
+    """
+    from lightning_ckpt.apply import plan_applied
+    from lightning_ckpt.measure import measure_step
+    from lightning_ckpt.tune import _loss_of
+
+    feasible = [t for t in trials if t.feasible and t.samples_per_second]
+    if top <= 0 or not feasible:
+        return {}
+    per_m: dict[int, TrialRecord] = {}
+    for t in sorted(feasible, key=lambda t: -(t.samples_per_second or 0.0)):
+        per_m.setdefault(int(t.extra["micro_batch"]), t)
+    chosen = sorted(per_m.values(), key=lambda t: -(t.samples_per_second or 0.0))[:top]
+    reference = max((t for t in feasible if t.plan.is_empty), key=lambda t: t.extra["micro_batch"], default=None)
+    if reference is not None and all(t.number != reference.number for t in chosen):
+        chosen.append(reference)
+    if len(chosen) < 2:
+        return {}
+    device = next(root.parameters()).device
+    times: dict[int, list[float]] = {t.number: [] for t in chosen}
+    for _ in range(rounds):
+        for t in chosen:
+            m = int(t.extra["micro_batch"])
+            loss_fn = loss_fn_for(m)
+            with plan_applied(root, t.plan, check_fingerprint=False):
+                meas = measure_step(lambda loss_fn=loss_fn: _loss_of(loss_fn()).backward(), model=root,
+                                    optimizer=optimizer, warmup=1, steps=steps, device=device, batch_size=m,
+                                    track_memory=False, count_flops=False, extra=extra_for(m))  # fmt: skip
+            if meas.status == "ok":
+                times[t.number].append(meas.median_seconds)
+    out = {}
+    for t in chosen:
+        if not times[t.number]:
+            continue
+        median = statistics.median(times[t.number])
+        m = int(t.extra["micro_batch"])
+        out[t.number] = replace(
+            t, samples_per_second=m / median, median_seconds=median, steps=t.steps + rounds * (steps + 1),
+            extra={**t.extra, "search_samples_per_second": t.samples_per_second,
+                   "micro_batch_confirmation_seconds": times[t.number]},
+        )  # fmt: skip
+    return out
 
 
 def _labelled(progress: Callable[[TrialRecord, Budget], None] | None, m: int, global_batch: int) -> Any:

@@ -11,7 +11,7 @@ from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, baseline
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure import track_step_memory
 from lightning_ckpt.memory_model import profile_memory
-from lightning_ckpt.microbatch import ScaledMemoryModel, divisors, resize_batch
+from lightning_ckpt.microbatch import ScaledMemoryModel, divisors, resize_batch, tune_micro_batch
 from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
@@ -110,3 +110,31 @@ def test_micro_batch_needs_a_batch_size_attribute(tmp_path):
 
     with pytest.raises(ConfigurationError, match="batch_size"):
         _fit(tmp_path, [ActivationCheckpointTuner(tune_micro_batch=True, verbose=False)], NoAttr())
+
+
+def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
+    tokens = torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(0))
+
+    def loss_for(m):
+        x = resize_batch(tokens, 4, m)
+        return lambda: model(x, x)
+
+    common = dict(base_micro_batch=4, global_batch=8, activation_budget=1.0, n_trials=6, search_space=SPACE,
+                  measure_steps=1, extra_for=lambda m: (resize_batch(tokens, 4, m),))  # fmt: skip
+    found = tune_micro_batch(model, loss_for, confirm_top=2, confirm_rounds=2, **common)
+    confirmed = [t for t in found.result.trials if "micro_batch_confirmation_seconds" in t.extra]
+    assert len(confirmed) >= 2 and all(len(t.extra["micro_batch_confirmation_seconds"]) == 2 for t in confirmed)
+    # The by-hand reference (no checkpointing at the largest micro-batch where it fits) is always re-timed.
+    none_fits = [t.extra["micro_batch"] for t in found.result.trials if t.plan.is_empty and t.feasible]
+    assert any(t.plan.is_empty and t.extra["micro_batch"] == max(none_fits) for t in confirmed)
+    # The winner is one of the re-timed candidates, chosen by the re-timed figures.
+    best = found.result.best_trial
+    assert best in confirmed
+    assert best.samples_per_second >= max(t.samples_per_second for t in confirmed) * (1 - 0.01)
+    assert best.samples_per_second == pytest.approx(best.extra["micro_batch"] / best.median_seconds)
+    assert found.micro_batch * found.accumulation == 8
+    # Without confirmation, the search figures decide and nothing is re-timed.
+    plain = tune_micro_batch(model, loss_for, confirm_top=0, **common)
+    assert not any("micro_batch_confirmation_seconds" in t.extra for t in plain.result.trials)
