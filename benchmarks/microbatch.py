@@ -3,13 +3,14 @@
 GPT example on CPU, fixed global batch (``--global-batch``, default 32 = micro-batch 8 x 4
 accumulation). The budget is the no-checkpointing activation memory at the user's micro-batch
 (``--budget`` x that), so without checkpointing the largest micro-batch that fits is the user's.
-Both configurations are then measured side by side, interleaved over ``--rounds`` rounds: time per
-global batch = accumulation x step time at the micro-batch.
+Both configurations are then measured side by side, interleaved over ``--rounds`` rounds, each
+round timing one global batch's worth of steps (accumulation x micro-batch): time per global batch
+= accumulation x median step time at the micro-batch.
 
 When the tuner picks exactly the no-checkpointing configuration, it is measured once and the ratio
 is 1 by identity: timing the same configuration twice would only measure the machine's noise.
 
-Run: ``python benchmarks/microbatch.py`` (budgets of 100% and 50%, about 3 minutes on 2 cores;
+Run: ``python benchmarks/microbatch.py`` (budgets of 100%, 50% and 20%, about 4 minutes on 2 cores;
 writes ``benchmarks/results/microbatch.json``).
 """
 
@@ -63,8 +64,9 @@ def run_budget(args: argparse.Namespace, model: GPT, batch: Any, fraction: float
         for name, (plan, m) in configs.items():
             x = batch(m)
             with plan_applied(model, plan, check_fingerprint=False):
-                meas = measure_step(lambda x=x: model(x, x).backward(), model=model, warmup=1, steps=args.steps,
-                                    batch_size=m, track_memory=r == 0, extra=(x,))  # fmt: skip
+                # One global batch per round: every configuration is timed on the same samples.
+                meas = measure_step(lambda x=x: model(x, x).backward(), model=model, warmup=1,
+                                    steps=args.global_batch // m, batch_size=m, track_memory=r == 0, extra=(x,))  # fmt: skip
             seconds[name].append(meas.median_seconds * (args.global_batch // m))
             if r == 0:
                 memory[name] = meas.activation_bytes
@@ -98,6 +100,9 @@ def run_budget(args: argparse.Namespace, model: GPT, batch: Any, fraction: float
         "searched": searched, "skipped": {str(k): v for k, v in found.skipped.items()},
         "chosen": {"micro_batch": found.micro_batch, "accumulation": found.accumulation,
                    "plan": found.result.best.describe()},
+        "confirmation": {t.label: {"samples_per_second": t.samples_per_second,
+                                   "search_samples_per_second": t.extra["search_samples_per_second"]}
+                         for t in found.result.trials if "micro_batch_confirmation_seconds" in t.extra},
         "tuning_seconds": found.result.tuning_seconds,
     }  # fmt: skip
 
@@ -106,12 +111,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.5],
+    parser.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.5, 0.2],
                         help="fractions of the no-checkpointing activation memory at --micro-batch")  # fmt: skip
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--trials", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
     parser.add_argument("--search-steps", type=int, default=3, help="timed steps per trial during the search")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "microbatch.json")
     args = parser.parse_args()

@@ -262,15 +262,20 @@ def _confirm_across(
     if len(chosen) < 2:
         return {}
     device = next(root.parameters()).device
+    # Equal samples, not equal steps: a small micro-batch's steps are short, and timing only a few
+    # of them would give it a shorter (noisier) window than a large one's.
+    samples = steps * max(int(t.extra["micro_batch"]) for t in chosen)
     times: dict[int, list[float]] = {t.number: [] for t in chosen}
+    timed_steps: dict[int, int] = {}
     for _ in range(rounds):
         for t in chosen:
             m = int(t.extra["micro_batch"])
+            timed_steps[t.number] = -(-samples // m)
             loss_fn = loss_fn_for(m)
             with plan_applied(root, t.plan, check_fingerprint=False):
                 meas = measure_step(lambda loss_fn=loss_fn: _loss_of(loss_fn()).backward(), model=root,
-                                    optimizer=optimizer, warmup=1, steps=steps, device=device, batch_size=m,
-                                    track_memory=False, count_flops=False, extra=extra_for(m))  # fmt: skip
+                                    optimizer=optimizer, warmup=1, steps=timed_steps[t.number], device=device,
+                                    batch_size=m, track_memory=False, count_flops=False, extra=extra_for(m))  # fmt: skip
             if meas.status == "ok":
                 times[t.number].append(meas.median_seconds)
     out = {}
@@ -280,7 +285,7 @@ def _confirm_across(
         median = statistics.median(times[t.number])
         m = int(t.extra["micro_batch"])
         out[t.number] = replace(
-            t, samples_per_second=m / median, median_seconds=median, steps=t.steps + rounds * (steps + 1),
+            t, samples_per_second=m / median, median_seconds=median, steps=t.steps + rounds * (timed_steps[t.number] + 1),
             extra={**t.extra, "search_samples_per_second": t.samples_per_second,
                    "micro_batch_confirmation_seconds": times[t.number]},
         )  # fmt: skip
