@@ -121,7 +121,8 @@ def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
         x = resize_batch(tokens, 4, m)
         return lambda: model(x, x)
 
-    common = dict(base_micro_batch=4, global_batch=8, activation_budget=1.0, n_trials=6, search_space=SPACE,
+    common = dict(base_micro_batch=4, global_batch=8, micro_batches=[2, 4], activation_budget=1.0, n_trials=4,
+                  search_space=SPACE,
                   measure_steps=1, extra_for=lambda m: (resize_batch(tokens, 4, m),))  # fmt: skip
     found = tune_micro_batch(model, loss_for, confirm_top=2, confirm_rounds=2, **common)
     confirmed = [t for t in found.result.trials if "micro_batch_confirmation_seconds" in t.extra]
