@@ -203,7 +203,7 @@ def tune_micro_batch(
     original = {t.number: t for t in trials}
     if confirmed:
         trials = [confirmed.get(t.number, t) for t in trials]
-    best = choose_best(list(confirmed.values()) or trials, budget, tie_tolerance=tie_tolerance)
+    best = choose_best(trials, budget, tie_tolerance=tie_tolerance, confirmed_key="micro_batch_confirmation_seconds")
     fell_back = False
     if best is None:
         if on_infeasible == "raise":

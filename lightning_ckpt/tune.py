@@ -109,11 +109,20 @@ def _sort_key(trial: TrialRecord, budget: Budget) -> tuple[float, float]:
     return (-(trial.samples_per_second or 0.0), float(mem))
 
 
-def choose_best(trials: Sequence[TrialRecord], budget: Budget, *, tie_tolerance: float) -> TrialRecord | None:
-    """Fastest feasible trial; among those within ``tie_tolerance`` of it, the one using least memory."""
+def choose_best(
+    trials: Sequence[TrialRecord], budget: Budget, *, tie_tolerance: float, confirmed_key: str | None = None
+) -> TrialRecord | None:
+    """Fastest feasible trial; among those within ``tie_tolerance`` of it, the one using least memory.
+
+    ``confirmed_key``: trials re-timed side by side carry it in ``extra``. Their figures compare with
+    each other but not with figures taken at other moments (a slow moment during the re-timing
+    would otherwise hand the win to an unconfirmed trial), so when any exist only they compete.
+    """
     feasible = [t for t in trials if t.feasible and t.samples_per_second]
     if not feasible:
         return None
+    if confirmed_key is not None:
+        feasible = [t for t in feasible if confirmed_key in t.extra] or feasible
     fastest = max(t.samples_per_second or 0.0 for t in feasible)
     close = [t for t in feasible if (t.samples_per_second or 0.0) >= fastest * (1 - tie_tolerance)]
 
@@ -398,7 +407,7 @@ def tune(
                            batch_size, seq_len, measure_steps, extra_tensors, sync,
                            retime=compiled_trials.retime if compiled_trials is not None else None)  # fmt: skip
 
-    best = choose_best(records, budget, tie_tolerance=tie_tolerance)
+    best = choose_best(records, budget, tie_tolerance=tie_tolerance, confirmed_key="confirmation_seconds")
     fell_back = False
     if best is None:
         lowest = _lowest_memory(records, budget)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -29,6 +31,19 @@ def test_choose_best_prefers_speed_then_memory_within_tolerance():
     assert choose_best(trials, budget, tie_tolerance=0.01).number == 1  # within 1% of the fastest, less memory
     assert choose_best(trials, budget, tie_tolerance=0.0).number == 0
     assert choose_best([_rec(0, 5.0, 1, status="oom")], budget, tie_tolerance=0.0) is None
+
+
+def test_choose_best_among_re_timed_trials_only():
+    budget = Budget("activation", 100)
+    # The confirmation re-timed 0 and 1 in a slow moment; 2's faster figure is from another moment.
+    slow = {"confirmation_seconds": [0.2, 0.2]}
+    trials = [_rec(0, 80.0, 50), _rec(1, 70.0, 40), _rec(2, 95.0, 60)]
+    trials[0], trials[1] = (replace(t, extra=slow) for t in trials[:2])
+    assert choose_best(trials, budget, tie_tolerance=0.0, confirmed_key="confirmation_seconds").number == 0
+    assert choose_best(trials, budget, tie_tolerance=0.0).number == 2
+    # A re-timed trial over budget does not count: the others compete as before.
+    over = [replace(trials[0], status="over_budget"), trials[2]]
+    assert choose_best(over, budget, tie_tolerance=0.0, confirmed_key="confirmation_seconds").number == 2
 
 
 def test_tune_returns_model_untouched_and_a_plan_within_budget(gpt, tokens):
