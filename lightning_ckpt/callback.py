@@ -253,27 +253,10 @@ class ActivationCheckpointTuner(Callback):
         batch = trainer.strategy.batch_to_device(batch) if _needs_transfer(batch, pl_module.device) else batch
         precision = trainer.strategy.precision_plugin
 
-        def forward() -> torch.Tensor:
-            with precision.forward_context():
-                out = pl_module.training_step(batch, batch_idx)
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            if not isinstance(loss, torch.Tensor):
-                raise ConfigurationError(
-                    f"training_step returned {type(out).__name__}; the tuner needs a loss tensor (or a dict with 'loss')."
-                )
-            return loss
-
+        forward = _training_loss(pl_module, precision, batch, batch_idx)
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         batch_size, seq_len = _batch_dims(batch)
-        writer = self._writer(trainer) if trainer.is_global_zero else None
-
-        def progress(trial: Any, budget: Any) -> None:
-            from lightning_ckpt import report
-
-            if self.verbose:
-                rank_zero_info(report.trial_line(trial, budget))
-            if writer is not None:
-                report.log_trial(writer, trial)
+        progress = self._progress(trainer)
 
         with _sandbox(pl_module):
             result = tune(
@@ -293,7 +276,6 @@ class ActivationCheckpointTuner(Callback):
         from lightning.pytorch.callbacks import GradientAccumulationScheduler
         from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
-        from lightning_ckpt import report
         from lightning_ckpt.microbatch import resize_batch, tune_micro_batch
 
         if trainer.world_size > 1:
@@ -327,22 +309,9 @@ class ActivationCheckpointTuner(Callback):
         precision = trainer.strategy.precision_plugin
 
         def loss_fn_for(m: int) -> Any:
-            resized = resize_batch(batch, base, m)
+            return _training_loss(pl_module, precision, resize_batch(batch, base, m), 0)
 
-            def forward() -> torch.Tensor:
-                with precision.forward_context():
-                    out = pl_module.training_step(resized, 0)
-                return out["loss"] if isinstance(out, Mapping) else out
-
-            return forward
-
-        writer = self._writer(trainer) if trainer.is_global_zero else None
-
-        def progress(trial: Any, budget: Any) -> None:
-            if self.verbose:
-                rank_zero_info(report.trial_line(trial, budget))
-            if writer is not None:
-                report.log_trial(writer, trial)
+        progress = self._progress(trainer)
 
         with _sandbox(pl_module):
             found = tune_micro_batch(
@@ -402,6 +371,20 @@ class ActivationCheckpointTuner(Callback):
                 f"lightning_ckpt: micro-batch {spec['size']} x {spec['accumulation']} accumulation "
                 f"(global batch {spec['global']}, was {old_size} x {old_accumulation})"
             )
+
+    def _progress(self, trainer: pl.Trainer) -> Any:
+        """Per-trial reporting: a line on rank 0 when verbose, and the trial's scalars streamed to TensorBoard."""
+        from lightning_ckpt import report
+
+        writer = self._writer(trainer) if trainer.is_global_zero else None
+
+        def progress(trial: Any, budget: Any) -> None:
+            if self.verbose:
+                rank_zero_info(report.trial_line(trial, budget))
+            if writer is not None:
+                report.log_trial(writer, trial)
+
+        return progress
 
     def _writer(self, trainer: pl.Trainer) -> Any:
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -526,6 +509,25 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
 
 def _needs_transfer(batch: Any, device: torch.device) -> bool:
     return any(t.device != device for t in _tensors(batch))
+
+
+def _training_loss(pl_module: pl.LightningModule, precision: Any, batch: Any, batch_idx: int) -> Any:
+    """The user's ``training_step`` on ``batch`` under the Trainer's precision, as a zero-argument loss function.
+
+    Trials must run exactly what training runs (autocast included), so the tuner never builds its own forward.
+    """
+
+    def forward() -> torch.Tensor:
+        with precision.forward_context():
+            out = pl_module.training_step(batch, batch_idx)
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor):
+            raise ConfigurationError(
+                f"training_step returned {type(out).__name__}; the tuner needs a loss tensor (or a dict with 'loss')."
+            )
+        return loss
+
+    return forward
 
 
 def _batch_dims(batch: Any) -> tuple[int | None, int | None]:
