@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map
 from lightning_ckpt.budget import Budget, resolve_budget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.plan import Plan
-from lightning_ckpt.tune import TrialRecord, TuneResult, choose_best, tune
+from lightning_ckpt.tune import TrialRecord, TuneResult, _loss_of, choose_best, tune
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
 
@@ -197,7 +197,7 @@ def tune_micro_batch(
                 )
             )  # fmt: skip
     confirmed = _confirm_across(
-        trials, budget, loss_fn_for, extra_for, root=root, optimizer=optimizer, top=confirm_top,
+        trials, loss_fn_for, extra_for, root=root, optimizer=optimizer, top=confirm_top,
         rounds=confirm_rounds, steps=int(tune_kwargs.get("measure_steps", 3)),
     )  # fmt: skip
     original = {t.number: t for t in trials}
@@ -236,7 +236,7 @@ def tune_micro_batch(
 
 
 def _confirm_across(
-    trials: Sequence[TrialRecord], budget: Budget, loss_fn_for: Callable[[int], Callable[[], Any]],
+    trials: Sequence[TrialRecord], loss_fn_for: Callable[[int], Callable[[], Any]],
     extra_for: Callable[[int], tuple[Any, ...]], *, root: nn.Module, optimizer: Any, top: int, rounds: int,
     steps: int,
 ) -> dict[int, TrialRecord]:  # fmt: skip
@@ -247,7 +247,6 @@ def _confirm_across(
     """
     from lightning_ckpt.apply import plan_applied
     from lightning_ckpt.measure import measure_step
-    from lightning_ckpt.tune import _loss_of
 
     feasible = [t for t in trials if t.feasible and t.samples_per_second]
     if top <= 0 or not feasible:
