@@ -31,9 +31,10 @@ All byte counts follow ``lightning_ckpt.measure``'s definitions, so ``predict_pe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,8 @@ class ModeProfile:
     still holds the input (the moment right after the block returns).
     forward_peak_bytes: peak during its forward. backward_peak_bytes / backward_peak_activation_bytes:
     peak during its backward, everything / without parameter gradients.
+    autocast_cache_bytes: weight copies autocast cached during the forward that this mode does not
+    save: they live on until the step's autocast region ends (the end of the forward), not longer.
     """
 
     keep_bytes: int
@@ -90,6 +93,7 @@ class ModeProfile:
     backward_peak_bytes: int
     backward_peak_activation_bytes: int
     output_bytes: int
+    autocast_cache_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,15 +191,18 @@ class MemoryModel:
         n = len(self.blocks)
         best_total, best_phase, best_act = -1, "", -1
         keep_prefix = list(itertools.accumulate(st.keep_delta, initial=0))
+        # While the forward runs, autocast's weight cache holds what a block does not save: the anchor
+        # measured it, so the forward phases add only each block's difference in (saved + cached) bytes.
+        fwd_prefix = list(itertools.accumulate(st.keep_fwd_delta, initial=0))
         chunk_adjust = st.chunk_adjust
         for ph in self.phases:
             i = ph.block
             if ph.kind == "pre":
                 d_total = d_act = 0
             elif ph.kind == "fwd":
-                d_total = d_act = keep_prefix[i] + st.fw_delta[i]
+                d_total = d_act = fwd_prefix[i] + st.fw_delta[i]
             elif ph.kind == "fwd_gap":
-                d_total = d_act = keep_prefix[i + 1] + st.gap_delta[i]
+                d_total = d_act = fwd_prefix[i + 1] + st.gap_delta[i]
             elif ph.kind == "bw_head":
                 d_total = d_act = keep_prefix[n]
             else:  # bw / bw_gap: earlier blocks still hold their activations
@@ -398,7 +405,7 @@ class MemoryModel:
                     st.gap_delta[i] = (length - 1) * out
                 else:
                     # A member only hands over its pending output: nothing is computed or stored.
-                    st.keep_delta[i] = -full.keep_bytes
+                    st.keep_delta[i] = st.keep_fwd_delta[i] = -full.keep_bytes
                     st.fw_delta[i] = b.input_bytes + (length - pos) * out - full.forward_peak_bytes
                     st.gap_delta[i] = b.input_bytes + (length - 1 - pos) * out - input_held_full
                 st.bw_delta[i] = none.backward_peak_bytes - full.backward_peak_bytes
@@ -406,6 +413,7 @@ class MemoryModel:
                 continue
             prof = self._profile(b, keys[i])
             st.keep_delta[i] = prof.keep_bytes - full.keep_bytes
+            st.keep_fwd_delta[i] = st.keep_delta[i] + prof.autocast_cache_bytes - full.autocast_cache_bytes
             st.fw_delta[i] = prof.forward_peak_bytes - full.forward_peak_bytes
             st.gap_delta[i] = (prof.keep_with_input_bytes - prof.keep_bytes) - input_held_full
             st.bw_delta[i] = prof.backward_peak_bytes - full.backward_peak_bytes
@@ -437,6 +445,7 @@ class MemoryModel:
             "forward_peak_bytes",
             "backward_peak_bytes",
             "backward_peak_activation_bytes",
+            "autocast_cache_bytes",
         )
         values = {f: getattr(none, f) + sum(getattr(p, f) - getattr(none, f) for p in parts) for f in fields}
         return ModeProfile(**values, output_bytes=none.output_bytes)
@@ -447,6 +456,7 @@ class _PlanState:
 
     def __init__(self, n: int, chunk_of: list[int | None]) -> None:
         self.keep_delta = [0] * n  # saved bytes held from forward to backward, vs full
+        self.keep_fwd_delta = [0] * n  # the same while the forward's autocast cache is alive
         self.fw_delta = [0] * n  # own forward peak, vs full
         self.gap_delta = [0] * n  # right after its forward: input still held, segment outputs pending
         self.bw_delta = [0] * n  # own backward peak, vs full
@@ -565,6 +575,32 @@ class _Captured:
     module: nn.Module
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions active right now, as (device type, dtype) pairs.
+
+    A block replayed alone must run in the context the step ran it in: under bf16/fp16 autocast
+    it saves half-precision activations (and a GPU may dispatch another attention kernel), so a
+    profile taken without it over-predicts every mode but ``full`` by a quarter or more.
+    """
+    state = []
+    for dev in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(dev):
+            state.append((dev, torch.get_autocast_dtype(dev)))
+    return tuple(state)
+
+
+@contextlib.contextmanager
+def _autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for dev, dtype in state:
+            stack.enter_context(torch.autocast(dev, dtype=dtype))
+        yield
 
 
 def _capture(
@@ -581,7 +617,7 @@ def _capture(
         args, kwargs = _without_kv_cache(module, args, kwargs)
         key = _group_key(module, args, kwargs) if share else fqn
         if key not in reps:
-            reps[key] = _Captured(fqn, module, tuple(args), dict(kwargs))
+            reps[key] = _Captured(fqn, module, tuple(args), dict(kwargs), _autocast_state())
         rep_of[fqn] = reps[key].fqn
 
     modules = {fqn: root.get_submodule(fqn) for fqn in blocks.values()}
@@ -722,10 +758,15 @@ def _run_block(
             else:
                 kwargs[where[1]] = x
             tracker.enter_phase("fwd")
-            out = cap.module(*args, **kwargs)
-            out_t = _first_grad_tensor(out)
-            out_bytes = _tensor_bytes([out_t]) if out_t is not None else 0
+            with _autocast_as(cap.autocast):
+                out = cap.module(*args, **kwargs)
+                out_t = _first_grad_tensor(out)
+                out_bytes = _tensor_bytes([out_t]) if out_t is not None else 0
+                in_context = tracker.now()[0]
             keep_with_input = tracker.enter_phase("after_fwd")[0] - base - out_bytes
+            # Autocast caches the low-precision copies of the weights until the step's autocast region
+            # ends: a mode that saves them keeps them anyway, one that does not frees them only then.
+            cache = max(0, in_context - base - out_bytes - keep_with_input)
             del args, kwargs, x
             keep = tracker.now()[0] - base - out_bytes
             if out_t is not None:
@@ -738,7 +779,8 @@ def _run_block(
         fw_total = tracker.phase_peaks["fwd"][0]
     finally:
         handle.remove()
-    return ModeProfile(keep, keep_with_input, fw_total - base, bw_total - base, bw_act - base_act, out_bytes), in_bytes
+    profile = ModeProfile(keep, keep_with_input, fw_total - base, bw_total - base, bw_act - base_act, out_bytes, cache)
+    return profile, in_bytes
 
 
 def _default_selective_sets(stacks: Sequence[LayerStack]) -> dict[str, list[tuple[str, ...]]]:
