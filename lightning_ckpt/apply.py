@@ -7,6 +7,10 @@ plain model), and ``PlanHandle.remove()`` deletes the instance attribute to rest
 
 The instance forward is a ``functools.partial`` of a module-level function bound to the module, so
 ``copy.deepcopy`` and ``pickle`` keep working and a deep-copied model calls its *own* layers.
+
+A recompute never updates a buffer a second time: BatchNorm statistics, EMAs and counters end a step
+exactly as in the unplanned model, and a forward that reads a buffer it updates is recomputed from
+the value it read the first time (see ``_BufferGuard``).
 """
 
 from __future__ import annotations
@@ -105,13 +109,166 @@ def _warn_cache_once(cls_name: str, dropped: tuple[str, ...]) -> None:
     )
 
 
-def _checkpointed_forward(module: nn.Module, save_list: str | None, *args: Any, **kwargs: Any) -> Any:
+# ---------------------------------------------------------------------------------------------------
+# Buffers under recompute
+# ---------------------------------------------------------------------------------------------------
+# A recompute runs the region's forward a second time, in training mode, so every buffer update in it
+# (BatchNorm's running_mean/running_var/num_batches_tracked, an EMA, a step counter) would happen twice,
+# and a forward that reads a buffer it updates would be recomputed from the updated value (different
+# saved tensors, so different gradients). So each recompute runs on throwaway copies, holding the values
+# from before the original forward, of the buffers that forward updated; the model's own buffers are not
+# written during backward. Under torch.compile none of this applies (nor traces): AOTAutograd's
+# functionalisation applies a buffer update once, after the graph, and recomputes only what backward needs.
+#
+# Traps: BatchNorm updates its running statistics without bumping their version counters, so updates are
+# found by comparing values; and an op-save-list recompute runs under a dispatch mode that refuses any op
+# the forward did not run, so every copy the recompute uses is made before backward, outside that mode.
+_BufferKey = tuple[int, str, str]  # (index of the region's module, owner FQN inside it, buffer name)
+_Slot = tuple[nn.Module, str, torch.Tensor]  # (owner module, buffer name, the tensor registered there)
+
+
+def _buffer_slots(modules: list[nn.Module]) -> dict[_BufferKey, _Slot]:
+    slots = {}
+    for i, region in enumerate(modules):
+        for owner_fqn, owner in region.named_modules():
+            for name, buf in owner._buffers.items():
+                if buf is not None:
+                    slots[(i, owner_fqn, name)] = (owner, name, buf)
+    return slots
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter, and no in-place update outside inference mode
+        return None
+
+
+def _copies(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+    """Detached copies; a tensor registered under two names (tied buffers) gets one copy, so they stay tied."""
+    memo: dict[int, torch.Tensor] = {}
+    out = {}
+    for key, t in tensors.items():
+        if id(t) not in memo:
+            c = t.detach().clone()
+            memo[id(t)] = c.requires_grad_() if t.requires_grad else c
+        out[key] = memo[id(t)]
+    return out
+
+
+def _changed(slot: _Slot, before: torch.Tensor | None, version: int | None) -> bool:
+    owner, name, buf = slot
+    now = owner._buffers.get(name)
+    if now is not buf or _version(buf) != version:
+        return True
+    if before is None:
+        return False
+    return before.shape != buf.shape or before.dtype != buf.dtype or not torch.equal(before, buf)
+
+
+class _Recompute:
+    """The function handed to ``checkpoint``: its first call is the forward, every later call a recompute."""
+
+    __slots__ = ("calls", "copy_in_backward", "fn", "pristine", "working")
+
+    def __init__(self, fn: Callable[[tuple[Any, ...], dict[str, Any]], Any], *, copy_in_backward: bool) -> None:
+        self.fn = fn
+        self.calls = 0
+        self.copy_in_backward = copy_in_backward  # False under an op save-list: its recompute mode refuses new ops
+        self.pristine: list[tuple[nn.Module, str, torch.Tensor]] = []  # pre-forward values of updated buffers
+        self.working: list[torch.Tensor] | None = None  # their copies for the next recompute to update
+
+    def prepare(self, pristine: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+        self.pristine = pristine
+        self.working = list(_copies(dict(enumerate(t for _, _, t in pristine))).values()) if pristine else None
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.calls += 1
+        if self.calls == 1 or not self.pristine:
+            return self.fn(args, kwargs)
+        working = self.working
+        if working is None:  # a second recompute, after backward(retain_graph=True)
+            source = dict(enumerate(t for _, _, t in self.pristine))
+            working = list((_copies(source) if self.copy_in_backward else source).values())
+        self.working = None
+        current = [(owner, name, owner._buffers.get(name)) for owner, name, _ in self.pristine]
+        for (owner, name, _), copy_ in zip(self.pristine, working, strict=True):
+            owner._buffers[name] = copy_
+        try:  # checkpoint's early stop ends a recompute with an exception
+            return self.fn(args, kwargs)
+        finally:
+            for owner, name, buf in reversed(current):
+                owner._buffers[name] = buf
+
+
+class _BufferGuard:
+    """Checkpoints one region (a block, a child, a segment's blocks) so that its recompute leaves buffers alone.
+
+    Which buffers the region's forward updates is learned on its first call in each train/eval
+    configuration of its modules (every buffer is copied once and compared afterwards); later calls
+    copy only those, so a large constant buffer (a causal mask) costs nothing per step. A buffer first
+    updated on a later call is caught by its version counter or a reassignment (not by BatchNorm-style
+    updates that bypass the version counter) and kept from then on. Holds no tensors between steps,
+    so a planned model still deep-copies and pickles.
+    """
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.updated: dict[tuple[bool, ...], set[_BufferKey]] = {}  # train/eval flags -> updated buffers
+
+    def checkpoint(
+        self, fn: Callable[[tuple[Any, ...], dict[str, Any]], Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+        **extra: Any,
+    ) -> Any:  # fmt: skip
+        recompute = _Recompute(fn, copy_in_backward="context_fn" not in extra)
+        slots = _buffer_slots(self.modules)
+        if not slots:
+            return checkpoint(recompute, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
+        flags = tuple(m.training for region in self.modules for m in region.modules())
+        known = self.updated.get(flags)
+        versions = {k: _version(buf) for k, (_, _, buf) in slots.items()}
+        before = _copies({k: slots[k][2] for k in (slots.keys() if known is None else known & slots.keys())})
+        out = checkpoint(recompute, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
+        updated = {k for k, slot in slots.items() if _changed(slot, before.get(k), versions[k])}
+        if known is None:
+            self.updated[flags] = updated
+        late = updated - before.keys()
+        if late:  # no pre-forward value: the recompute at least updates a copy, not the buffer a second time
+            known |= late
+            now = {k: slots[k][0]._buffers[slots[k][1]] for k in late}
+            before.update(_copies({k: t for k, t in now.items() if t is not None}))
+            _warn_late_update_once(type(self.modules[0]).__name__, tuple(sorted(_key_name(k) for k in late)))
+        recompute.prepare([(slots[k][0], slots[k][1], before[k]) for k in sorted(updated) if k in before])
+        return out
+
+
+def _key_name(key: _BufferKey) -> str:
+    _, owner_fqn, name = key
+    return f"{owner_fqn}.{name}" if owner_fqn else name
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_late_update_once(cls_name: str, names: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"lightning_ckpt: a checkpointed {cls_name} updated buffer(s) {', '.join(names)} in forward although its "
+        "earlier calls left them alone, so this step's recompute read the updated value(s); from now on their "
+        "pre-forward values are kept for the recompute. If the forward reads them, plan this block with mode "
+        "'none' or 'offload' (neither recomputes).",
+        stacklevel=4,
+    )
+
+
+def _checkpointed_forward(
+    module: nn.Module, save_list: str | None, guard: _BufferGuard, *args: Any, **kwargs: Any
+) -> Any:
     inner = _original_forward(module)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     args, kwargs = _without_caches(module, args, kwargs)
     extra = {"context_fn": selective_context_fn(save_list)} if save_list else {}
-    return checkpoint(_call, inner, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
+    if torch.compiler.is_compiling():
+        return checkpoint(_call, inner, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
+    return guard.checkpoint(functools.partial(_call, inner), args, kwargs, **extra)
 
 
 def _first_device(module: nn.Module, args: tuple[Any, ...]) -> torch.device | None:
@@ -163,6 +320,7 @@ class _Chunk:
         self.stack_fqn = stack_fqn
         self.fqns = fqns
         self.modules = modules
+        self.guard = _BufferGuard(modules)
         self.pending: list[Any] | None = None
         self.last_output: Any = None
         self.other_args: tuple[Any, ...] = ()
@@ -183,7 +341,10 @@ def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs
     if not torch.is_grad_enabled() or not args:
         return _original_forward(module)(*args, **kwargs)
     run_args, run_kwargs = _without_caches(module, args, kwargs)
-    outputs = checkpoint(chunk.run, run_args, run_kwargs, use_reentrant=False, preserve_rng_state=True)
+    if torch.compiler.is_compiling():
+        outputs = checkpoint(chunk.run, run_args, run_kwargs, use_reentrant=False, preserve_rng_state=True)
+    else:
+        outputs = chunk.guard.checkpoint(chunk.run, run_args, run_kwargs)
     chunk.pending = list(outputs[1:]) or None
     if chunk.pending is None:
         return outputs[0]
@@ -346,9 +507,11 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
     for fqn, bp in plan.blocks.items():
         block = _resolve(root, fqn, "Block")
         if bp.mode == "full":
-            installs.append((block, fqn, functools.partial(_checkpointed_forward, block, None)))
+            installs.append((block, fqn, functools.partial(_checkpointed_forward, block, None, _BufferGuard([block]))))
         elif bp.mode == "ops":
-            installs.append((block, fqn, functools.partial(_checkpointed_forward, block, bp.save_list)))
+            installs.append(
+                (block, fqn, functools.partial(_checkpointed_forward, block, bp.save_list, _BufferGuard([block])))
+            )
         elif bp.mode == "offload":
             installs.append((block, fqn, functools.partial(_offloaded_forward, block)))
         elif bp.mode == "selective":
@@ -361,7 +524,10 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
                         f"Block {fqn!r} has no child {child_name!r} to checkpoint selectively. Its children are: "
                         f"{', '.join(kids) or '(none)'}. Fix the 'children' list of this block in the plan."
                     ) from None
-                installs.append((child, f"{fqn}.{child_name}", functools.partial(_checkpointed_forward, child, None)))
+                guard = _BufferGuard([child])
+                installs.append(
+                    (child, f"{fqn}.{child_name}", functools.partial(_checkpointed_forward, child, None, guard))
+                )
 
     for stack_fqn, n_chunks in plan.segments.items():
         stack = _resolve(root, stack_fqn, "Stack")

@@ -346,3 +346,205 @@ def test_no_grad_forward_skips_checkpointing(gpt, tokens):
     ref = gpt(tokens)
     with plan_applied(gpt, Plan(segments={"transformer.h": 2})), torch.no_grad():
         assert torch.equal(gpt(tokens), ref)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Buffers: a recompute must not update BatchNorm statistics (or any buffer) a second time.
+# ---------------------------------------------------------------------------------------------------
+class EmaShift(nn.Module):
+    """Reads a buffer it also updates in forward, in place and by reassignment, like an EMA normaliser."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(dim))
+        self.register_buffer("calls", torch.tensor(0))
+
+    def forward(self, x):
+        out = x * (1 + self.ema)  # mul saves the buffer: a recompute that read an updated ema changes the grads
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * x.detach().mean(0))
+            self.calls = self.calls + 1
+        return out
+
+
+class NormBlock(nn.Module):
+    def __init__(self, kind: str, dim: int = 8) -> None:
+        super().__init__()
+        if kind == "bn2d":
+            self.lin = nn.Conv2d(dim, dim, 3, padding=1)
+            self.norm = nn.BatchNorm2d(dim)
+        else:
+            self.lin = nn.Linear(dim, dim)
+            self.norm = nn.BatchNorm1d(dim) if kind == "bn1d" else EmaShift(dim)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(torch.tanh(self.norm(self.lin(x))))
+
+
+class NormModel(nn.Module):
+    def __init__(self, kind: str, n: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(NormBlock(kind) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def _norm_input(kind: str, step: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn((4, 8, 5, 5) if kind == "bn2d" else (6, 8), generator=g)
+
+
+RECOMPUTING_PLANS = {
+    "full": Plan({f"layers.{i}": BlockPlan("full") for i in range(4)}),
+    "selective_norm": Plan({f"layers.{i}": BlockPlan("selective", ("norm",)) for i in range(4)}),
+    "selective_lin_norm": Plan({f"layers.{i}": BlockPlan("selective", ("lin", "norm")) for i in range(4)}),
+    "ops_save_matmuls": Plan({f"layers.{i}": BlockPlan("ops", save_list="save_matmuls") for i in range(4)}),
+    "ops_save_attention": Plan({f"layers.{i}": BlockPlan("ops", save_list="save_attention") for i in range(4)}),
+    "segments_2": Plan(segments={"layers": 2}),
+    "segments_4": Plan(segments={"layers": 4}),
+}
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _assert_bitwise(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], what: str) -> None:
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), f"{what} {name} differs: {ref[name]} vs {got[name]}"
+
+
+@pytest.mark.parametrize("kind", ["bn1d", "bn2d", "ema"])
+@pytest.mark.parametrize("plan_name", list(RECOMPUTING_PLANS))
+def test_recompute_leaves_buffers_as_the_unplanned_model(kind, plan_name):
+    torch.manual_seed(0)
+    plain = NormModel(kind)
+    planned = copy.deepcopy(plain)
+    x = _norm_input(kind)
+    for model in (plain, planned):
+        torch.manual_seed(7)
+        if model is planned:
+            with plan_applied(planned, RECOMPUTING_PLANS[plan_name]):
+                model(x).backward()
+        else:
+            model(x).backward()
+    _assert_bitwise(_buffers(plain), _buffers(planned), "buffer")
+    _assert_bitwise(
+        {n: p.grad for n, p in plain.named_parameters()}, {n: p.grad for n, p in planned.named_parameters()}, "grad"
+    )
+
+
+@pytest.mark.parametrize("kind", ["bn1d", "bn2d", "ema"])
+@pytest.mark.parametrize("plan_name", ["full", "selective_norm", "ops_save_matmuls", "segments_2"])
+def test_seeded_training_with_buffers_matches_the_unplanned_model(kind, plan_name):
+    torch.manual_seed(0)
+    plain = NormModel(kind)
+    planned = copy.deepcopy(plain)
+
+    def train(model: nn.Module) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        torch.manual_seed(11)
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            model(_norm_input(kind, step)).backward()
+            opt.step()
+
+    train(plain)
+    with plan_applied(planned, RECOMPUTING_PLANS[plan_name]):
+        train(planned)
+    _assert_bitwise(_buffers(plain), _buffers(planned), "buffer")
+    _assert_bitwise(dict(plain.named_parameters()), dict(planned.named_parameters()), "parameter")
+
+
+def test_a_module_called_twice_per_step_recomputes_each_call_from_its_own_buffers():
+    torch.manual_seed(0)
+    plain = NormModel("ema", n=2)
+    planned = copy.deepcopy(plain)
+    x = _norm_input("ema")
+
+    def twice(model: nn.Module) -> None:
+        torch.manual_seed(3)
+        (model(x) + model(x * 2)).backward()
+
+    twice(plain)
+    with plan_applied(planned, Plan({"layers.0": BlockPlan("full")})):
+        twice(planned)
+    _assert_bitwise(_buffers(plain), _buffers(planned), "buffer")
+    _assert_bitwise(
+        {n: p.grad for n, p in plain.named_parameters()}, {n: p.grad for n, p in planned.named_parameters()}, "grad"
+    )
+
+
+def test_buffers_stay_right_when_train_mode_changes_and_after_a_retained_second_backward():
+    torch.manual_seed(0)
+    plain = NormModel("bn1d", n=2)
+    planned = copy.deepcopy(plain)
+
+    def steps(model: nn.Module) -> None:
+        torch.manual_seed(5)
+        model.eval()  # first call in eval mode (frozen statistics, grads still flow), then training
+        model(_norm_input("bn1d", 0)).backward()
+        model.train()
+        loss = model(_norm_input("bn1d", 1))
+        loss.backward(retain_graph=True)
+        loss.backward()  # the recompute runs again and must again start from the pre-forward statistics
+
+    steps(plain)
+    with plan_applied(planned, Plan({"layers.0": BlockPlan("full"), "layers.1": BlockPlan("selective", ("norm",))})):
+        steps(planned)
+    _assert_bitwise(_buffers(plain), _buffers(planned), "buffer")
+    _assert_bitwise(
+        {n: p.grad for n, p in plain.named_parameters()}, {n: p.grad for n, p in planned.named_parameters()}, "grad"
+    )
+
+
+def test_a_buffer_first_updated_on_a_later_call_is_not_updated_twice():
+    class LateCounter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("seen", torch.zeros(()))
+            self.count = False
+
+        def forward(self, x):
+            if self.count:
+                self.seen.add_(1)
+            return self.lin(x)
+
+    model = nn.Sequential(LateCounter(), LateCounter())
+    x = torch.randn(2, 4, requires_grad=True)
+    with plan_applied(model, Plan({"0": BlockPlan("full")})):
+        model(x).sum().backward()
+        model[0].count = True
+        with pytest.warns(UserWarning, match="updated buffer.*seen.*earlier calls left them alone"):
+            model(x).sum().backward()
+        model(x).sum().backward()
+    assert model[0].seen.item() == 2
+
+
+@pytest.mark.slow
+def test_compiled_planned_model_updates_batchnorm_statistics_once():
+    # Under torch.compile the guard steps aside: AOTAutograd applies buffer updates once, after the graph.
+    torch.manual_seed(0)
+    plain = NormModel("bn1d", n=2)
+    planned = copy.deepcopy(plain)
+    x = _norm_input("bn1d")
+    for model, plan in (
+        (plain, Plan()),
+        (planned, Plan({"layers.0": BlockPlan("full"), "layers.1": BlockPlan("selective", ("norm",))})),
+    ):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        with plan_applied(model, plan):
+            torch.compile(model, backend="aot_eager")(x).backward()
+    torch._dynamo.reset()
+    ref, got = _buffers(plain), _buffers(planned)
+    assert got["layers.0.norm.num_batches_tracked"].item() == 1
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-7)
