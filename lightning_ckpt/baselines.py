@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
+
+if TYPE_CHECKING:  # memory_model imports the plan machinery; baselines must stay importable without it
+    from lightning_ckpt.memory_model import MemoryModel
 
 __all__ = ["BASELINE_NAMES", "baselines", "uniform_plan"]
 
@@ -27,12 +31,15 @@ def baselines(
     *,
     stacks: Sequence[LayerStack] | None = None,
     block_types: Iterable[type | str] | None = None,
+    memory_model: MemoryModel | None = None,
 ) -> dict[str, Plan]:
     """Named baseline plans for ``model``: none, full, sqrt_segments, selective_mlp, ops_save_matmuls, offload.
 
     A baseline that does not make sense for the model is left out rather than faked: ``sqrt_segments``
     needs a stack that is an ``nn.ModuleList``/``nn.Sequential``; ``selective_mlp`` needs blocks with
-    a recognisable feed-forward child.
+    a recognisable feed-forward child. With ``memory_model`` (a profile of one step), plans the profile
+    shows cannot run are left out too: segments over a stack whose blocks are not a chain (T5 hands
+    block 0's position bias to every later block), a save-list a block failed under.
     """
     root = unwrap_compiled(model)
     stacks = list(stacks) if stacks is not None else discover_blocks(root, block_types=block_types)
@@ -60,4 +67,6 @@ def baselines(
         stacks, BlockPlan("ops", save_list="save_matmuls"), name="ops_save_matmuls", fingerprint=fp
     )
     out["offload"] = uniform_plan(stacks, BlockPlan("offload"), name="offload", fingerprint=fp)
+    if memory_model is not None:
+        out = {name: plan for name, plan in out.items() if memory_model.can_run(plan) is None}
     return out

@@ -106,9 +106,24 @@ def _classify(name: str, module: nn.Module) -> str:
         return "norm"
     if _ATTN_PATTERN.search(name) or "Attention" in cls:
         return "attention"
-    if _MLP_PATTERN.search(name) or re.search(r"(MLP|FeedForward|Intermediate|MoE)", cls):
+    if _MLP_PATTERN.search(name) or re.search(r"(MLP|FeedForward|Intermediate|MoE|LayerFF$)", cls):
         return "mlp"
     return "other"
+
+
+def _callable_children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """A block's children that its forward calls, looking through plain containers.
+
+    T5 keeps a block's attention and feed-forward in ``self.layer = nn.ModuleList(...)``: the list
+    itself is never called, so the units to checkpoint selectively are ``layer.0``, ``layer.1``, ...
+    """
+    out = []
+    for name, child in module.named_children():
+        if type(child) in (nn.ModuleList, nn.ModuleDict):
+            out += _callable_children(child, f"{prefix}{name}.")
+        else:
+            out.append((prefix + name, child))
+    return out
 
 
 def _make_block(fqn: str, index: int, module: nn.Module) -> Block:
@@ -116,7 +131,7 @@ def _make_block(fqn: str, index: int, module: nn.Module) -> Block:
     fqn = canonical_fqn(fqn)
     children = tuple(
         Child(name=n, class_name=type(c).__name__, kind=_classify(n, c), num_params=_num_params(c))
-        for n, c in module.named_children()
+        for n, c in _callable_children(module)
     )
     return Block(fqn, index, type(module).__name__, _num_params(module), children)
 

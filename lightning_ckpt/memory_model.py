@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,6 +158,8 @@ class MemoryModel:
     every peak prediction. On CUDA ``predict_activation`` is peak minus resting, as measured there.
     fingerprint: ``model_fingerprint`` of the profiled model; a plan made for another model is refused.
     idle_blocks: discovered blocks the profiled forward never ran; plans may name them, to no effect.
+    unchained_stacks: stacks whose blocks do not hand each other their outputs (T5's shared position
+    bias), so segments cannot run on them; ``can_run`` refuses such plans before any step is spent.
     """
 
     fixed_bytes: int
@@ -175,6 +178,7 @@ class MemoryModel:
     anchor_activation_bytes: int = 0
     fingerprint: str | None = None
     idle_blocks: tuple[str, ...] = ()
+    unchained_stacks: tuple[str, ...] = ()
 
     # -- prediction ---------------------------------------------------------------------------------
     def predict_peak(self, plan: Plan) -> int:
@@ -219,6 +223,15 @@ class MemoryModel:
             # measure_step reads activation memory on CUDA as the allocator's growth above resting.
             best_act = peak - self.resting_bytes
         return Prediction(peak, max(0, best_act), best_phase)
+
+    def can_run(self, plan: Plan) -> str | None:
+        """Why ``plan`` cannot run on the profiled model (a mode a block failed under, segments over a stack
+        that is not a chain, an unknown FQN), or None when it can."""
+        try:
+            self._resolve(plan)
+        except PlanError as err:
+            return str(err)
+        return None
 
     def saved_bytes(self, plan: Plan) -> dict[str, int]:
         """Block FQN -> bytes it keeps from forward to backward under ``plan`` ("which layers hold the memory")."""
@@ -280,6 +293,7 @@ class MemoryModel:
             "anchor_activation_bytes": self.anchor_activation_bytes,
             "fingerprint": self.fingerprint,
             "idle_blocks": list(self.idle_blocks),
+            "unchained_stacks": list(self.unchained_stacks),
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
@@ -327,6 +341,7 @@ class MemoryModel:
             anchor_activation_bytes=data.get("anchor_activation_bytes", 0),
             fingerprint=data.get("fingerprint"),
             idle_blocks=tuple(data.get("idle_blocks", ())),
+            unchained_stacks=tuple(data.get("unchained_stacks", ())),
         )
 
     # -- internals ------------------------------------------------------------------------------------
@@ -366,6 +381,12 @@ class MemoryModel:
                     f"{', '.join(repr(s) for s in self.stacks) or '(none)'}. Fix 'segments' in the plan."
                 )
             fqns = self.stacks[stack_fqn]
+            if stack_fqn in self.unchained_stacks:
+                raise PlanError(
+                    f"segments[{stack_fqn!r}]: the blocks of this stack do not run as a chain (a block receives "
+                    "something other than the previous block's output and the same other arguments, e.g. T5's "
+                    "position bias), so one checkpoint cannot span several of them. Use per-block modes there."
+                )
             if n_chunks > len(fqns):
                 raise PlanError(
                     f"segments[{stack_fqn!r}] = {n_chunks} but that stack has only {len(fqns)} blocks. "
@@ -603,25 +624,94 @@ def _autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
         yield
 
 
+class _ChainCheck:
+    """Whether each stack's blocks run as a chain, which segments (one checkpoint over several blocks) need.
+
+    A chain hands each block the previous block's output as its hidden state and the same other
+    arguments (a mask, rotary tables). T5 is not one: block 0 computes a position bias that it
+    returns and the parent passes to every later block, so a segment's recompute would lose it.
+    Tensors are compared by identity (weak references: the check keeps nothing alive).
+    """
+
+    def __init__(self, stack_of: Mapping[str, str]) -> None:
+        self.stack_of = stack_of
+        self.unchained: set[str] = set()
+        self._last: dict[str, tuple[Any, Any]] = {}  # stack -> (weakref to output, other arguments)
+
+    @staticmethod
+    def _others(args: tuple[Any, ...], kwargs: Mapping[str, Any], where: tuple[str, Any] | None) -> tuple[str, list]:
+        rest_args = [a for i, a in enumerate(args) if where != ("arg", i)]
+        rest_kwargs = {k: v for k, v in sorted(kwargs.items()) if where != ("kw", k)}
+        leaves, spec = tree_flatten((rest_args, rest_kwargs))
+        return str(spec), [weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    def before(self, fqn: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        stack = self.stack_of.get(fqn)
+        if stack is None or stack in self.unchained:
+            return
+        where = _hidden_index(args, kwargs)
+        others = self._others(args, kwargs, where)
+        last = self._last.get(stack)
+        if last is not None:
+            hidden = None if where is None else (args[where[1]] if where[0] == "arg" else kwargs[where[1]])
+            out_ref, (prev_spec, prev_leaves) = last
+            chained = (
+                hidden is not None
+                and out_ref is not None
+                and out_ref() is hidden
+                and prev_spec == others[0]
+                and all(_same_leaf(a, b) for a, b in zip(prev_leaves, others[1], strict=True))
+            )
+            if not chained:
+                self.unchained.add(stack)
+        self._last[stack] = (None, others)
+
+    def after(self, fqn: str, out: Any) -> None:
+        stack = self.stack_of.get(fqn)
+        if stack is None or stack not in self._last:
+            return
+        first = out if isinstance(out, torch.Tensor) else next(
+            (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None
+        )  # fmt: skip
+        self._last[stack] = (weakref.ref(first) if first is not None else None, self._last[stack][1])
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    if isinstance(a, weakref.ref) or isinstance(b, weakref.ref):
+        return isinstance(a, weakref.ref) and isinstance(b, weakref.ref) and a() is not None and a() is b()
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # objects whose == is not a plain truth value
+        return False
+
+
 def _capture(
-    root: nn.Module, forward_fn: Callable[[], Any], blocks: dict[int, str], share: bool
-) -> tuple[list[str], dict[str, _Captured], dict[str, str]]:
-    """No-grad forward: block execution order, one captured input per group, and block -> representative."""
+    root: nn.Module, forward_fn: Callable[[], Any], blocks: dict[int, str], share: bool,
+    stack_of: Mapping[str, str] | None = None,
+) -> tuple[list[str], dict[str, _Captured], dict[str, str], set[str]]:  # fmt: skip
+    """No-grad forward: block execution order, one captured input per group, block -> representative,
+    and the stacks whose blocks do not run as a chain (see ``_ChainCheck``)."""
     order: list[str] = []
     reps: dict[Any, _Captured] = {}
     rep_of: dict[str, str] = {}
+    chain = _ChainCheck(stack_of or {})
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         fqn = blocks[id(module)]
         order.append(fqn)
+        chain.before(fqn, args, kwargs)
         args, kwargs = _without_kv_cache(module, args, kwargs)
         key = _group_key(module, args, kwargs) if share else fqn
         if key not in reps:
             reps[key] = _Captured(fqn, module, tuple(args), dict(kwargs), _autocast_state())
         rep_of[fqn] = reps[key].fqn
 
+    def post_hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        chain.after(blocks[id(module)], out)
+
     modules = {fqn: root.get_submodule(fqn) for fqn in blocks.values()}
     handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in modules.values()]
+    handles += [m.register_forward_hook(post_hook) for m in modules.values()]
     try:
         with torch.no_grad():
             out = forward_fn()
@@ -636,7 +726,7 @@ def _capture(
             "assumes each block runs once per step (no weight sharing across calls). Measure plans with "
             "measure_step instead of predicting them, or name blocks that run once via block_types."
         )
-    return order, {c.fqn: c for c in reps.values()}, rep_of
+    return order, {c.fqn: c for c in reps.values()}, rep_of, chain.unchained
 
 
 def _phase_rank(label: tuple[Any, ...], n: int) -> int:
@@ -859,7 +949,8 @@ def profile_memory(
 
     snapshot = StateSnapshot.capture(root)
     try:
-        order, reps, rep_of = _capture(root, forward_fn, blocks, share_identical_blocks)
+        stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
+        order, reps, rep_of, unchained = _capture(root, forward_fn, blocks, share_identical_blocks, stack_of)
         snapshot.restore()
         tracker, resting, end_of_forward = _anchor(root, forward_fn, order, externals, dev)
         snapshot.restore()
@@ -937,6 +1028,7 @@ def profile_memory(
         anchor_activation_bytes=tracker.activation_peak,
         fingerprint=model_fingerprint(root),
         idle_blocks=tuple(f for f in blocks.values() if f not in rep_of),
+        unchained_stacks=tuple(sorted(unchained)),
     )
 
 

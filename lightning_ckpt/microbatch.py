@@ -25,7 +25,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_ckpt.budget import Budget, resolve_budget
+from lightning_ckpt.caches import without_kv_cache
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.optimizer_step import OptimizerStepMemory, measure_optimizer_step
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.tune import TrialRecord, TuneResult, _loss_of, choose_best, tune
 
@@ -80,6 +82,9 @@ class ScaledMemoryModel:
     def predict_activation(self, plan: Plan) -> int:
         return self._scale(self.small.predict_activation(plan), self.large.predict_activation(plan))
 
+    def can_run(self, plan: Plan) -> str | None:
+        return self.large.can_run(plan)
+
     def table(self) -> str:
         return f"(scaled to micro-batch {self.size} from profiles at {self.small_size} and {self.large_size})\n" + (
             self.large.table()
@@ -101,6 +106,7 @@ class MicroBatchResult:
     skipped: Mapping[int, str] = field(default_factory=dict)  # micro-batch -> why it was not searched
 
 
+@without_kv_cache
 def tune_micro_batch(
     model: nn.Module,
     loss_fn_for: Callable[[int], Callable[[], Any]],
@@ -151,6 +157,12 @@ def tune_micro_batch(
         size: profile_memory(root, loss_fn_for(size), stacks=stacks, optimizer=optimizer, extra=extra_for(size))
         for size in sorted({base_micro_batch, small_size})
     }
+    # The optimizer's state and step do not grow with the micro-batch: measured once, shared by every search.
+    opt_mem = (
+        measure_optimizer_step(root, optimizer, device=device, extra=extra_for(base_micro_batch))
+        if optimizer is not None
+        else OptimizerStepMemory(0, 0, 0, measured=False, note="no optimizer given")
+    )
     lo, hi = min(profile), max(profile)
     scaled = ScaledMemoryModel(profile[lo], profile[hi], lo, hi, base_micro_batch)
     none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
@@ -163,10 +175,11 @@ def tune_micro_batch(
     feasible, skipped = [], {}
     for m in candidates:
         model_m = scaled.at(m)
-        if not budget.fits(model_m.predict_peak(lowest), model_m.predict_activation(lowest)):
+        lowest_peak = opt_mem.real_peak(model_m.predict_peak(lowest))
+        if not budget.fits(lowest_peak, model_m.predict_activation(lowest)):
             skipped[m] = (
                 f"even full checkpointing is predicted over budget "
-                f"(activation {model_m.predict_activation(lowest)}, peak {model_m.predict_peak(lowest)} bytes)"
+                f"(activation {model_m.predict_activation(lowest)}, real-step peak {lowest_peak} bytes)"
             )
         else:
             feasible.append(m)
@@ -183,7 +196,7 @@ def tune_micro_batch(
             warnings.simplefilter("ignore", UserWarning)  # per-micro-batch fall-backs are judged jointly below
             per_m[m] = tune(
                 root, loss_fn_for(m), optimizer=optimizer, n_trials=per_trials, memory_model=scaled.at(m),
-                budget=budget, batch_size=m, on_infeasible="fallback", tie_tolerance=tie_tolerance,
+                budget=budget, optimizer_step=opt_mem, batch_size=m, on_infeasible="fallback", tie_tolerance=tie_tolerance,
                 extra_tensors=extra_for(m), progress=_labelled(progress, m, global_batch), **tune_kwargs,
             )  # fmt: skip
 

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from lightning_ckpt.budget import Budget, format_bytes
+from lightning_ckpt.caches import without_kv_cache
 from lightning_ckpt.errors import ApplyError, ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.optimizer_step import OptimizerStepMemory, measure_optimizer_step
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.space import SearchSpace
 
@@ -50,6 +52,9 @@ class TrialRecord:
     spread_seconds: float | None = None
     recompute_flops: int | None = None
     recompute_overhead: float | None = None  # extra FLOPs as a fraction of the no-checkpointing step's
+    # peak_bytes is the real step's (optimizer state and step included, see optimizer_step.py); this is the
+    # trial's own forward+backward peak it was derived from.
+    forward_backward_peak_bytes: int | None = None
     seconds: float = 0.0  # wall time this trial cost (tuning cost)
     steps: int = 0  # training steps this trial ran (warm-up + timed + memory pass)
     error: str | None = None
@@ -145,6 +150,7 @@ def _lowest_memory(trials: Sequence[TrialRecord], budget: Budget) -> TrialRecord
     return min(runnable, key=memory) if runnable else None
 
 
+@without_kv_cache
 def tune(
     model: nn.Module,
     step_fn: Callable[[], Any],
@@ -178,6 +184,7 @@ def tune(
     budget: Budget | None = None,
     compiled: bool | None = None,
     allow_graph_breaks: bool = False,
+    optimizer_step: OptimizerStepMemory | None = None,
 ) -> TuneResult:
     """Search checkpointing plans for the highest measured throughput within a memory budget.
 
@@ -192,6 +199,12 @@ def tune(
     ``compiled`` (default: detected, see ``lightning_ckpt.compile``) makes every trial compile its plan;
     plans that add graph breaks or hit the recompile limit are recorded as ``conflict`` and not chosen
     unless ``allow_graph_breaks=True``.
+
+    The budget covers the training step as it will run after lock-in, not just the trial: with an
+    ``optimizer``, one ``optimizer.step()`` is measured (and undone, see ``optimizer_step.py``) and every
+    trial's peak becomes ``max(forward+backward peak + the state the first step creates, the optimizer
+    step's peak)``. ``optimizer_step`` passes that measurement in when the caller already has it.
+    HF KV caches are turned off for the search (``caches.py``).
     """
     import optuna
 
@@ -228,6 +241,9 @@ def tune(
     if memory_model is None:
         with eager_while_profiling(compiled_trials is not None):
             memory_model = profile_memory(root, step_fn, stacks=stacks, optimizer=optimizer, extra=extra_tensors)
+    if optimizer_step is None and optimizer is not None:
+        optimizer_step = measure_optimizer_step(root, optimizer, device=device, extra=extra_tensors)
+    opt_mem = optimizer_step or OptimizerStepMemory(0, 0, 0, measured=False, note="no optimizer given")
 
     def train_step() -> None:
         _loss_of(step_fn()).backward()
@@ -237,6 +253,9 @@ def tune(
         none_activation = compiled_trials.none_activation_bytes(Plan(fingerprint=fingerprint)) or none_activation
     if budget is None:
         budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_activation)
+    if budget.kind == "peak" and budget.limit_bytes is not None and opt_mem.step_peak_bytes > budget.limit_bytes:
+        log.warning("lightning_ckpt: the optimizer step alone peaks at %s (%s), over the budget (%s): no plan can fit",
+                    format_bytes(opt_mem.step_peak_bytes), opt_mem.note, budget.description)  # fmt: skip
     leader = sync is None or sync.is_leader
     if sync is not None:
         budget = sync.broadcast(budget)  # one budget for all ranks: rank 0's
@@ -254,7 +273,13 @@ def tune(
                             device=device, track_memory=False, count_flops=False, extra=extra_tensors)  # fmt: skip
     warm_steps = warm.warmup_steps + len(warm.step_seconds)
 
-    candidates = space.enumerate(stacks, fingerprint=fingerprint)
+    candidates = []
+    for cand in space.enumerate(stacks, fingerprint=fingerprint):
+        why = memory_model.can_run(cand.plan)
+        if why is None:
+            candidates.append(cand)
+        else:  # e.g. segments over T5's stacks, or a save-list a block failed under while profiling
+            log.info("lightning_ckpt: not offering %s: %s", cand.label, why)
     baseline_cands = [c for c in candidates if c.label.startswith("baseline:")]
     exhaustive = len(candidates) <= n_trials  # every distinct plan can be measured: no sampling needed
     if sampler is None:
@@ -286,21 +311,36 @@ def tune(
     if records:
         log.info("lightning_ckpt: resumed %d trials from a stored study", len(records))
     limit = budget.limit_bytes if (enforce_budget and budget.kind == "peak" and device.type == "cuda") else None
+    if limit is not None:  # the trial's forward+backward must leave room for the state the first real step creates
+        limit = max(1, limit - opt_mem.pending_state_bytes)
+
+    def predicted_peak(plan: Plan) -> int:
+        return opt_mem.real_peak(memory_model.predict_peak(plan)) or 0
 
     def predicted_over_budget(plan: Plan) -> bool:
-        return not budget.fits(memory_model.predict_peak(plan), memory_model.predict_activation(plan))
+        return not budget.fits(predicted_peak(plan), memory_model.predict_activation(plan))
+
+    def as_real_step(trial: TrialRecord) -> TrialRecord:
+        """The trial's measured forward+backward peak, turned into the real step's (optimizer included)."""
+        if trial.peak_bytes is None or trial.forward_backward_peak_bytes is not None:
+            return trial
+        peak = opt_mem.real_peak(trial.peak_bytes)
+        status = trial.status
+        if status == "ok" and not budget.fits(peak, trial.activation_bytes):
+            status = "over_budget"
+        return replace(trial, peak_bytes=peak, forward_backward_peak_bytes=trial.peak_bytes, status=status)
 
     def run(params: Mapping[str, Any], plan: Plan, label: str, prune: bool | None = None) -> TrialRecord:
         number = len(records)
         t0 = time.perf_counter()
-        pred_peak = memory_model.predict_peak(plan)
+        pred_peak = predicted_peak(plan)
         pred_act = memory_model.predict_activation(plan)
         common: dict[str, Any] = dict(
             number=number, plan=plan, label=label, params=dict(params),
             predicted_peak_bytes=pred_peak, predicted_activation_bytes=pred_act,
         )  # fmt: skip
         if compiled_trials is not None:
-            return compiled_trials.run(plan, common, budget, t0, limit)
+            return as_real_step(compiled_trials.run(plan, common, budget, t0, limit))
         if prune if prune is not None else not budget.fits(pred_peak, pred_act):
             return TrialRecord(status="pruned", seconds=time.perf_counter() - t0, **common)
         handle = apply_plan(root, plan, check_fingerprint=False)
@@ -319,12 +359,12 @@ def tune(
         if m.recompute_flops is not None and m.step_flops:
             overhead = m.recompute_flops / max(1, m.step_flops - m.recompute_flops)
         steps = m.warmup_steps + len(m.step_seconds) + (1 if m.peak_bytes is not None else 0)
-        return TrialRecord(
+        return as_real_step(TrialRecord(
             status=status, peak_bytes=m.peak_bytes, activation_bytes=m.activation_bytes,
             samples_per_second=m.samples_per_second, median_seconds=m.median_seconds,
             spread_seconds=m.spread_seconds, recompute_flops=m.recompute_flops, recompute_overhead=overhead,
             seconds=time.perf_counter() - t0, steps=steps, error=m.error, **common,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def record(trial: TrialRecord) -> TrialRecord:
         records.append(trial)
@@ -360,6 +400,12 @@ def tune(
             params = space.suggest(ot, stacks)
             plan = space.plan_for(params, stacks, fingerprint=fingerprint)
             previous = by_key.get(plan.key())
+            if previous is None and memory_model.can_run(plan) is not None:
+                study.tell(ot, state=optuna.trial.TrialState.PRUNED)  # cannot run on this model: never measured
+                misses += 1
+                if misses > 4 * len(candidates):
+                    return
+                continue
             if previous is not None:
                 # Already measured: tell the sampler the known result without spending a step on it.
                 study.tell(ot, _status_value(previous) if previous.status != "pruned" else None,
@@ -436,6 +482,7 @@ def tune(
             **best.plan.metadata,
             "versions": library_versions(),
             "budget": budget.to_dict(),
+            "optimizer_step": opt_mem.to_dict(),
             "measured": {
                 "label": best.label, "status": best.status, "samples_per_second": best.samples_per_second,
                 "median_seconds": best.median_seconds, "peak_bytes": best.peak_bytes,
@@ -574,7 +621,7 @@ def _distributions(space: SearchSpace, stacks: Sequence[Any]) -> dict[str, Any]:
 _RECORD_FIELDS = (
     "label", "status", "predicted_peak_bytes", "predicted_activation_bytes", "peak_bytes", "activation_bytes",
     "samples_per_second", "median_seconds", "spread_seconds", "recompute_flops", "recompute_overhead",
-    "seconds", "steps", "error",
+    "seconds", "steps", "error", "forward_backward_peak_bytes",
 )  # fmt: skip
 
 
