@@ -11,7 +11,8 @@ import difflib
 import hashlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -237,17 +238,30 @@ class Plan:
             raise PlanError(f"{source}: {err}") from None
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write atomically: a crash or a full disk leaves any previous plan file intact."""
+        """Write atomically: a crash or a full disk leaves any previous plan file intact.
+
+        The text goes to a temporary file beside the target, which then replaces it. The file ends
+        with the permissions it would have had if written in place: a new file gets what ``open()``
+        gives (``0o666`` less the umask; ``tempfile``'s ``0o600`` would hide a shared plan from the
+        team), a replaced file keeps its own mode, and a symlink keeps pointing at the file it names.
+        """
         path = Path(path)
         text = self.to_json()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        target = path.resolve() if path.is_symlink() else path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            keep_mode: int | None = stat.S_IMODE(target.stat().st_mode)
+        except FileNotFoundError:
+            keep_mode = None
+        fd, tmp = _create_beside(target)
         try:
             with os.fdopen(fd, "w") as f:
+                if keep_mode is not None:
+                    os.fchmod(f.fileno(), keep_mode)
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -282,6 +296,17 @@ class Plan:
                 f"but this model's fingerprint is {actual} (module tree, parameter shapes or dtypes differ). "
                 "Re-tune for this model, or pass check_fingerprint=False if you know the plan still fits."
             )
+
+
+def _create_beside(target: Path) -> tuple[int, str]:
+    """A new, empty temporary file in ``target``'s directory, created with mode 0o666 so the umask applies."""
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary file beside {str(target)!r}: every name tried exists")
 
 
 def closest_names(name: str, candidates: list[str], n: int = 3) -> str:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 import pytest
 
@@ -99,3 +100,40 @@ def test_unserialisable_metadata_fails_before_touching_disk(tmp_path):
     with pytest.raises(TypeError, match="not JSON serialisable"):
         Plan(metadata={"obj": object()}).save(path)
     assert not path.exists()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=oct)
+def test_new_plan_file_gets_the_mode_open_would_give(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        path = Plan({"h.0": BlockPlan("full")}).save(tmp_path / "plan.json")
+        with open(tmp_path / "reference.txt", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE((tmp_path / "reference.txt").stat().st_mode)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o600, 0o664], ids=oct)
+def test_replacing_a_plan_file_keeps_its_mode(tmp_path, mode):
+    path = Plan({"h.0": BlockPlan("full")}).save(tmp_path / "plan.json")
+    path.chmod(mode)
+    Plan({"h.1": BlockPlan("full")}).save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert Plan.load(path) == Plan({"h.1": BlockPlan("full")})
+
+
+def test_saving_through_a_symlink_replaces_the_target_and_keeps_the_link(tmp_path):
+    target = Plan({"h.0": BlockPlan("full")}).save(tmp_path / "real.json")
+    link = tmp_path / "plan.json"
+    link.symlink_to(target.name)
+    Plan({"h.1": BlockPlan("full")}).save(link)
+    assert link.is_symlink() and Plan.load(target) == Plan({"h.1": BlockPlan("full")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "real.json"]
