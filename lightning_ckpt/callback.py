@@ -13,6 +13,7 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.apply import PlanHandle, apply_plan
-from lightning_ckpt.budget import validate_budget_args
+from lightning_ckpt.baselines import uniform_plan
+from lightning_ckpt.budget import Budget, format_bytes, resolve_budget, validate_budget_args
+from lightning_ckpt.caches import disable_kv_cache
 from lightning_ckpt.compile import is_compiled, reset_compiled
+from lightning_ckpt.conditions import RunConditions
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
-from lightning_ckpt.errors import ApplyError, ConfigurationError, StalePlanError
-from lightning_ckpt.plan import Plan
+from lightning_ckpt.errors import ApplyError, ConfigurationError, InfeasibleBudgetError, StalePlanError
+from lightning_ckpt.guard import RealStepReader, StepCheck, lower_memory_trial
+from lightning_ckpt.measure import _normalise_device
+from lightning_ckpt.plan import BlockPlan, Plan
 from lightning_ckpt.space import SearchSpace
 from lightning_ckpt.tune import TuneResult, tune, validate_tune_args
 
@@ -56,6 +62,18 @@ class ActivationCheckpointTuner(Callback):
         log_dir: TensorBoard directory when the Trainer has no TensorBoardLogger.
         allow_graph_breaks: under ``torch.compile``, a plan that adds graph breaks or hits the recompile
             limit is a ``conflict`` and never chosen; ``True`` lets it win on throughput (still reported).
+        guard_steps: real training steps read whole after lock-in (CUDA: allocator peak; CPU: live-tensor
+            tracker, slower, only those steps), at least one optimizer step included; also every step
+            on a batch larger than any checked before. ``0`` turns the guard off.
+        on_budget_exceeded: when a guarded real step exceeds the budget: ``"switch"`` (warn loudly and
+            switch to the fastest lower-memory plan expected to fit), ``"raise"`` or ``"warn"``.
+
+    What ``max_memory`` covers: the whole training step as it runs after lock-in - parameters,
+    gradients (held across micro-batches under gradient accumulation), the optimizer's state (also
+    when the first step has yet to create it) and ``optimizer.step()``'s temporaries, the batch, the
+    saved and recomputed activations and backward temporaries. Bytes held by live tensors (CUDA:
+    ``max_memory_allocated``); not the CUDA context, the caching allocator's unused reserve, or
+    tensors other code keeps outside the step.
     """
 
     def __init__(
@@ -83,6 +101,8 @@ class ActivationCheckpointTuner(Callback):
         log_dir: str | os.PathLike[str] | None = None,
         verbose: bool = True,
         allow_graph_breaks: bool = False,
+        guard_steps: int = 2,
+        on_budget_exceeded: str = "switch",
     ) -> None:
         validate_budget_args(max_memory, activation_budget)
         validate_tune_args(
@@ -91,6 +111,14 @@ class ActivationCheckpointTuner(Callback):
             on_infeasible=on_infeasible,
             tie_tolerance=tie_tolerance,
         )
+        if isinstance(guard_steps, bool) or not isinstance(guard_steps, int) or guard_steps < 0:
+            raise ConfigurationError(
+                f"guard_steps must be an integer >= 0 (e.g. 2; 0 turns the guard off), got {guard_steps!r}."
+            )
+        if on_budget_exceeded not in ("switch", "raise", "warn"):
+            raise ConfigurationError(
+                f"on_budget_exceeded must be 'switch', 'raise' or 'warn', but got {on_budget_exceeded!r}."
+            )
         if on_stale_plan not in ("retune", "raise"):
             raise ConfigurationError(f"on_stale_plan must be 'retune' or 'raise', but got {on_stale_plan!r}.")
         for name, value in (("warmup_steps", warmup_steps), ("measure_steps", measure_steps)):
@@ -143,6 +171,16 @@ class ActivationCheckpointTuner(Callback):
         self._pending = False
         self._writer_cache: Any = None
         self.wrote_plan_file = False
+        self.guard_steps = guard_steps
+        self.on_budget_exceeded = on_budget_exceeded
+        self.step_checks: list[StepCheck] = []  # real steps read after lock-in (see guard.py)
+        self._reader: RealStepReader | None = None
+        self._guard_left = 0
+        self._checked_dims: tuple[int, int] = (0, 0)
+        self._budget: Budget | None = None
+        self._check_batch_of: Plan | None = None
+        self._restore_cache: Any = None
+        self._tuned_batch: Any = None
 
     # -- Lightning hooks ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -159,6 +197,9 @@ class ActivationCheckpointTuner(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = unwrap_compiled(pl_module)
         discover_blocks(model, block_types=self.block_types)  # a model with nothing to checkpoint fails here
+        self._reader = RealStepReader(_normalise_device(pl_module.device))
+        self.step_checks = []
+        self._checked_dims = (0, 0)
         plan = self._resumed_plan or self._given_plan or self._reusable_plan_file(model)
         source = "resumed checkpoint" if plan is not None and plan is self._resumed_plan else "plan file"
         if trainer.world_size > 1:
@@ -168,7 +209,16 @@ class ActivationCheckpointTuner(Callback):
             plan = Plan.from_dict(data, source="plan broadcast from rank 0") if data is not None else None
         if plan is not None:
             try:
+                changes = self._conditions(trainer, pl_module, None).changes_from(
+                    plan.metadata.get("conditions"), include_batch=False
+                )
+                if changes:
+                    raise StalePlanError(
+                        f"The plan from {source} was tuned under other conditions: {'; '.join(changes)}."
+                    )
                 self._lock_in(model, plan, source=source, trainer=trainer)
+                self._budget = self._budget_of(plan, pl_module.device)
+                self._check_batch_of = plan  # its batch shape is compared with the first batch's
                 if plan.metadata.get("micro_batch"):
                     self._set_micro_batch(trainer, pl_module, plan.metadata["micro_batch"])
                 return
@@ -176,12 +226,7 @@ class ActivationCheckpointTuner(Callback):
                 if self.on_stale_plan == "raise":
                     raise
                 rank_zero_warn(f"{err} Re-tuning instead (on_stale_plan='retune').")
-        if not pl_module.automatic_optimization:
-            raise ConfigurationError(
-                "ActivationCheckpointTuner cannot run trials with manual optimization (automatic_optimization=False): "
-                "training_step steps the optimizer itself, so a trial would change the weights. Tune once with "
-                "automatic optimization, or pass plan=... to apply a saved plan."
-            )
+        self._check_tunable(pl_module)
         if self.tune_micro_batch:
             self._search_micro_batch(trainer, pl_module, model)  # before the loop draws its first batch
             return
@@ -190,22 +235,45 @@ class ActivationCheckpointTuner(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._pending:
-            return  # locked in: no per-step work
-        self._pending = False
         model = unwrap_compiled(pl_module)
-        result = self._search(trainer, pl_module, model, batch, batch_idx)
-        self.result = result
-        self.trials_run = len(result.trials)
-        self._lock_in(model, result.best, source="search", trainer=trainer)
-        if trainer.is_global_zero:
-            self._report(trainer, result)
+        if self._check_batch_of is not None:
+            plan, self._check_batch_of = self._check_batch_of, None
+            changes = self._conditions(trainer, pl_module, batch).changes_from(plan.metadata.get("conditions"))
+            if changes:
+                message = f"The applied plan was tuned for other batches: {'; '.join(changes)}."
+                if self.on_stale_plan == "raise":
+                    raise StalePlanError(message + " Re-tune (on_stale_plan='retune') or delete the plan file.")
+                rank_zero_warn(f"lightning_ckpt: {message} Re-tuning on this batch (on_stale_plan='retune').")
+                self._unlock()
+                self._check_tunable(pl_module)
+                self._pending = True
+        if self._pending:
+            self._pending = False
+            result = self._search(trainer, pl_module, model, batch, batch_idx)
+            self.result = result
+            self.trials_run = len(result.trials)
+            self._budget = result.budget
+            self._lock_in(model, result.best, source="search", trainer=trainer)
+            if trainer.is_global_zero:
+                self._report(trainer, result)
+        self._maybe_read_step(trainer, pl_module, batch)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        reading = self._reader.stop() if self._reader is not None else None
+        if reading is not None:
+            self._judge_step(trainer, pl_module, reading, batch)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._reader is not None:
+            self._reader.abandon()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The model leaves fit as the user gave it; resuming or a new fit re-applies the locked-in plan.
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._reader is not None:
+            self._reader.abandon()
+        self._unlock()
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_dict() if self.plan is not None else None}
@@ -229,9 +297,45 @@ class ActivationCheckpointTuner(Callback):
             return None
         return plan
 
+    def _check_tunable(self, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise ConfigurationError(
+                "ActivationCheckpointTuner cannot run trials with manual optimization (automatic_optimization=False): "
+                "training_step steps the optimizer itself, so a trial would change the weights. Tune once with "
+                "automatic optimization, or pass plan=... to apply a saved plan."
+            )
+
+    def _conditions(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> RunConditions:
+        device = _normalise_device(pl_module.device)
+        capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        batch_size, seq_len = _batch_dims(batch) if batch is not None else (None, None)
+        return RunConditions(
+            batch_size=batch_size, seq_len=seq_len, precision=str(trainer.precision), device_type=device.type,
+            device_capacity_bytes=capacity, world_size=trainer.world_size,
+            accumulation=int(trainer.accumulate_grad_batches),
+        )  # fmt: skip
+
+    def _budget_of(self, plan: Plan, device: torch.device) -> Budget | None:
+        """The budget a reused plan is guarded against: this run's, or the saved one for an activation budget."""
+        saved = plan.metadata.get("budget") or {}
+        if self.activation_budget is not None:
+            limit = saved.get("limit_bytes") if saved.get("kind") == "activation" else None
+            return Budget("activation", limit, self.activation_budget, saved.get("description", "")) if limit else None
+        return resolve_budget(self.max_memory, None, device=_normalise_device(device))
+
+    def _unlock(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._restore_cache is not None:
+            self._restore_cache()
+            self._restore_cache = None
+
     def _lock_in(self, model: torch.nn.Module, plan: Plan, *, source: str, trainer: pl.Trainer) -> None:
         if self._handle is not None:
             self._handle.remove()
+        if self._restore_cache is None:
+            self._restore_cache = disable_kv_cache(model)  # training forwards never need HF's KV cache
         self._handle = apply_plan(model, plan)
         self.plan = plan
         if is_compiled(model):
@@ -244,8 +348,89 @@ class ActivationCheckpointTuner(Callback):
                     f"Ranks applied different checkpointing plans (digests by rank: {digests}). Every rank must "
                     "train with the same plan; check that all ranks read the same plan file."
                 )
+        self._guard_left = self.guard_steps and max(self.guard_steps, int(trainer.accumulate_grad_batches) + 1)
         if self.verbose:
             rank_zero_info(f"lightning_ckpt: applied plan from {source}: {plan.describe()}")
+
+    # -- the guard: real steps after lock-in (guard.py) --------------------------------------------
+    def _maybe_read_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        if self._reader is None or self._budget is None or self._budget.kind == "none" or not self.guard_steps:
+            return
+        dims = tuple(d or 0 for d in _batch_dims(batch))
+        larger = bool(self.step_checks) and any(d > c for d, c in zip(dims, self._checked_dims, strict=True))
+        if self._guard_left <= 0 and not larger:
+            return
+        if self._reader.device.type != "cuda" and is_compiled(pl_module):
+            self._guard_left = 0  # the CPU tracker cannot see inside compiled kernels: nothing honest to read
+            rank_zero_info("lightning_ckpt: real steps are not checked against the budget under torch.compile on CPU.")
+            return
+        self._reader.start(pl_module, list(trainer.optimizers), tuple(_tensors(batch)))
+
+    def _judge_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reading: Any, batch: Any) -> None:
+        budget = self._budget
+        assert budget is not None and self.plan is not None
+        peak, act = reading.peak_bytes, reading.activation_bytes
+        if trainer.world_size > 1:  # the budget holds on every rank: judge the worst one, identically everywhere
+            gathered = _StrategySync(trainer.strategy).all_gather((peak, act))
+            peak, act = max(g[0] for g in gathered), max(g[1] for g in gathered)
+        dims = _batch_dims(batch)
+        fits = budget.fits(peak, act)
+        self._guard_left -= 1
+        self._checked_dims = tuple(max(d or 0, c) for d, c in zip(dims, self._checked_dims, strict=True))  # type: ignore[assignment]
+        self.step_checks.append(StepCheck(trainer.global_step, peak, act, dims, self.plan.describe(), fits))
+        if not fits:
+            self._over_budget(trainer, pl_module, budget.value_of(peak, act) or 0, dims)
+        if (self._guard_left <= 0 or not fits) and trainer.is_global_zero:
+            self._save_checks()
+
+    def _over_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule, value: int, dims: Any) -> None:
+        budget, plan = self._budget, self.plan
+        assert budget is not None and plan is not None
+        what = "activation memory" if budget.kind == "activation" else "peak memory"
+        message = (
+            f"lightning_ckpt: a real training step (step {trainer.global_step}, batch {dims[0]} x {dims[1]}) used "
+            f"{format_bytes(value)} of {what}, over the budget of {budget.description}, under plan {plan.describe()}."
+        )
+        if self.on_budget_exceeded == "raise":
+            raise InfeasibleBudgetError(
+                message + " Raise the budget, or set on_budget_exceeded='switch' to move to a lower-memory plan."
+            )
+        if self.on_budget_exceeded == "warn":
+            rank_zero_warn(message + " Continuing with it (on_budget_exceeded='warn').")
+            return
+        lower = self._lower_plan(plan, value, unwrap_compiled(pl_module))
+        if lower is None:
+            rank_zero_warn(message + " No plan using less memory is left; continuing with this one.")
+            return
+        rank_zero_warn(message + f" Switching to {lower.describe()} (on_budget_exceeded='switch').")
+        self._lock_in(unwrap_compiled(pl_module), lower, source="the budget guard", trainer=trainer)
+
+    def _lower_plan(self, plan: Plan, real_value: int, model: torch.nn.Module) -> Plan | None:
+        """The fastest searched plan expected to fit, given what the real step showed; else full checkpointing."""
+        budget = self._budget
+        assert budget is not None
+        trials = self.result.trials if self.result is not None else ()
+        current = next((t for t in trials if t.plan.key() == plan.key()), None)
+        trial_value = budget.value_of(current.peak_bytes, current.activation_bytes) if current is not None else None
+        excess = max(0, real_value - trial_value) if trial_value is not None else 0
+        found = lower_memory_trial(trials, plan.key(), budget, excess)
+        if found is not None:
+            lower = found.plan
+        else:
+            lower = uniform_plan(discover_blocks(model, block_types=self.block_types), BlockPlan("full"))
+            if lower.key() == plan.key():
+                return None
+        return replace(
+            lower, name="guarded", fingerprint=plan.fingerprint,
+            metadata={**plan.metadata, "switched_from": plan.describe()},
+        )  # fmt: skip
+
+    def _save_checks(self) -> None:
+        if self.plan is None:
+            return
+        self.plan = self.plan.with_metadata(real_steps=[c.to_dict() for c in self.step_checks])
+        if self.plan_path is not None:
+            self.plan.save(self.plan_path)
 
     def _search(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module, batch: Any, batch_idx: int
@@ -258,7 +443,13 @@ class ActivationCheckpointTuner(Callback):
         batch_size, seq_len = _batch_dims(batch)
         progress = self._progress(trainer)
 
+        self._tuned_batch = batch
         with _sandbox(pl_module):
+            if trainer.accumulate_grad_batches > 1:
+                # After the first micro-batch every gradient is live through forward and backward: trial that.
+                for p in pl_module.parameters():
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
             result = tune(
                 model, forward, optimizer=optimizer, max_memory=self.max_memory,
                 activation_budget=self.activation_budget, n_trials=self.n_trials, timeout=self.timeout,
@@ -325,6 +516,8 @@ class ActivationCheckpointTuner(Callback):
             )  # fmt: skip
         self.result = found.result
         self.trials_run = len(found.result.trials)
+        self._budget = found.result.budget
+        self._tuned_batch = resize_batch(batch, base, found.micro_batch)
         self._lock_in(model, found.result.best, source="joint micro-batch search", trainer=trainer)
         self._set_micro_batch(trainer, pl_module, found.result.best.metadata["micro_batch"])
         if trainer.is_global_zero:
@@ -405,7 +598,10 @@ class ActivationCheckpointTuner(Callback):
     def _report(self, trainer: pl.Trainer, result: TuneResult) -> None:
         from lightning_ckpt import report
 
-        plan = result.best.with_metadata(budget={**result.budget.to_dict(), "requested": self.max_memory})
+        plan = result.best.with_metadata(
+            budget={**result.budget.to_dict(), "requested": self.max_memory},
+            conditions=self._conditions(trainer, trainer.lightning_module, self._tuned_batch).to_dict(),
+        )
         self.plan = plan
         if self.plan_path is not None:
             plan.save(self.plan_path)

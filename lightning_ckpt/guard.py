@@ -1,0 +1,116 @@
+"""The check after lock-in: read real training steps' peak memory and pick a plan that fits when one does not.
+
+Trials predict a real step from a forward+backward on one batch plus a measured optimizer step. What
+they cannot see (an optimizer whose state appears late, a batch larger than the tuned one, memory a
+``training_step`` keeps across steps) shows up only in real steps. So the first real steps after
+lock-in, and any step on a batch larger than every one checked so far, are read whole: CUDA from the
+allocator's peak, CPU with the live-tensor tracker (several times slower, so only those steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.measure import MemoryReading, new_live_tracker
+
+__all__ = ["RealStepReader", "StepCheck", "lower_memory_trial"]
+
+
+class RealStepReader:
+    """Reads one real training step, started and stopped from two hooks (batch start, batch end)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._tracker: Any = None
+        self._resting = 0
+
+    @property
+    def active(self) -> bool:
+        return self._tracker is not None or (self.device.type == "cuda" and self._resting > 0)
+
+    def start(self, model: nn.Module, optimizers: Sequence[Any], extra: tuple[Any, ...] = ()) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._resting = max(1, torch.cuda.memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        tracker = new_live_tracker(self.device)
+        tracker.track_external(model, *optimizers, *extra)
+        self._resting = tracker.now()[0]
+        tracker.total_peak = self._resting
+        tracker.__enter__()
+        self._tracker = tracker
+
+    def stop(self) -> MemoryReading | None:
+        """The step's reading, or None when no step was being read."""
+        if self.device.type == "cuda":
+            if self._resting == 0:
+                return None
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            resting, self._resting = self._resting, 0
+            return MemoryReading(peak, max(0, peak - resting), resting, str(self.device))
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return None
+        tracker.__exit__(None, None, None)
+        return MemoryReading(tracker.total_peak, tracker.activation_peak, self._resting, str(self.device))
+
+    def abandon(self) -> None:
+        """Stop reading without a result (the step raised, or the fit ends)."""
+        if self._tracker is not None:
+            tracker, self._tracker = self._tracker, None
+            tracker.__exit__(None, None, None)
+        self._resting = 0
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """One real step read after lock-in, as recorded in the plan file."""
+
+    step: int
+    peak_bytes: int
+    activation_bytes: int
+    batch_dims: tuple[int | None, int | None]
+    plan: str
+    within_budget: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "peak_bytes": self.peak_bytes,
+            "activation_bytes": self.activation_bytes,
+            "batch_size": self.batch_dims[0],
+            "seq_len": self.batch_dims[1],
+            "plan": self.plan,
+            "within_budget": self.within_budget,
+        }
+
+
+def lower_memory_trial(trials: Sequence[Any], current_key: str, budget: Budget, excess: int) -> Any | None:
+    """The fastest measured trial that should fit once the real step's ``excess`` over its trial is added.
+
+    ``excess`` (real peak minus the current plan's trial peak) is what trials did not see; it is assumed
+    to be the same under every plan (optimizer, retained tensors, a larger batch scale it alike, roughly).
+    Only plans using less memory than the current one are considered. Returns None when none qualifies.
+    """
+    current = next((t for t in trials if t.plan.key() == current_key), None)
+    current_value = budget.value_of(current.peak_bytes, current.activation_bytes) if current is not None else None
+    best = None
+    for t in trials:
+        if t.status not in ("ok", "over_budget") or t.plan.key() == current_key:
+            continue
+        value = budget.value_of(t.peak_bytes, t.activation_bytes)
+        if value is None or (current_value is not None and value >= current_value):
+            continue
+        if budget.limit_bytes is not None and value + excess > budget.limit_bytes:
+            continue
+        if best is None or (t.samples_per_second or 0.0) > (best.samples_per_second or 0.0):
+            best = t
+    return best
