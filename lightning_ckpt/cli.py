@@ -24,7 +24,7 @@ from typing import Any
 
 from lightning_ckpt import __version__
 from lightning_ckpt.budget import format_bytes
-from lightning_ckpt.errors import LightningCkptError, PlanError
+from lightning_ckpt.errors import LightningCkptError
 from lightning_ckpt.plan import Plan, closest_names, library_versions, model_fingerprint
 
 __all__ = ["build_parser", "main"]
@@ -108,10 +108,7 @@ def _load_plan(path: str) -> Plan:
         raise UsageError(f"plan file {path!r} does not exist. Check the path (tuning writes it to plan_path=...).")
     if p.is_dir():
         raise UsageError(f"{path!r} is a directory; give the path of a plan JSON file inside it.")
-    try:
-        return Plan.load(p)
-    except UnicodeDecodeError:
-        raise PlanError(f"Plan file {path!r} is not a text file, so it cannot be a JSON plan.") from None
+    return Plan.load(p)  # a binary, empty or malformed file is a PlanError naming the file and the field
 
 
 # -------------------------------------------------------------------------------------------------

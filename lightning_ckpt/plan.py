@@ -3,11 +3,18 @@
 A plan names modules by fully qualified name, never by position, so it survives compile wrappers
 and can be checked against any model. Blocks not listed are left alone (mode ``none``), which keeps
 plan files short and readable.
+
+The file format is published as a JSON Schema (draft 2020-12), ``lightning_ckpt/plan_schema.json``
+(``plan_schema()`` returns it), so other tools can check a plan too, e.g.
+``check-jsonschema --schemafile plan_schema.json plans/gpt.json``. ``Plan.load`` and ``Plan.from_dict``
+validate against it with ``jsonschema`` before building anything, and refuse whatever does not fit
+with one ``PlanError`` that names the file, the field, what was found and what is expected.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -15,6 +22,7 @@ import secrets
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +39,7 @@ __all__ = [
     "Plan",
     "model_fingerprint",
     "library_versions",
+    "plan_schema",
 ]
 
 # Version 2 added ``compile_memory_budget``. A plan is written with the lowest version that can hold it
@@ -57,6 +66,11 @@ class BlockPlan:
             raise PlanError(
                 f"Unknown checkpointing mode {self.mode!r}. Known modes: {', '.join(MODES)}. "
                 "Fix the 'mode' field of the block in the plan."
+            )
+        if isinstance(self.children, (str, bytes)) or not all(isinstance(c, str) and c for c in self.children):
+            raise PlanError(
+                f"'children' must be a list of child module names, e.g. ('mlp',), but got {self.children!r}. "
+                "Wrap a single name in a tuple or list."
             )
         object.__setattr__(self, "children", tuple(self.children))
         if self.mode == "selective" and not self.children:
@@ -111,10 +125,13 @@ class Plan:
     compile_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
-        blocks = {str(k): v for k, v in self.blocks.items() if v.mode != "none"}
-        for fqn, bp in blocks.items():
+        for fqn, bp in self.blocks.items():
             if not isinstance(bp, BlockPlan):
-                raise PlanError(f"Plan.blocks[{fqn!r}] must be a BlockPlan, but got {type(bp).__name__}.")
+                raise PlanError(
+                    f"Plan.blocks[{fqn!r}] must be a BlockPlan, but got {type(bp).__name__} {bp!r:.60}. "
+                    "Use e.g. BlockPlan('full')."
+                )
+        blocks = {str(k): v for k, v in self.blocks.items() if v.mode != "none"}
         segments = {}
         for fqn, n in self.segments.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -191,48 +208,23 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
-        if not isinstance(data, dict):
-            raise PlanError(f"{source}: a plan must be a JSON object, but found {type(data).__name__}.")
-        version = data.get("schema_version")
-        if version is None:
-            raise PlanError(f"{source}: no 'schema_version' field; this is not a lightning_ckpt plan file.")
-        if not isinstance(version, int) or version > SCHEMA_VERSION or version < 1:
-            raise PlanError(
-                f"{source}: plan schema version {version!r} is not supported by this lightning_ckpt "
-                f"(it reads schema versions 1..{SCHEMA_VERSION}). Upgrade lightning-ckpt, or re-tune to "
-                "write a plan in the current schema."
-            )
-        known = {"schema_version", "name", "fingerprint", "blocks", "segments", "metadata"}
-        if version >= 2:
-            known.add("compile_memory_budget")
-        unknown = set(data) - known
-        if unknown:
-            hint = " ('compile_memory_budget' needs schema_version 2)" if "compile_memory_budget" in unknown else ""
-            raise PlanError(f"{source}: unknown top-level fields {sorted(unknown)}{hint}; the file may be corrupted.")
-        blocks_raw = data.get("blocks", {})
-        if not isinstance(blocks_raw, dict):
-            raise PlanError(f"{source}: 'blocks' must map block FQNs to modes, but found {type(blocks_raw).__name__}.")
+        """Build a plan from its JSON form, refusing anything that does not fit ``plan_schema()``.
+
+        Schema versions 1 and 2 load; a newer one is refused with the advice to upgrade. Every
+        refusal is a ``PlanError`` that starts with ``source`` and names the offending field.
+        """
+        _validate(data, source)
         blocks = {}
-        for fqn, spec in blocks_raw.items():
-            if not isinstance(spec, dict) or "mode" not in spec:
-                raise PlanError(f"{source}: block {fqn!r} must be an object with a 'mode' field, but found {spec!r}.")
-            extra = set(spec) - {"mode", "children", "save_list"}
-            if extra:
-                raise PlanError(f"{source}: block {fqn!r} has unknown fields {sorted(extra)}.")
+        for fqn, spec in data.get("blocks", {}).items():
             try:
                 blocks[fqn] = BlockPlan(spec["mode"], tuple(spec.get("children", ())), spec.get("save_list"))
             except PlanError as err:
-                raise PlanError(f"{source}: block {fqn!r}: {err}") from None
-        segments = data.get("segments", {})
-        if not isinstance(segments, dict):
-            raise PlanError(f"{source}: 'segments' must map stack FQNs to chunk counts, but found {segments!r}.")
-        metadata = data.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise PlanError(f"{source}: 'metadata' must be an object, but found {type(metadata).__name__}.")
+                field_ = "save_list" if spec.get("save_list") else "mode"
+                raise PlanError(f"{source}: field {_field_path(('blocks', fqn, field_))}: {err}") from None
         try:
             return cls(
-                blocks, segments, str(data.get("name", "")), data.get("fingerprint"), metadata,
-                compile_memory_budget=data.get("compile_memory_budget"),
+                blocks, data.get("segments", {}), data.get("name", ""), data.get("fingerprint"),
+                data.get("metadata", {}), compile_memory_budget=data.get("compile_memory_budget"),
             )  # fmt: skip
         except PlanError as err:
             raise PlanError(f"{source}: {err}") from None
@@ -269,21 +261,48 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan file; anything unreadable or malformed raises ``PlanError`` naming the file (and field)."""
         path = Path(path)
+        where = f"Plan file {str(path)!r}"
         try:
-            text = path.read_text()
+            raw = path.read_bytes()
         except FileNotFoundError:
+            raise PlanError(f"{where} does not exist. Check the path, or tune first to write it.") from None
+        except IsADirectoryError:
+            raise PlanError(f"{where} is a directory. Give the path of a plan JSON file inside it.") from None
+        except PermissionError:
             raise PlanError(
-                f"Plan file {str(path)!r} does not exist. Check the path, or tune first to write it."
+                f"{where} cannot be read: permission denied. Make it readable (chmod u+r), or point to a copy."
             ) from None
+        except OSError as err:
+            raise PlanError(f"{where} cannot be read: {err.strerror or err}. Check the path and the disk.") from None
         try:
-            data = json.loads(text)
+            text = raw.decode("utf-8-sig")  # tolerate the byte-order mark some editors add
+        except UnicodeDecodeError as err:
+            raise PlanError(
+                f"{where} is not a UTF-8 text file (byte {raw[err.start]:#04x} at offset {err.start}), so it cannot be "
+                "a JSON plan. Check that the path names the plan, not another file; re-tune to write it again."
+            ) from None
+        if not text.strip():
+            raise PlanError(
+                f"{where} is empty (a write that never finished, or a placeholder). Delete it and re-tune, or "
+                "restore it from version control."
+            )
+        try:
+            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
         except json.JSONDecodeError as err:
             raise PlanError(
-                f"Plan file {str(path)!r} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "
+                f"{where} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "
                 "Delete it and re-tune, or restore it from version control."
             ) from None
-        return cls.from_dict(data, source=f"Plan file {str(path)!r}")
+        except _DuplicateKeyError as err:
+            raise PlanError(
+                f"{where}: field {err.args[0]!r} appears more than once in one object, so which value counts is "
+                "ambiguous. Keep one of them."
+            ) from None
+        except RecursionError:
+            raise PlanError(f"{where} is nested too deeply to be a plan. Delete it and re-tune.") from None
+        return cls.from_dict(data, source=where)
 
     # -- checks against a model ---------------------------------------------------------------------
     def check_fingerprint(self, model: nn.Module) -> None:
@@ -307,6 +326,165 @@ def _create_beside(target: Path) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(f"could not create a temporary file beside {str(target)!r}: every name tried exists")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The schema and how its refusals are worded
+# ---------------------------------------------------------------------------------------------------
+SCHEMA_FILE = "plan_schema.json"
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_text() -> str:
+    return resources.files("lightning_ckpt").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+
+
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of plan files, as shipped in ``lightning_ckpt/plan_schema.json``."""
+    return json.loads(_schema_text())
+
+
+@functools.lru_cache(maxsize=1)
+def _validator() -> Any:
+    # Imported here: jsonschema (and its referencing/rpds stack) is only needed when a plan is read.
+    import jsonschema
+
+    schema = plan_schema()
+    return jsonschema.Draft202012Validator(schema), schema
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _field_path(path: tuple[Any, ...] | list[Any]) -> str:
+    """``blocks['h.0'].children[1]``: FQN keys in brackets (they contain dots), other keys dotted."""
+    out = ""
+    for i, part in enumerate(path):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif i == 1 and path[0] in ("blocks", "segments") or not part.isidentifier():
+            out += f"[{part!r}]"
+        else:
+            out += f".{part}" if out else part
+    return out or "(top level)"
+
+
+def _subschema(schema: dict[str, Any], root: dict[str, Any], path: list[Any]) -> dict[str, Any] | None:
+    """The schema that describes the value at ``path`` (following properties, additionalProperties, items)."""
+    node: Any = schema
+    for part in path:
+        while isinstance(node, dict) and "$ref" in node:
+            node = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+        if not isinstance(node, dict):
+            return None
+        if isinstance(part, int):
+            node = node.get("items")
+        elif part in node.get("properties", {}):
+            node = node["properties"][part]
+        else:
+            node = node.get("additionalProperties")
+    while isinstance(node, dict) and "$ref" in node:
+        node = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+    return node if isinstance(node, dict) else None
+
+
+_TYPE_WORDS = {"object": "an object", "array": "an array", "string": "a string", "integer": "an integer",
+               "number": "a number", "boolean": "true or false", "null": "null"}  # fmt: skip
+
+
+def _found(value: Any) -> str:
+    kind = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+    text = json.dumps(value, default=str)
+    return f"{text[:80]}{'...' if len(text) > 80 else ''} ({kind})"
+
+
+def _describe_error(error: Any, root: dict[str, Any]) -> tuple[str, str]:
+    """(field path, what is wrong with it) for one jsonschema ValidationError."""
+    path = list(error.absolute_path)
+    kind, value, instance = error.validator, error.validator_value, error.instance
+    if kind == "required":
+        missing = [p for p in value if isinstance(instance, dict) and p not in instance]
+        path.append(missing[0] if missing else value[0])
+        rule = error.schema.get("description", "")
+        if rule and "needs" in rule:  # an if/then rule of the schema says why the field is needed
+            return _field_path(path), f"missing: {rule}"
+        expected = (_subschema(root, root, path) or {}).get("description") or rule
+        return _field_path(path), f"missing; expected {expected}" if expected else "missing"
+    if kind == "additionalProperties":
+        allowed = set(error.schema.get("properties", {}))
+        extra = sorted(k for k in instance if k not in allowed)
+        field_ = _field_path([*path, extra[0]]) if extra else _field_path(path)
+        where = "at the top level" if not path else f"in {_field_path(path)}"
+        return field_, (
+            f"not a known field {where} (unknown: {', '.join(map(repr, extra))}; known: "
+            f"{', '.join(sorted(allowed))}). The file may be corrupted or from another tool"
+            + ("; 'compile_memory_budget' needs schema_version 2" if "compile_memory_budget" in extra else "")
+        )
+    described = _subschema(root, root, path) or {}
+    expected = described.get("description", "")
+    if kind == "not":
+        return _field_path(path), f"not allowed here: {error.schema.get('description', expected)}"
+    if kind == "enum":
+        title = described.get("title", "value")
+        return _field_path(path), f"Unknown {title} {instance!r}. Known: {', '.join(map(str, value))}"
+    if kind == "type":
+        types = value if isinstance(value, list) else [value]
+        wanted = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
+        return _field_path(path), f"must be {wanted}, but found {_found(instance)}; expected {expected}"
+    if kind == "uniqueItems":
+        return _field_path(path), f"names an item more than once: {_found(instance)}; expected {expected}"
+    return _field_path(path), f"{error.message}; expected {expected}" if expected else error.message
+
+
+def _validate(data: Any, source: str) -> None:
+    if not isinstance(data, dict):
+        raise PlanError(
+            f"{source}: field (top level): must be a JSON object, but found {_found(data)}. "
+            "This is not a lightning_ckpt plan: check the path, or re-tune to write one."
+        )
+    version = data.get("schema_version")
+    if version is None:
+        raise PlanError(
+            f"{source}: field schema_version: missing; this is not a lightning_ckpt plan file. "
+            f'Add "schema_version": 1 if you wrote it by hand, or re-tune to write one.'
+        )
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise PlanError(
+            f"{source}: field schema_version: plan schema version {version!r} is not supported by this lightning_ckpt "
+            f"(it reads schema versions 1..{SCHEMA_VERSION}). Upgrade lightning-ckpt, or re-tune to write a plan "
+            "in the current schema."
+        )
+    validator, root = _validator()
+    errors = list(validator.iter_errors(data))
+    if errors:
+        import jsonschema
+
+        field_, problem = _describe_error(jsonschema.exceptions.best_match(errors), root)
+        more = (
+            f" ({len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in this plan)" if len(errors) > 1 else ""
+        )
+        raise PlanError(
+            f"{source}: field {field_}: {problem}.{more} Fix the field (the format is lightning_ckpt/{SCHEMA_FILE}), "
+            "or delete the file and re-tune."
+        )
+    micro = data.get("metadata", {}).get("micro_batch")
+    if micro is not None and micro["size"] * micro["accumulation"] != micro["global"]:
+        raise PlanError(
+            f"{source}: field metadata.micro_batch: size {micro['size']} x accumulation {micro['accumulation']} "
+            f"must equal the global batch {micro['global']}, but does not. Fix one of the three numbers, or re-tune."
+        )
 
 
 def closest_names(name: str, candidates: list[str], n: int = 3) -> str:

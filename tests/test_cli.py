@@ -111,12 +111,20 @@ def test_show_without_metadata_and_with_segments(capsys, work):
             1,
             "Unknown checkpointing mode 'fast'",
         ),
+        (
+            json.dumps({"schema_version": 1, "blocks": {"h.0": {"mode": "selective", "children": "mlp"}}}),
+            1,
+            "field blocks['h.0'].children: must be an array",
+        ),
+        (b"\x89PNG\r\n\x1a\n\x00\xff", 1, "is not a UTF-8 text file"),
     ],
-    ids=["missing", "not-json", "newer-schema", "bad-mode"],
+    ids=["missing", "not-json", "newer-schema", "bad-mode", "children-string", "binary"],
 )
 def test_show_refuses_bad_plan_files(tmp_path, capsys, content, code, message):
     path = tmp_path / "plan.json"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     assert main(["show", str(path)]) == code
     captured = capsys.readouterr()

@@ -55,8 +55,8 @@ def test_describe():
             "Unknown op save-list 'keep_it_all'",
         ),
         (json.dumps({"schema_version": 1, "blocks": {"h.0": {"mode": "selective"}}}), "children"),
-        (json.dumps({"schema_version": 1, "segments": {"h": 0}}), "positive chunk count"),
-        (json.dumps({"schema_version": 1, "surprise": 1}), "unknown top-level fields"),
+        (json.dumps({"schema_version": 1, "segments": {"h": 0}}), "an integer >= 1"),
+        (json.dumps({"schema_version": 1, "surprise": 1}), "not a known field at the top level"),
     ],
 )
 def test_malformed_plan_files_are_refused_with_reason(tmp_path, text, match):
@@ -137,3 +137,151 @@ def test_saving_through_a_symlink_replaces_the_target_and_keeps_the_link(tmp_pat
     Plan({"h.1": BlockPlan("full")}).save(link)
     assert link.is_symlink() and Plan.load(target) == Plan({"h.1": BlockPlan("full")})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "real.json"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Malformed plan files: one error class, naming the file and the field, whatever the input.
+# ---------------------------------------------------------------------------------------------------
+def _plan(**fields):
+    return json.dumps({"schema_version": 1, **fields})
+
+
+def _block(**spec):
+    return _plan(blocks={"h.0": spec})
+
+
+MALFORMED = {
+    # wrong types and values, field by field
+    "version-string": (json.dumps({"schema_version": "1"}), "schema_version"),
+    "version-bool": (json.dumps({"schema_version": True}), "schema_version"),
+    "version-zero": (json.dumps({"schema_version": 0}), "schema_version"),
+    "version-newer": (json.dumps({"schema_version": SCHEMA_VERSION + 1}), "schema_version"),
+    "version-missing": (json.dumps({"blocks": {}}), "schema_version"),
+    "name-int": (_plan(name=5), "name"),
+    "fingerprint-int": (_plan(fingerprint=5), "fingerprint"),
+    "blocks-list": (_plan(blocks=["h.0"]), "blocks"),
+    "block-string": (_plan(blocks={"h.0": "full"}), "blocks['h.0']"),
+    "block-no-mode": (_block(children=["mlp"]), "blocks['h.0'].mode"),
+    "mode-int": (_block(mode=5), "blocks['h.0'].mode"),
+    "mode-unknown": (_block(mode="fast"), "blocks['h.0'].mode"),
+    "children-string": (_block(mode="selective", children="mlp"), "blocks['h.0'].children"),
+    "children-int": (_block(mode="selective", children=5), "blocks['h.0'].children"),
+    "children-empty": (_block(mode="selective", children=[]), "blocks['h.0'].children"),
+    "children-item-int": (_block(mode="selective", children=["mlp", 1]), "blocks['h.0'].children[1]"),
+    "children-item-empty": (_block(mode="selective", children=[""]), "blocks['h.0'].children[0]"),
+    "children-repeated": (_block(mode="selective", children=["mlp", "mlp"]), "blocks['h.0'].children"),
+    "children-missing": (_block(mode="selective"), "blocks['h.0'].children"),
+    "children-on-full": (_block(mode="full", children=["mlp"]), "blocks['h.0'].children"),
+    "save-list-int": (_block(mode="ops", save_list=5), "blocks['h.0'].save_list"),
+    "save-list-missing": (_block(mode="ops"), "blocks['h.0'].save_list"),
+    "save-list-unknown": (_block(mode="ops", save_list="keep_it_all"), "blocks['h.0'].save_list"),
+    "save-list-on-full": (_block(mode="full", save_list="save_matmuls"), "blocks['h.0'].save_list"),
+    "block-unknown-field": (_block(mode="full", speed="fast"), "blocks['h.0'].speed"),
+    "segments-list": (_plan(segments=[2]), "segments"),
+    "segments-string": (_plan(segments={"h": "2"}), "segments['h']"),
+    "segments-float": (_plan(segments={"h": 2.5}), "segments['h']"),
+    "segments-bool": (_plan(segments={"h": True}), "segments['h']"),
+    "segments-zero": (_plan(segments={"h": 0}), "segments['h']"),
+    "metadata-list": (_plan(metadata=[1]), "metadata"),
+    "micro-batch-no-accumulation": (
+        _plan(metadata={"micro_batch": {"size": 4, "global": 16}}),
+        "metadata.micro_batch.accumulation",
+    ),
+    "micro-batch-string-size": (
+        _plan(metadata={"micro_batch": {"size": "4", "accumulation": 4, "global": 16}}),
+        "metadata.micro_batch.size",
+    ),
+    "micro-batch-not-object": (_plan(metadata={"micro_batch": 4}), "metadata.micro_batch"),
+    "micro-batch-inconsistent": (
+        _plan(metadata={"micro_batch": {"size": 4, "accumulation": 2, "global": 16}}),
+        "metadata.micro_batch",
+    ),
+    "budget-in-version-1": (_plan(compile_memory_budget=0.5), "compile_memory_budget"),
+    "budget-too-big": (json.dumps({"schema_version": 2, "compile_memory_budget": 2.0}), "compile_memory_budget"),
+    "budget-string": (json.dumps({"schema_version": 2, "compile_memory_budget": "0.5"}), "compile_memory_budget"),
+    "unknown-top-level": (_plan(surprise=1), "surprise"),
+    "duplicate-key": ('{"schema_version": 1, "blocks": {}, "blocks": {"h.0": {"mode": "full"}}}', "'blocks'"),
+    "not-an-object": ("[]", "(top level)"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_every_malformed_field_is_refused_naming_file_and_field(tmp_path, case):
+    text, field = MALFORMED[case]
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(PlanError) as info:
+        Plan.load(path)
+    message = str(info.value)
+    assert str(path) in message, message
+    assert f"field {field}" in message, message
+    if case == "duplicate-key":  # only a file can repeat a key; a dict cannot
+        return
+    with pytest.raises(PlanError) as info:  # the same judgement for data that never was a file
+        Plan.from_dict(json.loads(text), source="broadcast plan")
+    assert field in str(info.value) and "broadcast plan" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe"), "not a UTF-8 text file"),
+        (lambda p: p.mkdir(), "is a directory"),
+        (lambda p: None, "does not exist"),
+        (lambda p: p.write_text(""), "is empty"),
+        (lambda p: p.write_text('{"schema_version": 1,'), "not valid JSON"),
+        (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "nested too deeply"),
+    ],
+    ids=["binary", "directory", "missing", "empty", "truncated", "deep"],
+)
+def test_unreadable_plan_files_are_refused_naming_the_file(tmp_path, make, match):
+    path = tmp_path / "plan.json"
+    make(path)
+    with pytest.raises(PlanError, match=match) as info:
+        Plan.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_both_schema_versions_still_load(tmp_path):
+    v1 = {"schema_version": 1, "name": "a", "fingerprint": None, "blocks": {"h.0": {"mode": "selective", "children": ["mlp"]}},
+          "segments": {"s": 2}, "metadata": {"micro_batch": {"size": 4, "accumulation": 4, "global": 16, "original_size": 16}}}  # fmt: skip
+    v2 = {
+        "schema_version": 2,
+        "blocks": {"h.1": {"mode": "ops", "save_list": "save_matmuls"}},
+        "compile_memory_budget": 0.5,
+    }
+    for data in (v1, v2):
+        (tmp_path / "p.json").write_text(json.dumps(data))
+        assert Plan.load(tmp_path / "p.json").to_dict()["schema_version"] == data["schema_version"]
+    assert Plan.load(tmp_path / "p.json").compile_memory_budget == 0.5
+
+
+def test_the_published_schema_is_valid_and_matches_the_code():
+    import jsonschema
+
+    from lightning_ckpt.plan import MODES, plan_schema
+
+    schema = plan_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["properties"]["schema_version"]["maximum"] == SCHEMA_VERSION
+    assert tuple(schema["$defs"]["block"]["properties"]["mode"]["enum"]) == MODES
+    for plan in [Plan({"h.0": BlockPlan("full")}, segments={"s": 2}), Plan(compile_memory_budget=0.3)]:
+        jsonschema.validate(json.loads(plan.to_json()), schema)
+
+
+def test_block_plan_refuses_a_string_of_children():
+    with pytest.raises(PlanError, match="children.*list of child module names.*'mlp'"):
+        BlockPlan("selective", "mlp")
+
+
+def test_the_schema_ships_with_the_package():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    import lightning_ckpt
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "plan_schema.json" in pyproject["tool"]["setuptools"]["package-data"]["lightning_ckpt"]
+    assert any(d.startswith("jsonschema") for d in pyproject["project"]["dependencies"])
+    assert (Path(lightning_ckpt.__file__).parent / "plan_schema.json").is_file()
