@@ -3,7 +3,7 @@
 The core (discovery, plans, apply) works on any ``nn.Module``; the Lightning callback builds on it.
 """
 
-from lightning_ckpt.apply import PlanHandle, applied_plan, apply_plan, plan_applied
+from lightning_ckpt.apply import PlanHandle, applied_plan, apply_plan, existing_checkpointing, plan_applied
 from lightning_ckpt.baselines import BASELINE_NAMES, baselines
 from lightning_ckpt.discovery import Block, LayerStack, discover_blocks
 from lightning_ckpt.errors import (
@@ -53,6 +53,7 @@ __all__ = [
     "apply_plan",
     "baselines",
     "discover_blocks",
+    "existing_checkpointing",
     "model_fingerprint",
     "plan_applied",
 ]

@@ -34,7 +34,7 @@ from lightning_ckpt.errors import ApplyError, PlanError
 from lightning_ckpt.plan import Plan, closest_names
 from lightning_ckpt.policies import selective_context_fn
 
-__all__ = ["PlanHandle", "apply_plan", "applied_plan", "segment_chunks"]
+__all__ = ["PlanHandle", "apply_plan", "applied_plan", "existing_checkpointing", "segment_chunks"]
 
 log = logging.getLogger(__name__)
 
@@ -473,6 +473,110 @@ def applied_plan(model: nn.Module) -> Plan | None:
     return handle.plan if handle is not None and handle.active else None
 
 
+# ---------------------------------------------------------------------------------------------------
+# Checkpointing installed by someone else
+# ---------------------------------------------------------------------------------------------------
+# A plan on top of another mechanism recomputes twice (and tuning would compare plans against a
+# "none" baseline that still recomputes). Each entry: attribute that is True -> (what it is, the fix).
+_CHECKPOINT_FLAGS = {
+    "gradient_checkpointing": "Hugging Face gradient checkpointing (gradient_checkpointing=True)",
+    "grad_checkpointing": "timm-style grad_checkpointing=True",
+    "use_checkpoint": "the model's own checkpointing (use_checkpoint=True)",
+}
+
+
+def _flag_fix(root: nn.Module, fqn: str, attr: str) -> str:
+    """How to switch a checkpointing flag off, naming the object that has the switch ("model" is ``root``)."""
+
+    def path(name: str) -> str:
+        return f"model.{name}" if name else "model"
+
+    if attr == "gradient_checkpointing":
+        # The switch is on the outermost Hugging Face model that holds this module.
+        for owner_fqn, owner in root.named_modules():
+            if (not owner_fqn or fqn == owner_fqn or fqn.startswith(f"{owner_fqn}.")) and callable(
+                getattr(owner, "gradient_checkpointing_disable", None)
+            ):
+                if callable(getattr(owner, "activation_checkpointing_disable", None)):  # transformers >= 5
+                    return (
+                        f"call {path(owner_fqn)}.activation_checkpointing_disable() (gradient_checkpointing_disable() "
+                        "in older transformers)"
+                    )
+                return f"call {path(owner_fqn)}.gradient_checkpointing_disable()"
+    if attr == "grad_checkpointing" and callable(getattr(root.get_submodule(fqn), "set_grad_checkpointing", None)):
+        return f"call {path(fqn)}.set_grad_checkpointing(False)"
+    return f"set {path(fqn)}.{attr} = False (or build the model without it)"
+
+
+def _composable_checkpoint_enabled(module: nn.Module) -> bool:
+    try:  # private in torch 2.13: the registry that torch.distributed._composable's contract() keeps per module
+        from torch.distributed._composable import checkpoint as composable_checkpoint
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # a torch build without distributed
+        return False
+    registry = _get_registry(module) or {}
+    return "checkpoint" in registry and bool(getattr(composable_checkpoint.state(module), "enable_hook", True))
+
+
+def _checkpoint_wrapper_type() -> type | None:
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:
+        return None
+    return CheckpointWrapper
+
+
+def _foreign_checkpointing(model: nn.Module) -> list[tuple[str, str, str]]:
+    """(FQN, what was found, how to remove it) for every other activation-checkpointing mechanism in ``model``."""
+    root = unwrap_compiled(model)
+    wrapper_type = _checkpoint_wrapper_type()
+    found = []
+    for fqn, module in root.named_modules():
+        for attr, what in _CHECKPOINT_FLAGS.items():
+            if getattr(module, attr, None) is True:
+                found.append((fqn, what, _flag_fix(root, fqn, attr)))
+        if wrapper_type is not None and isinstance(module, wrapper_type):
+            found.append((
+                fqn, "torch checkpoint_wrapper (CheckpointWrapper)",
+                f"put the wrapped module back (model.{fqn} = model.{fqn}._checkpoint_wrapped_module), or do not use "
+                "apply_activation_checkpointing / Lightning's FSDP activation_checkpointing_policy",
+            ))  # fmt: skip
+        if _composable_checkpoint_enabled(module):
+            found.append((
+                fqn, "torch.distributed._composable.checkpoint",
+                "do not call checkpoint(module) on it (the hooks cannot be removed: rebuild the module)",
+            ))  # fmt: skip
+    return found
+
+
+def existing_checkpointing(model: nn.Module) -> list[str]:
+    """Activation checkpointing already installed in ``model`` by something other than lightning_ckpt.
+
+    One ``"FQN: what"`` entry per module (``<root>`` for the model itself): Hugging Face's
+    ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``, a ``use_checkpoint=True``
+    flag, torch's ``checkpoint_wrapper`` and ``torch.distributed._composable.checkpoint``. A plan
+    on top of any of them would recompute twice, so ``apply_plan`` refuses such a model; the
+    callback can call this to explain the refusal before tuning.
+    """
+    return [f"{fqn or '<root>'}: {what}" for fqn, what, _ in _foreign_checkpointing(model)]
+
+
+def _refuse_foreign_checkpointing(root: nn.Module, plan: Plan) -> None:
+    if not (plan.blocks or plan.segments):  # installs nothing, so there is nothing to do twice
+        return
+    found = _foreign_checkpointing(root)
+    if not found:
+        return
+    listed = "; ".join(f"{fqn or '<root>'}: {what}" for fqn, what, _ in found[:4])
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    fixes = list(dict.fromkeys(fix for _, _, fix in found))
+    raise ApplyError(
+        f"This {type(root).__name__} already has activation checkpointing: {listed}{more}. A lightning_ckpt plan on "
+        f"top would recompute those blocks twice. Fix: {'; '.join(fixes)}. Then apply the plan (or let the tuner "
+        "choose one)."
+    )
+
+
 def _resolve(root: nn.Module, fqn: str, what: str) -> nn.Module:
     try:
         # Unwrapped so a block wrapped by torch.compile(block) gets its forward patched on the module
@@ -502,6 +606,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
         )
     if check_fingerprint:
         plan.check_fingerprint(root)
+    _refuse_foreign_checkpointing(root, plan)
 
     installs: list[tuple[nn.Module, str, functools.partial[Any]]] = []
     for fqn, bp in plan.blocks.items():

@@ -548,3 +548,106 @@ def test_compiled_planned_model_updates_batchnorm_statistics_once():
     assert got["layers.0.norm.num_batches_tracked"].item() == 1
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpointing that someone else already installed: refuse instead of recomputing twice.
+# ---------------------------------------------------------------------------------------------------
+def _tiny_hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _assert_untouched(model: nn.Module) -> None:
+    assert applied_plan(model) is None
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_hf_gradient_checkpointing_is_refused_with_the_fix():
+    from lightning_ckpt import existing_checkpointing
+
+    model = _tiny_hf_gpt2()
+    assert existing_checkpointing(model) == []
+    model.gradient_checkpointing_enable()
+    found = existing_checkpointing(model)
+    assert any(f.startswith("transformer.h.0: ") and "gradient_checkpointing=True" in f for f in found), found
+    plan = baselines(model)["full"]
+    with pytest.raises(ApplyError, match=r"transformer\.h\.0.*gradient_checkpointing_disable\(\)") as info:
+        apply_plan(model, plan)
+    assert "twice" in str(info.value)
+    _assert_untouched(model)
+    with plan_applied(model, Plan()):  # an empty plan changes nothing, so it is not refused
+        pass
+    getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+    with plan_applied(model, plan) as handle:
+        assert handle.num_patched_modules == 2
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_hf_model_inside_a_wrapper_names_the_attribute_to_call():
+    from lightning_ckpt import existing_checkpointing
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _tiny_hf_gpt2()
+
+    wrapper = Wrapper()
+    wrapper.model.gradient_checkpointing_enable()
+    assert existing_checkpointing(wrapper)
+    with pytest.raises(ApplyError, match=r"call model\.model\.(activation|gradient)_checkpointing_disable\(\)"):
+        apply_plan(wrapper, Plan({"model.transformer.h.0": BlockPlan("full")}))
+    _assert_untouched(wrapper)
+
+
+def test_torch_checkpoint_wrapper_is_refused():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from lightning_ckpt import existing_checkpointing
+
+    torch.manual_seed(0)
+    model = KwargModel()
+    model.layers[1] = checkpoint_wrapper(model.layers[1])
+    found = existing_checkpointing(model)
+    assert found == ["layers.1: torch checkpoint_wrapper (CheckpointWrapper)"], found
+    with pytest.raises(ApplyError, match=r"layers\.1: torch checkpoint_wrapper.*_checkpoint_wrapped_module"):
+        apply_plan(model, Plan({"layers.0": BlockPlan("full")}))
+    _assert_untouched(model)
+
+
+def test_composable_checkpoint_is_refused():
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    from lightning_ckpt import existing_checkpointing
+
+    torch.manual_seed(0)
+    model = KwargModel()
+    composable_checkpoint(model.layers[2])
+    found = existing_checkpointing(model)
+    assert found == ["layers.2: torch.distributed._composable.checkpoint"], found
+    with pytest.raises(ApplyError, match=r"layers\.2: torch\.distributed\._composable\.checkpoint"):
+        apply_plan(model, Plan(segments={"layers": 2}))
+    _assert_untouched(model)
+
+
+def test_a_models_own_checkpointing_flags_are_refused():
+    from lightning_ckpt import existing_checkpointing
+
+    torch.manual_seed(0)
+    model = KwargModel()
+    model.layers[0].grad_checkpointing = True  # timm's set_grad_checkpointing()
+    model.layers[3].use_checkpoint = True  # Swin-style constructor flag
+    model.layers[2].use_checkpoint = False
+    found = existing_checkpointing(model)
+    assert [f.split(":")[0] for f in found] == ["layers.0", "layers.3"], found
+    with pytest.raises(
+        ApplyError,
+        match=r"set model\.layers\.0\.grad_checkpointing = False.*set model\.layers\.3\.use_checkpoint = False",
+    ):
+        apply_plan(model, Plan({"layers.1": BlockPlan("full")}))
+    _assert_untouched(model)
