@@ -7,7 +7,7 @@
     lightning-ckpt bench --layers 8                       the seed trade-off table (benchmarks/seed_table.py)
 
 Exit codes: 0 success; 1 a plan or model was refused (the message says why); 2 bad usage (an unknown
-option, a file that does not exist, a --model that cannot be imported).
+option, a file that does not exist, a --model that cannot be imported or that calls sys.exit()).
 """
 
 from __future__ import annotations
@@ -292,6 +292,8 @@ def load_factory(spec: str) -> Callable[[], Any]:
         sys.path.insert(0, str(path.resolve().parent))
         try:
             loader_spec.loader.exec_module(module)
+        except SystemExit as exit_:
+            raise UsageError(_exit_message(spec, f"importing {target!r}", exit_)) from None
         except Exception as err:
             raise UsageError(f"--model {spec!r}: importing {target!r} failed: {type(err).__name__}: {err}") from None
         finally:
@@ -301,6 +303,8 @@ def load_factory(spec: str) -> Callable[[], Any]:
             sys.path.insert(0, str(Path.cwd()))  # console scripts do not put the current directory on the path
         try:
             module = importlib.import_module(target)
+        except SystemExit as exit_:
+            raise UsageError(_exit_message(spec, f"importing module {target!r}", exit_)) from None
         except Exception as err:
             raise UsageError(
                 f"--model {spec!r}: cannot import module {target!r}: {type(err).__name__}: {err}"
@@ -316,6 +320,18 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return obj
 
 
+def _exit_message(spec: str, doing: str, exit_: SystemExit) -> str:
+    """SystemExit is not an Exception: left alone it would end ``validate`` silently with the model's exit code
+    (0 for a bare ``sys.exit()``, which a CI job would take for a pass)."""
+    code = exit_.code
+    call = "sys.exit()" if code is None else f"sys.exit({code!r})"
+    return (
+        f"--model {spec!r}: {doing} called {call} (SystemExit), so no model was built and the plan was not checked. "
+        "The code that --model loads must only define the model: move the script part (argument parsing, training) "
+        'under `if __name__ == "__main__":`, or point --model at a module that does not run a script when imported.'
+    )
+
+
 def build_model(spec: str) -> Any:
     """Call the factory that ``spec`` names and check it gave an ``nn.Module`` (an instance is used as is)."""
     from torch import nn
@@ -327,6 +343,8 @@ def build_model(spec: str) -> Any:
         raise UsageError(f"--model {spec!r} names a {type(obj).__name__}, not a callable that returns an nn.Module.")
     try:
         model = obj()
+    except SystemExit as exit_:
+        raise UsageError(_exit_message(spec, "calling it", exit_)) from None
     except Exception as err:
         raise LightningCkptError(
             f"--model {spec!r}: calling it with no arguments raised {type(err).__name__}: {err}"

@@ -225,3 +225,21 @@ def test_show_and_diff_report_the_compile_memory_budget(tmp_path, capsys):
     assert main(["diff", str(tmp_path / "eager.json"), str(tmp_path / "compiled.json")]) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines()]
     assert ["~", "torch.compile", "activation_memory_budget", "None", "->", "0.5"] in rows
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "shown"),
+    [
+        ("import sys\nsys.exit(3)\n", "exits.py:gpt", "sys.exit(3)"),
+        ("import sys\nsys.exit()\n", "exits.py:gpt", "sys.exit()"),  # code 0: the worst case, CI would pass
+        ("import sys\nsys.exit('no GPU found')\n", "exits:gpt", "sys.exit('no GPU found')"),
+        ("import sys\ndef gpt():\n    sys.exit(4)\n", "exits.py:gpt", "sys.exit(4)"),
+    ],
+    ids=["file-code-3", "file-code-none", "module-message", "factory-exits"],
+)
+def test_validate_model_that_exits_is_an_error_not_a_silent_exit(work, source, spec, shown):
+    (work / "exits.py").write_text(source)
+    out = cli("validate", "tuned.json", "--model", spec, cwd=work)
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert "SystemExit" in out.stderr and shown in out.stderr, out.stderr
+    assert 'if __name__ == "__main__":' in out.stderr, out.stderr
