@@ -3,6 +3,8 @@
 The core (discovery, plans, apply) works on any ``nn.Module``; the Lightning callback builds on it.
 """
 
+# First: importing it refuses an untested torch, before any module touches torch internals.
+from lightning_ckpt import _torch_version  # noqa: F401
 from lightning_ckpt.apply import PlanHandle, applied_plan, apply_plan, existing_checkpointing, plan_applied
 from lightning_ckpt.baselines import BASELINE_NAMES, baselines
 from lightning_ckpt.discovery import Block, LayerStack, discover_blocks
@@ -13,6 +15,7 @@ from lightning_ckpt.errors import (
     LightningCkptError,
     PlanError,
     StalePlanError,
+    UnsupportedVersionError,
 )
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
 from lightning_ckpt.policies import SAVE_LISTS
@@ -48,6 +51,7 @@ __all__ = [
     "PlanError",
     "PlanHandle",
     "StalePlanError",
+    "UnsupportedVersionError",
     "__version__",
     "applied_plan",
     "apply_plan",

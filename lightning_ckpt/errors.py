@@ -34,3 +34,7 @@ class ConfigurationError(LightningCkptError, ValueError):
 
 class InfeasibleBudgetError(LightningCkptError):
     """No candidate plan fits the memory budget and the caller asked to raise rather than fall back."""
+
+
+class UnsupportedVersionError(LightningCkptError, ImportError):
+    """An installed library (torch) is outside the range lightning_ckpt is tested with; raised at import."""
