@@ -63,8 +63,9 @@ class ActivationCheckpointTuner(Callback):
         allow_graph_breaks: under ``torch.compile``, a plan that adds graph breaks or hits the recompile
             limit is a ``conflict`` and never chosen; ``True`` lets it win on throughput (still reported).
         guard_steps: real training steps read whole after lock-in (CUDA: allocator peak; CPU: live-tensor
-            tracker, slower, only those steps), at least one optimizer step included; also every step
-            on a batch larger than any checked before. ``0`` turns the guard off.
+            tracker, slower, only those steps), at least up to the first step that starts with the
+            optimizer's state (accumulation + 1); also every step on a batch larger than any checked
+            before. ``0`` turns the guard off.
         on_budget_exceeded: when a guarded real step exceeds the budget: ``"switch"`` (warn loudly and
             switch to the fastest lower-memory plan expected to fit), ``"raise"`` or ``"warn"``.
 
@@ -438,18 +439,16 @@ class ActivationCheckpointTuner(Callback):
         batch = trainer.strategy.batch_to_device(batch) if _needs_transfer(batch, pl_module.device) else batch
         precision = trainer.strategy.precision_plugin
 
-        forward = _training_loss(pl_module, precision, batch, batch_idx)
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        forward = _training_loss(
+            pl_module, precision, batch, batch_idx, zero_grad=_zero_grad_fn(trainer, pl_module, optimizer, batch_idx)
+        )
         batch_size, seq_len = _batch_dims(batch)
         progress = self._progress(trainer)
 
         self._tuned_batch = batch
         with _sandbox(pl_module):
-            if trainer.accumulate_grad_batches > 1:
-                # After the first micro-batch every gradient is live through forward and backward: trial that.
-                for p in pl_module.parameters():
-                    if p.requires_grad and p.grad is None:
-                        p.grad = torch.zeros_like(p)
+            _fill_grads(pl_module)
             result = tune(
                 model, forward, optimizer=optimizer, max_memory=self.max_memory,
                 activation_budget=self.activation_budget, n_trials=self.n_trials, timeout=self.timeout,
@@ -500,11 +499,15 @@ class ActivationCheckpointTuner(Callback):
         precision = trainer.strategy.precision_plugin
 
         def loss_fn_for(m: int) -> Any:
-            return _training_loss(pl_module, precision, resize_batch(batch, base, m), 0)
+            optimizer = trainer.optimizers[0] if trainer.optimizers else None
+            # One micro-batch per step: the previous step's gradients live until after the forward.
+            zero_grad = _zero_grad_fn(trainer, pl_module, optimizer, 0) if global_batch // m == 1 else None
+            return _training_loss(pl_module, precision, resize_batch(batch, base, m), 0, zero_grad=zero_grad)
 
         progress = self._progress(trainer)
 
         with _sandbox(pl_module):
+            _fill_grads(pl_module)
             found = tune_micro_batch(
                 model, loss_fn_for, base_micro_batch=base, global_batch=global_batch, max_memory=self.max_memory,
                 activation_budget=self.activation_budget, n_trials=self.n_trials, on_infeasible=self.on_infeasible,
@@ -707,10 +710,32 @@ def _needs_transfer(batch: Any, device: torch.device) -> bool:
     return any(t.device != device for t in _tensors(batch))
 
 
-def _training_loss(pl_module: pl.LightningModule, precision: Any, batch: Any, batch_idx: int) -> Any:
+def _fill_grads(pl_module: pl.LightningModule) -> None:
+    """Give every trainable parameter a gradient for the trials (the sandbox puts the real ones back).
+
+    From the second real step on, gradients are live while the forward runs: Lightning zeroes them after
+    ``training_step`` and before ``backward`` (and under gradient accumulation not at all within a window).
+    A first batch has none, so trials without them would under-state every later step.
+    """
+    for p in pl_module.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def _zero_grad_fn(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, batch_idx: int) -> Any:
+    """Lightning's own zeroing between forward and backward, where it happens (not inside an accumulation window)."""
+    if optimizer is None or trainer.accumulate_grad_batches > 1:
+        return None
+    return lambda: pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+
+
+def _training_loss(
+    pl_module: pl.LightningModule, precision: Any, batch: Any, batch_idx: int, *, zero_grad: Any = None
+) -> Any:
     """The user's ``training_step`` on ``batch`` under the Trainer's precision, as a zero-argument loss function.
 
     Trials must run exactly what training runs (autocast included), so the tuner never builds its own forward.
+    ``zero_grad`` runs after the forward, where Lightning's automatic optimization zeroes gradients.
     """
 
     def forward() -> torch.Tensor:
@@ -721,6 +746,8 @@ def _training_loss(pl_module: pl.LightningModule, precision: Any, batch: Any, ba
             raise ConfigurationError(
                 f"training_step returned {type(out).__name__}; the tuner needs a loss tensor (or a dict with 'loss')."
             )
+        if zero_grad is not None:
+            zero_grad()
         return loss
 
     return forward

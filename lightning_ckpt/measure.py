@@ -29,6 +29,7 @@ import gc
 import random
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -264,7 +265,9 @@ class StateSnapshot:
 
     def __init__(self) -> None:
         self._rng: dict[str, Any] = {}
-        self._grads: list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor | None]] = []
+        # (parameter, weak reference to its .grad, host copy): a strong reference would keep a gradient the
+        # step frees (Lightning's zero_grad between forward and backward) alive, and in the measurement.
+        self._grads: list[tuple[nn.Parameter, weakref.ref[torch.Tensor] | None, torch.Tensor | None]] = []
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._param_versions: list[tuple[str, nn.Parameter, int]] = []
 
@@ -279,7 +282,7 @@ class StateSnapshot:
             seen.add(id(p))
             g = p.grad
             copy = g.detach().to("cpu", copy=True) if g is not None else None
-            snap._grads.append((p, g, copy))
+            snap._grads.append((p, weakref.ref(g) if g is not None else None, copy))
             snap._param_versions.append((name, p, p._version))
         for module in model.modules():
             for name, b in module._buffers.items():
@@ -289,9 +292,13 @@ class StateSnapshot:
 
     def reset_grads(self) -> None:
         """Put every ``.grad`` back as captured: ``None`` stays ``None``, values are copied back."""
-        for p, g, copy in self._grads:
-            if g is None:
+        for p, ref, copy in self._grads:
+            if ref is None or copy is None:
                 p.grad = None
+                continue
+            g = ref()
+            if g is None:  # freed by the step: a fresh tensor with the captured values
+                p.grad = copy.to(device=p.device)
                 continue
             if p.grad is not g:
                 p.grad = g

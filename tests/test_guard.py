@@ -1,0 +1,184 @@
+"""The budget on the real run: AdamW state and step, mixed precision, the guard after lock-in, larger batches."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan, apply_plan, discover_blocks
+from lightning_ckpt.baselines import uniform_plan
+from lightning_ckpt.errors import InfeasibleBudgetError
+from lightning_ckpt.guard import lower_memory_trial
+from lightning_ckpt.measure import new_live_tracker
+from lightning_ckpt.testing import GPT, GPTConfig
+
+SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5"], "rest_modes": ["none"],
+         "segments": False}  # fmt: skip
+
+
+class Net(L.LightningModule):
+    """A GPT trained with AdamW whose every real step (closure + optimizer step) is read by the live tracker."""
+
+    def __init__(self, optimizer: str = "adamw") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0))
+        self.optimizer_name = optimizer
+        self.peaks: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.model(x, y)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        tracker = new_live_tracker("cpu")
+        tracker.track_external(self, optimizer)
+        tracker.total_peak = tracker.now()[0]
+        with tracker:
+            optimizer.step(closure=optimizer_closure)
+        self.peaks.append(tracker.total_peak)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "late_state":
+            return _LateStateAdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class _LateStateAdamW(torch.optim.AdamW):
+    """AdamW that creates an extra parameter-sized buffer per parameter only from its second step on:
+    the state a measured first step cannot show, which only the guard can catch."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self._steps = getattr(self, "_steps", 0) + 1
+        if self._steps >= 2:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p].setdefault("late", torch.zeros_like(p))
+                    self.state[p].setdefault("late2", torch.zeros_like(p))
+        return loss
+
+
+def loader(batch: int = 8, seq: int = 32, n: int = 64) -> DataLoader:
+    data = torch.randint(0, 64, (n, seq + 1), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch, shuffle=False)
+
+
+def fit(tmp_path, callbacks, model: Net, *, steps: int = 4, precision: str = "32-true", data=None) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=steps, callbacks=callbacks, default_root_dir=tmp_path, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=precision,
+    )  # fmt: skip
+    trainer.fit(model, data or loader())
+    return trainer
+
+
+def real_peak(tmp_path, plan_of, precision: str, steps: int = 3) -> int:
+    """The highest real-step peak with a plan applied by hand, no tuner."""
+    net = Net()
+    handle = apply_plan(net, plan_of(net))
+    fit(tmp_path, [], net, steps=steps, precision=precision)
+    handle.remove()
+    return max(net.peaks)
+
+
+def full(net: Net) -> Plan:
+    return uniform_plan(discover_blocks(net), BlockPlan("full"))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_every_real_step_after_lock_in_fits_the_budget(tmp_path, precision):
+    lo, hi = real_peak(tmp_path, full, precision), real_peak(tmp_path, lambda n: Plan(), precision)
+    assert hi > 1.3 * lo, "the case must leave room for plans between full and none"
+    budget = (lo + hi) // 2
+    net = Net()
+    cb = ActivationCheckpointTuner(max_memory=budget, n_trials=6, measure_steps=1, search_space=SPACE, verbose=False)
+    fit(tmp_path, [cb], net, steps=4, precision=precision)
+    assert not cb.result.fell_back
+    assert len(net.peaks) == 4
+    assert max(net.peaks) <= budget, f"real steps peaked at {[p / budget for p in net.peaks]} of the budget"
+    # The trial figures it chose on are the real step's: optimizer state and step included, and close.
+    best = cb.result.best_trial
+    assert best.peak_bytes > best.forward_backward_peak_bytes
+    assert best.peak_bytes == pytest.approx(max(net.peaks), rel=0.05)
+    # The guard read the first real steps and found them within the budget; the plan file would say so.
+    assert [c.within_budget for c in cb.step_checks] == [True, True]
+    assert cb.plan.metadata["real_steps"][0]["peak_bytes"] <= budget
+    assert cb.plan.metadata["optimizer_step"]["state_bytes_after"] > 0
+
+
+def test_guard_catches_late_optimizer_state_and_switches_to_a_lower_memory_plan(tmp_path):
+    lo, hi = real_peak(tmp_path, full, "32-true"), real_peak(tmp_path, lambda n: Plan(), "32-true")
+    net = Net("late_state")
+    # Budget that `none` meets in trials (optimizer step measured once, without the late state) but not later.
+    params = sum(p.numel() * p.element_size() for p in net.parameters())
+    budget = hi + params
+    cb = ActivationCheckpointTuner(max_memory=budget, n_trials=6, measure_steps=1, search_space=SPACE, verbose=False,
+                                   guard_steps=3, plan_path=tmp_path / "plan.json")  # fmt: skip
+    with pytest.warns(UserWarning, match="over the budget.*Switching to"):
+        fit(tmp_path, [cb], net, steps=5)
+    assert cb.result.best.is_empty, "without the late state, no checkpointing fits"
+    over = [c for c in cb.step_checks if not c.within_budget]
+    assert over and over[0].plan == "none"
+    assert not cb.plan.is_empty and cb.plan.metadata["switched_from"] == "none"
+    assert cb.step_checks[-1].within_budget
+    saved = Plan.load(tmp_path / "plan.json")
+    assert saved == cb.plan and any(not c["within_budget"] for c in saved.metadata["real_steps"])
+    assert lo < budget
+
+
+def test_guard_can_raise_instead(tmp_path):
+    hi = real_peak(tmp_path, lambda n: Plan(), "32-true")
+    net = Net("late_state")
+    budget = hi + sum(p.numel() * p.element_size() for p in net.parameters())
+    cb = ActivationCheckpointTuner(max_memory=budget, n_trials=6, measure_steps=1, search_space=SPACE, verbose=False,
+                                   guard_steps=3, on_budget_exceeded="raise")  # fmt: skip
+    with pytest.raises(InfeasibleBudgetError, match="over the budget"):
+        fit(tmp_path, [cb], net, steps=5)
+
+
+class _GrowingLoader:
+    """Batches of 8 sequences, then one of 32: a curriculum the tuned first batch did not show."""
+
+    def __init__(self) -> None:
+        self.batches = [next(iter(loader(8))), next(iter(loader(8))), next(iter(loader(32)))]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_a_larger_later_batch_is_checked_against_the_budget(tmp_path):
+    lo, hi = real_peak(tmp_path, full, "32-true"), real_peak(tmp_path, lambda n: Plan(), "32-true")
+    budget = (lo + hi) // 2
+    cb = ActivationCheckpointTuner(max_memory=budget, n_trials=6, measure_steps=1, search_space=SPACE, verbose=False,
+                                   guard_steps=1, on_budget_exceeded="warn")  # fmt: skip
+    net = Net()
+    with pytest.warns(UserWarning, match=r"batch 32 x 32\) used .* over the budget"):
+        fit(tmp_path, [cb], net, steps=3, data=_GrowingLoader())
+    # Steps 0 and 1 by the guard (the first with the optimizer's state throughout is step 1), step 2 for its batch.
+    assert [c.batch_dims[0] for c in cb.step_checks] == [8, 8, 32]
+    assert [c.within_budget for c in cb.step_checks] == [True, True, False]
+
+
+def test_lower_memory_trial_picks_the_fastest_plan_expected_to_fit():
+    from lightning_ckpt.budget import Budget
+    from lightning_ckpt.tune import TrialRecord
+
+    def rec(name: str, peak: int, sps: float, status: str = "ok") -> TrialRecord:
+        plan = Plan({"h.0": BlockPlan("full")}, name=name) if name != "none" else Plan()
+        if name == "b":
+            plan = Plan({"h.1": BlockPlan("full")})
+        if name == "c":
+            plan = Plan({"h.0": BlockPlan("full"), "h.1": BlockPlan("full")})
+        return TrialRecord(0, plan, name, {}, status, peak_bytes=peak, samples_per_second=sps)
+
+    trials = [rec("none", 100, 10.0), rec("a", 80, 9.0), rec("b", 70, 8.0), rec("c", 50, 5.0, "over_budget")]
+    budget = Budget("peak", 90)
+    assert lower_memory_trial(trials, Plan().key(), budget, excess=15).label == "b"  # a: 80 + 15 > 90
+    assert lower_memory_trial(trials, Plan().key(), budget, excess=30).label == "c"
+    assert lower_memory_trial(trials, Plan().key(), budget, excess=50) is None
