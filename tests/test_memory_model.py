@@ -241,3 +241,98 @@ def test_cuda_prediction_matches_max_memory_allocated() -> None:
             handle.remove()
         assert m.ok, name
         assert mm.predict_peak(plan) == pytest.approx(m.peak_bytes, rel=0.10), name
+
+
+# -- mixed precision, HF defaults, encoder-decoders (issue: the budget must hold on the real run) ------
+def _autocast(forward):
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward()
+
+    return run
+
+
+def _bf16_cases():
+    from lightning_ckpt.testing.hf import image_batch, lm_batch, tiny_llama, tiny_vit
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=96, block_size=64, dropout=0.1))
+    x = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1))
+    yield "nanogpt", gpt, (lambda: gpt(x, x)), (x,)
+    llama = tiny_llama(layers=3, hidden=64, vocab=128).train()
+    batch = lm_batch(vocab=128, batch=2, seq=32)
+    yield "llama", llama, (lambda: llama(**batch, use_cache=False).loss), tuple(batch.values())
+    vit = tiny_vit(layers=3, hidden=64, image_size=32, patch=8).train()
+    images = image_batch(batch=4, image_size=32)
+    yield "vit", vit, (lambda: vit(**images).loss), tuple(images.values())
+
+
+@pytest.mark.parametrize("case", ["nanogpt", "llama", "vit"])
+def test_every_baseline_within_tolerance_under_bf16_autocast(case: str) -> None:
+    pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        name, model, forward, extra = next(c for c in _bf16_cases() if c[0] == case)
+        forward = _autocast(forward)
+        mm = profile_memory(model, forward, extra=extra)
+        for plan in baselines(model, memory_model=mm).values():
+            assert_close(model, forward, mm, plan, extra)
+
+
+def test_hf_gpt2_default_config_keeps_no_kv_cache_while_tuning() -> None:
+    pytest.importorskip("transformers")
+    from lightning_ckpt.caches import kv_cache_disabled
+    from lightning_ckpt.testing.hf import lm_batch, tiny_gpt2
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(layers=3, hidden=64, vocab=128).train()
+    assert model.config.use_cache, "users leave HF's default on"
+    batch = lm_batch(vocab=128, batch=2, seq=32)
+    forward, extra = (lambda: model(**batch).loss), tuple(batch.values())
+    with warnings.catch_warnings(), kv_cache_disabled(model):
+        warnings.simplefilter("ignore")
+        assert not model.config.use_cache
+        mm = profile_memory(model, forward, extra=extra)
+        for plan in baselines(model, memory_model=mm).values():
+            assert_close(model, forward, mm, plan, extra)
+    assert model.config.use_cache, "the user's setting comes back"
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_heads=4, use_cache=False,
+                   decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    model = T5ForConditionalGeneration(cfg).train()
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(1, 128, (2, 32), generator=g),
+        "labels": torch.randint(1, 128, (2, 16), generator=g),
+    }
+    return model, (lambda: model(**batch).loss), tuple(batch.values())
+
+
+def test_t5_selective_children_segments_refused_and_predictions_within_tolerance() -> None:
+    pytest.importorskip("transformers")
+    from lightning_ckpt import discover_blocks
+
+    model, forward, extra = _t5()
+    stacks = {s.fqn: s for s in discover_blocks(model)}
+    assert set(stacks) == {"encoder.block", "decoder.block"}
+    assert stacks["decoder.block"].blocks[0].children_of_kind("mlp") == ("layer.2",), "found inside the ModuleList"
+    assert stacks["decoder.block"].blocks[0].children_of_kind("attention") == ("layer.0", "layer.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mm = profile_memory(model, forward, extra=extra)
+        assert set(mm.unchained_stacks) == {"encoder.block", "decoder.block"}, "block 0's position bias is shared"
+        plans = baselines(model, memory_model=mm)
+        assert "sqrt_segments" in baselines(model) and "sqrt_segments" not in plans
+        assert "selective_mlp" in plans
+        for precision in ("fp32", "bf16"):
+            fwd = forward if precision == "fp32" else _autocast(forward)
+            mm = profile_memory(model, fwd, extra=extra)
+            for plan in plans.values():
+                assert_close(model, fwd, mm, plan, extra)
+    with pytest.raises(PlanError, match="do not run as a chain"):
+        mm.predict(baselines(model)["sqrt_segments"])
