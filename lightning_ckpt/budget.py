@@ -85,6 +85,17 @@ class Budget:
                 "description": self.description}  # fmt: skip
 
 
+def cuda_available_bytes(device: torch.device) -> int:
+    """What this process can allocate on ``device``: free memory plus what its own allocator already holds
+    (other processes and contexts excluded), never above a cap set with ``set_per_process_memory_fraction``."""
+    free, total = torch.cuda.mem_get_info(device)
+    available = free + torch.cuda.memory_reserved(device)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is not None:
+        available = min(available, int(getter(device) * total))
+    return int(available)
+
+
 def validate_budget_args(max_memory: int | float | str | None, activation_budget: float | None) -> None:
     """Raise at construction time for any budget a later resolve would refuse."""
     if max_memory is not None and activation_budget is not None:
@@ -140,12 +151,12 @@ def resolve_budget(
         limit = parse_bytes(max_memory)
         return Budget("peak", limit, None, f"{format_bytes(limit)} peak")
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        limit = int((1 - CUDA_SAFETY_MARGIN) * total)
+        available = cuda_available_bytes(device)
+        limit = int((1 - CUDA_SAFETY_MARGIN) * available)
         return Budget(
             "peak",
             limit,
-            1 - CUDA_SAFETY_MARGIN,
-            f"device capacity less {CUDA_SAFETY_MARGIN:.0%} ({format_bytes(limit)})",
+            None,
+            f"memory available to this process less {CUDA_SAFETY_MARGIN:.0%} ({format_bytes(limit)})",
         )
     return Budget("none", None, None, "no budget (fastest plan wins)")

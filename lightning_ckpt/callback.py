@@ -47,7 +47,7 @@ class ActivationCheckpointTuner(Callback):
 
     Args:
         max_memory: peak memory budget: bytes, a size string (``"20GiB"``) or a fraction of the CUDA
-            device's memory (``0.8``). Default on CUDA: the device's capacity less 10%.
+            device's memory (``0.8``). Default on CUDA: the memory available to this process less 10%.
         activation_budget: alternatively, a fraction of the no-checkpointing activation memory (``0.5``).
         plan: a plan file (or ``Plan``) to apply without searching.
         plan_path: where to write the chosen plan (atomically; rank 0). If the file exists and was

@@ -7,8 +7,9 @@ Definitions used everywhere in lightning_ckpt (budgets, predictions, tests):
   CUDA: ``torch.cuda.max_memory_allocated``. CPU: a live-tensor tracker, since no allocator counter exists.
 * **activation bytes**: the highest number of bytes held at any moment by tensors the step itself
   created *other than* parameter gradients and optimizer state: saved activations, recomputed
-  activations and backward temporaries. This is the part checkpointing changes. On CUDA the allocator
-  cannot tell gradients from activations, so there it is the step's growth above the resting state.
+  activations and backward temporaries. This is the part checkpointing changes. It is read with the
+  live-tensor tracker on every device (the CUDA allocator cannot tell gradients from activations), so
+  it means the same on a GPU as on a CPU.
 * **resting bytes**: live bytes when the step starts (parameters, buffers, existing gradients,
   optimizer state, and the tensors passed as ``extra``, e.g. the batch).
 * **recompute FLOPs**: FLOPs of the forward ops that run *again* during backward because of
@@ -222,23 +223,22 @@ def track_step_memory(
     (e.g. the batch) that should count as resting state.
     """
     device = _normalise_device(torch.device(device) if device is not None else _model_device(model))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        gc.collect()
-        resting = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step_fn()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        # On CUDA we cannot tell gradients from activations by category; the step's growth above
-        # the resting state is the closest allocator-level reading of activation memory.
-        return MemoryReading(peak, max(0, peak - resting), resting, str(device))
-
     tracker = new_live_tracker(device)
     externals = [model, *extra] + ([optimizer] if optimizer is not None else [])
     tracker.track_external(*externals)
     resting = tracker.now()[0]
     tracker.total_peak = resting
+    if device.type == "cuda":
+        # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, whose
+        # categories tell them from gradients, as on CPU.
+        torch.cuda.synchronize(device)
+        gc.collect()
+        resting = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with tracker:
+            step_fn()
+        torch.cuda.synchronize(device)
+        return MemoryReading(torch.cuda.max_memory_allocated(device), tracker.activation_peak, resting, str(device))
     with tracker:
         step_fn()
     return MemoryReading(tracker.total_peak, tracker.activation_peak, resting, str(device))
@@ -449,8 +449,14 @@ def median_and_spread(times: Sequence[float]) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def _enforced_memory_limit(device: torch.device, limit: int | None) -> Iterator[None]:
-    """Cap this process's CUDA allocator at ``limit`` bytes, restoring the previous cap afterwards."""
+def _enforced_memory_limit(device: torch.device, limit: int | None, reserve_headroom: int = 0) -> Iterator[None]:
+    """Cap this process's CUDA allocator near ``limit`` bytes, restoring the previous cap afterwards.
+
+    The cap (``set_per_process_memory_fraction``) counts *reserved* memory, while budgets count
+    allocated bytes: ``reserve_headroom`` (the allocator's reserve above allocated, measured on the
+    profile's step) is added so a plan that fits in allocated bytes is not failed by block rounding.
+    The budget itself is still judged on ``max_memory_allocated``. A smaller cap the user set is kept.
+    """
     if limit is None or device.type != "cuda":
         yield
         return
@@ -462,7 +468,7 @@ def _enforced_memory_limit(device: torch.device, limit: int | None) -> Iterator[
     # plan over budget could pass by reusing memory an earlier candidate left reserved.
     gc.collect()
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    torch.cuda.set_per_process_memory_fraction(min(previous, (limit + max(0, reserve_headroom)) / total), device)
     try:
         yield
     finally:
@@ -549,6 +555,7 @@ def measure_step(
     max_steps: int | None = None,
     target_rel_spread: float | None = None,
     extra: tuple[Any, ...] = (),
+    reserve_headroom_bytes: int = 0,
 ) -> Measurement:
     """Time ``step_fn`` (forward + backward of one batch) and read its memory, never raising for OOM.
 
@@ -558,15 +565,16 @@ def measure_step(
     allocates its gradients as a real step does), and raises ``ConfigurationError`` if a parameter
     was modified in place. ``optimizer`` is only used to count its state as resting memory.
 
-    Passes, in order: (CPU, ``track_memory``) one step under the live-tensor tracker, first because
-    it is the cheapest way to learn that a candidate does not fit; ``warmup`` untimed steps (compile
+    Passes, in order: (``track_memory``) one step under the live-tensor tracker, first because it is
+    the cheapest way to learn that a candidate does not fit, and the reading of activation bytes; ``warmup`` untimed steps (compile
     and allocator warm-up are not throughput); ``steps`` timed steps (CUDA: synchronised, with peak
     stats reset first and ``max_memory_allocated`` read after); then (``count_flops``) one step under
     ``FlopCounterMode``. With ``target_rel_spread``, timing continues past ``steps`` until
     MAD/median falls below it or ``max_steps`` (default ``4 * steps``) steps were timed.
 
     ``memory_limit_bytes`` enforces a budget: on CUDA for real, by capping the allocator with
-    ``torch.cuda.set_per_process_memory_fraction`` (the previous cap is restored), so a plan over
+    ``torch.cuda.set_per_process_memory_fraction`` (never above a cap already set, plus
+    ``reserve_headroom_bytes`` for the allocator's reserve; the previous cap is restored), so a plan over
     budget fails with an OOM instead of passing by luck; on CPU by comparing the tracked peak with
     the limit (needs ``track_memory``). Either way the result is status ``oom``.
 
@@ -589,8 +597,8 @@ def measure_step(
     flops: tuple[int, int] | None = None
     failure: tuple[str, str] | None = None
     try:
-        with _enforced_memory_limit(device, memory_limit_bytes):
-            if track_memory and not is_cuda:
+        with _enforced_memory_limit(device, memory_limit_bytes, reserve_headroom_bytes):
+            if track_memory:
                 snapshot.reset_grads()
                 reading = track_step_memory(step_fn, model=model, optimizer=optimizer, device=device, extra=extra)
                 if memory_limit_bytes is not None and reading.peak_bytes > memory_limit_bytes:
@@ -620,9 +628,9 @@ def measure_step(
                 med, spread = median_and_spread(times)
                 if med > 0 and spread / med <= float(target_rel_spread or 0):
                     break
-            if is_cuda and track_memory:
-                peak = torch.cuda.max_memory_allocated(device)
-                reading = MemoryReading(peak, max(0, peak - resting), resting, str(device))
+            if is_cuda and track_memory and reading is not None:
+                peak = max(torch.cuda.max_memory_allocated(device), reading.peak_bytes)
+                reading = MemoryReading(peak, reading.activation_bytes, resting, str(device))
                 if memory_limit_bytes is not None and peak > memory_limit_bytes:
                     raise _BudgetExceeded(f"peak of {peak} bytes exceeds memory_limit_bytes={memory_limit_bytes}")
             if count_flops:

@@ -155,7 +155,8 @@ class MemoryModel:
     phases: the anchor step's timeline that predictions are built on (see ``PhasePeak``).
     device_overhead_bytes: CUDA only: allocator peak minus tracked peak of the anchor step (memory
     no tensor tracker sees: cuBLAS workspaces, other tensors in the process, block rounding), added to
-    every peak prediction. On CUDA ``predict_activation`` is peak minus resting, as measured there.
+    every peak prediction. reserve_overhead_bytes: CUDA only: the allocator's reserved peak above its
+    allocated peak on the anchor step, the headroom a cap on reserved memory needs (see measure.py).
     fingerprint: ``model_fingerprint`` of the profiled model; a plan made for another model is refused.
     idle_blocks: discovered blocks the profiled forward never ran; plans may name them, to no effect.
     unchained_stacks: stacks whose blocks do not hand each other their outputs (T5's shared position
@@ -179,6 +180,7 @@ class MemoryModel:
     fingerprint: str | None = None
     idle_blocks: tuple[str, ...] = ()
     unchained_stacks: tuple[str, ...] = ()
+    reserve_overhead_bytes: int = 0
 
     # -- prediction ---------------------------------------------------------------------------------
     def predict_peak(self, plan: Plan) -> int:
@@ -219,9 +221,6 @@ class MemoryModel:
                 best_total, best_phase = total, label
             best_act = max(best_act, ph.peak_activation_bytes + d_act)
         peak = best_total + self.device_overhead_bytes
-        if self.device.startswith("cuda"):
-            # measure_step reads activation memory on CUDA as the allocator's growth above resting.
-            best_act = peak - self.resting_bytes
         return Prediction(peak, max(0, best_act), best_phase)
 
     def can_run(self, plan: Plan) -> str | None:
@@ -294,6 +293,7 @@ class MemoryModel:
             "fingerprint": self.fingerprint,
             "idle_blocks": list(self.idle_blocks),
             "unchained_stacks": list(self.unchained_stacks),
+            "reserve_overhead_bytes": self.reserve_overhead_bytes,
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
@@ -342,6 +342,7 @@ class MemoryModel:
             fingerprint=data.get("fingerprint"),
             idle_blocks=tuple(data.get("idle_blocks", ())),
             unchained_stacks=tuple(data.get("unchained_stacks", ())),
+            reserve_overhead_bytes=data.get("reserve_overhead_bytes", 0),
         )
 
     # -- internals ------------------------------------------------------------------------------------
@@ -954,9 +955,9 @@ def profile_memory(
         snapshot.restore()
         tracker, resting, end_of_forward = _anchor(root, forward_fn, order, externals, dev)
         snapshot.restore()
-        overhead = 0
+        overhead = reserve = 0
         if dev.type == "cuda":
-            allocator_peak, resting = _cuda_allocator_anchor(root, forward_fn, order, dev)
+            allocator_peak, resting, reserve = _cuda_allocator_anchor(root, forward_fn, order, dev)
             overhead = allocator_peak - tracker.total_peak
             snapshot.restore()
 
@@ -1029,23 +1030,27 @@ def profile_memory(
         fingerprint=model_fingerprint(root),
         idle_blocks=tuple(f for f in blocks.values() if f not in rep_of),
         unchained_stacks=tuple(sorted(unchained)),
+        reserve_overhead_bytes=max(0, reserve),
     )
 
 
 def _cuda_allocator_anchor(
     root: nn.Module, forward_fn: Callable[[], Any], order: list[str], device: torch.device
 ) -> tuple[int, int]:
-    """(max_memory_allocated, memory_allocated before) of the anchor step, for the tracker-to-allocator offset."""
+    """(max_memory_allocated, memory_allocated before, reserved-above-allocated peak) of the anchor step:
+    the tracker-to-allocator offset, and the headroom a cap on reserved memory needs."""
     plan = Plan({f: BlockPlan("full") for f in order})
     handle = apply_plan(root, plan, check_fingerprint=False)
     try:
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # a cold cache, as under a trial's cap: the reserve this step itself needs
         resting = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         loss = _loss_of(forward_fn())
         loss.backward()
         del loss
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device), resting
+        peak = torch.cuda.max_memory_allocated(device)
+        return peak, resting, torch.cuda.max_memory_reserved(device) - peak
     finally:
         handle.remove()

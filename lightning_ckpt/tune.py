@@ -349,6 +349,7 @@ def tune(
                 train_step, model=root, optimizer=optimizer, warmup=warmup_steps, steps=measure_steps, device=device,
                 batch_size=batch_size, seq_len=seq_len, track_memory=True, count_flops=count_flops,
                 memory_limit_bytes=limit, extra=extra_tensors,
+                reserve_headroom_bytes=getattr(memory_model, "reserve_overhead_bytes", 0),
             )  # fmt: skip
         finally:
             handle.remove()

@@ -36,3 +36,14 @@ def test_budget_argument_rules():
     peak = resolve_budget("1KiB", None, device=cpu)
     assert peak.fits(1024, None) and not peak.fits(1025, 0)
     assert Budget("none").fits(None, None)
+
+
+def test_default_cuda_budget_is_what_this_process_can_use(monkeypatch):
+    total = 80 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (30 * 2**30, total))  # others hold the rest
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 10 * 2**30)  # ours, reusable
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 1.0)
+    budget = resolve_budget(None, None, device=torch.device("cuda", 0))
+    assert budget.limit_bytes == pytest.approx(0.9 * 40 * 2**30, rel=1e-6)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 0.25)
+    assert resolve_budget(None, None, device=torch.device("cuda", 0)).limit_bytes == pytest.approx(0.9 * 20 * 2**30)

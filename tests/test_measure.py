@@ -368,3 +368,31 @@ def test_cuda_budget_is_enforced_for_real_and_the_cap_restored() -> None:
     assert torch.cuda.get_per_process_memory_fraction() == fraction_before
     again = measure_step(step, model=model, warmup=0, steps=1)  # the process carries on
     assert again.ok and again.peak_bytes == pytest.approx(ok.peak_bytes, rel=0.05)
+
+
+def test_cuda_cap_keeps_a_smaller_user_cap_and_adds_the_reserve_headroom(monkeypatch) -> None:
+    """By reading the calls (CPU): budgets are allocated bytes, the cap counts reserved memory."""
+    from types import SimpleNamespace
+
+    from lightning_ckpt.measure import _enforced_memory_limit
+
+    total = 100 * 2**30
+    calls: list[float] = []
+    state = {"fraction": 1.0}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: state["fraction"])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def set_fraction(f: float, d=None) -> None:
+        calls.append(f)
+        state["fraction"] = f
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    dev = torch.device("cuda", 0)
+    with _enforced_memory_limit(dev, 50 * 2**30, reserve_headroom=2**30):
+        assert state["fraction"] == pytest.approx(0.51)
+    assert state["fraction"] == 1.0
+    state["fraction"] = 0.3  # the user's own cap
+    with _enforced_memory_limit(dev, 50 * 2**30, reserve_headroom=2**30):
+        assert state["fraction"] == 0.3, "a cap the user set is never raised"
+    assert state["fraction"] == 0.3
