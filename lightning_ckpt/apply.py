@@ -477,7 +477,7 @@ def applied_plan(model: nn.Module) -> Plan | None:
 # Checkpointing installed by someone else
 # ---------------------------------------------------------------------------------------------------
 # A plan on top of another mechanism recomputes twice (and tuning would compare plans against a
-# "none" baseline that still recomputes). Each entry: attribute that is True -> (what it is, the fix).
+# "none" baseline that still recomputes). Attributes that, when True, mean the model checkpoints itself.
 _CHECKPOINT_FLAGS = {
     "gradient_checkpointing": "Hugging Face gradient checkpointing (gradient_checkpointing=True)",
     "grad_checkpointing": "timm-style grad_checkpointing=True",
@@ -485,12 +485,13 @@ _CHECKPOINT_FLAGS = {
 }
 
 
+def _path(fqn: str) -> str:
+    """How a fix names a submodule: ``model`` is the module the plan is applied to."""
+    return f"model.{fqn}" if fqn else "model"
+
+
 def _flag_fix(root: nn.Module, fqn: str, attr: str) -> str:
-    """How to switch a checkpointing flag off, naming the object that has the switch ("model" is ``root``)."""
-
-    def path(name: str) -> str:
-        return f"model.{name}" if name else "model"
-
+    """How to switch a checkpointing flag off, naming the object that has the switch."""
     if attr == "gradient_checkpointing":
         # The switch is on the outermost Hugging Face model that holds this module.
         for owner_fqn, owner in root.named_modules():
@@ -499,37 +500,37 @@ def _flag_fix(root: nn.Module, fqn: str, attr: str) -> str:
             ):
                 if callable(getattr(owner, "activation_checkpointing_disable", None)):  # transformers >= 5
                     return (
-                        f"call {path(owner_fqn)}.activation_checkpointing_disable() (gradient_checkpointing_disable() "
+                        f"call {_path(owner_fqn)}.activation_checkpointing_disable() (gradient_checkpointing_disable() "
                         "in older transformers)"
                     )
-                return f"call {path(owner_fqn)}.gradient_checkpointing_disable()"
+                return f"call {_path(owner_fqn)}.gradient_checkpointing_disable()"
     if attr == "grad_checkpointing" and callable(getattr(root.get_submodule(fqn), "set_grad_checkpointing", None)):
-        return f"call {path(fqn)}.set_grad_checkpointing(False)"
-    return f"set {path(fqn)}.{attr} = False (or build the model without it)"
+        return f"call {_path(fqn)}.set_grad_checkpointing(False)"
+    return f"set {_path(fqn)}.{attr} = False (or build the model without it)"
 
 
-def _composable_checkpoint_enabled(module: nn.Module) -> bool:
-    try:  # private in torch 2.13: the registry that torch.distributed._composable's contract() keeps per module
+def _torch_checkpointing_probes() -> tuple[type | None, Callable[[nn.Module], bool]]:
+    """(torch's CheckpointWrapper class, a test for composable checkpoint); (None, never) without distributed."""
+    try:
         from torch.distributed._composable import checkpoint as composable_checkpoint
         from torch.distributed._composable.contract import _get_registry
-    except ImportError:  # a torch build without distributed
-        return False
-    registry = _get_registry(module) or {}
-    return "checkpoint" in registry and bool(getattr(composable_checkpoint.state(module), "enable_hook", True))
-
-
-def _checkpoint_wrapper_type() -> type | None:
-    try:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    except ImportError:
-        return None
-    return CheckpointWrapper
+    except ImportError:  # a torch build without distributed
+        return None, lambda module: False
+
+    def composable(module: nn.Module) -> bool:
+        # Private in torch 2.13: the registry that the composable APIs' contract() keeps per module.
+        if "checkpoint" not in (_get_registry(module) or {}):
+            return False
+        return bool(getattr(composable_checkpoint.state(module), "enable_hook", True))
+
+    return CheckpointWrapper, composable
 
 
 def _foreign_checkpointing(model: nn.Module) -> list[tuple[str, str, str]]:
     """(FQN, what was found, how to remove it) for every other activation-checkpointing mechanism in ``model``."""
     root = unwrap_compiled(model)
-    wrapper_type = _checkpoint_wrapper_type()
+    wrapper_type, composable = _torch_checkpointing_probes()
     found = []
     for fqn, module in root.named_modules():
         for attr, what in _CHECKPOINT_FLAGS.items():
@@ -538,10 +539,10 @@ def _foreign_checkpointing(model: nn.Module) -> list[tuple[str, str, str]]:
         if wrapper_type is not None and isinstance(module, wrapper_type):
             found.append((
                 fqn, "torch checkpoint_wrapper (CheckpointWrapper)",
-                f"put the wrapped module back (model.{fqn} = model.{fqn}._checkpoint_wrapped_module), or do not use "
+                f"put the wrapped module back ({_path(fqn)} = {_path(fqn)}._checkpoint_wrapped_module), or do not use "
                 "apply_activation_checkpointing / Lightning's FSDP activation_checkpointing_policy",
             ))  # fmt: skip
-        if _composable_checkpoint_enabled(module):
+        if composable(module):
             found.append((
                 fqn, "torch.distributed._composable.checkpoint",
                 "do not call checkpoint(module) on it (the hooks cannot be removed: rebuild the module)",
