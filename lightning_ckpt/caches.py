@@ -47,7 +47,7 @@ def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
             log.warning(
                 "lightning_ckpt: %s has use_cache=True, which builds a KV cache in every training forward (memory "
                 "no plan can remove, and nothing reads it in training). Setting use_cache=False while tuning and "
-                "training; your setting is restored when fit ends.",
+                "training with a plan; your setting is restored afterwards.",
                 type(module).__name__,
             )
 
