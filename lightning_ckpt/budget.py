@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -40,6 +41,13 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
         raise ConfigurationError(f"{what} must be bytes or a string like '20GiB', but got {value!r}.")
     if isinstance(value, (int, float)):
         n = float(value)
+        if not math.isfinite(n):
+            raise ConfigurationError(f"{what} must be a finite number of bytes, but got {value!r}. Use e.g. '20GiB'.")
+        if isinstance(value, float) and n > 1 and not n.is_integer():
+            raise ConfigurationError(
+                f"{what}={value!r} is neither a fraction of device memory (0 < x <= 1) nor a whole number of "
+                "bytes. Use e.g. 0.8 (80% of the GPU) or '20GiB'."
+            )
     elif isinstance(value, str):
         m = _PATTERN.match(value)
         if not m or m.group(2).lower() not in _UNITS:
@@ -113,6 +121,11 @@ def validate_budget_args(max_memory: int | float | str | None, activation_budget
         )
     if isinstance(max_memory, float) and 0 < max_memory <= 1:
         return  # a fraction of device memory; resolved against the device later
+    if max_memory is not None and not isinstance(max_memory, (int, float, str)):
+        raise ConfigurationError(
+            f"max_memory must be bytes, a size string or a fraction, but got {type(max_memory).__name__} "
+            f"{max_memory!r}. Use e.g. max_memory='20GiB' or max_memory=0.8."
+        )
     if max_memory is not None:
         parse_bytes(max_memory)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
-from lightning_ckpt.apply import PlanHandle, apply_plan
+from lightning_ckpt.apply import PlanHandle, apply_plan, existing_checkpointing
 from lightning_ckpt.baselines import uniform_plan
 from lightning_ckpt.budget import Budget, format_bytes, resolve_budget, validate_budget_args
 from lightning_ckpt.caches import disable_kv_cache
@@ -33,9 +34,9 @@ from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, ConfigurationError, InfeasibleBudgetError, StalePlanError
 from lightning_ckpt.guard import RealStepReader, StepCheck, lower_memory_trial
 from lightning_ckpt.measure import _normalise_device
-from lightning_ckpt.plan import BlockPlan, Plan
+from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
 from lightning_ckpt.space import SearchSpace
-from lightning_ckpt.tune import TuneResult, tune, validate_tune_args
+from lightning_ckpt.tune import SearchInterrupted, TuneResult, tune, validate_tune_args
 
 __all__ = ["ActivationCheckpointTuner"]
 
@@ -122,8 +123,9 @@ class ActivationCheckpointTuner(Callback):
             )
         if on_stale_plan not in ("retune", "raise"):
             raise ConfigurationError(f"on_stale_plan must be 'retune' or 'raise', but got {on_stale_plan!r}.")
+        _check_types(timeout=timeout, plan=plan, plan_path=plan_path, seed=seed, study_name=study_name, storage=storage)
         for name, value in (("warmup_steps", warmup_steps), ("measure_steps", measure_steps)):
-            if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
                 raise ConfigurationError(
                     f"{name} must be an integer >= {0 if name == 'warmup_steps' else 1}, got {value!r}."
                 )
@@ -198,11 +200,19 @@ class ActivationCheckpointTuner(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = unwrap_compiled(pl_module)
         discover_blocks(model, block_types=self.block_types)  # a model with nothing to checkpoint fails here
+        theirs = existing_checkpointing(model)
+        if theirs:
+            raise ConfigurationError(
+                f"The model already checkpoints activations ({'; '.join(theirs[:3])}"
+                f"{f' and {len(theirs) - 3} more' if len(theirs) > 3 else ''}); a tuned plan on top would recompute "
+                "those blocks twice. Turn it off and let ActivationCheckpointTuner choose (HF: "
+                "model.gradient_checkpointing_disable(); timm: set_grad_checkpointing(False); or remove "
+                "checkpoint_wrapper), or remove ActivationCheckpointTuner to keep yours."
+            )
         self._reader = RealStepReader(_normalise_device(pl_module.device))
         self.step_checks = []
         self._checked_dims = (0, 0)
-        plan = self._resumed_plan or self._given_plan or self._reusable_plan_file(model)
-        source = "resumed checkpoint" if plan is not None and plan is self._resumed_plan else "plan file"
+        plan, source = self._plan_to_reuse(model)
         if trainer.world_size > 1:
             # Rank 0 decides (its plan file, its checkpoint state); a rank that decided differently
             # would run trials alone and hang the others' collectives.
@@ -210,12 +220,22 @@ class ActivationCheckpointTuner(Callback):
             plan = Plan.from_dict(data, source="plan broadcast from rank 0") if data is not None else None
         if plan is not None:
             try:
-                changes = self._conditions(trainer, pl_module, None).changes_from(
-                    plan.metadata.get("conditions"), include_batch=False
-                )
+                changes = self._condition_changes(plan, trainer, pl_module, None)
                 if changes:
                     raise StalePlanError(
                         f"The plan from {source} was tuned under other conditions: {'; '.join(changes)}."
+                    )
+                fingerprint = model_fingerprint(model)
+                if plan.fingerprint is not None and plan.fingerprint != fingerprint:
+                    raise StalePlanError(
+                        f"The plan from {source} was tuned for another model (fingerprint {plan.fingerprint}; this "
+                        f"model's is {fingerprint}: its module tree, parameter shapes or dtypes differ)."
+                    )
+                if (plan.metadata.get("search") or {}).get("fell_back"):
+                    _warn_each_fit(
+                        f"lightning_ckpt: the plan from {source} was a fallback: when it was tuned no plan fitted the "
+                        f"budget ({(plan.metadata.get('budget') or {}).get('description', 'unknown')}), so it may not "
+                        "fit now either. Delete the plan file to search again, or raise the budget."
                     )
                 self._lock_in(model, plan, source=source, trainer=trainer)
                 self._budget = self._budget_of(plan, pl_module.device)
@@ -225,7 +245,9 @@ class ActivationCheckpointTuner(Callback):
                 return
             except StalePlanError as err:
                 if self.on_stale_plan == "raise":
-                    raise
+                    raise StalePlanError(
+                        f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
+                    ) from None
                 rank_zero_warn(f"{err} Re-tuning instead (on_stale_plan='retune').")
         self._check_tunable(pl_module)
         if self.tune_micro_batch:
@@ -239,7 +261,7 @@ class ActivationCheckpointTuner(Callback):
         model = unwrap_compiled(pl_module)
         if self._check_batch_of is not None:
             plan, self._check_batch_of = self._check_batch_of, None
-            changes = self._conditions(trainer, pl_module, batch).changes_from(plan.metadata.get("conditions"))
+            changes = self._condition_changes(plan, trainer, pl_module, batch)
             if changes:
                 message = f"The applied plan was tuned for other batches: {'; '.join(changes)}."
                 if self.on_stale_plan == "raise":
@@ -249,8 +271,21 @@ class ActivationCheckpointTuner(Callback):
                 self._check_tunable(pl_module)
                 self._pending = True
         if self._pending:
+            try:
+                result = self._search(trainer, pl_module, model, batch, batch_idx)
+            except _SkippedBatch:
+                rank_zero_info(
+                    f"lightning_ckpt: training_step returned None for batch {batch_idx} (Lightning skips it); "
+                    "tuning on the next batch."
+                )
+                return
+            except SearchInterrupted:
+                from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+                # The model is untouched (trials are sandboxed); hand over to Lightning's own SIGTERM handling.
+                rank_zero_info("lightning_ckpt: SIGTERM received; the search stopped and nothing was applied.")
+                raise SIGTERMException() from None
             self._pending = False
-            result = self._search(trainer, pl_module, model, batch, batch_idx)
             self.result = result
             self.trials_run = len(result.trials)
             self._budget = result.budget
@@ -267,8 +302,20 @@ class ActivationCheckpointTuner(Callback):
             self._judge_step(trainer, pl_module, reading, batch)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A failed or interrupted fit leaves the model as the user gave it (no instance forwards, HF cache
+        # setting back); self.plan stays, so a new fit with this callback re-applies it without searching.
         if self._reader is not None:
             self._reader.abandon()
+        self._unlock()
+        self._pending = False
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._reader is not None:
+            self._reader.abandon()
+        self._unlock()
+        if self._writer_cache is not None:
+            self._writer_cache.close()
+            self._writer_cache = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The model leaves fit as the user gave it; resuming or a new fit re-applies the locked-in plan.
@@ -286,6 +333,18 @@ class ActivationCheckpointTuner(Callback):
         )
 
     # -- internals ---------------------------------------------------------------------------------
+    def _plan_to_reuse(self, model: torch.nn.Module) -> tuple[Plan | None, str]:
+        """A plan to apply without searching, and where it came from: a resumed checkpoint, ``plan=``, the
+        plan this callback locked in during an earlier fit in this process, or the plan file."""
+        for plan, source in (
+            (self._resumed_plan, "resumed checkpoint"),
+            (self._given_plan, "plan= argument"),
+            (self.plan, "an earlier fit with this callback"),
+        ):
+            if plan is not None:
+                return plan, source
+        return self._reusable_plan_file(model), "plan file"
+
     def _reusable_plan_file(self, model: torch.nn.Module) -> Plan | None:
         if self.plan_path is None or not self.plan_path.exists():
             return None
@@ -315,6 +374,18 @@ class ActivationCheckpointTuner(Callback):
             device_capacity_bytes=capacity, world_size=trainer.world_size,
             accumulation=int(trainer.accumulate_grad_batches),
         )  # fmt: skip
+
+    def _condition_changes(
+        self, plan: Plan, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any
+    ) -> list[str]:
+        """What differs from the conditions ``plan`` was tuned under (batch shape only once a batch is known)."""
+        saved = dict(plan.metadata.get("conditions") or {})
+        if plan.metadata.get("micro_batch"):
+            # The plan sets micro-batch and accumulation itself; _set_micro_batch checks the global batch.
+            saved.pop("accumulation", None)
+            if batch is None:
+                saved.pop("batch_size", None)
+        return self._conditions(trainer, pl_module, batch).changes_from(saved, include_batch=batch is not None)
 
     def _budget_of(self, plan: Plan, device: torch.device) -> Budget | None:
         """The budget a reused plan is guarded against: this run's, or the saved one for an activation budget."""
@@ -447,7 +518,9 @@ class ActivationCheckpointTuner(Callback):
         progress = self._progress(trainer)
 
         self._tuned_batch = batch
-        with _sandbox(pl_module):
+        with _sandbox(pl_module), warnings.catch_warnings():
+            # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
+            warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
             _fill_grads(pl_module)
             result = tune(
                 model, forward, optimizer=optimizer, max_memory=self.max_memory,
@@ -457,9 +530,12 @@ class ActivationCheckpointTuner(Callback):
                 measure_steps=self.measure_steps, batch_size=batch_size, seq_len=seq_len,
                 block_types=self.block_types, on_infeasible=self.on_infeasible, tie_tolerance=self.tie_tolerance,
                 progress=progress, extra_tensors=tuple(_tensors(batch)),
+                should_stop=lambda: bool(getattr(trainer, "received_sigterm", False)),
                 sync=_StrategySync(trainer.strategy) if trainer.world_size > 1 else None,
                 allow_graph_breaks=self.allow_graph_breaks,
             )  # fmt: skip
+        if result.fell_back:
+            _warn_each_fit(result.fallback_message)
         return result
 
     def _search_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module) -> None:
@@ -594,7 +670,9 @@ class ActivationCheckpointTuner(Callback):
         log_dir = self.log_dir
         if log_dir is None:
             tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-            log_dir = Path(tb.log_dir if tb is not None else trainer.default_root_dir) / "lightning_ckpt"
+            # Never <cwd>/lightning_ckpt: run from a checkout, that directory shadows the package on the next import.
+            base = Path(tb.log_dir) if tb is not None else Path(trainer.default_root_dir) / "lightning_logs"
+            log_dir = base / "lightning_ckpt"
         self._writer_cache = SummaryWriter(log_dir=str(log_dir))
         return self._writer_cache
 
@@ -710,6 +788,33 @@ def _needs_transfer(batch: Any, device: torch.device) -> bool:
     return any(t.device != device for t in _tensors(batch))
 
 
+def _check_types(**values: Any) -> None:
+    """Arguments whose wrong type would only fail mid-fit (or silently do something else), refused now."""
+    rules = {
+        "timeout": ((int, float), "a number of seconds, e.g. timeout=600"),
+        "plan": ((str, os.PathLike, Plan), "a plan file path or a Plan, e.g. plan='plans/gpt.json'"),
+        "plan_path": ((str, os.PathLike), "a file path, e.g. plan_path='plans/gpt.json'"),
+        "seed": ((int,), "an integer, e.g. seed=0"),
+        "study_name": ((str,), "a string, e.g. study_name='gpt-ac'"),
+        "storage": ((str,), "an Optuna storage URL, e.g. storage='sqlite:///ac.db'"),
+    }
+    for name, value in values.items():
+        types, example = rules[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise ConfigurationError(f"{name} must be {example}, but got {type(value).__name__} {value!r}.")
+
+
+class _SkippedBatch(Exception):
+    """training_step returned None for the batch being tuned on."""
+
+
+def _warn_each_fit(message: str) -> None:
+    """``rank_zero_warn`` shown on every fit, not once per process: entering ``catch_warnings`` resets the
+    'already shown' registry, while the user's own filters (e.g. ``ignore``) still apply."""
+    with warnings.catch_warnings():
+        rank_zero_warn(message)
+
+
 def _fill_grads(pl_module: pl.LightningModule) -> None:
     """Give every trainable parameter a gradient for the trials (the sandbox puts the real ones back).
 
@@ -741,6 +846,8 @@ def _training_loss(
     def forward() -> torch.Tensor:
         with precision.forward_context():
             out = pl_module.training_step(batch, batch_idx)
+        if out is None:
+            raise _SkippedBatch  # legal in Lightning: the batch is skipped; tune on the next one
         loss = out["loss"] if isinstance(out, Mapping) else out
         if not isinstance(loss, torch.Tensor):
             raise ConfigurationError(

@@ -38,3 +38,7 @@ class InfeasibleBudgetError(LightningCkptError):
 
 class UnsupportedVersionError(LightningCkptError, ImportError):
     """An installed library (torch) is outside the range lightning_ckpt is tested with; raised at import."""
+
+
+class TrialsFailedError(LightningCkptError):
+    """Every trial that ran failed with an error: no plan was ever seen to work, so none is applied or saved."""

@@ -30,6 +30,7 @@ import gc
 import random
 import statistics
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -61,6 +62,7 @@ _CPU_OOM_MESSAGES = (
     "not enough memory",
 )
 _MAX_ERROR_CHARS = 2000
+_MAX_TRACE_CHARS = 8000
 
 
 @dataclass(frozen=True)
@@ -417,6 +419,7 @@ class Measurement:
     step_flops: int | None = None
     resting_bytes: int | None = None
     device: str = ""
+    traceback: str | None = None  # status ``error`` only: where the step failed
 
     def __post_init__(self) -> None:
         if self.status not in MEASUREMENT_STATUSES:
@@ -595,7 +598,7 @@ def measure_step(
     times: list[float] = []
     reading: MemoryReading | None = None
     flops: tuple[int, int] | None = None
-    failure: tuple[str, str] | None = None
+    failure: tuple[str, ...] | None = None
     try:
         with _enforced_memory_limit(device, memory_limit_bytes, reserve_headroom_bytes):
             if track_memory:
@@ -641,6 +644,9 @@ def measure_step(
                 flops = (counter.recompute_flops, counter.get_total_flops())
     except Exception as exc:  # BaseException (KeyboardInterrupt, SystemExit) propagates, state restored below
         failure = _classify(exc)
+        if failure[0] == "error":  # a bug, not a verdict on the plan: keep where it happened for the user
+            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            failure = (failure[0], failure[1], trace[-_MAX_TRACE_CHARS:])
     finally:
         _release_memory(device)
         snapshot.restore()
@@ -653,7 +659,8 @@ def measure_step(
         )
 
     if failure is not None:
-        return Measurement(failure[0], error=failure[1], warmup_steps=warmup, device=str(device))
+        trace = failure[2] if len(failure) > 2 else None
+        return Measurement(failure[0], error=failure[1], warmup_steps=warmup, device=str(device), traceback=trace)
     med, spread = median_and_spread(times)
     samples = batch_size / med if batch_size is not None and med > 0 else None
     tokens = samples * seq_len if samples is not None and seq_len is not None else None

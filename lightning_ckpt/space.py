@@ -88,6 +88,27 @@ def _selected(index: int, n_blocks: int, selection: str) -> bool:
     raise ConfigurationError(f"Unknown selection {selection!r}; use 'all', 'first:<fraction>' or 'every:<n>'.")
 
 
+def _check_selection(selection: Any) -> None:
+    example = "Use e.g. search_space={'selections': ['all', 'first:0.5', 'every:2']}."
+    if not isinstance(selection, str):
+        raise ConfigurationError(f"search_space selections must be strings, but got {selection!r}. {example}")
+    kind, _, arg = selection.partition(":")
+    if kind == "first":
+        try:
+            fraction = float(arg)
+        except ValueError:
+            fraction = float("nan")
+        if not 0 < fraction <= 1:
+            raise ConfigurationError(
+                f"Selection {selection!r}: 'first:<fraction>' takes a fraction of the blocks in (0, 1]. {example}"
+            )
+    elif kind == "every":
+        if not arg.isdigit() or int(arg) < 1:
+            raise ConfigurationError(f"Selection {selection!r}: 'every:<n>' takes an integer n >= 1. {example}")
+    else:
+        _selected(0, 1, selection)  # 'all', or the unknown-selection error
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """Which dimensions are searched and with which values; ``None``/empty switches a dimension off.
@@ -127,7 +148,13 @@ class SearchSpace:
                     "'selective:<kind>[+<kind>]' with kinds mlp, attention, norm, other."
                 )
         for sel in self.selections:
-            _selected(0, 1, sel)
+            _check_selection(sel)
+        for c in self.chunks or ():
+            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+                raise ConfigurationError(
+                    f"search_space chunks must be segment counts (integers >= 1), but got {c!r}. "
+                    "Use e.g. search_space={'chunks': [2, 4]}."
+                )
         if not self.modes and not self.segments:
             raise ConfigurationError("The search space is empty: give at least one mode or enable segments.")
 

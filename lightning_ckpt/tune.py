@@ -19,7 +19,13 @@ from torch import nn
 
 from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.caches import without_kv_cache
-from lightning_ckpt.errors import ApplyError, ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.errors import (
+    ApplyError,
+    ConfigurationError,
+    InfeasibleBudgetError,
+    LightningCkptError,
+    TrialsFailedError,
+)
 from lightning_ckpt.optimizer_step import OptimizerStepMemory, measure_optimizer_step
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.space import SearchSpace
@@ -59,6 +65,7 @@ class TrialRecord:
     steps: int = 0  # training steps this trial ran (warm-up + timed + memory pass)
     error: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    traceback: str | None = None  # status ``error``: where the step failed (shown when nothing could run)
 
     @property
     def feasible(self) -> bool:
@@ -83,6 +90,7 @@ class TuneResult:
     tuning_seconds: float
     tuning_steps: int
     fell_back: bool = False  # nothing fit the budget; the lowest-memory plan was chosen
+    fallback_message: str = ""  # the warning that said so (the callback repeats it on every fit)
     memory_table: str = ""  # the memory model's per-block breakdown, printable
     memory_breakdown: Mapping[str, Any] = field(default_factory=dict)  # the same as data
 
@@ -139,15 +147,32 @@ def choose_best(
 
 
 def _lowest_memory(trials: Sequence[TrialRecord], budget: Budget) -> TrialRecord | None:
+    """The measured plan using least memory. Only plans that ran a step without failing qualify: a pruned
+    plan never ran, and falling back to it would hand real training a plan nobody has seen work."""
+
     def memory(t: TrialRecord) -> float:
         measured = budget.value_of(t.peak_bytes, t.activation_bytes)
-        if measured is not None:
-            return float(measured)
-        predicted = budget.value_of(t.predicted_peak_bytes, t.predicted_activation_bytes)
-        return float(predicted) if predicted is not None else float("inf")
+        return float(measured) if measured is not None else float("inf")
 
-    runnable = [t for t in trials if t.status in ("ok", "over_budget", "pruned")]
-    return min(runnable, key=memory) if runnable else None
+    ran = [t for t in trials if t.status in ("ok", "over_budget")]
+    return min(ran, key=memory) if ran else None
+
+
+class SearchInterrupted(LightningCkptError):
+    """``should_stop`` asked the search to end (e.g. SIGTERM): no plan was chosen, the model is as it was."""
+
+
+def _failures_message(trials: Sequence[TrialRecord]) -> str:
+    """The trials' errors, the first with its traceback: what a user needs when no plan could run at all."""
+    failed = [t for t in trials if t.status in ("oom", "invalid", "error")]
+    if not failed:
+        return ""
+    kinds = ", ".join(f"{n} {s}" for s in ("error", "invalid", "oom") if (n := sum(t.status == s for t in failed)))
+    first = next((t for t in failed if t.status == "error"), failed[0])
+    text = f" Every plan that ran failed ({kinds}). First failure ({first.label}): {first.error}"
+    if first.traceback:
+        text += f"\n{first.traceback}"
+    return text
 
 
 @without_kv_cache
@@ -185,6 +210,7 @@ def tune(
     compiled: bool | None = None,
     allow_graph_breaks: bool = False,
     optimizer_step: OptimizerStepMemory | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> TuneResult:
     """Search checkpointing plans for the highest measured throughput within a memory budget.
 
@@ -204,6 +230,8 @@ def tune(
     ``optimizer``, one ``optimizer.step()`` is measured (and undone, see ``optimizer_step.py``) and every
     trial's peak becomes ``max(forward+backward peak + the state the first step creates, the optimizer
     step's peak)``. ``optimizer_step`` passes that measurement in when the caller already has it.
+    ``should_stop`` is polled between trials (the callback passes Lightning's SIGTERM flag); when it
+    returns True the search ends with ``SearchInterrupted`` and the model is left as it was.
     HF KV caches are turned off for the search (``caches.py``).
     """
     import optuna
@@ -343,6 +371,9 @@ def tune(
             return as_real_step(compiled_trials.run(plan, common, budget, t0, limit))
         if prune if prune is not None else not budget.fits(pred_peak, pred_act):
             return TrialRecord(status="pruned", seconds=time.perf_counter() - t0, **common)
+        offload = device.type == "cuda" and any(bp.mode == "offload" for bp in plan.blocks.values())
+        if offload:
+            _reset_pinned_peak()
         handle = apply_plan(root, plan, check_fingerprint=False)
         try:
             m = measure_step(
@@ -360,7 +391,9 @@ def tune(
         if m.recompute_flops is not None and m.step_flops:
             overhead = m.recompute_flops / max(1, m.step_flops - m.recompute_flops)
         steps = m.warmup_steps + len(m.step_seconds) + (1 if m.peak_bytes is not None else 0)
-        return as_real_step(TrialRecord(
+        if offload:  # offload trades device memory for pinned host memory: report it
+            common["extra"] = {"pinned_host_peak_bytes": _pinned_peak()}
+        return as_real_step(TrialRecord(traceback=m.traceback,
             status=status, peak_bytes=m.peak_bytes, activation_bytes=m.activation_bytes,
             samples_per_second=m.samples_per_second, median_seconds=m.median_seconds,
             spread_seconds=m.spread_seconds, recompute_flops=m.recompute_flops, recompute_overhead=overhead,
@@ -375,6 +408,8 @@ def tune(
         return trial
 
     def out_of_time() -> bool:
+        if should_stop is not None and should_stop():
+            raise SearchInterrupted(f"The search was asked to stop after {len(records)} trials; no plan was chosen.")
         return timeout is not None and time.perf_counter() - started > timeout
 
     distributions = _distributions(space, stacks)
@@ -446,6 +481,7 @@ def tune(
         local = run(params, plan, label, prune=prune)
         record(combine_trials(sync.all_gather(local), budget))
 
+    out_of_time()  # a stop request (SIGTERM) ends the search before the confirmation round, too
     if confirm_top > 0:
         # Confirmation: re-time the leading plans and the best baseline side by side, interleaved
         # over rounds, so the choice does not rest on one trial measured in a slow moment (the
@@ -454,8 +490,18 @@ def tune(
                            batch_size, seq_len, measure_steps, extra_tensors, sync,
                            retime=compiled_trials.retime if compiled_trials is not None else None)  # fmt: skip
 
+    if device.type == "cuda":
+        _release_cached_memory()
     best = choose_best(records, budget, tie_tolerance=tie_tolerance, confirmed_key="confirmation_seconds")
-    fell_back = False
+    fell_back, fallback_message = False, ""
+    if best is None and on_infeasible == "fallback" and _lowest_memory(records, budget) is None:
+        # Everything was pruned (or failed): measure the plan predicted to use least memory before falling
+        # back to it. A plan nobody has seen run is never handed to real training.
+        pruned = [t for t in records if t.status == "pruned"]
+        if pruned:
+            cand = min(pruned, key=lambda t: budget.value_of(t.predicted_peak_bytes, t.predicted_activation_bytes) or 0)
+            local = run(dict(cand.params), cand.plan, cand.label, prune=False)
+            record(combine_trials(sync.all_gather(local), budget) if sync is not None else local)
     if best is None:
         lowest = _lowest_memory(records, budget)
         summary = ", ".join(f"{t.label}={t.status}" for t in records[:8])
@@ -463,9 +509,16 @@ def tune(
             f"No checkpointing plan fits the budget ({budget.description}). Tried {len(records)} plans ({summary}). "
             "Raise max_memory/activation_budget, reduce the batch size, or widen the search space."
         )
+        if lowest is None and any(t.status == "error" for t in records):
+            raise TrialsFailedError(
+                "No checkpointing plan could be measured: every trial that ran failed, so there is nothing to apply."
+                + _failures_message(records)
+                + "\nFix the error above (it comes from the training step, not from the budget) and run again."
+            )
         if on_infeasible == "raise" or lowest is None:
-            raise InfeasibleBudgetError(message)
-        warnings.warn(message + f" Falling back to the lowest-memory plan: {lowest.label}.", stacklevel=2)
+            raise InfeasibleBudgetError(message + _failures_message(records))
+        fallback_message = message + f" Falling back to the lowest-memory plan: {lowest.label}."
+        warnings.warn(fallback_message, stacklevel=2)
         best, fell_back = lowest, True
 
     baselines_measured = {
@@ -515,6 +568,7 @@ def tune(
         tuning_seconds=time.perf_counter() - started,
         tuning_steps=sum(t.steps for t in records) + _PROFILE_STEPS + warm_steps,
         fell_back=fell_back,
+        fallback_message=fallback_message,
         memory_table=memory_model.table(),
         memory_breakdown=memory_model.to_dict(),
     )
@@ -587,10 +641,35 @@ def _loss_of(out: Any) -> torch.Tensor:
     return out
 
 
+def _reset_pinned_peak() -> None:
+    reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+    if reset is not None:
+        reset()
+
+
+def _pinned_peak() -> int | None:
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return int(stats().get("allocated_bytes.peak", 0)) if stats is not None else None
+
+
+def _release_cached_memory() -> None:
+    """Give back what trials left cached: device blocks, and the pinned host blocks of offload trials
+    (torch's host caching allocator keeps them after ``save_on_cpu(pin_memory=True)`` is done)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)
+    if host_empty is not None:
+        host_empty()
+
+
 def validate_tune_args(*, n_trials: int, timeout: float | None, on_infeasible: str, tie_tolerance: float) -> None:
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
         raise ConfigurationError(f"n_trials must be an integer >= 1, but got {n_trials!r}.")
-    if timeout is not None and not timeout > 0:
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf")
+    ):
         raise ConfigurationError(f"timeout must be a positive number of seconds or None, but got {timeout!r}.")
     if on_infeasible not in ("fallback", "raise"):
         raise ConfigurationError(f"on_infeasible must be 'fallback' or 'raise', but got {on_infeasible!r}.")

@@ -1,0 +1,211 @@
+"""Faults, interrupts and odd-but-legal use: the model, the files and the user's training stay intact."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from faults import InjectedFault, assert_model_intact, fail_plan_save, sigterm_on_call, snapshot_model
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan, applied_plan
+from lightning_ckpt.errors import ConfigurationError, StalePlanError, TrialsFailedError
+from lightning_ckpt.testing import GPT, GPTConfig
+
+SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": ["none"], "segments": False}
+
+
+class Net(L.LightningModule):
+    def __init__(
+        self, *, raise_at_step: int | None = None, fail_from_call: int | None = None, skip_first: bool = False
+    ):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.1))
+        self.raise_at_step, self.fail_from_call, self.skip_first = raise_at_step, fail_from_call, skip_first
+        self.calls = 0
+        self.batches_seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        if self.fail_from_call is not None and self.calls >= self.fail_from_call:
+            raise ValueError("boom: a bug in the user's training_step")
+        if self.raise_at_step is not None and self.trainer.global_step == self.raise_at_step:
+            raise InjectedFault(f"step {self.raise_at_step}")
+        if self.skip_first and batch_idx == 0:
+            return None
+        self.batches_seen.append(batch_idx)
+        return self.model(*batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def loader() -> DataLoader:
+    data = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8)
+
+
+def trainer(tmp_path, cb, *, steps: int = 3, **kwargs) -> L.Trainer:
+    kwargs.setdefault("default_root_dir", tmp_path)
+    return L.Trainer(
+        accelerator="cpu", max_steps=steps, callbacks=[cb], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+def tuner(**kwargs) -> ActivationCheckpointTuner:
+    defaults = dict(activation_budget=0.5, n_trials=4, measure_steps=1, search_space=SPACE, verbose=False)
+    return ActivationCheckpointTuner(**{**defaults, **kwargs})
+
+
+def test_exception_after_lock_in_leaves_the_model_as_given_and_a_new_fit_works(tmp_path):
+    net = Net(raise_at_step=1)
+    before = snapshot_model(net)
+    cb = tuner()
+    with pytest.raises(InjectedFault):
+        trainer(tmp_path, cb).fit(net, loader())
+    assert cb.plan is not None and applied_plan(net) is None
+    assert_model_intact(net, before, weights=False)  # one real step ran before the fault
+    net.raise_at_step = None
+    trainer(tmp_path, tuner()).fit(net, loader())  # profiling needs the model without checkpointing
+
+
+def test_failed_plan_save_leaves_the_model_and_the_old_file_intact(tmp_path):
+    path = tmp_path / "plan.json"
+    old = Plan({"model.transformer.h.0": BlockPlan("full")}, name="old", metadata={"budget": {"kind": "peak"}})
+    old.save(path)
+    old_bytes = path.read_bytes()
+    net = Net()
+    before = snapshot_model(net)
+    with fail_plan_save("replace") as fault, pytest.raises(OSError):
+        trainer(tmp_path, tuner(plan_path=path)).fit(net, loader())
+    assert fault.fired
+    assert path.read_bytes() == old_bytes
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".plan.json")], "no temp file left"
+    assert_model_intact(net, before)  # the fault came before any real step
+
+
+def test_second_fit_with_the_same_callback_reapplies_without_searching(tmp_path):
+    cb = tuner()
+    net = Net()
+    trainer(tmp_path, cb).fit(net, loader())
+    first = cb.plan
+    calls = net.calls
+    cb.result = None
+    trainer(tmp_path, cb, steps=2).fit(net, loader())
+    assert cb.result is None and cb.plan == first
+    assert net.calls - calls == 2, "only the two real steps ran training_step: no trials"
+
+
+def test_when_every_trial_errors_the_error_is_surfaced_and_nothing_is_written_or_applied(tmp_path):
+    path = tmp_path / "plan.json"
+    net = Net(fail_from_call=3)  # the profile's two forwards succeed; every trial after fails
+    before = snapshot_model(net)
+    with pytest.raises(TrialsFailedError) as info:
+        trainer(tmp_path, tuner(plan_path=path)).fit(net, loader())
+    message = str(info.value)
+    assert "boom: a bug in the user's training_step" in message
+    assert "Traceback" in message and "in training_step" in message
+    assert not path.exists()
+    assert_model_intact(net, before)
+
+
+def test_without_a_logger_nothing_is_written_into_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer(tmp_path, tuner(), default_root_dir=None).fit(Net(), loader())
+    assert not (tmp_path / "lightning_ckpt").exists(), "would shadow the package on the next import"
+    assert any((tmp_path / "lightning_logs" / "lightning_ckpt").iterdir())
+
+
+@pytest.mark.skipif(os.name == "nt", reason="SIGTERM")
+def test_sigterm_during_the_search_stops_it_promptly_and_leaves_everything_intact(tmp_path):
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    path = tmp_path / "plan.json"
+    net = Net()
+    before = snapshot_model(net)
+    cb = tuner(plan_path=path, n_trials=40, activation_budget=None)
+    with sigterm_on_call(net, "training_step", at=8) as fault, pytest.raises((SIGTERMException, SystemExit)):
+        trainer(tmp_path, cb).fit(net, loader())
+    assert fault.fired
+    assert net.calls <= 8 + 4, "the search stopped within a trial of the signal"
+    assert cb.plan is None and not path.exists()
+    assert_model_intact(net, before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_memory=float("nan")), "max_memory must be a finite number"),
+        (dict(max_memory=float("inf")), "max_memory must be a finite number"),
+        (dict(max_memory=1.5), "neither a fraction of device memory"),
+        (dict(timeout="10"), "timeout must be a positive number"),
+        (dict(plan=123), "plan must be a plan file path or a Plan"),
+        (dict(plan_path=123), "plan_path must be a file path"),
+        (dict(seed="x"), "seed must be an integer"),
+        (dict(measure_steps=True), "measure_steps must be an integer"),
+        (dict(search_space={"chunks": [0]}), "chunks must be segment counts"),
+        (dict(search_space={"selections": ["first:1.5"]}), r"takes a fraction of the blocks in \(0, 1\]"),
+        (dict(guard_steps=-1), "guard_steps must be an integer >= 0"),
+        (dict(on_budget_exceeded="ignore"), "on_budget_exceeded must be"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction_with_an_example(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match) as info:
+        ActivationCheckpointTuner(**kwargs)
+    assert "e.g." in str(info.value) or "must be" in str(info.value)
+
+
+def test_stale_plan_message_speaks_the_callbacks_language(tmp_path):
+    path = tmp_path / "plan.json"
+    Plan({"model.transformer.h.0": BlockPlan("full")}, fingerprint="0000000000000000").save(path)
+    with pytest.raises(StalePlanError) as info:
+        cb = ActivationCheckpointTuner(plan=path, on_stale_plan="raise", verbose=False)
+        trainer(tmp_path, cb).fit(Net(), loader())
+    assert "check_fingerprint" not in str(info.value) and "on_stale_plan='retune'" in str(info.value)
+
+
+def test_fallback_is_warned_on_every_fit_and_when_the_fallen_back_plan_is_reused(tmp_path):
+    path = tmp_path / "plan.json"
+    for _ in range(2):
+        with pytest.warns(UserWarning, match="No checkpointing plan fits the budget"):
+            trainer(tmp_path, tuner(max_memory=1024, activation_budget=None)).fit(Net(), loader())
+    trainer(tmp_path, tuner(max_memory=1024, activation_budget=None, plan_path=path)).fit(Net(), loader())
+    with pytest.warns(UserWarning, match="was a fallback"):
+        trainer(tmp_path, tuner(max_memory=1024, activation_budget=None, plan_path=path)).fit(Net(), loader())
+
+
+def test_a_first_batch_that_training_step_skips_is_not_tuned_on(tmp_path):
+    net = Net(skip_first=True)
+    cb = tuner()
+    trainer(tmp_path, cb).fit(net, loader())
+    assert cb.result is not None and cb.plan is not None
+    assert net.batches_seen[0] == 1
+
+
+def test_a_model_that_already_checkpoints_is_refused_with_the_fix(tmp_path):
+    pytest.importorskip("transformers")
+    from lightning_ckpt.testing.hf import lm_batch, tiny_gpt2
+
+    class HF(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_gpt2(layers=2, hidden=32, vocab=48)
+            self.model.gradient_checkpointing_enable()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    batch = lm_batch(vocab=48, batch=2, seq=8)
+    data = DataLoader([batch], batch_size=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigurationError, match="already checkpoints activations.*gradient_checkpointing_disable"):
+            trainer(tmp_path, tuner()).fit(HF(), data)
