@@ -10,7 +10,7 @@ of the compiled no-checkpointing step's activation memory):
    tuned plan's (the compiler's answer at the tuned plan's memory);
 3. a final side-by-side measurement, interleaved over ``--rounds`` rounds: none, full, tuned, pt2 @
    matching memory, and (when the tuned plan is a PT2 budget) the fastest feasible plan of our own
-   checkpointing modes. Each measurement compiles its plan from scratch (``CompiledTrials.measure``).
+   checkpointing modes. Each measurement compiles its plan from scratch (``CompiledTrials.measure_compiled``).
 
 Memory on CPU is the compiled step's saved-for-backward bytes (``lightning_ckpt.compile``); on CUDA
 the allocator's peak. CPU timings on a shared 2-core machine are noisy, so the table reports ratios
@@ -39,6 +39,7 @@ import torch
 
 from lightning_ckpt import Plan, baselines, tune
 from lightning_ckpt.compile import CompiledTrials, compiled_search, reset_compiled
+from lightning_ckpt.step import StepHarness
 from lightning_ckpt.testing import GPT, GPTConfig
 
 PRESETS = {
@@ -107,10 +108,9 @@ def main() -> None:
         with ctx:
             return compiled(x, y)
 
-    trials: CompiledTrials = compiled_search(
-        compiled, loss, compiled=True, device=device, optimizer=None, extra=(x, y), warmup_steps=1,
-        measure_steps=args.steps, batch_size=batch, seq_len=seq, allow_graph_breaks=False,
-    )  # fmt: skip
+    harness = StepHarness(model, loss, device, extra=(x, y), batch_size=batch, seq_len=seq, warmup_steps=1,
+                          measure_steps=args.steps)  # fmt: skip
+    trials: CompiledTrials = compiled_search(compiled, harness, compiled=True, allow_graph_breaks=False)
     params = sum(p.numel() for p in model.parameters())
     print(
         f"GPT {preset['n_layer']} layers, d={preset['n_embd']}, T={seq}, batch {batch}, {params / 1e6:.1f}M params, "
@@ -123,9 +123,9 @@ def main() -> None:
     # The partitioner's own knapsack: activation memory per PT2 budget.
     sweep = {}
     for b in PT2_SWEEP:
-        m = trials.measure(Plan(compile_memory_budget=b))
+        m = trials.measure_compiled(Plan(compile_memory_budget=b))
         sweep[b] = m.activation_bytes
-    none_act = trials.measure(none_plan).activation_bytes
+    none_act = trials.measure_compiled(none_plan).activation_bytes
     print(
         "PT2 sweep (activation % of none): " + ", ".join(f"{b:g}: {100 * a / none_act:.0f}%" for b, a in sweep.items())
     )
@@ -158,7 +158,7 @@ def main() -> None:
         per_plan: dict[str, list[Any]] = {name: [] for name in plans}
         for _ in range(args.rounds):
             for name, plan in plans.items():
-                per_plan[name].append(trials.measure(plan, cached=False))
+                per_plan[name].append(trials.measure_compiled(plan, cached=False))
         rows = []
         for name, plan in plans.items():
             ms = per_plan[name]
@@ -190,7 +190,7 @@ def main() -> None:
                 "conflicts": sum(t.status == "conflict" for t in result.trials),
                 "tuning_trials": [
                     {"label": t.label, "status": t.status, "samples_per_second": t.samples_per_second,
-                     "activation_bytes": t.activation_bytes, "confirmed": "confirmation_seconds" in t.extra,
+                     "activation_bytes": t.activation_bytes, "confirmed": t.confirmed,
                      "compile_seconds": t.extra.get("compile", {}).get("compile_seconds")}
                     for t in result.trials
                 ],

@@ -101,8 +101,8 @@ def run_budget(args: argparse.Namespace, model: GPT, batch: Any, fraction: float
         "chosen": {"micro_batch": found.micro_batch, "accumulation": found.accumulation,
                    "plan": found.result.best.describe()},
         "confirmation": {t.label: {"samples_per_second": t.samples_per_second,
-                                   "search_samples_per_second": t.extra["search_samples_per_second"]}
-                         for t in found.result.trials if "micro_batch_confirmation_seconds" in t.extra},
+                                   "search_samples_per_second": t.first_samples_per_second}
+                         for t in found.result.trials if t.confirmed},
         "tuning_seconds": found.result.tuning_seconds,
     }  # fmt: skip
 

@@ -34,7 +34,16 @@ from lightning_ckpt.errors import ApplyError, PlanError
 from lightning_ckpt.plan import Plan, closest_names
 from lightning_ckpt.policies import selective_context_fn
 
-__all__ = ["PlanHandle", "apply_plan", "applied_plan", "existing_checkpointing", "segment_chunks"]
+__all__ = [
+    "CACHE_ARGS",
+    "CHECKPOINT_FRAMES",
+    "PlanHandle",
+    "apply_plan",
+    "applied_plan",
+    "existing_checkpointing",
+    "forward_params",
+    "segment_chunks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +69,7 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
 # when recomputed, so the recompute would see different keys (and selective checkpointing fails with
 # "encountered during backward but not found in storage"). A training step never reads the cache,
 # so under checkpointing we pass None, exactly as HF's own gradient checkpointing does.
-_CACHE_ARGS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
+CACHE_ARGS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
 
 
 _FORWARD_PARAMS: dict[type, tuple[str, ...]] = {}
@@ -70,7 +79,7 @@ _FORWARD_PARAMS: dict[type, tuple[str, ...]] = {}
 # tracing inspect.signature. A plain dict cache rather than functools.lru_cache, whose wrapper dynamo
 # traces through (with a warning) and does not treat as constant.
 @torch.compiler.assume_constant_result
-def _forward_params(cls: type) -> tuple[str, ...]:
+def forward_params(cls: type) -> tuple[str, ...]:
     names = _FORWARD_PARAMS.get(cls)
     if names is None:
         try:
@@ -85,15 +94,15 @@ def _forward_params(cls: type) -> tuple[str, ...]:
 def _without_caches(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    names = _forward_params(type(module))
-    dropped = [n for i, n in enumerate(names[: len(args)]) if n in _CACHE_ARGS and args[i] is not None]
-    dropped += [k for k in kwargs if k in _CACHE_ARGS and kwargs[k] is not None]
+    names = forward_params(type(module))
+    dropped = [n for i, n in enumerate(names[: len(args)]) if n in CACHE_ARGS and args[i] is not None]
+    dropped += [k for k in kwargs if k in CACHE_ARGS and kwargs[k] is not None]
     if not dropped and not kwargs.get("use_cache"):
         return args, kwargs
     if dropped:
         _warn_cache_once(type(module).__name__, tuple(dropped))
-    args = tuple(None if i < len(names) and names[i] in _CACHE_ARGS else a for i, a in enumerate(args))
-    kwargs = {k: (None if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
+    args = tuple(None if i < len(names) and names[i] in CACHE_ARGS else a for i, a in enumerate(args))
+    kwargs = {k: (None if k in CACHE_ARGS else v) for k, v in kwargs.items()}
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     return args, kwargs
@@ -351,6 +360,13 @@ def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs
     chunk.last_output = outputs[0]
     chunk.other_args, chunk.kwargs = args[1:], kwargs
     return outputs[0]
+
+
+# Functions of this module that run inside a checkpointed region when dynamo traces one: a graph break
+# whose user stack passes through one of them broke a graph inside our region (compile.py counts them).
+CHECKPOINT_FRAMES = frozenset(
+    {_checkpointed_forward.__name__, _call.__name__, _segment_head_forward.__name__, _Chunk.run.__name__}
+)
 
 
 def _segment_member_forward(module: nn.Module, chunk: _Chunk, index: int, *args: Any, **kwargs: Any) -> Any:

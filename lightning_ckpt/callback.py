@@ -30,13 +30,15 @@ from lightning_ckpt.budget import Budget, format_bytes, resolve_budget, validate
 from lightning_ckpt.caches import disable_kv_cache
 from lightning_ckpt.compile import is_compiled, reset_compiled
 from lightning_ckpt.conditions import RunConditions
+from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, ConfigurationError, InfeasibleBudgetError, StalePlanError
 from lightning_ckpt.guard import RealStepReader, StepCheck, lower_memory_trial
-from lightning_ckpt.measure import _normalise_device
+from lightning_ckpt.measure import normalise_device
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.records import TuneResult
 from lightning_ckpt.space import SearchSpace
-from lightning_ckpt.tune import SearchInterrupted, TuneResult, tune, validate_tune_args
+from lightning_ckpt.tune import SearchInterrupted, tune
 
 __all__ = ["ActivationCheckpointTuner"]
 
@@ -107,12 +109,15 @@ class ActivationCheckpointTuner(Callback):
         on_budget_exceeded: str = "switch",
     ) -> None:
         validate_budget_args(max_memory, activation_budget)
-        validate_tune_args(
-            n_trials=_DEFAULT_TRIALS if n_trials is None else n_trials,
-            timeout=timeout,
-            on_infeasible=on_infeasible,
-            tie_tolerance=tie_tolerance,
-        )
+        _check_types(timeout=timeout, plan=plan, plan_path=plan_path, seed=seed, study_name=study_name, storage=storage)
+        # The search settings, validated once and handed as one object to tune() / tune_micro_batch().
+        self.config = TuneConfig(
+            n_trials=_DEFAULT_TRIALS if n_trials is None else n_trials, timeout=timeout,
+            search_space=SearchSpace.from_config(search_space), sampler=sampler, storage=storage,
+            study_name=study_name, seed=seed, warmup_steps=warmup_steps, measure_steps=measure_steps,
+            block_types=block_types, on_infeasible=on_infeasible, tie_tolerance=tie_tolerance,
+            allow_graph_breaks=bool(allow_graph_breaks),
+        )  # fmt: skip
         if isinstance(guard_steps, bool) or not isinstance(guard_steps, int) or guard_steps < 0:
             raise ConfigurationError(
                 f"guard_steps must be an integer >= 0 (e.g. 2; 0 turns the guard off), got {guard_steps!r}."
@@ -123,12 +128,6 @@ class ActivationCheckpointTuner(Callback):
             )
         if on_stale_plan not in ("retune", "raise"):
             raise ConfigurationError(f"on_stale_plan must be 'retune' or 'raise', but got {on_stale_plan!r}.")
-        _check_types(timeout=timeout, plan=plan, plan_path=plan_path, seed=seed, study_name=study_name, storage=storage)
-        for name, value in (("warmup_steps", warmup_steps), ("measure_steps", measure_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
-                raise ConfigurationError(
-                    f"{name} must be an integer >= {0 if name == 'warmup_steps' else 1}, got {value!r}."
-                )
         searching = {
             k: v for k, v in {"n_trials": n_trials, "timeout": timeout, "search_space": search_space,
                               "sampler": sampler, "storage": storage}.items() if v is not None
@@ -139,7 +138,6 @@ class ActivationCheckpointTuner(Callback):
                 f"({', '.join(searching)}) with on_stale_plan='raise', so they could never be used. "
                 "Remove plan= to search, or remove the search settings to reuse the plan."
             )
-        self.search_space = SearchSpace.from_config(search_space)  # validates names now, not mid-fit
         self._plan_source = plan
         self._given_plan = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
         self.plan_path = Path(plan_path) if plan_path is not None else None
@@ -147,19 +145,8 @@ class ActivationCheckpointTuner(Callback):
             _check_writable(self.plan_path)
         self.max_memory = max_memory
         self.activation_budget = activation_budget
-        self.n_trials = _DEFAULT_TRIALS if n_trials is None else n_trials
-        self.timeout = timeout
-        self.sampler = sampler
-        self.storage = storage
-        self.study_name = study_name
-        self.seed = seed
-        self.warmup_steps = warmup_steps
-        self.measure_steps = measure_steps
         self.block_types = block_types
         self.on_stale_plan = on_stale_plan
-        self.on_infeasible = on_infeasible
-        self.tie_tolerance = tie_tolerance
-        self.allow_graph_breaks = bool(allow_graph_breaks)
         self.tune_micro_batch = bool(tune_micro_batch)
         self.batch_arg_name = batch_arg_name
         self.micro_batch: dict[str, int] | None = None  # the applied {size, accumulation, global, original_size}
@@ -185,6 +172,13 @@ class ActivationCheckpointTuner(Callback):
         self._restore_cache: Any = None
         self._tuned_batch: Any = None
 
+    def __getattr__(self, name: str) -> Any:
+        # The search settings read back as the attributes they were passed as (tuner.n_trials, tuner.timeout).
+        config = self.__dict__.get("config")
+        if config is not None and name in TuneConfig.__dataclass_fields__:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # -- Lightning hooks ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -209,7 +203,7 @@ class ActivationCheckpointTuner(Callback):
                 "model.gradient_checkpointing_disable(); timm: set_grad_checkpointing(False); or remove "
                 "checkpoint_wrapper), or remove ActivationCheckpointTuner to keep yours."
             )
-        self._reader = RealStepReader(_normalise_device(pl_module.device))
+        self._reader = RealStepReader(normalise_device(pl_module.device))
         self.step_checks = []
         self._checked_dims = (0, 0)
         plan, source = self._plan_to_reuse(model)
@@ -366,7 +360,7 @@ class ActivationCheckpointTuner(Callback):
             )
 
     def _conditions(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> RunConditions:
-        device = _normalise_device(pl_module.device)
+        device = normalise_device(pl_module.device)
         capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         batch_size, seq_len = _batch_dims(batch) if batch is not None else (None, None)
         return RunConditions(
@@ -393,7 +387,7 @@ class ActivationCheckpointTuner(Callback):
         if self.activation_budget is not None:
             limit = saved.get("limit_bytes") if saved.get("kind") == "activation" else None
             return Budget("activation", limit, self.activation_budget, saved.get("description", "")) if limit else None
-        return resolve_budget(self.max_memory, None, device=_normalise_device(device))
+        return resolve_budget(self.max_memory, None, device=normalise_device(device))
 
     def _unlock(self) -> None:
         if self._handle is not None:
@@ -524,15 +518,10 @@ class ActivationCheckpointTuner(Callback):
             _fill_grads(pl_module)
             result = tune(
                 model, forward, optimizer=optimizer, max_memory=self.max_memory,
-                activation_budget=self.activation_budget, n_trials=self.n_trials, timeout=self.timeout,
-                search_space=self.search_space, sampler=self.sampler, storage=self.storage,
-                study_name=self.study_name, seed=self.seed, warmup_steps=self.warmup_steps,
-                measure_steps=self.measure_steps, batch_size=batch_size, seq_len=seq_len,
-                block_types=self.block_types, on_infeasible=self.on_infeasible, tie_tolerance=self.tie_tolerance,
+                activation_budget=self.activation_budget, config=self.config, batch_size=batch_size, seq_len=seq_len,
                 progress=progress, extra_tensors=tuple(_tensors(batch)),
                 should_stop=lambda: bool(getattr(trainer, "received_sigterm", False)),
                 sync=_StrategySync(trainer.strategy) if trainer.world_size > 1 else None,
-                allow_graph_breaks=self.allow_graph_breaks,
             )  # fmt: skip
         if result.fell_back:
             _warn_each_fit(result.fallback_message)
@@ -586,12 +575,10 @@ class ActivationCheckpointTuner(Callback):
             _fill_grads(pl_module)
             found = tune_micro_batch(
                 model, loss_fn_for, base_micro_batch=base, global_batch=global_batch, max_memory=self.max_memory,
-                activation_budget=self.activation_budget, n_trials=self.n_trials, on_infeasible=self.on_infeasible,
-                tie_tolerance=self.tie_tolerance, progress=progress,
+                activation_budget=self.activation_budget, progress=progress,
                 extra_for=lambda m: tuple(_tensors(resize_batch(batch, base, m))),
-                optimizer=trainer.optimizers[0] if trainer.optimizers else None, search_space=self.search_space,
-                seed=self.seed, warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
-                block_types=self.block_types,
+                optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+                config=replace(self.config, confirm_rounds=3),
             )  # fmt: skip
         self.result = found.result
         self.trials_run = len(found.result.trials)

@@ -55,15 +55,21 @@ import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_ckpt import apply as apply_module
+from lightning_ckpt.apply import CHECKPOINT_FRAMES, apply_plan
 from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
+from lightning_ckpt.measure import Measurement, StateSnapshot, classify_failure, measure_step, release_memory
 from lightning_ckpt.plan import Plan
+from lightning_ckpt.records import TrialStatus, judge_status
+from lightning_ckpt.runners import TrialOutcome
+from lightning_ckpt.step import StepHarness, loss_of
 
 __all__ = [
     "CompileStats",
@@ -82,9 +88,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Names of lightning_ckpt.apply's functions that run inside a checkpointed region when dynamo traces
-# one. A graph break whose user stack passes through one of them broke a graph inside our region.
-_REGION_FRAMES = frozenset({"_checkpointed_forward", "_call", "_segment_head_forward", "run"})
 _COMPILED_NODE = "CompiledFunctionBackward"  # autograd node of an AOTAutograd-compiled graph
 _MAX_REASONS = 5
 
@@ -220,13 +223,7 @@ def conflict_reason(stats: CompileStats, reference: CompileStats | None) -> str 
     return "; ".join(reasons) or None
 
 
-def trial_status(measured: str, conflict: str | None, *, allow_graph_breaks: bool, fits: bool) -> str:
-    """A compiled trial's status: a failed measurement first, then a conflict (unless allowed), then the budget."""
-    if measured != "ok":
-        return measured
-    if conflict is not None and not allow_graph_breaks:
-        return "conflict"
-    return "ok" if fits else "over_budget"
+trial_status = judge_status  # the rule lives with the status vocabulary (records.py)
 
 
 class _DynamoWatch:
@@ -251,13 +248,11 @@ def _break_summaries() -> tuple[int, int, tuple[str, ...]]:
     """
     from torch._dynamo.utils import graph_break_reasons
 
-    from lightning_ckpt import apply as apply_module
-
     ours = os.path.abspath(apply_module.__file__)
     total, in_region, reasons = 0, 0, []
     for r in graph_break_reasons:
         total += 1
-        inside = any(os.path.abspath(f.filename) == ours and f.name in _REGION_FRAMES for f in r.user_stack)
+        inside = any(os.path.abspath(f.filename) == ours and f.name in CHECKPOINT_FRAMES for f in r.user_stack)
         in_region += inside
         first = (r.reason or "").strip().splitlines()[0] if (r.reason or "").strip() else "graph break"
         frame = r.user_stack[-1] if r.user_stack else None
@@ -330,41 +325,22 @@ class CompiledMeasurement:
 
 
 class CompiledTrials:
-    """Measures candidate plans on a compiled model; ``tune`` hands each trial to ``run``.
+    """The trial runner of a compiled model (``runners.TrialRunner``): each plan compiled from a reset.
 
     Every trial starts and ends with ``reset_compiled()``, so a trial compiles exactly its own plan,
     no trial's recompiles count towards the next one's limit, and the caller gets a dynamo state
     with nothing cached from the search.
     """
 
-    def __init__(
-        self,
-        root: nn.Module,
-        step_fn: Callable[[], Any],
-        *,
-        regions: tuple[str, ...],
-        device: torch.device,
-        optimizer: torch.optim.Optimizer | None,
-        extra: tuple[Any, ...],
-        warmup_steps: int,
-        measure_steps: int,
-        batch_size: int | None,
-        seq_len: int | None,
-        allow_graph_breaks: bool,
-        memory_limit_bytes: int | None = None,
-    ) -> None:
-        self.root = root
-        self.step_fn = step_fn
+    def __init__(self, harness: StepHarness, *, regions: tuple[str, ...], allow_graph_breaks: bool) -> None:
+        self.harness = harness
+        self.root, self.step_fn, self.device = harness.root, harness.step_fn, harness.device
+        self.optimizer, self.extra = harness.optimizer, harness.extra
+        self.warmup_steps, self.measure_steps = harness.warmup_steps, harness.measure_steps
+        self.batch_size, self.seq_len = harness.batch_size, harness.seq_len
         self.regions = regions
-        self.device = device
-        self.optimizer = optimizer
-        self.extra = extra
-        self.warmup_steps = warmup_steps
-        self.measure_steps = measure_steps
-        self.batch_size = batch_size
-        self.seq_len = seq_len
         self.allow_graph_breaks = allow_graph_breaks
-        self.memory_limit_bytes = memory_limit_bytes
+        self.memory_limit_bytes: int | None = None
         self.reference: CompileStats | None = None
         self._cache: dict[str, CompiledMeasurement] = {}
 
@@ -401,50 +377,38 @@ class CompiledTrials:
 
     def none_activation_bytes(self, none_plan: Plan) -> int | None:
         """Activation bytes of the compiled step without checkpointing: what activation budgets are fractions of."""
-        outcome = self.measure(none_plan)
+        outcome = self.measure_compiled(none_plan)
         return outcome.activation_bytes
 
-    def run(
-        self, plan: Plan, common: Mapping[str, Any], budget: Any, started: float, memory_limit_bytes: int | None
-    ) -> Any:
-        """Measure ``plan`` compiled and return its ``TrialRecord`` (``common``: number, plan, label, params).
+    predicts_memory = False  # the memory model predicts the eager step; a compiled one is measured
 
-        ``memory_limit_bytes`` caps the CUDA allocator during the timed steps (as for eager trials).
+    def measure(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+        """Compile ``plan`` from a reset, measure it, and say whether it fights the compiler.
+
+        ``memory_limit`` caps the CUDA allocator during the timed steps (as for eager trials).
         """
-        from lightning_ckpt.tune import TrialRecord
-
-        self.memory_limit_bytes = memory_limit_bytes
-        outcome = self.measure(plan)
+        self.memory_limit_bytes = memory_limit
+        outcome = self.measure_compiled(plan)
         m, stats = outcome.measurement, outcome.stats
         reason = None if plan.is_empty else conflict_reason(stats, self.reference)
-        status = outcome.error_status or trial_status(
-            m.status, reason, allow_graph_breaks=self.allow_graph_breaks,
-            fits=budget.fits(outcome.peak_bytes, outcome.activation_bytes),
-        )  # fmt: skip
         extra: dict[str, Any] = {"compile": stats.to_dict(), "compiled_regions": list(self.regions)}
-        if reason is not None:
-            extra["conflict"] = reason
         steps = 1 + m.warmup_steps + len(m.step_seconds) + (1 if stats.saved_bytes is not None else 0)
-        fields = dict(common)
-        # The memory model predicts the eager step; for a compiled one it has nothing to say (see above).
-        fields.update(predicted_peak_bytes=None, predicted_activation_bytes=None)
-        return TrialRecord(
-            status=status, peak_bytes=outcome.peak_bytes, activation_bytes=outcome.activation_bytes,
-            samples_per_second=m.samples_per_second, median_seconds=m.median_seconds,
-            spread_seconds=m.spread_seconds, seconds=time.perf_counter() - started, steps=steps,
-            error=m.error or (reason if status == "conflict" else None), extra=extra, **fields,
+        status = TrialStatus(outcome.error_status or m.status)
+        return TrialOutcome.of(
+            m, steps=steps, status=status, peak_bytes=outcome.peak_bytes, activation_bytes=outcome.activation_bytes,
+            conflict=reason, extra=extra,
         )  # fmt: skip
 
-    def retime(self, plan: Plan) -> Any:
+    def retime(self, plan: Plan, steps: int | None = None) -> Measurement:
         """Time ``plan`` again (a ``Measurement``): compiled afresh, the compile step untimed, no memory pass.
 
         Switching plans on a warm compiled model would recompile through dynamo's guards, using up the
         recompile limit, and a plan that only sets a PT2 budget changes no guard at all, so it would
         silently run the previous plan's graph: every re-timing starts from ``reset_compiled()``.
         """
-        return self._compile_and_measure(plan, memory=False).measurement
+        return self._compile_and_measure(plan, memory=False, steps=steps).measurement
 
-    def measure(self, plan: Plan, *, cached: bool = True) -> CompiledMeasurement:
+    def measure_compiled(self, plan: Plan, *, cached: bool = True) -> CompiledMeasurement:
         """Compile ``plan`` from scratch and measure it (``cached``: reuse an earlier measurement of it)."""
         key = plan.key()
         if cached and key in self._cache:
@@ -456,15 +420,10 @@ class CompiledTrials:
         return outcome
 
     def _train_step(self) -> None:
-        from lightning_ckpt.tune import _loss_of
-
-        _loss_of(self.step_fn()).backward()
+        loss_of(self.step_fn()).backward()
 
     # -- internals ----------------------------------------------------------------------------------
-    def _compile_and_measure(self, plan: Plan, *, memory: bool = True) -> CompiledMeasurement:
-        from lightning_ckpt.apply import apply_plan
-        from lightning_ckpt.measure import Measurement, StateSnapshot, _classify, _release_memory, measure_step
-
+    def _compile_and_measure(self, plan: Plan, *, memory: bool = True, steps: int | None = None) -> CompiledMeasurement:
         is_cuda = self.device.type == "cuda"
         handle = apply_plan(self.root, plan, check_fingerprint=False)
         reset_compiled()
@@ -485,14 +444,14 @@ class CompiledTrials:
                 self._train_step()  # compiles forward and backward: tuning cost, never throughput
                 compile_seconds = time.perf_counter() - t0
             except Exception as exc:  # the compiler refused or failed on this plan
-                failure = _classify(exc)
+                failure = classify_failure(exc)
                 conflict = _is_dynamo_refusal(exc)
             finally:
                 snapshot.restore()
             if failure is None:
                 m = measure_step(
                     self._train_step, model=self.root, optimizer=self.optimizer, warmup=self.warmup_steps,
-                    steps=self.measure_steps, device=self.device, batch_size=self.batch_size, seq_len=self.seq_len,
+                    steps=steps or self.measure_steps, device=self.device, batch_size=self.batch_size, seq_len=self.seq_len,
                     track_memory=is_cuda, count_flops=False, extra=self.extra,
                     memory_limit_bytes=self.memory_limit_bytes if is_cuda else None,
                 )  # fmt: skip
@@ -501,7 +460,7 @@ class CompiledTrials:
                     try:
                         saved, eager_ops, resting = self._saved_bytes(snapshot)
                     except Exception as exc:  # noqa: BLE001 - a memory pass failure fails the trial, not the search
-                        failure = _classify(exc)
+                        failure = classify_failure(exc)
                     finally:
                         snapshot.restore()
         finally:
@@ -509,7 +468,7 @@ class CompiledTrials:
             breaks, region_breaks, reasons = _break_summaries()
             limit_hit = watch.limit_hit()
             reset_compiled()
-            _release_memory(self.device)
+            release_memory(self.device)
         stats = CompileStats(
             compile_seconds=compile_seconds, graph_breaks=breaks, region_breaks=region_breaks, recompiles=recompiles,
             recompile_limit_hit=limit_hit, eager_ops=eager_ops, saved_bytes=saved, break_reasons=reasons,
@@ -524,8 +483,6 @@ class CompiledTrials:
 
     def _saved_bytes(self, snapshot: Any) -> tuple[int, int, int]:
         """(saved activation bytes, eager ops, resting bytes) of one compiled step; see the module docstring."""
-        from lightning_ckpt.tune import _loss_of
-
         snapshot.reset_grads()
         state: dict[int, int] = {}
         for t in _state_tensors(self.root, self.optimizer, self.extra):
@@ -545,25 +502,14 @@ class CompiledTrials:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
-            loss = _loss_of(self.step_fn())
+            loss = loss_of(self.step_fn())
         eager = _eager_ops(loss)
         loss.backward()
         return _bytes_of(saved), eager, _bytes_of(state)
 
 
 def compiled_search(
-    model: nn.Module,
-    step_fn: Callable[[], Any],
-    *,
-    compiled: bool | None,
-    device: torch.device,
-    optimizer: torch.optim.Optimizer | None,
-    extra: tuple[Any, ...],
-    warmup_steps: int,
-    measure_steps: int,
-    batch_size: int | None,
-    seq_len: int | None,
-    allow_graph_breaks: bool,
+    model: nn.Module, harness: StepHarness, *, compiled: bool | None, allow_graph_breaks: bool
 ) -> CompiledTrials | None:
     """``CompiledTrials`` for ``model`` when it is compiled (``compiled=None``: detect), else ``None``.
 
@@ -574,11 +520,7 @@ def compiled_search(
     regions = compiled_regions(model)
     if not regions and not compiled:
         return None
-    trials = CompiledTrials(
-        unwrap_compiled(model), step_fn, regions=regions, device=device, optimizer=optimizer, extra=extra,
-        warmup_steps=warmup_steps, measure_steps=measure_steps, batch_size=batch_size, seq_len=seq_len,
-        allow_graph_breaks=allow_graph_breaks,
-    )  # fmt: skip
+    trials = CompiledTrials(harness, regions=regions, allow_graph_breaks=allow_graph_breaks)
     log.info("lightning_ckpt: compiled model (%s): every trial compiles its plan", trials.describe())
     return trials
 

@@ -16,12 +16,9 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.tune import TrialRecord
+from lightning_ckpt.records import TrialRecord, TrialStatus
 
-__all__ = ["Sync", "combine_trials"]
-
-# Worst first: a trial is as bad as its worst rank.
-_SEVERITY = ("error", "invalid", "oom", "conflict", "over_budget", "pruned", "ok")
+__all__ = ["LocalSync", "Sync", "combine_trials"]
 
 
 class Sync(Protocol):
@@ -42,6 +39,19 @@ class Sync(Protocol):
         ...
 
 
+class LocalSync:
+    """The ``Sync`` of a single process: the study's one loop, with nothing to agree on."""
+
+    is_leader = True
+    world_size = 1
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
 def _max(values: Sequence[int | float | None]) -> Any:
     present = [v for v in values if v is not None]
     return max(present) if present else None
@@ -50,30 +60,32 @@ def _max(values: Sequence[int | float | None]) -> Any:
 def combine_trials(per_rank: Sequence[TrialRecord], budget: Budget) -> TrialRecord:
     """One record for a trial measured on every rank (``per_rank`` in rank order)."""
     lead = per_rank[0]
-    status = min((t.status for t in per_rank), key=_SEVERITY.index)
+    if len(per_rank) == 1:
+        return lead
+    status = min((t.status for t in per_rank), key=lambda s: TrialStatus(s).severity)
     peak = _max([t.peak_bytes for t in per_rank])
     activation = _max([t.activation_bytes for t in per_rank])
     sps = None
     median = _max([t.median_seconds for t in per_rank])
-    if status == "ok" and all(t.samples_per_second and t.median_seconds for t in per_rank):
+    if status == TrialStatus.OK and all(t.samples_per_second and t.median_seconds for t in per_rank):
         # Ranks step together, so the global step takes as long as the slowest rank's.
         samples = sum((t.samples_per_second or 0.0) * (t.median_seconds or 0.0) for t in per_rank)
         sps = samples / median
-    if status == "ok" and not budget.fits(peak, activation):
-        status = "over_budget"
+    if status == TrialStatus.OK and not budget.fits(peak, activation):
+        status = TrialStatus.OVER_BUDGET
     errors = [f"rank {i}: {t.error}" for i, t in enumerate(per_rank) if t.error]
     return replace(
         lead,
         status=status,
         peak_bytes=peak,
         activation_bytes=activation,
-        samples_per_second=sps if status in ("ok", "over_budget") else None,
+        samples_per_second=sps if TrialStatus(status).ran else None,
         median_seconds=median,
         spread_seconds=_max([t.spread_seconds for t in per_rank]),
         seconds=_max([t.seconds for t in per_rank]) or 0.0,
         steps=_max([t.steps for t in per_rank]) or 0,
         error="; ".join(errors) or None,
         extra={**lead.extra, "ranks": len(per_rank),
-               "per_rank": [{"status": t.status, "samples_per_second": t.samples_per_second,
+               "per_rank": [{"status": str(t.status), "samples_per_second": t.samples_per_second,
                              "peak_bytes": t.peak_bytes} for t in per_rank]},
     )  # fmt: skip

@@ -40,9 +40,14 @@ import torch
 from torch import nn
 
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
+from lightning_ckpt.records import TrialStatus
 
 __all__ = [
     "MEASUREMENT_STATUSES",
+    "classify_failure",
+    "model_device",
+    "normalise_device",
+    "release_memory",
     "Measurement",
     "MemoryReading",
     "StateSnapshot",
@@ -52,7 +57,8 @@ __all__ = [
     "track_step_memory",
 ]
 
-MEASUREMENT_STATUSES = ("ok", "oom", "invalid", "error")
+# The measurement's part of the status vocabulary (records.TrialStatus owns it).
+MEASUREMENT_STATUSES = tuple(s.value for s in (TrialStatus.OK, TrialStatus.OOM, TrialStatus.INVALID, TrialStatus.ERROR))
 
 # Messages of CPU allocation failures (c10/core/impl/alloc_cpu.cpp and friends). CPU OOM surfaces as a
 # plain RuntimeError, so the message is the only way to tell it from a bug.
@@ -199,11 +205,11 @@ def new_live_tracker(device: torch.device | str) -> Any:
     ``total_peak``, ``activation_peak``, ``now()`` and, after ``enter_phase(label)`` calls,
     ``phase_peaks[label] == [total_max, activation_max]``.
     """
-    tracker = _tracker_class()(_normalise_device(torch.device(device)))
+    tracker = _tracker_class()(normalise_device(torch.device(device)))
     return tracker
 
 
-def _normalise_device(device: torch.device) -> torch.device:
+def normalise_device(device: torch.device) -> torch.device:
     # Tensors report cuda:N; a bare "cuda" would never match the tracker's per-device snapshots.
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -224,7 +230,7 @@ def track_step_memory(
     a step and track its memory in the same pass. ``extra`` are tensors created outside the step
     (e.g. the batch) that should count as resting state.
     """
-    device = _normalise_device(torch.device(device) if device is not None else _model_device(model))
+    device = normalise_device(torch.device(device) if device is not None else model_device(model))
     tracker = new_live_tracker(device)
     externals = [model, *extra] + ([optimizer] if optimizer is not None else [])
     tracker.track_external(*externals)
@@ -246,7 +252,7 @@ def track_step_memory(
     return MemoryReading(tracker.total_peak, tracker.activation_peak, resting, str(device))
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
 
@@ -365,7 +371,7 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM_MESSAGES)
 
 
-def _classify(exc: Exception) -> tuple[str, str]:
+def classify_failure(exc: Exception) -> tuple[str, str]:
     """(status, message) for an exception raised while running a step."""
     from torch.utils.checkpoint import CheckpointError
 
@@ -380,7 +386,7 @@ def _classify(exc: Exception) -> tuple[str, str]:
     return "error", message
 
 
-def _release_memory(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
     # Called after the ``except`` clause has ended: only then are the exception, its traceback and
     # the frames holding the failed step's tensors unreachable, so collecting actually frees them.
     gc.collect()
@@ -586,7 +592,7 @@ def measure_step(
     failed step is released after the ``except`` clause, so the caller can go on to the next plan.
     """
     _validate(warmup, steps, max_steps, target_rel_spread, batch_size, seq_len, memory_limit_bytes)
-    device = _normalise_device(torch.device(device) if device is not None else _model_device(model))
+    device = normalise_device(torch.device(device) if device is not None else model_device(model))
     is_cuda = device.type == "cuda"
     limit_steps = steps if target_rel_spread is None else (max_steps or 4 * steps)
 
@@ -643,12 +649,12 @@ def measure_step(
                     step_fn()
                 flops = (counter.recompute_flops, counter.get_total_flops())
     except Exception as exc:  # BaseException (KeyboardInterrupt, SystemExit) propagates, state restored below
-        failure = _classify(exc)
+        failure = classify_failure(exc)
         if failure[0] == "error":  # a bug, not a verdict on the plan: keep where it happened for the user
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             failure = (failure[0], failure[1], trace[-_MAX_TRACE_CHARS:])
     finally:
-        _release_memory(device)
+        release_memory(device)
         snapshot.restore()
     changed = snapshot.changed_parameters()
     if changed:

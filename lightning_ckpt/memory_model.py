@@ -43,12 +43,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.apply import _CACHE_ARGS, _forward_params, applied_plan, apply_plan, segment_chunks
+from lightning_ckpt.apply import CACHE_ARGS, applied_plan, apply_plan, forward_params, segment_chunks
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
-from lightning_ckpt.errors import ApplyError, ConfigurationError, LightningCkptError, PlanError, StalePlanError
-from lightning_ckpt.measure import StateSnapshot, _model_device, _normalise_device, new_live_tracker
+from lightning_ckpt.errors import ApplyError, LightningCkptError, PlanError, StalePlanError
+from lightning_ckpt.measure import StateSnapshot, model_device, new_live_tracker, normalise_device
 from lightning_ckpt.plan import BlockPlan, Plan, closest_names, model_fingerprint
 from lightning_ckpt.policies import SAVE_LISTS
+from lightning_ckpt.step import loss_of
 
 __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction", "mode_key", "profile_memory"]
 
@@ -511,23 +512,6 @@ def _profile_tuple(p: ModeProfile) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------------
 # Profiling
 # ---------------------------------------------------------------------------------------------------
-def _loss_of(out: Any) -> torch.Tensor:
-    """The scalar to call backward on: a tensor, a dict's ``loss`` (Lightning) or ``.loss`` (HF outputs)."""
-    loss = out
-    if isinstance(out, Mapping) and "loss" in out:
-        loss = out["loss"]
-    elif not isinstance(out, torch.Tensor) and getattr(out, "loss", None) is not None:
-        loss = out.loss
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-        raise ConfigurationError(
-            "forward_fn must return the loss: a scalar tensor that requires grad (or a dict / output object "
-            f"with a 'loss' entry), but it returned {type(out).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-            + ". Pass e.g. lambda: model(x, targets), or lambda: module.training_step(batch, 0)."
-        )
-    return loss
-
-
 def _hidden_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, Any] | None:
     """Where the block's hidden state is: ('arg', i) or ('kw', name): the first floating tensor."""
     for i, a in enumerate(args):
@@ -583,9 +567,9 @@ def _without_kv_cache(
     twice the sequence). A training step's backward never reads the cache, and ``apply_plan`` drops it
     under checkpointing for the same reason, so the profile runs every mode without it.
     """
-    names = _forward_params(type(module))
-    args = tuple(None if i < len(names) and names[i] in _CACHE_ARGS else a for i, a in enumerate(args))
-    kwargs = {k: (None if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
+    names = forward_params(type(module))
+    args = tuple(None if i < len(names) and names[i] in CACHE_ARGS else a for i, a in enumerate(args))
+    kwargs = {k: (None if k in CACHE_ARGS else v) for k, v in kwargs.items()}
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     return args, kwargs
@@ -807,7 +791,7 @@ def _anchor(
         tracker.total_peak = resting
         with tracker:
             tracker.enter_phase(("pre",))
-            loss = _loss_of(forward_fn())
+            loss = loss_of(forward_fn())
             end_of_forward = tracker.now()
             enter(("bw_head",))
             loss.backward()
@@ -936,7 +920,7 @@ def profile_memory(
             "is applied. Call handle.remove() first; the profile covers every plan, the applied one included."
         )
     stacks = list(stacks) if stacks is not None else discover_blocks(root, block_types=block_types)
-    dev = _normalise_device(torch.device(device) if device is not None else _model_device(root))
+    dev = normalise_device(torch.device(device) if device is not None else model_device(root))
     blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
     sets = _default_selective_sets(stacks)
     if selective_sets is not None:
@@ -1046,7 +1030,7 @@ def _cuda_allocator_anchor(
         torch.cuda.empty_cache()  # a cold cache, as under a trial's cap: the reserve this step itself needs
         resting = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        loss = _loss_of(forward_fn())
+        loss = loss_of(forward_fn())
         loss.backward()
         del loss
         torch.cuda.synchronize(device)

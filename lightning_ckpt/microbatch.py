@@ -13,7 +13,6 @@ combination predicted over budget before anything runs.
 
 from __future__ import annotations
 
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -24,12 +23,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_ckpt.baselines import uniform_plan
 from lightning_ckpt.budget import Budget, resolve_budget
 from lightning_ckpt.caches import without_kv_cache
+from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.memory_model import profile_memory
 from lightning_ckpt.optimizer_step import OptimizerStepMemory, measure_optimizer_step
-from lightning_ckpt.plan import Plan
-from lightning_ckpt.tune import TrialRecord, TuneResult, _loss_of, choose_best, tune
+from lightning_ckpt.plan import BlockPlan, Plan
+from lightning_ckpt.records import ProgressFn, TrialRecord, TuneResult, choose_best, failures_message, lowest_memory
+from lightning_ckpt.runners import TrialRunner
+from lightning_ckpt.step import StepHarness
+from lightning_ckpt.study import ConfirmEntry, apply_confirmation, confirm_interleaved, confirmed_tie_tolerance
+from lightning_ckpt.tune import ResolvedModel, build_runner, tune
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
 
@@ -116,31 +122,26 @@ def tune_micro_batch(
     micro_batches: Sequence[int] | None = None,
     max_memory: int | float | str | None = None,
     activation_budget: float | None = None,
-    n_trials: int = 40,
     optimizer: torch.optim.Optimizer | None = None,
-    on_infeasible: str = "fallback",
-    tie_tolerance: float = 0.01,
-    progress: Callable[[TrialRecord, Budget], None] | None = None,
+    progress: ProgressFn | None = None,
     extra_for: Callable[[int], tuple[Any, ...]] = lambda m: (),
-    confirm_top: int = 3,
-    confirm_rounds: int = 3,
-    **tune_kwargs: Any,
+    config: TuneConfig | None = None,
+    **settings: Any,
 ) -> MicroBatchResult:
     """Search (plan, micro-batch) for the most samples/s within the budget at a fixed global batch.
 
     ``loss_fn_for(m)`` returns a zero-argument function running the forward on a batch of ``m``
     samples and returning the loss. The budget is resolved at ``base_micro_batch`` (the user's), so
     ``activation_budget`` means a fraction of *the user's* no-checkpointing activation memory.
+    ``config``/``settings`` as for ``tune``; ``n_trials`` is shared among the micro-batches.
 
     Each micro-batch is searched at a different moment, so comparing their winners' figures would
     compare moments as much as configurations. The choice is therefore made in a confirmation round
-    (``confirm_rounds`` interleaved rounds) between the ``confirm_top`` fastest micro-batches' winners
-    and the reference a user would pick by hand: no checkpointing at the largest micro-batch where it
-    fits. ``confirm_top=0`` chooses from the search figures alone.
+    (``study.confirm_interleaved``, on equal samples) between the ``confirm_top`` fastest micro-batches'
+    winners and the reference a user would pick by hand: no checkpointing at the largest micro-batch
+    where it fits. ``confirm_top=0`` chooses from the search figures alone.
     """
-    from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
-    from lightning_ckpt.memory_model import profile_memory
-
+    config = (config or TuneConfig(confirm_rounds=3, confirm_max_rounds=6)).with_overrides(settings)
     candidates = sorted(micro_batches or divisors(global_batch))
     bad = [m for m in candidates if m < 1 or global_batch % m]
     if bad:
@@ -149,9 +150,8 @@ def tune_micro_batch(
             f"({', '.join(map(str, divisors(global_batch)))})."
         )
     started = time.perf_counter()
-    root = unwrap_compiled(model)
-    stacks = discover_blocks(root, block_types=tune_kwargs.get("block_types"))
-    device = next(root.parameters()).device
+    resolved = ResolvedModel.of(model, config.block_types)
+    root, stacks, device = resolved.root, resolved.stacks, resolved.device
     small_size = max(1, base_micro_batch // 2) if base_micro_batch > 1 else 2
     profile = {
         size: profile_memory(root, loss_fn_for(size), stacks=stacks, optimizer=optimizer, extra=extra_for(size))
@@ -161,15 +161,12 @@ def tune_micro_batch(
     opt_mem = (
         measure_optimizer_step(root, optimizer, device=device, extra=extra_for(base_micro_batch))
         if optimizer is not None
-        else OptimizerStepMemory(0, 0, 0, measured=False, note="no optimizer given")
+        else OptimizerStepMemory.absent()
     )
     lo, hi = min(profile), max(profile)
     scaled = ScaledMemoryModel(profile[lo], profile[hi], lo, hi, base_micro_batch)
     none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
     budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_at_base)
-
-    from lightning_ckpt.baselines import uniform_plan
-    from lightning_ckpt.plan import BlockPlan
 
     lowest = uniform_plan(stacks, BlockPlan("full"))
     feasible, skipped = [], {}
@@ -189,15 +186,15 @@ def tune_micro_batch(
             "full checkpointing. Raise the budget or reduce the global batch."
         )
     # Largest micro-batches first: they are the ones checkpointing can unlock.
-    per_trials = max(3, n_trials // len(feasible))
+    per_m_config = replace(config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback")
     per_m: dict[int, TuneResult] = {}
     for m in sorted(feasible, reverse=True):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # per-micro-batch fall-backs are judged jointly below
             per_m[m] = tune(
-                root, loss_fn_for(m), optimizer=optimizer, n_trials=per_trials, memory_model=scaled.at(m),
-                budget=budget, optimizer_step=opt_mem, batch_size=m, on_infeasible="fallback", tie_tolerance=tie_tolerance,
-                extra_tensors=extra_for(m), progress=_labelled(progress, m, global_batch), **tune_kwargs,
+                model, loss_fn_for(m), optimizer=optimizer, config=per_m_config, memory_model=scaled.at(m),
+                budget=budget, optimizer_step=opt_mem, batch_size=m, extra_tensors=extra_for(m),
+                progress=_labelled(progress, m, global_batch),
             )  # fmt: skip
 
     trials: list[TrialRecord] = []
@@ -206,32 +203,36 @@ def tune_micro_batch(
             trials.append(
                 replace(
                     t, number=len(trials), label=f"{t.label} [micro-batch {m} x{global_batch // m}]",
-                    extra={**t.extra, "micro_batch": m, "accumulation": global_batch // m},
+                    micro_batch=m, accumulation=global_batch // m, confirmation_seconds=(),
                 )
             )  # fmt: skip
-    confirmed = _confirm_across(
-        trials, loss_fn_for, extra_for, root=root, optimizer=optimizer, top=confirm_top,
-        rounds=confirm_rounds, steps=int(tune_kwargs.get("measure_steps", 3)),
-    )  # fmt: skip
-    original = {t.number: t for t in trials}
-    if confirmed:
-        trials = [confirmed.get(t.number, t) for t in trials]
-    best = choose_best(trials, budget, tie_tolerance=tie_tolerance, confirmed_key="micro_batch_confirmation_seconds")
+    entries = _confirmation_entries(trials, model, resolved, loss_fn_for, extra_for, optimizer, config)
+    before = sum(t.steps for t in trials)
+    if entries:
+        per_sample = confirm_interleaved(
+            entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds
+        )
+        trials = apply_confirmation(trials, entries, per_sample)
+        tie = confirmed_tie_tolerance(per_sample, config.tie_tolerance)
+    else:
+        tie = config.tie_tolerance
+    best = choose_best(trials, budget, tie_tolerance=tie, confirmed_only=True)
     fell_back = False
     if best is None:
-        if on_infeasible == "raise":
-            raise InfeasibleBudgetError(f"No (plan, micro-batch) combination fits the budget ({budget.description}).")
-        m_min = min(per_m)
-        best = next(t for t in trials if t.extra["micro_batch"] == m_min and t.plan == per_m[m_min].best)
+        best = lowest_memory(trials, budget)
+        if config.on_infeasible == "raise" or best is None:
+            raise InfeasibleBudgetError(
+                f"No (plan, micro-batch) combination fits the budget ({budget.description})." + failures_message(trials)
+            )
         fell_back = True
-    m = int(best.extra["micro_batch"])
+    m = int(best.micro_batch or base_micro_batch)
     chosen_base = per_m[m].best if per_m[m].best == best.plan else best.plan
     chosen = chosen_base.with_metadata(
         **{k: v for k, v in per_m[m].best.metadata.items() if k not in ("measured",)},
         measured={"label": best.label, "samples_per_second": best.samples_per_second, "peak_bytes": best.peak_bytes,
                   "activation_bytes": best.activation_bytes, "predicted_peak_bytes": best.predicted_peak_bytes},
         micro_batch={"size": m, "accumulation": global_batch // m, "global": global_batch,
-                     "original_size": base_micro_batch},
+                     "original_size": base_micro_batch, "tie_tolerance": tie},
     )  # fmt: skip
     result = TuneResult(
         best=chosen,
@@ -239,8 +240,7 @@ def tune_micro_batch(
         trials=tuple(trials),
         budget=budget,
         tuning_seconds=time.perf_counter() - started,
-        tuning_steps=sum(r.tuning_steps for r in per_m.values())
-        + sum(t.steps - original[n].steps for n, t in confirmed.items()),
+        tuning_steps=sum(r.tuning_steps for r in per_m.values()) + sum(t.steps for t in trials) - before,
         fell_back=fell_back,
         memory_table=scaled.at(m).table(),
         memory_breakdown=scaled.at(m).to_dict(),
@@ -248,60 +248,48 @@ def tune_micro_batch(
     return MicroBatchResult(result, m, global_batch // m, global_batch, per_m, skipped)
 
 
-def _confirm_across(
-    trials: Sequence[TrialRecord], loss_fn_for: Callable[[int], Callable[[], Any]],
-    extra_for: Callable[[int], tuple[Any, ...]], *, root: nn.Module, optimizer: Any, top: int, rounds: int,
-    steps: int,
-) -> dict[int, TrialRecord]:  # fmt: skip
-    """Re-time the leading (plan, micro-batch) pairs side by side; trial number -> re-timed record.
+def _confirmation_entries(
+    trials: Sequence[TrialRecord], model: nn.Module, resolved: ResolvedModel,
+    loss_fn_for: Callable[[int], Callable[[], Any]], extra_for: Callable[[int], tuple[Any, ...]],
+    optimizer: Any, config: TuneConfig,
+) -> list[ConfirmEntry]:  # fmt: skip
+    """The leading (plan, micro-batch) pairs to re-time side by side, each through its micro-batch's runner.
 
-    Candidates: the winner of each of the ``top`` fastest micro-batches, plus no checkpointing at the
-    largest micro-batch where it fits (what tuning must beat). Memory is not re-measured.
+    Candidates: the winner of each of the ``confirm_top`` fastest micro-batches, plus no checkpointing at
+    the largest micro-batch where it fits (what tuning must beat). Equal samples, not equal steps: a small
+    micro-batch's steps are short, and timing only a few of them would give it a noisier window.
     """
-    from lightning_ckpt.apply import plan_applied
-    from lightning_ckpt.measure import measure_step
-
     feasible = [t for t in trials if t.feasible and t.samples_per_second]
-    if top <= 0 or not feasible:
-        return {}
-    per_m: dict[int, TrialRecord] = {}
+    if config.confirm_top <= 0 or not feasible:
+        return []
+    best_of: dict[int, TrialRecord] = {}
     for t in sorted(feasible, key=lambda t: -(t.samples_per_second or 0.0)):
-        per_m.setdefault(int(t.extra["micro_batch"]), t)
-    chosen = sorted(per_m.values(), key=lambda t: -(t.samples_per_second or 0.0))[:top]
-    reference = max((t for t in feasible if t.plan.is_empty), key=lambda t: t.extra["micro_batch"], default=None)
+        best_of.setdefault(int(t.micro_batch or 0), t)
+    chosen = sorted(best_of.values(), key=lambda t: -(t.samples_per_second or 0.0))[: config.confirm_top]
+    reference = max((t for t in feasible if t.plan.is_empty), key=lambda t: t.micro_batch or 0, default=None)
     if reference is not None and all(t.number != reference.number for t in chosen):
         chosen.append(reference)
     if len(chosen) < 2:
-        return {}
-    device = next(root.parameters()).device
-    # Equal samples, not equal steps: a small micro-batch's steps are short, and timing only a few
-    # of them would give it a shorter (noisier) window than a large one's.
-    samples = steps * max(int(t.extra["micro_batch"]) for t in chosen)
-    times: dict[int, list[float]] = {t.number: [] for t in chosen}
-    timed_steps: dict[int, int] = {}
-    for _ in range(rounds):
-        for t in chosen:
-            m = int(t.extra["micro_batch"])
-            timed_steps[t.number] = -(-samples // m)
-            loss_fn = loss_fn_for(m)
-            with plan_applied(root, t.plan, check_fingerprint=False):
-                meas = measure_step(lambda loss_fn=loss_fn: _loss_of(loss_fn()).backward(), model=root,
-                                    optimizer=optimizer, warmup=1, steps=timed_steps[t.number], device=device,
-                                    batch_size=m, track_memory=False, count_flops=False, extra=extra_for(m))  # fmt: skip
-            if meas.status == "ok":
-                times[t.number].append(meas.median_seconds)
-    out = {}
+        return []
+    samples = config.measure_steps * max(int(t.micro_batch or 1) for t in chosen)
+    runners: dict[int, TrialRunner] = {}
+    entries = []
     for t in chosen:
-        if not times[t.number]:
-            continue
-        median = statistics.median(times[t.number])
-        m = int(t.extra["micro_batch"])
-        out[t.number] = replace(
-            t, samples_per_second=m / median, median_seconds=median, steps=t.steps + rounds * (timed_steps[t.number] + 1),
-            extra={**t.extra, "search_samples_per_second": t.samples_per_second,
-                   "micro_batch_confirmation_seconds": times[t.number]},
-        )  # fmt: skip
-    return out
+        m = int(t.micro_batch or 1)
+        if m not in runners:
+            harness = StepHarness(resolved.root, loss_fn_for(m), resolved.device, optimizer, extra_for(m), m)
+            runners[m] = build_runner(resolved, harness, config, compiled=None)
+        steps = -(-samples // m)
+        entries.append(ConfirmEntry(t, _timer(runners[m], t.plan, steps), m, steps + 1))
+    return entries
+
+
+def _timer(runner: TrialRunner, plan: Plan, steps: int) -> Callable[[], float | None]:
+    def time_step() -> float | None:
+        m = runner.retime(plan, steps)
+        return m.median_seconds if m.status == "ok" else None
+
+    return time_step
 
 
 def _labelled(progress: Callable[[TrialRecord, Budget], None] | None, m: int, global_batch: int) -> Any:

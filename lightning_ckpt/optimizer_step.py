@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import gc
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_ckpt.measure import StateSnapshot, new_live_tracker
 
-__all__ = ["OptimizerStepMemory", "measure_optimizer_step"]
+__all__ = ["OptimizerStepMemory", "RealStepMemory", "measure_optimizer_step"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,11 @@ class OptimizerStepMemory:
     step_peak_bytes: int
     measured: bool = True
     note: str = ""
+
+    @classmethod
+    def absent(cls) -> OptimizerStepMemory:
+        """No optimizer given: nothing is added to a trial's figures."""
+        return cls(0, 0, 0, measured=False, note="no optimizer given")
 
     @property
     def pending_state_bytes(self) -> int:
@@ -160,3 +165,27 @@ def measure_optimizer_step(
         saved.restore()
         snapshot.restore()
     return OptimizerStepMemory(before, after, peak, note=f"{type(optimizer).__name__} step measured")
+
+
+@dataclass(frozen=True)
+class RealStepMemory:
+    """What the budget sees of a plan: the memory model's prediction of a forward+backward, turned into
+    the real step's (``OptimizerStepMemory.real_peak``). ``model`` is a ``MemoryModel`` or anything with
+    ``predict_peak``/``predict_activation``/``can_run`` (the joint search's scaled model)."""
+
+    model: Any
+    optimizer: OptimizerStepMemory = field(default_factory=lambda: OptimizerStepMemory.absent())
+
+    def predict(self, plan: Any) -> tuple[int, int]:
+        """(real-step peak, activation bytes) predicted for ``plan``."""
+        return self.optimizer.real_peak(self.model.predict_peak(plan)) or 0, self.model.predict_activation(plan)
+
+    def can_run(self, plan: Any) -> str | None:
+        return self.model.can_run(plan)
+
+    def real_peak(self, forward_backward_peak: int | None) -> int | None:
+        return self.optimizer.real_peak(forward_backward_peak)
+
+    def trial_limit(self, limit_bytes: int | None) -> int | None:
+        """The cap for a trial's forward+backward: the budget less the state the first real step creates."""
+        return None if limit_bytes is None else max(1, limit_bytes - self.optimizer.pending_state_bytes)

@@ -35,7 +35,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -46,9 +46,7 @@ from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
 from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.plan import Plan
-
-if TYPE_CHECKING:  # tune.py imports this module; importing it back at runtime would be circular
-    from lightning_ckpt.tune import TrialRecord, TuneResult
+from lightning_ckpt.records import TrialRecord, TrialStatus, TuneResult
 
 __all__ = [
     "HPARAM_METRIC_TAGS",
@@ -128,16 +126,16 @@ TEXT_TAG_SUFFIX = "/text_summary"
 TRIAL_RUN_FORMAT = "trial_{:03d}"  # sub-directory (TensorBoard run) of one trial's HParams session
 PARETO_PNG = "pareto.png"
 
-# Explicit rather than derived from tune.STATUSES' order, so a reordering there cannot silently
-# change the meaning of logged numbers (a test checks the two agree).
+# The number each status is logged as. Explicit rather than derived from TrialStatus' order, so a
+# reordering there cannot silently change the meaning of logged numbers (a test checks they agree).
 STATUS_CODES: dict[str, int] = {
-    "ok": 0,
-    "over_budget": 1,
-    "pruned": 2,
-    "oom": 3,
-    "invalid": 4,
-    "error": 5,
-    "conflict": 6,
+    TrialStatus.OK: 0,
+    TrialStatus.OVER_BUDGET: 1,
+    TrialStatus.PRUNED: 2,
+    TrialStatus.OOM: 3,
+    TrialStatus.INVALID: 4,
+    TrialStatus.ERROR: 5,
+    TrialStatus.CONFLICT: 6,
 }
 UNKNOWN_STATUS_CODE = -1
 
@@ -486,10 +484,10 @@ def pareto_figure(result: TuneResult) -> Figure:
         ax.step(fx, fy, where="post", color="tab:blue", lw=1.5, alpha=0.7, label="Pareto front", zorder=2)
 
     for t, x, y in measured:
-        if t.label.startswith("baseline:"):
+        if t.baseline is not None:
             # Under the markers (lower zorder) on a faint box: readable, yet never hides a point.
             ax.annotate(
-                t.label.split(":", 1)[1],
+                t.baseline,
                 (x / scale, y),
                 xytext=(7, 5),
                 textcoords="offset points",

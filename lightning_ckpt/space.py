@@ -58,6 +58,7 @@ class Candidate:
     params: Mapping[str, Any]
     plan: Plan
     label: str = ""
+    baseline: str | None = None  # the baseline's name when the candidate is one
 
 
 def _mode_plan(block: Block, mode: str) -> BlockPlan | None:
@@ -255,6 +256,22 @@ class SearchSpace:
                     blocks[block.fqn] = bp
         return Plan(blocks, fingerprint=fingerprint)
 
+    def distributions(self, stacks: Sequence[LayerStack]) -> dict[str, Any]:
+        """The Optuna dimensions ``suggest`` draws from, for adding trials run outside ask/tell."""
+        from optuna.distributions import CategoricalDistribution
+
+        dists = {"structure": CategoricalDistribution(self.structures(stacks))}
+        if self.modes:
+            dists["selection"] = CategoricalDistribution(self.selections or ("all",))
+            dists["mode"] = CategoricalDistribution(self.modes)
+            if self.rest_modes:
+                dists["rest_mode"] = CategoricalDistribution(self.rest_modes)
+        if self.chunk_choices(stacks):
+            dists["chunks"] = CategoricalDistribution(self.chunk_choices(stacks))
+        if self.budget_choices:
+            dists["compile_budget"] = CategoricalDistribution(self.budget_choices)
+        return dists
+
     def suggest(self, trial: Any, stacks: Sequence[LayerStack]) -> dict[str, Any]:
         """Draw dimension values from an Optuna trial (conditional dimensions only when they apply)."""
         params: dict[str, Any] = {"structure": trial.suggest_categorical("structure", self.structures(stacks))}
@@ -324,5 +341,5 @@ class SearchSpace:
             plan = self.plan_for(params, stacks, fingerprint=fingerprint)
             if params.get("mode") == "selective:mlp" and not plan.blocks:
                 continue  # no block has a recognisable MLP child
-            out.append(Candidate(params, replace(plan, name=name), f"baseline:{name}"))
+            out.append(Candidate(params, replace(plan, name=name), f"baseline:{name}", baseline=name))
         return out

@@ -143,7 +143,7 @@ def test_sigterm_during_the_search_stops_it_promptly_and_leaves_everything_intac
         (dict(max_memory=float("nan")), "max_memory must be a finite number"),
         (dict(max_memory=float("inf")), "max_memory must be a finite number"),
         (dict(max_memory=1.5), "neither a fraction of device memory"),
-        (dict(timeout="10"), "timeout must be a positive number"),
+        (dict(timeout="10"), "timeout must be a .*number of seconds"),
         (dict(plan=123), "plan must be a plan file path or a Plan"),
         (dict(plan_path=123), "plan_path must be a file path"),
         (dict(seed="x"), "seed must be an integer"),

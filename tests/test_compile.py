@@ -32,6 +32,7 @@ from lightning_ckpt.compile import (
 from lightning_ckpt.errors import PlanError
 from lightning_ckpt.plan import BlockPlan, model_fingerprint
 from lightning_ckpt.space import SearchSpace
+from lightning_ckpt.step import StepHarness
 from lightning_ckpt.testing import GPT, GPTConfig
 from lightning_ckpt.testing.nanogpt import Block
 from lightning_ckpt.tune import TrialRecord, TuneResult, tune
@@ -173,9 +174,9 @@ def test_report_shows_compile_time_and_conflicts():
     budget = Budget("activation", 2**20, description="50%")
     common = dict(params={}, samples_per_second=10.0, peak_bytes=2**19, activation_bytes=2**18, seconds=3.0)
     trials = (
-        TrialRecord(0, Plan(), "baseline:none", status="ok", extra={"compile": {**stats, "region_breaks": 0}},
+        TrialRecord(0, Plan(), "baseline:none", status="ok", baseline="none", extra={"compile": {**stats, "region_breaks": 0}},
                     **common),
-        TrialRecord(1, Plan({"h.0": BlockPlan("full")}), "baseline:full", status="conflict",
+        TrialRecord(1, Plan({"h.0": BlockPlan("full")}), "baseline:full", status="conflict", baseline="full",
                     extra={"compile": stats, "conflict": "1 graph break(s) inside checkpointed regions"}, **common),
     )  # fmt: skip
     line = report_module.trial_line(trials[1], budget)
@@ -230,10 +231,9 @@ def _check_compiled_equals_eager() -> None:
 
 def _trials_for(model: nn.Module):
     x = tokens()
-    return compiled_search(
-        model, lambda: model(x, x), compiled=True, device=torch.device("cpu"), optimizer=None, extra=(),
-        warmup_steps=0, measure_steps=1, batch_size=4, seq_len=16, allow_graph_breaks=False,
-    )  # fmt: skip
+    harness = StepHarness(model, lambda: model(x, x), torch.device("cpu"), batch_size=4, seq_len=16, warmup_steps=0,
+                          measure_steps=1)  # fmt: skip
+    return compiled_search(model, harness, compiled=True, allow_graph_breaks=False)
 
 
 def test_pt2_budgets_are_left_out_for_models_with_dropout():
@@ -367,7 +367,7 @@ def test_tune_without_lightning_compares_with_the_partitioner_at_equal_memory():
     assert by_label["full x2"].activation_bytes < none.activation_bytes
     assert by_label["segments(transformer.h=2)"].status in ("ok", "over_budget")  # segments compile cleanly
     assert result.best_trial.activation_bytes <= result.budget.limit_bytes
-    confirmed = [t for t in result.trials if "confirmation_seconds" in t.extra]  # re-timed, compiled afresh
-    assert len(confirmed) >= 2 and all(t.extra["confirmation_seconds"] for t in confirmed)
+    confirmed = [t for t in result.trials if t.confirmed]  # re-timed, compiled afresh
+    assert len(confirmed) >= 2 and all(t.confirmation_seconds for t in confirmed)
     assert all(t.predicted_peak_bytes is None for t in result.trials)  # the eager memory model does not apply
     assert not any("forward" in vars(m) for m in model.modules()), "no plan left applied"

@@ -14,6 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 from lightning_ckpt import report
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.plan import BlockPlan, Plan
+from lightning_ckpt.records import TrialRecord, TrialStatus, TuneResult
 from lightning_ckpt.report import (
     STATUS_CODES,
     TAG_ACTIVATION_MIB,
@@ -28,7 +29,6 @@ from lightning_ckpt.report import (
     TAG_TRIAL_SECONDS,
     TRIAL_SCALAR_TAGS,
 )
-from lightning_ckpt.tune import STATUSES, TrialRecord, TuneResult
 
 MiB = 2**20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -52,6 +52,8 @@ WINNER_PLAN = Plan(
 
 
 def trial(number, plan, label, status, *, params=None, peak=None, act=None, pred=None, sps=None, overhead=None, **kw):
+    if label.startswith("baseline:"):  # what the study records for a baseline candidate (space.Candidate.baseline)
+        kw.setdefault("baseline", label.removeprefix("baseline:"))
     return TrialRecord(
         number=number,
         plan=plan,
@@ -170,7 +172,7 @@ def text_of(acc: ea.EventAccumulator, tag: str) -> str:
 
 
 def test_status_codes_cover_every_status():
-    assert set(STATUS_CODES) == set(STATUSES)
+    assert set(STATUS_CODES) == {s.value for s in TrialStatus}
     assert STATUS_CODES["conflict"] == 6  # compiled plans that fight torch.compile (lightning_ckpt.compile)
     assert len(set(STATUS_CODES.values())) == len(STATUS_CODES)
     assert all(tag.startswith(f"{TAG_PREFIX}/") for tag in (*TRIAL_SCALAR_TAGS, TAG_PLAN, TAG_SUMMARY, TAG_PARETO))

@@ -36,14 +36,13 @@ def test_choose_best_prefers_speed_then_memory_within_tolerance():
 def test_choose_best_among_re_timed_trials_only():
     budget = Budget("activation", 100)
     # The confirmation re-timed 0 and 1 in a slow moment; 2's faster figure is from another moment.
-    slow = {"confirmation_seconds": [0.2, 0.2]}
     trials = [_rec(0, 80.0, 50), _rec(1, 70.0, 40), _rec(2, 95.0, 60)]
-    trials[0], trials[1] = (replace(t, extra=slow) for t in trials[:2])
-    assert choose_best(trials, budget, tie_tolerance=0.0, confirmed_key="confirmation_seconds").number == 0
+    trials[0], trials[1] = (replace(t, confirmation_seconds=(0.2, 0.2)) for t in trials[:2])
+    assert choose_best(trials, budget, tie_tolerance=0.0, confirmed_only=True).number == 0
     assert choose_best(trials, budget, tie_tolerance=0.0).number == 2
     # A re-timed trial over budget does not count: the others compete as before.
     over = [replace(trials[0], status="over_budget"), trials[2]]
-    assert choose_best(over, budget, tie_tolerance=0.0, confirmed_key="confirmation_seconds").number == 2
+    assert choose_best(over, budget, tie_tolerance=0.0, confirmed_only=True).number == 2
 
 
 def test_tune_returns_model_untouched_and_a_plan_within_budget(gpt, tokens):
@@ -77,7 +76,7 @@ def test_persisted_study_resumes_without_measuring_again(gpt, tokens, tmp_path):
     common = dict(search_space=space, storage=storage, measure_steps=1, confirm_top=0)  # confirmation re-times
     first = tune(gpt, _loss_fn(gpt, tokens), n_trials=3, **common)
     second = tune(gpt, _loss_fn(gpt, tokens), n_trials=5, **common)
-    resumed = [t for t in second.trials if t.extra.get("resumed")]
+    resumed = [t for t in second.trials if t.resumed]
     assert [t.plan for t in resumed] == [t.plan for t in first.trials]
     assert [t.samples_per_second for t in resumed] == [t.samples_per_second for t in first.trials]
     assert sum(t.status != "pruned" for t in second.trials) == 5

@@ -1,0 +1,100 @@
+"""How a search runs: one ``TuneConfig`` that the callback builds once and ``tune``/``tune_micro_batch`` take.
+
+The budget (what must fit) is not here; these are the settings of the search itself, validated in
+one place so a bad value fails at construction, naming the setting and a valid example.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.space import SearchSpace
+
+__all__ = ["TuneConfig"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Settings of one search.
+
+    n_trials: most candidates measured (pruned ones are free); timeout: most seconds to search.
+    search_space: the space (a ``SearchSpace`` or a dict of overrides). sampler, storage, study_name,
+    seed: Optuna settings (seeded TPE, in memory, by default; ``storage`` resumes an interrupted search).
+    warmup_steps / measure_steps: steps per trial left out of / used for timing.
+    block_types: override block discovery. on_infeasible: ``"fallback"`` or ``"raise"`` when nothing fits.
+    tie_tolerance: plans this close in throughput count as tied; the tie goes to lower memory.
+    count_flops: count recompute FLOPs per trial. enforce_budget: cap the CUDA allocator during trials.
+    process_warmup_steps: untimed steps before the first trial (thread pools, allocator growth).
+    confirm_top / confirm_rounds / confirm_max_rounds: the leaders re-timed side by side, at least
+    ``confirm_rounds`` and at most ``confirm_max_rounds`` interleaved rounds (see ``study.confirm``).
+    allow_graph_breaks: under ``torch.compile``, let plans that add graph breaks win on throughput.
+    """
+
+    n_trials: int = 40
+    timeout: float | None = None
+    search_space: SearchSpace = field(default_factory=SearchSpace)
+    sampler: Any = None
+    storage: str | None = None
+    study_name: str | None = None
+    seed: int = 0
+    warmup_steps: int = 1
+    measure_steps: int = 3
+    block_types: Any = None
+    on_infeasible: str = "fallback"
+    tie_tolerance: float = 0.01
+    count_flops: bool = True
+    enforce_budget: bool = True
+    process_warmup_steps: int = 2
+    confirm_top: int = 3
+    confirm_rounds: int = 2
+    confirm_max_rounds: int = 6
+    allow_graph_breaks: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "search_space", SearchSpace.from_config(self.search_space))
+        if not _is_int(self.n_trials) or self.n_trials < 1:
+            raise ConfigurationError(f"n_trials must be an integer >= 1 (e.g. n_trials=40), but got {self.n_trials!r}.")
+        timeout = self.timeout
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
+        ):
+            raise ConfigurationError(
+                f"timeout must be a positive number of seconds or None (e.g. timeout=600), but got {timeout!r}."
+            )
+        if self.on_infeasible not in ("fallback", "raise"):
+            raise ConfigurationError(f"on_infeasible must be 'fallback' or 'raise', but got {self.on_infeasible!r}.")
+        if (
+            isinstance(self.tie_tolerance, bool)
+            or not isinstance(self.tie_tolerance, (int, float))
+            or not (0 <= self.tie_tolerance < 1)
+        ):
+            raise ConfigurationError(f"tie_tolerance must be in [0, 1) (e.g. 0.01), but got {self.tie_tolerance!r}.")
+        for name, low in (("warmup_steps", 0), ("measure_steps", 1), ("process_warmup_steps", 0), ("confirm_top", 0),
+                          ("confirm_rounds", 1), ("confirm_max_rounds", 1)):  # fmt: skip
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ConfigurationError(f"{name} must be an integer >= {low}, got {value!r}.")
+        if self.confirm_max_rounds < self.confirm_rounds:
+            raise ConfigurationError(
+                f"confirm_max_rounds ({self.confirm_max_rounds}) must be >= confirm_rounds ({self.confirm_rounds})."
+            )
+        if not _is_int(self.seed):
+            raise ConfigurationError(
+                f"seed must be an integer, e.g. seed=0, but got {type(self.seed).__name__} {self.seed!r}."
+            )
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> TuneConfig:
+        """This config with ``overrides`` (keyword arguments of ``tune``) applied; unknown names are refused."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigurationError(f"Unknown tune settings {unknown}. Known settings: {', '.join(sorted(known))}.")
+        return replace(self, **overrides) if overrides else self

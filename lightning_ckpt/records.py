@@ -1,0 +1,216 @@
+"""What a search produces: one ``TrialRecord`` per candidate, the status vocabulary, and the choice.
+
+The vocabulary lives here once: ``TrialStatus`` (with the severity that combines ranks), typed
+fields instead of parsed labels (``baseline``, ``confirmation_seconds``, ``micro_batch``) and the two
+rules that pick a plan from records: ``choose_best`` (fastest within budget, ties to lower memory) and
+``lowest_memory`` (the fallback, only among plans that ran).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.plan import Plan
+
+__all__ = [
+    "ProgressFn",
+    "TrialRecord",
+    "TrialStatus",
+    "TuneResult",
+    "choose_best",
+    "failures_message",
+    "judge_status",
+    "lowest_memory",
+]
+
+
+class TrialStatus(str, enum.Enum):
+    """What happened to a candidate. A ``str`` so records compare and serialise as plain strings."""
+
+    OK = "ok"  # ran within budget
+    OVER_BUDGET = "over_budget"  # ran, measured over budget
+    PRUNED = "pruned"  # predicted over budget (or unable to run), never run
+    OOM = "oom"  # ran out of memory (or over the budget where no allocator enforces it)
+    INVALID = "invalid"  # the plan cannot run on this model (CheckpointError, PlanError, ApplyError)
+    ERROR = "error"  # anything else: a bug, reported with its traceback
+    CONFLICT = "conflict"  # under torch.compile: graph breaks or the recompile limit (compile.py)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def severity(self) -> int:
+        """Worst first: a trial measured on several ranks is as bad as its worst rank."""
+        return _SEVERITY.index(self)
+
+    @property
+    def ran(self) -> bool:
+        """A step ran to the end, so the memory and speed figures are real."""
+        return self in (TrialStatus.OK, TrialStatus.OVER_BUDGET)
+
+    @property
+    def failed(self) -> bool:
+        return self in (TrialStatus.OOM, TrialStatus.INVALID, TrialStatus.ERROR)
+
+
+_SEVERITY = (
+    TrialStatus.ERROR,
+    TrialStatus.INVALID,
+    TrialStatus.OOM,
+    TrialStatus.CONFLICT,
+    TrialStatus.OVER_BUDGET,
+    TrialStatus.PRUNED,
+    TrialStatus.OK,
+)
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One candidate plan and what happened to it."""
+
+    number: int
+    plan: Plan
+    label: str  # for people: "baseline:full", or the plan's one-line description
+    params: Mapping[str, Any] = field(default_factory=dict)  # the search dimensions that produced the plan
+    status: TrialStatus | str = TrialStatus.OK
+    predicted_peak_bytes: int | None = None
+    predicted_activation_bytes: int | None = None
+    peak_bytes: int | None = None  # the real step's (optimizer state and step included, see optimizer_step.py)
+    activation_bytes: int | None = None
+    samples_per_second: float | None = None
+    median_seconds: float | None = None
+    spread_seconds: float | None = None
+    recompute_flops: int | None = None
+    recompute_overhead: float | None = None  # extra FLOPs as a fraction of the no-checkpointing step's
+    seconds: float = 0.0  # wall time this trial cost (tuning cost)
+    steps: int = 0  # training steps this trial ran (warm-up + timed + memory pass)
+    error: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # for display only: compile stats, per-rank figures
+    traceback: str | None = None  # status ``error``: where the step failed (shown when nothing could run)
+    forward_backward_peak_bytes: int | None = None  # the trial's own peak that peak_bytes was derived from
+    baseline: str | None = None  # the baseline's name ("full", ...) when the candidate is one
+    confirmation_seconds: tuple[float, ...] = ()  # step times re-measured side by side (study.confirm)
+    first_samples_per_second: float | None = None  # the figure before confirmation replaced it
+    resumed: bool = False  # taken from a persisted study, not measured in this process
+    micro_batch: int | None = None  # joint micro-batch search: this trial's micro-batch and accumulation
+    accumulation: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", TrialStatus(self.status))
+        object.__setattr__(self, "confirmation_seconds", tuple(self.confirmation_seconds))
+
+    @property
+    def feasible(self) -> bool:
+        return self.status == TrialStatus.OK
+
+    @property
+    def confirmed(self) -> bool:
+        return bool(self.confirmation_seconds)
+
+    def memory(self, budget: Budget) -> float:
+        """The figure ``budget`` constrains, measured (else peak); inf when nothing was measured."""
+        value = budget.value_of(self.peak_bytes, self.activation_bytes)
+        if value is None:
+            value = self.peak_bytes
+        return float(value) if value is not None else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("plan", "params", "extra")}
+        d["status"] = self.status.value
+        d["confirmation_seconds"] = list(self.confirmation_seconds)
+        d["plan"] = self.plan.describe()
+        d["params"] = dict(self.params)
+        d["extra"] = dict(self.extra)
+        return d
+
+
+ProgressFn = Callable[[TrialRecord, Budget], None]
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The outcome of a search: the plan to use and the evidence for it."""
+
+    best: Plan  # the chosen plan, with metadata (budget, measured figures, baselines, settings)
+    best_trial: TrialRecord | None
+    trials: tuple[TrialRecord, ...]
+    budget: Budget
+    tuning_seconds: float
+    tuning_steps: int
+    fell_back: bool = False  # nothing fit the budget; the lowest-memory plan was chosen
+    fallback_message: str = ""  # the warning that said so (the callback repeats it on every fit)
+    memory_table: str = ""  # the memory model's per-block breakdown, printable
+    memory_breakdown: Mapping[str, Any] = field(default_factory=dict)  # the same as data
+
+    @property
+    def baselines(self) -> dict[str, TrialRecord]:
+        return {t.baseline: t for t in self.trials if t.baseline is not None}
+
+    @property
+    def n_measured(self) -> int:
+        return sum(t.status != TrialStatus.PRUNED for t in self.trials)
+
+
+def judge_status(
+    measured: TrialStatus | str, conflict: str | None, *, allow_graph_breaks: bool, fits: bool
+) -> TrialStatus:
+    """A trial's status from its measurement: a failure stays what it is; a plan that fights torch.compile is
+    a ``conflict`` (unless graph breaks are allowed); otherwise ``ok`` or ``over_budget``."""
+    measured = TrialStatus(measured)
+    if measured != TrialStatus.OK:
+        return measured
+    if conflict and not allow_graph_breaks:
+        return TrialStatus.CONFLICT
+    return TrialStatus.OK if fits else TrialStatus.OVER_BUDGET
+
+
+def choose_best(
+    trials: Sequence[TrialRecord], budget: Budget, *, tie_tolerance: float, confirmed_only: bool = False
+) -> TrialRecord | None:
+    """Fastest feasible trial; among those within ``tie_tolerance`` of it, the one using least memory.
+
+    ``confirmed_only``: trials re-timed side by side (``confirmed``) compare with each other but not
+    with figures taken at other moments (a slow moment during the re-timing would otherwise hand the
+    win to an unconfirmed trial), so when any exist only they compete.
+    """
+    feasible = [t for t in trials if t.feasible and t.samples_per_second]
+    if not feasible:
+        return None
+    if confirmed_only:
+        feasible = [t for t in feasible if t.confirmed] or feasible
+    fastest = max(t.samples_per_second or 0.0 for t in feasible)
+    close = [t for t in feasible if (t.samples_per_second or 0.0) >= fastest * (1 - tie_tolerance)]
+    return min(close, key=lambda t: (t.memory(budget), -(t.samples_per_second or 0.0)))
+
+
+def lowest_memory(trials: Sequence[TrialRecord], budget: Budget) -> TrialRecord | None:
+    """The measured plan using least memory. Only plans that ran a step without failing qualify: a pruned
+    plan never ran, and falling back to it would hand real training a plan nobody has seen work."""
+    ran = [t for t in trials if t.status.ran]
+    return min(ran, key=lambda t: t.memory(budget)) if ran else None
+
+
+def failures_message(trials: Sequence[TrialRecord]) -> str:
+    """The trials' errors, the first with its traceback: what a user needs when no plan could run at all."""
+    failed = [t for t in trials if t.status.failed]
+    if not failed:
+        return ""
+    kinds = ", ".join(f"{n} {s.value}" for s in (TrialStatus.ERROR, TrialStatus.INVALID, TrialStatus.OOM)
+                      if (n := sum(t.status == s for t in failed)))  # fmt: skip
+    first = next((t for t in failed if t.status == TrialStatus.ERROR), failed[0])
+    text = f" Every plan that ran failed ({kinds}). First failure ({first.label}): {first.error}"
+    if first.traceback:
+        text += f"\n{first.traceback}"
+    return text
+
+
+def status_counts(trials: Sequence[TrialRecord]) -> Mapping[str, int]:
+    """How many trials ended in each status (for summaries)."""
+    return {s.value: n for s in TrialStatus if (n := sum(t.status == s for t in trials))}

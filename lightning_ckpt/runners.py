@@ -1,0 +1,136 @@
+"""Trial runners: how one candidate plan is measured. The study decides what to run; a runner runs it.
+
+A runner measures a plan (``measure``), times it again side by side with others (``retime``) and
+says whether the memory model's predictions apply to it (``predicts_memory``). ``EagerRunner`` applies
+the plan and calls ``measure_step``; ``compile.CompiledTrials`` compiles each plan from a reset
+first; a runner for sharded models plugs in the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from lightning_ckpt.apply import plan_applied
+from lightning_ckpt.measure import Measurement, measure_step
+from lightning_ckpt.plan import Plan
+from lightning_ckpt.records import TrialStatus
+from lightning_ckpt.step import StepHarness
+
+__all__ = ["EagerRunner", "TrialOutcome", "TrialRunner"]
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """What running one plan gave, before the study judges it against the budget.
+
+    status: the measurement's (``ok``, ``oom``, ``invalid``, ``error``; ``conflict`` when the compiler
+    refused the plan outright). conflict: why a plan that ran fights torch.compile (graph breaks, the
+    recompile limit), else None. peak_bytes: the trial's own forward+backward peak.
+    """
+
+    status: TrialStatus
+    peak_bytes: int | None = None
+    activation_bytes: int | None = None
+    samples_per_second: float | None = None
+    median_seconds: float | None = None
+    spread_seconds: float | None = None
+    recompute_flops: int | None = None
+    recompute_overhead: float | None = None
+    steps: int = 0
+    error: str | None = None
+    traceback: str | None = None
+    conflict: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # for display: compile stats, pinned host memory
+
+    @classmethod
+    def of(cls, m: Measurement, *, steps: int, **fields: Any) -> TrialOutcome:
+        overhead = None
+        if m.recompute_flops is not None and m.step_flops:
+            overhead = m.recompute_flops / max(1, m.step_flops - m.recompute_flops)
+        values: dict[str, Any] = dict(
+            status=TrialStatus(m.status), peak_bytes=m.peak_bytes, activation_bytes=m.activation_bytes,
+            samples_per_second=m.samples_per_second, median_seconds=m.median_seconds,
+            spread_seconds=m.spread_seconds, recompute_flops=m.recompute_flops, recompute_overhead=overhead,
+            steps=steps, error=m.error, traceback=m.traceback,
+        )  # fmt: skip
+        values.update(fields)
+        return cls(**values)
+
+
+class TrialRunner(Protocol):
+    """What the study needs from whatever runs a plan."""
+
+    predicts_memory: bool  # the memory model's predictions hold for this runner's steps
+
+    def measure(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+        """Run ``plan`` (warm-up, timed steps, memory), ``memory_limit`` capping the CUDA allocator."""
+        ...
+
+    def retime(self, plan: Plan, steps: int) -> Measurement:
+        """Time ``plan`` again, ``steps`` timed steps, no memory pass: the confirmation round's figures."""
+        ...
+
+
+class EagerRunner:
+    """Applies each plan to the uncompiled model and measures it with ``measure_step``."""
+
+    predicts_memory = True
+
+    def __init__(self, harness: StepHarness, *, count_flops: bool = True, reserve_headroom_bytes: int = 0) -> None:
+        self.harness = harness
+        self.count_flops = count_flops
+        self.reserve_headroom_bytes = reserve_headroom_bytes
+
+    def measure(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+        h = self.harness
+        offload = h.device.type == "cuda" and any(bp.mode == "offload" for bp in plan.blocks.values())
+        if offload:
+            _reset_pinned_peak()
+        with plan_applied(h.root, plan, check_fingerprint=False):
+            m = measure_step(
+                h.train_step, model=h.root, optimizer=h.optimizer, warmup=h.warmup_steps, steps=h.measure_steps,
+                device=h.device, batch_size=h.batch_size, seq_len=h.seq_len, track_memory=True,
+                count_flops=self.count_flops, memory_limit_bytes=memory_limit, extra=h.extra,
+                reserve_headroom_bytes=self.reserve_headroom_bytes,
+            )  # fmt: skip
+        steps = m.warmup_steps + len(m.step_seconds) + (1 if m.peak_bytes is not None else 0)
+        # Offload trades device memory for pinned host memory: report it.
+        extra = {"pinned_host_peak_bytes": _pinned_peak()} if offload else {}
+        return TrialOutcome.of(m, steps=steps, extra=extra)
+
+    def retime(self, plan: Plan, steps: int) -> Measurement:
+        h = self.harness
+        with plan_applied(h.root, plan, check_fingerprint=False):
+            return measure_step(
+                h.train_step, model=h.root, optimizer=h.optimizer, warmup=1, steps=steps, device=h.device,
+                batch_size=h.batch_size, seq_len=h.seq_len, track_memory=False, count_flops=False, extra=h.extra,
+            )  # fmt: skip
+
+
+def _reset_pinned_peak() -> None:
+    reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+    if reset is not None:
+        reset()
+
+
+def _pinned_peak() -> int | None:
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return int(stats().get("allocated_bytes.peak", 0)) if stats is not None else None
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Give back what trials left cached: device blocks, and the pinned host blocks of offload trials
+    (torch's host caching allocator keeps them after ``save_on_cpu(pin_memory=True)`` is done)."""
+    import gc
+
+    gc.collect()
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)
+    if host_empty is not None:
+        host_empty()

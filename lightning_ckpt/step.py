@@ -1,0 +1,62 @@
+"""One training step as the tuner runs it: the loss of a step function's output, and the harness around it.
+
+Every part of the search (profile, trials, re-timing, compiled trials, the joint micro-batch search)
+runs the same thing: the user's step function, the loss taken out of what it returns, ``backward``.
+This module owns that, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt.errors import ConfigurationError
+
+__all__ = ["StepHarness", "loss_of"]
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The scalar to call ``backward`` on: a tensor, a dict's ``"loss"`` (Lightning) or ``.loss`` (HF outputs)."""
+    loss = out
+    if isinstance(out, Mapping) and "loss" in out:
+        loss = out["loss"]
+    elif not isinstance(out, torch.Tensor) and getattr(out, "loss", None) is not None:
+        loss = out.loss
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
+        grad = " that does not require grad" if isinstance(loss, torch.Tensor) and not loss.requires_grad else ""
+        raise ConfigurationError(
+            "The step function must return the loss: a scalar tensor that requires grad (or a dict / output object "
+            f"with a 'loss' entry), but it returned {type(out).__name__}{shape}{grad}. "
+            "Pass e.g. lambda: model(x, targets), or lambda: module.training_step(batch, 0)."
+        )
+    return loss
+
+
+@dataclass(frozen=True)
+class StepHarness:
+    """What measuring a step needs besides the plan: the model, its step function and the run's shape.
+
+    ``root`` is the uncompiled model (plans are applied to it); ``step_fn`` runs the forward (compiled
+    or not) on a fixed batch and returns the loss; ``extra`` are tensors made outside the step (the
+    batch) that count as resting memory; ``batch_size``/``seq_len`` turn step times into samples/s
+    and tokens/s (without a batch size a step counts as one sample, which ranks plans the same).
+    """
+
+    root: nn.Module
+    step_fn: Callable[[], Any]
+    device: torch.device
+    optimizer: torch.optim.Optimizer | None = None
+    extra: tuple[Any, ...] = ()
+    batch_size: int = 1
+    seq_len: int | None = None
+    warmup_steps: int = 1
+    measure_steps: int = 3
+
+    def train_step(self) -> None:
+        """Forward and backward; never the optimizer (measuring must leave training untouched)."""
+        loss_of(self.step_fn()).backward()

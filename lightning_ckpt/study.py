@@ -1,0 +1,489 @@
+"""The search loop: propose plans, prune what cannot fit, run the rest through a runner, confirm, choose.
+
+``Study.run`` goes: resume a persisted study, then the baselines, then every distinct plan (small
+spaces) or the sampler's proposals. One place decides per candidate: prune (predicted over budget) or
+measure, and records the result. Ranks always move in lockstep through a ``Sync`` (a single process
+uses ``LocalSync``): rank 0 proposes, every rank measures, results are combined identically.
+``Study.confirm`` re-times the leaders side by side; ``Study.result`` chooses and assembles the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.config import TuneConfig
+from lightning_ckpt.distributed import LocalSync, Sync, combine_trials
+from lightning_ckpt.errors import ApplyError, InfeasibleBudgetError, LightningCkptError, TrialsFailedError
+from lightning_ckpt.optimizer_step import RealStepMemory
+from lightning_ckpt.plan import Plan, library_versions
+from lightning_ckpt.records import (
+    ProgressFn,
+    TrialRecord,
+    TrialStatus,
+    TuneResult,
+    choose_best,
+    failures_message,
+    judge_status,
+    lowest_memory,
+)
+from lightning_ckpt.runners import TrialRunner
+from lightning_ckpt.space import Candidate, SearchSpace
+
+__all__ = ["ConfirmEntry", "SearchInterrupted", "Study", "confirm_interleaved"]
+
+log = logging.getLogger(__name__)
+
+# Consecutive proposals of already-known plans after which the study takes an unseen plan itself:
+# a sampler that has seen most of a space redraws known points, and every redraw costs a suggest call
+# whose cost grows with the study (54 of 105 s of a 16-layer search went there before this bound).
+_MAX_REDRAWS = 2
+
+Proposal = tuple[Mapping[str, Any], Plan, str, str | None]  # params, plan, label, baseline name
+
+
+class SearchInterrupted(LightningCkptError):
+    """``should_stop`` asked the search to end (e.g. SIGTERM): no plan was chosen, the model is as it was."""
+
+
+@dataclass(frozen=True)
+class ConfirmEntry:
+    """A candidate to re-time: its record, how to time one round (seconds of a step, None if it failed), and
+    how many samples one step processes (candidates at different micro-batches compare per sample)."""
+
+    trial: TrialRecord
+    time_step: Callable[[], float | None]
+    samples_per_step: int
+    steps_per_round: int = 1  # training steps one round costs this candidate (tuning cost)
+
+
+def confirm_interleaved(
+    entries: Sequence[ConfirmEntry], *, min_rounds: int, max_rounds: int, sync: Sync | None = None
+) -> dict[int, list[float]]:
+    """Re-time ``entries`` in interleaved rounds until the leader's median separates from the runner-up's
+    beyond their spreads (MAD), or ``max_rounds``; returns seconds per sample by trial number.
+
+    Interleaving puts every candidate through the same slow and fast moments of a shared machine; more
+    rounds are spent only while the two best are too close to call.
+    """
+    sync = sync or LocalSync()
+    per_sample: dict[int, list[float]] = {e.trial.number: [] for e in entries}
+    for done in range(1, max_rounds + 1):
+        for e in entries:
+            seconds = e.time_step()
+            gathered = sync.all_gather(seconds)  # ranks step together: a step is as slow as the slowest rank
+            if all(g is not None for g in gathered):
+                per_sample[e.trial.number].append(max(gathered) / (e.samples_per_step * sync.world_size))
+        if done >= min_rounds and _separated(per_sample):
+            break
+    return per_sample
+
+
+def _separated(per_sample: Mapping[int, Sequence[float]]) -> bool:
+    stats = sorted(_median_mad(v) for v in per_sample.values() if v)
+    if len(stats) < 2:
+        return True
+    (m1, d1), (m2, d2) = stats[0], stats[1]
+    return m2 - m1 > d1 + d2
+
+
+def _median_mad(values: Sequence[float]) -> tuple[float, float]:
+    med = statistics.median(values)
+    return med, statistics.median(abs(v - med) for v in values)
+
+
+class Study:
+    """One search over ``candidates`` (every distinct plan of the space, baselines first)."""
+
+    def __init__(
+        self,
+        *,
+        candidates: Sequence[Candidate],
+        space: SearchSpace,
+        stacks: Sequence[Any],
+        runner: TrialRunner,
+        budget: Budget,
+        memory: RealStepMemory | None,
+        config: TuneConfig,
+        fingerprint: str | None,
+        device_type: str,
+        sync: Sync | None = None,
+        progress: ProgressFn | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        samples_per_step: int = 1,
+    ) -> None:
+        self.candidates = list(candidates)
+        self.space, self.stacks, self.runner, self.budget = space, stacks, runner, budget
+        self.memory, self.config, self.fingerprint = memory, config, fingerprint
+        self.sync: Sync = sync or LocalSync()
+        self.progress, self.should_stop = progress, should_stop
+        self.samples_per_step = samples_per_step
+        self.records: list[TrialRecord] = []
+        self.by_key: dict[str, TrialRecord] = {}
+        self.exhaustive = len(self.candidates) <= config.n_trials  # every distinct plan can be measured
+        self.started = time.perf_counter()
+        self.tie_tolerance = config.tie_tolerance  # widened by confirm() when the leaders are statistically tied
+        limit = (
+            budget.limit_bytes if config.enforce_budget and budget.kind == "peak" and device_type == "cuda" else None
+        )
+        self.memory_limit = memory.trial_limit(limit) if memory is not None else limit
+        self._rng = random.Random(config.seed)
+        self._optuna = self._create_optuna_study() if self.sync.is_leader else None
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> list[TrialRecord]:
+        """Resume, then baselines, then the rest of the space or the sampler's proposals, in lockstep."""
+        self._resume()
+        proposals = self._proposals() if self.sync.is_leader else None
+        proposal = next(proposals, None) if proposals is not None else None
+        while True:
+            message = None
+            if proposal is not None:
+                params, plan, label, baseline = proposal
+                message = (dict(params), plan.to_dict(), label, baseline, self._predicted_over_budget(plan))
+            message = self.sync.broadcast(message)
+            if message is None:
+                break
+            params, plan_dict, label, baseline, prune = message
+            plan = proposal[1] if proposal is not None else Plan.from_dict(plan_dict, source="candidate from rank 0")
+            trial = self.measure(params, plan, label, baseline, prune=prune)
+            proposal = _send(proposals, trial) if proposals is not None else None
+        self.check_stop()
+        return self.records
+
+    def measure(
+        self, params: Mapping[str, Any], plan: Plan, label: str, baseline: str | None, *, prune: bool
+    ) -> TrialRecord:
+        """Prune or run one candidate on every rank, combine, record and report it."""
+        local = self._trial(params, plan, label, baseline, prune)
+        trial = combine_trials(self.sync.all_gather(local), self.budget)
+        self.records.append(trial)
+        self.by_key[trial.plan.key()] = trial
+        if self.progress is not None:
+            self.progress(trial, self.budget)
+        return trial
+
+    def check_stop(self) -> None:
+        if self.should_stop is not None and self.should_stop():
+            raise SearchInterrupted(
+                f"The search was asked to stop after {len(self.records)} trials; no plan was chosen."
+            )
+
+    def _done(self) -> bool:
+        self.check_stop()
+        measured = sum(t.status != TrialStatus.PRUNED for t in self.records)
+        out_of_time = self.config.timeout is not None and time.perf_counter() - self.started > self.config.timeout
+        return measured >= self.config.n_trials or out_of_time
+
+    def _predicted_over_budget(self, plan: Plan) -> bool:
+        if self.memory is None or not self.runner.predicts_memory:
+            return False
+        return not self.budget.fits(*self.memory.predict(plan))
+
+    def _trial(
+        self, params: Mapping[str, Any], plan: Plan, label: str, baseline: str | None, prune: bool
+    ) -> TrialRecord:
+        t0 = time.perf_counter()
+        predicted = self.memory.predict(plan) if self.memory is not None and self.runner.predicts_memory else None
+        common: dict[str, Any] = dict(
+            number=len(self.records), plan=plan, label=label, params=dict(params), baseline=baseline,
+            predicted_peak_bytes=predicted[0] if predicted else None,
+            predicted_activation_bytes=predicted[1] if predicted else None,
+        )  # fmt: skip
+        if prune:
+            return TrialRecord(status=TrialStatus.PRUNED, seconds=time.perf_counter() - t0, **common)
+        out = self.runner.measure(plan, self.memory_limit)
+        peak = self.memory.real_peak(out.peak_bytes) if self.memory is not None else out.peak_bytes
+        fits = self.budget.fits(peak, out.activation_bytes)
+        conflict = None if plan.is_empty else out.conflict
+        status = judge_status(out.status, conflict, allow_graph_breaks=self.config.allow_graph_breaks, fits=fits)
+        extra = {**out.extra, **({"conflict": conflict} if conflict else {})}
+        return TrialRecord(
+            status=status, peak_bytes=peak, activation_bytes=out.activation_bytes,
+            forward_backward_peak_bytes=out.peak_bytes, samples_per_second=out.samples_per_second,
+            median_seconds=out.median_seconds, spread_seconds=out.spread_seconds,
+            recompute_flops=out.recompute_flops, recompute_overhead=out.recompute_overhead,
+            seconds=time.perf_counter() - t0, steps=out.steps,
+            error=out.error or (conflict if status == TrialStatus.CONFLICT else None), traceback=out.traceback,
+            extra=extra, **common,
+        )  # fmt: skip
+
+    # -- proposals (rank 0) ------------------------------------------------------------------------
+    def _proposals(self) -> Iterator[Proposal]:
+        """Rank 0's candidates; each ``yield`` receives (via ``send``) the record the candidate produced."""
+        import optuna
+
+        queue = [c for c in self.candidates if c.baseline is not None]
+        if self.exhaustive:
+            queue += [c for c in self.candidates if c.baseline is None]
+        distributions = self.space.distributions(self.stacks)
+        for cand in queue:
+            if self._done():
+                return
+            if cand.plan.key() in self.by_key:
+                continue
+            record = yield cand.params, cand.plan, cand.label, cand.baseline
+            _add_to_study(self._optuna, record, distributions)
+        redraws = 0
+        while not self.exhaustive and not self._done() and len(self.by_key) < len(self.candidates):
+            ot = self._optuna.ask()
+            params = self.space.suggest(ot, self.stacks)
+            plan = self.space.plan_for(params, self.stacks, fingerprint=self.fingerprint)
+            if plan.key() not in self.by_key and (self.memory is None or self.memory.can_run(plan) is None):
+                redraws = 0
+                record = yield params, plan, plan.describe(), None
+                for key, value in _attrs(record).items():
+                    ot.set_user_attr(key, value)
+                if record.status == TrialStatus.PRUNED:
+                    self._optuna.tell(ot, state=optuna.trial.TrialState.PRUNED)
+                else:
+                    self._optuna.tell(ot, _objective(record))
+                continue
+            # A known (or unrunnable) plan: FAIL keeps it out of the sampler's history, which it already has.
+            self._optuna.tell(ot, state=optuna.trial.TrialState.FAIL)
+            redraws += 1
+            if redraws >= _MAX_REDRAWS:
+                unseen = [c for c in self.candidates if c.plan.key() not in self.by_key]
+                if not unseen:
+                    return
+                cand = unseen[self._rng.randrange(len(unseen))]
+                redraws = 0
+                record = yield cand.params, cand.plan, cand.label, cand.baseline
+                _add_to_study(self._optuna, record, distributions)
+
+    def _create_optuna_study(self) -> Any:
+        import optuna
+
+        config = self.config
+        sampler = config.sampler
+        if sampler is None:
+            sampler = optuna.samplers.TPESampler(
+                seed=config.seed, n_startup_trials=min(10, max(1, config.n_trials // 3))
+            )
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        name = config.study_name
+        if config.storage is not None and name is None:
+            name = f"lightning_ckpt-{self.fingerprint}"  # same model, same study: an interrupted search resumes
+        return optuna.create_study(
+            direction="maximize", sampler=sampler, storage=config.storage, study_name=name,
+            load_if_exists=config.storage is not None,
+        )  # fmt: skip
+
+    def _resume(self) -> None:
+        """Trials of a persisted study (``storage=``) measured by an earlier, interrupted run are taken as they are."""
+        stored = [dict(t.user_attrs) for t in self._optuna.trials] if self._optuna is not None else []
+        stored = self.sync.broadcast(stored)
+        for attrs in stored:
+            resumed = _record_from_attrs(len(self.records), attrs)
+            if resumed is not None and resumed.plan.key() not in self.by_key:
+                self.records.append(resumed)
+                self.by_key[resumed.plan.key()] = resumed
+        if self.records:
+            log.info("lightning_ckpt: resumed %d trials from a stored study", len(self.records))
+
+    # -- confirmation ------------------------------------------------------------------------------
+    def confirm(self) -> None:
+        """Re-time the ``confirm_top`` fastest feasible trials and the fastest feasible baseline, interleaved.
+
+        The choice then rests on figures taken side by side, not on one trial measured in a slow moment.
+        A leader whose median is within the spread of the runner-up's is a statistical tie, which goes to
+        lower memory (``tie_tolerance`` widens to the measured relative spread). Memory is kept as measured.
+        """
+        config = self.config
+        if config.confirm_top <= 0:
+            return
+        feasible = sorted((t for t in self.records if t.feasible and t.samples_per_second),
+                          key=lambda t: -(t.samples_per_second or 0.0))  # fmt: skip
+        chosen = feasible[: config.confirm_top]
+        baseline = next((t for t in feasible if t.baseline is not None), None)
+        if baseline is not None and baseline not in chosen:
+            chosen.append(baseline)
+        if len(chosen) < 2:
+            return
+        steps = config.measure_steps
+        entries = [
+            ConfirmEntry(t, _timer(self.runner, t.plan, steps), self.samples_per_step, steps + 1) for t in chosen
+        ]
+        per_sample = confirm_interleaved(
+            entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds, sync=self.sync
+        )
+        self.records = apply_confirmation(self.records, entries, per_sample)
+        self.tie_tolerance = confirmed_tie_tolerance(per_sample, config.tie_tolerance)
+
+    # -- the choice ----------------------------------------------------------------------------------
+    def choose(self) -> tuple[TrialRecord, bool, str]:
+        """(chosen trial, fell back, fallback warning). A plan that never ran is never chosen."""
+        best = choose_best(self.records, self.budget, tie_tolerance=self.tie_tolerance, confirmed_only=True)
+        if best is not None:
+            return best, False, ""
+        if self.config.on_infeasible == "fallback" and lowest_memory(self.records, self.budget) is None:
+            # Everything was pruned (or failed): measure the plan predicted to use least memory first.
+            pruned = [t for t in self.records if t.status == TrialStatus.PRUNED]
+            if pruned:
+                cand = min(
+                    pruned,
+                    key=lambda t: self.budget.value_of(t.predicted_peak_bytes, t.predicted_activation_bytes) or 0,
+                )
+                self.measure(cand.params, cand.plan, cand.label, cand.baseline, prune=False)
+        lowest = lowest_memory(self.records, self.budget)
+        summary = ", ".join(f"{t.label}={t.status}" for t in self.records[:8])
+        message = (
+            f"No checkpointing plan fits the budget ({self.budget.description}). Tried {len(self.records)} plans "
+            f"({summary}). Raise max_memory/activation_budget, reduce the batch size, or widen the search space."
+        )
+        if lowest is None and any(t.status == TrialStatus.ERROR for t in self.records):
+            raise TrialsFailedError(
+                "No checkpointing plan could be measured: every trial that ran failed, so there is nothing to apply."
+                + failures_message(self.records)
+                + "\nFix the error above (it comes from the training step, not from the budget) and run again."
+            )
+        if self.config.on_infeasible == "raise" or lowest is None:
+            raise InfeasibleBudgetError(message + failures_message(self.records))
+        return lowest, True, message + f" Falling back to the lowest-memory plan: {lowest.label}."
+
+    def result(self, *, extra_steps: int, memory_table: str = "", memory_breakdown: Mapping[str, Any] | None = None,
+               metadata: Mapping[str, Any] | None = None) -> TuneResult:  # fmt: skip
+        """Choose, then the ``TuneResult`` with the chosen plan carrying its evidence as metadata."""
+        import warnings
+
+        best, fell_back, fallback_message = self.choose()
+        if fell_back:
+            warnings.warn(fallback_message, stacklevel=3)
+        baselines = {
+            t.baseline: {"status": t.status.value, "samples_per_second": t.samples_per_second,
+                         "peak_bytes": t.peak_bytes, "activation_bytes": t.activation_bytes}
+            for t in self.records if t.baseline is not None
+        }  # fmt: skip
+        chosen = replace(
+            best.plan, name=best.plan.name or "tuned", fingerprint=self.fingerprint,
+            metadata={
+                **best.plan.metadata, "versions": library_versions(), "budget": self.budget.to_dict(),
+                "measured": {
+                    "label": best.label, "status": best.status.value, "samples_per_second": best.samples_per_second,
+                    "median_seconds": best.median_seconds, "peak_bytes": best.peak_bytes,
+                    "activation_bytes": best.activation_bytes, "predicted_peak_bytes": best.predicted_peak_bytes,
+                    "recompute_overhead": best.recompute_overhead,
+                },
+                "baselines": baselines,
+                "search": {
+                    "n_trials": self.config.n_trials, "trials_run": len(self.records), "exhaustive": self.exhaustive,
+                    "space_size": len(self.candidates), "seed": self.config.seed,
+                    "sampler": type(self._optuna.sampler).__name__ if self._optuna is not None else None,
+                    "tie_tolerance": self.tie_tolerance, "fell_back": fell_back,
+                },
+                **(metadata or {}),
+            },
+        )  # fmt: skip
+        leader_digest = self.sync.broadcast(chosen.digest())
+        if leader_digest != chosen.digest():
+            raise ApplyError(
+                f"Ranks disagree on the tuned plan: rank 0 chose {leader_digest}, this rank {chosen.digest()} "
+                f"({chosen.describe()}). Trials must be combined identically on every rank; please report this."
+            )
+        return TuneResult(
+            best=chosen, best_trial=best, trials=tuple(self.records), budget=self.budget,
+            tuning_seconds=time.perf_counter() - self.started,
+            tuning_steps=sum(t.steps for t in self.records) + extra_steps, fell_back=fell_back,
+            fallback_message=fallback_message, memory_table=memory_table, memory_breakdown=dict(memory_breakdown or {}),
+        )  # fmt: skip
+
+
+def apply_confirmation(
+    records: Sequence[TrialRecord],
+    entries: Sequence[ConfirmEntry],
+    per_sample: Mapping[int, Sequence[float]],
+) -> list[TrialRecord]:
+    """``records`` with each re-timed trial's throughput replaced by its side-by-side figure."""
+    samples = {e.trial.number: e.samples_per_step for e in entries}
+    round_steps = {e.trial.number: e.steps_per_round for e in entries}
+    out = list(records)
+    for i, t in enumerate(out):
+        times = per_sample.get(t.number)
+        if not times:
+            continue
+        med = statistics.median(times)
+        out[i] = replace(
+            t, samples_per_second=1.0 / med, median_seconds=med * samples[t.number],
+            steps=t.steps + len(times) * round_steps[t.number], confirmation_seconds=tuple(x * samples[t.number] for x in times),
+            first_samples_per_second=t.samples_per_second,
+        )  # fmt: skip
+    return out
+
+
+def confirmed_tie_tolerance(per_sample: Mapping[int, Sequence[float]], tie_tolerance: float) -> float:
+    """``tie_tolerance`` widened to the relative spread (MAD / median) the side-by-side figures show, at
+    most 5%: candidates closer than the machine can resolve are a statistical tie, which goes to memory."""
+    spreads = [mad / med for med, mad in (_median_mad(v) for v in per_sample.values() if v) if med > 0]
+    return max(tie_tolerance, min(0.05, statistics.median(spreads))) if spreads else tie_tolerance
+
+
+def _timer(runner: TrialRunner, plan: Plan, steps: int) -> Callable[[], float | None]:
+    def time_step() -> float | None:
+        m = runner.retime(plan, steps)
+        return m.median_seconds if m.status == "ok" else None
+
+    return time_step
+
+
+def _send(proposals: Iterator[Proposal] | Any, record: TrialRecord) -> Proposal | None:
+    try:
+        return proposals.send(record)
+    except StopIteration:
+        return None
+
+
+def _objective(trial: TrialRecord) -> float:
+    # Optuna maximises this; anything that did not run within budget scores 0 so the sampler learns
+    # to avoid it, while the record keeps the real reason.
+    return float(trial.samples_per_second or 0.0) if trial.feasible else 0.0
+
+
+_RECORD_FIELDS = (
+    "label", "status", "predicted_peak_bytes", "predicted_activation_bytes", "peak_bytes", "activation_bytes",
+    "samples_per_second", "median_seconds", "spread_seconds", "recompute_flops", "recompute_overhead",
+    "seconds", "steps", "error", "forward_backward_peak_bytes", "baseline",
+)  # fmt: skip
+
+
+def _attrs(trial: TrialRecord) -> dict[str, Any]:
+    """Everything needed to rebuild the record from a persisted study (``storage=``)."""
+    attrs = {k: getattr(trial, k) for k in _RECORD_FIELDS}
+    attrs["status"] = trial.status.value
+    attrs["plan"] = trial.plan.to_dict()
+    attrs["params"] = dict(trial.params)
+    attrs["describe"] = trial.plan.describe()
+    return attrs
+
+
+def _record_from_attrs(number: int, attrs: Mapping[str, Any]) -> TrialRecord | None:
+    if "plan" not in attrs or attrs.get("status") not in {s.value for s in TrialStatus}:
+        return None
+    plan = Plan.from_dict(attrs["plan"], source="stored Optuna trial")
+    fields = {k: attrs.get(k) for k in _RECORD_FIELDS}
+    fields["seconds"] = float(fields["seconds"] or 0.0)
+    fields["steps"] = int(fields["steps"] or 0)
+    return TrialRecord(number=number, plan=plan, params=dict(attrs.get("params", {})), resumed=True, **fields)
+
+
+def _add_to_study(study: Any, trial: TrialRecord, distributions: Mapping[str, Any]) -> None:
+    """Record a trial run outside ask/tell (a baseline, a plan the study picked) so the sampler learns from it."""
+    import optuna
+
+    params = {k: v for k, v in trial.params.items() if k in distributions}
+    if any(v not in distributions[k].choices for k, v in params.items()) or len(params) != len(trial.params):
+        # Outside the user's restricted space: stored (so a resumed study does not measure it again)
+        # without parameters, which keeps it out of the sampler's model.
+        params = {}
+    pruned = trial.status == TrialStatus.PRUNED
+    state = optuna.trial.TrialState.PRUNED if pruned else optuna.trial.TrialState.COMPLETE
+    frozen = optuna.trial.create_trial(
+        params=params, distributions={k: distributions[k] for k in params},
+        value=None if pruned else _objective(trial), state=state, user_attrs=_attrs(trial),
+    )  # fmt: skip
+    study.add_trial(frozen)
