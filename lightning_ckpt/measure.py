@@ -547,6 +547,28 @@ def _validate(
         raise ConfigurationError(f"`memory_limit_bytes >= 1` must hold, but got {memory_limit_bytes!r}.")
 
 
+def _timed_steps(
+    step_fn: Callable[[], Any], snapshot: StateSnapshot, sync: Callable[[], None], clock: Callable[[], float],
+    times: list[float], steps: int, limit_steps: int, target_rel_spread: float | None,
+) -> None:  # fmt: skip
+    """Append step times to ``times``: ``steps`` of them, then more until MAD/median reaches
+    ``target_rel_spread`` or ``limit_steps`` were timed."""
+    while True:
+        snapshot.reset_grads()
+        sync()
+        start = clock()
+        step_fn()
+        sync()
+        times.append(clock() - start)
+        if len(times) < steps:
+            continue
+        if len(times) >= limit_steps:
+            return
+        med, spread = median_and_spread(times)
+        if med > 0 and spread / med <= float(target_rel_spread or 0):
+            return
+
+
 def measure_step(
     step_fn: Callable[[], Any],
     *,
@@ -623,20 +645,7 @@ def measure_step(
                 gc.collect()
                 resting = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            while True:
-                snapshot.reset_grads()
-                sync()
-                start = clock()
-                step_fn()
-                sync()
-                times.append(clock() - start)
-                if len(times) < steps:
-                    continue
-                if len(times) >= limit_steps:
-                    break
-                med, spread = median_and_spread(times)
-                if med > 0 and spread / med <= float(target_rel_spread or 0):
-                    break
+            _timed_steps(step_fn, snapshot, sync, clock, times, steps, limit_steps, target_rel_spread)
             if is_cuda and track_memory and reading is not None:
                 peak = max(torch.cuda.max_memory_allocated(device), reading.peak_bytes)
                 reading = MemoryReading(peak, reading.activation_bytes, resting, str(device))

@@ -945,26 +945,7 @@ def profile_memory(
             overhead = allocator_peak - tracker.total_peak
             snapshot.restore()
 
-        profiles: dict[str, dict[str, ModeProfile]] = {}
-        failed: dict[str, dict[str, str]] = {}
-        in_bytes: dict[str, int] = {}
-        for fqn, cap in reps.items():
-            keys = ["none", "full", "offload", *(f"ops:{name}" for name in SAVE_LISTS)]
-            keys += ["selective:" + ",".join(c) for c in sets.get(fqn, [])]
-            profiles[fqn], failed[fqn] = {}, {}
-            for key in keys:
-                try:
-                    profiles[fqn][key], in_bytes[fqn] = _run_block(root, cap, _block_plan_of(key), externals, dev)
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception as err:
-                    # A mode this block cannot run under (e.g. an op save-list that does not apply) is
-                    # recorded; predicting a plan that uses it raises PlanError with this reason.
-                    if key in ("none", "full"):
-                        raise
-                    failed[fqn][key] = f"{type(err).__name__}: {err}"
-                finally:
-                    snapshot.restore()
+        profiles, failed, in_bytes = _profile_blocks(root, reps, sets, externals, dev, snapshot)
     finally:
         snapshot.restore()
 
@@ -1016,6 +997,34 @@ def profile_memory(
         unchained_stacks=tuple(sorted(unchained)),
         reserve_overhead_bytes=max(0, reserve),
     )
+
+
+def _profile_blocks(
+    root: nn.Module, reps: Mapping[str, _Captured], sets: Mapping[str, list[tuple[str, ...]]], externals: list[Any],
+    dev: torch.device, snapshot: StateSnapshot,
+) -> tuple[dict[str, dict[str, ModeProfile]], dict[str, dict[str, str]], dict[str, int]]:  # fmt: skip
+    """Each representative block alone under every mode: (profiles, modes it failed under, input bytes)."""
+    profiles: dict[str, dict[str, ModeProfile]] = {}
+    failed: dict[str, dict[str, str]] = {}
+    in_bytes: dict[str, int] = {}
+    for fqn, cap in reps.items():
+        keys = ["none", "full", "offload", *(f"ops:{name}" for name in SAVE_LISTS)]
+        keys += ["selective:" + ",".join(c) for c in sets.get(fqn, [])]
+        profiles[fqn], failed[fqn] = {}, {}
+        for key in keys:
+            try:
+                profiles[fqn][key], in_bytes[fqn] = _run_block(root, cap, _block_plan_of(key), externals, dev)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:
+                # A mode this block cannot run under (e.g. an op save-list that does not apply) is
+                # recorded; predicting a plan that uses it raises PlanError with this reason.
+                if key in ("none", "full"):
+                    raise
+                failed[fqn][key] = f"{type(err).__name__}: {err}"
+            finally:
+                snapshot.restore()
+    return profiles, failed, in_bytes
 
 
 def _cuda_allocator_anchor(

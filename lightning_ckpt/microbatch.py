@@ -168,23 +168,7 @@ def tune_micro_batch(
     none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
     budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_at_base)
 
-    lowest = uniform_plan(stacks, BlockPlan("full"))
-    feasible, skipped = [], {}
-    for m in candidates:
-        model_m = scaled.at(m)
-        lowest_peak = opt_mem.real_peak(model_m.predict_peak(lowest))
-        if not budget.fits(lowest_peak, model_m.predict_activation(lowest)):
-            skipped[m] = (
-                f"even full checkpointing is predicted over budget "
-                f"(activation {model_m.predict_activation(lowest)}, real-step peak {lowest_peak} bytes)"
-            )
-        else:
-            feasible.append(m)
-    if not feasible:
-        raise InfeasibleBudgetError(
-            f"No micro-batch of the global batch {global_batch} fits the budget ({budget.description}) even with "
-            "full checkpointing. Raise the budget or reduce the global batch."
-        )
+    feasible, skipped = _feasible_micro_batches(candidates, scaled, opt_mem, budget, stacks, global_batch)
     # Largest micro-batches first: they are the ones checkpointing can unlock.
     per_m_config = replace(config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback")
     per_m: dict[int, TuneResult] = {}
@@ -246,6 +230,31 @@ def tune_micro_batch(
         memory_breakdown=scaled.at(m).to_dict(),
     )
     return MicroBatchResult(result, m, global_batch // m, global_batch, per_m, skipped)
+
+
+def _feasible_micro_batches(
+    candidates: Sequence[int], scaled: ScaledMemoryModel, opt_mem: OptimizerStepMemory, budget: Budget,
+    stacks: Sequence[Any], global_batch: int,
+) -> tuple[list[int], dict[int, str]]:  # fmt: skip
+    """The micro-batches where at least full checkpointing is predicted to fit, and why the others are not."""
+    lowest = uniform_plan(stacks, BlockPlan("full"))
+    feasible, skipped = [], {}
+    for m in candidates:
+        model_m = scaled.at(m)
+        lowest_peak = opt_mem.real_peak(model_m.predict_peak(lowest))
+        if not budget.fits(lowest_peak, model_m.predict_activation(lowest)):
+            skipped[m] = (
+                f"even full checkpointing is predicted over budget "
+                f"(activation {model_m.predict_activation(lowest)}, real-step peak {lowest_peak} bytes)"
+            )
+        else:
+            feasible.append(m)
+    if not feasible:
+        raise InfeasibleBudgetError(
+            f"No micro-batch of the global batch {global_batch} fits the budget ({budget.description}) even with "
+            "full checkpointing. Raise the budget or reduce the global batch."
+        )
+    return feasible, skipped
 
 
 def _confirmation_entries(
