@@ -10,6 +10,7 @@ uses ``LocalSync``): rank 0 proposes, every rank measures, results are combined 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import statistics
 import time
@@ -44,6 +45,11 @@ log = logging.getLogger(__name__)
 # a sampler that has seen most of a space redraws known points, and every redraw costs a suggest call
 # whose cost grows with the study (54 of 105 s of a 16-layer search went there before this bound).
 _MAX_REDRAWS = 2
+# A statistical tie (leaders closer than their measured spread) goes to lower memory, but never at the
+# cost of more than this much throughput.
+_MAX_STATISTICAL_TIE = 0.015
+# Baselines whose first figure is this close to the best baseline's are re-timed with the leaders.
+_BASELINE_BAND = 0.10
 
 Proposal = tuple[Mapping[str, Any], Plan, str, str | None]  # params, plan, label, baseline name
 
@@ -289,7 +295,7 @@ class Study:
 
     # -- confirmation ------------------------------------------------------------------------------
     def confirm(self) -> None:
-        """Re-time the ``confirm_top`` fastest feasible trials and the fastest feasible baseline, interleaved.
+        """Re-time the ``confirm_top`` fastest feasible trials and the fastest feasible baselines, interleaved.
 
         The choice then rests on figures taken side by side, not on one trial measured in a slow moment.
         A leader whose median is within the spread of the runner-up's is a statistical tie, which goes to
@@ -301,9 +307,12 @@ class Study:
         feasible = sorted((t for t in self.records if t.feasible and t.samples_per_second),
                           key=lambda t: -(t.samples_per_second or 0.0))  # fmt: skip
         chosen = feasible[: config.confirm_top]
-        baseline = next((t for t in feasible if t.baseline is not None), None)
-        if baseline is not None and baseline not in chosen:
-            chosen.append(baseline)
+        # The fitting baselines within the measurement noise of the best one: one measured in a slow moment
+        # must still be the reference the choice is held against.
+        baselines = [t for t in feasible if t.baseline is not None]
+        if baselines:
+            floor = (baselines[0].samples_per_second or 0.0) * (1 - _BASELINE_BAND)
+            chosen += [t for t in baselines if (t.samples_per_second or 0.0) >= floor and t not in chosen]
         if len(chosen) < 2:
             return
         steps = config.measure_steps
@@ -317,11 +326,23 @@ class Study:
         self.tie_tolerance = confirmed_tie_tolerance(per_sample, config.tie_tolerance)
 
     # -- the choice ----------------------------------------------------------------------------------
+    def _hold_against_baselines(self, best: TrialRecord) -> TrialRecord:
+        """A tuned plan must beat the best fitting baseline measured beside it by more than the measurement
+        resolves; otherwise the baseline, the known reference, is chosen (a 'win' inside the noise is none)."""
+        if best.baseline is not None or not best.confirmed:
+            return best
+        baselines = [t for t in self.records if t.baseline is not None and t.feasible and t.confirmed]
+        reference = max(baselines, key=lambda t: t.samples_per_second or 0.0, default=None)
+        if reference is None:
+            return best
+        margin = (best.samples_per_second or 0.0) / (reference.samples_per_second or 1.0) - 1
+        return best if margin > self.tie_tolerance else reference
+
     def choose(self) -> tuple[TrialRecord, bool, str]:
         """(chosen trial, fell back, fallback warning). A plan that never ran is never chosen."""
         best = choose_best(self.records, self.budget, tie_tolerance=self.tie_tolerance, confirmed_only=True)
         if best is not None:
-            return best, False, ""
+            return self._hold_against_baselines(best), False, ""
         if self.config.on_infeasible == "fallback" and lowest_memory(self.records, self.budget) is None:
             # Everything was pruned (or failed): measure the plan predicted to use least memory first.
             pruned = [t for t in self.records if t.status == TrialStatus.PRUNED]
@@ -417,10 +438,12 @@ def apply_confirmation(
 
 
 def confirmed_tie_tolerance(per_sample: Mapping[int, Sequence[float]], tie_tolerance: float) -> float:
-    """``tie_tolerance`` widened to the relative spread (MAD / median) the side-by-side figures show, at
-    most 5%: candidates closer than the machine can resolve are a statistical tie, which goes to memory."""
-    spreads = [mad / med for med, mad in (_median_mad(v) for v in per_sample.values() if v) if med > 0]
-    return max(tie_tolerance, min(0.05, statistics.median(spreads))) if spreads else tie_tolerance
+    """``tie_tolerance`` widened to the uncertainty of the side-by-side medians (relative MAD / sqrt(rounds)),
+    at most ``_MAX_STATISTICAL_TIE``: candidates closer than the machine resolves are a statistical tie,
+    which goes to lower memory."""
+    stats = [(_median_mad(v), len(v)) for v in per_sample.values() if v]
+    errors = [mad / med / math.sqrt(n) for (med, mad), n in stats if med > 0]
+    return max(tie_tolerance, min(_MAX_STATISTICAL_TIE, statistics.median(errors))) if errors else tie_tolerance
 
 
 def _timer(runner: TrialRunner, plan: Plan, steps: int) -> Callable[[], float | None]:

@@ -1,0 +1,241 @@
+"""The Study with a fake runner: exact choices (ties, pruning, confirmation, fallback, resume), no sampler
+redraws, and a noisy machine that must not make it choose a plan slower than the best fitting baseline."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+import torch
+
+from lightning_ckpt import discover_blocks
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.config import TuneConfig
+from lightning_ckpt.errors import InfeasibleBudgetError, TrialsFailedError
+from lightning_ckpt.measure import Measurement
+from lightning_ckpt.optimizer_step import OptimizerStepMemory, RealStepMemory
+from lightning_ckpt.plan import Plan
+from lightning_ckpt.records import TrialStatus
+from lightning_ckpt.runners import TrialOutcome
+from lightning_ckpt.space import SearchSpace
+from lightning_ckpt.study import Study
+from lightning_ckpt.testing import GPT, GPTConfig
+
+MODEL = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+STACKS = tuple(discover_blocks(MODEL))
+SPACE = SearchSpace.from_config({"modes": ["full", "selective:mlp", "selective:attention"],
+                                 "selections": ["all", "first:0.5", "every:2"], "rest_modes": ["none"],
+                                 "segments": True, "chunks": [2]})  # fmt: skip
+CANDIDATES = SPACE.enumerate(STACKS, fingerprint=None)
+
+
+def _checkpointed(plan: Plan) -> float:
+    """How much of the model a plan checkpoints, 0..1 (segments count as all of it)."""
+    if plan.segments:
+        return 1.0
+    weight = {"full": 1.0, "selective": 0.5}
+    return sum(weight.get(bp.mode, 1.0) for bp in plan.blocks.values()) / len(STACKS[0].blocks)
+
+
+class FakeMemory:
+    """Memory falls linearly with the checkpointed share: none 1000 bytes, everything 400."""
+
+    def predict_peak(self, plan: Plan) -> int:
+        return int(1000 - 600 * _checkpointed(plan))
+
+    def predict_activation(self, plan: Plan) -> int:
+        return self.predict_peak(plan) - 100
+
+    def can_run(self, plan: Plan) -> str | None:
+        return None
+
+
+class FakeRunner:
+    """Step time = 1 + 0.3 x checkpointed share (+ ``speed`` overrides), times (1 + noise) per measurement."""
+
+    predicts_memory = True
+
+    def __init__(self, *, noise: float = 0.0, seed: int = 0, speed: dict[str, float] | None = None,
+                 fail: str | None = None, memory_error: float = 0.0) -> None:  # fmt: skip
+        self.noise, self.rng, self.speed, self.fail = noise, random.Random(seed), speed or {}, fail
+        self.memory_error = memory_error
+        self.measured: list[str] = []
+        self.retimed: list[str] = []
+
+    def true_seconds(self, plan: Plan) -> float:
+        return self.speed.get(plan.key(), 1.0 + 0.3 * _checkpointed(plan))
+
+    def _noisy(self, plan: Plan, steps: int = 3) -> float:
+        """The median of ``steps`` noisy step times, as measure_step reports."""
+        times = [self.true_seconds(plan) * (1 + self.rng.uniform(-self.noise, self.noise)) for _ in range(steps)]
+        return statistics.median(times)
+
+    def measure(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+        self.measured.append(plan.describe())
+        if self.fail == "all" or (self.fail == "checkpointed" and not plan.is_empty):
+            return TrialOutcome(TrialStatus.ERROR, error="ValueError: boom", traceback="Traceback: boom", steps=1)
+        seconds = self._noisy(plan)
+        peak = int(FakeMemory().predict_peak(plan) * (1 + self.memory_error))
+        return TrialOutcome(TrialStatus.OK, peak_bytes=peak, activation_bytes=peak - 100, samples_per_second=1 / seconds,
+                            median_seconds=seconds, spread_seconds=0.0, steps=4)  # fmt: skip
+
+    def retime(self, plan: Plan, steps: int) -> Measurement:
+        self.retimed.append(plan.describe())
+        seconds = self._noisy(plan, steps)
+        return Measurement("ok", step_seconds=(seconds,), median_seconds=seconds, spread_seconds=0.0,
+                           samples_per_second=1 / seconds)  # fmt: skip
+
+
+def study(runner: FakeRunner, budget: Budget, **config) -> Study:
+    config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, **config})
+    return Study(candidates=CANDIDATES, space=SPACE, stacks=STACKS, runner=runner, budget=budget,
+                 memory=RealStepMemory(FakeMemory(), OptimizerStepMemory.absent()), config=config, fingerprint=None,
+                 device_type="cpu")  # fmt: skip
+
+
+def test_exhaustive_search_prunes_what_cannot_fit_and_chooses_the_fastest_that_fits():
+    runner = FakeRunner()
+    s = study(runner, Budget("peak", 700))
+    s.run()
+    pruned = [t for t in s.records if t.status == TrialStatus.PRUNED]
+    assert pruned and all(t.predicted_peak_bytes > 700 for t in pruned)
+    assert not {t.plan.describe() for t in pruned} & set(runner.measured), "a pruned plan is never run"
+    assert len(s.records) == len(CANDIDATES) and s.exhaustive
+    s.confirm()
+    result = s.result(extra_steps=0)
+    fitting = [t for t in s.records if t.status == TrialStatus.OK]
+    # Exactly the least checkpointing that fits: 1000 - 600 x share <= 700  <=>  share >= 0.5.
+    assert _checkpointed(result.best) == pytest.approx(min(_checkpointed(t.plan) for t in fitting))
+    assert result.best_trial.peak_bytes <= 700 and not result.fell_back
+
+
+def test_a_tie_goes_to_lower_memory():
+    # Two plans a hair apart in speed: the slower-by-0.5% one checkpoints more and so uses less memory.
+    fast = next(c.plan for c in CANDIDATES if _checkpointed(c.plan) == 0.25)
+    lean = next(c.plan for c in CANDIDATES if _checkpointed(c.plan) == 0.5)
+    speed = {c.plan.key(): 3.0 for c in CANDIDATES} | {fast.key(): 1.0, lean.key(): 1.005}
+    s = study(FakeRunner(speed=speed), Budget("peak", 10_000), tie_tolerance=0.01)
+    s.run()
+    s.confirm()
+    assert s.result(extra_steps=0).best.key() == lean.key()
+    s = study(FakeRunner(speed=speed), Budget("peak", 10_000), tie_tolerance=0.001)
+    s.run()
+    s.confirm()
+    assert s.result(extra_steps=0).best.key() == fast.key()
+
+
+def test_confirmation_corrects_a_lucky_first_measurement():
+    lucky = next(c.plan for c in CANDIDATES if _checkpointed(c.plan) == 0.5)
+
+    class Lucky(FakeRunner):
+        def measure(self, plan, memory_limit):
+            out = super().measure(plan, memory_limit)
+            if plan.key() == lucky.key():  # measured in a fast moment: looks 30% faster than it is
+                return TrialOutcome(**{**out.__dict__, "samples_per_second": out.samples_per_second * 1.5})
+            return out
+
+    runner = Lucky()
+    s = study(runner, Budget("peak", 10_000))
+    s.run()
+    assert max(s.records, key=lambda t: t.samples_per_second or 0).plan.key() == lucky.key()
+    s.confirm()
+    best = s.result(extra_steps=0).best_trial
+    assert best.plan.is_empty and best.confirmed and best.first_samples_per_second is not None
+    assert lucky.describe() in runner.retimed
+
+
+def test_nothing_fits_falls_back_to_the_lowest_memory_plan_that_ran_or_raises():
+    runner = FakeRunner(memory_error=0.5)  # every real peak 50% above its prediction: all that run are over
+    s = study(runner, Budget("peak", 500))
+    s.run()
+    with pytest.warns(UserWarning, match="Falling back"):
+        result = s.result(extra_steps=0)
+    assert result.fell_back and result.best_trial.status == TrialStatus.OVER_BUDGET
+    assert result.best_trial.peak_bytes == min(t.peak_bytes for t in s.records if t.status.ran)
+    s = study(FakeRunner(memory_error=0.5), Budget("peak", 500), on_infeasible="raise")
+    s.run()
+    with pytest.raises(InfeasibleBudgetError):
+        s.result(extra_steps=0)
+
+
+def test_when_everything_is_pruned_the_fallback_is_measured_first():
+    runner = FakeRunner()
+    s = study(runner, Budget("peak", 100))  # below every prediction: all pruned
+    s.run()
+    assert not runner.measured
+    with pytest.warns(UserWarning, match="Falling back"):
+        result = s.result(extra_steps=0)
+    assert runner.measured == [result.best.describe()] and result.best_trial.status == TrialStatus.OVER_BUDGET
+    assert _checkpointed(result.best) == 1.0
+
+
+def test_when_every_trial_fails_the_first_error_is_raised_with_its_traceback():
+    s = study(FakeRunner(fail="all"), Budget("peak", 10_000))
+    s.run()
+    with pytest.raises(TrialsFailedError, match="boom") as info:
+        s.result(extra_steps=0)
+    assert "Traceback: boom" in str(info.value)
+
+
+def test_a_persisted_study_resumes_without_measuring_again(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first_runner = FakeRunner()
+    first = study(first_runner, Budget("peak", 10_000), storage=storage, n_trials=4, confirm_top=0)
+    first.run()
+    second_runner = FakeRunner()
+    second = study(second_runner, Budget("peak", 10_000), storage=storage, n_trials=6, confirm_top=0)
+    second.run()
+    resumed = [t for t in second.records if t.resumed]
+    assert [t.plan for t in resumed] == [t.plan for t in first.records]
+    assert not {t.plan.describe() for t in resumed} & set(second_runner.measured)
+    assert sum(t.status != TrialStatus.PRUNED for t in second.records) == 6
+
+
+def test_the_sampler_never_redraws_a_known_plan_without_bound():
+    calls = []
+    original = SearchSpace.suggest
+
+    def counting(self, trial, stacks):
+        calls.append(1)
+        return original(self, trial, stacks)
+
+    runner = FakeRunner()
+    s = study(runner, Budget("peak", 10_000), n_trials=len(CANDIDATES) - 1, confirm_top=0)
+    assert not s.exhaustive
+    SearchSpace.suggest = counting
+    try:
+        s.run()
+    finally:
+        SearchSpace.suggest = original
+    sampled = len(s.records) - sum(c.baseline is not None for c in CANDIDATES)
+    assert len({t.plan.key() for t in s.records}) == len(s.records), "no plan measured twice"
+    assert len(calls) <= 3 * sampled, f"{len(calls)} suggest calls for {sampled} sampled plans"
+
+
+def test_on_a_noisy_machine_the_choice_is_never_slower_than_0_97x_the_best_fitting_baseline():
+    """±6% noise on every step time (a busy machine); true speeds of all plans within 8% of each other."""
+    ratios = []
+    for seed in range(30):
+        rng = random.Random(100 + seed)
+        speed = {c.plan.key(): 1.0 + 0.08 * rng.random() for c in CANDIDATES}
+        runner = FakeRunner(noise=0.06, seed=seed, speed=speed)
+        s = study(runner, Budget("peak", 10_000), seed=seed)
+        s.run()
+        s.confirm()
+        best = s.result(extra_steps=0).best
+        best_baseline = min(runner.true_seconds(c.plan) for c in CANDIDATES if c.baseline is not None)
+        ratios.append(best_baseline / runner.true_seconds(best))
+    assert min(ratios) >= 0.97, sorted(round(r, 3) for r in ratios)[:5]
+    assert statistics.median(ratios) >= 0.995
+
+
+def test_study_works_for_a_real_model_end_to_end_through_tune():
+    from lightning_ckpt import tune
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 32, (2, 8))
+    result = tune(MODEL, lambda: MODEL(x, x), activation_budget=0.6, n_trials=4, measure_steps=1,
+                  search_space={"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False})  # fmt: skip
+    assert result.best_trial.confirmed or len([t for t in result.trials if t.feasible]) < 2
+    assert all(isinstance(t.status, TrialStatus) for t in result.trials)
