@@ -382,7 +382,10 @@ class CompiledTrials:
 
     predicts_memory = False  # the memory model predicts the eager step; a compiled one is measured
 
-    def measure(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+    def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+        return self.measure(plan, memory_limit)  # every compiled trial is measured whole (cached)
+
+    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
         """Compile ``plan`` from a reset, measure it, and say whether it fights the compiler.
 
         ``memory_limit`` caps the CUDA allocator during the timed steps (as for eager trials).

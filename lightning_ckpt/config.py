@@ -36,6 +36,10 @@ class TuneConfig:
     confirm_top / confirm_rounds / confirm_max_rounds: the leaders re-timed side by side, at least
     ``confirm_rounds`` and at most ``confirm_max_rounds`` interleaved rounds (see ``study.confirm``).
     allow_graph_breaks: under ``torch.compile``, let plans that add graph breaks win on throughput.
+    memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every
+    benchmarked model), a trial's memory is its prediction and only the plans that can still be chosen
+    (the confirmation round's, the winner) get the slow tracked pass and the FLOP count; ``"every"``:
+    every trial gets them (the tracked pass costs ~3.5 steps, the FLOP count ~2).
     """
 
     n_trials: int = 40
@@ -57,8 +61,11 @@ class TuneConfig:
     confirm_rounds: int = 2
     confirm_max_rounds: int = 6
     allow_graph_breaks: bool = False
+    memory_pass: str = "finalists"
 
     def __post_init__(self) -> None:
+        if self.memory_pass not in ("finalists", "every"):
+            raise ConfigurationError(f"memory_pass must be 'finalists' or 'every', but got {self.memory_pass!r}.")
         object.__setattr__(self, "search_space", SearchSpace.from_config(self.search_space))
         if not _is_int(self.n_trials) or self.n_trials < 1:
             raise ConfigurationError(f"n_trials must be an integer >= 1 (e.g. n_trials=40), but got {self.n_trials!r}.")

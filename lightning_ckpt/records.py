@@ -99,6 +99,7 @@ class TrialRecord:
     confirmation_seconds: tuple[float, ...] = ()  # step times re-measured side by side (study.confirm)
     first_samples_per_second: float | None = None  # the figure before confirmation replaced it
     resumed: bool = False  # taken from a persisted study, not measured in this process
+    memory_measured: bool = True  # False: peak/activation are the memory model's prediction (see Study.verify)
     micro_batch: int | None = None  # joint micro-batch search: this trial's micro-batch and accumulation
     accumulation: int | None = None
 

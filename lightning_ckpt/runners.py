@@ -66,8 +66,13 @@ class TrialRunner(Protocol):
 
     predicts_memory: bool  # the memory model's predictions hold for this runner's steps
 
-    def measure(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
-        """Run ``plan`` (warm-up, timed steps, memory), ``memory_limit`` capping the CUDA allocator."""
+    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
+        """Run ``plan`` (warm-up, timed steps; the memory pass unless ``memory=False``), ``memory_limit``
+        capping the CUDA allocator."""
+        ...
+
+    def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+        """Only the memory pass (and the FLOP count) of ``plan``: for a trial timed with ``memory=False``."""
         ...
 
     def retime(self, plan: Plan, steps: int) -> Measurement:
@@ -85,16 +90,25 @@ class EagerRunner:
         self.count_flops = count_flops
         self.reserve_headroom_bytes = reserve_headroom_bytes
 
-    def measure(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
+        return self._measure(plan, memory_limit, warmup=self.harness.warmup_steps, steps=self.harness.measure_steps,
+                             memory=memory, flops=memory and self.count_flops)  # fmt: skip
+
+    def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+        return self._measure(plan, memory_limit, warmup=0, steps=1, memory=True, flops=self.count_flops)
+
+    def _measure(
+        self, plan: Plan, memory_limit: int | None, *, warmup: int, steps: int, memory: bool, flops: bool
+    ) -> TrialOutcome:
         h = self.harness
         offload = h.device.type == "cuda" and any(bp.mode == "offload" for bp in plan.blocks.values())
         if offload:
             _reset_pinned_peak()
         with plan_applied(h.root, plan, check_fingerprint=False):
             m = measure_step(
-                h.train_step, model=h.root, optimizer=h.optimizer, warmup=h.warmup_steps, steps=h.measure_steps,
-                device=h.device, batch_size=h.batch_size, seq_len=h.seq_len, track_memory=True,
-                count_flops=self.count_flops, memory_limit_bytes=memory_limit, extra=h.extra,
+                h.train_step, model=h.root, optimizer=h.optimizer, warmup=warmup, steps=steps,
+                device=h.device, batch_size=h.batch_size, seq_len=h.seq_len, track_memory=memory,
+                count_flops=flops, memory_limit_bytes=memory_limit, extra=h.extra,
                 reserve_headroom_bytes=self.reserve_headroom_bytes,
             )  # fmt: skip
         steps = m.warmup_steps + len(m.step_seconds) + (1 if m.peak_bytes is not None else 0)

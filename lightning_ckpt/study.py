@@ -127,6 +127,11 @@ class Study:
         self.candidates = list(candidates)
         self.space, self.stacks, self.runner, self.budget = space, stacks, runner, budget
         self.memory, self.config, self.fingerprint = memory, config, fingerprint
+        # On CPU the memory model is exact: trials are timed only, and the plans that can still be chosen
+        # get the slow tracked pass (verify). On CUDA every trial reads the allocator anyway.
+        self.lazy_memory = (
+            config.memory_pass == "finalists" and device_type == "cpu" and memory is not None and runner.predicts_memory
+        )
         self.sync: Sync = sync or LocalSync()
         self.progress, self.should_stop = progress, should_stop
         self.samples_per_step = samples_per_step
@@ -204,21 +209,68 @@ class Study:
         )  # fmt: skip
         if prune:
             return TrialRecord(status=TrialStatus.PRUNED, seconds=time.perf_counter() - t0, **common)
-        out = self.runner.measure(plan, self.memory_limit)
+        lazy = self.lazy_memory and predicted is not None
+        out = self.runner.measure(plan, self.memory_limit, memory=not lazy)
+        if lazy and out.status == TrialStatus.OK:
+            trial = TrialRecord(
+                status=TrialStatus.OK, peak_bytes=predicted[0], activation_bytes=predicted[1], memory_measured=False,
+                samples_per_second=out.samples_per_second, median_seconds=out.median_seconds,
+                spread_seconds=out.spread_seconds, seconds=time.perf_counter() - t0, steps=out.steps,
+                extra=dict(out.extra), **common,
+            )  # fmt: skip
+            return self._judged(trial, out)
+        return self._with_memory(TrialRecord(seconds=time.perf_counter() - t0, **common), out)
+
+    def _with_memory(self, trial: TrialRecord, out: Any) -> TrialRecord:
+        """``trial`` with the measured memory (and speed, status, FLOPs) of ``out``, judged against the budget."""
         peak = self.memory.real_peak(out.peak_bytes) if self.memory is not None else out.peak_bytes
-        fits = self.budget.fits(peak, out.activation_bytes)
-        conflict = None if plan.is_empty else out.conflict
-        status = judge_status(out.status, conflict, allow_graph_breaks=self.config.allow_graph_breaks, fits=fits)
-        extra = {**out.extra, **({"conflict": conflict} if conflict else {})}
-        return TrialRecord(
-            status=status, peak_bytes=peak, activation_bytes=out.activation_bytes,
-            forward_backward_peak_bytes=out.peak_bytes, samples_per_second=out.samples_per_second,
-            median_seconds=out.median_seconds, spread_seconds=out.spread_seconds,
-            recompute_flops=out.recompute_flops, recompute_overhead=out.recompute_overhead,
-            seconds=time.perf_counter() - t0, steps=out.steps,
-            error=out.error or (conflict if status == TrialStatus.CONFLICT else None), traceback=out.traceback,
-            extra=extra, **common,
+        timed = out.samples_per_second is not None
+        trial = replace(
+            trial, peak_bytes=peak, activation_bytes=out.activation_bytes, forward_backward_peak_bytes=out.peak_bytes,
+            memory_measured=True, recompute_flops=out.recompute_flops, recompute_overhead=out.recompute_overhead,
+            samples_per_second=out.samples_per_second if timed else trial.samples_per_second,
+            median_seconds=out.median_seconds if timed else trial.median_seconds,
+            spread_seconds=out.spread_seconds if timed else trial.spread_seconds,
+            steps=trial.steps + out.steps, traceback=out.traceback, error=out.error,
+            extra={**trial.extra, **out.extra},
         )  # fmt: skip
+        return self._judged(trial, out)
+
+    def _judged(self, trial: TrialRecord, out: Any) -> TrialRecord:
+        conflict = None if trial.plan.is_empty else out.conflict
+        fits = self.budget.fits(trial.peak_bytes, trial.activation_bytes)
+        status = judge_status(out.status, conflict, allow_graph_breaks=self.config.allow_graph_breaks, fits=fits)
+        error = trial.error or (conflict if status == TrialStatus.CONFLICT else None)
+        extra = {**trial.extra, **({"conflict": conflict} if conflict else {})}
+        return replace(trial, status=status, error=error, extra=extra)
+
+    def verify(self, trials: Sequence[TrialRecord]) -> None:
+        """Give trials timed without their memory pass (``lazy_memory``) their measured memory, on every rank:
+        only plans measured within budget can be chosen."""
+        for t in trials:
+            if t.memory_measured:
+                continue
+            t0 = time.perf_counter()
+            local = self._with_memory(t, self.runner.measure_memory(t.plan, self.memory_limit))
+            local = replace(local, seconds=t.seconds + time.perf_counter() - t0)
+            verified = combine_trials(self.sync.all_gather(local), self.budget)
+            self.records[self.records.index(t)] = verified
+            self.by_key[verified.plan.key()] = verified
+
+    def _verified_leaders(self, top: int) -> list[TrialRecord]:
+        """The ``top`` fastest feasible trials, each with measured memory (verifying until ``top`` remain)."""
+        while True:
+            feasible = sorted((t for t in self.records if t.feasible and t.samples_per_second),
+                              key=lambda t: -(t.samples_per_second or 0.0))  # fmt: skip
+            leaders = feasible[:top]
+            baselines = [t for t in feasible if t.baseline is not None]
+            if baselines:
+                floor = (baselines[0].samples_per_second or 0.0) * (1 - _BASELINE_BAND)
+                leaders += [t for t in baselines if (t.samples_per_second or 0.0) >= floor and t not in leaders]
+            unverified = [t for t in leaders if not t.memory_measured]
+            if not unverified:
+                return leaders
+            self.verify(unverified)
 
     # -- proposals (rank 0) ------------------------------------------------------------------------
     def _proposals(self) -> Iterator[Proposal]:
@@ -304,15 +356,9 @@ class Study:
         config = self.config
         if config.confirm_top <= 0:
             return
-        feasible = sorted((t for t in self.records if t.feasible and t.samples_per_second),
-                          key=lambda t: -(t.samples_per_second or 0.0))  # fmt: skip
-        chosen = feasible[: config.confirm_top]
-        # The fitting baselines within the measurement noise of the best one: one measured in a slow moment
-        # must still be the reference the choice is held against.
-        baselines = [t for t in feasible if t.baseline is not None]
-        if baselines:
-            floor = (baselines[0].samples_per_second or 0.0) * (1 - _BASELINE_BAND)
-            chosen += [t for t in baselines if (t.samples_per_second or 0.0) >= floor and t not in chosen]
+        # The leaders, plus the fitting baselines within the measurement noise of the best one (one measured in
+        # a slow moment must still be the reference the choice is held against), all with measured memory.
+        chosen = self._verified_leaders(config.confirm_top)
         if len(chosen) < 2:
             return
         steps = config.measure_steps
@@ -340,7 +386,11 @@ class Study:
 
     def choose(self) -> tuple[TrialRecord, bool, str]:
         """(chosen trial, fell back, fallback warning). A plan that never ran is never chosen."""
-        best = choose_best(self.records, self.budget, tie_tolerance=self.tie_tolerance, confirmed_only=True)
+        while True:
+            best = choose_best(self.records, self.budget, tie_tolerance=self.tie_tolerance, confirmed_only=True)
+            if best is None or best.memory_measured:
+                break
+            self.verify([best])  # never choose on a prediction alone
         if best is not None:
             return self._hold_against_baselines(best), False, ""
         if self.config.on_infeasible == "fallback" and lowest_memory(self.records, self.budget) is None:
@@ -353,6 +403,9 @@ class Study:
                 )
                 self.measure(cand.params, cand.plan, cand.label, cand.baseline, prune=False)
         lowest = lowest_memory(self.records, self.budget)
+        while lowest is not None and not lowest.memory_measured:  # a fallback is measured too, never predicted
+            self.verify([lowest])
+            lowest = lowest_memory(self.records, self.budget)
         summary = ", ".join(f"{t.label}={t.status}" for t in self.records[:8])
         message = (
             f"No checkpointing plan fits the budget ({self.budget.description}). Tried {len(self.records)} plans "

@@ -62,6 +62,7 @@ class FakeRunner:
         self.memory_error = memory_error
         self.measured: list[str] = []
         self.retimed: list[str] = []
+        self.verified: list[str] = []
 
     def true_seconds(self, plan: Plan) -> float:
         return self.speed.get(plan.key(), 1.0 + 0.3 * _checkpointed(plan))
@@ -71,7 +72,12 @@ class FakeRunner:
         times = [self.true_seconds(plan) * (1 + self.rng.uniform(-self.noise, self.noise)) for _ in range(steps)]
         return statistics.median(times)
 
-    def measure(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+    def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+        self.verified.append(plan.describe())
+        peak = int(FakeMemory().predict_peak(plan) * (1 + self.memory_error))
+        return TrialOutcome(TrialStatus.OK, peak_bytes=peak, activation_bytes=peak - 100, steps=1)
+
+    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
         self.measured.append(plan.describe())
         if self.fail == "all" or (self.fail == "checkpointed" and not plan.is_empty):
             return TrialOutcome(TrialStatus.ERROR, error="ValueError: boom", traceback="Traceback: boom", steps=1)
@@ -129,7 +135,7 @@ def test_confirmation_corrects_a_lucky_first_measurement():
     lucky = next(c.plan for c in CANDIDATES if _checkpointed(c.plan) == 0.5)
 
     class Lucky(FakeRunner):
-        def measure(self, plan, memory_limit):
+        def measure(self, plan, memory_limit, *, memory=True):
             out = super().measure(plan, memory_limit)
             if plan.key() == lucky.key():  # measured in a fast moment: looks 30% faster than it is
                 return TrialOutcome(**{**out.__dict__, "samples_per_second": out.samples_per_second * 1.5})
@@ -167,6 +173,7 @@ def test_when_everything_is_pruned_the_fallback_is_measured_first():
     with pytest.warns(UserWarning, match="Falling back"):
         result = s.result(extra_steps=0)
     assert runner.measured == [result.best.describe()] and result.best_trial.status == TrialStatus.OVER_BUDGET
+    assert runner.verified == [result.best.describe()] and result.best_trial.memory_measured
     assert _checkpointed(result.best) == 1.0
 
 
@@ -239,3 +246,26 @@ def test_study_works_for_a_real_model_end_to_end_through_tune():
                   search_space={"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False})  # fmt: skip
     assert result.best_trial.confirmed or len([t for t in result.trials if t.feasible]) < 2
     assert all(isinstance(t.status, TrialStatus) for t in result.trials)
+
+
+def test_on_cpu_only_the_plans_that_can_be_chosen_get_the_memory_pass_and_a_misprediction_is_caught():
+    fastest_fitting = next(c.plan for c in CANDIDATES if _checkpointed(c.plan) == 0.5)
+
+    class Mispredicted(FakeRunner):
+        def measure_memory(self, plan, memory_limit):
+            out = super().measure_memory(plan, memory_limit)
+            if plan.key() == fastest_fitting.key():  # the real step needs more than the model predicted
+                return TrialOutcome(**{**out.__dict__, "peak_bytes": 10_000})
+            return out
+
+    runner = Mispredicted()
+    s = study(runner, Budget("peak", 700))
+    s.run()
+    assert all(not t.memory_measured for t in s.records if t.status == TrialStatus.OK), "timed only"
+    s.confirm()
+    result = s.result(extra_steps=0)
+    assert len(runner.verified) < sum(t.status.ran for t in s.records) / 2, "far from every trial"
+    caught = s.by_key[fastest_fitting.key()]
+    assert caught.memory_measured and caught.status == TrialStatus.OVER_BUDGET
+    assert result.best.key() != fastest_fitting.key()
+    assert result.best_trial.memory_measured and result.best_trial.peak_bytes <= 700
