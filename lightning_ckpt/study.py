@@ -221,10 +221,11 @@ class Study:
             return self._judged(trial, out)
         return self._with_memory(TrialRecord(seconds=time.perf_counter() - t0, **common), out)
 
-    def _with_memory(self, trial: TrialRecord, out: Any) -> TrialRecord:
-        """``trial`` with the measured memory (and speed, status, FLOPs) of ``out``, judged against the budget."""
+    def _with_memory(self, trial: TrialRecord, out: Any, *, keep_timing: bool = False) -> TrialRecord:
+        """``trial`` with the measured memory (and speed, status, FLOPs) of ``out``, judged against the budget.
+        ``keep_timing``: ``out`` is a memory pass whose one step says nothing about speed."""
         peak = self.memory.real_peak(out.peak_bytes) if self.memory is not None else out.peak_bytes
-        timed = out.samples_per_second is not None
+        timed = out.samples_per_second is not None and not keep_timing
         trial = replace(
             trial, peak_bytes=peak, activation_bytes=out.activation_bytes, forward_backward_peak_bytes=out.peak_bytes,
             memory_measured=True, recompute_flops=out.recompute_flops, recompute_overhead=out.recompute_overhead,
@@ -251,7 +252,7 @@ class Study:
             if t.memory_measured:
                 continue
             t0 = time.perf_counter()
-            local = self._with_memory(t, self.runner.measure_memory(t.plan, self.memory_limit))
+            local = self._with_memory(t, self.runner.measure_memory(t.plan, self.memory_limit), keep_timing=True)
             local = replace(local, seconds=t.seconds + time.perf_counter() - t0)
             verified = combine_trials(self.sync.all_gather(local), self.budget)
             self.records[self.records.index(t)] = verified
@@ -523,7 +524,7 @@ def _objective(trial: TrialRecord) -> float:
 _RECORD_FIELDS = (
     "label", "status", "predicted_peak_bytes", "predicted_activation_bytes", "peak_bytes", "activation_bytes",
     "samples_per_second", "median_seconds", "spread_seconds", "recompute_flops", "recompute_overhead",
-    "seconds", "steps", "error", "forward_backward_peak_bytes", "baseline",
+    "seconds", "steps", "error", "forward_backward_peak_bytes", "baseline", "memory_measured",
 )  # fmt: skip
 
 
@@ -544,6 +545,7 @@ def _record_from_attrs(number: int, attrs: Mapping[str, Any]) -> TrialRecord | N
     fields = {k: attrs.get(k) for k in _RECORD_FIELDS}
     fields["seconds"] = float(fields["seconds"] or 0.0)
     fields["steps"] = int(fields["steps"] or 0)
+    fields["memory_measured"] = fields["memory_measured"] is not False  # older studies measured every trial
     return TrialRecord(number=number, plan=plan, params=dict(attrs.get("params", {})), resumed=True, **fields)
 
 

