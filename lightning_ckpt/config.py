@@ -59,7 +59,7 @@ class TuneConfig:
     process_warmup_steps: int = 2
     confirm_top: int = 3
     confirm_rounds: int = 2
-    confirm_max_rounds: int = 6
+    confirm_max_rounds: int = 4
     allow_graph_breaks: bool = False
     memory_pass: str = "finalists"
 

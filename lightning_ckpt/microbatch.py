@@ -141,7 +141,7 @@ def tune_micro_batch(
     winners and the reference a user would pick by hand: no checkpointing at the largest micro-batch
     where it fits. ``confirm_top=0`` chooses from the search figures alone.
     """
-    config = (config or TuneConfig(confirm_rounds=3, confirm_max_rounds=6)).with_overrides(settings)
+    config = (config or TuneConfig(confirm_rounds=3, confirm_max_rounds=4)).with_overrides(settings)
     candidates = sorted(micro_batches or divisors(global_batch))
     bad = [m for m in candidates if m < 1 or global_batch % m]
     if bad:
