@@ -38,6 +38,7 @@ from lightning_ckpt.measure import normalise_device
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
 from lightning_ckpt.records import TuneResult
 from lightning_ckpt.space import SearchSpace
+from lightning_ckpt.step import loss_of
 from lightning_ckpt.tune import SearchInterrupted, tune
 
 __all__ = ["ActivationCheckpointTuner"]
@@ -835,11 +836,7 @@ def _training_loss(
             out = pl_module.training_step(batch, batch_idx)
         if out is None:
             raise _SkippedBatch  # legal in Lightning: the batch is skipped; tune on the next one
-        loss = out["loss"] if isinstance(out, Mapping) else out
-        if not isinstance(loss, torch.Tensor):
-            raise ConfigurationError(
-                f"training_step returned {type(out).__name__}; the tuner needs a loss tensor (or a dict with 'loss')."
-            )
+        loss = loss_of(out, require_grad=torch.is_grad_enabled())
         if zero_grad is not None:
             zero_grad()
         return loss

@@ -19,14 +19,17 @@ from lightning_ckpt.errors import ConfigurationError
 __all__ = ["StepHarness", "loss_of"]
 
 
-def loss_of(out: Any) -> torch.Tensor:
-    """The scalar to call ``backward`` on: a tensor, a dict's ``"loss"`` (Lightning) or ``.loss`` (HF outputs)."""
+def loss_of(out: Any, *, require_grad: bool = True) -> torch.Tensor:
+    """The scalar to call ``backward`` on: a tensor, a dict's ``"loss"`` (Lightning) or ``.loss`` (HF outputs).
+
+    ``require_grad=False`` accepts a loss computed under ``torch.no_grad`` (the profile's capture pass).
+    """
     loss = out
     if isinstance(out, Mapping) and "loss" in out:
         loss = out["loss"]
     elif not isinstance(out, torch.Tensor) and getattr(out, "loss", None) is not None:
         loss = out.loss
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or (require_grad and not loss.requires_grad):
         shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
         grad = " that does not require grad" if isinstance(loss, torch.Tensor) and not loss.requires_grad else ""
         raise ConfigurationError(
