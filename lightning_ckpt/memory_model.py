@@ -546,11 +546,18 @@ def _group_key(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, An
     return (type(module), params, buffers, _spec(args), _spec(dict(sorted(kwargs.items()))))
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a sharded parameter (FSDP2's ``DTensor``) counts its local shard."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+
+
 def _tensor_bytes(tensors: Iterable[Any]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
         if isinstance(t, torch.Tensor):
+            t = local_tensor(t)
             st = t.untyped_storage()
             if st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
@@ -874,7 +881,7 @@ def _default_selective_sets(stacks: Sequence[LayerStack]) -> dict[str, list[tupl
 def _state_bytes(root: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int, int]:
     params = {id(p): p for p in root.parameters()}.values()
     param_bytes = _tensor_bytes(params)
-    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in params if p.requires_grad)
     buffer_bytes = _tensor_bytes(root.buffers())
     opt_bytes = 0
     if optimizer is not None:

@@ -78,6 +78,8 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     total = 0
     for state in optimizer.state.values():
         for v in state.values():
+            if isinstance(v, torch.Tensor) and type(v).__name__ == "DTensor":
+                v = v.to_local()  # a sharded state (FSDP2): this rank holds its shard
             if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
                 seen.add(v.untyped_storage().data_ptr())
                 total += v.untyped_storage().nbytes()

@@ -516,12 +516,27 @@ def model_fingerprint(model: nn.Module) -> str:
     h = hashlib.sha256()
     for fqn, mod in root.named_modules():
         if not is_compile_wrapper(mod):  # a nested torch.compile(submodule) adds a wrapper and "_orig_mod"
-            h.update(f"M {canonical_fqn(fqn)} {type(mod).__name__}\n".encode())
+            h.update(f"M {canonical_fqn(fqn)} {_class_name(mod)}\n".encode())
     for fqn, p in root.named_parameters():
         h.update(f"P {canonical_fqn(fqn)} {tuple(p.shape)} {p.dtype}\n".encode())
     for fqn, b in root.named_buffers():
         h.update(f"B {canonical_fqn(fqn)} {tuple(b.shape)} {b.dtype}\n".encode())
     return h.hexdigest()[:16]
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's class name, seen through FSDP2: ``fully_shard`` swaps a module's class for a generated
+    ``FSDP<Name>`` subclass, which must not make a plan tuned before sharding stale after it."""
+    cls = type(module)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return cls.__name__
+    if isinstance(module, FSDPModule):
+        for base in cls.__mro__[1:]:
+            if issubclass(base, nn.Module) and not issubclass(base, FSDPModule):
+                return base.__name__
+    return cls.__name__
 
 
 def library_versions() -> dict[str, str]:

@@ -1,0 +1,84 @@
+"""Run by tests/test_fsdp.py in a subprocess: a 2-rank CPU fit under FSDP2 (Lightning's ModelParallelStrategy).
+
+Each rank writes what it saw to ``<out>/rank<r>.json``; rank 0 also saves the trained weights
+(gathered from the shards) to ``<out>/weights.pt`` so the test can compare with a single process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ckpt import ActivationCheckpointTuner, applied_plan, model_fingerprint
+from lightning_ckpt.testing import GPT, GPTConfig
+
+SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
+
+
+def make_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
+
+
+def make_data() -> TensorDataset:
+    data = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(0))
+    return TensorDataset(data[:, :-1], data[:, 1:])
+
+
+class ShardedGPT(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = make_model()
+        self.plans_seen: list[str | None] = []
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.model.transformer.h:
+            fully_shard(block)
+        fully_shard(self.model)
+
+    def training_step(self, batch, batch_idx):
+        plan = applied_plan(self)
+        self.plans_seen.append(plan.digest() if plan is not None else None)
+        return self.model(*batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--no-tuner", action="store_true", help="FSDP2 alone, for comparison")
+    args = parser.parse_args()
+    module = ShardedGPT()
+    cb = ActivationCheckpointTuner(n_trials=4, measure_steps=1, search_space=SPACE, verbose=False,
+                                   plan_path=args.out / "plan.json")  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=args.steps, callbacks=[] if args.no_tuner else [cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=args.out,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(make_data(), batch_size=4))
+    weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.model.state_dict().items()}
+    rank = trainer.global_rank
+    if rank == 0:
+        torch.save(weights, args.out / "weights.pt")
+    (args.out / f"rank{rank}.json").write_text(json.dumps({
+        "digest": cb.plan.digest() if cb.plan else None, "plan": cb.plan.to_dict() if cb.plan else None, "trials_run": cb.trials_run,
+        "wrote_plan_file": cb.wrote_plan_file, "plans_seen": module.plans_seen,
+        "fingerprint": model_fingerprint(module.model), "unsharded_fingerprint": model_fingerprint(make_model()),
+        "left_applied": applied_plan(module) is not None,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The tuner under FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo), run as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ckpt import Plan
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+def _run(out: Path, *args: str) -> list[dict]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=out)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_agree_train_as_one_process_and_reuse(tmp_path):
+    r0, r1 = _run(tmp_path)
+    assert r0["digest"] == r1["digest"] and r0["trials_run"] == r1["trials_run"] > 0
+    assert r0["wrote_plan_file"] and not r1["wrote_plan_file"]
+    assert Plan.load(tmp_path / "plan.json").digest() == r0["digest"]
+    # FSDP2 swaps module classes; the plan is the same plan sharded or not.
+    assert r0["fingerprint"] == r0["unsharded_fingerprint"]
+    assert not r0["left_applied"] and set(r0["plans_seen"][-3:]) == {r0["digest"]}
+    # Tuning leaves no trace and the plan does not change the maths: the weights after the steps equal
+    # those of the same FSDP2 fit without the tuner.
+    tuned = torch.load(tmp_path / "weights.pt")
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    _run(plain_dir, "--no-tuner")
+    plain = torch.load(plain_dir / "weights.pt")
+    for name, value in plain.items():
+        torch.testing.assert_close(tuned[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # A second run reuses the plan file with zero trials.
+    again = _run(tmp_path)
+    assert again[0]["trials_run"] == again[1]["trials_run"] == 0 and again[0]["digest"] == r0["digest"]
