@@ -424,7 +424,13 @@ class ActivationCheckpointTuner(Callback):
         if self._reader is None or self._budget is None or self._budget.kind == "none" or not self.guard_steps:
             return
         dims = tuple(d or 0 for d in _batch_dims(batch))
-        larger = bool(self.step_checks) and any(d > c for d, c in zip(dims, self._checked_dims, strict=True))
+        # Under several ranks every rank must read the same steps (the verdict is gathered), and batch shapes
+        # can differ by rank (a ragged last batch): only the first steps after lock-in are read there.
+        larger = (
+            trainer.world_size == 1
+            and bool(self.step_checks)
+            and any(d > c for d, c in zip(dims, self._checked_dims, strict=True))
+        )
         if self._guard_left <= 0 and not larger:
             return
         if self._reader.device.type != "cuda" and is_compiled(pl_module):
