@@ -81,9 +81,11 @@ def test_failed_plan_save_leaves_the_model_and_the_old_file_intact(tmp_path):
     old_bytes = path.read_bytes()
     net = Net()
     before = snapshot_model(net)
+    t = trainer(tmp_path, tuner(plan_path=path))
     with fail_plan_save("replace") as fault, pytest.raises(OSError):
-        trainer(tmp_path, tuner(plan_path=path)).fit(net, loader())
+        t.fit(net, loader())
     assert fault.fired
+    assert all(not state for state in t.optimizers[0].state.values()), "no optimizer step ran, no state moved"
     assert path.read_bytes() == old_bytes
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".plan.json")], "no temp file left"
     assert_model_intact(net, before)  # the fault came before any real step
@@ -129,9 +131,11 @@ def test_sigterm_during_the_search_stops_it_promptly_and_leaves_everything_intac
     net = Net()
     before = snapshot_model(net)
     cb = tuner(plan_path=path, n_trials=40, activation_budget=None)
+    t = trainer(tmp_path, cb)
     with sigterm_on_call(net, "training_step", at=8) as fault, pytest.raises((SIGTERMException, SystemExit)):
-        trainer(tmp_path, cb).fit(net, loader())
+        t.fit(net, loader())
     assert fault.fired
+    assert all(not state for state in t.optimizers[0].state.values()), "no optimizer step ran, no state moved"
     assert net.calls <= 8 + 4, "the search stopped within a trial of the signal"
     assert cb.plan is None and not path.exists()
     assert_model_intact(net, before)
