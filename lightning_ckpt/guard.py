@@ -40,7 +40,7 @@ class RealStepReader:
             self._resting = max(1, torch.cuda.memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        tracker = new_live_tracker(self.device)
+        tracker = new_live_tracker(self.device, model, optimizers[0] if optimizers else None)
         tracker.track_external(model, *optimizers, *extra)
         self._resting = tracker.now()[0]
         tracker.total_peak = self._resting

@@ -84,7 +84,7 @@ class MemoryReading:
 # ---------------------------------------------------------------------------------------------------
 # Live-tensor tracking (CPU, and CUDA when a per-phase breakdown is needed)
 # ---------------------------------------------------------------------------------------------------
-_TRACKER_CLASS: type | None = None
+_TRACKER_CLASSES: dict[str, type] = {}
 
 
 class _IdSet:
@@ -102,13 +102,39 @@ class _IdSet:
         return item in self._items
 
 
-def _tracker_class() -> type:
-    global _TRACKER_CLASS
-    if _TRACKER_CLASS is not None:
-        return _TRACKER_CLASS
+class _StatsOnDemand:
+    """A ``WeakIdKeyDictionary`` of FSDPMemTracker module statistics that makes an empty record on lookup."""
+
+    def __new__(cls) -> Any:
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        class _Dict(WeakIdKeyDictionary):
+            def __getitem__(self, key: Any) -> Any:
+                try:
+                    return super().__getitem__(key)
+                except KeyError:
+                    stats = _FSDPModMemStats(type(key).__name__)
+                    self[key] = stats
+                    return stats
+
+        return _Dict()
+
+
+def _tracker_class(fsdp: bool = False) -> type:
+    key = "fsdp" if fsdp else "plain"
+    if key in _TRACKER_CLASSES:
+        return _TRACKER_CLASSES[key]
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
-    class _LiveTracker(MemTracker):
+    if fsdp:
+        # FSDP2: all-gathered (unsharded) parameters, all-gather and reduce-scatter buffers get categories of
+        # their own, so they count in the total but not as activation.
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker as base
+    else:
+        base = MemTracker
+
+    class _LiveTracker(base):  # type: ignore[valid-type,misc]
         """MemTracker with running maxima of the total and of activations+temporaries on one device.
 
         Replaces the per-module peak bookkeeping (a loop over all modules on every op) with running
@@ -117,8 +143,12 @@ def _tracker_class() -> type:
         which is what the memory model is built from.
         """
 
-        def __init__(self, device: torch.device) -> None:
-            super().__init__()
+        def __init__(self, device: torch.device, *base_args: Any) -> None:
+            super().__init__(*base_args)
+            if fsdp:
+                # FSDPMemTracker keeps statistics only for FSDP modules whose forward it saw, yet a block run
+                # alone (the memory profile) still ends with the root's post-backward, which looks the root up.
+                self.memory_tracking = _StatsOnDemand()
             self.device = device
             # ModTracker keys modules by hash and equality, but torchmetrics' Metric overrides both
             # (``==`` builds a CompositionalMetric, the hash follows the metric's state), so a
@@ -194,19 +224,32 @@ def _tracker_class() -> type:
                 if act > peaks[1]:
                     peaks[1] = act
 
-    _TRACKER_CLASS = _LiveTracker
+    _TRACKER_CLASSES[key] = _LiveTracker
     return _LiveTracker
 
 
-def new_live_tracker(device: torch.device | str) -> Any:
+def fsdp_root(model: nn.Module) -> nn.Module | None:
+    """The outermost FSDP2 (``fully_shard``) module in ``model``, or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return None
+    return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+
+
+def new_live_tracker(device: torch.device | str, model: nn.Module | None = None, optimizer: Any = None) -> Any:
     """A live-tensor tracker (a ``MemTracker``) counting bytes on ``device`` only.
 
     Use it as a context manager after ``track_external(model, optimizer, *tensors)``; read
     ``total_peak``, ``activation_peak``, ``now()`` and, after ``enter_phase(label)`` calls,
-    ``phase_peaks[label] == [total_max, activation_max]``.
+    ``phase_peaks[label] == [total_max, activation_max]``. A ``model`` sharded with FSDP2 gets torch's
+    FSDP-aware tracker, which keeps all-gathered parameters and collective buffers out of activations.
     """
-    tracker = _tracker_class()(normalise_device(torch.device(device)))
-    return tracker
+    device = normalise_device(torch.device(device))
+    root = fsdp_root(model) if model is not None else None
+    if root is not None:
+        return _tracker_class(fsdp=True)(device, root, optimizer)
+    return _tracker_class()(device)
 
 
 def normalise_device(device: torch.device) -> torch.device:
@@ -231,7 +274,7 @@ def track_step_memory(
     (e.g. the batch) that should count as resting state.
     """
     device = normalise_device(torch.device(device) if device is not None else model_device(model))
-    tracker = new_live_tracker(device)
+    tracker = new_live_tracker(device, model, optimizer)
     externals = [model, *extra] + ([optimizer] if optimizer is not None else [])
     tracker.track_external(*externals)
     resting = tracker.now()[0]

@@ -385,9 +385,10 @@ class MemoryModel:
             fqns = self.stacks[stack_fqn]
             if stack_fqn in self.unchained_stacks:
                 raise PlanError(
-                    f"segments[{stack_fqn!r}]: the blocks of this stack do not run as a chain (a block receives "
-                    "something other than the previous block's output and the same other arguments, e.g. T5's "
-                    "position bias), so one checkpoint cannot span several of them. Use per-block modes there."
+                    f"segments[{stack_fqn!r}]: one checkpoint cannot span several blocks of this stack: they do not "
+                    "run as a chain (a block receives something other than the previous block's output and the same "
+                    "other arguments, e.g. T5's position bias), or each is sharded by FSDP2 (whose all-gathers run "
+                    "in each block's own hooks). Use per-block modes there."
                 )
             if n_chunks > len(fqns):
                 raise PlanError(
@@ -668,6 +669,14 @@ class _ChainCheck:
         self._last[stack] = (weakref.ref(first) if first is not None else None, self._last[stack][1])
 
 
+def _is_fsdp(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def _same_leaf(a: Any, b: Any) -> bool:
     if isinstance(a, weakref.ref) or isinstance(b, weakref.ref):
         return isinstance(a, weakref.ref) and isinstance(b, weakref.ref) and a() is not None and a() is b()
@@ -752,7 +761,7 @@ def _anchor(
     """
     n = len(order)
     index = {fqn: i for i, fqn in enumerate(order)}
-    tracker = new_live_tracker(device)
+    tracker = new_live_tracker(device, root)
     tracker.track_external(*externals)
     current = [("pre",)]
 
@@ -821,7 +830,7 @@ def _run_block(
             "on alone. Name blocks whose first argument is the hidden state via block_types."
         )
     hidden = cap.args[where[1]] if where[0] == "arg" else cap.kwargs[where[1]]
-    tracker = new_live_tracker(device)
+    tracker = new_live_tracker(device, root)
     captured = [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
     tracker.track_external(*externals, *captured)
     plan = Plan({cap.fqn: bp}) if bp.mode != "none" else Plan()
@@ -943,6 +952,9 @@ def profile_memory(
     try:
         stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
         order, reps, rep_of, unchained = _capture(root, forward_fn, blocks, share_identical_blocks, stack_of)
+        # FSDP2 all-gathers a sharded block's parameters in its own forward hooks, which a segment's recompute
+        # of several blocks as one function does not run: no segments over sharded blocks.
+        unchained |= {s.fqn for s in stacks if any(_is_fsdp(root.get_submodule(b.fqn)) for b in s.blocks)}
         snapshot.restore()
         tracker, resting, end_of_forward = _anchor(root, forward_fn, order, externals, dev)
         snapshot.restore()

@@ -152,7 +152,7 @@ def measure_optimizer_step(
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
         else:
-            tracker = new_live_tracker(device)
+            tracker = new_live_tracker(device, model, optimizer)
             tracker.track_external(model, optimizer, *extra)
             tracker.total_peak = tracker.now()[0]
             with tracker:
