@@ -381,6 +381,7 @@ class CompiledTrials:
         return outcome.activation_bytes
 
     predicts_memory = False  # the memory model predicts the eager step; a compiled one is measured
+    collective_steps = False
 
     def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
         return self.measure(plan, memory_limit)  # every compiled trial is measured whole (cached)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_ckpt.apply import plan_applied
-from lightning_ckpt.measure import Measurement, measure_step
+from lightning_ckpt.measure import Measurement, fsdp_root, measure_step
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.records import TrialStatus
 from lightning_ckpt.step import StepHarness
@@ -65,6 +65,7 @@ class TrialRunner(Protocol):
     """What the study needs from whatever runs a plan."""
 
     predicts_memory: bool  # the memory model's predictions hold for this runner's steps
+    collective_steps: bool  # a step runs collectives (FSDP2): a failure on one rank leaves the others waiting
 
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
         """Run ``plan`` (warm-up, timed steps; the memory pass unless ``memory=False``), ``memory_limit``
@@ -89,6 +90,8 @@ class EagerRunner:
         self.harness = harness
         self.count_flops = count_flops
         self.reserve_headroom_bytes = reserve_headroom_bytes
+        # FSDP2 all-gathers and reduce-scatters inside the step: a trial is a collective of all ranks.
+        self.collective_steps = fsdp_root(harness.root) is not None
 
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
         return self._measure(plan, memory_limit, warmup=self.harness.warmup_steps, steps=self.harness.measure_steps,

@@ -37,7 +37,7 @@ from lightning_ckpt.records import (
 from lightning_ckpt.runners import TrialRunner
 from lightning_ckpt.space import Candidate, SearchSpace
 
-__all__ = ["ConfirmEntry", "SearchInterrupted", "Study", "confirm_interleaved"]
+__all__ = ["CollectiveTrialError", "ConfirmEntry", "SearchInterrupted", "Study", "confirm_interleaved"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,16 @@ _MAX_STATISTICAL_TIE = 0.015
 _BASELINE_BAND = 0.10
 
 Proposal = tuple[Mapping[str, Any], Plan, str, str | None]  # params, plan, label, baseline name
+
+
+class CollectiveTrialError(LightningCkptError):
+    """A trial failed on this rank while its step ran collectives (FSDP2): the search ended here."""
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class SearchInterrupted(LightningCkptError):
@@ -211,6 +221,8 @@ class Study:
             return TrialRecord(status=TrialStatus.PRUNED, seconds=time.perf_counter() - t0, **common)
         lazy = self.lazy_memory and predicted is not None
         out = self.runner.measure(plan, self.memory_limit, memory=not lazy)
+        if out.status.failed and getattr(self.runner, "collective_steps", False):
+            self._end_on_collective_failure(label, out)
         if lazy and out.status == TrialStatus.OK:
             trial = TrialRecord(
                 status=TrialStatus.OK, peak_bytes=predicted[0], activation_bytes=predicted[1], memory_measured=False,
@@ -220,6 +232,19 @@ class Study:
             )  # fmt: skip
             return self._judged(trial, out)
         return self._with_memory(TrialRecord(seconds=time.perf_counter() - t0, **common), out)
+
+    def _end_on_collective_failure(self, label: str, out: Any) -> None:
+        """A step of a sharded model (FSDP2) is a collective of all ranks: when it fails on this rank, the
+        others may be waiting inside an all-gather this rank will never join, and going on to the next
+        trial would pair mismatched collectives. End the search here, clearly, on this rank; the others
+        end when the process group's timeout expires (or the launcher stops them)."""
+        raise CollectiveTrialError(
+            f"Rank {_rank()} failed inside trial {label!r} of a sharded (FSDP2) model: {out.error}. A sharded step "
+            "runs all-gathers and reduce-scatters on every rank, so the search cannot go on without the other "
+            "ranks hanging; it ends here and nothing is applied. Fix the failure (for an out-of-memory error: a "
+            "lower max_memory, a smaller batch, or search_space limited to plans that fit), or tune once without "
+            "sharding and pass the plan file with plan=..."
+        )
 
     def _with_memory(self, trial: TrialRecord, out: Any, *, keep_timing: bool = False) -> TrialRecord:
         """``trial`` with the measured memory (and speed, status, FLOPs) of ``out``, judged against the budget.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -32,10 +33,11 @@ def make_data() -> TensorDataset:
 
 
 class ShardedGPT(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, fail_rank: int = -1, fail_on: str = "") -> None:
         super().__init__()
         self.model = make_model()
         self.plans_seen: list[str | None] = []
+        self.fail_rank, self.fail_on = fail_rank, fail_on
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -46,6 +48,8 @@ class ShardedGPT(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         plan = applied_plan(self)
+        if self.global_rank == self.fail_rank and plan is not None and plan.describe() == self.fail_on:
+            raise torch.OutOfMemoryError("simulated: out of memory on one rank, inside a sharded step")
         self.plans_seen.append(plan.digest() if plan is not None else None)
         return self.model(*batch)
 
@@ -58,12 +62,17 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-tuner", action="store_true", help="FSDP2 alone, for comparison")
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--fail-on", default="")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="process group timeout, seconds")
     args = parser.parse_args()
-    module = ShardedGPT()
+    module = ShardedGPT(args.fail_rank, args.fail_on)
     cb = ActivationCheckpointTuner(n_trials=4, measure_steps=1, search_space=SPACE, verbose=False,
                                    plan_path=args.out / "plan.json")  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=args.timeout)
+        ),
         max_steps=args.steps, callbacks=[] if args.no_tuner else [cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=args.out,
     )  # fmt: skip

@@ -66,3 +66,24 @@ def test_per_rank_memory_model_under_fsdp2_for_every_baseline(tmp_path, reshard)
             assert row["predicted_activation"] == pytest.approx(row["activation"], rel=0.05), (rank, name, row)
         # All-gathered parameters are parameters, not activation: full checkpointing keeps little activation.
         assert data["rows"]["full"]["activation"] < 0.5 * data["rows"]["none"]["activation"]
+
+
+@pytest.mark.slow
+def test_a_trial_failing_on_one_rank_of_a_sharded_model_ends_the_search_clearly_without_hanging(tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        str(tmp_path),
+        "--fail-rank",
+        "1",
+        "--fail-on",
+        "selective(mlp) x2",
+        "--timeout",
+        "20",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)  # no hang
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Rank 1 failed inside trial" in output and "sharded (FSDP2) model" in output, output[-4000:]
+    assert not (tmp_path / "plan.json").exists(), "nothing applied or written"
