@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="process group timeout, seconds")
     args = parser.parse_args()
     module = ShardedGPT(args.fail_rank, args.fail_on)
-    cb = ActivationCheckpointTuner(n_trials=4, measure_steps=1, search_space=SPACE, verbose=False,
+    cb = ActivationCheckpointTuner(activation_budget=0.9, n_trials=4, measure_steps=1, search_space=SPACE, verbose=False,
                                    plan_path=args.out / "plan.json")  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=ModelParallelStrategy(
