@@ -38,6 +38,7 @@ class ShardedGPT(L.LightningModule):
         self.model = make_model()
         self.plans_seen: list[str | None] = []
         self.fail_rank, self.fail_on = fail_rank, fail_on
+        self.batches: dict[int, list] = {}
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -51,6 +52,7 @@ class ShardedGPT(L.LightningModule):
         if self.global_rank == self.fail_rank and plan is not None and plan.describe() == self.fail_on:
             raise torch.OutOfMemoryError("simulated: out of memory on one rank, inside a sharded step")
         self.plans_seen.append(plan.digest() if plan is not None else None)
+        self.batches[self.trainer.global_step] = [t.tolist() for t in batch]  # the samples this rank trained on
         return self.model(*batch)
 
     def configure_optimizers(self):
@@ -87,7 +89,7 @@ def main() -> None:
         "digest": cb.plan.digest() if cb.plan else None, "plan": cb.plan.to_dict() if cb.plan else None, "trials_run": cb.trials_run,
         "wrote_plan_file": cb.wrote_plan_file, "plans_seen": module.plans_seen,
         "fingerprint": model_fingerprint(module.model), "unsharded_fingerprint": model_fingerprint(make_model()),
-        "left_applied": applied_plan(module) is not None,
+        "left_applied": applied_plan(module) is not None, "batches": module.batches,
     }))  # fmt: skip
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ckpt import Plan
+from lightning_ckpt import Plan, apply_plan
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
+sys.path.insert(0, str(WORKER.parent))
 
 
 def _run(out: Path, *args: str) -> list[dict]:
@@ -33,9 +34,23 @@ def test_fsdp2_ranks_agree_train_as_one_process_and_reuse(tmp_path):
     # FSDP2 swaps module classes; the plan is the same plan sharded or not.
     assert r0["fingerprint"] == r0["unsharded_fingerprint"]
     assert not r0["left_applied"] and set(r0["plans_seen"][-3:]) == {r0["digest"]}
-    # Tuning leaves no trace and the plan does not change the maths: the weights after the steps equal
-    # those of the same FSDP2 fit without the tuner.
+    # The weights after the steps equal one process training the same plan on the global batch (both ranks'
+    # samples of each step, as each rank recorded them), and those of the same FSDP2 fit without the tuner.
+    from fsdp_worker import ShardedGPT
+
+    plan = Plan.from_dict(r0["plan"], source="rank 0")
+    module = ShardedGPT()  # never sharded here: configure_model is not called
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with apply_plan(module, plan):  # the fingerprint check passes: the same plan, sharded or not
+        for step in sorted(r0["batches"], key=int):
+            x = torch.tensor(r0["batches"][step][0] + r1["batches"][step][0])
+            y = torch.tensor(r0["batches"][step][1] + r1["batches"][step][1])
+            optimizer.zero_grad(set_to_none=True)
+            module.model(x, y).backward()
+            optimizer.step()
     tuned = torch.load(tmp_path / "weights.pt")
+    for name, value in module.model.state_dict().items():
+        torch.testing.assert_close(tuned[name], value, rtol=1e-5, atol=1e-6, msg=name)
     plain_dir = tmp_path / "plain"
     plain_dir.mkdir()
     _run(plain_dir, "--no-tuner")
