@@ -8,7 +8,7 @@ Checkpointing and the compiler interact in ways that make a compiled step silent
   installs), and a frame that reaches ``torch._dynamo.config.recompile_limit`` runs eagerly for the
   rest of training (pytorch#135458).
 
-So a compiled trial (``CompiledTrials.run``) resets dynamo, compiles the plan in one untimed step
+So a compiled trial (``CompiledTrials.measure``) resets dynamo, compiles the plan in one untimed step
 (the compile time is reported as tuning cost, never as throughput), times the compiled steps, reads
 the memory the compiled step holds, resets dynamo again, and compares what dynamo did with the
 no-checkpointing reference. A plan that adds graph breaks, breaks a graph inside one of our
