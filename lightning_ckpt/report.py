@@ -172,6 +172,11 @@ def _short_error(error: str | None, limit: int = 80) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def _memory_cell(trial: TrialRecord, value: int | None) -> str:
+    """A memory figure for the summary table: '~' marks a prediction (the trial was timed only)."""
+    return format_bytes(value) if trial.memory_measured or value is None else "~" + format_bytes(value)
+
+
 def _fmt_rate(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -192,11 +197,16 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     else:
         parts.append("not run" if trial.status == "pruned" else "no measurement")
     memory = []
-    if budget.kind == "activation":
-        memory.append(
-            f"activation {format_bytes(trial.activation_bytes)} (pred {format_bytes(trial.predicted_activation_bytes)})"
-        )
-    memory.append(f"peak {format_bytes(trial.peak_bytes)} (pred {format_bytes(trial.predicted_peak_bytes)})")
+    if not trial.memory_measured:  # timed only; its memory is the model's prediction (study.Study.verify)
+        if budget.kind == "activation":
+            memory.append(f"activation {format_bytes(trial.activation_bytes)} predicted")
+        memory.append(f"peak {format_bytes(trial.peak_bytes)} predicted")
+    else:
+        if budget.kind == "activation":
+            memory.append(
+                f"activation {format_bytes(trial.activation_bytes)} (pred {format_bytes(trial.predicted_activation_bytes)})"
+            )
+        memory.append(f"peak {format_bytes(trial.peak_bytes)} (pred {format_bytes(trial.predicted_peak_bytes)})")
     parts.append(", ".join(memory))
     stats = _compile_stats(trial)
     if stats is not None:
@@ -284,8 +294,8 @@ def summary_table(result: TuneResult) -> str:
                 t.label,
                 t.status,
                 format_bytes(t.predicted_peak_bytes),
-                format_bytes(t.peak_bytes),
-                format_bytes(t.activation_bytes),
+                _memory_cell(t, t.peak_bytes),
+                _memory_cell(t, t.activation_bytes),
                 _fmt_rate(t.samples_per_second),
                 _fmt_overhead(t.recompute_overhead),
                 f"{t.seconds:.1f}",
