@@ -110,7 +110,7 @@ class ActivationCheckpointTuner(Callback):
         on_budget_exceeded: str = "switch",
     ) -> None:
         validate_budget_args(max_memory, activation_budget)
-        _check_types(timeout=timeout, plan=plan, plan_path=plan_path, seed=seed, study_name=study_name, storage=storage)
+        _check_types(plan=plan, plan_path=plan_path)  # the search settings are checked by TuneConfig
         # The search settings, validated once and handed as one object to tune() / tune_micro_batch().
         self.config = TuneConfig(
             n_trials=_DEFAULT_TRIALS if n_trials is None else n_trials, timeout=timeout,
@@ -785,12 +785,8 @@ def _needs_transfer(batch: Any, device: torch.device) -> bool:
 def _check_types(**values: Any) -> None:
     """Arguments whose wrong type would only fail mid-fit (or silently do something else), refused now."""
     rules = {
-        "timeout": ((int, float), "a number of seconds, e.g. timeout=600"),
         "plan": ((str, os.PathLike, Plan), "a plan file path or a Plan, e.g. plan='plans/gpt.json'"),
         "plan_path": ((str, os.PathLike), "a file path, e.g. plan_path='plans/gpt.json'"),
-        "seed": ((int,), "an integer, e.g. seed=0"),
-        "study_name": ((str,), "a string, e.g. study_name='gpt-ac'"),
-        "storage": ((str,), "an Optuna storage URL, e.g. storage='sqlite:///ac.db'"),
     }
     for name, value in values.items():
         types, example = rules[name]

@@ -97,6 +97,12 @@ class TuneConfig:
             raise ConfigurationError(
                 f"seed must be an integer, e.g. seed=0, but got {type(self.seed).__name__} {self.seed!r}."
             )
+        for name, example in (("study_name", "study_name='gpt-ac'"), ("storage", "storage='sqlite:///ac.db'")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigurationError(
+                    f"{name} must be a string, e.g. {example}, but got {type(value).__name__} {value!r}."
+                )
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> TuneConfig:
         """This config with ``overrides`` (keyword arguments of ``tune``) applied; unknown names are refused."""

@@ -32,7 +32,7 @@ import statistics
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,9 +45,13 @@ from lightning_ckpt.records import TrialStatus
 __all__ = [
     "MEASUREMENT_STATUSES",
     "classify_failure",
+    "fsdp_root",
+    "is_fsdp_module",
+    "local_tensor",
     "model_device",
     "normalise_device",
     "release_memory",
+    "tensor_bytes",
     "Measurement",
     "MemoryReading",
     "StateSnapshot",
@@ -102,25 +106,6 @@ class _IdSet:
         return item in self._items
 
 
-class _StatsOnDemand:
-    """A ``WeakIdKeyDictionary`` of FSDPMemTracker module statistics that makes an empty record on lookup."""
-
-    def __new__(cls) -> Any:
-        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        class _Dict(WeakIdKeyDictionary):
-            def __getitem__(self, key: Any) -> Any:
-                try:
-                    return super().__getitem__(key)
-                except KeyError:
-                    stats = _FSDPModMemStats(type(key).__name__)
-                    self[key] = stats
-                    return stats
-
-        return _Dict()
-
-
 def _tracker_class(fsdp: bool = False) -> type:
     key = "fsdp" if fsdp else "plain"
     if key in _TRACKER_CLASSES:
@@ -131,6 +116,16 @@ def _tracker_class(fsdp: bool = False) -> type:
         # FSDP2: all-gathered (unsharded) parameters, all-gather and reduce-scatter buffers get categories of
         # their own, so they count in the total but not as activation.
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker as base
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        class _StatsOnDemand(WeakIdKeyDictionary):
+            """Module statistics that make an empty record on lookup (see ``__init__`` below)."""
+
+            def __getitem__(self, key: Any) -> Any:
+                if key not in self:
+                    self[key] = _FSDPModMemStats(type(key).__name__)
+                return super().__getitem__(key)
     else:
         base = MemTracker
 
@@ -228,13 +223,37 @@ def _tracker_class(fsdp: bool = False) -> type:
     return _LiveTracker
 
 
-def fsdp_root(model: nn.Module) -> nn.Module | None:
-    """The outermost FSDP2 (``fully_shard``) module in ``model``, or None."""
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) sharded ``module``."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch builds without distributed
-        return None
-    return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def fsdp_root(model: nn.Module) -> nn.Module | None:
+    """The outermost FSDP2 (``fully_shard``) module in ``model``, or None."""
+    return next((m for m in model.modules() if is_fsdp_module(m)), None)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a sharded tensor (FSDP2's ``DTensor``) counts its local shard."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the storages behind ``tensors`` (non-tensors skipped), each storage once, local shards only."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = local_tensor(t).untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
 
 
 def new_live_tracker(device: torch.device | str, model: nn.Module | None = None, optimizer: Any = None) -> Any:

@@ -46,7 +46,15 @@ from torch.utils._pytree import tree_flatten
 from lightning_ckpt.apply import CACHE_ARGS, applied_plan, apply_plan, forward_params, segment_chunks
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, LightningCkptError, PlanError, StalePlanError
-from lightning_ckpt.measure import StateSnapshot, model_device, new_live_tracker, normalise_device
+from lightning_ckpt.measure import (
+    StateSnapshot,
+    is_fsdp_module,
+    local_tensor,
+    model_device,
+    new_live_tracker,
+    normalise_device,
+    tensor_bytes,
+)
 from lightning_ckpt.plan import BlockPlan, Plan, closest_names, model_fingerprint
 from lightning_ckpt.policies import SAVE_LISTS
 from lightning_ckpt.step import loss_of
@@ -547,25 +555,6 @@ def _group_key(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, An
     return (type(module), params, buffers, _spec(args), _spec(dict(sorted(kwargs.items()))))
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this rank holds: a sharded parameter (FSDP2's ``DTensor``) counts its local shard."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
-
-
-def _tensor_bytes(tensors: Iterable[Any]) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = local_tensor(t)
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
-
-
 def _without_kv_cache(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -667,14 +656,6 @@ class _ChainCheck:
             (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None
         )  # fmt: skip
         self._last[stack] = (weakref.ref(first) if first is not None else None, self._last[stack][1])
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return False
-    return isinstance(module, FSDPModule)
 
 
 def _same_leaf(a: Any, b: Any) -> bool:
@@ -852,7 +833,7 @@ def _run_block(
             with _autocast_as(cap.autocast):
                 out = cap.module(*args, **kwargs)
                 out_t = _first_grad_tensor(out)
-                out_bytes = _tensor_bytes([out_t]) if out_t is not None else 0
+                out_bytes = tensor_bytes([out_t]) if out_t is not None else 0
                 in_context = tracker.now()[0]
             keep_with_input = tracker.enter_phase("after_fwd")[0] - base - out_bytes
             # Autocast caches the low-precision copies of the weights until the step's autocast region
@@ -889,12 +870,12 @@ def _default_selective_sets(stacks: Sequence[LayerStack]) -> dict[str, list[tupl
 
 def _state_bytes(root: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int, int]:
     params = {id(p): p for p in root.parameters()}.values()
-    param_bytes = _tensor_bytes(params)
+    param_bytes = tensor_bytes(params)
     grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in params if p.requires_grad)
-    buffer_bytes = _tensor_bytes(root.buffers())
+    buffer_bytes = tensor_bytes(root.buffers())
     opt_bytes = 0
     if optimizer is not None:
-        opt_bytes = _tensor_bytes(v for state in optimizer.state.values() for v in state.values())
+        opt_bytes = tensor_bytes(v for state in optimizer.state.values() for v in state.values())
     return param_bytes, grad_bytes, opt_bytes, buffer_bytes
 
 
@@ -954,7 +935,7 @@ def profile_memory(
         order, reps, rep_of, unchained = _capture(root, forward_fn, blocks, share_identical_blocks, stack_of)
         # FSDP2 all-gathers a sharded block's parameters in its own forward hooks, which a segment's recompute
         # of several blocks as one function does not run: no segments over sharded blocks.
-        unchained |= {s.fqn for s in stacks if any(_is_fsdp(root.get_submodule(b.fqn)) for b in s.blocks)}
+        unchained |= {s.fqn for s in stacks if any(is_fsdp_module(root.get_submodule(b.fqn)) for b in s.blocks)}
         snapshot.restore()
         tracker, resting, end_of_forward = _anchor(root, forward_fn, order, externals, dev)
         snapshot.restore()

@@ -34,7 +34,7 @@ from lightning_ckpt.plan import BlockPlan, Plan
 from lightning_ckpt.records import ProgressFn, TrialRecord, TuneResult, choose_best, failures_message, lowest_memory
 from lightning_ckpt.runners import TrialRunner
 from lightning_ckpt.step import StepHarness
-from lightning_ckpt.study import ConfirmEntry, apply_confirmation, confirm_interleaved, confirmed_tie_tolerance
+from lightning_ckpt.study import ConfirmEntry, apply_confirmation, confirm_interleaved, confirmed_tie_tolerance, retimer
 from lightning_ckpt.tune import ResolvedModel, build_runner, tune
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
@@ -289,16 +289,8 @@ def _confirmation_entries(
             harness = StepHarness(resolved.root, loss_fn_for(m), resolved.device, optimizer, extra_for(m), m)
             runners[m] = build_runner(resolved, harness, config, compiled=None)
         steps = -(-samples // m)
-        entries.append(ConfirmEntry(t, _timer(runners[m], t.plan, steps), m, steps + 1))
+        entries.append(ConfirmEntry(t, retimer(runners[m], t.plan, steps), m, steps + 1))
     return entries
-
-
-def _timer(runner: TrialRunner, plan: Plan, steps: int) -> Callable[[], float | None]:
-    def time_step() -> float | None:
-        m = runner.retime(plan, steps)
-        return m.median_seconds if m.status == "ok" else None
-
-    return time_step
 
 
 def _labelled(progress: Callable[[TrialRecord, Budget], None] | None, m: int, global_batch: int) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.measure import StateSnapshot, new_live_tracker
+from lightning_ckpt.measure import StateSnapshot, new_live_tracker, tensor_bytes
 
 __all__ = ["OptimizerStepMemory", "RealStepMemory", "measure_optimizer_step"]
 
@@ -74,16 +74,7 @@ class OptimizerStepMemory:
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    seen: set[int] = set()
-    total = 0
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and type(v).__name__ == "DTensor":
-                v = v.to_local()  # a sharded state (FSDP2): this rank holds its shard
-            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
-                seen.add(v.untyped_storage().data_ptr())
-                total += v.untyped_storage().nbytes()
-    return total
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values())
 
 
 class _OptimizerSnapshot:

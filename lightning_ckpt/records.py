@@ -210,8 +210,3 @@ def failures_message(trials: Sequence[TrialRecord]) -> str:
     if first.traceback:
         text += f"\n{first.traceback}"
     return text
-
-
-def status_counts(trials: Sequence[TrialRecord]) -> Mapping[str, int]:
-    """How many trials ended in each status (for summaries)."""
-    return {s.value: n for s in TrialStatus if (n := sum(t.status == s for t in trials))}

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_ckpt.apply import plan_applied
-from lightning_ckpt.measure import Measurement, fsdp_root, measure_step
+from lightning_ckpt.measure import Measurement, fsdp_root, measure_step, release_memory
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.records import TrialStatus
 from lightning_ckpt.step import StepHarness
@@ -142,12 +142,9 @@ def _pinned_peak() -> int | None:
 def release_cached_memory(device: torch.device) -> None:
     """Give back what trials left cached: device blocks, and the pinned host blocks of offload trials
     (torch's host caching allocator keeps them after ``save_on_cpu(pin_memory=True)`` is done)."""
-    import gc
-
-    gc.collect()
+    release_memory(device)
     if device.type != "cuda":
         return
-    torch.cuda.empty_cache()
     host_empty = getattr(torch._C, "_host_emptyCache", None)
     if host_empty is not None:
         host_empty()

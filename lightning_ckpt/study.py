@@ -37,7 +37,7 @@ from lightning_ckpt.records import (
 from lightning_ckpt.runners import TrialRunner
 from lightning_ckpt.space import Candidate, SearchSpace
 
-__all__ = ["CollectiveTrialError", "ConfirmEntry", "SearchInterrupted", "Study", "confirm_interleaved"]
+__all__ = ["CollectiveTrialError", "ConfirmEntry", "SearchInterrupted", "Study", "confirm_interleaved", "retimer"]
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +389,7 @@ class Study:
             return
         steps = config.measure_steps
         entries = [
-            ConfirmEntry(t, _timer(self.runner, t.plan, steps), self.samples_per_step, steps + 1) for t in chosen
+            ConfirmEntry(t, retimer(self.runner, t.plan, steps), self.samples_per_step, steps + 1) for t in chosen
         ]
         per_sample = confirm_interleaved(
             entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds, sync=self.sync
@@ -525,7 +525,9 @@ def confirmed_tie_tolerance(per_sample: Mapping[int, Sequence[float]], tie_toler
     return max(tie_tolerance, min(_MAX_STATISTICAL_TIE, statistics.median(errors))) if errors else tie_tolerance
 
 
-def _timer(runner: TrialRunner, plan: Plan, steps: int) -> Callable[[], float | None]:
+def retimer(runner: TrialRunner, plan: Plan, steps: int) -> Callable[[], float | None]:
+    """One confirmation round of ``plan`` through ``runner``: its median step seconds, None if it failed."""
+
     def time_step() -> float | None:
         m = runner.retime(plan, steps)
         return m.median_seconds if m.status == "ok" else None

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_ranks
 
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.distributed import combine_trials
@@ -20,11 +18,7 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
 def _run(out: Path, *args: str) -> list[dict]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=out)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return run_ranks(WORKER, out, *args)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_ranks
 
 from lightning_ckpt import Plan, apply_plan
 
@@ -18,11 +19,7 @@ sys.path.insert(0, str(WORKER.parent))
 
 
 def _run(out: Path, *args: str) -> list[dict]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=out)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return run_ranks(WORKER, out, *args)
 
 
 @pytest.mark.slow
