@@ -109,6 +109,7 @@ def _rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
     result["side_by_side"] = {k: 2 * args.batch / statistics.median(v) for k, v in times.items()}
     result["budget"] = tuned.budget.description
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears gloo down while the other still talks to it (std::terminate at exit)
     dist.destroy_process_group()
 
 

@@ -45,6 +45,7 @@ def run(rank: int, out: str, reshard: bool, port: str) -> None:
     Path(out, f"memory{rank}.json").write_text(json.dumps({"rows": rows, "parameter_bytes": mm.parameter_bytes,
                                                            "local_parameter_bytes": local_params,
                                                            "unchained": list(mm.unchained_stacks)}))  # fmt: skip
+    dist.barrier()  # no rank tears gloo down while the other still talks to it (std::terminate at exit)
     dist.destroy_process_group()
 
 
