@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_ckpt import BlockPlan, Plan, __version__, model_fingerprint, tune
+from lightning_ckpt.budget import format_bytes
 from lightning_ckpt.cli import main
 from lightning_ckpt.testing import GPT, GPTConfig
 
@@ -61,9 +62,8 @@ def work(tmp_path_factory) -> Path:
     result.best.with_metadata(memory_breakdown=result.memory_breakdown).save(root / "with_memory.json")
     # A hand-written rival for diff: other modes, segments, another budget, same model.
     blocks = {"transformer.h.0": BlockPlan("full"), "transformer.h.1": BlockPlan("selective", ("mlp",))}
-    Plan(
-        blocks, {}, "rival", model_fingerprint(model), {"budget": {"kind": "peak", "description": "1.0 MiB peak"}}
-    ).save(root / "rival.json")
+    budget = {"kind": "peak", "limit_bytes": 2**20, "fraction": None, "description": "1.0 MiB peak"}
+    Plan(blocks, {}, "rival", model_fingerprint(model), {"budget": budget}).save(root / "rival.json")
     Plan({}, {"transformer.h": 2}, "segmented", None).save(root / "segmented.json")
     return root
 
@@ -145,7 +145,11 @@ def test_diff_lists_changed_blocks_segments_and_budget(work, capsys):
         before, after = a.mode_of(fqn).describe(), b.mode_of(fqn).describe()
         changed = [ln.split() for ln in lines if f" {fqn} " in ln]
         assert changed == ([] if before == after else [[changed[0][0], fqn, before, "->", after]])
-    assert "fingerprint  same" in out.stdout and "-> 1.0 MiB peak" in out.stdout
+    assert "fingerprint  same" in out.stdout
+    # Budgets are shown by value, both sides in bytes formatted alike.
+    [budget_line] = [ln for ln in lines if ln.startswith("budget ")]
+    assert format_bytes(a.metadata["budget"]["limit_bytes"]) in budget_line
+    assert budget_line.endswith("-> peak <= 1.0 MiB")
 
     assert main(["diff", str(work / "rival.json"), str(work / "segmented.json")]) == 0
     text = capsys.readouterr().out
@@ -243,3 +247,171 @@ def test_validate_model_that_exits_is_an_error_not_a_silent_exit(work, source, s
     assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
     assert "SystemExit" in out.stderr and shown in out.stderr, out.stderr
     assert 'if __name__ == "__main__":' in out.stderr, out.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# show --json, the search in words, diff --exit-code / --json
+# -------------------------------------------------------------------------------------------------
+SHOW_KEYS = {
+    "json_format", "file", "name", "description", "digest", "fingerprint", "blocks_by_mode", "segments",
+    "compile_memory_budget", "budget", "winner", "baselines", "trials", "fell_back", "predicted_block_memory", "plan",
+}  # fmt: skip
+TRIAL_KEYS = {
+    "considered", "space_size", "n_trials", "exhaustive", "measured", "pruned", "within_budget", "over_budget",
+    "failed", "conflict", "confirmed", "by_status",
+}  # fmt: skip
+
+
+def test_show_json_from_the_shell_is_one_object_with_the_documented_keys(work):
+    plan = Plan.load(work / "with_memory.json")
+    out = cli("show", work / "with_memory.json", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)  # the whole of stdout: nothing else is printed
+    assert set(data) == SHOW_KEYS and data["json_format"] == 1
+    assert data["description"] == plan.describe() and data["digest"] == plan.digest()
+    assert data["fingerprint"] == plan.fingerprint and data["file"] == str(work / "with_memory.json")
+    assert Plan.from_dict(data["plan"]) == plan and data["plan"]["metadata"] == json.loads(plan.to_json())["metadata"]
+    by_mode = {fqn: mode for mode, fqns in data["blocks_by_mode"].items() for fqn in fqns}
+    assert by_mode == {fqn: bp.describe() for fqn, bp in plan.blocks.items()}
+    md = plan.metadata
+    assert {k: data["budget"][k] for k in ("kind", "limit_bytes", "fraction")} == {
+        k: md["budget"][k] for k in ("kind", "limit_bytes", "fraction")
+    }
+    assert data["winner"]["samples_per_second"] == md["measured"]["samples_per_second"]
+    assert data["winner"]["peak_bytes"] == md["measured"]["peak_bytes"]
+    full = md["baselines"]["full"]
+    if full.get("samples_per_second"):
+        ratio = md["measured"]["samples_per_second"] / full["samples_per_second"]
+        assert data["winner"]["speedup_over_baselines"]["full"] == pytest.approx(ratio)
+    assert set(data["trials"]) == TRIAL_KEYS
+    assert data["trials"]["considered"] == md["search"]["trials_run"]
+    assert data["trials"]["n_trials"] == md["search"]["n_trials"] == 2
+    assert "transformer.h.3" in data["predicted_block_memory"], "every block, checkpointed or not"
+    assert data["fell_back"] is False
+
+
+def test_show_json_of_a_plan_without_metadata(work, capsys):
+    assert main(["show", str(work / "segmented.json"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == SHOW_KEYS and data["segments"] == {"transformer.h": 2} and data["blocks_by_mode"] == {}
+    assert data["budget"] is data["winner"] is data["trials"] is data["predicted_block_memory"] is None
+    assert data["description"] == Plan.load(work / "segmented.json").describe()
+
+
+def _search_plan(path: Path, **search) -> Plan:
+    base = {"n_trials": 6, "trials_run": 17, "exhaustive": False, "space_size": 88, "seed": 0, "sampler": "TPESampler"}
+    plan = Plan({"h.0": BlockPlan("full")}, metadata={"search": {**base, **search}})
+    plan.save(path)
+    return plan
+
+
+def test_show_says_what_the_trial_counts_mean(tmp_path, capsys):
+    counts = {"ok": 3, "over_budget": 1, "oom": 1, "error": 1, "pruned": 11}
+    _search_plan(tmp_path / "counted.json", status_counts=counts, confirmed=2)
+    assert main(["show", str(tmp_path / "counted.json")]) == 0
+    text = capsys.readouterr().out
+    assert "17 of the 88 candidate plans in the search space were considered (TPESampler, seed 0)" in text
+    assert "6 measured (run for real): 3 within budget, 1 over budget, 1 out of memory, 1 failed with an error" in text
+    assert "11 rejected by the memory model without running (pruned)" in text
+    assert "2 of the measured re-timed side by side" in text
+    assert "n_trials=6 caps the plans measured; pruned plans do not count towards it" in text
+    assert "n_trials=6)" not in text, "the old 'N trials (n_trials=M)' wording is gone"
+
+    assert main(["show", str(tmp_path / "counted.json"), "--json"]) == 0
+    trials = json.loads(capsys.readouterr().out)["trials"]
+    assert trials["by_status"] == counts and trials["confirmed"] == 2
+    assert (trials["measured"], trials["pruned"], trials["within_budget"]) == (6, 11, 3)
+    assert (trials["over_budget"], trials["failed"], trials["conflict"]) == (1, 2, 0)
+
+    # What the tuner writes today has only the total: say what it includes and that the split is unknown.
+    _search_plan(tmp_path / "total.json", exhaustive=True, space_size=17)
+    assert main(["show", str(tmp_path / "total.json")]) == 0
+    text = capsys.readouterr().out
+    assert "all 17 candidate plans in the search space were considered" in text
+    assert "rejected without running (pruned)" in text and "n_trials=6 caps only the plans measured" in text
+    assert "does not record how many" in text
+
+
+def _budget_plan(path: Path, budget: dict, blocks: tuple[str, ...] = ("h.0",)) -> Path:
+    Plan({fqn: BlockPlan("full") for fqn in blocks}, fingerprint="f00d", metadata={"budget": budget}).save(path)
+    return path
+
+
+GIB20 = {"kind": "peak", "limit_bytes": 20 * 2**30, "fraction": None, "description": "20.0 GiB peak"}
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "code"),
+    [
+        ({**GIB20, "requested": "20GiB"}, {**GIB20, "requested": 21474836480}, 0),
+        ({"kind": "peak", "requested": "20GiB"}, {"kind": "peak", "requested": 21474836480}, 0),  # no limit recorded
+        ({**GIB20, "description": "20GiB"}, {**GIB20, "description": "21474836480 B"}, 0),  # text is not the value
+        ({**GIB20, "requested": "20GiB"}, {**GIB20, "limit_bytes": 24 * 2**30, "requested": "24GiB"}, 1),
+        ({**GIB20, "kind": "activation", "fraction": 0.5}, {**GIB20, "kind": "activation", "fraction": 0.6}, 1),
+    ],
+    ids=["requested-text-vs-bytes", "requested-only", "description-differs", "other-limit", "other-fraction"],
+)
+def test_diff_compares_budgets_by_value(tmp_path, capsys, a, b, code):
+    pa, pb = _budget_plan(tmp_path / "a.json", a), _budget_plan(tmp_path / "b.json", b)
+    assert main(["diff", "--exit-code", str(pa), str(pb)]) == code
+    text = capsys.readouterr().out
+    [line] = [ln for ln in text.splitlines() if ln.startswith("budget ")]
+    if code == 0:
+        assert line.startswith("budget       same (") and "the plans are the same" in text
+    else:
+        assert " -> " in line and "the plans differ in: budget" in text
+    if a.get("limit_bytes") != b.get("limit_bytes"):
+        assert line == "budget       peak <= 20.0 GiB -> peak <= 24.0 GiB"
+
+
+def test_diff_exit_code_follows_git_diff(work, tmp_path, capsys):
+    tuned, rival, with_memory = (str(work / f"{n}.json") for n in ("tuned", "rival", "with_memory"))
+    copy = tmp_path / "copy.json"
+    copy.write_text(Path(tuned).read_text())
+    assert main(["diff", "--exit-code", tuned, str(copy)]) == 0
+    assert main(["diff", "--exit-code", tuned, rival]) == 1
+    assert main(["diff", tuned, rival]) == 0, "without --exit-code a difference is not an error"
+    # Same checkpointing, model and budget; only the memory breakdown in the metadata differs.
+    assert main(["diff", "--exit-code", tuned, with_memory]) == 0
+    capsys.readouterr()
+    # Another model with the same checkpointing differs too.
+    moved = Plan.load(tuned)
+    Plan(moved.blocks, moved.segments, moved.name, "0123456789abcdef", moved.metadata).save(tmp_path / "other.json")
+    assert main(["diff", "--exit-code", tuned, str(tmp_path / "other.json")]) == 1
+    assert "the plans differ in: fingerprint" in capsys.readouterr().out
+
+
+def test_diff_json(work, capsys):
+    tuned, rival = (str(work / f"{n}.json") for n in ("tuned", "rival"))
+    assert main(["diff", "--json", "--exit-code", tuned, rival]) == 1
+    data = json.loads(capsys.readouterr().out)
+    a, b = Plan.load(tuned), Plan.load(rival)
+    assert data["differ"] is True and set(data["differ_in"]) == {"checkpointing", "budget"}
+    assert data["a"] == {"file": tuned, "description": a.describe(), "digest": a.digest()}
+    assert data["b"]["description"] == b.describe()
+    changed = {c["name"]: (c["a"], c["b"]) for c in data["checkpointing"] if c["what"] == "block"}
+    expected = {
+        fqn: (a.mode_of(fqn).to_dict(), b.mode_of(fqn).to_dict())
+        for fqn in set(a.blocks) | set(b.blocks)
+        if a.mode_of(fqn) != b.mode_of(fqn)
+    }
+    assert changed == expected
+    assert data["fingerprint"]["same"] is True
+    assert data["budget"]["same"] is False and data["budget"]["b"]["limit_bytes"] == 2**20
+
+    assert main(["diff", "--json", tuned, tuned]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["differ"] is False and data["differ_in"] == [] and data["checkpointing"] == []
+
+
+def test_diff_errors_exit_2_with_one_message(work, tmp_path, capsys):
+    out = cli("diff", "--exit-code", work / "tuned.json", tmp_path / "nope.json")
+    assert out.returncode == 2 and out.stdout == ""
+    [message] = out.stderr.strip().splitlines()
+    assert message.startswith("lightning-ckpt diff: error:") and "nope.json" in message and "does not exist" in message
+    # A malformed plan is trouble too (2), never "the plans differ" (1), with or without --exit-code.
+    (tmp_path / "bad.json").write_text("{not json")
+    for flags in ([], ["--exit-code"]):
+        assert main(["diff", *flags, str(work / "tuned.json"), str(tmp_path / "bad.json")]) == 2
+        captured = capsys.readouterr()
+        assert "is not valid JSON" in captured.err and captured.out == ""
