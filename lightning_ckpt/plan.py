@@ -177,13 +177,26 @@ class Plan:
         return replace(self, metadata={**self.metadata, **updates})
 
     def describe(self) -> str:
-        """A one-line human summary, e.g. ``full x12`` or ``selective(mlp) x6, none x6``."""
+        """A one-line human summary that names the blocks, e.g. ``full h.0-3, selective(mlp) h.4-7``.
+
+        Blocks are grouped by mode, in FQN order (``h.2`` before ``h.10``). Each group lists its
+        blocks as module paths without the dotted prefix that every block of the plan shares
+        (``transformer.h.0`` reads ``h.0``; the container's own name always stays), with integer
+        indices folded into ranges: ``h.0,2,4,6``, ``h.0-1,4-5``. Blocks of different containers are
+        separated by a space: ``full decoder.block.0-1 encoder.block.0-1``. Blocks left at ``none``
+        are not listed; the empty plan reads ``none``.
+
+        Plans with different block assignments read differently, with one exception: the shared
+        prefix is not shown, so a plan that touches only ``encoder.block`` reads like the same plan
+        on ``decoder.block``. ``key()`` is the exact identity.
+        """
         if self.is_empty:
             return "none"
-        counts: dict[str, int] = {}
-        for bp in self.blocks.values():
-            counts[bp.describe()] = counts.get(bp.describe(), 0) + 1
-        parts = [f"{m} x{n}" for m, n in counts.items()]
+        groups: dict[str, list[str]] = {}
+        for fqn in sorted(self.blocks, key=_natural_key):
+            groups.setdefault(self.blocks[fqn].describe(), []).append(fqn)
+        drop = _shared_prefix_length(list(self.blocks))
+        parts = [f"{mode} {_compact_fqns(fqns, drop)}" for mode, fqns in groups.items()]
         parts += [f"segments({fqn or '<root>'}={n})" for fqn, n in self.segments.items()]
         if self.compile_memory_budget is not None:
             parts.append(f"pt2_budget({self.compile_memory_budget:g})")
@@ -326,6 +339,56 @@ def _create_beside(target: Path) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(f"could not create a temporary file beside {str(target)!r}: every name tried exists")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block lists for Plan.describe
+# ---------------------------------------------------------------------------------------------------
+def _is_index(name: str) -> bool:
+    """A position as ModuleList/Sequential names it; ``01`` is a name, not an index, so it is never folded."""
+    return name.isdecimal() and str(int(name)) == name
+
+
+def _natural_key(fqn: str) -> tuple[tuple[int, int | str], ...]:
+    """Sorts ``h.2`` before ``h.10``."""
+    return tuple((0, int(part)) if _is_index(part) else (1, part) for part in fqn.split("."))
+
+
+def _shared_prefix_length(fqns: list[str]) -> int:
+    """How many leading dotted names every FQN shares, short of each block's container and own name."""
+    paths = [fqn.split(".") if fqn else [] for fqn in fqns]
+    shortest = min((len(p) for p in paths), default=0)
+    shared = 0
+    while shared < shortest and len({p[shared] for p in paths}) == 1:
+        shared += 1
+    return max(0, min(shared, shortest - 2))
+
+
+def _index_ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 3, 6]`` -> ``0-3,6``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _compact_fqns(fqns: list[str], drop: int) -> str:
+    """The blocks as short module paths, one entry per container: ``h.0-3``, ``encoder.block.0 lm_head``."""
+    # Key: (path, is_container), so a planned ``h`` and the planned blocks inside it stay two entries.
+    entries: dict[tuple[str, bool], list[int]] = {}
+    for fqn in fqns:
+        path = fqn.split(".")[drop:] if fqn else []
+        if path and _is_index(path[-1]):
+            entries.setdefault((".".join(path[:-1]), True), []).append(int(path[-1]))
+        else:
+            entries[(".".join(path) or "<root>", False)] = []
+    return " ".join(
+        (f"{name}.{_index_ranges(ix)}" if name else _index_ranges(ix)) if is_container else name
+        for (name, is_container), ix in entries.items()
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def test_a_trial_failing_on_one_rank_of_a_sharded_model_ends_the_search_clearly_
         "--fail-rank",
         "1",
         "--fail-on",
-        "selective(mlp) x2",
+        "selective(mlp) h.0-1",
         "--timeout",
         "20",
     ]

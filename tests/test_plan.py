@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import stat
@@ -34,9 +35,64 @@ def test_equality_ignores_name_and_metadata():
 
 def test_describe():
     plan = Plan({"h.0": BlockPlan("full"), "h.1": BlockPlan("full"), "h.2": BlockPlan("selective", ("mlp",))})
-    assert plan.describe() == "full x2, selective(mlp) x1"
+    assert plan.describe() == "full h.0-1, selective(mlp) h.2"
     assert Plan().describe() == "none"
     assert Plan(segments={"h": 2}).describe() == "segments(h=2)"
+    assert Plan({"h.1": BlockPlan("full"), "h.2": BlockPlan("none")}).describe() == "full h.1"
+
+
+FULL, MLP = BlockPlan("full"), BlockPlan("selective", ("mlp",))
+MATMULS = BlockPlan("ops", save_list="save_matmuls")
+
+
+@pytest.mark.parametrize(
+    ("blocks", "expected"),
+    [
+        ({i: FULL if i < 4 else MLP for i in range(8)}, "full h.0-3, selective(mlp) h.4-7"),
+        ({i: FULL if i % 2 == 0 else MLP for i in range(8)}, "full h.0,2,4,6, selective(mlp) h.1,3,5,7"),
+        ({i: FULL for i in (0, 1, 4, 5)}, "full h.0-1,4-5"),
+        # Natural order: h.2 before h.10, and ranges run across the decimal boundary.
+        ({i: MATMULS if i in (9, 10, 11) else FULL for i in range(2, 12)}, "full h.2-8, ops(save_matmuls) h.9-11"),
+        ({3: MLP}, "selective(mlp) h.3"),
+    ],
+)
+def test_describe_names_the_blocks_of_a_nested_stack(blocks, expected):
+    # As on a real model: the stack is ``transformer.h`` inside a LightningModule's ``model``.
+    plan = Plan({f"model.transformer.h.{i}": bp for i, bp in blocks.items()})
+    assert plan.describe() == expected
+
+
+def test_describe_keeps_two_stacks_apart_and_the_other_parts():
+    enc_dec = {f"model.{part}.layers.{i}": FULL if part == "encoder" else MLP
+               for part in ("encoder", "decoder") for i in range(3)}  # fmt: skip
+    assert Plan(enc_dec).describe() == "selective(mlp) decoder.layers.0-2, full encoder.layers.0-2"
+    same_mode = Plan({"encoder.block.0": FULL, "encoder.block.1": FULL, "decoder.block.0": FULL})
+    assert same_mode.describe() == "full decoder.block.0 encoder.block.0-1"
+    plan = Plan({"transformer.h.0": FULL, "transformer.h.1": FULL}, segments={"transformer.h": 2},
+                compile_memory_budget=0.5)  # fmt: skip
+    assert plan.describe() == "full h.0-1, segments(transformer.h=2), pt2_budget(0.5)"
+    # Names that are not positions (ModuleDict keys, ``01``) are listed as they are, never folded.
+    named = Plan({"layers.attn_0": FULL, "layers.attn_1": FULL, "layers.01": FULL, "lm_head": MLP})
+    assert named.describe() == "full layers.01 layers.attn_0 layers.attn_1, selective(mlp) lm_head"
+    assert Plan({"0": FULL, "1": FULL, "3": MLP}).describe() == "full 0-1, selective(mlp) 3"  # an nn.Sequential
+
+
+@pytest.mark.parametrize("n_blocks", [4, 5, 8])
+def test_describe_tells_every_block_assignment_apart(n_blocks):
+    modes = [BlockPlan(), FULL, MLP, MATMULS]
+    fqns = [f"model.transformer.h.{i}" for i in range(n_blocks)]
+    plans = {Plan(dict(zip(fqns, assignment, strict=True))) for assignment in itertools.product(modes, repeat=n_blocks)}
+    assert len(plans) == len(modes) ** n_blocks
+    descriptions = {plan.describe() for plan in plans}
+    assert len(descriptions) == len(plans)
+
+
+def test_describe_tells_assignments_over_two_stacks_apart():
+    # Every block planned, so the shared prefix (``model.``) is the same for all: see Plan.describe.
+    modes = [FULL, MLP, MATMULS]
+    fqns = [f"model.{part}.layers.{i}" for part in ("encoder", "decoder") for i in range(3)]
+    plans = [Plan(dict(zip(fqns, assignment, strict=True))) for assignment in itertools.product(modes, repeat=6)]
+    assert len({plan.describe() for plan in plans}) == len(plans) == len(modes) ** 6
 
 
 @pytest.mark.parametrize(
