@@ -39,6 +39,7 @@ from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
 from lightning_ckpt.records import TuneResult
 from lightning_ckpt.space import SearchSpace
 from lightning_ckpt.step import loss_of
+from lightning_ckpt.study import storage_for_display
 from lightning_ckpt.tune import SearchInterrupted, tune
 
 __all__ = ["ActivationCheckpointTuner"]
@@ -104,7 +105,7 @@ class ActivationCheckpointTuner(Callback):
         tune_micro_batch: bool = False,
         batch_arg_name: str = "batch_size",
         log_dir: str | os.PathLike[str] | None = None,
-        verbose: bool = True,
+        verbose: bool = False,
         allow_graph_breaks: bool = False,
         guard_steps: int = 2,
         on_budget_exceeded: str = "switch",
@@ -161,6 +162,7 @@ class ActivationCheckpointTuner(Callback):
         self._handle: PlanHandle | None = None
         self._pending = False
         self._writer_cache: Any = None
+        self._declared_in_logger = False
         self.wrote_plan_file = False
         self.guard_steps = guard_steps
         self.on_budget_exceeded = on_budget_exceeded
@@ -245,6 +247,8 @@ class ActivationCheckpointTuner(Callback):
                     ) from None
                 rank_zero_warn(f"{err} Re-tuning instead (on_stale_plan='retune').")
         self._check_tunable(pl_module)
+        if trainer.is_global_zero:
+            self._declare_hparams_table(trainer, pl_module)
         if self.tune_micro_batch:
             self._search_micro_batch(trainer, pl_module, model)  # before the loop draws its first batch
             return
@@ -416,7 +420,7 @@ class ActivationCheckpointTuner(Callback):
                     "train with the same plan; check that all ranks read the same plan file."
                 )
         self._guard_left = self.guard_steps and max(self.guard_steps, int(trainer.accumulate_grad_batches) + 1)
-        if self.verbose:
+        if source not in ("search", "joint micro-batch search") or self.verbose:  # a search ends with its own line
             rank_zero_info(f"lightning_ckpt: applied plan from {source}: {plan.describe()}")
 
     # -- the guard: real steps after lock-in (guard.py) --------------------------------------------
@@ -519,7 +523,7 @@ class ActivationCheckpointTuner(Callback):
         progress = self._progress(trainer)
 
         self._tuned_batch = batch
-        with _sandbox(pl_module), warnings.catch_warnings():
+        with self._searching(trainer, progress), _sandbox(pl_module), warnings.catch_warnings():
             # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
             warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
             _fill_grads(pl_module)
@@ -578,7 +582,7 @@ class ActivationCheckpointTuner(Callback):
 
         progress = self._progress(trainer)
 
-        with _sandbox(pl_module):
+        with self._searching(trainer, progress), _sandbox(pl_module):
             _fill_grads(pl_module)
             found = tune_micro_batch(
                 model, loss_fn_for, base_micro_batch=base, global_batch=global_batch, max_memory=self.max_memory,
@@ -639,31 +643,79 @@ class ActivationCheckpointTuner(Callback):
             )
 
     def _progress(self, trainer: pl.Trainer) -> Any:
-        """Per-trial reporting: a line on rank 0 when verbose, and the trial's scalars streamed to TensorBoard."""
-        from lightning_ckpt import report
+        """One progress bar for the search on rank 0 (trial lines above it when verbose), and each trial's
+        scalars streamed to TensorBoard."""
+        import sys
 
-        writer = self._writer(trainer) if trainer.is_global_zero else None
+        from lightning_ckpt.report import SearchProgress
 
-        def progress(trial: Any, budget: Any) -> None:
-            if self.verbose:
-                rank_zero_info(report.trial_line(trial, budget))
-            if writer is not None:
-                report.log_trial(writer, trial)
+        if not trainer.is_global_zero:
+            return None
+        return SearchProgress(
+            self.config.n_trials, writer=self._writer(trainer), verbose=self.verbose,
+            enabled=trainer.progress_bar_callback is not None, file=sys.stdout,
+        )  # fmt: skip
 
-        return progress
+    @contextlib.contextmanager
+    def _searching(self, trainer: pl.Trainer, progress: Any) -> Iterator[None]:
+        """Around the search: Lightning's own bar steps aside for the tuner's, and its clock leaves the search
+        out, so step 1 is not reported as taking the whole search (the result line reports the tuning time)."""
+        import time
 
-    def _writer(self, trainer: pl.Trainer) -> Any:
+        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+        callback = trainer.progress_bar_callback
+        tqdm_bar = getattr(callback, "_train_progress_bar", None) if isinstance(callback, TQDMProgressBar) else None
+        rich = callback.progress if isinstance(callback, RichProgressBar) else None
+        if tqdm_bar is not None:
+            tqdm_bar.clear()
+        if rich is not None:
+            rich.stop()
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            if progress is not None:
+                progress.close()
+            if tqdm_bar is not None:
+                tqdm_bar.unpause()  # restarts tqdm's timer from its last print: rate and elapsed leave the search out
+                tqdm_bar.refresh()
+            if rich is not None:
+                for task in rich.tasks:
+                    if task.start_time is not None:
+                        task.start_time += time.monotonic() - started
+                    task._progress.clear()  # the speed estimate's samples: none may span the search
+                rich.start()
+
+    def _tensorboard_logger(self, trainer: pl.Trainer) -> Any:
         from lightning.pytorch.loggers import TensorBoardLogger
 
+        return next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+
+    def _declare_hparams_table(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Declare the HParams table's columns in the Trainer's TensorBoard run, before Lightning writes its own.
+
+        TensorBoard keeps the first experiment summary of a run, and Lightning writes one (the module's
+        hyperparameters and ``hp_metric``) right after ``on_fit_start``; written first, the tuner's columns win.
+        The module's hyperparameters stay columns too, so the training run's own row still shows them.
+        """
+        from lightning_ckpt.report import write_experiment
+
+        tb = self._tensorboard_logger(trainer)
+        if tb is None or self.log_dir is not None:
+            return  # the tuner's own writer declares it (report.write_tensorboard)
+        write_experiment(tb.experiment, _logged_hparams(trainer, pl_module))
+        self._declared_in_logger = True
+
+    def _writer(self, trainer: pl.Trainer) -> Any:
         if self._writer_cache is not None:
             return self._writer_cache
         from torch.utils.tensorboard import SummaryWriter
 
-        # A run of its own beside the Trainer's: Lightning's TensorBoardLogger writes an HParams
-        # experiment summary (hp_metric) that would hide our per-trial columns in the same run.
+        # A run of its own under the Trainer's (a child run: the HParams rows live under it, see report.py).
         log_dir = self.log_dir
         if log_dir is None:
-            tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+            tb = self._tensorboard_logger(trainer)
             # Never <cwd>/lightning_ckpt: run from a checkout, that directory shadows the package on the next import.
             base = Path(tb.log_dir) if tb is not None else Path(trainer.default_root_dir) / "lightning_logs"
             log_dir = base / "lightning_ckpt"
@@ -681,14 +733,23 @@ class ActivationCheckpointTuner(Callback):
         if self.plan_path is not None:
             plan.save(self.plan_path)
             self.wrote_plan_file = True
-            rank_zero_info(f"lightning_ckpt: wrote plan to {self.plan_path}")
         writer = self._writer(trainer)
-        log_dir = report.write_tensorboard(writer, result, log_trials=False)  # trials were streamed
+        log_dir = report.write_tensorboard(
+            writer, result, log_trials=False, write_experiment_summary=not self._declared_in_logger,
+            other_hparams=_logged_hparams(trainer, trainer.lightning_module),
+        )  # fmt: skip  # trials were streamed
         writer.close()
         self._writer_cache = None
+        warning = report.timing_warning(result)
+        if warning:
+            rank_zero_warn(warning)
         if self.verbose:
             rank_zero_info(report.summary_table(result))
-            rank_zero_info(f"lightning_ckpt: TensorBoard logs in {log_dir}")
+        where = [f"plan saved to {self.plan_path}"] if self.plan_path is not None else []
+        where.append(f"TensorBoard: {log_dir}")
+        if result.study_name is not None:
+            where.append(f"Optuna study {result.study_name!r} ({storage_for_display(result.storage)})")
+        rank_zero_info(report.result_line(result) + "\nlightning_ckpt: " + "; ".join(where))
 
 
 class _StrategySync:
@@ -803,6 +864,20 @@ def _warn_each_fit(message: str) -> None:
     'already shown' registry, while the user's own filters (e.g. ``ignore``) still apply."""
     with warnings.catch_warnings():
         rank_zero_warn(message)
+
+
+def _logged_hparams(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """The hyperparameters Lightning's ``TensorBoardLogger`` will log for this fit (flattened as it does)."""
+    from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+
+    params: dict[str, Any] = {}
+    if getattr(pl_module, "_log_hyperparams", False):
+        params.update(pl_module.hparams_initial)
+    datamodule = trainer.datamodule
+    if datamodule is not None and getattr(datamodule, "_log_hyperparams", False):
+        params.update(datamodule.hparams_initial)
+    params.pop("_class_path", None)
+    return dict(_flatten_dict(_convert_params(params)))
 
 
 def _fill_grads(pl_module: pl.LightningModule) -> None:

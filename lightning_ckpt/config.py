@@ -27,7 +27,10 @@ class TuneConfig:
 
     n_trials: most candidates measured (pruned ones are free); timeout: most seconds to search.
     search_space: the space (a ``SearchSpace`` or a dict of overrides). sampler, storage, study_name,
-    seed: Optuna settings (seeded TPE, in memory, by default; ``storage`` resumes an interrupted search).
+    seed: Optuna settings (seeded TPE, in memory, by default). ``storage`` (e.g. ``"sqlite:///ac.db"``)
+    keeps the study, one trial per plan, and resumes an interrupted search; ``study_name`` defaults to
+    ``lightning_ckpt-<model fingerprint>-<run digest>`` (one study per model, batch size, device...).
+    ``sampler`` proposes plans from an in-memory copy of the study (see ``study.py``).
     warmup_steps / measure_steps: steps per trial left out of / used for timing.
     block_types: override block discovery. on_infeasible: ``"fallback"`` or ``"raise"`` when nothing fits.
     tie_tolerance: plans this close in throughput count as tied; the tie goes to lower memory.

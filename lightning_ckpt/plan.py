@@ -20,7 +20,7 @@ import json
 import os
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -389,6 +389,13 @@ def _compact_fqns(fqns: list[str], drop: int) -> str:
         (f"{name}.{_index_ranges(ix)}" if name else _index_ranges(ix)) if is_container else name
         for (name, is_container), ix in entries.items()
     )
+
+
+def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
+    """``fqns`` written as ``describe()`` writes a group of blocks (``h.0-3``), without the prefix that
+    every FQN of ``among`` (default: ``fqns``) shares."""
+    drop = _shared_prefix_length(list(among if among is not None else fqns))
+    return _compact_fqns(sorted(fqns, key=_natural_key), drop)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -149,6 +149,10 @@ class TuneResult:
     fallback_message: str = ""  # the warning that said so (the callback repeats it on every fit)
     memory_table: str = ""  # the memory model's per-block breakdown, printable
     memory_breakdown: Mapping[str, Any] = field(default_factory=dict)  # the same as data
+    # The Optuna study holding one trial per plan (``optuna.load_study(study_name=..., storage=...)`` when
+    # ``storage`` is set; in memory, and gone with the process, when it is None). See ``study.py``.
+    study_name: str | None = None
+    storage: str | None = None
 
     @property
     def baselines(self) -> dict[str, TrialRecord]:

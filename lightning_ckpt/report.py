@@ -5,24 +5,25 @@ units and status codes live here and nowhere else. It takes plain data (``TrialR
 ``TuneResult``) and a ``torch.utils.tensorboard.SummaryWriter`` (or a log directory), never a
 Trainer: the Lightning callback and a plain script call it the same way.
 
-TensorBoard layout (``logdir`` is the writer's directory)::
+TensorBoard layout, under a Lightning ``TensorBoardLogger`` (``version_N`` is the Trainer's run)::
 
-    logdir/                        one scalar series per quantity, global_step = trial number
-        lightning_ckpt/trial/...   see TRIAL_SCALAR_TAGS
-        lightning_ckpt/plan        text*: the chosen plan as a markdown table
-        lightning_ckpt/memory_breakdown   text*: the memory model's per-block table
-        lightning_ckpt/summary     text*: the summary table
-        lightning_ckpt/pareto      image: the Pareto figure (also saved as logdir/pareto.png)
-    logdir/trial_003/              one run per trial for the HParams dashboard: the trial's search
-                                   dimensions, label and status as hparams, HPARAM_METRIC_TAGS as metrics
+    version_N/                       the HParams experiment (the table's columns, see experiment_summary),
+                                     written before Lightning's own so the tuner's columns win
+    version_N/lightning_ckpt/        the search run: one point per trial (global_step = trial number)
+        lightning_ckpt/trial/...           TRIAL_SCALAR_TAGS, only what each trial produced
+        lightning_ckpt/search/best_samples_per_second   the best-so-far curve
+        lightning_ckpt/1_summary           text*: the verdict, then every trial, fastest first
+        lightning_ckpt/2_plan              text*: the chosen plan as a markdown table
+        lightning_ckpt/3_memory_breakdown  text*: the memory model's per-block table (markdown)
+        lightning_ckpt/pareto              image: the Pareto figure (also saved as pareto.png)
+    version_N/lightning_ckpt/table/01_winner_trial_012, 02_trial_005, ...
+                                     the HParams rows: at most HPARAM_ROWS leaders, one run each, so the
+                                     run count stays small whatever the number of trials
 
     * torch's ``add_text`` stores text under ``<tag>/text_summary``; ``text_tag(TAG_PLAN)`` gives that name.
 
-Status codes (the ``lightning_ckpt/trial/status_code`` scalar, see ``STATUS_CODES``):
-0 ok, 1 over_budget, 2 pruned, 3 oom, 4 invalid, 5 error, 6 conflict, -1 anything else.
-
 Compiled trials (``torch.compile``, see ``lightning_ckpt.compile``) add ``COMPILE_SCALAR_TAGS`` per
-trial (compile seconds, graph breaks, recompiles) and a ``lightning_ckpt/compile_conflicts`` text
+trial (compile seconds, graph breaks, recompiles) and a ``lightning_ckpt/4_compile_conflicts`` text
 listing every plan that conflicted with the compiler and why.
 
 Memory is logged in MiB (2**20 bytes) so the scalar charts read naturally; the text uses
@@ -33,7 +34,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+import statistics
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,49 +44,70 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
+from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+from tensorboard.plugins.hparams import metadata as hparams_metadata
 from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
 from lightning_ckpt.budget import Budget, format_bytes
-from lightning_ckpt.plan import Plan
-from lightning_ckpt.records import TrialRecord, TrialStatus, TuneResult
+from lightning_ckpt.plan import Plan, block_names
+from lightning_ckpt.records import TrialRecord, TuneResult
 
 __all__ = [
-    "HPARAM_METRIC_TAGS",
-    "PARETO_PNG",
     "COMPILE_SCALAR_TAGS",
-    "STATUS_CODES",
-    "TAG_PREFIX",
+    "HPARAM_COLUMNS",
+    "HPARAM_METRICS",
+    "HPARAM_METRIC_TAGS",
+    "HPARAM_ROWS",
+    "HPARAM_RUN_DIR",
+    "WINNER_MARK",
+    "hparam_name",
+    "PARETO_PNG",
+    "TAG_BEST_SAMPLES_PER_SECOND",
+    "TAG_CONFLICTS",
     "TAG_MEMORY_BREAKDOWN",
     "TAG_PARETO",
-    "TAG_CONFLICTS",
     "TAG_PLAN",
+    "TAG_PREFIX",
     "TAG_SUMMARY",
     "TEXT_TAG_SUFFIX",
-    "TRIAL_RUN_FORMAT",
     "TRIAL_SCALAR_TAGS",
+    "best_so_far",
     "conflicts_markdown",
+    "experiment_summary",
     "log_trial",
+    "memory_markdown",
     "pareto_figure",
     "pareto_front",
+    "result_line",
+    "SearchProgress",
+    "timing_warning",
     "plan_markdown",
+    "summary_markdown",
     "summary_table",
+    "table_trials",
     "text_tag",
     "trial_line",
+    "verdict_lines",
+    "write_experiment",
+    "write_hparams_table",
     "write_tensorboard",
 ]
 
 # -- TensorBoard names: the one place they are defined -------------------------------------------
 TAG_PREFIX = "lightning_ckpt"
 
+# The search run: one point per trial, global_step = trial number. Only quantities a trial produced
+# are logged (a pruned trial has no throughput), so every point is a real figure; plans differ from
+# one step to the next, so read these at smoothing 0. The best-so-far series is a true curve.
 TAG_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/trial/samples_per_second"
 TAG_PEAK_MIB = f"{TAG_PREFIX}/trial/peak_memory_mib"
 TAG_PREDICTED_PEAK_MIB = f"{TAG_PREFIX}/trial/predicted_peak_memory_mib"
 TAG_ACTIVATION_MIB = f"{TAG_PREFIX}/trial/activation_memory_mib"
 TAG_PREDICTED_ACTIVATION_MIB = f"{TAG_PREFIX}/trial/predicted_activation_memory_mib"
 TAG_RECOMPUTE_OVERHEAD = f"{TAG_PREFIX}/trial/recompute_overhead"
-TAG_STATUS_CODE = f"{TAG_PREFIX}/trial/status_code"
 TAG_TRIAL_SECONDS = f"{TAG_PREFIX}/trial/seconds"
+TAG_BEST_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/search/best_samples_per_second"
 # Compiled trials only: logged when a trial carries compile statistics (TrialRecord.extra["compile"]).
 TAG_COMPILE_SECONDS = f"{TAG_PREFIX}/trial/compile_seconds"
 TAG_GRAPH_BREAKS = f"{TAG_PREFIX}/trial/graph_breaks"
@@ -96,48 +120,65 @@ TRIAL_SCALAR_TAGS = (
     TAG_ACTIVATION_MIB,
     TAG_PREDICTED_ACTIVATION_MIB,
     TAG_RECOMPUTE_OVERHEAD,
-    TAG_STATUS_CODE,
     TAG_TRIAL_SECONDS,
 )
 
-# Metrics of the HParams dashboard. They are scalars in each trial's own run; distinct from the
-# per-trial series above so the two never mix in one chart.
-HPARAM_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/hparams/samples_per_second"
-HPARAM_PEAK_MIB = f"{TAG_PREFIX}/hparams/peak_memory_mib"
-HPARAM_ACTIVATION_MIB = f"{TAG_PREFIX}/hparams/activation_memory_mib"
-HPARAM_PREDICTED_PEAK_MIB = f"{TAG_PREFIX}/hparams/predicted_peak_memory_mib"
-HPARAM_RECOMPUTE_OVERHEAD = f"{TAG_PREFIX}/hparams/recompute_overhead"
-HPARAM_METRIC_TAGS = (
-    HPARAM_SAMPLES_PER_SECOND,
-    HPARAM_PEAK_MIB,
-    HPARAM_ACTIVATION_MIB,
-    HPARAM_PREDICTED_PEAK_MIB,
-    HPARAM_RECOMPUTE_OVERHEAD,
+# The HParams table. TensorBoard shows one row per run holding a session, and its Scalars/Time
+# Series views deselect every run once there are more than 40, so the table holds the leaders only
+# (HPARAM_ROWS runs, winner first) and the search's other trials live in the search run and the
+# summary text. The columns are declared once (``experiment_summary``) so every row shows the same
+# ones; the metrics are scalars in each row's run, named apart from the per-trial series.
+HPARAM_RUN_DIR = "table"  # rows: <search run>/table/01_winner_trial_012, 02_trial_005, ...
+HPARAM_ROWS = 10
+# (key, display name, description), in the order the table shows them; plan dimensions are the search
+# space's (space.SearchSpace.suggest). TensorBoard orders columns by name and shows the first few by
+# default, so each is stored under ``hparam_name(key)``, which numbers them in this order.
+HPARAM_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("winner", "winner", "\u2605 marks the plan that was locked in"),
+    ("plan", "plan", "which blocks are checkpointed, and how"),
+    ("status", "status", "ok = measured within the budget"),
+    ("trial", "trial", "trial number (the x axis of the per-trial scalars)"),
+    ("mode", "mode", "search dimension: how the selected blocks are checkpointed"),
+    ("selection", "blocks", "search dimension: which blocks the mode applies to"),
+    ("rest_mode", "other blocks", "search dimension: the mode of the blocks not selected"),
+    ("structure", "structure", "search dimension: blocks, segments or pt2_budget"),
+    ("chunks", "chunks", "search dimension: segment count (sqrt(N)-style)"),
+    ("compile_budget", "pt2 budget", "search dimension: torch.compile activation_memory_budget"),
+    ("baseline", "baseline", "the fixed recipe this trial is, if any"),
 )
+_COLUMN_ORDER = {key: i for i, (key, _, _) in enumerate(HPARAM_COLUMNS, start=1)}
+
+
+def hparam_name(key: str) -> str:
+    """The stored name of the table column ``key`` (e.g. ``"02_plan"``): numbered, so TensorBoard keeps our order."""
+    return f"{_COLUMN_ORDER[key]:02d}_{key}"
+
+
+HPARAM_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/table/samples_per_second"
+HPARAM_PEAK_MIB = f"{TAG_PREFIX}/table/peak_memory_mib"
+HPARAM_ACTIVATION_MIB = f"{TAG_PREFIX}/table/activation_memory_mib"
+HPARAM_PREDICTED_PEAK_MIB = f"{TAG_PREFIX}/table/predicted_peak_memory_mib"
+HPARAM_RECOMPUTE_PERCENT = f"{TAG_PREFIX}/table/recompute_percent"
+HPARAM_METRICS: tuple[tuple[str, str, str], ...] = (
+    (HPARAM_SAMPLES_PER_SECOND, "samples/s", "median-step throughput (confirmed side by side for the leaders)"),
+    (HPARAM_PEAK_MIB, "peak MiB", "peak memory of the training step"),
+    (HPARAM_ACTIVATION_MIB, "activation MiB", "activation memory (peak above the resting state)"),
+    (HPARAM_PREDICTED_PEAK_MIB, "predicted peak MiB", "the memory model's prediction"),
+    (HPARAM_RECOMPUTE_PERCENT, "recompute %", "extra forward FLOPs recomputed in backward"),
+)
+HPARAM_METRIC_TAGS = tuple(tag for tag, _, _ in HPARAM_METRICS)
 
 # Text tags as passed to add_text; torch stores each as f"{tag}{TEXT_TAG_SUFFIX}" (see text_tag).
-TAG_PLAN = f"{TAG_PREFIX}/plan"
-TAG_MEMORY_BREAKDOWN = f"{TAG_PREFIX}/memory_breakdown"
-TAG_SUMMARY = f"{TAG_PREFIX}/summary"
+# Numbered because TensorBoard's Text tab lists tags alphabetically: the verdict first.
+TAG_SUMMARY = f"{TAG_PREFIX}/1_summary"
+TAG_PLAN = f"{TAG_PREFIX}/2_plan"
+TAG_MEMORY_BREAKDOWN = f"{TAG_PREFIX}/3_memory_breakdown"
 TAG_PARETO = f"{TAG_PREFIX}/pareto"
-TAG_CONFLICTS = f"{TAG_PREFIX}/compile_conflicts"
+TAG_CONFLICTS = f"{TAG_PREFIX}/4_compile_conflicts"
 TEXT_TAG_SUFFIX = "/text_summary"
 
-TRIAL_RUN_FORMAT = "trial_{:03d}"  # sub-directory (TensorBoard run) of one trial's HParams session
 PARETO_PNG = "pareto.png"
-
-# The number each status is logged as. Explicit rather than derived from TrialStatus' order, so a
-# reordering there cannot silently change the meaning of logged numbers (a test checks they agree).
-STATUS_CODES: dict[str, int] = {
-    TrialStatus.OK: 0,
-    TrialStatus.OVER_BUDGET: 1,
-    TrialStatus.PRUNED: 2,
-    TrialStatus.OOM: 3,
-    TrialStatus.INVALID: 4,
-    TrialStatus.ERROR: 5,
-    TrialStatus.CONFLICT: 6,
-}
-UNKNOWN_STATUS_CODE = -1
+WINNER_MARK = "\u2605"
 
 _MIB = float(2**20)
 
@@ -188,7 +229,7 @@ def _fmt_overhead(x: float | None) -> str:
 def trial_line(trial: TrialRecord, budget: Budget) -> str:
     """One line per finished trial, so a user watching the log sees what each candidate cost.
 
-    ``[trial 3] selective(mlp) x8 | 123.4 samples/s | peak 1.2 GiB (pred 1.1 GiB) | ok``. Under an
+    ``[trial 3] selective(mlp) h.0-7 | 123.4 samples/s | peak 1.2 GiB (pred 1.1 GiB) | ok``. Under an
     activation budget the activation figure comes first, because that is what decides the trial.
     """
     parts = [f"[trial {trial.number}] {trial.label}"]
@@ -226,6 +267,118 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     return " | ".join(parts)
 
 
+def timing_warning(result: TuneResult) -> str | None:
+    """A warning when the two fastest plans that fit were timed side by side and still overlap within their
+    spreads: the machine could not tell them apart, so the choice between them is not a speed verdict."""
+    confirmed = sorted(
+        (t for t in result.trials if t.feasible and len(t.confirmation_seconds) >= 2),
+        key=lambda t: -(t.samples_per_second or 0.0),
+    )
+    if len(confirmed) < 2:
+        return None
+    stats = []
+    for t in confirmed[:2]:
+        med = statistics.median(t.confirmation_seconds)
+        stats.append((t, med, statistics.median(abs(x - med) for x in t.confirmation_seconds)))
+    (a, ma, da), (b, mb, db) = stats
+    if abs(mb - ma) > da + db:
+        return None
+    return (
+        f"lightning_ckpt: timing spread too high to separate the leaders: {a.label} "
+        f"({_fmt_rate(a.samples_per_second)} samples/s, \u00b1{da / ma:.1%}) and {b.label} "
+        f"({_fmt_rate(b.samples_per_second)} samples/s, \u00b1{db / mb:.1%}) overlap after "
+        f"{min(len(a.confirmation_seconds), len(b.confirmation_seconds))} side-by-side rounds, so the choice went "
+        "to lower memory. Something else is loading this machine; for a speed verdict tune on an idle machine or "
+        "raise measure_steps."
+    )
+
+
+def result_line(result: TuneResult) -> str:
+    """The one line a quiet search ends with (like Lightning's BatchSizeFinder): what was chosen, how fast, how
+    much memory against the budget, against the best baseline that fits, and what the search cost."""
+    winner, budget = result.best_trial, result.budget
+    mem = _memory_name(budget)
+    parts = [f"lightning_ckpt: chose {result.best.describe()}"]
+    if winner is not None:
+        used = _constrained(winner, budget)
+        limit = f" of {format_bytes(budget.limit_bytes)}" if budget.limit_bytes is not None else ""
+        parts.append(f"{_fmt_rate(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
+        base = _best_feasible_baseline(result)
+        if base is not None and base[1].number != winner.number:
+            parts.append(
+                f"{_ratio(winner.samples_per_second, base[1].samples_per_second)} the best baseline that fits ({base[0]})"
+            )
+        elif base is not None:
+            parts.append("the best baseline that fits")
+    if result.fell_back:
+        parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
+    n_pruned = sum(t.status == "pruned" for t in result.trials)
+    parts.append(
+        f"tuned in {result.tuning_seconds:.1f} s ({len(result.trials)} plans: {result.n_measured} run, "
+        f"{n_pruned} ruled out by the memory model)"
+    )
+    return " | ".join(parts)
+
+
+class SearchProgress:
+    """What a user watches during the search: one progress bar, nothing else unless ``verbose``.
+
+    Called with each finished trial (a ``ProgressFn``): advances the bar (best plan so far in its postfix),
+    streams the trial's scalars and the best-so-far curve to ``writer``, and with ``verbose`` writes the
+    trial's line above the bar. ``confirming`` announces the side-by-side round, whose figures replace the
+    streamed ones. A plain object, no Lightning: the callback pauses Lightning's own bar around it.
+    """
+
+    def __init__(
+        self, total: int, *, writer: SummaryWriter | None = None, verbose: bool = False, enabled: bool = True,
+        file: Any = None,
+    ) -> None:  # fmt: skip
+        from tqdm.auto import tqdm
+
+        self.writer, self.verbose, self.enabled = writer, verbose, enabled
+        self.best: float | None = None
+        self.pruned = 0
+        self.bar = tqdm(
+            total=total, desc="lightning_ckpt: tuning", unit="plan", disable=not enabled, leave=False, file=file,
+            dynamic_ncols=True,
+        )  # fmt: skip
+
+    def __call__(self, trial: TrialRecord, budget: Budget) -> None:
+        if trial.feasible and trial.samples_per_second is not None:
+            self.best = max(self.best or 0.0, trial.samples_per_second)
+        if self.writer is not None:
+            log_trial(self.writer, trial, best_samples_per_second=self.best)
+        if self.verbose:
+            self.write(trial_line(trial, budget))
+        if trial.status == "pruned":
+            self.pruned += 1  # costs no step and does not count towards n_trials: not a step of the bar
+        else:
+            if self.bar.total is not None and self.bar.n >= self.bar.total:
+                self.bar.total = self.bar.n + 1
+            self.bar.update(1)
+        postfix = [f"best {self.best:.1f} samples/s"] if self.best is not None else []
+        postfix += [f"{self.pruned} ruled out by the memory model"] if self.pruned else []
+        self.bar.set_postfix_str(", ".join(postfix))
+
+    def confirming(self, trials: Sequence[TrialRecord]) -> None:
+        names = ", ".join(t.label for t in trials[:4]) + (f" and {len(trials) - 4} more" if len(trials) > 4 else "")
+        self.bar.set_description_str("lightning_ckpt: confirming")
+        self.write(
+            f"lightning_ckpt: confirming the {len(trials)} fastest plans side by side ({names}): they are re-timed in "
+            "interleaved rounds, and those figures replace the ones streamed so far, which were measured one plan "
+            "at a time (a machine's slow and fast moments fall on different plans)."
+        )
+
+    def write(self, text: str) -> None:
+        if self.enabled:
+            self.bar.write(text, file=self.bar.fp)
+        else:
+            print(text)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def _compile_stats(trial: TrialRecord) -> Mapping[str, Any] | None:
     stats = trial.extra.get("compile") if trial.extra else None
     return stats if isinstance(stats, Mapping) else None
@@ -259,61 +412,24 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
-def summary_table(result: TuneResult) -> str:
-    """All trials as a fixed-width table, then the verdict: what won, by how much, at what cost.
+def _by_throughput(result: TuneResult) -> list[TrialRecord]:
+    """The winner, then measured trials fastest first, then the rest in trial order: the order people read in."""
+    winner = result.best_trial
+    others = [t for t in result.trials if winner is None or t.number != winner.number]
+    measured = sorted((t for t in others if t.samples_per_second is not None), key=lambda t: -t.samples_per_second)
+    rest = [t for t in others if t.samples_per_second is None]
+    return ([winner] if winner is not None else []) + measured + rest
 
-    The comparison is against the best baseline that *fits*: beating a baseline that would not run
-    under the budget proves nothing.
+
+def verdict_lines(result: TuneResult) -> list[str]:
+    """What won, by how much against the best baseline that fits, under which budget, at what tuning cost.
+
+    Against the best baseline that *fits*: beating one that would not run under the budget proves nothing.
     """
     budget = result.budget
     winner = result.best_trial
-    header = (
-        "",
-        "#",
-        "label",
-        "status",
-        "pred peak",
-        "peak",
-        "activation",
-        "samples/s",
-        "recompute",
-        "seconds",
-    )
-    compiled = any(_compile_stats(t) is not None for t in result.trials)
-    if compiled:
-        header += ("compile s",)
-    rows = [header]
-    for t in result.trials:
-        is_winner = winner is not None and t.number == winner.number
-        stats = _compile_stats(t)
-        compile_cell = (f"{stats.get('compile_seconds', 0.0):.1f}" if stats else "-",) if compiled else ()
-        rows.append(
-            (
-                "*" if is_winner else "",
-                str(t.number),
-                t.label,
-                t.status,
-                format_bytes(t.predicted_peak_bytes),
-                _memory_cell(t, t.peak_bytes),
-                _memory_cell(t, t.activation_bytes),
-                _fmt_rate(t.samples_per_second),
-                _fmt_overhead(t.recompute_overhead),
-                f"{t.seconds:.1f}",
-                *compile_cell,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    left = {2, 3}  # text columns; numbers align right
-    lines = [
-        "  ".join(
-            c.ljust(w) if i in left or i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ).rstrip()
-        for r in rows
-    ]
-    lines.insert(1, "-" * len(max(lines, key=len)))
-
     mem = _memory_name(budget)
-    lines.append("")
+    lines = []
     if winner is None:
         lines.append(f"winner: {result.best.describe()} (not measured)")
     else:
@@ -337,6 +453,12 @@ def summary_table(result: TuneResult) -> str:
                     f"{_ratio(winner.samples_per_second, base.samples_per_second)} samples/s, "
                     f"{_ratio(_constrained(winner, budget), _constrained(base, budget))} {mem} memory"
                 )
+    if result.fell_back:
+        chosen = f" ({winner.label}, {mem} {format_bytes(_constrained(winner, budget))})" if winner else ""
+        lines.append(
+            f"NOTHING FIT THE BUDGET: no plan measured within {budget.description or budget.kind}; fell back to the "
+            f"lowest-memory plan{chosen}. Raise the budget or reduce the batch size."
+        )
     description = budget.description or budget.kind
     if budget.kind == "none" or budget.limit_bytes is None:
         lines.append(f"budget: {description} (no memory limit)")
@@ -347,8 +469,8 @@ def summary_table(result: TuneResult) -> str:
         f"tuning cost: {result.tuning_seconds:.1f} s, {result.tuning_steps} steps over {len(result.trials)} trials "
         f"({result.n_measured} run, {n_pruned} pruned by the memory model)"
     )
-    if compiled:
-        compiling = [s for t in result.trials if (s := _compile_stats(t)) is not None]
+    compiling = [s for t in result.trials if (s := _compile_stats(t)) is not None]
+    if compiling:
         n_conflicts = sum(bool(t.extra.get("conflict")) for t in result.trials)
         lines.append(
             f"torch.compile: {sum(s.get('compile_seconds', 0.0) for s in compiling):.1f} s compiling {len(compiling)} "
@@ -356,12 +478,125 @@ def summary_table(result: TuneResult) -> str:
             f"{'' if not n_conflicts else ' (status conflict, or allowed: see compile_conflicts)'}; memory of a "
             "compiled step on CPU = saved-for-backward bytes (see lightning_ckpt.compile)"
         )
-    if result.fell_back:
-        chosen = f" ({winner.label}, {mem} {format_bytes(_constrained(winner, budget))})" if winner else ""
-        lines.append(
-            f"NOTHING FIT THE BUDGET: no plan measured within {description}; fell back to the lowest-memory "
-            f"plan{chosen}. Raise the budget or reduce the batch size."
+    return lines
+
+
+def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
+    winner = result.best_trial
+    header: tuple[str, ...] = (
+        "", "#", "label", "status", "pred peak", "peak", "activation", "samples/s", "recompute", "seconds",
+    )  # fmt: skip
+    compiled = any(_compile_stats(t) is not None for t in result.trials)
+    if compiled:
+        header += ("compile s",)
+    rows = [header]
+    for t in _by_throughput(result):
+        stats = _compile_stats(t)
+        compile_cell = (f"{stats.get('compile_seconds', 0.0):.1f}" if stats else "-",) if compiled else ()
+        rows.append(
+            (
+                "*" if winner is not None and t.number == winner.number else "",
+                str(t.number),
+                t.label,
+                str(t.status),
+                format_bytes(t.predicted_peak_bytes),
+                _memory_cell(t, t.peak_bytes),
+                _memory_cell(t, t.activation_bytes),
+                _fmt_rate(t.samples_per_second),
+                _fmt_overhead(t.recompute_overhead),
+                f"{t.seconds:.1f}",
+                *compile_cell,
+            )
         )
+    return rows
+
+
+def summary_table(result: TuneResult) -> str:
+    """The verdict first, then every trial as a fixed-width table, fastest first (the winner marked '*')."""
+    rows = _summary_rows(result)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    left = {0, 2, 3}  # text columns; numbers align right
+    lines = [
+        "  ".join(
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
+    lines.insert(1, "-" * len(max(lines, key=len)))
+    return "\n".join([*verdict_lines(result), "", *lines])
+
+
+def summary_markdown(result: TuneResult) -> str:
+    """The summary for TensorBoard's Text tab: the verdict, then the trials as a table, fastest first."""
+    rows = _summary_rows(result)
+    out = [f"- {_escape(line)}" for line in verdict_lines(result)]
+    out += ["", "| " + " | ".join(rows[0][1:]) + " |", "|" + "---|" * (len(rows[0]) - 1)]
+    for r in rows[1:]:
+        cells = [f"**{c}**" if r[0] == "*" and c else c for c in r[1:]]
+        cells[1] = _escape(cells[1])
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", "Bold: the winner. `~`: memory predicted by the memory model (the trial was timed only)."]
+    return "\n".join(out)
+
+
+def _escape(text: str) -> str:
+    # Markdown would read '|' as a column break and '*' / '_' as emphasis.
+    return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
+
+
+def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> str:
+    """The memory model's breakdown (``MemoryModel.to_dict``) as markdown tables in MiB.
+
+    Tables, not fixed-width text: TensorBoard wraps table cells to the page, while a wide code block is
+    cut off on the right. Modes are rows and blocks columns, and blocks with the same figures (and the
+    same mode in ``plan``) share one column (``h.0-7``), so a 48-layer model still reads at a glance.
+    """
+
+    def mib(n: Any) -> str:
+        return "-" if n is None else f"{n / _MIB:.1f}"
+
+    lines = [
+        f"**Memory profile** on {breakdown.get('device', '?')} (MiB)",
+        "",
+        "| part | MiB |",
+        "|---|---|",
+        f"| parameters | {mib(breakdown.get('parameter_bytes'))} |",
+        f"| gradients | {mib(breakdown.get('gradient_bytes'))} |",
+        f"| optimizer state | {mib(breakdown.get('optimizer_state_bytes'))} |",
+        f"| buffers | {mib(breakdown.get('buffer_bytes'))} |",
+        f"| activations outside the blocks | {mib(breakdown.get('other_activation_bytes'))} |",
+    ]
+    blocks = list(breakdown.get("blocks") or [])
+    if not blocks:
+        return "\n".join(lines)
+    in_plan = plan is not None and not plan.is_empty
+
+    def mode_of(fqn: str) -> str:
+        bp = plan.blocks.get(fqn) if plan is not None else None
+        return bp.describe() if bp is not None else "none"
+
+    keys = list(dict.fromkeys(k for b in blocks for k in b.get("saved_bytes", {})))
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for b in blocks:
+        saved = b.get("saved_bytes", {})
+        signature = (tuple(saved.get(k) for k in keys), b.get("recompute_transient_bytes"), mode_of(b["fqn"]))
+        groups.setdefault(signature, []).append(b["fqn"])
+    all_fqns = [b["fqn"] for b in blocks]
+    headers = [block_names(fqns, among=all_fqns) for fqns in groups.values()]
+    lines += [
+        "",
+        "Saved activations one block keeps from forward to backward under each mode (blocks with the same "
+        "figures share a column); *recompute*: the transient of a fully checkpointed block's backward."
+        + (" Last row: the chosen plan." if in_plan else ""),
+        "",
+        "| mode | " + " | ".join(f"`{h}`" for h in headers) + " |",
+        "|---|" + "---|" * len(headers),
+    ]
+    for i, k in enumerate(keys):
+        lines.append(f"| {k} | " + " | ".join(mib(sig[0][i]) for sig in groups) + " |")
+    lines.append("| *recompute* | " + " | ".join(mib(sig[1]) for sig in groups) + " |")
+    if in_plan:
+        lines.append("| **plan** | " + " | ".join(f"**{sig[2]}**" for sig in groups) + " |")
     return "\n".join(lines)
 
 
@@ -493,13 +728,24 @@ def pareto_figure(result: TuneResult) -> Figure:
         fy = [t.samples_per_second for t in front]
         ax.step(fx, fy, where="post", color="tab:blue", lw=1.5, alpha=0.7, label="Pareto front", zorder=2)
 
+    winner = result.best_trial
+    wxy = None
+    if winner is not None and _constrained(winner, budget) is not None and winner.samples_per_second is not None:
+        wxy = (_constrained(winner, budget) / scale, winner.samples_per_second)  # type: ignore[operator]
+    x_span = max(xs_all, default=1.0) / scale * 1.1
+    y_span = max((y for _, _, y in measured), default=1.0) * 1.15
+
+    def near_winner(x: float, y: float) -> bool:
+        return wxy is not None and abs(x - wxy[0]) < 0.08 * x_span and abs(y - wxy[1]) < 0.08 * y_span
+
     for t, x, y in measured:
-        if t.baseline is not None:
-            # Under the markers (lower zorder) on a faint box: readable, yet never hides a point.
+        if t.baseline is not None and (winner is None or t.number != winner.number):
+            # Under the markers on a faint box; below the point when above it would sit on the winner's ring.
+            below = near_winner(x / scale, y) and y <= (wxy[1] if wxy else y)  # type: ignore[index]
             ax.annotate(
                 t.baseline,
                 (x / scale, y),
-                xytext=(7, 5),
+                xytext=(7, -13 if below else 5),
                 textcoords="offset points",
                 fontsize=8,
                 color="dimgray",
@@ -507,10 +753,8 @@ def pareto_figure(result: TuneResult) -> Figure:
                 bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.7},
             )
 
-    winner = result.best_trial
-    if winner is not None and _constrained(winner, budget) is not None and winner.samples_per_second is not None:
-        wx, wy = _constrained(winner, budget) / scale, winner.samples_per_second  # type: ignore[operator]
-        # Named in the legend, not next to the point: plan labels are long and points crowd the front.
+    if wxy is not None and winner is not None:
+        wx, wy = wxy
         ax.scatter(
             [wx],
             [wy],
@@ -521,15 +765,28 @@ def pareto_figure(result: TuneResult) -> Figure:
             label=f"winner: [trial {winner.number}] {winner.label}",
             zorder=4,
         )
+        # Named on the plot too, with an arrow from the side away from the crowded front (up and to the left).
+        name = f"winner (trial {winner.number})" + (f" = {winner.baseline}" if winner.baseline else "")
+        ax.annotate(
+            name,
+            (wx, wy),
+            xytext=(-30, 22),
+            textcoords="offset points",
+            ha="right",
+            fontsize=9,
+            fontweight="bold",
+            zorder=5,
+            arrowprops={"arrowstyle": "->", "color": "black", "lw": 1.2, "shrinkB": 10},
+            bbox={"boxstyle": "round,pad=0.25", "fc": "lightyellow", "ec": "black", "lw": 0.8},
+        )
 
-    x_max = max(xs_all, default=1.0) / scale * 1.1
+    x_max = x_span
     if budget.kind != "none" and budget.limit_bytes is not None:
         lim = budget.limit_bytes / scale
         ax.axvline(lim, color="tab:red", ls="--", lw=1.5, label=f"budget: {format_bytes(budget.limit_bytes)} {mem}")
         ax.axvspan(lim, x_max, color="tab:red", alpha=0.06, lw=0)
     ax.set_xlim(0, x_max)
-    y_max = max((y for _, _, y in measured), default=1.0)
-    ax.set_ylim(0, y_max * 1.15)
+    ax.set_ylim(0, y_span)
     ax.set_xlabel(f"measured {mem} memory ({unit})")
     ax.set_ylabel("samples / s (median step)")
     title = f"Activation checkpointing trials: throughput vs {mem} memory"
@@ -573,22 +830,84 @@ def _hparam_value(v: Any) -> str | int | float:
     return str(v)
 
 
-def log_trial(writer: SummaryWriter, trial: TrialRecord) -> None:
-    """Log one finished trial: its scalars (global_step = trial number) and its HParams row.
+def _hparams_summary(tag: str, **data: Any) -> Summary:
+    # What tensorboard.plugins.hparams.summary builds, without its TensorFlow import.
+    content = plugin_data_pb2.HParamsPluginData(version=hparams_metadata.PLUGIN_DATA_VERSION, **data)
+    plugin = SummaryMetadata.PluginData(plugin_name=hparams_metadata.PLUGIN_NAME, content=content.SerializeToString())
+    return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
 
-    Called as each trial finishes, so TensorBoard shows the search while it runs. Quantities a
-    trial did not produce (a pruned trial has no throughput) are skipped, not logged as NaN, so the
-    charts and the HParams table only show real measurements. The HParams row is a separate run
-    ``trial_NNN`` under the writer's directory: the plugin shows one row per run that holds a
-    session. No experiment summary is written on purpose: TensorBoard then derives the columns
-    from the union of all trials' hparams, whereas an experiment summary (one per run, as
-    ``add_hparams`` writes) is taken from an arbitrary run and hides dimensions other trials have.
-    For the same reason, any other experiment summary under the directory TensorBoard is pointed
-    at (Lightning's ``TensorBoardLogger`` writes one for ``hp_metric`` unless
-    ``default_hp_metric=False``) replaces these columns; point TensorBoard at this writer's
-    directory to see them.
+
+def _hparam_type(value: Any) -> int:
+    if isinstance(value, bool):
+        return api_pb2.DATA_TYPE_BOOL
+    if isinstance(value, (int, float)):
+        return api_pb2.DATA_TYPE_FLOAT64
+    return api_pb2.DATA_TYPE_STRING
+
+
+_NUMERIC_COLUMNS = frozenset({"trial", "chunks", "compile_budget"})
+
+
+def experiment_summary(other_hparams: Mapping[str, Any] | None = None) -> Summary:
+    """The HParams experiment: the table's columns and metrics, with short display names.
+
+    TensorBoard takes the *first* experiment summary it reads in a run and ignores later ones, and
+    Lightning's ``TensorBoardLogger`` writes one (the LightningModule's hyperparameters and
+    ``hp_metric``) when the fit starts. Written before it, into the same run, this one wins, so the
+    tuner's columns are the table's. ``other_hparams``: further columns (name -> an example value, for
+    its type) to keep visible: the LightningModule's own hyperparameters, shown in the training run's row.
     """
-    n = trial.number
+    infos = [
+        api_pb2.HParamInfo(
+            name=hparam_name(name),
+            display_name=display,
+            description=description,
+            differs=True,  # TensorBoard lists columns that differ first: the tuner's before the module's own
+            type=api_pb2.DATA_TYPE_FLOAT64 if name in _NUMERIC_COLUMNS else api_pb2.DATA_TYPE_STRING,
+        )
+        for name, display, description in HPARAM_COLUMNS
+    ]
+    ours = {hparam_name(name) for name, _, _ in HPARAM_COLUMNS}
+    infos += [
+        api_pb2.HParamInfo(name=name, type=_hparam_type(value))
+        for name, value in (other_hparams or {}).items()
+        if name not in ours
+    ]
+    metrics = [
+        api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=display, description=description)
+        for tag, display, description in HPARAM_METRICS
+    ]
+    experiment = api_pb2.Experiment(
+        description="Activation checkpointing trials (lightning_ckpt): the leaders, winner first.",
+        time_created_secs=time.time(), hparam_infos=infos, metric_infos=metrics,
+    )  # fmt: skip
+    return _hparams_summary(hparams_metadata.EXPERIMENT_TAG, experiment=experiment)
+
+
+def _session_start(hparams: Mapping[str, Any]) -> Summary:
+    info = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+    for name, value in hparams.items():
+        if isinstance(value, bool):
+            info.hparams[name].bool_value = value
+        elif isinstance(value, (int, float)):
+            info.hparams[name].number_value = value
+        else:
+            info.hparams[name].string_value = str(value)
+    return _hparams_summary(hparams_metadata.SESSION_START_INFO_TAG, session_start_info=info)
+
+
+def _session_end() -> Summary:
+    info = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time())
+    return _hparams_summary(hparams_metadata.SESSION_END_INFO_TAG, session_end_info=info)
+
+
+def write_experiment(writer: SummaryWriter, other_hparams: Mapping[str, Any] | None = None) -> None:
+    """Declare the HParams table in ``writer``'s run (see ``experiment_summary``); call before anyone else does."""
+    writer.file_writer.add_summary(experiment_summary(other_hparams))
+    writer.flush()
+
+
+def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
     scalars = {
         TAG_SAMPLES_PER_SECOND: trial.samples_per_second,
         TAG_PEAK_MIB: None if trial.peak_bytes is None else trial.peak_bytes / _MIB,
@@ -598,7 +917,6 @@ def log_trial(writer: SummaryWriter, trial: TrialRecord) -> None:
             None if trial.predicted_activation_bytes is None else trial.predicted_activation_bytes / _MIB
         ),
         TAG_RECOMPUTE_OVERHEAD: trial.recompute_overhead,
-        TAG_STATUS_CODE: STATUS_CODES.get(trial.status, UNKNOWN_STATUS_CODE),
         TAG_TRIAL_SECONDS: trial.seconds,
     }
     stats = _compile_stats(trial)
@@ -610,27 +928,89 @@ def log_trial(writer: SummaryWriter, trial: TrialRecord) -> None:
                 TAG_RECOMPILES: stats.get("recompiles"),
             }
         )
-    for tag, value in scalars.items():
-        if value is not None:
-            writer.add_scalar(tag, float(value), global_step=n)
+    return {tag: float(v) for tag, v in scalars.items() if v is not None}
 
-    hparams = {str(k): _hparam_value(v) for k, v in trial.params.items()}
-    hparams.update(label=trial.label, status=trial.status)  # ours win over a same-named dimension
-    metrics = {
-        HPARAM_SAMPLES_PER_SECOND: scalars[TAG_SAMPLES_PER_SECOND],
-        HPARAM_PEAK_MIB: scalars[TAG_PEAK_MIB],
-        HPARAM_ACTIVATION_MIB: scalars[TAG_ACTIVATION_MIB],
-        HPARAM_PREDICTED_PEAK_MIB: scalars[TAG_PREDICTED_PEAK_MIB],
-        HPARAM_RECOMPUTE_OVERHEAD: scalars[TAG_RECOMPUTE_OVERHEAD],
-    }
-    metrics = {k: float(v) for k, v in metrics.items() if v is not None}
-    _experiment, session_start, session_end = hparams_summaries(hparams, metrics)
-    with SummaryWriter(log_dir=os.path.join(writer.get_logdir(), TRIAL_RUN_FORMAT.format(n))) as run:
-        run.file_writer.add_summary(session_start, n)
-        run.file_writer.add_summary(session_end, n)
-        for tag, value in metrics.items():
-            run.add_scalar(tag, value, global_step=n)
+
+def log_trial(writer: SummaryWriter, trial: TrialRecord, *, best_samples_per_second: float | None = None) -> None:
+    """Log one finished trial's scalars at global_step = trial number, as it finishes.
+
+    ``best_samples_per_second``: the fastest feasible throughput so far (this trial included), logged
+    as the best-so-far curve. Nothing is logged as NaN: a quantity a trial did not produce is skipped.
+    """
+    for tag, value in _trial_scalars(trial).items():
+        writer.add_scalar(tag, value, global_step=trial.number)
+    if best_samples_per_second is not None:
+        writer.add_scalar(TAG_BEST_SAMPLES_PER_SECOND, float(best_samples_per_second), global_step=trial.number)
     writer.flush()
+
+
+def best_so_far(trials: Iterable[TrialRecord]) -> list[tuple[int, float]]:
+    """(trial number, fastest feasible samples/s up to it) for each trial once a feasible one exists."""
+    out, best = [], None
+    for t in sorted(trials, key=lambda t: t.number):
+        if t.feasible and t.samples_per_second is not None:
+            best = t.samples_per_second if best is None else max(best, t.samples_per_second)
+        if best is not None:
+            out.append((t.number, best))
+    return out
+
+
+def table_trials(result: TuneResult, limit: int = HPARAM_ROWS) -> list[TrialRecord]:
+    """The HParams table's rows: the winner, then measured trials fastest first (those that fit before
+    those that do not), with the best feasible baseline kept in for comparison; at most ``limit``."""
+    winner = result.best_trial
+    rest = sorted(
+        (
+            t
+            for t in result.trials
+            if t.samples_per_second is not None and (winner is None or t.number != winner.number)
+        ),
+        key=lambda t: (not t.feasible, -(t.samples_per_second or 0.0), t.number),
+    )
+    rows = ([winner] if winner is not None else []) + rest
+    chosen = rows[:limit]
+    base = _best_feasible_baseline(result)
+    if base is not None and limit > 1 and all(t.number != base[1].number for t in chosen):
+        chosen[-1] = base[1]
+    return chosen
+
+
+def _row_run_name(rank: int, trial: TrialRecord, winner: TrialRecord | None) -> str:
+    tag = "winner_" if winner is not None and trial.number == winner.number else ""
+    return f"{HPARAM_RUN_DIR}/{rank:02d}_{tag}trial_{trial.number:03d}"
+
+
+def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = HPARAM_ROWS) -> list[str]:
+    """One HParams session (a run under ``writer``'s directory) per leader; returns their run names."""
+    winner = result.best_trial
+    names = []
+    for rank, t in enumerate(table_trials(result, limit), start=1):
+        is_winner = winner is not None and t.number == winner.number
+        values: dict[str, Any] = {
+            "winner": WINNER_MARK if is_winner else "",
+            "plan": t.plan.describe(),
+            "status": str(t.status),
+            "trial": t.number,
+            "baseline": t.baseline or "",
+        }
+        values.update({k: _hparam_value(v) for k, v in t.params.items() if k in _COLUMN_ORDER and k not in values})
+        hparams = {hparam_name(k): v for k, v in values.items()}
+        metrics = {
+            HPARAM_SAMPLES_PER_SECOND: t.samples_per_second,
+            HPARAM_PEAK_MIB: None if t.peak_bytes is None else t.peak_bytes / _MIB,
+            HPARAM_ACTIVATION_MIB: None if t.activation_bytes is None else t.activation_bytes / _MIB,
+            HPARAM_PREDICTED_PEAK_MIB: None if t.predicted_peak_bytes is None else t.predicted_peak_bytes / _MIB,
+            HPARAM_RECOMPUTE_PERCENT: None if t.recompute_overhead is None else 100.0 * t.recompute_overhead,
+        }
+        name = _row_run_name(rank, t, winner)
+        with SummaryWriter(log_dir=os.path.join(writer.get_logdir(), name)) as run:
+            run.file_writer.add_summary(_session_start(hparams))
+            for tag, value in metrics.items():
+                if value is not None:
+                    run.add_scalar(tag, float(value), global_step=t.number)
+            run.file_writer.add_summary(_session_end())
+        names.append(name)
+    return names
 
 
 def write_tensorboard(
@@ -639,14 +1019,17 @@ def write_tensorboard(
     *,
     memory_breakdown_table: str | None = None,
     log_trials: bool = True,
+    write_experiment_summary: bool = True,
+    other_hparams: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write the whole tuning report to TensorBoard and ``pareto.png``; return the log directory.
 
-    ``writer_or_logdir``: a ``SummaryWriter`` (e.g. a Lightning ``TensorBoardLogger.experiment``),
-    which is flushed but left open for its owner; or a directory, for which a writer is opened and
-    closed here. ``memory_breakdown_table`` overrides ``result.memory_table``. Pass
-    ``log_trials=False`` when ``log_trial`` already logged every trial to this writer, or their
-    scalars and HParams sessions would be written twice.
+    ``writer_or_logdir``: a ``SummaryWriter``, flushed but left open for its owner; or a directory,
+    for which a writer is opened and closed here. ``memory_breakdown_table`` (markdown) overrides the
+    table built from ``result.memory_breakdown``. ``log_trials=False`` when ``log_trial`` already
+    streamed every trial to this writer. ``write_experiment_summary=False`` when the caller already
+    declared the HParams table in a parent run (the Lightning callback writes it into the Trainer's
+    run before Lightning's own; see ``experiment_summary``).
     """
     if isinstance(writer_or_logdir, SummaryWriter):
         writer, owned = writer_or_logdir, False
@@ -654,14 +1037,22 @@ def write_tensorboard(
         writer, owned = SummaryWriter(log_dir=os.fspath(writer_or_logdir)), True
     try:
         logdir = Path(writer.get_logdir())
+        if write_experiment_summary:
+            write_experiment(writer, other_hparams)
         if log_trials:
-            for trial in result.trials:
-                log_trial(writer, trial)
+            best = dict(best_so_far(result.trials))
+            for t in result.trials:
+                log_trial(writer, t, best_samples_per_second=best.get(t.number))
+        write_hparams_table(writer, result)
+        writer.add_text(TAG_SUMMARY, summary_markdown(result), global_step=0)
         writer.add_text(TAG_PLAN, plan_markdown(result.best, result.best_trial), global_step=0)
-        memory_table = memory_breakdown_table if memory_breakdown_table is not None else result.memory_table
-        if memory_table:
-            writer.add_text(TAG_MEMORY_BREAKDOWN, _code_block(memory_table), global_step=0)
-        writer.add_text(TAG_SUMMARY, _code_block(summary_table(result)), global_step=0)
+        memory = memory_breakdown_table
+        if memory is None:
+            memory = memory_markdown(result.memory_breakdown, result.best) if result.memory_breakdown else ""
+        if not memory and result.memory_table:
+            memory = _code_block(result.memory_table)
+        if memory:
+            writer.add_text(TAG_MEMORY_BREAKDOWN, memory, global_step=0)
         if any(_compile_stats(t) is not None for t in result.trials):
             writer.add_text(TAG_CONFLICTS, conflicts_markdown(result), global_step=0)
         fig = pareto_figure(result)

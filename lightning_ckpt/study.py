@@ -5,13 +5,43 @@ spaces) or the sampler's proposals. One place decides per candidate: prune (pred
 measure, and records the result. Ranks always move in lockstep through a ``Sync`` (a single process
 uses ``LocalSync``): rank 0 proposes, every rank measures, results are combined identically.
 ``Study.confirm`` re-times the leaders side by side; ``Study.result`` chooses and assembles the plan.
+
+Two Optuna studies, on rank 0 only. The *sampler's* study lives in memory: it proposes plans, and a
+sampler that redraws a plan already measured leaves a ``FAIL`` trial there (Optuna stores every
+``ask``). The *record* (``study_name``, in ``storage`` when given) holds exactly one trial per distinct
+plan, added when the plan is first measured or pruned and ``RUNNING`` while the search goes on: a
+trial cannot change once finished, and confirmation, the memory pass of a finalist and the fallback
+still change figures. When the search ends every trial is finished with its final figures, so
+``optuna.load_study`` shows what the tuner chose from. A killed search leaves its trials ``RUNNING``
+with their figures in user attributes; the next run resumes them and finishes them.
+
+The record, for ``optuna.load_study`` and Optuna's plots:
+
+* one objective, maximised, named ``samples_per_second`` (memory is the budget's constraint, not a
+  second objective to trade against speed);
+* state: ``COMPLETE`` for a plan that ran a step (``value`` = its samples/s, the confirmed figure when
+  the confirmation round re-timed it), ``PRUNED`` for one predicted over budget, ``FAIL`` for one that
+  failed (out of memory, error, invalid); ``params`` as the search space suggests them (empty for a
+  baseline outside a restricted space);
+* constraints (``trial.constraints``; feasible when all are <= 0, exactly the tuner's status ``ok``):
+  ``over_budget_bytes`` = the figure the budget limits (peak or activation bytes; measured, else
+  predicted) minus the limit, and ``failed`` = 1.0 for a trial that failed or fought ``torch.compile``;
+* user attributes, the same names on every trial (None where unknown), named after ``TrialRecord``'s
+  fields: see ``TRIAL_ATTRS``;
+* study user attributes: ``run`` (what the figures depend on: model fingerprint, batch size, world
+  size, device, compiled; a stored study made for another run is refused) and, once chosen,
+  ``chosen_trial`` (the trial number of the plan the tuner chose: ties go to lower memory and a win
+  inside the noise to the baseline, so it can differ from ``best_trial``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import random
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,7 +51,13 @@ from typing import Any
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.distributed import LocalSync, Sync, combine_trials
-from lightning_ckpt.errors import ApplyError, InfeasibleBudgetError, LightningCkptError, TrialsFailedError
+from lightning_ckpt.errors import (
+    ApplyError,
+    ConfigurationError,
+    InfeasibleBudgetError,
+    LightningCkptError,
+    TrialsFailedError,
+)
 from lightning_ckpt.optimizer_step import RealStepMemory
 from lightning_ckpt.plan import Plan, library_versions
 from lightning_ckpt.records import (
@@ -37,7 +73,19 @@ from lightning_ckpt.records import (
 from lightning_ckpt.runners import TrialRunner
 from lightning_ckpt.space import Candidate, SearchSpace
 
-__all__ = ["CollectiveTrialError", "ConfirmEntry", "SearchInterrupted", "Study", "confirm_interleaved", "retimer"]
+__all__ = [
+    "FAILED_CONSTRAINT",
+    "METRIC_NAMES",
+    "OVER_BUDGET_CONSTRAINT",
+    "TRIAL_ATTRS",
+    "CollectiveTrialError",
+    "ConfirmEntry",
+    "SearchInterrupted",
+    "Study",
+    "confirm_interleaved",
+    "retimer",
+    "storage_for_display",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +100,21 @@ _MAX_STATISTICAL_TIE = 0.015
 _BASELINE_BAND = 0.10
 
 Proposal = tuple[Mapping[str, Any], Plan, str, str | None]  # params, plan, label, baseline name
+
+# The stored study's vocabulary (see the module docstring): one place, read by tests and by users' scripts.
+METRIC_NAMES = ("samples_per_second",)
+OVER_BUDGET_CONSTRAINT = "over_budget_bytes"
+FAILED_CONSTRAINT = "failed"
+_RECORD_FIELDS = (
+    "label", "status", "predicted_peak_bytes", "predicted_activation_bytes", "peak_bytes", "activation_bytes",
+    "samples_per_second", "median_seconds", "spread_seconds", "recompute_flops", "recompute_overhead",
+    "seconds", "steps", "error", "forward_backward_peak_bytes", "baseline", "memory_measured",
+    "first_samples_per_second", "confirmation_seconds",
+)  # fmt: skip
+# Every stored trial's user attributes: the record's fields above (status as its string, e.g. "ok"), plus
+# ``plan`` (the plan as ``Plan.to_dict``, what a resumed search rebuilds) and ``params`` (the search
+# dimensions, also for plans outside the Optuna distributions, which store no Optuna params).
+TRIAL_ATTRS = (*_RECORD_FIELDS, "plan", "params")
 
 
 class CollectiveTrialError(LightningCkptError):
@@ -133,6 +196,7 @@ class Study:
         progress: ProgressFn | None = None,
         should_stop: Callable[[], bool] | None = None,
         samples_per_step: int = 1,
+        run: Mapping[str, Any] | None = None,
     ) -> None:
         self.candidates = list(candidates)
         self.space, self.stacks, self.runner, self.budget = space, stacks, runner, budget
@@ -155,7 +219,18 @@ class Study:
         )
         self.memory_limit = memory.trial_limit(limit) if memory is not None else limit
         self._rng = random.Random(config.seed)
-        self._optuna = self._create_optuna_study() if self.sync.is_leader else None
+        # What the figures depend on (``run``: seq_len, device, compiled, from ``tune``); the budget is not in
+        # it (the default CUDA budget follows free memory): resumed trials are judged against today's.
+        self.run_info: dict[str, Any] = {
+            "fingerprint": fingerprint, "batch_size": samples_per_step, "world_size": self.sync.world_size,
+            **(run or {}),
+        }  # fmt: skip
+        self.study_name = config.study_name or _default_study_name(self.run_info)
+        # Rank 0's Optuna studies, opened by run() (see the module docstring), and the record's trial per plan.
+        self._optuna: Any = None
+        self._sampler_study: Any = None
+        self._stored: dict[str, _StoredTrial] = {}
+        self._distributions: dict[str, Any] = self.space.distributions(stacks)
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> list[TrialRecord]:
@@ -181,14 +256,25 @@ class Study:
     def measure(
         self, params: Mapping[str, Any], plan: Plan, label: str, baseline: str | None, *, prune: bool
     ) -> TrialRecord:
-        """Prune or run one candidate on every rank, combine, record and report it."""
+        """Prune or run one candidate on every rank, combine, record and report it. A plan measured again (the
+        fallback measuring a pruned plan) replaces its record, so there is one record per plan."""
         local = self._trial(params, plan, label, baseline, prune)
         trial = combine_trials(self.sync.all_gather(local), self.budget)
-        self.records.append(trial)
-        self.by_key[trial.plan.key()] = trial
+        earlier = self.by_key.get(trial.plan.key())
+        if earlier is None:
+            self.records.append(trial)
+        else:
+            trial = replace(trial, number=earlier.number)
+            self.records[self.records.index(earlier)] = trial
+        self._update(trial)
         if self.progress is not None:
             self.progress(trial, self.budget)
         return trial
+
+    def _update(self, trial: TrialRecord) -> None:
+        """``trial`` is the plan's record now (``self.records`` already holds it): index and store it."""
+        self.by_key[trial.plan.key()] = trial
+        self._store(trial)
 
     def check_stop(self) -> None:
         if self.should_stop is not None and self.should_stop():
@@ -281,7 +367,7 @@ class Study:
             local = replace(local, seconds=t.seconds + time.perf_counter() - t0)
             verified = combine_trials(self.sync.all_gather(local), self.budget)
             self.records[self.records.index(t)] = verified
-            self.by_key[verified.plan.key()] = verified
+            self._update(verified)
 
     def _verified_leaders(self, top: int) -> list[TrialRecord]:
         """The ``top`` fastest feasible trials, each with measured memory (verifying until ``top`` remain)."""
@@ -300,37 +386,36 @@ class Study:
 
     # -- proposals (rank 0) ------------------------------------------------------------------------
     def _proposals(self) -> Iterator[Proposal]:
-        """Rank 0's candidates; each ``yield`` receives (via ``send``) the record the candidate produced."""
+        """Rank 0's candidates; each ``yield`` receives (via ``send``) the record the candidate produced. The
+        sampler's study learns every record (``measure`` has already written it to the record study)."""
         import optuna
 
         queue = [c for c in self.candidates if c.baseline is not None]
         if self.exhaustive:
             queue += [c for c in self.candidates if c.baseline is None]
-        distributions = self.space.distributions(self.stacks)
         for cand in queue:
             if self._done():
                 return
             if cand.plan.key() in self.by_key:
                 continue
             record = yield cand.params, cand.plan, cand.label, cand.baseline
-            _add_to_study(self._optuna, record, distributions)
+            self._sampler_study.add_trial(self._frozen(record))
         redraws = 0
         while not self.exhaustive and not self._done() and len(self.by_key) < len(self.candidates):
-            ot = self._optuna.ask()
+            ot = self._sampler_study.ask()
             params = self.space.suggest(ot, self.stacks)
             plan = self.space.plan_for(params, self.stacks, fingerprint=self.fingerprint)
             if plan.key() not in self.by_key and (self.memory is None or self.memory.can_run(plan) is None):
                 redraws = 0
                 record = yield params, plan, plan.describe(), None
-                for key, value in _attrs(record).items():
-                    ot.set_user_attr(key, value)
-                if record.status == TrialStatus.PRUNED:
-                    self._optuna.tell(ot, state=optuna.trial.TrialState.PRUNED)
-                else:
-                    self._optuna.tell(ot, _objective(record))
+                state, value, constraints = _outcome(record, self.budget, for_sampler=True)
+                for name, violation in constraints.items():
+                    ot.set_constraint(name, violation)
+                self._sampler_study.tell(ot, value, state=state)
                 continue
             # A known (or unrunnable) plan: FAIL keeps it out of the sampler's history, which it already has.
-            self._optuna.tell(ot, state=optuna.trial.TrialState.FAIL)
+            # Only the in-memory sampler's study holds these trials, never the record.
+            self._sampler_study.tell(ot, state=optuna.trial.TrialState.FAIL)
             redraws += 1
             if redraws >= _MAX_REDRAWS:
                 unseen = [c for c in self.candidates if c.plan.key() not in self.by_key]
@@ -339,37 +424,151 @@ class Study:
                 cand = unseen[self._rng.randrange(len(unseen))]
                 redraws = 0
                 record = yield cand.params, cand.plan, cand.label, cand.baseline
-                _add_to_study(self._optuna, record, distributions)
+                self._sampler_study.add_trial(self._frozen(record))
 
-    def _create_optuna_study(self) -> Any:
+    # -- the Optuna studies (rank 0) ---------------------------------------------------------------
+    def _open_studies(self) -> None:
+        """The sampler's study (in memory) and the record (``storage`` or in memory), named ``study_name``."""
+        import warnings
+
         import optuna
 
         config = self.config
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
         sampler = config.sampler
         if sampler is None:
+            # TPE reads each trial's constraints itself (Optuna 5 deprecated ``constraints_func`` for
+            # ``Trial.set_constraint``, which is how trials get them here), so infeasible plans inform it too.
             sampler = optuna.samplers.TPESampler(
                 seed=config.seed, n_startup_trials=min(10, max(1, config.n_trials // 3))
             )
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        name = config.study_name
-        if config.storage is not None and name is None:
-            name = f"lightning_ckpt-{self.fingerprint}"  # same model, same study: an interrupted search resumes
-        return optuna.create_study(
-            direction="maximize", sampler=sampler, storage=config.storage, study_name=name,
-            load_if_exists=config.storage is not None,
+        self._sampler_study = optuna.create_study(direction="maximize", sampler=sampler, study_name=self.study_name)
+        # Nothing is ever sampled from the record; whoever loads it chooses their own sampler.
+        self._optuna = optuna.create_study(
+            direction="maximize", sampler=optuna.samplers.RandomSampler(seed=config.seed), storage=config.storage,
+            study_name=self.study_name, load_if_exists=config.storage is not None,
+        )  # fmt: skip
+        run = json.loads(json.dumps(self.run_info, default=str))  # as storage gives it back
+        stored_run = self._optuna.user_attrs.get("run")
+        if stored_run is not None and stored_run != run:
+            differ = ", ".join(f"{k} {stored_run.get(k)!r} there, {v!r} now" for k, v in run.items()
+                               if stored_run.get(k) != v)  # fmt: skip
+            raise ConfigurationError(
+                f"The Optuna study {self.study_name!r} in {storage_for_display(config.storage)} was made for another "
+                f"run ({differ}), so its measurements do not apply to this one. Pass a new study_name, or leave "
+                "study_name unset to get one study per model and run."
+            )
+        if stored_run is None:
+            self._optuna.set_user_attr("run", run)
+        if self._optuna.metric_names != list(METRIC_NAMES):
+            with warnings.catch_warnings():  # experimental since Optuna 3.2, and still the way to name a metric
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                self._optuna.set_metric_names(list(METRIC_NAMES))
+        log.info("lightning_ckpt: Optuna study %r (%s)", self.study_name, storage_for_display(config.storage))
+
+    def _frozen(self, trial: TrialRecord) -> Any:
+        """``trial`` as a finished Optuna trial for the sampler's study (failures count as infeasible)."""
+        import optuna
+
+        state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
+        params = _optuna_params(trial.params, self._distributions)
+        return optuna.trial.create_trial(
+            state=state, value=value, params=params, distributions={k: self._distributions[k] for k in params},
+            constraints=constraints,
         )  # fmt: skip
 
+    def _store(self, trial: TrialRecord) -> None:
+        """Write ``trial``, the plan's record now, to the record study: a new ``RUNNING`` trial for a new plan,
+        else the attributes that changed. A trial finished by an earlier run keeps that run's figures (Optuna
+        never changes a finished trial, and adding another would store the plan twice)."""
+        if self._optuna is None:
+            return
+        import optuna
+
+        key, attrs = trial.plan.key(), _attrs(trial)
+        stored = self._stored.get(key)
+        if stored is None:
+            params = _optuna_params(trial.params, self._distributions)
+            self._optuna.add_trial(
+                optuna.trial.create_trial(
+                    state=optuna.trial.TrialState.RUNNING, params=params,
+                    distributions={k: self._distributions[k] for k in params}, user_attrs=attrs,
+                )
+            )  # fmt: skip
+            added = self._optuna.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))[-1]
+            self._stored[key] = _StoredTrial(added.number, added._trial_id, running=True, attrs=attrs)
+            return
+        changed = {k: v for k, v in attrs.items() if stored.attrs.get(k, _UNSET) != v}
+        if stored.running and changed:
+            handle = optuna.trial.Trial(self._optuna, stored.trial_id)
+            for k, v in changed.items():
+                handle.set_user_attr(k, v)
+            stored.attrs.update(changed)
+
+    def _finish(self) -> None:
+        """Finish every trial of the record this run holds ``RUNNING`` with its final figures and constraints."""
+        if self._optuna is None:
+            return
+        import optuna
+
+        for key, stored in self._stored.items():
+            if not stored.running:
+                continue
+            trial = self.by_key.get(key) or _record_from_attrs(0, stored.attrs)
+            if trial is None:
+                continue
+            self._store(trial)
+            state, value, constraints = _outcome(trial, self.budget)
+            handle = optuna.trial.Trial(self._optuna, stored.trial_id)
+            for name, violation in constraints.items():
+                handle.set_constraint(name, violation)
+            self._optuna.tell(stored.number, value, state=state)
+            stored.running = False
+
     def _resume(self) -> None:
-        """Trials of a persisted study (``storage=``) measured by an earlier, interrupted run are taken as they are."""
-        stored = [dict(t.user_attrs) for t in self._optuna.trials] if self._optuna is not None else []
-        stored = self.sync.broadcast(stored)
-        for attrs in stored:
+        """Open the studies (rank 0) and take the plans an earlier run stored (``storage=``) as they are, judged
+        against today's budget; the trials it left ``RUNNING`` (it was killed) this run finishes."""
+        problem, stored = None, []
+        if self.sync.is_leader:
+            try:
+                self._open_studies()
+                stored = self._stored_records()
+            except Exception as exc:  # the other ranks must not wait in the broadcast below for ever
+                problem = exc
+        message = self.sync.broadcast((repr(problem) if problem is not None else None, stored))
+        if problem is not None:
+            raise problem
+        if message[0] is not None:
+            raise ConfigurationError(f"Rank 0 could not open the Optuna study {self.study_name!r}: {message[0]}")
+        for attrs in message[1]:
             resumed = _record_from_attrs(len(self.records), attrs)
             if resumed is not None and resumed.plan.key() not in self.by_key:
                 self.records.append(resumed)
                 self.by_key[resumed.plan.key()] = resumed
+                if self._sampler_study is not None:
+                    self._sampler_study.add_trial(self._frozen(resumed))
         if self.records:
-            log.info("lightning_ckpt: resumed %d trials from a stored study", len(self.records))
+            log.info("lightning_ckpt: resumed %d trials from the Optuna study %r", len(self.records), self.study_name)
+
+    def _stored_records(self) -> list[dict[str, Any]]:
+        """Rank 0: the record study's plans (the first trial of each), as attributes of records judged against
+        this run's budget; a plan pruned under another budget that now may fit is left out, to be measured."""
+        import optuna
+
+        out = []
+        for t in self._optuna.get_trials(deepcopy=False):
+            record = _record_from_attrs(0, t.user_attrs)
+            if record is None or record.plan.key() in self._stored:
+                continue  # not ours (no record attributes), or a duplicate left by an older version
+            running = t.state == optuna.trial.TrialState.RUNNING
+            self._stored[record.plan.key()] = _StoredTrial(t.number, t._trial_id, running, dict(t.user_attrs))
+            if record.status == TrialStatus.PRUNED and not self._predicted_over_budget(record.plan):
+                continue
+            if record.status.ran:
+                fits = self.budget.fits(record.peak_bytes, record.activation_bytes)
+                record = replace(record, status=TrialStatus.OK if fits else TrialStatus.OVER_BUDGET)
+            out.append(_attrs(record))
+        return out
 
     # -- confirmation ------------------------------------------------------------------------------
     def confirm(self) -> None:
@@ -388,6 +587,9 @@ class Study:
         if len(chosen) < 2:
             return
         steps = config.measure_steps
+        announce = getattr(self.progress, "confirming", None)  # e.g. report.SearchProgress: say why figures change
+        if announce is not None:
+            announce(chosen)
         entries = [
             ConfirmEntry(t, retimer(self.runner, t.plan, steps), self.samples_per_step, steps + 1) for t in chosen
         ]
@@ -395,6 +597,9 @@ class Study:
             entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds, sync=self.sync
         )
         self.records = apply_confirmation(self.records, entries, per_sample)
+        for t in self.records:
+            if t.number in per_sample:
+                self._update(t)
         self.tie_tolerance = confirmed_tie_tolerance(per_sample, config.tie_tolerance)
 
     # -- the choice ----------------------------------------------------------------------------------
@@ -452,7 +657,14 @@ class Study:
         """Choose, then the ``TuneResult`` with the chosen plan carrying its evidence as metadata."""
         import warnings
 
-        best, fell_back, fallback_message = self.choose()
+        try:
+            best, fell_back, fallback_message = self.choose()
+        except (InfeasibleBudgetError, TrialsFailedError):
+            self._finish()  # the search is over: the record shows what was tried
+            raise
+        self._finish()
+        if self._optuna is not None and best.plan.key() in self._stored:
+            self._optuna.set_user_attr("chosen_trial", self._stored[best.plan.key()].number)
         if fell_back:
             warnings.warn(fallback_message, stacklevel=3)
         baselines = {
@@ -474,7 +686,10 @@ class Study:
                 "search": {
                     "n_trials": self.config.n_trials, "trials_run": len(self.records), "exhaustive": self.exhaustive,
                     "space_size": len(self.candidates), "seed": self.config.seed,
-                    "sampler": type(self._optuna.sampler).__name__ if self._optuna is not None else None,
+                    "sampler": type(self._sampler_study.sampler).__name__ if self._sampler_study is not None else None,
+                    "study_name": self.study_name,
+                    "status_counts": {s.value: n for s in TrialStatus if (n := sum(t.status == s for t in self.records))},
+                    "confirmed": sum(t.confirmed for t in self.records),
                     "tie_tolerance": self.tie_tolerance, "fell_back": fell_back,
                 },
                 **(metadata or {}),
@@ -491,6 +706,7 @@ class Study:
             tuning_seconds=time.perf_counter() - self.started,
             tuning_steps=sum(t.steps for t in self.records) + extra_steps, fell_back=fell_back,
             fallback_message=fallback_message, memory_table=memory_table, memory_breakdown=dict(memory_breakdown or {}),
+            study_name=self.study_name, storage=self.config.storage,
         )  # fmt: skip
 
 
@@ -542,26 +758,45 @@ def _send(proposals: Iterator[Proposal] | Any, record: TrialRecord) -> Proposal 
         return None
 
 
-def _objective(trial: TrialRecord) -> float:
-    # Optuna maximises this; anything that did not run within budget scores 0 so the sampler learns
-    # to avoid it, while the record keeps the real reason.
-    return float(trial.samples_per_second or 0.0) if trial.feasible else 0.0
+def _outcome(
+    trial: TrialRecord, budget: Budget, *, for_sampler: bool = False
+) -> tuple[Any, float | None, dict[str, float]]:
+    """(Optuna state, value, constraints) of ``trial``. Feasible in Optuna's sense (every constraint <= 0)
+    exactly when the tuner's status is ``ok``. ``for_sampler``: a failure is a ``COMPLETE`` trial scoring 0
+    with its constraints violated, so the sampler learns to avoid it (samplers ignore ``FAIL`` trials)."""
+    from optuna.trial import TrialState
+
+    failed = trial.status.failed or trial.status == TrialStatus.CONFLICT
+    constraints = {OVER_BUDGET_CONSTRAINT: _over_budget_bytes(trial, budget), FAILED_CONSTRAINT: float(failed)}
+    if trial.status == TrialStatus.PRUNED:
+        return TrialState.PRUNED, None, constraints
+    if trial.samples_per_second is not None and not trial.status.failed:
+        return TrialState.COMPLETE, float(trial.samples_per_second), constraints
+    return (TrialState.COMPLETE, 0.0, constraints) if for_sampler else (TrialState.FAIL, None, constraints)
 
 
-_RECORD_FIELDS = (
-    "label", "status", "predicted_peak_bytes", "predicted_activation_bytes", "peak_bytes", "activation_bytes",
-    "samples_per_second", "median_seconds", "spread_seconds", "recompute_flops", "recompute_overhead",
-    "seconds", "steps", "error", "forward_backward_peak_bytes", "baseline", "memory_measured",
-)  # fmt: skip
+def _over_budget_bytes(trial: TrialRecord, budget: Budget) -> float:
+    """The figure ``budget`` limits (measured, else predicted) minus the limit; 0 without a limit or a figure."""
+    if budget.kind == "none" or budget.limit_bytes is None:
+        return 0.0
+    value = budget.value_of(trial.peak_bytes, trial.activation_bytes)
+    if value is None:
+        value = budget.value_of(trial.predicted_peak_bytes, trial.predicted_activation_bytes)
+    over = float(value - budget.limit_bytes) if value is not None else 0.0
+    if trial.status in (TrialStatus.OVER_BUDGET, TrialStatus.PRUNED):
+        # Judged over budget on a figure not kept here (one rank's, or a figure missing): the status decides.
+        over = max(over, 1.0)
+    return over
 
 
 def _attrs(trial: TrialRecord) -> dict[str, Any]:
-    """Everything needed to rebuild the record from a persisted study (``storage=``)."""
+    """The user attributes of ``trial``'s stored Optuna trial (``TRIAL_ATTRS``): all a resumed search rebuilds
+    the record from (``storage=``), plain JSON."""
     attrs = {k: getattr(trial, k) for k in _RECORD_FIELDS}
     attrs["status"] = trial.status.value
+    attrs["confirmation_seconds"] = list(trial.confirmation_seconds)
     attrs["plan"] = trial.plan.to_dict()
     attrs["params"] = dict(trial.params)
-    attrs["describe"] = trial.plan.describe()
     return attrs
 
 
@@ -573,22 +808,42 @@ def _record_from_attrs(number: int, attrs: Mapping[str, Any]) -> TrialRecord | N
     fields["seconds"] = float(fields["seconds"] or 0.0)
     fields["steps"] = int(fields["steps"] or 0)
     fields["memory_measured"] = fields["memory_measured"] is not False  # older studies measured every trial
+    fields["confirmation_seconds"] = tuple(fields["confirmation_seconds"] or ())
     return TrialRecord(number=number, plan=plan, params=dict(attrs.get("params", {})), resumed=True, **fields)
 
 
-def _add_to_study(study: Any, trial: TrialRecord, distributions: Mapping[str, Any]) -> None:
-    """Record a trial run outside ask/tell (a baseline, a plan the study picked) so the sampler learns from it."""
-    import optuna
+def _optuna_params(params: Mapping[str, Any], distributions: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` as Optuna params: empty when outside the space's distributions (a baseline outside the user's
+    restricted space), which keeps the trial out of the sampler's model; the ``params`` attribute keeps them."""
+    inside = {k: v for k, v in params.items() if k in distributions}
+    if len(inside) != len(params) or any(v not in distributions[k].choices for k, v in inside.items()):
+        return {}
+    return inside
 
-    params = {k: v for k, v in trial.params.items() if k in distributions}
-    if any(v not in distributions[k].choices for k, v in params.items()) or len(params) != len(trial.params):
-        # Outside the user's restricted space: stored (so a resumed study does not measure it again)
-        # without parameters, which keeps it out of the sampler's model.
-        params = {}
-    pruned = trial.status == TrialStatus.PRUNED
-    state = optuna.trial.TrialState.PRUNED if pruned else optuna.trial.TrialState.COMPLETE
-    frozen = optuna.trial.create_trial(
-        params=params, distributions={k: distributions[k] for k in params},
-        value=None if pruned else _objective(trial), state=state, user_attrs=_attrs(trial),
-    )  # fmt: skip
-    study.add_trial(frozen)
+
+@dataclass
+class _StoredTrial:
+    """The record study's trial of one plan: its number and id, whether it is still open, the attributes written."""
+
+    number: int
+    trial_id: int  # FrozenTrial._trial_id: Optuna has no public id, and ``optuna.trial.Trial`` needs it
+    running: bool
+    attrs: dict[str, Any]
+
+
+_UNSET = object()
+
+
+def _default_study_name(run: Mapping[str, Any]) -> str:
+    """``lightning_ckpt-<model fingerprint>-<digest of the rest of the run>``: one study per model and run, so
+    that a search interrupted and started again resumes, and a different batch size or device never does."""
+    rest = {k: v for k, v in run.items() if k != "fingerprint"}
+    digest = hashlib.sha256(json.dumps(rest, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return "-".join(str(p) for p in ("lightning_ckpt", run.get("fingerprint"), digest) if p is not None)
+
+
+def storage_for_display(storage: str | None) -> str:
+    """``storage`` for a log line: the password of a database URL hidden; ``"in memory"`` for None."""
+    if storage is None:
+        return "in memory"
+    return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", storage)

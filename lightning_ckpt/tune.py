@@ -130,6 +130,11 @@ def tune(
     detected) makes every trial compile its plan; plans that add graph breaks are ``conflict`` trials.
     ``should_stop`` is polled between trials (the callback passes Lightning's SIGTERM flag); when it
     returns True the search ends with ``SearchInterrupted`` and the model is left as it was.
+
+    The search is an Optuna study named ``result.study_name``, with one trial per plan tried (objective
+    ``samples_per_second``, the budget as a constraint, figures in user attributes; see ``study.py``). With
+    ``storage=`` it persists: ``optuna.load_study(study_name=result.study_name, storage=result.storage)``,
+    and a search started again on the same model and run resumes it instead of measuring again.
     """
     config = (config or TuneConfig()).with_overrides(settings)
     resolved = ResolvedModel.of(model, config.block_types)
@@ -161,6 +166,7 @@ def tune(
         space=space, stacks=resolved.stacks, runner=runner, budget=budget, memory=memory, config=config,
         fingerprint=resolved.fingerprint, device_type=device.type, sync=sync, progress=progress,
         should_stop=should_stop, samples_per_step=harness.batch_size,
+        run={"seq_len": seq_len, "device": _device_name(device), "compiled": is_compiled},
     )  # fmt: skip
     study.run()
     study.confirm()
@@ -203,6 +209,11 @@ def _warm_up_process(harness: StepHarness, resolved: ResolvedModel, config: Tune
             steps=1, device=harness.device, track_memory=False, count_flops=False, extra=harness.extra,
         )  # fmt: skip
     return warm.warmup_steps + len(warm.step_seconds)
+
+
+def _device_name(device: torch.device) -> str:
+    """The device as it bears on the figures (the model of GPU, not its index): part of a study's identity."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _runnable(candidates: Sequence[Candidate], memory_model: Any) -> list[Candidate]:

@@ -118,10 +118,10 @@ def test_resume_from_checkpoint_reapplies_without_trials(tmp_path):
 
 def test_simulated_oom_in_one_trial_is_survived(tmp_path):
     cb = tuner(n_trials=8)
-    trainer(tmp_path, [cb]).fit(TinyGPT(oom_on="selective(mlp) x4"), loader())
+    trainer(tmp_path, [cb]).fit(TinyGPT(oom_on="selective(mlp) h.0-3"), loader())
     statuses = {t.label: t.status for t in cb.result.trials}
     assert statuses["baseline:selective_mlp"] == "oom"
-    assert cb.result.best.describe() != "selective(mlp) x4"
+    assert cb.result.best.describe() != "selective(mlp) h.0-3"
 
 
 def _fit_state(tmp_path, callbacks, plan=None):

@@ -14,17 +14,16 @@ from torch.utils.tensorboard import SummaryWriter
 from lightning_ckpt import report
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.plan import BlockPlan, Plan
-from lightning_ckpt.records import TrialRecord, TrialStatus, TuneResult
+from lightning_ckpt.records import TrialRecord, TuneResult
 from lightning_ckpt.report import (
-    STATUS_CODES,
     TAG_ACTIVATION_MIB,
+    TAG_BEST_SAMPLES_PER_SECOND,
     TAG_MEMORY_BREAKDOWN,
     TAG_PARETO,
     TAG_PEAK_MIB,
     TAG_PLAN,
     TAG_PREFIX,
     TAG_SAMPLES_PER_SECOND,
-    TAG_STATUS_CODE,
     TAG_SUMMARY,
     TAG_TRIAL_SECONDS,
     TRIAL_SCALAR_TAGS,
@@ -118,34 +117,27 @@ def result() -> TuneResult:
             pred=470,
             sps=90.0,
             overhead=0.2,
-            params={
-                "mode_h.0": "full",
-                "children_h.2": ("mlp",),
-                "segments": None,
-                "offload": False,
-                "chunks": 2,
-                "frac": 0.5,
-            },
+            params={"structure": "blocks", "selection": "first:0.5", "mode": "full", "rest_mode": "selective:mlp"},
         ),
         trial(
             5,
             uniform(BlockPlan("selective", ("attn",))),
-            "selective(attn) x4",
+            "selective(attn) h.0-3",
             "pruned",
             pred=950,
-            params={"mode_h.0": "selective", "chunks": 4},
+            params={"structure": "blocks", "selection": "all", "mode": "selective:attn"},
         ),
         trial(
             6,
             uniform(BlockPlan("ops", save_list="save_matmuls")),
-            "ops(save_matmuls) x4",
+            "ops(save_matmuls) h.0-3",
             "ok",
             peak=590,
             act=290,
             pred=600,
             sps=88.0,
             overhead=0.15,
-            params={"mode_h.0": "ops", "chunks": 1, "frac": 0.25},
+            params={"structure": "blocks", "selection": "all", "mode": "ops:save_matmuls", "unknown_dim": 1},
         ),
         trial(7, Plan(segments={"transformer.h": 2}), "segments(transformer.h=2)", "error", error="RuntimeError: boom"),
     )
@@ -171,11 +163,17 @@ def text_of(acc: ea.EventAccumulator, tag: str) -> str:
     return event.tensor_proto.string_val[0].decode()
 
 
-def test_status_codes_cover_every_status():
-    assert set(STATUS_CODES) == {s.value for s in TrialStatus}
-    assert STATUS_CODES["conflict"] == 6  # compiled plans that fight torch.compile (lightning_ckpt.compile)
-    assert len(set(STATUS_CODES.values())) == len(STATUS_CODES)
-    assert all(tag.startswith(f"{TAG_PREFIX}/") for tag in (*TRIAL_SCALAR_TAGS, TAG_PLAN, TAG_SUMMARY, TAG_PARETO))
+def test_tags_live_under_the_prefix():
+    tags = (
+        *TRIAL_SCALAR_TAGS,
+        TAG_BEST_SAMPLES_PER_SECOND,
+        TAG_PLAN,
+        TAG_SUMMARY,
+        TAG_PARETO,
+        *report.HPARAM_METRIC_TAGS,
+    )
+    assert all(tag.startswith(f"{TAG_PREFIX}/") for tag in tags)
+    assert len({name for name, _, _ in report.HPARAM_COLUMNS}) == len(report.HPARAM_COLUMNS)
 
 
 def test_tensorboard_round_trip(tmp_path, result):
@@ -190,59 +188,68 @@ def test_tensorboard_round_trip(tmp_path, result):
     peak = {e.step: e.value for e in acc.Scalars(TAG_PEAK_MIB)}
     assert peak[1] == pytest.approx(400.0) and 5 not in peak
     assert {e.step: e.value for e in acc.Scalars(TAG_ACTIVATION_MIB)}[4] == pytest.approx(180.0)
-    status = {e.step: int(e.value) for e in acc.Scalars(TAG_STATUS_CODE)}
-    assert status == {t.number: STATUS_CODES[t.status] for t in result.trials}
     assert [e.step for e in acc.Scalars(TAG_TRIAL_SECONDS)] == list(range(8))
+    # Best so far: only plans that fit count (trial 0, 100/s, is over the budget).
+    best = {e.step: e.value for e in acc.Scalars(TAG_BEST_SAMPLES_PER_SECOND)}
+    assert best == pytest.approx({1: 70.0, 2: 85.0, 3: 85.0, 4: 90.0, 5: 90.0, 6: 90.0, 7: 90.0})
 
     plan_text = text_of(acc, TAG_PLAN)
     assert all(f"`{fqn}`" in plan_text for fqn in BLOCKS)
     assert "selective(mlp)" in plan_text and "ops(save_matmuls)" in plan_text and "90.0" in plan_text
     assert "<table>" in markdown_to_safe_html(plan_text)  # TensorBoard renders it as a table
     memory_text = text_of(acc, TAG_MEMORY_BREAKDOWN)
-    assert memory_text.startswith("```\n") and result.memory_table in memory_text
-    assert "winner" in text_of(acc, TAG_SUMMARY)
+    assert memory_text.startswith("```\n") and result.memory_table in memory_text  # no structured breakdown
+    summary = text_of(acc, TAG_SUMMARY)
+    assert summary.splitlines()[0].startswith("- winner")  # the verdict first
+    assert "<table>" in markdown_to_safe_html(summary)
 
     (image,) = acc.Images(TAG_PARETO)
     assert image.encoded_image_string.startswith(PNG_MAGIC) and image.width > 400 and image.height > 300
     png = (logdir / report.PARETO_PNG).read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
-    # One HParams session (a run of its own) per trial, with the dimensions, label and status.
-    seen_keys: set[str] = set()
-    for t in result.trials:
-        run = read(logdir / report.TRIAL_RUN_FORMAT.format(t.number))
-        content = run.PluginTagToContent(hp_metadata.PLUGIN_NAME)
-        assert hp_metadata.SESSION_END_INFO_TAG in content
-        assert hp_metadata.EXPERIMENT_TAG not in content  # columns come from the union of sessions
-        start = hp_metadata.parse_session_start_info_plugin_data(content[hp_metadata.SESSION_START_INFO_TAG])
-        assert start.hparams["label"].string_value == t.label
-        assert start.hparams["status"].string_value == t.status
-        seen_keys |= set(start.hparams)
-        if t.samples_per_second is not None:
-            (metric,) = run.Scalars(report.HPARAM_SAMPLES_PER_SECOND)
-            assert metric.value == pytest.approx(t.samples_per_second)
-        else:
-            assert report.HPARAM_SAMPLES_PER_SECOND not in run.Tags()["scalars"]
-    assert {"mode_h.0", "children_h.2", "segments", "offload", "chunks", "frac"} <= seen_keys
-
-    winner = read(logdir / "trial_004").PluginTagToContent(hp_metadata.PLUGIN_NAME)
+    # The HParams table: the experiment in this run, one session run per leader under table/.
+    content = acc.PluginTagToContent(hp_metadata.PLUGIN_NAME)
+    experiment = hp_metadata.parse_experiment_plugin_data(content[hp_metadata.EXPERIMENT_TAG])
+    assert [h.name for h in experiment.hparam_infos] == [report.hparam_name(k) for k, _, _ in report.HPARAM_COLUMNS]
+    rows = sorted(p.name for p in (logdir / report.HPARAM_RUN_DIR).iterdir())
+    assert rows == ["01_winner_trial_004", "02_trial_006", "03_trial_002", "04_trial_001", "05_trial_000"]
+    winner = read(logdir / report.HPARAM_RUN_DIR / rows[0]).PluginTagToContent(hp_metadata.PLUGIN_NAME)
     hp = hp_metadata.parse_session_start_info_plugin_data(winner[hp_metadata.SESSION_START_INFO_TAG]).hparams
-    assert hp["children_h.2"].string_value == "mlp"
-    assert hp["segments"].string_value == "None" and hp["offload"].string_value == "False"
-    assert hp["chunks"].number_value == 2 and hp["frac"].number_value == 0.5
+    hp = {name.split("_", 1)[1]: value for name, value in hp.items()}  # "02_plan" -> "plan"
+    assert hp["winner"].string_value == report.WINNER_MARK and hp["trial"].number_value == 4
+    assert hp["plan"].string_value == WINNER_PLAN.describe() and hp["status"].string_value == "ok"
+    assert hp["selection"].string_value == "first:0.5" and hp["rest_mode"].string_value == "selective:mlp"
+    other = read(logdir / report.HPARAM_RUN_DIR / rows[1]).PluginTagToContent(hp_metadata.PLUGIN_NAME)
+    hp = hp_metadata.parse_session_start_info_plugin_data(other[hp_metadata.SESSION_START_INFO_TAG]).hparams
+    assert hp[report.hparam_name("winner")].string_value == "" and not any("unknown_dim" in k for k in hp)
 
 
-def test_hparams_dashboard_shows_one_row_per_trial(tmp_path, result):
-    """Ask TensorBoard's own HParams plugin, as the browser would: one row per trial, all columns."""
+def test_table_keeps_the_leaders_and_the_best_baseline(result):
+    assert [t.number for t in report.table_trials(result)] == [4, 6, 2, 1, 0]
+    # Two rows: the winner, then the best baseline that fits rather than the faster trial 6.
+    assert [t.number for t in report.table_trials(result, limit=2)] == [4, 2]
+
+
+def test_hparams_dashboard_shows_the_leaders_under_the_tuner_columns(tmp_path, result):
+    """Ask TensorBoard's own HParams plugin, as the browser would; a Lightning-style experiment written later
+    into the same run (hp_metric) must not replace the tuner's columns."""
     from tensorboard.backend import application
     from tensorboard.backend.event_processing import data_provider
     from tensorboard.backend.event_processing import plugin_event_multiplexer as pem
     from tensorboard.plugins import base_plugin
     from tensorboard.plugins.hparams import hparams_plugin
     from tensorboard.plugins.scalar import scalars_plugin
+    from torch.utils.tensorboard.summary import hparams as torch_hparams
     from werkzeug.test import Client
 
-    logdir = str(report.write_tensorboard(tmp_path, result))
+    with SummaryWriter(log_dir=str(tmp_path)) as writer:
+        report.write_experiment(writer, {"lr": 0.001})
+        exp, ssi, sei = torch_hparams({"lr": 0.001}, {"hp_metric": -1})  # what Lightning writes after on_fit_start
+        for summary in (exp, ssi, sei):
+            writer.file_writer.add_summary(summary)
+        writer.add_scalar("hp_metric", -1, 0)
+        logdir = str(report.write_tensorboard(writer, result, write_experiment_summary=False))
     mux = pem.EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
     mux.AddRunsFromDirectory(logdir)
     mux.Reload()
@@ -257,8 +264,8 @@ def test_hparams_dashboard_shows_one_row_per_trial(tmp_path, result):
     headers = {"X-XSRF-Protected": "1"}
 
     experiment = client.post("/data/plugin/hparams/experiment", json={"experimentName": ""}, headers=headers).json
-    columns = {h["name"] for h in experiment["hparamInfos"]}
-    assert columns == {"label", "status", "mode_h.0", "children_h.2", "segments", "offload", "chunks", "frac"}
+    columns = [h["name"] for h in experiment["hparamInfos"]]
+    assert columns == [report.hparam_name(k) for k, _, _ in report.HPARAM_COLUMNS] + ["lr"]  # in our order
     assert {m["name"]["tag"] for m in experiment["metricInfos"]} == set(report.HPARAM_METRIC_TAGS)
     query = {
         "experimentName": "",
@@ -268,38 +275,102 @@ def test_hparams_dashboard_shows_one_row_per_trial(tmp_path, result):
         "sliceSize": 100,
     }
     groups = client.post("/data/plugin/hparams/session_groups", json=query, headers=headers).json["sessionGroups"]
-    assert [g["name"] for g in groups] == [report.TRIAL_RUN_FORMAT.format(t.number) for t in result.trials]
-    winner = {m["name"]["tag"]: m["value"] for m in groups[4]["metricValues"]}
+    names = [g["name"] for g in groups]
+    assert names == [".", *(f"{report.HPARAM_RUN_DIR}/{n}" for n in ("01_winner_trial_004", "02_trial_006",
+                     "03_trial_002", "04_trial_001", "05_trial_000"))]  # fmt: skip
+    assert groups[0]["hparams"] == {"lr": 0.001}  # the training run's own row keeps its hyperparameters
+    winner = {m["name"]["tag"]: m["value"] for m in groups[1]["metricValues"]}
     assert winner[report.HPARAM_SAMPLES_PER_SECOND] == pytest.approx(90.0)
-    assert groups[4]["hparams"]["label"] == WINNER_PLAN.describe()
+    assert winner[report.HPARAM_RECOMPUTE_PERCENT] == pytest.approx(20.0)
+    assert groups[1]["hparams"][report.hparam_name("plan")] == WINNER_PLAN.describe()
 
 
 def test_streamed_trials_are_not_logged_twice(tmp_path, result):
     with SummaryWriter(log_dir=str(tmp_path)) as writer:
+        best = dict(report.best_so_far(result.trials))
         for t in result.trials:
-            report.log_trial(writer, t)
+            report.log_trial(writer, t, best_samples_per_second=best.get(t.number))
         logdir = report.write_tensorboard(writer, result, memory_breakdown_table="custom table", log_trials=False)
         # The caller's writer stays open: it belongs to the caller (e.g. Lightning's logger).
         writer.add_scalar("user/after", 1.0, 0)
     acc = read(logdir)
-    assert [e.step for e in acc.Scalars(TAG_STATUS_CODE)] == list(range(8))
+    assert [e.step for e in acc.Scalars(TAG_TRIAL_SECONDS)] == list(range(8))
     assert "custom table" in text_of(acc, TAG_MEMORY_BREAKDOWN)
     assert "user/after" in acc.Tags()["scalars"]
 
 
+def test_memory_breakdown_is_a_markdown_table():
+    breakdown = {
+        "device": "cpu", "parameter_bytes": 4 * MiB, "gradient_bytes": 4 * MiB, "optimizer_state_bytes": 8 * MiB,
+        "buffer_bytes": 0, "other_activation_bytes": MiB,
+        "blocks": [{"fqn": fqn, "saved_bytes": {"none": 10 * MiB, "full": MiB, "selective:mlp": 4 * MiB},
+                    "recompute_transient_bytes": 2 * MiB, "shared_with": None if i == 0 else BLOCKS[0]}
+                   for i, fqn in enumerate(BLOCKS)],
+    }  # fmt: skip
+    text = report.memory_markdown(breakdown, WINNER_PLAN)
+    html = markdown_to_safe_html(text)
+    assert html.count("<table>") == 2 and "<pre>" not in html
+    # Identical blocks share a column unless the plan treats them differently.
+    assert "| mode | `h.0-1` | `h.2` | `h.3` |" in text
+    assert "| none | 10.0 | 10.0 | 10.0 |" in text and "| sel:mlp |" not in text  # keys as the model names them
+    assert "| selective:mlp | 4.0 | 4.0 | 4.0 |" in text
+    assert "| **plan** | **full** | **selective(mlp)** | **ops(save_matmuls)** |" in text
+    no_plan = report.memory_markdown(breakdown)
+    assert "| mode | `h.0-3` |" in no_plan and "**plan**" not in no_plan
+
+
 def test_summary_table_names_the_winner_and_the_margin(result):
     text = report.summary_table(result)
-    assert "winner (*): [trial 4]" in text and WINNER_PLAN.describe() in text
+    lines = text.splitlines()
+    assert lines[0].startswith("winner (*): [trial 4]") and WINNER_PLAN.describe() in lines[0]  # verdict first
     # Against the fastest baseline that *fits* (selective_mlp at 85/s), not 'none' (100/s, over budget).
-    assert "vs best feasible baseline selective_mlp" in text
+    assert "vs best feasible baseline selective_mlp" in lines[1]
     assert "1.06x samples/s" in text and "0.87x peak memory" in text
     assert "600.0 MiB peak" in text
     assert "42.0 s, 48 steps over 8 trials (7 run, 1 pruned" in text
     assert "NOTHING FIT" not in text
-    rows = text.splitlines()
-    assert len(rows[0]) > 0 and set(rows[1]) == {"-"}
-    assert rows[2 + 4].startswith("*")  # the winner's row is marked
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "label"])
+    assert set(lines[header + 1]) == {"-"}
+    rows = lines[header + 2 :]
+    assert rows[0].startswith("*") and rows[0].split()[1] == "4"  # the winner's row first, marked
+    assert [r.split()[0] for r in rows[1:]] == ["0", "6", "2", "1", "3", "5", "7"]  # then fastest first
     assert "CUDA out of memory" not in text  # errors go in trial lines, the table stays one row each
+
+
+def test_result_line_and_timing_warning(result):
+    line = report.result_line(result)
+    assert line.startswith(f"lightning_ckpt: chose {WINNER_PLAN.describe()} | 90.0 samples/s, peak 480.0 MiB of 600.0")
+    assert "1.06x the best baseline that fits (selective_mlp)" in line and "8 plans: 7 run, 1 ruled out" in line
+    assert report.timing_warning(result) is None  # nothing was confirmed side by side
+    close = [
+        dataclasses.replace(t, confirmation_seconds=(0.100, 0.090, 0.110)) if t.number in (4, 6) else t
+        for t in result.trials
+    ]
+    warning = report.timing_warning(dataclasses.replace(result, trials=tuple(close)))
+    assert warning is not None and "timing spread too high" in warning and "ops(save_matmuls)" in warning
+    apart = [
+        dataclasses.replace(t, confirmation_seconds=(0.100, 0.101, 0.099) if t.number == 4 else (0.2, 0.21, 0.19))
+        if t.number in (4, 6) else t
+        for t in result.trials
+    ]  # fmt: skip
+    assert report.timing_warning(dataclasses.replace(result, trials=tuple(apart))) is None
+
+
+def test_search_progress_streams_and_announces(tmp_path, result, capsys):
+    with SummaryWriter(log_dir=str(tmp_path)) as writer:
+        progress = report.SearchProgress(4, writer=writer, verbose=True, enabled=False)
+        for t in result.trials:
+            progress(t, result.budget)
+        progress.confirming([result.trials[4], result.trials[6]])
+        progress.close()
+    out = capsys.readouterr().out
+    assert out.count("[trial ") == len(result.trials)  # verbose: one line per trial
+    assert "confirming the 2 fastest plans side by side" in out and "replace the ones streamed" in out
+    best = {e.step: e.value for e in read(tmp_path).Scalars(TAG_BEST_SAMPLES_PER_SECOND)}
+    assert best[7] == pytest.approx(90.0)
+    quiet = report.SearchProgress(4, verbose=False, enabled=False)
+    quiet(result.trials[0], result.budget)
+    assert capsys.readouterr().out == ""  # quiet: nothing but the bar
 
 
 def test_summary_table_says_when_nothing_fit(result):

@@ -1,25 +1,28 @@
 """The Study with a fake runner: exact choices (ties, pruning, confirmation, fallback, resume), no sampler
-redraws, and a noisy machine that must not make it choose a plan slower than the best fitting baseline."""
+redraws, a noisy machine that must not make it choose a plan slower than the best fitting baseline, and the
+Optuna study it stores (one trial per plan, final figures, constraints, resume after a kill)."""
 
 from __future__ import annotations
 
 import random
 import statistics
+import warnings
 
+import optuna
 import pytest
 import torch
 
 from lightning_ckpt import discover_blocks
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.config import TuneConfig
-from lightning_ckpt.errors import InfeasibleBudgetError, TrialsFailedError
+from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError, TrialsFailedError
 from lightning_ckpt.measure import Measurement
 from lightning_ckpt.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.records import TrialStatus
 from lightning_ckpt.runners import TrialOutcome
 from lightning_ckpt.space import SearchSpace
-from lightning_ckpt.study import Study
+from lightning_ckpt.study import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS, SearchInterrupted, Study
 from lightning_ckpt.testing import GPT, GPTConfig
 
 MODEL = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, vocab_size=32, block_size=8))
@@ -93,11 +96,11 @@ class FakeRunner:
                            samples_per_second=1 / seconds)  # fmt: skip
 
 
-def study(runner: FakeRunner, budget: Budget, **config) -> Study:
+def study(runner: FakeRunner, budget: Budget, *, samples_per_step: int = 1, should_stop=None, **config) -> Study:
     config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, **config})
     return Study(candidates=CANDIDATES, space=SPACE, stacks=STACKS, runner=runner, budget=budget,
                  memory=RealStepMemory(FakeMemory(), OptimizerStepMemory.absent()), config=config, fingerprint=None,
-                 device_type="cpu")  # fmt: skip
+                 device_type="cpu", samples_per_step=samples_per_step, should_stop=should_stop)  # fmt: skip
 
 
 def test_exhaustive_search_prunes_what_cannot_fit_and_chooses_the_fastest_that_fits():
@@ -269,3 +272,129 @@ def test_on_cpu_only_the_plans_that_can_be_chosen_get_the_memory_pass_and_a_misp
     assert caught.memory_measured and caught.status == TrialStatus.OVER_BUDGET
     assert result.best.key() != fastest_fitting.key()
     assert result.best_trial.memory_measured and result.best_trial.peak_bytes <= 850
+
+
+# -- the Optuna study (storage=...) -------------------------------------------------------------------
+
+
+def _stored(storage: str, name: str) -> dict[str, optuna.trial.FrozenTrial]:
+    """The stored study's trials by plan key (asserting no plan is stored twice)."""
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    by_plan = {Plan.from_dict(t.user_attrs["plan"]).key(): t for t in trials}
+    assert len(by_plan) == len(trials), "a plan stored twice"
+    return by_plan
+
+
+def _final_state(record) -> optuna.trial.TrialState:
+    if record.status == TrialStatus.PRUNED:
+        return optuna.trial.TrialState.PRUNED
+    return optuna.trial.TrialState.FAIL if record.status.failed else optuna.trial.TrialState.COMPLETE
+
+
+def test_a_stored_study_holds_each_plan_once_with_its_final_figures_and_the_budget_as_constraints(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    broken = next(c.plan for c in CANDIDATES if c.baseline == "selective_mlp")
+
+    class Breaks(FakeRunner):
+        def measure(self, plan, memory_limit, *, memory=True):
+            if plan.key() == broken.key():
+                return TrialOutcome(TrialStatus.ERROR, error="ValueError: boom", steps=1)
+            return super().measure(plan, memory_limit, memory=memory)
+
+    # Real peaks 10% above their predictions (some plans run, then measure over budget); noisy re-timing.
+    s = study(Breaks(noise=0.05, memory_error=0.1), Budget("peak", 700), storage=storage,
+              n_trials=len(CANDIDATES) - 2, memory_pass="every")  # fmt: skip
+    assert not s.exhaustive, "the sampler proposes, and redraws known plans"
+    s.run()
+    s.confirm()
+    result = s.result(extra_steps=0)
+    stored = _stored(storage, result.study_name)
+    assert set(stored) == {t.plan.key() for t in result.trials}
+    assert {TrialStatus.PRUNED, TrialStatus.OK, TrialStatus.OVER_BUDGET, TrialStatus.ERROR} <= {
+        t.status for t in result.trials
+    }
+    for record in result.trials:
+        trial = stored[record.plan.key()]
+        assert trial.state == _final_state(record), record.label
+        assert all(v <= 0 for v in trial.constraints.values()) == record.feasible, (record.label, trial.constraints)
+        if trial.state == optuna.trial.TrialState.COMPLETE:
+            assert trial.value == record.samples_per_second
+    confirmed = [t for t in result.trials if t.confirmed]
+    assert any(t.samples_per_second != t.first_samples_per_second for t in confirmed)
+    assert all(stored[t.plan.key()].user_attrs["first_samples_per_second"] == t.first_samples_per_second
+               for t in confirmed)  # fmt: skip
+    assert stored[broken.key()].constraints == {OVER_BUDGET_CONSTRAINT: 0.0, FAILED_CONSTRAINT: 1.0}
+
+
+def test_a_killed_search_leaves_its_trials_running_and_the_next_run_finishes_them(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = study(FakeRunner(), Budget("peak", 700), storage=storage,
+                  should_stop=lambda: len(first.records) >= 5)  # fmt: skip
+    with pytest.raises(SearchInterrupted):
+        first.run()
+    stored = _stored(storage, first.study_name)
+    assert len(stored) == len(first.records) == 5
+    assert all(t.state == optuna.trial.TrialState.RUNNING and set(t.user_attrs) == set(TRIAL_ATTRS)
+               for t in stored.values())  # fmt: skip
+
+    runner = FakeRunner(noise=0.05)
+    second = study(runner, Budget("peak", 700), storage=storage)
+    second.run()
+    second.confirm()
+    result = second.result(extra_steps=0)
+    assert not {t.plan.describe() for t in first.records} & set(runner.measured), "resumed, not measured again"
+    stored = _stored(storage, result.study_name)
+    assert len(stored) == len(result.trials) == len(CANDIDATES)
+    for record in result.trials:  # the resumed trials too: this run finished them, with its figures
+        trial = stored[record.plan.key()]
+        assert trial.state == _final_state(record)
+        assert trial.value == (record.samples_per_second if trial.state == optuna.trial.TrialState.COMPLETE else None)
+
+
+def test_a_stored_study_is_judged_against_todays_budget_and_refused_for_another_run(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = study(FakeRunner(), Budget("peak", 10_000), storage=storage, confirm_top=0)
+    first.run()
+    first.result(extra_steps=0)
+    second = study(FakeRunner(), Budget("peak", 700), storage=storage, confirm_top=0)
+    assert second.study_name == first.study_name, "the budget is not part of a study's identity"
+    second.run()
+    result = second.result(extra_steps=0)
+    assert all(t.resumed for t in result.trials)
+    over = [t for t in result.trials if t.status == TrialStatus.OVER_BUDGET]
+    assert over and all(t.peak_bytes > 700 for t in over)
+    assert result.best_trial.peak_bytes <= 700
+
+    # The figures depend on the batch size: another default study; a named study made for another run is refused.
+    assert study(FakeRunner(), Budget("peak", 700), storage=storage, samples_per_step=2).study_name != first.study_name
+    study(FakeRunner(), Budget("peak", 700), storage=storage, study_name="ac", confirm_top=0).run()
+    clash = study(FakeRunner(), Budget("peak", 700), storage=storage, study_name="ac", samples_per_step=2)
+    with pytest.raises(ConfigurationError, match="another run"):
+        clash.run()
+
+
+def test_a_users_sampler_proposes_and_an_in_memory_study_is_named():
+    s = study(FakeRunner(), Budget("peak", 700), n_trials=len(CANDIDATES) - 2, confirm_top=0,
+              sampler=optuna.samplers.RandomSampler(seed=1))  # fmt: skip
+    s.run()
+    result = s.result(extra_steps=0)
+    assert result.best.metadata["search"]["sampler"] == "RandomSampler"
+    assert result.storage is None and result.study_name == s.study_name
+    assert result.study_name.startswith("lightning_ckpt-")
+    with warnings.catch_warnings():  # the default TPE reads constraints itself: no deprecated constraints_func
+        warnings.simplefilter("error", FutureWarning)
+        s = study(FakeRunner(), Budget("peak", 700), n_trials=len(CANDIDATES) - 2, confirm_top=0)
+        s.run()
+        s.result(extra_steps=0)
+
+
+def test_the_fallback_measuring_a_pruned_plan_updates_its_one_record_and_stored_trial(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    s = study(FakeRunner(), Budget("peak", 100), storage=storage)  # below every prediction: all pruned
+    s.run()
+    with pytest.warns(UserWarning, match="Falling back"):
+        result = s.result(extra_steps=0)
+    assert len(result.trials) == len({t.plan.key() for t in result.trials}) == len(CANDIDATES)
+    trial = _stored(storage, result.study_name)[result.best.key()]
+    assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value == result.best_trial.samples_per_second
+    assert trial.user_attrs["status"] == "over_budget" and trial.constraints[OVER_BUDGET_CONSTRAINT] > 0
