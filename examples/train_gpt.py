@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--trials", type=int, default=14)
     parser.add_argument("--plan", type=Path, default=Path("plans/gpt.json"))
     parser.add_argument("--logs", type=Path, default=Path("runs"))
+    parser.add_argument("--storage", default=None, help="Optuna storage for the search, e.g. sqlite:///runs/ckpt.db")
     args = parser.parse_args(argv)
 
     L.seed_everything(0, verbose=False)
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         tuner = ActivationCheckpointTuner(plan=args.plan)
     else:
         tuner = ActivationCheckpointTuner(
-            activation_budget=args.activation_budget, plan_path=args.plan, n_trials=trials, measure_steps=2
+            activation_budget=args.activation_budget, plan_path=args.plan, n_trials=trials, measure_steps=2,
+            storage=args.storage,
         )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -57,14 +57,29 @@ class ActivationCheckpointTuner(Callback):
         plan: a plan file (or ``Plan``) to apply without searching.
         plan_path: where to write the chosen plan (atomically; rank 0). If the file exists and was
             tuned for this model and budget, it is reused without searching.
-        n_trials: most candidate plans to try (baselines included); ``timeout``: most seconds to search.
+        n_trials: most candidate plans to measure (baselines included); plans the memory model rules
+            out without running do not count.
+        timeout: most seconds to search; the best plan measured so far is chosen when it runs out.
         search_space: a ``SearchSpace`` or a dict of overrides, e.g. ``{"modes": ["full"], "segments": False}``.
-        sampler, storage, study_name, seed: Optuna settings (TPE, in-memory, seeded by default).
-        warmup_steps, measure_steps: steps per trial excluded from / used for timing.
+        sampler: an Optuna sampler proposing plans (default: TPE seeded with ``seed``).
+        storage: an Optuna storage URL (e.g. ``"sqlite:///ckpt.db"``) that keeps every trial, so an
+            interrupted search resumes and ``optuna-dashboard`` can show it; default: in memory.
+        study_name: the Optuna study's name (default: ``lightning_ckpt-<model fingerprint>-<run digest>``).
+        seed: seed of the default sampler and of the search's own tie-breaking.
+        warmup_steps: steps each trial runs before timing (compilation and allocator warm-up are not throughput).
+        measure_steps: timed steps per trial; the median is the trial's figure.
         block_types: override block discovery (classes, class names or FQN patterns).
         on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a plan file does not fit.
         on_infeasible: ``"fallback"`` (lowest-memory plan, with a warning) or ``"raise"`` when nothing fits.
+        tie_tolerance: plans whose throughput is within this fraction of the fastest count as tied; a tie
+            goes to the one using less memory.
+        tune_micro_batch: also search the micro-batch size with gradient accumulation (same global batch)
+            jointly with the plan.
+        batch_arg_name: the LightningModule/DataModule attribute holding the batch size
+            (``tune_micro_batch`` sets it, as Lightning's ``BatchSizeFinder`` does).
         log_dir: TensorBoard directory when the Trainer has no TensorBoardLogger.
+        verbose: print a line per trial and the full trial table (always in TensorBoard); otherwise one
+            progress bar and a one-line result.
         allow_graph_breaks: under ``torch.compile``, a plan that adds graph breaks or hits the recompile
             limit is a ``conflict`` and never chosen; ``True`` lets it win on throughput (still reported).
         guard_steps: real training steps read whole after lock-in (CUDA: allocator peak; CPU: live-tensor
@@ -99,8 +114,8 @@ class ActivationCheckpointTuner(Callback):
         warmup_steps: int = 1,
         measure_steps: int = 3,
         block_types: list[Any] | None = None,
-        on_stale_plan: str = "retune",
-        on_infeasible: str = "fallback",
+        on_stale_plan: Literal["retune", "raise"] = "retune",
+        on_infeasible: Literal["fallback", "raise"] = "fallback",
         tie_tolerance: float = 0.01,
         tune_micro_batch: bool = False,
         batch_arg_name: str = "batch_size",
@@ -108,7 +123,7 @@ class ActivationCheckpointTuner(Callback):
         verbose: bool = False,
         allow_graph_breaks: bool = False,
         guard_steps: int = 2,
-        on_budget_exceeded: str = "switch",
+        on_budget_exceeded: Literal["switch", "raise", "warn"] = "switch",
     ) -> None:
         validate_budget_args(max_memory, activation_budget)
         _check_types(plan=plan, plan_path=plan_path)  # the search settings are checked by TuneConfig

@@ -108,3 +108,25 @@ def test_cpu_quickstart_tunes_then_reuse_plan_reuses(in_tmp):
     again = train_gpt_cli.main(["fit", "--config", str(ROOT / "configs" / "reuse_plan.yaml"), *TINY])
     (reused,) = [cb for cb in again.trainer.callbacks if isinstance(cb, ActivationCheckpointTuner)]
     assert reused.trials_run == 0 and reused.plan == tuner.plan
+
+
+def test_every_callback_argument_has_help_and_enumerations_are_choices():
+    """``--help`` of a LightningCLI (jsonargparse reads the docstring) explains every argument, and options
+    with a fixed set of values are typed ``Literal``, so a wrong value is refused with the choices."""
+    import inspect
+    import typing
+
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(ActivationCheckpointTuner, "cb")
+    actions = {a.dest.removeprefix("cb."): a for a in parser._actions if a.dest.startswith("cb.")}
+    names = [n for n in inspect.signature(ActivationCheckpointTuner).parameters]
+    missing = [n for n in names if not (actions[n].help or "").strip()]
+    assert not missing, f"callback arguments without help text: {missing}"
+    hints = typing.get_type_hints(ActivationCheckpointTuner.__init__)
+    for name, choices in {"on_stale_plan": ("retune", "raise"), "on_infeasible": ("fallback", "raise"),
+                          "on_budget_exceeded": ("switch", "raise", "warn")}.items():  # fmt: skip
+        assert typing.get_args(hints[name]) == choices
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cb.on_stale_plan", "later"])
