@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         tuner = ActivationCheckpointTuner(plan=args.plan)
     else:
         tuner = ActivationCheckpointTuner(
-            activation_budget=args.activation_budget, plan_path=args.plan, n_trials=trials, measure_steps=2,
+            activation_budget=args.activation_budget,
+            plan_path=args.plan,
+            n_trials=trials,
+            measure_steps=2,
             storage=args.storage,
         )
     trainer = L.Trainer(
@@ -120,9 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     trainer.fit(CharGPT(config), loader)
     final_loss = float(trainer.callback_metrics["train_loss"])
-    print(f"\nplan: {tuner.plan.describe() if tuner.plan else None}; trials run: {tuner.trials_run}; "
-          f"final train loss {final_loss:.3f}")  # fmt: skip
-    print(f"view the search: tensorboard --logdir {args.logs}")
+    print(f"final train loss {final_loss:.3f}; view the search: tensorboard --logdir {args.logs}")
     return {"plan": tuner.plan, "trials": tuner.trials_run, "loss": final_loss}
 
 

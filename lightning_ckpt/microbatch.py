@@ -172,13 +172,14 @@ def tune_micro_batch(
     # Largest micro-batches first: they are the ones checkpointing can unlock.
     per_m_config = replace(config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback")
     per_m: dict[int, TuneResult] = {}
+    streamed = [0]
     for m in sorted(feasible, reverse=True):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # per-micro-batch fall-backs are judged jointly below
             per_m[m] = tune(
                 model, loss_fn_for(m), optimizer=optimizer, config=per_m_config, memory_model=scaled.at(m),
                 budget=budget, optimizer_step=opt_mem, batch_size=m, extra_tensors=extra_for(m),
-                progress=_labelled(progress, m, global_batch),
+                progress=_labelled(progress, m, global_batch, streamed),
             )  # fmt: skip
 
     trials: list[TrialRecord] = []
@@ -193,6 +194,9 @@ def tune_micro_batch(
     entries = _confirmation_entries(trials, model, resolved, loss_fn_for, extra_for, optimizer, config)
     before = sum(t.steps for t in trials)
     if entries:
+        announce = getattr(progress, "confirming", None)  # e.g. report.SearchProgress: say why figures change
+        if announce is not None:
+            announce([e.trial for e in entries])
         per_sample = confirm_interleaved(
             entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds
         )
@@ -293,11 +297,17 @@ def _confirmation_entries(
     return entries
 
 
-def _labelled(progress: Callable[[TrialRecord, Budget], None] | None, m: int, global_batch: int) -> Any:
+def _labelled(
+    progress: Callable[[TrialRecord, Budget], None] | None, m: int, global_batch: int, count: list[int]
+) -> Any:
+    """``progress`` for one micro-batch's search: its trials labelled with the micro-batch and numbered on
+    from the searches before it (``count``), as in the joint result, so streamed series do not overlap."""
     if progress is None:
         return None
 
     def report(trial: TrialRecord, budget: Budget) -> None:
-        progress(replace(trial, label=f"{trial.label} [micro-batch {m} x{global_batch // m}]"), budget)
+        label = f"{trial.label} [micro-batch {m} x{global_batch // m}]"
+        progress(replace(trial, label=label, number=count[0]), budget)
+        count[0] += 1
 
     return report

@@ -62,6 +62,7 @@ __all__ = [
     "HPARAM_RUN_DIR",
     "WINNER_MARK",
     "hparam_name",
+    "NOISY_SPREAD",
     "PARETO_PNG",
     "TAG_BEST_SAMPLES_PER_SECOND",
     "TAG_CONFLICTS",
@@ -178,6 +179,8 @@ TAG_CONFLICTS = f"{TAG_PREFIX}/4_compile_conflicts"
 TEXT_TAG_SUFFIX = "/text_summary"
 
 PARETO_PNG = "pareto.png"
+# Relative step-time spread (MAD / median) above which two overlapping leaders are a noise problem, not a tie.
+NOISY_SPREAD = 0.02
 WINNER_MARK = "\u2605"
 
 _MIB = float(2**20)
@@ -267,9 +270,10 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     return " | ".join(parts)
 
 
-def timing_warning(result: TuneResult) -> str | None:
-    """A warning when the two fastest plans that fit were timed side by side and still overlap within their
-    spreads: the machine could not tell them apart, so the choice between them is not a speed verdict."""
+def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | None:
+    """A warning when the two fastest plans that fit were timed side by side and still overlap within spreads
+    wider than ``noisy`` (relative): the machine was too noisy to tell them apart, so the choice between them
+    is not a speed verdict. Two plans overlapping within tight spreads are simply as fast: no warning."""
     confirmed = sorted(
         (t for t in result.trials if t.feasible and len(t.confirmation_seconds) >= 2),
         key=lambda t: -(t.samples_per_second or 0.0),
@@ -281,15 +285,15 @@ def timing_warning(result: TuneResult) -> str | None:
         med = statistics.median(t.confirmation_seconds)
         stats.append((t, med, statistics.median(abs(x - med) for x in t.confirmation_seconds)))
     (a, ma, da), (b, mb, db) = stats
-    if abs(mb - ma) > da + db:
+    if abs(mb - ma) > da + db or max(da / ma, db / mb) <= noisy:
         return None
     return (
-        f"lightning_ckpt: timing spread too high to separate the leaders: {a.label} "
-        f"({_fmt_rate(a.samples_per_second)} samples/s, \u00b1{da / ma:.1%}) and {b.label} "
+        f"lightning_ckpt: timing spread too high to separate the leaders: [{a.label}] "
+        f"({_fmt_rate(a.samples_per_second)} samples/s, \u00b1{da / ma:.1%}) and [{b.label}] "
         f"({_fmt_rate(b.samples_per_second)} samples/s, \u00b1{db / mb:.1%}) overlap after "
-        f"{min(len(a.confirmation_seconds), len(b.confirmation_seconds))} side-by-side rounds, so the choice went "
-        "to lower memory. Something else is loading this machine; for a speed verdict tune on an idle machine or "
-        "raise measure_steps."
+        f"{min(len(a.confirmation_seconds), len(b.confirmation_seconds))} side-by-side rounds, so the choice between "
+        "them went to lower memory, not speed. Something else was loading the machine; tune on an idle machine or "
+        "raise measure_steps for a speed verdict."
     )
 
 
@@ -309,7 +313,7 @@ def result_line(result: TuneResult) -> str:
                 f"{_ratio(winner.samples_per_second, base[1].samples_per_second)} the best baseline that fits ({base[0]})"
             )
         elif base is not None:
-            parts.append("the best baseline that fits")
+            parts.append(f"the baseline {base[0]}: no tuned plan beat it")
     if result.fell_back:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
     n_pruned = sum(t.status == "pruned" for t in result.trials)
@@ -361,12 +365,10 @@ class SearchProgress:
         self.bar.set_postfix_str(", ".join(postfix))
 
     def confirming(self, trials: Sequence[TrialRecord]) -> None:
-        names = ", ".join(t.label for t in trials[:4]) + (f" and {len(trials) - 4} more" if len(trials) > 4 else "")
         self.bar.set_description_str("lightning_ckpt: confirming")
         self.write(
-            f"lightning_ckpt: confirming the {len(trials)} fastest plans side by side ({names}): they are re-timed in "
-            "interleaved rounds, and those figures replace the ones streamed so far, which were measured one plan "
-            "at a time (a machine's slow and fast moments fall on different plans)."
+            f"lightning_ckpt: confirming the {len(trials)} fastest plans side by side in interleaved rounds; their "
+            "samples/s will replace the figures streamed so far, which were timed one plan at a time."
         )
 
     def write(self, text: str) -> None:

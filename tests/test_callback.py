@@ -239,3 +239,53 @@ def test_strategy_that_already_checkpoints_is_refused():
     strategy = FSDPStrategy(activation_checkpointing_policy={Block})
     with pytest.raises(ConfigurationError, match="already applies activation checkpointing"):
         tuner().setup(SimpleNamespace(strategy=strategy), TinyGPT(), "fit")
+
+
+class _BarClock(L.Callback):
+    """Reads Lightning's progress bar right after the first (tuned) step: how long it says the epoch took."""
+
+    def __init__(self) -> None:
+        self.elapsed: float | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lightning.pytorch.callbacks import RichProgressBar
+
+        if batch_idx != 0:
+            return
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, RichProgressBar):
+            self.elapsed = bar.progress.tasks[bar.train_progress_bar_id].elapsed
+        else:
+            self.elapsed = bar.train_progress_bar.format_dict["elapsed"]
+
+
+@pytest.mark.parametrize("bar", ["tqdm", "rich"])
+def test_quiet_search_one_bar_one_result_line_and_step_one_is_not_the_search(tmp_path, capsys, caplog, bar):
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    settings = dict(n_trials=8, measure_steps=3, warmup_steps=2, search_space=SMALL_SPACE)
+    cb = ActivationCheckpointTuner(activation_budget=0.9, **settings)  # verbose left at its default
+    clock = _BarClock()
+    progress_bar = TQDMProgressBar() if bar == "tqdm" else RichProgressBar()
+    L.Trainer(
+        accelerator="cpu", max_steps=2, callbacks=[cb, clock, progress_bar], default_root_dir=tmp_path,
+        logger=TensorBoardLogger(tmp_path / "tb", name="run"), enable_checkpointing=False, enable_model_summary=False,
+    ).fit(TinyGPT(), loader())  # fmt: skip
+    out = capsys.readouterr().out + caplog.text  # rank_zero_info goes through logging
+    assert out.count("lightning_ckpt: chose ") == 1 and cb.result.best.describe() in out
+    assert "[trial " not in out and "samples/s  recompute" not in out  # no trial lines, no table
+    assert "lightning_ckpt: tuning" in out  # the tuner's own bar
+    assert cb.result.n_measured >= 3
+    # Lightning's bar does not count the search as the first step's time.
+    assert clock.elapsed is not None and clock.elapsed < 0.5 * cb.result.tuning_seconds, (
+        clock.elapsed,
+        cb.result.tuning_seconds,
+    )
+
+
+def test_verbose_prints_every_trial_and_the_table(tmp_path, capsys, caplog):
+    cb = tuner(activation_budget=0.5, verbose=True)
+    trainer(tmp_path, [cb]).fit(TinyGPT(), loader())
+    out = capsys.readouterr().out + caplog.text
+    assert out.count("[trial ") >= len(cb.result.trials)
+    assert "winner (*)" in out and "lightning_ckpt: chose " in out

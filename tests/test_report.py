@@ -348,6 +348,11 @@ def test_result_line_and_timing_warning(result):
     ]
     warning = report.timing_warning(dataclasses.replace(result, trials=tuple(close)))
     assert warning is not None and "timing spread too high" in warning and "ops(save_matmuls)" in warning
+    tight = [
+        dataclasses.replace(t, confirmation_seconds=(0.100, 0.0995, 0.1005)) if t.number in (4, 6) else t
+        for t in result.trials
+    ]
+    assert report.timing_warning(dataclasses.replace(result, trials=tuple(tight))) is None  # as fast: a tie
     apart = [
         dataclasses.replace(t, confirmation_seconds=(0.100, 0.101, 0.099) if t.number == 4 else (0.2, 0.21, 0.19))
         if t.number in (4, 6) else t
@@ -365,7 +370,7 @@ def test_search_progress_streams_and_announces(tmp_path, result, capsys):
         progress.close()
     out = capsys.readouterr().out
     assert out.count("[trial ") == len(result.trials)  # verbose: one line per trial
-    assert "confirming the 2 fastest plans side by side" in out and "replace the ones streamed" in out
+    assert "confirming the 2 fastest plans side by side" in out and "replace the figures streamed" in out
     best = {e.step: e.value for e in read(tmp_path).Scalars(TAG_BEST_SAMPLES_PER_SECOND)}
     assert best[7] == pytest.approx(90.0)
     quiet = report.SearchProgress(4, verbose=False, enabled=False)
