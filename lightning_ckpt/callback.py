@@ -761,7 +761,8 @@ class ActivationCheckpointTuner(Callback):
         if self.verbose:
             rank_zero_info(report.summary_table(result))
         where = [f"plan saved to {self.plan_path}"] if self.plan_path is not None else []
-        where.append(f"TensorBoard: {log_dir}")
+        tb = self._tensorboard_logger(trainer) if self.log_dir is None else None
+        where.append(f"view it: tensorboard --logdir {tb.root_dir if tb is not None else log_dir}")
         if result.study_name is not None:
             where.append(f"Optuna study {result.study_name!r} ({storage_for_display(result.storage)})")
         rank_zero_info(report.result_line(result) + "\nlightning_ckpt: " + "; ".join(where))

@@ -531,11 +531,12 @@ def summary_table(result: TuneResult) -> str:
 def summary_markdown(result: TuneResult) -> str:
     """The summary for TensorBoard's Text tab: the verdict, then the trials as a table, fastest first."""
     rows = _summary_rows(result)
-    out = [f"- {_escape(line)}" for line in verdict_lines(result)]
+    verdict = [line.replace("winner (*)", "winner (bold)", 1) for line in verdict_lines(result)]
+    out = [f"- {_escape(line)}" for line in verdict]
     out += ["", "| " + " | ".join(rows[0][1:]) + " |", "|" + "---|" * (len(rows[0]) - 1)]
     for r in rows[1:]:
-        cells = [f"**{c}**" if r[0] == "*" and c else c for c in r[1:]]
-        cells[1] = _escape(cells[1])
+        cells = [_escape(c) if i == 1 else c for i, c in enumerate(r[1:])]
+        cells = [f"**{c}**" if r[0] == "*" and c else c for c in cells]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Bold: the winner. `~`: memory predicted by the memory model (the trial was timed only)."]
     return "\n".join(out)
@@ -847,7 +848,7 @@ def _hparam_type(value: Any) -> int:
     return api_pb2.DATA_TYPE_STRING
 
 
-_NUMERIC_COLUMNS = frozenset({"trial", "chunks", "compile_budget"})
+_NUMERIC_COLUMNS = frozenset({"compile_budget"})  # TensorBoard shows numbers as 41.000: counts read better as text
 
 
 def experiment_summary(other_hparams: Mapping[str, Any] | None = None) -> Summary:
@@ -992,11 +993,11 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
             "winner": WINNER_MARK if is_winner else "",
             "plan": t.plan.describe(),
             "status": str(t.status),
-            "trial": t.number,
+            "trial": str(t.number),
             "baseline": t.baseline or "",
         }
         values.update({k: _hparam_value(v) for k, v in t.params.items() if k in _COLUMN_ORDER and k not in values})
-        hparams = {hparam_name(k): v for k, v in values.items()}
+        hparams = {hparam_name(k): v if k in _NUMERIC_COLUMNS else str(v) for k, v in values.items()}
         metrics = {
             HPARAM_SAMPLES_PER_SECOND: t.samples_per_second,
             HPARAM_PEAK_MIB: None if t.peak_bytes is None else t.peak_bytes / _MIB,

@@ -200,7 +200,7 @@ def test_tensorboard_round_trip(tmp_path, result):
     memory_text = text_of(acc, TAG_MEMORY_BREAKDOWN)
     assert memory_text.startswith("```\n") and result.memory_table in memory_text  # no structured breakdown
     summary = text_of(acc, TAG_SUMMARY)
-    assert summary.splitlines()[0].startswith("- winner")  # the verdict first
+    assert summary.splitlines()[0].startswith("- winner (bold)")  # the verdict first
     assert "<table>" in markdown_to_safe_html(summary)
 
     (image,) = acc.Images(TAG_PARETO)
@@ -217,7 +217,7 @@ def test_tensorboard_round_trip(tmp_path, result):
     winner = read(logdir / report.HPARAM_RUN_DIR / rows[0]).PluginTagToContent(hp_metadata.PLUGIN_NAME)
     hp = hp_metadata.parse_session_start_info_plugin_data(winner[hp_metadata.SESSION_START_INFO_TAG]).hparams
     hp = {name.split("_", 1)[1]: value for name, value in hp.items()}  # "02_plan" -> "plan"
-    assert hp["winner"].string_value == report.WINNER_MARK and hp["trial"].number_value == 4
+    assert hp["winner"].string_value == report.WINNER_MARK and hp["trial"].string_value == "4"
     assert hp["plan"].string_value == WINNER_PLAN.describe() and hp["status"].string_value == "ok"
     assert hp["selection"].string_value == "first:0.5" and hp["rest_mode"].string_value == "selective:mlp"
     other = read(logdir / report.HPARAM_RUN_DIR / rows[1]).PluginTagToContent(hp_metadata.PLUGIN_NAME)

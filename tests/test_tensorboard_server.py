@@ -140,7 +140,7 @@ def test_hparams_tab_lists_the_tuner_trials_with_the_winner_marked(server, fit):
     assert len(winners) == 1
     (winner,) = winners
     assert winner["hparams"][col("plan")] == result.best.describe()
-    assert winner["hparams"][col("trial")] == result.best_trial.number and winner["hparams"][col("status")] == "ok"
+    assert winner["hparams"][col("trial")] == str(result.best_trial.number) and winner["hparams"][col("status")] == "ok"
     assert "01_winner_trial" in winner["name"]
     values = {m["name"]["tag"]: m["value"] for m in winner["metricValues"]}
     assert values[report.HPARAM_SAMPLES_PER_SECOND] == pytest.approx(result.best_trial.samples_per_second, rel=1e-6)
