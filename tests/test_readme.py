@@ -48,3 +48,18 @@ def test_readme_snippet_runs(tmp_path, monkeypatch):
     exec(compile(code, str(README), "exec"), namespace)
     assert (tmp_path / "plans" / "gpt.json").exists()
     assert namespace["tuner"].trials_run > 0
+
+
+def test_readme_images_exist_and_screenshots_come_from_the_script():
+    import importlib.util
+    import re
+
+    text = README.read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    root = README.parent
+    assert images and all((root / path).is_file() for path in images), images
+    spec = importlib.util.spec_from_file_location("screenshots", root / "docs" / "screenshots.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    shots = {p for p in images if p.startswith("docs/screenshots/")}
+    assert shots and shots <= {f"docs/screenshots/{name}.png" for name in module.TABS}
