@@ -222,6 +222,7 @@ class ActivationCheckpointTuner(Callback):
                 "checkpoint_wrapper), or remove ActivationCheckpointTuner to keep yours."
             )
         self._reader = RealStepReader(normalise_device(pl_module.device))
+        self._declared_in_logger = False  # this fit's logger run has no tuner HParams columns yet
         self.step_checks = []
         self._checked_dims = (0, 0)
         plan, source = self._plan_to_reuse(model)
