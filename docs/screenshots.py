@@ -4,9 +4,10 @@
     python docs/screenshots.py --logdir runs   # or screenshot logs you already have
 
 Starts ``tensorboard`` on 127.0.0.1 over ``--logdir`` exactly as a user would, waits until its HParams
-table holds the tuner's rows, then lets Chromium (Debian's ``chromium`` package) load each tab and
-writes ``docs/screenshots/<tab>.png``. Nothing is drawn by hand: what the PNGs show is what
-TensorBoard's own front end renders from the files the callback wrote.
+table holds the tuner's rows, then drives Debian's Chromium (package ``chromium``) with Playwright
+(``pip install -e ".[docs]"``) through each tab as a user would, and writes
+``docs/screenshots/<tab>.png``. Nothing is drawn by hand: what the PNGs show is what TensorBoard's own
+front end renders from the files the callback wrote.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -25,17 +25,18 @@ from pathlib import Path
 from lightning_ckpt.report import hparam_name
 
 ROOT = Path(__file__).resolve().parent.parent
-# name -> the page's query and tab, as a user would open it.
+# name -> (the page's query and tab, as a user would open it; a checkbox label to click there, or "").
 TABS = {
-    "hparams": "#hparams",  # the trial table: plan dimensions, samples/s, memory; winner marked
-    "text": "#text",  # summary (verdict first), plan, memory breakdown
-    "images": "#images",  # the Pareto figure
-    # Time Series is left out: headless Chromium renders its charts' axes but not their lines (WebGL).
+    "hparams": ("#hparams", ""),  # the trial table: plan dimensions, samples/s, memory; winner marked
+    "text": ("#text", ""),  # summary (verdict first), plan, memory breakdown
+    "images": ("#images", "Show actual image size"),  # the Pareto figure, full size
+    # the best-so-far curve and per-trial samples/s; smoothing 0 because consecutive trials are unrelated plans
+    "timeseries": ("?tagFilter=lightning_ckpt%2F(search%7Ctrial%2Fsamples)&smoothing=0#timeseries", ""),
 }
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-    "--force-device-scale-factor=1",
+    "--no-sandbox", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+    "--use-angle=swiftshader", "--enable-unsafe-swiftshader",  # software WebGL: Time Series draws its lines
 ]  # fmt: skip
 
 
@@ -79,15 +80,30 @@ def wait_for_trials(url: str, timeout: float = 120.0) -> None:
     sys.exit(f"TensorBoard at {url} shows no tuner trials in HParams: is --logdir the logs of a tuned fit?")
 
 
-def screenshot(chromium: str, url: str, out: Path, *, width: int, height: int, wait_ms: int) -> None:
-    with tempfile.TemporaryDirectory() as profile:
-        cmd = [
-            chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
-            f"--virtual-time-budget={wait_ms}", f"--screenshot={out}", url,
-        ]  # fmt: skip
-        subprocess.run(cmd, check=True, capture_output=True, timeout=180)
-    if not out.exists() or out.stat().st_size < 10_000:
-        sys.exit(f"Chromium wrote no usable screenshot of {url}")
+def take_screenshots(chromium: str, url: str, out_dir: Path, *, width: int, height: int, wait_ms: int) -> list[Path]:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sys.exit('Playwright is not installed: pip install -e ".[docs]" (it drives the system Chromium).')
+    written = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            for name, (where, click) in TABS.items():
+                page.goto(f"{url}/{where}")
+                page.wait_for_load_state("networkidle")
+                if click:
+                    page.get_by_text(click).click()
+                page.wait_for_timeout(wait_ms)  # TensorBoard fetches and draws after the page has loaded
+                out = out_dir / f"{name}.png"
+                page.screenshot(path=str(out))
+                if out.stat().st_size < 10_000:
+                    sys.exit(f"Chromium wrote no usable screenshot of {url}/{where}")
+                written.append(out)
+        finally:
+            browser.close()
+    return written
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots", help="where the PNGs go")
     parser.add_argument("--width", type=int, default=1500)
     parser.add_argument("--height", type=int, default=950)
-    parser.add_argument("--wait-ms", type=int, default=20_000, help="virtual time Chromium gives each tab to load")
+    parser.add_argument("--wait-ms", type=int, default=5_000, help="how long each tab gets to fetch and draw")
     args = parser.parse_args(argv)
 
     chromium = find_chromium()
@@ -109,9 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     proc, url = start_tensorboard(args.logdir)
     try:
         wait_for_trials(url)
-        for name, tab in TABS.items():
-            out = args.out / f"{name}.png"
-            screenshot(chromium, f"{url}/{tab}", out, width=args.width, height=args.height, wait_ms=args.wait_ms)
+        for out in take_screenshots(
+            chromium, url, args.out, width=args.width, height=args.height, wait_ms=args.wait_ms
+        ):
             print(f"wrote {out} ({out.stat().st_size // 1024} KiB)")
     finally:
         proc.terminate()
