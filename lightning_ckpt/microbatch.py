@@ -13,9 +13,10 @@ combination predicted over budget before anything runs.
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,7 +32,15 @@ from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.memory_model import profile_memory
 from lightning_ckpt.optimizer_step import OptimizerStepMemory, measure_optimizer_step
 from lightning_ckpt.plan import BlockPlan, Plan
-from lightning_ckpt.records import ProgressFn, TrialRecord, TuneResult, choose_best, failures_message, lowest_memory
+from lightning_ckpt.records import (
+    ProgressFn,
+    TrialRecord,
+    TuneResult,
+    announce_confirmation,
+    choose_best,
+    failures_message,
+    lowest_memory,
+)
 from lightning_ckpt.runners import TrialRunner
 from lightning_ckpt.step import StepHarness
 from lightning_ckpt.study import ConfirmEntry, apply_confirmation, confirm_interleaved, confirmed_tie_tolerance, retimer
@@ -172,7 +181,7 @@ def tune_micro_batch(
     # Largest micro-batches first: they are the ones checkpointing can unlock.
     per_m_config = replace(config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback")
     per_m: dict[int, TuneResult] = {}
-    streamed = [0]
+    streamed = itertools.count()
     for m in sorted(feasible, reverse=True):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # per-micro-batch fall-backs are judged jointly below
@@ -194,9 +203,7 @@ def tune_micro_batch(
     entries = _confirmation_entries(trials, model, resolved, loss_fn_for, extra_for, optimizer, config)
     before = sum(t.steps for t in trials)
     if entries:
-        announce = getattr(progress, "confirming", None)  # e.g. report.SearchProgress: say why figures change
-        if announce is not None:
-            announce([e.trial for e in entries])
+        announce_confirmation(progress, [e.trial for e in entries])
         per_sample = confirm_interleaved(
             entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds
         )
@@ -298,16 +305,15 @@ def _confirmation_entries(
 
 
 def _labelled(
-    progress: Callable[[TrialRecord, Budget], None] | None, m: int, global_batch: int, count: list[int]
+    progress: Callable[[TrialRecord, Budget], None] | None, m: int, global_batch: int, numbers: Iterator[int]
 ) -> Any:
     """``progress`` for one micro-batch's search: its trials labelled with the micro-batch and numbered on
-    from the searches before it (``count``), as in the joint result, so streamed series do not overlap."""
+    from the searches before it (``numbers``), as in the joint result, so streamed series do not overlap."""
     if progress is None:
         return None
 
     def report(trial: TrialRecord, budget: Budget) -> None:
         label = f"{trial.label} [micro-batch {m} x{global_batch // m}]"
-        progress(replace(trial, label=label, number=count[0]), budget)
-        count[0] += 1
+        progress(replace(trial, label=label, number=next(numbers)), budget)
 
     return report

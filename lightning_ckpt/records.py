@@ -18,6 +18,7 @@ from lightning_ckpt.plan import Plan
 
 __all__ = [
     "ProgressFn",
+    "announce_confirmation",
     "TrialRecord",
     "TrialStatus",
     "TuneResult",
@@ -133,6 +134,14 @@ class TrialRecord:
 
 
 ProgressFn = Callable[[TrialRecord, Budget], None]
+
+
+def announce_confirmation(progress: ProgressFn | None, trials: Sequence[TrialRecord]) -> None:
+    """Tell ``progress`` that ``trials`` are about to be re-timed side by side, if it listens (a reporter with a
+    ``confirming`` method, e.g. ``report.SearchProgress``): their figures are about to change, and why."""
+    confirming = getattr(progress, "confirming", None)
+    if confirming is not None:
+        confirming(trials)
 
 
 @dataclass(frozen=True)

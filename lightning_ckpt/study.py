@@ -65,6 +65,7 @@ from lightning_ckpt.records import (
     TrialRecord,
     TrialStatus,
     TuneResult,
+    announce_confirmation,
     choose_best,
     failures_message,
     judge_status,
@@ -587,9 +588,7 @@ class Study:
         if len(chosen) < 2:
             return
         steps = config.measure_steps
-        announce = getattr(self.progress, "confirming", None)  # e.g. report.SearchProgress: say why figures change
-        if announce is not None:
-            announce(chosen)
+        announce_confirmation(self.progress, chosen)
         entries = [
             ConfirmEntry(t, retimer(self.runner, t.plan, steps), self.samples_per_step, steps + 1) for t in chosen
         ]
