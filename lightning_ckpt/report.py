@@ -998,11 +998,12 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
         }
         values.update({k: _hparam_value(v) for k, v in t.params.items() if k in _COLUMN_ORDER and k not in values})
         hparams = {hparam_name(k): v if k in _NUMERIC_COLUMNS else str(v) for k, v in values.items()}
+        scalars = _trial_scalars(t)  # the same figures as the trial's own series, under the table's names
         metrics = {
-            HPARAM_SAMPLES_PER_SECOND: t.samples_per_second,
-            HPARAM_PEAK_MIB: None if t.peak_bytes is None else t.peak_bytes / _MIB,
-            HPARAM_ACTIVATION_MIB: None if t.activation_bytes is None else t.activation_bytes / _MIB,
-            HPARAM_PREDICTED_PEAK_MIB: None if t.predicted_peak_bytes is None else t.predicted_peak_bytes / _MIB,
+            HPARAM_SAMPLES_PER_SECOND: scalars.get(TAG_SAMPLES_PER_SECOND),
+            HPARAM_PEAK_MIB: scalars.get(TAG_PEAK_MIB),
+            HPARAM_ACTIVATION_MIB: scalars.get(TAG_ACTIVATION_MIB),
+            HPARAM_PREDICTED_PEAK_MIB: scalars.get(TAG_PREDICTED_PEAK_MIB),
             HPARAM_RECOMPUTE_PERCENT: None if t.recompute_overhead is None else 100.0 * t.recompute_overhead,
         }
         name = _row_run_name(rank, t, winner)
