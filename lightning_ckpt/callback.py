@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -661,8 +663,6 @@ class ActivationCheckpointTuner(Callback):
     def _progress(self, trainer: pl.Trainer) -> Any:
         """One progress bar for the search on rank 0 (trial lines above it when verbose), and each trial's
         scalars streamed to TensorBoard."""
-        import sys
-
         from lightning_ckpt.report import SearchProgress
 
         if not trainer.is_global_zero:
@@ -676,8 +676,6 @@ class ActivationCheckpointTuner(Callback):
     def _searching(self, trainer: pl.Trainer, progress: Any) -> Iterator[None]:
         """Around the search: Lightning's own bar steps aside for the tuner's, and its clock leaves the search
         out, so step 1 is not reported as taking the whole search (the result line reports the tuning time)."""
-        import time
-
         from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
         callback = trainer.progress_bar_callback
