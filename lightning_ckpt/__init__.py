@@ -3,8 +3,8 @@
 The core (discovery, plans, apply) works on any ``nn.Module``; the Lightning callback builds on it.
 """
 
-# First: importing it refuses an untested torch, before any module touches torch internals.
-from lightning_ckpt import _torch_version  # noqa: F401
+# First: a torch outside the tested range gets one warning (never a refusal) before any module touches its internals.
+from lightning_ckpt import versions  # noqa: F401
 from lightning_ckpt.apply import PlanHandle, applied_plan, apply_plan, existing_checkpointing, plan_applied
 from lightning_ckpt.baselines import BASELINE_NAMES, baselines
 from lightning_ckpt.discovery import Block, LayerStack, discover_blocks

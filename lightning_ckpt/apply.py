@@ -33,6 +33,7 @@ from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.errors import ApplyError, PlanError
 from lightning_ckpt.plan import Plan, closest_names
 from lightning_ckpt.policies import selective_context_fn
+from lightning_ckpt.versions import torch_version
 
 __all__ = [
     "CACHE_ARGS",
@@ -56,7 +57,8 @@ _ACTIVE: weakref.WeakKeyDictionary[nn.Module, PlanHandle] = weakref.WeakKeyDicti
 # ---------------------------------------------------------------------------------------------------
 def _original_forward(module: nn.Module) -> Callable[..., Any]:
     prev = module.__dict__.get(_PREV_FORWARD)
-    return prev if prev is not None else type(module).forward.__get__(module)
+    # A partial, not ``type(module).forward.__get__(module)``: Dynamo before torch 2.7 cannot trace __get__.
+    return prev if prev is not None else functools.partial(type(module).forward, module)
 
 
 def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -224,6 +226,7 @@ class _BufferGuard:
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
         self.updated: dict[tuple[bool, ...], set[_BufferKey]] = {}  # train/eval flags -> updated buffers
+        self.eager_under_compile = _compiled_recompute_updates_twice(modules)
 
     def checkpoint(
         self, fn: Callable[[tuple[Any, ...], dict[str, Any]], Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -251,6 +254,42 @@ class _BufferGuard:
         return out
 
 
+# Before torch 2.9 a *compiled* checkpointed region applies its buffer updates again in the recompute (seen
+# with torch 2.6 and 2.8: a BatchNorm's num_batches_tracked advances by 2 per step and its running statistics
+# move twice, silently); from 2.9 AOTAutograd applies them once, after the graph. So on those releases a
+# region holding running statistics runs eagerly under the guard even inside a compiled model: exact, at the
+# cost of a graph break there (which the compiled search reports as a conflict and avoids). Only norms with
+# running statistics can be seen from the module tree; docs/versions.md lists other buffers as a limitation.
+COMPILED_BUFFER_UPDATES_EXACT = (2, 9)
+
+
+def _compiled_recompute_updates_twice(modules: list[nn.Module]) -> bool:
+    found = torch_version()
+    if found is None or found >= COMPILED_BUFFER_UPDATES_EXACT:
+        return False
+    return any(
+        isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        for region in modules
+        for m in region.modules()
+    )
+
+
+@torch.compiler.disable
+def _eager_in_compiled(guard: _BufferGuard, fn: Callable[..., Any], args: Any, kwargs: Any, **extra: Any) -> Any:
+    _warn_eager_in_compiled_once(type(guard.modules[0]).__name__, str(torch.__version__))
+    return guard.checkpoint(fn, args, kwargs, **extra)
+
+
+@functools.lru_cache(maxsize=16)
+def _warn_eager_in_compiled_once(cls_name: str, version: str) -> None:
+    warnings.warn(
+        f"lightning_ckpt: a checkpointed {cls_name} holds BatchNorm running statistics; torch {version} would update "
+        f"them twice per step in a compiled recompute, so it runs eagerly (a graph break) to stay exact. torch>="
+        f"{COMPILED_BUFFER_UPDATES_EXACT[0]}.{COMPILED_BUFFER_UPDATES_EXACT[1]} compiles it exactly.",
+        stacklevel=3,
+    )
+
+
 def _key_name(key: _BufferKey) -> str:
     _, owner_fqn, name = key
     return f"{owner_fqn}.{name}" if owner_fqn else name
@@ -276,6 +315,8 @@ def _checkpointed_forward(
     args, kwargs = _without_caches(module, args, kwargs)
     extra = {"context_fn": selective_context_fn(save_list)} if save_list else {}
     if torch.compiler.is_compiling():
+        if guard.eager_under_compile:
+            return _eager_in_compiled(guard, functools.partial(_call, inner), args, kwargs, **extra)
         return checkpoint(_call, inner, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
     return guard.checkpoint(functools.partial(_call, inner), args, kwargs, **extra)
 
@@ -350,7 +391,9 @@ def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs
     if not torch.is_grad_enabled() or not args:
         return _original_forward(module)(*args, **kwargs)
     run_args, run_kwargs = _without_caches(module, args, kwargs)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and chunk.guard.eager_under_compile:
+        outputs = _eager_in_compiled(chunk.guard, chunk.run, run_args, run_kwargs)
+    elif torch.compiler.is_compiling():
         outputs = checkpoint(chunk.run, run_args, run_kwargs, use_reentrant=False, preserve_rng_state=True)
     else:
         outputs = chunk.guard.checkpoint(chunk.run, run_args, run_kwargs)

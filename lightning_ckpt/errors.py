@@ -36,8 +36,8 @@ class InfeasibleBudgetError(LightningCkptError):
     """No candidate plan fits the memory budget and the caller asked to raise rather than fall back."""
 
 
-class UnsupportedVersionError(LightningCkptError, ImportError):
-    """An installed library (torch) is outside the range lightning_ckpt is tested with; raised at import."""
+class UnsupportedVersionError(LightningCkptError, RuntimeError):
+    """A feature needs a newer torch than the one installed; raised where the feature is used, never at import."""
 
 
 class TrialsFailedError(LightningCkptError):

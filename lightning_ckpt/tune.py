@@ -25,7 +25,7 @@ from lightning_ckpt.compile import CompiledTrials, compiled_search, eager_while_
 from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.distributed import LocalSync, Sync
-from lightning_ckpt.measure import measure_step, model_device
+from lightning_ckpt.measure import fsdp_root, measure_step, model_device
 from lightning_ckpt.memory_model import profile_memory
 from lightning_ckpt.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
@@ -34,6 +34,7 @@ from lightning_ckpt.runners import EagerRunner, TrialRunner, release_cached_memo
 from lightning_ckpt.space import Candidate
 from lightning_ckpt.step import StepHarness
 from lightning_ckpt.study import SearchInterrupted, Study
+from lightning_ckpt.versions import require_torch
 
 __all__ = [
     "ResolvedModel",
@@ -81,12 +82,25 @@ def build_runner(
     reserve_headroom: int = 0,
 ) -> TrialRunner:
     """The runner for this model: ``CompiledTrials`` when it is compiled, else an ``EagerRunner``."""
+    if fsdp_root(resolved.root) is not None:
+        require_torch(
+            FSDP2_TUNING_VERIFIED,
+            "Tuning a model sharded with FSDP2 (fully_shard)",
+            "the per-rank memory model and the ranks' agreement are verified from torch 2.9 on; on 2.6 FSDP2 does "
+            "not run on CPU and on 2.8 it trains differently from one process there, so trials could not be checked.",
+            "tune once on torch>=2.9 and reuse the plan file with ActivationCheckpointTuner(plan=...) here",
+        )
     compiled_runner = compiled_search(
         resolved.model, harness, compiled=compiled, allow_graph_breaks=config.allow_graph_breaks
     )
     if compiled_runner is not None:
         return compiled_runner
     return EagerRunner(harness, count_flops=config.count_flops, reserve_headroom_bytes=reserve_headroom)
+
+
+# The oldest torch on which the FSDP2 tests (tests/test_fsdp.py: per-rank memory, ranks agree, weights equal
+# one process) pass; below it tuning a sharded model refuses, applying a saved plan does not.
+FSDP2_TUNING_VERIFIED = (2, 9)
 
 
 @without_kv_cache
