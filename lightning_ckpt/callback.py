@@ -38,6 +38,7 @@ from lightning_ckpt.errors import ApplyError, ConfigurationError, InfeasibleBudg
 from lightning_ckpt.guard import RealStepReader, StepCheck, lower_memory_trial
 from lightning_ckpt.measure import normalise_device
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.python_state import PythonState
 from lightning_ckpt.records import TuneResult
 from lightning_ckpt.space import SearchSpace
 from lightning_ckpt.step import loss_of
@@ -796,7 +797,8 @@ class _StrategySync:
 
 @contextlib.contextmanager
 def _sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Run trials without leaving a trace: grads, buffers, metric states, RNG and logging are restored."""
+    """Run trials without leaving a trace: grads, buffers, metric states, Python attributes, RNG and logging."""
+    python_state = PythonState.capture(pl_module)  # tune() also restores them after every step it runs
     params = list(pl_module.parameters())
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
@@ -822,6 +824,7 @@ def _sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
         for m, was in training.items():
             m.training = was
         _restore_metric_states(metric_states)
+        python_state.restore()
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

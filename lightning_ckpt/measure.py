@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
 from lightning_ckpt.records import TrialStatus
@@ -45,6 +46,8 @@ from lightning_ckpt.records import TrialStatus
 __all__ = [
     "MEASUREMENT_STATUSES",
     "classify_failure",
+    "find_parameters_written_in_forward",
+    "forget_parameters_written_in_forward",
     "fsdp_root",
     "is_fsdp_module",
     "local_tensor",
@@ -329,8 +332,11 @@ class StateSnapshot:
     (BatchNorm statistics change in a training-mode forward) and every parameter's ``.grad``
     (backward creates or accumulates them). Copies live in host memory so they do not count
     against the device memory being measured. Parameters are *not* copied (that would double
-    the model's memory); ``changed_parameters()`` detects in-place updates via version counters,
-    which is how an optimizer step inside ``step_fn`` is caught.
+    the model's memory), except the few that the model's own forward writes in place
+    (``nn.Embedding(max_norm=...)``, a clamp or renorm in forward), which
+    ``find_parameters_written_in_forward`` marks: those are copied and put back before every step
+    and at ``restore()``. ``changed_parameters()`` detects other in-place updates via version
+    counters, which is how an optimizer step inside ``step_fn`` is caught.
     """
 
     def __init__(self) -> None:
@@ -340,6 +346,7 @@ class StateSnapshot:
         self._grads: list[tuple[nn.Parameter, weakref.ref[torch.Tensor] | None, torch.Tensor | None]] = []
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._param_versions: list[tuple[str, nn.Parameter, int]] = []
+        self._written: list[tuple[nn.Parameter, torch.Tensor]] = []  # parameters the forward writes, host copies
 
     @classmethod
     def capture(cls, model: nn.Module) -> StateSnapshot:
@@ -353,7 +360,10 @@ class StateSnapshot:
             g = p.grad
             copy = g.detach().to("cpu", copy=True) if g is not None else None
             snap._grads.append((p, weakref.ref(g) if g is not None else None, copy))
-            snap._param_versions.append((name, p, p._version))
+            if getattr(p, WRITTEN_IN_FORWARD, False):
+                snap._written.append((p, p.detach().to("cpu", copy=True)))
+            else:
+                snap._param_versions.append((name, p, p._version))
         for module in model.modules():
             for name, b in module._buffers.items():
                 if b is not None:
@@ -361,7 +371,11 @@ class StateSnapshot:
         return snap
 
     def reset_grads(self) -> None:
-        """Put every ``.grad`` back as captured: ``None`` stays ``None``, values are copied back."""
+        """Put every ``.grad`` back as captured (``None`` stays ``None``), and the parameters the forward writes."""
+        if self._written:
+            with torch.no_grad():
+                for p, saved in self._written:
+                    p.copy_(saved)
         for p, ref, copy in self._grads:
             if ref is None or copy is None:
                 p.grad = None
@@ -393,6 +407,66 @@ class StateSnapshot:
     def changed_parameters(self) -> list[str]:
         """Names of parameters modified in place since the snapshot (e.g. by an optimizer step)."""
         return [name for name, p, version in self._param_versions if p._version != version]
+
+
+# A parameter the model's forward writes in place is marked with this attribute by
+# ``find_parameters_written_in_forward``, so every ``StateSnapshot`` copies and restores it.
+WRITTEN_IN_FORWARD = "_lightning_ckpt_written_in_forward"
+
+
+class _ParameterWrites(TorchDispatchMode):
+    """Copies each parameter to host memory before the first op that writes it (copy on write)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.params: dict[int, tuple[str, nn.Parameter]] = {}
+        for name, p in model.named_parameters():
+            with contextlib.suppress(RuntimeError):  # a parameter with no storage (meta, sharded): nothing to watch
+                self.params.setdefault(p.untyped_storage().data_ptr(), (name, p))
+        self.saved: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor):
+                with contextlib.suppress(RuntimeError):
+                    hit = self.params.get(value.untyped_storage().data_ptr())
+                    if hit is not None and hit[0] not in self.saved:
+                        self.saved[hit[0]] = (hit[1], hit[1].detach().to("cpu", copy=True))
+        return func(*args, **kwargs)
+
+
+def find_parameters_written_in_forward(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[str, ...]:
+    """Run ``step_fn``'s forward once, without grad, and mark the parameters it writes in place.
+
+    ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up, in place, in every forward; a model may
+    clamp or renormalise a weight in forward too. The search runs the forward dozens of times, so those
+    parameters are copied before each step and put back after (see ``StateSnapshot``): the first real step
+    starts from the weights it would have had with no search. Everything this pass changes (those
+    parameters, buffers, gradients, RNG) is put back; returns the marked parameters' names.
+    """
+    snapshot = StateSnapshot.capture(model)
+    watch = _ParameterWrites(model)
+    try:
+        with torch.no_grad(), watch:
+            step_fn()
+    finally:
+        with torch.no_grad():
+            for p, saved in watch.saved.values():
+                p.copy_(saved)
+        snapshot.restore()
+    for p, _ in watch.saved.values():
+        setattr(p, WRITTEN_IN_FORWARD, True)
+    return tuple(watch.saved)
+
+
+def forget_parameters_written_in_forward(model: nn.Module) -> None:
+    for p in model.parameters():
+        if getattr(p, WRITTEN_IN_FORWARD, False):
+            delattr(p, WRITTEN_IN_FORWARD)
 
 
 def _rng_state() -> dict[str, Any]:

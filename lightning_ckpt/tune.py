@@ -25,10 +25,17 @@ from lightning_ckpt.compile import CompiledTrials, compiled_search, eager_while_
 from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.distributed import LocalSync, Sync
-from lightning_ckpt.measure import fsdp_root, measure_step, model_device
+from lightning_ckpt.measure import (
+    find_parameters_written_in_forward,
+    forget_parameters_written_in_forward,
+    fsdp_root,
+    measure_step,
+    model_device,
+)
 from lightning_ckpt.memory_model import profile_memory
 from lightning_ckpt.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.python_state import PythonState
 from lightning_ckpt.records import ProgressFn, TrialRecord, TrialStatus, TuneResult, choose_best
 from lightning_ckpt.runners import EagerRunner, TrialRunner, release_cached_memory
 from lightning_ckpt.space import Candidate
@@ -53,6 +60,8 @@ log = logging.getLogger(__name__)
 # The memory profile runs one no-grad capture forward and one anchor step (plus per-block passes
 # that are each a fraction of a step); we count it as two steps of tuning cost.
 _PROFILE_STEPS = 2
+# ``find_parameters_written_in_forward``: one forward without grad, under a dispatch mode.
+_WRITE_CHECK_STEPS = 1
 
 
 @dataclass(frozen=True)
@@ -152,12 +161,39 @@ def tune(
     """
     config = (config or TuneConfig()).with_overrides(settings)
     resolved = ResolvedModel.of(model, config.block_types)
-    device = resolved.device
+    # Every step the search runs starts from the module's Python attributes as they were (a counter-driven
+    # curriculum sees call 1 each time, and so does the first real step), and the parameters the forward
+    # itself writes (Embedding(max_norm=...)) are put back after each step.
+    python_state = PythonState.capture(resolved.root)
+    step_fn = python_state.restoring(step_fn)
     harness = StepHarness(
-        resolved.root, step_fn, device, optimizer, tuple(extra_tensors), batch_size or 1, seq_len,
+        resolved.root, step_fn, resolved.device, optimizer, tuple(extra_tensors), batch_size or 1, seq_len,
         config.warmup_steps, config.measure_steps,
     )  # fmt: skip
     runner = build_runner(resolved, harness, config, compiled=compiled)
+    is_compiled = isinstance(runner, CompiledTrials)
+    try:
+        with eager_while_profiling(is_compiled):
+            find_parameters_written_in_forward(resolved.root, step_fn)
+        return _search(
+            resolved, harness, runner, step_fn, optimizer=optimizer, max_memory=max_memory,
+            activation_budget=activation_budget, config=config, progress=progress, sync=sync,
+            memory_model=memory_model, budget=budget, optimizer_step=optimizer_step, should_stop=should_stop,
+            seq_len=seq_len,
+        )  # fmt: skip
+    finally:
+        forget_parameters_written_in_forward(resolved.root)
+        python_state.restore()
+        python_state.warn_unrestorable()
+
+
+def _search(
+    resolved: ResolvedModel, harness: StepHarness, runner: TrialRunner, step_fn: Callable[[], Any], *,
+    optimizer: torch.optim.Optimizer | None, max_memory: Any, activation_budget: float | None, config: TuneConfig,
+    progress: ProgressFn | None, sync: Sync | None, memory_model: Any, budget: Budget | None,
+    optimizer_step: OptimizerStepMemory | None, should_stop: Callable[[], bool] | None, seq_len: int | None,
+) -> TuneResult:  # fmt: skip
+    device = resolved.device
     is_compiled = isinstance(runner, CompiledTrials)
     if memory_model is None:
         with eager_while_profiling(is_compiled):
@@ -188,7 +224,7 @@ def tune(
     run = {"device": str(device), "batch_size": harness.batch_size, "seq_len": seq_len,
            "compiled": list(runner.regions) if is_compiled else None}  # fmt: skip
     return study.result(
-        extra_steps=_PROFILE_STEPS + warm_steps, memory_table=memory_model.table(),
+        extra_steps=_PROFILE_STEPS + _WRITE_CHECK_STEPS + warm_steps, memory_table=memory_model.table(),
         memory_breakdown=memory_model.to_dict(), metadata={"optimizer_step": memory.optimizer.to_dict(), "run": run},
     )  # fmt: skip
 
