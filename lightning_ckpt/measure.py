@@ -50,6 +50,7 @@ __all__ = [
     "forget_parameters_written_in_forward",
     "fsdp_root",
     "is_fsdp_module",
+    "is_out_of_memory",
     "local_tensor",
     "model_device",
     "normalise_device",
@@ -69,10 +70,16 @@ MEASUREMENT_STATUSES = tuple(s.value for s in (TrialStatus.OK, TrialStatus.OOM, 
 
 # Messages of CPU allocation failures (c10/core/impl/alloc_cpu.cpp and friends). CPU OOM surfaces as a
 # plain RuntimeError, so the message is the only way to tell it from a bug.
-_CPU_OOM_MESSAGES = (
+_OOM_MESSAGES = (
     "DefaultCPUAllocator: can't allocate memory",
     "DefaultCPUAllocator: not enough memory",
     "not enough memory",
+    # Out of memory outside the caching allocator: a raw CUDA error (torch.AcceleratorError or RuntimeError,
+    # e.g. pinned host memory exhausted by an offload trial), and the libraries' own workspace allocations.
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "cudaErrorMemoryAllocation",
 )
 _MAX_ERROR_CHARS = 2000
 _MAX_TRACE_CHARS = 8000
@@ -501,10 +508,19 @@ class _BudgetExceeded(Exception):
     """The tracked peak exceeded ``memory_limit_bytes`` where no allocator can enforce it (CPU)."""
 
 
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError, _BudgetExceeded)):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM_MESSAGES)
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc``, or any exception it was raised from or during (Dynamo wraps an OOM in the compiled
+    backend in ``BackendCompilerFailed``), is an out-of-memory error."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (torch.OutOfMemoryError, MemoryError, _BudgetExceeded)):
+            return True
+        if isinstance(current, RuntimeError) and any(m in str(current) for m in _OOM_MESSAGES):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def classify_failure(exc: Exception) -> tuple[str, str]:
@@ -514,7 +530,7 @@ def classify_failure(exc: Exception) -> tuple[str, str]:
     message = f"{type(exc).__name__}: {exc}"
     if len(message) > _MAX_ERROR_CHARS:
         message = message[: _MAX_ERROR_CHARS - 3] + "..."
-    if _is_oom(exc):
+    if is_out_of_memory(exc):
         return "oom", message
     # A checkpoint or plan error means "this plan cannot run on this model", not "the code is broken".
     if isinstance(exc, (CheckpointError, PlanError, ApplyError)):

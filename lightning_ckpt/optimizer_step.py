@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.measure import StateSnapshot, new_live_tracker, tensor_bytes
+from lightning_ckpt.errors import InfeasibleBudgetError
+from lightning_ckpt.measure import StateSnapshot, is_out_of_memory, new_live_tracker, release_memory, tensor_bytes
 
 __all__ = ["OptimizerStepMemory", "RealStepMemory", "measure_optimizer_step"]
 
@@ -150,13 +151,27 @@ def measure_optimizer_step(
                 optimizer.step()
             peak = tracker.total_peak
         after = _state_bytes(optimizer)
-    except Exception as err:  # e.g. LBFGS: step() needs a closure. Nothing to predict; the guard checks real steps.
-        return OptimizerStepMemory(before, before, 0, measured=False, note=f"{type(err).__name__}: {err}")
+        oom = None
+    except Exception as err:
+        if is_out_of_memory(err):
+            # Not "unmeasured": the step alone, with no activation held, does not fit. Every real step would
+            # run out of memory whatever the plan, so no plan may be chosen (and none is: tune() stops here).
+            oom = InfeasibleBudgetError(
+                f"optimizer.step() of {type(optimizer).__name__} ran out of memory on its own, with no activation "
+                f"held ({type(err).__name__}: {str(err)[:300]}), so every training step would too, whatever the "
+                "checkpointing plan. Make room for the optimizer: shard it (FSDP2), use a lighter optimizer "
+                "(e.g. 8-bit or SGD), or keep its state off the device."
+            )
+        else:  # e.g. LBFGS: step() needs a closure. Nothing to predict; the guard checks real steps.
+            return OptimizerStepMemory(before, before, 0, measured=False, note=f"{type(err).__name__}: {err}")
     finally:
         for p in filled:
             p.grad = None
         saved.restore()
         snapshot.restore()
+    if oom is not None:  # raised here, after the ``except``: the failed step's tensors are free by now
+        release_memory(device)
+        raise oom
     return OptimizerStepMemory(before, after, peak, note=f"{type(optimizer).__name__} step measured")
 
 

@@ -396,3 +396,38 @@ def test_cuda_cap_keeps_a_smaller_user_cap_and_adds_the_reserve_headroom(monkeyp
     with _enforced_memory_limit(dev, 50 * 2**30, reserve_headroom=2**30):
         assert state["fraction"] == 0.3, "a cap the user set is never raised"
     assert state["fraction"] == 0.3
+
+
+def _raised_from(outer: Exception, inner: Exception) -> Exception:
+    try:
+        try:
+            raise inner
+        except Exception as e:
+            raise outer from e
+    except Exception as e:
+        return e
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.OutOfMemoryError("CUDA out of memory."),
+        RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+        torch.AcceleratorError("CUDA error: out of memory") if hasattr(torch, "AcceleratorError") else MemoryError(),
+        RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+        _raised_from(RuntimeError("backend compiler failed"), torch.OutOfMemoryError("CUDA out of memory.")),
+        _raised_from(ValueError("wrapped"), RuntimeError("CUDA error: out of memory")),
+    ],
+    ids=["allocator", "raw_cuda", "accelerator_error", "cublas", "cudnn", "dynamo_wrapped", "chained"],
+)
+def test_out_of_memory_outside_the_caching_allocator_is_classified_oom(exc):
+    from lightning_ckpt.measure import classify_failure
+
+    assert classify_failure(exc)[0] == "oom"
+
+
+def test_an_unrelated_error_stays_an_error():
+    from lightning_ckpt.measure import classify_failure
+
+    assert classify_failure(RuntimeError("shape mismatch"))[0] == "error"

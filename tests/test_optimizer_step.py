@@ -87,3 +87,41 @@ def test_real_peak_is_the_larger_of_the_two_moments():
     assert mem.real_peak(500) == 900  # the optimizer step peaks higher
     assert mem.real_peak(800) == 1000  # forward+backward with the state it will carry
     assert OptimizerStepMemory.from_dict(mem.to_dict()) == mem
+
+
+class _OutOfMemoryAdamW(torch.optim.AdamW):
+    """AdamW whose step creates its state, moves a weight, then runs out of memory (as a CUDA step would)."""
+
+    def __init__(self, params, error: Exception) -> None:
+        super().__init__(params, lr=1e-3)
+        self.error = error
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA error: out of memory"),
+        RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    ],
+    ids=["allocator", "raw_cuda", "cublas"],
+)
+def test_an_out_of_memory_optimizer_step_stops_the_search_loudly_and_leaves_no_trace(model, error):
+    from lightning_ckpt.errors import InfeasibleBudgetError
+
+    opt = _OutOfMemoryAdamW(model.parameters(), error)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(InfeasibleBudgetError, match=r"optimizer.step\(\) of _OutOfMemoryAdamW ran out of memory"):
+        measure_optimizer_step(model, opt, device="cpu")
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+def test_an_optimizer_that_needs_a_closure_is_recorded_as_unmeasured(model):
+    got = measure_optimizer_step(model, torch.optim.LBFGS(model.parameters()), device="cpu")
+    assert not got.measured and got.step_peak_bytes == 0 and "closure" in got.note.lower()
