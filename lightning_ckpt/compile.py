@@ -65,6 +65,7 @@ from torch import nn
 from lightning_ckpt import apply as apply_module
 from lightning_ckpt.apply import CHECKPOINT_FRAMES, apply_plan
 from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
+from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure import Measurement, StateSnapshot, classify_failure, measure_step, release_memory
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.records import TrialStatus, judge_status
@@ -129,6 +130,28 @@ def random_ops(model: nn.Module) -> str | None:
             if isinstance(value, float) and value > 0:
                 return f"{canonical_fqn(fqn)}.{name}"
     return None
+
+
+def uses_cuda_graphs(model: nn.Module) -> bool:
+    """Whether a ``torch.compile`` wrapper in ``model`` was made with CUDA graphs (``mode="reduce-overhead"``).
+
+    Read from the wrapper's backend chain (Dynamo's frame converter wraps inductor's, which holds the mode's
+    options as ``config``): found in torch 2.13; a torch that keeps it elsewhere reads as False.
+    """
+    for module in [model, *unwrap_compiled(model).modules()]:
+        if not is_compile_wrapper(module):
+            continue
+        backend = getattr(getattr(module, "dynamo_ctx", None) or getattr(module, "_dynamo_ctx", None), "callback", None)
+        for _ in range(8):
+            config = getattr(backend, "config", None)
+            if isinstance(config, dict) and config.get("triton.cudagraphs"):
+                return True
+            backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(
+                backend, "_torchdynamo_orig_callable", None
+            )
+            if backend is None:
+                break
+    return False
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -524,6 +547,13 @@ def compiled_search(
     regions = compiled_regions(model)
     if not regions and not compiled:
         return None
+    if uses_cuda_graphs(model):
+        raise ConfigurationError(
+            "The model is compiled with CUDA graphs (torch.compile(mode='reduce-overhead')), which the tuner does not "
+            "support: a graph's memory lives in a private pool recorded once, and every plan change would record new "
+            "graphs, so trials could not be measured or compared. Tune with mode='default' or "
+            "mode='max-autotune-no-cudagraphs', then reuse the plan file (plan=...) with the mode you train with."
+        )
     trials = CompiledTrials(harness, regions=regions, allow_graph_breaks=allow_graph_breaks)
     log.info("lightning_ckpt: compiled model (%s): every trial compiles its plan", trials.describe())
     return trials

@@ -372,3 +372,20 @@ def test_tune_without_lightning_compares_with_the_partitioner_at_equal_memory():
     assert len(confirmed) >= 2 and all(t.confirmation_seconds for t in confirmed)
     assert all(t.predicted_peak_bytes is None for t in result.trials)  # the eager memory model does not apply
     assert not any("forward" in vars(m) for m in model.modules()), "no plan left applied"
+
+
+@pytest.mark.parametrize("where", ["model", "submodule"])
+def test_cuda_graphs_are_refused_before_any_trial_with_the_modes_that_work(where):
+    from lightning_ckpt.compile import compiled_search, uses_cuda_graphs
+    from lightning_ckpt.errors import ConfigurationError
+
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+    if where == "model":
+        compiled = torch.compile(model, mode="reduce-overhead")
+    else:
+        model.transformer = torch.compile(model.transformer, mode="reduce-overhead")
+        compiled = model
+    assert uses_cuda_graphs(compiled)
+    assert not uses_cuda_graphs(torch.compile(GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32))))
+    with pytest.raises(ConfigurationError, match=r"reduce-overhead.*mode='max-autotune-no-cudagraphs'"):
+        compiled_search(compiled, harness=None, compiled=None, allow_graph_breaks=False)
