@@ -5,7 +5,14 @@ The core (discovery, plans, apply) works on any ``nn.Module``; the Lightning cal
 
 # First: a torch outside the tested range gets one warning (never a refusal) before any module touches its internals.
 from lightning_ckpt import versions  # noqa: F401
-from lightning_ckpt.apply import PlanHandle, applied_plan, apply_plan, existing_checkpointing, plan_applied
+from lightning_ckpt.apply import (
+    PlanHandle,
+    applied_plan,
+    apply_plan,
+    existing_checkpointing,
+    plan_applied,
+    plan_handle,
+)
 from lightning_ckpt.baselines import BASELINE_NAMES, baselines
 from lightning_ckpt.discovery import Block, LayerStack, discover_blocks
 from lightning_ckpt.errors import (
@@ -60,4 +67,5 @@ __all__ = [
     "existing_checkpointing",
     "model_fingerprint",
     "plan_applied",
+    "plan_handle",
 ]

@@ -6,7 +6,8 @@ parameter objects stay exactly as they were (a checkpoint saved with a plan appl
 plain model), and ``PlanHandle.remove()`` deletes the instance attribute to restore the original.
 
 The instance forward is a ``functools.partial`` of a module-level function bound to the module, so
-``copy.deepcopy`` and ``pickle`` keep working and a deep-copied model calls its *own* layers.
+``copy.deepcopy`` and ``pickle`` keep working and a deep-copied model calls its *own* layers; the model
+holds its ``PlanHandle``, so a copy carries a handle of its own (``plan_handle(copy).remove()``).
 
 A recompute never updates a buffer a second time: BatchNorm statistics, EMAs and counters end a step
 exactly as in the unplanned model, and a forward that reads a buffer it updates is recomputed from
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ckpt.discovery import unwrap_compiled
@@ -42,6 +44,7 @@ __all__ = [
     "apply_plan",
     "applied_plan",
     "existing_checkpointing",
+    "plan_handle",
     "forward_params",
     "segment_chunks",
 ]
@@ -49,6 +52,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _PREV_FORWARD = "_lightning_ckpt_prev_forward"
+_HANDLE_ATTR = "_lightning_ckpt_plan_handle"
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, PlanHandle] = weakref.WeakKeyDictionary()
 
 
@@ -230,8 +234,10 @@ class _BufferGuard:
 
     def checkpoint(
         self, fn: Callable[[tuple[Any, ...], dict[str, Any]], Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-        **extra: Any,
+        updates: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None, **extra: Any,
     ) -> Any:  # fmt: skip
+        """``updates``, when given, receives (region index, buffer as registered now, its pre-forward value) for
+        every buffer the forward updated, so a segment can undo the updates of blocks the parent then skips."""
         recompute = _Recompute(fn, copy_in_backward="context_fn" not in extra)
         slots = _buffer_slots(self.modules)
         if not slots:
@@ -251,6 +257,11 @@ class _BufferGuard:
             before.update(_copies({k: t for k, t in now.items() if t is not None}))
             _warn_late_update_once(type(self.modules[0]).__name__, tuple(sorted(_key_name(k) for k in late)))
         recompute.prepare([(slots[k][0], slots[k][1], before[k]) for k in sorted(updated) if k in before])
+        if updates is not None:
+            for k in sorted(updated):
+                now = slots[k][0]._buffers.get(slots[k][1])
+                if k in before and now is not None:
+                    updates.append((k[0], now, before[k]))
         return out
 
 
@@ -340,10 +351,45 @@ def _offloaded_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _hidden_of(output: Any) -> Any:
-    """The part of a block's output that the next block takes as its first argument."""
+    """The part of a block's output that the next block takes as its hidden state."""
     if isinstance(output, (tuple, list)) and output:
         return output[0]
     return output
+
+
+# Where a block call carries its hidden state: ("arg", index) or ("kw", name).
+_HiddenAt = tuple[str, Any]
+_HIDDEN_KEYWORDS = ("hidden_states", "x", "input", "inputs", "hidden")
+
+
+def _hidden_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _HiddenAt | None:
+    """Where this call's hidden state is: the first floating-point tensor argument, else a keyword (the usual
+    names first), the rule the profile's chain check reads calls by. Blocks called with keyword arguments only
+    (``block(hidden_states=h, attention_mask=m)``) get the previous block's output in the same keyword."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return ("arg", i)
+    for name in (*_HIDDEN_KEYWORDS, *kwargs):
+        v = kwargs.get(name)
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return ("kw", name)
+    return ("arg", 0) if args else None
+
+
+def _in_slot(args: tuple[Any, ...], kwargs: dict[str, Any], slot: _HiddenAt) -> Any:
+    kind, key = slot
+    if kind == "arg":
+        return args[key] if key < len(args) else None
+    return kwargs.get(key)
+
+
+def _with_hidden(
+    args: tuple[Any, ...], kwargs: dict[str, Any], slot: _HiddenAt, value: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    kind, key = slot
+    if kind == "arg":
+        return (*args[:key], value, *args[key + 1 :]), kwargs
+    return args, {**kwargs, key: value}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -357,87 +403,230 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+# Random-number state around a segment. Without a plan the parent and the blocks draw from the generators in
+# turn (dropout in block k, then LayerDrop's coin for block k+1 in the parent, ...); a segment's first block
+# runs the whole chunk at once, so the parent would draw after every block of the chunk had drawn. So after the
+# chunk the state goes back to where block 0 left it, each later block's precomputed output is handed out only
+# if the state is still where that block started from inside the chunk, and then moved to where it ended.
+def _tensor_devices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.device, ...]:
+    """The accelerator devices a call's tensors live on (the CPU generator is always tracked)."""
+    leaves = tree_leaves((args, kwargs))
+    found = {t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")}
+    return tuple(sorted(found, key=str))
+
+
+def _rng_states(devices: tuple[torch.device, ...]) -> tuple[torch.Tensor, ...]:
+    return (torch.get_rng_state(), *(torch.get_device_module(d.type).get_rng_state(d) for d in devices))
+
+
+def _set_rng_states(devices: tuple[torch.device, ...], states: tuple[torch.Tensor, ...]) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip(devices, states[1:], strict=True):
+        torch.get_device_module(d.type).set_rng_state(state, d)
+
+
+class _StackWatch:
+    """How one stack's segments fared under one applied plan: the first reason a step left the chain."""
+
+    __slots__ = ("deviations", "reason", "stack_fqn")
+
+    def __init__(self, stack_fqn: str) -> None:
+        self.stack_fqn = stack_fqn
+        self.reason: str | None = None
+        self.deviations = 0
+
+
 class _Chunk:
     """Run-time state of one segment: several consecutive blocks recomputed as one region.
 
     The parent model still calls every block itself. The chunk's first block runs the whole chunk
-    inside one checkpoint and hands the later blocks' outputs to them as the parent calls them; each
-    later block checks it was called with exactly the previous block's output and the same other
-    arguments, so a parent loop that does anything else fails loudly instead of computing wrongly.
+    inside one checkpoint and hands the later blocks their outputs as the parent calls them. A later
+    block gets its precomputed output only when it is the next block of the chunk, called with the
+    previous block's output (in the same argument or keyword) and the same other arguments, with the
+    random-number state where the chunk left it. Anything else (a parent that skips, reorders or repeats
+    blocks, exits early, or draws random numbers between blocks: LayerDrop, stochastic depth) ends the
+    chunk for that step: the blocks the parent calls from there on run plainly, the buffer updates of the
+    blocks it did not call are undone, and one warning names the stack. So every step is exact; only
+    the memory of such a step is higher than planned. The step's state is dropped once the chunk is
+    handed out (or given up), and never copied or pickled.
     """
 
-    def __init__(self, stack_fqn: str, fqns: tuple[str, ...], modules: list[nn.Module]) -> None:
+    def __init__(self, stack_fqn: str, fqns: tuple[str, ...], modules: list[nn.Module], watch: _StackWatch) -> None:
         self.stack_fqn = stack_fqn
         self.fqns = fqns
         self.modules = modules
         self.guard = _BufferGuard(modules)
-        self.pending: list[Any] | None = None
-        self.last_output: Any = None
-        self.other_args: tuple[Any, ...] = ()
-        self.kwargs: dict[str, Any] = {}
+        self.watch = watch
+        self.recording = False  # True from the head's checkpoint call until its forward starts
+        self.clear()
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def clear(self) -> None:
+        """Forget this step's run: the outputs still to hand out and everything needed to check the calls."""
+        self.next_index: int | None = None  # the block due next, while outputs are waiting for it
+        self.outputs: tuple[Any, ...] = ()
+        self.slot: _HiddenAt | None = None
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+        self.devices: tuple[torch.device, ...] = ()
+        self.states: list[tuple[torch.Tensor, ...]] | None = None  # RNG state after each block of the chunk
+        self.updates: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # buffer updates made by the chunk run
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        step = _Chunk.__new__(_Chunk)
+        step.clear()
+        state.update(vars(step), recording=False)
+        return state
+
+    def run(
+        self, slot: _HiddenAt, args: tuple[Any, ...], kwargs: dict[str, Any], after_block: Callable[[], None] | None = None,
+    ) -> tuple[Any, ...]:  # fmt: skip
         outputs = []
-        current = args
         for m in self.modules:
-            out = _original_forward(m)(*current, **kwargs)
+            out = _original_forward(m)(*args, **kwargs)
             outputs.append(out)
-            current = (_hidden_of(out), *args[1:])
+            if after_block is not None:
+                after_block()
+            args, kwargs = _with_hidden(args, kwargs, slot, _hidden_of(out))
         return tuple(outputs)
+
+    def run_eager(self, slot: _HiddenAt, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """``run`` outside compiled code: the forward records the RNG state after each block; a recompute
+        (in backward, so the step's forward is over) gives up on blocks the parent never called."""
+        if not self.recording:
+            if self.next_index is not None:
+                why = f"{self._rest()} never ran in that step (the parent skipped it or exited early)"
+                _deviate(self, self.next_index, why)
+            return self.run(slot, args, kwargs)
+        self.recording = False
+        states: list[tuple[torch.Tensor, ...]] = []
+        self.states = states
+        return self.run(slot, args, kwargs, lambda: states.append(_rng_states(self.devices)))
+
+    def _rest(self) -> str:
+        rest = self.fqns[self.next_index or 0 :]
+        return f"block {rest[0]!r}" if len(rest) == 1 else f"blocks {rest[0]!r}..{rest[-1]!r}"
+
+    def off_chain(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why the call of block ``index`` cannot take its precomputed output, or None when it can."""
+        due, fqn = self.next_index, self.fqns[index]
+        if due is None:
+            return f"{fqn!r} ran without {self.fqns[0]!r} before it (the parent skipped it, or called {fqn!r} again)"
+        if index != due:
+            return f"{fqn!r} was called where {self.fqns[due]!r} was due (the parent skipped or reordered blocks)"
+        slot = self.slot
+        same = (
+            torch.is_grad_enabled()
+            and slot is not None
+            and _in_slot(args, kwargs, slot) is _hidden_of(self.outputs[index - 1])
+            and len(args) == len(self.args)
+            and kwargs.keys() == self.kwargs.keys()
+            and all(_same(a, b) for i, (a, b) in enumerate(zip(args, self.args, strict=True)) if ("arg", i) != slot)
+            and all(_same(kwargs[k], self.kwargs[k]) for k in kwargs if ("kw", k) != slot)
+        )
+        if not same:
+            return (
+                f"{fqn!r} was not called with {self.fqns[index - 1]!r}'s output and the same other arguments as "
+                f"{self.fqns[0]!r}"
+            )
+        if self.states is not None and not _rng_equal(_rng_states(self.devices), self.states[index - 1]):
+            return f"the parent drew random numbers before calling {fqn!r} (e.g. LayerDrop deciding whether to run it)"
+        return None
+
+
+def _rng_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+# A graph break when compiled: only a step that leaves the chain gets here, and the compiled search reports
+# a plan that breaks graphs in a checkpointed region as a conflict.
+@torch.compiler.disable
+def _deviate(chunk: _Chunk, start: int, reason: str) -> None:
+    """Give the chunk up for the rest of this step: undo the buffer updates its run made in blocks from
+    ``start`` on (the parent runs those itself, or not at all), drop its outputs, and warn once per stack."""
+    with torch.no_grad():
+        for index, buf, before in chunk.updates:
+            if index >= start and buf.shape == before.shape:
+                buf.copy_(before)
+    chunk.clear()
+    watch = chunk.watch
+    watch.deviations += 1
+    if watch.reason is not None:
+        return
+    watch.reason = reason
+    stack = chunk.stack_fqn
+    warnings.warn(
+        f"lightning_ckpt: segments[{stack!r}] could not run as planned in this step: {reason}. From there on the "
+        "blocks of that chunk ran without checkpointing, so the step is exact but uses more memory than the plan "
+        "predicts (shown once per stack). Segments need a parent that calls every block of the stack in order, "
+        "each with the previous block's output, and draws no random numbers in between. For a model that skips "
+        "blocks (LayerDrop, stochastic depth, early exit), remove this stack from the plan's 'segments' and use "
+        "per-block modes (e.g. 'full') instead.",
+        stacklevel=4,
+    )
 
 
 def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs: Any) -> Any:
-    chunk.pending = None
-    if not torch.is_grad_enabled() or not args:
+    if chunk.next_index is not None:  # the last step left blocks of the chunk uncalled
+        _deviate(chunk, chunk.next_index, f"{chunk._rest()} never ran before {chunk.fqns[0]!r} ran again")
+    if not torch.is_grad_enabled():
+        return _original_forward(module)(*args, **kwargs)
+    slot = _hidden_slot(args, kwargs)
+    if slot is None:
+        _deviate(chunk, len(chunk.modules), f"{chunk.fqns[0]!r} was called without a hidden state to hand on")
         return _original_forward(module)(*args, **kwargs)
     run_args, run_kwargs = _without_caches(module, args, kwargs)
     if torch.compiler.is_compiling() and chunk.guard.eager_under_compile:
-        outputs = _eager_in_compiled(chunk.guard, chunk.run, run_args, run_kwargs)
+        outputs = _eager_in_compiled(chunk.guard, functools.partial(chunk.run, slot), run_args, run_kwargs)
     elif torch.compiler.is_compiling():
-        outputs = checkpoint(chunk.run, run_args, run_kwargs, use_reentrant=False, preserve_rng_state=True)
+        # Compiled RNG is not eager RNG anyway, and reading generator state breaks graphs: no RNG tracking.
+        outputs = checkpoint(chunk.run, slot, run_args, run_kwargs, use_reentrant=False, preserve_rng_state=True)
     else:
-        outputs = chunk.guard.checkpoint(chunk.run, run_args, run_kwargs)
-    chunk.pending = list(outputs[1:]) or None
-    if chunk.pending is None:
+        chunk.devices = _tensor_devices(run_args, run_kwargs)
+        chunk.recording = True
+        updates: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        try:
+            outputs = chunk.guard.checkpoint(functools.partial(chunk.run_eager, slot), run_args, run_kwargs, updates)
+        finally:
+            chunk.recording = False
+        states = chunk.states
+        chunk.updates = updates
+        if states:  # the parent goes on from where block 0 left the generators, as without the plan
+            _set_rng_states(chunk.devices, states[0])
+    if len(outputs) == 1:
+        chunk.clear()
         return outputs[0]
-    chunk.last_output = outputs[0]
-    chunk.other_args, chunk.kwargs = args[1:], kwargs
+    chunk.outputs, chunk.next_index, chunk.slot = outputs, 1, slot
+    chunk.args, chunk.kwargs = args, kwargs
     return outputs[0]
 
 
 # Functions of this module that run inside a checkpointed region when dynamo traces one: a graph break
 # whose user stack passes through one of them broke a graph inside our region (compile.py counts them).
 CHECKPOINT_FRAMES = frozenset(
-    {_checkpointed_forward.__name__, _call.__name__, _segment_head_forward.__name__, _Chunk.run.__name__}
-)
+    {
+        _checkpointed_forward.__name__, _call.__name__, _segment_head_forward.__name__, _Chunk.run.__name__,
+        _Chunk.run_eager.__name__,
+    }
+)  # fmt: skip
 
 
 def _segment_member_forward(module: nn.Module, chunk: _Chunk, index: int, *args: Any, **kwargs: Any) -> Any:
-    if chunk.pending is None:
+    if chunk.next_index is None and not torch.is_grad_enabled():
         return _original_forward(module)(*args, **kwargs)
-    expected = _hidden_of(chunk.last_output)
-    same_args = (
-        bool(args)
-        and args[0] is expected
-        and len(args[1:]) == len(chunk.other_args)
-        and all(_same(a, b) for a, b in zip(args[1:], chunk.other_args, strict=True))
-        and kwargs.keys() == chunk.kwargs.keys()
-        and all(_same(kwargs[k], chunk.kwargs[k]) for k in kwargs)
-    )
-    if not same_args:
-        chunk.pending = None
-        raise ApplyError(
-            f"segments on stack {chunk.stack_fqn!r} are unsafe for this model: block {chunk.fqns[index]!r} was not "
-            f"called with the previous block's output and the same other arguments as {chunk.fqns[0]!r}, so a "
-            "chunk cannot be recomputed as one region. Remove 'segments' for this stack from the plan and use "
-            "per-block modes (e.g. 'full') instead."
-        )
-    out = chunk.pending.pop(0)
-    chunk.last_output = out
-    if not chunk.pending:
+    why = chunk.off_chain(index, args, kwargs)
+    if why is not None:
+        _deviate(chunk, chunk.next_index if chunk.next_index is not None else len(chunk.modules), why)
+        return _original_forward(module)(*args, **kwargs)
+    out = chunk.outputs[index]
+    if chunk.states is not None:
+        _set_rng_states(chunk.devices, chunk.states[index])
+    if index + 1 < len(chunk.modules):
+        chunk.next_index = index + 1
+    else:
         # Drop every reference once the chunk is handed out, or its hidden states would outlive
         # their backward (and the step).
-        chunk.pending, chunk.last_output, chunk.other_args, chunk.kwargs = None, None, (), {}
+        chunk.clear()
     return out
 
 
@@ -469,16 +658,36 @@ class _Patch:
 
 
 class PlanHandle:
-    """What ``apply_plan`` returns: the applied plan and the means to undo it exactly."""
+    """What ``apply_plan`` returns: the applied plan and the means to undo it exactly.
+
+    A copy of a planned model (``copy.deepcopy``, pickle, ``torch.save``/``torch.load``) carries the plan
+    with a handle of its own, bound to the copy's modules: ``applied_plan(copy)`` finds the plan and
+    ``plan_handle(copy).remove()`` restores the copy. The process-wide compile memory budget stays with
+    the original's handle.
+    """
 
     def __init__(
-        self, model: nn.Module, plan: Plan, patches: list[_Patch], previous_budget: float | None = None
-    ) -> None:
+        self, model: nn.Module | None, plan: Plan, patches: list[_Patch], previous_budget: float | None = None,
+        watches: list[_StackWatch] | tuple[_StackWatch, ...] = (),
+    ) -> None:  # fmt: skip
         self.plan = plan
-        self._model_ref = weakref.ref(model)
+        # None only for a handle pickled without its model (it is then removed already).
+        self._model_ref: Callable[[], nn.Module | None] = weakref.ref(model) if model is not None else _no_model
         self._patches = patches
         self._previous_budget = previous_budget  # the compile memory budget to restore (plan sets one)
+        self._watches = list(watches)
         self._removed = False
+
+    @property
+    def deviations(self) -> dict[str, str]:
+        """Stack FQN -> why its segments could not run as planned in some step since the plan was applied
+        (the first reason seen). Those steps were exact, with the memory of running the blocks plainly."""
+        return {w.stack_fqn: w.reason for w in self._watches if w.reason is not None}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copied or pickled as part of its model (the model holds it): the copy's handle points at the copy's
+        # modules and forwards (the same memo), and registers itself when rebuilt.
+        return (_restore_handle, (self._model_ref(), self.plan, self._patches, self._watches, self._removed))
 
     @property
     def active(self) -> bool:
@@ -505,6 +714,8 @@ class PlanHandle:
         model = self._model_ref()
         if model is not None and _ACTIVE.get(model) is self:
             del _ACTIVE[model]
+        if model is not None and model.__dict__.get(_HANDLE_ATTR) is self:
+            del model.__dict__[_HANDLE_ATTR]
 
     def __enter__(self) -> PlanHandle:
         return self
@@ -526,10 +737,43 @@ def _set_compile_memory_budget(value: float) -> float:
     return previous
 
 
+def _no_model() -> None:
+    return None
+
+
+def _restore_handle(
+    model: nn.Module | None, plan: Plan, patches: list[_Patch], watches: list[_StackWatch], removed: bool
+) -> PlanHandle:
+    """A copied or unpickled model's handle (see ``PlanHandle.__reduce__``), registered for that model."""
+    handle = PlanHandle(model, plan, patches, None, watches)
+    handle._removed = removed or model is None
+    if model is not None and not handle._removed:
+        _ACTIVE[model] = handle
+    return handle
+
+
 def applied_plan(model: nn.Module) -> Plan | None:
-    """The plan currently applied to ``model`` by ``apply_plan``, if any."""
+    """The plan currently applied to ``model`` by ``apply_plan`` (or carried by a copy of a planned model), if any."""
+    handle = plan_handle(model)
+    return handle.plan if handle is not None else None
+
+
+def plan_handle(model: nn.Module) -> PlanHandle | None:
+    """The active ``PlanHandle`` of ``model``: the one ``apply_plan`` returned, or the one a copy of a planned
+    model (deepcopy, pickle, ``torch.save``) carries, so a plan can be removed without holding its handle."""
     handle = _ACTIVE.get(unwrap_compiled(model))
-    return handle.plan if handle is not None and handle.active else None
+    return handle if handle is not None and handle.active else None
+
+
+def _installed_by(module: nn.Module) -> str:
+    """Which applied plan patched ``module``, for an error message."""
+    for root, handle in list(_ACTIVE.items()):
+        if handle.active and any(p.module is module for p in handle._patches):
+            return f"a plan applied to a {type(root).__name__} ({handle.plan.describe()})"
+    return (
+        "a plan applied to a model it was copied from (a copy of part of a planned model carries its "
+        "checkpointing but no handle: copy the whole model, or copy before applying the plan)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -662,7 +906,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
     if applied_plan(root) is not None:
         raise ApplyError(
             f"A plan is already applied to this {type(root).__name__} ({_ACTIVE[root].plan.describe()}). "
-            "Call handle.remove() on the handle apply_plan returned before applying another plan."
+            "Call handle.remove() on the handle apply_plan returned (or lightning_ckpt.plan_handle(model).remove(), "
+            "e.g. for a copy or a loaded model) before applying another plan."
         )
     if check_fingerprint:
         plan.check_fingerprint(root)
@@ -694,6 +939,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
                     (child, f"{fqn}.{child_name}", functools.partial(_checkpointed_forward, child, None, guard))
                 )
 
+    watches: list[_StackWatch] = []
     for stack_fqn, n_chunks in plan.segments.items():
         stack = _resolve(root, stack_fqn, "Stack")
         if not isinstance(stack, (nn.ModuleList, nn.Sequential)):
@@ -714,12 +960,13 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
                 f"Stack {stack_fqn!r} has segments and also per-block modes for {overlapping[:3]}; a plan gives a "
                 "stack either segments or per-block modes. Remove one of them."
             )
+        watches.append(_StackWatch(stack_fqn))
         # The last chunk is not checkpointed (as torch's checkpoint_sequential does): its activations
         # are needed first in backward, so recomputing them would cost time and save no peak memory.
         for start, end in segment_chunks(len(names), n_chunks)[:-1]:
             fqns = tuple(f"{stack_fqn}.{n}" if stack_fqn else n for n in names[start:end])
             modules = [unwrap_compiled(stack.get_submodule(n)) for n in names[start:end]]
-            chunk = _Chunk(stack_fqn, fqns, modules)
+            chunk = _Chunk(stack_fqn, fqns, modules, watches[-1])
             installs.append((modules[0], fqns[0], functools.partial(_segment_head_forward, modules[0], chunk)))
             for i, m in enumerate(modules[1:], start=1):
                 installs.append((m, fqns[i], functools.partial(_segment_member_forward, m, chunk, i)))
@@ -731,8 +978,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
         seen[id(module)] = fqn
         if _is_ours(module.__dict__.get("forward")):
             raise ApplyError(
-                f"Module {fqn!r} already has lightning_ckpt checkpointing installed by another handle. "
-                "Remove that plan first (handle.remove())."
+                f"Module {fqn!r} already has lightning_ckpt checkpointing, installed by {_installed_by(module)}. "
+                "Remove that plan first (handle.remove(), or lightning_ckpt.plan_handle(that model).remove())."
             )
     fqns_planned = sorted(seen.values())
     for a, b in zip(fqns_planned, fqns_planned[1:], strict=False):
@@ -754,8 +1001,10 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
             module.__dict__[_PREV_FORWARD] = prev
         module.__dict__["forward"] = fwd
         patches.append(_Patch(module, fwd))
-    handle = PlanHandle(root, plan, patches, previous_budget)
+    handle = PlanHandle(root, plan, patches, previous_budget, watches)
     _ACTIVE[root] = handle
+    # Held by the model itself so that a copy of it (deepcopy, pickle, torch.save) carries its own handle.
+    root.__dict__[_HANDLE_ATTR] = handle
     log.info("lightning_ckpt: applied plan %s (%d modules)", plan.describe(), len(patches))
     return handle
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ from torch import nn
 
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.skipping import skipping_stacks
 
 if TYPE_CHECKING:  # memory_model imports the plan machinery; baselines must stay importable without it
     from lightning_ckpt.memory_model import MemoryModel
@@ -36,7 +38,8 @@ def baselines(
     """Named baseline plans for ``model``: none, full, sqrt_segments, selective_mlp, ops_save_matmuls, offload.
 
     A baseline that does not make sense for the model is left out rather than faked: ``sqrt_segments``
-    needs a stack that is an ``nn.ModuleList``/``nn.Sequential``; ``selective_mlp`` needs blocks with
+    needs a stack that is an ``nn.ModuleList``/``nn.Sequential`` whose parent does not skip blocks by
+    configuration (LayerDrop, see ``skipping.py``); ``selective_mlp`` needs blocks with
     a recognisable feed-forward child. With ``memory_model`` (a profile of one step), plans the profile
     shows cannot run are left out too: segments over a stack whose blocks are not a chain (T5 hands
     block 0's position bias to every later block), a save-list a block failed under.
@@ -48,10 +51,11 @@ def baselines(
         "none": Plan(name="none", fingerprint=fp),
         "full": uniform_plan(stacks, BlockPlan("full"), name="full", fingerprint=fp),
     }
+    skipping = skipping_stacks(root, stacks)  # LayerDrop: the parent skips blocks, so segments cannot run
     segmentable = {
         s.fqn: max(1, round(math.sqrt(len(s.blocks))))
         for s in stacks
-        if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2
+        if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2 and s.fqn not in skipping
     }
     if segmentable:
         out["sqrt_segments"] = Plan(segments=segmentable, name="sqrt_segments", fingerprint=fp)
@@ -69,4 +73,24 @@ def baselines(
     out["offload"] = uniform_plan(stacks, BlockPlan("offload"), name="offload", fingerprint=fp)
     if memory_model is not None:
         out = {name: plan for name, plan in out.items() if memory_model.can_run(plan) is None}
+        out = _without_inert_blocks(out, memory_model, stacks)
+    return out
+
+
+def _without_inert_blocks(
+    plans: dict[str, Plan], memory_model: MemoryModel, stacks: Sequence[LayerStack]
+) -> dict[str, Plan]:
+    """``plans`` with no mode on a block no gradient flows through (frozen, behind frozen layers): such a
+    block saves nothing for backward, so checkpointing it only adds recompute. Segments stay on stacks
+    with a block that saves something; a baseline left doing nothing is dropped (``none`` stays)."""
+    inert = set(getattr(memory_model, "inert_blocks", ()))
+    if not inert:
+        return plans
+    alive = {s.fqn for s in stacks if any(b.fqn not in inert for b in s.blocks)}
+    out = {}
+    for name, plan in plans.items():
+        blocks = {fqn: bp for fqn, bp in plan.blocks.items() if fqn not in inert}
+        segments = {fqn: n for fqn, n in plan.segments.items() if fqn in alive}
+        if name == "none" or blocks or segments:
+            out[name] = dataclasses.replace(plan, blocks=blocks, segments=segments)
     return out

@@ -29,6 +29,12 @@ _MIN_SHARE_OF_LARGEST = 0.1
 _MLP_PATTERN = re.compile(r"(mlp|ffn|feed_?forward|intermediate|c_fc|fc\d?$|dense_h_to_4h|moe|experts)", re.I)
 _ATTN_PATTERN = re.compile(r"(attn|attention|self_attn|mixer)", re.I)
 _NORM_PATTERN = re.compile(r"(norm|ln)", re.I)
+# Containers whose members run side by side on the same input rather than one after another: never a
+# stack of layers, whatever their share of the parameters (MoE experts, output heads, branches).
+_PARALLEL_PATTERN = re.compile(r"(expert|moe|head|branch|tower)", re.I)
+# A stack's blocks are replaced by the repeated layers inside them (ResNet/ConvNeXt stages hold a
+# ``layers`` list each) when those layers hold at least this share of the blocks' parameters.
+_MIN_INNER_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -140,21 +146,73 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _auto_stacks(model: nn.Module) -> list[LayerStack]:
+def _same_class_container(module: nn.Module) -> bool:
+    """An ``nn.ModuleList``/``nn.Sequential`` of same-class modules that are not containers themselves."""
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
+        return False
+    kids = list(module.children())
+    return len({type(c) for c in kids}) == 1 and not isinstance(kids[0], (nn.ModuleList, nn.Sequential))
+
+
+def _inner_stacks(model: nn.Module, stack: LayerStack) -> list[LayerStack] | None:
+    """The repeated layers inside ``stack``'s blocks when those blocks are stages, one stack per stage,
+    or None.
+
+    CNNs keep their layers in stages (HF ResNet/ConvNeXt ``encoder.stages[i].layers``, Swin's
+    ``layers[i].blocks``): a stage is a poor unit to checkpoint, since checkpointing it still keeps every
+    stage's input, a large share of the activations at high resolution. The layers inside are the blocks a
+    transformer has; whole stages remain reachable as segments over them. Stages differ from each other
+    (width, resolution) where a transformer's layers are alike; each must hold, as a direct child, a
+    container of one layer class (the same in every stage, not a parallel set such as experts) with most
+    of the stage's parameters. One level only: a ResNet layer's own ``Sequential`` of convolutions is the
+    inside of a residual block, not a stack of blocks.
+    """
+    shapes = {tuple(p.shape for p in model.get_submodule(b.fqn).parameters()) for b in stack.blocks}
+    if len(shapes) == 1:
+        return None  # identical blocks: already the repeated unit
+    found: list[tuple[str, nn.Module]] = []
+    for block in stack.blocks:
+        parent = unwrap_compiled(model.get_submodule(block.fqn))
+        options = [
+            (name, child)
+            for name, child in parent.named_children()
+            if _same_class_container(child) and not _PARALLEL_PATTERN.search(name)
+        ]
+        if not options:
+            return None
+        found.append(max(options, key=lambda nc: _num_params(nc[1])))
+    classes = {type(next(iter(c.children()))) for _, c in found}
+    inner_params = sum(_num_params(c) for _, c in found)
+    if len(classes) != 1 or inner_params < _MIN_INNER_SHARE * stack.num_params or inner_params == 0:
+        return None
+    out = []
+    for block, (name, container) in zip(stack.blocks, found, strict=True):
+        fqn = _join(block.fqn, name)
+        blocks = tuple(_make_block(_join(fqn, n), i, c) for i, (n, c) in enumerate(container.named_children()))
+        out.append(LayerStack(fqn, type(container).__name__, blocks))
+    return out
+
+
+def _auto_stacks(model: nn.Module, *, shared: bool = False) -> list[LayerStack]:
+    """Repeated stacks; with ``shared``, containers of one composite module instead: ALBERT keeps its one
+    layer, called once per depth, in ``albert_layer_groups[0].albert_layers[0]`` (the innermost wins)."""
     candidates: list[LayerStack] = []
     for fqn, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or (len(module) != 1 if shared else len(module) < 2):
             continue
         kids = list(module.named_children())
         if len({type(c) for _, c in kids}) != 1 or isinstance(kids[0][1], (nn.ModuleList, nn.Sequential)):
             continue
+        if shared and next(kids[0][1].children(), None) is None:
+            continue  # a lone Linear in a list is a layer, not a block
         blocks = tuple(_make_block(_join(fqn, n), i, c) for i, (n, c) in enumerate(kids))
         stack = LayerStack(canonical_fqn(fqn), type(module).__name__, blocks)
         if stack.num_params > 0:
             candidates.append(stack)
     if not candidates:
         return []
-    candidates.sort(key=lambda s: s.num_params, reverse=True)
+    # Equal parameters: the deeper container first, so that the one enclosing it is not chosen too.
+    candidates.sort(key=lambda s: (s.num_params, s.fqn.count(".")), reverse=True)
     largest = candidates[0].num_params
     chosen: list[LayerStack] = []
     for stack in candidates:
@@ -169,7 +227,7 @@ def _auto_stacks(model: nn.Module) -> list[LayerStack]:
         if any(c.fqn.startswith(stack.fqn + ".") or stack.fqn == "" for c in chosen):
             continue
         chosen.append(stack)
-    return sorted(chosen, key=lambda s: s.fqn)
+    return [inner for stack in sorted(chosen, key=lambda s: s.fqn) for inner in _inner_stacks(model, stack) or [stack]]
 
 
 def _matches(fqn: str, module: nn.Module, types: Sequence[type], names: Sequence[str], patterns: Sequence[str]) -> bool:
@@ -235,13 +293,18 @@ def discover_blocks(model: nn.Module, *, block_types: Iterable[type | str] | Non
     model applies to the plain one and vice versa.
     """
     root = unwrap_compiled(model)
-    stacks = _explicit_stacks(root, block_types) if block_types is not None else _auto_stacks(root)
+    if block_types is not None:
+        stacks = _explicit_stacks(root, block_types)
+    else:
+        # No repeated stack: a layer shared across depth (ALBERT) is kept alone in a list, called n times.
+        stacks = _auto_stacks(root) or _auto_stacks(root, shared=True)
     if not stacks:
         raise DiscoveryError(
             f"No repeated layer stack found in {type(root).__name__}: no nn.ModuleList or nn.Sequential of "
-            "two or more same-class modules with parameters. Name the blocks explicitly, e.g. "
+            "same-class modules with parameters. Name the blocks explicitly, e.g. "
             "discover_blocks(model, block_types=[MyBlock]) or block_types=['backbone.stages.*'] "
-            "(ActivationCheckpointTuner(block_types=...) takes the same values)."
+            "(ActivationCheckpointTuner(block_types=...) takes the same values); a block the forward calls "
+            "several times (weights shared across depth) is named the same way."
         )
     return stacks
 

@@ -23,7 +23,16 @@ __all__ = ["RealStepReader", "StepCheck", "lower_memory_trial"]
 
 
 class RealStepReader:
-    """Reads one real training step, started and stopped from two hooks (batch start, batch end)."""
+    """Reads one real training step, started and stopped from two hooks (batch start, batch end).
+
+    Peak memory: CUDA from the allocator (what an OOM is decided on), CPU from the live-tensor tracker.
+    Activation memory means what it means in trials (``measure``): bytes the step creates other than
+    gradients and optimizer state, read by the live-tensor tracker on every device. On CUDA the
+    allocator's ``peak - resting`` would also count the new gradients, the optimizer state the first
+    step creates and its foreach temporaries, so an activation budget would see a step several times
+    its trial. The tracker runs only when activation is asked for (it slows the step) and only on the
+    few steps the guard reads.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -34,33 +43,45 @@ class RealStepReader:
     def active(self) -> bool:
         return self._tracker is not None or (self.device.type == "cuda" and self._resting > 0)
 
-    def start(self, model: nn.Module, optimizers: Sequence[Any], extra: tuple[Any, ...] = ()) -> None:
+    def start(
+        self, model: nn.Module, optimizers: Sequence[Any], extra: tuple[Any, ...] = (), *, activation: bool = True
+    ) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._resting = max(1, torch.cuda.memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
-            return
+            if not activation:
+                return
         tracker = new_live_tracker(self.device, model, optimizers[0] if optimizers else None)
         tracker.track_external(model, *optimizers, *extra)
-        self._resting = tracker.now()[0]
-        tracker.total_peak = self._resting
+        tracker.closure_in_step = True
+        if self.device.type != "cuda":
+            self._resting = tracker.now()[0]
+        tracker.total_peak = tracker.now()[0]
         tracker.__enter__()
         self._tracker = tracker
 
+    def optimizer_update_starts(self) -> None:
+        """Called between the closure (forward and backward) and the optimizer's update of a real step."""
+        if self._tracker is not None:
+            self._tracker.optimizer_update_starts()
+
     def stop(self) -> MemoryReading | None:
-        """The step's reading, or None when no step was being read."""
+        """The step's reading, or None when no step was being read. Activation is None when it was not read."""
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+        activation = tracker.activation_peak if tracker is not None else None
         if self.device.type == "cuda":
             if self._resting == 0:
                 return None
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             resting, self._resting = self._resting, 0
-            return MemoryReading(peak, max(0, peak - resting), resting, str(self.device))
-        tracker, self._tracker = self._tracker, None
+            return MemoryReading(peak, activation, resting, str(self.device))
         if tracker is None:
             return None
-        tracker.__exit__(None, None, None)
-        return MemoryReading(tracker.total_peak, tracker.activation_peak, self._resting, str(self.device))
+        return MemoryReading(tracker.total_peak, activation, self._resting, str(self.device))
 
     def abandon(self) -> None:
         """Stop reading without a result (the step raised, or the fit ends)."""
@@ -76,7 +97,7 @@ class StepCheck:
 
     step: int
     peak_bytes: int
-    activation_bytes: int
+    activation_bytes: int | None  # None: not read (a peak budget on CUDA reads the allocator only)
     batch_dims: tuple[int | None, int | None]
     plan: str
     within_budget: bool

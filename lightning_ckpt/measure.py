@@ -90,7 +90,7 @@ class MemoryReading:
     """Memory of one step; see the module docstring for the definitions."""
 
     peak_bytes: int
-    activation_bytes: int
+    activation_bytes: int | None  # None only from the guard's reader when activation was not asked for
     resting_bytes: int  # live bytes when the step started (parameters, existing grads, optimizer state)
     device: str
 
@@ -211,6 +211,32 @@ def _tracker_class(fsdp: bool = False) -> type:
                             param.register_post_accumulate_grad_hook(lambda p: self._as_grad(p.grad)),
                         )
             return sizes
+
+        # Lightning runs training_step and backward inside ``optimizer.step(closure)``, and MemTracker's global
+        # optimizer pre-hook files everything created after it as optimizer state: a real step read whole then
+        # shows 0 activation bytes. With ``closure_in_step`` the pre-hook leaves the step's tensors alone and
+        # the update is marked from outside (``optimizer_update_starts``, from ``on_before_optimizer_step``).
+        closure_in_step = False
+
+        def _register_global_optimizer_hook(self) -> None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+            def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+                if not self.closure_in_step:
+                    self._in_opt = True
+
+            def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+                self._track_optimizer_states(_MemRefType.OPT, optimizer)
+                self._in_opt = False
+
+            self._optimizer_hook_handles = (
+                register_optimizer_step_pre_hook(pre),
+                register_optimizer_step_post_hook(post),
+            )
+
+        def optimizer_update_starts(self) -> None:
+            """The closure has run; what the optimizer creates from now on is its state and temporaries."""
+            self._in_opt = True
 
         def _as_grad(self, grad: torch.Tensor | None) -> None:
             if grad is not None:

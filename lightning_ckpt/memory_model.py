@@ -31,6 +31,7 @@ All byte counts follow ``lightning_ckpt.measure``'s definitions, so ``predict_pe
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -43,7 +44,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.apply import CACHE_ARGS, applied_plan, apply_plan, forward_params, segment_chunks
+from lightning_ckpt.apply import (
+    CACHE_ARGS,
+    _rng_equal,
+    _rng_states,
+    _tensor_devices,
+    applied_plan,
+    apply_plan,
+    forward_params,
+    segment_chunks,
+)
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, LightningCkptError, PlanError, StalePlanError
 from lightning_ckpt.measure import (
@@ -57,6 +67,7 @@ from lightning_ckpt.measure import (
 )
 from lightning_ckpt.plan import BlockPlan, Plan, closest_names, model_fingerprint
 from lightning_ckpt.policies import SAVE_LISTS
+from lightning_ckpt.skipping import skipping_stacks
 from lightning_ckpt.step import loss_of
 
 __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction", "mode_key", "profile_memory"]
@@ -159,7 +170,7 @@ class MemoryModel:
     fixed_bytes: parameters + gradients (one per trainable parameter) + optimizer state + buffers.
     other_activation_bytes: activations held outside the blocks at the end of the forward
     (embeddings, head, loss), measured with every block fully checkpointed.
-    blocks: one row per block, in execution order. stacks: stack FQN -> its block FQNs in order.
+    blocks: one row per block call, in execution order. stacks: stack FQN -> its block FQNs in order.
     resting_bytes: live bytes before the step, as ``measure_step`` reports them (CUDA: allocated bytes).
     phases: the anchor step's timeline that predictions are built on (see ``PhasePeak``).
     device_overhead_bytes: CUDA only: allocator peak minus tracked peak of the anchor step (memory
@@ -169,7 +180,14 @@ class MemoryModel:
     fingerprint: ``model_fingerprint`` of the profiled model; a plan made for another model is refused.
     idle_blocks: discovered blocks the profiled forward never ran; plans may name them, to no effect.
     unchained_stacks: stacks whose blocks do not hand each other their outputs (T5's shared position
-    bias), so segments cannot run on them; ``can_run`` refuses such plans before any step is spent.
+    bias, a block shared across depth), so segments cannot run on them; ``can_run`` refuses such plans
+    before any step is spent.
+    inert_blocks: blocks no gradient flows through (frozen, behind frozen embeddings or frozen blocks):
+    they save nothing for backward, so no mode can save anything there and none is offered
+    (``plannable_stacks``). Plans may still name them; their cost is predicted like any other's.
+
+    A block called several times in one step (ALBERT's shared layer) has one row per call in ``blocks``:
+    a plan's mode for its FQN applies to every call, and each call's memory is counted.
     """
 
     fixed_bytes: int
@@ -190,6 +208,7 @@ class MemoryModel:
     idle_blocks: tuple[str, ...] = ()
     unchained_stacks: tuple[str, ...] = ()
     reserve_overhead_bytes: int = 0
+    inert_blocks: tuple[str, ...] = ()
 
     # -- prediction ---------------------------------------------------------------------------------
     def predict_peak(self, plan: Plan) -> int:
@@ -244,7 +263,22 @@ class MemoryModel:
     def saved_bytes(self, plan: Plan) -> dict[str, int]:
         """Block FQN -> bytes it keeps from forward to backward under ``plan`` ("which layers hold the memory")."""
         st = self._resolve(plan)
-        return {b.fqn: b.saved_bytes["full"] + st.keep_delta[i] for i, b in enumerate(self.blocks)}
+        out: dict[str, int] = {}
+        for i, b in enumerate(self.blocks):  # a block shared across depth: all its calls
+            out[b.fqn] = out.get(b.fqn, 0) + b.saved_bytes["full"] + st.keep_delta[i]
+        return out
+
+    def plannable_stacks(self, stacks: Sequence[LayerStack]) -> list[LayerStack]:
+        """``stacks`` without the blocks no mode can save anything on (``inert_blocks``), renumbered; stacks
+        left empty are dropped. The search plans over these: checkpointing a frozen block recomputes it for
+        nothing."""
+        out = []
+        for s in stacks:
+            kept = [b for b in s.blocks if b.fqn not in self.inert_blocks]
+            if kept:
+                renumbered = tuple(dataclasses.replace(b, index=i) for i, b in enumerate(kept))
+                out.append(dataclasses.replace(s, blocks=renumbered))
+        return out
 
     # -- presentation -------------------------------------------------------------------------------
     def table(self, plan: Plan | None = None) -> str:
@@ -258,12 +292,15 @@ class MemoryModel:
         header = ["block", *(k.replace("selective:", "sel:") for k in keys), "recompute"]
         header += ["plan"] if saved_under is not None else []
         rows = []
+        calls = collections.Counter(b.fqn for b in self.blocks)
+        call_no: dict[str, int] = {}
         for b in self.blocks:
-            name = b.fqn + (" *" if b.shared_with else "")
+            call_no[b.fqn] = call_no.get(b.fqn, 0) + 1
+            name = b.fqn + (f" (call {call_no[b.fqn]})" if calls[b.fqn] > 1 else "") + (" *" if b.shared_with else "")
             cells = [_mib(b.saved_bytes[k]) if k in b.saved_bytes else "-" for k in keys]
             row = [name, *cells, _mib(b.recompute_transient_bytes)]
-            if saved_under is not None:
-                row.append(_mib(saved_under[b.fqn]))
+            if saved_under is not None:  # a shared block's calls together, on its first row
+                row.append(_mib(saved_under[b.fqn]) if call_no[b.fqn] == 1 else "")
             rows.append(row)
         widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
         fmt = "  ".join(f"{{:<{widths[0]}}}" if c == 0 else f"{{:>{widths[c]}}}" for c in range(len(header)))
@@ -303,6 +340,7 @@ class MemoryModel:
             "idle_blocks": list(self.idle_blocks),
             "unchained_stacks": list(self.unchained_stacks),
             "reserve_overhead_bytes": self.reserve_overhead_bytes,
+            "inert_blocks": list(self.inert_blocks),
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
@@ -352,6 +390,7 @@ class MemoryModel:
             idle_blocks=tuple(data.get("idle_blocks", ())),
             unchained_stacks=tuple(data.get("unchained_stacks", ())),
             reserve_overhead_bytes=data.get("reserve_overhead_bytes", 0),
+            inert_blocks=tuple(data.get("inert_blocks", ())),
         )
 
     # -- internals ------------------------------------------------------------------------------------
@@ -369,7 +408,10 @@ class MemoryModel:
                 f"this memory model profiled a model with fingerprint {self.fingerprint}. Profile the model the "
                 "plan is for, or re-tune the plan for this model."
             )
-        index = {b.fqn: i for i, b in enumerate(self.blocks)}
+        rows_of: dict[str, list[int]] = {}  # a block shared across depth has a row per call
+        for i, b in enumerate(self.blocks):
+            rows_of.setdefault(b.fqn, []).append(i)
+        index = {fqn: rows[0] for fqn, rows in rows_of.items()}
         n = len(self.blocks)
         keys = ["none"] * n
         chunk_of: list[int | None] = [None] * n
@@ -382,7 +424,8 @@ class MemoryModel:
                     f"The memory model has no profile for block {fqn!r}. Closest profiled blocks: "
                     f"{closest_names(fqn, list(index))}. Fix the FQN in the plan, or profile the stack that holds it."
                 )
-            keys[index[fqn]] = mode_key(bp)
+            for i in rows_of[fqn]:
+                keys[i] = mode_key(bp)
         chunk_id = 0
         for stack_fqn, n_chunks in plan.segments.items():
             if stack_fqn not in self.stacks:
@@ -395,8 +438,9 @@ class MemoryModel:
                 raise PlanError(
                     f"segments[{stack_fqn!r}]: one checkpoint cannot span several blocks of this stack: they do not "
                     "run as a chain (a block receives something other than the previous block's output and the same "
-                    "other arguments, e.g. T5's position bias), or each is sharded by FSDP2 (whose all-gathers run "
-                    "in each block's own hooks). Use per-block modes there."
+                    "other arguments, e.g. T5's position bias; or the parent skips blocks or draws random numbers "
+                    "between them, e.g. LayerDrop), or each is sharded by FSDP2 (whose all-gathers run in each "
+                    "block's own hooks). Use per-block modes there."
                 )
             if n_chunks > len(fqns):
                 raise PlanError(
@@ -578,14 +622,19 @@ class _Captured:
     module: nn.Module
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    autocast: tuple[tuple[str, torch.dtype], ...] = ()
+    autocast: tuple[tuple[str, torch.dtype, bool], ...] = ()
+    # How the step called it (read in the anchor, which checkpointing does not change): whether its hidden
+    # input needed a gradient (not behind frozen embeddings or frozen blocks) and which of its output leaves
+    # (``tree_flatten`` positions) received one (the hidden state, an auxiliary loss). None: not known.
+    input_grad: bool = True
+    grad_leaves: tuple[int, ...] | None = None
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    """The autocast regions active right now, as (device type, dtype) pairs.
+def _autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """The autocast regions active right now, as (device type, dtype, cache enabled) triples.
 
     A block replayed alone must run in the context the step ran it in: under bf16/fp16 autocast
     it saves half-precision activations (and a GPU may dispatch another attention kernel), so a
@@ -594,15 +643,17 @@ def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
     state = []
     for dev in _AUTOCAST_DEVICES:
         if torch.is_autocast_enabled(dev):
-            state.append((dev, torch.get_autocast_dtype(dev)))
+            # The weight-cast cache changes what a step holds: with it, fp32 weights' low-precision copies live
+            # for the whole forward (Lightning's mixed precision turns it off).
+            state.append((dev, torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled()))
     return tuple(state)
 
 
 @contextlib.contextmanager
-def _autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+def _autocast_as(state: tuple[tuple[str, torch.dtype, bool], ...]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
-        for dev, dtype in state:
-            stack.enter_context(torch.autocast(dev, dtype=dtype))
+        for dev, dtype, cache in state:
+            stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=cache))
         yield
 
 
@@ -613,12 +664,19 @@ class _ChainCheck:
     arguments (a mask, rotary tables). T5 is not one: block 0 computes a position bias that it
     returns and the parent passes to every later block, so a segment's recompute would lose it.
     Tensors are compared by identity (weak references: the check keeps nothing alive).
+    A chain also runs its blocks in order, from the first, none skipped, and the parent draws no random
+    numbers between them: LayerDrop (BART, Whisper, wav2vec2) draws a coin before every block and skips
+    some, so a chunk run at once would hand blocks the wrong outputs and random state (``apply._Chunk``).
     """
 
     def __init__(self, stack_of: Mapping[str, str]) -> None:
         self.stack_of = stack_of
         self.unchained: set[str] = set()
         self._last: dict[str, tuple[Any, Any]] = {}  # stack -> (weakref to output, other arguments)
+        self._index = {fqn: i for stack in set(stack_of.values()) for i, fqn in enumerate(
+            f for f, s in stack_of.items() if s == stack)}  # fmt: skip
+        self._ran: dict[str, int] = {}  # stack -> index of the block that ran last
+        self._rng: dict[str, tuple[Any, ...]] = {}  # stack -> RNG state (and its devices) when that block ended
 
     @staticmethod
     def _others(args: tuple[Any, ...], kwargs: Mapping[str, Any], where: tuple[str, Any] | None) -> tuple[str, list]:
@@ -634,6 +692,12 @@ class _ChainCheck:
         where = _hidden_index(args, kwargs)
         others = self._others(args, kwargs, where)
         last = self._last.get(stack)
+        index, ran, rng = self._index[fqn], self._ran.get(stack), self._rng.get(stack)
+        skipped = index != (0 if ran is None else ran + 1)  # a block skipped, repeated or run out of order
+        drew = rng is not None and not _rng_equal(_rng_states(rng[0]), rng[1])  # random numbers drawn in between
+        if skipped or drew:
+            self.unchained.add(stack)
+            return
         if last is not None:
             hidden = None if where is None else (args[where[1]] if where[0] == "arg" else kwargs[where[1]])
             out_ref, (prev_spec, prev_leaves) = last
@@ -656,6 +720,9 @@ class _ChainCheck:
             (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None
         )  # fmt: skip
         self._last[stack] = (weakref.ref(first) if first is not None else None, self._last[stack][1])
+        self._ran[stack] = self._index[fqn]
+        devices = _tensor_devices((out,), {})
+        self._rng[stack] = (devices, _rng_states(devices))
 
 
 def _same_leaf(a: Any, b: Any) -> bool:
@@ -670,12 +737,13 @@ def _same_leaf(a: Any, b: Any) -> bool:
 def _capture(
     root: nn.Module, forward_fn: Callable[[], Any], blocks: dict[int, str], share: bool,
     stack_of: Mapping[str, str] | None = None,
-) -> tuple[list[str], dict[str, _Captured], dict[str, str], set[str]]:  # fmt: skip
-    """No-grad forward: block execution order, one captured input per group, block -> representative,
-    and the stacks whose blocks do not run as a chain (see ``_ChainCheck``)."""
+) -> tuple[list[str], dict[str, _Captured], list[str], set[str]]:  # fmt: skip
+    """No-grad forward: block execution order (a block shared across depth, like ALBERT's one layer, once
+    per call), one captured input per group, each call's representative, and the stacks whose blocks do not
+    run as a chain (see ``_ChainCheck``; a stack with a shared block is never one)."""
     order: list[str] = []
     reps: dict[Any, _Captured] = {}
-    rep_of: dict[str, str] = {}
+    rep_of: list[str] = []
     chain = _ChainCheck(stack_of or {})
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -686,7 +754,7 @@ def _capture(
         key = _group_key(module, args, kwargs) if share else fqn
         if key not in reps:
             reps[key] = _Captured(fqn, module, tuple(args), dict(kwargs), _autocast_state())
-        rep_of[fqn] = reps[key].fqn
+        rep_of.append(reps[key].fqn)
 
     def post_hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         chain.after(blocks[id(module)], out)
@@ -701,14 +769,11 @@ def _capture(
     finally:
         for h in handles:
             h.remove()
-    repeated = sorted({f for f in order if order.count(f) > 1})
-    if repeated:
-        raise LightningCkptError(
-            f"Block {repeated[0]!r} ran {order.count(repeated[0])} times in one forward; the memory model "
-            "assumes each block runs once per step (no weight sharing across calls). Measure plans with "
-            "measure_step instead of predicting them, or name blocks that run once via block_types."
-        )
-    return order, {c.fqn: c for c in reps.values()}, rep_of, chain.unchained
+    # A block called several times (weights shared across depth) is one FQN in a plan: its mode applies to
+    # every call, and each call is a row of its own in the model. One checkpoint cannot span several calls.
+    shared = {f for f, calls in collections.Counter(order).items() if calls > 1}
+    unchained = chain.unchained | {(stack_of or {})[f] for f in shared if f in (stack_of or {})}
+    return order, {c.fqn: c for c in reps.values()}, rep_of, unchained
 
 
 def _phase_rank(label: tuple[Any, ...], n: int) -> int:
@@ -726,6 +791,22 @@ def _phase_rank(label: tuple[Any, ...], n: int) -> int:
     return 3 + 2 * n + 2 * (n - 1 - label[1])  # bw_gap
 
 
+def _hidden_tensor(obj: Any) -> torch.Tensor | None:
+    """A block output's hidden state: the first floating-point tensor (needing a gradient or not)."""
+    leaves, _ = tree_flatten(obj)
+    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
+def _backward_leaves(out: Any, positions: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """The output leaves a block's backward starts from: those that received a gradient in the step
+    (``positions``), or the first that needs one when that is not known."""
+    leaves, _ = tree_flatten(out)
+    if positions is None:
+        first = _first_grad_tensor(out)
+        return [first] if first is not None else []
+    return [t for i, t in enumerate(leaves) if i in positions and isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj if obj.requires_grad else None
@@ -733,15 +814,31 @@ def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
     return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
+@dataclass
+class _Calls:
+    """How the anchor step called each block (one entry per call), read with every block ``full``:
+    checkpointing changes neither whether a tensor needs a gradient nor which outputs receive one."""
+
+    input_grad: list[bool]  # the hidden input needed a gradient
+    output_grad: list[bool]  # some output needed a gradient (False: no gradient flows through the call)
+    grad_leaves: list[set[int]]  # positions (``tree_flatten``) of the output leaves that received one
+
+
 def _anchor(
     root: nn.Module, forward_fn: Callable[[], Any], order: list[str], externals: list[Any], device: torch.device
-) -> tuple[Any, int, tuple[int, int]]:
+) -> tuple[Any, int, tuple[int, int], _Calls]:
     """Forward+backward with every block ``full``, phase maxima recorded.
 
-    Returns the tracker, the resting level and the (total, activation) level when the forward returned.
+    Returns the tracker, the resting level, the (total, activation) level when the forward returned, and
+    how each block was called (``_Calls``).
     """
     n = len(order)
-    index = {fqn: i for i, fqn in enumerate(order)}
+    positions: dict[str, list[int]] = {}
+    for i, fqn in enumerate(order):
+        positions.setdefault(fqn, []).append(i)
+    seen: dict[str, int] = {}
+    running: dict[int, int] = {}  # id(module) -> the call index of its call in progress
+    calls = _Calls([False] * n, [False] * n, [set() for _ in range(n)])
     tracker = new_live_tracker(device, root)
     tracker.track_external(*externals)
     current = [("pre",)]
@@ -759,28 +856,42 @@ def _anchor(
 
         return hook
 
+    def leaf_marker(i: int, leaf: int) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            calls.grad_leaves[i].add(leaf)
+            enter(("bw", i))
+
+        return hook
+
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        i = index[fqn_of[id(module)]]
+        fqn = fqn_of[id(module)]
+        k = seen[fqn] = seen.get(fqn, -1) + 1
+        i = running[id(module)] = positions[fqn][min(k, len(positions[fqn]) - 1)]  # a shared block: its k-th call
         enter(("fwd", i))
         where = _hidden_index(args, kwargs)
         if where is not None:
             t = args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+            calls.input_grad[i] = t.requires_grad
             if t.requires_grad:
                 t.register_hook(grad_marker(("bw_gap", i)))
 
     def post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        i = index[fqn_of[id(module)]]
+        i = running[id(module)]
         enter(("fwd_gap", i))
-        t = _first_grad_tensor(out)
-        if t is not None:
-            t.register_hook(grad_marker(("bw", i)))
+        # Every output that needs a gradient starts the block's backward, not only the hidden state: an
+        # auxiliary loss (an MoE router's) reaches the block first when it is computed from the block's output,
+        # and under ``full`` its gradient recomputes the block right then.
+        for leaf, t in enumerate(tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                calls.output_grad[i] = True
+                t.register_hook(leaf_marker(i, leaf))
 
     fqn_of = {id(root.get_submodule(f)): f for f in order}
     plan = Plan({f: BlockPlan("full") for f in order})
     handle = apply_plan(root, plan, check_fingerprint=False)
     handles = []
     try:
-        for f in order:
+        for f in positions:
             m = root.get_submodule(f)
             handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
@@ -797,7 +908,7 @@ def _anchor(
         for h in handles:
             h.remove()
         handle.remove()
-    return tracker, resting, end_of_forward
+    return tracker, resting, end_of_forward, calls
 
 
 def _run_block(
@@ -819,8 +930,10 @@ def _run_block(
     try:
         with tracker:
             # A fresh non-leaf input, as in the chain: a leaf would be kept alive by its AccumulateGrad
-            # node, hiding whether the block itself saves its input.
-            seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
+            # node, hiding whether the block itself saves its input. When the step's input needed no
+            # gradient (frozen embeddings or frozen blocks before it) a plain copy: a frozen block then
+            # saves nothing, and a LoRA block only what its adapters need.
+            seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=cap.input_grad)
             base, base_act = tracker.now()
             x = hidden.detach() + seed
             in_bytes = tracker.now()[0] - base
@@ -832,8 +945,9 @@ def _run_block(
             tracker.enter_phase("fwd")
             with _autocast_as(cap.autocast):
                 out = cap.module(*args, **kwargs)
-                out_t = _first_grad_tensor(out)
+                out_t = _hidden_tensor(out)
                 out_bytes = tensor_bytes([out_t]) if out_t is not None else 0
+                backward_from = _backward_leaves(out, cap.grad_leaves)
                 in_context = tracker.now()[0]
             keep_with_input = tracker.enter_phase("after_fwd")[0] - base - out_bytes
             # Autocast caches the low-precision copies of the weights until the step's autocast region
@@ -841,13 +955,13 @@ def _run_block(
             cache = max(0, in_context - base - out_bytes - keep_with_input)
             del args, kwargs, x
             keep = tracker.now()[0] - base - out_bytes
-            if out_t is not None:
-                grad = torch.ones_like(out_t)
+            if backward_from:
+                grads = [torch.ones_like(t) for t in backward_from]
                 tracker.enter_phase("bw")
-                torch.autograd.backward([out_t], [grad])
-                del grad
+                torch.autograd.backward(backward_from, grads)
+                del grads
             bw_total, bw_act = tracker.phase_peaks.get("bw", tracker.phase_peaks["after_fwd"])
-            del out, out_t, seed
+            del out, out_t, backward_from, seed
         fw_total = tracker.phase_peaks["fwd"][0]
     finally:
         handle.remove()
@@ -936,23 +1050,34 @@ def profile_memory(
         # FSDP2 all-gathers a sharded block's parameters in its own forward hooks, which a segment's recompute
         # of several blocks as one function does not run: no segments over sharded blocks.
         unchained |= {s.fqn for s in stacks if any(is_fsdp_module(root.get_submodule(b.fqn)) for b in s.blocks)}
+        unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
         snapshot.restore()
-        tracker, resting, end_of_forward = _anchor(root, forward_fn, order, externals, dev)
+        tracker, resting, end_of_forward, calls = _anchor(root, forward_fn, order, externals, dev)
         snapshot.restore()
+        # One profile per representative and way of being called: a frozen block behind frozen embeddings
+        # saves nothing, its trainable twin later in the stack does; an MoE block's router loss adds a gradient.
+        call_rep, profiled = [], {}
+        for i, rep in enumerate(rep_of):
+            grad_leaves = tuple(sorted(calls.grad_leaves[i]))
+            key = rep + ("" if calls.input_grad[i] else " (input without gradient)")
+            key += "" if grad_leaves == (0,) else f" (gradient into outputs {list(grad_leaves)})"
+            if key not in profiled:
+                profiled[key] = dataclasses.replace(reps[rep], input_grad=calls.input_grad[i], grad_leaves=grad_leaves)
+            call_rep.append(key)
         overhead = reserve = 0
         if dev.type == "cuda":
             allocator_peak, resting, reserve = _cuda_allocator_anchor(root, forward_fn, order, dev)
             overhead = allocator_peak - tracker.total_peak
             snapshot.restore()
 
-        profiles, failed, in_bytes = _profile_blocks(root, reps, sets, externals, dev, snapshot)
+        profiles, failed, in_bytes = _profile_blocks(root, profiled, sets, externals, dev, snapshot)
     finally:
         snapshot.restore()
 
     rows = []
-    for fqn in order:
-        rep = rep_of[fqn]
-        prof = profiles[rep]
+    for fqn, key in zip(order, call_rep, strict=True):
+        rep = profiled[key].fqn
+        prof = profiles[key]
         full = prof["full"]
         transient = max(0, full.backward_peak_activation_bytes - full.keep_bytes - 2 * full.output_bytes)
         rows.append(
@@ -960,10 +1085,10 @@ def profile_memory(
                 fqn=fqn,
                 saved_bytes={k: p.keep_bytes for k, p in prof.items()},
                 recompute_transient_bytes=transient,
-                input_bytes=in_bytes[rep],
+                input_bytes=in_bytes[key],
                 shared_with=rep if rep != fqn else None,
                 profiles=dict(prof),
-                failed=dict(failed[rep]),
+                failed=dict(failed[key]),
             )
         )
     n = len(order)
@@ -975,6 +1100,9 @@ def profile_memory(
     # embeddings', head's and loss's (the last block's output included).
     other = max(0, end_of_forward[1] - sum(r.saved_bytes["full"] for r in rows))
     param_b, grad_b, opt_b, buf_b = _state_bytes(root, optimizer)
+    gradient_flows: dict[str, bool] = {}
+    for fqn, flows in zip(order, calls.output_grad, strict=True):
+        gradient_flows[fqn] = gradient_flows.get(fqn, False) or flows
     # All of each stack's blocks, run or not: apply_plan cuts segments over all of them.
     stack_map = {s.fqn: s.block_fqns for s in stacks}
     return MemoryModel(
@@ -993,7 +1121,8 @@ def profile_memory(
         anchor_peak_bytes=tracker.total_peak,
         anchor_activation_bytes=tracker.activation_peak,
         fingerprint=model_fingerprint(root),
-        idle_blocks=tuple(f for f in blocks.values() if f not in rep_of),
+        idle_blocks=tuple(f for f in blocks.values() if f not in order),
+        inert_blocks=tuple(f for f, flows in gradient_flows.items() if not flows),
         unchained_stacks=tuple(sorted(unchained)),
         reserve_overhead_bytes=max(0, reserve),
     )
@@ -1009,7 +1138,7 @@ def _profile_blocks(
     in_bytes: dict[str, int] = {}
     for fqn, cap in reps.items():
         keys = ["none", "full", "offload", *(f"ops:{name}" for name in SAVE_LISTS)]
-        keys += ["selective:" + ",".join(c) for c in sets.get(fqn, [])]
+        keys += ["selective:" + ",".join(c) for c in sets.get(cap.fqn, [])]
         profiles[fqn], failed[fqn] = {}, {}
         for key in keys:
             try:
@@ -1029,7 +1158,7 @@ def _profile_blocks(
 
 def _cuda_allocator_anchor(
     root: nn.Module, forward_fn: Callable[[], Any], order: list[str], device: torch.device
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """(max_memory_allocated, memory_allocated before, reserved-above-allocated peak) of the anchor step:
     the tracker-to-allocator offset, and the headroom a cap on reserved memory needs."""
     plan = Plan({f: BlockPlan("full") for f in order})

@@ -100,6 +100,13 @@ class ScaledMemoryModel:
     def can_run(self, plan: Plan) -> str | None:
         return self.large.can_run(plan)
 
+    @property
+    def inert_blocks(self) -> tuple[str, ...]:
+        return self.large.inert_blocks
+
+    def plannable_stacks(self, stacks: Any) -> Any:
+        return self.large.plannable_stacks(stacks)
+
     def table(self) -> str:
         return f"(scaled to micro-batch {self.size} from profiles at {self.small_size} and {self.large_size})\n" + (
             self.large.table()

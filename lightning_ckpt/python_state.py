@@ -38,8 +38,10 @@ __all__ = ["PythonState"]
 
 _ATOMS = (bool, int, float, complex, str, bytes, type(None))
 # nn.Module's own internals (tensors, submodules, hook tables: restored elsewhere or never changed by a step;
-# ``training`` is kept) and the forwards that plans install while trials run.
-_SKIP = frozenset(set(nn.Module().__dict__) - {"training"}) | {"forward", "_lightning_ckpt_prev_forward"}
+# ``training`` is kept) and the forwards (and the model's plan handle) that plans install while trials run.
+_SKIP = frozenset(set(nn.Module().__dict__) - {"training"}) | {
+    "forward", "_lightning_ckpt_prev_forward", "_lightning_ckpt_plan_handle",
+}  # fmt: skip
 # Objects of these libraries are machinery, not user state: a LightningModule holds its Trainer, whose flags
 # (a SIGTERM received during the search, say) must never be rolled back.
 _MACHINERY = ("lightning", "pytorch_lightning", "torch", "torchmetrics", "optuna", "lightning_ckpt")

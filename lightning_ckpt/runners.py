@@ -8,8 +8,9 @@ first; a runner for sharded models plugs in the same way.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -107,7 +108,8 @@ class EagerRunner:
         offload = h.device.type == "cuda" and any(bp.mode == "offload" for bp in plan.blocks.values())
         if offload:
             _reset_pinned_peak()
-        with plan_applied(h.root, plan, check_fingerprint=False):
+        with plan_applied(h.root, plan, check_fingerprint=False) as handle, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"lightning_ckpt: segments\[")  # reported as the trial's error
             m = measure_step(
                 h.train_step, model=h.root, optimizer=h.optimizer, warmup=warmup, steps=steps,
                 device=h.device, batch_size=h.batch_size, seq_len=h.seq_len, track_memory=memory,
@@ -117,7 +119,8 @@ class EagerRunner:
         steps = m.warmup_steps + len(m.step_seconds) + (1 if m.peak_bytes is not None else 0)
         # Offload trades device memory for pinned host memory: report it.
         extra = {"pinned_host_peak_bytes": _pinned_peak()} if offload else {}
-        return TrialOutcome.of(m, steps=steps, extra=extra)
+        outcome = TrialOutcome.of(m, steps=steps, extra=extra)
+        return _with_deviations(outcome, handle.deviations)
 
     def retime(self, plan: Plan, steps: int) -> Measurement:
         h = self.harness
@@ -128,6 +131,21 @@ class EagerRunner:
             )  # fmt: skip
 
 
+def _with_deviations(outcome: TrialOutcome, deviations: Mapping[str, str]) -> TrialOutcome:
+    """A trial whose segments left the chain in some step (the parent skipped blocks, e.g. LayerDrop) ran
+    those steps exactly but unsegmented, so its figures are not the plan's: it is ``invalid``, and
+    ``extra["unchained_stacks"]`` tells the study to offer no more segments over those stacks."""
+    if not deviations or outcome.status.failed:
+        return outcome
+    why = "; ".join(f"segments[{stack!r}]: {reason}" for stack, reason in sorted(deviations.items()))
+    error = (
+        f"{why}. The parent does not run these stacks as a chain on every step, so segments cannot hold their "
+        "memory there; per-block modes are searched instead."
+    )
+    extra = {**outcome.extra, "unchained_stacks": sorted(deviations)}
+    return replace(outcome, status=TrialStatus.INVALID, error=error, extra=extra)
+
+
 def _reset_pinned_peak() -> None:
     reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
     if reset is not None:
@@ -135,8 +153,9 @@ def _reset_pinned_peak() -> None:
 
 
 def _pinned_peak() -> int | None:
+    # active, not allocated: the host caching allocator counts blocks cached from earlier trials as allocated.
     stats = getattr(torch.cuda, "host_memory_stats", None)
-    return int(stats().get("allocated_bytes.peak", 0)) if stats is not None else None
+    return int(stats().get("active_bytes.peak", 0)) if stats is not None else None
 
 
 def release_cached_memory(device: torch.device) -> None:

@@ -212,6 +212,9 @@ class Study:
         self.samples_per_step = samples_per_step
         self.records: list[TrialRecord] = []
         self.by_key: dict[str, TrialRecord] = {}
+        # Stacks a trial saw leave the chain at run time (a parent that skips blocks on some batches only):
+        # segments over them are offered no more (see runners._with_deviations).
+        self.unchained: set[str] = set()
         self.exhaustive = len(self.candidates) <= config.n_trials  # every distinct plan can be measured
         self.started = time.perf_counter()
         self.tie_tolerance = config.tie_tolerance  # widened by confirm() when the leaders are statistically tied
@@ -260,7 +263,10 @@ class Study:
         """Prune or run one candidate on every rank, combine, record and report it. A plan measured again (the
         fallback measuring a pruned plan) replaces its record, so there is one record per plan."""
         local = self._trial(params, plan, label, baseline, prune)
-        trial = combine_trials(self.sync.all_gather(local), self.budget)
+        per_rank = self.sync.all_gather(local)
+        for t in per_rank:
+            self.unchained.update(t.extra.get("unchained_stacks", ()))
+        trial = combine_trials(per_rank, self.budget)
         earlier = self.by_key.get(trial.plan.key())
         if earlier is None:
             self.records.append(trial)
@@ -397,7 +403,7 @@ class Study:
         for cand in queue:
             if self._done():
                 return
-            if cand.plan.key() in self.by_key:
+            if cand.plan.key() in self.by_key or not self._offered(cand.plan):
                 continue
             record = yield cand.params, cand.plan, cand.label, cand.baseline
             self._sampler_study.add_trial(self._frozen(record))
@@ -406,7 +412,7 @@ class Study:
             ot = self._sampler_study.ask()
             params = self.space.suggest(ot, self.stacks)
             plan = self.space.plan_for(params, self.stacks, fingerprint=self.fingerprint)
-            if plan.key() not in self.by_key and (self.memory is None or self.memory.can_run(plan) is None):
+            if plan.key() not in self.by_key and self._offered(plan):
                 redraws = 0
                 record = yield params, plan, plan.describe(), None
                 state, value, constraints = _outcome(record, self.budget, for_sampler=True)
@@ -419,13 +425,19 @@ class Study:
             self._sampler_study.tell(ot, state=optuna.trial.TrialState.FAIL)
             redraws += 1
             if redraws >= _MAX_REDRAWS:
-                unseen = [c for c in self.candidates if c.plan.key() not in self.by_key]
+                unseen = [c for c in self.candidates if c.plan.key() not in self.by_key and self._offered(c.plan)]
                 if not unseen:
                     return
                 cand = unseen[self._rng.randrange(len(unseen))]
                 redraws = 0
                 record = yield cand.params, cand.plan, cand.label, cand.baseline
                 self._sampler_study.add_trial(self._frozen(record))
+
+    def _offered(self, plan: Plan) -> bool:
+        """Whether ``plan`` can run: the profile allows it, and no trial saw its segments leave the chain."""
+        if plan.segments.keys() & self.unchained:
+            return False
+        return self.memory is None or self.memory.can_run(plan) is None
 
     # -- the Optuna studies (rank 0) ---------------------------------------------------------------
     def _open_studies(self) -> None:

@@ -38,7 +38,7 @@ from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
 from lightning_ckpt.python_state import PythonState
 from lightning_ckpt.records import ProgressFn, TrialRecord, TrialStatus, TuneResult, choose_best
 from lightning_ckpt.runners import EagerRunner, TrialRunner, release_cached_memory
-from lightning_ckpt.space import Candidate
+from lightning_ckpt.space import Candidate, SearchSpace
 from lightning_ckpt.step import StepHarness
 from lightning_ckpt.study import SearchInterrupted, Study
 from lightning_ckpt.versions import require_torch
@@ -211,9 +211,10 @@ def _search(
     sync = sync or LocalSync()
     budget = sync.broadcast(budget or _resolve_budget(max_memory, activation_budget, memory, runner, resolved))
     warm_steps = _warm_up_process(harness, resolved, config, is_compiled)
+    stacks, candidates = _offered(space, resolved, memory_model)
     study = Study(
-        candidates=_runnable(space.enumerate(resolved.stacks, fingerprint=resolved.fingerprint), memory_model),
-        space=space, stacks=resolved.stacks, runner=runner, budget=budget, memory=memory, config=config,
+        candidates=candidates,
+        space=space, stacks=stacks, runner=runner, budget=budget, memory=memory, config=config,
         fingerprint=resolved.fingerprint, device_type=device.type, sync=sync, progress=progress,
         should_stop=should_stop, samples_per_step=harness.batch_size,
         run={"seq_len": seq_len, "device": _device_name(device), "compiled": is_compiled},
@@ -264,6 +265,22 @@ def _warm_up_process(harness: StepHarness, resolved: ResolvedModel, config: Tune
 def _device_name(device: torch.device) -> str:
     """The device as it bears on the figures (the model of GPU, not its index): part of a study's identity."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _offered(
+    space: SearchSpace, resolved: ResolvedModel, memory_model: Any
+) -> tuple[list[LayerStack], list[Candidate]]:
+    """The stacks the search plans over and its candidates: no mode on a block no gradient flows through
+    (frozen behind frozen layers: it saves nothing, checkpointing it only recomputes it), nothing the
+    profile shows cannot run. With no block left to plan, the one candidate is no checkpointing."""
+    inert = tuple(getattr(memory_model, "inert_blocks", ()))
+    stacks = memory_model.plannable_stacks(resolved.stacks) if inert else list(resolved.stacks)
+    if inert:
+        log.info("lightning_ckpt: no mode offered on blocks no gradient flows through: %s", ", ".join(inert))
+    if not stacks:  # the space needs a stack to be described over; it offers only its 'none' point here
+        none = Plan(name="none", fingerprint=resolved.fingerprint)
+        return list(resolved.stacks), [Candidate({"structure": "none"}, none, "baseline:none", baseline="none")]
+    return stacks, _runnable(space.enumerate(stacks, fingerprint=resolved.fingerprint), memory_model)
 
 
 def _runnable(candidates: Sequence[Candidate], memory_model: Any) -> list[Candidate]:

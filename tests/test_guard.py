@@ -182,3 +182,70 @@ def test_lower_memory_trial_picks_the_fastest_plan_expected_to_fit():
     assert lower_memory_trial(trials, Plan().key(), budget, excess=15).label == "b"  # a: 80 + 15 > 90
     assert lower_memory_trial(trials, Plan().key(), budget, excess=30).label == "c"
     assert lower_memory_trial(trials, Plan().key(), budget, excess=50) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# activation_budget: real steps are read as trials are (activation = what the step creates other than
+# gradients and optimizer state), on CPU and on CUDA.
+# ---------------------------------------------------------------------------------------------------
+def test_under_an_activation_budget_real_steps_read_the_trials_activation(tmp_path):
+    net = Net()
+    cb = ActivationCheckpointTuner(activation_budget=0.5, n_trials=6, measure_steps=1, search_space=SPACE,
+                                   verbose=False)  # fmt: skip
+    fit(tmp_path, [cb], net, steps=3)
+    trial = cb.result.best_trial.activation_bytes
+    assert [c.within_budget for c in cb.step_checks] == [True, True]
+    for check in cb.step_checks:  # Lightning runs the step inside optimizer.step(closure): still activation
+        assert check.activation_bytes == pytest.approx(trial, rel=0.02), (check.activation_bytes, trial)
+
+
+def test_under_an_activation_budget_a_later_batch_4x_longer_is_caught(tmp_path):
+    class Growing:
+        def __init__(self) -> None:
+            self.batches = [next(iter(loader(8, seq=8))), next(iter(loader(8, seq=8))), next(iter(loader(8, seq=32)))]
+
+        def __iter__(self):
+            return iter(self.batches)
+
+        def __len__(self) -> int:
+            return 3
+
+    cb = ActivationCheckpointTuner(activation_budget=0.5, n_trials=6, measure_steps=1, search_space=SPACE,
+                                   verbose=False, guard_steps=1, on_budget_exceeded="raise")  # fmt: skip
+    with pytest.raises(InfeasibleBudgetError, match=r"batch 8 x 32\) used .* of activation memory, over the budget"):
+        fit(tmp_path, [cb], Net(), steps=3, data=Growing())
+    assert [c.within_budget for c in cb.step_checks] == [True, True, False]
+
+
+def test_on_cuda_an_activation_reading_leaves_out_gradients_and_optimizer_state(monkeypatch):
+    # The allocator's peak - resting of a first real step also holds the new gradients (1x params) and AdamW's
+    # state (2x): a fake allocator reports exactly that, and the reading must still be the tracker's activation.
+    from lightning_ckpt import guard
+
+    counters = {"allocated": 0, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(guard, "new_live_tracker", lambda device, model, opt: new_live_tracker("cpu", model, opt))
+    net = Net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    params = sum(p.numel() * p.element_size() for p in net.parameters())
+    x, y = next(iter(loader()))
+
+    def step(reader, **kw):
+        counters["allocated"] = params
+        reader.start(net, [optimizer], (x, y), **kw)
+        optimizer.step(closure=lambda: net.training_step((x, y), 0).backward() or 0.0)
+        counters["peak"] = params * 4 + 1000  # params + grads + AdamW's two moments + temporaries
+        return reader.stop()
+
+    cpu_reading = step(guard.RealStepReader(torch.device("cpu")))  # the same step, read as on CPU
+    optimizer.zero_grad(set_to_none=True)
+    reader = guard.RealStepReader(torch.device("cuda", 0))
+    reading = step(reader)
+    assert reading.peak_bytes == params * 4 + 1000  # the peak is the allocator's
+    assert reading.activation_bytes == cpu_reading.activation_bytes > 0  # activation is the tracker's
+    assert reading.activation_bytes != reading.peak_bytes - reading.resting_bytes
+    optimizer.zero_grad(set_to_none=True)
+    assert step(reader, activation=False).activation_bytes is None  # a peak budget reads the allocator only
