@@ -18,6 +18,16 @@ from lightning_ckpt.testing import GPT, GPTConfig
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": ["none"], "segments": False}
 
 
+class _Calls:
+    """Every call to training_step, the search's included: an object without a ``__dict__``, which the search
+    leaves alone (it restores the module's plain attributes, such as an int counter, after every step)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 class Net(L.LightningModule):
     def __init__(
         self, *, raise_at_step: int | None = None, fail_from_call: int | None = None, skip_first: bool = False
@@ -26,11 +36,15 @@ class Net(L.LightningModule):
         torch.manual_seed(0)
         self.model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.1))
         self.raise_at_step, self.fail_from_call, self.skip_first = raise_at_step, fail_from_call, skip_first
-        self.calls = 0
+        self.all_calls = _Calls()
         self.batches_seen: list[int] = []
 
+    @property
+    def calls(self) -> int:
+        return self.all_calls.n
+
     def training_step(self, batch, batch_idx):
-        self.calls += 1
+        self.all_calls.n += 1
         if self.fail_from_call is not None and self.calls >= self.fail_from_call:
             raise ValueError("boom: a bug in the user's training_step")
         if self.raise_at_step is not None and self.trainer.global_step == self.raise_at_step:
@@ -105,7 +119,7 @@ def test_second_fit_with_the_same_callback_reapplies_without_searching(tmp_path)
 
 def test_when_every_trial_errors_the_error_is_surfaced_and_nothing_is_written_or_applied(tmp_path):
     path = tmp_path / "plan.json"
-    net = Net(fail_from_call=3)  # the profile's two forwards succeed; every trial after fails
+    net = Net(fail_from_call=4)  # the write check's and the profile's two forwards succeed; every trial after fails
     before = snapshot_model(net)
     with pytest.raises(TrialsFailedError) as info:
         trainer(tmp_path, tuner(plan_path=path)).fit(net, loader())
