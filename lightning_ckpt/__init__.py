@@ -21,6 +21,7 @@ from lightning_ckpt.errors import (
     DiscoveryError,
     LightningCkptError,
     PlanError,
+    PlanFileChangedError,
     StalePlanError,
     UnsupportedVersionError,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanHandle",
+    "PlanFileChangedError",
     "StalePlanError",
     "UnsupportedVersionError",
     "__version__",

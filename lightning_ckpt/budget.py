@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from lightning_ckpt.errors import ConfigurationError
 
-__all__ = ["Budget", "parse_bytes", "resolve_budget", "format_bytes"]
+if TYPE_CHECKING:
+    from lightning_ckpt.plan import Plan
+
+__all__ = ["Budget", "RequestedBudget", "parse_bytes", "resolve_budget", "format_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -93,6 +98,111 @@ class Budget:
                 "description": self.description}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class RequestedBudget:
+    """The budget a run asks for, parsed once from ``max_memory`` / ``activation_budget`` and compared by value:
+    ``"20GiB"``, ``"20 GiB"`` and ``21474836480`` are one request; a fraction is compared as a float.
+
+    Whether a saved plan may be reused, and what the CLI reports as a plan's request, are both decided on this
+    object, so the two can never disagree.
+    """
+
+    kind: Literal["default", "peak", "device_fraction", "activation"] = "default"
+    """``default``: nothing asked (on CUDA the memory available less 10%, elsewhere no limit); ``peak``: bytes
+    of peak memory; ``device_fraction``: a share of the CUDA device's memory; ``activation``: a share of the
+    no-checkpointing activation memory."""
+    value: int | float | None = None
+    """Bytes for ``peak`` (an int), the share in (0, 1] for the fractions (a float), None for ``default`` - and
+    for a saved budget that records its kind but not its size (a hand-edited plan file; see ``recorded``)."""
+    written: int | float | str | None = field(default=None, compare=False)
+    """The argument as the user wrote it (``"20GiB"``), for messages and plan files; not part of equality."""
+
+    @classmethod
+    def parse(
+        cls, max_memory: int | float | str | None = None, activation_budget: float | None = None
+    ) -> RequestedBudget:
+        """The request behind the callback's arguments; raises ``ConfigurationError`` for any budget
+        ``resolve_budget`` would refuse."""
+        validate_budget_args(max_memory, activation_budget)
+        if activation_budget is not None:
+            return cls("activation", float(activation_budget), activation_budget)
+        if max_memory is None:
+            return cls()
+        if _is_device_fraction(max_memory):
+            return cls("device_fraction", float(max_memory), max_memory)
+        return cls("peak", parse_bytes(max_memory), max_memory)
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> RequestedBudget | None:
+        """What ``plan`` was tuned for, from its ``metadata["budget"]``; None when it records no budget (a
+        hand-written plan), which is then not compared."""
+        return cls.from_saved(plan.metadata.get("budget"))
+
+    @classmethod
+    def from_saved(cls, saved: Mapping[str, Any] | None) -> RequestedBudget | None:
+        """The request a saved ``metadata["budget"]`` (``Budget.to_dict()`` plus the callback's ``requested``)
+        stands for; None when there is none or not even its kind can be read."""
+        if not saved:
+            return None
+        kind, fraction, limit = saved.get("kind"), saved.get("fraction"), saved.get("limit_bytes")
+        try:
+            if kind == "activation" and fraction is not None:
+                return cls.parse(activation_budget=fraction)
+            if kind != "activation" and "requested" in saved:  # the callback's: the max_memory argument as given
+                return cls.parse(saved["requested"])
+            # Written by tune() itself, which records only the resolved limit.
+            if kind == "none":
+                return cls()
+            if kind == "peak" and fraction is not None:
+                return cls.parse(float(fraction))
+            if kind == "peak" and limit is not None:
+                return cls.parse(limit)
+        except (ConfigurationError, TypeError, ValueError):
+            pass
+        return cls(kind) if kind in ("peak", "activation") else None  # its size is not recorded
+
+    @property
+    def recorded(self) -> bool:
+        """False for a saved budget whose size is not recorded: it equals no request, and is not adopted."""
+        return self.kind == "default" or self.value is not None
+
+    @property
+    def given(self) -> bool:
+        """Whether a budget was asked for at all."""
+        return self.kind != "default"
+
+    @property
+    def requested_max_memory(self) -> int | float | str | None:
+        """``max_memory`` as written, which plan files record as ``metadata["budget"]["requested"]``."""
+        return self._as_written() if self.kind in ("peak", "device_fraction") else None
+
+    def arguments(self) -> dict[str, Any]:
+        """``max_memory`` / ``activation_budget`` for ``resolve_budget`` and ``tune``."""
+        if self.kind == "activation":
+            return {"max_memory": None, "activation_budget": self.value}
+        return {"max_memory": self.value, "activation_budget": None}
+
+    def describe(self) -> str:
+        """How a user would write it, e.g. ``max_memory='20GiB' (20.0 GiB)`` or ``activation_budget=0.5``."""
+        if self.kind == "default":
+            return "no budget (the default)"
+        if self.value is None:
+            return f"a {self.kind} budget of unrecorded size"
+        if self.kind == "activation":
+            return f"activation_budget={self.value:g}"
+        if self.kind == "device_fraction":
+            return f"max_memory={self.value:g} ({self.value:.0%} of device memory)"
+        return f"max_memory={self._as_written()!r} ({format_bytes(self.value)})"
+
+    def _as_written(self) -> int | float | str | None:
+        return self.written if self.written is not None else self.value
+
+
+def _is_device_fraction(max_memory: object) -> bool:
+    """``max_memory=0.8`` is a share of the device; ``1`` (an int) is one byte, ``1.0`` the whole device."""
+    return isinstance(max_memory, float) and 0 < max_memory <= 1
+
+
 def cuda_available_bytes(device: torch.device) -> int:
     """What this process can allocate on ``device``: free memory plus what its own allocator already holds
     (other processes and contexts excluded), never above a cap set with ``set_per_process_memory_fraction``."""
@@ -119,7 +229,7 @@ def validate_budget_args(max_memory: int | float | str | None, activation_budget
             f"activation_budget is a fraction of the no-checkpointing activation memory in (0, 1], "
             f"but got {activation_budget!r}. Use e.g. activation_budget=0.5."
         )
-    if isinstance(max_memory, float) and 0 < max_memory <= 1:
+    if _is_device_fraction(max_memory):
         return  # a fraction of device memory; resolved against the device later
     if max_memory is not None and not isinstance(max_memory, (int, float, str)):
         raise ConfigurationError(
@@ -151,7 +261,7 @@ def resolve_budget(
             float(activation_budget),
             f"{activation_budget:.0%} of no-checkpointing activation memory ({format_bytes(limit)})",
         )
-    if isinstance(max_memory, float) and 0 < max_memory <= 1:
+    if _is_device_fraction(max_memory):
         if device.type != "cuda":
             raise ConfigurationError(
                 f"max_memory={max_memory} is a fraction of device memory, but the model is on {device.type}, which "

@@ -28,16 +28,22 @@ from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.apply import PlanHandle, apply_plan, existing_checkpointing
 from lightning_ckpt.baselines import uniform_plan
-from lightning_ckpt.budget import Budget, format_bytes, resolve_budget, validate_budget_args
+from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes, resolve_budget
 from lightning_ckpt.caches import disable_kv_cache
 from lightning_ckpt.compile import is_compiled, reset_compiled
 from lightning_ckpt.conditions import RunConditions
 from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
-from lightning_ckpt.errors import ApplyError, ConfigurationError, InfeasibleBudgetError, StalePlanError
+from lightning_ckpt.errors import (
+    ApplyError,
+    ConfigurationError,
+    InfeasibleBudgetError,
+    PlanFileChangedError,
+    StalePlanError,
+)
 from lightning_ckpt.guard import RealStepReader, StepCheck, lower_memory_trial
 from lightning_ckpt.measure import normalise_device
-from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint, plan_file_version
 from lightning_ckpt.python_state import PythonState
 from lightning_ckpt.records import TuneResult
 from lightning_ckpt.space import SearchSpace
@@ -57,9 +63,11 @@ class ActivationCheckpointTuner(Callback):
         max_memory: peak memory budget: bytes, a size string (``"20GiB"``) or a fraction of the CUDA
             device's memory (``0.8``). Default on CUDA: the memory available to this process less 10%.
         activation_budget: alternatively, a fraction of the no-checkpointing activation memory (``0.5``).
-        plan: a plan file (or ``Plan``) to apply without searching.
+        plan: a plan file (or ``Plan``) to apply without searching. Without ``max_memory`` or
+            ``activation_budget`` it keeps the budget it was tuned for (also when it is stale and re-tuned).
         plan_path: where to write the chosen plan (atomically; rank 0). If the file exists and was
-            tuned for this model and budget, it is reused without searching.
+            tuned for this model and budget, it is reused without searching. A file another run wrote
+            while this one tuned is kept, with a warning naming its plan.
         n_trials: most candidate plans to measure (baselines included); plans the memory model rules
             out without running do not count.
         timeout: most seconds to search; the best plan measured so far is chosen when it runs out.
@@ -72,7 +80,9 @@ class ActivationCheckpointTuner(Callback):
         warmup_steps: steps each trial runs before timing (compilation and allocator warm-up are not throughput).
         measure_steps: timed steps per trial; the median is the trial's figure.
         block_types: override block discovery (classes, class names or FQN patterns).
-        on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a plan file does not fit.
+        on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a reused plan (resumed
+            checkpoint, ``plan=``, plan file) was tuned for another model, budget or run conditions. Budgets
+            are compared by value (``"20GiB"`` is ``21474836480``); without a budget argument, the plan's own counts.
         on_infeasible: ``"fallback"`` (lowest-memory plan, with a warning) or ``"raise"`` when nothing fits.
         tie_tolerance: plans whose throughput is within this fraction of the fastest count as tied; a tie
             goes to the one using less memory.
@@ -128,7 +138,8 @@ class ActivationCheckpointTuner(Callback):
         guard_steps: int = 2,
         on_budget_exceeded: Literal["switch", "raise", "warn"] = "switch",
     ) -> None:
-        validate_budget_args(max_memory, activation_budget)
+        # Parsed once: every reuse decision compares this by value ("20GiB" is 21474836480).
+        self._requested = RequestedBudget.parse(max_memory, activation_budget)
         _check_types(plan=plan, plan_path=plan_path)  # the search settings are checked by TuneConfig
         # The search settings, validated once and handed as one object to tune() / tune_micro_batch().
         self.config = TuneConfig(
@@ -189,6 +200,9 @@ class ActivationCheckpointTuner(Callback):
         self._guard_left = 0
         self._checked_dims: tuple[int, int] = (0, 0)
         self._budget: Budget | None = None
+        self._search_budget = self._requested  # what a search in this fit tunes for (see _wanted_budget)
+        self._plan_file_version: str | None = None  # plan_path's content when last read or written here
+        self._plan_file_lost = False  # another run wrote plan_path meanwhile: never write over it this fit
         self._check_batch_of: Plan | None = None
         self._restore_cache: Any = None
         self._tuned_batch: Any = None
@@ -228,6 +242,10 @@ class ActivationCheckpointTuner(Callback):
         self._declared_in_logger = False  # this fit's logger run has no tuner HParams columns yet
         self.step_checks = []
         self._checked_dims = (0, 0)
+        self._search_budget = self._requested
+        self._plan_file_lost = False
+        # Read before the file is loaded: a save by another run after this point is then seen as a change.
+        self._plan_file_version = plan_file_version(self.plan_path) if self.plan_path is not None else None
         plan, source = self._plan_to_reuse(model)
         if trainer.world_size > 1:
             # Rank 0 decides (its plan file, its checkpoint state); a rank that decided differently
@@ -235,6 +253,7 @@ class ActivationCheckpointTuner(Callback):
             data = trainer.strategy.broadcast(plan.to_dict() if plan is not None else None, src=0)
             plan = Plan.from_dict(data, source="plan broadcast from rank 0") if data is not None else None
         if plan is not None:
+            wanted = self._search_budget = self._wanted_budget(plan)
             try:
                 changes = self._condition_changes(plan, trainer, pl_module, None)
                 if changes:
@@ -247,6 +266,13 @@ class ActivationCheckpointTuner(Callback):
                         f"The plan from {source} was tuned for another model (fingerprint {plan.fingerprint}; this "
                         f"model's is {fingerprint}: its module tree, parameter shapes or dtypes differ)."
                     )
+                saved = RequestedBudget.of_plan(plan)
+                # A budget saved without its size is compared only with one this run asks for.
+                if saved is not None and saved != wanted and (saved.recorded or self._requested.given):
+                    raise StalePlanError(
+                        f"The plan from {source} was tuned for {saved.describe()}, but this run asks for "
+                        f"{wanted.describe()}."
+                    )
                 if (plan.metadata.get("search") or {}).get("fell_back"):
                     _warn_each_fit(
                         f"lightning_ckpt: the plan from {source} was a fallback: when it was tuned no plan fitted the "
@@ -254,7 +280,7 @@ class ActivationCheckpointTuner(Callback):
                         "fit now either. Delete the plan file to search again, or raise the budget."
                     )
                 self._lock_in(model, plan, source=source, trainer=trainer)
-                self._budget = self._budget_of(plan, pl_module.device)
+                self._budget = self._budget_of(plan, wanted, pl_module.device)
                 self._check_batch_of = plan  # its batch shape is compared with the first batch's
                 if plan.metadata.get("micro_batch"):
                     self._set_micro_batch(trainer, pl_module, plan.metadata["micro_batch"])
@@ -264,7 +290,7 @@ class ActivationCheckpointTuner(Callback):
                     raise StalePlanError(
                         f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
                     ) from None
-                rank_zero_warn(f"{err} Re-tuning instead (on_stale_plan='retune').")
+                rank_zero_warn(f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').")
         self._check_tunable(pl_module)
         if trainer.is_global_zero:
             self._declare_hparams_table(trainer, pl_module)
@@ -284,7 +310,10 @@ class ActivationCheckpointTuner(Callback):
                 message = f"The applied plan was tuned for other batches: {'; '.join(changes)}."
                 if self.on_stale_plan == "raise":
                     raise StalePlanError(message + " Re-tune (on_stale_plan='retune') or delete the plan file.")
-                rank_zero_warn(f"lightning_ckpt: {message} Re-tuning on this batch (on_stale_plan='retune').")
+                rank_zero_warn(
+                    f"lightning_ckpt: {message} Re-tuning on this batch for {self._search_budget.describe()} "
+                    "(on_stale_plan='retune')."
+                )
                 self._unlock()
                 self._check_tunable(pl_module)
                 self._pending = True
@@ -318,6 +347,10 @@ class ActivationCheckpointTuner(Callback):
         reading = self._reader.stop() if self._reader is not None else None
         if reading is not None:
             self._judge_step(trainer, pl_module, reading, batch)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._reader is not None:  # the closure (forward, backward) is over: what follows is the optimizer's
+            self._reader.optimizer_update_starts()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # A failed or interrupted fit leaves the model as the user gave it (no instance forwards, HF cache
@@ -366,14 +399,13 @@ class ActivationCheckpointTuner(Callback):
     def _reusable_plan_file(self, model: torch.nn.Module) -> Plan | None:
         if self.plan_path is None or not self.plan_path.exists():
             return None
-        plan = Plan.load(self.plan_path)
-        budget = plan.metadata.get("budget", {})
-        wanted = (self.activation_budget, self.max_memory)
-        saved = (budget.get("fraction") if budget.get("kind") == "activation" else None, budget.get("requested"))
-        if wanted != saved and budget:
-            rank_zero_info(f"lightning_ckpt: {self.plan_path} was tuned for another budget; searching again.")
-            return None
-        return plan
+        return Plan.load(self.plan_path)  # its budget, conditions and fingerprint are checked in on_fit_start
+
+    def _wanted_budget(self, plan: Plan) -> RequestedBudget:
+        """The budget a reused ``plan`` must have been tuned for, and a re-tune tunes for: this callback's, or
+        when it was given none, the plan's own (a plan applied as it was saved keeps its budget)."""
+        saved = RequestedBudget.of_plan(plan)
+        return saved if not self._requested.given and saved is not None and saved.recorded else self._requested
 
     def _check_tunable(self, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -405,13 +437,14 @@ class ActivationCheckpointTuner(Callback):
                 saved.pop("batch_size", None)
         return self._conditions(trainer, pl_module, batch).changes_from(saved, include_batch=batch is not None)
 
-    def _budget_of(self, plan: Plan, device: torch.device) -> Budget | None:
-        """The budget a reused plan is guarded against: this run's, or the saved one for an activation budget."""
-        saved = plan.metadata.get("budget") or {}
-        if self.activation_budget is not None:
-            limit = saved.get("limit_bytes") if saved.get("kind") == "activation" else None
-            return Budget("activation", limit, self.activation_budget, saved.get("description", "")) if limit else None
-        return resolve_budget(self.max_memory, None, device=normalise_device(device))
+    def _budget_of(self, plan: Plan, wanted: RequestedBudget, device: torch.device) -> Budget | None:
+        """The budget a reused plan is guarded against: ``wanted``, resolved for this device. A share of activation
+        memory needs the no-checkpointing figure, known only from the plan's own record of that budget."""
+        if wanted.kind == "activation":
+            saved = plan.metadata.get("budget") or {}
+            limit = saved.get("limit_bytes") if RequestedBudget.of_plan(plan) == wanted else None
+            return Budget("activation", limit, wanted.value, saved.get("description", "")) if limit else None
+        return resolve_budget(**wanted.arguments(), device=normalise_device(device))
 
     def _unlock(self) -> None:
         if self._handle is not None:
@@ -460,7 +493,9 @@ class ActivationCheckpointTuner(Callback):
             self._guard_left = 0  # the CPU tracker cannot see inside compiled kernels: nothing honest to read
             rank_zero_info("lightning_ckpt: real steps are not checked against the budget under torch.compile on CPU.")
             return
-        self._reader.start(pl_module, list(trainer.optimizers), tuple(_tensors(batch)))
+        self._reader.start(
+            pl_module, list(trainer.optimizers), tuple(_tensors(batch)), activation=self._budget.kind == "activation"
+        )
 
     def _judge_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reading: Any, batch: Any) -> None:
         budget = self._budget
@@ -468,7 +503,8 @@ class ActivationCheckpointTuner(Callback):
         peak, act = reading.peak_bytes, reading.activation_bytes
         if trainer.world_size > 1:  # the budget holds on every rank: judge the worst one, identically everywhere
             gathered = _StrategySync(trainer.strategy).all_gather((peak, act))
-            peak, act = max(g[0] for g in gathered), max(g[1] for g in gathered)
+            peak = max(g[0] for g in gathered)
+            act = max((g[1] for g in gathered if g[1] is not None), default=None)
         dims = _batch_dims(batch)
         fits = budget.fits(peak, act)
         self._guard_left -= 1
@@ -526,7 +562,28 @@ class ActivationCheckpointTuner(Callback):
             return
         self.plan = self.plan.with_metadata(real_steps=[c.to_dict() for c in self.step_checks])
         if self.plan_path is not None:
-            self.plan.save(self.plan_path)
+            self._save_plan_file(self.plan)
+
+    def _save_plan_file(self, plan: Plan) -> bool:
+        """Write ``plan_path`` unless another run wrote it since this fit read it (or this run last wrote it): two
+        runs tuning into one file must not both believe their plan is there. The one that finds the file
+        changed keeps the other's plan, trains with its own and says so."""
+        assert self.plan_path is not None
+        if self._plan_file_lost:
+            return False
+        try:
+            plan.save(self.plan_path, unchanged_since=self._plan_file_version)
+        except PlanFileChangedError as err:
+            self._plan_file_lost = True
+            _warn_each_fit(
+                f"lightning_ckpt: {self.plan_path} was written by another run while this one was tuning: it now "
+                f"holds {err.held}, which is kept. This run trains with its own plan {plan.describe()} (digest "
+                f"{plan.digest()}), which was not saved. Give each run its own plan_path, or tune once and pass "
+                "the file to the other runs as plan=."
+            )
+            return False
+        self._plan_file_version = plan.file_version()
+        return True
 
     def _search(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module, batch: Any, batch_idx: int
@@ -547,8 +604,8 @@ class ActivationCheckpointTuner(Callback):
             warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
             _fill_grads(pl_module)
             result = tune(
-                model, forward, optimizer=optimizer, max_memory=self.max_memory,
-                activation_budget=self.activation_budget, config=self.config, batch_size=batch_size, seq_len=seq_len,
+                model, forward, optimizer=optimizer, **self._search_budget.arguments(), config=self.config,
+                batch_size=batch_size, seq_len=seq_len,
                 progress=progress, extra_tensors=tuple(_tensors(batch)),
                 should_stop=lambda: bool(getattr(trainer, "received_sigterm", False)),
                 sync=_StrategySync(trainer.strategy) if trainer.world_size > 1 else None,
@@ -604,8 +661,8 @@ class ActivationCheckpointTuner(Callback):
         with self._searching(trainer, progress), _sandbox(pl_module):
             _fill_grads(pl_module)
             found = tune_micro_batch(
-                model, loss_fn_for, base_micro_batch=base, global_batch=global_batch, max_memory=self.max_memory,
-                activation_budget=self.activation_budget, progress=progress,
+                model, loss_fn_for, base_micro_batch=base, global_batch=global_batch,
+                **self._search_budget.arguments(), progress=progress,
                 extra_for=lambda m: tuple(_tensors(resize_batch(batch, base, m))),
                 optimizer=trainer.optimizers[0] if trainer.optimizers else None,
                 config=replace(self.config, confirm_rounds=3),
@@ -741,13 +798,12 @@ class ActivationCheckpointTuner(Callback):
         from lightning_ckpt import report
 
         plan = result.best.with_metadata(
-            budget={**result.budget.to_dict(), "requested": self.max_memory},
+            budget={**result.budget.to_dict(), "requested": self._search_budget.requested_max_memory},
             conditions=self._conditions(trainer, trainer.lightning_module, self._tuned_batch).to_dict(),
         )
         self.plan = plan
         if self.plan_path is not None:
-            plan.save(self.plan_path)
-            self.wrote_plan_file = True
+            self.wrote_plan_file = self._save_plan_file(plan)
         writer = self._writer(trainer)
         log_dir = report.write_tensorboard(
             writer, result, log_trials=False, write_experiment_summary=not self._declared_in_logger,
@@ -760,7 +816,12 @@ class ActivationCheckpointTuner(Callback):
             rank_zero_warn(warning)
         if self.verbose:
             rank_zero_info(report.summary_table(result))
-        where = [f"plan saved to {self.plan_path}"] if self.plan_path is not None else []
+        where = []
+        if self.plan_path is not None:
+            where.append(
+                f"plan saved to {self.plan_path}" if self.wrote_plan_file
+                else f"plan not saved: {self.plan_path} holds another run's plan"
+            )  # fmt: skip
         tb = self._tensorboard_logger(trainer) if self.log_dir is None else None
         where.append(f"view it: tensorboard --logdir {tb.root_dir if tb is not None else log_dir}")
         if result.study_name is not None:

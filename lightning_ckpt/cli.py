@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ckpt import __version__
-from lightning_ckpt.budget import format_bytes, parse_bytes
+from lightning_ckpt.budget import RequestedBudget, format_bytes
 from lightning_ckpt.errors import LightningCkptError
 from lightning_ckpt.plan import BlockPlan, Plan, closest_names, library_versions, model_fingerprint
 from lightning_ckpt.records import TrialStatus
@@ -102,11 +102,10 @@ def _number(x: Any) -> int | float | None:
 
 
 def _requested_value(requested: Any) -> Any:
-    """The user's max_memory as a value: "20GiB" and 21474836480 are the same request; 0.8 stays a fraction."""
-    if requested is None or (isinstance(requested, float) and 0 < requested <= 1):
-        return requested
+    """The user's max_memory as a value: "20GiB" and 21474836480 are the same request; 0.8 stays a fraction.
+    Parsed as the callback parses it when it decides whether a plan may be reused (``RequestedBudget``)."""
     try:
-        return parse_bytes(requested)
+        return RequestedBudget.parse(requested).value
     except LightningCkptError:
         return requested  # not a size: compared as written
 

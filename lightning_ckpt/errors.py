@@ -20,6 +20,18 @@ class PlanError(LightningCkptError):
     """A plan is malformed, from an unknown schema, or does not fit the model it is applied to."""
 
 
+class PlanFileChangedError(PlanError):
+    """A plan file changed on disk since this process last read or wrote it (another run saved to it), so a save
+    that would have overwritten it wrote nothing.
+
+    ``current`` is the plan the file holds now (None when it is not a readable plan); ``held`` says so in words.
+    """
+
+    def __init__(self, message: str, *, path: str, current: object = None, held: str = "") -> None:
+        super().__init__(message)
+        self.path, self.current, self.held = path, current, held
+
+
 class StalePlanError(PlanError):
     """A plan was tuned for a different model (fingerprint mismatch)."""
 

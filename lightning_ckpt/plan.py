@@ -13,6 +13,7 @@ with one ``PlanError`` that names the file, the field, what was found and what i
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import hashlib
@@ -20,7 +21,7 @@ import json
 import os
 import secrets
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.errors import PlanError, StalePlanError
+from lightning_ckpt.errors import PlanError, PlanFileChangedError, StalePlanError
 from lightning_ckpt.policies import get_save_list
 
 __all__ = [
@@ -40,7 +41,10 @@ __all__ = [
     "model_fingerprint",
     "library_versions",
     "plan_schema",
+    "plan_file_version",
 ]
+
+_ANY_VERSION = object()  # Plan.save without unchanged_since: write whatever the file holds
 
 # Version 2 added ``compile_memory_budget``. A plan is written with the lowest version that can hold it
 # (1 unless it sets a compile memory budget), so plans that do not use the new field stay readable by
@@ -242,35 +246,48 @@ class Plan:
         except PlanError as err:
             raise PlanError(f"{source}: {err}") from None
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
+    def save(self, path: str | os.PathLike[str], *, unchanged_since: str | None | object = _ANY_VERSION) -> Path:
         """Write atomically: a crash or a full disk leaves any previous plan file intact.
 
         The text goes to a temporary file beside the target, which then replaces it. The file ends
         with the permissions it would have had if written in place: a new file gets what ``open()``
         gives (``0o666`` less the umask; ``tempfile``'s ``0o600`` would hide a shared plan from the
         team), a replaced file keeps its own mode, and a symlink keeps pointing at the file it names.
+
+        ``unchanged_since``: the file's ``plan_file_version`` when the caller last read or wrote it (None: there
+        was no file). If the file now holds anything else - another run saved its plan there meanwhile - nothing
+        is written and ``PlanFileChangedError`` names the plan it holds. (A file deleted since holds no plan to
+        lose, and is written.) The check and the replacement run under a lock on the file's directory, so of
+        two processes saving at once one writes and the other finds the file changed.
         """
         path = Path(path)
-        text = self.to_json()
+        data = self.to_json().encode("utf-8")
         target = path.resolve() if path.is_symlink() else path
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            keep_mode: int | None = stat.S_IMODE(target.stat().st_mode)
-        except FileNotFoundError:
-            keep_mode = None
-        fd, tmp = _create_beside(target)
-        try:
-            with os.fdopen(fd, "w") as f:
-                if keep_mode is not None:
-                    os.fchmod(f.fileno(), keep_mode)
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with _directory_lock(target.parent):
+            if unchanged_since is not _ANY_VERSION:
+                _refuse_if_changed(target, unchanged_since)
+            try:
+                keep_mode: int | None = stat.S_IMODE(target.stat().st_mode)
+            except FileNotFoundError:
+                keep_mode = None
+            fd, tmp = _create_beside(target)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    if keep_mode is not None:
+                        os.fchmod(f.fileno(), keep_mode)
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
         return path
+
+    def file_version(self) -> str:
+        """The ``plan_file_version`` of a file this plan was just saved to."""
+        return _version(self.to_json().encode("utf-8"))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
@@ -328,6 +345,60 @@ class Plan:
                 f"but this model's fingerprint is {actual} (module tree, parameter shapes or dtypes differ). "
                 "Re-tune for this model, or pass check_fingerprint=False if you know the plan still fits."
             )
+
+
+def plan_file_version(path: str | os.PathLike[str]) -> str | None:
+    """A digest of the file's bytes, None when there is no file: what ``Plan.save(unchanged_since=...)`` compares.
+    Read it before loading the plan, so a change in between shows up as a change."""
+    try:
+        return _version(Path(path).read_bytes())
+    except FileNotFoundError:
+        return None
+
+
+def _version(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the directory itself, so no lock file is left beside the plan. Where there is no
+    flock (Windows) or the file system refuses it (some network mounts) the save runs unlocked: the check in
+    ``_refuse_if_changed`` still catches any save that is not simultaneous."""
+    try:
+        import fcntl
+
+        fd = os.open(directory, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _refuse_if_changed(target: Path, expected: str | None) -> None:
+    found = plan_file_version(target)
+    if found is None or found == expected:
+        return
+    try:
+        current: Plan | None = Plan.load(target)
+    except PlanError:
+        current = None
+    if current is None:
+        held = "a file that is not a readable plan"
+    else:
+        named = f" {current.name!r}" if current.name else ""
+        held = f"plan{named} {current.describe()} (digest {current.digest()})"
+    raise PlanFileChangedError(
+        f"Plan file {str(target)!r} changed since this process last read or wrote it (another run saved to it "
+        f"meanwhile): it now holds {held}. Nothing was written, so that plan is kept. Give each run its own plan "
+        "file, or load this one again before saving over it.",
+        path=str(target), current=current, held=held,
+    )  # fmt: skip
 
 
 def _create_beside(target: Path) -> tuple[int, str]:
