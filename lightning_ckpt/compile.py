@@ -364,6 +364,7 @@ class CompiledTrials:
         self.regions = regions
         self.allow_graph_breaks = allow_graph_breaks
         self.memory_limit_bytes: int | None = None
+        self.reserve_headroom_bytes = 0  # the CUDA cap's headroom for the allocator's reserve (set by tune)
         self.reference: CompileStats | None = None
         self._cache: dict[str, CompiledMeasurement] = {}
 
@@ -481,6 +482,7 @@ class CompiledTrials:
                     steps=steps or self.measure_steps, device=self.device, batch_size=self.batch_size, seq_len=self.seq_len,
                     track_memory=is_cuda, count_flops=False, extra=self.extra,
                     memory_limit_bytes=self.memory_limit_bytes if is_cuda else None,
+                    reserve_headroom_bytes=self.reserve_headroom_bytes,
                 )  # fmt: skip
                 recompiles = recompile_count()  # before the memory pass, which must not count
                 if m.ok and memory:

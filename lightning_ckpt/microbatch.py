@@ -97,6 +97,13 @@ class ScaledMemoryModel:
     def predict_activation(self, plan: Plan) -> int:
         return self._scale(self.small.predict_activation(plan), self.large.predict_activation(plan))
 
+    @property
+    def reserve_overhead_bytes(self) -> int:
+        """The allocator's reserve above allocated memory (CUDA), scaled like the peak: the cap's headroom."""
+        small = getattr(self.small, "reserve_overhead_bytes", 0)
+        large = getattr(self.large, "reserve_overhead_bytes", 0)
+        return max(0, self._scale(small, large))
+
     def can_run(self, plan: Plan) -> str | None:
         return self.large.can_run(plan)
 

@@ -67,6 +67,7 @@ class TrialRunner(Protocol):
 
     predicts_memory: bool  # the memory model's predictions hold for this runner's steps
     collective_steps: bool  # a step runs collectives (FSDP2): a failure on one rank leaves the others waiting
+    reserve_headroom_bytes: int  # added to the CUDA cap for the allocator's reserve (the profile measures it)
 
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
         """Run ``plan`` (warm-up, timed steps; the memory pass unless ``memory=False``), ``memory_limit``

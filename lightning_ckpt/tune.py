@@ -200,8 +200,8 @@ def _search(
             memory_model = profile_memory(
                 resolved.root, step_fn, stacks=resolved.stacks, optimizer=optimizer, extra=harness.extra
             )
-    if isinstance(runner, EagerRunner):  # the CUDA cap's headroom for the allocator's reserve, measured by the profile
-        runner.reserve_headroom_bytes = getattr(memory_model, "reserve_overhead_bytes", 0)
+    # The CUDA cap's headroom for the allocator's reserve, measured by the profile: eager and compiled trials alike.
+    runner.reserve_headroom_bytes = getattr(memory_model, "reserve_overhead_bytes", 0)
     space = config.search_space.for_device(device.type)
     if is_compiled:
         space = runner.adapt(space)

@@ -389,3 +389,48 @@ def test_cuda_graphs_are_refused_before_any_trial_with_the_modes_that_work(where
     assert not uses_cuda_graphs(torch.compile(GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32))))
     with pytest.raises(ConfigurationError, match=r"reduce-overhead.*mode='max-autotune-no-cudagraphs'"):
         compiled_search(compiled, harness=None, compiled=None, allow_graph_breaks=False)
+
+
+def test_compiled_trials_cap_the_allocator_with_the_profiles_reserve_headroom(monkeypatch):
+    # The cap sits on *reserved* CUDA bytes while the budget is judged on allocated bytes: without the
+    # headroom the profile measured, a compiled plan within the fragmentation margin would fail as an OOM.
+    import importlib
+
+    from lightning_ckpt import compile as compile_module
+
+    tune_module = importlib.import_module("lightning_ckpt.tune")
+    seen = []
+    real_measure, real_profile = compile_module.measure_step, tune_module.profile_memory
+
+    def measure(*args, **kwargs):
+        seen.append(kwargs.get("reserve_headroom_bytes"))
+        return real_measure(*args, **kwargs)
+
+    class WithReserve:
+        reserve_overhead_bytes = 4096
+
+        def __init__(self, model):
+            self._model = model
+
+        def __getattr__(self, name):
+            return getattr(self._model, name)
+
+    monkeypatch.setattr(compile_module, "measure_step", measure)
+    monkeypatch.setattr(tune_module, "profile_memory", lambda *a, **k: WithReserve(real_profile(*a, **k)))
+    model = tiny_gpt()
+    compiled = torch.compile(model, backend="eager")
+    x = tokens()
+    space = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False, "baselines": False}
+    tune(compiled, lambda: compiled(x, x), n_trials=2, search_space=space, measure_steps=1, batch_size=4,
+         confirm_rounds=1)  # fmt: skip
+    assert seen and set(seen) == {4096}
+
+
+def test_the_micro_batch_models_reserve_scales_with_the_micro_batch():
+    from types import SimpleNamespace
+
+    from lightning_ckpt.microbatch import ScaledMemoryModel
+
+    small, large = SimpleNamespace(reserve_overhead_bytes=100), SimpleNamespace(reserve_overhead_bytes=200)
+    assert ScaledMemoryModel(small, large, 2, 4, 8).reserve_overhead_bytes == 400
+    assert ScaledMemoryModel(SimpleNamespace(), SimpleNamespace(), 2, 4, 8).reserve_overhead_bytes == 0
