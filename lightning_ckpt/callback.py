@@ -42,7 +42,7 @@ from lightning_ckpt.errors import (
     StalePlanError,
 )
 from lightning_ckpt.guard import RealStepReader, StepCheck, lower_memory_trial
-from lightning_ckpt.measure import normalise_device
+from lightning_ckpt.measure import mark_zero_grad, normalise_device
 from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint, plan_file_version
 from lightning_ckpt.python_state import PythonState
 from lightning_ckpt.records import TuneResult
@@ -969,6 +969,7 @@ def _fill_grads(pl_module: pl.LightningModule) -> None:
     for p in pl_module.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
+            mark_zero_grad(p.grad)  # trials' snapshots then restore zeros instead of copying to host and back
 
 
 def _zero_grad_fn(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, batch_idx: int) -> Any:

@@ -51,6 +51,7 @@ __all__ = [
     "fsdp_root",
     "is_fsdp_module",
     "is_out_of_memory",
+    "mark_zero_grad",
     "local_tensor",
     "model_device",
     "normalise_device",
@@ -376,13 +377,16 @@ class StateSnapshot:
         self._rng: dict[str, Any] = {}
         # (parameter, weak reference to its .grad, host copy): a strong reference would keep a gradient the
         # step frees (Lightning's zero_grad between forward and backward) alive, and in the measurement.
-        self._grads: list[tuple[nn.Parameter, weakref.ref[torch.Tensor] | None, torch.Tensor | None]] = []
+        self._grads: list[tuple[nn.Parameter, weakref.ref[torch.Tensor] | None, Any]] = []  # copy, None or _ZERO
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._param_versions: list[tuple[str, nn.Parameter, int]] = []
         self._written: list[tuple[nn.Parameter, torch.Tensor]] = []  # parameters the forward writes, host copies
 
     @classmethod
     def capture(cls, model: nn.Module) -> StateSnapshot:
+        """Copies of what a step may change; gradients marked by ``mark_zero_grad`` (and unchanged since) are
+        recorded as zeros instead of copied (the callback's trials start from such gradients: on a 7B model a
+        host copy of them is tens of GB per rank and seconds per trial)."""
         snap = cls()
         snap._rng = _rng_state()
         seen: set[int] = set()
@@ -391,7 +395,7 @@ class StateSnapshot:
                 continue
             seen.add(id(p))
             g = p.grad
-            copy = g.detach().to("cpu", copy=True) if g is not None else None
+            copy = None if g is None else _ZERO if _is_known_zero(g) else g.detach().to("cpu", copy=True)
             snap._grads.append((p, weakref.ref(g) if g is not None else None, copy))
             if getattr(p, WRITTEN_IN_FORWARD, False):
                 snap._written.append((p, p.detach().to("cpu", copy=True)))
@@ -414,6 +418,15 @@ class StateSnapshot:
                 p.grad = None
                 continue
             g = ref()
+            if copy is _ZERO:
+                if g is None:  # freed by the step
+                    g = torch.zeros_like(p)
+                else:
+                    with torch.no_grad():
+                        g.zero_()
+                p.grad = g
+                mark_zero_grad(g)
+                continue
             if g is None:  # freed by the step: a fresh tensor with the captured values
                 p.grad = copy.to(device=p.device)
                 continue
@@ -440,6 +453,33 @@ class StateSnapshot:
     def changed_parameters(self) -> list[str]:
         """Names of parameters modified in place since the snapshot (e.g. by an optimizer step)."""
         return [name for name, p, version in self._param_versions if p._version != version]
+
+
+# Gradients known to hold zeros, with the version counter they had then: a snapshot records such a gradient
+# without copying it and restores it with ``zero_()``. An in-place change moves the counter and ends the mark.
+_ZERO = object()
+_KNOWN_ZERO: Any = None
+
+
+def mark_zero_grad(grad: torch.Tensor) -> None:
+    """Declare that ``grad`` holds zeros now (e.g. made by ``torch.zeros_like``), so snapshots need not copy it."""
+    global _KNOWN_ZERO
+    if _KNOWN_ZERO is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _KNOWN_ZERO = WeakIdKeyDictionary()
+    _KNOWN_ZERO[grad] = _version_of(grad)
+
+
+def _is_known_zero(grad: torch.Tensor) -> bool:
+    return _KNOWN_ZERO is not None and grad in _KNOWN_ZERO and _KNOWN_ZERO[grad] == _version_of(grad)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
 
 
 # A parameter the model's forward writes in place is marked with this attribute by

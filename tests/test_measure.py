@@ -431,3 +431,25 @@ def test_an_unrelated_error_stays_an_error():
     from lightning_ckpt.measure import classify_failure
 
     assert classify_failure(RuntimeError("shape mismatch"))[0] == "error"
+
+
+def test_gradients_marked_zero_are_restored_without_a_host_copy():
+    from lightning_ckpt.measure import _ZERO, StateSnapshot, mark_zero_grad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    w, b = model[0].weight, model[0].bias
+    w.grad = torch.zeros_like(w)
+    mark_zero_grad(w.grad)
+    b.grad = torch.zeros_like(b)
+    mark_zero_grad(b.grad)
+    b.grad.add_(1.0)  # changed since it was marked: copied like any gradient
+    snap = StateSnapshot.capture(model)
+    copies = {id(p): copy for p, _, copy in snap._grads}
+    assert copies[id(w)] is _ZERO and copies[id(b)] is not _ZERO and copies[id(model[1].weight)] is None
+    model(torch.randn(2, 4)).sum().backward()  # accumulates into every gradient
+    snap.reset_grads()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.ones_like(b))
+    assert model[1].weight.grad is None
+    again = StateSnapshot.capture(model)  # still known to be zeros after the reset
+    assert next(c for p, _, c in again._grads if p is w) is _ZERO
