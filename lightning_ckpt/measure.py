@@ -67,7 +67,9 @@ __all__ = [
 ]
 
 # The measurement's part of the status vocabulary (records.TrialStatus owns it).
-MEASUREMENT_STATUSES = tuple(s.value for s in (TrialStatus.OK, TrialStatus.OOM, TrialStatus.INVALID, TrialStatus.ERROR))
+MEASUREMENT_STATUSES = tuple(
+    s.value for s in (TrialStatus.OK, TrialStatus.OVER_BUDGET, TrialStatus.OOM, TrialStatus.INVALID, TrialStatus.ERROR)
+)
 
 # Messages of CPU allocation failures (c10/core/impl/alloc_cpu.cpp and friends). CPU OOM surfaces as a
 # plain RuntimeError, so the message is the only way to tell it from a bug.
@@ -581,7 +583,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, (torch.OutOfMemoryError, MemoryError, _BudgetExceeded)):
+        if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
             return True
         if isinstance(current, RuntimeError) and any(m in str(current) for m in _OOM_MESSAGES):
             return True
@@ -619,7 +621,8 @@ def release_memory(device: torch.device) -> None:
 class Measurement:
     """The outcome of measuring one training-step callable (one candidate plan).
 
-    status: ``ok`` | ``oom`` (out of memory, or over ``memory_limit_bytes``) | ``invalid`` (a
+    status: ``ok`` | ``over_budget`` (the step completed above ``memory_limit_bytes``: peak and activation
+    hold what it reached, there are no timings) | ``oom`` (out of memory) | ``invalid`` (a
     ``CheckpointError``, ``PlanError`` or ``ApplyError``: the plan cannot run on this model) |
     ``error`` (anything else; ``error`` holds the exception type and message).
     step_seconds: wall time of each timed step, warm-up excluded; empty unless status is ``ok``.
@@ -825,7 +828,8 @@ def measure_step(
     ``torch.cuda.set_per_process_memory_fraction`` (never above a cap already set, plus
     ``reserve_headroom_bytes`` for the allocator's reserve; the previous cap is restored), so a plan over
     budget fails with an OOM instead of passing by luck; on CPU by comparing the tracked peak with
-    the limit (needs ``track_memory``). Either way the result is status ``oom``.
+    the limit (needs ``track_memory``). A step that runs out of memory under the cap is ``oom``; one that
+    completes above the limit (CPU, or on CUDA between the limit and the cap) is ``over_budget``.
 
     Failures never escape as exceptions (except ``BaseException``s such as ``KeyboardInterrupt``,
     which are re-raised after restoring state); see ``Measurement`` for the statuses. Memory of a
@@ -845,6 +849,7 @@ def measure_step(
     reading: MemoryReading | None = None
     flops: tuple[int, int] | None = None
     failure: tuple[str, ...] | None = None
+    over_budget: str | None = None
     try:
         with _enforced_memory_limit(device, memory_limit_bytes, reserve_headroom_bytes):
             if track_memory:
@@ -875,6 +880,11 @@ def measure_step(
                 with counter:
                     step_fn()
                 flops = (counter.recompute_flops, counter.get_total_flops())
+    except _BudgetExceeded as exc:
+        # The step completed, above the limit but within the cap: a measured verdict, not an OOM. As an OOM it
+        # would end a sharded (FSDP2) search on this rank alone while the other ranks wait in a collective;
+        # as ``over_budget`` every rank records the trial and the ranks' worst status is the trial's.
+        over_budget = str(exc)
     except Exception as exc:  # BaseException (KeyboardInterrupt, SystemExit) propagates, state restored below
         failure = classify_failure(exc)
         if failure[0] == "error":  # a bug, not a verdict on the plan: keep where it happened for the user
@@ -898,6 +908,11 @@ def measure_step(
     if failure is not None:
         trace = failure[2] if len(failure) > 2 else None
         return Measurement(failure[0], error=failure[1], warmup_steps=warmup, device=str(device), traceback=trace)
+    if over_budget is not None and reading is not None:
+        return Measurement(
+            TrialStatus.OVER_BUDGET.value, peak_bytes=reading.peak_bytes, activation_bytes=reading.activation_bytes,
+            resting_bytes=reading.resting_bytes, error=over_budget, warmup_steps=warmup, device=str(device),
+        )  # fmt: skip
     med, spread = median_and_spread(times)
     samples = batch_size / med if batch_size is not None and med > 0 else None
     tokens = samples * seq_len if samples is not None and seq_len is not None else None

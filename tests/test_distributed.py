@@ -67,3 +67,16 @@ def test_combine_takes_worst_status_max_memory_and_slowest_rank():
     assert combine_trials([_trial("ok", 40.0, 0.1, 500), _trial("oom", None, None, None)], budget).status == "oom"
     over = combine_trials([_trial("ok", 40.0, 0.1, 500), _trial("ok", 40.0, 0.1, 1500)], budget)
     assert over.status == "over_budget"
+
+
+def test_a_soft_overrun_on_one_rank_is_an_over_budget_trial_for_all_and_does_not_end_a_sharded_search():
+    # One rank's step completed above the limit (CUDA: between the limit and the cap). It must not be an OOM,
+    # which ends a sharded search on that rank alone while the others wait in an all-gather.
+    from lightning_ckpt.measure import Measurement
+    from lightning_ckpt.records import TrialStatus
+
+    over = Measurement("over_budget", peak_bytes=1500, activation_bytes=900, error="peak exceeds memory_limit_bytes")
+    assert not TrialStatus(over.status).failed and TrialStatus(over.status).ran
+    budget = Budget("peak", 1000)
+    both = combine_trials([_trial("ok", 40.0, 0.1, 500), _trial("over_budget", None, None, 1500)], budget)
+    assert both.status == "over_budget" and both.peak_bytes == 1500
