@@ -15,15 +15,12 @@ import textwrap
 
 import lightning as L
 import pytest
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+from test_conditions import SPACE, Net, loader  # the same tiny GPT module and batches as the reuse-conditions tests
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan
 from lightning_ckpt.errors import ConfigurationError, StalePlanError
 from lightning_ckpt.plan import model_fingerprint
-from lightning_ckpt.testing import GPT, GPTConfig
 
-SPACE = {"modes": ["full"], "selections": ["all"], "rest_modes": ["none"], "segments": False}
 GIB = 2**30
 # What the callback records for the run these tests fit (see test_conditions.py).
 CONDITIONS = {
@@ -35,24 +32,6 @@ HALF_ACTIVATION = {"kind": "activation", "limit_bytes": 2**40, "fraction": 0.5,
                    "description": "50% of no-checkpointing activation memory", "requested": None}  # fmt: skip
 PEAK_20GIB = {"kind": "peak", "limit_bytes": 20 * GIB, "fraction": None, "description": "20.0 GiB peak",
               "requested": "20GiB"}  # fmt: skip
-
-
-class Net(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=48, block_size=16))
-
-    def training_step(self, batch, batch_idx):
-        return self.model(*batch)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def loader() -> DataLoader:
-    data = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8)
 
 
 def trainer(tmp_path, *callbacks, steps: int = 2) -> L.Trainer:
