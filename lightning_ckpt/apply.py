@@ -152,7 +152,8 @@ def _buffer_slots(modules: list[nn.Module]) -> dict[_BufferKey, _Slot]:
     return slots
 
 
-def _version(t: torch.Tensor) -> int | None:
+def version_counter(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by most in-place ops), or None for an inference tensor."""
     try:
         return t._version
     except RuntimeError:  # an inference tensor: no version counter, and no in-place update outside inference mode
@@ -174,7 +175,7 @@ def _copies(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
 def _changed(slot: _Slot, before: torch.Tensor | None, version: int | None) -> bool:
     owner, name, buf = slot
     now = owner._buffers.get(name)
-    if now is not buf or _version(buf) != version:
+    if now is not buf or version_counter(buf) != version:
         return True
     if before is None:
         return False
@@ -244,7 +245,7 @@ class _BufferGuard:
             return checkpoint(recompute, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
         flags = tuple(m.training for region in self.modules for m in region.modules())
         known = self.updated.get(flags)
-        versions = {k: _version(buf) for k, (_, _, buf) in slots.items()}
+        versions = {k: version_counter(buf) for k, (_, _, buf) in slots.items()}
         before = _copies({k: slots[k][2] for k in (slots.keys() if known is None else known & slots.keys())})
         out = checkpoint(recompute, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
         # Values are compared (torch.equal: a host sync on CUDA) only on the first call in a configuration; later

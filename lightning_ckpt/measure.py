@@ -39,7 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_ckpt.apply import version_counter
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
 from lightning_ckpt.records import TrialStatus
 
@@ -460,28 +462,16 @@ class StateSnapshot:
 # Gradients known to hold zeros, with the version counter they had then: a snapshot records such a gradient
 # without copying it and restores it with ``zero_()``. An in-place change moves the counter and ends the mark.
 _ZERO = object()
-_KNOWN_ZERO: Any = None
+_KNOWN_ZERO: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def mark_zero_grad(grad: torch.Tensor) -> None:
     """Declare that ``grad`` holds zeros now (e.g. made by ``torch.zeros_like``), so snapshots need not copy it."""
-    global _KNOWN_ZERO
-    if _KNOWN_ZERO is None:
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        _KNOWN_ZERO = WeakIdKeyDictionary()
-    _KNOWN_ZERO[grad] = _version_of(grad)
+    _KNOWN_ZERO[grad] = version_counter(grad)
 
 
 def _is_known_zero(grad: torch.Tensor) -> bool:
-    return _KNOWN_ZERO is not None and grad in _KNOWN_ZERO and _KNOWN_ZERO[grad] == _version_of(grad)
-
-
-def _version_of(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has no version counter
-        return None
+    return grad in _KNOWN_ZERO and _KNOWN_ZERO[grad] == version_counter(grad)
 
 
 # A parameter the model's forward writes in place is marked with this attribute by

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ckpt.apply import version_counter
+
 __all__ = ["PythonState"]
 
 _ATOMS = (bool, int, float, complex, str, bytes, type(None))
@@ -122,7 +124,7 @@ class PythonState:
                 if _is_plain(value):
                     entry.plain_copy = copy.deepcopy(value)
                 elif isinstance(value, torch.Tensor):
-                    entry.version = _version(value)
+                    entry.version = version_counter(value)
                 else:
                     entry.holder = _holder_fields(value)
                 entries.append(entry)
@@ -139,9 +141,9 @@ class PythonState:
             if d.get(e.key, _MISSING) is not e.original:
                 d[e.key] = e.original
                 self.restored.add(e.name)
-            if e.version is not None and _version(e.original) != e.version:
+            if e.version is not None and version_counter(e.original) != e.version:
                 self.unrestorable.add(e.name)
-                e.version = _version(e.original)  # named once
+                e.version = version_counter(e.original)  # named once
             if e.holder:
                 fields = e.original.__dict__
                 for k, saved in e.holder.items():
@@ -173,10 +175,3 @@ class PythonState:
             "them with register_buffer(..., persistent=False) to have them restored like every buffer.",
             stacklevel=3,
         )
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has no version counter
-        return None
