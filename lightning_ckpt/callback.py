@@ -281,6 +281,11 @@ class ActivationCheckpointTuner(Callback):
                     )
                 self._lock_in(model, plan, source=source, trainer=trainer)
                 self._budget = self._budget_of(plan, wanted, pl_module.device)
+                if trainer.world_size > 1:
+                    # Resolved per rank (the default CUDA budget is a share of each GPU's free memory): ranks that
+                    # judged a step differently would enter the switch's collectives alone and hang. Rank 0's, as
+                    # a search uses.
+                    self._budget = _StrategySync(trainer.strategy).broadcast(self._budget)
                 self._check_batch_of = plan  # its batch shape is compared with the first batch's
                 if plan.metadata.get("micro_batch"):
                     self._set_micro_batch(trainer, pl_module, plan.metadata["micro_batch"])
@@ -489,13 +494,10 @@ class ActivationCheckpointTuner(Callback):
         )
         if self._guard_left <= 0 and not larger:
             return
-        if self._reader.device.type != "cuda" and is_compiled(pl_module):
-            self._guard_left = 0  # the CPU tracker cannot see inside compiled kernels: nothing honest to read
-            rank_zero_info("lightning_ckpt: real steps are not checked against the budget under torch.compile on CPU.")
-            return
         self._reader.start(
-            pl_module, list(trainer.optimizers), tuple(_tensors(batch)), activation=self._budget.kind == "activation"
-        )
+            pl_module, list(trainer.optimizers), tuple(_tensors(batch)), activation=self._budget.kind == "activation",
+            compiled=is_compiled(pl_module),
+        )  # fmt: skip
 
     def _judge_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reading: Any, batch: Any) -> None:
         budget = self._budget

@@ -31,9 +31,12 @@ a compiled trial reports:
 * **peak bytes** = resting bytes (parameters, buffers, gradients, optimizer state, batch) + activation
   bytes: the memory held when the forward ends, a lower bound of the step's true peak.
 
-On CUDA the allocator counters see compiled kernels like any other, so a compiled trial reports
-``torch.cuda.max_memory_allocated`` exactly as an eager one (and enforces a peak budget for real);
-the saved bytes are recorded in ``TrialRecord.extra`` for comparison.
+On CUDA the allocator counters see compiled kernels like any other, so a compiled trial's **peak
+bytes** are ``torch.cuda.max_memory_allocated`` over the compiled timed steps (and a peak budget is
+enforced for real by the allocator cap), with no tracker pass: under the tracker's dispatch mode
+dynamo would run the frame eagerly and the reading would be the eager step's. **Activation bytes**
+are the saved-for-backward bytes, as on CPU, so an activation budget means the same on both devices
+and the guard reads real compiled steps the same way (``SavedForBackward``).
 
 The memory model predicts the *eager* step's activation peak, saved tensors plus recompute and
 backward transients, a different quantity (on the 2-layer test GPT, batch 4: ``full`` has an eager
@@ -76,6 +79,7 @@ __all__ = [
     "CompileStats",
     "CompiledMeasurement",
     "CompiledTrials",
+    "SavedForBackward",
     "compiled_regions",
     "compiled_search",
     "conflict_reason",
@@ -314,11 +318,11 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     return (ptr, st.nbytes()) if ptr else None
 
 
-def _state_tensors(root: nn.Module, optimizer: Any, extra: Sequence[Any]) -> list[torch.Tensor]:
+def _state_tensors(root: nn.Module, optimizers: Sequence[Any], extra: Sequence[Any]) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = [*root.parameters(), *root.buffers()]
     tensors += [p.grad for p in root.parameters() if p.grad is not None]
-    if optimizer is not None:
-        for state in optimizer.state.values():
+    for optimizer in optimizers:
+        for state in getattr(optimizer, "state", {}).values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     tensors += [t for t in extra if isinstance(t, torch.Tensor)]
     return tensors
@@ -336,8 +340,9 @@ class CompiledMeasurement:
     """One plan measured compiled: the timing (``measurement``), what dynamo did, and the memory read.
 
     ``peak_bytes``/``activation_bytes`` follow the module docstring (CPU: resting + saved-for-backward
-    bytes / saved-for-backward bytes; CUDA: the allocator's figures). ``error_status`` is ``conflict``
-    when the compiler refused the plan outright (``fullgraph=True`` and a graph break).
+    bytes / saved-for-backward bytes; CUDA: the allocator's peak / saved-for-backward bytes).
+    ``error_status`` is ``conflict`` when the compiler refused the plan outright (``fullgraph=True`` and
+    a graph break).
     """
 
     measurement: Any  # lightning_ckpt.measure.Measurement
@@ -480,7 +485,7 @@ class CompiledTrials:
                 m = measure_step(
                     self._train_step, model=self.root, optimizer=self.optimizer, warmup=self.warmup_steps,
                     steps=steps or self.measure_steps, device=self.device, batch_size=self.batch_size, seq_len=self.seq_len,
-                    track_memory=is_cuda, count_flops=False, extra=self.extra,
+                    track_memory=False, read_allocator=is_cuda, count_flops=False, extra=self.extra,
                     memory_limit_bytes=self.memory_limit_bytes if is_cuda else None,
                     reserve_headroom_bytes=self.reserve_headroom_bytes,
                 )  # fmt: skip
@@ -506,19 +511,54 @@ class CompiledTrials:
             status, message = failure
             measurement = Measurement(status, error=message, device=str(self.device))
             return CompiledMeasurement(measurement, stats, None, None, "conflict" if conflict else None)
-        if is_cuda or saved is None:
+        if is_cuda:  # the allocator's peak over the compiled steps; activation as on CPU (saved for backward)
+            return CompiledMeasurement(m, stats, m.peak_bytes, saved)
+        if saved is None:
             return CompiledMeasurement(m, stats, m.peak_bytes, m.activation_bytes)
         return CompiledMeasurement(m, stats, resting + saved, saved)
 
     def _saved_bytes(self, snapshot: Any) -> tuple[int, int, int]:
         """(saved activation bytes, eager ops, resting bytes) of one compiled step; see the module docstring."""
         snapshot.reset_grads()
-        state: dict[int, int] = {}
-        for t in _state_tensors(self.root, self.optimizer, self.extra):
+        with SavedForBackward(self.root, [self.optimizer], self.extra) as saved:
+            loss = loss_of(self.step_fn())
+        eager = _eager_ops(loss)
+        loss.backward()
+        return saved.saved_bytes, eager, saved.resting_bytes
+
+
+class SavedForBackward:
+    """Counts the distinct storages a step saves for backward, other than the model's state (a context manager).
+
+    This is a compiled step's activation (module docstring): what checkpointing and the partitioner change,
+    seen through ``saved_tensors_hooks``, which compiled graphs honour (a dispatch-mode tracker instead makes
+    dynamo run the frame eagerly and reads the eager step). Compiled trials and the guard's reading of a
+    real compiled step both use it, so the two compare like with like. ``resting_bytes`` is the state's
+    size when entered: parameters, buffers, gradients, optimizer state and ``extra`` (the batch).
+    Entering it changes no dynamo guard (no recompile; checked with torch 2.13).
+    """
+
+    def __init__(self, root: nn.Module, optimizers: Sequence[Any] = (), extra: Sequence[Any] = ()) -> None:
+        self._root, self._optimizers, self._extra = root, tuple(o for o in optimizers if o is not None), extra
+        self._state: dict[int, int] = {}
+        self._saved: dict[int, int] = {}
+        self._hooks: Any = None
+
+    @property
+    def saved_bytes(self) -> int:
+        return _bytes_of(self._saved)
+
+    @property
+    def resting_bytes(self) -> int:
+        return _bytes_of(self._state)
+
+    def __enter__(self) -> SavedForBackward:
+        self._state, self._saved = {}, {}
+        for t in _state_tensors(self._root, self._optimizers, self._extra):
             key = _storage_key(t)
             if key is not None:
-                state[key[0]] = key[1]
-        saved: dict[int, int] = {}
+                self._state[key[0]] = key[1]
+        state, saved = self._state, self._saved
 
         # Called by autograd for tensors saved by eager ops too, i.e. from inside frames dynamo is
         # compiling: without disable() dynamo would trace the hook itself, graph-break on
@@ -530,11 +570,14 @@ class CompiledTrials:
                 saved[key[0]] = max(saved.get(key[0], 0), key[1])
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
-            loss = loss_of(self.step_fn())
-        eager = _eager_ops(loss)
-        loss.backward()
-        return _bytes_of(saved), eager, _bytes_of(state)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _identity)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(*exc)
 
 
 def compiled_search(

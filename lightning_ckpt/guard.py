@@ -5,6 +5,8 @@ they cannot see (an optimizer whose state appears late, a batch larger than the 
 ``training_step`` keeps across steps) shows up only in real steps. So the first real steps after
 lock-in, and any step on a batch larger than every one checked so far, are read whole: CUDA from the
 allocator's peak, CPU with the live-tensor tracker (several times slower, so only those steps).
+A compiled model's steps are read as its trials were (``compile.SavedForBackward``): the tracker's
+dispatch mode would make dynamo run them eagerly and read the eager step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.budget import Budget
+from lightning_ckpt.compile import SavedForBackward
 from lightning_ckpt.measure import MemoryReading, new_live_tracker
 
 __all__ = ["RealStepReader", "StepCheck", "lower_memory_trial"]
@@ -37,21 +40,37 @@ class RealStepReader:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._tracker: Any = None
+        self._saved: SavedForBackward | None = None
         self._resting = 0
 
     @property
     def active(self) -> bool:
-        return self._tracker is not None or (self.device.type == "cuda" and self._resting > 0)
+        return (
+            self._tracker is not None or self._saved is not None or (self.device.type == "cuda" and self._resting > 0)
+        )
 
     def start(
-        self, model: nn.Module, optimizers: Sequence[Any], extra: tuple[Any, ...] = (), *, activation: bool = True
+        self,
+        model: nn.Module,
+        optimizers: Sequence[Any],
+        extra: tuple[Any, ...] = (),
+        *,
+        activation: bool = True,
+        compiled: bool = False,
     ) -> None:
+        """Start reading a step. ``compiled``: the step runs compiled code, read as compiled trials are:
+        activation = bytes saved for backward, peak = the allocator's (CUDA) or resting + activation (CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._resting = max(1, torch.cuda.memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
             if not activation:
                 return
+        if compiled:
+            self._saved = SavedForBackward(model, optimizers, extra).__enter__()
+            if self.device.type != "cuda":
+                self._resting = self._saved.resting_bytes
+            return
         tracker = new_live_tracker(self.device, model, optimizers[0] if optimizers else None)
         tracker.track_external(model, *optimizers, *extra)
         tracker.closure_in_step = True
@@ -69,9 +88,13 @@ class RealStepReader:
     def stop(self) -> MemoryReading | None:
         """The step's reading, or None when no step was being read. Activation is None when it was not read."""
         tracker, self._tracker = self._tracker, None
+        saved, self._saved = self._saved, None
         if tracker is not None:
             tracker.__exit__(None, None, None)
         activation = tracker.activation_peak if tracker is not None else None
+        if saved is not None:
+            saved.__exit__(None, None, None)
+            activation = saved.saved_bytes
         if self.device.type == "cuda":
             if self._resting == 0:
                 return None
@@ -79,15 +102,21 @@ class RealStepReader:
             peak = torch.cuda.max_memory_allocated(self.device)
             resting, self._resting = self._resting, 0
             return MemoryReading(peak, activation, resting, str(self.device))
+        resting, self._resting = self._resting, 0
+        if saved is not None:
+            return MemoryReading(resting + saved.saved_bytes, activation, resting, str(self.device))
         if tracker is None:
             return None
-        return MemoryReading(tracker.total_peak, activation, self._resting, str(self.device))
+        return MemoryReading(tracker.total_peak, activation, resting, str(self.device))
 
     def abandon(self) -> None:
         """Stop reading without a result (the step raised, or the fit ends)."""
         if self._tracker is not None:
             tracker, self._tracker = self._tracker, None
             tracker.__exit__(None, None, None)
+        if self._saved is not None:
+            saved, self._saved = self._saved, None
+            saved.__exit__(None, None, None)
         self._resting = 0
 
 

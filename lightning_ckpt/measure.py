@@ -798,6 +798,7 @@ def measure_step(
     target_rel_spread: float | None = None,
     extra: tuple[Any, ...] = (),
     reserve_headroom_bytes: int = 0,
+    read_allocator: bool = False,
 ) -> Measurement:
     """Time ``step_fn`` (forward + backward of one batch) and read its memory, never raising for OOM.
 
@@ -813,6 +814,11 @@ def measure_step(
     stats reset first and ``max_memory_allocated`` read after); then (``count_flops``) one step under
     ``FlopCounterMode``. With ``target_rel_spread``, timing continues past ``steps`` until
     MAD/median falls below it or ``max_steps`` (default ``4 * steps``) steps were timed.
+
+    ``read_allocator`` (CUDA, with ``track_memory=False``): the peak is the allocator's over the timed steps
+    alone, with no tracker pass. A compiled step needs it: under the tracker's dispatch mode dynamo runs
+    the frame eagerly, so the tracked pass would read (and budget) the eager step, not the compiled one.
+    The activation figure is then left to the caller (``compile.SavedForBackward``).
 
     ``memory_limit_bytes`` enforces a budget: on CUDA for real, by capping the allocator with
     ``torch.cuda.set_per_process_memory_fraction`` (never above a cap already set, plus
@@ -859,9 +865,11 @@ def measure_step(
                 resting = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
             _timed_steps(step_fn, snapshot, sync, clock, times, steps, limit_steps, target_rel_spread)
-            if is_cuda and track_memory and reading is not None:
-                peak = max(torch.cuda.max_memory_allocated(device), reading.peak_bytes)
-                reading = MemoryReading(peak, reading.activation_bytes, resting, str(device))
+            if is_cuda and (reading is not None or read_allocator):
+                peak = torch.cuda.max_memory_allocated(device)
+                if reading is not None:
+                    peak = max(peak, reading.peak_bytes)
+                reading = MemoryReading(peak, reading.activation_bytes if reading else None, resting, str(device))
                 if memory_limit_bytes is not None and peak > memory_limit_bytes:
                     raise _BudgetExceeded(f"peak of {peak} bytes exceeds memory_limit_bytes={memory_limit_bytes}")
             if count_flops:

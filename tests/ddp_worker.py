@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,7 +53,14 @@ def main() -> None:
     parser.add_argument("--oom-rank", type=int, default=-1)
     parser.add_argument("--oom-on", default="")
     parser.add_argument("--find-unused", action="store_true")
+    parser.add_argument("--rank-budget", action="store_true", help="resolve the reused plan's budget per rank")
     args = parser.parse_args()
+    if args.rank_budget:  # as the default CUDA budget does: a share of each GPU's free memory, which differs
+        from lightning_ckpt import callback
+        from lightning_ckpt.budget import Budget
+
+        limit = (10 + 10 * int(os.environ.get("LOCAL_RANK", "0"))) * 2**30
+        callback.resolve_budget = lambda *a, **k: Budget("peak", limit, None, f"{limit} bytes free on this rank")
     plan_path = args.out / "plan.json"
     if args.reuse:
         tuner = ActivationCheckpointTuner(plan=plan_path, verbose=False)
@@ -77,6 +85,7 @@ def main() -> None:
         "trials_run": tuner.trials_run,
         "statuses": {t.label: t.status for t in result.trials} if result else {},
         "wrote_plan_file": tuner.wrote_plan_file,
+        "budget_limit": tuner._budget.limit_bytes if tuner._budget is not None else None,
         "weights": {k: v.tolist() for k, v in module.state_dict().items()},
     }
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -323,6 +323,10 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
     assert set(spy.budgets) == {0.3} and functorch_config.activation_memory_budget == default_budget
     for t in cb.result.trials:
         assert t.extra["compile"]["compile_seconds"] > 0 and t.samples_per_second
+    # The guard read the first real (compiled) steps as the trials were read: bytes saved for backward, so the
+    # chosen plan's real activation is its trial's (the tracker would have made dynamo run them eagerly).
+    assert cb.step_checks and all(c.within_budget for c in cb.step_checks)
+    assert cb.step_checks[0].activation_bytes == pytest.approx(cb.result.best_trial.activation_bytes, rel=0.05)
     # Locked in: the winner stays applied, and after the first compiled steps nothing recompiles.
     assert spy.plans[-1] == cb.plan == cb.result.best
     assert spy.counts[-1] == spy.counts[2], spy.counts
@@ -424,6 +428,58 @@ def test_compiled_trials_cap_the_allocator_with_the_profiles_reserve_headroom(mo
     tune(compiled, lambda: compiled(x, x), n_trials=2, search_space=space, measure_steps=1, batch_size=4,
          confirm_rounds=1)  # fmt: skip
     assert seen and set(seen) == {4096}
+
+
+def _fake_cuda_allocator(monkeypatch, counters: dict) -> None:
+    """The CUDA calls a measured step makes, answered from ``counters`` (the model stays on CPU)."""
+    from types import SimpleNamespace
+
+    fakes = {
+        "synchronize": lambda device=None: None,
+        "memory_allocated": lambda device=None: counters["allocated"],
+        "max_memory_allocated": lambda device=None: counters["peak"],
+        "reset_peak_memory_stats": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "get_device_properties": lambda d: SimpleNamespace(total_memory=2**40),
+        "get_per_process_memory_fraction": lambda d=None: 1.0,
+        "set_per_process_memory_fraction": lambda f, d=None: None,
+    }
+    for name, fn in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+
+
+def test_on_cuda_a_compiled_trial_reads_the_allocator_over_compiled_steps_not_an_eager_tracked_pass(monkeypatch):
+    # Under the tracker's dispatch mode dynamo runs the frame eagerly: a tracked pass reads (and budgets) the eager
+    # step. On CUDA the trial's peak is the allocator's over the compiled steps and its activation the bytes saved
+    # for backward, as on CPU, so an activation budget means the same on both devices.
+    from lightning_ckpt import measure
+    from lightning_ckpt.compile import CompiledTrials
+
+    model = tiny_gpt()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = tokens()
+
+    def trial(device: str):
+        harness = StepHarness(root=model, step_fn=lambda: compiled(x, x), device=torch.device(device),
+                              extra=(x,), batch_size=4, warmup_steps=0, measure_steps=1)  # fmt: skip
+        return CompiledTrials(harness, regions=("",), allow_graph_breaks=True).measure_compiled(Plan())
+
+    on_cpu = trial("cpu")
+    counters = {"allocated": 1000, "peak": 54321}
+    _fake_cuda_allocator(monkeypatch, counters)
+    tracked = []
+    real_track = measure.track_step_memory
+    monkeypatch.setattr(measure, "track_step_memory", lambda *a, **k: tracked.append(1) or real_track(*a, **k))
+    on_cuda = trial("cuda:0")
+    assert on_cuda.measurement.ok and not tracked, "no tracked (eager) pass on CUDA"
+    assert on_cuda.peak_bytes == 54321  # the allocator's peak, nothing else
+    assert on_cuda.activation_bytes == on_cpu.activation_bytes > 0  # saved for backward, as on CPU
+
+    # A peak budget is judged on the allocator's figure over the compiled steps.
+    step = lambda: compiled(x, x).backward()  # noqa: E731
+    over = measure.measure_step(step, model=model, warmup=0, steps=1, device="cuda:0", track_memory=False,
+                                read_allocator=True, memory_limit_bytes=50000)  # fmt: skip
+    assert over.status == "over_budget" and over.peak_bytes == 54321 and not tracked
 
 
 def test_the_micro_batch_models_reserve_scales_with_the_micro_batch():

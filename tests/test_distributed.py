@@ -49,9 +49,12 @@ def test_ddp_ranks_agree_survive_one_rank_oom_and_reuse(tmp_path):
     for k, v in module.state_dict().items():
         torch.testing.assert_close(torch.tensor(r0["weights"][k]), v, rtol=1e-5, atol=1e-6)
 
-    reuse = _run(tmp_path, "--reuse", "--find-unused")  # the plan also trains under find_unused_parameters
+    # The plan also trains under find_unused_parameters. Its budget resolves differently per rank (as the default
+    # CUDA budget does): the ranks guard against one budget, rank 0's, or a step judged differently would hang.
+    reuse = _run(tmp_path, "--reuse", "--find-unused", "--rank-budget")
     assert [r["trials_run"] for r in reuse] == [0, 0]
     assert reuse[0]["digest"] == reuse[1]["digest"] == r0["digest"]
+    assert reuse[0]["budget_limit"] == reuse[1]["budget_limit"] == 10 * 2**30
 
 
 def _trial(status, sps, seconds, peak):

@@ -250,3 +250,39 @@ def test_on_cuda_an_activation_reading_leaves_out_gradients_and_optimizer_state(
     assert reading.activation_bytes != reading.peak_bytes - reading.resting_bytes
     optimizer.zero_grad(set_to_none=True)
     assert step(reader, activation=False).activation_bytes is None  # a peak budget reads the allocator only
+
+
+def test_a_compiled_real_step_is_read_as_compiled_trials_are_on_cuda_and_cpu(monkeypatch):
+    # The tracker's dispatch mode would make dynamo run the step eagerly: a compiled step's activation is the bytes
+    # it saves for backward (compile.SavedForBackward), its CUDA peak the allocator's, with no tracker at all.
+    from lightning_ckpt import guard
+    from lightning_ckpt.compile import SavedForBackward, reset_compiled
+
+    reset_compiled()
+    net = Net()
+    compiled = torch.compile(net, backend="aot_eager")
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = next(iter(loader()))
+    with SavedForBackward(net, [optimizer], (x, y)) as expected:
+        compiled.training_step((x, y), 0).backward()
+    net.zero_grad(set_to_none=True)
+
+    def step(reader):
+        reader.start(net, [optimizer], (x, y), compiled=True)
+        optimizer.step(closure=lambda: compiled.training_step((x, y), 0).backward() or 0.0)
+        optimizer.zero_grad(set_to_none=True)
+        return reader.stop()
+
+    monkeypatch.setattr(guard, "new_live_tracker", lambda *a: pytest.fail("a compiled step must not be tracked"))
+    on_cpu = step(guard.RealStepReader(torch.device("cpu")))
+    assert on_cpu.activation_bytes == expected.saved_bytes > 0
+    assert on_cpu.peak_bytes == on_cpu.resting_bytes + on_cpu.activation_bytes  # as a compiled CPU trial's
+    counters = {"allocated": 0, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    counters.update(allocated=5000, peak=99999)
+    on_cuda = step(guard.RealStepReader(torch.device("cuda", 0)))
+    assert on_cuda.peak_bytes == 99999 and on_cuda.activation_bytes == expected.saved_bytes
+    reset_compiled()
