@@ -218,11 +218,9 @@ def tune_micro_batch(
     before = sum(t.steps for t in trials)
     if entries:
         announce_confirmation(progress, [e.trial for e in entries])
-        per_sample = confirm_interleaved(
-            entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds
-        )
-        trials = apply_confirmation(trials, entries, per_sample)
-        tie = confirmed_tie_tolerance(per_sample, config.tie_tolerance)
+        side = confirm_interleaved(entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds)
+        trials = apply_confirmation(trials, entries, side.per_sample)
+        tie = confirmed_tie_tolerance(side.per_sample, config.tie_tolerance)
     else:
         tie = config.tie_tolerance
     best = choose_best(trials, budget, tie_tolerance=tie, confirmed_only=True)

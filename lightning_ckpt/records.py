@@ -2,8 +2,8 @@
 
 The vocabulary lives here once: ``TrialStatus`` (with the severity that combines ranks), typed
 fields instead of parsed labels (``baseline``, ``confirmation_seconds``, ``micro_batch``) and the two
-rules that pick a plan from records: ``choose_best`` (fastest within budget, ties to lower memory) and
-``lowest_memory`` (the fallback, only among plans that ran).
+rules that pick a plan from records: ``choose_best`` (``CHOICE_RULE``) and ``lowest_memory`` (the
+fallback, only among plans that ran).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from lightning_ckpt.budget import Budget
 from lightning_ckpt.plan import Plan
 
 __all__ = [
+    "CHOICE_RULE",
     "ProgressFn",
     "announce_confirmation",
     "TrialRecord",
@@ -185,23 +186,45 @@ def judge_status(
     return TrialStatus.OK if fits else TrialStatus.OVER_BUDGET
 
 
+CHOICE_RULE = (
+    "among the plans that fit, re-timed side by side: the fastest baseline is kept unless a tuned plan is faster "
+    "than it by more than the tie tolerance; among the tuned plans that are, the fastest wins, and one within the "
+    "tie tolerance of it that uses less memory wins the tie"
+)
+
+
 def choose_best(
     trials: Sequence[TrialRecord], budget: Budget, *, tie_tolerance: float, confirmed_only: bool = False
 ) -> TrialRecord | None:
-    """Fastest feasible trial; among those within ``tie_tolerance`` of it, the one using least memory.
+    """The plan ``CHOICE_RULE`` picks (the README and the result line state the same rule).
+
+    The fastest fitting baseline is the reference a tuned plan must beat by more than ``tie_tolerance``
+    (what the measurement resolves): a "win" inside the noise is none, and no plan is chosen that the
+    figures show slower than a fitting baseline. Without a fitting baseline, the fastest plan, ties to
+    lower memory.
 
     ``confirmed_only``: trials re-timed side by side (``confirmed``) compare with each other but not
-    with figures taken at other moments (a slow moment during the re-timing would otherwise hand the
-    win to an unconfirmed trial), so when any exist only they compete.
+    with figures taken at other moments (a slow moment, or a machine whose load changed, would otherwise
+    hand the win to an unconfirmed trial), so when any exist only they compete.
     """
     feasible = [t for t in trials if t.feasible and t.samples_per_second]
     if not feasible:
         return None
     if confirmed_only:
         feasible = [t for t in feasible if t.confirmed] or feasible
-    fastest = max(t.samples_per_second or 0.0 for t in feasible)
-    close = [t for t in feasible if (t.samples_per_second or 0.0) >= fastest * (1 - tie_tolerance)]
-    return min(close, key=lambda t: (t.memory(budget), -(t.samples_per_second or 0.0)))
+
+    def speed(t: TrialRecord) -> float:
+        return t.samples_per_second or 0.0
+
+    reference = max((t for t in feasible if t.baseline is not None), key=speed, default=None)
+    contenders = [t for t in feasible if t.baseline is None]
+    if reference is not None:
+        contenders = [t for t in contenders if speed(t) > speed(reference) * (1 + tie_tolerance)]
+        if not contenders:
+            return reference
+    fastest = max(speed(t) for t in contenders)
+    close = [t for t in contenders if speed(t) >= fastest * (1 - tie_tolerance)]
+    return min(close, key=lambda t: (t.memory(budget), -speed(t)))
 
 
 def lowest_memory(trials: Sequence[TrialRecord], budget: Budget) -> TrialRecord | None:

@@ -51,7 +51,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.plan import Plan, block_names
-from lightning_ckpt.records import TrialRecord, TuneResult
+from lightning_ckpt.records import CHOICE_RULE, TrialRecord, TuneResult
 
 __all__ = [
     "COMPILE_SCALAR_TAGS",
@@ -291,9 +291,10 @@ def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | Non
         f"lightning_ckpt: timing spread too high to separate the leaders: [{a.label}] "
         f"({_fmt_rate(a.samples_per_second)} samples/s, \u00b1{da / ma:.1%}) and [{b.label}] "
         f"({_fmt_rate(b.samples_per_second)} samples/s, \u00b1{db / mb:.1%}) overlap after "
-        f"{min(len(a.confirmation_seconds), len(b.confirmation_seconds))} side-by-side rounds, so the choice between "
-        "them went to lower memory, not speed. Something else was loading the machine; tune on an idle machine or "
-        "raise measure_steps for a speed verdict."
+        f"{min(len(a.confirmation_seconds), len(b.confirmation_seconds))} side-by-side rounds: they could not be "
+        "separated, so the tie rule chose between them (a baseline is kept; between tuned plans, lower memory), not "
+        "speed. Something else was loading the machine; tune on an idle machine or raise measure_steps for a speed "
+        "verdict."
     )
 
 
@@ -316,6 +317,8 @@ def result_line(result: TuneResult) -> str:
             parts.append(f"the baseline {base[0]}: no tuned plan beat it")
     if result.fell_back:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
+    if (result.best.metadata.get("search") or {}).get("speed_changes"):
+        parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
     n_pruned = sum(t.status == "pruned" for t in result.trials)
     parts.append(
         f"tuned in {result.tuning_seconds:.1f} s ({len(result.trials)} plans: {result.n_measured} run, "
@@ -400,8 +403,13 @@ def conflicts_markdown(result: TuneResult) -> str:
 
 
 def _best_feasible_baseline(result: TuneResult) -> tuple[str, TrialRecord] | None:
+    """The fastest fitting baseline; beside a winner re-timed side by side, only baselines re-timed with it
+    (a ratio of figures taken at different moments, on a machine whose load changed, means nothing)."""
     best: tuple[str, TrialRecord] | None = None
+    same_moment = result.best_trial is not None and result.best_trial.confirmed
     for name, t in result.baselines.items():
+        if same_moment and not t.confirmed:
+            continue
         faster = best is None or (t.samples_per_second or 0.0) > (best[1].samples_per_second or 0.0)
         if t.feasible and t.samples_per_second is not None and faster:
             best = (name, t)
@@ -461,6 +469,10 @@ def verdict_lines(result: TuneResult) -> list[str]:
             f"NOTHING FIT THE BUDGET: no plan measured within {budget.description or budget.kind}; fell back to the "
             f"lowest-memory plan{chosen}. Raise the budget or reduce the batch size."
         )
+    search = result.best.metadata.get("search") or {}
+    if search.get("tie_tolerance") is not None:
+        lines.append(f"rule: {CHOICE_RULE} (tie tolerance {search['tie_tolerance']:.1%})")
+    lines += [f"machine speed changed {change}" for change in search.get("speed_changes") or ()]
     description = budget.description or budget.kind
     if budget.kind == "none" or budget.limit_bytes is None:
         lines.append(f"budget: {description} (no memory limit)")

@@ -82,6 +82,7 @@ __all__ = [
     "CollectiveTrialError",
     "ConfirmEntry",
     "SearchInterrupted",
+    "SideBySide",
     "Study",
     "confirm_interleaved",
     "retimer",
@@ -97,8 +98,13 @@ _MAX_REDRAWS = 2
 # A statistical tie (leaders closer than their measured spread) goes to lower memory, but never at the
 # cost of more than this much throughput.
 _MAX_STATISTICAL_TIE = 0.015
-# Baselines whose first figure is this close to the best baseline's are re-timed with the leaders.
-_BASELINE_BAND = 0.10
+# A reference re-timed this much faster or slower than before, or confirmation rounds whose common speed
+# differs this much, mean the machine's speed changed (another job, throttled clocks, a stalling loader):
+# the figures taken before and after are not compared. Same-moment noise on a busy 2-core machine stays
+# well within it (6% step-time noise in the tests).
+_SPEED_CHANGE = 0.15
+# After a speed change, at most this many fitting trials are re-ranked side by side before the confirmation.
+_MAX_RERANKED = 24
 
 Proposal = tuple[Mapping[str, Any], Plan, str, str | None]  # params, plan, label, baseline name
 
@@ -145,24 +151,65 @@ class ConfirmEntry:
 
 def confirm_interleaved(
     entries: Sequence[ConfirmEntry], *, min_rounds: int, max_rounds: int, sync: Sync | None = None
-) -> dict[int, list[float]]:
+) -> SideBySide:
     """Re-time ``entries`` in interleaved rounds until the leader's median separates from the runner-up's
-    beyond their spreads (MAD), or ``max_rounds``; returns seconds per sample by trial number.
+    beyond their spreads (MAD), or ``max_rounds``; seconds per sample by trial number (``SideBySide``).
 
-    Interleaving puts every candidate through the same slow and fast moments of a shared machine; more
-    rounds are spent only while the two best are too close to call.
+    Interleaving puts every candidate through the same slow and fast moments of a shared machine, and the
+    order alternates (forward, then backward) so a change part-way through a round falls on both ends
+    alike. When the rounds' common speed differs by more than ``_SPEED_CHANGE`` (the machine's speed
+    changed during the confirmation), every round is run and each figure is divided by its round's speed,
+    so candidates are compared within rounds, never across moments.
     """
     sync = sync or LocalSync()
-    per_sample: dict[int, list[float]] = {e.trial.number: [] for e in entries}
+    rounds: list[dict[int, float]] = []
     for done in range(1, max_rounds + 1):
-        for e in entries:
+        row: dict[int, float] = {}
+        for e in entries if done % 2 else reversed(entries):
             seconds = e.time_step()
             gathered = sync.all_gather(seconds)  # ranks step together: a step is as slow as the slowest rank
             if all(g is not None for g in gathered):
-                per_sample[e.trial.number].append(max(gathered) / (e.samples_per_step * sync.world_size))
-        if done >= min_rounds and _separated(per_sample):
+                row[e.trial.number] = max(gathered) / (e.samples_per_step * sync.world_size)
+        rounds.append(row)
+        result = SideBySide.of(rounds, [e.trial.number for e in entries])
+        if done >= min_rounds and not result.speed_changed and _separated(result.per_sample):
             break
-    return per_sample
+    return result
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """Confirmation figures: seconds per sample by trial number (divided by each round's common speed when
+    that changed), and those speeds (1.0 = the median round)."""
+
+    per_sample: dict[int, list[float]]
+    round_speeds: tuple[float, ...]
+
+    @property
+    def speed_changed(self) -> bool:
+        return bool(self.round_speeds) and max(self.round_speeds) > min(self.round_speeds) * (1 + _SPEED_CHANGE)
+
+    @classmethod
+    def of(cls, rounds: Sequence[Mapping[int, float]], numbers: Sequence[int]) -> SideBySide:
+        typical = {n: statistics.median(vals) for n in numbers if (vals := [r[n] for r in rounds if n in r])}
+        # A round's speed: its figures against each candidate's typical one (the median candidate's ratio).
+        speeds = tuple(statistics.median(r[n] / typical[n] for n in r if typical.get(n)) if r else 1.0 for r in rounds)
+        changed = bool(speeds) and max(speeds) > min(speeds) * (1 + _SPEED_CHANGE)
+        per_sample = {
+            n: [r[n] / (speed if changed else 1.0) for r, speed in zip(rounds, speeds, strict=True) if n in r]
+            for n in numbers
+        }
+        return cls(per_sample, speeds)
+
+
+def speed_change(before_seconds: float | None, after_seconds: float | None, spread: float = 0.0) -> float | None:
+    """``after / before`` speed of one plan timed twice, when it differs by more than ``_SPEED_CHANGE`` (widened
+    to three relative spreads of the first figure); None when it does not, or cannot be told."""
+    if not before_seconds or not after_seconds:
+        return None
+    ratio = before_seconds / after_seconds
+    tolerance = max(_SPEED_CHANGE, 3 * spread / before_seconds)
+    return ratio if abs(ratio - 1) > tolerance else None
 
 
 def _separated(per_sample: Mapping[int, Sequence[float]]) -> bool:
@@ -218,6 +265,7 @@ class Study:
         self.exhaustive = len(self.candidates) <= config.n_trials  # every distinct plan can be measured
         self.started = time.perf_counter()
         self.tie_tolerance = config.tie_tolerance  # widened by confirm() when the leaders are statistically tied
+        self.speed_changes: list[str] = []  # what confirm() saw of the machine's speed changing (report, plan file)
         limit = (
             budget.limit_bytes if config.enforce_budget and budget.kind == "peak" and device_type == "cuda" else None
         )
@@ -377,15 +425,13 @@ class Study:
             self._update(verified)
 
     def _verified_leaders(self, top: int) -> list[TrialRecord]:
-        """The ``top`` fastest feasible trials, each with measured memory (verifying until ``top`` remain)."""
+        """The ``top`` fastest feasible trials and every fitting baseline (at most a handful: the reference a
+        tuned plan must beat is re-timed beside it whatever its first figure), each with measured memory."""
         while True:
             feasible = sorted((t for t in self.records if t.feasible and t.samples_per_second),
                               key=lambda t: -(t.samples_per_second or 0.0))  # fmt: skip
             leaders = feasible[:top]
-            baselines = [t for t in feasible if t.baseline is not None]
-            if baselines:
-                floor = (baselines[0].samples_per_second or 0.0) * (1 - _BASELINE_BAND)
-                leaders += [t for t in baselines if (t.samples_per_second or 0.0) >= floor and t not in leaders]
+            leaders += [t for t in feasible if t.baseline is not None and t not in leaders]
             unverified = [t for t in leaders if not t.memory_measured]
             if not unverified:
                 return leaders
@@ -585,47 +631,82 @@ class Study:
 
     # -- confirmation ------------------------------------------------------------------------------
     def confirm(self) -> None:
-        """Re-time the ``confirm_top`` fastest feasible trials and the fastest feasible baselines, interleaved.
+        """Re-time the ``confirm_top`` fastest feasible trials and every fitting baseline, interleaved.
 
         The choice then rests on figures taken side by side, not on one trial measured in a slow moment.
-        A leader whose median is within the spread of the runner-up's is a statistical tie, which goes to
-        lower memory (``tie_tolerance`` widens to the measured relative spread). Memory is kept as measured.
+        A leader whose median is within the spread of the runner-up's is a statistical tie (``tie_tolerance``
+        widens to the measured relative spread; see ``records.CHOICE_RULE``). Memory is kept as measured.
+
+        The machine's speed may change during the search (another job starts, clocks throttle): first the
+        reference (the fastest fitting baseline) is re-timed and compared with its search figure. When its
+        speed changed, the search's figures were taken at different speeds and cannot pick the leaders, so
+        every fitting trial is re-ranked in one interleaved round first. ``speed_changes`` says what was seen.
         """
         config = self.config
         if config.confirm_top <= 0:
             return
-        # The leaders, plus the fitting baselines within the measurement noise of the best one (one measured in
-        # a slow moment must still be the reference the choice is held against), all with measured memory.
         chosen = self._verified_leaders(config.confirm_top)
         if len(chosen) < 2:
             return
         steps = config.measure_steps
+        if self._speed_changed_since_search(chosen, steps):
+            self._rerank(steps)
+            chosen = self._verified_leaders(config.confirm_top)
         announce_confirmation(self.progress, chosen)
         entries = [
             ConfirmEntry(t, retimer(self.runner, t.plan, steps), self.samples_per_step, steps + 1) for t in chosen
         ]
-        per_sample = confirm_interleaved(
+        side = confirm_interleaved(
             entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds, sync=self.sync
         )
-        self.records = apply_confirmation(self.records, entries, per_sample)
+        if side.speed_changed:
+            self.speed_changes.append(
+                f"during the confirmation rounds (speeds {', '.join(f'{v:.2f}' for v in side.round_speeds)} of the "
+                "median round): each figure was divided by its round's speed"
+            )
+        self.records = apply_confirmation(self.records, entries, side.per_sample)
         for t in self.records:
-            if t.number in per_sample:
+            if t.number in side.per_sample:
                 self._update(t)
-        self.tie_tolerance = confirmed_tie_tolerance(per_sample, config.tie_tolerance)
+        self.tie_tolerance = confirmed_tie_tolerance(side.per_sample, config.tie_tolerance)
+
+    def _speed_changed_since_search(self, leaders: Sequence[TrialRecord], steps: int) -> bool:
+        """Re-time the reference (fastest fitting baseline, else the leader) once; True if its speed changed."""
+        baselines = [t for t in leaders if t.baseline is not None]
+        reference = max(baselines or leaders, key=lambda t: t.samples_per_second or 0.0)
+        m = self.runner.retime(reference.plan, steps)
+        seconds = m.median_seconds if m.status == "ok" else None
+        gathered = self.sync.all_gather(seconds)
+        now = max(gathered) if all(g is not None for g in gathered) else None
+        ratio = speed_change(reference.median_seconds, now, reference.spread_seconds or 0.0)
+        if ratio is None:
+            return False
+        self.speed_changes.append(
+            f"between the search and the confirmation: {reference.label} re-timed at {ratio:.2f}x its search speed; "
+            "every fitting plan was re-ranked side by side"
+        )
+        log.warning("lightning_ckpt: the machine's speed changed during the search (%s re-timed at %.2fx its "
+                    "search speed): re-ranking every fitting plan side by side.", reference.label, ratio)  # fmt: skip
+        return True
+
+    def _rerank(self, steps: int) -> None:
+        """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``): figures taken side by side
+        replace the search's, so the leaders are picked at one speed. They do not count as confirmed."""
+        feasible = sorted((t for t in self.records if t.feasible and t.samples_per_second),
+                          key=lambda t: -(t.samples_per_second or 0.0))[:_MAX_RERANKED]  # fmt: skip
+        entries = [ConfirmEntry(t, retimer(self.runner, t.plan, steps), self.samples_per_step, steps + 1)
+                   for t in feasible]  # fmt: skip
+        side = confirm_interleaved(entries, min_rounds=1, max_rounds=1, sync=self.sync)
+        for i, t in enumerate(self.records):
+            times = side.per_sample.get(t.number)
+            if times:
+                self.records[i] = replace(
+                    t, samples_per_second=1.0 / times[0], median_seconds=times[0] * self.samples_per_step,
+                    steps=t.steps + steps + 1, first_samples_per_second=t.first_samples_per_second or t.samples_per_second,
+                )  # fmt: skip
+                self._update(self.records[i])
 
     # -- the choice ----------------------------------------------------------------------------------
-    def _hold_against_baselines(self, best: TrialRecord) -> TrialRecord:
-        """A tuned plan must beat the best fitting baseline measured beside it by more than the measurement
-        resolves; otherwise the baseline, the known reference, is chosen (a 'win' inside the noise is none)."""
-        if best.baseline is not None or not best.confirmed:
-            return best
-        baselines = [t for t in self.records if t.baseline is not None and t.feasible and t.confirmed]
-        reference = max(baselines, key=lambda t: t.samples_per_second or 0.0, default=None)
-        if reference is None:
-            return best
-        margin = (best.samples_per_second or 0.0) / (reference.samples_per_second or 1.0) - 1
-        return best if margin > self.tie_tolerance else reference
-
     def choose(self) -> tuple[TrialRecord, bool, str]:
         """(chosen trial, fell back, fallback warning). A plan that never ran is never chosen."""
         while True:
@@ -634,7 +715,7 @@ class Study:
                 break
             self.verify([best])  # never choose on a prediction alone
         if best is not None:
-            return self._hold_against_baselines(best), False, ""
+            return best, False, ""
         if self.config.on_infeasible == "fallback" and lowest_memory(self.records, self.budget) is None:
             # Everything was pruned (or failed): measure the plan predicted to use least memory first.
             pruned = [t for t in self.records if t.status == TrialStatus.PRUNED]
@@ -701,7 +782,7 @@ class Study:
                     "study_name": self.study_name,
                     "status_counts": {s.value: n for s in TrialStatus if (n := sum(t.status == s for t in self.records))},
                     "confirmed": sum(t.confirmed for t in self.records),
-                    "tie_tolerance": self.tie_tolerance, "fell_back": fell_back,
+                    "tie_tolerance": self.tie_tolerance, "fell_back": fell_back, "speed_changes": self.speed_changes,
                 },
                 **(metadata or {}),
             },
@@ -738,7 +819,7 @@ def apply_confirmation(
         out[i] = replace(
             t, samples_per_second=1.0 / med, median_seconds=med * samples[t.number],
             steps=t.steps + len(times) * round_steps[t.number], confirmation_seconds=tuple(x * samples[t.number] for x in times),
-            first_samples_per_second=t.samples_per_second,
+            first_samples_per_second=t.first_samples_per_second or t.samples_per_second,
         )  # fmt: skip
     return out
 

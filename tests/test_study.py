@@ -398,3 +398,72 @@ def test_the_fallback_measuring_a_pruned_plan_updates_its_one_record_and_stored_
     trial = _stored(storage, result.study_name)[result.best.key()]
     assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value == result.best_trial.samples_per_second
     assert trial.user_attrs["status"] == "over_budget" and trial.constraints[OVER_BUDGET_CONSTRAINT] > 0
+
+
+class ChangingSpeed(FakeRunner):
+    """Another job starts (``factor`` 5: five times slower) or ends (0.2) after ``at`` timings, for good."""
+
+    def __init__(self, *, at: int, factor: float, **kw) -> None:
+        super().__init__(**kw)
+        self.at, self.factor, self.timings = at, factor, 0
+
+    def _noisy(self, plan: Plan, steps: int = 3) -> float:
+        self.timings += 1
+        return super()._noisy(plan, steps) * (self.factor if self.timings > self.at else 1.0)
+
+
+def test_a_plan_measured_after_the_machine_slowed_5x_is_still_found_and_chosen():
+    # The truly fastest plan is the last one measured, after another job made the machine 5x slower: by its
+    # search figure it is the slowest of all. The reference re-timed before the confirmation shows the change,
+    # every fitting plan is re-ranked side by side, and the fast plan wins on figures taken at one speed.
+    fast = CANDIDATES[-1].plan
+    speed = {c.plan.key(): 1.0 for c in CANDIDATES} | {fast.key(): 0.85}
+    runner = ChangingSpeed(at=6, factor=5.0, speed=speed, noise=0.03)
+    s = study(runner, Budget("peak", 10_000))
+    s.run()
+    assert min(s.records, key=lambda t: t.samples_per_second or 0).plan.key() == fast.key()  # looks slowest
+    s.confirm()
+    result = s.result(extra_steps=0)
+    assert result.best.key() == fast.key() and result.best_trial.confirmed
+    assert s.speed_changes and "re-timed at 0.2" in s.speed_changes[0]
+    assert result.best.metadata["search"]["speed_changes"] == s.speed_changes
+    from lightning_ckpt.report import result_line
+
+    line = result_line(result)
+    assert "speed changed during the search" in line and "x the best baseline that fits" in line
+    assert float(line.split("x the best baseline that fits")[0].rsplit("| ", 1)[1]) > 1.0
+
+
+@pytest.mark.parametrize("factor", [5.0, 0.2])
+def test_when_the_machines_speed_changes_mid_search_no_plan_slower_than_a_fitting_baseline_is_chosen(factor):
+    """Random true speeds within 10% of each other, 3% noise, the machine 5x slower (or faster) from a random
+    point of the search on: the choice is within 0.97x of the truly fastest fitting plan and never, by the
+    tool's own side-by-side figures, slower than a fitting baseline."""
+    ratios = []
+    for seed in range(20):
+        rng = random.Random(200 + seed)
+        speed = {c.plan.key(): 1.0 + 0.1 * rng.random() for c in CANDIDATES}
+        runner = ChangingSpeed(at=rng.randrange(2, 14), factor=factor, noise=0.03, seed=seed, speed=speed)
+        s = study(runner, Budget("peak", 800), seed=seed)  # none and the lightest plans do not fit
+        s.run()
+        s.confirm()
+        result = s.result(extra_steps=0)
+        fitting = [t for t in s.records if t.feasible]
+        truly_best = min(runner.true_seconds(t.plan) for t in fitting)
+        ratios.append(truly_best / runner.true_seconds(result.best))
+        baselines = [t for t in fitting if t.baseline is not None]
+        assert all(t.confirmed for t in baselines), "every fitting baseline is re-timed beside the leaders"
+        fastest_baseline = max(t.samples_per_second for t in baselines)
+        assert result.best_trial.samples_per_second >= fastest_baseline, (seed, result.best_trial.label)
+    assert min(ratios) >= 0.97, sorted(round(r, 3) for r in ratios)[:5]
+
+
+def test_with_no_budget_and_every_plan_tied_the_fastest_baseline_is_kept():
+    # Every plan within 0.5%: a tuned plan (or a lower-memory baseline) 1% slower than `none` must not win on
+    # memory alone when no budget asks for memory. One rule: a plan must beat the fastest fitting baseline.
+    speed = {c.plan.key(): 1.0 + 0.005 * (i % 2) for i, c in enumerate(CANDIDATES)}
+    speed[CANDIDATES[0].plan.key()] = 0.995  # none, the fastest baseline by a hair
+    s = study(FakeRunner(speed=speed), Budget("none", None), tie_tolerance=0.01)
+    s.run()
+    s.confirm()
+    assert s.result(extra_steps=0).best_trial.baseline == "none"
