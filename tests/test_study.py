@@ -414,14 +414,15 @@ class ChangingSpeed(FakeRunner):
 
 def test_a_plan_measured_after_the_machine_slowed_5x_is_still_found_and_chosen():
     # The truly fastest plan is the last one measured, after another job made the machine 5x slower: by its
-    # search figure it is the slowest of all. The reference re-timed before the confirmation shows the change,
+    # search figure it is far slower than every baseline. The reference re-timed before the confirmation shows the change,
     # every fitting plan is re-ranked side by side, and the fast plan wins on figures taken at one speed.
     fast = CANDIDATES[-1].plan
     speed = {c.plan.key(): 1.0 for c in CANDIDATES} | {fast.key(): 0.85}
     runner = ChangingSpeed(at=6, factor=5.0, speed=speed, noise=0.03)
     s = study(runner, Budget("peak", 10_000))
     s.run()
-    assert min(s.records, key=lambda t: t.samples_per_second or 0).plan.key() == fast.key()  # looks slowest
+    searched = {t.plan.key(): t.samples_per_second for t in s.records}
+    assert searched[fast.key()] < 0.5 * min(t.samples_per_second for t in s.records if t.baseline)  # looks slow
     s.confirm()
     result = s.result(extra_steps=0)
     assert result.best.key() == fast.key() and result.best_trial.confirmed
