@@ -13,15 +13,25 @@ no-checkpointing activation memory:
 Then the lock-in check: steps of ``Trainer.fit`` with the tuned plan locked in by the callback
 (``plan=``) versus the same plan applied by hand, interleaved.
 
-Run: ``python benchmarks/tuner_vs_baselines.py`` (about 12 minutes on 2 cores); writes
-``benchmarks/results/tuner_vs_baselines.json``.
+Then the "load changes mid-search" row (``--load-budget``, default 50%): the same search with busy
+processes on every core from a quarter to three quarters of its quiet duration (another job starting
+and ending on the machine), then, on the quiet machine again, that tuned plan and every fitting
+baseline re-timed side by side. Target: tuned >= 0.97x the best fitting baseline.
+
+Run: ``python benchmarks/tuner_vs_baselines.py`` (about 15 minutes on 2 cores); writes
+``benchmarks/results/tuner_vs_baselines.json`` and, for the load row, ``tuner_vs_baselines_load.json``
+(``--only-load`` runs that row alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -126,6 +136,65 @@ def lockin_overhead(config: GPTConfig, plan: Plan, tokens: torch.Tensor, *, step
     return {"callback_step_seconds": cb, "by_hand_step_seconds": hand, "ratio": cb / hand, "raw": results}
 
 
+def load_mid_search(model: GPT, loss_fn: Any, tokens: torch.Tensor, args: argparse.Namespace) -> dict:
+    """Tune while busy processes hold every core for the middle half of the search; judge the choice quietly."""
+    common = dict(activation_budget=args.load_budget, search_space=SPACE, measure_steps=args.steps, seed=0,
+                  batch_size=args.batch, extra_tensors=(tokens,), n_trials=args.trials)  # fmt: skip
+    t0 = time.perf_counter()
+    quiet = tune(model, loss_fn, **common)
+    quiet_seconds = time.perf_counter() - t0
+    busy: list[subprocess.Popen] = []
+    window: dict[str, float] = {}
+
+    def start() -> None:
+        window["start"] = time.perf_counter() - t1
+        busy.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1))
+
+    def stop() -> None:
+        window.setdefault("stop", time.perf_counter() - t1)
+        for p in busy:
+            p.kill()
+            p.wait()
+
+    timers = [threading.Timer(0.25 * quiet_seconds, start), threading.Timer(0.75 * quiet_seconds, stop)]
+    t1 = time.perf_counter()
+    for t in timers:
+        t.start()
+    try:
+        loaded = tune(model, loss_fn, **common)
+    finally:
+        for t in timers:
+            t.cancel()
+        stop()
+    loaded_seconds = time.perf_counter() - t1
+    fitting = {name: plan for name, plan in baselines(model).items()
+               if name in loaded.baselines and loaded.baselines[name].status == "ok"}  # fmt: skip
+    plans = {**{f"baseline:{k}": v for k, v in fitting.items()}, "tuned under load": loaded.best,
+             "tuned quiet": quiet.best}  # fmt: skip
+    measured = side_by_side(model, loss_fn, plans, rounds=args.rounds, steps=args.steps, batch=args.batch)
+    best_baseline = max((v["samples_per_second"], k) for k, v in measured.items() if k.startswith("baseline:"))
+    row = {
+        "budget_fraction": args.load_budget, "busy_processes": os.cpu_count(), "load_window_seconds": window,
+        "quiet_search_seconds": quiet_seconds, "loaded_search_seconds": loaded_seconds,
+        "tuned_under_load": loaded.best.describe(), "tuned_quiet": quiet.best.describe(),
+        "speed_changes_seen": (loaded.best.metadata.get("search") or {}).get("speed_changes"),
+        "measured_quiet_side_by_side": measured, "best_baseline": best_baseline[1],
+        "tuned_under_load_vs_best_baseline": measured["tuned under load"]["samples_per_second"] / best_baseline[0],
+        "tuned_quiet_vs_best_baseline": measured["tuned quiet"]["samples_per_second"] / best_baseline[0],
+    }  # fmt: skip
+    print(f"\nload changes mid-search: {os.cpu_count()} busy processes from {window.get('start', 0):.0f} s to "
+          f"{window.get('stop', 0):.0f} s of a {loaded_seconds:.0f} s search (quiet: {quiet_seconds:.0f} s)")  # fmt: skip
+    print(f"  {'plan':<48}{'samples/s':>10}")
+    for name, v in measured.items():
+        label = {"tuned under load": f"tuned under load: {row['tuned_under_load']}",
+                 "tuned quiet": f"tuned quiet: {row['tuned_quiet']}"}.get(name, name)  # fmt: skip
+        same = f"  (= {v['same_plan_as']})" if v["same_plan_as"] else ""
+        print(f"  {label:<48}{v['samples_per_second']:>10.1f}{same}")
+    print(f"  tuned under load / best fitting baseline ({row['best_baseline']}): "
+          f"{row['tuned_under_load_vs_best_baseline']:.3f}x; speed changes seen: {row['speed_changes_seen']}")  # fmt: skip
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.8, 0.5, 0.3])
@@ -135,6 +204,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tuner_vs_baselines.json")
+    parser.add_argument("--load-budget", type=float, default=0.5, help="the budget of the load-changes row")
+    parser.add_argument("--only-load", action="store_true", help="run only the load-changes-mid-search row")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
@@ -146,6 +217,14 @@ def main() -> None:
     def loss_fn() -> torch.Tensor:
         return model(tokens, tokens)
 
+    load_out = args.out.with_name(args.out.stem + "_load.json")
+    if args.only_load:
+        row = load_mid_search(model, loss_fn, tokens, args)
+        load_out.parent.mkdir(parents=True, exist_ok=True)
+        load_out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "row": row,
+                                        "torch": torch.__version__}, indent=2))  # fmt: skip
+        print(f"wrote {load_out}")
+        return
     none_activation = profile_memory(model, loss_fn, extra=(tokens,)).predict_activation(Plan())
     space_size = len(SPACE.enumerate(discover_blocks(model), fingerprint=None))
     rows = []
@@ -204,6 +283,9 @@ def main() -> None:
     lockin = lockin_overhead(config, in_module, tokens, steps=30, rounds=3)
     print(f"\nlock-in: step time with the callback {lockin['callback_step_seconds'] * 1e3:.1f} ms vs by hand "
           f"{lockin['by_hand_step_seconds'] * 1e3:.1f} ms -> ratio {lockin['ratio']:.3f}")  # fmt: skip
+    load_row = load_mid_search(model, loss_fn, tokens, args)
+    load_out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "row": load_row,
+                                    "torch": torch.__version__}, indent=2))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"config": {k: str(v) for k, v in vars(args).items()}, "none_activation_bytes": none_activation,
                "space_size": space_size, "rows": rows, "lockin": lockin, "torch": torch.__version__}  # fmt: skip

@@ -84,8 +84,9 @@ class ActivationCheckpointTuner(Callback):
             checkpoint, ``plan=``, plan file) was tuned for another model, budget or run conditions. Budgets
             are compared by value (``"20GiB"`` is ``21474836480``); without a budget argument, the plan's own counts.
         on_infeasible: ``"fallback"`` (lowest-memory plan, with a warning) or ``"raise"`` when nothing fits.
-        tie_tolerance: plans whose throughput is within this fraction of the fastest count as tied; a tie
-            goes to the one using less memory.
+        tie_tolerance: plans whose throughput is within this fraction count as tied (widened to what the
+            side-by-side timing resolves): a tuned plan must beat the fastest fitting baseline by more, and a tie
+            between tuned plans goes to the one using less memory (``records.CHOICE_RULE``).
         tune_micro_batch: also search the micro-batch size with gradient accumulation (same global batch)
             jointly with the plan.
         batch_arg_name: the LightningModule/DataModule attribute holding the batch size

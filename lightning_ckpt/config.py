@@ -33,7 +33,8 @@ class TuneConfig:
     ``sampler`` proposes plans from an in-memory copy of the study (see ``study.py``).
     warmup_steps / measure_steps: steps per trial left out of / used for timing.
     block_types: override block discovery. on_infeasible: ``"fallback"`` or ``"raise"`` when nothing fits.
-    tie_tolerance: plans this close in throughput count as tied; the tie goes to lower memory.
+    tie_tolerance: plans this close in throughput count as tied (``records.CHOICE_RULE``: a baseline is kept
+    in a tie with a tuned plan; between tuned plans, the tie goes to lower memory).
     count_flops: count recompute FLOPs per trial. enforce_budget: cap the CUDA allocator during trials.
     process_warmup_steps: untimed steps before the first trial (thread pools, allocator growth).
     confirm_top / confirm_rounds / confirm_max_rounds: the leaders re-timed side by side, at least

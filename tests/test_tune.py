@@ -87,3 +87,34 @@ def test_bad_tune_arguments(gpt, tokens):
         tune(gpt, _loss_fn(gpt, tokens), n_trials=0)
     with pytest.raises(ConfigurationError, match="must return the loss"):
         tune(gpt, lambda: None, n_trials=2, search_space=SPACE)
+
+
+def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side_figures(gpt, tokens):
+    # Another job starts part-way: every step from then on takes ~5x as long (a sleep of 4 quiet steps).
+    import time
+
+    from lightning_ckpt.report import result_line
+
+    loss = _loss_fn(gpt, tokens)
+    calls = {"n": 0, "from": None, "sleep": 0.0}
+
+    def step():
+        calls["n"] += 1
+        if calls["from"] is not None and calls["n"] > calls["from"]:
+            time.sleep(calls["sleep"])
+        return loss()
+
+    settings = dict(n_trials=6, search_space=SPACE, measure_steps=2, seed=0, batch_size=tokens.shape[0])
+    quiet = tune(gpt, step, **settings)
+    calls.update(sleep=4 * quiet.best_trial.median_seconds, **{"from": calls["n"] // 3}, n=0)
+    result = tune(gpt, step, **settings)
+    assert result.best.metadata["search"]["speed_changes"], "the slowdown is seen"
+    fitting = [t for t in result.trials if t.feasible]
+    baselines = [t for t in fitting if t.baseline is not None]
+    assert baselines and all(t.confirmed for t in baselines), "every fitting baseline is re-timed beside the leaders"
+    assert result.best_trial.confirmed
+    assert result.best_trial.samples_per_second >= max(t.samples_per_second for t in baselines)
+    line = result_line(result)
+    assert "speed changed during the search" in line
+    if result.best_trial.baseline is None:
+        assert float(line.split("x the best baseline that fits")[0].rsplit("| ", 1)[1]) > 1.0
