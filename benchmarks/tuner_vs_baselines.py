@@ -136,62 +136,81 @@ def lockin_overhead(config: GPTConfig, plan: Plan, tokens: torch.Tensor, *, step
     return {"callback_step_seconds": cb, "by_hand_step_seconds": hand, "ratio": cb / hand, "raw": results}
 
 
+LOAD_WINDOWS = {"middle half": (0.25, 0.75), "from a quarter to the end": (0.25, None)}
+
+
 def load_mid_search(model: GPT, loss_fn: Any, tokens: torch.Tensor, args: argparse.Namespace) -> dict:
-    """Tune while busy processes hold every core for the middle half of the search; judge the choice quietly."""
+    """Tune while busy processes hold every core for part of the search (``LOAD_WINDOWS``, fractions of the
+    quiet search's duration; None: until the search ends), then judge each choice on the quiet machine."""
     common = dict(activation_budget=args.load_budget, search_space=SPACE, measure_steps=args.steps, seed=0,
                   batch_size=args.batch, extra_tensors=(tokens,), n_trials=args.trials)  # fmt: skip
     t0 = time.perf_counter()
     quiet = tune(model, loss_fn, **common)
     quiet_seconds = time.perf_counter() - t0
-    busy: list[subprocess.Popen] = []
-    window: dict[str, float] = {}
+    searches: dict[str, dict] = {}
+    chosen: dict[str, Plan] = {}
+    for name, (begin, end) in LOAD_WINDOWS.items():
+        busy: list[subprocess.Popen] = []
+        window: dict[str, float] = {}
+        t1 = time.perf_counter()
 
-    def start() -> None:
-        window["start"] = time.perf_counter() - t1
-        busy.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1))
+        def start(window=window, busy=busy, t1=t1) -> None:
+            window["start"] = time.perf_counter() - t1
+            busy.extend(
+                subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)
+            )
 
-    def stop() -> None:
-        window.setdefault("stop", time.perf_counter() - t1)
-        for p in busy:
-            p.kill()
-            p.wait()
+        def stop(window=window, busy=busy, t1=t1) -> None:
+            if busy:
+                window.setdefault("stop", time.perf_counter() - t1)
+            for p in busy:
+                p.kill()
+                p.wait()
+            busy.clear()
 
-    timers = [threading.Timer(0.25 * quiet_seconds, start), threading.Timer(0.75 * quiet_seconds, stop)]
-    t1 = time.perf_counter()
-    for t in timers:
-        t.start()
-    try:
-        loaded = tune(model, loss_fn, **common)
-    finally:
+        timers = [threading.Timer(begin * quiet_seconds, start)]
+        timers += [threading.Timer(end * quiet_seconds, stop)] if end is not None else []
         for t in timers:
-            t.cancel()
-        stop()
-    loaded_seconds = time.perf_counter() - t1
+            t.start()
+        try:
+            loaded = tune(model, loss_fn, **common)
+        finally:
+            for t in timers:
+                t.cancel()
+            stop()
+        chosen[name] = loaded.best
+        searches[name] = {
+            "load_window_seconds": window, "search_seconds": time.perf_counter() - t1,
+            "tuned": loaded.best.describe(),
+            "speed_changes_seen": (loaded.best.metadata.get("search") or {}).get("speed_changes"),
+            "fitting_baselines": [k for k, t in loaded.baselines.items() if t.status == "ok"],
+        }  # fmt: skip
     fitting = {name: plan for name, plan in baselines(model).items()
-               if name in loaded.baselines and loaded.baselines[name].status == "ok"}  # fmt: skip
-    plans = {**{f"baseline:{k}": v for k, v in fitting.items()}, "tuned under load": loaded.best,
+               if any(name in s["fitting_baselines"] for s in searches.values())}  # fmt: skip
+    plans = {**{f"baseline:{k}": v for k, v in fitting.items()}, **{f"tuned, load {k}": p for k, p in chosen.items()},
              "tuned quiet": quiet.best}  # fmt: skip
     measured = side_by_side(model, loss_fn, plans, rounds=args.rounds, steps=args.steps, batch=args.batch)
     best_baseline = max((v["samples_per_second"], k) for k, v in measured.items() if k.startswith("baseline:"))
+    for name, search in searches.items():
+        search["vs_best_baseline"] = measured[f"tuned, load {name}"]["samples_per_second"] / best_baseline[0]
     row = {
-        "budget_fraction": args.load_budget, "busy_processes": os.cpu_count(), "load_window_seconds": window,
-        "quiet_search_seconds": quiet_seconds, "loaded_search_seconds": loaded_seconds,
-        "tuned_under_load": loaded.best.describe(), "tuned_quiet": quiet.best.describe(),
-        "speed_changes_seen": (loaded.best.metadata.get("search") or {}).get("speed_changes"),
-        "measured_quiet_side_by_side": measured, "best_baseline": best_baseline[1],
-        "tuned_under_load_vs_best_baseline": measured["tuned under load"]["samples_per_second"] / best_baseline[0],
+        "budget_fraction": args.load_budget, "busy_processes": os.cpu_count(), "quiet_search_seconds": quiet_seconds,
+        "tuned_quiet": quiet.best.describe(), "searches": searches, "measured_quiet_side_by_side": measured,
+        "best_baseline": best_baseline[1],
         "tuned_quiet_vs_best_baseline": measured["tuned quiet"]["samples_per_second"] / best_baseline[0],
     }  # fmt: skip
-    print(f"\nload changes mid-search: {os.cpu_count()} busy processes from {window.get('start', 0):.0f} s to "
-          f"{window.get('stop', 0):.0f} s of a {loaded_seconds:.0f} s search (quiet: {quiet_seconds:.0f} s)")  # fmt: skip
-    print(f"  {'plan':<48}{'samples/s':>10}")
+    print(f"\nload changes mid-search ({os.cpu_count()} busy processes; quiet search {quiet_seconds:.0f} s)")
+    for name, search in searches.items():
+        w = search["load_window_seconds"]
+        print(f"  load {name}: busy from {w.get('start', 0):.0f} s to {w.get('stop', search['search_seconds']):.0f} s "
+              f"of a {search['search_seconds']:.0f} s search; speed changes seen: {search['speed_changes_seen']}")  # fmt: skip
+    print(f"  {'plan (re-timed side by side, quiet)':<64}{'samples/s':>10}")
     for name, v in measured.items():
-        label = {"tuned under load": f"tuned under load: {row['tuned_under_load']}",
-                 "tuned quiet": f"tuned quiet: {row['tuned_quiet']}"}.get(name, name)  # fmt: skip
+        plan = plans[name].describe() if name.startswith("tuned") else ""
         same = f"  (= {v['same_plan_as']})" if v["same_plan_as"] else ""
-        print(f"  {label:<48}{v['samples_per_second']:>10.1f}{same}")
-    print(f"  tuned under load / best fitting baseline ({row['best_baseline']}): "
-          f"{row['tuned_under_load_vs_best_baseline']:.3f}x; speed changes seen: {row['speed_changes_seen']}")  # fmt: skip
+        print(f"  {(name + (': ' + plan if plan else '')):<64}{v['samples_per_second']:>10.1f}{same}")
+    for name, search in searches.items():
+        print(f"  tuned (load {name}) / best fitting baseline ({best_baseline[1]}): {search['vs_best_baseline']:.3f}x")
     return row
 
 
