@@ -12,7 +12,7 @@ of the compiled no-checkpointing step's activation memory):
    matching memory, and (when the tuned plan is a PT2 budget) the fastest feasible plan of our own
    checkpointing modes. Each measurement compiles its plan from scratch (``CompiledTrials.measure_compiled``).
 
-Memory on CPU is the compiled step's saved-for-backward bytes (``lightning_ckpt.compile``); on CUDA
+Memory on CPU is the compiled step's saved-for-backward bytes (``lightning_ckpt.search.compile``); on CUDA
 the allocator's peak. CPU timings on a shared 2-core machine are noisy, so the table reports ratios
 to no checkpointing; run on a GPU for absolute numbers (``--preset gpt2-125m --device cuda --bf16``).
 
@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt import Plan, baselines, tune
-from lightning_ckpt.compile import CompiledTrials, compiled_search, reset_compiled
-from lightning_ckpt.step import StepHarness
+from lightning_ckpt import Plan, baselines
+from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.search import tune
+from lightning_ckpt.search.compile import CompiledTrials, compiled_search, reset_compiled
 from lightning_ckpt.testing import GPT, GPTConfig
 
 PRESETS = {

@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from lightning_ckpt import baselines, plan_applied
-from lightning_ckpt.caches import kv_cache_disabled
-from lightning_ckpt.measure import track_step_memory
-from lightning_ckpt.memory_model import profile_memory
+from lightning_ckpt.measure.measurement import track_step_memory
+from lightning_ckpt.memory.model import profile_memory
+from lightning_ckpt.plan.caches import kv_cache_disabled
 from lightning_ckpt.testing import GPT, GPTConfig
 
 MiB = 1024 * 1024
@@ -174,8 +174,8 @@ def real_step_rows(steps: int = 5) -> list[dict[str, Any]]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan, apply_plan, discover_blocks
-    from lightning_ckpt.baselines import uniform_plan
-    from lightning_ckpt.measure import new_live_tracker
+    from lightning_ckpt.measure.measurement import new_live_tracker
+    from lightning_ckpt.plan.baselines import uniform_plan
 
     class Net(L.LightningModule):
         def __init__(self) -> None:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from lightning_ckpt import Plan, plan_applied
-from lightning_ckpt.measure import measure_step
-from lightning_ckpt.microbatch import divisors, resize_batch, tune_micro_batch
+from lightning_ckpt.measure.measurement import measure_step
+from lightning_ckpt.search.microbatch import divisors, resize_batch, tune_micro_batch
 from lightning_ckpt.testing import GPT, GPTConfig
 
 

@@ -5,15 +5,6 @@ The core (discovery, plans, apply) works on any ``nn.Module``; the Lightning cal
 
 # First: a torch outside the tested range gets one warning (never a refusal) before any module touches its internals.
 from lightning_ckpt import versions  # noqa: F401
-from lightning_ckpt.apply import (
-    PlanHandle,
-    applied_plan,
-    apply_plan,
-    existing_checkpointing,
-    plan_applied,
-    plan_handle,
-)
-from lightning_ckpt.baselines import BASELINE_NAMES, baselines
 from lightning_ckpt.discovery import Block, LayerStack, discover_blocks
 from lightning_ckpt.errors import (
     ApplyError,
@@ -25,9 +16,18 @@ from lightning_ckpt.errors import (
     StalePlanError,
     UnsupportedVersionError,
 )
-from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
-from lightning_ckpt.policies import SAVE_LISTS
-from lightning_ckpt.tune import TuneResult, tune
+from lightning_ckpt.plan.apply import (
+    PlanHandle,
+    applied_plan,
+    apply_plan,
+    existing_checkpointing,
+    plan_applied,
+    plan_handle,
+)
+from lightning_ckpt.plan.baselines import BASELINE_NAMES, baselines
+from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.plan.policies import SAVE_LISTS
+from lightning_ckpt.search.tune import TuneResult, tune
 
 __version__ = "0.1.0"
 
@@ -36,7 +36,7 @@ def __getattr__(name: str) -> object:
     # The callback imports Lightning; load it on first use so the core stays importable (and fast)
     # for users who only apply plans.
     if name == "ActivationCheckpointTuner":
-        from lightning_ckpt.callback import ActivationCheckpointTuner
+        from lightning_ckpt.lightning.callback import ActivationCheckpointTuner
 
         return ActivationCheckpointTuner
     raise AttributeError(f"module 'lightning_ckpt' has no attribute {name!r}")

@@ -13,7 +13,7 @@ import torch
 from lightning_ckpt.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from lightning_ckpt.plan import Plan
+    from lightning_ckpt.plan.format import Plan
 
 __all__ = ["Budget", "RequestedBudget", "parse_bytes", "resolve_budget", "format_bytes"]
 

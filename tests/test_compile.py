@@ -17,9 +17,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, applied_plan, apply_plan, baselines, discover_blocks
-from lightning_ckpt import report as report_module
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.compile import (
+from lightning_ckpt.errors import PlanError
+from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.plan.format import BlockPlan, model_fingerprint
+from lightning_ckpt.report import summary as report_module
+from lightning_ckpt.search.compile import (
     CompileStats,
     compiled_regions,
     compiled_search,
@@ -29,13 +32,10 @@ from lightning_ckpt.compile import (
     reset_compiled,
     trial_status,
 )
-from lightning_ckpt.errors import PlanError
-from lightning_ckpt.plan import BlockPlan, model_fingerprint
-from lightning_ckpt.space import SearchSpace
-from lightning_ckpt.step import StepHarness
+from lightning_ckpt.search.space import SearchSpace
+from lightning_ckpt.search.tune import TrialRecord, TuneResult, tune
 from lightning_ckpt.testing import GPT, GPTConfig
 from lightning_ckpt.testing.nanogpt import Block
-from lightning_ckpt.tune import TrialRecord, TuneResult, tune
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=48, block_size=16)
 TINY_SPACE = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False, "baselines": False,
@@ -380,8 +380,8 @@ def test_tune_without_lightning_compares_with_the_partitioner_at_equal_memory():
 
 @pytest.mark.parametrize("where", ["model", "submodule"])
 def test_cuda_graphs_are_refused_before_any_trial_with_the_modes_that_work(where):
-    from lightning_ckpt.compile import compiled_search, uses_cuda_graphs
     from lightning_ckpt.errors import ConfigurationError
+    from lightning_ckpt.search.compile import compiled_search, uses_cuda_graphs
 
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
     if where == "model":
@@ -400,9 +400,9 @@ def test_compiled_trials_cap_the_allocator_with_the_profiles_reserve_headroom(mo
     # headroom the profile measured, a compiled plan within the fragmentation margin would fail as an OOM.
     import importlib
 
-    from lightning_ckpt import compile as compile_module
+    from lightning_ckpt.search import compile as compile_module
 
-    tune_module = importlib.import_module("lightning_ckpt.tune")
+    tune_module = importlib.import_module("lightning_ckpt.search.tune")
     seen = []
     real_measure, real_profile = compile_module.measure_step, tune_module.profile_memory
 
@@ -452,8 +452,8 @@ def test_on_cuda_a_compiled_trial_reads_the_allocator_over_compiled_steps_not_an
     # Under the tracker's dispatch mode dynamo runs the frame eagerly: a tracked pass reads (and budgets) the eager
     # step. On CUDA the trial's peak is the allocator's over the compiled steps and its activation the bytes saved
     # for backward, as on CPU, so an activation budget means the same on both devices.
-    from lightning_ckpt import measure
-    from lightning_ckpt.compile import CompiledTrials
+    from lightning_ckpt.measure import measurement as measure
+    from lightning_ckpt.search.compile import CompiledTrials
 
     model = tiny_gpt()
     compiled = torch.compile(model, backend="aot_eager")
@@ -485,7 +485,7 @@ def test_on_cuda_a_compiled_trial_reads_the_allocator_over_compiled_steps_not_an
 def test_the_micro_batch_models_reserve_scales_with_the_micro_batch():
     from types import SimpleNamespace
 
-    from lightning_ckpt.microbatch import ScaledMemoryModel
+    from lightning_ckpt.search.microbatch import ScaledMemoryModel
 
     small, large = SimpleNamespace(reserve_overhead_bytes=100), SimpleNamespace(reserve_overhead_bytes=200)
     assert ScaledMemoryModel(small, large, 2, 4, 8).reserve_overhead_bytes == 400

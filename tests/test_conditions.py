@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan
-from lightning_ckpt.conditions import RunConditions
 from lightning_ckpt.errors import StalePlanError
+from lightning_ckpt.lightning.conditions import RunConditions
 from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full"], "selections": ["all"], "rest_modes": ["none"], "segments": False}

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan
-from lightning_ckpt.space import SearchSpace
+from lightning_ckpt.search.space import SearchSpace
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt import DiscoveryError, baselines, discover_blocks
-from lightning_ckpt.space import SearchSpace
+from lightning_ckpt.search.space import SearchSpace
 
 
 class ResBlock(nn.Module):

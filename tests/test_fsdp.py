@@ -13,7 +13,7 @@ import torch
 from ranks import run_ranks
 
 from lightning_ckpt import Plan, apply_plan
-from lightning_ckpt.tune import FSDP2_TUNING_VERIFIED
+from lightning_ckpt.search.tune import FSDP2_TUNING_VERIFIED
 from lightning_ckpt.versions import torch_version
 
 # torch's own FSDP2 on CPU: 2.6 cannot run it over gloo (Stream.record_event), and on 2.8 it trains differently

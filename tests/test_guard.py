@@ -8,10 +8,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan, apply_plan, discover_blocks
-from lightning_ckpt.baselines import uniform_plan
 from lightning_ckpt.errors import InfeasibleBudgetError
-from lightning_ckpt.guard import lower_memory_trial
-from lightning_ckpt.measure import new_live_tracker
+from lightning_ckpt.lightning.guard import lower_memory_trial
+from lightning_ckpt.measure.measurement import new_live_tracker
+from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5"], "rest_modes": ["none"],
@@ -168,7 +168,7 @@ def test_a_larger_later_batch_is_checked_against_the_budget(tmp_path):
 
 def test_lower_memory_trial_picks_the_fastest_plan_expected_to_fit():
     from lightning_ckpt.budget import Budget
-    from lightning_ckpt.tune import TrialRecord
+    from lightning_ckpt.search.tune import TrialRecord
 
     def rec(name: str, peak: int, sps: float, status: str = "ok") -> TrialRecord:
         plan = Plan({"h.0": BlockPlan("full")}, name=name) if name != "none" else Plan()
@@ -221,7 +221,7 @@ def test_under_an_activation_budget_a_later_batch_4x_longer_is_caught(tmp_path):
 def test_on_cuda_an_activation_reading_leaves_out_gradients_and_optimizer_state(monkeypatch):
     # The allocator's peak - resting of a first real step also holds the new gradients (1x params) and AdamW's
     # state (2x): a fake allocator reports exactly that, and the reading must still be the tracker's activation.
-    from lightning_ckpt import guard
+    from lightning_ckpt.lightning import guard
 
     counters = {"allocated": 0, "peak": 0}
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -255,8 +255,8 @@ def test_on_cuda_an_activation_reading_leaves_out_gradients_and_optimizer_state(
 def test_a_compiled_real_step_is_read_as_compiled_trials_are_on_cuda_and_cpu(monkeypatch):
     # The tracker's dispatch mode would make dynamo run the step eagerly: a compiled step's activation is the bytes
     # it saves for backward (compile.SavedForBackward), its CUDA peak the allocator's, with no tracker at all.
-    from lightning_ckpt import guard
-    from lightning_ckpt.compile import SavedForBackward, reset_compiled
+    from lightning_ckpt.lightning import guard
+    from lightning_ckpt.search.compile import SavedForBackward, reset_compiled
 
     reset_compiled()
     net = Net()

@@ -15,7 +15,13 @@ from torch.utils.checkpoint import CheckpointError
 
 from lightning_ckpt import BlockPlan, Plan, plan_applied
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
-from lightning_ckpt.measure import Measurement, StateSnapshot, measure_step, median_and_spread, track_step_memory
+from lightning_ckpt.measure.measurement import (
+    Measurement,
+    StateSnapshot,
+    measure_step,
+    median_and_spread,
+    track_step_memory,
+)
 from lightning_ckpt.testing import GPT
 
 
@@ -376,7 +382,7 @@ def test_cuda_cap_keeps_a_smaller_user_cap_and_adds_the_reserve_headroom(monkeyp
     """By reading the calls (CPU): budgets are allocated bytes, the cap counts reserved memory."""
     from types import SimpleNamespace
 
-    from lightning_ckpt.measure import _enforced_memory_limit
+    from lightning_ckpt.measure.measurement import _enforced_memory_limit
 
     total = 100 * 2**30
     calls: list[float] = []
@@ -424,19 +430,19 @@ def _raised_from(outer: Exception, inner: Exception) -> Exception:
     ids=["allocator", "raw_cuda", "accelerator_error", "cublas", "cudnn", "dynamo_wrapped", "chained"],
 )
 def test_out_of_memory_outside_the_caching_allocator_is_classified_oom(exc):
-    from lightning_ckpt.measure import classify_failure
+    from lightning_ckpt.measure.measurement import classify_failure
 
     assert classify_failure(exc)[0] == "oom"
 
 
 def test_an_unrelated_error_stays_an_error():
-    from lightning_ckpt.measure import classify_failure
+    from lightning_ckpt.measure.measurement import classify_failure
 
     assert classify_failure(RuntimeError("shape mismatch"))[0] == "error"
 
 
 def test_gradients_marked_zero_are_restored_without_a_host_copy():
-    from lightning_ckpt.measure import _ZERO, StateSnapshot, mark_zero_grad
+    from lightning_ckpt.measure.measurement import _ZERO, StateSnapshot, mark_zero_grad
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))

@@ -12,8 +12,8 @@ from torch import nn
 
 from lightning_ckpt import BlockPlan, Plan, applied_plan, apply_plan, baselines, plan_applied
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError, StalePlanError
-from lightning_ckpt.measure import measure_step, new_live_tracker, track_step_memory
-from lightning_ckpt.memory_model import MemoryModel, mode_key, profile_memory
+from lightning_ckpt.measure.measurement import measure_step, new_live_tracker, track_step_memory
+from lightning_ckpt.memory.model import MemoryModel, mode_key, profile_memory
 from lightning_ckpt.testing import GPT, GPTConfig
 
 # The issue asks for 10% on every baseline; the model is exact up to known effects in apply.py
@@ -281,7 +281,7 @@ def test_every_baseline_within_tolerance_under_bf16_autocast(case: str) -> None:
 
 def test_hf_gpt2_default_config_keeps_no_kv_cache_while_tuning() -> None:
     pytest.importorskip("transformers")
-    from lightning_ckpt.caches import kv_cache_disabled
+    from lightning_ckpt.plan.caches import kv_cache_disabled
     from lightning_ckpt.testing.hf import lm_batch, tiny_gpt2
 
     torch.manual_seed(0)
@@ -341,7 +341,7 @@ def test_t5_selective_children_segments_refused_and_predictions_within_tolerance
 def test_blocks_replayed_alone_keep_the_steps_autocast_cache_setting() -> None:
     # Lightning's mixed precision runs autocast with cache_enabled=False; a block replayed with the cache on
     # would hold low-precision weight copies the real step never holds.
-    from lightning_ckpt.memory_model import _autocast_as, _autocast_state
+    from lightning_ckpt.memory.model import _autocast_as, _autocast_state
 
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         state = _autocast_state()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ckpt.measure import new_live_tracker
-from lightning_ckpt.optimizer_step import OptimizerStepMemory, measure_optimizer_step
+from lightning_ckpt.measure.measurement import new_live_tracker
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, measure_optimizer_step
 from lightning_ckpt.testing import GPT, GPTConfig
 
 OPTIMIZERS = {

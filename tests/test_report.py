@@ -11,11 +11,10 @@ from tensorboard.plugin_util import markdown_to_safe_html
 from tensorboard.plugins.hparams import metadata as hp_metadata
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_ckpt import report
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.plan import BlockPlan, Plan
-from lightning_ckpt.records import TrialRecord, TuneResult
-from lightning_ckpt.report import (
+from lightning_ckpt.plan.format import BlockPlan, Plan
+from lightning_ckpt.report import summary as report
+from lightning_ckpt.report.summary import (
     TAG_ACTIVATION_MIB,
     TAG_BEST_SAMPLES_PER_SECOND,
     TAG_MEMORY_BREAKDOWN,
@@ -28,6 +27,7 @@ from lightning_ckpt.report import (
     TAG_TRIAL_SECONDS,
     TRIAL_SCALAR_TAGS,
 )
+from lightning_ckpt.search.records import TrialRecord, TuneResult
 
 MiB = 2**20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -444,11 +444,11 @@ def test_pareto_figure_contents(result):
 
 def test_report_imports_neither_lightning_nor_pyplot(tmp_path):
     code = (
-        "import sys, lightning_ckpt.report as r\n"
+        "import sys, lightning_ckpt.report.summary as r\n"
         "assert 'lightning' not in sys.modules, 'report imported lightning'\n"
-        "from lightning_ckpt.plan import Plan\n"
+        "from lightning_ckpt.plan.format import Plan\n"
         "from lightning_ckpt.budget import Budget\n"
-        "from lightning_ckpt.tune import TuneResult\n"
+        "from lightning_ckpt.search.tune import TuneResult\n"
         f"r.write_tensorboard({str(tmp_path)!r}, TuneResult(Plan(), None, (), Budget('none'), 0.0, 0))\n"
         "assert 'matplotlib.pyplot' not in sys.modules, 'report imported pyplot'\n"
         "assert 'lightning' not in sys.modules\n"

@@ -19,7 +19,7 @@ from test_conditions import SPACE, Net, loader  # the same tiny GPT module and b
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan
 from lightning_ckpt.errors import ConfigurationError, StalePlanError
-from lightning_ckpt.plan import model_fingerprint
+from lightning_ckpt.plan.format import model_fingerprint
 
 GIB = 2**30
 # What the callback records for the run these tests fit (see test_conditions.py).
@@ -166,7 +166,7 @@ def test_another_fraction_of_activation_memory_is_another_budget(tmp_path):
 
 def test_requested_budgets_are_parsed_once_and_equal_by_value():
     from lightning_ckpt.budget import RequestedBudget
-    from lightning_ckpt.cli import budget_values
+    from lightning_ckpt.cli.main import budget_values
 
     twenty = RequestedBudget.parse("20GiB")
     assert (
@@ -253,7 +253,7 @@ def test_two_processes_saving_one_new_plan_file_exactly_one_wins(tmp_path):
 
 def test_a_save_that_finds_the_file_changed_writes_nothing_and_names_what_it_holds(tmp_path):
     from lightning_ckpt.errors import PlanFileChangedError
-    from lightning_ckpt.plan import plan_file_version
+    from lightning_ckpt.plan.format import plan_file_version
 
     path = tmp_path / "plan.json"
     assert plan_file_version(path) is None

@@ -5,7 +5,7 @@ import pytest
 
 from lightning_ckpt import discover_blocks, model_fingerprint
 from lightning_ckpt.errors import ConfigurationError
-from lightning_ckpt.space import SearchSpace
+from lightning_ckpt.search.space import SearchSpace
 
 
 def test_baselines_come_first_and_are_named(gpt):

@@ -14,15 +14,15 @@ import torch
 
 from lightning_ckpt import discover_blocks
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError, TrialsFailedError
-from lightning_ckpt.measure import Measurement
-from lightning_ckpt.optimizer_step import OptimizerStepMemory, RealStepMemory
-from lightning_ckpt.plan import Plan
-from lightning_ckpt.records import TrialStatus
-from lightning_ckpt.runners import TrialOutcome
-from lightning_ckpt.space import SearchSpace
-from lightning_ckpt.study import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS, SearchInterrupted, Study
+from lightning_ckpt.measure.measurement import Measurement
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.records import TrialStatus
+from lightning_ckpt.search.runners import TrialOutcome
+from lightning_ckpt.search.space import SearchSpace
+from lightning_ckpt.search.study import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS, SearchInterrupted, Study
 from lightning_ckpt.testing import GPT, GPTConfig
 
 MODEL = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, vocab_size=32, block_size=8))
@@ -241,7 +241,7 @@ def test_on_a_noisy_machine_the_choice_is_never_slower_than_0_97x_the_best_fitti
 
 
 def test_study_works_for_a_real_model_end_to_end_through_tune():
-    from lightning_ckpt import tune
+    from lightning_ckpt.search import tune
 
     torch.manual_seed(0)
     x = torch.randint(0, 32, (2, 8))
@@ -428,7 +428,7 @@ def test_a_plan_measured_after_the_machine_slowed_5x_is_still_found_and_chosen()
     assert result.best.key() == fast.key() and result.best_trial.confirmed
     assert s.speed_changes and "re-timed at 0.2" in s.speed_changes[0]
     assert result.best.metadata["search"]["speed_changes"] == s.speed_changes
-    from lightning_ckpt.report import result_line
+    from lightning_ckpt.report.summary import result_line
 
     line = result_line(result)
     assert "speed changed during the search" in line and "x the best baseline that fits" in line

@@ -22,7 +22,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ckpt import ActivationCheckpointTuner, report
+from lightning_ckpt import ActivationCheckpointTuner
+from lightning_ckpt.report import summary as report
 from lightning_ckpt.testing import GPT, GPTConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -7,11 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_ckpt import Plan, tune
+from lightning_ckpt import Plan
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
-from lightning_ckpt.plan import BlockPlan
-from lightning_ckpt.tune import TrialRecord, choose_best
+from lightning_ckpt.plan.format import BlockPlan
+from lightning_ckpt.search import tune
+from lightning_ckpt.search.tune import TrialRecord, choose_best
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
 
@@ -93,7 +94,7 @@ def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side
     # Another job starts part-way: every step from then on takes ~5x as long (a sleep of 4 quiet steps).
     import time
 
-    from lightning_ckpt.report import result_line
+    from lightning_ckpt.report.summary import result_line
 
     loss = _loss_fn(gpt, tokens)
     calls = {"n": 0, "from": None, "sleep": 0.0}

@@ -332,7 +332,7 @@ def build(name: str, seed: int = 0) -> ZooCase:
 # ---------------------------------------------------------------------------------------------------
 def _train(name: str, plan: Any, steps: int) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], dict]:
     """``steps`` seeded SGD steps of a fresh ``name`` model under ``plan`` (None: no plan)."""
-    from lightning_ckpt.apply import plan_applied
+    from lightning_ckpt.plan.apply import plan_applied
 
     case = build(name)
     optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1)
@@ -380,10 +380,10 @@ def _forward(case: ZooCase) -> tuple[Callable[[], torch.Tensor], tuple[torch.Ten
 def memory_errors(name: str) -> dict[str, tuple[int, int]]:
     """Per baseline, (predicted, measured) activation bytes: the profile's prediction against the live-tensor
     tracker's reading of a real step under that plan."""
-    from lightning_ckpt.apply import plan_applied
-    from lightning_ckpt.baselines import baselines
-    from lightning_ckpt.measure import track_step_memory
-    from lightning_ckpt.memory_model import profile_memory
+    from lightning_ckpt.measure.measurement import track_step_memory
+    from lightning_ckpt.memory.model import profile_memory
+    from lightning_ckpt.plan.apply import plan_applied
+    from lightning_ckpt.plan.baselines import baselines
 
     case = build(name)
     forward, extra = _forward(case)
@@ -399,7 +399,7 @@ def memory_errors(name: str) -> dict[str, tuple[int, int]]:
 
 def tune_at_half_activation(name: str, **settings: Any) -> Any:
     """``tune()`` under ``activation_budget=0.5`` with a short search; returns the ``TuneResult``."""
-    from lightning_ckpt.tune import tune
+    from lightning_ckpt.search.tune import tune
 
     case = build(name)
     forward, extra = _forward(case)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from lightning_ckpt.errors import ConfigurationError
-from lightning_ckpt.space import SearchSpace
+from lightning_ckpt.search.space import SearchSpace
 
 __all__ = ["TuneConfig"]
 

@@ -25,7 +25,7 @@ torch runs them: a chunk stores its first block's input; in backward the whole c
 at once, so while its blocks run backward the earlier blocks of the chunk hold their ``none``-mode
 activations.
 
-All byte counts follow ``lightning_ckpt.measure``'s definitions, so ``predict_peak`` is comparable to
+All byte counts follow ``lightning_ckpt.measure.measurement``'s definitions, so ``predict_peak`` is comparable to
 ``Measurement.peak_bytes`` and ``predict_activation`` to ``Measurement.activation_bytes``.
 """
 
@@ -44,7 +44,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.apply import (
+from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
+from lightning_ckpt.errors import ApplyError, LightningCkptError, PlanError, StalePlanError
+from lightning_ckpt.measure.harness import loss_of
+from lightning_ckpt.measure.measurement import (
+    StateSnapshot,
+    is_fsdp_module,
+    local_tensor,
+    model_device,
+    new_live_tracker,
+    normalise_device,
+    tensor_bytes,
+)
+from lightning_ckpt.plan.apply import (
     CACHE_ARGS,
     _rng_equal,
     _rng_states,
@@ -54,21 +66,9 @@ from lightning_ckpt.apply import (
     forward_params,
     segment_chunks,
 )
-from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
-from lightning_ckpt.errors import ApplyError, LightningCkptError, PlanError, StalePlanError
-from lightning_ckpt.measure import (
-    StateSnapshot,
-    is_fsdp_module,
-    local_tensor,
-    model_device,
-    new_live_tracker,
-    normalise_device,
-    tensor_bytes,
-)
-from lightning_ckpt.plan import BlockPlan, Plan, closest_names, model_fingerprint
-from lightning_ckpt.policies import SAVE_LISTS
-from lightning_ckpt.skipping import skipping_stacks
-from lightning_ckpt.step import loss_of
+from lightning_ckpt.plan.format import BlockPlan, Plan, closest_names, model_fingerprint
+from lightning_ckpt.plan.policies import SAVE_LISTS
+from lightning_ckpt.plan.skipping import skipping_stacks
 
 __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction", "mode_key", "profile_memory"]
 

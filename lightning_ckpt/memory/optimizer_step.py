@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from lightning_ckpt.errors import InfeasibleBudgetError
-from lightning_ckpt.measure import StateSnapshot, is_out_of_memory, new_live_tracker, release_memory, tensor_bytes
+from lightning_ckpt.measure.measurement import (
+    StateSnapshot,
+    is_out_of_memory,
+    new_live_tracker,
+    release_memory,
+    tensor_bytes,
+)
 
 __all__ = ["OptimizerStepMemory", "RealStepMemory", "measure_optimizer_step"]
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.compile import SavedForBackward
-from lightning_ckpt.measure import MemoryReading, new_live_tracker
+from lightning_ckpt.measure.measurement import MemoryReading, new_live_tracker
+from lightning_ckpt.search.compile import SavedForBackward
 
 __all__ = ["RealStepReader", "StepCheck", "lower_memory_trial"]
 

@@ -4,7 +4,7 @@ A plan names modules by fully qualified name, never by position, so it survives 
 and can be checked against any model. Blocks not listed are left alone (mode ``none``), which keeps
 plan files short and readable.
 
-The file format is published as a JSON Schema (draft 2020-12), ``lightning_ckpt/plan_schema.json``
+The file format is published as a JSON Schema (draft 2020-12), ``lightning_ckpt/plan/plan_schema.json``
 (``plan_schema()`` returns it), so other tools can check a plan too, e.g.
 ``check-jsonschema --schemafile plan_schema.json plans/gpt.json``. ``Plan.load`` and ``Plan.from_dict``
 validate against it with ``jsonschema`` before building anything, and refuse whatever does not fit
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.errors import PlanError, PlanFileChangedError, StalePlanError
-from lightning_ckpt.policies import get_save_list
+from lightning_ckpt.plan.policies import get_save_list
 
 __all__ = [
     "MODES",
@@ -481,7 +481,7 @@ def _schema_text() -> str:
 
 
 def plan_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of plan files, as shipped in ``lightning_ckpt/plan_schema.json``."""
+    """The JSON Schema (draft 2020-12) of plan files, as shipped in ``lightning_ckpt/plan/plan_schema.json``."""
     return json.loads(_schema_text())
 
 

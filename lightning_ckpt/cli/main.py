@@ -27,8 +27,8 @@ from typing import Any
 from lightning_ckpt import __version__
 from lightning_ckpt.budget import RequestedBudget, format_bytes
 from lightning_ckpt.errors import LightningCkptError
-from lightning_ckpt.plan import BlockPlan, Plan, closest_names, library_versions, model_fingerprint
-from lightning_ckpt.records import TrialStatus
+from lightning_ckpt.plan.format import BlockPlan, Plan, closest_names, library_versions, model_fingerprint
+from lightning_ckpt.search.records import TrialStatus
 
 __all__ = ["build_parser", "main"]
 
@@ -185,7 +185,7 @@ def _block_memory(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
     data = plan.metadata.get(MEMORY_BREAKDOWN_KEY)
     if not isinstance(data, Mapping):
         return None
-    from lightning_ckpt.memory_model import MemoryModel
+    from lightning_ckpt.memory.model import MemoryModel
 
     try:
         model = MemoryModel.from_dict(data)
@@ -699,8 +699,8 @@ def _canonical(fqn: str) -> str:
 
 def check_plan(plan: Plan, model: Any) -> list[str]:
     """Every reason ``plan`` does not fit ``model`` (empty when it fits). The model is left as it was."""
-    from lightning_ckpt.apply import apply_plan
     from lightning_ckpt.discovery import unwrap_compiled
+    from lightning_ckpt.plan.apply import apply_plan
 
     root = unwrap_compiled(model)
     problems = []

@@ -23,8 +23,8 @@ from typing import Any
 
 from lightning_ckpt.discovery import Block, LayerStack
 from lightning_ckpt.errors import ConfigurationError
-from lightning_ckpt.plan import BlockPlan, Plan
-from lightning_ckpt.policies import SAVE_LISTS
+from lightning_ckpt.plan.format import BlockPlan, Plan
+from lightning_ckpt.plan.policies import SAVE_LISTS
 
 __all__ = ["SearchSpace", "Candidate", "DIMENSIONS"]
 

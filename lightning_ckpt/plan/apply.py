@@ -33,8 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.errors import ApplyError, PlanError
-from lightning_ckpt.plan import Plan, closest_names
-from lightning_ckpt.policies import selective_context_fn
+from lightning_ckpt.plan.format import Plan, closest_names
+from lightning_ckpt.plan.policies import selective_context_fn
 from lightning_ckpt.versions import torch_version
 
 __all__ = [

@@ -41,9 +41,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_ckpt.apply import version_counter
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
-from lightning_ckpt.records import TrialStatus
+from lightning_ckpt.measure.status import TrialStatus
+from lightning_ckpt.plan.apply import version_counter
 
 __all__ = [
     "MEASUREMENT_STATUSES",
@@ -68,7 +68,7 @@ __all__ = [
     "track_step_memory",
 ]
 
-# The measurement's part of the status vocabulary (records.TrialStatus owns it).
+# The measurement's part of the status vocabulary (measure.status.TrialStatus owns it).
 MEASUREMENT_STATUSES = tuple(
     s.value for s in (TrialStatus.OK, TrialStatus.OVER_BUDGET, TrialStatus.OOM, TrialStatus.INVALID, TrialStatus.ERROR)
 )

@@ -17,30 +17,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.apply import plan_applied
-from lightning_ckpt.baselines import uniform_plan
 from lightning_ckpt.budget import Budget, format_bytes, resolve_budget
-from lightning_ckpt.caches import without_kv_cache
-from lightning_ckpt.compile import CompiledTrials, compiled_search, eager_while_profiling
-from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
-from lightning_ckpt.distributed import LocalSync, Sync
-from lightning_ckpt.measure import (
+from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.measure.measurement import (
     find_parameters_written_in_forward,
     forget_parameters_written_in_forward,
     fsdp_root,
     measure_step,
     model_device,
 )
-from lightning_ckpt.memory_model import profile_memory
-from lightning_ckpt.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
-from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
-from lightning_ckpt.python_state import PythonState
-from lightning_ckpt.records import ProgressFn, TrialRecord, TrialStatus, TuneResult, choose_best
-from lightning_ckpt.runners import EagerRunner, TrialRunner, release_cached_memory
-from lightning_ckpt.space import Candidate, SearchSpace
-from lightning_ckpt.step import StepHarness
-from lightning_ckpt.study import SearchInterrupted, Study
+from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.memory.model import profile_memory
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
+from lightning_ckpt.plan.apply import plan_applied
+from lightning_ckpt.plan.baselines import uniform_plan
+from lightning_ckpt.plan.caches import without_kv_cache
+from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.search.compile import CompiledTrials, compiled_search, eager_while_profiling
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.distributed import LocalSync, Sync
+from lightning_ckpt.search.records import ProgressFn, TrialRecord, TrialStatus, TuneResult, choose_best
+from lightning_ckpt.search.runners import EagerRunner, TrialRunner, release_cached_memory
+from lightning_ckpt.search.space import Candidate, SearchSpace
+from lightning_ckpt.search.study import SearchInterrupted, Study
 from lightning_ckpt.versions import require_torch
 
 __all__ = [
@@ -147,7 +147,7 @@ def tune(
     step's peak)``. ``optimizer_step`` passes that measurement in when the caller already has it.
     HF KV caches are turned off for the search (``caches.py``).
 
-    ``sync`` (a ``lightning_ckpt.distributed.Sync``) runs the search on several ranks in lockstep.
+    ``sync`` (a ``lightning_ckpt.search.distributed.Sync``) runs the search on several ranks in lockstep.
     ``memory_model`` and ``budget`` replace the profile and the budget resolution when the caller
     already has them (the joint micro-batch search profiles once and scales). ``compiled`` (default:
     detected) makes every trial compile its plan; plans that add graph breaks are ``conflict`` trials.

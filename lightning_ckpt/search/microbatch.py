@@ -24,15 +24,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_ckpt.baselines import uniform_plan
 from lightning_ckpt.budget import Budget, resolve_budget
-from lightning_ckpt.caches import without_kv_cache
-from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
-from lightning_ckpt.memory_model import profile_memory
-from lightning_ckpt.optimizer_step import OptimizerStepMemory, measure_optimizer_step
-from lightning_ckpt.plan import BlockPlan, Plan
-from lightning_ckpt.records import (
+from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.memory.model import profile_memory
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, measure_optimizer_step
+from lightning_ckpt.plan.baselines import uniform_plan
+from lightning_ckpt.plan.caches import without_kv_cache
+from lightning_ckpt.plan.format import BlockPlan, Plan
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.records import (
     ProgressFn,
     TrialRecord,
     TuneResult,
@@ -41,10 +42,15 @@ from lightning_ckpt.records import (
     failures_message,
     lowest_memory,
 )
-from lightning_ckpt.runners import TrialRunner
-from lightning_ckpt.step import StepHarness
-from lightning_ckpt.study import ConfirmEntry, apply_confirmation, confirm_interleaved, confirmed_tie_tolerance, retimer
-from lightning_ckpt.tune import ResolvedModel, build_runner, tune
+from lightning_ckpt.search.runners import TrialRunner
+from lightning_ckpt.search.study import (
+    ConfirmEntry,
+    apply_confirmation,
+    confirm_interleaved,
+    confirmed_tie_tolerance,
+    retimer,
+)
+from lightning_ckpt.search.tune import ResolvedModel, build_runner, tune
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
 

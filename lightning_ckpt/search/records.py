@@ -8,13 +8,13 @@ fallback, only among plans that ran).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.plan import Plan
+from lightning_ckpt.measure.status import TrialStatus
+from lightning_ckpt.plan.format import Plan
 
 __all__ = [
     "CHOICE_RULE",
@@ -28,49 +28,6 @@ __all__ = [
     "judge_status",
     "lowest_memory",
 ]
-
-
-class TrialStatus(str, enum.Enum):
-    """What happened to a candidate. A ``str`` so records compare and serialise as plain strings."""
-
-    OK = "ok"  # ran within budget
-    OVER_BUDGET = "over_budget"  # ran, measured over budget
-    PRUNED = "pruned"  # predicted over budget (or unable to run), never run
-    OOM = "oom"  # ran out of memory (or over the budget where no allocator enforces it)
-    INVALID = "invalid"  # the plan cannot run on this model (CheckpointError, PlanError, ApplyError)
-    ERROR = "error"  # anything else: a bug, reported with its traceback
-    CONFLICT = "conflict"  # under torch.compile: graph breaks or the recompile limit (compile.py)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @property
-    def severity(self) -> int:
-        """Worst first: a trial measured on several ranks is as bad as its worst rank."""
-        return _SEVERITY.index(self)
-
-    @property
-    def ran(self) -> bool:
-        """A step ran to the end, so the memory and speed figures are real."""
-        return self in (TrialStatus.OK, TrialStatus.OVER_BUDGET)
-
-    @property
-    def failed(self) -> bool:
-        return self in (TrialStatus.OOM, TrialStatus.INVALID, TrialStatus.ERROR)
-
-
-_SEVERITY = (
-    TrialStatus.ERROR,
-    TrialStatus.INVALID,
-    TrialStatus.OOM,
-    TrialStatus.CONFLICT,
-    TrialStatus.OVER_BUDGET,
-    TrialStatus.PRUNED,
-    TrialStatus.OK,
-)
 
 
 @dataclass(frozen=True)

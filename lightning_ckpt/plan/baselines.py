@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
-from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint
-from lightning_ckpt.skipping import skipping_stacks
+from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.plan.skipping import skipping_stacks
 
 if TYPE_CHECKING:  # memory_model imports the plan machinery; baselines must stay importable without it
-    from lightning_ckpt.memory_model import MemoryModel
+    from lightning_ckpt.memory.model import MemoryModel
 
 __all__ = ["BASELINE_NAMES", "baselines", "uniform_plan"]
 

@@ -15,7 +15,7 @@ no-checkpointing reference. A plan that adds graph breaks, breaks a graph inside
 checkpointed regions, runs more autograd ops outside compiled graphs, or reaches the recompile limit
 is a **conflict**: recorded with the reason and never chosen unless ``allow_graph_breaks=True``.
 
-**Memory of a compiled step on CPU.** The live-tensor tracker of ``lightning_ckpt.measure`` is a
+**Memory of a compiled step on CPU.** The live-tensor tracker of ``lightning_ckpt.measure.measurement`` is a
 ``TorchDispatchMode``, and dynamo runs compiled frames *eagerly* while a dispatch mode is active
 (checked with torch 2.13: the tracker's reading of a compiled step equals the eager step's), so it
 cannot measure what compiled code holds. ``torch.autograd.graph.saved_tensors_hooks`` still sees every
@@ -65,15 +65,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt import apply as apply_module
-from lightning_ckpt.apply import CHECKPOINT_FRAMES, apply_plan
 from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
 from lightning_ckpt.errors import ConfigurationError
-from lightning_ckpt.measure import Measurement, StateSnapshot, classify_failure, measure_step, release_memory
-from lightning_ckpt.plan import Plan
-from lightning_ckpt.records import TrialStatus, judge_status
-from lightning_ckpt.runners import TrialOutcome
-from lightning_ckpt.step import StepHarness, loss_of
+from lightning_ckpt.measure.harness import StepHarness, loss_of
+from lightning_ckpt.measure.measurement import (
+    Measurement,
+    StateSnapshot,
+    classify_failure,
+    measure_step,
+    release_memory,
+)
+from lightning_ckpt.plan import apply as apply_module
+from lightning_ckpt.plan.apply import CHECKPOINT_FRAMES, apply_plan
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.records import TrialStatus, judge_status
+from lightning_ckpt.search.runners import TrialOutcome
 
 __all__ = [
     "CompileStats",
@@ -345,7 +351,7 @@ class CompiledMeasurement:
     a graph break).
     """
 
-    measurement: Any  # lightning_ckpt.measure.Measurement
+    measurement: Any  # lightning_ckpt.measure.measurement.Measurement
     stats: CompileStats
     peak_bytes: int | None
     activation_bytes: int | None

@@ -15,11 +15,11 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_ckpt.apply import plan_applied
-from lightning_ckpt.measure import Measurement, fsdp_root, measure_step, release_memory
-from lightning_ckpt.plan import Plan
-from lightning_ckpt.records import TrialStatus
-from lightning_ckpt.step import StepHarness
+from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.measure.measurement import Measurement, fsdp_root, measure_step, release_memory
+from lightning_ckpt.plan.apply import plan_applied
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.records import TrialStatus
 
 __all__ = ["EagerRunner", "TrialOutcome", "TrialRunner"]
 

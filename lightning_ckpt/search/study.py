@@ -49,8 +49,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.config import TuneConfig
-from lightning_ckpt.distributed import LocalSync, Sync, combine_trials
 from lightning_ckpt.errors import (
     ApplyError,
     ConfigurationError,
@@ -58,9 +56,11 @@ from lightning_ckpt.errors import (
     LightningCkptError,
     TrialsFailedError,
 )
-from lightning_ckpt.optimizer_step import RealStepMemory
-from lightning_ckpt.plan import Plan, library_versions
-from lightning_ckpt.records import (
+from lightning_ckpt.memory.optimizer_step import RealStepMemory
+from lightning_ckpt.plan.format import Plan, library_versions
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.distributed import LocalSync, Sync, combine_trials
+from lightning_ckpt.search.records import (
     ProgressFn,
     TrialRecord,
     TrialStatus,
@@ -71,8 +71,8 @@ from lightning_ckpt.records import (
     judge_status,
     lowest_memory,
 )
-from lightning_ckpt.runners import TrialRunner
-from lightning_ckpt.space import Candidate, SearchSpace
+from lightning_ckpt.search.runners import TrialRunner
+from lightning_ckpt.search.space import Candidate, SearchSpace
 
 __all__ = [
     "FAILED_CONSTRAINT",

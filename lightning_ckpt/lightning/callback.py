@@ -26,13 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
-from lightning_ckpt.apply import PlanHandle, apply_plan, existing_checkpointing
-from lightning_ckpt.baselines import uniform_plan
 from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes, resolve_budget
-from lightning_ckpt.caches import disable_kv_cache
-from lightning_ckpt.compile import is_compiled, reset_compiled
-from lightning_ckpt.conditions import RunConditions
-from lightning_ckpt.config import TuneConfig
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import (
     ApplyError,
@@ -41,15 +35,21 @@ from lightning_ckpt.errors import (
     PlanFileChangedError,
     StalePlanError,
 )
-from lightning_ckpt.guard import RealStepReader, StepCheck, lower_memory_trial
-from lightning_ckpt.measure import mark_zero_grad, normalise_device
-from lightning_ckpt.plan import BlockPlan, Plan, model_fingerprint, plan_file_version
-from lightning_ckpt.python_state import PythonState
-from lightning_ckpt.records import TuneResult
-from lightning_ckpt.space import SearchSpace
-from lightning_ckpt.step import loss_of
-from lightning_ckpt.study import storage_for_display
-from lightning_ckpt.tune import SearchInterrupted, tune
+from lightning_ckpt.lightning.conditions import RunConditions
+from lightning_ckpt.lightning.guard import RealStepReader, StepCheck, lower_memory_trial
+from lightning_ckpt.measure.harness import loss_of
+from lightning_ckpt.measure.measurement import mark_zero_grad, normalise_device
+from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.plan.apply import PlanHandle, apply_plan, existing_checkpointing
+from lightning_ckpt.plan.baselines import uniform_plan
+from lightning_ckpt.plan.caches import disable_kv_cache
+from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint, plan_file_version
+from lightning_ckpt.search.compile import is_compiled, reset_compiled
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.records import TuneResult
+from lightning_ckpt.search.space import SearchSpace
+from lightning_ckpt.search.study import storage_for_display
+from lightning_ckpt.search.tune import SearchInterrupted, tune
 
 __all__ = ["ActivationCheckpointTuner"]
 
@@ -621,7 +621,7 @@ class ActivationCheckpointTuner(Callback):
         from lightning.pytorch.callbacks import GradientAccumulationScheduler
         from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
-        from lightning_ckpt.microbatch import resize_batch, tune_micro_batch
+        from lightning_ckpt.search.microbatch import resize_batch, tune_micro_batch
 
         if trainer.world_size > 1:
             raise ConfigurationError("tune_micro_batch=True is not supported under multi-process training yet.")
@@ -724,7 +724,7 @@ class ActivationCheckpointTuner(Callback):
     def _progress(self, trainer: pl.Trainer) -> Any:
         """One progress bar for the search on rank 0 (trial lines above it when verbose), and each trial's
         scalars streamed to TensorBoard."""
-        from lightning_ckpt.report import SearchProgress
+        from lightning_ckpt.report.summary import SearchProgress
 
         if not trainer.is_global_zero:
             return None
@@ -774,7 +774,7 @@ class ActivationCheckpointTuner(Callback):
         hyperparameters and ``hp_metric``) right after ``on_fit_start``; written first, the tuner's columns win.
         The module's hyperparameters stay columns too, so the training run's own row still shows them.
         """
-        from lightning_ckpt.report import write_experiment
+        from lightning_ckpt.report.summary import write_experiment
 
         tb = self._tensorboard_logger(trainer)
         if tb is None or self.log_dir is not None:
@@ -798,7 +798,7 @@ class ActivationCheckpointTuner(Callback):
         return self._writer_cache
 
     def _report(self, trainer: pl.Trainer, result: TuneResult) -> None:
-        from lightning_ckpt import report
+        from lightning_ckpt.report import summary as report
 
         plan = result.best.with_metadata(
             budget={**result.budget.to_dict(), "requested": self._search_budget.requested_max_memory},
@@ -833,7 +833,7 @@ class ActivationCheckpointTuner(Callback):
 
 
 class _StrategySync:
-    """``lightning_ckpt.distributed.Sync`` over a Lightning strategy's process group."""
+    """``lightning_ckpt.search.distributed.Sync`` over a Lightning strategy's process group."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy

@@ -22,7 +22,7 @@ TensorBoard layout, under a Lightning ``TensorBoardLogger`` (``version_N`` is th
 
     * torch's ``add_text`` stores text under ``<tag>/text_summary``; ``text_tag(TAG_PLAN)`` gives that name.
 
-Compiled trials (``torch.compile``, see ``lightning_ckpt.compile``) add ``COMPILE_SCALAR_TAGS`` per
+Compiled trials (``torch.compile``, see ``lightning_ckpt.search.compile``) add ``COMPILE_SCALAR_TAGS`` per
 trial (compile seconds, graph breaks, recompiles) and a ``lightning_ckpt/4_compile_conflicts`` text
 listing every plan that conflicted with the compiler and why.
 
@@ -50,8 +50,8 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_ckpt.budget import Budget, format_bytes
-from lightning_ckpt.plan import Plan, block_names
-from lightning_ckpt.records import CHOICE_RULE, TrialRecord, TuneResult
+from lightning_ckpt.plan.format import Plan, block_names
+from lightning_ckpt.search.records import CHOICE_RULE, TrialRecord, TuneResult
 
 __all__ = [
     "COMPILE_SCALAR_TAGS",
@@ -490,7 +490,7 @@ def verdict_lines(result: TuneResult) -> list[str]:
             f"torch.compile: {sum(s.get('compile_seconds', 0.0) for s in compiling):.1f} s compiling {len(compiling)} "
             f"plans (in the tuning cost, not in samples/s); {n_conflicts} plan(s) conflicted with the compiler"
             f"{'' if not n_conflicts else ' (status conflict, or allowed: see compile_conflicts)'}; memory of a "
-            "compiled step on CPU = saved-for-backward bytes (see lightning_ckpt.compile)"
+            "compiled step on CPU = saved-for-backward bytes (see lightning_ckpt.search.compile)"
         )
     return lines
 
