@@ -37,9 +37,8 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt import Plan, baselines
+from lightning_ckpt import Plan, baselines, tune
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.search import tune
 from lightning_ckpt.search.compile import CompiledTrials, compiled_search, reset_compiled
 from lightning_ckpt.testing import GPT, GPTConfig
 

@@ -66,10 +66,9 @@ def _rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(args.port)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    from lightning_ckpt import baselines, plan_applied
+    from lightning_ckpt import baselines, plan_applied, tune
     from lightning_ckpt.measure.measurement import measure_step, track_step_memory
     from lightning_ckpt.memory.model import profile_memory
-    from lightning_ckpt.search import tune
 
     x = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
     result: dict[str, Any] = {"rank": rank, "memory": {}}

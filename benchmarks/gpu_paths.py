@@ -32,9 +32,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan
+from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, tune
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.search import tune
 from lightning_ckpt.search.compile import compiled_search, reset_compiled
 from lightning_ckpt.testing import GPT, GPTConfig
 

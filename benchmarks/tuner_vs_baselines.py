@@ -39,10 +39,9 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt import Plan, baselines, discover_blocks, plan_applied
+from lightning_ckpt import Plan, baselines, discover_blocks, plan_applied, tune
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.memory.model import profile_memory
-from lightning_ckpt.search import tune
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.testing import GPT, GPTConfig
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import optuna
 import torch
 
-from lightning_ckpt import Plan
-from lightning_ckpt.search import tune
+from lightning_ckpt import Plan, tune
 from lightning_ckpt.search.records import TrialStatus, TuneResult
 from lightning_ckpt.search.study import FAILED_CONSTRAINT, METRIC_NAMES, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
 

@@ -338,6 +338,6 @@ def test_the_schema_ships_with_the_package():
     import lightning_ckpt
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert "plan_schema.json" in pyproject["tool"]["setuptools"]["package-data"]["lightning_ckpt"]
+    assert "plan_schema.json" in pyproject["tool"]["setuptools"]["package-data"]["lightning_ckpt.plan"]
     assert any(d.startswith("jsonschema") for d in pyproject["project"]["dependencies"])
-    assert (Path(lightning_ckpt.__file__).parent / "plan_schema.json").is_file()
+    assert (Path(lightning_ckpt.__file__).parent / "plan" / "plan_schema.json").is_file()

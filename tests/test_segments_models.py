@@ -17,10 +17,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt import BlockPlan, Plan, applied_plan, apply_plan, baselines, plan_applied, plan_handle
+from lightning_ckpt import BlockPlan, Plan, applied_plan, apply_plan, baselines, plan_applied, plan_handle, tune
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.memory.model import profile_memory
-from lightning_ckpt.search import tune
 
 transformers = pytest.importorskip("transformers")
 

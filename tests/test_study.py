@@ -241,7 +241,7 @@ def test_on_a_noisy_machine_the_choice_is_never_slower_than_0_97x_the_best_fitti
 
 
 def test_study_works_for_a_real_model_end_to_end_through_tune():
-    from lightning_ckpt.search import tune
+    from lightning_ckpt import tune
 
     torch.manual_seed(0)
     x = torch.randint(0, 32, (2, 8))

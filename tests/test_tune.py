@@ -7,11 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_ckpt import Plan
+from lightning_ckpt import Plan, tune
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.plan.format import BlockPlan
-from lightning_ckpt.search import tune
 from lightning_ckpt.search.tune import TrialRecord, choose_best
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}

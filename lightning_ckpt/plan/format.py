@@ -477,7 +477,7 @@ SCHEMA_FILE = "plan_schema.json"
 
 @functools.lru_cache(maxsize=1)
 def _schema_text() -> str:
-    return resources.files("lightning_ckpt").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    return resources.files("lightning_ckpt.plan").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
 
 
 def plan_schema() -> dict[str, Any]:
@@ -617,7 +617,7 @@ def _validate(data: Any, source: str) -> None:
             f" ({len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in this plan)" if len(errors) > 1 else ""
         )
         raise PlanError(
-            f"{source}: field {field_}: {problem}.{more} Fix the field (the format is lightning_ckpt/{SCHEMA_FILE}), "
+            f"{source}: field {field_}: {problem}.{more} Fix the field (the format is lightning_ckpt/plan/{SCHEMA_FILE}), "
             "or delete the file and re-tune."
         )
     micro = data.get("metadata", {}).get("micro_batch")
