@@ -9,7 +9,6 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_ckpt.lightning.callback
 from lightning_ckpt.testing import GPT, GPTConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -42,7 +41,6 @@ class Data(L.LightningDataModule):
 
 def test_readme_snippet_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(lightning_ckpt.lightning.callback, "_DEFAULT_TRIALS", 4)  # keep the search short in CI
     code = _snippet().replace("max_steps=100", "max_steps=2, logger=False, enable_checkpointing=False")
     namespace = {"model": Model(), "datamodule": Data()}
     exec(compile(code, str(README), "exec"), namespace)

@@ -1,6 +1,6 @@
 """``ActivationCheckpointTuner``: the Lightning callback. A thin adapter from Trainer hooks to ``tune``.
 
-Design (see shared/design.md): trials are *sandboxed*. On the first training batch the callback runs
+Trials are *sandboxed*. On the first training batch the callback runs
 the user's real ``training_step`` (under the Trainer's precision context) forward and backward on
 that batch for each candidate plan, never steps the optimizer, and restores gradients, buffers,
 metric states and RNG afterwards. Only then is the winner applied, so the restore cannot undo it,
@@ -52,8 +52,6 @@ from lightning_ckpt.search.study import storage_for_display
 from lightning_ckpt.search.tune import SearchInterrupted, tune
 
 __all__ = ["ActivationCheckpointTuner"]
-
-_DEFAULT_TRIALS = 40
 
 
 class ActivationCheckpointTuner(Callback):
@@ -144,7 +142,7 @@ class ActivationCheckpointTuner(Callback):
         _check_types(plan=plan, plan_path=plan_path)  # the search settings are checked by TuneConfig
         # The search settings, validated once and handed as one object to tune() / tune_micro_batch().
         self.config = TuneConfig(
-            n_trials=_DEFAULT_TRIALS if n_trials is None else n_trials, timeout=timeout,
+            n_trials=TuneConfig.n_trials if n_trials is None else n_trials, timeout=timeout,
             search_space=SearchSpace.from_config(search_space), sampler=sampler, storage=storage,
             study_name=study_name, seed=seed, warmup_steps=warmup_steps, measure_steps=measure_steps,
             block_types=block_types, on_infeasible=on_infeasible, tie_tolerance=tie_tolerance,

@@ -56,6 +56,7 @@ from lightning_ckpt.errors import (
     LightningCkptError,
     TrialsFailedError,
 )
+from lightning_ckpt.measure.measurement import median_and_spread
 from lightning_ckpt.memory.optimizer_step import RealStepMemory
 from lightning_ckpt.plan.format import Plan, library_versions
 from lightning_ckpt.search.config import TuneConfig
@@ -213,16 +214,11 @@ def speed_change(before_seconds: float | None, after_seconds: float | None, spre
 
 
 def _separated(per_sample: Mapping[int, Sequence[float]]) -> bool:
-    stats = sorted(_median_mad(v) for v in per_sample.values() if v)
+    stats = sorted(median_and_spread(v) for v in per_sample.values() if v)
     if len(stats) < 2:
         return True
     (m1, d1), (m2, d2) = stats[0], stats[1]
     return m2 - m1 > d1 + d2
-
-
-def _median_mad(values: Sequence[float]) -> tuple[float, float]:
-    med = statistics.median(values)
-    return med, statistics.median(abs(v - med) for v in values)
 
 
 class Study:
@@ -828,7 +824,7 @@ def confirmed_tie_tolerance(per_sample: Mapping[int, Sequence[float]], tie_toler
     """``tie_tolerance`` widened to the uncertainty of the side-by-side medians (relative MAD / sqrt(rounds)),
     at most ``_MAX_STATISTICAL_TIE``: candidates closer than the machine resolves are a statistical tie,
     which goes to lower memory."""
-    stats = [(_median_mad(v), len(v)) for v in per_sample.values() if v]
+    stats = [(median_and_spread(v), len(v)) for v in per_sample.values() if v]
     errors = [mad / med / math.sqrt(n) for (med, mad), n in stats if med > 0]
     return max(tie_tolerance, min(_MAX_STATISTICAL_TIE, statistics.median(errors))) if errors else tie_tolerance
 
