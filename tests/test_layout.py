@@ -1,0 +1,57 @@
+"""The package layout keeps the data flow one-way: a stage never imports a later one, and each outside
+library (Lightning, Optuna, TensorBoard and matplotlib) is imported by one subpackage only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[1] / "lightning_ckpt"
+# Data-flow order. The top-level modules (errors, versions, discovery, budget) are shared by every stage.
+STAGES = ("plan", "measure", "memory", "search", "report", "lightning", "cli")
+LIBRARIES = {"lightning": "lightning", "pytorch_lightning": "lightning", "optuna": "search",
+             "tensorboard": "report", "matplotlib": "report"}  # fmt: skip
+
+
+def _stage(path: Path) -> str | None:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 and parts[0] in STAGES else None
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """Modules imported at run time (``if TYPE_CHECKING:`` blocks left out), with their line numbers."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for child in node.body for n in ast.walk(child)
+    }  # fmt: skip
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append((node.module, node.lineno))
+    return out
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "testing" not in p.parts)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_stage_imports_only_earlier_stages_and_its_own_libraries(path):
+    stage = _stage(path)
+    rank = STAGES.index(stage) if stage else -1
+    if path == PACKAGE / "__init__.py":
+        rank = len(STAGES)  # the package root re-exports the public names of every stage
+    for module, line in _imports(path):
+        parts = module.split(".")
+        if parts[0] == "lightning_ckpt" and len(parts) > 1 and parts[1] in STAGES:
+            assert STAGES.index(parts[1]) <= rank, f"{path.name}:{line} imports the later stage {module}"
+        owner = LIBRARIES.get(parts[0])
+        if owner is not None:
+            assert stage == owner, f"{path.name}:{line} imports {parts[0]}, which only lightning_ckpt/{owner}/ may"
