@@ -10,7 +10,6 @@ and the real first step runs as if tuning had never happened - except that it is
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import sys
 import time
@@ -37,9 +36,18 @@ from lightning_ckpt.errors import (
 )
 from lightning_ckpt.lightning.conditions import RunConditions
 from lightning_ckpt.lightning.guard import RealStepReader, StepCheck, lower_memory_trial
-from lightning_ckpt.measure.harness import loss_of
-from lightning_ckpt.measure.measurement import mark_zero_grad, normalise_device
-from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.lightning.sync import StrategySync
+from lightning_ckpt.lightning.trials import (
+    SkippedBatch,
+    batch_dims,
+    batch_tensors,
+    fill_grads,
+    needs_transfer,
+    sandbox,
+    training_loss,
+    zero_grad_fn,
+)
+from lightning_ckpt.measure.measurement import normalise_device
 from lightning_ckpt.plan.apply import PlanHandle, apply_plan, existing_checkpointing
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import disable_kv_cache
@@ -284,7 +292,7 @@ class ActivationCheckpointTuner(Callback):
                     # Resolved per rank (the default CUDA budget is a share of each GPU's free memory): ranks that
                     # judged a step differently would enter the switch's collectives alone and hang. Rank 0's, as
                     # a search uses.
-                    self._budget = _StrategySync(trainer.strategy).broadcast(self._budget)
+                    self._budget = StrategySync(trainer.strategy).broadcast(self._budget)
                 self._check_batch_of = plan  # its batch shape is compared with the first batch's
                 if plan.metadata.get("micro_batch"):
                     self._set_micro_batch(trainer, pl_module, plan.metadata["micro_batch"])
@@ -324,7 +332,7 @@ class ActivationCheckpointTuner(Callback):
         if self._pending:
             try:
                 result = self._search(trainer, pl_module, model, batch, batch_idx)
-            except _SkippedBatch:
+            except SkippedBatch:
                 rank_zero_info(
                     f"lightning_ckpt: training_step returned None for batch {batch_idx} (Lightning skips it); "
                     "tuning on the next batch."
@@ -422,7 +430,7 @@ class ActivationCheckpointTuner(Callback):
     def _conditions(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> RunConditions:
         device = normalise_device(pl_module.device)
         capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        batch_size, seq_len = _batch_dims(batch) if batch is not None else (None, None)
+        batch_size, seq_len = batch_dims(batch) if batch is not None else (None, None)
         return RunConditions(
             batch_size=batch_size, seq_len=seq_len, precision=str(trainer.precision), device_type=device.type,
             device_capacity_bytes=capacity, world_size=trainer.world_size,
@@ -468,7 +476,7 @@ class ActivationCheckpointTuner(Callback):
         if is_compiled(model):
             reset_compiled()  # compile the locked-in plan afresh: no stale graphs, no recompiles counted (compile.py)
         if trainer.world_size > 1:
-            digests = _StrategySync(trainer.strategy).all_gather(plan.digest())
+            digests = StrategySync(trainer.strategy).all_gather(plan.digest())
             if len(set(digests)) != 1:
                 self._handle.remove()
                 raise ApplyError(
@@ -483,7 +491,7 @@ class ActivationCheckpointTuner(Callback):
     def _maybe_read_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         if self._reader is None or self._budget is None or self._budget.kind == "none" or not self.guard_steps:
             return
-        dims = tuple(d or 0 for d in _batch_dims(batch))
+        dims = tuple(d or 0 for d in batch_dims(batch))
         # Under several ranks every rank must read the same steps (the verdict is gathered), and batch shapes
         # can differ by rank (a ragged last batch): only the first steps after lock-in are read there.
         larger = (
@@ -494,7 +502,7 @@ class ActivationCheckpointTuner(Callback):
         if self._guard_left <= 0 and not larger:
             return
         self._reader.start(
-            pl_module, list(trainer.optimizers), tuple(_tensors(batch)), activation=self._budget.kind == "activation",
+            pl_module, list(trainer.optimizers), tuple(batch_tensors(batch)), activation=self._budget.kind == "activation",
             compiled=is_compiled(pl_module),
         )  # fmt: skip
 
@@ -503,10 +511,10 @@ class ActivationCheckpointTuner(Callback):
         assert budget is not None and self.plan is not None
         peak, act = reading.peak_bytes, reading.activation_bytes
         if trainer.world_size > 1:  # the budget holds on every rank: judge the worst one, identically everywhere
-            gathered = _StrategySync(trainer.strategy).all_gather((peak, act))
+            gathered = StrategySync(trainer.strategy).all_gather((peak, act))
             peak = max(g[0] for g in gathered)
             act = max((g[1] for g in gathered if g[1] is not None), default=None)
-        dims = _batch_dims(batch)
+        dims = batch_dims(batch)
         fits = budget.fits(peak, act)
         self._guard_left -= 1
         self._checked_dims = tuple(max(d or 0, c) for d, c in zip(dims, self._checked_dims, strict=True))  # type: ignore[assignment]
@@ -589,27 +597,27 @@ class ActivationCheckpointTuner(Callback):
     def _search(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module, batch: Any, batch_idx: int
     ) -> TuneResult:
-        batch = trainer.strategy.batch_to_device(batch) if _needs_transfer(batch, pl_module.device) else batch
+        batch = trainer.strategy.batch_to_device(batch) if needs_transfer(batch, pl_module.device) else batch
         precision = trainer.strategy.precision_plugin
 
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        forward = _training_loss(
-            pl_module, precision, batch, batch_idx, zero_grad=_zero_grad_fn(trainer, pl_module, optimizer, batch_idx)
+        forward = training_loss(
+            pl_module, precision, batch, batch_idx, zero_grad=zero_grad_fn(trainer, pl_module, optimizer, batch_idx)
         )
-        batch_size, seq_len = _batch_dims(batch)
+        batch_size, seq_len = batch_dims(batch)
         progress = self._progress(trainer)
 
         self._tuned_batch = batch
-        with self._searching(trainer, progress), _sandbox(pl_module), warnings.catch_warnings():
+        with self._searching(trainer, progress), sandbox(pl_module), warnings.catch_warnings():
             # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
             warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
-            _fill_grads(pl_module)
+            fill_grads(pl_module)
             result = tune(
                 model, forward, optimizer=optimizer, **self._search_budget.arguments(), config=self.config,
                 batch_size=batch_size, seq_len=seq_len,
-                progress=progress, extra_tensors=tuple(_tensors(batch)),
+                progress=progress, extra_tensors=tuple(batch_tensors(batch)),
                 should_stop=lambda: bool(getattr(trainer, "received_sigterm", False)),
-                sync=_StrategySync(trainer.strategy) if trainer.world_size > 1 else None,
+                sync=StrategySync(trainer.strategy) if trainer.world_size > 1 else None,
             )  # fmt: skip
         if result.fell_back:
             _warn_each_fit(result.fallback_message)
@@ -654,17 +662,17 @@ class ActivationCheckpointTuner(Callback):
         def loss_fn_for(m: int) -> Any:
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
             # One micro-batch per step: the previous step's gradients live until after the forward.
-            zero_grad = _zero_grad_fn(trainer, pl_module, optimizer, 0) if global_batch // m == 1 else None
-            return _training_loss(pl_module, precision, resize_batch(batch, base, m), 0, zero_grad=zero_grad)
+            zero_grad = zero_grad_fn(trainer, pl_module, optimizer, 0) if global_batch // m == 1 else None
+            return training_loss(pl_module, precision, resize_batch(batch, base, m), 0, zero_grad=zero_grad)
 
         progress = self._progress(trainer)
 
-        with self._searching(trainer, progress), _sandbox(pl_module):
-            _fill_grads(pl_module)
+        with self._searching(trainer, progress), sandbox(pl_module):
+            fill_grads(pl_module)
             found = tune_micro_batch(
                 model, loss_fn_for, base_micro_batch=base, global_batch=global_batch,
                 **self._search_budget.arguments(), progress=progress,
-                extra_for=lambda m: tuple(_tensors(resize_batch(batch, base, m))),
+                extra_for=lambda m: tuple(batch_tensors(resize_batch(batch, base, m))),
                 optimizer=trainer.optimizers[0] if trainer.optimizers else None,
                 config=replace(self.config, confirm_rounds=3),
             )  # fmt: skip
@@ -830,99 +838,6 @@ class ActivationCheckpointTuner(Callback):
         rank_zero_info(report.result_line(result) + "\nlightning_ckpt: " + "; ".join(where))
 
 
-class _StrategySync:
-    """``lightning_ckpt.search.distributed.Sync`` over a Lightning strategy's process group."""
-
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
-
-    @property
-    def is_leader(self) -> bool:
-        return self.strategy.global_rank == 0
-
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size
-
-    def broadcast(self, obj: Any) -> Any:
-        return self.strategy.broadcast(obj, src=0)
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-
-@contextlib.contextmanager
-def _sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Run trials without leaving a trace: grads, buffers, metric states, Python attributes, RNG and logging."""
-    python_state = PythonState.capture(pl_module)  # tune() also restores them after every step it runs
-    params = list(pl_module.parameters())
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
-    metric_states = _metric_states(pl_module)
-    training = {m: m.training for m in pl_module.modules()}
-    patched = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
-    pl_module.log = _no_log  # type: ignore[method-assign]
-    pl_module.log_dict = _no_log  # type: ignore[method-assign]
-    try:
-        with isolate_rng(include_cuda=torch.cuda.is_available()):
-            yield
-    finally:
-        for name, previous in patched.items():
-            if previous is None:
-                pl_module.__dict__.pop(name, None)
-            else:
-                pl_module.__dict__[name] = previous
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        for m, was in training.items():
-            m.training = was
-        _restore_metric_states(metric_states)
-        python_state.restore()
-
-
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _metric_states(pl_module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics ships with lightning
-        return []
-    saved = []
-    for m in pl_module.modules():
-        if isinstance(m, Metric):
-            state = {k: copy.deepcopy(getattr(m, k)) for k in m._defaults}
-            state.update(_update_count=m._update_count, _computed=copy.deepcopy(m._computed))
-            saved.append((m, state))
-    return saved
-
-
-def _restore_metric_states(saved: list[tuple[Any, dict[str, Any]]]) -> None:
-    for m, state in saved:
-        for k, v in state.items():
-            setattr(m, k, v)
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
-    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-
-
-def _needs_transfer(batch: Any, device: torch.device) -> bool:
-    return any(t.device != device for t in _tensors(batch))
-
-
 def _check_types(**values: Any) -> None:
     """Arguments whose wrong type would only fail mid-fit (or silently do something else), refused now."""
     rules = {
@@ -933,10 +848,6 @@ def _check_types(**values: Any) -> None:
         types, example = rules[name]
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             raise ConfigurationError(f"{name} must be {example}, but got {type(value).__name__} {value!r}.")
-
-
-class _SkippedBatch(Exception):
-    """training_step returned None for the batch being tuned on."""
 
 
 def _warn_each_fit(message: str) -> None:
@@ -958,58 +869,6 @@ def _logged_hparams(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[
         params.update(datamodule.hparams_initial)
     params.pop("_class_path", None)
     return dict(_flatten_dict(_convert_params(params)))
-
-
-def _fill_grads(pl_module: pl.LightningModule) -> None:
-    """Give every trainable parameter a gradient for the trials (the sandbox puts the real ones back).
-
-    From the second real step on, gradients are live while the forward runs: Lightning zeroes them after
-    ``training_step`` and before ``backward`` (and under gradient accumulation not at all within a window).
-    A first batch has none, so trials without them would under-state every later step.
-    """
-    for p in pl_module.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-            mark_zero_grad(p.grad)  # trials' snapshots then restore zeros instead of copying to host and back
-
-
-def _zero_grad_fn(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, batch_idx: int) -> Any:
-    """Lightning's own zeroing between forward and backward, where it happens (not inside an accumulation window)."""
-    if optimizer is None or trainer.accumulate_grad_batches > 1:
-        return None
-    return lambda: pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
-
-
-def _training_loss(
-    pl_module: pl.LightningModule, precision: Any, batch: Any, batch_idx: int, *, zero_grad: Any = None
-) -> Any:
-    """The user's ``training_step`` on ``batch`` under the Trainer's precision, as a zero-argument loss function.
-
-    Trials must run exactly what training runs (autocast included), so the tuner never builds its own forward.
-    ``zero_grad`` runs after the forward, where Lightning's automatic optimization zeroes gradients.
-    """
-
-    def forward() -> torch.Tensor:
-        with precision.forward_context():
-            out = pl_module.training_step(batch, batch_idx)
-        if out is None:
-            raise _SkippedBatch  # legal in Lightning: the batch is skipped; tune on the next one
-        loss = loss_of(out, require_grad=torch.is_grad_enabled())
-        if zero_grad is not None:
-            zero_grad()
-        return loss
-
-    return forward
-
-
-def _batch_dims(batch: Any) -> tuple[int | None, int | None]:
-    """Samples per batch (first dim of the first tensor) and sequence length (token-id batches)."""
-    tensors = _tensors(batch)
-    if not tensors or tensors[0].dim() == 0:
-        return None, None
-    first = tensors[0]
-    seq = first.shape[1] if first.dim() == 2 and not first.is_floating_point() else None
-    return int(first.shape[0]), (int(seq) if seq is not None else None)
 
 
 def _check_writable(path: Path) -> None:
