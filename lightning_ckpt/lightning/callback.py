@@ -9,12 +9,10 @@ and the real first step runs as if tuning had never happened - except that it is
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +34,9 @@ from lightning_ckpt.errors import (
 )
 from lightning_ckpt.lightning.conditions import RunConditions
 from lightning_ckpt.lightning.guard import RealStepReader, StepCheck, lower_memory_trial
+from lightning_ckpt.lightning.progress import lightning_bars_paused
 from lightning_ckpt.lightning.sync import StrategySync
+from lightning_ckpt.lightning.tensorboard import TunerRun, logged_hparams
 from lightning_ckpt.lightning.trials import (
     SkippedBatch,
     batch_dims,
@@ -197,8 +197,7 @@ class ActivationCheckpointTuner(Callback):
         self._resumed_plan: Plan | None = None
         self._handle: PlanHandle | None = None
         self._pending = False
-        self._writer_cache: Any = None
-        self._declared_in_logger = False
+        self._tb = TunerRun(self.log_dir)
         self.wrote_plan_file = False
         self.guard_steps = guard_steps
         self.on_budget_exceeded = on_budget_exceeded
@@ -246,7 +245,7 @@ class ActivationCheckpointTuner(Callback):
                 "checkpoint_wrapper), or remove ActivationCheckpointTuner to keep yours."
             )
         self._reader = RealStepReader(normalise_device(pl_module.device))
-        self._declared_in_logger = False  # this fit's logger run has no tuner HParams columns yet
+        self._tb = TunerRun(self.log_dir)  # this fit's logger run has no tuner HParams columns yet
         self.step_checks = []
         self._checked_dims = (0, 0)
         self._search_budget = self._requested
@@ -305,7 +304,7 @@ class ActivationCheckpointTuner(Callback):
                 rank_zero_warn(f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').")
         self._check_tunable(pl_module)
         if trainer.is_global_zero:
-            self._declare_hparams_table(trainer, pl_module)
+            self._tb.declare_hparams_table(trainer, pl_module)
         if self.tune_micro_batch:
             self._search_micro_batch(trainer, pl_module, model)  # before the loop draws its first batch
             return
@@ -376,9 +375,7 @@ class ActivationCheckpointTuner(Callback):
         if self._reader is not None:
             self._reader.abandon()
         self._unlock()
-        if self._writer_cache is not None:
-            self._writer_cache.close()
-            self._writer_cache = None
+        self._tb.close()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The model leaves fit as the user gave it; resuming or a new fit re-applies the locked-in plan.
@@ -608,7 +605,7 @@ class ActivationCheckpointTuner(Callback):
         progress = self._progress(trainer)
 
         self._tuned_batch = batch
-        with self._searching(trainer, progress), sandbox(pl_module), warnings.catch_warnings():
+        with lightning_bars_paused(trainer, progress), sandbox(pl_module), warnings.catch_warnings():
             # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
             warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
             fill_grads(pl_module)
@@ -667,7 +664,7 @@ class ActivationCheckpointTuner(Callback):
 
         progress = self._progress(trainer)
 
-        with self._searching(trainer, progress), sandbox(pl_module):
+        with lightning_bars_paused(trainer, progress), sandbox(pl_module):
             fill_grads(pl_module)
             found = tune_micro_batch(
                 model, loss_fn_for, base_micro_batch=base, global_batch=global_batch,
@@ -735,73 +732,9 @@ class ActivationCheckpointTuner(Callback):
         if not trainer.is_global_zero:
             return None
         return SearchProgress(
-            self.config.n_trials, writer=self._writer(trainer), verbose=self.verbose,
+            self.config.n_trials, writer=self._tb.writer(trainer), verbose=self.verbose,
             enabled=trainer.progress_bar_callback is not None, file=sys.stdout,
         )  # fmt: skip
-
-    @contextlib.contextmanager
-    def _searching(self, trainer: pl.Trainer, progress: Any) -> Iterator[None]:
-        """Around the search: Lightning's own bar steps aside for the tuner's, and its clock leaves the search
-        out, so step 1 is not reported as taking the whole search (the result line reports the tuning time)."""
-        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-
-        callback = trainer.progress_bar_callback
-        tqdm_bar = getattr(callback, "_train_progress_bar", None) if isinstance(callback, TQDMProgressBar) else None
-        rich = callback.progress if isinstance(callback, RichProgressBar) else None
-        if tqdm_bar is not None:
-            tqdm_bar.clear()
-        if rich is not None:
-            rich.stop()
-        started = time.monotonic()
-        try:
-            yield
-        finally:
-            if progress is not None:
-                progress.close()
-            if tqdm_bar is not None:
-                tqdm_bar.unpause()  # restarts tqdm's timer from its last print: rate and elapsed leave the search out
-                tqdm_bar.refresh()
-            if rich is not None:
-                for task in rich.tasks:
-                    if task.start_time is not None:
-                        task.start_time += time.monotonic() - started
-                    task._progress.clear()  # the speed estimate's samples: none may span the search
-                rich.start()
-
-    def _tensorboard_logger(self, trainer: pl.Trainer) -> Any:
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        return next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-
-    def _declare_hparams_table(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Declare the HParams table's columns in the Trainer's TensorBoard run, before Lightning writes its own.
-
-        TensorBoard keeps the first experiment summary of a run, and Lightning writes one (the module's
-        hyperparameters and ``hp_metric``) right after ``on_fit_start``; written first, the tuner's columns win.
-        The module's hyperparameters stay columns too, so the training run's own row still shows them.
-        """
-        from lightning_ckpt.report.summary import write_experiment
-
-        tb = self._tensorboard_logger(trainer)
-        if tb is None or self.log_dir is not None:
-            return  # the tuner's own writer declares it (report.write_tensorboard)
-        write_experiment(tb.experiment, _logged_hparams(trainer, pl_module))
-        self._declared_in_logger = True
-
-    def _writer(self, trainer: pl.Trainer) -> Any:
-        if self._writer_cache is not None:
-            return self._writer_cache
-        from torch.utils.tensorboard import SummaryWriter
-
-        # A run of its own under the Trainer's (a child run: the HParams rows live under it, see report.py).
-        log_dir = self.log_dir
-        if log_dir is None:
-            tb = self._tensorboard_logger(trainer)
-            # Never <cwd>/lightning_ckpt: run from a checkout, that directory shadows the package on the next import.
-            base = Path(tb.log_dir) if tb is not None else Path(trainer.default_root_dir) / "lightning_logs"
-            log_dir = base / "lightning_ckpt"
-        self._writer_cache = SummaryWriter(log_dir=str(log_dir))
-        return self._writer_cache
 
     def _report(self, trainer: pl.Trainer, result: TuneResult) -> None:
         from lightning_ckpt.report import summary as report
@@ -813,13 +746,12 @@ class ActivationCheckpointTuner(Callback):
         self.plan = plan
         if self.plan_path is not None:
             self.wrote_plan_file = self._save_plan_file(plan)
-        writer = self._writer(trainer)
+        writer = self._tb.writer(trainer)
         log_dir = report.write_tensorboard(
-            writer, result, log_trials=False, write_experiment_summary=not self._declared_in_logger,
-            other_hparams=_logged_hparams(trainer, trainer.lightning_module),
+            writer, result, log_trials=False, write_experiment_summary=not self._tb.declared_in_logger,
+            other_hparams=logged_hparams(trainer, trainer.lightning_module),
         )  # fmt: skip  # trials were streamed
-        writer.close()
-        self._writer_cache = None
+        self._tb.close()
         warning = report.timing_warning(result)
         if warning:
             rank_zero_warn(warning)
@@ -831,8 +763,7 @@ class ActivationCheckpointTuner(Callback):
                 f"plan saved to {self.plan_path}" if self.wrote_plan_file
                 else f"plan not saved: {self.plan_path} holds another run's plan"
             )  # fmt: skip
-        tb = self._tensorboard_logger(trainer) if self.log_dir is None else None
-        where.append(f"view it: tensorboard --logdir {tb.root_dir if tb is not None else log_dir}")
+        where.append(f"view it: tensorboard --logdir {self._tb.view_dir(trainer, log_dir)}")
         if result.study_name is not None:
             where.append(f"Optuna study {result.study_name!r} ({storage_for_display(result.storage)})")
         rank_zero_info(report.result_line(result) + "\nlightning_ckpt: " + "; ".join(where))
@@ -855,20 +786,6 @@ def _warn_each_fit(message: str) -> None:
     'already shown' registry, while the user's own filters (e.g. ``ignore``) still apply."""
     with warnings.catch_warnings():
         rank_zero_warn(message)
-
-
-def _logged_hparams(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-    """The hyperparameters Lightning's ``TensorBoardLogger`` will log for this fit (flattened as it does)."""
-    from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
-
-    params: dict[str, Any] = {}
-    if getattr(pl_module, "_log_hyperparams", False):
-        params.update(pl_module.hparams_initial)
-    datamodule = trainer.datamodule
-    if datamodule is not None and getattr(datamodule, "_log_hyperparams", False):
-        params.update(datamodule.hparams_initial)
-    params.pop("_class_path", None)
-    return dict(_flatten_dict(_convert_params(params)))
 
 
 def _check_writable(path: Path) -> None:

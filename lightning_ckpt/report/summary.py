@@ -916,6 +916,11 @@ def _session_end() -> Summary:
     return _hparams_summary(hparams_metadata.SESSION_END_INFO_TAG, session_end_info=info)
 
 
+def open_writer(log_dir: str | os.PathLike[str]) -> SummaryWriter:
+    """A TensorBoard writer for the search's run in ``log_dir`` (TensorBoard is imported only in this package)."""
+    return SummaryWriter(log_dir=str(log_dir))
+
+
 def write_experiment(writer: SummaryWriter, other_hparams: Mapping[str, Any] | None = None) -> None:
     """Declare the HParams table in ``writer``'s run (see ``experiment_summary``); call before anyone else does."""
     writer.file_writer.add_summary(experiment_summary(other_hparams))
