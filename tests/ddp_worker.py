@@ -57,10 +57,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank_budget:  # as the default CUDA budget does: a share of each GPU's free memory, which differs
         from lightning_ckpt.budget import Budget
-        from lightning_ckpt.lightning import callback
+        from lightning_ckpt.lightning import reuse
 
         limit = (10 + 10 * int(os.environ.get("LOCAL_RANK", "0"))) * 2**30
-        callback.resolve_budget = lambda *a, **k: Budget("peak", limit, None, f"{limit} bytes free on this rank")
+        reuse.resolve_budget = lambda *a, **k: Budget("peak", limit, None, f"{limit} bytes free on this rank")
     plan_path = args.out / "plan.json"
     if args.reuse:
         tuner = ActivationCheckpointTuner(plan=plan_path, verbose=False)

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
-from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes, resolve_budget
+from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import (
     ApplyError,
@@ -32,9 +32,15 @@ from lightning_ckpt.errors import (
     PlanFileChangedError,
     StalePlanError,
 )
-from lightning_ckpt.lightning.conditions import RunConditions
 from lightning_ckpt.lightning.guard import RealStepReader, StepCheck, lower_memory_trial
 from lightning_ckpt.lightning.progress import lightning_bars_paused
+from lightning_ckpt.lightning.reuse import (
+    check_reusable,
+    condition_changes,
+    reused_budget,
+    run_conditions,
+    wanted_budget,
+)
 from lightning_ckpt.lightning.sync import StrategySync
 from lightning_ckpt.lightning.tensorboard import TunerRun, logged_hparams
 from lightning_ckpt.lightning.trials import (
@@ -51,7 +57,7 @@ from lightning_ckpt.measure.measurement import normalise_device
 from lightning_ckpt.plan.apply import PlanHandle, apply_plan, existing_checkpointing
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import disable_kv_cache
-from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint, plan_file_version
+from lightning_ckpt.plan.format import BlockPlan, Plan, plan_file_version
 from lightning_ckpt.search.compile import is_compiled, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
@@ -206,7 +212,7 @@ class ActivationCheckpointTuner(Callback):
         self._guard_left = 0
         self._checked_dims: tuple[int, int] = (0, 0)
         self._budget: Budget | None = None
-        self._search_budget = self._requested  # what a search in this fit tunes for (see _wanted_budget)
+        self._search_budget = self._requested  # what a search in this fit tunes for (see reuse.wanted_budget)
         self._plan_file_version: str | None = None  # plan_path's content when last read or written here
         self._plan_file_lost = False  # another run wrote plan_path meanwhile: never write over it this fit
         self._check_batch_of: Plan | None = None
@@ -259,26 +265,16 @@ class ActivationCheckpointTuner(Callback):
             data = trainer.strategy.broadcast(plan.to_dict() if plan is not None else None, src=0)
             plan = Plan.from_dict(data, source="plan broadcast from rank 0") if data is not None else None
         if plan is not None:
-            wanted = self._search_budget = self._wanted_budget(plan)
+            wanted = self._search_budget = wanted_budget(plan, self._requested)
             try:
-                changes = self._condition_changes(plan, trainer, pl_module, None)
-                if changes:
-                    raise StalePlanError(
-                        f"The plan from {source} was tuned under other conditions: {'; '.join(changes)}."
-                    )
-                fingerprint = model_fingerprint(model)
-                if plan.fingerprint is not None and plan.fingerprint != fingerprint:
-                    raise StalePlanError(
-                        f"The plan from {source} was tuned for another model (fingerprint {plan.fingerprint}; this "
-                        f"model's is {fingerprint}: its module tree, parameter shapes or dtypes differ)."
-                    )
-                saved = RequestedBudget.of_plan(plan)
-                # A budget saved without its size is compared only with one this run asks for.
-                if saved is not None and saved != wanted and (saved.recorded or self._requested.given):
-                    raise StalePlanError(
-                        f"The plan from {source} was tuned for {saved.describe()}, but this run asks for "
-                        f"{wanted.describe()}."
-                    )
+                check_reusable(
+                    plan,
+                    source,
+                    changes=condition_changes(plan, run_conditions(trainer, pl_module, None), batch_known=False),
+                    model=model,
+                    wanted=wanted,
+                    budget_given=self._requested.given,
+                )
                 if (plan.metadata.get("search") or {}).get("fell_back"):
                     _warn_each_fit(
                         f"lightning_ckpt: the plan from {source} was a fallback: when it was tuned no plan fitted the "
@@ -286,7 +282,7 @@ class ActivationCheckpointTuner(Callback):
                         "fit now either. Delete the plan file to search again, or raise the budget."
                     )
                 self._lock_in(model, plan, source=source, trainer=trainer)
-                self._budget = self._budget_of(plan, wanted, pl_module.device)
+                self._budget = reused_budget(plan, wanted, pl_module.device)
                 if trainer.world_size > 1:
                     # Resolved per rank (the default CUDA budget is a share of each GPU's free memory): ranks that
                     # judged a step differently would enter the switch's collectives alone and hang. Rank 0's, as
@@ -316,7 +312,7 @@ class ActivationCheckpointTuner(Callback):
         model = unwrap_compiled(pl_module)
         if self._check_batch_of is not None:
             plan, self._check_batch_of = self._check_batch_of, None
-            changes = self._condition_changes(plan, trainer, pl_module, batch)
+            changes = condition_changes(plan, run_conditions(trainer, pl_module, batch), batch_known=True)
             if changes:
                 message = f"The applied plan was tuned for other batches: {'; '.join(changes)}."
                 if self.on_stale_plan == "raise":
@@ -410,12 +406,6 @@ class ActivationCheckpointTuner(Callback):
             return None
         return Plan.load(self.plan_path)  # its budget, conditions and fingerprint are checked in on_fit_start
 
-    def _wanted_budget(self, plan: Plan) -> RequestedBudget:
-        """The budget a reused ``plan`` must have been tuned for, and a re-tune tunes for: this callback's, or
-        when it was given none, the plan's own (a plan applied as it was saved keeps its budget)."""
-        saved = RequestedBudget.of_plan(plan)
-        return saved if not self._requested.given and saved is not None and saved.recorded else self._requested
-
     def _check_tunable(self, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
             raise ConfigurationError(
@@ -423,37 +413,6 @@ class ActivationCheckpointTuner(Callback):
                 "training_step steps the optimizer itself, so a trial would change the weights. Tune once with "
                 "automatic optimization, or pass plan=... to apply a saved plan."
             )
-
-    def _conditions(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> RunConditions:
-        device = normalise_device(pl_module.device)
-        capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        batch_size, seq_len = batch_dims(batch) if batch is not None else (None, None)
-        return RunConditions(
-            batch_size=batch_size, seq_len=seq_len, precision=str(trainer.precision), device_type=device.type,
-            device_capacity_bytes=capacity, world_size=trainer.world_size,
-            accumulation=int(trainer.accumulate_grad_batches),
-        )  # fmt: skip
-
-    def _condition_changes(
-        self, plan: Plan, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any
-    ) -> list[str]:
-        """What differs from the conditions ``plan`` was tuned under (batch shape only once a batch is known)."""
-        saved = dict(plan.metadata.get("conditions") or {})
-        if plan.metadata.get("micro_batch"):
-            # The plan sets micro-batch and accumulation itself; _set_micro_batch checks the global batch.
-            saved.pop("accumulation", None)
-            if batch is None:
-                saved.pop("batch_size", None)
-        return self._conditions(trainer, pl_module, batch).changes_from(saved, include_batch=batch is not None)
-
-    def _budget_of(self, plan: Plan, wanted: RequestedBudget, device: torch.device) -> Budget | None:
-        """The budget a reused plan is guarded against: ``wanted``, resolved for this device. A share of activation
-        memory needs the no-checkpointing figure, known only from the plan's own record of that budget."""
-        if wanted.kind == "activation":
-            saved = plan.metadata.get("budget") or {}
-            limit = saved.get("limit_bytes") if RequestedBudget.of_plan(plan) == wanted else None
-            return Budget("activation", limit, wanted.value, saved.get("description", "")) if limit else None
-        return resolve_budget(**wanted.arguments(), device=normalise_device(device))
 
     def _unlock(self) -> None:
         if self._handle is not None:
@@ -741,7 +700,7 @@ class ActivationCheckpointTuner(Callback):
 
         plan = result.best.with_metadata(
             budget={**result.budget.to_dict(), "requested": self._search_budget.requested_max_memory},
-            conditions=self._conditions(trainer, trainer.lightning_module, self._tuned_batch).to_dict(),
+            conditions=run_conditions(trainer, trainer.lightning_module, self._tuned_batch).to_dict(),
         )
         self.plan = plan
         if self.plan_path is not None:

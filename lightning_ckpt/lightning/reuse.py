@@ -1,0 +1,79 @@
+"""When a saved plan (resumed checkpoint, ``plan=``, plan file) may be applied without searching: the run's
+conditions, the model, and the budget it was tuned for must match this run's; and the budget it is then
+guarded against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_ckpt.budget import Budget, RequestedBudget, resolve_budget
+from lightning_ckpt.errors import StalePlanError
+from lightning_ckpt.lightning.conditions import RunConditions
+from lightning_ckpt.lightning.trials import batch_dims
+from lightning_ckpt.measure.measurement import normalise_device
+from lightning_ckpt.plan.format import Plan, model_fingerprint
+
+__all__ = ["check_reusable", "condition_changes", "reused_budget", "run_conditions", "wanted_budget"]
+
+
+def run_conditions(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> RunConditions:
+    """What a plan's figures depend on in this run (batch shape only once a batch is known)."""
+    device = normalise_device(pl_module.device)
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    batch_size, seq_len = batch_dims(batch) if batch is not None else (None, None)
+    return RunConditions(
+        batch_size=batch_size, seq_len=seq_len, precision=str(trainer.precision), device_type=device.type,
+        device_capacity_bytes=capacity, world_size=trainer.world_size,
+        accumulation=int(trainer.accumulate_grad_batches),
+    )  # fmt: skip
+
+
+def condition_changes(plan: Plan, now: RunConditions, *, batch_known: bool) -> list[str]:
+    """What differs from the conditions ``plan`` was tuned under (batch shape only once a batch is known)."""
+    saved = dict(plan.metadata.get("conditions") or {})
+    if plan.metadata.get("micro_batch"):
+        # The plan sets micro-batch and accumulation itself; the callback checks the global batch.
+        saved.pop("accumulation", None)
+        if not batch_known:
+            saved.pop("batch_size", None)
+    return now.changes_from(saved, include_batch=batch_known)
+
+
+def wanted_budget(plan: Plan, requested: RequestedBudget) -> RequestedBudget:
+    """The budget a reused ``plan`` must have been tuned for, and a re-tune tunes for: the callback's, or
+    when it was given none, the plan's own (a plan applied as it was saved keeps its budget)."""
+    saved = RequestedBudget.of_plan(plan)
+    return saved if not requested.given and saved is not None and saved.recorded else requested
+
+
+def check_reusable(
+    plan: Plan, source: str, *, changes: list[str], model: torch.nn.Module, wanted: RequestedBudget, budget_given: bool
+) -> None:
+    """Raise ``StalePlanError`` saying why ``plan`` (from ``source``) cannot be applied to this run as it is."""
+    if changes:
+        raise StalePlanError(f"The plan from {source} was tuned under other conditions: {'; '.join(changes)}.")
+    fingerprint = model_fingerprint(model)
+    if plan.fingerprint is not None and plan.fingerprint != fingerprint:
+        raise StalePlanError(
+            f"The plan from {source} was tuned for another model (fingerprint {plan.fingerprint}; this "
+            f"model's is {fingerprint}: its module tree, parameter shapes or dtypes differ)."
+        )
+    saved = RequestedBudget.of_plan(plan)
+    # A budget saved without its size is compared only with one this run asks for.
+    if saved is not None and saved != wanted and (saved.recorded or budget_given):
+        raise StalePlanError(
+            f"The plan from {source} was tuned for {saved.describe()}, but this run asks for {wanted.describe()}."
+        )
+
+
+def reused_budget(plan: Plan, wanted: RequestedBudget, device: torch.device) -> Budget | None:
+    """The budget a reused plan is guarded against: ``wanted``, resolved for this device. A share of activation
+    memory needs the no-checkpointing figure, known only from the plan's own record of that budget."""
+    if wanted.kind == "activation":
+        saved = plan.metadata.get("budget") or {}
+        limit = saved.get("limit_bytes") if RequestedBudget.of_plan(plan) == wanted else None
+        return Budget("activation", limit, wanted.value, saved.get("description", "")) if limit else None
+    return resolve_budget(**wanted.arguments(), device=normalise_device(device))
