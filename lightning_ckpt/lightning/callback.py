@@ -21,7 +21,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
@@ -33,6 +32,7 @@ from lightning_ckpt.errors import (
     StalePlanError,
 )
 from lightning_ckpt.lightning.guard import RealStepReader, StepCheck, lower_memory_trial
+from lightning_ckpt.lightning.micro_batch import check_micro_batch_tunable, first_batch, set_micro_batch
 from lightning_ckpt.lightning.progress import lightning_bars_paused
 from lightning_ckpt.lightning.reuse import (
     check_reusable,
@@ -580,39 +580,14 @@ class ActivationCheckpointTuner(Callback):
         return result
 
     def _search_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module) -> None:
-        from lightning.pytorch.callbacks import GradientAccumulationScheduler
-        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+        from lightning.pytorch.utilities.parsing import lightning_getattr
 
         from lightning_ckpt.search.microbatch import resize_batch, tune_micro_batch
 
-        if trainer.world_size > 1:
-            raise ConfigurationError("tune_micro_batch=True is not supported under multi-process training yet.")
-        if not lightning_hasattr(pl_module, self.batch_arg_name):
-            raise ConfigurationError(
-                f"tune_micro_batch=True changes the micro-batch through the '{self.batch_arg_name}' attribute of the "
-                "LightningModule or its datamodule (as Lightning's BatchSizeFinder does), but neither has it. Add "
-                f"self.{self.batch_arg_name} and use it in train_dataloader(), or set batch_arg_name=..."
-            )
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
-            raise ConfigurationError(
-                "tune_micro_batch=True sets accumulate_grad_batches itself, but a GradientAccumulationScheduler is "
-                "also set. Remove one of them."
-            )
-        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
-            rank_zero_warn(
-                "tune_micro_batch=True: this model has BatchNorm layers, whose statistics depend on the micro-batch; "
-                "gradient accumulation is then not exactly equivalent to the original batch."
-            )
+        check_micro_batch_tunable(trainer, pl_module, self.batch_arg_name)
         base = int(lightning_getattr(pl_module, self.batch_arg_name))
-        accumulation = int(trainer.accumulate_grad_batches)
-        global_batch = base * accumulation
-        trainer.fit_loop.setup_data()
-        loader = trainer.train_dataloader
-        if not isinstance(loader, torch.utils.data.DataLoader):
-            raise ConfigurationError("tune_micro_batch=True needs a single train DataLoader.")
-        with isolate_rng():  # drawing a batch must not move the data order or any RNG
-            batch = next(iter(loader))
-        batch = trainer.strategy.batch_to_device(batch)
+        global_batch = base * int(trainer.accumulate_grad_batches)
+        batch = first_batch(trainer)
         precision = trainer.strategy.precision_plugin
 
         def loss_fn_for(m: int) -> Any:
@@ -642,46 +617,8 @@ class ActivationCheckpointTuner(Callback):
             self._report(trainer, found.result)
 
     def _set_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Mapping[str, int]) -> None:
-        """Switch to ``spec``'s micro-batch and accumulation; restore both if the switch fails."""
-        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-
-        if not lightning_hasattr(pl_module, self.batch_arg_name):
-            raise ConfigurationError(
-                f"The plan sets micro-batch {spec['size']} x {spec['accumulation']} accumulation, but the model has "
-                f"no '{self.batch_arg_name}' attribute to set. Add it, or re-tune without tune_micro_batch."
-            )
-        old_size = lightning_getattr(pl_module, self.batch_arg_name)
-        old_accumulation = trainer.accumulate_grad_batches
-        if old_size * old_accumulation != spec["global"]:
-            rank_zero_warn(
-                f"lightning_ckpt: the plan's micro-batch was tuned for a global batch of {spec['global']}, but this run "
-                f"has {old_size} x {old_accumulation}; keeping this run's batch settings."
-            )
-            return
-        try:
-            lightning_setattr(pl_module, self.batch_arg_name, int(spec["size"]))
-            trainer.accumulate_grad_batches = int(spec["accumulation"])
-            trainer.fit_loop._combined_loader = None  # force a reload, as Lightning's batch-size tuner does
-            trainer.fit_loop.setup_data()
-            loader = trainer.train_dataloader
-            actual = getattr(loader, "batch_size", spec["size"])
-            if actual != spec["size"]:
-                raise ConfigurationError(
-                    f"Set {self.batch_arg_name}={spec['size']} but the reloaded train DataLoader still has batch_size "
-                    f"{actual}: train_dataloader() must build its DataLoader from self.{self.batch_arg_name}."
-                )
-        except BaseException:
-            lightning_setattr(pl_module, self.batch_arg_name, old_size)
-            trainer.accumulate_grad_batches = old_accumulation
-            trainer.fit_loop._combined_loader = None
-            trainer.fit_loop.setup_data()
-            raise
-        self.micro_batch = dict(spec)
-        if self.verbose:
-            rank_zero_info(
-                f"lightning_ckpt: micro-batch {spec['size']} x {spec['accumulation']} accumulation "
-                f"(global batch {spec['global']}, was {old_size} x {old_accumulation})"
-            )
+        if set_micro_batch(trainer, pl_module, self.batch_arg_name, spec, verbose=self.verbose):
+            self.micro_batch = dict(spec)
 
     def _progress(self, trainer: pl.Trainer) -> Any:
         """One progress bar for the search on rank 0 (trial lines above it when verbose), and each trial's
