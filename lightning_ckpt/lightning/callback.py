@@ -31,7 +31,7 @@ from lightning_ckpt.errors import (
     PlanFileChangedError,
     StalePlanError,
 )
-from lightning_ckpt.lightning.guard import RealStepReader, StepCheck, lower_memory_trial
+from lightning_ckpt.lightning.guard import RealStepReader, StepCheck, lower_plan
 from lightning_ckpt.lightning.micro_batch import check_micro_batch_tunable, first_batch, set_micro_batch
 from lightning_ckpt.lightning.progress import lightning_bars_paused
 from lightning_ckpt.lightning.reuse import (
@@ -55,9 +55,8 @@ from lightning_ckpt.lightning.trials import (
 )
 from lightning_ckpt.measure.measurement import normalise_device
 from lightning_ckpt.plan.apply import PlanHandle, apply_plan, existing_checkpointing
-from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import disable_kv_cache
-from lightning_ckpt.plan.format import BlockPlan, Plan, plan_file_version
+from lightning_ckpt.plan.format import Plan, plan_file_version
 from lightning_ckpt.search.compile import is_compiled, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
@@ -495,32 +494,13 @@ class ActivationCheckpointTuner(Callback):
         if self.on_budget_exceeded == "warn":
             rank_zero_warn(message + " Continuing with it (on_budget_exceeded='warn').")
             return
-        lower = self._lower_plan(plan, value, unwrap_compiled(pl_module))
+        trials = self.result.trials if self.result is not None else ()
+        lower = lower_plan(plan, value, trials, budget, unwrap_compiled(pl_module), block_types=self.block_types)
         if lower is None:
             rank_zero_warn(message + " No plan using less memory is left; continuing with this one.")
             return
         rank_zero_warn(message + f" Switching to {lower.describe()} (on_budget_exceeded='switch').")
         self._lock_in(unwrap_compiled(pl_module), lower, source="the budget guard", trainer=trainer)
-
-    def _lower_plan(self, plan: Plan, real_value: int, model: torch.nn.Module) -> Plan | None:
-        """The fastest searched plan expected to fit, given what the real step showed; else full checkpointing."""
-        budget = self._budget
-        assert budget is not None
-        trials = self.result.trials if self.result is not None else ()
-        current = next((t for t in trials if t.plan.key() == plan.key()), None)
-        trial_value = budget.value_of(current.peak_bytes, current.activation_bytes) if current is not None else None
-        excess = max(0, real_value - trial_value) if trial_value is not None else 0
-        found = lower_memory_trial(trials, plan.key(), budget, excess)
-        if found is not None:
-            lower = found.plan
-        else:
-            lower = uniform_plan(discover_blocks(model, block_types=self.block_types), BlockPlan("full"))
-            if lower.key() == plan.key():
-                return None
-        return replace(
-            lower, name="guarded", fingerprint=plan.fingerprint,
-            metadata={**plan.metadata, "switched_from": plan.describe()},
-        )  # fmt: skip
 
     def _save_checks(self) -> None:
         if self.plan is None:

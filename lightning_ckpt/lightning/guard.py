@@ -12,17 +12,20 @@ dispatch mode would make dynamo run them eagerly and read the eager step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_ckpt.budget import Budget
+from lightning_ckpt.discovery import discover_blocks
 from lightning_ckpt.measure.measurement import MemoryReading, new_live_tracker
+from lightning_ckpt.plan.baselines import uniform_plan
+from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.compile import SavedForBackward
 
-__all__ = ["RealStepReader", "StepCheck", "lower_memory_trial"]
+__all__ = ["RealStepReader", "StepCheck", "lower_memory_trial", "lower_plan"]
 
 
 class RealStepReader:
@@ -164,3 +167,26 @@ def lower_memory_trial(trials: Sequence[Any], current_key: str, budget: Budget, 
         if best is None or (t.samples_per_second or 0.0) > (best.samples_per_second or 0.0):
             best = t
     return best
+
+
+def lower_plan(
+    plan: Plan, real_value: int, trials: Sequence[Any], budget: Budget, model: nn.Module, *, block_types: Any = None
+) -> Plan | None:
+    """The plan to switch to after a real step used ``real_value`` of the budget under ``plan``: the fastest
+    searched plan expected to fit (``lower_memory_trial``), else full checkpointing; None when that is ``plan``."""
+    current = next((t for t in trials if t.plan.key() == plan.key()), None)
+    trial_value = budget.value_of(current.peak_bytes, current.activation_bytes) if current is not None else None
+    excess = max(0, real_value - trial_value) if trial_value is not None else 0
+    found = lower_memory_trial(trials, plan.key(), budget, excess)
+    if found is not None:
+        lower = found.plan
+    else:
+        lower = uniform_plan(discover_blocks(model, block_types=block_types), BlockPlan("full"))
+        if lower.key() == plan.key():
+            return None
+    return replace(
+        lower,
+        name="guarded",
+        fingerprint=plan.fingerprint,
+        metadata={**plan.metadata, "switched_from": plan.describe()},
+    )
