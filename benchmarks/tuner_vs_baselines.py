@@ -236,13 +236,17 @@ def main() -> None:
     def loss_fn() -> torch.Tensor:
         return model(tokens, tokens)
 
-    load_out = args.out.with_name(args.out.stem + "_load.json")
-    if args.only_load:
+    def load_row() -> None:
+        """The load-changes-mid-search row, in a JSON file of its own beside ``--out``."""
+        out = args.out.with_name(args.out.stem + "_load.json")
         row = load_mid_search(model, loss_fn, tokens, args)
-        load_out.parent.mkdir(parents=True, exist_ok=True)
-        load_out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "row": row,
-                                        "torch": torch.__version__}, indent=2))  # fmt: skip
-        print(f"wrote {load_out}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        config = {k: str(v) for k, v in vars(args).items()}
+        out.write_text(json.dumps({"config": config, "row": row, "torch": torch.__version__}, indent=2))
+        print(f"wrote {out}")
+
+    if args.only_load:
+        load_row()
         return
     none_activation = profile_memory(model, loss_fn, extra=(tokens,)).predict_activation(Plan())
     space_size = len(SPACE.enumerate(discover_blocks(model), fingerprint=None))
@@ -302,9 +306,7 @@ def main() -> None:
     lockin = lockin_overhead(config, in_module, tokens, steps=30, rounds=3)
     print(f"\nlock-in: step time with the callback {lockin['callback_step_seconds'] * 1e3:.1f} ms vs by hand "
           f"{lockin['by_hand_step_seconds'] * 1e3:.1f} ms -> ratio {lockin['ratio']:.3f}")  # fmt: skip
-    load_row = load_mid_search(model, loss_fn, tokens, args)
-    load_out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "row": load_row,
-                                    "torch": torch.__version__}, indent=2))  # fmt: skip
+    load_row()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"config": {k: str(v) for k, v in vars(args).items()}, "none_activation_bytes": none_activation,
                "space_size": space_size, "rows": rows, "lockin": lockin, "torch": torch.__version__}  # fmt: skip

@@ -188,19 +188,23 @@ class SideBySide:
 
     @property
     def speed_changed(self) -> bool:
-        return bool(self.round_speeds) and max(self.round_speeds) > min(self.round_speeds) * (1 + _SPEED_CHANGE)
+        return _speeds_differ(self.round_speeds)
 
     @classmethod
     def of(cls, rounds: Sequence[Mapping[int, float]], numbers: Sequence[int]) -> SideBySide:
         typical = {n: statistics.median(vals) for n in numbers if (vals := [r[n] for r in rounds if n in r])}
         # A round's speed: its figures against each candidate's typical one (the median candidate's ratio).
         speeds = tuple(statistics.median(r[n] / typical[n] for n in r if typical.get(n)) if r else 1.0 for r in rounds)
-        changed = bool(speeds) and max(speeds) > min(speeds) * (1 + _SPEED_CHANGE)
+        changed = _speeds_differ(speeds)
         per_sample = {
             n: [r[n] / (speed if changed else 1.0) for r, speed in zip(rounds, speeds, strict=True) if n in r]
             for n in numbers
         }
         return cls(per_sample, speeds)
+
+
+def _speeds_differ(speeds: Sequence[float]) -> bool:
+    return bool(speeds) and max(speeds) > min(speeds) * (1 + _SPEED_CHANGE)
 
 
 def speed_change(before_seconds: float | None, after_seconds: float | None, spread: float = 0.0) -> float | None:
