@@ -90,24 +90,29 @@ def test_bad_tune_arguments(gpt, tokens):
 
 
 def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side_figures(gpt, tokens):
-    # Another job starts part-way: every step from then on takes ~5x as long (a sleep of 4 quiet steps).
+    # Another job starts part-way: once the search has measured two plans, every step takes ~5x as long (a
+    # sleep of 4 quiet steps). Started by the search's own progress, not by a count of steps taken in a quiet
+    # run: a count can fall before every baseline is timed, and a search timed slow throughout sees no change.
     import time
 
     from lightning_ckpt.report.summary import result_line
 
     loss = _loss_fn(gpt, tokens)
-    calls = {"n": 0, "from": None, "sleep": 0.0}
+    slow = {"on": False, "sleep": 0.0, "seen": 0}
 
     def step():
-        calls["n"] += 1
-        if calls["from"] is not None and calls["n"] > calls["from"]:
-            time.sleep(calls["sleep"])
+        if slow["on"]:
+            time.sleep(slow["sleep"])
         return loss()
+
+    def progress(trial, budget):
+        slow["seen"] += 1
+        slow["on"] = slow["sleep"] > 0 and slow["seen"] >= 2
 
     settings = dict(n_trials=6, search_space=SPACE, measure_steps=2, seed=0, batch_size=tokens.shape[0])
     quiet = tune(gpt, step, **settings)
-    calls.update(sleep=4 * quiet.best_trial.median_seconds, **{"from": calls["n"] // 3}, n=0)
-    result = tune(gpt, step, **settings)
+    slow["sleep"] = 4 * quiet.best_trial.median_seconds
+    result = tune(gpt, step, progress=progress, **settings)
     assert result.best.metadata["search"]["speed_changes"], "the slowdown is seen"
     fitting = [t for t in result.trials if t.feasible]
     baselines = [t for t in fitting if t.baseline is not None]
