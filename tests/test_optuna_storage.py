@@ -9,7 +9,7 @@ import torch
 
 from lightning_ckpt import Plan, tune
 from lightning_ckpt.search.records import TrialStatus, TuneResult
-from lightning_ckpt.search.study import FAILED_CONSTRAINT, METRIC_NAMES, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
+from lightning_ckpt.search.store import FAILED_CONSTRAINT, METRIC_NAMES, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
 
 # Larger than n_trials, so the sampler proposes plans (and redraws known ones) after the baselines.
 SPACE = {"modes": ["full", "selective:mlp", "ops:save_matmuls", "selective:attention"],

@@ -22,7 +22,8 @@ from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TrialStatus
 from lightning_ckpt.search.runners import TrialOutcome
 from lightning_ckpt.search.space import SearchSpace
-from lightning_ckpt.search.study import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS, SearchInterrupted, Study
+from lightning_ckpt.search.store import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
+from lightning_ckpt.search.study import SearchInterrupted, Study
 from lightning_ckpt.testing import GPT, GPTConfig
 
 MODEL = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, vocab_size=32, block_size=8))

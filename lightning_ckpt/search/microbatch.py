@@ -33,6 +33,13 @@ from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.confirm import (
+    ConfirmEntry,
+    apply_confirmation,
+    confirm_interleaved,
+    confirmed_tie_tolerance,
+    retimer,
+)
 from lightning_ckpt.search.records import (
     ProgressFn,
     TrialRecord,
@@ -43,13 +50,6 @@ from lightning_ckpt.search.records import (
     lowest_memory,
 )
 from lightning_ckpt.search.runners import TrialRunner
-from lightning_ckpt.search.study import (
-    ConfirmEntry,
-    apply_confirmation,
-    confirm_interleaved,
-    confirmed_tie_tolerance,
-    retimer,
-)
 from lightning_ckpt.search.tune import ResolvedModel, build_runner, tune
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]

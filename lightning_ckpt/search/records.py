@@ -9,7 +9,7 @@ fallback, only among plans that ran).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_ckpt.budget import Budget
@@ -73,6 +73,42 @@ class TrialRecord:
     @property
     def confirmed(self) -> bool:
         return bool(self.confirmation_seconds)
+
+    def with_outcome(
+        self, out: Any, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True
+    ) -> TrialRecord:
+        """This record with what running its plan gave (``out``, a ``runners.TrialOutcome``): the one place a
+        runner's figures enter a record, so a new figure is copied here only. The status is left to the study
+        to judge against the budget.
+
+        ``memory``: ``out`` read the memory, and ``real_peak_bytes`` is the real step's peak derived from its
+        forward+backward peak (``memory=False``: the record keeps its predicted memory). ``timed``: ``out``'s
+        timing replaces the record's (False for a memory pass, whose one step says nothing about speed).
+        """
+        figures: dict[str, Any] = {}
+        if timed and out.samples_per_second is not None:
+            figures.update(
+                samples_per_second=out.samples_per_second,
+                median_seconds=out.median_seconds,
+                spread_seconds=out.spread_seconds,
+            )
+        if memory:
+            figures.update(
+                peak_bytes=real_peak_bytes,
+                activation_bytes=out.activation_bytes,
+                forward_backward_peak_bytes=out.peak_bytes,
+                memory_measured=True,
+                recompute_flops=out.recompute_flops,
+                recompute_overhead=out.recompute_overhead,
+            )
+        return replace(
+            self,
+            steps=self.steps + out.steps,
+            error=out.error,
+            traceback=out.traceback,
+            extra={**self.extra, **out.extra},
+            **figures,
+        )
 
     def memory(self, budget: Budget) -> float:
         """The figure ``budget`` constrains, measured (else peak); inf when nothing was measured."""
