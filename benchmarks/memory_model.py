@@ -174,7 +174,7 @@ def real_step_rows(steps: int = 5) -> list[dict[str, Any]]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan, apply_plan, discover_blocks
-    from lightning_ckpt.measure.measurement import new_live_tracker
+    from lightning_ckpt.measure.tracker import new_live_tracker
     from lightning_ckpt.plan.baselines import uniform_plan
 
     class Net(L.LightningModule):

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan, apply_plan, discover_blocks
 from lightning_ckpt.errors import InfeasibleBudgetError
 from lightning_ckpt.lightning.guard import lower_memory_trial
-from lightning_ckpt.measure.measurement import new_live_tracker
+from lightning_ckpt.measure.tracker import new_live_tracker
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.testing import GPT, GPTConfig
 

@@ -15,13 +15,8 @@ from torch.utils.checkpoint import CheckpointError
 
 from lightning_ckpt import BlockPlan, Plan, plan_applied
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
-from lightning_ckpt.measure.measurement import (
-    Measurement,
-    StateSnapshot,
-    measure_step,
-    median_and_spread,
-    track_step_memory,
-)
+from lightning_ckpt.measure.measurement import Measurement, measure_step, median_and_spread, track_step_memory
+from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.testing import GPT
 
 
@@ -442,7 +437,7 @@ def test_an_unrelated_error_stays_an_error():
 
 
 def test_gradients_marked_zero_are_restored_without_a_host_copy():
-    from lightning_ckpt.measure.measurement import _ZERO, StateSnapshot, mark_zero_grad
+    from lightning_ckpt.measure.snapshot import _ZERO, StateSnapshot, mark_zero_grad
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))

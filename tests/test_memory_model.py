@@ -12,7 +12,8 @@ from torch import nn
 
 from lightning_ckpt import BlockPlan, Plan, applied_plan, apply_plan, baselines, plan_applied
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError, StalePlanError
-from lightning_ckpt.measure.measurement import measure_step, new_live_tracker, track_step_memory
+from lightning_ckpt.measure.measurement import measure_step, track_step_memory
+from lightning_ckpt.measure.tracker import new_live_tracker
 from lightning_ckpt.memory.model import MemoryModel, mode_key, profile_memory
 from lightning_ckpt.testing import GPT, GPTConfig
 

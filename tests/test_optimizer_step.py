@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ckpt.measure.measurement import new_live_tracker
+from lightning_ckpt.measure.tracker import new_live_tracker
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, measure_optimizer_step
 from lightning_ckpt.testing import GPT, GPTConfig
 

@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner, apply_plan, tune
-from lightning_ckpt.measure.measurement import WRITTEN_IN_FORWARD, find_parameters_written_in_forward
 from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.measure.snapshot import WRITTEN_IN_FORWARD, find_parameters_written_in_forward
 from lightning_ckpt.testing import GPT, GPTConfig
 
 

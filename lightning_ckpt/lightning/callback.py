@@ -53,7 +53,7 @@ from lightning_ckpt.lightning.trials import (
     training_loss,
     zero_grad_fn,
 )
-from lightning_ckpt.measure.measurement import normalise_device
+from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.plan.apply import PlanHandle, apply_plan, existing_checkpointing
 from lightning_ckpt.plan.caches import disable_kv_cache
 from lightning_ckpt.plan.format import Plan, plan_file_version
@@ -61,7 +61,7 @@ from lightning_ckpt.search.compile import is_compiled, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
 from lightning_ckpt.search.space import SearchSpace
-from lightning_ckpt.search.store import storage_for_display
+from lightning_ckpt.search.study import storage_for_display
 from lightning_ckpt.search.tune import SearchInterrupted, tune
 
 __all__ = ["ActivationCheckpointTuner"]

@@ -20,7 +20,8 @@ from torch import nn
 
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.discovery import discover_blocks
-from lightning_ckpt.measure.measurement import MemoryReading, new_live_tracker
+from lightning_ckpt.measure.measurement import MemoryReading
+from lightning_ckpt.measure.tracker import new_live_tracker
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.compile import SavedForBackward

@@ -13,7 +13,7 @@ from lightning_ckpt.budget import Budget, RequestedBudget, resolve_budget
 from lightning_ckpt.errors import StalePlanError
 from lightning_ckpt.lightning.conditions import RunConditions
 from lightning_ckpt.lightning.trials import batch_dims
-from lightning_ckpt.measure.measurement import normalise_device
+from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.plan.format import Plan, model_fingerprint
 
 __all__ = ["check_reusable", "condition_changes", "reused_budget", "run_conditions", "wanted_budget"]

@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.measure.harness import loss_of
-from lightning_ckpt.measure.measurement import mark_zero_grad
 from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.measure.snapshot import mark_zero_grad
 
 __all__ = [
     "SkippedBatch",

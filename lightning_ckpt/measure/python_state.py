@@ -8,7 +8,7 @@ different batches. Putting the attributes back after *every* step makes each tri
 first did, and the first real step what it would have seen with no search.
 
 Tensors are not handled here: parameters, buffers and gradients have their own snapshot
-(``measure.StateSnapshot``). What can be restored:
+(``measure.snapshot.StateSnapshot``). What can be restored:
 
 * plain values (numbers, strings, bools, None, bytes) and lists, tuples, sets and dicts of them:
   compared with the captured copy and put back (in place for a mutated list, dict or set, so other
@@ -41,9 +41,8 @@ __all__ = ["PythonState"]
 _ATOMS = (bool, int, float, complex, str, bytes, type(None))
 # nn.Module's own internals (tensors, submodules, hook tables: restored elsewhere or never changed by a step;
 # ``training`` is kept) and the forwards (and the model's plan handle) that plans install while trials run.
-_SKIP = frozenset(set(nn.Module().__dict__) - {"training"}) | {
-    "forward", "_lightning_ckpt_prev_forward", "_lightning_ckpt_plan_handle",
-}  # fmt: skip
+_PLAN_ATTRIBUTES = {"forward", "_lightning_ckpt_prev_forward", "_lightning_ckpt_plan_handle"}
+_SKIP = frozenset(set(nn.Module().__dict__) - {"training"}) | _PLAN_ATTRIBUTES
 # Objects of these libraries are machinery, not user state: a LightningModule holds its Trainer, whose flags
 # (a SIGTERM received during the search, say) must never be rolled back.
 _MACHINERY = ("lightning", "pytorch_lightning", "torch", "torchmetrics", "optuna", "lightning_ckpt")

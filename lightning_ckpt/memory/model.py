@@ -47,8 +47,8 @@ from torch.utils._pytree import tree_flatten
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, LightningCkptError, PlanError, StalePlanError
 from lightning_ckpt.measure.harness import loss_of
-from lightning_ckpt.measure.measurement import (
-    StateSnapshot,
+from lightning_ckpt.measure.snapshot import StateSnapshot
+from lightning_ckpt.measure.tracker import (
     is_fsdp_module,
     local_tensor,
     model_device,

@@ -25,13 +25,9 @@ import torch
 from torch import nn
 
 from lightning_ckpt.errors import InfeasibleBudgetError
-from lightning_ckpt.measure.measurement import (
-    StateSnapshot,
-    is_out_of_memory,
-    new_live_tracker,
-    release_memory,
-    tensor_bytes,
-)
+from lightning_ckpt.measure.measurement import is_out_of_memory, release_memory
+from lightning_ckpt.measure.snapshot import StateSnapshot
+from lightning_ckpt.measure.tracker import new_live_tracker, tensor_bytes
 
 __all__ = ["OptimizerStepMemory", "RealStepMemory", "measure_optimizer_step"]
 
@@ -84,6 +80,10 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tensor_bytes(v for state in optimizer.state.values() for v in state.values())
 
 
+def _host_copy(value: Any) -> Any:
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
 class _OptimizerSnapshot:
     """Parameters, optimizer state and hyper-parameters, copied to host memory and put back in place."""
 
@@ -93,11 +93,7 @@ class _OptimizerSnapshot:
         self.param_copies = [p.detach().to("cpu", copy=True) for p in self.params]
         self.groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         # The state's own tensor objects are kept (code may hold references to them) and refilled in place.
-        self.state = {
-            p: {k: (v, v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                for k, v in s.items()}
-            for p, s in optimizer.state.items()
-        }  # fmt: skip
+        self.state = {p: {k: (v, _host_copy(v)) for k, v in s.items()} for p, s in optimizer.state.items()}
 
     def restore(self) -> None:
         with torch.no_grad():

@@ -68,13 +68,8 @@ from torch import nn
 from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure.harness import StepHarness, loss_of
-from lightning_ckpt.measure.measurement import (
-    Measurement,
-    StateSnapshot,
-    classify_failure,
-    measure_step,
-    release_memory,
-)
+from lightning_ckpt.measure.measurement import Measurement, classify_failure, measure_step, release_memory
+from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.plan import apply as apply_module
 from lightning_ckpt.plan.apply import CHECKPOINT_FRAMES, apply_plan
 from lightning_ckpt.plan.format import Plan

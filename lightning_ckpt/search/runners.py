@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import torch
 
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.measure.measurement import Measurement, fsdp_root, measure_step, release_memory
+from lightning_ckpt.measure.measurement import Measurement, measure_step, release_memory
+from lightning_ckpt.measure.tracker import fsdp_root
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.records import TrialStatus

@@ -20,14 +20,10 @@ from torch import nn
 from lightning_ckpt.budget import Budget, format_bytes, resolve_budget
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.measure.measurement import (
-    find_parameters_written_in_forward,
-    forget_parameters_written_in_forward,
-    fsdp_root,
-    measure_step,
-    model_device,
-)
+from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
+from lightning_ckpt.measure.tracker import fsdp_root, model_device
 from lightning_ckpt.memory.model import profile_memory
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
 from lightning_ckpt.plan.apply import plan_applied

@@ -1,0 +1,225 @@
+"""Leaving no trace: what measuring a step may disturb (RNG streams, buffers, gradients, the parameters a
+forward writes in place), captured so it can be put back exactly.
+
+The search runs a training step dozens of times before training starts; every one of those steps must
+leave the model as the first real step would find it with no search at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_ckpt.plan.apply import version_counter
+
+__all__ = [
+    "WRITTEN_IN_FORWARD",
+    "StateSnapshot",
+    "find_parameters_written_in_forward",
+    "forget_parameters_written_in_forward",
+    "mark_zero_grad",
+]
+
+
+class StateSnapshot:
+    """What measuring a step may disturb, captured so it can be put back exactly.
+
+    Covers the global RNG streams (torch CPU and CUDA, Python ``random``, NumPy), every buffer
+    (BatchNorm statistics change in a training-mode forward) and every parameter's ``.grad``
+    (backward creates or accumulates them). Copies live in host memory so they do not count
+    against the device memory being measured. Parameters are *not* copied (that would double
+    the model's memory), except the few that the model's own forward writes in place
+    (``nn.Embedding(max_norm=...)``, a clamp or renorm in forward), which
+    ``find_parameters_written_in_forward`` marks: those are copied and put back before every step
+    and at ``restore()``. ``changed_parameters()`` detects other in-place updates via version
+    counters, which is how an optimizer step inside ``step_fn`` is caught.
+    """
+
+    def __init__(self) -> None:
+        self._rng: dict[str, Any] = {}
+        # (parameter, weak reference to its .grad, host copy): a strong reference would keep a gradient the
+        # step frees (Lightning's zero_grad between forward and backward) alive, and in the measurement.
+        self._grads: list[tuple[nn.Parameter, weakref.ref[torch.Tensor] | None, Any]] = []  # copy, None or _ZERO
+        self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self._param_versions: list[tuple[str, nn.Parameter, int]] = []
+        self._written: list[tuple[nn.Parameter, torch.Tensor]] = []  # parameters the forward writes, host copies
+
+    @classmethod
+    def capture(cls, model: nn.Module) -> StateSnapshot:
+        """Copies of what a step may change; gradients marked by ``mark_zero_grad`` (and unchanged since) are
+        recorded as zeros instead of copied (the callback's trials start from such gradients: on a 7B model a
+        host copy of them is tens of GB per rank and seconds per trial)."""
+        snap = cls()
+        snap._rng = _rng_state()
+        seen: set[int] = set()
+        for name, p in model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            g = p.grad
+            copy = None if g is None else _ZERO if _is_known_zero(g) else g.detach().to("cpu", copy=True)
+            snap._grads.append((p, weakref.ref(g) if g is not None else None, copy))
+            if getattr(p, WRITTEN_IN_FORWARD, False):
+                snap._written.append((p, p.detach().to("cpu", copy=True)))
+            else:
+                snap._param_versions.append((name, p, p._version))
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None:
+                    snap._buffers.append((module, name, b, b.detach().to("cpu", copy=True)))
+        return snap
+
+    def reset_grads(self) -> None:
+        """Put every ``.grad`` back as captured (``None`` stays ``None``), and the parameters the forward writes."""
+        if self._written:
+            with torch.no_grad():
+                for p, saved in self._written:
+                    p.copy_(saved)
+        for p, ref, copy in self._grads:
+            if ref is None or copy is None:
+                p.grad = None
+                continue
+            g = ref()
+            if copy is _ZERO:
+                if g is None:  # freed by the step
+                    g = torch.zeros_like(p)
+                else:
+                    with torch.no_grad():
+                        g.zero_()
+                p.grad = g
+                mark_zero_grad(g)
+                continue
+            if g is None:  # freed by the step: a fresh tensor with the captured values
+                p.grad = copy.to(device=p.device)
+                continue
+            if p.grad is not g:
+                p.grad = g
+            # Always copy: version counters are not bumped by every in-place update (BatchNorm's
+            # running statistics, for one), so they cannot tell us what was left untouched.
+            with torch.no_grad():
+                g.copy_(copy)
+
+    def restore_rng(self) -> None:
+        _set_rng_state(self._rng)
+
+    def restore(self) -> None:
+        """Gradients, buffers and RNG streams back to the captured state."""
+        self.reset_grads()
+        for module, name, b, copy in self._buffers:
+            if module._buffers.get(name) is not b:
+                module._buffers[name] = b
+            with torch.no_grad():
+                b.copy_(copy)
+        self.restore_rng()
+
+    def changed_parameters(self) -> list[str]:
+        """Names of parameters modified in place since the snapshot (e.g. by an optimizer step)."""
+        return [name for name, p, version in self._param_versions if p._version != version]
+
+
+# Gradients known to hold zeros, with the version counter they had then: a snapshot records such a gradient
+# without copying it and restores it with ``zero_()``. An in-place change moves the counter and ends the mark.
+_ZERO = object()
+_KNOWN_ZERO: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_zero_grad(grad: torch.Tensor) -> None:
+    """Declare that ``grad`` holds zeros now (e.g. made by ``torch.zeros_like``), so snapshots need not copy it."""
+    _KNOWN_ZERO[grad] = version_counter(grad)
+
+
+def _is_known_zero(grad: torch.Tensor) -> bool:
+    return grad in _KNOWN_ZERO and _KNOWN_ZERO[grad] == version_counter(grad)
+
+
+# A parameter the model's forward writes in place is marked with this attribute by
+# ``find_parameters_written_in_forward``, so every ``StateSnapshot`` copies and restores it.
+WRITTEN_IN_FORWARD = "_lightning_ckpt_written_in_forward"
+
+
+class _ParameterWrites(TorchDispatchMode):
+    """Copies each parameter to host memory before the first op that writes it (copy on write)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.params: dict[int, tuple[str, nn.Parameter]] = {}
+        for name, p in model.named_parameters():
+            with contextlib.suppress(RuntimeError):  # a parameter with no storage (meta, sharded): nothing to watch
+                self.params.setdefault(p.untyped_storage().data_ptr(), (name, p))
+        self.saved: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor):
+                with contextlib.suppress(RuntimeError):
+                    hit = self.params.get(value.untyped_storage().data_ptr())
+                    if hit is not None and hit[0] not in self.saved:
+                        self.saved[hit[0]] = (hit[1], hit[1].detach().to("cpu", copy=True))
+        return func(*args, **kwargs)
+
+
+def find_parameters_written_in_forward(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[str, ...]:
+    """Run ``step_fn``'s forward once, without grad, and mark the parameters it writes in place.
+
+    ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up, in place, in every forward; a model may
+    clamp or renormalise a weight in forward too. The search runs the forward dozens of times, so those
+    parameters are copied before each step and put back after (see ``StateSnapshot``): the first real step
+    starts from the weights it would have had with no search. Everything this pass changes (those
+    parameters, buffers, gradients, RNG) is put back; returns the marked parameters' names.
+    """
+    snapshot = StateSnapshot.capture(model)
+    watch = _ParameterWrites(model)
+    try:
+        with torch.no_grad(), watch:
+            step_fn()
+    finally:
+        with torch.no_grad():
+            for p, saved in watch.saved.values():
+                p.copy_(saved)
+        snapshot.restore()
+    for p, _ in watch.saved.values():
+        setattr(p, WRITTEN_IN_FORWARD, True)
+    return tuple(watch.saved)
+
+
+def forget_parameters_written_in_forward(model: nn.Module) -> None:
+    for p in model.parameters():
+        if getattr(p, WRITTEN_IN_FORWARD, False):
+            delattr(p, WRITTEN_IN_FORWARD)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    # Only CUDA generators that exist already: reading them would otherwise initialise CUDA.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        pass
+    else:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
