@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from lightning_ckpt.report.summary import hparam_name
+from lightning_ckpt.report.tags import hparam_name
 
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (the page's query and tab, as a user would open it; a checkbox label to click there, or "").

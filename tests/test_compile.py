@@ -21,7 +21,7 @@ from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import PlanError
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.plan.format import BlockPlan, model_fingerprint
-from lightning_ckpt.report import summary as report_module
+from lightning_ckpt import report as report_module
 from lightning_ckpt.search.compile import (
     CompileStats,
     compiled_regions,

@@ -13,8 +13,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.plan.format import BlockPlan, Plan
-from lightning_ckpt.report import summary as report
-from lightning_ckpt.report.summary import (
+from lightning_ckpt import report
+from lightning_ckpt.report.tags import (
     TAG_ACTIVATION_MIB,
     TAG_BEST_SAMPLES_PER_SECOND,
     TAG_MEMORY_BREAKDOWN,
@@ -444,7 +444,7 @@ def test_pareto_figure_contents(result):
 
 def test_report_imports_neither_lightning_nor_pyplot(tmp_path):
     code = (
-        "import sys, lightning_ckpt.report.summary as r\n"
+        "import sys, lightning_ckpt.report.tensorboard as r\n"
         "assert 'lightning' not in sys.modules, 'report imported lightning'\n"
         "from lightning_ckpt.plan.format import Plan\n"
         "from lightning_ckpt.budget import Budget\n"

@@ -429,7 +429,7 @@ def test_a_plan_measured_after_the_machine_slowed_5x_is_still_found_and_chosen()
     assert result.best.key() == fast.key() and result.best_trial.confirmed
     assert s.speed_changes and "re-timed at 0.2" in s.speed_changes[0]
     assert result.best.metadata["search"]["speed_changes"] == s.speed_changes
-    from lightning_ckpt.report.summary import result_line
+    from lightning_ckpt.report.text import result_line
 
     line = result_line(result)
     assert "speed changed during the search" in line and "x the best baseline that fits" in line

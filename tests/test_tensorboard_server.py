@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner
-from lightning_ckpt.report import summary as report
+from lightning_ckpt.report import tags as report
 from lightning_ckpt.testing import GPT, GPTConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

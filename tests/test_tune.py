@@ -95,7 +95,7 @@ def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side
     # run: a count can fall before every baseline is timed, and a search timed slow throughout sees no change.
     import time
 
-    from lightning_ckpt.report.summary import result_line
+    from lightning_ckpt.report.text import result_line
 
     loss = _loss_fn(gpt, tokens)
     slow = {"on": False, "sleep": 0.0, "seen": 0}

@@ -32,7 +32,7 @@ class TunerRun:
         hyperparameters and ``hp_metric``) right after ``on_fit_start``; written first, the tuner's columns win.
         The module's hyperparameters stay columns too, so the training run's own row still shows them.
         """
-        from lightning_ckpt.report.summary import write_experiment
+        from lightning_ckpt.report.tensorboard import write_experiment
 
         tb = self.trainer_logger(trainer)
         if tb is None or self.log_dir is not None:
@@ -43,7 +43,7 @@ class TunerRun:
     def writer(self, trainer: pl.Trainer) -> Any:
         if self._writer is not None:
             return self._writer
-        from lightning_ckpt.report.summary import open_writer
+        from lightning_ckpt.report.tensorboard import open_writer
 
         # A run of its own under the Trainer's (a child run: the HParams rows live under it, see report.py).
         log_dir = self.log_dir

@@ -1,0 +1,226 @@
+"""The Pareto figure: throughput against the budget's memory quantity for every trial, and its front.
+
+matplotlib is imported here only (and only its object API, never pyplot), so drawing the figure touches no
+global backend state and works headless.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.transforms import blended_transform_factory
+
+from lightning_ckpt.budget import Budget, format_bytes
+from lightning_ckpt.report.quantities import constrained_bytes, memory_name, predicted_constrained_bytes
+from lightning_ckpt.search.records import TrialRecord, TuneResult
+
+__all__ = ["figure_to_hwc", "pareto_figure", "pareto_front"]
+
+# Figure style per status: (colour, marker, legend text).
+_STATUS_STYLE: dict[str, tuple[str, str, str]] = {
+    "ok": ("tab:green", "o", "fits the budget"),
+    "over_budget": ("tab:orange", "s", "over the budget"),
+    "pruned": ("tab:gray", "x", "pruned (at predicted memory)"),
+    "oom": ("tab:red", "X", "out of memory (at predicted memory)"),
+    "invalid": ("tab:purple", "D", "invalid (at predicted memory)"),
+    "error": ("tab:brown", "P", "error (at predicted memory)"),
+    "conflict": ("tab:pink", "v", "conflicts with torch.compile"),
+}
+
+
+def _measured(result: TuneResult) -> list[tuple[TrialRecord, int, float]]:
+    out = []
+    for t in result.trials:
+        x = constrained_bytes(t, result.budget)
+        if x is not None and t.samples_per_second is not None:
+            out.append((t, x, t.samples_per_second))
+    return out
+
+
+def pareto_front(result: TuneResult) -> list[TrialRecord]:
+    """Measured trials that no other is better than on both memory and samples/s, by memory ascending.
+
+    Memory is the budget's constrained quantity (peak when there is no budget). A trial is on the
+    front when it is strictly faster than every trial using no more memory.
+    """
+    points = sorted(_measured(result), key=lambda p: (p[1], -p[2]))
+    front: list[TrialRecord] = []
+    best = -math.inf
+    for t, _, y in points:
+        if y > best:
+            front.append(t)
+            best = y
+    return front
+
+
+def _unit_for(max_bytes: float) -> tuple[str, float]:
+    for name, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if max_bytes >= size:
+            return name, size
+    return "B", 1.0
+
+
+def pareto_figure(result: TuneResult) -> Figure:
+    """Throughput against the budget's memory quantity for every measured trial.
+
+    The step line is the Pareto front (best samples/s achievable at each memory level), the dashed
+    line the budget, and the ringed point the winner: at a glance it shows whether the winner sits
+    on the front just inside the budget, and what more memory would buy. Trials that never ran
+    (pruned, oom, errors) sit on the x axis at their *predicted* memory.
+
+    Built on ``matplotlib.figure.Figure`` with an Agg canvas, never pyplot, so it touches no global
+    backend state and works headless.
+    """
+    budget = result.budget
+    measured = _measured(result)
+    unmeasured = [
+        (t, x)
+        for t in result.trials
+        if t.samples_per_second is None and (x := predicted_constrained_bytes(t, budget)) is not None
+    ]
+    xs_all = [x for _, x, _ in measured] + [x for _, x in unmeasured]
+    if budget.kind != "none" and budget.limit_bytes is not None:
+        xs_all.append(budget.limit_bytes)
+    unit, scale = _unit_for(max(xs_all, default=1.0))
+
+    fig = Figure(figsize=(9, 6.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    # The legend lists artists in the order they are added: trials, the front, the winner, the budget.
+    _plot_trials(ax, measured, unmeasured, scale, budget)
+    front = pareto_front(result)
+    if front:
+        fx = [constrained_bytes(t, budget) / scale for t in front]  # type: ignore[operator]
+        fy = [t.samples_per_second for t in front]
+        ax.step(fx, fy, where="post", color="tab:blue", lw=1.5, alpha=0.7, label="Pareto front", zorder=2)
+
+    winner = result.best_trial
+    wxy = None
+    if winner is not None and constrained_bytes(winner, budget) is not None and winner.samples_per_second is not None:
+        wxy = (constrained_bytes(winner, budget) / scale, winner.samples_per_second)  # type: ignore[operator]
+    x_span = max(xs_all, default=1.0) / scale * 1.1
+    y_span = max((y for _, _, y in measured), default=1.0) * 1.15
+    _label_baselines(ax, measured, winner, wxy, scale, (x_span, y_span))
+    if wxy is not None and winner is not None:
+        _mark_winner(ax, winner, wxy)
+    _frame(ax, result, unit, scale, (x_span, y_span))
+    fig.legend(loc="outside lower center", ncols=3, fontsize=8)
+    return fig
+
+
+def _plot_trials(
+    ax: Axes,
+    measured: list[tuple[TrialRecord, int, float]],
+    unmeasured: list[tuple[TrialRecord, int]],
+    scale: float,
+    budget: Budget,
+) -> None:
+    """Every trial by status: measured ones at their figures, never-run ones on a rug at predicted memory."""
+    for status, (colour, marker, text) in _STATUS_STYLE.items():
+        px = [x / scale for t, x, _ in measured if t.status == status]
+        py = [y for t, _, y in measured if t.status == status]
+        if px:
+            if status == "ok" and budget.kind == "none":
+                text = "measured"
+            ax.scatter(px, py, c=colour, marker=marker, s=50, label=text, zorder=3, edgecolors="black", linewidths=0.5)
+    # Never-run trials: x in data coordinates, y pinned just above the axis.
+    rug = blended_transform_factory(ax.transData, ax.transAxes)
+    for status, (colour, marker, text) in _STATUS_STYLE.items():
+        px = [x / scale for t, x in unmeasured if t.status == status]
+        if px:
+            ax.scatter(px, [0.03] * len(px), c=colour, marker=marker, s=45, label=text, transform=rug, zorder=3)
+    other = [x / scale for t, x in unmeasured if t.status not in _STATUS_STYLE]
+    if other:
+        ax.scatter(other, [0.03] * len(other), c="black", marker="*", s=45, label="other (at predicted memory)")
+
+
+def _label_baselines(
+    ax: Axes,
+    measured: list[tuple[TrialRecord, int, float]],
+    winner: TrialRecord | None,
+    wxy: tuple[float, float] | None,
+    scale: float,
+    span: tuple[float, float],
+) -> None:
+    """Name each measured baseline beside its point, clear of the winner's ring."""
+    x_span, y_span = span
+
+    def near_winner(x: float, y: float) -> bool:
+        return wxy is not None and abs(x - wxy[0]) < 0.08 * x_span and abs(y - wxy[1]) < 0.08 * y_span
+
+    for t, x, y in measured:
+        if t.baseline is not None and (winner is None or t.number != winner.number):
+            # Under the markers on a faint box; below the point when above it would sit on the winner's ring.
+            below = near_winner(x / scale, y) and y <= (wxy[1] if wxy else y)  # type: ignore[index]
+            ax.annotate(
+                t.baseline,
+                (x / scale, y),
+                xytext=(7, -13 if below else 5),
+                textcoords="offset points",
+                fontsize=8,
+                color="dimgray",
+                zorder=2.5,
+                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.7},
+            )
+
+
+def _mark_winner(ax: Axes, winner: TrialRecord, wxy: tuple[float, float]) -> None:
+    """Ring the winner and name it."""
+    wx, wy = wxy
+    ax.scatter(
+        [wx],
+        [wy],
+        s=320,
+        facecolors="none",
+        edgecolors="black",
+        linewidths=2,
+        label=f"winner: [trial {winner.number}] {winner.label}",
+        zorder=4,
+    )
+    # Named on the plot too, with an arrow from the side away from the crowded front (up and to the left).
+    name = f"winner (trial {winner.number})" + (f" = {winner.baseline}" if winner.baseline else "")
+    ax.annotate(
+        name,
+        (wx, wy),
+        xytext=(-30, 22),
+        textcoords="offset points",
+        ha="right",
+        fontsize=9,
+        fontweight="bold",
+        zorder=5,
+        arrowprops={"arrowstyle": "->", "color": "black", "lw": 1.2, "shrinkB": 10},
+        bbox={"boxstyle": "round,pad=0.25", "fc": "lightyellow", "ec": "black", "lw": 0.8},
+    )
+
+
+def _frame(ax: Axes, result: TuneResult, unit: str, scale: float, span: tuple[float, float]) -> None:
+    """The budget line and the shaded area past it, the axes' limits, labels and title."""
+    budget = result.budget
+    mem = memory_name(budget)
+    x_span, y_span = span
+    x_max = x_span
+    if budget.kind != "none" and budget.limit_bytes is not None:
+        lim = budget.limit_bytes / scale
+        ax.axvline(lim, color="tab:red", ls="--", lw=1.5, label=f"budget: {format_bytes(budget.limit_bytes)} {mem}")
+        ax.axvspan(lim, x_max, color="tab:red", alpha=0.06, lw=0)
+    ax.set_xlim(0, x_max)
+    ax.set_ylim(0, y_span)
+    ax.set_xlabel(f"measured {mem} memory ({unit})")
+    ax.set_ylabel("samples / s (median step)")
+    title = f"Activation checkpointing trials: throughput vs {mem} memory"
+    if result.fell_back:
+        title += " (nothing fit: fell back to the lowest-memory plan)"
+    ax.set_title(title, fontsize=11)
+    ax.grid(True, alpha=0.3)
+
+
+def figure_to_hwc(fig: Figure) -> np.ndarray:
+    # SummaryWriter.add_figure does this too, but imports pyplot to close the figure; the
+    # Agg canvas alone gives the same image without touching pyplot's global state.
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[:, :, :3].copy()

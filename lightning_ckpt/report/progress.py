@@ -1,0 +1,81 @@
+"""The live view of a search: one progress bar while trials run, each trial streamed to TensorBoard.
+
+Apart from the end-of-search report because it holds state (the bar, the best throughput so far) and runs
+once per finished trial, inside the search loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.tensorboard import SummaryWriter
+
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.report.tensorboard import log_trial
+from lightning_ckpt.report.text import trial_line
+from lightning_ckpt.search.records import TrialRecord
+
+__all__ = ["SearchProgress"]
+
+
+class SearchProgress:
+    """What a user watches during the search: one progress bar, nothing else unless ``verbose``.
+
+    Called with each finished trial (a ``ProgressFn``): advances the bar (best plan so far in its postfix),
+    streams the trial's scalars and the best-so-far curve to ``writer``, and with ``verbose`` writes the
+    trial's line above the bar. ``confirming`` announces the side-by-side round, whose figures replace the
+    streamed ones. A plain object, no Lightning: the callback pauses Lightning's own bar around it.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        writer: SummaryWriter | None = None,
+        verbose: bool = False,
+        enabled: bool = True,
+        file: Any = None,
+    ) -> None:
+        from tqdm.auto import tqdm
+
+        self.writer, self.verbose, self.enabled = writer, verbose, enabled
+        self.best: float | None = None
+        self.pruned = 0
+        desc = "lightning_ckpt: tuning"
+        self.bar = tqdm(
+            total=total, desc=desc, unit="plan", disable=not enabled, leave=False, file=file, dynamic_ncols=True
+        )
+
+    def __call__(self, trial: TrialRecord, budget: Budget) -> None:
+        if trial.feasible and trial.samples_per_second is not None:
+            self.best = max(self.best or 0.0, trial.samples_per_second)
+        if self.writer is not None:
+            log_trial(self.writer, trial, best_samples_per_second=self.best)
+        if self.verbose:
+            self.write(trial_line(trial, budget))
+        if trial.status == "pruned":
+            self.pruned += 1  # costs no step and does not count towards n_trials: not a step of the bar
+        else:
+            if self.bar.total is not None and self.bar.n >= self.bar.total:
+                self.bar.total = self.bar.n + 1
+            self.bar.update(1)
+        postfix = [f"best {self.best:.1f} samples/s"] if self.best is not None else []
+        postfix += [f"{self.pruned} ruled out by the memory model"] if self.pruned else []
+        self.bar.set_postfix_str(", ".join(postfix))
+
+    def confirming(self, trials: Sequence[TrialRecord]) -> None:
+        self.bar.set_description_str("lightning_ckpt: confirming")
+        self.write(
+            f"lightning_ckpt: confirming the {len(trials)} fastest plans side by side in interleaved rounds; their "
+            "samples/s will replace the figures streamed so far, which were timed one plan at a time."
+        )
+
+    def write(self, text: str) -> None:
+        if self.enabled:
+            self.bar.write(text, file=self.bar.fp)
+        else:
+            print(text)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,57 @@
+"""What every view of a search reads off its trials the same way: the memory figure the budget constrains,
+a compiled trial's statistics and the baseline a winner is compared against.
+
+The text, the figure and the TensorBoard table each use these, so a plan's memory or its "best baseline"
+cannot mean one thing in the log line and another on the plot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.search.records import TrialRecord, TuneResult
+
+__all__ = [
+    "MIB",
+    "best_feasible_baseline",
+    "compile_stats",
+    "constrained_bytes",
+    "memory_name",
+    "predicted_constrained_bytes",
+]
+
+MIB = float(2**20)
+
+
+def memory_name(budget: Budget) -> str:
+    """The memory quantity that decides feasibility: what users compare plans by."""
+    return "activation" if budget.kind == "activation" else "peak"
+
+
+def constrained_bytes(trial: TrialRecord, budget: Budget) -> int | None:
+    return budget.value_of(trial.peak_bytes, trial.activation_bytes)
+
+
+def predicted_constrained_bytes(trial: TrialRecord, budget: Budget) -> int | None:
+    return budget.value_of(trial.predicted_peak_bytes, trial.predicted_activation_bytes)
+
+
+def compile_stats(trial: TrialRecord) -> Mapping[str, Any] | None:
+    stats = trial.extra.get("compile") if trial.extra else None
+    return stats if isinstance(stats, Mapping) else None
+
+
+def best_feasible_baseline(result: TuneResult) -> tuple[str, TrialRecord] | None:
+    """The fastest fitting baseline; beside a winner re-timed side by side, only baselines re-timed with it
+    (a ratio of figures taken at different moments, on a machine whose load changed, means nothing)."""
+    best: tuple[str, TrialRecord] | None = None
+    same_moment = result.best_trial is not None and result.best_trial.confirmed
+    for name, t in result.baselines.items():
+        if same_moment and not t.confirmed:
+            continue
+        faster = best is None or (t.samples_per_second or 0.0) > (best[1].samples_per_second or 0.0)
+        if t.feasible and t.samples_per_second is not None and faster:
+            best = (name, t)
+    return best

@@ -1,0 +1,161 @@
+"""The names a reader of the tuner's TensorBoard output looks up: tags, HParams columns and metrics, files.
+
+They are defined here and nowhere else, so the writer (``report.tensorboard``), the Lightning callback and
+anything that reads the logs back (tests, dashboards, ``docs/screenshots.py``) cannot drift apart. Nothing
+here imports TensorBoard: the names are plain strings.
+
+TensorBoard layout, under a Lightning ``TensorBoardLogger`` (``version_N`` is the Trainer's run)::
+
+    version_N/                       the HParams experiment (the table's columns, see experiment_summary),
+                                     written before Lightning's own so the tuner's columns win
+    version_N/lightning_ckpt/        the search run: one point per trial (global_step = trial number)
+        lightning_ckpt/trial/...           TRIAL_SCALAR_TAGS, only what each trial produced
+        lightning_ckpt/search/best_samples_per_second   the best-so-far curve
+        lightning_ckpt/1_summary           text*: the verdict, then every trial, fastest first
+        lightning_ckpt/2_plan              text*: the chosen plan as a markdown table
+        lightning_ckpt/3_memory_breakdown  text*: the memory model's per-block table (markdown)
+        lightning_ckpt/pareto              image: the Pareto figure (also saved as pareto.png)
+    version_N/lightning_ckpt/table/01_winner_trial_012, 02_trial_005, ...
+                                     the HParams rows: at most HPARAM_ROWS leaders, one run each, so the
+                                     run count stays small whatever the number of trials
+
+    * torch's ``add_text`` stores text under ``<tag>/text_summary``; ``text_tag(TAG_PLAN)`` gives that name.
+
+Compiled trials (``torch.compile``, see ``lightning_ckpt.search.compile``) add ``COMPILE_SCALAR_TAGS`` per
+trial (compile seconds, graph breaks, recompiles) and a ``lightning_ckpt/4_compile_conflicts`` text
+listing every plan that conflicted with the compiler and why.
+
+Memory is logged in MiB (2**20 bytes) so the scalar charts read naturally; the text uses
+``format_bytes``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "COMPILE_SCALAR_TAGS",
+    "HPARAM_ACTIVATION_MIB",
+    "HPARAM_COLUMNS",
+    "HPARAM_METRICS",
+    "HPARAM_METRIC_TAGS",
+    "HPARAM_PEAK_MIB",
+    "HPARAM_PREDICTED_PEAK_MIB",
+    "HPARAM_RECOMPUTE_PERCENT",
+    "HPARAM_ROWS",
+    "HPARAM_RUN_DIR",
+    "HPARAM_SAMPLES_PER_SECOND",
+    "PARETO_PNG",
+    "TAG_ACTIVATION_MIB",
+    "TAG_BEST_SAMPLES_PER_SECOND",
+    "TAG_COMPILE_SECONDS",
+    "TAG_CONFLICTS",
+    "TAG_GRAPH_BREAKS",
+    "TAG_MEMORY_BREAKDOWN",
+    "TAG_PARETO",
+    "TAG_PEAK_MIB",
+    "TAG_PLAN",
+    "TAG_PREDICTED_ACTIVATION_MIB",
+    "TAG_PREDICTED_PEAK_MIB",
+    "TAG_PREFIX",
+    "TAG_RECOMPILES",
+    "TAG_RECOMPUTE_OVERHEAD",
+    "TAG_SAMPLES_PER_SECOND",
+    "TAG_SUMMARY",
+    "TAG_TRIAL_SECONDS",
+    "TEXT_TAG_SUFFIX",
+    "TRIAL_SCALAR_TAGS",
+    "WINNER_MARK",
+    "hparam_name",
+    "text_tag",
+]
+
+TAG_PREFIX = "lightning_ckpt"
+
+# The search run: one point per trial, global_step = trial number. Only quantities a trial produced
+# are logged (a pruned trial has no throughput), so every point is a real figure; plans differ from
+# one step to the next, so read these at smoothing 0. The best-so-far series is a true curve.
+TAG_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/trial/samples_per_second"
+TAG_PEAK_MIB = f"{TAG_PREFIX}/trial/peak_memory_mib"
+TAG_PREDICTED_PEAK_MIB = f"{TAG_PREFIX}/trial/predicted_peak_memory_mib"
+TAG_ACTIVATION_MIB = f"{TAG_PREFIX}/trial/activation_memory_mib"
+TAG_PREDICTED_ACTIVATION_MIB = f"{TAG_PREFIX}/trial/predicted_activation_memory_mib"
+TAG_RECOMPUTE_OVERHEAD = f"{TAG_PREFIX}/trial/recompute_overhead"
+TAG_TRIAL_SECONDS = f"{TAG_PREFIX}/trial/seconds"
+TAG_BEST_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/search/best_samples_per_second"
+# Compiled trials only: logged when a trial carries compile statistics (TrialRecord.extra["compile"]).
+TAG_COMPILE_SECONDS = f"{TAG_PREFIX}/trial/compile_seconds"
+TAG_GRAPH_BREAKS = f"{TAG_PREFIX}/trial/graph_breaks"
+TAG_RECOMPILES = f"{TAG_PREFIX}/trial/recompiles"
+COMPILE_SCALAR_TAGS = (TAG_COMPILE_SECONDS, TAG_GRAPH_BREAKS, TAG_RECOMPILES)
+TRIAL_SCALAR_TAGS = (
+    TAG_SAMPLES_PER_SECOND,
+    TAG_PEAK_MIB,
+    TAG_PREDICTED_PEAK_MIB,
+    TAG_ACTIVATION_MIB,
+    TAG_PREDICTED_ACTIVATION_MIB,
+    TAG_RECOMPUTE_OVERHEAD,
+    TAG_TRIAL_SECONDS,
+)
+
+# The HParams table. TensorBoard shows one row per run holding a session, and its Scalars/Time
+# Series views deselect every run once there are more than 40, so the table holds the leaders only
+# (HPARAM_ROWS runs, winner first) and the search's other trials live in the search run and the
+# summary text. The columns are declared once (``experiment_summary``) so every row shows the same
+# ones; the metrics are scalars in each row's run, named apart from the per-trial series.
+HPARAM_RUN_DIR = "table"  # rows: <search run>/table/01_winner_trial_012, 02_trial_005, ...
+HPARAM_ROWS = 10
+# (key, display name, description), in the order the table shows them; plan dimensions are the search
+# space's (space.SearchSpace.suggest). TensorBoard orders columns by name and shows the first few by
+# default, so each is stored under ``hparam_name(key)``, which numbers them in this order.
+HPARAM_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("winner", "winner", "\u2605 marks the plan that was locked in"),
+    ("plan", "plan", "which blocks are checkpointed, and how"),
+    ("status", "status", "ok = measured within the budget"),
+    ("trial", "trial", "trial number (the x axis of the per-trial scalars)"),
+    ("mode", "mode", "search dimension: how the selected blocks are checkpointed"),
+    ("selection", "blocks", "search dimension: which blocks the mode applies to"),
+    ("rest_mode", "other blocks", "search dimension: the mode of the blocks not selected"),
+    ("structure", "structure", "search dimension: blocks, segments or pt2_budget"),
+    ("chunks", "chunks", "search dimension: segment count (sqrt(N)-style)"),
+    ("compile_budget", "pt2 budget", "search dimension: torch.compile activation_memory_budget"),
+    ("baseline", "baseline", "the fixed recipe this trial is, if any"),
+)
+_COLUMN_ORDER = {key: i for i, (key, _, _) in enumerate(HPARAM_COLUMNS, start=1)}
+
+
+def hparam_name(key: str) -> str:
+    """The stored name of the table column ``key`` (e.g. ``"02_plan"``): numbered, so TensorBoard keeps our order."""
+    return f"{_COLUMN_ORDER[key]:02d}_{key}"
+
+
+HPARAM_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/table/samples_per_second"
+HPARAM_PEAK_MIB = f"{TAG_PREFIX}/table/peak_memory_mib"
+HPARAM_ACTIVATION_MIB = f"{TAG_PREFIX}/table/activation_memory_mib"
+HPARAM_PREDICTED_PEAK_MIB = f"{TAG_PREFIX}/table/predicted_peak_memory_mib"
+HPARAM_RECOMPUTE_PERCENT = f"{TAG_PREFIX}/table/recompute_percent"
+HPARAM_METRICS: tuple[tuple[str, str, str], ...] = (
+    (HPARAM_SAMPLES_PER_SECOND, "samples/s", "median-step throughput (confirmed side by side for the leaders)"),
+    (HPARAM_PEAK_MIB, "peak MiB", "peak memory of the training step"),
+    (HPARAM_ACTIVATION_MIB, "activation MiB", "activation memory (peak above the resting state)"),
+    (HPARAM_PREDICTED_PEAK_MIB, "predicted peak MiB", "the memory model's prediction"),
+    (HPARAM_RECOMPUTE_PERCENT, "recompute %", "extra forward FLOPs recomputed in backward"),
+)
+HPARAM_METRIC_TAGS = tuple(tag for tag, _, _ in HPARAM_METRICS)
+
+# Text tags as passed to add_text; torch stores each as f"{tag}{TEXT_TAG_SUFFIX}" (see text_tag).
+# Numbered because TensorBoard's Text tab lists tags alphabetically: the verdict first.
+TAG_SUMMARY = f"{TAG_PREFIX}/1_summary"
+TAG_PLAN = f"{TAG_PREFIX}/2_plan"
+TAG_MEMORY_BREAKDOWN = f"{TAG_PREFIX}/3_memory_breakdown"
+TAG_PARETO = f"{TAG_PREFIX}/pareto"
+TAG_CONFLICTS = f"{TAG_PREFIX}/4_compile_conflicts"
+TEXT_TAG_SUFFIX = "/text_summary"
+
+PARETO_PNG = "pareto.png"
+
+
+WINNER_MARK = "\u2605"
+
+
+def text_tag(tag: str) -> str:
+    """The name under which ``SummaryWriter.add_text(tag, ...)`` stores a text (what readers look up)."""
+    return tag + TEXT_TAG_SUFFIX

@@ -1,0 +1,332 @@
+"""Writing a search to TensorBoard: the per-trial scalars, the HParams table of the leaders, the texts and
+the Pareto image, under the names defined in ``report.tags``.
+
+It takes a ``torch.utils.tensorboard.SummaryWriter`` (or a log directory), never a Trainer: the Lightning
+callback and a plain script call it the same way. The HParams summaries are built from TensorBoard's
+protos directly, because ``tensorboard.plugins.hparams.summary`` would import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+from torch.utils.tensorboard import SummaryWriter
+
+from lightning_ckpt.report.figure import figure_to_hwc, pareto_figure
+from lightning_ckpt.report.quantities import MIB, best_feasible_baseline, compile_stats
+from lightning_ckpt.report.tags import (
+    HPARAM_ACTIVATION_MIB,
+    HPARAM_COLUMNS,
+    HPARAM_METRICS,
+    HPARAM_PEAK_MIB,
+    HPARAM_PREDICTED_PEAK_MIB,
+    HPARAM_RECOMPUTE_PERCENT,
+    HPARAM_ROWS,
+    HPARAM_RUN_DIR,
+    HPARAM_SAMPLES_PER_SECOND,
+    PARETO_PNG,
+    TAG_ACTIVATION_MIB,
+    TAG_BEST_SAMPLES_PER_SECOND,
+    TAG_COMPILE_SECONDS,
+    TAG_CONFLICTS,
+    TAG_GRAPH_BREAKS,
+    TAG_MEMORY_BREAKDOWN,
+    TAG_PARETO,
+    TAG_PEAK_MIB,
+    TAG_PLAN,
+    TAG_PREDICTED_ACTIVATION_MIB,
+    TAG_PREDICTED_PEAK_MIB,
+    TAG_RECOMPILES,
+    TAG_RECOMPUTE_OVERHEAD,
+    TAG_SAMPLES_PER_SECOND,
+    TAG_SUMMARY,
+    TAG_TRIAL_SECONDS,
+    WINNER_MARK,
+    hparam_name,
+)
+from lightning_ckpt.report.text import conflicts_markdown, memory_markdown, plan_markdown, summary_markdown
+from lightning_ckpt.search.records import TrialRecord, TuneResult
+
+__all__ = [
+    "best_so_far",
+    "experiment_summary",
+    "log_trial",
+    "open_writer",
+    "table_trials",
+    "write_experiment",
+    "write_hparams_table",
+    "write_tensorboard",
+]
+
+
+def _code_block(text: str) -> str:
+    # Fenced so TensorBoard's markdown keeps the columns aligned (it renders fenced_code).
+    return f"```\n{text}\n```"
+
+
+def _hparam_value(v: Any) -> str | int | float:
+    """A TensorBoard hparam value: numbers stay numbers, everything else becomes a readable string.
+
+    Bools become "True"/"False" because ``summary.hparams`` would store them as 1.0/0.0; ``None``
+    becomes "None" because it would be dropped, leaving a blank that reads like a missing value.
+    """
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, (int, float, str)):
+        return v
+    if hasattr(v, "item"):  # numpy / torch scalars
+        return _hparam_value(v.item())
+    if isinstance(v, (list, tuple, set, frozenset)):
+        items = sorted(v, key=str) if isinstance(v, (set, frozenset)) else v
+        return ",".join(str(x) for x in items)
+    return str(v)
+
+
+def _hparams_summary(tag: str, **data: Any) -> Summary:
+    # What tensorboard.plugins.hparams.summary builds, without its TensorFlow import.
+    content = plugin_data_pb2.HParamsPluginData(version=hparams_metadata.PLUGIN_DATA_VERSION, **data)
+    plugin = SummaryMetadata.PluginData(plugin_name=hparams_metadata.PLUGIN_NAME, content=content.SerializeToString())
+    return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
+
+
+def _hparam_type(value: Any) -> int:
+    if isinstance(value, bool):
+        return api_pb2.DATA_TYPE_BOOL
+    if isinstance(value, (int, float)):
+        return api_pb2.DATA_TYPE_FLOAT64
+    return api_pb2.DATA_TYPE_STRING
+
+
+_COLUMN_KEYS = frozenset(key for key, _, _ in HPARAM_COLUMNS)
+_NUMERIC_COLUMNS = frozenset({"compile_budget"})  # TensorBoard shows numbers as 41.000: counts read better as text
+
+
+def experiment_summary(other_hparams: Mapping[str, Any] | None = None) -> Summary:
+    """The HParams experiment: the table's columns and metrics, with short display names.
+
+    TensorBoard takes the *first* experiment summary it reads in a run and ignores later ones, and
+    Lightning's ``TensorBoardLogger`` writes one (the LightningModule's hyperparameters and
+    ``hp_metric``) when the fit starts. Written before it, into the same run, this one wins, so the
+    tuner's columns are the table's. ``other_hparams``: further columns (name -> an example value, for
+    its type) to keep visible: the LightningModule's own hyperparameters, shown in the training run's row.
+    """
+    infos = [
+        api_pb2.HParamInfo(
+            name=hparam_name(name),
+            display_name=display,
+            description=description,
+            differs=True,  # TensorBoard lists columns that differ first: the tuner's before the module's own
+            type=api_pb2.DATA_TYPE_FLOAT64 if name in _NUMERIC_COLUMNS else api_pb2.DATA_TYPE_STRING,
+        )
+        for name, display, description in HPARAM_COLUMNS
+    ]
+    ours = {hparam_name(name) for name, _, _ in HPARAM_COLUMNS}
+    infos += [
+        api_pb2.HParamInfo(name=name, type=_hparam_type(value))
+        for name, value in (other_hparams or {}).items()
+        if name not in ours
+    ]
+    metrics = [
+        api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=display, description=description)
+        for tag, display, description in HPARAM_METRICS
+    ]
+    description = "Activation checkpointing trials (lightning_ckpt): the leaders, winner first."
+    experiment = api_pb2.Experiment(
+        description=description, time_created_secs=time.time(), hparam_infos=infos, metric_infos=metrics
+    )
+    return _hparams_summary(hparams_metadata.EXPERIMENT_TAG, experiment=experiment)
+
+
+def _session_start(hparams: Mapping[str, Any]) -> Summary:
+    info = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+    for name, value in hparams.items():
+        if isinstance(value, bool):
+            info.hparams[name].bool_value = value
+        elif isinstance(value, (int, float)):
+            info.hparams[name].number_value = value
+        else:
+            info.hparams[name].string_value = str(value)
+    return _hparams_summary(hparams_metadata.SESSION_START_INFO_TAG, session_start_info=info)
+
+
+def _session_end() -> Summary:
+    info = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time())
+    return _hparams_summary(hparams_metadata.SESSION_END_INFO_TAG, session_end_info=info)
+
+
+def open_writer(log_dir: str | os.PathLike[str]) -> SummaryWriter:
+    """A TensorBoard writer for the search's run in ``log_dir`` (TensorBoard is imported only in this package)."""
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def write_experiment(writer: SummaryWriter, other_hparams: Mapping[str, Any] | None = None) -> None:
+    """Declare the HParams table in ``writer``'s run (see ``experiment_summary``); call before anyone else does."""
+    writer.file_writer.add_summary(experiment_summary(other_hparams))
+    writer.flush()
+
+
+def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
+    scalars = {
+        TAG_SAMPLES_PER_SECOND: trial.samples_per_second,
+        TAG_PEAK_MIB: None if trial.peak_bytes is None else trial.peak_bytes / MIB,
+        TAG_PREDICTED_PEAK_MIB: None if trial.predicted_peak_bytes is None else trial.predicted_peak_bytes / MIB,
+        TAG_ACTIVATION_MIB: None if trial.activation_bytes is None else trial.activation_bytes / MIB,
+        TAG_PREDICTED_ACTIVATION_MIB: (
+            None if trial.predicted_activation_bytes is None else trial.predicted_activation_bytes / MIB
+        ),
+        TAG_RECOMPUTE_OVERHEAD: trial.recompute_overhead,
+        TAG_TRIAL_SECONDS: trial.seconds,
+    }
+    stats = compile_stats(trial)
+    if stats is not None:
+        scalars.update(
+            {
+                TAG_COMPILE_SECONDS: stats.get("compile_seconds"),
+                TAG_GRAPH_BREAKS: stats.get("graph_breaks"),
+                TAG_RECOMPILES: stats.get("recompiles"),
+            }
+        )
+    return {tag: float(v) for tag, v in scalars.items() if v is not None}
+
+
+def log_trial(writer: SummaryWriter, trial: TrialRecord, *, best_samples_per_second: float | None = None) -> None:
+    """Log one finished trial's scalars at global_step = trial number, as it finishes.
+
+    ``best_samples_per_second``: the fastest feasible throughput so far (this trial included), logged
+    as the best-so-far curve. Nothing is logged as NaN: a quantity a trial did not produce is skipped.
+    """
+    for tag, value in _trial_scalars(trial).items():
+        writer.add_scalar(tag, value, global_step=trial.number)
+    if best_samples_per_second is not None:
+        writer.add_scalar(TAG_BEST_SAMPLES_PER_SECOND, float(best_samples_per_second), global_step=trial.number)
+    writer.flush()
+
+
+def best_so_far(trials: Iterable[TrialRecord]) -> list[tuple[int, float]]:
+    """(trial number, fastest feasible samples/s up to it) for each trial once a feasible one exists."""
+    out, best = [], None
+    for t in sorted(trials, key=lambda t: t.number):
+        if t.feasible and t.samples_per_second is not None:
+            best = t.samples_per_second if best is None else max(best, t.samples_per_second)
+        if best is not None:
+            out.append((t.number, best))
+    return out
+
+
+def table_trials(result: TuneResult, limit: int = HPARAM_ROWS) -> list[TrialRecord]:
+    """The HParams table's rows: the winner, then measured trials fastest first (those that fit before
+    those that do not), with the best feasible baseline kept in for comparison; at most ``limit``."""
+    winner = result.best_trial
+    rest = sorted(
+        (
+            t
+            for t in result.trials
+            if t.samples_per_second is not None and (winner is None or t.number != winner.number)
+        ),
+        key=lambda t: (not t.feasible, -(t.samples_per_second or 0.0), t.number),
+    )
+    rows = ([winner] if winner is not None else []) + rest
+    chosen = rows[:limit]
+    base = best_feasible_baseline(result)
+    if base is not None and limit > 1 and all(t.number != base[1].number for t in chosen):
+        chosen[-1] = base[1]
+    return chosen
+
+
+def _row_run_name(rank: int, trial: TrialRecord, winner: TrialRecord | None) -> str:
+    tag = "winner_" if winner is not None and trial.number == winner.number else ""
+    return f"{HPARAM_RUN_DIR}/{rank:02d}_{tag}trial_{trial.number:03d}"
+
+
+def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = HPARAM_ROWS) -> list[str]:
+    """One HParams session (a run under ``writer``'s directory) per leader; returns their run names."""
+    winner = result.best_trial
+    names = []
+    for rank, t in enumerate(table_trials(result, limit), start=1):
+        is_winner = winner is not None and t.number == winner.number
+        values: dict[str, Any] = {
+            "winner": WINNER_MARK if is_winner else "",
+            "plan": t.plan.describe(),
+            "status": str(t.status),
+            "trial": str(t.number),
+            "baseline": t.baseline or "",
+        }
+        values.update({k: _hparam_value(v) for k, v in t.params.items() if k in _COLUMN_KEYS and k not in values})
+        hparams = {hparam_name(k): v if k in _NUMERIC_COLUMNS else str(v) for k, v in values.items()}
+        scalars = _trial_scalars(t)  # the same figures as the trial's own series, under the table's names
+        metrics = {
+            HPARAM_SAMPLES_PER_SECOND: scalars.get(TAG_SAMPLES_PER_SECOND),
+            HPARAM_PEAK_MIB: scalars.get(TAG_PEAK_MIB),
+            HPARAM_ACTIVATION_MIB: scalars.get(TAG_ACTIVATION_MIB),
+            HPARAM_PREDICTED_PEAK_MIB: scalars.get(TAG_PREDICTED_PEAK_MIB),
+            HPARAM_RECOMPUTE_PERCENT: None if t.recompute_overhead is None else 100.0 * t.recompute_overhead,
+        }
+        name = _row_run_name(rank, t, winner)
+        with SummaryWriter(log_dir=os.path.join(writer.get_logdir(), name)) as run:
+            run.file_writer.add_summary(_session_start(hparams))
+            for tag, value in metrics.items():
+                if value is not None:
+                    run.add_scalar(tag, float(value), global_step=t.number)
+            run.file_writer.add_summary(_session_end())
+        names.append(name)
+    return names
+
+
+def write_tensorboard(
+    writer_or_logdir: SummaryWriter | str | os.PathLike[str],
+    result: TuneResult,
+    *,
+    memory_breakdown_table: str | None = None,
+    log_trials: bool = True,
+    write_experiment_summary: bool = True,
+    other_hparams: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the whole tuning report to TensorBoard and ``pareto.png``; return the log directory.
+
+    ``writer_or_logdir``: a ``SummaryWriter``, flushed but left open for its owner; or a directory,
+    for which a writer is opened and closed here. ``memory_breakdown_table`` (markdown) overrides the
+    table built from ``result.memory_breakdown``. ``log_trials=False`` when ``log_trial`` already
+    streamed every trial to this writer. ``write_experiment_summary=False`` when the caller already
+    declared the HParams table in a parent run (the Lightning callback writes it into the Trainer's
+    run before Lightning's own; see ``experiment_summary``).
+    """
+    if isinstance(writer_or_logdir, SummaryWriter):
+        writer, owned = writer_or_logdir, False
+    else:
+        writer, owned = SummaryWriter(log_dir=os.fspath(writer_or_logdir)), True
+    try:
+        logdir = Path(writer.get_logdir())
+        if write_experiment_summary:
+            write_experiment(writer, other_hparams)
+        if log_trials:
+            best = dict(best_so_far(result.trials))
+            for t in result.trials:
+                log_trial(writer, t, best_samples_per_second=best.get(t.number))
+        write_hparams_table(writer, result)
+        writer.add_text(TAG_SUMMARY, summary_markdown(result), global_step=0)
+        writer.add_text(TAG_PLAN, plan_markdown(result.best, result.best_trial), global_step=0)
+        memory = memory_breakdown_table
+        if memory is None:
+            memory = memory_markdown(result.memory_breakdown, result.best) if result.memory_breakdown else ""
+        if not memory and result.memory_table:
+            memory = _code_block(result.memory_table)
+        if memory:
+            writer.add_text(TAG_MEMORY_BREAKDOWN, memory, global_step=0)
+        if any(compile_stats(t) is not None for t in result.trials):
+            writer.add_text(TAG_CONFLICTS, conflicts_markdown(result), global_step=0)
+        fig = pareto_figure(result)
+        logdir.mkdir(parents=True, exist_ok=True)
+        fig.savefig(logdir / PARETO_PNG, dpi=110)
+        writer.add_image(TAG_PARETO, figure_to_hwc(fig), global_step=0, dataformats="HWC")
+        writer.flush()
+    finally:
+        if owned:
+            writer.close()
+    return logdir

@@ -1,0 +1,409 @@
+"""What a search says in words: the line per trial, the result line, the verdict and the summary table,
+and the same in markdown for TensorBoard's Text tab (summary, plan, memory breakdown, compile conflicts).
+
+It takes plain data (``TrialRecord``, ``TuneResult``, ``Plan``), never a Trainer or a writer, so the
+Lightning callback, a plain script and the TensorBoard writer all print the same words.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_ckpt.budget import Budget, format_bytes
+from lightning_ckpt.plan.format import Plan, block_names
+from lightning_ckpt.report.quantities import (
+    MIB,
+    best_feasible_baseline,
+    compile_stats,
+    constrained_bytes,
+    memory_name,
+    predicted_constrained_bytes,
+)
+from lightning_ckpt.search.records import CHOICE_RULE, TrialRecord, TuneResult
+
+__all__ = [
+    "NOISY_SPREAD",
+    "conflicts_markdown",
+    "memory_markdown",
+    "plan_markdown",
+    "result_line",
+    "summary_markdown",
+    "summary_table",
+    "timing_warning",
+    "trial_line",
+    "verdict_lines",
+]
+
+# Relative step-time spread (MAD / median) above which two overlapping leaders are a noise problem, not a tie.
+NOISY_SPREAD = 0.02
+
+
+def _short_error(error: str | None, limit: int = 80) -> str:
+    line = (error or "").strip().splitlines()[0] if (error or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _memory_cell(trial: TrialRecord, value: int | None) -> str:
+    """A memory figure for the summary table: '~' marks a prediction (the trial was timed only)."""
+    return format_bytes(value) if trial.memory_measured or value is None else "~" + format_bytes(value)
+
+
+def _fmt_rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _fmt_overhead(x: float | None) -> str:
+    return "-" if x is None else f"+{x:.1%}"
+
+
+def trial_line(trial: TrialRecord, budget: Budget) -> str:
+    """One line per finished trial, so a user watching the log sees what each candidate cost.
+
+    ``[trial 3] selective(mlp) h.0-7 | 123.4 samples/s | peak 1.2 GiB (pred 1.1 GiB) | ok``. Under an
+    activation budget the activation figure comes first, because that is what decides the trial.
+    """
+    parts = [f"[trial {trial.number}] {trial.label}"]
+    if trial.samples_per_second is not None:
+        parts.append(f"{trial.samples_per_second:.1f} samples/s")
+    else:
+        parts.append("not run" if trial.status == "pruned" else "no measurement")
+    memory = []
+    if not trial.memory_measured:  # timed only; its memory is the model's prediction (study.Study.verify)
+        if budget.kind == "activation":
+            memory.append(f"activation {format_bytes(trial.activation_bytes)} predicted")
+        memory.append(f"peak {format_bytes(trial.peak_bytes)} predicted")
+    else:
+        if budget.kind == "activation":
+            memory.append(
+                f"activation {format_bytes(trial.activation_bytes)} (pred {format_bytes(trial.predicted_activation_bytes)})"
+            )
+        memory.append(f"peak {format_bytes(trial.peak_bytes)} (pred {format_bytes(trial.predicted_peak_bytes)})")
+    parts.append(", ".join(memory))
+    stats = compile_stats(trial)
+    if stats is not None:
+        parts.append(f"compile {stats.get('compile_seconds', 0.0):.1f} s, {stats.get('graph_breaks', 0)} graph breaks")
+    limit = format_bytes(budget.limit_bytes)
+    conflict = trial.extra.get("conflict")
+    if trial.status == "over_budget":
+        parts.append(f"over_budget ({format_bytes(constrained_bytes(trial, budget))} > {limit})")
+    elif trial.status == "pruned":
+        parts.append(f"pruned (predicted {format_bytes(predicted_constrained_bytes(trial, budget))} > {limit})")
+    elif trial.status in ("oom", "invalid", "error", "conflict") and (trial.error or conflict):
+        parts.append(f"{trial.status}: {_short_error(conflict or trial.error, limit=160)}")
+    elif conflict:
+        parts.append(f"{trial.status} (conflict allowed: {_short_error(conflict, limit=120)})")
+    else:
+        parts.append(trial.status)
+    return " | ".join(parts)
+
+
+def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | None:
+    """A warning when the two fastest plans that fit were timed side by side and still overlap within spreads
+    wider than ``noisy`` (relative): the machine was too noisy to tell them apart, so the choice between them
+    is not a speed verdict. Two plans overlapping within tight spreads are simply as fast: no warning."""
+    confirmed = sorted(
+        (t for t in result.trials if t.feasible and len(t.confirmation_seconds) >= 2),
+        key=lambda t: -(t.samples_per_second or 0.0),
+    )
+    if len(confirmed) < 2:
+        return None
+    stats = []
+    for t in confirmed[:2]:
+        med = statistics.median(t.confirmation_seconds)
+        stats.append((t, med, statistics.median(abs(x - med) for x in t.confirmation_seconds)))
+    (a, ma, da), (b, mb, db) = stats
+    if abs(mb - ma) > da + db or max(da / ma, db / mb) <= noisy:
+        return None
+    return (
+        f"lightning_ckpt: timing spread too high to separate the leaders: [{a.label}] "
+        f"({_fmt_rate(a.samples_per_second)} samples/s, \u00b1{da / ma:.1%}) and [{b.label}] "
+        f"({_fmt_rate(b.samples_per_second)} samples/s, \u00b1{db / mb:.1%}) overlap after "
+        f"{min(len(a.confirmation_seconds), len(b.confirmation_seconds))} side-by-side rounds: they could not be "
+        "separated, so the tie rule chose between them (a baseline is kept; between tuned plans, lower memory), not "
+        "speed. Something else was loading the machine; tune on an idle machine or raise measure_steps for a speed "
+        "verdict."
+    )
+
+
+def result_line(result: TuneResult) -> str:
+    """The one line a quiet search ends with (like Lightning's BatchSizeFinder): what was chosen, how fast, how
+    much memory against the budget, against the best baseline that fits, and what the search cost."""
+    winner, budget = result.best_trial, result.budget
+    mem = memory_name(budget)
+    parts = [f"lightning_ckpt: chose {result.best.describe()}"]
+    if winner is not None:
+        used = constrained_bytes(winner, budget)
+        limit = f" of {format_bytes(budget.limit_bytes)}" if budget.limit_bytes is not None else ""
+        parts.append(f"{_fmt_rate(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
+        base = best_feasible_baseline(result)
+        if base is not None and base[1].number != winner.number:
+            parts.append(
+                f"{_ratio(winner.samples_per_second, base[1].samples_per_second)} the best baseline that fits ({base[0]})"
+            )
+        elif base is not None:
+            parts.append(f"the baseline {base[0]}: no tuned plan beat it")
+    if result.fell_back:
+        parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
+    if (result.best.metadata.get("search") or {}).get("speed_changes"):
+        parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
+    n_pruned = sum(t.status == "pruned" for t in result.trials)
+    parts.append(
+        f"tuned in {result.tuning_seconds:.1f} s ({len(result.trials)} plans: {result.n_measured} run, "
+        f"{n_pruned} ruled out by the memory model)"
+    )
+    return " | ".join(parts)
+
+
+def conflicts_markdown(result: TuneResult) -> str:
+    """Every compiled trial whose plan conflicted with torch.compile, and why (markdown for TensorBoard)."""
+    rows = [t for t in result.trials if t.extra.get("conflict")]
+    if not rows:
+        return "No plan conflicted with torch.compile (no added graph breaks, no recompile limit reached)."
+    lines = ["| trial | plan | status | graph breaks | reason |", "|---|---|---|---|---|"]
+    for t in rows:
+        stats = compile_stats(t) or {}
+        reason = str(t.extra["conflict"]).replace("|", "\\|")
+        lines.append(f"| {t.number} | {t.label} | {t.status} | {stats.get('graph_breaks', '-')} | {reason} |")
+    return "\n".join(lines)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "n/a"
+    return f"{a / b:.2f}x"
+
+
+def _by_throughput(result: TuneResult) -> list[TrialRecord]:
+    """The winner, then measured trials fastest first, then the rest in trial order: the order people read in."""
+    winner = result.best_trial
+    others = [t for t in result.trials if winner is None or t.number != winner.number]
+    measured = sorted((t for t in others if t.samples_per_second is not None), key=lambda t: -t.samples_per_second)
+    rest = [t for t in others if t.samples_per_second is None]
+    return ([winner] if winner is not None else []) + measured + rest
+
+
+def verdict_lines(result: TuneResult) -> list[str]:
+    """What won, by how much against the best baseline that fits, under which budget, at what tuning cost.
+
+    Against the best baseline that *fits*: beating one that would not run under the budget proves nothing.
+    """
+    budget = result.budget
+    winner = result.best_trial
+    mem = memory_name(budget)
+    lines = []
+    if winner is None:
+        lines.append(f"winner: {result.best.describe()} (not measured)")
+    else:
+        plan = result.best.describe()
+        lines.append(
+            f"winner (*): [trial {winner.number}] {winner.label}{'' if plan == winner.label else f' = {plan}'}: "
+            f"{_fmt_rate(winner.samples_per_second)} samples/s, peak {format_bytes(winner.peak_bytes)}, "
+            f"activation {format_bytes(winner.activation_bytes)}, recompute {_fmt_overhead(winner.recompute_overhead)}"
+        )
+        best_base = best_feasible_baseline(result)
+        if best_base is None:
+            lines.append("vs baselines: no baseline fit the budget, so there is none to compare against.")
+        else:
+            name, base = best_base
+            if base.number == winner.number:
+                lines.append(f"vs baselines: the winner is the best feasible baseline itself ({name}).")
+            else:
+                lines.append(
+                    f"vs best feasible baseline {name} ({_fmt_rate(base.samples_per_second)} samples/s, "
+                    f"{mem} {format_bytes(constrained_bytes(base, budget))}): "
+                    f"{_ratio(winner.samples_per_second, base.samples_per_second)} samples/s, "
+                    f"{_ratio(constrained_bytes(winner, budget), constrained_bytes(base, budget))} {mem} memory"
+                )
+    if result.fell_back:
+        chosen = f" ({winner.label}, {mem} {format_bytes(constrained_bytes(winner, budget))})" if winner else ""
+        lines.append(
+            f"NOTHING FIT THE BUDGET: no plan measured within {budget.description or budget.kind}; fell back to the "
+            f"lowest-memory plan{chosen}. Raise the budget or reduce the batch size."
+        )
+    search = result.best.metadata.get("search") or {}
+    if search.get("tie_tolerance") is not None:
+        lines.append(f"rule: {CHOICE_RULE} (tie tolerance {search['tie_tolerance']:.1%})")
+    lines += [f"machine speed changed {change}" for change in search.get("speed_changes") or ()]
+    description = budget.description or budget.kind
+    if budget.kind == "none" or budget.limit_bytes is None:
+        lines.append(f"budget: {description} (no memory limit)")
+    else:
+        lines.append(f"budget: {description} (constrains {mem} memory, limit {format_bytes(budget.limit_bytes)})")
+    n_pruned = sum(t.status == "pruned" for t in result.trials)
+    lines.append(
+        f"tuning cost: {result.tuning_seconds:.1f} s, {result.tuning_steps} steps over {len(result.trials)} trials "
+        f"({result.n_measured} run, {n_pruned} pruned by the memory model)"
+    )
+    compiling = [s for t in result.trials if (s := compile_stats(t)) is not None]
+    if compiling:
+        n_conflicts = sum(bool(t.extra.get("conflict")) for t in result.trials)
+        lines.append(
+            f"torch.compile: {sum(s.get('compile_seconds', 0.0) for s in compiling):.1f} s compiling {len(compiling)} "
+            f"plans (in the tuning cost, not in samples/s); {n_conflicts} plan(s) conflicted with the compiler"
+            f"{'' if not n_conflicts else ' (status conflict, or allowed: see compile_conflicts)'}; memory of a "
+            "compiled step on CPU = saved-for-backward bytes (see lightning_ckpt.search.compile)"
+        )
+    return lines
+
+
+# The summary table's columns; compiled searches add "compile s".
+_SUMMARY_COLUMNS = ("", "#", "label", "status", "pred peak", "peak", "activation", "samples/s", "recompute", "seconds")
+
+
+def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
+    winner = result.best_trial
+    header: tuple[str, ...] = _SUMMARY_COLUMNS
+    compiled = any(compile_stats(t) is not None for t in result.trials)
+    if compiled:
+        header += ("compile s",)
+    rows = [header]
+    for t in _by_throughput(result):
+        stats = compile_stats(t)
+        compile_cell = (f"{stats.get('compile_seconds', 0.0):.1f}" if stats else "-",) if compiled else ()
+        rows.append(
+            (
+                "*" if winner is not None and t.number == winner.number else "",
+                str(t.number),
+                t.label,
+                str(t.status),
+                format_bytes(t.predicted_peak_bytes),
+                _memory_cell(t, t.peak_bytes),
+                _memory_cell(t, t.activation_bytes),
+                _fmt_rate(t.samples_per_second),
+                _fmt_overhead(t.recompute_overhead),
+                f"{t.seconds:.1f}",
+                *compile_cell,
+            )
+        )
+    return rows
+
+
+def summary_table(result: TuneResult) -> str:
+    """The verdict first, then every trial as a fixed-width table, fastest first (the winner marked '*')."""
+    rows = _summary_rows(result)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    left = {0, 2, 3}  # text columns; numbers align right
+    lines = [
+        "  ".join(
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
+    lines.insert(1, "-" * len(max(lines, key=len)))
+    return "\n".join([*verdict_lines(result), "", *lines])
+
+
+def summary_markdown(result: TuneResult) -> str:
+    """The summary for TensorBoard's Text tab: the verdict, then the trials as a table, fastest first."""
+    rows = _summary_rows(result)
+    verdict = [line.replace("winner (*)", "winner (bold)", 1) for line in verdict_lines(result)]
+    out = [f"- {_escape(line)}" for line in verdict]
+    out += ["", "| " + " | ".join(rows[0][1:]) + " |", "|" + "---|" * (len(rows[0]) - 1)]
+    for r in rows[1:]:
+        cells = [_escape(c) if i == 1 else c for i, c in enumerate(r[1:])]
+        cells = [f"**{c}**" if r[0] == "*" and c else c for c in cells]
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", "Bold: the winner. `~`: memory predicted by the memory model (the trial was timed only)."]
+    return "\n".join(out)
+
+
+def _escape(text: str) -> str:
+    # Markdown would read '|' as a column break and '*' / '_' as emphasis.
+    return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
+
+
+def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> str:
+    """The memory model's breakdown (``MemoryModel.to_dict``) as markdown tables in MiB.
+
+    Tables, not fixed-width text: TensorBoard wraps table cells to the page, while a wide code block is
+    cut off on the right. Modes are rows and blocks columns, and blocks with the same figures (and the
+    same mode in ``plan``) share one column (``h.0-7``), so a 48-layer model still reads at a glance.
+    """
+
+    def mib(n: Any) -> str:
+        return "-" if n is None else f"{n / MIB:.1f}"
+
+    lines = [
+        f"**Memory profile** on {breakdown.get('device', '?')} (MiB)",
+        "",
+        "| part | MiB |",
+        "|---|---|",
+        f"| parameters | {mib(breakdown.get('parameter_bytes'))} |",
+        f"| gradients | {mib(breakdown.get('gradient_bytes'))} |",
+        f"| optimizer state | {mib(breakdown.get('optimizer_state_bytes'))} |",
+        f"| buffers | {mib(breakdown.get('buffer_bytes'))} |",
+        f"| activations outside the blocks | {mib(breakdown.get('other_activation_bytes'))} |",
+    ]
+    blocks = list(breakdown.get("blocks") or [])
+    if not blocks:
+        return "\n".join(lines)
+    in_plan = plan is not None and not plan.is_empty
+
+    def mode_of(fqn: str) -> str:
+        bp = plan.blocks.get(fqn) if plan is not None else None
+        return bp.describe() if bp is not None else "none"
+
+    keys = list(dict.fromkeys(k for b in blocks for k in b.get("saved_bytes", {})))
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for b in blocks:
+        saved = b.get("saved_bytes", {})
+        signature = (tuple(saved.get(k) for k in keys), b.get("recompute_transient_bytes"), mode_of(b["fqn"]))
+        groups.setdefault(signature, []).append(b["fqn"])
+    all_fqns = [b["fqn"] for b in blocks]
+    headers = [block_names(fqns, among=all_fqns) for fqns in groups.values()]
+    lines += [
+        "",
+        "Saved activations one block keeps from forward to backward under each mode (blocks with the same "
+        "figures share a column); *recompute*: the transient of a fully checkpointed block's backward."
+        + (" Last row: the chosen plan." if in_plan else ""),
+        "",
+        "| mode | " + " | ".join(f"`{h}`" for h in headers) + " |",
+        "|---|" + "---|" * len(headers),
+    ]
+    for i, k in enumerate(keys):
+        lines.append(f"| {k} | " + " | ".join(mib(sig[0][i]) for sig in groups) + " |")
+    lines.append("| *recompute* | " + " | ".join(mib(sig[1]) for sig in groups) + " |")
+    if in_plan:
+        lines.append("| **plan** | " + " | ".join(f"**{sig[2]}**" for sig in groups) + " |")
+    return "\n".join(lines)
+
+
+def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
+    """The plan as a markdown table (one row per checkpointed block) plus the figures that chose it.
+
+    Markdown because TensorBoard's text dashboard renders tables; block names go in backticks so
+    their dots and underscores are not read as emphasis.
+    """
+    title = f"**Checkpointing plan** `{plan.name}`" if plan.name else "**Checkpointing plan**"
+    lines = [f"{title}: {plan.describe()} (digest `{plan.digest()}`)", ""]
+    if plan.is_empty:
+        lines.append("No checkpointing: every block runs as usual.")
+    else:
+        lines += ["| block | mode |", "|---|---|"]
+        lines += [f"| `{fqn}` | {bp.describe()} |" for fqn, bp in plan.blocks.items()]
+        lines += [f"| `{fqn or '<root>'}` (stack) | segments: {n} chunks |" for fqn, n in plan.segments.items()]
+        lines += ["", "Blocks not listed are not checkpointed."]
+    if trial is not None:
+        lines += [
+            "",
+            f"**Measured** (trial {trial.number}, {trial.status}):",
+            "",
+            "| quantity | value |",
+            "|---|---|",
+            f"| samples/s | {_fmt_rate(trial.samples_per_second)} |",
+            f"| peak memory | {format_bytes(trial.peak_bytes)} (predicted {format_bytes(trial.predicted_peak_bytes)}) |",
+            f"| activation memory | {format_bytes(trial.activation_bytes)} "
+            f"(predicted {format_bytes(trial.predicted_activation_bytes)}) |",
+            f"| recompute overhead | {_fmt_overhead(trial.recompute_overhead)} |",
+        ]
+        if trial.median_seconds is not None:
+            spread = f" ± {trial.spread_seconds:.4f}" if trial.spread_seconds is not None else ""
+            lines.append(f"| step time (median) | {trial.median_seconds:.4f} s{spread} |")
+    else:
+        measured = plan.metadata.get("measured")
+        if isinstance(measured, Mapping) and measured:
+            lines += ["", "**Measured:**", "", "| quantity | value |", "|---|---|"]
+            lines += [f"| {k} | {v} |" for k, v in measured.items()]
+    return "\n".join(lines)
