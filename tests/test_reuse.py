@@ -166,7 +166,7 @@ def test_another_fraction_of_activation_memory_is_another_budget(tmp_path):
 
 def test_requested_budgets_are_parsed_once_and_equal_by_value():
     from lightning_ckpt.budget import RequestedBudget
-    from lightning_ckpt.cli.main import budget_values
+    from lightning_ckpt.cli.metadata import budget_values
 
     twenty = RequestedBudget.parse("20GiB")
     assert (

@@ -1,0 +1,177 @@
+"""``lightning-ckpt diff``: what changed between two plan files, as text or as one JSON object.
+
+Only checkpointing, fingerprint and budget make two plans differ (the ``--exit-code`` answer); the run,
+library versions and measured figures change with every re-tune and are shown, never counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_ckpt.cli.metadata import (
+    JSON_FORMAT,
+    budget_key,
+    budget_value_text,
+    budget_values,
+    bytes_text,
+    kv_text,
+    pt2_budget,
+    rate_text,
+    section,
+    table,
+)
+from lightning_ckpt.cli.usage import EXIT_DIFFERENT, EXIT_OK, load_plan
+from lightning_ckpt.plan.format import BlockPlan, Plan
+
+__all__ = ["DIFF_JSON_HELP", "compare_plans", "format_diff", "run_diff"]
+
+
+def _change(in_a: bool, in_b: bool) -> str:
+    return "changed" if in_a and in_b else "added" if in_b else "removed"
+
+
+def _measured_figures(plan: Plan) -> dict[str, Any]:
+    measured = section(plan.metadata, "measured")
+    return {k: measured.get(k) for k in ("samples_per_second", "peak_bytes", "activation_bytes")}
+
+
+def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> dict[str, Any]:
+    """What differs between two plans, as data: the object ``diff --json`` prints, which ``format_diff`` renders.
+
+    ``differ`` (what ``diff --exit-code`` answers) is true when the plans checkpoint differently, were tuned for
+    different models (fingerprint) or for different budgets, compared by value: "20GiB" and 21474836480 are the
+    same budget. The run, library versions and measured figures are reported but do not count: they change with
+    every re-tune even when the plan does not.
+    """
+    changes: list[dict[str, Any]] = []
+    for fqn in sorted(set(a.blocks) | set(b.blocks)):
+        before, after = a.mode_of(fqn).to_dict(), b.mode_of(fqn).to_dict()
+        if before != after:
+            change = _change(fqn in a.blocks, fqn in b.blocks)
+            changes.append({"change": change, "what": "block", "name": fqn, "a": before, "b": after})
+    for fqn in sorted(set(a.segments) | set(b.segments)):
+        before, after = a.segments.get(fqn), b.segments.get(fqn)
+        if before != after:
+            change = _change(before is not None, after is not None)
+            changes.append({"change": change, "what": "segments", "name": fqn, "a": before, "b": after})
+    pt2_a, pt2_b = pt2_budget(a), pt2_budget(b)
+    if pt2_a != pt2_b:  # a setting, not something checkpointed: always "changed" (None is PT2's default)
+        changes.append({"change": "changed", "what": "compile_memory_budget", "name": None, "a": pt2_a, "b": pt2_b})
+
+    budget_a, budget_b = budget_values(section(a.metadata, "budget")), budget_values(section(b.metadata, "budget"))
+    same = {
+        "checkpointing": not changes,
+        "fingerprint": a.fingerprint == b.fingerprint,
+        "budget": budget_key(budget_a) == budget_key(budget_b),
+    }
+    differ_in = [what for what, is_same in same.items() if not is_same]
+
+    def side(key: str) -> dict[str, Any]:
+        before, after = dict(section(a.metadata, key)), dict(section(b.metadata, key))
+        return {"same": before == after, "a": before or None, "b": after or None}
+
+    return {
+        "json_format": JSON_FORMAT,
+        "a": {"file": a_name, "description": a.describe(), "digest": a.digest()},
+        "b": {"file": b_name, "description": b.describe(), "digest": b.digest()},
+        "differ": bool(differ_in),
+        "differ_in": differ_in,
+        "checkpointing": changes,
+        "fingerprint": {"same": same["fingerprint"], "a": a.fingerprint, "b": b.fingerprint},
+        "budget": {"same": same["budget"], "a": budget_a, "b": budget_b},
+        "run": side("run"),
+        "versions": side("versions"),
+        "measured": {"a": _measured_figures(a), "b": _measured_figures(b)},
+    }
+
+
+DIFF_JSON_HELP = """\
+--json prints one JSON object and nothing else (keys are stable; json_format changes if a key changes meaning):
+  json_format        1
+  a, b               {file, description, digest}
+  differ, differ_in  whether the plans differ (the --exit-code answer) and in which of "checkpointing",
+                     "fingerprint", "budget"; run, versions and measured figures do not count
+  checkpointing      [{change: added|removed|changed, what: block|segments|compile_memory_budget, name, a, b}]
+                     (a block's side is its mode, e.g. {"mode": "selective", "children": ["mlp"]})
+  fingerprint        {same, a, b}
+  budget             {same, a, b}, each side {kind, limit_bytes, fraction, requested, description} or null;
+                     compared by value (kind, limit_bytes, fraction), never by text
+  run, versions      {same, a, b}: the recorded metadata sections
+  measured           {a, b}: {samples_per_second, peak_bytes, activation_bytes} measured while tuning
+"""
+
+
+def _change_label(change: Mapping[str, Any]) -> str:
+    if change["what"] == "block":
+        return change["name"]
+    if change["what"] == "segments":
+        return f"{change['name'] or '<root>'} (segments)"
+    return "torch.compile activation_memory_budget"
+
+
+def _side_text(change: Mapping[str, Any], side: str) -> str:
+    value = change[side]
+    if change["what"] == "block":
+        return BlockPlan(value["mode"], tuple(value.get("children", ())), value.get("save_list")).describe()
+    if change["what"] == "segments":
+        return f"{value} chunks" if value else "none"
+    return str(value)
+
+
+def format_diff(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> str:
+    """What ``lightning-ckpt diff`` prints: blocks and segments that changed, then identity and evidence."""
+    comparison = compare_plans(a, b, a_name=a_name, b_name=b_name)
+    lines = [f"a: {a_name}  [{a.describe()}]", f"b: {b_name}  [{b.describe()}]", ""]
+    signs = {"added": "+", "removed": "-", "changed": "~"}
+    rows = [
+        [signs[c["change"]], _change_label(c), _side_text(c, "a"), "->", _side_text(c, "b")]
+        for c in comparison["checkpointing"]
+    ]
+    if rows:
+        lines.append(table(["", "block", "a", "", "b"], rows))
+        lines.append("(+ checkpointed only in b, - only in a, ~ checkpointed differently)")
+    else:
+        lines.append("same checkpointing: every block and segment has the same mode in both plans")
+
+    lines.append("")
+    if a.fingerprint == b.fingerprint:
+        lines.append(f"fingerprint  same ({a.fingerprint or 'not recorded'})")
+    elif a.fingerprint and b.fingerprint:
+        lines.append(f"fingerprint  {a.fingerprint} -> {b.fingerprint}: tuned for different models")
+    else:
+        lines.append(f"fingerprint  {a.fingerprint or 'not recorded'} -> {b.fingerprint or 'not recorded'}")
+    budget = comparison["budget"]
+    if budget["a"] or budget["b"]:
+        before, after = budget_value_text(budget["a"]), budget_value_text(budget["b"])
+        lines.append("budget       " + (f"same ({before})" if budget["same"] else f"{before} -> {after}"))
+    for key in ("run", "versions"):
+        if not (section(a.metadata, key) or section(b.metadata, key)):
+            continue
+        before, after = kv_text(section(a.metadata, key)), kv_text(section(b.metadata, key))
+        lines.append(f"{key:<12} " + (f"same ({before})" if before == after else f"{before} -> {after}"))
+    ma, mb = section(a.metadata, "measured"), section(b.metadata, "measured")
+    if ma or mb:
+        lines.append(
+            f"measured     samples/s {rate_text(ma.get('samples_per_second'))} -> {rate_text(mb.get('samples_per_second'))}, "
+            f"peak {bytes_text(ma.get('peak_bytes'))} -> {bytes_text(mb.get('peak_bytes'))}, "
+            f"activation {bytes_text(ma.get('activation_bytes'))} -> {bytes_text(mb.get('activation_bytes'))}"
+        )
+    lines.append("")
+    if comparison["differ"]:
+        lines.append(f"the plans differ in: {', '.join(comparison['differ_in'])}")
+    else:
+        lines.append("the plans are the same: checkpointing, fingerprint and budget (run and figures aside)")
+    return "\n".join(lines)
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    a, b = load_plan(args.a), load_plan(args.b)
+    comparison = compare_plans(a, b, a_name=args.a, b_name=args.b)
+    if args.json:
+        print(json.dumps(comparison, indent=2, default=str))
+    else:
+        print(format_diff(a, b, a_name=args.a, b_name=args.b))
+    return EXIT_DIFFERENT if args.exit_code and comparison["differ"] else EXIT_OK

@@ -1,0 +1,148 @@
+"""Reading a plan file's metadata and laying out what ``show`` and ``diff`` print about it.
+
+Plan metadata is free-form JSON, so every reader here tolerates absent or mistyped keys. The budget is read
+into fixed keys once (``budget_values``), so ``show --json``, ``diff --json`` and ``diff --exit-code`` agree
+on what a budget is and when two are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_ckpt.budget import RequestedBudget, format_bytes
+from lightning_ckpt.errors import LightningCkptError
+from lightning_ckpt.plan.format import Plan, library_versions
+
+__all__ = [
+    "JSON_FORMAT",
+    "budget_key",
+    "budget_text",
+    "budget_value_text",
+    "budget_values",
+    "bytes_text",
+    "kv_text",
+    "number",
+    "pt2_budget",
+    "rate_text",
+    "ratio_text",
+    "section",
+    "table",
+    "versions_text",
+]
+
+# The version of the ``show --json`` / ``diff --json`` objects: bumped when a key changes meaning or goes.
+JSON_FORMAT = 1
+
+
+def section(metadata: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = metadata.get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[int] = (), indent: str = "") -> str:
+    """Aligned columns; ``right`` lists the columns of numbers, right-aligned so digits line up."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        return (indent + "  ".join(out)).rstrip()
+
+    return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def rate_text(x: Any) -> str:
+    return f"{x:.1f}" if isinstance(x, (int, float)) else "-"
+
+
+def bytes_text(x: Any) -> str:
+    return format_bytes(x) if isinstance(x, (int, float)) else "-"
+
+
+def ratio_text(a: Any, b: Any) -> str:
+    ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0
+    return f"{a / b:.2f}x" if ok else "-"
+
+
+def kv_text(mapping: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in mapping.items() if v is not None) or "-"
+
+
+def budget_text(budget: Mapping[str, Any]) -> str:
+    if not budget:
+        return "-"
+    text = str(budget.get("description") or budget.get("kind") or "-")
+    if budget.get("requested") is not None:
+        text += f" (requested max_memory={budget['requested']!r})"
+    return text
+
+
+def number(x: Any) -> int | float | None:
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _requested_value(requested: Any) -> Any:
+    """The user's max_memory as a value: "20GiB" and 21474836480 are the same request; 0.8 stays a fraction.
+    Parsed as the callback parses it when it decides whether a plan may be reused (``RequestedBudget``)."""
+    try:
+        return RequestedBudget.parse(requested).value
+    except LightningCkptError:
+        return requested  # not a size: compared as written
+
+
+def budget_values(budget: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``metadata["budget"]`` (``Budget.to_dict()``, plus the callback's ``requested``) with fixed keys."""
+    if not budget:
+        return None
+    return {
+        "kind": budget.get("kind"),
+        "limit_bytes": number(budget.get("limit_bytes")),
+        "fraction": number(budget.get("fraction")),
+        "requested": _requested_value(budget.get("requested")),
+        "description": budget.get("description"),
+    }
+
+
+def budget_key(values: Mapping[str, Any] | None) -> tuple[Any, ...] | None:
+    """What two budgets are compared by: their values, never their text. Only a budget recorded without a limit
+    (hand-written) falls back to the request, then to the description."""
+    if values is None:
+        return None
+    if values["limit_bytes"] is not None or values["kind"] == "none":
+        fallback = None
+    else:
+        fallback = values["requested"] if values["requested"] is not None else values["description"]
+    return values["kind"], values["limit_bytes"], values["fraction"], fallback
+
+
+def budget_value_text(values: Mapping[str, Any] | None) -> str:
+    if values is None:
+        return "-"
+    kind = values["kind"] or "?"
+    if kind == "none":
+        return "none (no limit)"
+    if values["limit_bytes"] is None:
+        requested = values["requested"]
+        if isinstance(requested, float) and requested <= 1:
+            return f"{kind} (requested {requested:.0%} of device memory)"
+        if isinstance(requested, int):
+            return f"{kind} (requested {format_bytes(requested)})"
+        return f"{kind} ({requested or values['description'] or 'no limit recorded'})"
+    of = "of no-checkpointing activation memory" if kind == "activation" else "of device memory"
+    share = f" ({values['fraction']:.0%} {of})" if values["fraction"] is not None else ""
+    return f"{kind} <= {format_bytes(values['limit_bytes'])}{share}"
+
+
+def versions_text(versions: Mapping[str, Any]) -> str:
+    """Library versions the plan was tuned with, flagging the ones that differ from what is installed."""
+    installed = library_versions()
+    parts = []
+    for dist, version in versions.items():
+        now = installed.get(dist)
+        parts.append(f"{dist} {version}" + (f" (installed: {now})" if now is not None and now != version else ""))
+    return ", ".join(parts) or "-"
+
+
+def pt2_budget(plan: Plan) -> float | None:
+    # Plans from schema 2 on may carry PT2's activation_memory_budget for compiled models.
+    return getattr(plan, "compile_memory_budget", None)

@@ -1,0 +1,304 @@
+"""``lightning-ckpt show``: a plan file in words (or one JSON object), with the run, budget and search it came from.
+
+It reads only what the file records: a plan written without the search counts or the memory breakdown
+shows the plan without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_ckpt.cli.metadata import (
+    JSON_FORMAT,
+    budget_text,
+    budget_values,
+    bytes_text,
+    kv_text,
+    number,
+    pt2_budget,
+    rate_text,
+    ratio_text,
+    section,
+    table,
+    versions_text,
+)
+from lightning_ckpt.cli.usage import EXIT_OK, load_plan
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.records import TrialStatus
+
+__all__ = ["SHOW_JSON_HELP", "format_plan", "plan_summary", "run_show", "trial_counts"]
+
+# Where ``show`` looks for the memory model's per-block breakdown (``MemoryModel.to_dict()``, the same
+# data as ``TuneResult.memory_breakdown``). Plans written without it simply show no memory columns.
+MEMORY_BREAKDOWN_KEY = "memory_breakdown"
+# Where ``show`` looks, inside ``metadata["search"]``, for how many trials ended in each ``TrialStatus``
+# ({"ok": 3, "pruned": 11, ...}) and how many were re-timed side by side. Plans written without them
+# show only the total, with what it includes.
+STATUS_COUNTS_KEY, CONFIRMED_KEY = "status_counts", "confirmed"
+
+
+def _block_memory(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
+    """Per block: predicted bytes kept for backward under this plan, and without checkpointing."""
+    data = plan.metadata.get(MEMORY_BREAKDOWN_KEY)
+    if not isinstance(data, Mapping):
+        return None
+    from lightning_ckpt.memory.model import MemoryModel
+
+    try:
+        model = MemoryModel.from_dict(data)
+        return model.saved_bytes(plan), model.saved_bytes(Plan())
+    except Exception:  # a breakdown from another version of the memory model: show the plan without it
+        return None
+
+
+# What a status means, for people; the measured ones in the order ``show`` lists them.
+_STATUS_WORDS = {
+    TrialStatus.OK: "within budget",
+    TrialStatus.OVER_BUDGET: "over budget",
+    TrialStatus.CONFLICT: "fought torch.compile",
+    TrialStatus.OOM: "out of memory",
+    TrialStatus.INVALID: "could not run on this model",
+    TrialStatus.ERROR: "failed with an error",
+}
+
+
+def trial_counts(search: Mapping[str, Any]) -> dict[str, Any]:
+    """How many candidate plans the search considered, and what became of them (``None``: not recorded).
+
+    ``considered`` is every trial record: baselines, plans measured and plans pruned (rejected by the memory
+    model without running). ``n_trials`` caps the measured ones only; pruned plans are free.
+    """
+    raw = search.get(STATUS_COUNTS_KEY)
+    by_status = (
+        {str(k): v for k, v in raw.items() if isinstance(v, int) and not isinstance(v, bool)}
+        if isinstance(raw, Mapping)
+        else None
+    )
+
+    def count(*statuses: TrialStatus) -> int | None:
+        return None if by_status is None else sum(by_status.get(s.value, 0) for s in statuses)
+
+    exhaustive = search.get("exhaustive")
+    return {
+        "considered": number(search.get("trials_run")),
+        "space_size": number(search.get("space_size")),
+        "n_trials": number(search.get("n_trials")),
+        "exhaustive": exhaustive if isinstance(exhaustive, bool) else None,
+        "measured": count(*(s for s in TrialStatus if s != TrialStatus.PRUNED)),
+        "pruned": count(TrialStatus.PRUNED),
+        "within_budget": count(TrialStatus.OK),
+        "over_budget": count(TrialStatus.OVER_BUDGET),
+        "failed": count(*(s for s in TrialStatus if s.failed)),
+        "conflict": count(TrialStatus.CONFLICT),
+        "confirmed": number(search.get(CONFIRMED_KEY)),
+        "by_status": by_status,
+    }
+
+
+def _search_lines(search: Mapping[str, Any]) -> list[str]:
+    """The search in words: what the totals include and what became of the plans, as far as the file says."""
+    counts, pad = trial_counts(search), " " * 13
+    settings = [str(search["sampler"])] if search.get("sampler") else []
+    if search.get("seed") is not None:
+        settings.append(f"seed {search['seed']}")
+    how = f" ({', '.join(settings)})" if settings else ""
+    considered, space = counts["considered"], counts["space_size"]
+    if counts["exhaustive"] and space is not None:
+        head = f"all {space} candidate plans in the search space were considered{how}"
+    elif space is not None:
+        head = f"{_or_unknown(considered)} of the {space} candidate plans in the search space were considered{how}"
+    else:
+        head = f"{_or_unknown(considered)} candidate plans were considered{how}"
+    cap = f"n_trials={counts['n_trials']}" if counts["n_trials"] is not None else "n_trials"
+    if counts["by_status"] is None:
+        return [
+            f"  search     {head}",
+            f"{pad}they include the baselines and the plans the memory model rejected without running (pruned);",
+            f"{pad}{cap} caps only the plans measured. This file does not record how many of each there were.",
+        ]
+    by_status = counts["by_status"]
+    outcomes = ", ".join(f"{n} {_STATUS_WORDS[s]}" for s in _STATUS_WORDS if (n := by_status.get(s.value, 0)))
+    lines = [
+        f"  search     {head}",
+        f"{pad}{counts['measured']} measured (run for real)" + (f": {outcomes}" if outcomes else ""),
+        f"{pad}{counts['pruned']} rejected by the memory model without running (pruned)",
+    ]
+    if counts["confirmed"]:
+        lines.append(f"{pad}{counts['confirmed']} of the measured re-timed side by side to confirm the choice")
+    lines.append(f"{pad}{cap} caps the plans measured; pruned plans do not count towards it")
+    return lines
+
+
+def _or_unknown(x: Any) -> str:
+    return "?" if x is None else str(x)
+
+
+def format_plan(plan: Plan, *, source: str = "") -> str:
+    """The text ``lightning-ckpt show`` prints: identity, the run it was tuned for, blocks, evidence."""
+    md = plan.metadata
+    lines = [
+        f"file         {source or '-'}",
+        f"name         {plan.name or '(unnamed)'}  [{plan.describe()}]  digest {plan.digest()}",
+        f"fingerprint  {plan.fingerprint or '(not recorded: applies to any model with these block names)'}",
+    ]
+    if pt2_budget(plan) is not None:
+        lines.append(f"compile      torch.compile activation_memory_budget={pt2_budget(plan):g}")
+    run, budget, versions, search = (section(md, k) for k in ("run", "budget", "versions", "search"))
+    if run or budget or versions or search:
+        lines += ["", "tuned for"]
+        lines.append(f"  run        {kv_text(run)}")
+        lines.append(f"  budget     {budget_text(budget)}")
+        lines.append(f"  versions   {versions_text(versions)}")
+        if search:
+            lines += _search_lines(search)
+        if search.get("fell_back"):
+            lines.append("  WARNING    no plan fit the budget; this is the lowest-memory plan measured")
+
+    lines += _block_lines(plan)
+    measured, baselines = section(md, "measured"), section(md, "baselines")
+    if measured or baselines:
+        lines += _evidence_lines(plan, measured, baselines)
+
+    known = {"run", "budget", "versions", "search", "measured", "baselines", MEMORY_BREAKDOWN_KEY}
+    other = {k: v for k, v in md.items() if k not in known}
+    if other:
+        lines += ["", "other metadata"]
+        lines += [f"  {k}: {json.dumps(v, default=str)[:200]}" for k, v in other.items()]
+    return "\n".join(lines)
+
+
+def _block_lines(plan: Plan) -> list[str]:
+    """The checkpointed blocks (with the memory model's figures when the file has them) and segments."""
+    memory = _block_memory(plan)
+    lines = [""]
+    if memory is None:
+        if plan.blocks:
+            rows = [[fqn, bp.describe()] for fqn, bp in plan.blocks.items()]
+            lines += [table(["block", "mode"], rows), "(blocks not listed are not checkpointed)"]
+        elif not plan.segments:
+            lines.append("no block is checkpointed (the no-checkpointing plan)")
+    else:
+        saved, unplanned = memory
+        rows = [
+            [fqn, plan.mode_of(fqn).describe(), bytes_text(saved[fqn]), bytes_text(unplanned.get(fqn))] for fqn in saved
+        ]
+        lines.append(table(["block", "mode", "kept for backward", "without ckpt"], rows, right=(2, 3)))
+        lines.append("(memory: the memory model's prediction for the tuning batch)")
+    if plan.segments:
+        lines += [
+            "",
+            table(["stack", "segments"], [[fqn or "<root>", f"{n} chunks"] for fqn, n in plan.segments.items()]),
+        ]
+    return lines
+
+
+# The memory figures of ``metadata["measured"]``, in the order ``show`` prints them and ``show --json`` lists them.
+_MEMORY_FIGURES = ("peak_bytes", "activation_bytes", "predicted_peak_bytes")
+
+
+def _evidence_rows(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[list[str]]:
+    win = measured.get("samples_per_second")
+    rows = []
+    if measured:
+        label = f"* {measured.get('label') or plan.describe()}"
+        speedup = "1.00x" if isinstance(win, (int, float)) else "-"
+        memory = [bytes_text(measured.get(k)) for k in _MEMORY_FIGURES]
+        rows.append([label, str(measured.get("status", "-")), rate_text(win), speedup, *memory])
+    for name, b in baselines.items():
+        b = b if isinstance(b, Mapping) else {}
+        rate = b.get("samples_per_second")
+        memory = [bytes_text(b.get("peak_bytes")), bytes_text(b.get("activation_bytes")), ""]
+        rows.append([f"  baseline:{name}", str(b.get("status", "-")), rate_text(rate), ratio_text(win, rate), *memory])
+    return rows
+
+
+def _evidence_lines(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[str]:
+    """The winner's and the baselines' figures measured while tuning, as one table."""
+    lines = ["", "throughput and memory, measured on the first batch while tuning"]
+    rows = _evidence_rows(plan, measured, baselines)
+    headers = ["plan", "status", "samples/s", "speed-up", "peak", "activation", "predicted peak"]
+    lines.append(table(headers, rows, right=(2, 3, 4, 5, 6), indent="  "))
+    lines.append("  (*) the winner; speed-up: the winner's samples/s over that plan's")
+    if isinstance(measured.get("recompute_overhead"), (int, float)):
+        lines.append(f"  the winner's recompute costs {measured['recompute_overhead']:+.1%} FLOPs per step")
+    return lines
+
+
+_WINNER_FIGURES = ("label", "status", "samples_per_second", *_MEMORY_FIGURES, "recompute_overhead")
+
+
+def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
+    """The object ``lightning-ckpt show --json`` prints: the plan's own dict under ``plan``, beside fields derived
+    from it with fixed keys (``None`` where the file does not record them). The keys are listed in SHOW_JSON_HELP."""
+    md = plan.metadata
+    by_mode: dict[str, list[str]] = {}
+    for fqn, bp in plan.blocks.items():
+        by_mode.setdefault(bp.describe(), []).append(fqn)
+    measured, baselines, search = (section(md, k) for k in ("measured", "baselines", "search"))
+    win = measured.get("samples_per_second")
+    winner = None
+    if measured:
+        winner = {k: measured.get(k) for k in _WINNER_FIGURES}
+        winner["speedup_over_baselines"] = {
+            name: win / b["samples_per_second"]
+            for name, b in baselines.items()
+            if isinstance(b, Mapping) and number(win) and number(b.get("samples_per_second"))
+        }
+    memory = _block_memory(plan)
+    block_memory = None
+    if memory is not None:
+        kept, unplanned = memory
+        block_memory = {fqn: {"kept_for_backward": n, "without_ckpt": unplanned.get(fqn)} for fqn, n in kept.items()}
+    return {
+        "json_format": JSON_FORMAT,
+        "file": source or None,
+        "name": plan.name,
+        "description": plan.describe(),
+        "digest": plan.digest(),
+        "fingerprint": plan.fingerprint,
+        "blocks_by_mode": by_mode,
+        "segments": dict(plan.segments),
+        "compile_memory_budget": pt2_budget(plan),
+        "budget": budget_values(section(md, "budget")),
+        "winner": winner,
+        "baselines": {name: dict(b) for name, b in baselines.items() if isinstance(b, Mapping)},
+        "trials": trial_counts(search) if search else None,
+        "fell_back": search.get("fell_back") if search else None,
+        "predicted_block_memory": block_memory,
+        "plan": plan.to_dict(),
+    }
+
+
+SHOW_JSON_HELP = """\
+--json prints one JSON object and nothing else (keys are stable; a value is null where the plan file does
+not record it; json_format changes if a key changes meaning):
+  json_format             1
+  file, name, description, digest, fingerprint
+                          the file as given; the plan's name, one-line description, digest and fingerprint
+  blocks_by_mode          {"full": [block, ...], "selective(mlp)": [...], ...}; unlisted blocks: not checkpointed
+  segments                {stack: chunk count}
+  compile_memory_budget   torch.compile activation_memory_budget, or null
+  budget                  {kind, limit_bytes, fraction, requested, description}: what the plan was tuned for
+  winner                  the chosen plan's figures measured while tuning: {label, status, samples_per_second,
+                          peak_bytes, activation_bytes, predicted_peak_bytes, recompute_overhead,
+                          speedup_over_baselines: {baseline: ratio}}
+  baselines               {name: {status, samples_per_second, peak_bytes, activation_bytes}}
+  trials                  {considered (baselines + measured + pruned), space_size, n_trials (caps measured only),
+                          exhaustive, measured, pruned (rejected by the memory model without running),
+                          within_budget, over_budget, failed, conflict, confirmed, by_status: {status: count}}
+  fell_back               true when no plan fit the budget and the lowest-memory plan was kept
+  predicted_block_memory  {block: {kept_for_backward, without_ckpt}} bytes, from the memory model
+  plan                    the plan file's own content (Plan.to_dict()), metadata included
+"""
+
+
+def run_show(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    if args.json:
+        print(json.dumps(plan_summary(plan, source=args.plan), indent=2, default=str))
+    else:
+        print(format_plan(plan, source=args.plan))
+    return EXIT_OK
