@@ -559,7 +559,7 @@ def test_before_torch_2_9_compiled_regions_with_running_statistics_run_eagerly_a
     # torch 2.6-2.8 update BatchNorm statistics again in a compiled recompute; there the region runs eagerly
     # under the buffer guard (a graph break and a warning) instead. Simulated here by the version string, so
     # the same route is exercised on every torch; on a real 2.6/2.8 the test above covers it compiled.
-    from lightning_ckpt.plan import apply as apply_module
+    from lightning_ckpt.plan import buffer_guard as apply_module
 
     monkeypatch.setattr(torch, "__version__", "2.8.0")
     apply_module._warn_eager_in_compiled_once.cache_clear()

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from lightning_ckpt import BlockPlan, Plan, PlanError, StalePlanError, apply_plan, baselines, model_fingerprint
-from lightning_ckpt.plan.format import SCHEMA_VERSION
+from lightning_ckpt.plan.schema import SCHEMA_VERSION
 from lightning_ckpt.testing import GPT, GPTConfig
 
 
@@ -315,7 +315,8 @@ def test_both_schema_versions_still_load(tmp_path):
 def test_the_published_schema_is_valid_and_matches_the_code():
     import jsonschema
 
-    from lightning_ckpt.plan.format import MODES, plan_schema
+    from lightning_ckpt.plan.format import MODES
+    from lightning_ckpt.plan.schema import plan_schema
 
     schema = plan_schema()
     jsonschema.Draft202012Validator.check_schema(schema)

@@ -253,7 +253,7 @@ def test_two_processes_saving_one_new_plan_file_exactly_one_wins(tmp_path):
 
 def test_a_save_that_finds_the_file_changed_writes_nothing_and_names_what_it_holds(tmp_path):
     from lightning_ckpt.errors import PlanFileChangedError
-    from lightning_ckpt.plan.format import plan_file_version
+    from lightning_ckpt.plan.file import plan_file_version
 
     path = tmp_path / "plan.json"
     assert plan_file_version(path) is None

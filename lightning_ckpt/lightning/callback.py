@@ -54,9 +54,12 @@ from lightning_ckpt.lightning.trials import (
     zero_grad_fn,
 )
 from lightning_ckpt.measure.tracker import normalise_device
-from lightning_ckpt.plan.apply import PlanHandle, apply_plan, existing_checkpointing
+from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.caches import disable_kv_cache
-from lightning_ckpt.plan.format import Plan, plan_file_version
+from lightning_ckpt.plan.file import plan_file_version
+from lightning_ckpt.plan.foreign import existing_checkpointing
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.plan.handle import PlanHandle
 from lightning_ckpt.search.compile import is_compiled, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.plan.apply import version_counter
+from lightning_ckpt.plan.buffer_guard import version_counter
 
 __all__ = ["PythonState"]
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_ckpt.plan.apply import version_counter
+from lightning_ckpt.plan.buffer_guard import version_counter
 
 __all__ = [
     "WRITTEN_IN_FORWARD",

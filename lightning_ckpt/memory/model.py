@@ -56,17 +56,11 @@ from lightning_ckpt.measure.tracker import (
     normalise_device,
     tensor_bytes,
 )
-from lightning_ckpt.plan.apply import (
-    CACHE_ARGS,
-    _rng_equal,
-    _rng_states,
-    _tensor_devices,
-    applied_plan,
-    apply_plan,
-    forward_params,
-    segment_chunks,
-)
+from lightning_ckpt.plan.apply import apply_plan
+from lightning_ckpt.plan.caches import CACHE_ARGS, forward_params
+from lightning_ckpt.plan.chain import _rng_equal, _rng_states, _tensor_devices, segment_chunks
 from lightning_ckpt.plan.format import BlockPlan, Plan, closest_names, model_fingerprint
+from lightning_ckpt.plan.handle import applied_plan
 from lightning_ckpt.plan.policies import SAVE_LISTS
 from lightning_ckpt.plan.skipping import skipping_stacks
 

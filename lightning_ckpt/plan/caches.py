@@ -5,20 +5,31 @@ is the default of most configs. A training step never reads it, yet it holds eve
 until the forward ends: memory no checkpointing plan can remove, and memory the per-block profile
 cannot see (the cache lives in an object the blocks append to). HF itself turns the cache off
 under gradient checkpointing; we do the same for the whole time we tune and train with a plan, and
-put the user's setting back afterwards.
+put the user's setting back afterwards. A checkpointed block is also called without the cache its
+caller hands it (``without_cache_args``): its recompute would append to that cache a second time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
-__all__ = ["disable_kv_cache", "kv_cache_disabled", "without_kv_cache"]
+__all__ = [
+    "CACHE_ARGS",
+    "disable_kv_cache",
+    "forward_params",
+    "kv_cache_disabled",
+    "without_cache_args",
+    "without_kv_cache",
+]
 
 R = TypeVar("R")
 
@@ -80,3 +91,57 @@ def without_kv_cache(fn: Callable[..., R]) -> Callable[..., R]:
             return fn(model, *args, **kwargs)
 
     return wrapper
+
+
+# Arguments that carry a KV cache. A block that appends to a cache in forward would append again
+# when recomputed, so the recompute would see different keys (and selective checkpointing fails with
+# "encountered during backward but not found in storage"). A training step never reads the cache,
+# so under checkpointing we pass None, exactly as HF's own gradient checkpointing does.
+CACHE_ARGS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
+
+
+_FORWARD_PARAMS: dict[type, tuple[str, ...]] = {}
+
+
+# Called inside compiled regions: marked constant so dynamo calls it once at trace time instead of
+# tracing inspect.signature. A plain dict cache rather than functools.lru_cache, whose wrapper dynamo
+# traces through (with a warning) and does not treat as constant.
+@torch.compiler.assume_constant_result
+def forward_params(cls: type) -> tuple[str, ...]:
+    names = _FORWARD_PARAMS.get(cls)
+    if names is None:
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        except (TypeError, ValueError):
+            params = []
+        names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        _FORWARD_PARAMS[cls] = names
+    return names
+
+
+def without_cache_args(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A checkpointed block's call with every KV cache argument None (and ``use_cache`` False)."""
+    names = forward_params(type(module))
+    dropped = [n for i, n in enumerate(names[: len(args)]) if n in CACHE_ARGS and args[i] is not None]
+    dropped += [k for k in kwargs if k in CACHE_ARGS and kwargs[k] is not None]
+    if not dropped and not kwargs.get("use_cache"):
+        return args, kwargs
+    if dropped:
+        _warn_cache_once(type(module).__name__, tuple(dropped))
+    args = tuple(None if i < len(names) and names[i] in CACHE_ARGS else a for i, a in enumerate(args))
+    kwargs = {k: (None if k in CACHE_ARGS else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_cache_once(cls_name: str, dropped: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"lightning_ckpt: {cls_name} was called with a KV cache ({', '.join(dropped)}) while checkpointed; the cache "
+        "is not passed to checkpointed blocks because recomputation would append to it twice. Training does not "
+        "use the cache; pass use_cache=False to silence this warning.",
+        stacklevel=4,
+    )

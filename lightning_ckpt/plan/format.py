@@ -5,25 +5,21 @@ and can be checked against any model. Blocks not listed are left alone (mode ``n
 plan files short and readable.
 
 The file format is published as a JSON Schema (draft 2020-12), ``lightning_ckpt/plan/plan_schema.json``
-(``plan_schema()`` returns it), so other tools can check a plan too, e.g.
+(``schema.plan_schema()`` returns it), so other tools can check a plan too, e.g.
 ``check-jsonschema --schemafile plan_schema.json plans/gpt.json``. ``Plan.load`` and ``Plan.from_dict``
 validate against it with ``jsonschema`` before building anything, and refuse whatever does not fit
-with one ``PlanError`` that names the file, the field, what was found and what is expected.
+with one ``PlanError`` that names the file, the field, what was found and what is expected
+(``schema.py``). How the bytes reach the disk, atomically and under a lock, is ``file.py``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import functools
 import hashlib
 import json
 import os
-import secrets
-import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -31,25 +27,14 @@ import torch
 from torch import nn
 
 from lightning_ckpt.errors import PlanError, PlanFileChangedError, StalePlanError
+from lightning_ckpt.plan.file import bytes_version, directory_lock, plan_file_version, read_json, replace_atomically
 from lightning_ckpt.plan.policies import get_save_list
+from lightning_ckpt.plan.schema import SCHEMA_VERSION, field_path, validate
 
-__all__ = [
-    "MODES",
-    "SCHEMA_VERSION",
-    "BlockPlan",
-    "Plan",
-    "model_fingerprint",
-    "library_versions",
-    "plan_schema",
-    "plan_file_version",
-]
+__all__ = ["MODES", "BlockPlan", "Plan", "block_names", "closest_names", "library_versions", "model_fingerprint"]
 
 _ANY_VERSION = object()  # Plan.save without unchanged_since: write whatever the file holds
 
-# Version 2 added ``compile_memory_budget``. A plan is written with the lowest version that can hold it
-# (1 unless it sets a compile memory budget), so plans that do not use the new field stay readable by
-# lightning_ckpt releases that only know version 1.
-SCHEMA_VERSION = 2
 MODES = ("none", "full", "selective", "ops", "offload")
 
 
@@ -230,19 +215,23 @@ class Plan:
         Schema versions 1 and 2 load; a newer one is refused with the advice to upgrade. Every
         refusal is a ``PlanError`` that starts with ``source`` and names the offending field.
         """
-        _validate(data, source)
+        validate(data, source)
         blocks = {}
         for fqn, spec in data.get("blocks", {}).items():
             try:
                 blocks[fqn] = BlockPlan(spec["mode"], tuple(spec.get("children", ())), spec.get("save_list"))
             except PlanError as err:
                 field_ = "save_list" if spec.get("save_list") else "mode"
-                raise PlanError(f"{source}: field {_field_path(('blocks', fqn, field_))}: {err}") from None
+                raise PlanError(f"{source}: field {field_path(('blocks', fqn, field_))}: {err}") from None
         try:
             return cls(
-                blocks, data.get("segments", {}), data.get("name", ""), data.get("fingerprint"),
-                data.get("metadata", {}), compile_memory_budget=data.get("compile_memory_budget"),
-            )  # fmt: skip
+                blocks,
+                data.get("segments", {}),
+                data.get("name", ""),
+                data.get("fingerprint"),
+                data.get("metadata", {}),
+                compile_memory_budget=data.get("compile_memory_budget"),
+            )
         except PlanError as err:
             raise PlanError(f"{source}: {err}") from None
 
@@ -264,75 +253,22 @@ class Plan:
         data = self.to_json().encode("utf-8")
         target = path.resolve() if path.is_symlink() else path
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _directory_lock(target.parent):
+        with directory_lock(target.parent):
             if unchanged_since is not _ANY_VERSION:
                 _refuse_if_changed(target, unchanged_since)
-            try:
-                keep_mode: int | None = stat.S_IMODE(target.stat().st_mode)
-            except FileNotFoundError:
-                keep_mode = None
-            fd, tmp = _create_beside(target)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    if keep_mode is not None:
-                        os.fchmod(f.fileno(), keep_mode)
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            replace_atomically(target, data)
         return path
 
     def file_version(self) -> str:
         """The ``plan_file_version`` of a file this plan was just saved to."""
-        return _version(self.to_json().encode("utf-8"))
+        return bytes_version(self.to_json().encode("utf-8"))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         """Read a plan file; anything unreadable or malformed raises ``PlanError`` naming the file (and field)."""
         path = Path(path)
         where = f"Plan file {str(path)!r}"
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise PlanError(f"{where} does not exist. Check the path, or tune first to write it.") from None
-        except IsADirectoryError:
-            raise PlanError(f"{where} is a directory. Give the path of a plan JSON file inside it.") from None
-        except PermissionError:
-            raise PlanError(
-                f"{where} cannot be read: permission denied. Make it readable (chmod u+r), or point to a copy."
-            ) from None
-        except OSError as err:
-            raise PlanError(f"{where} cannot be read: {err.strerror or err}. Check the path and the disk.") from None
-        try:
-            text = raw.decode("utf-8-sig")  # tolerate the byte-order mark some editors add
-        except UnicodeDecodeError as err:
-            raise PlanError(
-                f"{where} is not a UTF-8 text file (byte {raw[err.start]:#04x} at offset {err.start}), so it cannot be "
-                "a JSON plan. Check that the path names the plan, not another file; re-tune to write it again."
-            ) from None
-        if not text.strip():
-            raise PlanError(
-                f"{where} is empty (a write that never finished, or a placeholder). Delete it and re-tune, or "
-                "restore it from version control."
-            )
-        try:
-            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-        except json.JSONDecodeError as err:
-            raise PlanError(
-                f"{where} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "
-                "Delete it and re-tune, or restore it from version control."
-            ) from None
-        except _DuplicateKeyError as err:
-            raise PlanError(
-                f"{where}: field {err.args[0]!r} appears more than once in one object, so which value counts is "
-                "ambiguous. Keep one of them."
-            ) from None
-        except RecursionError:
-            raise PlanError(f"{where} is nested too deeply to be a plan. Delete it and re-tune.") from None
-        return cls.from_dict(data, source=where)
+        return cls.from_dict(read_json(path, where), source=where)
 
     # -- checks against a model ---------------------------------------------------------------------
     def check_fingerprint(self, model: nn.Module) -> None:
@@ -345,39 +281,6 @@ class Plan:
                 f"but this model's fingerprint is {actual} (module tree, parameter shapes or dtypes differ). "
                 "Re-tune for this model, or pass check_fingerprint=False if you know the plan still fits."
             )
-
-
-def plan_file_version(path: str | os.PathLike[str]) -> str | None:
-    """A digest of the file's bytes, None when there is no file: what ``Plan.save(unchanged_since=...)`` compares.
-    Read it before loading the plan, so a change in between shows up as a change."""
-    try:
-        return _version(Path(path).read_bytes())
-    except FileNotFoundError:
-        return None
-
-
-def _version(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def _directory_lock(directory: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on the directory itself, so no lock file is left beside the plan. Where there is no
-    flock (Windows) or the file system refuses it (some network mounts) the save runs unlocked: the check in
-    ``_refuse_if_changed`` still catches any save that is not simultaneous."""
-    try:
-        import fcntl
-
-        fd = os.open(directory, os.O_RDONLY)
-    except (ImportError, OSError):
-        yield
-        return
-    try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _refuse_if_changed(target: Path, expected: str | None) -> None:
@@ -393,23 +296,12 @@ def _refuse_if_changed(target: Path, expected: str | None) -> None:
     else:
         named = f" {current.name!r}" if current.name else ""
         held = f"plan{named} {current.describe()} (digest {current.digest()})"
-    raise PlanFileChangedError(
+    message = (
         f"Plan file {str(target)!r} changed since this process last read or wrote it (another run saved to it "
         f"meanwhile): it now holds {held}. Nothing was written, so that plan is kept. Give each run its own plan "
-        "file, or load this one again before saving over it.",
-        path=str(target), current=current, held=held,
-    )  # fmt: skip
-
-
-def _create_beside(target: Path) -> tuple[int, str]:
-    """A new, empty temporary file in ``target``'s directory, created with mode 0o666 so the umask applies."""
-    for _ in range(100):
-        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"could not create a temporary file beside {str(target)!r}: every name tried exists")
+        "file, or load this one again before saving over it."
+    )
+    raise PlanFileChangedError(message, path=str(target), current=current, held=held)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -467,165 +359,6 @@ def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
     every FQN of ``among`` (default: ``fqns``) shares."""
     drop = _shared_prefix_length(list(among if among is not None else fqns))
     return _compact_fqns(sorted(fqns, key=_natural_key), drop)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The schema and how its refusals are worded
-# ---------------------------------------------------------------------------------------------------
-SCHEMA_FILE = "plan_schema.json"
-
-
-@functools.lru_cache(maxsize=1)
-def _schema_text() -> str:
-    return resources.files("lightning_ckpt.plan").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
-
-
-def plan_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of plan files, as shipped in ``lightning_ckpt/plan/plan_schema.json``."""
-    return json.loads(_schema_text())
-
-
-@functools.lru_cache(maxsize=1)
-def _validator() -> Any:
-    # Imported here: jsonschema (and its referencing/rpds stack) is only needed when a plan is read.
-    import jsonschema
-
-    schema = plan_schema()
-    return jsonschema.Draft202012Validator(schema), schema
-
-
-class _DuplicateKeyError(ValueError):
-    pass
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKeyError(key)
-        out[key] = value
-    return out
-
-
-def _field_path(path: tuple[Any, ...] | list[Any]) -> str:
-    """``blocks['h.0'].children[1]``: FQN keys in brackets (they contain dots), other keys dotted."""
-    out = ""
-    for i, part in enumerate(path):
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif i == 1 and path[0] in ("blocks", "segments") or not part.isidentifier():
-            out += f"[{part!r}]"
-        else:
-            out += f".{part}" if out else part
-    return out or "(top level)"
-
-
-def _subschema(schema: dict[str, Any], root: dict[str, Any], path: list[Any]) -> dict[str, Any] | None:
-    """The schema that describes the value at ``path`` (following properties, additionalProperties, items)."""
-    node: Any = schema
-    for part in path:
-        while isinstance(node, dict) and "$ref" in node:
-            node = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
-        if not isinstance(node, dict):
-            return None
-        if isinstance(part, int):
-            node = node.get("items")
-        elif part in node.get("properties", {}):
-            node = node["properties"][part]
-        else:
-            node = node.get("additionalProperties")
-    while isinstance(node, dict) and "$ref" in node:
-        node = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
-    return node if isinstance(node, dict) else None
-
-
-_TYPE_WORDS = {"object": "an object", "array": "an array", "string": "a string", "integer": "an integer",
-               "number": "a number", "boolean": "true or false", "null": "null"}  # fmt: skip
-
-
-def _found(value: Any) -> str:
-    kind = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number"
-    )
-    text = json.dumps(value, default=str)
-    return f"{text[:80]}{'...' if len(text) > 80 else ''} ({kind})"
-
-
-def _describe_error(error: Any, root: dict[str, Any]) -> tuple[str, str]:
-    """(field path, what is wrong with it) for one jsonschema ValidationError."""
-    path = list(error.absolute_path)
-    kind, value, instance = error.validator, error.validator_value, error.instance
-    if kind == "required":
-        missing = [p for p in value if isinstance(instance, dict) and p not in instance]
-        path.append(missing[0] if missing else value[0])
-        rule = error.schema.get("description", "")
-        if rule and "needs" in rule:  # an if/then rule of the schema says why the field is needed
-            return _field_path(path), f"missing: {rule}"
-        expected = (_subschema(root, root, path) or {}).get("description") or rule
-        return _field_path(path), f"missing; expected {expected}" if expected else "missing"
-    if kind == "additionalProperties":
-        allowed = set(error.schema.get("properties", {}))
-        extra = sorted(k for k in instance if k not in allowed)
-        field_ = _field_path([*path, extra[0]]) if extra else _field_path(path)
-        where = "at the top level" if not path else f"in {_field_path(path)}"
-        return field_, (
-            f"not a known field {where} (unknown: {', '.join(map(repr, extra))}; known: "
-            f"{', '.join(sorted(allowed))}). The file may be corrupted or from another tool"
-            + ("; 'compile_memory_budget' needs schema_version 2" if "compile_memory_budget" in extra else "")
-        )
-    described = _subschema(root, root, path) or {}
-    expected = described.get("description", "")
-    if kind == "not":
-        return _field_path(path), f"not allowed here: {error.schema.get('description', expected)}"
-    if kind == "enum":
-        title = described.get("title", "value")
-        return _field_path(path), f"Unknown {title} {instance!r}. Known: {', '.join(map(str, value))}"
-    if kind == "type":
-        types = value if isinstance(value, list) else [value]
-        wanted = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
-        return _field_path(path), f"must be {wanted}, but found {_found(instance)}; expected {expected}"
-    if kind == "uniqueItems":
-        return _field_path(path), f"names an item more than once: {_found(instance)}; expected {expected}"
-    return _field_path(path), f"{error.message}; expected {expected}" if expected else error.message
-
-
-def _validate(data: Any, source: str) -> None:
-    if not isinstance(data, dict):
-        raise PlanError(
-            f"{source}: field (top level): must be a JSON object, but found {_found(data)}. "
-            "This is not a lightning_ckpt plan: check the path, or re-tune to write one."
-        )
-    version = data.get("schema_version")
-    if version is None:
-        raise PlanError(
-            f"{source}: field schema_version: missing; this is not a lightning_ckpt plan file. "
-            f'Add "schema_version": 1 if you wrote it by hand, or re-tune to write one.'
-        )
-    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
-        raise PlanError(
-            f"{source}: field schema_version: plan schema version {version!r} is not supported by this lightning_ckpt "
-            f"(it reads schema versions 1..{SCHEMA_VERSION}). Upgrade lightning-ckpt, or re-tune to write a plan "
-            "in the current schema."
-        )
-    validator, root = _validator()
-    errors = list(validator.iter_errors(data))
-    if errors:
-        import jsonschema
-
-        field_, problem = _describe_error(jsonschema.exceptions.best_match(errors), root)
-        more = (
-            f" ({len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in this plan)" if len(errors) > 1 else ""
-        )
-        raise PlanError(
-            f"{source}: field {field_}: {problem}.{more} Fix the field (the format is lightning_ckpt/plan/{SCHEMA_FILE}), "
-            "or delete the file and re-tune."
-        )
-    micro = data.get("metadata", {}).get("micro_batch")
-    if micro is not None and micro["size"] * micro["accumulation"] != micro["global"]:
-        raise PlanError(
-            f"{source}: field metadata.micro_batch: size {micro['size']} x accumulation {micro['accumulation']} "
-            f"must equal the global batch {micro['global']}, but does not. Fix one of the three numbers, or re-tune."
-        )
 
 
 def closest_names(name: str, candidates: list[str], n: int = 3) -> str:

@@ -70,9 +70,10 @@ from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure.harness import StepHarness, loss_of
 from lightning_ckpt.measure.measurement import Measurement, classify_failure, measure_step, release_memory
 from lightning_ckpt.measure.snapshot import StateSnapshot
-from lightning_ckpt.plan import apply as apply_module
-from lightning_ckpt.plan.apply import CHECKPOINT_FRAMES, apply_plan
+from lightning_ckpt.plan import forwards as apply_module
+from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.plan.forwards import CHECKPOINT_FRAMES
 from lightning_ckpt.search.records import TrialStatus, judge_status
 from lightning_ckpt.search.runners import TrialOutcome
 

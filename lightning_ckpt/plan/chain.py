@@ -1,0 +1,151 @@
+"""A segment's side of the bargain with the parent model: how its chunks are cut, how it tells that the
+parent calls the chunk's blocks as a chain, and what it does when the parent does not.
+
+A segment runs several blocks inside one checkpoint, but the parent still calls every block itself. So a
+block's precomputed output may be handed out only to the call the chunk predicted: the next block, with the
+previous block's output where the hidden state travels, the same other arguments, and the random-number
+state where the chunk left it. Any other call gives the chunk up for that step (``_deviate``), exactly, at
+the cost of the memory the plan meant to save.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:  # the chunk runs inside the forwards, which use everything here
+    from lightning_ckpt.plan.forwards import _Chunk
+
+__all__ = ["segment_chunks"]
+
+
+def segment_chunks(n_blocks: int, segments: int) -> list[tuple[int, int]]:
+    """[start, end) index ranges of ``segments`` near-equal chunks (first chunks get the remainder)."""
+    base, extra = divmod(n_blocks, segments)
+    ranges, start = [], 0
+    for i in range(segments):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def _hidden_of(output: Any) -> Any:
+    """The part of a block's output that the next block takes as its hidden state."""
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    return output
+
+
+# Where a block call carries its hidden state: ("arg", index) or ("kw", name).
+_HiddenAt = tuple[str, Any]
+_HIDDEN_KEYWORDS = ("hidden_states", "x", "input", "inputs", "hidden")
+
+
+def _hidden_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _HiddenAt | None:
+    """Where this call's hidden state is: the first floating-point tensor argument, else a keyword (the usual
+    names first), the rule the profile's chain check reads calls by. Blocks called with keyword arguments only
+    (``block(hidden_states=h, attention_mask=m)``) get the previous block's output in the same keyword."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return ("arg", i)
+    for name in (*_HIDDEN_KEYWORDS, *kwargs):
+        v = kwargs.get(name)
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return ("kw", name)
+    return ("arg", 0) if args else None
+
+
+def _in_slot(args: tuple[Any, ...], kwargs: dict[str, Any], slot: _HiddenAt) -> Any:
+    kind, key = slot
+    if kind == "arg":
+        return args[key] if key < len(args) else None
+    return kwargs.get(key)
+
+
+def _with_hidden(
+    args: tuple[Any, ...], kwargs: dict[str, Any], slot: _HiddenAt, value: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    kind, key = slot
+    if kind == "arg":
+        return (*args[:key], value, *args[key + 1 :]), kwargs
+    return args, {**kwargs, key: value}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects whose == is not a plain bool are simply "not the same"
+        return False
+
+
+# Random-number state around a segment. Without a plan the parent and the blocks draw from the generators in
+# turn (dropout in block k, then LayerDrop's coin for block k+1 in the parent, ...); a segment's first block
+# runs the whole chunk at once, so the parent would draw after every block of the chunk had drawn. So after the
+# chunk the state goes back to where block 0 left it, each later block's precomputed output is handed out only
+# if the state is still where that block started from inside the chunk, and then moved to where it ended.
+def _tensor_devices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.device, ...]:
+    """The accelerator devices a call's tensors live on (the CPU generator is always tracked)."""
+    leaves = tree_leaves((args, kwargs))
+    found = {t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")}
+    return tuple(sorted(found, key=str))
+
+
+def _rng_states(devices: tuple[torch.device, ...]) -> tuple[torch.Tensor, ...]:
+    return (torch.get_rng_state(), *(torch.get_device_module(d.type).get_rng_state(d) for d in devices))
+
+
+def _set_rng_states(devices: tuple[torch.device, ...], states: tuple[torch.Tensor, ...]) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip(devices, states[1:], strict=True):
+        torch.get_device_module(d.type).set_rng_state(state, d)
+
+
+def _rng_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class _StackWatch:
+    """How one stack's segments fared under one applied plan: the first reason a step left the chain."""
+
+    __slots__ = ("deviations", "reason", "stack_fqn")
+
+    def __init__(self, stack_fqn: str) -> None:
+        self.stack_fqn = stack_fqn
+        self.reason: str | None = None
+        self.deviations = 0
+
+
+# A graph break when compiled: only a step that leaves the chain gets here, and the compiled search reports
+# a plan that breaks graphs in a checkpointed region as a conflict.
+@torch.compiler.disable
+def _deviate(chunk: _Chunk, start: int, reason: str) -> None:
+    """Give the chunk up for the rest of this step: undo the buffer updates its run made in blocks from
+    ``start`` on (the parent runs those itself, or not at all), drop its outputs, and warn once per stack."""
+    with torch.no_grad():
+        for index, buf, before in chunk.updates:
+            if index >= start and buf.shape == before.shape:
+                buf.copy_(before)
+    chunk.clear()
+    watch = chunk.watch
+    watch.deviations += 1
+    if watch.reason is not None:
+        return
+    watch.reason = reason
+    stack = chunk.stack_fqn
+    warnings.warn(
+        f"lightning_ckpt: segments[{stack!r}] could not run as planned in this step: {reason}. From there on the "
+        "blocks of that chunk ran without checkpointing, so the step is exact but uses more memory than the plan "
+        "predicts (shown once per stack). Segments need a parent that calls every block of the stack in order, "
+        "each with the previous block's output, and draws no random numbers in between. For a model that skips "
+        "blocks (LayerDrop, stochastic depth, early exit), remove this stack from the plan's 'segments' and use "
+        "per-block modes (e.g. 'full') instead.",
+        stacklevel=4,
+    )

@@ -1,0 +1,145 @@
+"""Plan files as bytes on disk: replaced atomically, saved under a directory lock, read with errors that
+say what is wrong with the file, and versioned by a digest of their bytes.
+
+Nothing here knows what a plan is (``format.Plan.save``/``Plan.load`` do), so this is also what decides
+whether a file changed since a process last read it (``plan_file_version``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lightning_ckpt.errors import PlanError
+
+__all__ = ["bytes_version", "directory_lock", "plan_file_version", "read_json", "replace_atomically"]
+
+
+def plan_file_version(path: str | os.PathLike[str]) -> str | None:
+    """A digest of the file's bytes, None when there is no file: what ``Plan.save(unchanged_since=...)`` compares.
+    Read it before loading the plan, so a change in between shows up as a change."""
+    try:
+        return bytes_version(Path(path).read_bytes())
+    except FileNotFoundError:
+        return None
+
+
+def bytes_version(data: bytes) -> str:
+    """The version of a plan file holding ``data`` (what ``plan_file_version`` reads back)."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the directory itself, so no lock file is left beside the plan. Where there is no
+    flock (Windows) or the file system refuses it (some network mounts) the save runs unlocked: the check in
+    ``format._refuse_if_changed`` still catches any save that is not simultaneous."""
+    try:
+        import fcntl
+
+        fd = os.open(directory, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _create_beside(target: Path) -> tuple[int, str]:
+    """A new, empty temporary file in ``target``'s directory, created with mode 0o666 so the umask applies."""
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary file beside {str(target)!r}: every name tried exists")
+
+
+def replace_atomically(target: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``target``, then replace ``target`` with it, keeping the mode a
+    replaced file had (a new file gets what ``open()`` gives: ``0o666`` less the umask)."""
+    try:
+        keep_mode: int | None = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        keep_mode = None
+    fd, tmp = _create_beside(target)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if keep_mode is not None:
+                os.fchmod(f.fileno(), keep_mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def read_json(path: Path, where: str) -> Any:
+    """The JSON value in the file at ``path``; anything unreadable or malformed raises ``PlanError`` starting
+    with ``where``."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise PlanError(f"{where} does not exist. Check the path, or tune first to write it.") from None
+    except IsADirectoryError:
+        raise PlanError(f"{where} is a directory. Give the path of a plan JSON file inside it.") from None
+    except PermissionError:
+        raise PlanError(
+            f"{where} cannot be read: permission denied. Make it readable (chmod u+r), or point to a copy."
+        ) from None
+    except OSError as err:
+        raise PlanError(f"{where} cannot be read: {err.strerror or err}. Check the path and the disk.") from None
+    try:
+        text = raw.decode("utf-8-sig")  # tolerate the byte-order mark some editors add
+    except UnicodeDecodeError as err:
+        raise PlanError(
+            f"{where} is not a UTF-8 text file (byte {raw[err.start]:#04x} at offset {err.start}), so it cannot be "
+            "a JSON plan. Check that the path names the plan, not another file; re-tune to write it again."
+        ) from None
+    if not text.strip():
+        raise PlanError(
+            f"{where} is empty (a write that never finished, or a placeholder). Delete it and re-tune, or "
+            "restore it from version control."
+        )
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as err:
+        raise PlanError(
+            f"{where} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "
+            "Delete it and re-tune, or restore it from version control."
+        ) from None
+    except _DuplicateKeyError as err:
+        raise PlanError(
+            f"{where}: field {err.args[0]!r} appears more than once in one object, so which value counts is "
+            "ambiguous. Keep one of them."
+        ) from None
+    except RecursionError:
+        raise PlanError(f"{where} is nested too deeply to be a plan. Delete it and re-tune.") from None
+    return data

@@ -1,0 +1,259 @@
+"""The forwards ``apply_plan`` installs, and everything they run inside a checkpointed region.
+
+Each takes the module first (bound with ``functools.partial``): ``_checkpointed_forward`` (mode ``full``,
+``ops``, and the children of ``selective``), ``_offloaded_forward`` (``offload``), and for a segment the
+head block's ``_segment_head_forward``, which runs the whole ``_Chunk`` in one checkpoint, and the later
+blocks' ``_segment_member_forward``, which hand out the outputs it precomputed.
+
+They share one module on purpose: ``search/compile.py`` tells a graph break inside one of our regions by a
+frame of this file named in ``CHECKPOINT_FRAMES``. The buffer guard (``buffer_guard.py``), the chain checks
+(``chain.py``) and the KV cache arguments (``caches.py``) run in those regions too, but only as callees of
+these frames.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_ckpt.plan.buffer_guard import Update, _BufferGuard, _eager_in_compiled
+from lightning_ckpt.plan.caches import without_cache_args
+from lightning_ckpt.plan.chain import (
+    _deviate,
+    _hidden_of,
+    _hidden_slot,
+    _HiddenAt,
+    _in_slot,
+    _rng_equal,
+    _rng_states,
+    _same,
+    _set_rng_states,
+    _StackWatch,
+    _tensor_devices,
+    _with_hidden,
+)
+from lightning_ckpt.plan.policies import selective_context_fn
+
+__all__ = ["CHECKPOINT_FRAMES"]
+
+# Where a patched module keeps the instance forward it had before the plan (put back by PlanHandle.remove).
+_PREV_FORWARD = "_lightning_ckpt_prev_forward"
+
+
+def _original_forward(module: nn.Module) -> Callable[..., Any]:
+    prev = module.__dict__.get(_PREV_FORWARD)
+    # A partial, not ``type(module).forward.__get__(module)``: Dynamo before torch 2.7 cannot trace __get__.
+    return prev if prev is not None else functools.partial(type(module).forward, module)
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # Args travel as one tuple and one dict so a block's own kwargs can never collide with
+    # checkpoint()'s (use_reentrant, context_fn, debug, ...).
+    return fn(*args, **kwargs)
+
+
+def _checkpointed_forward(
+    module: nn.Module, save_list: str | None, guard: _BufferGuard, *args: Any, **kwargs: Any
+) -> Any:
+    inner = _original_forward(module)
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    args, kwargs = without_cache_args(module, args, kwargs)
+    extra = {"context_fn": selective_context_fn(save_list)} if save_list else {}
+    if torch.compiler.is_compiling():
+        if guard.eager_under_compile:
+            return _eager_in_compiled(guard, functools.partial(_call, inner), args, kwargs, **extra)
+        return checkpoint(_call, inner, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
+    return guard.checkpoint(functools.partial(_call, inner), args, kwargs, **extra)
+
+
+def _first_device(module: nn.Module, args: tuple[Any, ...]) -> torch.device | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    p = next(module.parameters(), None)
+    return p.device if p is not None else None
+
+
+def _offloaded_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    inner = _original_forward(module)
+    device = _first_device(module, args)
+    # On a CPU model the activations already live in host memory; save_on_cpu would only copy them.
+    if not torch.is_grad_enabled() or device is None or device.type == "cpu":
+        return inner(*args, **kwargs)
+    with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+        return inner(*args, **kwargs)
+
+
+class _Chunk:
+    """Run-time state of one segment: several consecutive blocks recomputed as one region.
+
+    The parent model still calls every block itself. The chunk's first block runs the whole chunk
+    inside one checkpoint and hands the later blocks their outputs as the parent calls them. A later
+    block gets its precomputed output only when it is the next block of the chunk, called with the
+    previous block's output (in the same argument or keyword) and the same other arguments, with the
+    random-number state where the chunk left it. Anything else (a parent that skips, reorders or repeats
+    blocks, exits early, or draws random numbers between blocks: LayerDrop, stochastic depth) ends the
+    chunk for that step: the blocks the parent calls from there on run plainly, the buffer updates of the
+    blocks it did not call are undone, and one warning names the stack. So every step is exact; only
+    the memory of such a step is higher than planned. The step's state is dropped once the chunk is
+    handed out (or given up), and never copied or pickled.
+    """
+
+    def __init__(self, stack_fqn: str, fqns: tuple[str, ...], modules: list[nn.Module], watch: _StackWatch) -> None:
+        self.stack_fqn = stack_fqn
+        self.fqns = fqns
+        self.modules = modules
+        self.guard = _BufferGuard(modules)
+        self.watch = watch
+        self.recording = False  # True from the head's checkpoint call until its forward starts
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget this step's run: the outputs still to hand out and everything needed to check the calls."""
+        self.next_index: int | None = None  # the block due next, while outputs are waiting for it
+        self.outputs: tuple[Any, ...] = ()
+        self.slot: _HiddenAt | None = None
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+        self.devices: tuple[torch.device, ...] = ()
+        self.states: list[tuple[torch.Tensor, ...]] | None = None  # RNG state after each block of the chunk
+        self.updates: list[Update] = []  # buffer updates made by the chunk run
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        step = _Chunk.__new__(_Chunk)
+        step.clear()
+        state.update(vars(step), recording=False)
+        return state
+
+    def run(
+        self,
+        slot: _HiddenAt,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        after_block: Callable[[], None] | None = None,
+    ) -> tuple[Any, ...]:
+        outputs = []
+        for m in self.modules:
+            out = _original_forward(m)(*args, **kwargs)
+            outputs.append(out)
+            if after_block is not None:
+                after_block()
+            args, kwargs = _with_hidden(args, kwargs, slot, _hidden_of(out))
+        return tuple(outputs)
+
+    def run_eager(self, slot: _HiddenAt, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """``run`` outside compiled code: the forward records the RNG state after each block; a recompute
+        (in backward, so the step's forward is over) gives up on blocks the parent never called."""
+        if not self.recording:
+            if self.next_index is not None:
+                why = f"{self._rest()} never ran in that step (the parent skipped it or exited early)"
+                _deviate(self, self.next_index, why)
+            return self.run(slot, args, kwargs)
+        self.recording = False
+        states: list[tuple[torch.Tensor, ...]] = []
+        self.states = states
+        return self.run(slot, args, kwargs, lambda: states.append(_rng_states(self.devices)))
+
+    def _rest(self) -> str:
+        rest = self.fqns[self.next_index or 0 :]
+        return f"block {rest[0]!r}" if len(rest) == 1 else f"blocks {rest[0]!r}..{rest[-1]!r}"
+
+    def off_chain(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why the call of block ``index`` cannot take its precomputed output, or None when it can."""
+        due, fqn = self.next_index, self.fqns[index]
+        if due is None:
+            return f"{fqn!r} ran without {self.fqns[0]!r} before it (the parent skipped it, or called {fqn!r} again)"
+        if index != due:
+            return f"{fqn!r} was called where {self.fqns[due]!r} was due (the parent skipped or reordered blocks)"
+        slot = self.slot
+        same = (
+            torch.is_grad_enabled()
+            and slot is not None
+            and _in_slot(args, kwargs, slot) is _hidden_of(self.outputs[index - 1])
+            and len(args) == len(self.args)
+            and kwargs.keys() == self.kwargs.keys()
+            and all(_same(a, b) for i, (a, b) in enumerate(zip(args, self.args, strict=True)) if ("arg", i) != slot)
+            and all(_same(kwargs[k], self.kwargs[k]) for k in kwargs if ("kw", k) != slot)
+        )
+        if not same:
+            return (
+                f"{fqn!r} was not called with {self.fqns[index - 1]!r}'s output and the same other arguments as "
+                f"{self.fqns[0]!r}"
+            )
+        if self.states is not None and not _rng_equal(_rng_states(self.devices), self.states[index - 1]):
+            return f"the parent drew random numbers before calling {fqn!r} (e.g. LayerDrop deciding whether to run it)"
+        return None
+
+
+def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs: Any) -> Any:
+    if chunk.next_index is not None:  # the last step left blocks of the chunk uncalled
+        _deviate(chunk, chunk.next_index, f"{chunk._rest()} never ran before {chunk.fqns[0]!r} ran again")
+    if not torch.is_grad_enabled():
+        return _original_forward(module)(*args, **kwargs)
+    slot = _hidden_slot(args, kwargs)
+    if slot is None:
+        _deviate(chunk, len(chunk.modules), f"{chunk.fqns[0]!r} was called without a hidden state to hand on")
+        return _original_forward(module)(*args, **kwargs)
+    run_args, run_kwargs = without_cache_args(module, args, kwargs)
+    if torch.compiler.is_compiling() and chunk.guard.eager_under_compile:
+        outputs = _eager_in_compiled(chunk.guard, functools.partial(chunk.run, slot), run_args, run_kwargs)
+    elif torch.compiler.is_compiling():
+        # Compiled RNG is not eager RNG anyway, and reading generator state breaks graphs: no RNG tracking.
+        outputs = checkpoint(chunk.run, slot, run_args, run_kwargs, use_reentrant=False, preserve_rng_state=True)
+    else:
+        chunk.devices = _tensor_devices(run_args, run_kwargs)
+        chunk.recording = True
+        updates: list[Update] = []
+        try:
+            outputs = chunk.guard.checkpoint(functools.partial(chunk.run_eager, slot), run_args, run_kwargs, updates)
+        finally:
+            chunk.recording = False
+        states = chunk.states
+        chunk.updates = updates
+        if states:  # the parent goes on from where block 0 left the generators, as without the plan
+            _set_rng_states(chunk.devices, states[0])
+    if len(outputs) == 1:
+        chunk.clear()
+        return outputs[0]
+    chunk.outputs, chunk.next_index, chunk.slot = outputs, 1, slot
+    chunk.args, chunk.kwargs = args, kwargs
+    return outputs[0]
+
+
+# Functions of this module that run inside a checkpointed region when dynamo traces one: a graph break
+# whose user stack passes through one of them broke a graph inside our region (compile.py counts them).
+_REGION_FUNCTIONS = (_checkpointed_forward, _call, _segment_head_forward, _Chunk.run, _Chunk.run_eager)
+CHECKPOINT_FRAMES = frozenset(f.__name__ for f in _REGION_FUNCTIONS)
+
+
+def _segment_member_forward(module: nn.Module, chunk: _Chunk, index: int, *args: Any, **kwargs: Any) -> Any:
+    if chunk.next_index is None and not torch.is_grad_enabled():
+        return _original_forward(module)(*args, **kwargs)
+    why = chunk.off_chain(index, args, kwargs)
+    if why is not None:
+        _deviate(chunk, chunk.next_index if chunk.next_index is not None else len(chunk.modules), why)
+        return _original_forward(module)(*args, **kwargs)
+    out = chunk.outputs[index]
+    if chunk.states is not None:
+        _set_rng_states(chunk.devices, chunk.states[index])
+    if index + 1 < len(chunk.modules):
+        chunk.next_index = index + 1
+    else:
+        # Drop every reference once the chunk is handed out, or its hidden states would outlive
+        # their backward (and the step).
+        chunk.clear()
+    return out
+
+
+_OUR_FORWARDS = (_checkpointed_forward, _offloaded_forward, _segment_head_forward, _segment_member_forward)
+
+
+def _is_ours(fn: Any) -> bool:
+    return isinstance(fn, functools.partial) and fn.func in _OUR_FORWARDS

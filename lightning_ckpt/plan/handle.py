@@ -1,0 +1,154 @@
+"""The handle of an applied plan: which plan a model has, and the means to undo it exactly.
+
+The model holds its ``PlanHandle`` (and a process-wide registry maps the model to it), so a copy of a
+planned model (deepcopy, pickle, ``torch.save``) carries a handle of its own, bound to the copy's modules.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lightning_ckpt.discovery import unwrap_compiled
+from lightning_ckpt.plan.chain import _StackWatch
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.plan.forwards import _PREV_FORWARD
+
+__all__ = ["PlanHandle", "applied_plan", "plan_handle"]
+
+_HANDLE_ATTR = "_lightning_ckpt_plan_handle"
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, PlanHandle] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Patch:
+    module: nn.Module
+    forward: functools.partial[Any]
+
+
+class PlanHandle:
+    """What ``apply_plan`` returns: the applied plan and the means to undo it exactly.
+
+    A copy of a planned model (``copy.deepcopy``, pickle, ``torch.save``/``torch.load``) carries the plan
+    with a handle of its own, bound to the copy's modules: ``applied_plan(copy)`` finds the plan and
+    ``plan_handle(copy).remove()`` restores the copy. The process-wide compile memory budget stays with
+    the original's handle.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        plan: Plan,
+        patches: list[_Patch],
+        previous_budget: float | None = None,
+        watches: Sequence[_StackWatch] = (),
+    ) -> None:
+        self.plan = plan
+        # None only for a handle pickled without its model (it is then removed already).
+        self._model_ref: Callable[[], nn.Module | None] = weakref.ref(model) if model is not None else _no_model
+        self._patches = patches
+        self._previous_budget = previous_budget  # the compile memory budget to restore (plan sets one)
+        self._watches = list(watches)
+        self._removed = False
+
+    @property
+    def deviations(self) -> dict[str, str]:
+        """Stack FQN -> why its segments could not run as planned in some step since the plan was applied
+        (the first reason seen). Those steps were exact, with the memory of running the blocks plainly."""
+        return {w.stack_fqn: w.reason for w in self._watches if w.reason is not None}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copied or pickled as part of its model (the model holds it): the copy's handle points at the copy's
+        # modules and forwards (the same memo), and registers itself when rebuilt.
+        return (_restore_handle, (self._model_ref(), self.plan, self._patches, self._watches, self._removed))
+
+    @property
+    def active(self) -> bool:
+        return not self._removed
+
+    @property
+    def num_patched_modules(self) -> int:
+        return len(self._patches)
+
+    def remove(self) -> None:
+        """Restore every module's original forward; idempotent."""
+        if self._removed:
+            return
+        for p in reversed(self._patches):
+            d = p.module.__dict__
+            if d.get("forward") is p.forward:
+                del d["forward"]
+            prev = d.pop(_PREV_FORWARD, None)
+            if prev is not None:
+                d["forward"] = prev
+        if self._previous_budget is not None:
+            _set_compile_memory_budget(self._previous_budget)
+        self._removed = True
+        model = self._model_ref()
+        if model is not None and _ACTIVE.get(model) is self:
+            del _ACTIVE[model]
+        if model is not None and model.__dict__.get(_HANDLE_ATTR) is self:
+            del model.__dict__[_HANDLE_ATTR]
+
+    def __enter__(self) -> PlanHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active"
+        return f"PlanHandle({self.plan.describe()}, {len(self._patches)} modules, {state})"
+
+
+def _set_compile_memory_budget(value: float) -> float:
+    """Set PT2's activation memory budget (read by the partitioner at compile time); return the old value."""
+    import torch._functorch.config as functorch_config
+
+    previous = float(functorch_config.activation_memory_budget)
+    functorch_config.activation_memory_budget = value
+    return previous
+
+
+def _no_model() -> None:
+    return None
+
+
+def _restore_handle(
+    model: nn.Module | None, plan: Plan, patches: list[_Patch], watches: list[_StackWatch], removed: bool
+) -> PlanHandle:
+    """A copied or unpickled model's handle (see ``PlanHandle.__reduce__``), registered for that model."""
+    handle = PlanHandle(model, plan, patches, None, watches)
+    handle._removed = removed or model is None
+    if model is not None and not handle._removed:
+        _ACTIVE[model] = handle
+    return handle
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan currently applied to ``model`` by ``apply_plan`` (or carried by a copy of a planned model), if any."""
+    handle = plan_handle(model)
+    return handle.plan if handle is not None else None
+
+
+def plan_handle(model: nn.Module) -> PlanHandle | None:
+    """The active ``PlanHandle`` of ``model``: the one ``apply_plan`` returned, or the one a copy of a planned
+    model (deepcopy, pickle, ``torch.save``) carries, so a plan can be removed without holding its handle."""
+    handle = _ACTIVE.get(unwrap_compiled(model))
+    return handle if handle is not None and handle.active else None
+
+
+def _installed_by(module: nn.Module) -> str:
+    """Which applied plan patched ``module``, for an error message."""
+    for root, handle in list(_ACTIVE.items()):
+        if handle.active and any(p.module is module for p in handle._patches):
+            return f"a plan applied to a {type(root).__name__} ({handle.plan.describe()})"
+    return (
+        "a plan applied to a model it was copied from (a copy of part of a planned model carries its "
+        "checkpointing but no handle: copy the whole model, or copy before applying the plan)"
+    )

@@ -1,0 +1,173 @@
+"""The plan file's JSON Schema, and refusals worded for the person who has to fix the file.
+
+The schema (draft 2020-12) ships as ``lightning_ckpt/plan/plan_schema.json`` so other tools can check a
+plan too. jsonschema's own messages name neither the field's place in a plan nor what would fit there, so
+each refusal is rewritten here: the file, the field (``blocks['h.0'].children[1]``), what was found and what
+the schema expects.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+from lightning_ckpt.errors import PlanError
+
+__all__ = ["SCHEMA_FILE", "SCHEMA_VERSION", "field_path", "plan_schema", "validate"]
+
+# Version 2 added ``compile_memory_budget``. A plan is written with the lowest version that can hold it
+# (1 unless it sets a compile memory budget), so plans that do not use the new field stay readable by
+# lightning_ckpt releases that only know version 1.
+SCHEMA_VERSION = 2
+SCHEMA_FILE = "plan_schema.json"
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_text() -> str:
+    return resources.files("lightning_ckpt.plan").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+
+
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of plan files, as shipped in ``lightning_ckpt/plan/plan_schema.json``."""
+    return json.loads(_schema_text())
+
+
+@functools.lru_cache(maxsize=1)
+def _validator() -> Any:
+    # Imported here: jsonschema (and its referencing/rpds stack) is only needed when a plan is read.
+    import jsonschema
+
+    schema = plan_schema()
+    return jsonschema.Draft202012Validator(schema), schema
+
+
+def field_path(path: tuple[Any, ...] | list[Any]) -> str:
+    """``blocks['h.0'].children[1]``: FQN keys in brackets (they contain dots), other keys dotted."""
+    out = ""
+    for i, part in enumerate(path):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif i == 1 and path[0] in ("blocks", "segments") or not part.isidentifier():
+            out += f"[{part!r}]"
+        else:
+            out += f".{part}" if out else part
+    return out or "(top level)"
+
+
+def _subschema(schema: dict[str, Any], root: dict[str, Any], path: list[Any]) -> dict[str, Any] | None:
+    """The schema that describes the value at ``path`` (following properties, additionalProperties, items)."""
+    node: Any = schema
+    for part in path:
+        while isinstance(node, dict) and "$ref" in node:
+            node = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+        if not isinstance(node, dict):
+            return None
+        if isinstance(part, int):
+            node = node.get("items")
+        elif part in node.get("properties", {}):
+            node = node["properties"][part]
+        else:
+            node = node.get("additionalProperties")
+    while isinstance(node, dict) and "$ref" in node:
+        node = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+    return node if isinstance(node, dict) else None
+
+
+_TYPE_WORDS = {
+    "object": "an object",
+    "array": "an array",
+    "string": "a string",
+    "integer": "an integer",
+    "number": "a number",
+    "boolean": "true or false",
+    "null": "null",
+}
+
+
+def _found(value: Any) -> str:
+    kind = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+    text = json.dumps(value, default=str)
+    return f"{text[:80]}{'...' if len(text) > 80 else ''} ({kind})"
+
+
+def _describe_error(error: Any, root: dict[str, Any]) -> tuple[str, str]:
+    """(field path, what is wrong with it) for one jsonschema ValidationError."""
+    path = list(error.absolute_path)
+    kind, value, instance = error.validator, error.validator_value, error.instance
+    if kind == "required":
+        missing = [p for p in value if isinstance(instance, dict) and p not in instance]
+        path.append(missing[0] if missing else value[0])
+        rule = error.schema.get("description", "")
+        if rule and "needs" in rule:  # an if/then rule of the schema says why the field is needed
+            return field_path(path), f"missing: {rule}"
+        expected = (_subschema(root, root, path) or {}).get("description") or rule
+        return field_path(path), f"missing; expected {expected}" if expected else "missing"
+    if kind == "additionalProperties":
+        allowed = set(error.schema.get("properties", {}))
+        extra = sorted(k for k in instance if k not in allowed)
+        field_ = field_path([*path, extra[0]]) if extra else field_path(path)
+        where = "at the top level" if not path else f"in {field_path(path)}"
+        return field_, (
+            f"not a known field {where} (unknown: {', '.join(map(repr, extra))}; known: "
+            f"{', '.join(sorted(allowed))}). The file may be corrupted or from another tool"
+            + ("; 'compile_memory_budget' needs schema_version 2" if "compile_memory_budget" in extra else "")
+        )
+    described = _subschema(root, root, path) or {}
+    expected = described.get("description", "")
+    if kind == "not":
+        return field_path(path), f"not allowed here: {error.schema.get('description', expected)}"
+    if kind == "enum":
+        title = described.get("title", "value")
+        return field_path(path), f"Unknown {title} {instance!r}. Known: {', '.join(map(str, value))}"
+    if kind == "type":
+        types = value if isinstance(value, list) else [value]
+        wanted = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
+        return field_path(path), f"must be {wanted}, but found {_found(instance)}; expected {expected}"
+    if kind == "uniqueItems":
+        return field_path(path), f"names an item more than once: {_found(instance)}; expected {expected}"
+    return field_path(path), f"{error.message}; expected {expected}" if expected else error.message
+
+
+def validate(data: Any, source: str) -> None:
+    """Refuse ``data`` with one ``PlanError`` unless it is a plan this release reads; the error names ``source``,
+    the field, what was found and what is expected."""
+    if not isinstance(data, dict):
+        raise PlanError(
+            f"{source}: field (top level): must be a JSON object, but found {_found(data)}. "
+            "This is not a lightning_ckpt plan: check the path, or re-tune to write one."
+        )
+    version = data.get("schema_version")
+    if version is None:
+        raise PlanError(
+            f"{source}: field schema_version: missing; this is not a lightning_ckpt plan file. "
+            f'Add "schema_version": 1 if you wrote it by hand, or re-tune to write one.'
+        )
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise PlanError(
+            f"{source}: field schema_version: plan schema version {version!r} is not supported by this lightning_ckpt "
+            f"(it reads schema versions 1..{SCHEMA_VERSION}). Upgrade lightning-ckpt, or re-tune to write a plan "
+            "in the current schema."
+        )
+    validator, root = _validator()
+    errors = list(validator.iter_errors(data))
+    if errors:
+        import jsonschema
+
+        field_, problem = _describe_error(jsonschema.exceptions.best_match(errors), root)
+        more = (
+            f" ({len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in this plan)" if len(errors) > 1 else ""
+        )
+        raise PlanError(
+            f"{source}: field {field_}: {problem}.{more} Fix the field (the format is lightning_ckpt/plan/{SCHEMA_FILE}), "
+            "or delete the file and re-tune."
+        )
+    micro = data.get("metadata", {}).get("micro_batch")
+    if micro is not None and micro["size"] * micro["accumulation"] != micro["global"]:
+        raise PlanError(
+            f"{source}: field metadata.micro_batch: size {micro['size']} x accumulation {micro['accumulation']} "
+            f"must equal the global batch {micro['global']}, but does not. Fix one of the three numbers, or re-tune."
+        )
