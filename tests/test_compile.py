@@ -17,11 +17,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, applied_plan, apply_plan, baselines, discover_blocks
+from lightning_ckpt import report as report_module
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import PlanError
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.plan.format import BlockPlan, model_fingerprint
-from lightning_ckpt import report as report_module
 from lightning_ckpt.search.compile import (
     CompileStats,
     compiled_regions,

@@ -11,9 +11,9 @@ from tensorboard.plugin_util import markdown_to_safe_html
 from tensorboard.plugins.hparams import metadata as hp_metadata
 from torch.utils.tensorboard import SummaryWriter
 
+from lightning_ckpt import report
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.plan.format import BlockPlan, Plan
-from lightning_ckpt import report
 from lightning_ckpt.report.tags import (
     TAG_ACTIVATION_MIB,
     TAG_BEST_SAMPLES_PER_SECOND,
