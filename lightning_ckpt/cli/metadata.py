@@ -36,6 +36,7 @@ JSON_FORMAT = 1
 
 
 def section(metadata: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``metadata[key]`` when it is a mapping, else empty: hand-edited files may hold anything there."""
     value = metadata.get(key)
     return value if isinstance(value, Mapping) else {}
 
@@ -51,6 +52,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: Seque
     return "\n".join([line(headers)] + [line(r) for r in rows])
 
 
+# Cells: "-" where the file records nothing, or something that is not a number.
 def rate_text(x: Any) -> str:
     return f"{x:.1f}" if isinstance(x, (int, float)) else "-"
 
@@ -78,6 +80,7 @@ def budget_text(budget: Mapping[str, Any]) -> str:
 
 
 def number(x: Any) -> int | float | None:
+    """A JSON number, never a bool (``True`` is an ``int`` to Python, not a count to a reader)."""
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 

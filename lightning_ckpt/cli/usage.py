@@ -21,6 +21,7 @@ class UsageError(Exception):
 
 
 def load_plan(path: str) -> Plan:
+    """The plan file at ``path``; a path that is not a file is the user's mistake (``UsageError``), not a bad plan."""
     p = Path(path)
     if not p.exists():
         raise UsageError(f"plan file {path!r} does not exist. Check the path (tuning writes it to plan_path=...).")

@@ -31,14 +31,17 @@ def memory_name(budget: Budget) -> str:
 
 
 def constrained_bytes(trial: TrialRecord, budget: Budget) -> int | None:
+    """The measured figure the budget is checked against (peak, or activation under an activation budget)."""
     return budget.value_of(trial.peak_bytes, trial.activation_bytes)
 
 
 def predicted_constrained_bytes(trial: TrialRecord, budget: Budget) -> int | None:
+    """The memory model's figure for the same quantity: all there is for a trial that never ran."""
     return budget.value_of(trial.predicted_peak_bytes, trial.predicted_activation_bytes)
 
 
 def compile_stats(trial: TrialRecord) -> Mapping[str, Any] | None:
+    """A compiled trial's statistics (``TrialRecord.extra["compile"]``); ``None`` for an eager one."""
     stats = trial.extra.get("compile") if trial.extra else None
     return stats if isinstance(stats, Mapping) else None
 
