@@ -17,7 +17,7 @@ __all__ = ["run_bench"]
 
 def _find_benchmark(name: str) -> Path | None:
     # A source checkout: the current directory, else the checkout this package is installed from (-e).
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         candidate = root / "benchmarks" / name
         if candidate.is_file():
             return candidate
