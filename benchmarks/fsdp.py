@@ -68,7 +68,7 @@ def _rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     from lightning_ckpt import baselines, plan_applied, tune
     from lightning_ckpt.measure.measurement import measure_step, track_step_memory
-    from lightning_ckpt.memory.model import profile_memory
+    from lightning_ckpt.memory.profile import profile_memory
 
     x = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
     result: dict[str, Any] = {"rank": rank, "memory": {}}

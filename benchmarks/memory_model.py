@@ -42,7 +42,7 @@ from torch import nn
 
 from lightning_ckpt import baselines, plan_applied
 from lightning_ckpt.measure.measurement import track_step_memory
-from lightning_ckpt.memory.model import profile_memory
+from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.plan.caches import kv_cache_disabled
 from lightning_ckpt.testing import GPT, GPTConfig
 

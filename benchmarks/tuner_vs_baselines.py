@@ -41,7 +41,7 @@ import torch
 
 from lightning_ckpt import Plan, baselines, discover_blocks, plan_applied, tune
 from lightning_ckpt.measure.measurement import measure_step
-from lightning_ckpt.memory.model import profile_memory
+from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.testing import GPT, GPTConfig
 

@@ -21,7 +21,7 @@ def run(rank: int, out: str, reshard: bool, port: str) -> None:
 
     from lightning_ckpt import baselines, plan_applied
     from lightning_ckpt.measure.measurement import track_step_memory
-    from lightning_ckpt.memory.model import profile_memory
+    from lightning_ckpt.memory.profile import profile_memory
     from lightning_ckpt.testing import GPT, GPTConfig
 
     torch.manual_seed(0)

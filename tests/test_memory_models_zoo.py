@@ -16,7 +16,8 @@ from test_memory_model import TOLERANCE, measured
 from torch import nn
 
 from lightning_ckpt import Plan, baselines, discover_blocks, plan_applied
-from lightning_ckpt.memory.model import MemoryModel, profile_memory
+from lightning_ckpt.memory.model import MemoryModel
+from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.tune import ResolvedModel, _offered
 from lightning_ckpt.testing.nanogpt import Block, CausalSelfAttention, GPTConfig

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt import BlockPlan, Plan, applied_plan, apply_plan, baselines, plan_applied, plan_handle, tune
 from lightning_ckpt.measure.measurement import measure_step
-from lightning_ckpt.memory.model import profile_memory
+from lightning_ckpt.memory.profile import profile_memory
 
 transformers = pytest.importorskip("transformers")
 

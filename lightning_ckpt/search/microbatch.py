@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_map
 from lightning_ckpt.budget import Budget, resolve_budget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.memory.model import profile_memory
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, measure_optimizer_step
+from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan

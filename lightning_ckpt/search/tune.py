@@ -24,8 +24,8 @@ from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
 from lightning_ckpt.measure.tracker import fsdp_root, model_device
-from lightning_ckpt.memory.model import profile_memory
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
+from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache

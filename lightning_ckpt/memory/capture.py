@@ -1,0 +1,244 @@
+"""The capture: one ``torch.no_grad`` forward that learns how the step calls its blocks, keeping almost nothing.
+
+Forward pre-hooks record each block's call order and keep the inputs of one representative per group of
+identical blocks (same class, parameter shapes and input shapes), with the autocast regions it ran in, so
+each distinct block can later run alone as the step ran it. A no-grad forward holds one block's internals at
+a time. The same hooks check whether each stack's blocks run as a chain (``_ChainCheck``), which segments
+need.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_ckpt.plan.caches import CACHE_ARGS, forward_params
+from lightning_ckpt.plan.chain import _rng_equal, _rng_states, _tensor_devices
+
+
+def _hidden_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """Where the block's hidden state is: ('arg', i) or ('kw', name): the first floating tensor."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return ("arg", i)
+    for name in ("hidden_states", "x", "input", "inputs", "hidden"):
+        v = kwargs.get(name)
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return ("kw", name)
+    for name, v in kwargs.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return ("kw", name)
+    return None
+
+
+def _hidden_tensor(obj: Any) -> torch.Tensor | None:
+    """A block output's hidden state: the first floating-point tensor (needing a gradient or not)."""
+    leaves, _ = tree_flatten(obj)
+    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
+def _spec(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(("T", tuple(leaf.shape), str(leaf.dtype), str(leaf.device)))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            out.append(leaf)
+        else:
+            out.append(type(leaf).__qualname__)
+    return (str(spec), tuple(out))
+
+
+def _group_key(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters())
+    buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers())
+    return (type(module), params, buffers, _spec(args), _spec(dict(sorted(kwargs.items()))))
+
+
+def _without_kv_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The block's arguments with any KV cache replaced by None.
+
+    Running a block again with the captured cache would append to it a second time (attention over
+    twice the sequence). A training step's backward never reads the cache, and ``apply_plan`` drops it
+    under checkpointing for the same reason, so the profile runs every mode without it.
+    """
+    names = forward_params(type(module))
+    args = tuple(None if i < len(names) and names[i] in CACHE_ARGS else a for i, a in enumerate(args))
+    kwargs = {k: (None if k in CACHE_ARGS else v) for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+@dataclass
+class _Captured:
+    fqn: str
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    autocast: tuple[tuple[str, torch.dtype, bool], ...] = ()
+    # How the step called it (read in the anchor, which checkpointing does not change): whether its hidden
+    # input needed a gradient (not behind frozen embeddings or frozen blocks) and which of its output leaves
+    # (``tree_flatten`` positions) received one (the hidden state, an auxiliary loss). None: not known.
+    input_grad: bool = True
+    grad_leaves: tuple[int, ...] | None = None
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """The autocast regions active right now, as (device type, dtype, cache enabled) triples.
+
+    A block replayed alone must run in the context the step ran it in: under bf16/fp16 autocast
+    it saves half-precision activations (and a GPU may dispatch another attention kernel), so a
+    profile taken without it over-predicts every mode but ``full`` by a quarter or more.
+    """
+    state = []
+    for dev in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(dev):
+            # The weight-cast cache changes what a step holds: with it, fp32 weights' low-precision copies live
+            # for the whole forward (Lightning's mixed precision turns it off).
+            state.append((dev, torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled()))
+    return tuple(state)
+
+
+@contextlib.contextmanager
+def _autocast_as(state: tuple[tuple[str, torch.dtype, bool], ...]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for dev, dtype, cache in state:
+            stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=cache))
+        yield
+
+
+class _ChainCheck:
+    """Whether each stack's blocks run as a chain, which segments (one checkpoint over several blocks) need.
+
+    A chain hands each block the previous block's output as its hidden state and the same other
+    arguments (a mask, rotary tables). T5 is not one: block 0 computes a position bias that it
+    returns and the parent passes to every later block, so a segment's recompute would lose it.
+    Tensors are compared by identity (weak references: the check keeps nothing alive).
+    A chain also runs its blocks in order, from the first, none skipped, and the parent draws no random
+    numbers between them: LayerDrop (BART, Whisper, wav2vec2) draws a coin before every block and skips
+    some, so a chunk run at once would hand blocks the wrong outputs and random state (``apply._Chunk``).
+    """
+
+    def __init__(self, stack_of: Mapping[str, str]) -> None:
+        self.stack_of = stack_of
+        self.unchained: set[str] = set()
+        self._last: dict[str, tuple[Any, Any]] = {}  # stack -> (weakref to output, other arguments)
+        members: dict[str, list[str]] = {}  # stack -> its blocks, in order
+        for fqn, stack in stack_of.items():
+            members.setdefault(stack, []).append(fqn)
+        self._index = {fqn: i for fqns in members.values() for i, fqn in enumerate(fqns)}
+        self._ran: dict[str, int] = {}  # stack -> index of the block that ran last
+        self._rng: dict[str, tuple[Any, ...]] = {}  # stack -> RNG state (and its devices) when that block ended
+
+    @staticmethod
+    def _others(args: tuple[Any, ...], kwargs: Mapping[str, Any], where: tuple[str, Any] | None) -> tuple[str, list]:
+        rest_args = [a for i, a in enumerate(args) if where != ("arg", i)]
+        rest_kwargs = {k: v for k, v in sorted(kwargs.items()) if where != ("kw", k)}
+        leaves, spec = tree_flatten((rest_args, rest_kwargs))
+        return str(spec), [weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    def before(self, fqn: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        stack = self.stack_of.get(fqn)
+        if stack is None or stack in self.unchained:
+            return
+        where = _hidden_index(args, kwargs)
+        others = self._others(args, kwargs, where)
+        last = self._last.get(stack)
+        index, ran, rng = self._index[fqn], self._ran.get(stack), self._rng.get(stack)
+        skipped = index != (0 if ran is None else ran + 1)  # a block skipped, repeated or run out of order
+        drew = rng is not None and not _rng_equal(_rng_states(rng[0]), rng[1])  # random numbers drawn in between
+        if skipped or drew:
+            self.unchained.add(stack)
+            return
+        if last is not None:
+            hidden = None if where is None else (args[where[1]] if where[0] == "arg" else kwargs[where[1]])
+            out_ref, (prev_spec, prev_leaves) = last
+            chained = (
+                hidden is not None
+                and out_ref is not None
+                and out_ref() is hidden
+                and prev_spec == others[0]
+                and all(_same_leaf(a, b) for a, b in zip(prev_leaves, others[1], strict=True))
+            )
+            if not chained:
+                self.unchained.add(stack)
+        self._last[stack] = (None, others)
+
+    def after(self, fqn: str, out: Any) -> None:
+        stack = self.stack_of.get(fqn)
+        if stack is None or stack not in self._last:
+            return
+        first = out if isinstance(out, torch.Tensor) else _hidden_tensor(out)
+        self._last[stack] = (weakref.ref(first) if first is not None else None, self._last[stack][1])
+        self._ran[stack] = self._index[fqn]
+        devices = _tensor_devices((out,), {})
+        self._rng[stack] = (devices, _rng_states(devices))
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    if isinstance(a, weakref.ref) or isinstance(b, weakref.ref):
+        return isinstance(a, weakref.ref) and isinstance(b, weakref.ref) and a() is not None and a() is b()
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # objects whose == is not a plain truth value
+        return False
+
+
+def _capture(
+    root: nn.Module,
+    forward_fn: Callable[[], Any],
+    blocks: dict[int, str],
+    share: bool,
+    stack_of: Mapping[str, str] | None = None,
+) -> tuple[list[str], dict[str, _Captured], list[str], set[str]]:
+    """No-grad forward: block execution order (a block shared across depth, like ALBERT's one layer, once
+    per call), one captured input per group, each call's representative, and the stacks whose blocks do not
+    run as a chain (see ``_ChainCheck``; a stack with a shared block is never one)."""
+    order: list[str] = []
+    reps: dict[Any, _Captured] = {}
+    rep_of: list[str] = []
+    chain = _ChainCheck(stack_of or {})
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        fqn = blocks[id(module)]
+        order.append(fqn)
+        chain.before(fqn, args, kwargs)
+        args, kwargs = _without_kv_cache(module, args, kwargs)
+        key = _group_key(module, args, kwargs) if share else fqn
+        if key not in reps:
+            reps[key] = _Captured(fqn, module, tuple(args), dict(kwargs), _autocast_state())
+        rep_of.append(reps[key].fqn)
+
+    def post_hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        chain.after(blocks[id(module)], out)
+
+    modules = {fqn: root.get_submodule(fqn) for fqn in blocks.values()}
+    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in modules.values()]
+    handles += [m.register_forward_hook(post_hook) for m in modules.values()]
+    try:
+        with torch.no_grad():
+            out = forward_fn()
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    # A block called several times (weights shared across depth) is one FQN in a plan: its mode applies to
+    # every call, and each call is a row of its own in the model. One checkpoint cannot span several calls.
+    shared = {f for f, calls in collections.Counter(order).items() if calls > 1}
+    unchained = chain.unchained | {(stack_of or {})[f] for f in shared if f in (stack_of or {})}
+    return order, {c.fqn: c for c in reps.values()}, rep_of, unchained

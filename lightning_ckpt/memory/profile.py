@@ -1,0 +1,556 @@
+"""Profile a model's memory on one batch (``profile_memory``), memory-safely: the data ``MemoryModel`` predicts from.
+
+How the profile is built, and why it never needs the no-checkpointing peak:
+
+1. **Capture** (``torch.no_grad`` forward, ``memory.capture``): forward pre-hooks record each block's
+   call order and keep the inputs of one representative per group of identical blocks (same class,
+   parameter shapes and input shapes). A no-grad forward holds one block's internals at a time.
+2. **Anchor** (one forward+backward with *every* block fully checkpointed, the cheapest plan):
+   a live-tensor tracker records the maximum of live bytes in each *phase* of the step (before
+   the stack, each block's forward, the head's forward, the head's backward, each block's backward,
+   after the stack), delimited by module hooks and gradient hooks on the blocks' hidden states.
+   This captures exactly what per-block arithmetic gets wrong: gradients accumulating during
+   backward, the logits and loss temporaries, the embedding backward.
+3. **Per-block profiles**: each representative block runs alone (forward+backward, its captured
+   inputs) under every mode (``none``, ``full``, ``offload``, each op save-list, selective children)
+   via ``apply_plan`` on that one FQN, under the tracker. Per mode we keep what the block holds after
+   its forward (its saved activations), its forward peak and its backward peak, relative to the same
+   starting level. Constant offsets (the input, the incoming gradient) cancel in the differences.
+
+How a plan is predicted from these is ``memory.model``'s part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
+from lightning_ckpt.errors import ApplyError, LightningCkptError
+from lightning_ckpt.measure.harness import loss_of
+from lightning_ckpt.measure.snapshot import StateSnapshot
+from lightning_ckpt.measure.tracker import (
+    is_fsdp_module,
+    local_tensor,
+    model_device,
+    new_live_tracker,
+    normalise_device,
+    tensor_bytes,
+)
+from lightning_ckpt.memory.capture import _autocast_as, _capture, _Captured, _hidden_index, _hidden_tensor
+from lightning_ckpt.memory.model import BlockMemory, MemoryModel, ModeProfile, PhasePeak
+from lightning_ckpt.plan.apply import apply_plan
+from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.plan.handle import applied_plan
+from lightning_ckpt.plan.policies import SAVE_LISTS
+from lightning_ckpt.plan.skipping import skipping_stacks
+
+__all__ = ["profile_memory"]
+
+
+def _block_plan_of(key: str) -> BlockPlan:
+    kind, _, rest = key.partition(":")
+    if kind == "ops":
+        return BlockPlan("ops", save_list=rest)
+    if kind == "selective":
+        return BlockPlan("selective", tuple(rest.split(",")))
+    return BlockPlan(kind)
+
+
+def _phase_rank(label: tuple[Any, ...], n: int) -> int:
+    kind = label[0]
+    if kind == "pre":
+        return 0
+    if kind == "fwd":
+        return 1 + 2 * label[1]
+    if kind == "fwd_gap":
+        return 2 + 2 * label[1]
+    if kind == "bw_head":
+        return 1 + 2 * n
+    if kind == "bw":
+        return 2 + 2 * n + 2 * (n - 1 - label[1])
+    return 3 + 2 * n + 2 * (n - 1 - label[1])  # bw_gap
+
+
+def _backward_leaves(out: Any, positions: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """The output leaves a block's backward starts from: those that received a gradient in the step
+    (``positions``), or the first that needs one when that is not known."""
+    leaves, _ = tree_flatten(out)
+    if positions is None:
+        first = _first_grad_tensor(out)
+        return [first] if first is not None else []
+    return [t for i, t in enumerate(leaves) if i in positions and isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.requires_grad else None
+    leaves, _ = tree_flatten(obj)
+    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+
+
+@dataclass
+class _Calls:
+    """How the anchor step called each block (one entry per call), read with every block ``full``:
+    checkpointing changes neither whether a tensor needs a gradient nor which outputs receive one."""
+
+    input_grad: list[bool]  # the hidden input needed a gradient
+    output_grad: list[bool]  # some output needed a gradient (False: no gradient flows through the call)
+    grad_leaves: list[set[int]]  # positions (``tree_flatten``) of the output leaves that received one
+
+
+class _AnchorPhases:
+    """The anchor step's phase markers: module hooks on the blocks and gradient hooks on their hidden states
+    move the tracker from phase to phase (see ``PhasePeak``), and record how each call was made (``_Calls``)."""
+
+    def __init__(self, root: nn.Module, order: list[str], tracker: Any) -> None:
+        self.n = n = len(order)
+        self.tracker = tracker
+        self.positions: dict[str, list[int]] = {}
+        for i, fqn in enumerate(order):
+            self.positions.setdefault(fqn, []).append(i)
+        self.seen: dict[str, int] = {}
+        self.running: dict[int, int] = {}  # id(module) -> the call index of its call in progress
+        self.calls = _Calls([False] * n, [False] * n, [set() for _ in range(n)])
+        self.current: tuple[Any, ...] = ("pre",)
+        self.fqn_of = {id(root.get_submodule(f)): f for f in order}
+
+    def enter(self, label: tuple[Any, ...]) -> None:
+        # Hooks can fire out of phase order (one tensor is both a block's output and the next block's
+        # input); a phase never goes back, so the later one wins.
+        if _phase_rank(label, self.n) > _phase_rank(self.current, self.n):
+            self.current = label
+            self.tracker.enter_phase(label)
+
+    def grad_marker(self, label: tuple[Any, ...]) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            self.enter(label)
+
+        return hook
+
+    def leaf_marker(self, i: int, leaf: int) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            self.calls.grad_leaves[i].add(leaf)
+            self.enter(("bw", i))
+
+        return hook
+
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        fqn = self.fqn_of[id(module)]
+        k = self.seen[fqn] = self.seen.get(fqn, -1) + 1
+        calls_of = self.positions[fqn]
+        i = self.running[id(module)] = calls_of[min(k, len(calls_of) - 1)]  # a shared block: its k-th call
+        self.enter(("fwd", i))
+        where = _hidden_index(args, kwargs)
+        if where is not None:
+            t = args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+            self.calls.input_grad[i] = t.requires_grad
+            if t.requires_grad:
+                t.register_hook(self.grad_marker(("bw_gap", i)))
+
+    def post_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        i = self.running[id(module)]
+        self.enter(("fwd_gap", i))
+        # Every output that needs a gradient starts the block's backward, not only the hidden state: an
+        # auxiliary loss (an MoE router's) reaches the block first when it is computed from the block's output,
+        # and under ``full`` its gradient recomputes the block right then.
+        for leaf, t in enumerate(tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self.calls.output_grad[i] = True
+                t.register_hook(self.leaf_marker(i, leaf))
+
+
+def _anchor(
+    root: nn.Module, forward_fn: Callable[[], Any], order: list[str], externals: list[Any], device: torch.device
+) -> tuple[Any, int, tuple[int, int], _Calls]:
+    """Forward+backward with every block ``full``, phase maxima recorded.
+
+    Returns the tracker, the resting level, the (total, activation) level when the forward returned, and
+    how each block was called (``_Calls``).
+    """
+    tracker = new_live_tracker(device, root)
+    tracker.track_external(*externals)
+    phases = _AnchorPhases(root, order, tracker)
+    plan = Plan({f: BlockPlan("full") for f in order})
+    handle = apply_plan(root, plan, check_fingerprint=False)
+    handles = []
+    try:
+        for f in phases.positions:
+            m = root.get_submodule(f)
+            handles.append(m.register_forward_pre_hook(phases.pre_hook, with_kwargs=True))
+            handles.append(m.register_forward_hook(phases.post_hook, with_kwargs=True))
+        resting = tracker.now()[0]
+        tracker.total_peak = resting
+        with tracker:
+            tracker.enter_phase(("pre",))
+            loss = loss_of(forward_fn())
+            end_of_forward = tracker.now()
+            phases.enter(("bw_head",))
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+        handle.remove()
+    return tracker, resting, end_of_forward, phases.calls
+
+
+def _run_block(
+    root: nn.Module, cap: _Captured, bp: BlockPlan, externals: list[Any], device: torch.device
+) -> tuple[ModeProfile, int]:
+    """Run one block alone under ``bp``; returns its profile and its input's bytes."""
+    where = _hidden_index(cap.args, cap.kwargs)
+    if where is None:
+        raise LightningCkptError(
+            f"Block {cap.fqn!r} takes no floating-point tensor input, so there is no hidden state to run it "
+            "on alone. Name blocks whose first argument is the hidden state via block_types."
+        )
+    hidden = cap.args[where[1]] if where[0] == "arg" else cap.kwargs[where[1]]
+    tracker = new_live_tracker(device, root)
+    captured = [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
+    tracker.track_external(*externals, *captured)
+    plan = Plan({cap.fqn: bp}) if bp.mode != "none" else Plan()
+    handle = apply_plan(root, plan, check_fingerprint=False)
+    try:
+        with tracker:
+            # A fresh non-leaf input, as in the chain: a leaf would be kept alive by its AccumulateGrad
+            # node, hiding whether the block itself saves its input. When the step's input needed no
+            # gradient (frozen embeddings or frozen blocks before it) a plain copy: a frozen block then
+            # saves nothing, and a LoRA block only what its adapters need.
+            seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=cap.input_grad)
+            base, base_act = tracker.now()
+            x = hidden.detach() + seed
+            in_bytes = tracker.now()[0] - base
+            args, kwargs = list(cap.args), dict(cap.kwargs)
+            if where[0] == "arg":
+                args[where[1]] = x
+            else:
+                kwargs[where[1]] = x
+            tracker.enter_phase("fwd")
+            with _autocast_as(cap.autocast):
+                out = cap.module(*args, **kwargs)
+                out_t = _hidden_tensor(out)
+                out_bytes = tensor_bytes([out_t]) if out_t is not None else 0
+                backward_from = _backward_leaves(out, cap.grad_leaves)
+                in_context = tracker.now()[0]
+            keep_with_input = tracker.enter_phase("after_fwd")[0] - base - out_bytes
+            # Autocast caches the low-precision copies of the weights until the step's autocast region
+            # ends: a mode that saves them keeps them anyway, one that does not frees them only then.
+            cache = max(0, in_context - base - out_bytes - keep_with_input)
+            del args, kwargs, x
+            keep = tracker.now()[0] - base - out_bytes
+            if backward_from:
+                grads = [torch.ones_like(t) for t in backward_from]
+                tracker.enter_phase("bw")
+                torch.autograd.backward(backward_from, grads)
+                del grads
+            bw_total, bw_act = tracker.phase_peaks.get("bw", tracker.phase_peaks["after_fwd"])
+            del out, out_t, backward_from, seed
+        fw_total = tracker.phase_peaks["fwd"][0]
+    finally:
+        handle.remove()
+    profile = ModeProfile(keep, keep_with_input, fw_total - base, bw_total - base, bw_act - base_act, out_bytes, cache)
+    return profile, in_bytes
+
+
+def _default_selective_sets(stacks: Sequence[LayerStack]) -> dict[str, list[tuple[str, ...]]]:
+    sets: dict[str, list[tuple[str, ...]]] = {}
+    for s in stacks:
+        for b in s.blocks:
+            mine: list[tuple[str, ...]] = [(c.name,) for c in b.children]
+            kinds = [b.children_of_kind(k) for k in ("attention", "mlp", "norm", "other")]
+            for combo in (*kinds, kinds[0] + kinds[1]):
+                if len(combo) > 1 and tuple(sorted(combo)) not in mine:
+                    mine.append(tuple(sorted(combo)))
+            sets[b.fqn] = mine
+    return sets
+
+
+def _state_bytes(root: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int, int]:
+    params = {id(p): p for p in root.parameters()}.values()
+    param_bytes = tensor_bytes(params)
+    grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in params if p.requires_grad)
+    buffer_bytes = tensor_bytes(root.buffers())
+    opt_bytes = 0
+    if optimizer is not None:
+        opt_bytes = tensor_bytes(v for state in optimizer.state.values() for v in state.values())
+    return param_bytes, grad_bytes, opt_bytes, buffer_bytes
+
+
+def profile_memory(
+    model: nn.Module,
+    forward_fn: Callable[[], Any],
+    *,
+    stacks: Sequence[LayerStack] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: tuple[Any, ...] = (),
+    device: torch.device | str | None = None,
+    selective_sets: Mapping[str, Iterable[Iterable[str]]] | Iterable[Iterable[str]] | None = None,
+    share_identical_blocks: bool = True,
+    block_types: Iterable[type | str] | None = None,
+) -> MemoryModel:
+    """Profile ``model`` on one batch and return a ``MemoryModel`` that predicts any plan's memory.
+
+    ``forward_fn`` takes no arguments, runs the forward on the batch and returns the loss (a scalar
+    tensor, a dict with ``"loss"``, or an object with ``.loss``); the profile calls ``backward`` on it,
+    as the measured step will. Profile in the state you will measure in: same batch, same gradients
+    (``None`` or not), same optimizer state; ``extra`` are tensors created outside the step (e.g. the
+    batch) to count as resting memory, as in ``measure_step``. HF models should run with
+    ``use_cache=False`` (a KV cache filled during a training forward is memory no plan can remove).
+
+    Memory-safe: the most memory any pass needs is one step with every block fully checkpointed
+    (the lowest-memory plan) or one block's forward+backward without checkpointing. Model state
+    (gradients, buffers, RNG) is left as it was. The model must not have a plan applied.
+
+    ``selective_sets``: child sets to profile exactly for ``selective`` mode (every single child and
+    each block's attention, MLP and attention+MLP children are profiled by default); a mapping from
+    block FQN, or one list for all blocks. Other sets are predicted by adding single-child effects.
+    ``share_identical_blocks``: blocks with the same class, parameter shapes and input shapes share
+    one profile (run once instead of once per block).
+    """
+    root = unwrap_compiled(model)
+    if applied_plan(root) is not None:
+        raise ApplyError(
+            f"profile_memory needs the model without checkpointing, but plan {applied_plan(root).describe()!r} "
+            "is applied. Call handle.remove() first; the profile covers every plan, the applied one included."
+        )
+    stacks = list(stacks) if stacks is not None else discover_blocks(root, block_types=block_types)
+    dev = normalise_device(torch.device(device) if device is not None else model_device(root))
+    blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
+    sets = _selective_sets(stacks, selective_sets)
+    externals: list[Any] = [root, *extra] + ([optimizer] if optimizer is not None else [])
+    runs = _run_profile(root, forward_fn, stacks, blocks, sets, externals, dev, share_identical_blocks)
+    return _memory_model(root, optimizer, stacks, blocks, dev, runs)
+
+
+def _selective_sets(
+    stacks: Sequence[LayerStack], selective_sets: Mapping[str, Iterable[Iterable[str]]] | Iterable[Iterable[str]] | None
+) -> dict[str, list[tuple[str, ...]]]:
+    """The default child sets of every block, with the caller's ``selective_sets`` added."""
+    sets = _default_selective_sets(stacks)
+    if selective_sets is not None:
+        extra_sets = selective_sets if isinstance(selective_sets, Mapping) else {f: selective_sets for f in sets}
+        for fqn, combos in extra_sets.items():
+            for combo in combos:
+                c = tuple(sorted(combo))
+                if c not in sets.setdefault(fqn, []):
+                    sets[fqn].append(c)
+    return sets
+
+
+@dataclass
+class _Runs:
+    """What the profile's passes read: the capture, the anchor step and each representative's runs alone."""
+
+    order: list[str]  # block FQNs in call order (a shared block once per call)
+    unchained: set[str]
+    tracker: Any  # the anchor step's
+    resting: int
+    end_of_forward: tuple[int, int]
+    calls: _Calls
+    call_rep: list[str]  # per call: its key in ``profiled``
+    profiled: dict[str, _Captured]
+    profiles: dict[str, dict[str, ModeProfile]]
+    failed: dict[str, dict[str, str]]
+    in_bytes: dict[str, int]
+    overhead: int = 0  # CUDA: allocator peak minus tracked peak of the anchor step
+    reserve: int = 0  # CUDA: reserved above allocated on the anchor step
+
+
+def _run_profile(
+    root: nn.Module,
+    forward_fn: Callable[[], Any],
+    stacks: Sequence[LayerStack],
+    blocks: dict[int, str],
+    sets: Mapping[str, list[tuple[str, ...]]],
+    externals: list[Any],
+    dev: torch.device,
+    share: bool,
+) -> _Runs:
+    """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the
+    state the model was in."""
+    snapshot = StateSnapshot.capture(root)
+    try:
+        stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
+        order, reps, rep_of, unchained = _capture(root, forward_fn, blocks, share, stack_of)
+        # FSDP2 all-gathers a sharded block's parameters in its own forward hooks, which a segment's recompute
+        # of several blocks as one function does not run: no segments over sharded blocks.
+        unchained |= {s.fqn for s in stacks if any(is_fsdp_module(root.get_submodule(b.fqn)) for b in s.blocks)}
+        unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
+        snapshot.restore()
+        tracker, resting, end_of_forward, calls = _anchor(root, forward_fn, order, externals, dev)
+        snapshot.restore()
+        call_rep, profiled = _calls_to_profile(rep_of, reps, calls)
+        overhead = reserve = 0
+        if dev.type == "cuda":
+            allocator_peak, resting, reserve = _cuda_allocator_anchor(root, forward_fn, order, dev)
+            overhead = allocator_peak - tracker.total_peak
+            snapshot.restore()
+
+        profiles, failed, in_bytes = _profile_blocks(root, profiled, sets, externals, dev, snapshot)
+    finally:
+        snapshot.restore()
+    return _Runs(
+        order=order,
+        unchained=unchained,
+        tracker=tracker,
+        resting=resting,
+        end_of_forward=end_of_forward,
+        calls=calls,
+        call_rep=call_rep,
+        profiled=profiled,
+        profiles=profiles,
+        failed=failed,
+        in_bytes=in_bytes,
+        overhead=overhead,
+        reserve=reserve,
+    )
+
+
+def _calls_to_profile(
+    rep_of: list[str], reps: Mapping[str, _Captured], calls: _Calls
+) -> tuple[list[str], dict[str, _Captured]]:
+    """Per call, the key of the run that profiles it; and per key, the captured call to run.
+
+    One profile per representative and way of being called: a frozen block behind frozen embeddings
+    saves nothing, its trainable twin later in the stack does; an MoE block's router loss adds a gradient.
+    """
+    call_rep, profiled = [], {}
+    for i, rep in enumerate(rep_of):
+        grad_leaves = tuple(sorted(calls.grad_leaves[i]))
+        key = rep + ("" if calls.input_grad[i] else " (input without gradient)")
+        key += "" if grad_leaves == (0,) else f" (gradient into outputs {list(grad_leaves)})"
+        if key not in profiled:
+            profiled[key] = dataclasses.replace(reps[rep], input_grad=calls.input_grad[i], grad_leaves=grad_leaves)
+        call_rep.append(key)
+    return call_rep, profiled
+
+
+def _block_rows(runs: _Runs) -> list[BlockMemory]:
+    """One ``BlockMemory`` per block call, in call order."""
+    rows = []
+    for fqn, key in zip(runs.order, runs.call_rep, strict=True):
+        rep = runs.profiled[key].fqn
+        prof = runs.profiles[key]
+        full = prof["full"]
+        transient = max(0, full.backward_peak_activation_bytes - full.keep_bytes - 2 * full.output_bytes)
+        rows.append(
+            BlockMemory(
+                fqn=fqn,
+                saved_bytes={k: p.keep_bytes for k, p in prof.items()},
+                recompute_transient_bytes=transient,
+                input_bytes=runs.in_bytes[key],
+                shared_with=rep if rep != fqn else None,
+                profiles=dict(prof),
+                failed=dict(runs.failed[key]),
+            )
+        )
+    return rows
+
+
+def _memory_model(
+    root: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stacks: Sequence[LayerStack],
+    blocks: dict[int, str],
+    dev: torch.device,
+    runs: _Runs,
+) -> MemoryModel:
+    """The ``MemoryModel`` the runs make: block rows, the anchor's phases, the fixed state."""
+    rows = _block_rows(runs)
+    order, tracker = runs.order, runs.tracker
+    n = len(order)
+    phases = []
+    for label, (total, act) in tracker.phase_peaks.items():
+        phases.append(PhasePeak(label[0], label[1] if len(label) > 1 else None, total, act))
+    phases.sort(key=lambda p: _phase_rank((p.kind,) if p.block is None else (p.kind, p.block), n))
+    # Blocks' saved bytes include their inputs, so what is left at the end of the forward is the
+    # embeddings', head's and loss's (the last block's output included).
+    other = max(0, runs.end_of_forward[1] - sum(r.saved_bytes["full"] for r in rows))
+    param_b, grad_b, opt_b, buf_b = _state_bytes(root, optimizer)
+    gradient_flows: dict[str, bool] = {}
+    for fqn, flows in zip(order, runs.calls.output_grad, strict=True):
+        gradient_flows[fqn] = gradient_flows.get(fqn, False) or flows
+    # All of each stack's blocks, run or not: apply_plan cuts segments over all of them.
+    stack_map = {s.fqn: s.block_fqns for s in stacks}
+    return MemoryModel(
+        fixed_bytes=param_b + grad_b + opt_b + buf_b,
+        other_activation_bytes=other,
+        blocks=tuple(rows),
+        stacks=stack_map,
+        phases=tuple(phases),
+        resting_bytes=runs.resting,
+        parameter_bytes=param_b,
+        gradient_bytes=grad_b,
+        optimizer_state_bytes=opt_b,
+        buffer_bytes=buf_b,
+        device=str(dev),
+        device_overhead_bytes=runs.overhead,
+        anchor_peak_bytes=tracker.total_peak,
+        anchor_activation_bytes=tracker.activation_peak,
+        fingerprint=model_fingerprint(root),
+        idle_blocks=tuple(f for f in blocks.values() if f not in order),
+        inert_blocks=tuple(f for f, flows in gradient_flows.items() if not flows),
+        unchained_stacks=tuple(sorted(runs.unchained)),
+        reserve_overhead_bytes=max(0, runs.reserve),
+    )
+
+
+def _profile_blocks(
+    root: nn.Module,
+    reps: Mapping[str, _Captured],
+    sets: Mapping[str, list[tuple[str, ...]]],
+    externals: list[Any],
+    dev: torch.device,
+    snapshot: StateSnapshot,
+) -> tuple[dict[str, dict[str, ModeProfile]], dict[str, dict[str, str]], dict[str, int]]:
+    """Each representative block alone under every mode: (profiles, modes it failed under, input bytes)."""
+    profiles: dict[str, dict[str, ModeProfile]] = {}
+    failed: dict[str, dict[str, str]] = {}
+    in_bytes: dict[str, int] = {}
+    for fqn, cap in reps.items():
+        keys = ["none", "full", "offload", *(f"ops:{name}" for name in SAVE_LISTS)]
+        keys += ["selective:" + ",".join(c) for c in sets.get(cap.fqn, [])]
+        profiles[fqn], failed[fqn] = {}, {}
+        for key in keys:
+            try:
+                profiles[fqn][key], in_bytes[fqn] = _run_block(root, cap, _block_plan_of(key), externals, dev)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:
+                # A mode this block cannot run under (e.g. an op save-list that does not apply) is
+                # recorded; predicting a plan that uses it raises PlanError with this reason.
+                if key in ("none", "full"):
+                    raise
+                failed[fqn][key] = f"{type(err).__name__}: {err}"
+            finally:
+                snapshot.restore()
+    return profiles, failed, in_bytes
+
+
+def _cuda_allocator_anchor(
+    root: nn.Module, forward_fn: Callable[[], Any], order: list[str], device: torch.device
+) -> tuple[int, int, int]:
+    """(max_memory_allocated, memory_allocated before, reserved-above-allocated peak) of the anchor step:
+    the tracker-to-allocator offset, and the headroom a cap on reserved memory needs."""
+    plan = Plan({f: BlockPlan("full") for f in order})
+    handle = apply_plan(root, plan, check_fingerprint=False)
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # a cold cache, as under a trial's cap: the reserve this step itself needs
+        resting = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = loss_of(forward_fn())
+        loss.backward()
+        del loss
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        return peak, resting, torch.cuda.max_memory_reserved(device) - peak
+    finally:
+        handle.remove()
