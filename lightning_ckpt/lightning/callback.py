@@ -64,7 +64,7 @@ from lightning_ckpt.search.compile import is_compiled, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
 from lightning_ckpt.search.space import SearchSpace
-from lightning_ckpt.search.study import storage_for_display
+from lightning_ckpt.search.store import storage_for_display
 from lightning_ckpt.search.tune import SearchInterrupted, tune
 
 __all__ = ["ActivationCheckpointTuner"]

@@ -24,7 +24,7 @@ from lightning_ckpt.measure.measurement import MemoryReading
 from lightning_ckpt.measure.tracker import new_live_tracker
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
-from lightning_ckpt.search.compile import SavedForBackward
+from lightning_ckpt.search.saved_for_backward import SavedForBackward
 
 __all__ = ["RealStepReader", "StepCheck", "lower_memory_trial", "lower_plan"]
 

@@ -36,7 +36,7 @@ bytes** are ``torch.cuda.max_memory_allocated`` over the compiled timed steps (a
 enforced for real by the allocator cap), with no tracker pass: under the tracker's dispatch mode
 dynamo would run the frame eagerly and the reading would be the eager step's. **Activation bytes**
 are the saved-for-backward bytes, as on CPU, so an activation budget means the same on both devices
-and the guard reads real compiled steps the same way (``SavedForBackward``).
+and the guard reads real compiled steps the same way (``saved_for_backward.SavedForBackward``).
 
 The memory model predicts the *eager* step's activation peak, saved tensors plus recompute and
 backward transients, a different quantity (on the 2-layer test GPT, batch 4: ``full`` has an eager
@@ -58,7 +58,7 @@ import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,12 +76,12 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.forwards import CHECKPOINT_FRAMES
 from lightning_ckpt.search.records import TrialStatus, judge_status
 from lightning_ckpt.search.runners import TrialOutcome
+from lightning_ckpt.search.saved_for_backward import SavedForBackward
 
 __all__ = [
     "CompileStats",
     "CompiledMeasurement",
     "CompiledTrials",
-    "SavedForBackward",
     "compiled_regions",
     "compiled_search",
     "conflict_reason",
@@ -311,29 +311,6 @@ def _eager_ops(loss: torch.Tensor) -> int:
     return count
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, functional wrappers)
-        return None
-    ptr = st.data_ptr()
-    return (ptr, st.nbytes()) if ptr else None
-
-
-def _state_tensors(root: nn.Module, optimizers: Sequence[Any], extra: Sequence[Any]) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = [*root.parameters(), *root.buffers()]
-    tensors += [p.grad for p in root.parameters() if p.grad is not None]
-    for optimizer in optimizers:
-        for state in getattr(optimizer, "state", {}).values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    tensors += [t for t in extra if isinstance(t, torch.Tensor)]
-    return tensors
-
-
-def _bytes_of(keys: Mapping[int, int]) -> int:
-    return sum(keys.values())
-
-
 # ---------------------------------------------------------------------------------------------------
 # Trials
 # ---------------------------------------------------------------------------------------------------
@@ -352,6 +329,20 @@ class CompiledMeasurement:
     peak_bytes: int | None
     activation_bytes: int | None
     error_status: str | None = None
+
+
+@dataclass
+class _CompiledRun:
+    """What one compiled trial found so far, filled in pass by pass (compile, timed steps, memory)."""
+
+    compile_seconds: float = 0.0
+    failure: tuple[str, str] | None = None  # (status, message) of the pass that failed
+    conflict: bool = False  # the compiler refused the plan outright (fullgraph=True)
+    measurement: Any = None
+    recompiles: int = 0
+    saved: int | None = None
+    eager_ops: int | None = None
+    resting: int = 0
 
 
 class CompiledTrials:
@@ -430,9 +421,14 @@ class CompiledTrials:
         steps = 1 + m.warmup_steps + len(m.step_seconds) + (1 if stats.saved_bytes is not None else 0)
         status = TrialStatus(outcome.error_status or m.status)
         return TrialOutcome.of(
-            m, steps=steps, status=status, peak_bytes=outcome.peak_bytes, activation_bytes=outcome.activation_bytes,
-            conflict=reason, extra=extra,
-        )  # fmt: skip
+            m,
+            steps=steps,
+            status=status,
+            peak_bytes=outcome.peak_bytes,
+            activation_bytes=outcome.activation_bytes,
+            conflict=reason,
+            extra=extra,
+        )
 
     def retime(self, plan: Plan, steps: int | None = None) -> Measurement:
         """Time ``plan`` again (a ``Measurement``): compiled afresh, the compile step untimed, no memory pass.
@@ -459,46 +455,18 @@ class CompiledTrials:
 
     # -- internals ----------------------------------------------------------------------------------
     def _compile_and_measure(self, plan: Plan, *, memory: bool = True, steps: int | None = None) -> CompiledMeasurement:
-        is_cuda = self.device.type == "cuda"
         handle = apply_plan(self.root, plan, check_fingerprint=False)
         reset_compiled()
         watch = _DynamoWatch()
         snapshot = StateSnapshot.capture(self.root)
-        compile_seconds = 0.0
-        failure: tuple[str, str] | None = None
-        conflict = False
-        m: Any = None
-        recompiles = 0
-        saved: int | None = None
-        eager_ops: int | None = None
-        resting = 0
+        run = _CompiledRun()
         try:
-            try:
-                snapshot.reset_grads()
-                t0 = time.perf_counter()
-                self._train_step()  # compiles forward and backward: tuning cost, never throughput
-                compile_seconds = time.perf_counter() - t0
-            except Exception as exc:  # the compiler refused or failed on this plan
-                failure = classify_failure(exc)
-                conflict = _is_dynamo_refusal(exc)
-            finally:
-                snapshot.restore()
-            if failure is None:
-                m = measure_step(
-                    self._train_step, model=self.root, optimizer=self.optimizer, warmup=self.warmup_steps,
-                    steps=steps or self.measure_steps, device=self.device, batch_size=self.batch_size, seq_len=self.seq_len,
-                    track_memory=False, read_allocator=is_cuda, count_flops=False, extra=self.extra,
-                    memory_limit_bytes=self.memory_limit_bytes if is_cuda else None,
-                    reserve_headroom_bytes=self.reserve_headroom_bytes,
-                )  # fmt: skip
-                recompiles = recompile_count()  # before the memory pass, which must not count
-                if m.ok and memory:
-                    try:
-                        saved, eager_ops, resting = self._saved_bytes(snapshot)
-                    except Exception as exc:  # noqa: BLE001 - a memory pass failure fails the trial, not the search
-                        failure = classify_failure(exc)
-                    finally:
-                        snapshot.restore()
+            self._compile_step(snapshot, run)
+            if run.failure is None:
+                run.measurement = self._timed_steps(steps)
+                run.recompiles = recompile_count()  # before the memory pass, which must not count
+                if run.measurement.ok and memory:
+                    self._memory_pass(snapshot, run)
         finally:
             handle.remove()
             breaks, region_breaks, reasons = _break_summaries()
@@ -506,18 +474,70 @@ class CompiledTrials:
             reset_compiled()
             release_memory(self.device)
         stats = CompileStats(
-            compile_seconds=compile_seconds, graph_breaks=breaks, region_breaks=region_breaks, recompiles=recompiles,
-            recompile_limit_hit=limit_hit, eager_ops=eager_ops, saved_bytes=saved, break_reasons=reasons,
-        )  # fmt: skip
-        if failure is not None:
-            status, message = failure
+            compile_seconds=run.compile_seconds,
+            graph_breaks=breaks,
+            region_breaks=region_breaks,
+            recompiles=run.recompiles,
+            recompile_limit_hit=limit_hit,
+            eager_ops=run.eager_ops,
+            saved_bytes=run.saved,
+            break_reasons=reasons,
+        )
+        return self._reading(run, stats)
+
+    def _compile_step(self, snapshot: StateSnapshot, run: _CompiledRun) -> None:
+        """The first step, which compiles forward and backward: tuning cost, never throughput."""
+        try:
+            snapshot.reset_grads()
+            t0 = time.perf_counter()
+            self._train_step()
+            run.compile_seconds = time.perf_counter() - t0
+        except Exception as exc:  # the compiler refused or failed on this plan
+            run.failure = classify_failure(exc)
+            run.conflict = _is_dynamo_refusal(exc)
+        finally:
+            snapshot.restore()
+
+    def _timed_steps(self, steps: int | None) -> Measurement:
+        """The compiled steps, timed; on CUDA the allocator's peak over them (and its cap), no tracked pass."""
+        is_cuda = self.device.type == "cuda"
+        return measure_step(
+            self._train_step,
+            model=self.root,
+            optimizer=self.optimizer,
+            warmup=self.warmup_steps,
+            steps=steps or self.measure_steps,
+            device=self.device,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            track_memory=False,
+            read_allocator=is_cuda,
+            count_flops=False,
+            extra=self.extra,
+            memory_limit_bytes=self.memory_limit_bytes if is_cuda else None,
+            reserve_headroom_bytes=self.reserve_headroom_bytes,
+        )
+
+    def _memory_pass(self, snapshot: StateSnapshot, run: _CompiledRun) -> None:
+        try:
+            run.saved, run.eager_ops, run.resting = self._saved_bytes(snapshot)
+        except Exception as exc:  # noqa: BLE001 - a memory pass failure fails the trial, not the search
+            run.failure = classify_failure(exc)
+        finally:
+            snapshot.restore()
+
+    def _reading(self, run: _CompiledRun, stats: CompileStats) -> CompiledMeasurement:
+        """The trial's figures as the module docstring defines them for this device."""
+        if run.failure is not None:
+            status, message = run.failure
             measurement = Measurement(status, error=message, device=str(self.device))
-            return CompiledMeasurement(measurement, stats, None, None, "conflict" if conflict else None)
-        if is_cuda:  # the allocator's peak over the compiled steps; activation as on CPU (saved for backward)
+            return CompiledMeasurement(measurement, stats, None, None, "conflict" if run.conflict else None)
+        m, saved = run.measurement, run.saved
+        if self.device.type == "cuda":  # the allocator's peak over the compiled steps; activation as on CPU
             return CompiledMeasurement(m, stats, m.peak_bytes, saved)
         if saved is None:
             return CompiledMeasurement(m, stats, m.peak_bytes, m.activation_bytes)
-        return CompiledMeasurement(m, stats, resting + saved, saved)
+        return CompiledMeasurement(m, stats, run.resting + saved, saved)
 
     def _saved_bytes(self, snapshot: Any) -> tuple[int, int, int]:
         """(saved activation bytes, eager ops, resting bytes) of one compiled step; see the module docstring."""
@@ -527,59 +547,6 @@ class CompiledTrials:
         eager = _eager_ops(loss)
         loss.backward()
         return saved.saved_bytes, eager, saved.resting_bytes
-
-
-class SavedForBackward:
-    """Counts the distinct storages a step saves for backward, other than the model's state (a context manager).
-
-    This is a compiled step's activation (module docstring): what checkpointing and the partitioner change,
-    seen through ``saved_tensors_hooks``, which compiled graphs honour (a dispatch-mode tracker instead makes
-    dynamo run the frame eagerly and reads the eager step). Compiled trials and the guard's reading of a
-    real compiled step both use it, so the two compare like with like. ``resting_bytes`` is the state's
-    size when entered: parameters, buffers, gradients, optimizer state and ``extra`` (the batch).
-    Entering it changes no dynamo guard (no recompile; checked with torch 2.13).
-    """
-
-    def __init__(self, root: nn.Module, optimizers: Sequence[Any] = (), extra: Sequence[Any] = ()) -> None:
-        self._root, self._optimizers, self._extra = root, tuple(o for o in optimizers if o is not None), extra
-        self._state: dict[int, int] = {}
-        self._saved: dict[int, int] = {}
-        self._hooks: Any = None
-
-    @property
-    def saved_bytes(self) -> int:
-        return _bytes_of(self._saved)
-
-    @property
-    def resting_bytes(self) -> int:
-        return _bytes_of(self._state)
-
-    def __enter__(self) -> SavedForBackward:
-        self._state, self._saved = {}, {}
-        for t in _state_tensors(self._root, self._optimizers, self._extra):
-            key = _storage_key(t)
-            if key is not None:
-                self._state[key[0]] = key[1]
-        state, saved = self._state, self._saved
-
-        # Called by autograd for tensors saved by eager ops too, i.e. from inside frames dynamo is
-        # compiling: without disable() dynamo would trace the hook itself, graph-break on
-        # untyped_storage() and recompile it per dtype until the recompile limit.
-        @torch.compiler.disable
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = _storage_key(t)
-            if key is not None and key[0] not in state:
-                saved[key[0]] = max(saved.get(key[0], 0), key[1])
-            return t
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _identity)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        hooks, self._hooks = self._hooks, None
-        if hooks is not None:
-            hooks.__exit__(*exc)
 
 
 def compiled_search(
@@ -604,11 +571,6 @@ def compiled_search(
     trials = CompiledTrials(harness, regions=regions, allow_graph_breaks=allow_graph_breaks)
     log.info("lightning_ckpt: compiled model (%s): every trial compiles its plan", trials.describe())
     return trials
-
-
-@torch.compiler.disable
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _is_dynamo_refusal(exc: BaseException) -> bool:

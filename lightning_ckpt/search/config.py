@@ -21,6 +21,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# The integer settings and the least value each may take.
+_LOWEST = {
+    "warmup_steps": 0,
+    "measure_steps": 1,
+    "process_warmup_steps": 0,
+    "confirm_top": 0,
+    "confirm_rounds": 1,
+    "confirm_max_rounds": 1,
+}
+
+
 @dataclass(frozen=True)
 class TuneConfig:
     """Settings of one search.
@@ -88,8 +99,7 @@ class TuneConfig:
             or not (0 <= self.tie_tolerance < 1)
         ):
             raise ConfigurationError(f"tie_tolerance must be in [0, 1) (e.g. 0.01), but got {self.tie_tolerance!r}.")
-        for name, low in (("warmup_steps", 0), ("measure_steps", 1), ("process_warmup_steps", 0), ("confirm_top", 0),
-                          ("confirm_rounds", 1), ("confirm_max_rounds", 1)):  # fmt: skip
+        for name, low in _LOWEST.items():
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ConfigurationError(f"{name} must be an integer >= {low}, got {value!r}.")

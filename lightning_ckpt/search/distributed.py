@@ -85,7 +85,9 @@ def combine_trials(per_rank: Sequence[TrialRecord], budget: Budget) -> TrialReco
         seconds=_max([t.seconds for t in per_rank]) or 0.0,
         steps=_max([t.steps for t in per_rank]) or 0,
         error="; ".join(errors) or None,
-        extra={**lead.extra, "ranks": len(per_rank),
-               "per_rank": [{"status": str(t.status), "samples_per_second": t.samples_per_second,
-                             "peak_bytes": t.peak_bytes} for t in per_rank]},
-    )  # fmt: skip
+        extra={**lead.extra, "ranks": len(per_rank), "per_rank": [_rank_figures(t) for t in per_rank]},
+    )
+
+
+def _rank_figures(trial: TrialRecord) -> dict[str, Any]:
+    return {"status": str(trial.status), "samples_per_second": trial.samples_per_second, "peak_bytes": trial.peak_bytes}

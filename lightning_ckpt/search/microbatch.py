@@ -45,9 +45,7 @@ from lightning_ckpt.search.records import (
     TrialRecord,
     TuneResult,
     announce_confirmation,
-    choose_best,
-    failures_message,
-    lowest_memory,
+    choose_plan,
 )
 from lightning_ckpt.search.runners import TrialRunner
 from lightning_ckpt.search.tune import ResolvedModel, build_runner, tune
@@ -166,11 +164,65 @@ def tune_micro_batch(
 
     Each micro-batch is searched at a different moment, so comparing their winners' figures would
     compare moments as much as configurations. The choice is therefore made in a confirmation round
-    (``study.confirm_interleaved``, on equal samples) between the ``confirm_top`` fastest micro-batches'
+    (``confirm.confirm_interleaved``, on equal samples) between the ``confirm_top`` fastest micro-batches'
     winners and the reference a user would pick by hand: no checkpointing at the largest micro-batch
     where it fits. ``confirm_top=0`` chooses from the search figures alone.
     """
     config = (config or TuneConfig(confirm_rounds=3, confirm_max_rounds=4)).with_overrides(settings)
+    candidates = _checked_micro_batches(micro_batches, global_batch)
+    started = time.perf_counter()
+    resolved = ResolvedModel.of(model, config.block_types)
+    scaled, opt_mem = _scaled_profiles(resolved, loss_fn_for, extra_for, optimizer, base_micro_batch)
+    none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
+    budget = resolve_budget(max_memory, activation_budget, device=resolved.device, none_activation_bytes=none_at_base)
+
+    feasible, skipped = _feasible_micro_batches(candidates, scaled, opt_mem, budget, resolved.stacks, global_batch)
+    per_m_config = replace(config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback")
+    per_m = _search_each(
+        model,
+        loss_fn_for,
+        feasible,
+        per_m_config,
+        scaled,
+        budget,
+        opt_mem,
+        optimizer,
+        extra_for,
+        progress,
+        global_batch,
+    )
+
+    trials = _joint_trials(per_m, global_batch)
+    before = sum(t.steps for t in trials)
+    entries = _confirmation_entries(trials, model, resolved, loss_fn_for, extra_for, optimizer, config)
+    trials, tie = _confirmed(trials, entries, config, progress)
+    # The Study's own choice and fallback, over every micro-batch's trials at once.
+    best, fell_back, fallback_message = choose_plan(
+        lambda: trials,
+        budget,
+        tie_tolerance=tie,
+        on_infeasible=config.on_infeasible,
+        nothing_fits=lambda _: f"No (plan, micro-batch) combination fits the budget ({budget.description}).",
+    )
+    m = int(best.micro_batch or base_micro_batch)
+    spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch}
+    result = TuneResult(
+        best=_chosen_plan(best, per_m[m].best, {**spec, "tie_tolerance": tie}),
+        best_trial=best,
+        trials=tuple(trials),
+        budget=budget,
+        tuning_seconds=time.perf_counter() - started,
+        tuning_steps=sum(r.tuning_steps for r in per_m.values()) + sum(t.steps for t in trials) - before,
+        fell_back=fell_back,
+        fallback_message=fallback_message,
+        memory_table=scaled.at(m).table(),
+        memory_breakdown=scaled.at(m).to_dict(),
+    )
+    return MicroBatchResult(result, m, global_batch // m, global_batch, per_m, skipped)
+
+
+def _checked_micro_batches(micro_batches: Sequence[int] | None, global_batch: int) -> list[int]:
+    """The micro-batches to search, ascending: every divisor of the global batch unless the user listed some."""
     candidates = sorted(micro_batches or divisors(global_batch))
     bad = [m for m in candidates if m < 1 or global_batch % m]
     if bad:
@@ -178,93 +230,115 @@ def tune_micro_batch(
             f"Micro-batch sizes {bad} do not divide the global batch {global_batch}; choose divisors of it "
             f"({', '.join(map(str, divisors(global_batch)))})."
         )
-    started = time.perf_counter()
-    resolved = ResolvedModel.of(model, config.block_types)
-    root, stacks, device = resolved.root, resolved.stacks, resolved.device
+    return candidates
+
+
+def _scaled_profiles(
+    resolved: ResolvedModel,
+    loss_fn_for: Callable[[int], Callable[[], Any]],
+    extra_for: Callable[[int], tuple[Any, ...]],
+    optimizer: torch.optim.Optimizer | None,
+    base_micro_batch: int,
+) -> tuple[ScaledMemoryModel, OptimizerStepMemory]:
+    """Two memory-safe profiles (the user's micro-batch and half of it) as one model scaled to any micro-batch,
+    and the optimizer step's memory, which does not grow with the micro-batch: measured once, shared by all."""
+    root, stacks = resolved.root, resolved.stacks
     small_size = max(1, base_micro_batch // 2) if base_micro_batch > 1 else 2
     profile = {
         size: profile_memory(root, loss_fn_for(size), stacks=stacks, optimizer=optimizer, extra=extra_for(size))
         for size in sorted({base_micro_batch, small_size})
     }
-    # The optimizer's state and step do not grow with the micro-batch: measured once, shared by every search.
     opt_mem = (
-        measure_optimizer_step(root, optimizer, device=device, extra=extra_for(base_micro_batch))
+        measure_optimizer_step(root, optimizer, device=resolved.device, extra=extra_for(base_micro_batch))
         if optimizer is not None
         else OptimizerStepMemory.absent()
     )
     lo, hi = min(profile), max(profile)
-    scaled = ScaledMemoryModel(profile[lo], profile[hi], lo, hi, base_micro_batch)
-    none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
-    budget = resolve_budget(max_memory, activation_budget, device=device, none_activation_bytes=none_at_base)
+    return ScaledMemoryModel(profile[lo], profile[hi], lo, hi, base_micro_batch), opt_mem
 
-    feasible, skipped = _feasible_micro_batches(candidates, scaled, opt_mem, budget, stacks, global_batch)
-    # Largest micro-batches first: they are the ones checkpointing can unlock.
-    per_m_config = replace(config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback")
+
+def _search_each(
+    model: nn.Module,
+    loss_fn_for: Callable[[int], Callable[[], Any]],
+    feasible: Sequence[int],
+    config: TuneConfig,
+    scaled: ScaledMemoryModel,
+    budget: Budget,
+    opt_mem: OptimizerStepMemory,
+    optimizer: torch.optim.Optimizer | None,
+    extra_for: Callable[[int], tuple[Any, ...]],
+    progress: ProgressFn | None,
+    global_batch: int,
+) -> dict[int, TuneResult]:
+    """One ``tune`` per feasible micro-batch, sharing the budget, the scaled profile and the optimizer step;
+    largest micro-batches first: they are the ones checkpointing can unlock."""
     per_m: dict[int, TuneResult] = {}
     streamed = itertools.count()
     for m in sorted(feasible, reverse=True):
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # per-micro-batch fall-backs are judged jointly below
+            warnings.simplefilter("ignore", UserWarning)  # per-micro-batch fall-backs are judged jointly
             per_m[m] = tune(
-                model, loss_fn_for(m), optimizer=optimizer, config=per_m_config, memory_model=scaled.at(m),
-                budget=budget, optimizer_step=opt_mem, batch_size=m, extra_tensors=extra_for(m),
+                model,
+                loss_fn_for(m),
+                optimizer=optimizer,
+                config=config,
+                memory_model=scaled.at(m),
+                budget=budget,
+                optimizer_step=opt_mem,
+                batch_size=m,
+                extra_tensors=extra_for(m),
                 progress=_labelled(progress, m, global_batch, streamed),
-            )  # fmt: skip
+            )
+    return per_m
 
+
+def _joint_trials(per_m: Mapping[int, TuneResult], global_batch: int) -> list[TrialRecord]:
+    """Every micro-batch's trials in one list, numbered on and labelled with their micro-batch. Confirmations
+    within one micro-batch are dropped: the joint choice compares only figures re-timed side by side."""
     trials: list[TrialRecord] = []
     for m, res in per_m.items():
         for t in res.trials:
-            trials.append(
-                replace(
-                    t, number=len(trials), label=f"{t.label} [micro-batch {m} x{global_batch // m}]",
-                    micro_batch=m, accumulation=global_batch // m, confirmation_seconds=(),
-                )
-            )  # fmt: skip
-    entries = _confirmation_entries(trials, model, resolved, loss_fn_for, extra_for, optimizer, config)
-    before = sum(t.steps for t in trials)
-    if entries:
-        announce_confirmation(progress, [e.trial for e in entries])
-        side = confirm_interleaved(entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds)
-        trials = apply_confirmation(trials, entries, side.per_sample)
-        tie = confirmed_tie_tolerance(side.per_sample, config.tie_tolerance)
-    else:
-        tie = config.tie_tolerance
-    best = choose_best(trials, budget, tie_tolerance=tie, confirmed_only=True)
-    fell_back = False
-    if best is None:
-        best = lowest_memory(trials, budget)
-        if config.on_infeasible == "raise" or best is None:
-            raise InfeasibleBudgetError(
-                f"No (plan, micro-batch) combination fits the budget ({budget.description})." + failures_message(trials)
-            )
-        fell_back = True
-    m = int(best.micro_batch or base_micro_batch)
-    chosen_base = per_m[m].best if per_m[m].best == best.plan else best.plan
-    chosen = chosen_base.with_metadata(
-        **{k: v for k, v in per_m[m].best.metadata.items() if k not in ("measured",)},
-        measured={"label": best.label, "samples_per_second": best.samples_per_second, "peak_bytes": best.peak_bytes,
-                  "activation_bytes": best.activation_bytes, "predicted_peak_bytes": best.predicted_peak_bytes},
-        micro_batch={"size": m, "accumulation": global_batch // m, "global": global_batch,
-                     "original_size": base_micro_batch, "tie_tolerance": tie},
-    )  # fmt: skip
-    result = TuneResult(
-        best=chosen,
-        best_trial=best,
-        trials=tuple(trials),
-        budget=budget,
-        tuning_seconds=time.perf_counter() - started,
-        tuning_steps=sum(r.tuning_steps for r in per_m.values()) + sum(t.steps for t in trials) - before,
-        fell_back=fell_back,
-        memory_table=scaled.at(m).table(),
-        memory_breakdown=scaled.at(m).to_dict(),
-    )
-    return MicroBatchResult(result, m, global_batch // m, global_batch, per_m, skipped)
+            label = f"{t.label} [micro-batch {m} x{global_batch // m}]"
+            joint = dict(micro_batch=m, accumulation=global_batch // m, confirmation_seconds=())
+            trials.append(replace(t, number=len(trials), label=label, **joint))
+    return trials
+
+
+def _confirmed(
+    trials: list[TrialRecord], entries: Sequence[ConfirmEntry], config: TuneConfig, progress: ProgressFn | None
+) -> tuple[list[TrialRecord], float]:
+    """``trials`` with ``entries`` re-timed side by side, and the tie tolerance those figures resolve."""
+    if not entries:
+        return trials, config.tie_tolerance
+    announce_confirmation(progress, [e.trial for e in entries])
+    side = confirm_interleaved(entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds)
+    confirmed = apply_confirmation(trials, entries, side.per_sample)
+    return confirmed, confirmed_tie_tolerance(side.per_sample, config.tie_tolerance)
+
+
+def _chosen_plan(best: TrialRecord, searched: Plan, micro_batch: Mapping[str, Any]) -> Plan:
+    """The chosen plan with its micro-batch's search metadata (``searched``: that search's chosen plan), its
+    own figures and the micro-batch spec."""
+    base = searched if searched == best.plan else best.plan
+    measured = {
+        "label": best.label,
+        "samples_per_second": best.samples_per_second,
+        "peak_bytes": best.peak_bytes,
+        "activation_bytes": best.activation_bytes,
+        "predicted_peak_bytes": best.predicted_peak_bytes,
+    }
+    search = {k: v for k, v in searched.metadata.items() if k not in ("measured",)}
+    return base.with_metadata(**search, measured=measured, micro_batch=dict(micro_batch))
 
 
 def _feasible_micro_batches(
-    candidates: Sequence[int], scaled: ScaledMemoryModel, opt_mem: OptimizerStepMemory, budget: Budget,
-    stacks: Sequence[Any], global_batch: int,
-) -> tuple[list[int], dict[int, str]]:  # fmt: skip
+    candidates: Sequence[int],
+    scaled: ScaledMemoryModel,
+    opt_mem: OptimizerStepMemory,
+    budget: Budget,
+    stacks: Sequence[Any],
+    global_batch: int,
+) -> tuple[list[int], dict[int, str]]:
     """The micro-batches where at least full checkpointing is predicted to fit, and why the others are not."""
     lowest = uniform_plan(stacks, BlockPlan("full"))
     feasible, skipped = [], {}
@@ -287,10 +361,14 @@ def _feasible_micro_batches(
 
 
 def _confirmation_entries(
-    trials: Sequence[TrialRecord], model: nn.Module, resolved: ResolvedModel,
-    loss_fn_for: Callable[[int], Callable[[], Any]], extra_for: Callable[[int], tuple[Any, ...]],
-    optimizer: Any, config: TuneConfig,
-) -> list[ConfirmEntry]:  # fmt: skip
+    trials: Sequence[TrialRecord],
+    model: nn.Module,
+    resolved: ResolvedModel,
+    loss_fn_for: Callable[[int], Callable[[], Any]],
+    extra_for: Callable[[int], tuple[Any, ...]],
+    optimizer: Any,
+    config: TuneConfig,
+) -> list[ConfirmEntry]:
     """The leading (plan, micro-batch) pairs to re-time side by side, each through its micro-batch's runner.
 
     Candidates: the winner of each of the ``confirm_top`` fastest micro-batches, plus no checkpointing at

@@ -3,7 +3,8 @@
 The vocabulary lives here once: ``TrialStatus`` (with the severity that combines ranks), typed
 fields instead of parsed labels (``baseline``, ``confirmation_seconds``, ``micro_batch``) and the two
 rules that pick a plan from records: ``choose_best`` (``CHOICE_RULE``) and ``lowest_memory`` (the
-fallback, only among plans that ran).
+fallback, only among plans that ran), which ``choose_plan`` combines into the one choice that both the
+``Study`` and the joint micro-batch search make.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_ckpt.budget import Budget
+from lightning_ckpt.errors import InfeasibleBudgetError, TrialsFailedError
 from lightning_ckpt.measure.status import TrialStatus
 from lightning_ckpt.plan.format import Plan
 
@@ -24,6 +26,7 @@ __all__ = [
     "TrialStatus",
     "TuneResult",
     "choose_best",
+    "choose_plan",
     "failures_message",
     "judge_status",
     "lowest_memory",
@@ -227,13 +230,63 @@ def lowest_memory(trials: Sequence[TrialRecord], budget: Budget) -> TrialRecord 
     return min(ran, key=lambda t: t.memory(budget)) if ran else None
 
 
+def choose_plan(
+    trials: Callable[[], Sequence[TrialRecord]],
+    budget: Budget,
+    *,
+    tie_tolerance: float,
+    on_infeasible: str,
+    nothing_fits: Callable[[Sequence[TrialRecord]], str],
+    verify: Callable[[TrialRecord], None] | None = None,
+    measure: Callable[[TrialRecord], None] | None = None,
+) -> tuple[TrialRecord, bool, str]:
+    """The one choice every search makes: ``choose_best`` (``CHOICE_RULE``, confirmed trials first), else the
+    fallback, ``lowest_memory`` among the plans that ran; (chosen, fell back, the fallback's warning).
+
+    ``trials`` reads the records as they are now, since ``verify`` and ``measure`` change them. ``verify(t)``
+    gives a trial timed only its measured memory: a plan is then never chosen, nor fallen back to, on a
+    prediction (without it, records are taken as they are). ``measure(t)`` runs a pruned plan: with
+    ``on_infeasible="fallback"``, when everything was pruned (or failed) the plan predicted to use least memory
+    is measured first, so there is one to fall back to. ``nothing_fits(trials)`` starts the message when none
+    fits: the fallback's warning, or the error when ``on_infeasible="raise"`` or nothing ran.
+    """
+    while True:
+        best = choose_best(trials(), budget, tie_tolerance=tie_tolerance, confirmed_only=True)
+        if best is None or best.memory_measured or verify is None:
+            break
+        verify(best)  # never choose on a prediction alone
+    if best is not None:
+        return best, False, ""
+    if on_infeasible == "fallback" and measure is not None and lowest_memory(trials(), budget) is None:
+        pruned = [t for t in trials() if t.status == TrialStatus.PRUNED]
+        if pruned:
+            measure(
+                min(pruned, key=lambda t: budget.value_of(t.predicted_peak_bytes, t.predicted_activation_bytes) or 0)
+            )
+    lowest = lowest_memory(trials(), budget)
+    while lowest is not None and not lowest.memory_measured and verify is not None:  # a fallback is measured too
+        verify(lowest)
+        lowest = lowest_memory(trials(), budget)
+    records = trials()
+    message = nothing_fits(records)
+    if lowest is None and any(t.status == TrialStatus.ERROR for t in records):
+        raise TrialsFailedError(
+            "No checkpointing plan could be measured: every trial that ran failed, so there is nothing to apply."
+            + failures_message(records)
+            + "\nFix the error above (it comes from the training step, not from the budget) and run again."
+        )
+    if on_infeasible == "raise" or lowest is None:
+        raise InfeasibleBudgetError(message + failures_message(records))
+    return lowest, True, message + f" Falling back to the lowest-memory plan: {lowest.label}."
+
+
 def failures_message(trials: Sequence[TrialRecord]) -> str:
     """The trials' errors, the first with its traceback: what a user needs when no plan could run at all."""
     failed = [t for t in trials if t.status.failed]
     if not failed:
         return ""
-    kinds = ", ".join(f"{n} {s.value}" for s in (TrialStatus.ERROR, TrialStatus.INVALID, TrialStatus.OOM)
-                      if (n := sum(t.status == s for t in failed)))  # fmt: skip
+    counts = {s: sum(t.status == s for t in failed) for s in (TrialStatus.ERROR, TrialStatus.INVALID, TrialStatus.OOM)}
+    kinds = ", ".join(f"{n} {s.value}" for s, n in counts.items() if n)
     first = next((t for t in failed if t.status == TrialStatus.ERROR), failed[0])
     text = f" Every plan that ran failed ({kinds}). First failure ({first.label}): {first.error}"
     if first.traceback:

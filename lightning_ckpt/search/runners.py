@@ -54,11 +54,18 @@ class TrialOutcome:
         if m.recompute_flops is not None and m.step_flops:
             overhead = m.recompute_flops / max(1, m.step_flops - m.recompute_flops)
         values: dict[str, Any] = dict(
-            status=TrialStatus(m.status), peak_bytes=m.peak_bytes, activation_bytes=m.activation_bytes,
-            samples_per_second=m.samples_per_second, median_seconds=m.median_seconds,
-            spread_seconds=m.spread_seconds, recompute_flops=m.recompute_flops, recompute_overhead=overhead,
-            steps=steps, error=m.error, traceback=m.traceback,
-        )  # fmt: skip
+            status=TrialStatus(m.status),
+            peak_bytes=m.peak_bytes,
+            activation_bytes=m.activation_bytes,
+            samples_per_second=m.samples_per_second,
+            median_seconds=m.median_seconds,
+            spread_seconds=m.spread_seconds,
+            recompute_flops=m.recompute_flops,
+            recompute_overhead=overhead,
+            steps=steps,
+            error=m.error,
+            traceback=m.traceback,
+        )
         values.update(fields)
         return cls(**values)
 
@@ -97,8 +104,10 @@ class EagerRunner:
         self.collective_steps = fsdp_root(harness.root) is not None
 
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
-        return self._measure(plan, memory_limit, warmup=self.harness.warmup_steps, steps=self.harness.measure_steps,
-                             memory=memory, flops=memory and self.count_flops)  # fmt: skip
+        warmup, steps = self.harness.warmup_steps, self.harness.measure_steps
+        return self._measure(
+            plan, memory_limit, warmup=warmup, steps=steps, memory=memory, flops=memory and self.count_flops
+        )
 
     def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
         return self._measure(plan, memory_limit, warmup=0, steps=1, memory=True, flops=self.count_flops)
@@ -113,11 +122,20 @@ class EagerRunner:
         with plan_applied(h.root, plan, check_fingerprint=False) as handle, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"lightning_ckpt: segments\[")  # reported as the trial's error
             m = measure_step(
-                h.train_step, model=h.root, optimizer=h.optimizer, warmup=warmup, steps=steps,
-                device=h.device, batch_size=h.batch_size, seq_len=h.seq_len, track_memory=memory,
-                count_flops=flops, memory_limit_bytes=memory_limit, extra=h.extra,
+                h.train_step,
+                model=h.root,
+                optimizer=h.optimizer,
+                warmup=warmup,
+                steps=steps,
+                device=h.device,
+                batch_size=h.batch_size,
+                seq_len=h.seq_len,
+                track_memory=memory,
+                count_flops=flops,
+                memory_limit_bytes=memory_limit,
+                extra=h.extra,
                 reserve_headroom_bytes=self.reserve_headroom_bytes,
-            )  # fmt: skip
+            )
         steps = m.warmup_steps + len(m.step_seconds) + (1 if m.peak_bytes is not None else 0)
         # Offload trades device memory for pinned host memory: report it.
         extra = {"pinned_host_peak_bytes": _pinned_peak()} if offload else {}
@@ -128,9 +146,18 @@ class EagerRunner:
         h = self.harness
         with plan_applied(h.root, plan, check_fingerprint=False):
             return measure_step(
-                h.train_step, model=h.root, optimizer=h.optimizer, warmup=1, steps=steps, device=h.device,
-                batch_size=h.batch_size, seq_len=h.seq_len, track_memory=False, count_flops=False, extra=h.extra,
-            )  # fmt: skip
+                h.train_step,
+                model=h.root,
+                optimizer=h.optimizer,
+                warmup=1,
+                steps=steps,
+                device=h.device,
+                batch_size=h.batch_size,
+                seq_len=h.seq_len,
+                track_memory=False,
+                count_flops=False,
+                extra=h.extra,
+            )
 
 
 def _with_deviations(outcome: TrialOutcome, deviations: Mapping[str, str]) -> TrialOutcome:

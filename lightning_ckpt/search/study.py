@@ -42,10 +42,8 @@ from lightning_ckpt.search.records import (
     TrialStatus,
     TuneResult,
     announce_confirmation,
-    choose_best,
-    failures_message,
+    choose_plan,
     judge_status,
-    lowest_memory,
 )
 from lightning_ckpt.search.runners import TrialRunner
 from lightning_ckpt.search.space import Candidate, SearchSpace
@@ -420,41 +418,27 @@ class Study:
 
     # -- the choice ----------------------------------------------------------------------------------
     def choose(self) -> tuple[TrialRecord, bool, str]:
-        """(chosen trial, fell back, fallback warning). A plan that never ran is never chosen."""
-        while True:
-            best = choose_best(self.records, self.budget, tie_tolerance=self.tie_tolerance, confirmed_only=True)
-            if best is None or best.memory_measured:
-                break
-            self.verify([best])  # never choose on a prediction alone
-        if best is not None:
-            return best, False, ""
-        if self.config.on_infeasible == "fallback" and lowest_memory(self.records, self.budget) is None:
-            # Everything was pruned (or failed): measure the plan predicted to use least memory first.
-            pruned = [t for t in self.records if t.status == TrialStatus.PRUNED]
-            if pruned:
-                cand = min(
-                    pruned,
-                    key=lambda t: self.budget.value_of(t.predicted_peak_bytes, t.predicted_activation_bytes) or 0,
-                )
-                self.measure(cand.params, cand.plan, cand.label, cand.baseline, prune=False)
-        lowest = lowest_memory(self.records, self.budget)
-        while lowest is not None and not lowest.memory_measured:  # a fallback is measured too, never predicted
-            self.verify([lowest])
-            lowest = lowest_memory(self.records, self.budget)
-        summary = ", ".join(f"{t.label}={t.status}" for t in self.records[:8])
-        message = (
-            f"No checkpointing plan fits the budget ({self.budget.description}). Tried {len(self.records)} plans "
+        """(chosen trial, fell back, fallback warning) by ``records.choose_plan``: a plan that never ran is never
+        chosen, and none is chosen on predicted memory (``verify``); the fallback is measured if it was pruned."""
+        return choose_plan(
+            lambda: self.records,
+            self.budget,
+            tie_tolerance=self.tie_tolerance,
+            on_infeasible=self.config.on_infeasible,
+            nothing_fits=self._nothing_fits,
+            verify=lambda t: self.verify([t]),
+            measure=self._measure_again,
+        )
+
+    def _measure_again(self, trial: TrialRecord) -> None:
+        self.measure(trial.params, trial.plan, trial.label, trial.baseline, prune=False)
+
+    def _nothing_fits(self, records: Sequence[TrialRecord]) -> str:
+        summary = ", ".join(f"{t.label}={t.status}" for t in records[:8])
+        return (
+            f"No checkpointing plan fits the budget ({self.budget.description}). Tried {len(records)} plans "
             f"({summary}). Raise max_memory/activation_budget, reduce the batch size, or widen the search space."
         )
-        if lowest is None and any(t.status == TrialStatus.ERROR for t in self.records):
-            raise TrialsFailedError(
-                "No checkpointing plan could be measured: every trial that ran failed, so there is nothing to apply."
-                + failures_message(self.records)
-                + "\nFix the error above (it comes from the training step, not from the budget) and run again."
-            )
-        if self.config.on_infeasible == "raise" or lowest is None:
-            raise InfeasibleBudgetError(message + failures_message(self.records))
-        return lowest, True, message + f" Falling back to the lowest-memory plan: {lowest.label}."
 
     def result(
         self,

@@ -162,21 +162,28 @@ def tune(
     # itself writes (Embedding(max_norm=...)) are put back after each step.
     python_state = PythonState.capture(resolved.root)
     step_fn = python_state.restoring(step_fn)
-    harness = StepHarness(
-        resolved.root, step_fn, resolved.device, optimizer, tuple(extra_tensors), batch_size or 1, seq_len,
-        config.warmup_steps, config.measure_steps,
-    )  # fmt: skip
+    shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
+    steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
+    harness = StepHarness(resolved.root, step_fn, resolved.device, optimizer, tuple(extra_tensors), **shape, **steps)
     runner = build_runner(resolved, harness, config, compiled=compiled)
     is_compiled = isinstance(runner, CompiledTrials)
     try:
         with eager_while_profiling(is_compiled):
             find_parameters_written_in_forward(resolved.root, step_fn)
         return _search(
-            resolved, harness, runner, step_fn, optimizer=optimizer, max_memory=max_memory,
-            activation_budget=activation_budget, config=config, progress=progress, sync=sync,
-            memory_model=memory_model, budget=budget, optimizer_step=optimizer_step, should_stop=should_stop,
-            seq_len=seq_len,
-        )  # fmt: skip
+            resolved,
+            harness,
+            runner,
+            max_memory=max_memory,
+            activation_budget=activation_budget,
+            config=config,
+            progress=progress,
+            sync=sync,
+            memory_model=memory_model,
+            budget=budget,
+            optimizer_step=optimizer_step,
+            should_stop=should_stop,
+        )
     finally:
         forget_parameters_written_in_forward(resolved.root)
         python_state.restore()
@@ -184,17 +191,27 @@ def tune(
 
 
 def _search(
-    resolved: ResolvedModel, harness: StepHarness, runner: TrialRunner, step_fn: Callable[[], Any], *,
-    optimizer: torch.optim.Optimizer | None, max_memory: Any, activation_budget: float | None, config: TuneConfig,
-    progress: ProgressFn | None, sync: Sync | None, memory_model: Any, budget: Budget | None,
-    optimizer_step: OptimizerStepMemory | None, should_stop: Callable[[], bool] | None, seq_len: int | None,
-) -> TuneResult:  # fmt: skip
-    device = resolved.device
+    resolved: ResolvedModel,
+    harness: StepHarness,
+    runner: TrialRunner,
+    *,
+    max_memory: Any,
+    activation_budget: float | None,
+    config: TuneConfig,
+    progress: ProgressFn | None,
+    sync: Sync | None,
+    memory_model: Any,
+    budget: Budget | None,
+    optimizer_step: OptimizerStepMemory | None,
+    should_stop: Callable[[], bool] | None,
+) -> TuneResult:
+    """Profile (unless ``memory_model`` is given), resolve the budget, then run, confirm and choose the study."""
+    device, optimizer, seq_len = resolved.device, harness.optimizer, harness.seq_len
     is_compiled = isinstance(runner, CompiledTrials)
     if memory_model is None:
         with eager_while_profiling(is_compiled):
             memory_model = profile_memory(
-                resolved.root, step_fn, stacks=resolved.stacks, optimizer=optimizer, extra=harness.extra
+                resolved.root, harness.step_fn, stacks=resolved.stacks, optimizer=optimizer, extra=harness.extra
             )
     # The CUDA cap's headroom for the allocator's reserve, measured by the profile: eager and compiled trials alike.
     runner.reserve_headroom_bytes = getattr(memory_model, "reserve_overhead_bytes", 0)
@@ -210,38 +227,58 @@ def _search(
     stacks, candidates = _offered(space, resolved, memory_model)
     study = Study(
         candidates=candidates,
-        space=space, stacks=stacks, runner=runner, budget=budget, memory=memory, config=config,
-        fingerprint=resolved.fingerprint, device_type=device.type, sync=sync, progress=progress,
-        should_stop=should_stop, samples_per_step=harness.batch_size,
+        space=space,
+        stacks=stacks,
+        runner=runner,
+        budget=budget,
+        memory=memory,
+        config=config,
+        fingerprint=resolved.fingerprint,
+        device_type=device.type,
+        sync=sync,
+        progress=progress,
+        should_stop=should_stop,
+        samples_per_step=harness.batch_size,
         run={"seq_len": seq_len, "device": _device_name(device), "compiled": is_compiled},
-    )  # fmt: skip
+    )
     study.run()
     study.confirm()
     release_cached_memory(device)
-    run = {"device": str(device), "batch_size": harness.batch_size, "seq_len": seq_len,
-           "compiled": list(runner.regions) if is_compiled else None}  # fmt: skip
+    compiled = list(runner.regions) if is_compiled else None
+    run = {"device": str(device), "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": compiled}
     return study.result(
-        extra_steps=_PROFILE_STEPS + _WRITE_CHECK_STEPS + warm_steps, memory_table=memory_model.table(),
-        memory_breakdown=memory_model.to_dict(), metadata={"optimizer_step": memory.optimizer.to_dict(), "run": run},
-    )  # fmt: skip
+        extra_steps=_PROFILE_STEPS + _WRITE_CHECK_STEPS + warm_steps,
+        memory_table=memory_model.table(),
+        memory_breakdown=memory_model.to_dict(),
+        metadata={"optimizer_step": memory.optimizer.to_dict(), "run": run},
+    )
 
 
 def _resolve_budget(
-    max_memory: Any, activation_budget: float | None, memory: RealStepMemory, runner: TrialRunner,
+    max_memory: Any,
+    activation_budget: float | None,
+    memory: RealStepMemory,
+    runner: TrialRunner,
     resolved: ResolvedModel,
-) -> Budget:  # fmt: skip
+) -> Budget:
     none_activation = memory.model.predict_activation(Plan())
     if isinstance(runner, CompiledTrials):  # an activation budget is a fraction of the *compiled* step's activations
         none_activation = runner.none_activation_bytes(Plan(fingerprint=resolved.fingerprint)) or none_activation
     budget = resolve_budget(
         max_memory, activation_budget, device=resolved.device, none_activation_bytes=none_activation
     )
-    log.info("lightning_ckpt: budget %s; no-checkpointing activation memory predicted %s",
-             budget.description, format_bytes(none_activation))  # fmt: skip
+    predicted = format_bytes(none_activation)
+    log.info(
+        "lightning_ckpt: budget %s; no-checkpointing activation memory predicted %s", budget.description, predicted
+    )
     step_peak = memory.optimizer.step_peak_bytes
     if budget.kind == "peak" and budget.limit_bytes is not None and step_peak > budget.limit_bytes:
-        log.warning("lightning_ckpt: the optimizer step alone peaks at %s (%s), over the budget (%s): no plan can fit",
-                    format_bytes(step_peak), memory.optimizer.note, budget.description)  # fmt: skip
+        log.warning(
+            "lightning_ckpt: the optimizer step alone peaks at %s (%s), over the budget (%s): no plan can fit",
+            format_bytes(step_peak),
+            memory.optimizer.note,
+            budget.description,
+        )
     return budget
 
 
@@ -252,9 +289,16 @@ def _warm_up_process(harness: StepHarness, resolved: ResolvedModel, config: Tune
     full = uniform_plan(resolved.stacks, BlockPlan("full"))
     with plan_applied(resolved.root, full, check_fingerprint=False), eager_while_profiling(compiled):
         warm = measure_step(
-            harness.train_step, model=resolved.root, optimizer=harness.optimizer, warmup=config.process_warmup_steps,
-            steps=1, device=harness.device, track_memory=False, count_flops=False, extra=harness.extra,
-        )  # fmt: skip
+            harness.train_step,
+            model=resolved.root,
+            optimizer=harness.optimizer,
+            warmup=config.process_warmup_steps,
+            steps=1,
+            device=harness.device,
+            track_memory=False,
+            count_flops=False,
+            extra=harness.extra,
+        )
     return warm.warmup_steps + len(warm.step_seconds)
 
 
