@@ -82,8 +82,13 @@ class LitGPT(L.LightningModule):
 def part_guard(s: dict[str, int], device: torch.device, tmp: Path) -> dict[str, Any]:
     plan_path = tmp / "guard_plan.json"
     plan_path.unlink(missing_ok=True)  # search every time: the guard reads the steps after a lock-in
-    cb = ActivationCheckpointTuner(activation_budget=0.5, plan_path=plan_path, n_trials=8, measure_steps=2,
-                                   search_space=SPACE, guard_steps=3, verbose=False)  # fmt: skip
+    cb = ActivationCheckpointTuner(
+        activation_budget=0.5,
+        plan_path=plan_path,
+        verbose=False,
+        search=dict(n_trials=8, measure_steps=2, search_space=SPACE),
+        guard=dict(steps=3),
+    )
     trainer = L.Trainer(
         accelerator=device.type, devices=1, max_steps=5, callbacks=[cb], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed" if device.type == "cuda" else 32,

@@ -219,7 +219,7 @@ def real_step_rows(steps: int = 5) -> list[dict[str, Any]]:
         hi = by_hand(precision, lambda n: Plan())
         budget = (lo + hi) // 2
         net = Net()
-        cb = ActivationCheckpointTuner(max_memory=budget, n_trials=12, measure_steps=2, verbose=False)
+        cb = ActivationCheckpointTuner(max_memory=budget, verbose=False, search=dict(n_trials=12, measure_steps=2))
         fit(net, precision, [cb])
         best = cb.result.best_trial
         rows.append(

@@ -108,9 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         tuner = ActivationCheckpointTuner(
             activation_budget=args.activation_budget,
             plan_path=args.plan,
-            n_trials=trials,
-            measure_steps=2,
-            storage=args.storage,
+            search=dict(n_trials=trials, measure_steps=2, storage=args.storage),
         )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         tuner = ActivationCheckpointTuner(plan=args.plan)
     else:
         tuner = ActivationCheckpointTuner(
-            activation_budget=args.activation_budget, plan_path=args.plan, n_trials=trials, measure_steps=measure_steps
+            activation_budget=args.activation_budget,
+            plan_path=args.plan,
+            search=dict(n_trials=trials, measure_steps=measure_steps),
         )
     trainer = L.Trainer(
         accelerator="cpu",

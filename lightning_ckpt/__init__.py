@@ -22,6 +22,7 @@ from lightning_ckpt.plan.foreign import existing_checkpointing
 from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint
 from lightning_ckpt.plan.handle import PlanHandle, applied_plan, plan_handle
 from lightning_ckpt.plan.policies import SAVE_LISTS
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.tune import TuneResult, tune
 
 __version__ = "0.1.0"
@@ -34,12 +35,18 @@ def __getattr__(name: str) -> object:
         from lightning_ckpt.lightning.callback import ActivationCheckpointTuner
 
         return ActivationCheckpointTuner
+    if name == "GuardConfig":
+        from lightning_ckpt.lightning.guard import GuardConfig
+
+        return GuardConfig
     raise AttributeError(f"module 'lightning_ckpt' has no attribute {name!r}")
 
 
 __all__ = [
     "BASELINE_NAMES",
     "ActivationCheckpointTuner",
+    "GuardConfig",
+    "TuneConfig",
     "TuneResult",
     "tune",
     "SAVE_LISTS",

@@ -66,9 +66,11 @@ def main() -> None:
         tuner = ActivationCheckpointTuner(plan=plan_path, verbose=False)
     else:
         tuner = ActivationCheckpointTuner(
-            plan_path=plan_path, n_trials=6, measure_steps=1, search_space=SPACE, verbose=False,
+            plan_path=plan_path,
+            verbose=False,
             log_dir=args.out / "tb",
-        )  # fmt: skip
+            search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+        )
     module = TinyGPT(args.oom_rank, args.oom_on)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=1,
@@ -85,7 +87,7 @@ def main() -> None:
         "trials_run": tuner.trials_run,
         "statuses": {t.label: t.status for t in result.trials} if result else {},
         "wrote_plan_file": tuner.wrote_plan_file,
-        "budget_limit": tuner._budget.limit_bytes if tuner._budget is not None else None,
+        "budget_limit": tuner._guard.budget.limit_bytes if tuner._guard.budget is not None else None,
         "weights": {k: v.tolist() for k, v in module.state_dict().items()},
     }
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))

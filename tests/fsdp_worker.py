@@ -71,8 +71,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="process group timeout, seconds")
     args = parser.parse_args()
     module = ShardedGPT(args.fail_rank, args.fail_on)
-    cb = ActivationCheckpointTuner(activation_budget=0.9, n_trials=4, measure_steps=1, search_space=SPACE, verbose=False,
-                                   plan_path=args.out / "plan.json")  # fmt: skip
+    cb = ActivationCheckpointTuner(
+        activation_budget=0.9,
+        verbose=False,
+        plan_path=args.out / "plan.json",
+        search=dict(n_trials=4, measure_steps=1, search_space=SPACE),
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=ModelParallelStrategy(
             data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=args.timeout)

@@ -58,9 +58,9 @@ def trainer(tmp_path, callbacks, *, steps=3, **kwargs) -> L.Trainer:
     )  # fmt: skip
 
 
-def tuner(**kwargs) -> ActivationCheckpointTuner:
-    defaults = dict(n_trials=8, measure_steps=1, warmup_steps=1, search_space=SMALL_SPACE, verbose=False)
-    return ActivationCheckpointTuner(**{**defaults, **kwargs})
+def tuner(search=None, **kwargs) -> ActivationCheckpointTuner:
+    searching = {**dict(n_trials=8, measure_steps=1, warmup_steps=1, search_space=SMALL_SPACE), **(search or {})}
+    return ActivationCheckpointTuner(**{"verbose": False, **kwargs}, search=searching)
 
 
 def test_budget_forces_a_checkpointing_plan_that_fits(tmp_path):
@@ -79,7 +79,7 @@ def test_budget_forces_a_checkpointing_plan_that_fits(tmp_path):
 
 
 def test_without_budget_the_fastest_measured_plan_wins(tmp_path):
-    cb = tuner(tie_tolerance=0.0)
+    cb = tuner(search=dict(tie_tolerance=0.0))
     trainer(tmp_path, [cb]).fit(TinyGPT(), loader())
     measured = [t for t in cb.result.trials if t.status == "ok"]
     assert cb.result.best_trial.samples_per_second == max(t.samples_per_second for t in measured)
@@ -117,7 +117,7 @@ def test_resume_from_checkpoint_reapplies_without_trials(tmp_path):
 
 
 def test_simulated_oom_in_one_trial_is_survived(tmp_path):
-    cb = tuner(n_trials=8)
+    cb = tuner(search=dict(n_trials=8))
     trainer(tmp_path, [cb]).fit(TinyGPT(oom_on="selective(mlp) h.0-3"), loader())
     statuses = {t.label: t.status for t in cb.result.trials}
     assert statuses["baseline:selective_mlp"] == "oom"
@@ -180,11 +180,15 @@ def test_tensorboard_entries(tmp_path):
         ({"max_memory": "20 gigs"}, "not a memory size"),
         ({"max_memory": -1}, "positive"),
         ({"activation_budget": 0}, r"\(0, 1\]"),
-        ({"n_trials": 0}, "n_trials"),
-        ({"search_space": {"mode": ["full"]}}, "Unknown search-space names"),
+        ({"search": {"n_trials": 0}}, "n_trials"),
+        ({"search": {"search_space": {"mode": ["full"]}}}, "Unknown search-space names"),
         ({"plan_path": f"{__file__}/plan.json"}, "cannot be written"),  # parent is a file
-        ({"plan": Plan(), "n_trials": 5, "on_stale_plan": "raise"}, "could never be used"),
-        ({"on_infeasible": "shrug"}, "on_infeasible"),
+        ({"plan": Plan(), "search": {"n_trials": 5}, "on_stale_plan": "raise"}, "could never be used"),
+        ({"search": {"on_infeasible": "shrug"}}, "on_infeasible"),
+        ({"search": {"n_trial": 5}}, "Unknown tune settings"),
+        ({"search": 5}, "search must be a TuneConfig or a dict"),
+        ({"guard": {"step": 2}}, "Unknown guard settings"),
+        ({"tune_micro_batch": 1}, "tune_micro_batch must be True or the batch-size attribute"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):

@@ -71,9 +71,9 @@ def trainer(tmp_path, cb, *, steps: int = 3, **kwargs) -> L.Trainer:
     )  # fmt: skip
 
 
-def tuner(**kwargs) -> ActivationCheckpointTuner:
-    defaults = dict(activation_budget=0.5, n_trials=4, measure_steps=1, search_space=SPACE, verbose=False)
-    return ActivationCheckpointTuner(**{**defaults, **kwargs})
+def tuner(search=None, **kwargs) -> ActivationCheckpointTuner:
+    searching = {**dict(n_trials=4, measure_steps=1, search_space=SPACE), **(search or {})}
+    return ActivationCheckpointTuner(**{"activation_budget": 0.5, "verbose": False, **kwargs}, search=searching)
 
 
 def test_exception_after_lock_in_leaves_the_model_as_given_and_a_new_fit_works(tmp_path):
@@ -144,7 +144,7 @@ def test_sigterm_during_the_search_stops_it_promptly_and_leaves_everything_intac
     path = tmp_path / "plan.json"
     net = Net()
     before = snapshot_model(net)
-    cb = tuner(plan_path=path, n_trials=40, activation_budget=None)
+    cb = tuner(plan_path=path, activation_budget=None, search=dict(n_trials=40))
     t = trainer(tmp_path, cb)
     with sigterm_on_call(net, "training_step", at=8) as fault, pytest.raises((SIGTERMException, SystemExit)):
         t.fit(net, loader())
@@ -161,15 +161,15 @@ def test_sigterm_during_the_search_stops_it_promptly_and_leaves_everything_intac
         (dict(max_memory=float("nan")), "max_memory must be a finite number"),
         (dict(max_memory=float("inf")), "max_memory must be a finite number"),
         (dict(max_memory=1.5), "neither a fraction of device memory"),
-        (dict(timeout="10"), "timeout must be a .*number of seconds"),
+        (dict(search=dict(timeout="10")), "timeout must be a .*number of seconds"),
         (dict(plan=123), "plan must be a plan file path or a Plan"),
         (dict(plan_path=123), "plan_path must be a file path"),
-        (dict(seed="x"), "seed must be an integer"),
-        (dict(measure_steps=True), "measure_steps must be an integer"),
-        (dict(search_space={"chunks": [0]}), "chunks must be segment counts"),
-        (dict(search_space={"selections": ["first:1.5"]}), r"takes a fraction of the blocks in \(0, 1\]"),
-        (dict(guard_steps=-1), "guard_steps must be an integer >= 0"),
-        (dict(on_budget_exceeded="ignore"), "on_budget_exceeded must be"),
+        (dict(search=dict(seed="x")), "seed must be an integer"),
+        (dict(search=dict(measure_steps=True)), "measure_steps must be an integer"),
+        (dict(search=dict(search_space={"chunks": [0]})), "chunks must be segment counts"),
+        (dict(search=dict(search_space={"selections": ["first:1.5"]})), r"takes a fraction of the blocks in \(0, 1\]"),
+        (dict(guard=dict(steps=-1)), "guard steps must be an integer >= 0"),
+        (dict(guard=dict(on_budget_exceeded="ignore")), "on_budget_exceeded must be"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction_with_an_example(kwargs, match):

@@ -302,8 +302,11 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
 
     space = {"modes": ["full"], "selections": ["all", "first:0.5"], "rest_modes": ["none"], "segments": False,
              "compile_budgets": [0.3], "baselines": False}  # fmt: skip
-    cb = ActivationCheckpointTuner(activation_budget=0.5, n_trials=8, measure_steps=1, warmup_steps=1,
-                                   search_space=space, verbose=False)  # fmt: skip
+    cb = ActivationCheckpointTuner(
+        activation_budget=0.5,
+        verbose=False,
+        search=dict(n_trials=8, measure_steps=1, warmup_steps=1, search_space=space),
+    )
     default_budget = functorch_config.activation_memory_budget
     spy = _fit(tmp_path, LitGPT(break_in=1), cb, steps=6, compile_model=True)
 
@@ -346,8 +349,11 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
 
 @pytest.mark.parametrize("how", ["submodule", "per_block"])
 def test_tuning_a_model_compiled_inside_the_lightning_module(tmp_path, how):
-    cb = ActivationCheckpointTuner(activation_budget=0.5, n_trials=4, measure_steps=1, warmup_steps=0,
-                                   search_space=TINY_SPACE, verbose=False)  # fmt: skip
+    cb = ActivationCheckpointTuner(
+        activation_budget=0.5,
+        verbose=False,
+        search=dict(n_trials=4, measure_steps=1, warmup_steps=0, search_space=TINY_SPACE),
+    )
     spy = _fit(tmp_path, LitGPT(how=how), cb, steps=4)
     assert [t.status for t in cb.result.trials] == ["over_budget", "ok"]
     assert all(t.extra["compile"]["graph_breaks"] == 0 for t in cb.result.trials)

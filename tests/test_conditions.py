@@ -42,8 +42,8 @@ def fit(tmp_path, cb, *, batch: int = 8, precision: str = "32-true", accumulate:
 
 
 def tuner(path, **kwargs) -> ActivationCheckpointTuner:
-    return ActivationCheckpointTuner(activation_budget=0.5, plan_path=path, n_trials=3, measure_steps=1,
-                                     search_space=SPACE, verbose=False, **kwargs)  # fmt: skip
+    search = dict(n_trials=3, measure_steps=1, search_space=SPACE)
+    return ActivationCheckpointTuner(activation_budget=0.5, plan_path=path, verbose=False, search=search, **kwargs)
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan
-from lightning_ckpt.search.space import SearchSpace
+from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, GuardConfig, Plan, TuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -54,8 +53,10 @@ def _expected(key: str, value: Any) -> tuple[str, Any]:
     """The attribute a YAML value lands in, and the value it should have there."""
     if key in ("plan_path", "log_dir"):
         return key, Path(value)
-    if key == "search_space":
-        return key, SearchSpace.from_config(value)
+    if key == "search":
+        return "config", TuneConfig().with_overrides(value)
+    if key == "guard":
+        return "guard", GuardConfig(**value)
     if key == "plan":
         return "_given_plan", Plan.load(value)  # the file is read when the callback is built
     return key, value
@@ -98,7 +99,12 @@ def test_a_typo_in_a_config_is_refused(tmp_path, in_tmp, capsys):
 @pytest.mark.slow
 def test_cpu_quickstart_tunes_then_reuse_plan_reuses(in_tmp):
     (in_tmp / "plans" / "gpt.json").unlink()
-    search = ["--trainer.callbacks.init_args.n_trials", "2", "--trainer.callbacks.init_args.measure_steps", "1"]
+    search = [
+        "--trainer.callbacks.init_args.search.n_trials",
+        "2",
+        "--trainer.callbacks.init_args.search.measure_steps",
+        "1",
+    ]
     first = train_gpt_cli.main(["fit", "--config", str(ROOT / "configs" / "cpu_quickstart.yaml"), *TINY, *search])
     (tuner,) = [cb for cb in first.trainer.callbacks if isinstance(cb, ActivationCheckpointTuner)]
     assert first.trainer.global_step == 2 and tuner.trials_run > 0
@@ -124,9 +130,22 @@ def test_every_callback_argument_has_help_and_enumerations_are_choices():
     names = [n for n in inspect.signature(ActivationCheckpointTuner).parameters]
     missing = [n for n in names if not (actions[n].help or "").strip()]
     assert not missing, f"callback arguments without help text: {missing}"
-    hints = typing.get_type_hints(ActivationCheckpointTuner.__init__)
-    for name, choices in {"on_stale_plan": ("retune", "raise"), "on_infeasible": ("fallback", "raise"),
-                          "on_budget_exceeded": ("switch", "raise", "warn")}.items():  # fmt: skip
-        assert typing.get_args(hints[name]) == choices
+    hints = {
+        **typing.get_type_hints(TuneConfig),
+        **typing.get_type_hints(GuardConfig),
+        **typing.get_type_hints(ActivationCheckpointTuner.__init__),
+    }
+    choices = {
+        "on_stale_plan": ("retune", "raise"),
+        "on_infeasible": ("fallback", "raise"),
+        "on_budget_exceeded": ("switch", "raise", "warn"),
+        "memory_pass": ("finalists", "every"),
+    }
+    for name, values in choices.items():
+        assert typing.get_args(hints[name]) == values, name
     with pytest.raises(SystemExit):
         parser.parse_args(["--cb.on_stale_plan", "later"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cb.search.on_infeasible", "shrug"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cb.guard.on_budget_exceeded", "ignore"])

@@ -94,7 +94,9 @@ def test_every_real_step_after_lock_in_fits_the_budget(tmp_path, precision):
     assert hi > 1.3 * lo, "the case must leave room for plans between full and none"
     budget = (lo + hi) // 2
     net = Net()
-    cb = ActivationCheckpointTuner(max_memory=budget, n_trials=6, measure_steps=1, search_space=SPACE, verbose=False)
+    cb = ActivationCheckpointTuner(
+        max_memory=budget, verbose=False, search=dict(n_trials=6, measure_steps=1, search_space=SPACE)
+    )
     fit(tmp_path, [cb], net, steps=4, precision=precision)
     assert not cb.result.fell_back
     assert len(net.peaks) == 4
@@ -116,8 +118,13 @@ def test_guard_catches_late_optimizer_state_and_switches_to_a_lower_memory_plan(
     params = sum(p.numel() * p.element_size() for p in net.parameters())
     budget = hi + params
     # n_trials=1: only the first baseline, `none`, is measured, so the choice does not depend on timing.
-    cb = ActivationCheckpointTuner(max_memory=budget, n_trials=1, measure_steps=1, search_space=SPACE, verbose=False,
-                                   guard_steps=3, plan_path=tmp_path / "plan.json")  # fmt: skip
+    cb = ActivationCheckpointTuner(
+        max_memory=budget,
+        verbose=False,
+        plan_path=tmp_path / "plan.json",
+        search=dict(n_trials=1, measure_steps=1, search_space=SPACE),
+        guard=dict(steps=3),
+    )
     with pytest.warns(UserWarning, match="over the budget.*Switching to"):
         fit(tmp_path, [cb], net, steps=5)
     assert cb.result.best.is_empty, "without the late state, no checkpointing fits"
@@ -134,8 +141,12 @@ def test_guard_can_raise_instead(tmp_path):
     hi = real_peak(tmp_path, lambda n: Plan(), "32-true")
     net = Net("late_state")
     budget = hi + sum(p.numel() * p.element_size() for p in net.parameters())
-    cb = ActivationCheckpointTuner(max_memory=budget, n_trials=1, measure_steps=1, search_space=SPACE, verbose=False,
-                                   guard_steps=3, on_budget_exceeded="raise")  # fmt: skip
+    cb = ActivationCheckpointTuner(
+        max_memory=budget,
+        verbose=False,
+        search=dict(n_trials=1, measure_steps=1, search_space=SPACE),
+        guard=dict(steps=3, on_budget_exceeded="raise"),
+    )
     with pytest.raises(InfeasibleBudgetError, match="over the budget"):
         fit(tmp_path, [cb], net, steps=5)
 
@@ -156,8 +167,12 @@ class _GrowingLoader:
 def test_a_larger_later_batch_is_checked_against_the_budget(tmp_path):
     lo, hi = real_peak(tmp_path, full, "32-true"), real_peak(tmp_path, lambda n: Plan(), "32-true")
     budget = (lo + hi) // 2
-    cb = ActivationCheckpointTuner(max_memory=budget, n_trials=6, measure_steps=1, search_space=SPACE, verbose=False,
-                                   guard_steps=1, on_budget_exceeded="warn")  # fmt: skip
+    cb = ActivationCheckpointTuner(
+        max_memory=budget,
+        verbose=False,
+        search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+        guard=dict(steps=1, on_budget_exceeded="warn"),
+    )
     net = Net()
     with pytest.warns(UserWarning, match=r"batch 32 x 32\) used .* over the budget"):
         fit(tmp_path, [cb], net, steps=3, data=_GrowingLoader())
@@ -191,8 +206,9 @@ def test_lower_memory_trial_picks_the_fastest_plan_expected_to_fit():
 # ---------------------------------------------------------------------------------------------------
 def test_under_an_activation_budget_real_steps_read_the_trials_activation(tmp_path):
     net = Net()
-    cb = ActivationCheckpointTuner(activation_budget=0.5, n_trials=6, measure_steps=1, search_space=SPACE,
-                                   verbose=False)  # fmt: skip
+    cb = ActivationCheckpointTuner(
+        activation_budget=0.5, verbose=False, search=dict(n_trials=6, measure_steps=1, search_space=SPACE)
+    )
     fit(tmp_path, [cb], net, steps=3)
     trial = cb.result.best_trial.activation_bytes
     assert [c.within_budget for c in cb.step_checks] == [True, True]
@@ -211,8 +227,12 @@ def test_under_an_activation_budget_a_later_batch_4x_longer_is_caught(tmp_path):
         def __len__(self) -> int:
             return 3
 
-    cb = ActivationCheckpointTuner(activation_budget=0.5, n_trials=6, measure_steps=1, search_space=SPACE,
-                                   verbose=False, guard_steps=1, on_budget_exceeded="raise")  # fmt: skip
+    cb = ActivationCheckpointTuner(
+        activation_budget=0.5,
+        verbose=False,
+        search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+        guard=dict(steps=1, on_budget_exceeded="raise"),
+    )
     with pytest.raises(InfeasibleBudgetError, match=r"batch 8 x 32\) used .* of activation memory, over the budget"):
         fit(tmp_path, [cb], Net(), steps=3, data=Growing())
     assert [c.within_budget for c in cb.step_checks] == [True, True, False]

@@ -73,8 +73,13 @@ def _fit(tmp_path, callbacks, module, *, steps=2, accumulate=1):
 
 
 def test_joint_search_keeps_the_global_batch_and_the_optimisation(tmp_path):
-    tuner = ActivationCheckpointTuner(tune_micro_batch=True, activation_budget=0.6, n_trials=6, measure_steps=1,
-                                      search_space=SPACE, plan_path=tmp_path / "plan.json", verbose=False)  # fmt: skip
+    tuner = ActivationCheckpointTuner(
+        tune_micro_batch=True,
+        activation_budget=0.6,
+        plan_path=tmp_path / "plan.json",
+        verbose=False,
+        search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+    )
     tuned = _fit(tmp_path, [tuner], BatchedGPT(8))
     spec = tuner.micro_batch
     assert spec["size"] * spec["accumulation"] == spec["global"] == 8

@@ -129,7 +129,9 @@ def _fit(tmp_path, module, callbacks):
 
 @pytest.mark.parametrize("max_norm", [None, 1.0], ids=["curriculum", "curriculum_and_embedding_max_norm"])
 def test_a_fit_with_the_tuner_trains_as_the_chosen_plan_applied_by_hand(tmp_path, max_norm):
-    cb = ActivationCheckpointTuner(activation_budget=0.6, n_trials=6, measure_steps=1, warmup_steps=1, verbose=False)
+    cb = ActivationCheckpointTuner(
+        activation_budget=0.6, verbose=False, search=dict(n_trials=6, measure_steps=1, warmup_steps=1)
+    )
     tuned = CurriculumGPT(max_norm)
     with_tuner = _fit(tmp_path / "a", tuned, [cb])
     assert tuned.calls == 4, "the search must not advance the step counter"

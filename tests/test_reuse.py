@@ -41,9 +41,9 @@ def trainer(tmp_path, *callbacks, steps: int = 2) -> L.Trainer:
     )  # fmt: skip
 
 
-def tuner(**kwargs) -> ActivationCheckpointTuner:
-    defaults = dict(n_trials=3, measure_steps=1, search_space=SPACE, verbose=False)
-    return ActivationCheckpointTuner(**{**defaults, **kwargs})
+def tuner(search=None, **kwargs) -> ActivationCheckpointTuner:
+    searching = {**dict(n_trials=3, measure_steps=1, search_space=SPACE), **(search or {})}
+    return ActivationCheckpointTuner(**{"verbose": False, **kwargs}, search=searching)
 
 
 def saved_plan(budget, *, block: str = "model.transformer.h.0", fingerprint: str | None = None, name: str = "saved"):

@@ -55,7 +55,7 @@ def fit(tmp_path_factory):
     space = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5"], "rest_modes": ["none"],
              "segments": True, "chunks": [2]}  # fmt: skip
     tuner = ActivationCheckpointTuner(
-        activation_budget=0.6, n_trials=30, measure_steps=1, warmup_steps=1, search_space=space
+        activation_budget=0.6, search=dict(n_trials=30, measure_steps=1, warmup_steps=1, search_space=space)
     )
     trainer = L.Trainer(
         accelerator="cpu", max_steps=2, callbacks=[tuner], default_root_dir=root, enable_checkpointing=False,

@@ -11,22 +11,25 @@ dispatch mode would make dynamo run them eagerly and read the eager step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_ckpt.budget import Budget
+from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.discovery import discover_blocks
+from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
 from lightning_ckpt.measure.measurement import MemoryReading
 from lightning_ckpt.measure.tracker import new_live_tracker
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.saved_for_backward import SavedForBackward
 
-__all__ = ["RealStepReader", "StepCheck", "lower_memory_trial", "lower_plan"]
+__all__ = ["BudgetGuard", "GuardConfig", "RealStepReader", "StepCheck", "lower_memory_trial", "lower_plan"]
 
 
 class RealStepReader:
@@ -191,3 +194,133 @@ def lower_plan(
         fingerprint=plan.fingerprint,
         metadata={**plan.metadata, "switched_from": plan.describe()},
     )
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """How the real steps after lock-in are checked against the budget.
+
+    steps: real training steps read whole after lock-in (CUDA: the allocator's peak; CPU: the live-tensor
+        tracker, slower, so only those steps), at least up to the first step that starts with the optimizer's
+        state (accumulation + 1); also every step on a batch larger than any checked before. ``0``: no guard.
+    on_budget_exceeded: when a read step exceeds the budget: ``"switch"`` (warn loudly and switch to the fastest
+        lower-memory plan expected to fit), ``"raise"`` or ``"warn"``.
+    """
+
+    steps: int = 2
+    on_budget_exceeded: Literal["switch", "raise", "warn"] = "switch"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ConfigurationError(
+                f"guard steps must be an integer >= 0 (e.g. guard={{'steps': 2}}; 0 turns the guard off), "
+                f"got {self.steps!r}."
+            )
+        if self.on_budget_exceeded not in ("switch", "raise", "warn"):
+            raise ConfigurationError(
+                "guard on_budget_exceeded must be 'switch', 'raise' or 'warn' (e.g. guard={'on_budget_exceeded': "
+                f"'raise'}}), but got {self.on_budget_exceeded!r}."
+            )
+
+    @classmethod
+    def of(cls, value: GuardConfig | Mapping[str, Any] | None) -> GuardConfig:
+        """``value`` as a config: a ``GuardConfig``, a dict of its fields (LightningCLI YAML), or None (defaults)."""
+        if value is None or isinstance(value, GuardConfig):
+            return value or cls()
+        if not isinstance(value, Mapping):
+            raise ConfigurationError(
+                f"guard must be a GuardConfig or a dict such as {{'steps': 2, 'on_budget_exceeded': 'switch'}}, "
+                f"but got {type(value).__name__} {value!r}."
+            )
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigurationError(f"Unknown guard settings {unknown}. Known settings: steps, on_budget_exceeded.")
+        return cls(**value)
+
+
+class BudgetGuard:
+    """The guard over one fit: which real steps to read, what they showed (``checks``), and the verdict.
+
+    Every rank reads the same steps and judges the worst rank's figures, so a switch (which gathers plan
+    digests) is entered by all ranks or none.
+    """
+
+    def __init__(self, config: GuardConfig, device: torch.device) -> None:
+        self.config = config
+        self.reader = RealStepReader(device)
+        self.checks: list[StepCheck] = []
+        self.budget: Budget | None = None
+        self._left = 0
+        self._checked_dims: tuple[int, int] = (0, 0)
+
+    def arm(self, accumulation: int) -> None:
+        """A plan was locked in: read its first steps, through the first one that holds the optimizer's state."""
+        steps = self.config.steps
+        self._left = steps and max(steps, accumulation + 1)
+
+    def maybe_start(self, trainer: Any, pl_module: nn.Module, batch: Any, *, compiled: bool) -> None:
+        budget = self.budget
+        if budget is None or budget.kind == "none" or not self.config.steps:
+            return
+        dims = tuple(d or 0 for d in batch_dims(batch))
+        # Under several ranks batch shapes can differ by rank (a ragged last batch) while every rank must read
+        # the same steps (the verdict is gathered): only the first steps after lock-in are read there.
+        larger = (
+            trainer.world_size == 1
+            and bool(self.checks)
+            and any(d > c for d, c in zip(dims, self._checked_dims, strict=True))
+        )
+        if self._left <= 0 and not larger:
+            return
+        activation = budget.kind == "activation"
+        extra = tuple(batch_tensors(batch))
+        self.reader.start(pl_module, list(trainer.optimizers), extra, activation=activation, compiled=compiled)
+
+    def judge(self, trainer: Any, reading: MemoryReading, batch: Any, plan: Plan, sync: Any) -> StepCheck:
+        """Record one read step against the budget (the worst rank's figures under several ranks)."""
+        budget = self.budget
+        assert budget is not None
+        peak, act = reading.peak_bytes, reading.activation_bytes
+        if sync is not None:
+            gathered = sync.all_gather((peak, act))
+            peak = max(g[0] for g in gathered)
+            act = max((g[1] for g in gathered if g[1] is not None), default=None)
+        dims = batch_dims(batch)
+        self._left -= 1
+        self._checked_dims = (max(dims[0] or 0, self._checked_dims[0]), max(dims[1] or 0, self._checked_dims[1]))
+        check = StepCheck(trainer.global_step, peak, act, dims, plan.describe(), budget.fits(peak, act))
+        self.checks.append(check)
+        return check
+
+    @property
+    def done(self) -> bool:
+        """The steps after lock-in are all read (later, only a larger batch is)."""
+        return self._left <= 0
+
+    def over_budget(
+        self, check: StepCheck, plan: Plan, trials: Sequence[Any], model: nn.Module, *, block_types: Any
+    ) -> Plan | None:
+        """Act on a step over the budget as ``on_budget_exceeded`` says: the plan to switch to, or None to go on."""
+        budget = self.budget
+        assert budget is not None
+        value = budget.value_of(check.peak_bytes, check.activation_bytes) or 0
+        size, seq = check.batch_dims
+        what = "activation memory" if budget.kind == "activation" else "peak memory"
+        message = (
+            f"lightning_ckpt: a real training step (step {check.step}, batch {size} x {seq}) used "
+            f"{format_bytes(value)} of {what}, over the budget of {budget.description}, under plan {plan.describe()}."
+        )
+        if self.config.on_budget_exceeded == "raise":
+            raise InfeasibleBudgetError(
+                message + " Raise the budget, or set guard={'on_budget_exceeded': 'switch'} to move to a lower-memory "
+                "plan."
+            )
+        if self.config.on_budget_exceeded == "warn":
+            rank_zero_warn(message + " Continuing with it (on_budget_exceeded='warn').")
+            return None
+        lower = lower_plan(plan, value, trials, budget, model, block_types=block_types)
+        if lower is None:
+            rank_zero_warn(message + " No plan using less memory is left; continuing with this one.")
+            return None
+        rank_zero_warn(message + f" Switching to {lower.describe()} (on_budget_exceeded='switch').")
+        return lower

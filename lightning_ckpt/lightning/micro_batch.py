@@ -28,7 +28,7 @@ def check_micro_batch_tunable(trainer: pl.Trainer, pl_module: pl.LightningModule
         raise ConfigurationError(
             f"tune_micro_batch=True changes the micro-batch through the '{batch_arg_name}' attribute of the "
             "LightningModule or its datamodule (as Lightning's BatchSizeFinder does), but neither has it. Add "
-            f"self.{batch_arg_name} and use it in train_dataloader(), or set batch_arg_name=..."
+            f"self.{batch_arg_name} and use it in train_dataloader(), or name yours: tune_micro_batch='my_batch_size'."
         )
     if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
         raise ConfigurationError(

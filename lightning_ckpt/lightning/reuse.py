@@ -4,19 +4,30 @@ guarded against."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_ckpt.budget import Budget, RequestedBudget, resolve_budget
 from lightning_ckpt.errors import StalePlanError
 from lightning_ckpt.lightning.conditions import RunConditions
+from lightning_ckpt.lightning.plan_file import warn_each_fit
 from lightning_ckpt.lightning.trials import batch_dims
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.plan.format import Plan, model_fingerprint
 
-__all__ = ["check_reusable", "condition_changes", "reused_budget", "run_conditions", "wanted_budget"]
+__all__ = [
+    "check_reusable",
+    "condition_changes",
+    "plan_to_reuse",
+    "reusable",
+    "reused_budget",
+    "run_conditions",
+    "wanted_budget",
+]
 
 
 def run_conditions(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> RunConditions:
@@ -77,3 +88,58 @@ def reused_budget(plan: Plan, wanted: RequestedBudget, device: torch.device) -> 
         limit = saved.get("limit_bytes") if RequestedBudget.of_plan(plan) == wanted else None
         return Budget("activation", limit, wanted.value, saved.get("description", "")) if limit else None
     return resolve_budget(**wanted.arguments(), device=normalise_device(device))
+
+
+def plan_to_reuse(candidates: Sequence[tuple[Plan | None, str]], plan_file: Any) -> tuple[Plan | None, str]:
+    """The first of ``candidates`` (plan, where it came from) that is set, else the plan in ``plan_file``."""
+    for plan, source in candidates:
+        if plan is not None:
+            return plan, source
+    return (plan_file.load() if plan_file is not None else None), "plan file"
+
+
+def reusable(
+    plan: Plan,
+    source: str,
+    *,
+    conditions: RunConditions,
+    model: torch.nn.Module,
+    requested: RequestedBudget,
+    on_stale_plan: str,
+) -> tuple[RequestedBudget, bool]:
+    """The budget ``plan`` is reused under (or re-tuned for), and whether it applies as it is. A stale plan
+    raises under ``on_stale_plan='raise'``; otherwise it warns and the caller searches again."""
+    wanted = wanted_budget(plan, requested)
+    try:
+        changes = condition_changes(plan, conditions, batch_known=False)
+        check_reusable(plan, source, changes=changes, model=model, wanted=wanted, budget_given=requested.given)
+    except StalePlanError as err:
+        if on_stale_plan == "raise":
+            raise StalePlanError(
+                f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
+            ) from None
+        rank_zero_warn(f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').")
+        return wanted, False
+    if (plan.metadata.get("search") or {}).get("fell_back"):
+        tuned_for = (plan.metadata.get("budget") or {}).get("description", "unknown")
+        warn_each_fit(
+            f"lightning_ckpt: the plan from {source} was a fallback: when it was tuned no plan fitted the "
+            f"budget ({tuned_for}), so it may not fit now either. Delete the plan file to search again, or raise "
+            "the budget."
+        )
+    return wanted, True
+
+
+def retune_for_batch(plan: Plan, conditions: RunConditions, *, budget: RequestedBudget, on_stale_plan: str) -> bool:
+    """True when a reused ``plan`` was tuned on batches of another shape than the first one (warned: the
+    caller re-tunes on it); raises under ``on_stale_plan='raise'``."""
+    changes = condition_changes(plan, conditions, batch_known=True)
+    if not changes:
+        return False
+    message = f"The applied plan was tuned for other batches: {'; '.join(changes)}."
+    if on_stale_plan == "raise":
+        raise StalePlanError(message + " Re-tune (on_stale_plan='retune') or delete the plan file.")
+    rank_zero_warn(
+        f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (on_stale_plan='retune')."
+    )
+    return True

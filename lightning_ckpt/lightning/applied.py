@@ -1,0 +1,56 @@
+"""The plan applied to the model during a fit: applied before the step that uses it, swapped by the guard,
+removed when the fit ends or fails (the model leaves ``fit`` as the user gave it), and the same on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_ckpt.errors import ApplyError
+from lightning_ckpt.lightning.sync import StrategySync
+from lightning_ckpt.plan.apply import apply_plan
+from lightning_ckpt.plan.caches import disable_kv_cache
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.plan.handle import PlanHandle
+from lightning_ckpt.search.compile import is_compiled, reset_compiled
+
+__all__ = ["AppliedPlan"]
+
+
+class AppliedPlan:
+    """At most one plan applied to one model at a time, with the HF KV cache turned off while it is."""
+
+    def __init__(self) -> None:
+        self._handle: PlanHandle | None = None
+        self._restore_cache: Any = None
+
+    def apply(self, model: torch.nn.Module, plan: Plan, trainer: pl.Trainer) -> None:
+        """Apply ``plan`` in place of the one applied now; every rank must have applied the same plan."""
+        self.remove_plan()
+        if self._restore_cache is None:
+            self._restore_cache = disable_kv_cache(model)  # training forwards never need HF's KV cache
+        self._handle = apply_plan(model, plan)
+        if is_compiled(model):
+            reset_compiled()  # compile the locked-in plan afresh: no stale graphs, no recompiles counted (compile.py)
+        if trainer.world_size > 1:
+            digests = StrategySync(trainer.strategy).all_gather(plan.digest())
+            if len(set(digests)) != 1:
+                self.remove_plan()
+                raise ApplyError(
+                    f"Ranks applied different checkpointing plans (digests by rank: {digests}). Every rank must "
+                    "train with the same plan; check that all ranks read the same plan file."
+                )
+
+    def remove_plan(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def remove(self) -> None:
+        """The model as the user gave it: no plan, the HF cache setting back."""
+        self.remove_plan()
+        if self._restore_cache is not None:
+            self._restore_cache()
+            self._restore_cache = None

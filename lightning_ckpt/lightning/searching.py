@@ -1,0 +1,191 @@
+"""The search as the callback runs it: on the Trainer's first batch, through the user's own ``training_step``,
+inside the trial sandbox, with Lightning's progress bars paused; and its report once a plan is locked in.
+
+Everything here is glue from a Trainer to ``search.tune``/``search.microbatch``: the algorithm lives there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_ckpt.budget import RequestedBudget
+from lightning_ckpt.discovery import unwrap_compiled
+from lightning_ckpt.lightning.micro_batch import check_micro_batch_tunable, first_batch
+from lightning_ckpt.lightning.plan_file import PlanFile, warn_each_fit
+from lightning_ckpt.lightning.progress import lightning_bars_paused
+from lightning_ckpt.lightning.sync import StrategySync
+from lightning_ckpt.lightning.tensorboard import TunerRun, logged_hparams
+from lightning_ckpt.lightning.trials import (
+    SkippedBatch,
+    batch_dims,
+    batch_tensors,
+    fill_grads,
+    needs_transfer,
+    sandbox,
+    training_loss,
+    zero_grad_fn,
+)
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.records import TuneResult
+from lightning_ckpt.search.store import storage_for_display
+from lightning_ckpt.search.tune import SearchInterrupted, tune
+
+__all__ = ["SearchRequest", "report_search", "search_first_batch", "search_micro_batch"]
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """What the callback asks of one search: its settings, the budget it tunes for, where it reports."""
+
+    config: TuneConfig
+    budget: RequestedBudget
+    tb: TunerRun
+    verbose: bool
+
+    def progress(self, trainer: pl.Trainer) -> Any:
+        """One progress bar for the search on rank 0 (trial lines above it when verbose), and each trial's
+        scalars streamed to TensorBoard."""
+        from lightning_ckpt.report.progress import SearchProgress
+
+        if not trainer.is_global_zero:
+            return None
+        enabled = trainer.progress_bar_callback is not None
+        writer = self.tb.writer(trainer)
+        return SearchProgress(
+            self.config.n_trials, writer=writer, verbose=self.verbose, enabled=enabled, file=sys.stdout
+        )
+
+
+def search_first_batch(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, request: SearchRequest
+) -> tuple[TuneResult, Any] | None:
+    """Search on ``batch`` (moved to the device when Lightning has not yet): the result, and the batch tuned on;
+    None when ``training_step`` skipped the batch (the search runs on the next one)."""
+    batch = trainer.strategy.batch_to_device(batch) if needs_transfer(batch, pl_module.device) else batch
+    config, budget, progress = request.config, request.budget, request.progress(trainer)
+    optimizer = trainer.optimizers[0] if trainer.optimizers else None
+    zero_grad = zero_grad_fn(trainer, pl_module, optimizer, batch_idx)
+    forward = training_loss(pl_module, trainer.strategy.precision_plugin, batch, batch_idx, zero_grad=zero_grad)
+    batch_size, seq_len = batch_dims(batch)
+    sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
+    result = None
+    with (
+        _handed_over(batch_idx),
+        lightning_bars_paused(trainer, progress),
+        sandbox(pl_module),
+        warnings.catch_warnings(),
+    ):
+        # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
+        warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
+        fill_grads(pl_module)
+        result = tune(
+            unwrap_compiled(pl_module),
+            forward,
+            optimizer=optimizer,
+            **budget.arguments(),
+            config=config,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            progress=progress,
+            extra_tensors=tuple(batch_tensors(batch)),
+            should_stop=lambda: bool(getattr(trainer, "received_sigterm", False)),
+            sync=sync,
+        )
+    if result is None:
+        return None
+    if result.fell_back:
+        warn_each_fit(result.fallback_message)
+    return result, batch
+
+
+@contextlib.contextmanager
+def _handed_over(batch_idx: int) -> Iterator[None]:
+    """A batch ``training_step`` skips waits for the next one; SIGTERM during the search goes to Lightning's own
+    handling. The model is untouched either way (trials are sandboxed)."""
+    try:
+        yield
+    except SkippedBatch:
+        rank_zero_info(
+            f"lightning_ckpt: training_step returned None for batch {batch_idx} (Lightning skips it); "
+            "tuning on the next batch."
+        )
+    except SearchInterrupted:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        rank_zero_info("lightning_ckpt: SIGTERM received; the search stopped and nothing was applied.")
+        raise SIGTERMException() from None
+
+
+def search_micro_batch(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, attribute: str, request: SearchRequest
+) -> tuple[TuneResult, Any]:
+    """The joint search of plan and micro-batch (same global batch), before the loop draws its first batch:
+    the result (its plan's metadata holds the micro-batch), and the batch tuned on."""
+    from lightning.pytorch.utilities.parsing import lightning_getattr
+
+    from lightning_ckpt.search.microbatch import resize_batch, tune_micro_batch
+
+    check_micro_batch_tunable(trainer, pl_module, attribute)
+    base = int(lightning_getattr(pl_module, attribute))
+    global_batch = base * int(trainer.accumulate_grad_batches)
+    batch = first_batch(trainer)
+    precision = trainer.strategy.precision_plugin
+    optimizer = trainer.optimizers[0] if trainer.optimizers else None
+    config, budget, progress = request.config, request.budget, request.progress(trainer)
+
+    def loss_fn_for(m: int) -> Any:
+        # One micro-batch per step: the previous step's gradients live until after the forward.
+        zero_grad = zero_grad_fn(trainer, pl_module, optimizer, 0) if global_batch // m == 1 else None
+        return training_loss(pl_module, precision, resize_batch(batch, base, m), 0, zero_grad=zero_grad)
+
+    with lightning_bars_paused(trainer, progress), sandbox(pl_module):
+        fill_grads(pl_module)
+        found = tune_micro_batch(
+            unwrap_compiled(pl_module),
+            loss_fn_for,
+            base_micro_batch=base,
+            global_batch=global_batch,
+            **budget.arguments(),
+            progress=progress,
+            extra_for=lambda m: tuple(batch_tensors(resize_batch(batch, base, m))),
+            optimizer=optimizer,
+            config=replace(config, confirm_rounds=3),
+        )
+    return found.result, resize_batch(batch, base, found.micro_batch)
+
+
+def report_search(
+    trainer: pl.Trainer, result: TuneResult, *, plan_file: PlanFile | None, tb: TunerRun, verbose: bool
+) -> None:
+    """After lock-in, on rank 0: TensorBoard's summary (the trials were streamed), the timing warning, the table
+    when verbose, and one line saying what was chosen and where to see it."""
+    from lightning_ckpt import report
+
+    writer = tb.writer(trainer)
+    other = logged_hparams(trainer, trainer.lightning_module)
+    summary = not tb.declared_in_logger
+    log_dir = report.write_tensorboard(
+        writer, result, log_trials=False, write_experiment_summary=summary, other_hparams=other
+    )
+    tb.close()
+    warning = report.timing_warning(result)
+    if warning:
+        rank_zero_warn(warning)
+    if verbose:
+        rank_zero_info(report.summary_table(result))
+    where = []
+    if plan_file is not None:
+        saved = f"plan saved to {plan_file.path}"
+        where.append(saved if plan_file.wrote else f"plan not saved: {plan_file.path} holds another run's plan")
+    where.append(f"view it: tensorboard --logdir {tb.view_dir(trainer, log_dir)}")
+    if result.study_name is not None:
+        where.append(f"Optuna study {result.study_name!r} ({storage_for_display(result.storage)})")
+    rank_zero_info(report.result_line(result) + "\nlightning_ckpt: " + "; ".join(where))
