@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.search.space import SearchSpace
@@ -67,7 +67,7 @@ class TuneConfig:
     warmup_steps: int = 1
     measure_steps: int = 3
     block_types: Any = None
-    on_infeasible: str = "fallback"
+    on_infeasible: Literal["fallback", "raise"] = "fallback"
     tie_tolerance: float = 0.01
     count_flops: bool = True
     enforce_budget: bool = True
@@ -76,7 +76,7 @@ class TuneConfig:
     confirm_rounds: int = 2
     confirm_max_rounds: int = 4
     allow_graph_breaks: bool = False
-    memory_pass: str = "finalists"
+    memory_pass: Literal["finalists", "every"] = "finalists"
 
     def __post_init__(self) -> None:
         if self.memory_pass not in ("finalists", "every"):
