@@ -3,9 +3,10 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from lightning_ckpt import discover_blocks, model_fingerprint
+from lightning_ckpt import baselines, discover_blocks, model_fingerprint
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.search.space import SearchSpace
+from lightning_ckpt.testing import GPT, GPTConfig
 
 
 def test_baselines_come_first_and_are_named(gpt):
@@ -17,6 +18,22 @@ def test_baselines_come_first_and_are_named(gpt):
     keys = [c.plan.key() for c in cands]
     assert len(keys) == len(set(keys)), "candidates are deduplicated by what the plan does"
     assert all(bp.mode != "offload" for c in cands for bp in c.plan.blocks.values()), "no offload on CPU"
+
+
+@pytest.mark.parametrize("n_layer", [2, 3, 4])
+def test_the_space_and_plan_baselines_name_the_same_baselines(n_layer):
+    """One list of baselines: the space's are plan/baselines.py's plans. Before, a 2-block stack got sqrt(2) -> 1
+    chunk there (a plan that recomputes nothing, as ``none``) and 2 chunks of one block here (block by block,
+    as ``full``)."""
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+    stacks = discover_blocks(model)
+    named = baselines(model)
+    offered = {c.baseline: c.plan for c in SearchSpace().baseline_candidates(stacks, fingerprint=None)}
+    assert set(offered) <= set(named)
+    assert all(plan.key() == named[name].key() for name, plan in offered.items())
+    assert ("sqrt_segments" in offered) == ("sqrt_segments" in named) == (n_layer > 2)
+    if n_layer > 2:
+        assert named["sqrt_segments"].segments == {"transformer.h": 2}
 
 
 def test_plan_for_dimensions(gpt):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -16,7 +16,7 @@ from lightning_ckpt.plan.skipping import skipping_stacks
 if TYPE_CHECKING:  # memory_model imports the plan machinery; baselines must stay importable without it
     from lightning_ckpt.memory.model import MemoryModel
 
-__all__ = ["BASELINE_NAMES", "baselines", "uniform_plan"]
+__all__ = ["BASELINE_NAMES", "baselines", "sqrt_chunks", "sqrt_segments", "uniform_plan"]
 
 BASELINE_NAMES = ("none", "full", "sqrt_segments", "selective_mlp", "ops_save_matmuls", "offload")
 
@@ -26,6 +26,29 @@ def uniform_plan(
 ) -> Plan:
     """The same mode on every block of every stack."""
     return Plan({b.fqn: block_plan for s in stacks for b in s.blocks}, name=name, fingerprint=fingerprint)
+
+
+def sqrt_chunks(n_blocks: int) -> int:
+    """The sqrt(N) rule's chunk count for a stack of ``n_blocks`` blocks (Chen et al., 2016: stored chunk inputs
+    plus one chunk's activations are smallest near sqrt(N) chunks)."""
+    return max(1, round(math.sqrt(n_blocks)))
+
+
+def sqrt_segments(stacks: Sequence[LayerStack], *, skipping: Collection[str] = ()) -> dict[str, int]:
+    """The ``sqrt_segments`` baseline: stack FQN -> ``sqrt_chunks`` for every stack segments can run on (an
+    ``nn.ModuleList``/``nn.Sequential`` of two or more blocks, not in ``skipping``). Empty when it would only
+    repeat another baseline. The search space's baseline is this one too, so both always name the same plan."""
+    segments = {
+        s.fqn: sqrt_chunks(len(s.blocks))
+        for s in stacks
+        if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2 and s.fqn not in skipping
+    }
+    # The last chunk is never checkpointed, so one chunk recomputes nothing (the "none" baseline) and chunks of one
+    # block each checkpoint block by block (as "full" does). Only a chunk of two or more blocks is new.
+    sizes = {s.fqn: len(s.blocks) for s in stacks}
+    if not any(1 < n < sizes[fqn] for fqn, n in segments.items()):
+        return {}
+    return segments
 
 
 def baselines(
@@ -39,7 +62,8 @@ def baselines(
 
     A baseline that does not make sense for the model is left out rather than faked: ``sqrt_segments``
     needs a stack that is an ``nn.ModuleList``/``nn.Sequential`` whose parent does not skip blocks by
-    configuration (LayerDrop, see ``skipping.py``); ``selective_mlp`` needs blocks with
+    configuration (LayerDrop, see ``skipping.py``), and a chunk of two or more blocks (with two blocks,
+    sqrt(2) chunks are one chunk, which recomputes nothing); ``selective_mlp`` needs blocks with
     a recognisable feed-forward child. With ``memory_model`` (a profile of one step), plans the profile
     shows cannot run are left out too: segments over a stack whose blocks are not a chain (T5 hands
     block 0's position bias to every later block), a save-list a block failed under.
@@ -52,13 +76,9 @@ def baselines(
         "full": uniform_plan(stacks, BlockPlan("full"), name="full", fingerprint=fp),
     }
     skipping = skipping_stacks(root, stacks)  # LayerDrop: the parent skips blocks, so segments cannot run
-    segmentable = {
-        s.fqn: max(1, round(math.sqrt(len(s.blocks))))
-        for s in stacks
-        if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2 and s.fqn not in skipping
-    }
-    if segmentable:
-        out["sqrt_segments"] = Plan(segments=segmentable, name="sqrt_segments", fingerprint=fp)
+    segments = sqrt_segments(stacks, skipping=skipping)
+    if segments:
+        out["sqrt_segments"] = Plan(segments=segments, name="sqrt_segments", fingerprint=fp)
     mlp = {
         b.fqn: BlockPlan("selective", b.children_of_kind("mlp"))
         for s in stacks

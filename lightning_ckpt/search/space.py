@@ -23,6 +23,7 @@ from typing import Any
 
 from lightning_ckpt.discovery import Block, LayerStack
 from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.plan.baselines import sqrt_chunks, sqrt_segments
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.policies import SAVE_LISTS
 
@@ -320,26 +321,41 @@ class SearchSpace:
         """The named baselines (none, full, sqrt segments, selective MLP, op save-list) as points of this space."""
         if not self.baselines:
             return []
-        n = max(len(s.blocks) for s in stacks)
-        wanted: list[tuple[str, dict[str, Any]]] = [("none", {"structure": "none"})]
+
+        def named(name: str, params: dict[str, Any]) -> Candidate:
+            plan = replace(self.plan_for(params, stacks, fingerprint=fingerprint), name=name)
+            return Candidate(params, plan, f"baseline:{name}", baseline=name)
+
+        out = [named("none", {"structure": "none"})]
         for mode, name in (
             ("full", "full"),
             ("selective:mlp", "selective_mlp"),
             ("ops:save_matmuls", "ops_save_matmuls"),
         ):
-            if not (self.compiled and mode in COVERED_BY_PARTITIONER):
-                wanted.append((name, {"structure": "blocks", "selection": "all", "mode": mode}))
-        if self.segments:
-            wanted.append(("sqrt_segments", {"structure": "segments", "chunks": max(2, round(math.sqrt(n)))}))
-        # The compiler's own answer at each memory level: what a user of torch.compile would try by hand.
-        for b in self.budget_choices:
-            wanted.append((f"pt2_budget_{b:g}", {"structure": "pt2_budget", "compile_budget": b}))
-        out = []
-        for name, params in wanted:
-            if params["structure"] == "segments" and "segments" not in self.structures(stacks):
+            if self.compiled and mode in COVERED_BY_PARTITIONER:
                 continue
-            plan = self.plan_for(params, stacks, fingerprint=fingerprint)
-            if params.get("mode") == "selective:mlp" and not plan.blocks:
+            cand = named(name, {"structure": "blocks", "selection": "all", "mode": mode})
+            if mode == "selective:mlp" and not cand.plan.blocks:
                 continue  # no block has a recognisable MLP child
-            out.append(Candidate(params, replace(plan, name=name), f"baseline:{name}", baseline=name))
+            out.append(cand)
+        sqrt = self._sqrt_segments(stacks, fingerprint=fingerprint)
+        if sqrt is not None:
+            out.append(sqrt)
+        # The compiler's own answer at each memory level: what a user of torch.compile would try by hand.
+        out += [
+            named(f"pt2_budget_{b:g}", {"structure": "pt2_budget", "compile_budget": b}) for b in self.budget_choices
+        ]
         return out
+
+    def _sqrt_segments(self, stacks: Sequence[LayerStack], *, fingerprint: str | None) -> Candidate | None:
+        """plan/baselines.py's ``sqrt_segments`` as a point of this space, when the space has segments."""
+        segments = sqrt_segments(stacks)
+        if not (self.segments and segments and "segments" in self.structures(stacks)):
+            return None
+        plan = Plan(segments=segments, name="sqrt_segments", fingerprint=fingerprint)
+        params: dict[str, Any] = {"structure": "segments", "chunks": sqrt_chunks(max(len(s.blocks) for s in stacks))}
+        if self.plan_for(params, stacks, fingerprint=fingerprint).key() != plan.key():
+            # Stacks of different depths get different counts, which no one value of ``chunks`` means: the
+            # explicit counts keep the trial out of the sampler's model (as for a baseline outside the space).
+            params = {"structure": "segments", "segments": dict(segments)}
+        return Candidate(params, plan, "baseline:sqrt_segments", baseline="sqrt_segments")
