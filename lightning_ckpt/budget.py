@@ -65,6 +65,11 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
         raise ConfigurationError(f"{what} must be bytes, a size string or a fraction, but got {type(value).__name__}.")
     if n <= 0:
         raise ConfigurationError(f"{what} must be positive, but got {value!r}.")
+    if n < 1:  # "0.8" read as bytes would be a budget of 0 bytes
+        raise ConfigurationError(
+            f"{what}={value!r} is less than one byte. A fraction of device memory is a number, not a string "
+            "(max_memory=0.8); a size has a unit, e.g. '20GiB'."
+        )
     return int(n)
 
 
@@ -182,6 +187,36 @@ class RequestedBudget:
             return {"max_memory": None, "activation_budget": self.value}
         return {"max_memory": self.value, "activation_budget": None}
 
+    def resolve(self, *, device: torch.device, none_activation_bytes: int | None = None) -> Budget:
+        """The ``Budget`` this request means on ``device``: the limit in bytes, from the parsed value (never the
+        text again). ``activation`` needs the no-checkpointing activation memory (the profile predicts it)."""
+        if not self.recorded:
+            raise ConfigurationError(f"{self.describe()} cannot be resolved: its size is not recorded.")
+        if self.kind == "activation":
+            if none_activation_bytes is None:
+                raise ConfigurationError(
+                    "activation_budget needs the no-checkpointing activation memory, which is unknown."
+                )
+            limit = int(self.value * none_activation_bytes)
+            share = f"{self.value:.0%} of no-checkpointing activation memory ({format_bytes(limit)})"
+            return Budget("activation", limit, float(self.value), share)
+        if self.kind == "device_fraction":
+            if device.type != "cuda":
+                raise ConfigurationError(
+                    f"max_memory={self.value} is a fraction of device memory, but the model is on {device.type}, "
+                    "which has no fixed capacity. Give bytes (e.g. '8GiB') or use activation_budget=... instead."
+                )
+            limit = int(self.value * torch.cuda.get_device_properties(device).total_memory)
+            return Budget("peak", limit, float(self.value), f"{self.value:.0%} of {device} ({format_bytes(limit)})")
+        if self.kind == "peak":
+            limit = int(self.value)
+            return Budget("peak", limit, None, f"{format_bytes(limit)} peak")
+        if device.type == "cuda":
+            limit = int((1 - CUDA_SAFETY_MARGIN) * cuda_available_bytes(device))
+            less = f"memory available to this process less {CUDA_SAFETY_MARGIN:.0%} ({format_bytes(limit)})"
+            return Budget("peak", limit, None, less)
+        return Budget("none", None, None, "no budget (fastest plan wins)")
+
     def describe(self) -> str:
         """How a user would write it, e.g. ``max_memory='20GiB' (20.0 GiB)`` or ``activation_budget=0.5``."""
         if self.kind == "default":
@@ -247,39 +282,7 @@ def resolve_budget(
     device: torch.device,
     none_activation_bytes: int | None = None,
 ) -> Budget:
-    """Turn the user's budget arguments into a ``Budget`` for ``device``."""
-    validate_budget_args(max_memory, activation_budget)
-    if activation_budget is not None:
-        if none_activation_bytes is None:
-            raise ConfigurationError(
-                "activation_budget needs the no-checkpointing activation memory, which is unknown."
-            )
-        limit = int(activation_budget * none_activation_bytes)
-        return Budget(
-            "activation",
-            limit,
-            float(activation_budget),
-            f"{activation_budget:.0%} of no-checkpointing activation memory ({format_bytes(limit)})",
-        )
-    if _is_device_fraction(max_memory):
-        if device.type != "cuda":
-            raise ConfigurationError(
-                f"max_memory={max_memory} is a fraction of device memory, but the model is on {device.type}, which "
-                "has no fixed capacity. Give bytes (e.g. '8GiB') or use activation_budget=... instead."
-            )
-        total = torch.cuda.get_device_properties(device).total_memory
-        limit = int(max_memory * total)
-        return Budget("peak", limit, float(max_memory), f"{max_memory:.0%} of {device} ({format_bytes(limit)})")
-    if max_memory is not None:
-        limit = parse_bytes(max_memory)
-        return Budget("peak", limit, None, f"{format_bytes(limit)} peak")
-    if device.type == "cuda":
-        available = cuda_available_bytes(device)
-        limit = int((1 - CUDA_SAFETY_MARGIN) * available)
-        return Budget(
-            "peak",
-            limit,
-            None,
-            f"memory available to this process less {CUDA_SAFETY_MARGIN:.0%} ({format_bytes(limit)})",
-        )
-    return Budget("none", None, None, "no budget (fastest plan wins)")
+    """Turn the user's budget arguments into a ``Budget`` for ``device`` (``RequestedBudget.parse`` then ``resolve``)."""
+    return RequestedBudget.parse(max_memory, activation_budget).resolve(
+        device=device, none_activation_bytes=none_activation_bytes
+    )

@@ -56,11 +56,10 @@ def main() -> None:
     parser.add_argument("--rank-budget", action="store_true", help="resolve the reused plan's budget per rank")
     args = parser.parse_args()
     if args.rank_budget:  # as the default CUDA budget does: a share of each GPU's free memory, which differs
-        from lightning_ckpt.budget import Budget
-        from lightning_ckpt.lightning import reuse
+        from lightning_ckpt.budget import Budget, RequestedBudget
 
         limit = (10 + 10 * int(os.environ.get("LOCAL_RANK", "0"))) * 2**30
-        reuse.resolve_budget = lambda *a, **k: Budget("peak", limit, None, f"{limit} bytes free on this rank")
+        RequestedBudget.resolve = lambda *a, **k: Budget("peak", limit, None, f"{limit} bytes free on this rank")
     plan_path = args.out / "plan.json"
     if args.reuse:
         tuner = ActivationCheckpointTuner(plan=plan_path, verbose=False)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ckpt.budget import Budget, parse_bytes, resolve_budget, validate_budget_args
+from lightning_ckpt.budget import Budget, RequestedBudget, parse_bytes, resolve_budget, validate_budget_args
 from lightning_ckpt.errors import ConfigurationError
 
 
@@ -15,7 +15,7 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["20 gigs", "GiB", "", "-5GiB", 0, -1, True])
+@pytest.mark.parametrize("bad", ["20 gigs", "GiB", "", "-5GiB", 0, -1, True, "0.8", "0.5B"])
 def test_unparseable_or_non_positive_budgets_are_refused(bad):
     with pytest.raises(ConfigurationError):
         parse_bytes(bad)
@@ -47,3 +47,33 @@ def test_default_cuda_budget_is_what_this_process_can_use(monkeypatch):
     assert budget.limit_bytes == pytest.approx(0.9 * 40 * 2**30, rel=1e-6)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 0.25)
     assert resolve_budget(None, None, device=torch.device("cuda", 0)).limit_bytes == pytest.approx(0.9 * 20 * 2**30)
+
+
+def test_a_budget_is_parsed_once_and_resolved_from_its_value():
+    # The text is read once (RequestedBudget.parse); resolving never reads it again, so "20GiB" and its bytes
+    # resolve alike, and the same request resolves to the same limit wherever it is resolved.
+    cpu = torch.device("cpu")
+    text, raw = RequestedBudget.parse("20GiB"), RequestedBudget.parse(20 * 2**30)
+    assert text == raw and text.resolve(device=cpu) == raw.resolve(device=cpu) == resolve_budget(
+        "20GiB", None, device=cpu
+    )
+    share = RequestedBudget.parse(activation_budget=0.25)
+    assert share.resolve(device=cpu, none_activation_bytes=4000).limit_bytes == 1000
+    with pytest.raises(ConfigurationError, match="no-checkpointing activation memory"):
+        share.resolve(device=cpu)
+    with pytest.raises(ConfigurationError, match="not recorded"):
+        RequestedBudget("peak").resolve(device=cpu)
+
+
+def test_tune_refuses_a_bad_budget_before_running_any_step(gpt, tokens):
+    from lightning_ckpt import tune
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        return gpt(tokens, tokens)
+
+    with pytest.raises(ConfigurationError, match="not a memory size"):
+        tune(gpt, step, max_memory="20 gigs", n_trials=2)
+    assert calls == []

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_ckpt.budget import Budget, RequestedBudget, resolve_budget
+from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import StalePlanError
 from lightning_ckpt.lightning.conditions import RunConditions
 from lightning_ckpt.lightning.plan_file import warn_each_fit
@@ -87,7 +87,7 @@ def reused_budget(plan: Plan, wanted: RequestedBudget, device: torch.device) -> 
         saved = plan.metadata.get("budget") or {}
         limit = saved.get("limit_bytes") if RequestedBudget.of_plan(plan) == wanted else None
         return Budget("activation", limit, wanted.value, saved.get("description", "")) if limit else None
-    return resolve_budget(**wanted.arguments(), device=normalise_device(device))
+    return wanted.resolve(device=normalise_device(device))
 
 
 def plan_to_reuse(candidates: Sequence[tuple[Plan | None, str]], plan_file: Any) -> tuple[Plan | None, str]:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_ckpt.budget import Budget, resolve_budget
+from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, measure_optimizer_step
@@ -169,12 +169,13 @@ def tune_micro_batch(
     where it fits. ``confirm_top=0`` chooses from the search figures alone.
     """
     config = (config or TuneConfig(confirm_rounds=3, confirm_max_rounds=4)).with_overrides(settings)
+    requested = RequestedBudget.parse(max_memory, activation_budget)  # a bad budget fails before any step runs
     candidates = _checked_micro_batches(micro_batches, global_batch)
     started = time.perf_counter()
     resolved = ResolvedModel.of(model, config.block_types)
     scaled, opt_mem = _scaled_profiles(resolved, loss_fn_for, extra_for, optimizer, base_micro_batch)
     none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
-    budget = resolve_budget(max_memory, activation_budget, device=resolved.device, none_activation_bytes=none_at_base)
+    budget = requested.resolve(device=resolved.device, none_activation_bytes=none_at_base)
 
     feasible, skipped = _feasible_micro_batches(candidates, scaled, opt_mem, budget, resolved.stacks, global_batch)
     per_m_config = replace(config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback")

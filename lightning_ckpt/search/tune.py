@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.budget import Budget, format_bytes, resolve_budget
+from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.measurement import measure_step
@@ -156,6 +156,7 @@ def tune(
     and a search started again on the same model and run resumes it instead of measuring again.
     """
     config = (config or TuneConfig()).with_overrides(settings)
+    requested = RequestedBudget.parse(max_memory, activation_budget)  # a bad budget fails before any step runs
     resolved = ResolvedModel.of(model, config.block_types)
     # Every step the search runs starts from the module's Python attributes as they were (a counter-driven
     # curriculum sees call 1 each time, and so does the first real step), and the parameters the forward
@@ -174,8 +175,7 @@ def tune(
             resolved,
             harness,
             runner,
-            max_memory=max_memory,
-            activation_budget=activation_budget,
+            requested=requested,
             config=config,
             progress=progress,
             sync=sync,
@@ -195,8 +195,7 @@ def _search(
     harness: StepHarness,
     runner: TrialRunner,
     *,
-    max_memory: Any,
-    activation_budget: float | None,
+    requested: RequestedBudget,
     config: TuneConfig,
     progress: ProgressFn | None,
     sync: Sync | None,
@@ -222,7 +221,7 @@ def _search(
         optimizer_step = measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)
     memory = RealStepMemory(memory_model, optimizer_step or OptimizerStepMemory.absent())
     sync = sync or LocalSync()
-    budget = sync.broadcast(budget or _resolve_budget(max_memory, activation_budget, memory, runner, resolved))
+    budget = sync.broadcast(budget or _resolve_budget(requested, memory, runner, resolved))
     warm_steps = _warm_up_process(harness, resolved, config, is_compiled)
     stacks, candidates = _offered(space, resolved, memory_model)
     study = Study(
@@ -255,8 +254,7 @@ def _search(
 
 
 def _resolve_budget(
-    max_memory: Any,
-    activation_budget: float | None,
+    requested: RequestedBudget,
     memory: RealStepMemory,
     runner: TrialRunner,
     resolved: ResolvedModel,
@@ -264,9 +262,7 @@ def _resolve_budget(
     none_activation = memory.model.predict_activation(Plan())
     if isinstance(runner, CompiledTrials):  # an activation budget is a fraction of the *compiled* step's activations
         none_activation = runner.none_activation_bytes(Plan(fingerprint=resolved.fingerprint)) or none_activation
-    budget = resolve_budget(
-        max_memory, activation_budget, device=resolved.device, none_activation_bytes=none_activation
-    )
+    budget = requested.resolve(device=resolved.device, none_activation_bytes=none_activation)
     predicted = format_bytes(none_activation)
     log.info(
         "lightning_ckpt: budget %s; no-checkpointing activation memory predicted %s", budget.description, predicted
