@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, baselines, plan_applied
 from lightning_ckpt.errors import ConfigurationError
@@ -45,30 +44,20 @@ def test_scaled_memory_model_predicts_other_micro_batches(gpt):
         assert abs(predicted - measured.activation_bytes) <= 0.1 * measured.activation_bytes, name
 
 
-class BatchedGPT(L.LightningModule):
+class BatchedGPT(LitGPT):
     def __init__(self, batch_size: int = 8) -> None:
-        super().__init__()
-        torch.manual_seed(0)
+        super().__init__(
+            n_layer=4, n_embd=32, vocab_size=48, block_size=16, dropout=0.0, optimizer=torch.optim.SGD, lr=0.1
+        )
         self.batch_size = batch_size
-        self.model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
         self.losses: list[float] = []
 
     def train_dataloader(self):
-        tokens = torch.randint(0, 48, (64, 17), generator=torch.Generator().manual_seed(0))
-        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=self.batch_size, shuffle=False)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return self.model(x, y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return token_loader(64, batch_size=self.batch_size)
 
 
 def _fit(tmp_path, callbacks, module, *, steps=2, accumulate=1):
-    L.Trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-              accumulate_grad_batches=accumulate).fit(module)  # fmt: skip
+    quiet_trainer(tmp_path, callbacks, steps=steps, accumulate_grad_batches=accumulate).fit(module)
     return module
 
 
@@ -110,8 +99,7 @@ def test_micro_batch_needs_a_batch_size_attribute(tmp_path):
             del self.batch_size
 
         def train_dataloader(self):
-            tokens = torch.randint(0, 48, (16, 17))
-            return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+            return token_loader(16, batch_size=4, seed=None)
 
     with pytest.raises(ConfigurationError, match="batch_size"):
         _fit(tmp_path, [ActivationCheckpointTuner(tune_micro_batch=True, verbose=False)], NoAttr())
@@ -126,9 +114,16 @@ def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
         x = resize_batch(tokens, 4, m)
         return lambda: model(x, x)
 
-    common = dict(base_micro_batch=4, global_batch=8, micro_batches=[2, 4], activation_budget=1.0, n_trials=4,
-                  search_space=SPACE,
-                  measure_steps=1, extra_for=lambda m: (resize_batch(tokens, 4, m),))  # fmt: skip
+    common = dict(
+        base_micro_batch=4,
+        global_batch=8,
+        micro_batches=[2, 4],
+        activation_budget=1.0,
+        n_trials=4,
+        search_space=SPACE,
+        measure_steps=1,
+        extra_for=lambda m: (resize_batch(tokens, 4, m),),
+    )
     found = tune_micro_batch(model, loss_for, confirm_top=2, confirm_rounds=2, confirm_max_rounds=2, **common)
     confirmed = [t for t in found.result.trials if t.confirmed]
     assert len(confirmed) >= 2 and all(len(t.confirmation_seconds) == 2 for t in confirmed)

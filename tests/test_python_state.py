@@ -10,13 +10,12 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from lit import LitGPT, quiet_trainer, token_loader
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner, apply_plan, tune
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import WRITTEN_IN_FORWARD, find_parameters_written_in_forward
-from lightning_ckpt.testing import GPT, GPTConfig
 
 
 class Curriculum:
@@ -88,13 +87,11 @@ def test_parameters_written_in_forward_are_found_marked_and_left_as_they_were():
 # ---------------------------------------------------------------------------------------------------
 # End to end: a fit with the tuner trains exactly as a fit with the chosen plan applied by hand.
 # ---------------------------------------------------------------------------------------------------
-class CurriculumGPT(L.LightningModule):
+class CurriculumGPT(LitGPT):
     """Short sequences for the first two calls of training_step, then full length (a counter-driven curriculum)."""
 
     def __init__(self, max_norm: float | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.1))
+        super().__init__(n_layer=4, n_embd=32, vocab_size=48, block_size=16, dropout=0.1, lr=1e-2)
         if max_norm is not None:
             self.model.transformer.wte.max_norm = max_norm
         self.calls = 0
@@ -108,22 +105,10 @@ class CurriculumGPT(L.LightningModule):
         self.shapes.append(tuple(x.shape))
         return self.model(x, y)
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-def _loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 48, (32, 17), generator=g)
-    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8, shuffle=False)
-
 
 def _fit(tmp_path, module, callbacks):
     L.seed_everything(3)
-    L.Trainer(
-        accelerator="cpu", max_steps=4, callbacks=callbacks, default_root_dir=tmp_path, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    ).fit(module, _loader())  # fmt: skip
+    quiet_trainer(tmp_path, callbacks, steps=4).fit(module, token_loader(32))
     return {k: v.clone() for k, v in module.state_dict().items()}
 
 
@@ -146,7 +131,7 @@ def test_a_fit_with_the_tuner_trains_as_the_chosen_plan_applied_by_hand(tmp_path
 def test_profile_and_trials_see_the_batch_of_the_first_call():
     torch.manual_seed(0)
     module = CurriculumGPT()
-    x, y = next(iter(_loader()))
+    x, y = next(iter(token_loader(32)))
     seen: list[tuple[int, ...]] = []
 
     def step():
