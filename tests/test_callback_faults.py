@@ -9,11 +9,11 @@ import lightning as L
 import pytest
 import torch
 from faults import InjectedFault, assert_model_intact, fail_plan_save, sigterm_on_call, snapshot_model
-from torch.utils.data import DataLoader, TensorDataset
+from lit import LitGPT, quiet_trainer, token_loader
+from torch.utils.data import DataLoader
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan, applied_plan
 from lightning_ckpt.errors import ConfigurationError, StalePlanError, TrialsFailedError
-from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": ["none"], "segments": False}
 
@@ -28,13 +28,11 @@ class _Calls:
         self.n = 0
 
 
-class Net(L.LightningModule):
+class Net(LitGPT):
     def __init__(
         self, *, raise_at_step: int | None = None, fail_from_call: int | None = None, skip_first: bool = False
     ):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.1))
+        super().__init__(n_layer=3, n_embd=32, vocab_size=48, block_size=16, dropout=0.1)
         self.raise_at_step, self.fail_from_call, self.skip_first = raise_at_step, fail_from_call, skip_first
         self.all_calls = _Calls()
         self.batches_seen: list[int] = []
@@ -52,23 +50,11 @@ class Net(L.LightningModule):
         if self.skip_first and batch_idx == 0:
             return None
         self.batches_seen.append(batch_idx)
-        return self.model(*batch)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def loader() -> DataLoader:
-    data = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8)
+        return super().training_step(batch, batch_idx)
 
 
 def trainer(tmp_path, cb, *, steps: int = 3, **kwargs) -> L.Trainer:
-    kwargs.setdefault("default_root_dir", tmp_path)
-    return L.Trainer(
-        accelerator="cpu", max_steps=steps, callbacks=[cb], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
-    )  # fmt: skip
+    return quiet_trainer(tmp_path, [cb], steps=steps, **kwargs)
 
 
 def tuner(search=None, **kwargs) -> ActivationCheckpointTuner:
@@ -81,11 +67,11 @@ def test_exception_after_lock_in_leaves_the_model_as_given_and_a_new_fit_works(t
     before = snapshot_model(net)
     cb = tuner()
     with pytest.raises(InjectedFault):
-        trainer(tmp_path, cb).fit(net, loader())
+        trainer(tmp_path, cb).fit(net, token_loader(32))
     assert cb.plan is not None and applied_plan(net) is None
     assert_model_intact(net, before, weights=False)  # one real step ran before the fault
     net.raise_at_step = None
-    trainer(tmp_path, tuner()).fit(net, loader())  # profiling needs the model without checkpointing
+    trainer(tmp_path, tuner()).fit(net, token_loader(32))  # profiling needs the model without checkpointing
 
 
 def test_failed_plan_save_leaves_the_model_and_the_old_file_intact(tmp_path):
@@ -97,7 +83,7 @@ def test_failed_plan_save_leaves_the_model_and_the_old_file_intact(tmp_path):
     before = snapshot_model(net)
     t = trainer(tmp_path, tuner(plan_path=path))
     with fail_plan_save("replace") as fault, pytest.raises(OSError):
-        t.fit(net, loader())
+        t.fit(net, token_loader(32))
     assert fault.fired
     assert all(not state for state in t.optimizers[0].state.values()), "no optimizer step ran, no state moved"
     assert path.read_bytes() == old_bytes
@@ -108,11 +94,11 @@ def test_failed_plan_save_leaves_the_model_and_the_old_file_intact(tmp_path):
 def test_second_fit_with_the_same_callback_reapplies_without_searching(tmp_path):
     cb = tuner()
     net = Net()
-    trainer(tmp_path, cb).fit(net, loader())
+    trainer(tmp_path, cb).fit(net, token_loader(32))
     first = cb.plan
     calls = net.calls
     cb.result = None
-    trainer(tmp_path, cb, steps=2).fit(net, loader())
+    trainer(tmp_path, cb, steps=2).fit(net, token_loader(32))
     assert cb.result is None and cb.plan == first
     assert net.calls - calls == 2, "only the two real steps ran training_step: no trials"
 
@@ -122,7 +108,7 @@ def test_when_every_trial_errors_the_error_is_surfaced_and_nothing_is_written_or
     net = Net(fail_from_call=4)  # the write check's and the profile's two forwards succeed; every trial after fails
     before = snapshot_model(net)
     with pytest.raises(TrialsFailedError) as info:
-        trainer(tmp_path, tuner(plan_path=path)).fit(net, loader())
+        trainer(tmp_path, tuner(plan_path=path)).fit(net, token_loader(32))
     message = str(info.value)
     assert "boom: a bug in the user's training_step" in message
     assert "Traceback" in message and "in training_step" in message
@@ -132,7 +118,7 @@ def test_when_every_trial_errors_the_error_is_surfaced_and_nothing_is_written_or
 
 def test_without_a_logger_nothing_is_written_into_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    trainer(tmp_path, tuner(), default_root_dir=None).fit(Net(), loader())
+    trainer(tmp_path, tuner(), default_root_dir=None).fit(Net(), token_loader(32))
     assert not (tmp_path / "lightning_ckpt").exists(), "would shadow the package on the next import"
     assert any((tmp_path / "lightning_logs" / "lightning_ckpt").iterdir())
 
@@ -147,7 +133,7 @@ def test_sigterm_during_the_search_stops_it_promptly_and_leaves_everything_intac
     cb = tuner(plan_path=path, activation_budget=None, search=dict(n_trials=40))
     t = trainer(tmp_path, cb)
     with sigterm_on_call(net, "training_step", at=8) as fault, pytest.raises((SIGTERMException, SystemExit)):
-        t.fit(net, loader())
+        t.fit(net, token_loader(32))
     assert fault.fired
     assert all(not state for state in t.optimizers[0].state.values()), "no optimizer step ran, no state moved"
     assert net.calls <= 8 + 4, "the search stopped within a trial of the signal"
@@ -183,7 +169,7 @@ def test_stale_plan_message_speaks_the_callbacks_language(tmp_path):
     Plan({"model.transformer.h.0": BlockPlan("full")}, fingerprint="0000000000000000").save(path)
     with pytest.raises(StalePlanError) as info:
         cb = ActivationCheckpointTuner(plan=path, on_stale_plan="raise", verbose=False)
-        trainer(tmp_path, cb).fit(Net(), loader())
+        trainer(tmp_path, cb).fit(Net(), token_loader(32))
     assert "check_fingerprint" not in str(info.value) and "on_stale_plan='retune'" in str(info.value)
 
 
@@ -191,16 +177,16 @@ def test_fallback_is_warned_on_every_fit_and_when_the_fallen_back_plan_is_reused
     path = tmp_path / "plan.json"
     for _ in range(2):
         with pytest.warns(UserWarning, match="No checkpointing plan fits the budget"):
-            trainer(tmp_path, tuner(max_memory=1024, activation_budget=None)).fit(Net(), loader())
-    trainer(tmp_path, tuner(max_memory=1024, activation_budget=None, plan_path=path)).fit(Net(), loader())
+            trainer(tmp_path, tuner(max_memory=1024, activation_budget=None)).fit(Net(), token_loader(32))
+    trainer(tmp_path, tuner(max_memory=1024, activation_budget=None, plan_path=path)).fit(Net(), token_loader(32))
     with pytest.warns(UserWarning, match="was a fallback"):
-        trainer(tmp_path, tuner(max_memory=1024, activation_budget=None, plan_path=path)).fit(Net(), loader())
+        trainer(tmp_path, tuner(max_memory=1024, activation_budget=None, plan_path=path)).fit(Net(), token_loader(32))
 
 
 def test_a_first_batch_that_training_step_skips_is_not_tuned_on(tmp_path):
     net = Net(skip_first=True)
     cb = tuner()
-    trainer(tmp_path, cb).fit(net, loader())
+    trainer(tmp_path, cb).fit(net, token_loader(32))
     assert cb.result is not None and cb.plan is not None
     assert net.batches_seen[0] == 1
 

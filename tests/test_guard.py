@@ -5,32 +5,30 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from lit import LitGPT, quiet_trainer, token_loader
+from torch.utils.data import DataLoader
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan, apply_plan, discover_blocks
 from lightning_ckpt.errors import InfeasibleBudgetError
 from lightning_ckpt.lightning.guard import lower_memory_trial
 from lightning_ckpt.measure.tracker import new_live_tracker
 from lightning_ckpt.plan.baselines import uniform_plan
-from lightning_ckpt.testing import GPT, GPTConfig
 
-SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5"], "rest_modes": ["none"],
-         "segments": False}  # fmt: skip
+SPACE = {
+    "modes": ["full", "selective:mlp"],
+    "selections": ["all", "first:0.5"],
+    "rest_modes": ["none"],
+    "segments": False,
+}
 
 
-class Net(L.LightningModule):
+class Net(LitGPT):
     """A GPT trained with AdamW whose every real step (closure + optimizer step) is read by the live tracker."""
 
     def __init__(self, optimizer: str = "adamw") -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0))
-        self.optimizer_name = optimizer
+        adamw = _LateStateAdamW if optimizer == "late_state" else torch.optim.AdamW
+        super().__init__(n_layer=4, n_embd=64, vocab_size=64, block_size=32, dropout=0.0, optimizer=adamw, lr=1e-3)
         self.peaks: list[int] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return self.model(x, y)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         tracker = new_live_tracker("cpu")
@@ -39,11 +37,6 @@ class Net(L.LightningModule):
         with tracker:
             optimizer.step(closure=optimizer_closure)
         self.peaks.append(tracker.total_peak)
-
-    def configure_optimizers(self):
-        if self.optimizer_name == "late_state":
-            return _LateStateAdamW(self.parameters(), lr=1e-3)
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 class _LateStateAdamW(torch.optim.AdamW):
@@ -62,15 +55,11 @@ class _LateStateAdamW(torch.optim.AdamW):
 
 
 def loader(batch: int = 8, seq: int = 32, n: int = 64) -> DataLoader:
-    data = torch.randint(0, 64, (n, seq + 1), generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch, shuffle=False)
+    return token_loader(n, seq, vocab=64, batch_size=batch)
 
 
 def fit(tmp_path, callbacks, model: Net, *, steps: int = 4, precision: str = "32-true", data=None) -> L.Trainer:
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=steps, callbacks=callbacks, default_root_dir=tmp_path, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=precision,
-    )  # fmt: skip
+    trainer = quiet_trainer(tmp_path, callbacks, steps=steps, precision=precision)
     trainer.fit(model, data or loader())
     return trainer
 
