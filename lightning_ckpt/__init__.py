@@ -16,10 +16,11 @@ from lightning_ckpt.errors import (
     StalePlanError,
     UnsupportedVersionError,
 )
+from lightning_ckpt.model import ModelView, model_fingerprint
 from lightning_ckpt.plan.apply import apply_plan, plan_applied
 from lightning_ckpt.plan.baselines import BASELINE_NAMES, baselines
 from lightning_ckpt.plan.foreign import existing_checkpointing
-from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.handle import PlanHandle, applied_plan, plan_handle
 from lightning_ckpt.plan.policies import SAVE_LISTS
 from lightning_ckpt.search.config import TuneConfig
@@ -57,6 +58,7 @@ __all__ = [
     "DiscoveryError",
     "LayerStack",
     "LightningCkptError",
+    "ModelView",
     "Plan",
     "PlanError",
     "PlanHandle",

@@ -21,10 +21,10 @@ from lightning_ckpt import report as report_module
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import PlanError
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.plan.format import BlockPlan, model_fingerprint
+from lightning_ckpt.model import compiled_regions, model_fingerprint
+from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.search.compile import (
     CompileStats,
-    compiled_regions,
     compiled_search,
     conflict_reason,
     random_ops,

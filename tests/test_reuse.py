@@ -19,7 +19,7 @@ from test_conditions import SPACE, Net, loader  # the same tiny GPT module and b
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan
 from lightning_ckpt.errors import ConfigurationError, StalePlanError
-from lightning_ckpt.plan.format import model_fingerprint
+from lightning_ckpt.model import model_fingerprint
 
 GIB = 2**30
 # What the callback records for the run these tests fit (see test_conditions.py).

@@ -16,7 +16,8 @@ from typing import Any
 
 from lightning_ckpt.cli.usage import EXIT_OK, EXIT_REFUSED, UsageError, load_plan
 from lightning_ckpt.errors import LightningCkptError
-from lightning_ckpt.plan.format import Plan, closest_names, model_fingerprint
+from lightning_ckpt.model import model_fingerprint
+from lightning_ckpt.plan.format import Plan, closest_names
 
 __all__ = ["build_model", "check_plan", "load_factory", "run_validate"]
 

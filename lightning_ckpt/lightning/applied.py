@@ -6,15 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 
 from lightning_ckpt.errors import ApplyError
 from lightning_ckpt.lightning.sync import StrategySync
+from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.caches import disable_kv_cache
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.handle import PlanHandle
-from lightning_ckpt.search.compile import is_compiled, reset_compiled
+from lightning_ckpt.search.compile import reset_compiled
 
 __all__ = ["AppliedPlan"]
 
@@ -26,13 +26,13 @@ class AppliedPlan:
         self._handle: PlanHandle | None = None
         self._restore_cache: Any = None
 
-    def apply(self, model: torch.nn.Module, plan: Plan, trainer: pl.Trainer) -> None:
+    def apply(self, view: ModelView, plan: Plan, trainer: pl.Trainer) -> None:
         """Apply ``plan`` in place of the one applied now; every rank must have applied the same plan."""
         self.remove_plan()
         if self._restore_cache is None:
-            self._restore_cache = disable_kv_cache(model)  # training forwards never need HF's KV cache
-        self._handle = apply_plan(model, plan)
-        if is_compiled(model):
+            self._restore_cache = disable_kv_cache(view.root)  # training forwards never need HF's KV cache
+        self._handle = apply_plan(view, plan)
+        if view.compiled:
             reset_compiled()  # compile the locked-in plan afresh: no stale graphs, no recompiles counted (compile.py)
         if trainer.world_size > 1:
             digests = StrategySync(trainer.strategy).all_gather(plan.digest())

@@ -21,7 +21,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ckpt.budget import RequestedBudget
-from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.lightning.applied import AppliedPlan
 from lightning_ckpt.lightning.checks import (
     check_reuse_arguments,
@@ -39,8 +38,8 @@ from lightning_ckpt.lightning.searching import SearchRequest, report_search, sea
 from lightning_ckpt.lightning.sync import StrategySync
 from lightning_ckpt.lightning.tensorboard import TunerRun
 from lightning_ckpt.measure.tracker import normalise_device
+from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.search.compile import is_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
 
@@ -127,6 +126,7 @@ class ActivationCheckpointTuner(Callback):
         self._tuned_batch: Any = None
         self._tb = TunerRun(self.log_dir)
         self._guard = BudgetGuard(self.guard, torch.device("cpu"))
+        self._view: ModelView | None = None  # the model, resolved once per fit (on_fit_start)
 
     @property
     def plan_path(self) -> Path | None:
@@ -151,9 +151,10 @@ class ActivationCheckpointTuner(Callback):
             check_strategy(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        model = unwrap_compiled(pl_module)
-        discover_blocks(model, block_types=self.block_types)  # a model with nothing to checkpoint fails here
-        refuse_existing_checkpointing(model)
+        # Resolved once for the fit (a model with nothing to checkpoint fails here): the search, reuse, lock-in
+        # and the guard all see this one view.
+        self._view = ModelView.of(pl_module, self.block_types)
+        refuse_existing_checkpointing(self._view.root)
         self._guard = BudgetGuard(self.guard, normalise_device(pl_module.device))
         self._tb = TunerRun(self.log_dir)  # this fit's logger run has no tuner HParams columns yet
         self._search_budget = self._requested
@@ -170,14 +171,14 @@ class ActivationCheckpointTuner(Callback):
             # would run trials alone and hang the others' collectives.
             data = trainer.strategy.broadcast(plan.to_dict() if plan is not None else None, src=0)
             plan = Plan.from_dict(data, source="plan broadcast from rank 0") if data is not None else None
-        if plan is not None and self._reuse(trainer, pl_module, model, plan, source):
+        if plan is not None and self._reuse(trainer, pl_module, plan, source):
             return
         check_tunable(pl_module)
         if trainer.is_global_zero:
             self._tb.declare_hparams_table(trainer, pl_module)
         if self.tune_micro_batch:  # before the loop draws its first batch
             result, self._tuned_batch = search_micro_batch(trainer, pl_module, self.batch_arg_name, self._request())
-            self._searched(trainer, model, result, source="joint micro-batch search")
+            self._searched(trainer, result, source="joint micro-batch search")
             self._set_micro_batch(trainer, pl_module, result.best.metadata["micro_batch"])
             return
         self._pending = True
@@ -185,7 +186,6 @@ class ActivationCheckpointTuner(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        model = unwrap_compiled(pl_module)
         if self._check_batch_of is not None:
             plan, self._check_batch_of = self._check_batch_of, None
             conditions = run_conditions(trainer, pl_module, batch)
@@ -199,8 +199,8 @@ class ActivationCheckpointTuner(Callback):
                 return
             result, self._tuned_batch = found
             self._pending = False
-            self._searched(trainer, model, result, source="search")
-        self._guard.maybe_start(trainer, pl_module, batch, compiled=is_compiled(pl_module))
+            self._searched(trainer, result, source="search")
+        self._guard.maybe_start(trainer, pl_module, batch, compiled=bool(self._view.compiled))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -212,10 +212,9 @@ class ActivationCheckpointTuner(Callback):
         check = self._guard.judge(trainer, reading, batch, self.plan, sync)
         if not check.within_budget:
             trials = self.result.trials if self.result is not None else ()
-            model = unwrap_compiled(pl_module)
-            lower = self._guard.over_budget(check, self.plan, trials, model, block_types=self.block_types)
+            lower = self._guard.over_budget(check, self.plan, trials, self._view)
             if lower is not None:
-                self._lock_in(model, lower, source="the budget guard", trainer=trainer)
+                self._lock_in(lower, source="the budget guard", trainer=trainer)
         if (self._guard.done or not check.within_budget) and trainer.is_global_zero and self.plan is not None:
             self.plan = self.plan.with_metadata(real_steps=[c.to_dict() for c in self.step_checks])
             if self._plan_file is not None:
@@ -246,23 +245,21 @@ class ActivationCheckpointTuner(Callback):
         self._resumed_plan = Plan.from_dict(data, source=source) if data else None
 
     # -- internals ---------------------------------------------------------------------------------
-    def _reuse(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: torch.nn.Module, plan: Plan, source: str
-    ) -> bool:
+    def _reuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Plan, source: str) -> bool:
         """Apply a saved plan without searching (True), or return False to search (it was stale and re-tunes)."""
         conditions = run_conditions(trainer, pl_module, None)
         wanted, applies = reusable(
             plan,
             source,
             conditions=conditions,
-            model=model,
+            model=self._view,
             requested=self._requested,
             on_stale_plan=self.on_stale_plan,
         )
         self._search_budget = wanted
         if not applies:
             return False
-        self._lock_in(model, plan, source=source, trainer=trainer)
+        self._lock_in(plan, source=source, trainer=trainer)
         budget = reused_budget(plan, wanted, pl_module.device)
         if trainer.world_size > 1:
             # Resolved per rank (the default CUDA budget is a share of each GPU's free memory): ranks that judged a
@@ -274,11 +271,11 @@ class ActivationCheckpointTuner(Callback):
             self._set_micro_batch(trainer, pl_module, plan.metadata["micro_batch"])
         return True
 
-    def _searched(self, trainer: pl.Trainer, model: torch.nn.Module, result: TuneResult, *, source: str) -> None:
+    def _searched(self, trainer: pl.Trainer, result: TuneResult, *, source: str) -> None:
         """Lock in the search's plan, record what it was tuned for, save it and report (rank 0)."""
         self.result = result
         self._guard.budget = result.budget
-        self._lock_in(model, result.best, source=source, trainer=trainer)
+        self._lock_in(result.best, source=source, trainer=trainer)
         if not trainer.is_global_zero:
             return
         conditions = run_conditions(trainer, trainer.lightning_module, self._tuned_batch).to_dict()
@@ -289,14 +286,16 @@ class ActivationCheckpointTuner(Callback):
         report_search(trainer, result, plan_file=self._plan_file, tb=self._tb, verbose=self.verbose)
 
     def _request(self) -> SearchRequest:
-        return SearchRequest(self.config, self._search_budget, self._tb, self.verbose)
+        assert self._view is not None
+        return SearchRequest(self._view, self.config, self._search_budget, self._tb, self.verbose)
 
     def _unlock(self) -> None:
         self._guard.reader.abandon()
         self._applied.remove()
 
-    def _lock_in(self, model: torch.nn.Module, plan: Plan, *, source: str, trainer: pl.Trainer) -> None:
-        self._applied.apply(model, plan, trainer)
+    def _lock_in(self, plan: Plan, *, source: str, trainer: pl.Trainer) -> None:
+        assert self._view is not None
+        self._applied.apply(self._view, plan, trainer)
         self.plan = plan
         self._guard.arm(int(trainer.accumulate_grad_batches))
         if source not in _SEARCHES or self.verbose:

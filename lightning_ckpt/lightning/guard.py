@@ -20,11 +20,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_ckpt.budget import Budget, format_bytes
-from lightning_ckpt.discovery import discover_blocks
+from lightning_ckpt.discovery import LayerStack
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
 from lightning_ckpt.measure.measurement import MemoryReading
 from lightning_ckpt.measure.tracker import new_live_tracker
+from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.saved_for_backward import SavedForBackward
@@ -174,7 +175,7 @@ def lower_memory_trial(trials: Sequence[Any], current_key: str, budget: Budget, 
 
 
 def lower_plan(
-    plan: Plan, real_value: int, trials: Sequence[Any], budget: Budget, model: nn.Module, *, block_types: Any = None
+    plan: Plan, real_value: int, trials: Sequence[Any], budget: Budget, stacks: Sequence[LayerStack]
 ) -> Plan | None:
     """The plan to switch to after a real step used ``real_value`` of the budget under ``plan``: the fastest
     searched plan expected to fit (``lower_memory_trial``), else full checkpointing; None when that is ``plan``."""
@@ -185,7 +186,7 @@ def lower_plan(
     if found is not None:
         lower = found.plan
     else:
-        lower = uniform_plan(discover_blocks(model, block_types=block_types), BlockPlan("full"))
+        lower = uniform_plan(stacks, BlockPlan("full"))
         if lower.key() == plan.key():
             return None
     return replace(
@@ -297,9 +298,7 @@ class BudgetGuard:
         """The steps after lock-in are all read (later, only a larger batch is)."""
         return self._left <= 0
 
-    def over_budget(
-        self, check: StepCheck, plan: Plan, trials: Sequence[Any], model: nn.Module, *, block_types: Any
-    ) -> Plan | None:
+    def over_budget(self, check: StepCheck, plan: Plan, trials: Sequence[Any], view: ModelView) -> Plan | None:
         """Act on a step over the budget as ``on_budget_exceeded`` says: the plan to switch to, or None to go on."""
         budget = self.budget
         assert budget is not None
@@ -318,7 +317,7 @@ class BudgetGuard:
         if self.config.on_budget_exceeded == "warn":
             rank_zero_warn(message + " Continuing with it (on_budget_exceeded='warn').")
             return None
-        lower = lower_plan(plan, value, trials, budget, model, block_types=block_types)
+        lower = lower_plan(plan, value, trials, budget, view.stacks)
         if lower is None:
             rank_zero_warn(message + " No plan using less memory is left; continuing with this one.")
             return None

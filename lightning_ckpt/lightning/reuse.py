@@ -17,7 +17,8 @@ from lightning_ckpt.lightning.conditions import RunConditions
 from lightning_ckpt.lightning.plan_file import warn_each_fit
 from lightning_ckpt.lightning.trials import batch_dims
 from lightning_ckpt.measure.tracker import normalise_device
-from lightning_ckpt.plan.format import Plan, model_fingerprint
+from lightning_ckpt.model import ModelView
+from lightning_ckpt.plan.format import Plan
 
 __all__ = [
     "check_reusable",
@@ -61,12 +62,12 @@ def wanted_budget(plan: Plan, requested: RequestedBudget) -> RequestedBudget:
 
 
 def check_reusable(
-    plan: Plan, source: str, *, changes: list[str], model: torch.nn.Module, wanted: RequestedBudget, budget_given: bool
+    plan: Plan, source: str, *, changes: list[str], model: ModelView, wanted: RequestedBudget, budget_given: bool
 ) -> None:
     """Raise ``StalePlanError`` saying why ``plan`` (from ``source``) cannot be applied to this run as it is."""
     if changes:
         raise StalePlanError(f"The plan from {source} was tuned under other conditions: {'; '.join(changes)}.")
-    fingerprint = model_fingerprint(model)
+    fingerprint = model.fingerprint
     if plan.fingerprint is not None and plan.fingerprint != fingerprint:
         raise StalePlanError(
             f"The plan from {source} was tuned for another model (fingerprint {plan.fingerprint}; this "
@@ -103,7 +104,7 @@ def reusable(
     source: str,
     *,
     conditions: RunConditions,
-    model: torch.nn.Module,
+    model: ModelView,
     requested: RequestedBudget,
     on_stale_plan: str,
 ) -> tuple[RequestedBudget, bool]:

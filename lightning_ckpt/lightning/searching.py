@@ -17,7 +17,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ckpt.budget import RequestedBudget
-from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.lightning.micro_batch import check_micro_batch_tunable, first_batch
 from lightning_ckpt.lightning.plan_file import PlanFile, warn_each_fit
 from lightning_ckpt.lightning.progress import lightning_bars_paused
@@ -33,6 +32,7 @@ from lightning_ckpt.lightning.trials import (
     training_loss,
     zero_grad_fn,
 )
+from lightning_ckpt.model import ModelView
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
 from lightning_ckpt.search.store import storage_for_display
@@ -43,8 +43,10 @@ __all__ = ["SearchRequest", "report_search", "search_first_batch", "search_micro
 
 @dataclass(frozen=True)
 class SearchRequest:
-    """What the callback asks of one search: its settings, the budget it tunes for, where it reports."""
+    """What the callback asks of one search: the model as resolved for the fit, the search's settings, the budget
+    it tunes for, where it reports."""
 
+    view: ModelView
     config: TuneConfig
     budget: RequestedBudget
     tb: TunerRun
@@ -87,7 +89,7 @@ def search_first_batch(
         warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
         fill_grads(pl_module)
         result = tune(
-            unwrap_compiled(pl_module),
+            request.view,
             forward,
             optimizer=optimizer,
             **budget.arguments(),
@@ -149,7 +151,7 @@ def search_micro_batch(
     with lightning_bars_paused(trainer, progress), sandbox(pl_module):
         fill_grads(pl_module)
         found = tune_micro_batch(
-            unwrap_compiled(pl_module),
+            request.view,
             loss_fn_for,
             base_micro_batch=base,
             global_batch=global_batch,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.model import ModelView
 
 __all__ = ["StepHarness", "loss_of"]
 
@@ -59,6 +60,12 @@ class StepHarness:
     seq_len: int | None = None
     warmup_steps: int = 1
     measure_steps: int = 3
+    view: ModelView | None = None  # ``root`` resolved once (the search's): plans are checked against its fingerprint
+
+    @property
+    def target(self) -> nn.Module | ModelView:
+        """What plans are applied to: the view when there is one (its fingerprint is not computed again)."""
+        return self.view if self.view is not None else self.root
 
     def train_step(self) -> None:
         """Forward and backward; never the optimizer (measuring must leave training untouched)."""

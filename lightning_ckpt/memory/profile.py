@@ -45,8 +45,9 @@ from lightning_ckpt.measure.tracker import (
 )
 from lightning_ckpt.memory.capture import _autocast_as, _capture, _Captured, _hidden_index, _hidden_tensor
 from lightning_ckpt.memory.model import BlockMemory, MemoryModel, ModeProfile, PhasePeak
+from lightning_ckpt.model import ModelView, model_fingerprint
 from lightning_ckpt.plan.apply import apply_plan
-from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.handle import applied_plan
 from lightning_ckpt.plan.policies import SAVE_LISTS
 from lightning_ckpt.plan.skipping import skipping_stacks
@@ -178,7 +179,7 @@ def _anchor(
     tracker.track_external(*externals)
     phases = _AnchorPhases(root, order, tracker)
     plan = Plan({f: BlockPlan("full") for f in order})
-    handle = apply_plan(root, plan, check_fingerprint=False)
+    handle = apply_plan(root, plan)
     handles = []
     try:
         for f in phases.positions:
@@ -216,7 +217,7 @@ def _run_block(
     captured = [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
     tracker.track_external(*externals, *captured)
     plan = Plan({cap.fqn: bp}) if bp.mode != "none" else Plan()
-    handle = apply_plan(root, plan, check_fingerprint=False)
+    handle = apply_plan(root, plan)
     try:
         with tracker:
             # A fresh non-leaf input, as in the chain: a leaf would be kept alive by its AccumulateGrad
@@ -284,7 +285,7 @@ def _state_bytes(root: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
 
 
 def profile_memory(
-    model: nn.Module,
+    model: nn.Module | ModelView,
     forward_fn: Callable[[], Any],
     *,
     stacks: Sequence[LayerStack] | None = None,
@@ -314,19 +315,23 @@ def profile_memory(
     ``share_identical_blocks``: blocks with the same class, parameter shapes and input shapes share
     one profile (run once instead of once per block).
     """
-    root = unwrap_compiled(model)
+    view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
+    root = view.root if view is not None else unwrap_compiled(model)
     if applied_plan(root) is not None:
         raise ApplyError(
             f"profile_memory needs the model without checkpointing, but plan {applied_plan(root).describe()!r} "
             "is applied. Call handle.remove() first; the profile covers every plan, the applied one included."
         )
+    if stacks is None and view is not None:
+        stacks = view.stacks
     stacks = list(stacks) if stacks is not None else discover_blocks(root, block_types=block_types)
     dev = normalise_device(torch.device(device) if device is not None else model_device(root))
     blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
     sets = _selective_sets(stacks, selective_sets)
     externals: list[Any] = [root, *extra] + ([optimizer] if optimizer is not None else [])
     runs = _run_profile(root, forward_fn, stacks, blocks, sets, externals, dev, share_identical_blocks)
-    return _memory_model(root, optimizer, stacks, blocks, dev, runs)
+    fingerprint = view.fingerprint if view is not None else model_fingerprint(root)
+    return _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
 
 
 def _selective_sets(
@@ -461,6 +466,7 @@ def _memory_model(
     blocks: dict[int, str],
     dev: torch.device,
     runs: _Runs,
+    fingerprint: str,
 ) -> MemoryModel:
     """The ``MemoryModel`` the runs make: block rows, the anchor's phases, the fixed state."""
     rows = _block_rows(runs)
@@ -494,7 +500,7 @@ def _memory_model(
         device_overhead_bytes=runs.overhead,
         anchor_peak_bytes=tracker.total_peak,
         anchor_activation_bytes=tracker.activation_peak,
-        fingerprint=model_fingerprint(root),
+        fingerprint=fingerprint,
         idle_blocks=tuple(f for f in blocks.values() if f not in order),
         inert_blocks=tuple(f for f, flows in gradient_flows.items() if not flows),
         unchained_stacks=tuple(sorted(runs.unchained)),
@@ -540,7 +546,7 @@ def _cuda_allocator_anchor(
     """(max_memory_allocated, memory_allocated before, reserved-above-allocated peak) of the anchor step:
     the tracker-to-allocator offset, and the headroom a cap on reserved memory needs."""
     plan = Plan({f: BlockPlan("full") for f in order})
-    handle = apply_plan(root, plan, check_fingerprint=False)
+    handle = apply_plan(root, plan)
     try:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # a cold cache, as under a trial's cap: the reserve this step itself needs

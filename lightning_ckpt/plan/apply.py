@@ -29,6 +29,7 @@ from torch import nn
 
 from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.errors import ApplyError, PlanError
+from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.buffer_guard import _BufferGuard
 from lightning_ckpt.plan.chain import _StackWatch, segment_chunks
 from lightning_ckpt.plan.foreign import _refuse_foreign_checkpointing
@@ -176,15 +177,18 @@ def _install(module: nn.Module, forward: functools.partial[Any]) -> _Patch:
     return _Patch(module, forward)
 
 
-def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) -> PlanHandle:
+def apply_plan(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: bool = True) -> PlanHandle:
     """Apply ``plan`` to ``model`` in place and return a handle whose ``remove()`` undoes it.
+
+    ``model`` may be a ``ModelView`` (what the search passes for every trial): the plan is applied to its root
+    and checked against its fingerprint, computed once, rather than hashing the model on every call.
 
     Everything is validated before the first module is touched, so a refused plan leaves the model
     as it was. Apply before ``torch.compile``-ing, or reset dynamo afterwards: a compiled graph
     does not see a changed forward until it recompiles. A plan's ``compile_memory_budget`` sets
     ``torch._functorch.config.activation_memory_budget`` (process-wide) until ``remove()``.
     """
-    root = unwrap_compiled(model)
+    root = model.root if isinstance(model, ModelView) else unwrap_compiled(model)
     current = applied_plan(root)
     if current is not None:
         raise ApplyError(
@@ -193,7 +197,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
             "e.g. for a copy or a loaded model) before applying another plan."
         )
     if check_fingerprint:
-        plan.check_fingerprint(root)
+        plan.check_fingerprint(model if isinstance(model, ModelView) else root)
     _refuse_foreign_checkpointing(root, plan)
     installs = _block_installs(root, plan)
     segment_installs, watches = _segment_installs(root, plan)
@@ -215,7 +219,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) 
 
 
 @contextlib.contextmanager
-def plan_applied(model: nn.Module, plan: Plan, *, check_fingerprint: bool = True) -> Iterator[PlanHandle]:
+def plan_applied(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: bool = True) -> Iterator[PlanHandle]:
     """Context manager form: the plan is removed on exit, even when the body raises."""
     handle = apply_plan(model, plan, check_fingerprint=check_fingerprint)
     try:

@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from lightning_ckpt.model import ModelView
+
 __all__ = [
     "CACHE_ARGS",
     "disable_kv_cache",
@@ -84,7 +86,7 @@ def without_kv_cache(fn: Callable[..., R]) -> Callable[..., R]:
 
     @functools.wraps(fn)
     def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> R:
-        root = model
+        root = model.root if isinstance(model, ModelView) else model
         while isinstance(getattr(root, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
             root = root._orig_mod
         with kv_cache_disabled(root):

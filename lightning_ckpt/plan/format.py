@@ -27,11 +27,12 @@ import torch
 from torch import nn
 
 from lightning_ckpt.errors import PlanError, PlanFileChangedError, StalePlanError
+from lightning_ckpt.model import ModelView, model_fingerprint
 from lightning_ckpt.plan.file import bytes_version, directory_lock, plan_file_version, read_json, replace_atomically
 from lightning_ckpt.plan.policies import get_save_list
 from lightning_ckpt.plan.schema import SCHEMA_VERSION, field_path, validate
 
-__all__ = ["MODES", "BlockPlan", "Plan", "block_names", "closest_names", "library_versions", "model_fingerprint"]
+__all__ = ["MODES", "BlockPlan", "Plan", "block_names", "closest_names", "library_versions"]
 
 _ANY_VERSION = object()  # Plan.save without unchanged_since: write whatever the file holds
 
@@ -271,10 +272,11 @@ class Plan:
         return cls.from_dict(read_json(path, where), source=where)
 
     # -- checks against a model ---------------------------------------------------------------------
-    def check_fingerprint(self, model: nn.Module) -> None:
+    def check_fingerprint(self, model: nn.Module | ModelView) -> None:
+        """Refuse a plan made for another model. A ``ModelView`` carries its fingerprint, computed once."""
         if self.fingerprint is None:
             return
-        actual = model_fingerprint(model)
+        actual = model.fingerprint if isinstance(model, ModelView) else model_fingerprint(model)
         if actual != self.fingerprint:
             raise StalePlanError(
                 f"Plan {self.name or self.digest()!r} was made for a model with fingerprint {self.fingerprint}, "
@@ -376,41 +378,6 @@ def _json_default(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()
     raise TypeError(f"Plan metadata value of type {type(obj).__name__} is not JSON serialisable: {obj!r}")
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """Hash of the module tree (FQN, class) and parameter/buffer names, shapes and dtypes.
-
-    Devices are deliberately excluded (a plan tuned on one GPU applies to the same model on another),
-    and compile wrappers are seen through so compiled and eager models share a fingerprint.
-    """
-    from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
-
-    root = unwrap_compiled(model)
-    h = hashlib.sha256()
-    for fqn, mod in root.named_modules():
-        if not is_compile_wrapper(mod):  # a nested torch.compile(submodule) adds a wrapper and "_orig_mod"
-            h.update(f"M {canonical_fqn(fqn)} {_class_name(mod)}\n".encode())
-    for fqn, p in root.named_parameters():
-        h.update(f"P {canonical_fqn(fqn)} {tuple(p.shape)} {p.dtype}\n".encode())
-    for fqn, b in root.named_buffers():
-        h.update(f"B {canonical_fqn(fqn)} {tuple(b.shape)} {b.dtype}\n".encode())
-    return h.hexdigest()[:16]
-
-
-def _class_name(module: nn.Module) -> str:
-    """The module's class name, seen through FSDP2: ``fully_shard`` swaps a module's class for a generated
-    ``FSDP<Name>`` subclass, which must not make a plan tuned before sharding stale after it."""
-    cls = type(module)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return cls.__name__
-    if isinstance(module, FSDPModule):
-        for base in cls.__mro__[1:]:
-            if issubclass(base, nn.Module) and not issubclass(base, FSDPModule):
-                return base.__name__
-    return cls.__name__
 
 
 def library_versions() -> dict[str, str]:

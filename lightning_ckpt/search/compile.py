@@ -70,6 +70,7 @@ from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure.harness import StepHarness, loss_of
 from lightning_ckpt.measure.measurement import Measurement, classify_failure, measure_step, release_memory
 from lightning_ckpt.measure.snapshot import StateSnapshot
+from lightning_ckpt.model import compiled_regions
 from lightning_ckpt.plan import forwards as apply_module
 from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.format import Plan
@@ -82,7 +83,6 @@ __all__ = [
     "CompileStats",
     "CompiledMeasurement",
     "CompiledTrials",
-    "compiled_regions",
     "compiled_search",
     "conflict_reason",
     "eager_while_profiling",
@@ -102,25 +102,6 @@ _MAX_REASONS = 5
 # ---------------------------------------------------------------------------------------------------
 # Detection
 # ---------------------------------------------------------------------------------------------------
-def compiled_regions(model: nn.Module) -> tuple[str, ...]:
-    """Canonical FQNs of the parts of ``model`` that run under ``torch.compile`` (``""``: all of it).
-
-    Recognises ``torch.compile(model)`` (an ``OptimizedModule``, also as Lightning unwraps it for
-    ``trainer.fit(torch.compile(model))``: ``LightningModule._compiler_ctx``), compiled submodules
-    (``self.model = torch.compile(self.model)``) and in-place ``module.compile()`` (per block,
-    torchtitan style, or on a submodule in ``configure_model``). A ``torch.compile``-d step function
-    cannot be seen from the model: pass ``compiled=True`` to ``tune`` for that.
-    """
-    regions: list[str] = []
-    root = unwrap_compiled(model)
-    if root is not model or getattr(root, "_compiler_ctx", None):
-        regions.append("")
-    for fqn, module in root.named_modules():
-        if is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None:
-            regions.append(canonical_fqn(fqn))
-    return tuple(dict.fromkeys(regions))
-
-
 def random_ops(model: nn.Module) -> str | None:
     """The first module of ``model`` that draws random numbers in training (dropout with p > 0), if any.
 
@@ -455,7 +436,7 @@ class CompiledTrials:
 
     # -- internals ----------------------------------------------------------------------------------
     def _compile_and_measure(self, plan: Plan, *, memory: bool = True, steps: int | None = None) -> CompiledMeasurement:
-        handle = apply_plan(self.root, plan, check_fingerprint=False)
+        handle = apply_plan(self.harness.target, plan)
         reset_compiled()
         watch = _DynamoWatch()
         snapshot = StateSnapshot.capture(self.root)

@@ -29,6 +29,7 @@ from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, measure_optimizer_step
 from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan
@@ -48,7 +49,7 @@ from lightning_ckpt.search.records import (
     choose_plan,
 )
 from lightning_ckpt.search.runners import TrialRunner
-from lightning_ckpt.search.tune import ResolvedModel, build_runner, tune
+from lightning_ckpt.search.tune import build_runner, tune
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
 
@@ -172,7 +173,7 @@ def tune_micro_batch(
     requested = RequestedBudget.parse(max_memory, activation_budget)  # a bad budget fails before any step runs
     candidates = _checked_micro_batches(micro_batches, global_batch)
     started = time.perf_counter()
-    resolved = ResolvedModel.of(model, config.block_types)
+    resolved = ModelView.of(model, config.block_types)
     scaled, opt_mem = _scaled_profiles(resolved, loss_fn_for, extra_for, optimizer, base_micro_batch)
     none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
     budget = requested.resolve(device=resolved.device, none_activation_bytes=none_at_base)
@@ -235,7 +236,7 @@ def _checked_micro_batches(micro_batches: Sequence[int] | None, global_batch: in
 
 
 def _scaled_profiles(
-    resolved: ResolvedModel,
+    resolved: ModelView,
     loss_fn_for: Callable[[int], Callable[[], Any]],
     extra_for: Callable[[int], tuple[Any, ...]],
     optimizer: torch.optim.Optimizer | None,
@@ -364,7 +365,7 @@ def _feasible_micro_batches(
 def _confirmation_entries(
     trials: Sequence[TrialRecord],
     model: nn.Module,
-    resolved: ResolvedModel,
+    resolved: ModelView,
     loss_fn_for: Callable[[int], Callable[[], Any]],
     extra_for: Callable[[int], tuple[Any, ...]],
     optimizer: Any,

@@ -119,7 +119,7 @@ class EagerRunner:
         offload = h.device.type == "cuda" and any(bp.mode == "offload" for bp in plan.blocks.values())
         if offload:
             _reset_pinned_peak()
-        with plan_applied(h.root, plan, check_fingerprint=False) as handle, warnings.catch_warnings():
+        with plan_applied(h.target, plan) as handle, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"lightning_ckpt: segments\[")  # reported as the trial's error
             m = measure_step(
                 h.train_step,
@@ -144,7 +144,7 @@ class EagerRunner:
 
     def retime(self, plan: Plan, steps: int) -> Measurement:
         h = self.harness
-        with plan_applied(h.root, plan, check_fingerprint=False):
+        with plan_applied(h.target, plan):
             return measure_step(
                 h.train_step,
                 model=h.root,

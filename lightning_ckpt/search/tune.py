@@ -11,25 +11,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
-from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
+from lightning_ckpt.discovery import LayerStack
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
-from lightning_ckpt.measure.tracker import fsdp_root, model_device
+from lightning_ckpt.measure.tracker import fsdp_root
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
 from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
-from lightning_ckpt.plan.format import BlockPlan, Plan, model_fingerprint
+from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.compile import CompiledTrials, compiled_search, eager_while_profiling
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync, Sync
@@ -40,7 +40,6 @@ from lightning_ckpt.search.study import SearchInterrupted, Study
 from lightning_ckpt.versions import require_torch
 
 __all__ = [
-    "ResolvedModel",
     "SearchInterrupted",
     "TrialRecord",
     "TrialStatus",
@@ -60,26 +59,8 @@ _PROFILE_STEPS = 2
 _WRITE_CHECK_STEPS = 1
 
 
-@dataclass(frozen=True)
-class ResolvedModel:
-    """The model as the search sees it, resolved once at the entry: the object the step function calls
-    (possibly ``torch.compile``'s wrapper), the module plans are applied to, its stacks and fingerprint."""
-
-    model: nn.Module
-    root: nn.Module
-    stacks: tuple[LayerStack, ...]
-    fingerprint: str
-    device: torch.device
-
-    @classmethod
-    def of(cls, model: nn.Module, block_types: Any = None) -> ResolvedModel:
-        root = unwrap_compiled(model)
-        stacks = tuple(discover_blocks(root, block_types=block_types))
-        return cls(model, root, stacks, model_fingerprint(root), model_device(root))
-
-
 def build_runner(
-    resolved: ResolvedModel,
+    resolved: ModelView,
     harness: StepHarness,
     config: TuneConfig,
     *,
@@ -157,7 +138,7 @@ def tune(
     """
     config = (config or TuneConfig()).with_overrides(settings)
     requested = RequestedBudget.parse(max_memory, activation_budget)  # a bad budget fails before any step runs
-    resolved = ResolvedModel.of(model, config.block_types)
+    resolved = ModelView.of(model, config.block_types)
     # Every step the search runs starts from the module's Python attributes as they were (a counter-driven
     # curriculum sees call 1 each time, and so does the first real step), and the parameters the forward
     # itself writes (Embedding(max_norm=...)) are put back after each step.
@@ -165,7 +146,8 @@ def tune(
     step_fn = python_state.restoring(step_fn)
     shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
     steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
-    harness = StepHarness(resolved.root, step_fn, resolved.device, optimizer, tuple(extra_tensors), **shape, **steps)
+    extra = tuple(extra_tensors)
+    harness = StepHarness(resolved.root, step_fn, resolved.device, optimizer, extra, **shape, **steps, view=resolved)
     runner = build_runner(resolved, harness, config, compiled=compiled)
     is_compiled = isinstance(runner, CompiledTrials)
     try:
@@ -191,7 +173,7 @@ def tune(
 
 
 def _search(
-    resolved: ResolvedModel,
+    resolved: ModelView,
     harness: StepHarness,
     runner: TrialRunner,
     *,
@@ -209,9 +191,7 @@ def _search(
     is_compiled = isinstance(runner, CompiledTrials)
     if memory_model is None:
         with eager_while_profiling(is_compiled):
-            memory_model = profile_memory(
-                resolved.root, harness.step_fn, stacks=resolved.stacks, optimizer=optimizer, extra=harness.extra
-            )
+            memory_model = profile_memory(resolved, harness.step_fn, optimizer=optimizer, extra=harness.extra)
     # The CUDA cap's headroom for the allocator's reserve, measured by the profile: eager and compiled trials alike.
     runner.reserve_headroom_bytes = getattr(memory_model, "reserve_overhead_bytes", 0)
     space = config.search_space.for_device(device.type)
@@ -257,7 +237,7 @@ def _resolve_budget(
     requested: RequestedBudget,
     memory: RealStepMemory,
     runner: TrialRunner,
-    resolved: ResolvedModel,
+    resolved: ModelView,
 ) -> Budget:
     none_activation = memory.model.predict_activation(Plan())
     if isinstance(runner, CompiledTrials):  # an activation budget is a fraction of the *compiled* step's activations
@@ -278,12 +258,12 @@ def _resolve_budget(
     return budget
 
 
-def _warm_up_process(harness: StepHarness, resolved: ResolvedModel, config: TuneConfig, compiled: bool) -> int:
+def _warm_up_process(harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool) -> int:
     """Untimed steps before the first trial: the first steps of a process are slow (thread pools,
     oneDNN/cuBLAS handles, allocator growth) and would handicap whichever plan is measured first. Run
     under the lowest-memory plan so they cannot run out of memory; ``measure_step`` restores all state."""
     full = uniform_plan(resolved.stacks, BlockPlan("full"))
-    with plan_applied(resolved.root, full, check_fingerprint=False), eager_while_profiling(compiled):
+    with plan_applied(resolved, full), eager_while_profiling(compiled):
         warm = measure_step(
             harness.train_step,
             model=resolved.root,
@@ -303,9 +283,7 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def _offered(
-    space: SearchSpace, resolved: ResolvedModel, memory_model: Any
-) -> tuple[list[LayerStack], list[Candidate]]:
+def _offered(space: SearchSpace, resolved: ModelView, memory_model: Any) -> tuple[list[LayerStack], list[Candidate]]:
     """The stacks the search plans over and its candidates: no mode on a block no gradient flows through
     (frozen behind frozen layers: it saves nothing, checkpointing it only recomputes it), nothing the
     profile shows cannot run. With no block left to plan, the one candidate is no checkpointing."""

@@ -390,7 +390,7 @@ def memory_errors(name: str) -> dict[str, tuple[int, int]]:
     model = profile_memory(case.model, forward, extra=extra)
     out = {}
     for label, plan in baselines(case.model, memory_model=model).items():  # those the profile shows can run
-        with plan_applied(case.model, plan, check_fingerprint=False):
+        with plan_applied(case.model, plan):
             reading = track_step_memory(lambda: forward().backward(), model=case.model, extra=extra)
         case.model.zero_grad(set_to_none=True)
         out[label] = (model.predict_activation(plan), reading.activation_bytes)
