@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -99,8 +100,7 @@ class Budget:
         return activation_bytes if self.kind == "activation" else peak_bytes
 
     def to_dict(self) -> dict[str, object]:
-        return {"kind": self.kind, "limit_bytes": self.limit_bytes, "fraction": self.fraction,
-                "description": self.description}  # fmt: skip
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ class ActivationCheckpointTuner(Callback):
         self.on_stale_plan = on_stale_plan
         self.batch_arg_name = tune_micro_batch if isinstance(tune_micro_batch, str) else "batch_size"
         self.tune_micro_batch = bool(tune_micro_batch)
-        self.log_dir = _as_path(log_dir)
+        self.log_dir = Path(log_dir) if log_dir is not None else None
         self.verbose = verbose
 
         self.plan: Plan | None = None  # the locked-in plan
@@ -248,13 +248,9 @@ class ActivationCheckpointTuner(Callback):
     def _reuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Plan, source: str) -> bool:
         """Apply a saved plan without searching (True), or return False to search (it was stale and re-tunes)."""
         conditions = run_conditions(trainer, pl_module, None)
+        assert self._view is not None
         wanted, applies = reusable(
-            plan,
-            source,
-            conditions=conditions,
-            model=self._view,
-            requested=self._requested,
-            on_stale_plan=self.on_stale_plan,
+            plan, source, conditions, self._view, self._requested, on_stale_plan=self.on_stale_plan
         )
         self._search_budget = wanted
         if not applies:
@@ -304,7 +300,3 @@ class ActivationCheckpointTuner(Callback):
     def _set_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Mapping[str, int]) -> None:
         if set_micro_batch(trainer, pl_module, self.batch_arg_name, spec, verbose=self.verbose):
             self.micro_batch = dict(spec)
-
-
-def _as_path(path: str | os.PathLike[str] | None) -> Path | None:
-    return Path(path) if path is not None else None

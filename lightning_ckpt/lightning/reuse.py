@@ -37,10 +37,14 @@ def run_conditions(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     batch_size, seq_len = batch_dims(batch) if batch is not None else (None, None)
     return RunConditions(
-        batch_size=batch_size, seq_len=seq_len, precision=str(trainer.precision), device_type=device.type,
-        device_capacity_bytes=capacity, world_size=trainer.world_size,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision=str(trainer.precision),
+        device_type=device.type,
+        device_capacity_bytes=capacity,
+        world_size=trainer.world_size,
         accumulation=int(trainer.accumulate_grad_batches),
-    )  # fmt: skip
+    )
 
 
 def condition_changes(plan: Plan, now: RunConditions, *, batch_known: bool) -> list[str]:
@@ -102,10 +106,10 @@ def plan_to_reuse(candidates: Sequence[tuple[Plan | None, str]], plan_file: Any)
 def reusable(
     plan: Plan,
     source: str,
-    *,
     conditions: RunConditions,
     model: ModelView,
     requested: RequestedBudget,
+    *,
     on_stale_plan: str,
 ) -> tuple[RequestedBudget, bool]:
     """The budget ``plan`` is reused under (or re-tuned for), and whether it applies as it is. A stale plan

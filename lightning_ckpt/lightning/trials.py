@@ -10,11 +10,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.measure.harness import loss_of
 from lightning_ckpt.measure.python_state import PythonState
-from lightning_ckpt.measure.snapshot import mark_zero_grad
+from lightning_ckpt.measure.snapshot import StateSnapshot, mark_zero_grad
 
 __all__ = [
     "SkippedBatch",
@@ -30,30 +29,27 @@ __all__ = [
 
 @contextlib.contextmanager
 def sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Run trials without leaving a trace: grads, buffers, metric states, Python attributes, RNG and logging."""
+    """Run trials without leaving a trace: grads, buffers, metric states, Python attributes, RNG and logging.
+
+    Tensors and RNG are the measure stage's ``StateSnapshot`` (the one snapshot every step of the search is
+    restored from), and Python attributes its ``PythonState``; what is Lightning's own (metric states, logging,
+    train/eval flags) is put back here."""
     python_state = PythonState.capture(pl_module)  # tune() also restores them after every step it runs
-    params = list(pl_module.parameters())
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+    state = StateSnapshot.capture(pl_module)
     metric_states = _metric_states(pl_module)
     training = {m: m.training for m in pl_module.modules()}
     patched = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
     pl_module.log = _no_log  # type: ignore[method-assign]
     pl_module.log_dict = _no_log  # type: ignore[method-assign]
     try:
-        with isolate_rng(include_cuda=torch.cuda.is_available()):
-            yield
+        yield
     finally:
         for name, previous in patched.items():
             if previous is None:
                 pl_module.__dict__.pop(name, None)
             else:
                 pl_module.__dict__[name] = previous
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
+        state.restore()
         for m, was in training.items():
             m.training = was
         _restore_metric_states(metric_states)

@@ -21,22 +21,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.plan.caches import CACHE_ARGS, forward_params
-from lightning_ckpt.plan.chain import _rng_equal, _rng_states, _tensor_devices
+from lightning_ckpt.plan.chain import _rng_equal, _rng_states, _tensor_devices, hidden_slot
 
 
 def _hidden_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, Any] | None:
-    """Where the block's hidden state is: ('arg', i) or ('kw', name): the first floating tensor."""
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return ("arg", i)
-    for name in ("hidden_states", "x", "input", "inputs", "hidden"):
-        v = kwargs.get(name)
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return ("kw", name)
-    for name, v in kwargs.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return ("kw", name)
-    return None
+    """Where the block's hidden state is, by segments' own rule (``chain.hidden_slot``): a call without a
+    floating-point tensor carries none."""
+    return hidden_slot(args, kwargs, strict=True)
 
 
 def _hidden_tensor(obj: Any) -> torch.Tensor | None:

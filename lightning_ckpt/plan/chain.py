@@ -11,6 +11,7 @@ the cost of the memory the plan meant to save.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,10 +46,13 @@ _HiddenAt = tuple[str, Any]
 _HIDDEN_KEYWORDS = ("hidden_states", "x", "input", "inputs", "hidden")
 
 
-def _hidden_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _HiddenAt | None:
+def hidden_slot(args: tuple[Any, ...], kwargs: Mapping[str, Any], *, strict: bool = False) -> _HiddenAt | None:
     """Where this call's hidden state is: the first floating-point tensor argument, else a keyword (the usual
-    names first), the rule the profile's chain check reads calls by. Blocks called with keyword arguments only
-    (``block(hidden_states=h, attention_mask=m)``) get the previous block's output in the same keyword."""
+    names first). One rule for segments (what a chunk passes on) and for the profile's chain check (which calls
+    form a chain, so segments are offered). Blocks called with keyword arguments only
+    (``block(hidden_states=h, attention_mask=m)``) get the previous block's output in the same keyword.
+    With no floating-point tensor a call's first argument is taken, unless ``strict`` (the chain check: such a
+    call carries no hidden state)."""
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             return ("arg", i)
@@ -56,7 +60,7 @@ def _hidden_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _HiddenAt | N
         v = kwargs.get(name)
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             return ("kw", name)
-    return ("arg", 0) if args else None
+    return ("arg", 0) if args and not strict else None
 
 
 def _in_slot(args: tuple[Any, ...], kwargs: dict[str, Any], slot: _HiddenAt) -> Any:

@@ -26,7 +26,6 @@ from lightning_ckpt.plan.caches import without_cache_args
 from lightning_ckpt.plan.chain import (
     _deviate,
     _hidden_of,
-    _hidden_slot,
     _HiddenAt,
     _in_slot,
     _rng_equal,
@@ -36,6 +35,7 @@ from lightning_ckpt.plan.chain import (
     _StackWatch,
     _tensor_devices,
     _with_hidden,
+    hidden_slot,
 )
 from lightning_ckpt.plan.policies import selective_context_fn
 
@@ -197,7 +197,7 @@ def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs
         _deviate(chunk, chunk.next_index, f"{chunk._rest()} never ran before {chunk.fqns[0]!r} ran again")
     if not torch.is_grad_enabled():
         return _original_forward(module)(*args, **kwargs)
-    slot = _hidden_slot(args, kwargs)
+    slot = hidden_slot(args, kwargs)
     if slot is None:
         _deviate(chunk, len(chunk.modules), f"{chunk.fqns[0]!r} was called without a hidden state to hand on")
         return _original_forward(module)(*args, **kwargs)
