@@ -12,38 +12,32 @@ import os
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lit import LitGPT, quiet_trainer, token_dataset
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner, applied_plan
-from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
 
 
-class TinyGPT(L.LightningModule):
+class TinyGPT(LitGPT):
     def __init__(self, oom_rank: int = -1, oom_on: str = "") -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
+        super().__init__(
+            n_layer=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0, optimizer=torch.optim.SGD, lr=0.1
+        )
         self.oom_rank, self.oom_on = oom_rank, oom_on
 
     def training_step(self, batch, batch_idx):
         plan = applied_plan(self)
         if self.global_rank == self.oom_rank and plan is not None and plan.describe() == self.oom_on:
             raise torch.OutOfMemoryError("simulated: CUDA out of memory on one rank")
-        x, y = batch
-        return self.model(x, y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return super().training_step(batch, batch_idx)
 
 
 def data() -> TensorDataset:
-    tokens = torch.randint(0, 48, (8, 17), generator=torch.Generator().manual_seed(0))
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return token_dataset(8)
 
 
 def main() -> None:
@@ -71,11 +65,8 @@ def main() -> None:
             search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
         )
     module = TinyGPT(args.oom_rank, args.oom_on)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=1,
-        strategy=DDPStrategy(find_unused_parameters=True) if args.find_unused else "ddp", callbacks=[tuner], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    strategy = DDPStrategy(find_unused_parameters=True) if args.find_unused else "ddp"
+    trainer = quiet_trainer(None, [tuner], steps=1, devices=2, strategy=strategy)
     trainer.fit(module, DataLoader(data(), batch_size=4, shuffle=False))
     rank = trainer.global_rank
     result = tuner.result

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch._functorch.config as functorch_config
 from lightning.pytorch.loggers import TensorBoardLogger
+from lit import LitGPT, quiet_trainer, token_loader
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, applied_plan, apply_plan, baselines, discover_blocks
 from lightning_ckpt import report as report_module
@@ -38,8 +38,14 @@ from lightning_ckpt.testing import GPT, GPTConfig
 from lightning_ckpt.testing.nanogpt import Block
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=48, block_size=16)
-TINY_SPACE = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False, "baselines": False,
-              "compile_budgets": []}  # fmt: skip
+TINY_SPACE = {
+    "modes": ["full"],
+    "selections": ["all"],
+    "rest_modes": [],
+    "segments": False,
+    "baselines": False,
+    "compile_budgets": [],
+}
 
 
 class MaybeBreakingBlock(Block):
@@ -174,11 +180,25 @@ def test_report_shows_compile_time_and_conflicts():
     budget = Budget("activation", 2**20, description="50%")
     common = dict(params={}, samples_per_second=10.0, peak_bytes=2**19, activation_bytes=2**18, seconds=3.0)
     trials = (
-        TrialRecord(0, Plan(), "baseline:none", status="ok", baseline="none", extra={"compile": {**stats, "region_breaks": 0}},
-                    **common),
-        TrialRecord(1, Plan({"h.0": BlockPlan("full")}), "baseline:full", status="conflict", baseline="full",
-                    extra={"compile": stats, "conflict": "1 graph break(s) inside checkpointed regions"}, **common),
-    )  # fmt: skip
+        TrialRecord(
+            0,
+            Plan(),
+            "baseline:none",
+            status="ok",
+            baseline="none",
+            extra={"compile": {**stats, "region_breaks": 0}},
+            **common,
+        ),
+        TrialRecord(
+            1,
+            Plan({"h.0": BlockPlan("full")}),
+            "baseline:full",
+            status="conflict",
+            baseline="full",
+            extra={"compile": stats, "conflict": "1 graph break(s) inside checkpointed regions"},
+            **common,
+        ),
+    )
     line = report_module.trial_line(trials[1], budget)
     assert "compile 2.5 s" in line and "conflict: 1 graph break(s) inside checkpointed regions" in line
     result = TuneResult(Plan(), trials[0], trials, budget, tuning_seconds=6.0, tuning_steps=10)
@@ -218,8 +238,9 @@ def _check_compiled_equals_eager() -> None:
     # PT2's memory budget without dropout: with dropout its partitioner may recompute the dropout mask
     # with fresh randomness (wrong gradients, pytorch#190758), which is why the tuner leaves it out then.
     plain = tiny_gpt()
-    cases.append(("pt2_budget", Plan(compile_memory_budget=0.3), plain, torch.compile(plain),
-                  *_loss_and_grads(plain, plain, x)))  # fmt: skip
+    cases.append(
+        ("pt2_budget", Plan(compile_memory_budget=0.3), plain, torch.compile(plain), *_loss_and_grads(plain, plain, x))
+    )
     for name, plan, eager, call, loss_ref, grads_ref in cases:
         reset_compiled()
         with apply_plan(eager, plan, check_fingerprint=False):
@@ -231,8 +252,9 @@ def _check_compiled_equals_eager() -> None:
 
 def _trials_for(model: nn.Module):
     x = tokens()
-    harness = StepHarness(model, lambda: model(x, x), torch.device("cpu"), batch_size=4, seq_len=16, warmup_steps=0,
-                          measure_steps=1)  # fmt: skip
+    harness = StepHarness(
+        model, lambda: model(x, x), torch.device("cpu"), batch_size=4, seq_len=16, warmup_steps=0, measure_steps=1
+    )
     return compiled_search(model, harness, compiled=True, allow_graph_breaks=False)
 
 
@@ -245,10 +267,11 @@ def test_pt2_budgets_are_left_out_for_models_with_dropout():
     assert space.budget_choices == (0.5,)
 
 
-class LitGPT(L.LightningModule):
+class CompiledGPT(LitGPT):
+    """Compiled as users do: the whole module (``_fit(compile_model=True)``), each block, or ``self.model``."""
+
     def __init__(self, how: str = "fit", break_in: int | None = None) -> None:
-        super().__init__()
-        self.model = tiny_gpt(break_in=break_in)
+        super().__init__(model=tiny_gpt(break_in=break_in), optimizer=torch.optim.SGD, lr=0.1)
         self.how = how
         if how == "per_block":
             for block in self.model.transformer.h:
@@ -257,20 +280,6 @@ class LitGPT(L.LightningModule):
     def configure_model(self) -> None:
         if self.how == "submodule" and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
             self.model = torch.compile(self.model)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return self.model(x, y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _loader() -> DataLoader:
-    data = torch.randint(
-        0, CONFIG["vocab_size"], (48, CONFIG["block_size"] + 1), generator=torch.Generator().manual_seed(0)
-    )
-    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4)
 
 
 class RecompileSpy(L.Callback):
@@ -287,12 +296,10 @@ class RecompileSpy(L.Callback):
 
 def _fit(tmp_path, module, callback, *, steps: int, compile_model: bool = False) -> RecompileSpy:
     spy = RecompileSpy()
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=steps, callbacks=[callback, spy], default_root_dir=tmp_path,
-        logger=TensorBoardLogger(tmp_path / "tb", name="run"), enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(torch.compile(module) if compile_model else module, _loader())
+    logger = TensorBoardLogger(tmp_path / "tb", name="run")
+    trainer = quiet_trainer(tmp_path, [callback, spy], steps=steps, logger=logger)
+    data = token_loader(48, CONFIG["block_size"], vocab=CONFIG["vocab_size"], batch_size=4)
+    trainer.fit(torch.compile(module) if compile_model else module, data)
     spy.log_dir = trainer.logger.log_dir
     return spy
 
@@ -300,15 +307,21 @@ def _fit(tmp_path, module, callback, *, steps: int, compile_model: bool = False)
 def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    space = {"modes": ["full"], "selections": ["all", "first:0.5"], "rest_modes": ["none"], "segments": False,
-             "compile_budgets": [0.3], "baselines": False}  # fmt: skip
+    space = {
+        "modes": ["full"],
+        "selections": ["all", "first:0.5"],
+        "rest_modes": ["none"],
+        "segments": False,
+        "compile_budgets": [0.3],
+        "baselines": False,
+    }
     cb = ActivationCheckpointTuner(
         activation_budget=0.5,
         verbose=False,
         search=dict(n_trials=8, measure_steps=1, warmup_steps=1, search_space=space),
     )
     default_budget = functorch_config.activation_memory_budget
-    spy = _fit(tmp_path, LitGPT(break_in=1), cb, steps=6, compile_model=True)
+    spy = _fit(tmp_path, CompiledGPT(break_in=1), cb, steps=6, compile_model=True)
 
     trials = {t.label: t for t in cb.result.trials}
     assert set(trials) == {"none", "full h.0-1", "full h.0", "pt2_budget(0.3)"}
@@ -354,7 +367,7 @@ def test_tuning_a_model_compiled_inside_the_lightning_module(tmp_path, how):
         verbose=False,
         search=dict(n_trials=4, measure_steps=1, warmup_steps=0, search_space=TINY_SPACE),
     )
-    spy = _fit(tmp_path, LitGPT(how=how), cb, steps=4)
+    spy = _fit(tmp_path, CompiledGPT(how=how), cb, steps=4)
     assert [t.status for t in cb.result.trials] == ["over_budget", "ok"]
     assert all(t.extra["compile"]["graph_breaks"] == 0 for t in cb.result.trials)
     # The uncompiled model's names, whichever way it is compiled.
@@ -366,10 +379,26 @@ def test_tune_without_lightning_compares_with_the_partitioner_at_equal_memory():
     model = tiny_gpt()
     compiled = torch.compile(model)
     x = tokens()
-    space = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": True, "chunks": [2],
-             "baselines": False, "compile_budgets": [0.3]}  # fmt: skip
-    result = tune(compiled, lambda: compiled(x, x), activation_budget=0.5, n_trials=6, search_space=space,
-                  measure_steps=1, batch_size=4, seq_len=16, confirm_rounds=1)  # fmt: skip
+    space = {
+        "modes": ["full"],
+        "selections": ["all"],
+        "rest_modes": [],
+        "segments": True,
+        "chunks": [2],
+        "baselines": False,
+        "compile_budgets": [0.3],
+    }
+    result = tune(
+        compiled,
+        lambda: compiled(x, x),
+        activation_budget=0.5,
+        n_trials=6,
+        search_space=space,
+        measure_steps=1,
+        batch_size=4,
+        seq_len=16,
+        confirm_rounds=1,
+    )
     by_label = {t.label: t for t in result.trials}
     assert not [t.error for t in result.trials if t.status == "error"]
     none, pt2 = by_label["none"], by_label["pt2_budget(0.3)"]
@@ -431,8 +460,15 @@ def test_compiled_trials_cap_the_allocator_with_the_profiles_reserve_headroom(mo
     compiled = torch.compile(model, backend="eager")
     x = tokens()
     space = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False, "baselines": False}
-    tune(compiled, lambda: compiled(x, x), n_trials=2, search_space=space, measure_steps=1, batch_size=4,
-         confirm_rounds=1)  # fmt: skip
+    tune(
+        compiled,
+        lambda: compiled(x, x),
+        n_trials=2,
+        search_space=space,
+        measure_steps=1,
+        batch_size=4,
+        confirm_rounds=1,
+    )
     assert seen and set(seen) == {4096}
 
 
@@ -466,8 +502,15 @@ def test_on_cuda_a_compiled_trial_reads_the_allocator_over_compiled_steps_not_an
     x = tokens()
 
     def trial(device: str):
-        harness = StepHarness(root=model, step_fn=lambda: compiled(x, x), device=torch.device(device),
-                              extra=(x,), batch_size=4, warmup_steps=0, measure_steps=1)  # fmt: skip
+        harness = StepHarness(
+            root=model,
+            step_fn=lambda: compiled(x, x),
+            device=torch.device(device),
+            extra=(x,),
+            batch_size=4,
+            warmup_steps=0,
+            measure_steps=1,
+        )
         return CompiledTrials(harness, regions=("",), allow_graph_breaks=True).measure_compiled(Plan())
 
     on_cpu = trial("cpu")
@@ -483,8 +526,16 @@ def test_on_cuda_a_compiled_trial_reads_the_allocator_over_compiled_steps_not_an
 
     # A peak budget is judged on the allocator's figure over the compiled steps.
     step = lambda: compiled(x, x).backward()  # noqa: E731
-    over = measure.measure_step(step, model=model, warmup=0, steps=1, device="cuda:0", track_memory=False,
-                                read_allocator=True, memory_limit_bytes=50000)  # fmt: skip
+    over = measure.measure_step(
+        step,
+        model=model,
+        warmup=0,
+        steps=1,
+        device="cuda:0",
+        track_memory=False,
+        read_allocator=True,
+        memory_limit_bytes=50000,
+    )
     assert over.status == "over_budget" and over.peak_bytes == 54321 and not tracked
 
 

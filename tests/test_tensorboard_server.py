@@ -17,51 +17,42 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import lightning as L
 import pytest
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner
 from lightning_ckpt.report import tags as report
-from lightning_ckpt.testing import GPT, GPTConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HEADERS = {"X-XSRF-Protected": "1", "Content-Type": "application/json"}
 
 
-class HParamsGPT(L.LightningModule):
+class HParamsGPT(LitGPT):
     def __init__(self, lr: float = 1e-3, n_layer: int = 4) -> None:
-        super().__init__()
+        super().__init__(n_layer=n_layer, n_embd=32, vocab_size=48, block_size=16, dropout=0.0, lr=lr)
         self.save_hyperparameters()  # Lightning then writes its own HParams experiment (lr, n_layer, hp_metric)
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = self.model(x, y)
+        loss = super().training_step(batch, batch_idx)
         self.log("train_loss", loss)
         return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
 @pytest.fixture(scope="module")
 def fit(tmp_path_factory):
     root = tmp_path_factory.mktemp("tb_server")
-    data = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(0))
-    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8)
-    space = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5"], "rest_modes": ["none"],
-             "segments": True, "chunks": [2]}  # fmt: skip
+    space = {
+        "modes": ["full", "selective:mlp"],
+        "selections": ["all", "first:0.5"],
+        "rest_modes": ["none"],
+        "segments": True,
+        "chunks": [2],
+    }
     tuner = ActivationCheckpointTuner(
         activation_budget=0.6, search=dict(n_trials=30, measure_steps=1, warmup_steps=1, search_space=space)
     )
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=2, callbacks=[tuner], default_root_dir=root, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(HParamsGPT(), loader)
+    trainer = quiet_trainer(root, [tuner], steps=2, logger=True)
+    trainer.fit(HParamsGPT(), token_loader(32))
     assert type(trainer.logger).__name__ == "TensorBoardLogger"  # Lightning's default logger
     return root / "lightning_logs", tuner
 
@@ -72,8 +63,10 @@ def server(fit):
     exe = shutil.which("tensorboard") or str(Path(sys.executable).with_name("tensorboard"))
     proc = subprocess.Popen(
         [exe, "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0", "--reload_interval", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url, lines, deadline = None, [], time.monotonic() + 60
     while url is None and time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -116,8 +109,10 @@ def until(fetch, ready, timeout: float = 60.0):
 
 def test_hparams_tab_lists_the_tuner_trials_with_the_winner_marked(server, fit):
     _, tuner = fit
-    experiment = until(lambda: post(server, "/data/plugin/hparams/experiment", {"experimentName": ""}),
-                       lambda e: bool(e.get("hparamInfos")))  # fmt: skip
+    experiment = until(
+        lambda: post(server, "/data/plugin/hparams/experiment", {"experimentName": ""}),
+        lambda e: bool(e.get("hparamInfos")),
+    )
     names = [h["name"] for h in experiment["hparamInfos"]]
     displayed = {h["name"]: h.get("displayName", h["name"]) for h in experiment["hparamInfos"]}
     # The tuner's columns, in its order, not replaced by the experiment Lightning writes (lr, n_layer, hp_metric).
@@ -130,8 +125,13 @@ def test_hparams_tab_lists_the_tuner_trials_with_the_winner_marked(server, fit):
     assert metrics == {tag: display for tag, display, _ in report.HPARAM_METRICS}
     assert "hp_metric" not in metrics
 
-    query = {"experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
-             "STATUS_RUNNING"], "colParams": [], "startIndex": 0, "sliceSize": 100}  # fmt: skip
+    query = {
+        "experimentName": "",
+        "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
+        "colParams": [],
+        "startIndex": 0,
+        "sliceSize": 100,
+    }
     groups = post(server, "/data/plugin/hparams/session_groups", query)["sessionGroups"]
     col = report.hparam_name
     rows = [g for g in groups if col("plan") in g["hparams"]]
