@@ -59,17 +59,17 @@ SPACE = {
 
 
 def row(name: str, plan: Plan, m: Any) -> dict[str, Any]:
-    timing = m.measurement
+    stats = m.extra["compile"]  # what dynamo did (CompileStats.to_dict)
     return {
         "plan": name,
         "describe": plan.describe(),
-        "status": m.error_status or timing.status,
-        "samples_per_second": timing.samples_per_second,
-        "median_seconds": timing.median_seconds,
+        "status": m.status,
+        "samples_per_second": m.samples_per_second,
+        "median_seconds": m.median_seconds,
         "peak_bytes": m.peak_bytes,
         "activation_bytes": m.activation_bytes,
-        "compile_seconds": m.stats.compile_seconds,
-        "graph_breaks": m.stats.graph_breaks,
+        "compile_seconds": stats["compile_seconds"],
+        "graph_breaks": stats["graph_breaks"],
     }
 
 
@@ -163,7 +163,7 @@ def main() -> None:
         for name, plan in plans.items():
             ms = per_plan[name]
             r = row(name, plan, ms[0])
-            rates = [m.measurement.samples_per_second for m in ms if m.measurement.samples_per_second]
+            rates = [m.samples_per_second for m in ms if m.samples_per_second]
             r["samples_per_second"] = statistics.median(rates) if rates else None
             rows.append(r)
         base = rows[0]

@@ -520,7 +520,7 @@ def test_on_cuda_a_compiled_trial_reads_the_allocator_over_compiled_steps_not_an
     real_track = measure.track_step_memory
     monkeypatch.setattr(measure, "track_step_memory", lambda *a, **k: tracked.append(1) or real_track(*a, **k))
     on_cuda = trial("cuda:0")
-    assert on_cuda.measurement.ok and not tracked, "no tracked (eager) pass on CUDA"
+    assert on_cuda.ok and not tracked, "no tracked (eager) pass on CUDA"
     assert on_cuda.peak_bytes == 54321  # the allocator's peak, nothing else
     assert on_cuda.activation_bytes == on_cpu.activation_bytes > 0  # saved for backward, as on CPU
 

@@ -4,6 +4,7 @@ Optuna study it stores (one trial per plan, final figures, constraints, resume a
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import warnings
@@ -20,7 +21,6 @@ from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMe
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TrialStatus
-from lightning_ckpt.search.runners import TrialOutcome
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.store import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
 from lightning_ckpt.search.study import SearchInterrupted, Study
@@ -76,19 +76,19 @@ class FakeRunner:
         times = [self.true_seconds(plan) * (1 + self.rng.uniform(-self.noise, self.noise)) for _ in range(steps)]
         return statistics.median(times)
 
-    def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+    def measure_memory(self, plan: Plan, memory_limit: int | None) -> Measurement:
         self.verified.append(plan.describe())
         peak = int(FakeMemory().predict_peak(plan) * (1 + self.memory_error))
-        return TrialOutcome(TrialStatus.OK, peak_bytes=peak, activation_bytes=peak - 100, steps=1)
+        return Measurement("ok", peak_bytes=peak, activation_bytes=peak - 100, steps=1)
 
-    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
+    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
         self.measured.append(plan.describe())
         if self.fail == "all" or (self.fail == "checkpointed" and not plan.is_empty):
-            return TrialOutcome(TrialStatus.ERROR, error="ValueError: boom", traceback="Traceback: boom", steps=1)
+            return Measurement("error", error="ValueError: boom", traceback="Traceback: boom", steps=1)
         seconds = self._noisy(plan)
         peak = int(FakeMemory().predict_peak(plan) * (1 + self.memory_error))
-        return TrialOutcome(TrialStatus.OK, peak_bytes=peak, activation_bytes=peak - 100, samples_per_second=1 / seconds,
-                            median_seconds=seconds, spread_seconds=0.0, steps=4)  # fmt: skip
+        timing = dict(samples_per_second=1 / seconds, median_seconds=seconds, spread_seconds=0.0)
+        return Measurement("ok", peak_bytes=peak, activation_bytes=peak - 100, steps=4, **timing)
 
     def retime(self, plan: Plan, steps: int) -> Measurement:
         self.retimed.append(plan.describe())
@@ -142,7 +142,7 @@ def test_confirmation_corrects_a_lucky_first_measurement():
         def measure(self, plan, memory_limit, *, memory=True):
             out = super().measure(plan, memory_limit)
             if plan.key() == lucky.key():  # measured in a fast moment: looks 30% faster than it is
-                return TrialOutcome(**{**out.__dict__, "samples_per_second": out.samples_per_second * 1.5})
+                return dataclasses.replace(out, samples_per_second=out.samples_per_second * 1.5)
             return out
 
     runner = Lucky()
@@ -259,7 +259,7 @@ def test_on_cpu_only_the_plans_that_can_be_chosen_get_the_memory_pass_and_a_misp
         def measure_memory(self, plan, memory_limit):
             out = super().measure_memory(plan, memory_limit)
             if plan.key() == fastest_fitting.key():  # the real step needs more than the model predicted
-                return TrialOutcome(**{**out.__dict__, "peak_bytes": 10_000})
+                return dataclasses.replace(out, peak_bytes=10_000)
             return out
 
     runner = Mispredicted()
@@ -299,7 +299,7 @@ def test_a_stored_study_holds_each_plan_once_with_its_final_figures_and_the_budg
     class Breaks(FakeRunner):
         def measure(self, plan, memory_limit, *, memory=True):
             if plan.key() == broken.key():
-                return TrialOutcome(TrialStatus.ERROR, error="ValueError: boom", steps=1)
+                return Measurement("error", error="ValueError: boom", steps=1)
             return super().measure(plan, memory_limit, memory=memory)
 
     # Real peaks 10% above their predictions (some plans run, then measure over budget); noisy re-timing.

@@ -29,7 +29,7 @@ import gc
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,7 +55,15 @@ __all__ = [
 
 # The measurement's part of the status vocabulary (measure.status.TrialStatus owns it).
 MEASUREMENT_STATUSES = tuple(
-    s.value for s in (TrialStatus.OK, TrialStatus.OVER_BUDGET, TrialStatus.OOM, TrialStatus.INVALID, TrialStatus.ERROR)
+    s.value
+    for s in (
+        TrialStatus.OK,
+        TrialStatus.OVER_BUDGET,
+        TrialStatus.OOM,
+        TrialStatus.INVALID,
+        TrialStatus.ERROR,
+        TrialStatus.CONFLICT,
+    )
 )
 
 # Messages of CPU allocation failures (c10/core/impl/alloc_cpu.cpp and friends). CPU OOM surfaces as a
@@ -182,12 +190,21 @@ class Measurement:
     status: ``ok`` | ``over_budget`` (the step completed above ``memory_limit_bytes``: peak and activation
     hold what it reached, there are no timings) | ``oom`` (out of memory) | ``invalid`` (a
     ``CheckpointError``, ``PlanError`` or ``ApplyError``: the plan cannot run on this model) |
-    ``error`` (anything else; ``error`` holds the exception type and message).
+    ``error`` (anything else; ``error`` holds the exception type and message) | ``conflict`` (the compiler
+    refused the plan outright: ``fullgraph=True`` and a graph break).
     step_seconds: wall time of each timed step, warm-up excluded; empty unless status is ``ok``.
     median_seconds / spread_seconds: median of ``step_seconds`` and their median absolute deviation
     (MAD, unscaled: the median of ``|t - median|``), a spread robust to one slow outlier step.
     peak_bytes / activation_bytes / resting_bytes: see the module docstring.
     recompute_flops / step_flops: only when ``count_flops=True``; see the module docstring.
+    steps: training steps the measurement ran (tuning cost): by default its warm-up, timed steps and memory
+    pass; a runner that ran more (a compiled trial's compile step) says so.
+    conflict: why a plan that ran fights ``torch.compile`` (graph breaks, the recompile limit), else None.
+    extra: facts for display that the runner adds (compile statistics, pinned host memory, stacks a segment
+    left the chain on).
+
+    This is the one shape a trial's figures take before ``TrialRecord.with_measurement`` puts them in the
+    study's record: a new figure is added here and there.
     """
 
     status: str
@@ -205,13 +222,31 @@ class Measurement:
     resting_bytes: int | None = None
     device: str = ""
     traceback: str | None = None  # status ``error`` only: where the step failed
+    steps: int | None = None
+    conflict: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in MEASUREMENT_STATUSES:
             raise ConfigurationError(
                 f"Measurement.status must be one of {MEASUREMENT_STATUSES}, but got {self.status!r}."
             )
+        object.__setattr__(self, "status", str(TrialStatus(self.status).value))
         object.__setattr__(self, "step_seconds", tuple(float(t) for t in self.step_seconds))
+        if self.steps is None:
+            memory_pass = 1 if self.peak_bytes is not None else 0
+            object.__setattr__(self, "steps", self.warmup_steps + len(self.step_seconds) + memory_pass)
+
+    @property
+    def trial_status(self) -> TrialStatus:
+        return TrialStatus(self.status)
+
+    @property
+    def recompute_overhead(self) -> float | None:
+        """Recomputed FLOPs as a fraction of the step without them (None without a FLOP count)."""
+        if self.recompute_flops is None or not self.step_flops:
+            return None
+        return self.recompute_flops / max(1, self.step_flops - self.recompute_flops)
 
     @property
     def ok(self) -> bool:
@@ -227,6 +262,7 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["step_seconds"] = list(self.step_seconds)
+        d["extra"] = dict(self.extra)
         return d
 
 

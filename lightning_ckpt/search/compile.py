@@ -59,7 +59,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -75,13 +75,11 @@ from lightning_ckpt.plan import forwards as apply_module
 from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.forwards import CHECKPOINT_FRAMES
-from lightning_ckpt.search.records import TrialStatus, judge_status
-from lightning_ckpt.search.runners import TrialOutcome
+from lightning_ckpt.search.records import judge_status
 from lightning_ckpt.search.saved_for_backward import SavedForBackward
 
 __all__ = [
     "CompileStats",
-    "CompiledMeasurement",
     "CompiledTrials",
     "compiled_search",
     "conflict_reason",
@@ -295,23 +293,6 @@ def _eager_ops(loss: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------------------
 # Trials
 # ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CompiledMeasurement:
-    """One plan measured compiled: the timing (``measurement``), what dynamo did, and the memory read.
-
-    ``peak_bytes``/``activation_bytes`` follow the module docstring (CPU: resting + saved-for-backward
-    bytes / saved-for-backward bytes; CUDA: the allocator's peak / saved-for-backward bytes).
-    ``error_status`` is ``conflict`` when the compiler refused the plan outright (``fullgraph=True`` and
-    a graph break).
-    """
-
-    measurement: Any  # lightning_ckpt.measure.measurement.Measurement
-    stats: CompileStats
-    peak_bytes: int | None
-    activation_bytes: int | None
-    error_status: str | None = None
-
-
 @dataclass
 class _CompiledRun:
     """What one compiled trial found so far, filled in pass by pass (compile, timed steps, memory)."""
@@ -345,7 +326,7 @@ class CompiledTrials:
         self.memory_limit_bytes: int | None = None
         self.reserve_headroom_bytes = 0  # the CUDA cap's headroom for the allocator's reserve (set by tune)
         self.reference: CompileStats | None = None
-        self._cache: dict[str, CompiledMeasurement] = {}
+        self._cache: dict[str, tuple[Measurement, CompileStats]] = {}
 
     # -- public ---------------------------------------------------------------------------------
     def adapt(self, space: Any) -> Any:
@@ -380,36 +361,26 @@ class CompiledTrials:
 
     def none_activation_bytes(self, none_plan: Plan) -> int | None:
         """Activation bytes of the compiled step without checkpointing: what activation budgets are fractions of."""
-        outcome = self.measure_compiled(none_plan)
-        return outcome.activation_bytes
+        return self.measure_compiled(none_plan).activation_bytes
 
     predicts_memory = False  # the memory model predicts the eager step; a compiled one is measured
     collective_steps = False
 
-    def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+    def measure_memory(self, plan: Plan, memory_limit: int | None) -> Measurement:
         return self.measure(plan, memory_limit)  # every compiled trial is measured whole (cached)
 
-    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
+    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
         """Compile ``plan`` from a reset, measure it, and say whether it fights the compiler.
 
         ``memory_limit`` caps the CUDA allocator during the timed steps (as for eager trials).
         """
         self.memory_limit_bytes = memory_limit
-        outcome = self.measure_compiled(plan)
-        m, stats = outcome.measurement, outcome.stats
+        m = self.measure_compiled(plan)
+        stats = self._cache[plan.key()][1]
         reason = None if plan.is_empty else conflict_reason(stats, self.reference)
-        extra: dict[str, Any] = {"compile": stats.to_dict(), "compiled_regions": list(self.regions)}
+        extra: dict[str, Any] = {**m.extra, "compiled_regions": list(self.regions)}
         steps = 1 + m.warmup_steps + len(m.step_seconds) + (1 if stats.saved_bytes is not None else 0)
-        status = TrialStatus(outcome.error_status or m.status)
-        return TrialOutcome.of(
-            m,
-            steps=steps,
-            status=status,
-            peak_bytes=outcome.peak_bytes,
-            activation_bytes=outcome.activation_bytes,
-            conflict=reason,
-            extra=extra,
-        )
+        return replace(m, steps=steps, conflict=reason, extra=extra)
 
     def retime(self, plan: Plan, steps: int | None = None) -> Measurement:
         """Time ``plan`` again (a ``Measurement``): compiled afresh, the compile step untimed, no memory pass.
@@ -418,24 +389,26 @@ class CompiledTrials:
         recompile limit, and a plan that only sets a PT2 budget changes no guard at all, so it would
         silently run the previous plan's graph: every re-timing starts from ``reset_compiled()``.
         """
-        return self._compile_and_measure(plan, memory=False, steps=steps).measurement
+        return self._compile_and_measure(plan, memory=False, steps=steps)[0]
 
-    def measure_compiled(self, plan: Plan, *, cached: bool = True) -> CompiledMeasurement:
-        """Compile ``plan`` from scratch and measure it (``cached``: reuse an earlier measurement of it)."""
+    def measure_compiled(self, plan: Plan, *, cached: bool = True) -> Measurement:
+        """Compile ``plan`` from scratch and measure it (``cached``: reuse an earlier measurement of it). Its
+        peak and activation follow the module docstring; ``extra["compile"]`` is what dynamo did."""
         key = plan.key()
-        if cached and key in self._cache:
-            return self._cache[key]
-        outcome = self._compile_and_measure(plan)
-        self._cache[key] = outcome
+        if not cached or key not in self._cache:
+            self._cache[key] = self._compile_and_measure(plan)
+        m, stats = self._cache[key]
         if plan.is_empty and self.reference is None:
-            self.reference = outcome.stats
-        return outcome
+            self.reference = stats
+        return m
 
     def _train_step(self) -> None:
         loss_of(self.step_fn()).backward()
 
     # -- internals ----------------------------------------------------------------------------------
-    def _compile_and_measure(self, plan: Plan, *, memory: bool = True, steps: int | None = None) -> CompiledMeasurement:
+    def _compile_and_measure(
+        self, plan: Plan, *, memory: bool = True, steps: int | None = None
+    ) -> tuple[Measurement, CompileStats]:
         handle = apply_plan(self.harness.target, plan)
         reset_compiled()
         watch = _DynamoWatch()
@@ -464,7 +437,7 @@ class CompiledTrials:
             saved_bytes=run.saved,
             break_reasons=reasons,
         )
-        return self._reading(run, stats)
+        return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
 
     def _compile_step(self, snapshot: StateSnapshot, run: _CompiledRun) -> None:
         """The first step, which compiles forward and backward: tuning cost, never throughput."""
@@ -507,18 +480,17 @@ class CompiledTrials:
         finally:
             snapshot.restore()
 
-    def _reading(self, run: _CompiledRun, stats: CompileStats) -> CompiledMeasurement:
+    def _reading(self, run: _CompiledRun) -> Measurement:
         """The trial's figures as the module docstring defines them for this device."""
         if run.failure is not None:
             status, message = run.failure
-            measurement = Measurement(status, error=message, device=str(self.device))
-            return CompiledMeasurement(measurement, stats, None, None, "conflict" if run.conflict else None)
+            return Measurement("conflict" if run.conflict else status, error=message, device=str(self.device))
         m, saved = run.measurement, run.saved
         if self.device.type == "cuda":  # the allocator's peak over the compiled steps; activation as on CPU
-            return CompiledMeasurement(m, stats, m.peak_bytes, saved)
+            return replace(m, activation_bytes=saved)
         if saved is None:
-            return CompiledMeasurement(m, stats, m.peak_bytes, m.activation_bytes)
-        return CompiledMeasurement(m, stats, run.resting + saved, saved)
+            return m
+        return replace(m, peak_bytes=run.resting + saved, activation_bytes=saved)
 
     def _saved_bytes(self, snapshot: Any) -> tuple[int, int, int]:
         """(saved activation bytes, eager ops, resting bytes) of one compiled step; see the module docstring."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import InfeasibleBudgetError, TrialsFailedError
+from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.measure.status import TrialStatus
 from lightning_ckpt.plan.format import Plan
 
@@ -77,11 +78,11 @@ class TrialRecord:
     def confirmed(self) -> bool:
         return bool(self.confirmation_seconds)
 
-    def with_outcome(
-        self, out: Any, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True
+    def with_measurement(
+        self, out: Measurement, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True
     ) -> TrialRecord:
-        """This record with what running its plan gave (``out``, a ``runners.TrialOutcome``): the one place a
-        runner's figures enter a record, so a new figure is copied here only. The status is left to the study
+        """This record with what running its plan gave (``out``, the runner's ``Measurement``): the one place a
+        trial's figures enter a record, so a new figure is copied here only. The status is left to the study
         to judge against the budget.
 
         ``memory``: ``out`` read the memory, and ``real_peak_bytes`` is the real step's peak derived from its

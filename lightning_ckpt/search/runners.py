@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Protocol
 
 import torch
 
@@ -22,52 +22,7 @@ from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.records import TrialStatus
 
-__all__ = ["EagerRunner", "TrialOutcome", "TrialRunner"]
-
-
-@dataclass(frozen=True)
-class TrialOutcome:
-    """What running one plan gave, before the study judges it against the budget.
-
-    status: the measurement's (``ok``, ``oom``, ``invalid``, ``error``; ``conflict`` when the compiler
-    refused the plan outright). conflict: why a plan that ran fights torch.compile (graph breaks, the
-    recompile limit), else None. peak_bytes: the trial's own forward+backward peak.
-    """
-
-    status: TrialStatus
-    peak_bytes: int | None = None
-    activation_bytes: int | None = None
-    samples_per_second: float | None = None
-    median_seconds: float | None = None
-    spread_seconds: float | None = None
-    recompute_flops: int | None = None
-    recompute_overhead: float | None = None
-    steps: int = 0
-    error: str | None = None
-    traceback: str | None = None
-    conflict: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)  # for display: compile stats, pinned host memory
-
-    @classmethod
-    def of(cls, m: Measurement, *, steps: int, **fields: Any) -> TrialOutcome:
-        overhead = None
-        if m.recompute_flops is not None and m.step_flops:
-            overhead = m.recompute_flops / max(1, m.step_flops - m.recompute_flops)
-        values: dict[str, Any] = dict(
-            status=TrialStatus(m.status),
-            peak_bytes=m.peak_bytes,
-            activation_bytes=m.activation_bytes,
-            samples_per_second=m.samples_per_second,
-            median_seconds=m.median_seconds,
-            spread_seconds=m.spread_seconds,
-            recompute_flops=m.recompute_flops,
-            recompute_overhead=overhead,
-            steps=steps,
-            error=m.error,
-            traceback=m.traceback,
-        )
-        values.update(fields)
-        return cls(**values)
+__all__ = ["EagerRunner", "TrialRunner"]
 
 
 class TrialRunner(Protocol):
@@ -77,12 +32,12 @@ class TrialRunner(Protocol):
     collective_steps: bool  # a step runs collectives (FSDP2): a failure on one rank leaves the others waiting
     reserve_headroom_bytes: int  # added to the CUDA cap for the allocator's reserve (the profile measures it)
 
-    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
+    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
         """Run ``plan`` (warm-up, timed steps; the memory pass unless ``memory=False``), ``memory_limit``
         capping the CUDA allocator."""
         ...
 
-    def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+    def measure_memory(self, plan: Plan, memory_limit: int | None) -> Measurement:
         """Only the memory pass (and the FLOP count) of ``plan``: for a trial timed with ``memory=False``."""
         ...
 
@@ -103,18 +58,18 @@ class EagerRunner:
         # FSDP2 all-gathers and reduce-scatters inside the step: a trial is a collective of all ranks.
         self.collective_steps = fsdp_root(harness.root) is not None
 
-    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> TrialOutcome:
+    def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
         warmup, steps = self.harness.warmup_steps, self.harness.measure_steps
         return self._measure(
             plan, memory_limit, warmup=warmup, steps=steps, memory=memory, flops=memory and self.count_flops
         )
 
-    def measure_memory(self, plan: Plan, memory_limit: int | None) -> TrialOutcome:
+    def measure_memory(self, plan: Plan, memory_limit: int | None) -> Measurement:
         return self._measure(plan, memory_limit, warmup=0, steps=1, memory=True, flops=self.count_flops)
 
     def _measure(
         self, plan: Plan, memory_limit: int | None, *, warmup: int, steps: int, memory: bool, flops: bool
-    ) -> TrialOutcome:
+    ) -> Measurement:
         h = self.harness
         offload = h.device.type == "cuda" and any(bp.mode == "offload" for bp in plan.blocks.values())
         if offload:
@@ -136,11 +91,9 @@ class EagerRunner:
                 extra=h.extra,
                 reserve_headroom_bytes=self.reserve_headroom_bytes,
             )
-        steps = m.warmup_steps + len(m.step_seconds) + (1 if m.peak_bytes is not None else 0)
-        # Offload trades device memory for pinned host memory: report it.
-        extra = {"pinned_host_peak_bytes": _pinned_peak()} if offload else {}
-        outcome = TrialOutcome.of(m, steps=steps, extra=extra)
-        return _with_deviations(outcome, handle.deviations)
+        if offload:  # offload trades device memory for pinned host memory: report it
+            m = replace(m, extra={**m.extra, "pinned_host_peak_bytes": _pinned_peak()})
+        return _with_deviations(m, handle.deviations)
 
     def retime(self, plan: Plan, steps: int) -> Measurement:
         h = self.harness
@@ -160,11 +113,11 @@ class EagerRunner:
             )
 
 
-def _with_deviations(outcome: TrialOutcome, deviations: Mapping[str, str]) -> TrialOutcome:
+def _with_deviations(outcome: Measurement, deviations: Mapping[str, str]) -> Measurement:
     """A trial whose segments left the chain in some step (the parent skipped blocks, e.g. LayerDrop) ran
     those steps exactly but unsegmented, so its figures are not the plan's: it is ``invalid``, and
     ``extra["unchained_stacks"]`` tells the study to offer no more segments over those stacks."""
-    if not deviations or outcome.status.failed:
+    if not deviations or outcome.trial_status.failed:
         return outcome
     why = "; ".join(f"segments[{stack!r}]: {reason}" for stack, reason in sorted(deviations.items()))
     error = (
@@ -172,7 +125,7 @@ def _with_deviations(outcome: TrialOutcome, deviations: Mapping[str, str]) -> Tr
         "memory there; per-block modes are searched instead."
     )
     extra = {**outcome.extra, "unchained_stacks": sorted(deviations)}
-    return replace(outcome, status=TrialStatus.INVALID, error=error, extra=extra)
+    return replace(outcome, status=TrialStatus.INVALID.value, error=error, extra=extra)
 
 
 def _reset_pinned_peak() -> None:

@@ -220,13 +220,13 @@ class Study:
             return replace(new, status=TrialStatus.PRUNED, seconds=time.perf_counter() - t0)
         lazy = self.lazy_memory and predicted is not None
         out = self.runner.measure(plan, self.memory_limit, memory=not lazy)
-        if out.status.failed and getattr(self.runner, "collective_steps", False):
+        if out.trial_status.failed and getattr(self.runner, "collective_steps", False):
             self._end_on_collective_failure(label, out)
         new = replace(new, seconds=time.perf_counter() - t0)
         if lazy and out.status == TrialStatus.OK:
             # Timed only: the memory is the prediction until verify() gives the trial its memory pass.
             predicted_memory = replace(new, peak_bytes=peak, activation_bytes=activation, memory_measured=False)
-            return self._judged(predicted_memory.with_outcome(out, memory=False), out)
+            return self._judged(predicted_memory.with_measurement(out, memory=False), out)
         return self._with_memory(new, out)
 
     def _end_on_collective_failure(self, label: str, out: Any) -> None:
@@ -246,12 +246,12 @@ class Study:
         """``trial`` with the measured memory (and speed, status, FLOPs) of ``out``, judged against the budget.
         ``keep_timing``: ``out`` is a memory pass whose one step says nothing about speed."""
         peak = self.memory.real_peak(out.peak_bytes) if self.memory is not None else out.peak_bytes
-        return self._judged(trial.with_outcome(out, real_peak_bytes=peak, timed=not keep_timing), out)
+        return self._judged(trial.with_measurement(out, real_peak_bytes=peak, timed=not keep_timing), out)
 
     def _judged(self, trial: TrialRecord, out: Any) -> TrialRecord:
         conflict = None if trial.plan.is_empty else out.conflict
         fits = self.budget.fits(trial.peak_bytes, trial.activation_bytes)
-        status = judge_status(out.status, conflict, allow_graph_breaks=self.config.allow_graph_breaks, fits=fits)
+        status = judge_status(out.trial_status, conflict, allow_graph_breaks=self.config.allow_graph_breaks, fits=fits)
         error = trial.error or (conflict if status == TrialStatus.CONFLICT else None)
         extra = {**trial.extra, **({"conflict": conflict} if conflict else {})}
         return replace(trial, status=status, error=error, extra=extra)
