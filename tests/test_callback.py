@@ -8,23 +8,26 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lit import LitGPT, quiet_trainer, token_loader
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, applied_plan, apply_plan
 from lightning_ckpt.errors import ConfigurationError, DiscoveryError
 from lightning_ckpt.testing import GPT, GPTConfig
 
-SMALL_SPACE = {"modes": ["full", "selective:mlp", "ops:save_matmuls"], "selections": ["all", "first:0.5"],
-               "rest_modes": ["none"], "segments": True, "chunks": [2]}  # fmt: skip
+SMALL_SPACE = {
+    "modes": ["full", "selective:mlp", "ops:save_matmuls"],
+    "selections": ["all", "first:0.5"],
+    "rest_modes": ["none"],
+    "segments": True,
+    "chunks": [2],
+}
 
 
-class TinyGPT(L.LightningModule):
+class TinyGPT(LitGPT):
     def __init__(self, oom_on: str | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.1))
+        super().__init__(n_layer=4, n_embd=32, vocab_size=48, block_size=16, dropout=0.1)
         self.bn = nn.BatchNorm1d(32)  # a batch-dependent buffer the trials must not disturb
         self.mean_loss = MeanMetric()
         self.oom_on = oom_on
@@ -40,22 +43,10 @@ class TinyGPT(L.LightningModule):
         self.log("mean_loss", self.mean_loss)
         return loss
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-
-def loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 48, (64, 17), generator=g)
-    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8, shuffle=False)
-
-
-def trainer(tmp_path, callbacks, *, steps=3, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu", max_steps=steps, callbacks=callbacks, default_root_dir=tmp_path,
-        logger=TensorBoardLogger(tmp_path / "tb", name="run"), enable_checkpointing=kwargs.pop("ckpt", False),
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
-    )  # fmt: skip
+def trainer(tmp_path, callbacks, *, steps=3, ckpt=False, **kwargs) -> L.Trainer:
+    logger = TensorBoardLogger(tmp_path / "tb", name="run")
+    return quiet_trainer(tmp_path, callbacks, steps=steps, logger=logger, enable_checkpointing=ckpt, **kwargs)
 
 
 def tuner(search=None, **kwargs) -> ActivationCheckpointTuner:
@@ -65,7 +56,7 @@ def tuner(search=None, **kwargs) -> ActivationCheckpointTuner:
 
 def test_budget_forces_a_checkpointing_plan_that_fits(tmp_path):
     cb = tuner(activation_budget=0.5, plan_path=tmp_path / "plans" / "gpt.json")
-    trainer(tmp_path, [cb]).fit(TinyGPT(), loader())
+    trainer(tmp_path, [cb]).fit(TinyGPT(), token_loader(64))
     result = cb.result
     assert not result.fell_back
     assert result.best_trial.status == "ok" and not result.best.is_empty
@@ -80,7 +71,7 @@ def test_budget_forces_a_checkpointing_plan_that_fits(tmp_path):
 
 def test_without_budget_the_fastest_measured_plan_wins(tmp_path):
     cb = tuner(search=dict(tie_tolerance=0.0))
-    trainer(tmp_path, [cb]).fit(TinyGPT(), loader())
+    trainer(tmp_path, [cb]).fit(TinyGPT(), token_loader(64))
     measured = [t for t in cb.result.trials if t.status == "ok"]
     assert cb.result.best_trial.samples_per_second == max(t.samples_per_second for t in measured)
 
@@ -88,7 +79,7 @@ def test_without_budget_the_fastest_measured_plan_wins(tmp_path):
 def test_reuse_runs_zero_trials_and_applies_the_same_plan(tmp_path):
     path = tmp_path / "gpt.json"
     first = tuner(activation_budget=0.5, plan_path=path)
-    trainer(tmp_path, [first]).fit(TinyGPT(), loader())
+    trainer(tmp_path, [first]).fit(TinyGPT(), token_loader(64))
     reuse = ActivationCheckpointTuner(plan=path, verbose=False)
     seen = {}
 
@@ -96,29 +87,29 @@ def test_reuse_runs_zero_trials_and_applies_the_same_plan(tmp_path):
         def on_train_batch_end(self, trainer, pl_module, *args):
             seen["plan"] = applied_plan(pl_module)
 
-    trainer(tmp_path, [reuse, Spy()]).fit(TinyGPT(), loader())
+    trainer(tmp_path, [reuse, Spy()]).fit(TinyGPT(), token_loader(64))
     assert reuse.trials_run == 0 and reuse.result is None
     assert seen["plan"] == first.plan
     # The same plan_path on a later run is a cache: same model and budget, no search.
     again = tuner(activation_budget=0.5, plan_path=path)
-    trainer(tmp_path, [again]).fit(TinyGPT(), loader())
+    trainer(tmp_path, [again]).fit(TinyGPT(), token_loader(64))
     assert again.trials_run == 0 and again.plan == first.plan
 
 
 def test_resume_from_checkpoint_reapplies_without_trials(tmp_path):
     cb = tuner(activation_budget=0.5)
     t = trainer(tmp_path, [cb], steps=2, ckpt=True)
-    t.fit(TinyGPT(), loader())
+    t.fit(TinyGPT(), token_loader(64))
     ckpt = t.checkpoint_callback.best_model_path or t.checkpoint_callback.last_model_path
     assert ckpt
     resumed = tuner(activation_budget=0.5)
-    trainer(tmp_path, [resumed], steps=4, ckpt=True).fit(TinyGPT(), loader(), ckpt_path=ckpt)
+    trainer(tmp_path, [resumed], steps=4, ckpt=True).fit(TinyGPT(), token_loader(64), ckpt_path=ckpt)
     assert resumed.trials_run == 0 and resumed.plan == cb.plan
 
 
 def test_simulated_oom_in_one_trial_is_survived(tmp_path):
     cb = tuner(search=dict(n_trials=8))
-    trainer(tmp_path, [cb]).fit(TinyGPT(oom_on="selective(mlp) h.0-3"), loader())
+    trainer(tmp_path, [cb]).fit(TinyGPT(oom_on="selective(mlp) h.0-3"), token_loader(64))
     statuses = {t.label: t.status for t in cb.result.trials}
     assert statuses["baseline:selective_mlp"] == "oom"
     assert cb.result.best.describe() != "selective(mlp) h.0-3"
@@ -130,7 +121,7 @@ def _fit_state(tmp_path, callbacks, plan=None):
     if plan is not None:
         apply_plan(module, plan)
     t = trainer(tmp_path, callbacks, steps=4)
-    t.fit(module, loader())
+    t.fit(module, token_loader(64))
     opt = t.optimizers[0].state_dict()
     return {
         "weights": {k: v.clone() for k, v in module.state_dict().items()},
@@ -161,7 +152,7 @@ def test_tensorboard_entries(tmp_path):
 
     cb = tuner(activation_budget=0.5)
     t = trainer(tmp_path, [cb])
-    t.fit(TinyGPT(), loader())
+    t.fit(TinyGPT(), token_loader(64))
     acc = EventAccumulator(
         f"{t.logger.log_dir}/lightning_ckpt", size_guidance={"scalars": 0, "tensors": 0, "images": 0}
     )
@@ -209,7 +200,7 @@ def test_model_with_nothing_to_checkpoint(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     with pytest.raises(DiscoveryError, match="block_types"):
-        trainer(tmp_path, [tuner()]).fit(Flat(), loader())
+        trainer(tmp_path, [tuner()]).fit(Flat(), token_loader(64))
 
 
 def test_stale_plan_file_retunes_or_raises(tmp_path):
@@ -225,11 +216,11 @@ def test_stale_plan_file_retunes_or_raises(tmp_path):
 
     with pytest.raises(StalePlanError):
         trainer(tmp_path, [ActivationCheckpointTuner(plan=path, on_stale_plan="raise", verbose=False)]).fit(
-            TinyGPT(), loader()
+            TinyGPT(), token_loader(64)
         )
     cb = tuner(plan=path)
     with pytest.warns(UserWarning, match="Re-tuning"):
-        trainer(tmp_path, [cb]).fit(TinyGPT(), loader())
+        trainer(tmp_path, [cb]).fit(TinyGPT(), token_loader(64))
     assert cb.trials_run > 0
 
 
@@ -270,13 +261,10 @@ def test_quiet_search_one_bar_one_result_line_and_step_one_is_not_the_search(tmp
     if bar == "rich":
         pytest.importorskip("rich")  # optional for Lightning (the GPU image has no rich)
     settings = dict(n_trials=8, measure_steps=3, warmup_steps=2, search_space=SMALL_SPACE)
-    cb = ActivationCheckpointTuner(activation_budget=0.9, **settings)  # verbose left at its default
+    cb = ActivationCheckpointTuner(activation_budget=0.9, search=settings)  # verbose left at its default
     clock = _BarClock()
     progress_bar = TQDMProgressBar() if bar == "tqdm" else RichProgressBar()
-    L.Trainer(
-        accelerator="cpu", max_steps=2, callbacks=[cb, clock, progress_bar], default_root_dir=tmp_path,
-        logger=TensorBoardLogger(tmp_path / "tb", name="run"), enable_checkpointing=False, enable_model_summary=False,
-    ).fit(TinyGPT(), loader())  # fmt: skip
+    trainer(tmp_path, [cb, clock, progress_bar], steps=2, enable_progress_bar=True).fit(TinyGPT(), token_loader(64))
     out = capsys.readouterr().out + caplog.text  # rank_zero_info goes through logging
     assert out.count("lightning_ckpt: chose ") == 1 and cb.result.best.describe() in out
     assert "[trial " not in out and "samples/s  recompute" not in out  # no trial lines, no table
@@ -291,7 +279,7 @@ def test_quiet_search_one_bar_one_result_line_and_step_one_is_not_the_search(tmp
 
 def test_verbose_prints_every_trial_and_the_table(tmp_path, capsys, caplog):
     cb = tuner(activation_budget=0.5, verbose=True)
-    trainer(tmp_path, [cb]).fit(TinyGPT(), loader())
+    trainer(tmp_path, [cb]).fit(TinyGPT(), token_loader(64))
     out = capsys.readouterr().out + caplog.text
     assert out.count("[trial ") >= len(cb.result.trials)
     assert "winner (*)" in out and "lightning_ckpt: chose " in out

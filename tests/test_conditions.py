@@ -2,43 +2,23 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan
 from lightning_ckpt.errors import StalePlanError
 from lightning_ckpt.lightning.conditions import RunConditions
-from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full"], "selections": ["all"], "rest_modes": ["none"], "segments": False}
 
 
-class Net(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=48, block_size=16))
-
-    def training_step(self, batch, batch_idx):
-        return self.model(*batch)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def loader(batch: int = 8) -> DataLoader:
-    data = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
+def net() -> LitGPT:
+    return LitGPT(n_layer=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.1)
 
 
 def fit(tmp_path, cb, *, batch: int = 8, precision: str = "32-true", accumulate: int = 1) -> None:
-    L.Trainer(
-        accelerator="cpu", max_steps=2, callbacks=[cb], default_root_dir=tmp_path, logger=False, precision=precision,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accumulate_grad_batches=accumulate,
-    ).fit(Net(), loader(batch))  # fmt: skip
+    trainer = quiet_trainer(tmp_path, [cb], steps=2, precision=precision, accumulate_grad_batches=accumulate)
+    trainer.fit(net(), token_loader(32, batch_size=batch))
 
 
 def tuner(path, **kwargs) -> ActivationCheckpointTuner:
@@ -52,9 +32,14 @@ def tuned(tmp_path):
     fit(tmp_path, tuner(path))
     saved = Plan.load(path)
     assert saved.metadata["conditions"] == {
-        "batch_size": 8, "seq_len": 16, "precision": "32-true", "device_type": "cpu", "device_capacity_bytes": None,
-        "world_size": 1, "accumulation": 1,
-    }  # fmt: skip
+        "batch_size": 8,
+        "seq_len": 16,
+        "precision": "32-true",
+        "device_type": "cpu",
+        "device_capacity_bytes": None,
+        "world_size": 1,
+        "accumulation": 1,
+    }
     return path
 
 

@@ -15,7 +15,8 @@ import textwrap
 
 import lightning as L
 import pytest
-from test_conditions import SPACE, Net, loader  # the same tiny GPT module and batches as the reuse-conditions tests
+from lit import quiet_trainer, token_loader
+from test_conditions import SPACE, net  # the same tiny GPT module as the reuse-conditions tests
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan
 from lightning_ckpt.errors import ConfigurationError, StalePlanError
@@ -24,21 +25,33 @@ from lightning_ckpt.model import model_fingerprint
 GIB = 2**30
 # What the callback records for the run these tests fit (see test_conditions.py).
 CONDITIONS = {
-    "batch_size": 8, "seq_len": 16, "precision": "32-true", "device_type": "cpu", "device_capacity_bytes": None,
-    "world_size": 1, "accumulation": 1,
-}  # fmt: skip
+    "batch_size": 8,
+    "seq_len": 16,
+    "precision": "32-true",
+    "device_type": "cpu",
+    "device_capacity_bytes": None,
+    "world_size": 1,
+    "accumulation": 1,
+}
 NO_BUDGET = {"kind": "none", "limit_bytes": None, "fraction": None, "description": "no budget", "requested": None}
-HALF_ACTIVATION = {"kind": "activation", "limit_bytes": 2**40, "fraction": 0.5,
-                   "description": "50% of no-checkpointing activation memory", "requested": None}  # fmt: skip
-PEAK_20GIB = {"kind": "peak", "limit_bytes": 20 * GIB, "fraction": None, "description": "20.0 GiB peak",
-              "requested": "20GiB"}  # fmt: skip
+HALF_ACTIVATION = {
+    "kind": "activation",
+    "limit_bytes": 2**40,
+    "fraction": 0.5,
+    "description": "50% of no-checkpointing activation memory",
+    "requested": None,
+}
+PEAK_20GIB = {
+    "kind": "peak",
+    "limit_bytes": 20 * GIB,
+    "fraction": None,
+    "description": "20.0 GiB peak",
+    "requested": "20GiB",
+}
 
 
 def trainer(tmp_path, *callbacks, steps: int = 2) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu", max_steps=steps, callbacks=list(callbacks), default_root_dir=tmp_path, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    return quiet_trainer(tmp_path, list(callbacks), steps=steps)
 
 
 def tuner(search=None, **kwargs) -> ActivationCheckpointTuner:
@@ -47,11 +60,13 @@ def tuner(search=None, **kwargs) -> ActivationCheckpointTuner:
 
 
 def saved_plan(budget, *, block: str = "model.transformer.h.0", fingerprint: str | None = None, name: str = "saved"):
-    """A plan as the callback saves it (budget and conditions recorded), for ``Net``, written by hand."""
+    """A plan as the callback saves it (budget and conditions recorded), for ``net()``, written by hand."""
     return Plan(
-        {block: BlockPlan("full")}, name=name, fingerprint=fingerprint or model_fingerprint(Net()),
+        {block: BlockPlan("full")},
+        name=name,
+        fingerprint=fingerprint or model_fingerprint(net()),
         metadata={"budget": budget, "conditions": CONDITIONS},
-    )  # fmt: skip
+    )
 
 
 def write(path, plan: Plan):
@@ -63,7 +78,7 @@ def write(path, plan: Plan):
 def _checkpoint_tuned_without_budget(tmp_path):
     path = write(tmp_path / "plan.json", saved_plan(NO_BUDGET))
     t = trainer(tmp_path, ActivationCheckpointTuner(plan=path, verbose=False))
-    t.fit(Net(), loader())
+    t.fit(net(), token_loader(32))
     t.save_checkpoint(tmp_path / "resume.ckpt")
     return tmp_path / "resume.ckpt"
 
@@ -72,11 +87,11 @@ def test_resuming_with_a_changed_budget_retunes_for_it_and_guards_it(tmp_path):
     ckpt = _checkpoint_tuned_without_budget(tmp_path)
     with pytest.raises(StalePlanError, match=r"resumed checkpoint was tuned for no budget.*activation_budget=0\.3"):
         trainer(tmp_path, tuner(activation_budget=0.3, on_stale_plan="raise"), steps=4).fit(
-            Net(), loader(), ckpt_path=ckpt
+            net(), token_loader(32), ckpt_path=ckpt
         )
     cb = tuner(activation_budget=0.3)
     with pytest.warns(UserWarning, match=r"resumed checkpoint was tuned for no budget.*activation_budget=0\.3"):
-        trainer(tmp_path, cb, steps=4).fit(Net(), loader(), ckpt_path=ckpt)
+        trainer(tmp_path, cb, steps=4).fit(net(), token_loader(32), ckpt_path=ckpt)
     assert cb.trials_run > 0
     assert cb.result.budget.kind == "activation" and cb.result.budget.fraction == 0.3
     assert cb.step_checks, "the guard reads real steps against the requested budget"
@@ -85,10 +100,10 @@ def test_resuming_with_a_changed_budget_retunes_for_it_and_guards_it(tmp_path):
 def test_resuming_with_the_same_budget_written_otherwise_reuses_and_guards_it(tmp_path):
     path = write(tmp_path / "plan.json", saved_plan(PEAK_20GIB))
     t = trainer(tmp_path, ActivationCheckpointTuner(plan=path, verbose=False))
-    t.fit(Net(), loader())
+    t.fit(net(), token_loader(32))
     t.save_checkpoint(tmp_path / "resume.ckpt")
     cb = tuner(max_memory=20 * GIB)
-    trainer(tmp_path, cb, steps=4).fit(Net(), loader(), ckpt_path=tmp_path / "resume.ckpt")
+    trainer(tmp_path, cb, steps=4).fit(net(), token_loader(32), ckpt_path=tmp_path / "resume.ckpt")
     assert cb.trials_run == 0 and cb.plan == Plan.load(path)
     assert cb.step_checks and all(check.within_budget for check in cb.step_checks)
 
@@ -106,7 +121,7 @@ def test_a_stale_plan_argument_is_retuned_for_a_budget_the_warning_names(tmp_pat
     path = write(tmp_path / "plan.json", saved_plan(HALF_ACTIVATION, fingerprint="0" * 16))
     cb = tuner(plan=path, **given)
     with pytest.warns(UserWarning, match=rf"another model.*Re-tuning for {named}") as seen:
-        trainer(tmp_path, cb).fit(Net(), loader())
+        trainer(tmp_path, cb).fit(net(), token_loader(32))
     assert cb.trials_run > 0 and cb.result.budget.kind == kind
     if kind == "activation":
         assert cb.result.budget.fraction == 0.5
@@ -123,14 +138,14 @@ def test_a_stale_plan_file_is_retuned_for_its_own_budget(tmp_path):
     path = write(tmp_path / "plan.json", saved_plan(HALF_ACTIVATION, fingerprint="0" * 16))
     cb = tuner(plan_path=path)
     with pytest.warns(UserWarning, match=r"another model.*Re-tuning for activation_budget=0\.5"):
-        trainer(tmp_path, cb).fit(Net(), loader())
+        trainer(tmp_path, cb).fit(net(), token_loader(32))
     assert cb.result.budget.kind == "activation" and cb.result.budget.fraction == 0.5
 
 
 def test_without_a_budget_the_plan_argument_is_guarded_by_its_own(tmp_path):
     path = write(tmp_path / "plan.json", saved_plan(HALF_ACTIVATION))
     cb = ActivationCheckpointTuner(plan=path, verbose=False)
-    trainer(tmp_path, cb, steps=3).fit(Net(), loader())
+    trainer(tmp_path, cb, steps=3).fit(net(), token_loader(32))
     assert cb.trials_run == 0
     assert cb.step_checks and all(check.activation_bytes is not None for check in cb.step_checks)
 
@@ -140,7 +155,7 @@ def test_without_a_budget_the_plan_argument_is_guarded_by_its_own(tmp_path):
 def test_the_same_budget_written_otherwise_reuses_the_plan_file(tmp_path, written):
     path = write(tmp_path / "plan.json", saved_plan(PEAK_20GIB))
     cb = tuner(max_memory=written, plan_path=path)
-    trainer(tmp_path, cb).fit(Net(), loader())
+    trainer(tmp_path, cb).fit(net(), token_loader(32))
     assert cb.trials_run == 0 and cb.result is None and cb.plan == Plan.load(path)
 
 
@@ -149,18 +164,18 @@ def test_another_budget_retunes_with_a_warning_naming_both(tmp_path, source):
     path = write(tmp_path / "plan.json", saved_plan(PEAK_20GIB))
     cb = tuner(max_memory="10GiB", **{source: path})
     with pytest.warns(UserWarning, match=r"tuned for max_memory='20GiB'.*asks for max_memory='10GiB'"):
-        trainer(tmp_path, cb).fit(Net(), loader())
+        trainer(tmp_path, cb).fit(net(), token_loader(32))
     assert cb.trials_run > 0 and cb.result.budget.limit_bytes == 10 * GIB
 
 
 def test_another_fraction_of_activation_memory_is_another_budget(tmp_path):
     path = write(tmp_path / "plan.json", saved_plan(HALF_ACTIVATION))
     same = tuner(activation_budget=0.5, plan_path=path)
-    trainer(tmp_path, same).fit(Net(), loader())
+    trainer(tmp_path, same).fit(net(), token_loader(32))
     assert same.trials_run == 0
     other = tuner(activation_budget=0.25, plan_path=path)
     with pytest.warns(UserWarning, match=r"activation_budget=0\.5.*activation_budget=0\.25"):
-        trainer(tmp_path, other).fit(Net(), loader())
+        trainer(tmp_path, other).fit(net(), token_loader(32))
     assert other.result.budget.fraction == 0.25
 
 
@@ -212,7 +227,7 @@ def test_a_plan_file_written_by_another_run_meanwhile_is_kept_and_the_loser_says
     path, source = tmp_path / "plan.json", write(tmp_path / "other.json", OTHER)
     cb = tuner(activation_budget=0.5, plan_path=path)
     with caplog.at_level(logging.INFO), pytest.warns(UserWarning) as seen:
-        trainer(tmp_path, WriteThePlanFileMeanwhile(source, path), cb, steps=3).fit(Net(), loader())
+        trainer(tmp_path, WriteThePlanFileMeanwhile(source, path), cb, steps=3).fit(net(), token_loader(32))
     on_disk = Plan.load(path)
     assert on_disk.name == "written by another run" and on_disk == OTHER, "the other run's plan was overwritten"
     assert cb.plan is not None and cb.result is not None and not cb.wrote_plan_file
