@@ -11,10 +11,9 @@ import json
 from datetime import timedelta
 from pathlib import Path
 
-import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, TensorDataset
+from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner, applied_plan, model_fingerprint
 from lightning_ckpt.testing import GPT, GPTConfig
@@ -27,15 +26,11 @@ def make_model() -> GPT:
     return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
 
 
-def make_data() -> TensorDataset:
-    data = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(0))
-    return TensorDataset(data[:, :-1], data[:, 1:])
-
-
-class ShardedGPT(L.LightningModule):
+class ShardedGPT(LitGPT):
     def __init__(self, fail_rank: int = -1, fail_on: str = "") -> None:
-        super().__init__()
-        self.model = make_model()
+        # SGD, not Adam: Adam's first step is lr x sign(grad), which turns float-level differences in
+        # near-zero gradients (two ranks' average vs one mean) into +-lr, hiding whether training matches.
+        super().__init__(model=make_model(), optimizer=torch.optim.SGD, lr=0.1)
         self.plans_seen: list[str | None] = []
         self.fail_rank, self.fail_on = fail_rank, fail_on
         self.batches: dict[int, list] = {}
@@ -53,12 +48,7 @@ class ShardedGPT(L.LightningModule):
             raise torch.OutOfMemoryError("simulated: out of memory on one rank, inside a sharded step")
         self.plans_seen.append(plan.digest() if plan is not None else None)
         self.batches[self.trainer.global_step] = [t.tolist() for t in batch]  # the samples this rank trained on
-        return self.model(*batch)
-
-    def configure_optimizers(self):
-        # SGD, not Adam: Adam's first step is lr x sign(grad), which turns float-level differences in
-        # near-zero gradients (two ranks' average vs one mean) into +-lr, hiding whether training matches.
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return super().training_step(batch, batch_idx)
 
 
 def main() -> None:
@@ -77,24 +67,28 @@ def main() -> None:
         plan_path=args.out / "plan.json",
         search=dict(n_trials=4, measure_steps=1, search_space=SPACE),
     )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(
-            data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=args.timeout)
-        ),
-        max_steps=args.steps, callbacks=[] if args.no_tuner else [cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=args.out,
-    )  # fmt: skip
-    trainer.fit(module, DataLoader(make_data(), batch_size=4))
+    strategy = ModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=args.timeout)
+    )
+    callbacks = [] if args.no_tuner else [cb]
+    trainer = quiet_trainer(args.out, callbacks, steps=args.steps, devices=2, strategy=strategy)
+    trainer.fit(module, token_loader(32, batch_size=4))
     weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.model.state_dict().items()}
     rank = trainer.global_rank
     if rank == 0:
         torch.save(weights, args.out / "weights.pt")
-    (args.out / f"rank{rank}.json").write_text(json.dumps({
-        "digest": cb.plan.digest() if cb.plan else None, "plan": cb.plan.to_dict() if cb.plan else None, "trials_run": cb.trials_run,
-        "wrote_plan_file": cb.wrote_plan_file, "plans_seen": module.plans_seen,
-        "fingerprint": model_fingerprint(module.model), "unsharded_fingerprint": model_fingerprint(make_model()),
-        "left_applied": applied_plan(module) is not None, "batches": module.batches,
-    }))  # fmt: skip
+    report = {
+        "digest": cb.plan.digest() if cb.plan else None,
+        "plan": cb.plan.to_dict() if cb.plan else None,
+        "trials_run": cb.trials_run,
+        "wrote_plan_file": cb.wrote_plan_file,
+        "plans_seen": module.plans_seen,
+        "fingerprint": model_fingerprint(module.model),
+        "unsharded_fingerprint": model_fingerprint(make_model()),
+        "left_applied": applied_plan(module) is not None,
+        "batches": module.batches,
+    }
+    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
