@@ -12,7 +12,6 @@ model again.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +56,6 @@ class ModelView:
         stacks = tuple(discover_blocks(root, block_types=block_types))
         sharded = any(is_sharded(m) for m in root.modules())
         return cls(model, root, stacks, model_fingerprint(root), model_device(root), compiled_regions(model), sharded)
-
-    def blocks(self) -> Sequence[str]:
-        """Every block's FQN, stack by stack."""
-        return [b.fqn for s in self.stacks for b in s.blocks]
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -26,20 +26,24 @@ def tuner(path, **kwargs) -> ActivationCheckpointTuner:
     return ActivationCheckpointTuner(activation_budget=0.5, plan_path=path, verbose=False, search=search, **kwargs)
 
 
+# What the callback records for the run these tests fit (test_reuse writes plans with the same conditions).
+CONDITIONS = {
+    "batch_size": 8,
+    "seq_len": 16,
+    "precision": "32-true",
+    "device_type": "cpu",
+    "device_capacity_bytes": None,
+    "world_size": 1,
+    "accumulation": 1,
+}
+
+
 @pytest.fixture
 def tuned(tmp_path):
     path = tmp_path / "plan.json"
     fit(tmp_path, tuner(path))
     saved = Plan.load(path)
-    assert saved.metadata["conditions"] == {
-        "batch_size": 8,
-        "seq_len": 16,
-        "precision": "32-true",
-        "device_type": "cpu",
-        "device_capacity_bytes": None,
-        "world_size": 1,
-        "accumulation": 1,
-    }
+    assert saved.metadata["conditions"] == CONDITIONS
     return path
 
 

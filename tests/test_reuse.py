@@ -16,23 +16,13 @@ import textwrap
 import lightning as L
 import pytest
 from lit import quiet_trainer, token_loader
-from test_conditions import SPACE, net  # the same tiny GPT module as the reuse-conditions tests
+from test_conditions import CONDITIONS, SPACE, net  # the same tiny GPT module as the reuse-conditions tests
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan
 from lightning_ckpt.errors import ConfigurationError, StalePlanError
 from lightning_ckpt.model import model_fingerprint
 
 GIB = 2**30
-# What the callback records for the run these tests fit (see test_conditions.py).
-CONDITIONS = {
-    "batch_size": 8,
-    "seq_len": 16,
-    "precision": "32-true",
-    "device_type": "cpu",
-    "device_capacity_bytes": None,
-    "world_size": 1,
-    "accumulation": 1,
-}
 NO_BUDGET = {"kind": "none", "limit_bytes": None, "fraction": None, "description": "no budget", "requested": None}
 HALF_ACTIVATION = {
     "kind": "activation",

@@ -90,6 +90,7 @@ def test_ci_runs_a_leg_on_the_oldest_and_on_the_newest_tested_torch():
 
 
 def test_tuning_under_fsdp2_on_an_unverified_torch_is_refused_before_any_trial(monkeypatch):
+    import dataclasses
     import importlib
 
     from lightning_ckpt.model import ModelView
@@ -98,8 +99,7 @@ def test_tuning_under_fsdp2_on_an_unverified_torch_is_refused_before_any_trial(m
 
     tune_module = importlib.import_module("lightning_ckpt.search.tune")  # the package exports a function of that name
     model = GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32))
-    resolved = ModelView.of(model)
-    monkeypatch.setattr(tune_module, "fsdp_root", lambda root: root)  # as if fully_shard had sharded it
+    resolved = dataclasses.replace(ModelView.of(model), sharded=True)  # as if fully_shard had sharded it
     monkeypatch.setattr(torch, "__version__", "2.8.0+cu128")
     with pytest.raises(UnsupportedVersionError, match=r"FSDP2 .* needs torch>=2\.9, but found torch 2\.8\.0\+cu128"):
         tune_module.build_runner(resolved, harness=None, config=TuneConfig(), compiled=False)

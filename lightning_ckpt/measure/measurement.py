@@ -39,7 +39,8 @@ from torch import nn
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.status import TrialStatus
-from lightning_ckpt.measure.tracker import model_device, new_live_tracker, normalise_device
+from lightning_ckpt.measure.tracker import new_live_tracker, normalise_device
+from lightning_ckpt.model import model_device
 
 __all__ = [
     "MEASUREMENT_STATUSES",

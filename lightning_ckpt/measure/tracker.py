@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_ckpt.model import is_sharded
+
 __all__ = [
     "fsdp_root",
-    "is_fsdp_module",
     "local_tensor",
-    "model_device",
     "new_live_tracker",
     "normalise_device",
     "tensor_bytes",
@@ -199,18 +199,9 @@ def _tracker_class(fsdp: bool = False) -> type:
     return _LiveTracker
 
 
-def is_fsdp_module(module: nn.Module) -> bool:
-    """Whether ``fully_shard`` (FSDP2) sharded ``module``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return False
-    return isinstance(module, FSDPModule)
-
-
 def fsdp_root(model: nn.Module) -> nn.Module | None:
     """The outermost FSDP2 (``fully_shard``) module in ``model``, or None."""
-    return next((m for m in model.modules() if is_fsdp_module(m)), None)
+    return next((m for m in model.modules() if is_sharded(m)), None)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -252,8 +243,3 @@ def normalise_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def model_device(model: nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")

@@ -36,16 +36,14 @@ from lightning_ckpt.errors import ApplyError, LightningCkptError
 from lightning_ckpt.measure.harness import loss_of
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.tracker import (
-    is_fsdp_module,
     local_tensor,
-    model_device,
     new_live_tracker,
     normalise_device,
     tensor_bytes,
 )
 from lightning_ckpt.memory.capture import _autocast_as, _capture, _Captured, _hidden_index, _hidden_tensor
 from lightning_ckpt.memory.model import BlockMemory, MemoryModel, ModeProfile, PhasePeak
-from lightning_ckpt.model import ModelView, model_fingerprint
+from lightning_ckpt.model import ModelView, is_sharded, model_device, model_fingerprint
 from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.handle import applied_plan
@@ -386,7 +384,7 @@ def _run_profile(
         order, reps, rep_of, unchained = _capture(root, forward_fn, blocks, share, stack_of)
         # FSDP2 all-gathers a sharded block's parameters in its own forward hooks, which a segment's recompute
         # of several blocks as one function does not run: no segments over sharded blocks.
-        unchained |= {s.fqn for s in stacks if any(is_fsdp_module(root.get_submodule(b.fqn)) for b in s.blocks)}
+        unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
         unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
         snapshot.restore()
         tracker, resting, end_of_forward, calls = _anchor(root, forward_fn, order, externals, dev)

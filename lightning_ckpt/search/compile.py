@@ -84,7 +84,6 @@ __all__ = [
     "compiled_search",
     "conflict_reason",
     "eager_while_profiling",
-    "is_compiled",
     "random_ops",
     "recompile_count",
     "reset_compiled",
@@ -137,11 +136,6 @@ def uses_cuda_graphs(model: nn.Module) -> bool:
             if backend is None:
                 break
     return False
-
-
-def is_compiled(model: nn.Module) -> bool:
-    """Whether any part of ``model`` runs under ``torch.compile`` (see ``compiled_regions``)."""
-    return bool(compiled_regions(model))
 
 
 def reset_compiled() -> None:

@@ -22,7 +22,6 @@ from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
-from lightning_ckpt.measure.tracker import fsdp_root
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.model import ModelView
@@ -68,7 +67,7 @@ def build_runner(
     reserve_headroom: int = 0,
 ) -> TrialRunner:
     """The runner for this model: ``CompiledTrials`` when it is compiled, else an ``EagerRunner``."""
-    if fsdp_root(resolved.root) is not None:
+    if resolved.sharded:
         require_torch(
             FSDP2_TUNING_VERIFIED,
             "Tuning a model sharded with FSDP2 (fully_shard)",
