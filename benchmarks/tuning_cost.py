@@ -1,11 +1,13 @@
-"""What a search costs, in plain training steps: GPTs of 4 to 32 layers, the tuner's defaults, on CPU.
+"""What a search costs, in plain training steps: GPTs of 8 to 64 layers, the tuner's defaults, on CPU.
 
 For each depth the plain step (forward + backward, no plan) is timed first, then ``tune()`` runs with
 its defaults (40 trials, the default space) and an activation budget of 50%. The cost is reported as
 wall seconds and as *plain-step equivalents* (tuning seconds / plain step seconds), split into where
 it went: the memory profile, the measured optimizer step, the trials (tracked memory pass, warm-up,
-timed steps, FLOP count), the confirmation round, and the rest (sampler, process warm-up). Run it on
-a quiet machine: ``python benchmarks/tuning_cost.py`` (writes ``benchmarks/results/tuning_cost.json``).
+timed steps, FLOP count), the confirmation round, and the rest (sampler, process warm-up). Each depth
+is searched ``--repeats`` times (3) in fresh models; the table shows the median run by cost, the JSON
+every run. Run it on a quiet machine: ``python benchmarks/tuning_cost.py`` (writes
+``benchmarks/results/tuning_cost.json``).
 """
 
 from __future__ import annotations
@@ -78,31 +80,49 @@ def run_depth(depth: int, *, batch: int, seq: int, width: int) -> dict[str, Any]
         "confirmed_trials": len(confirmed),
         "confirmed_trial_steps": confirm_steps,
         "chosen": result.best.describe(),
+        "time_model": result.best.metadata["search"].get("time_model"),
+        "prediction_errors": [t.prediction_error for t in result.trials if t.prediction_error is not None],
+    }
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose cost is the median (the lower middle one of an even count), with every run's cost beside it."""
+    ordered = sorted(runs, key=lambda r: r["plain_step_equivalents"])
+    return {
+        **ordered[(len(ordered) - 1) // 2],
+        "plain_step_equivalents_of_runs": [r["plain_step_equivalents"] for r in runs],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tuning_cost.json")
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
-    rows = [run_depth(d, batch=args.batch, seq=args.seq, width=args.width) for d in args.depths]
-    print(f"{'layers':>6s} {'step ms':>8s} {'tuning s':>9s} {'plain-step eq':>13s} {'steps run':>9s} "
-          f"{'measured':>8s} {'profile s':>9s} {'trials s':>8s} {'confirm+rest s':>14s}  chosen")  # fmt: skip
+    runs = {d: [run_depth(d, batch=args.batch, seq=args.seq, width=args.width) for _ in range(args.repeats)]
+            for d in args.depths}  # fmt: skip
+    rows = [_median_run(runs[d]) for d in args.depths]
+    print(f"{'layers':>6s} {'step ms':>8s} {'tuning s':>9s} {'plain-step eq':>13s} {'runs':>15s} {'steps run':>9s} "
+          f"{'measured':>8s} {'profile s':>9s} {'trials s':>8s} {'confirm+rest s':>14s} {'time err':>8s}  chosen")  # fmt: skip
     for r in rows:
+        runs = "/".join(f"{v:.0f}" for v in r["plain_step_equivalents_of_runs"])
+        errors = [abs(e) for e in r.get("prediction_errors") or ()]
+        error = f"{statistics.median(errors):.1%}" if errors else "-"
         print(
             f"{r['depth']:6d} {1000 * r['plain_step_seconds']:8.1f} {r['tuning_seconds']:9.1f} "
-            f"{r['plain_step_equivalents']:13.0f} {r['training_steps_run']:9d} {r['measured']:8d} "
-            f"{r['profile_seconds']:9.1f} {r['trial_seconds']:8.1f} {r['confirmation_and_rest_seconds']:14.1f}  "
-            f"{r['chosen']}"
+            f"{r['plain_step_equivalents']:13.0f} {runs:>15s} {r['training_steps_run']:9d} {r['measured']:8d} "
+            f"{r['profile_seconds']:9.1f} {r['trial_seconds']:8.1f} {r['confirmation_and_rest_seconds']:14.1f} "
+            f"{error:>8s}  {r['chosen']}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"torch": torch.__version__, "device": "cpu", "threads": torch.get_num_threads(), "batch": args.batch,
-               "seq": args.seq, "width": args.width, "rows": rows}  # fmt: skip
+               "seq": args.seq, "width": args.width, "repeats": args.repeats, "rows": rows,
+               "runs": {str(d): r for d, r in runs.items()}}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -76,6 +77,37 @@ class LayerStack:
     @property
     def block_fqns(self) -> tuple[str, ...]:
         return tuple(b.fqn for b in self.blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (``from_dict`` reads it back): what a plan file keeps to re-plan without the model."""
+        return {
+            "fqn": self.fqn,
+            "container_class": self.container_class,
+            "blocks": [
+                {
+                    "fqn": b.fqn,
+                    "index": b.index,
+                    "class_name": b.class_name,
+                    "num_params": b.num_params,
+                    "children": [[c.name, c.class_name, c.kind, c.num_params] for c in b.children],
+                }
+                for b in self.blocks
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LayerStack:
+        blocks = tuple(
+            Block(
+                b["fqn"],
+                int(b["index"]),
+                b["class_name"],
+                int(b["num_params"]),
+                tuple(Child(*c) for c in b["children"]),
+            )
+            for b in data["blocks"]
+        )
+        return cls(data["fqn"], data["container_class"], blocks)
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:

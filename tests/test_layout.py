@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).parents[1] / "lightning_ckpt"
 # Data-flow order. The top-level modules (errors, versions, discovery, budget) are shared by every stage.
-STAGES = ("plan", "measure", "memory", "search", "report", "lightning", "cli")
+STAGES = ("plan", "measure", "timing", "memory", "search", "report", "lightning", "cli")
 LIBRARIES = {"lightning": "lightning", "pytorch_lightning": "lightning", "optuna": "search",
              "tensorboard": "report", "matplotlib": "report"}  # fmt: skip
 

@@ -4,6 +4,8 @@
     lightning-ckpt diff plans/old.json plans/new.json     what changed between two plans
     lightning-ckpt validate plans/gpt.json --model mypkg.models:build_model
                                                           does the plan fit this model? (for CI)
+    lightning-ckpt replan plans/gpt.json --max-memory 40GiB -o plans/gpt-40g.json
+                                                          the best plan for another budget, predicted (<1 s)
     lightning-ckpt bench --layers 8                       the seed trade-off table (benchmarks/seed_table.py)
 
 Exit codes: 0 success; 1 a plan or model was refused (the message says why); 2 bad usage (an unknown
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from lightning_ckpt import __version__
 from lightning_ckpt.cli.bench import run_bench
 from lightning_ckpt.cli.diff import DIFF_JSON_HELP, run_diff
+from lightning_ckpt.cli.replan import run_replan
 from lightning_ckpt.cli.show import SHOW_JSON_HELP, run_show
 from lightning_ckpt.cli.usage import EXIT_REFUSED, EXIT_USAGE, UsageError
 from lightning_ckpt.cli.validate import run_validate
@@ -37,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"lightning-ckpt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{show,diff,validate,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{show,diff,validate,replan,bench}")
 
     show = sub.add_parser(
         "show",
@@ -85,6 +88,26 @@ def build_parser() -> argparse.ArgumentParser:
         "was tuned on (with the Lightning callback: the LightningModule)",
     )
     validate.set_defaults(func=run_validate)
+
+    replan = sub.add_parser(
+        "replan",
+        help="the best plan for another budget, predicted from the profile the plan file keeps (no model, <1 s)",
+        description="Score every plan of the searched space with the memory and time models the plan file keeps, "
+        "and print the fastest predicted to fit the new budget, marked predicted (nothing is run). With -o it is "
+        "written as a plan file; a run applying it has its first real steps checked by the budget guard.",
+    )
+    replan.add_argument("plan", help="path to a plan JSON file written by a search (it keeps metadata['profile'])")
+    budget = replan.add_mutually_exclusive_group()
+    budget.add_argument("--max-memory", help="peak memory budget: bytes or a size (40GiB), or a device share (0.8)")
+    budget.add_argument(
+        "--activation-budget", type=float, help="a share of the no-checkpointing activation memory, e.g. 0.5"
+    )
+    replan.add_argument(
+        "--batch-size", type=int, help="re-plan for another batch size (activations and step time scale linearly)"
+    )
+    replan.add_argument("-o", "--output", help="write the re-planned plan to this file")
+    replan.add_argument("--json", action="store_true", help="print one JSON object for scripts")
+    replan.set_defaults(func=run_replan)
 
     bench = sub.add_parser(
         "bench",

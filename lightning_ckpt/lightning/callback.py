@@ -33,6 +33,7 @@ from lightning_ckpt.lightning.checks import (
 from lightning_ckpt.lightning.guard import BudgetGuard, GuardConfig, StepCheck
 from lightning_ckpt.lightning.micro_batch import set_micro_batch
 from lightning_ckpt.lightning.plan_file import PlanFile
+from lightning_ckpt.lightning.replanned import ReplanCheck
 from lightning_ckpt.lightning.reuse import plan_to_reuse, retune_for_batch, reusable, reused_budget, run_conditions
 from lightning_ckpt.lightning.searching import SearchRequest, report_search, search_first_batch, search_micro_batch
 from lightning_ckpt.lightning.sync import StrategySync
@@ -127,6 +128,7 @@ class ActivationCheckpointTuner(Callback):
         self._tb = TunerRun(self.log_dir)
         self._guard = BudgetGuard(self.guard, torch.device("cpu"))
         self._view: ModelView | None = None  # the model, resolved once per fit (on_fit_start)
+        self._replan_check: ReplanCheck | None = None  # a re-planned plan's predictions, beside its first real steps
 
     @property
     def plan_path(self) -> Path | None:
@@ -201,19 +203,27 @@ class ActivationCheckpointTuner(Callback):
             self._pending = False
             self._searched(trainer, result, source="search")
         self._guard.maybe_start(trainer, pl_module, batch, compiled=bool(self._view.compiled))
+        if self._replan_check is not None:
+            self._replan_check.step_starts(guard_reads_it=self._guard.reader.active)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         reading = self._guard.reader.stop()
         if reading is None or self.plan is None:
+            self._report_replanned(trainer)
             return
         sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
         check = self._guard.judge(trainer, reading, batch, self.plan, sync)
+        if self._replan_check is not None:
+            self._replan_check.memory_read(check.peak_bytes, check.activation_bytes)
         if not check.within_budget:
             trials = self.result.trials if self.result is not None else ()
             lower = self._guard.over_budget(check, self.plan, trials, self._view)
             if lower is not None:
+                if self._replan_check is not None:  # its prediction was wrong: said, and not timed on another plan
+                    rank_zero_info(self._replan_check.line())
+                    self._replan_check = None
                 self._lock_in(lower, source="the budget guard", trainer=trainer)
         if (self._guard.done or not check.within_budget) and trainer.is_global_zero and self.plan is not None:
             self.plan = self.plan.with_metadata(real_steps=[c.to_dict() for c in self.step_checks])
@@ -222,6 +232,8 @@ class ActivationCheckpointTuner(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._guard.reader.optimizer_update_starts()  # the closure (forward, backward) is over
+        if self._replan_check is not None:
+            self._replan_check.closure_ends()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # A failed or interrupted fit leaves the model as the user gave it (no instance forwards, HF cache
@@ -249,12 +261,17 @@ class ActivationCheckpointTuner(Callback):
         """Apply a saved plan without searching (True), or return False to search (it was stale and re-tunes)."""
         conditions = run_conditions(trainer, pl_module, None)
         assert self._view is not None
-        wanted, applies = reusable(
+        wanted, reused = reusable(
             plan, source, conditions, self._view, self._requested, on_stale_plan=self.on_stale_plan
         )
         self._search_budget = wanted
-        if not applies:
+        if reused is None:
             return False
+        if reused is not plan:  # re-planned for this budget from the saved profile: predicted, checked on real steps
+            plan, source = reused, f"the profile saved with the plan from {source} (re-planned, 0 trials)"
+            self._replan_check = ReplanCheck.of(plan, normalise_device(pl_module.device))
+            if trainer.is_global_zero and self._plan_file is not None:
+                self._plan_file.wrote = self._plan_file.save(plan)
         self._lock_in(plan, source=source, trainer=trainer)
         budget = reused_budget(plan, wanted, pl_module.device)
         if trainer.world_size > 1:
@@ -284,6 +301,18 @@ class ActivationCheckpointTuner(Callback):
     def _request(self) -> SearchRequest:
         assert self._view is not None
         return SearchRequest(self._view, self.config, self._search_budget, self._tb, self.verbose)
+
+    def _report_replanned(self, trainer: pl.Trainer) -> None:
+        """Once a re-planned plan's first step was timed (its memory read before it): the side-by-side line, and
+        the measured figures into the plan file."""
+        check = self._replan_check
+        if check is None or check.seconds is None or self.plan is None:
+            return
+        self._replan_check = None
+        if trainer.is_global_zero:
+            self.plan = check.report(self.plan)
+            if self._plan_file is not None:
+                self._plan_file.save(self.plan)
 
     def _unlock(self) -> None:
         self._guard.reader.abandon()

@@ -12,18 +12,20 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_ckpt.budget import Budget, RequestedBudget
-from lightning_ckpt.errors import StalePlanError
+from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError, PlanError, StalePlanError
 from lightning_ckpt.lightning.conditions import RunConditions
 from lightning_ckpt.lightning.plan_file import warn_each_fit
 from lightning_ckpt.lightning.trials import batch_dims
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.replan import PROFILE_KEY, replan
 
 __all__ = [
     "check_reusable",
     "condition_changes",
     "plan_to_reuse",
+    "replan_for_budget",
     "reusable",
     "reused_budget",
     "run_conditions",
@@ -111,20 +113,25 @@ def reusable(
     requested: RequestedBudget,
     *,
     on_stale_plan: str,
-) -> tuple[RequestedBudget, bool]:
-    """The budget ``plan`` is reused under (or re-tuned for), and whether it applies as it is. A stale plan
-    raises under ``on_stale_plan='raise'``; otherwise it warns and the caller searches again."""
+) -> tuple[RequestedBudget, Plan | None]:
+    """The budget ``plan`` is reused under (or re-tuned for), and the plan to apply: ``plan`` as it is, or, when
+    only the budget changed and ``plan`` keeps its profile, the plan re-planned for this budget from it (zero
+    trials, marked predicted); None when the caller must search. A stale plan raises under
+    ``on_stale_plan='raise'``; otherwise it warns and the caller searches again."""
     wanted = wanted_budget(plan, requested)
+    changes = condition_changes(plan, conditions, batch_known=False)
     try:
-        changes = condition_changes(plan, conditions, batch_known=False)
         check_reusable(plan, source, changes=changes, model=model, wanted=wanted, budget_given=requested.given)
     except StalePlanError as err:
+        replanned = replan_for_budget(plan, source, changes=changes, model=model, wanted=wanted)
+        if replanned is not None:
+            return wanted, replanned
         if on_stale_plan == "raise":
             raise StalePlanError(
                 f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
             ) from None
         rank_zero_warn(f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').")
-        return wanted, False
+        return wanted, None
     if (plan.metadata.get("search") or {}).get("fell_back"):
         tuned_for = (plan.metadata.get("budget") or {}).get("description", "unknown")
         warn_each_fit(
@@ -132,7 +139,24 @@ def reusable(
             f"budget ({tuned_for}), so it may not fit now either. Delete the plan file to search again, or raise "
             "the budget."
         )
-    return wanted, True
+    return wanted, plan
+
+
+def replan_for_budget(
+    plan: Plan, source: str, *, changes: list[str], model: ModelView, wanted: RequestedBudget
+) -> Plan | None:
+    """``plan`` re-planned for ``wanted`` from the profile it keeps (``search.replan``), when the budget is all that
+    differs: same model, same run conditions. None when something else differs, the plan keeps no profile, or
+    no plan is predicted to fit (warned: the caller searches)."""
+    if changes or PROFILE_KEY not in plan.metadata or not wanted.recorded:
+        return None
+    if plan.fingerprint is not None and plan.fingerprint != model.fingerprint:
+        return None
+    try:
+        return replan(plan, **wanted.arguments(), device=model.device, source=f"the plan from {source}").plan
+    except (PlanError, InfeasibleBudgetError, ConfigurationError) as err:
+        rank_zero_warn(f"lightning_ckpt: could not re-plan the plan from {source} for {wanted.describe()}: {err}")
+        return None
 
 
 def retune_for_batch(plan: Plan, conditions: RunConditions, *, budget: RequestedBudget, on_stale_plan: str) -> bool:

@@ -233,3 +233,20 @@ def _capture(
     shared = {f for f, calls in collections.Counter(order).items() if calls > 1}
     unchained = chain.unchained | {(stack_of or {})[f] for f in shared if f in (stack_of or {})}
     return order, {c.fqn: c for c in reps.values()}, rep_of, unchained
+
+
+def _backward_leaves(out: Any, positions: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """The output leaves a block's backward starts from: those that received a gradient in the step
+    (``positions``), or the first that needs one when that is not known."""
+    leaves, _ = tree_flatten(out)
+    if positions is None:
+        first = _first_grad_tensor(out)
+        return [first] if first is not None else []
+    return [t for i, t in enumerate(leaves) if i in positions and isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.requires_grad else None
+    leaves, _ = tree_flatten(obj)
+    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)

@@ -28,21 +28,12 @@ from typing import Any
 from lightning_ckpt.discovery import LayerStack
 from lightning_ckpt.errors import PlanError, StalePlanError
 from lightning_ckpt.plan.chain import segment_chunks
-from lightning_ckpt.plan.format import BlockPlan, Plan, closest_names
+from lightning_ckpt.plan.format import Plan, closest_names, mode_key
+from lightning_ckpt.timing.model import TimeModel
 
 __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction", "mode_key"]
 
 _MB = 1024 * 1024
-
-
-def mode_key(block_plan: BlockPlan) -> str:
-    """The key of ``BlockMemory.saved_bytes`` for a block plan: ``none``, ``full``, ``offload``,
-    ``ops:<save_list>`` or ``selective:<child>[,<child>...]`` (children sorted)."""
-    if block_plan.mode == "ops":
-        return f"ops:{block_plan.save_list}"
-    if block_plan.mode == "selective":
-        return "selective:" + ",".join(sorted(block_plan.children))
-    return block_plan.mode
 
 
 @dataclass(frozen=True)
@@ -136,6 +127,8 @@ class MemoryModel:
     inert_blocks: blocks no gradient flows through (frozen, behind frozen embeddings or frozen blocks):
     they save nothing for backward, so no mode can save anything there and none is offered
     (``plannable_stacks``). Plans may still name them; their cost is predicted like any other's.
+    timing: the same runs timed without the tracker (``timing.model.TimeModel``): what each block's mode adds
+    to a step; None when the profile was not timed (``profile_memory(time_blocks=False)``).
 
     A block called several times in one step (ALBERT's shared layer) has one row per call in ``blocks``:
     a plan's mode for its FQN applies to every call, and each call's memory is counted.
@@ -160,6 +153,7 @@ class MemoryModel:
     unchained_stacks: tuple[str, ...] = ()
     reserve_overhead_bytes: int = 0
     inert_blocks: tuple[str, ...] = ()
+    timing: TimeModel | None = field(default=None, compare=False)
 
     # -- prediction ---------------------------------------------------------------------------------
     def predict_peak(self, plan: Plan) -> int:
@@ -292,6 +286,7 @@ class MemoryModel:
             "unchained_stacks": list(self.unchained_stacks),
             "reserve_overhead_bytes": self.reserve_overhead_bytes,
             "inert_blocks": list(self.inert_blocks),
+            "timing": self.timing.to_dict() if self.timing is not None else None,
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
@@ -342,6 +337,7 @@ class MemoryModel:
             unchained_stacks=tuple(data.get("unchained_stacks", ())),
             reserve_overhead_bytes=data.get("reserve_overhead_bytes", 0),
             inert_blocks=tuple(data.get("inert_blocks", ())),
+            timing=TimeModel.from_dict(data["timing"]) if data.get("timing") else None,
         )
 
     # -- internals ------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ How a plan is predicted from these is ``memory.model``'s part.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,15 @@ from lightning_ckpt.measure.tracker import (
     normalise_device,
     tensor_bytes,
 )
-from lightning_ckpt.memory.capture import _autocast_as, _capture, _Captured, _hidden_index, _hidden_tensor
+from lightning_ckpt.memory.block_times import time_block_modes
+from lightning_ckpt.memory.capture import (
+    _autocast_as,
+    _backward_leaves,
+    _capture,
+    _Captured,
+    _hidden_index,
+    _hidden_tensor,
+)
 from lightning_ckpt.memory.model import BlockMemory, MemoryModel, ModeProfile, PhasePeak
 from lightning_ckpt.model import ModelView, is_sharded, model_device, model_fingerprint
 from lightning_ckpt.plan.apply import apply_plan
@@ -49,6 +57,7 @@ from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.handle import applied_plan
 from lightning_ckpt.plan.policies import SAVE_LISTS
 from lightning_ckpt.plan.skipping import skipping_stacks
+from lightning_ckpt.timing.model import BlockTime, TimeModel
 
 __all__ = ["profile_memory"]
 
@@ -75,23 +84,6 @@ def _phase_rank(label: tuple[Any, ...], n: int) -> int:
     if kind == "bw":
         return 2 + 2 * n + 2 * (n - 1 - label[1])
     return 3 + 2 * n + 2 * (n - 1 - label[1])  # bw_gap
-
-
-def _backward_leaves(out: Any, positions: tuple[int, ...] | None) -> list[torch.Tensor]:
-    """The output leaves a block's backward starts from: those that received a gradient in the step
-    (``positions``), or the first that needs one when that is not known."""
-    leaves, _ = tree_flatten(out)
-    if positions is None:
-        first = _first_grad_tensor(out)
-        return [first] if first is not None else []
-    return [t for i, t in enumerate(leaves) if i in positions and isinstance(t, torch.Tensor) and t.requires_grad]
-
-
-def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.requires_grad else None
-    leaves, _ = tree_flatten(obj)
-    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 @dataclass
@@ -293,6 +285,7 @@ def profile_memory(
     selective_sets: Mapping[str, Iterable[Iterable[str]]] | Iterable[Iterable[str]] | None = None,
     share_identical_blocks: bool = True,
     block_types: Iterable[type | str] | None = None,
+    time_blocks: bool | Collection[str] = True,
 ) -> MemoryModel:
     """Profile ``model`` on one batch and return a ``MemoryModel`` that predicts any plan's memory.
 
@@ -311,7 +304,9 @@ def profile_memory(
     each block's attention, MLP and attention+MLP children are profiled by default); a mapping from
     block FQN, or one list for all blocks. Other sets are predicted by adding single-child effects.
     ``share_identical_blocks``: blocks with the same class, parameter shapes and input shapes share
-    one profile (run once instead of once per block).
+    one profile (run once instead of once per block). ``time_blocks``: time each representative under every
+    mode as well, without the tracker (``memory.block_times``), for the ``TimeModel`` in ``MemoryModel.timing``; a
+    collection of mode keys (``plan.format.mode_key``) times only those (``tune`` passes its space's).
     """
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
@@ -327,7 +322,7 @@ def profile_memory(
     blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
     sets = _selective_sets(stacks, selective_sets)
     externals: list[Any] = [root, *extra] + ([optimizer] if optimizer is not None else [])
-    runs = _run_profile(root, forward_fn, stacks, blocks, sets, externals, dev, share_identical_blocks)
+    runs = _run_profile(root, forward_fn, stacks, blocks, sets, externals, dev, share_identical_blocks, time_blocks)
     fingerprint = view.fingerprint if view is not None else model_fingerprint(root)
     return _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
 
@@ -362,6 +357,7 @@ class _Runs:
     profiles: dict[str, dict[str, ModeProfile]]
     failed: dict[str, dict[str, str]]
     in_bytes: dict[str, int]
+    timings: dict[str, dict[str, float]]  # per representative key: median seconds per mode (memory.block_times)
     overhead: int = 0  # CUDA: allocator peak minus tracked peak of the anchor step
     reserve: int = 0  # CUDA: reserved above allocated on the anchor step
 
@@ -375,6 +371,7 @@ def _run_profile(
     externals: list[Any],
     dev: torch.device,
     share: bool,
+    timed: bool | Collection[str],
 ) -> _Runs:
     """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the
     state the model was in."""
@@ -397,6 +394,7 @@ def _run_profile(
             snapshot.restore()
 
         profiles, failed, in_bytes = _profile_blocks(root, profiled, sets, externals, dev, snapshot)
+        timings = _time_blocks(root, profiled, profiles, dev, snapshot, timed) if timed else {}
     finally:
         snapshot.restore()
     return _Runs(
@@ -411,6 +409,7 @@ def _run_profile(
         profiles=profiles,
         failed=failed,
         in_bytes=in_bytes,
+        timings=timings,
         overhead=overhead,
         reserve=reserve,
     )
@@ -483,6 +482,7 @@ def _memory_model(
         gradient_flows[fqn] = gradient_flows.get(fqn, False) or flows
     # All of each stack's blocks, run or not: apply_plan cuts segments over all of them.
     stack_map = {s.fqn: s.block_fqns for s in stacks}
+    timing = _time_model(runs, stack_map, dev) if runs.timings else None
     return MemoryModel(
         fixed_bytes=param_b + grad_b + opt_b + buf_b,
         other_activation_bytes=other,
@@ -503,7 +503,47 @@ def _memory_model(
         inert_blocks=tuple(f for f, flows in gradient_flows.items() if not flows),
         unchained_stacks=tuple(sorted(runs.unchained)),
         reserve_overhead_bytes=max(0, runs.reserve),
+        timing=timing,
     )
+
+
+def _time_model(runs: _Runs, stacks: Mapping[str, tuple[str, ...]], dev: torch.device) -> TimeModel:
+    """The ``TimeModel`` of the runs' timings: one row per block call, as the memory model's."""
+    rows = []
+    for fqn, key in zip(runs.order, runs.call_rep, strict=True):
+        rep = runs.profiled[key].fqn
+        rows.append(BlockTime(fqn, dict(runs.timings.get(key, {})), rep if rep != fqn else None))
+    autocast = [[d, str(t).removeprefix("torch."), c] for d, t, c in next(iter(runs.profiled.values())).autocast]
+    measured_at = {
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__.split("+")[0],
+        "autocast": autocast,
+    }
+    return TimeModel(blocks=tuple(rows), stacks=stacks, measured_at=measured_at)
+
+
+def _time_blocks(
+    root: nn.Module,
+    reps: Mapping[str, _Captured],
+    profiles: Mapping[str, Mapping[str, ModeProfile]],
+    dev: torch.device,
+    snapshot: StateSnapshot,
+    modes: bool | Collection[str],
+) -> dict[str, dict[str, float]]:
+    """Each representative timed alone under every mode its memory profile ran (or only ``modes``, and always
+    ``none``, which the others are measured against; ``memory.block_times``)."""
+    wanted = None if isinstance(modes, bool) else {"none", *modes}
+    return {
+        key: time_block_modes(
+            root,
+            cap,
+            {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
+            device=dev,
+            restore=snapshot.restore,
+        )
+        for key, cap in reps.items()
+    }
 
 
 def _profile_blocks(

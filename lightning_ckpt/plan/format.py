@@ -32,7 +32,7 @@ from lightning_ckpt.plan.file import bytes_version, directory_lock, plan_file_ve
 from lightning_ckpt.plan.policies import get_save_list
 from lightning_ckpt.plan.schema import SCHEMA_VERSION, field_path, validate
 
-__all__ = ["MODES", "BlockPlan", "Plan", "block_names", "closest_names", "library_versions"]
+__all__ = ["MODES", "BlockPlan", "Plan", "block_names", "closest_names", "library_versions", "mode_key"]
 
 _ANY_VERSION = object()  # Plan.save without unchanged_since: write whatever the file holds
 
@@ -91,6 +91,16 @@ class BlockPlan:
         if self.mode == "ops":
             return f"ops({self.save_list})"
         return self.mode
+
+
+def mode_key(block_plan: BlockPlan) -> str:
+    """A block plan as the profile keys its runs: ``none``, ``full``, ``offload``, ``ops:<save_list>`` or
+    ``selective:<child>[,<child>...]`` (children sorted)."""
+    if block_plan.mode == "ops":
+        return f"ops:{block_plan.save_list}"
+    if block_plan.mode == "selective":
+        return "selective:" + ",".join(sorted(block_plan.children))
+    return block_plan.mode
 
 
 @dataclass(frozen=True)

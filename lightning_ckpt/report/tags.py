@@ -21,6 +21,9 @@ TensorBoard layout, under a Lightning ``TensorBoardLogger`` (``version_N`` is th
 
     * torch's ``add_text`` stores text under ``<tag>/text_summary``; ``text_tag(TAG_PLAN)`` gives that name.
 
+A search the time model drove adds ``TIME_SCALAR_TAGS`` per trial: the step time predicted before the
+trial ran, and for a trial that ran, the prediction's error.
+
 Compiled trials (``torch.compile``, see ``lightning_ckpt.search.compile``) add ``COMPILE_SCALAR_TAGS`` per
 trial (compile seconds, graph breaks, recompiles) and a ``lightning_ckpt/4_compile_conflicts`` text
 listing every plan that conflicted with the compiler and why.
@@ -61,6 +64,9 @@ __all__ = [
     "TAG_SAMPLES_PER_SECOND",
     "TAG_SUMMARY",
     "TAG_TRIAL_SECONDS",
+    "TAG_PREDICTED_STEP_MS",
+    "TAG_TIME_PREDICTION_ERROR",
+    "TIME_SCALAR_TAGS",
     "TEXT_TAG_SUFFIX",
     "TRIAL_SCALAR_TAGS",
     "WINNER_MARK",
@@ -86,6 +92,11 @@ TAG_COMPILE_SECONDS = f"{TAG_PREFIX}/trial/compile_seconds"
 TAG_GRAPH_BREAKS = f"{TAG_PREFIX}/trial/graph_breaks"
 TAG_RECOMPILES = f"{TAG_PREFIX}/trial/recompiles"
 COMPILE_SCALAR_TAGS = (TAG_COMPILE_SECONDS, TAG_GRAPH_BREAKS, TAG_RECOMPILES)
+# Searches the time model drove (eager): the step time it predicted for a trial before the trial ran, and,
+# for a trial that then ran, its error (predicted / measured step seconds - 1).
+TAG_PREDICTED_STEP_MS = f"{TAG_PREFIX}/trial/predicted_step_ms"
+TAG_TIME_PREDICTION_ERROR = f"{TAG_PREFIX}/trial/time_prediction_error"
+TIME_SCALAR_TAGS = (TAG_PREDICTED_STEP_MS, TAG_TIME_PREDICTION_ERROR)
 TRIAL_SCALAR_TAGS = (
     TAG_SAMPLES_PER_SECOND,
     TAG_PEAK_MIB,

@@ -43,10 +43,12 @@ from lightning_ckpt.report.tags import (
     TAG_PLAN,
     TAG_PREDICTED_ACTIVATION_MIB,
     TAG_PREDICTED_PEAK_MIB,
+    TAG_PREDICTED_STEP_MS,
     TAG_RECOMPILES,
     TAG_RECOMPUTE_OVERHEAD,
     TAG_SAMPLES_PER_SECOND,
     TAG_SUMMARY,
+    TAG_TIME_PREDICTION_ERROR,
     TAG_TRIAL_SECONDS,
     WINNER_MARK,
     hparam_name,
@@ -183,6 +185,8 @@ def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
         ),
         TAG_RECOMPUTE_OVERHEAD: trial.recompute_overhead,
         TAG_TRIAL_SECONDS: trial.seconds,
+        TAG_PREDICTED_STEP_MS: None if trial.predicted_seconds is None else 1000 * trial.predicted_seconds,
+        TAG_TIME_PREDICTION_ERROR: trial.prediction_error,
     }
     stats = compile_stats(trial)
     if stats is not None:

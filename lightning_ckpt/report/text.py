@@ -28,9 +28,11 @@ __all__ = [
     "conflicts_markdown",
     "memory_markdown",
     "plan_markdown",
+    "pruned_counts",
     "result_line",
     "summary_markdown",
     "summary_table",
+    "time_model_line",
     "timing_warning",
     "trial_line",
     "verdict_lines",
@@ -58,6 +60,39 @@ def _fmt_overhead(x: float | None) -> str:
     return "-" if x is None else f"+{x:.1%}"
 
 
+def _fmt_ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
+
+
+def _fmt_error(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def pruned_counts(result: TuneResult) -> str:
+    """``"12 run, 30 ruled out by the memory model, 48 by the time model"``: what the search did with its plans."""
+    by_memory = sum(t.status == "pruned" and t.pruned_by != "time" for t in result.trials)
+    by_time = sum(t.status == "pruned" and t.pruned_by == "time" for t in result.trials)
+    text = f"{result.n_measured} run, {by_memory} ruled out by the memory model"
+    return text + (f", {by_time} by the time model" if by_time else "")
+
+
+def time_model_line(result: TuneResult) -> str | None:
+    """How well the time model predicted the plans it let run (each prediction made before the plan ran)."""
+    summary = (result.best.metadata.get("search") or {}).get("time_model")
+    if not summary:
+        return None
+    n, median, worst = (
+        summary.get("predicted_and_measured"),
+        summary.get("median_abs_error"),
+        summary.get("max_abs_error"),
+    )
+    errors = f"median error {median:.1%} (max {worst:.1%}) over {n} plans predicted, then measured" if n else "no plan"
+    return (
+        f"time model: {errors}; noise margin {summary.get('noise_margin', 0.0):.1%}; "
+        f"{summary.get('pruned_by_time', 0)} plans pruned as unable to beat the best measured one"
+    )
+
+
 def trial_line(trial: TrialRecord, budget: Budget) -> str:
     """One line per finished trial, so a user watching the log sees what each candidate cost.
 
@@ -66,7 +101,9 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     """
     parts = [f"[trial {trial.number}] {trial.label}"]
     if trial.samples_per_second is not None:
-        parts.append(f"{trial.samples_per_second:.1f} samples/s")
+        error = trial.prediction_error
+        predicted = f" (time predicted {error:+.1%})" if error is not None else ""
+        parts.append(f"{trial.samples_per_second:.1f} samples/s{predicted}")
     else:
         parts.append("not run" if trial.status == "pruned" else "no measurement")
     memory = []
@@ -88,6 +125,8 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     conflict = trial.extra.get("conflict")
     if trial.status == "over_budget":
         parts.append(f"over_budget ({format_bytes(constrained_bytes(trial, budget))} > {limit})")
+    elif trial.status == "pruned" and trial.pruned_by == "time":
+        parts.append(f"pruned (predicted {_fmt_ms(trial.predicted_seconds)}/step: cannot beat the best measured plan)")
     elif trial.status == "pruned":
         parts.append(f"pruned (predicted {format_bytes(predicted_constrained_bytes(trial, budget))} > {limit})")
     elif trial.status in ("oom", "invalid", "error", "conflict") and (trial.error or conflict):
@@ -148,11 +187,7 @@ def result_line(result: TuneResult) -> str:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
     if (result.best.metadata.get("search") or {}).get("speed_changes"):
         parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
-    n_pruned = sum(t.status == "pruned" for t in result.trials)
-    parts.append(
-        f"tuned in {result.tuning_seconds:.1f} s ({len(result.trials)} plans: {result.n_measured} run, "
-        f"{n_pruned} ruled out by the memory model)"
-    )
+    parts.append(f"tuned in {result.tuning_seconds:.1f} s ({len(result.trials)} plans: {pruned_counts(result)})")
     return " | ".join(parts)
 
 
@@ -231,11 +266,13 @@ def verdict_lines(result: TuneResult) -> list[str]:
         lines.append(f"budget: {description} (no memory limit)")
     else:
         lines.append(f"budget: {description} (constrains {mem} memory, limit {format_bytes(budget.limit_bytes)})")
-    n_pruned = sum(t.status == "pruned" for t in result.trials)
     lines.append(
         f"tuning cost: {result.tuning_seconds:.1f} s, {result.tuning_steps} steps over {len(result.trials)} trials "
-        f"({result.n_measured} run, {n_pruned} pruned by the memory model)"
+        f"({pruned_counts(result)})"
     )
+    time_line = time_model_line(result)
+    if time_line is not None:
+        lines.append(time_line)
     compiling = [s for t in result.trials if (s := compile_stats(t)) is not None]
     if compiling:
         n_conflicts = sum(bool(t.extra.get("conflict")) for t in result.trials)
@@ -249,7 +286,20 @@ def verdict_lines(result: TuneResult) -> list[str]:
 
 
 # The summary table's columns; compiled searches add "compile s".
-_SUMMARY_COLUMNS = ("", "#", "label", "status", "pred peak", "peak", "activation", "samples/s", "recompute", "seconds")
+_SUMMARY_COLUMNS = (
+    "",
+    "#",
+    "label",
+    "status",
+    "pred peak",
+    "peak",
+    "activation",
+    "samples/s",
+    "pred step",
+    "time err",
+    "recompute",
+    "seconds",
+)
 
 
 def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
@@ -272,6 +322,8 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
                 _memory_cell(t, t.peak_bytes),
                 _memory_cell(t, t.activation_bytes),
                 _fmt_rate(t.samples_per_second),
+                _fmt_ms(t.predicted_seconds),
+                _fmt_error(t.prediction_error),
                 _fmt_overhead(t.recompute_overhead),
                 f"{t.seconds:.1f}",
                 *compile_cell,

@@ -358,6 +358,7 @@ class CompiledTrials:
         return self.measure_compiled(none_plan).activation_bytes
 
     predicts_memory = False  # the memory model predicts the eager step; a compiled one is measured
+    predicts_time = False  # the blocks were timed eager; a compiled step's time is the compiler's
     collective_steps = False
 
     def measure_memory(self, plan: Plan, memory_limit: int | None) -> Measurement:

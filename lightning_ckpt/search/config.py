@@ -55,6 +55,11 @@ class TuneConfig:
     benchmarked model), a trial's memory is its prediction and only the plans that can still be chosen
     (the confirmation round's, the winner) get the slow tracked pass and the FLOP count; ``"every"``:
     every trial gets them (the tracked pass costs ~3.5 steps, the FLOP count ~2).
+    predict_time: the time model (``timing.model``, from the profile's block timings, fitted to the plans
+    measured) decides what is measured: after the baselines, the predicted-fastest plans, until none left can
+    beat the best measured one by the noise margin; the rest are pruned. False measures candidates as the
+    sampler proposes them, up to ``n_trials`` (every distinct plan when the space is that small), as an
+    exhaustive reference does. Compiled trials always do (their step time is the compiler's).
     """
 
     n_trials: int = 40
@@ -77,6 +82,7 @@ class TuneConfig:
     confirm_max_rounds: int = 4
     allow_graph_breaks: bool = False
     memory_pass: Literal["finalists", "every"] = "finalists"
+    predict_time: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_pass not in ("finalists", "every"):

@@ -65,6 +65,11 @@ class TrialRecord:
     memory_measured: bool = True  # False: peak/activation are the memory model's prediction (see Study.verify)
     micro_batch: int | None = None  # joint micro-batch search: this trial's micro-batch and accumulation
     accumulation: int | None = None
+    # The time model's step seconds for this plan when the search proposed it (fitted to the plans measured
+    # before it, so the error it shows is out of sample), and what pruned it: "memory" (predicted over
+    # budget) or "time" (predicted no faster than the best measured plan by the noise margin).
+    predicted_seconds: float | None = None
+    pruned_by: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", TrialStatus(self.status))
@@ -77,6 +82,18 @@ class TrialRecord:
     @property
     def confirmed(self) -> bool:
         return bool(self.confirmation_seconds)
+
+    @property
+    def prediction_error(self) -> float | None:
+        """The time model's error on this plan: predicted / measured step seconds - 1, against the trial's own
+        measurement (taken right after the prediction; the side-by-side rounds later re-time it at whatever
+        speed the machine then has). None when either is unknown."""
+        if self.predicted_seconds is None or not self.median_seconds or self.status == TrialStatus.PRUNED:
+            return None
+        measured = self.median_seconds
+        if self.first_samples_per_second and self.samples_per_second:
+            measured *= self.samples_per_second / self.first_samples_per_second
+        return self.predicted_seconds / measured - 1.0
 
     def with_measurement(
         self, out: Measurement, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True

@@ -29,6 +29,7 @@ class TrialRunner(Protocol):
     """What the study needs from whatever runs a plan."""
 
     predicts_memory: bool  # the memory model's predictions hold for this runner's steps
+    predicts_time: bool  # the time model's block timings (eager, alone) hold for this runner's steps
     collective_steps: bool  # a step runs collectives (FSDP2): a failure on one rank leaves the others waiting
     reserve_headroom_bytes: int  # added to the CUDA cap for the allocator's reserve (the profile measures it)
 
@@ -50,6 +51,7 @@ class EagerRunner:
     """Applies each plan to the uncompiled model and measures it with ``measure_step``."""
 
     predicts_memory = True
+    predicts_time = True
 
     def __init__(self, harness: StepHarness, *, count_flops: bool = True, reserve_headroom_bytes: int = 0) -> None:
         self.harness = harness

@@ -16,6 +16,7 @@ enumeration goes through the same ``plan_for`` function.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,9 @@ from lightning_ckpt.plan.baselines import sqrt_chunks, sqrt_segments
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.policies import SAVE_LISTS
 
-__all__ = ["SearchSpace", "Candidate", "DIMENSIONS"]
+__all__ = ["SearchSpace", "Candidate", "DIMENSIONS", "offered_candidates"]
+
+log = logging.getLogger(__name__)
 
 DIMENSIONS = ("structure", "selection", "mode", "rest_mode", "chunks", "compile_budget")
 
@@ -187,6 +190,21 @@ class SearchSpace:
             else:
                 kwargs[key] = tuple(value)
         return cls(**kwargs)
+
+    def to_config(self) -> dict[str, Any]:
+        """The dict ``from_config`` builds this space from (what a plan file keeps of the space searched)."""
+        config: dict[str, Any] = {
+            "modes": list(self.modes),
+            "selections": list(self.selections),
+            "rest_modes": list(self.rest_modes),
+            "segments": self.segments,
+            "baselines": self.baselines,
+        }
+        if self.chunks is not None:
+            config["chunks"] = list(self.chunks)
+        if self.compile_budgets is not None:
+            config["compile_budgets"] = list(self.compile_budgets)
+        return config
 
     def for_device(self, device_type: str) -> SearchSpace:
         if device_type == "cuda":
@@ -359,3 +377,27 @@ class SearchSpace:
             # explicit counts keep the trial out of the sampler's model (as for a baseline outside the space).
             params = {"structure": "segments", "segments": dict(segments)}
         return Candidate(params, plan, "baseline:sqrt_segments", baseline="sqrt_segments")
+
+
+def offered_candidates(
+    space: SearchSpace, stacks: Sequence[LayerStack], fingerprint: str | None, memory_model: Any
+) -> tuple[list[LayerStack], list[Candidate]]:
+    """The stacks a search (or a re-plan) plans over and its candidates: no mode on a block no gradient flows
+    through (frozen behind frozen layers: it saves nothing, checkpointing it only recomputes it), nothing the
+    profile shows cannot run (segments over T5's stacks, a save-list a block failed under). With no block
+    left to plan, the one candidate is no checkpointing."""
+    inert = tuple(getattr(memory_model, "inert_blocks", ()))
+    planned = memory_model.plannable_stacks(stacks) if inert else list(stacks)
+    if inert:
+        log.info("lightning_ckpt: no mode offered on blocks no gradient flows through: %s", ", ".join(inert))
+    if not planned:  # the space needs a stack to be described over; it offers only its 'none' point here
+        none = Plan(name="none", fingerprint=fingerprint)
+        return list(stacks), [Candidate({"structure": "none"}, none, "baseline:none", baseline="none")]
+    out = []
+    for cand in space.enumerate(planned, fingerprint=fingerprint):
+        why = memory_model.can_run(cand.plan)
+        if why is None:
+            out.append(cand)
+        else:
+            log.info("lightning_ckpt: not offering %s: %s", cand.label, why)
+    return planned, out

@@ -81,6 +81,8 @@ _RECORD_FIELDS = (
     "memory_measured",
     "first_samples_per_second",
     "confirmation_seconds",
+    "predicted_seconds",
+    "pruned_by",
 )
 # Every stored trial's user attributes: the record's fields above (status as its string, e.g. "ok"), plus
 # ``plan`` (the plan as ``Plan.to_dict``, what a resumed search rebuilds) and ``params`` (the search

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -48,6 +49,7 @@ from lightning_ckpt.search.records import (
 from lightning_ckpt.search.runners import TrialRunner
 from lightning_ckpt.search.space import Candidate, SearchSpace
 from lightning_ckpt.search.store import TrialStore
+from lightning_ckpt.timing.model import TimeModel
 
 __all__ = ["CollectiveTrialError", "SearchInterrupted", "Study"]
 
@@ -59,8 +61,19 @@ log = logging.getLogger(__name__)
 _MAX_REDRAWS = 2
 # After a speed change, at most this many fitting trials are re-ranked side by side before the confirmation.
 _MAX_RERANKED = 24
+# The noise margin a plan's predicted step time must clear to be measured (``Study._can_win``): the time
+# model's own measured error (1.5x its median out-of-sample error), within these bounds; before any error
+# is known, the default.
+_MARGIN_BOUNDS = (0.03, 0.10)
+_DEFAULT_MARGIN = 0.05
+# With the time model, the confirmation re-times only what could still be chosen: the leaders and baselines
+# measured within twice the noise margin (at least this share) of the fastest plan's throughput, and always
+# the fastest fitting baseline; and it stops after one round more than ``confirm_rounds`` (the model has
+# already ranked them: more rounds only split plans a few percent apart).
+_CONFIRM_WINDOW = 0.05
 
-Proposal = tuple[Mapping[str, Any], Plan, str, str | None]  # params, plan, label, baseline name
+# params, plan, label, baseline name, what prunes it without running (None: run it, unless over budget)
+Proposal = tuple[Mapping[str, Any], Plan, str, str | None, str | None]
 
 
 class CollectiveTrialError(LightningCkptError):
@@ -122,6 +135,11 @@ class Study:
             budget.limit_bytes if config.enforce_budget and budget.kind == "peak" and device_type == "cuda" else None
         )
         self.memory_limit = memory.trial_limit(limit) if memory is not None else limit
+        # The time model (``timing.model``) decides what is measured, when the profile timed the blocks and the
+        # runner's steps are the ones it timed (eager: a compiled step's time is the compiler's).
+        timing = getattr(memory.model, "timing", None) if memory is not None else None
+        usable = config.predict_time and getattr(runner, "predicts_time", False)
+        self.time_model: TimeModel | None = timing if usable else None
         self._rng = random.Random(config.seed)
         # What the figures depend on (``run``: seq_len, device, compiled, from ``tune``); the budget is not in
         # it (the default CUDA budget follows free memory): resumed trials are judged against today's.
@@ -146,8 +164,9 @@ class Study:
         while True:
             message = None
             if proposal is not None:
-                params, plan, label, baseline = proposal
-                message = (dict(params), plan.to_dict(), label, baseline, self._predicted_over_budget(plan))
+                params, plan, label, baseline, pruned_by = proposal
+                pruned_by = "memory" if self._predicted_over_budget(plan) else pruned_by
+                message = (dict(params), plan.to_dict(), label, baseline, pruned_by)
             message = self.sync.broadcast(message)
             if message is None:
                 break
@@ -159,10 +178,11 @@ class Study:
         return self.records
 
     def measure(
-        self, params: Mapping[str, Any], plan: Plan, label: str, baseline: str | None, *, prune: bool
+        self, params: Mapping[str, Any], plan: Plan, label: str, baseline: str | None, *, prune: str | None
     ) -> TrialRecord:
-        """Prune or run one candidate on every rank, combine, record and report it. A plan measured again (the
-        fallback measuring a pruned plan) replaces its record, so there is one record per plan."""
+        """Prune (``prune``: by the ``"memory"`` or the ``"time"`` model) or run one candidate on every rank,
+        combine, record and report it. A plan measured again (the fallback measuring a pruned plan) replaces its
+        record, so there is one record per plan."""
         local = self._trial(params, plan, label, baseline, prune)
         per_rank = self.sync.all_gather(local)
         for t in per_rank:
@@ -175,6 +195,8 @@ class Study:
             trial = replace(trial, number=earlier.number)
             self.records[self.records.index(earlier)] = trial
         self._update(trial)
+        if self.time_model is not None and trial.median_seconds:
+            self._calibrate()
         if self.progress is not None:
             self.progress(trial, self.budget)
         return trial
@@ -202,7 +224,7 @@ class Study:
         return not self.budget.fits(*self.memory.predict(plan))
 
     def _trial(
-        self, params: Mapping[str, Any], plan: Plan, label: str, baseline: str | None, prune: bool
+        self, params: Mapping[str, Any], plan: Plan, label: str, baseline: str | None, prune: str | None
     ) -> TrialRecord:
         t0 = time.perf_counter()
         predicted = self.memory.predict(plan) if self.memory is not None and self.runner.predicts_memory else None
@@ -215,9 +237,10 @@ class Study:
             baseline=baseline,
             predicted_peak_bytes=peak,
             predicted_activation_bytes=activation,
+            predicted_seconds=self.time_model.predict_seconds(plan) if self.time_model is not None else None,
         )
         if prune:
-            return replace(new, status=TrialStatus.PRUNED, seconds=time.perf_counter() - t0)
+            return replace(new, status=TrialStatus.PRUNED, pruned_by=prune, seconds=time.perf_counter() - t0)
         lazy = self.lazy_memory and predicted is not None
         out = self.runner.measure(plan, self.memory_limit, memory=not lazy)
         if out.trial_status.failed and getattr(self.runner, "collective_steps", False):
@@ -271,9 +294,23 @@ class Study:
 
     def _verified_leaders(self, top: int) -> list[TrialRecord]:
         """The ``top`` fastest feasible trials and every fitting baseline (at most a handful: the reference a
-        tuned plan must beat is re-timed beside it whatever its first figure), each with measured memory."""
+        tuned plan must beat is re-timed beside it whatever its first figure), each with measured memory.
+
+        With the time model, only what could still be chosen: the leaders and baselines measured within
+        twice the noise margin (``_CONFIRM_WINDOW`` at least) of the fastest, and the fastest fitting baseline (the
+        reference) whatever its figure.
+        Their memory stays predicted (exact on CPU) until one is chosen: ``choose`` verifies the winner, and
+        chooses again if it does not fit."""
         while True:
             feasible = _fastest_fitting(self.records)
+            if self.time_model is not None and feasible:
+                window = max(_CONFIRM_WINDOW, 2 * self.noise_margin())
+                floor = (feasible[0].samples_per_second or 0.0) * (1.0 - window)
+                close = [t for t in feasible if (t.samples_per_second or 0.0) >= floor]
+                leaders = [t for t in close if t.baseline is None][:top]
+                reference = next((t for t in feasible if t.baseline is not None), None)
+                leaders += [t for t in feasible if t.baseline is not None and (t in close or t is reference)]
+                return sorted(leaders, key=lambda t: -(t.samples_per_second or 0.0))
             leaders = feasible[:top]
             leaders += [t for t in feasible if t.baseline is not None and t not in leaders]
             unverified = [t for t in leaders if not t.memory_measured]
@@ -285,6 +322,9 @@ class Study:
     def _proposals(self) -> Iterator[Proposal]:
         """Rank 0's candidates; each ``yield`` receives (via ``send``) the record the candidate produced. The
         sampler's study learns every record (``measure`` has already written it to the record study)."""
+        if self.time_model is not None:
+            yield from self._predicted_proposals()
+            return
         queue = [c for c in self.candidates if c.baseline is not None]
         if self.exhaustive:
             queue += [c for c in self.candidates if c.baseline is None]
@@ -293,7 +333,7 @@ class Study:
                 return
             if cand.plan.key() in self.by_key or not self._offered(cand.plan):
                 continue
-            record = yield cand.params, cand.plan, cand.label, cand.baseline
+            record = yield cand.params, cand.plan, cand.label, cand.baseline, None
             self.store.learn(record)
         redraws = 0
         while not self.exhaustive and not self._done() and len(self.by_key) < len(self.candidates):
@@ -302,7 +342,7 @@ class Study:
             plan = self.space.plan_for(params, self.stacks, fingerprint=self.fingerprint)
             if plan.key() not in self.by_key and self._offered(plan):
                 redraws = 0
-                record = yield params, plan, plan.describe(), None
+                record = yield params, plan, plan.describe(), None, None
                 self.store.tell(ot, record)
                 continue
             self.store.tell(ot, None)  # a known (or unrunnable) plan
@@ -313,8 +353,90 @@ class Study:
                     return
                 cand = unseen[self._rng.randrange(len(unseen))]
                 redraws = 0
-                record = yield cand.params, cand.plan, cand.label, cand.baseline
+                record = yield cand.params, cand.plan, cand.label, cand.baseline, None
                 self.store.learn(record)
+
+    def _predicted_proposals(self) -> Iterator[Proposal]:
+        """The space scored whole by the time model. The plans predicted over budget are pruned first (free). Then
+        the fitting baseline predicted fastest is measured (the reference a tuned plan must beat, and the model's
+        first anchor; before any step is measured plans rank by what their modes add, which needs no anchor),
+        then the predicted-fastest plan left, baseline or not, the model refitted after each, until the fastest
+        left cannot beat the best measured plan by the noise margin (``_can_win``): the rest are pruned then,
+        each recorded with its prediction. A plan the model cannot predict (a mode its block could not be timed
+        under) is measured; ``n_trials`` and ``timeout`` still bound the measured ones."""
+        assert self.time_model is not None
+        self._calibrate()  # a resumed study's plans are anchors already
+        for cand in self._unseen():
+            if self._predicted_over_budget(cand.plan):
+                record = yield cand.params, cand.plan, cand.label, cand.baseline, "memory"
+                self.store.learn(record)
+        while not self._done():
+            remaining = self._unseen()
+            if not remaining:
+                return
+            ranked = {c.plan.key(): self._rank_seconds(c.plan) for c in remaining}
+            unpredictable = [c for c in remaining if ranked[c.plan.key()] is None]
+            ordered = sorted((c for c in remaining if c not in unpredictable), key=lambda c: ranked[c.plan.key()])
+            baselines = [c for c in ordered if c.baseline is not None]
+            if baselines and not any(t.baseline is not None and t.feasible for t in self.records):
+                cand = baselines[0]  # until a baseline is measured within budget: the reference
+            else:
+                cand = unpredictable[0] if unpredictable else ordered[0]
+            if cand not in unpredictable and not self._can_win(self.time_model.predict_seconds(cand.plan)):
+                for c in ordered:
+                    record = yield c.params, c.plan, c.label, c.baseline, "time"
+                    self.store.learn(record)
+                return
+            record = yield cand.params, cand.plan, cand.label, cand.baseline, None
+            self.store.learn(record)
+
+    def _rank_seconds(self, plan: Plan) -> float | None:
+        """What orders the plans: the predicted step, or before any anchor what the plan's modes add to one."""
+        assert self.time_model is not None
+        predicted = self.time_model.predict_seconds(plan)
+        return predicted if predicted is not None else self.time_model.added_seconds(plan)
+
+    def _unseen(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.plan.key() not in self.by_key and self._offered(c.plan)]
+
+    def _can_win(self, predicted_seconds: float | None) -> bool:
+        """Whether a plan predicted to take ``predicted_seconds`` a step could beat the best plan measured within
+        budget: it could unless it is predicted slower even after the noise margin is taken off its time."""
+        best = _fastest_fitting(self.records)
+        if predicted_seconds is None or not best or not best[0].median_seconds:
+            return True
+        return predicted_seconds * (1.0 - self.noise_margin()) < best[0].median_seconds
+
+    def noise_margin(self) -> float:
+        """How far the time model's predictions may be off: 1.5x the median of its errors so far (each taken
+        before the plan was measured), within ``_MARGIN_BOUNDS`` and never below the tie tolerance."""
+        errors = [abs(e) for t in self.records if (e := t.prediction_error) is not None]
+        observed = 1.5 * statistics.median(errors) if errors else _DEFAULT_MARGIN
+        return min(_MARGIN_BOUNDS[1], max(_MARGIN_BOUNDS[0], self.config.tie_tolerance, observed))
+
+    def time_model_summary(self) -> dict[str, Any]:
+        """What the time model did: its fit, its measured errors, the margin, and what it pruned."""
+        errors = [e for t in self.records if (e := t.prediction_error) is not None]
+        calibration = self.time_model.calibration if self.time_model is not None else None
+        return {
+            "calibration": calibration.to_dict() if calibration is not None else None,
+            "noise_margin": self.noise_margin(),
+            "predicted_and_measured": len(errors),
+            "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
+            "max_abs_error": max((abs(e) for e in errors), default=None),
+            "pruned_by_time": sum(t.pruned_by == "time" for t in self.records),
+        }
+
+    def _calibrate(self) -> None:
+        """Fit the time model to every plan timed so far (within budget or not: speed does not depend on it)."""
+        if self.time_model is None:
+            return
+        timed = [
+            (t.plan, t.label, t.median_seconds)
+            for t in self.records
+            if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds
+        ]
+        self.time_model = self.time_model.calibrated(timed)
 
     def _offered(self, plan: Plan) -> bool:
         """Whether ``plan`` can run: the profile allows it, and no trial saw its segments leave the chain."""
@@ -353,14 +475,16 @@ class Study:
         if len(chosen) < 2:
             return
         steps = config.measure_steps
-        if self._speed_changed_since_search(chosen, steps):
+        # With the time model the first confirmation round re-times the reference itself, instead of a
+        # re-time of its own before the rounds; a speed change then re-ranks and confirms again.
+        folded = self.time_model is not None
+        if not folded and self._speed_changed_since_search(chosen, steps):
             self._rerank(steps)
             chosen = self._verified_leaders(config.confirm_top)
-        announce_confirmation(self.progress, chosen)
-        entries = self._entries(chosen, steps)
-        side = confirm_interleaved(
-            entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds, sync=self.sync
-        )
+        entries, side = self._confirm_rounds(chosen, steps)
+        if folded and self._reference_moved(chosen, side):
+            self._rerank(steps)
+            entries, side = self._confirm_rounds(self._verified_leaders(config.confirm_top), steps)
         if side.speed_changed:
             self.speed_changes.append(
                 f"during the confirmation rounds (speeds {', '.join(f'{v:.2f}' for v in side.round_speeds)} of the "
@@ -372,14 +496,37 @@ class Study:
                 self._update(t)
         self.tie_tolerance = confirmed_tie_tolerance(side.per_sample, config.tie_tolerance)
 
-    def _speed_changed_since_search(self, leaders: Sequence[TrialRecord], steps: int) -> bool:
-        """Re-time the reference (fastest fitting baseline, else the leader) once; True if its speed changed."""
+    def _confirm_rounds(self, chosen: Sequence[TrialRecord], steps: int) -> tuple[list[ConfirmEntry], Any]:
+        """The interleaved rounds over ``chosen``: ``confirm_rounds`` to ``confirm_max_rounds`` of them, and with
+        the time model (which already ranked them) exactly ``confirm_rounds``."""
+        config = self.config
+        announce_confirmation(self.progress, chosen)
+        entries = self._entries(chosen, steps)
+        max_rounds = config.confirm_rounds if self.time_model is not None else config.confirm_max_rounds
+        side = confirm_interleaved(entries, min_rounds=config.confirm_rounds, max_rounds=max_rounds, sync=self.sync)
+        return entries, side
+
+    def _reference(self, leaders: Sequence[TrialRecord]) -> TrialRecord:
+        """The plan whose speed is compared before and after: the fastest fitting baseline, else the leader."""
         baselines = [t for t in leaders if t.baseline is not None]
-        reference = max(baselines or leaders, key=lambda t: t.samples_per_second or 0.0)
+        return max(baselines or leaders, key=lambda t: t.samples_per_second or 0.0)
+
+    def _speed_changed_since_search(self, leaders: Sequence[TrialRecord], steps: int) -> bool:
+        """Re-time the reference once; True if its speed changed since the search timed it."""
+        reference = self._reference(leaders)
         m = self.runner.retime(reference.plan, steps)
         seconds = m.median_seconds if m.status == "ok" else None
         gathered = self.sync.all_gather(seconds)
         now = max(gathered) if all(g is not None for g in gathered) else None
+        return self._speed_changed(reference, now)
+
+    def _reference_moved(self, leaders: Sequence[TrialRecord], side: Any) -> bool:
+        """True if the reference's first confirmation round shows the machine's speed changed since the search."""
+        reference = self._reference(leaders)
+        times = side.per_sample.get(reference.number)
+        return self._speed_changed(reference, times[0] * self.samples_per_step if times else None)
+
+    def _speed_changed(self, reference: TrialRecord, now: float | None) -> bool:
         ratio = speed_change(reference.median_seconds, now, reference.spread_seconds or 0.0)
         if ratio is None:
             return False
@@ -431,7 +578,7 @@ class Study:
         )
 
     def _measure_again(self, trial: TrialRecord) -> None:
-        self.measure(trial.params, trial.plan, trial.label, trial.baseline, prune=False)
+        self.measure(trial.params, trial.plan, trial.label, trial.baseline, prune=None)
 
     def _nothing_fits(self, records: Sequence[TrialRecord]) -> str:
         summary = ", ".join(f"{t.label}={t.status}" for t in records[:8])
@@ -503,6 +650,8 @@ class Study:
             "fell_back": fell_back,
             "speed_changes": self.speed_changes,
         }
+        if self.time_model is not None:
+            search["time_model"] = self.time_model_summary()
         return {
             "versions": library_versions(),
             "budget": self.budget.to_dict(),

@@ -10,31 +10,33 @@ chooses. The same engine runs inside the Lightning callback and from a plain scr
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
-from lightning_ckpt.discovery import LayerStack
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
+from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
-from lightning_ckpt.plan.format import BlockPlan, Plan
+from lightning_ckpt.plan.format import BlockPlan, Plan, mode_key
 from lightning_ckpt.search.compile import CompiledTrials, compiled_search, eager_while_profiling
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.records import ProgressFn, TrialRecord, TrialStatus, TuneResult, choose_best
+from lightning_ckpt.search.replan import PROFILE_KEY, profile_metadata
 from lightning_ckpt.search.runners import EagerRunner, TrialRunner, release_cached_memory
-from lightning_ckpt.search.space import Candidate, SearchSpace
+from lightning_ckpt.search.space import SearchSpace, offered_candidates
 from lightning_ckpt.search.study import SearchInterrupted, Study
 from lightning_ckpt.versions import require_torch
 
@@ -190,7 +192,13 @@ def _search(
     is_compiled = isinstance(runner, CompiledTrials)
     if memory_model is None:
         with eager_while_profiling(is_compiled):
-            memory_model = profile_memory(resolved, harness.step_fn, optimizer=optimizer, extra=harness.extra)
+            timed = False if is_compiled else _space_modes(config.search_space.for_device(device.type), resolved)
+            memory_model = profile_memory(
+                resolved, harness.step_fn, optimizer=optimizer, extra=harness.extra, time_blocks=timed
+            )
+        if memory_model.timing is not None:
+            at = {**memory_model.timing.measured_at, "batch_size": harness.batch_size, "seq_len": seq_len}
+            memory_model = replace(memory_model, timing=replace(memory_model.timing, measured_at=at))
     # The CUDA cap's headroom for the allocator's reserve, measured by the profile: eager and compiled trials alike.
     runner.reserve_headroom_bytes = getattr(memory_model, "reserve_overhead_bytes", 0)
     space = config.search_space.for_device(device.type)
@@ -202,7 +210,7 @@ def _search(
     sync = sync or LocalSync()
     budget = sync.broadcast(budget or _resolve_budget(requested, memory, runner, resolved))
     warm_steps = _warm_up_process(harness, resolved, config, is_compiled)
-    stacks, candidates = _offered(space, resolved, memory_model)
+    stacks, candidates = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
     study = Study(
         candidates=candidates,
         space=space,
@@ -224,11 +232,24 @@ def _search(
     release_cached_memory(device)
     compiled = list(runner.regions) if is_compiled else None
     run = {"device": str(device), "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": compiled}
+    metadata: dict[str, Any] = {"optimizer_step": memory.optimizer.to_dict(), "run": run}
+    if study.time_model is not None and isinstance(memory_model, MemoryModel):
+        # The profile as the search fitted it: a later budget re-plans from it without a search (``replan``).
+        memory_model = replace(memory_model, timing=study.time_model)
+        metadata[PROFILE_KEY] = profile_metadata(
+            memory_model,
+            memory.optimizer,
+            stacks,
+            space,
+            batch_size=harness.batch_size,
+            seq_len=seq_len,
+            tie_tolerance=config.tie_tolerance,
+        )
     return study.result(
         extra_steps=_PROFILE_STEPS + _WRITE_CHECK_STEPS + warm_steps,
         memory_table=memory_model.table(),
         memory_breakdown=memory_model.to_dict(),
-        metadata={"optimizer_step": memory.optimizer.to_dict(), "run": run},
+        metadata=metadata,
     )
 
 
@@ -282,28 +303,9 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def _offered(space: SearchSpace, resolved: ModelView, memory_model: Any) -> tuple[list[LayerStack], list[Candidate]]:
-    """The stacks the search plans over and its candidates: no mode on a block no gradient flows through
-    (frozen behind frozen layers: it saves nothing, checkpointing it only recomputes it), nothing the
-    profile shows cannot run. With no block left to plan, the one candidate is no checkpointing."""
-    inert = tuple(getattr(memory_model, "inert_blocks", ()))
-    stacks = memory_model.plannable_stacks(resolved.stacks) if inert else list(resolved.stacks)
-    if inert:
-        log.info("lightning_ckpt: no mode offered on blocks no gradient flows through: %s", ", ".join(inert))
-    if not stacks:  # the space needs a stack to be described over; it offers only its 'none' point here
-        none = Plan(name="none", fingerprint=resolved.fingerprint)
-        return list(resolved.stacks), [Candidate({"structure": "none"}, none, "baseline:none", baseline="none")]
-    return stacks, _runnable(space.enumerate(stacks, fingerprint=resolved.fingerprint), memory_model)
-
-
-def _runnable(candidates: Sequence[Candidate], memory_model: Any) -> list[Candidate]:
-    """The candidates the profile shows can run (not segments over T5's stacks, not a save-list a block
-    failed under): the search space only offers plans that can run on the model."""
-    out = []
-    for cand in candidates:
-        why = memory_model.can_run(cand.plan)
-        if why is None:
-            out.append(cand)
-        else:
-            log.info("lightning_ckpt: not offering %s: %s", cand.label, why)
-    return out
+def _space_modes(space: SearchSpace, resolved: ModelView) -> set[str]:
+    """The mode keys (``plan.format.mode_key``) the space's plans give any block: all the time profile needs."""
+    keys = {"none", "full"}
+    for cand in space.enumerate(resolved.stacks, fingerprint=None):
+        keys.update(mode_key(bp) for bp in cand.plan.blocks.values())
+    return keys

@@ -1,0 +1,70 @@
+"""``lightning-ckpt replan``: the best plan for another budget, predicted from the profile a plan file keeps.
+
+No model is built and nothing runs: the saved memory and time models score every plan of the space the
+search covered (``search.replan``), in well under a second. The result is marked predicted; a run that
+applies it has its first real steps checked by the budget guard, as for any plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lightning_ckpt.cli.usage import EXIT_OK, UsageError, load_plan
+from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.search.replan import replan
+
+__all__ = ["run_replan"]
+
+
+def run_replan(args: argparse.Namespace) -> int:
+    if args.max_memory is None and args.activation_budget is None:
+        raise UsageError("give the new budget: --max-memory (e.g. 40GiB) or --activation-budget (e.g. 0.5).")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch-size must be a positive integer, but got {args.batch_size}.")
+    plan = load_plan(args.plan)
+    try:
+        max_memory = float(args.max_memory) if _is_fraction(args.max_memory) else args.max_memory
+        result = replan(
+            plan,
+            max_memory=max_memory,
+            activation_budget=args.activation_budget,
+            batch_size=args.batch_size,
+            source=args.plan,
+        )
+    except ConfigurationError as err:
+        raise UsageError(str(err)) from None
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "predicted": True,
+                    "plan": result.plan.describe(),
+                    "budget": result.budget.description,
+                    "batch_size": result.batch_size,
+                    "predicted_seconds": result.predicted_seconds,
+                    "predicted_samples_per_second": result.predicted_samples_per_second,
+                    "predicted_peak_bytes": result.predicted_peak_bytes,
+                    "predicted_activation_bytes": result.predicted_activation_bytes,
+                    "plans_scored": result.considered,
+                    "plans_fitting": result.fitting,
+                    "written": args.output,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(result.describe())
+    if args.output:
+        path = result.plan.save(args.output)
+        if not args.json:
+            print(f"wrote {path} (marked predicted: metadata['replanned']; the budget guard checks its first steps)")
+    return EXIT_OK
+
+
+def _is_fraction(value: str | None) -> bool:
+    """``--max-memory 0.8`` is a share of the device, as ``max_memory=0.8`` is; anything else is bytes or a size."""
+    try:
+        return value is not None and 0 < float(value) <= 1 and "." in value
+    except ValueError:
+        return False

@@ -1,0 +1,92 @@
+"""A plan re-planned from a saved profile for this run's budget (``search.replan``): zero trials, so its figures are
+predictions, and the first real steps are put beside them.
+
+The budget guard reads the first steps' memory as it does for any plan (on CPU under the live-tensor
+tracker, which slows those steps); the first step after them is timed, forward and backward, as trials
+time a step. When both are in, one line gives the predicted and the measured figures side by side, and
+the plan's ``metadata["replanned"]["first_measured"]`` keeps the measured ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_ckpt.budget import format_bytes
+from lightning_ckpt.plan.format import Plan
+
+__all__ = ["ReplanCheck"]
+
+
+@dataclass
+class ReplanCheck:
+    """The predicted figures of a re-planned plan and the first measured ones, filled in as the fit goes."""
+
+    predicted: Mapping[str, Any]  # the plan's ``metadata["replanned"]``
+    device: torch.device
+    peak_bytes: int | None = None
+    activation_bytes: int | None = None
+    seconds: float | None = None
+    _started: float | None = field(default=None, repr=False)
+    reported: bool = False
+
+    @classmethod
+    def of(cls, plan: Plan, device: torch.device) -> ReplanCheck | None:
+        predicted = plan.metadata.get("replanned")
+        return cls(dict(predicted), device) if isinstance(predicted, Mapping) else None
+
+    def memory_read(self, peak_bytes: int, activation_bytes: int | None) -> None:
+        """The guard's first reading of a real step."""
+        if self.peak_bytes is None:
+            self.peak_bytes, self.activation_bytes = peak_bytes, activation_bytes
+
+    def step_starts(self, guard_reads_it: bool) -> None:
+        """A batch starts: time it unless the guard reads it (its tracker slows the step) or one was timed."""
+        if self.seconds is None and not guard_reads_it:
+            self._sync()
+            self._started = time.perf_counter()
+
+    def closure_ends(self) -> None:
+        """Forward and backward of the timed step are over (the optimizer's update is not in a trial's time)."""
+        if self._started is not None and self.seconds is None:
+            self._sync()
+            self.seconds = time.perf_counter() - self._started
+            self._started = None
+
+    @property
+    def complete(self) -> bool:
+        return self.peak_bytes is not None and self.seconds is not None
+
+    def line(self) -> str:
+        """Predicted and first measured figures side by side."""
+        p = self.predicted
+        seconds = p.get("predicted_seconds")
+        measured_ms = f"{1000 * self.seconds:.1f} ms" if self.seconds is not None else "not timed"
+        predicted_ms = f"{1000 * seconds:.1f} ms" if seconds else "unknown"
+        act = ""
+        if self.activation_bytes is not None:
+            act = (
+                f", activations {format_bytes(p.get('predicted_activation_bytes'))} predicted / "
+                f"{format_bytes(self.activation_bytes)} measured"
+            )
+        return (
+            f"lightning_ckpt: re-planned plan (predicted from the saved profile, 0 trials) vs its first real steps: "
+            f"peak {format_bytes(p.get('predicted_peak_bytes'))} predicted / {format_bytes(self.peak_bytes)} "
+            f"measured{act}; forward+backward {predicted_ms} predicted / {measured_ms} measured"
+        )
+
+    def report(self, plan: Plan) -> Plan:
+        """Log the side-by-side line once and return ``plan`` with the measured figures in its metadata."""
+        self.reported = True
+        rank_zero_info(self.line())
+        first = {"peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes, "seconds": self.seconds}
+        return plan.with_metadata(replanned={**self.predicted, "first_measured": first})
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

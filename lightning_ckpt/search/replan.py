@@ -1,0 +1,261 @@
+"""Re-plan for a new budget from the profile a plan file keeps: no model, no step, zero trials.
+
+A search leaves in its plan's ``metadata["profile"]`` what it predicted every plan from: the memory model
+(each block's bytes under every mode, the anchor step's timeline), the time model fitted to the plans it
+measured (``timing.model``), the optimizer step's memory, the stacks and the space it searched. With
+those, any budget's best plan is a prediction: every plan of the space is scored, those predicted to fit
+are kept, and the search's own choice rule (``records.choose_best``) picks among their predicted figures.
+What comes out is marked ``predicted`` (``metadata["replanned"]``): nothing about it was measured, and
+the budget guard checks the first real steps of a run that applies it, as for any plan.
+
+``--batch-size`` scales what depends on the batch linearly from the batch the profile was taken at:
+activation bytes and step time (parameters, gradients and optimizer state do not change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
+from lightning_ckpt.discovery import LayerStack
+from lightning_ckpt.errors import InfeasibleBudgetError, PlanError
+from lightning_ckpt.memory.model import MemoryModel
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.records import TrialRecord, TrialStatus, choose_best
+from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
+from lightning_ckpt.timing.model import TimeModel
+
+__all__ = ["PROFILE_KEY", "Replanned", "SavedProfile", "profile_metadata", "replan"]
+
+PROFILE_KEY = "profile"
+# What a re-planned plan drops from the plan it came from: figures measured for that plan, not this one.
+_MEASURED_KEYS = ("measured", "baselines", "real_steps", "search", "switched_from")
+
+
+def profile_metadata(
+    memory: MemoryModel,
+    optimizer: OptimizerStepMemory,
+    stacks: Sequence[LayerStack],
+    space: SearchSpace,
+    *,
+    batch_size: int,
+    seq_len: int | None,
+    tie_tolerance: float,
+) -> dict[str, Any]:
+    """What a plan file keeps to re-plan without the model (``metadata["profile"]``)."""
+    return {
+        "memory": memory.to_dict(),
+        "optimizer_step": optimizer.to_dict(),
+        "stacks": [s.to_dict() for s in stacks],
+        "search_space": space.to_config(),
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "tie_tolerance": tie_tolerance,
+    }
+
+
+@dataclass(frozen=True)
+class SavedProfile:
+    """A plan file's profile, read back (``of_plan``)."""
+
+    memory: MemoryModel
+    time: TimeModel
+    optimizer: OptimizerStepMemory
+    stacks: tuple[LayerStack, ...]
+    space: SearchSpace
+    batch_size: int
+    seq_len: int | None
+    tie_tolerance: float
+
+    @classmethod
+    def of_plan(cls, plan: Plan, *, source: str = "the plan") -> SavedProfile:
+        """The profile ``plan`` keeps; ``PlanError`` saying what is missing when it cannot be re-planned from."""
+        data = plan.metadata.get(PROFILE_KEY)
+        if not isinstance(data, Mapping):
+            raise PlanError(
+                f"{source} keeps no profile (metadata['profile']), so it cannot be re-planned without a search. "
+                "Plans written by lightning_ckpt 0.3 or later keep one; re-tune once with this version."
+            )
+        try:
+            memory = MemoryModel.from_dict(data["memory"])
+            profile = cls(
+                memory=memory,
+                time=memory.timing,  # type: ignore[arg-type]  # checked below
+                optimizer=OptimizerStepMemory.from_dict(data["optimizer_step"]),
+                stacks=tuple(LayerStack.from_dict(s) for s in data["stacks"]),
+                space=SearchSpace.from_config(data["search_space"]),
+                batch_size=int(data["batch_size"]),
+                seq_len=data.get("seq_len"),
+                tie_tolerance=float(data.get("tie_tolerance", 0.01)),
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise PlanError(
+                f"{source}'s profile (metadata['profile']) is malformed ({type(err).__name__}: {err}); re-tune to "
+                "write a new one."
+            ) from None
+        if profile.time is None or profile.time.calibration is None:
+            raise PlanError(
+                f"{source}'s profile has no fitted time model (the search that wrote it measured no plan eagerly, "
+                "e.g. a compiled model), so plans cannot be ranked by speed without running them. Re-tune instead."
+            )
+        return profile
+
+
+@dataclass(frozen=True)
+class Replanned:
+    """The best plan predicted for a new budget, and the predictions it was chosen on."""
+
+    plan: Plan
+    budget: Budget
+    predicted_seconds: float
+    predicted_samples_per_second: float
+    predicted_peak_bytes: int
+    predicted_activation_bytes: int
+    considered: int
+    fitting: int
+    batch_size: int
+
+    def describe(self) -> str:
+        """One line for people: the plan, marked predicted, with its predicted figures."""
+        return (
+            f"re-planned (predicted, 0 trials) for {self.budget.description}: {self.plan.describe()}; predicted "
+            f"{self.predicted_samples_per_second:.2f} samples/s ({1000 * self.predicted_seconds:.1f} ms/step), peak "
+            f"{format_bytes(self.predicted_peak_bytes)}, activations {format_bytes(self.predicted_activation_bytes)}"
+            f"; {self.fitting} of {self.considered} plans predicted to fit"
+        )
+
+
+class _BatchScaled:
+    """The memory model at another batch size: what is above the fixed state (activations, the batch,
+    temporaries) scales with the batch; parameters, gradients, optimizer state and buffers do not."""
+
+    def __init__(self, model: MemoryModel, ratio: float) -> None:
+        self.model, self.ratio = model, ratio
+
+    def predict_peak(self, plan: Plan) -> int:
+        peak, fixed = self.model.predict_peak(plan), self.model.fixed_bytes
+        return int(fixed + (peak - fixed) * self.ratio)
+
+    def predict_activation(self, plan: Plan) -> int:
+        return int(self.model.predict_activation(plan) * self.ratio)
+
+    def can_run(self, plan: Plan) -> str | None:
+        return self.model.can_run(plan)
+
+
+def replan(
+    plan: Plan,
+    *,
+    max_memory: int | float | str | None = None,
+    activation_budget: float | None = None,
+    batch_size: int | None = None,
+    device: torch.device | str | None = None,
+    source: str = "the plan",
+) -> Replanned:
+    """The best plan for a new budget, predicted from ``plan``'s saved profile (``SavedProfile``) in well
+    under a second: every plan of the searched space scored, the choice rule applied to the predictions.
+
+    ``device`` resolves a budget given as a share of device memory (default: the profile's device);
+    ``batch_size`` re-plans for another batch (see the module docstring). Raises ``PlanError`` when the
+    plan keeps no usable profile, ``InfeasibleBudgetError`` when no plan is predicted to fit.
+    """
+    profile = SavedProfile.of_plan(plan, source=source)
+    requested = RequestedBudget.parse(max_memory, activation_budget)
+    batch = batch_size or profile.batch_size
+    ratio = batch / profile.batch_size
+    memory_model: Any = profile.memory if ratio == 1 else _BatchScaled(profile.memory, ratio)
+    memory = RealStepMemory(memory_model, profile.optimizer)
+    dev = torch.device(device if device is not None else profile.memory.device)
+    budget = requested.resolve(device=dev, none_activation_bytes=memory_model.predict_activation(Plan()))
+    _, candidates = offered_candidates(
+        profile.space.for_device(dev.type), profile.stacks, profile.memory.fingerprint, profile.memory
+    )
+    records = [_scored(i, c, memory, profile.time, ratio, batch, budget) for i, c in enumerate(candidates)]
+    records = [r for r in records if r is not None]
+    best = choose_best(records, budget, tie_tolerance=profile.tie_tolerance)
+    if best is None:
+        lowest = min(records, key=lambda r: r.memory(budget), default=None)
+        found = f"; the lowest predicted is {lowest.label} at {format_bytes(lowest.memory(budget))}" if lowest else ""
+        raise InfeasibleBudgetError(
+            f"No plan of the searched space is predicted to fit {budget.description} ({len(records)} scored{found}). "
+            "Raise the budget, or lower the batch size."
+        )
+    return Replanned(
+        plan=_replanned_plan(plan, best, budget, requested, profile, batch, len(records)),
+        budget=budget,
+        predicted_seconds=best.median_seconds or 0.0,
+        predicted_samples_per_second=best.samples_per_second or 0.0,
+        predicted_peak_bytes=best.peak_bytes or 0,
+        predicted_activation_bytes=best.activation_bytes or 0,
+        considered=len(records),
+        fitting=sum(r.feasible for r in records),
+        batch_size=batch,
+    )
+
+
+def _scored(
+    number: int,
+    cand: Candidate,
+    memory: RealStepMemory,
+    time: TimeModel,
+    ratio: float,
+    batch: int,
+    budget: Budget,
+) -> TrialRecord | None:
+    """A record of ``cand``'s predicted figures (memory and speed both predicted), None if its time is not."""
+    seconds = time.predict_seconds(cand.plan)
+    if seconds is None:
+        return None
+    seconds *= ratio
+    peak, activation = memory.predict(cand.plan)
+    return TrialRecord(
+        number=number,
+        plan=cand.plan,
+        label=cand.label,
+        params=dict(cand.params),
+        baseline=cand.baseline,
+        status=TrialStatus.OK if budget.fits(peak, activation) else TrialStatus.OVER_BUDGET,
+        predicted_peak_bytes=peak,
+        predicted_activation_bytes=activation,
+        peak_bytes=peak,
+        activation_bytes=activation,
+        samples_per_second=batch / seconds,
+        median_seconds=seconds,
+        memory_measured=False,
+        predicted_seconds=seconds,
+    )
+
+
+def _replanned_plan(
+    plan: Plan,
+    best: TrialRecord,
+    budget: Budget,
+    requested: RequestedBudget,
+    profile: SavedProfile,
+    batch: int,
+    considered: int,
+) -> Plan:
+    """``best``'s plan carrying what it was chosen on: marked predicted, the new budget, the same profile."""
+    metadata = {k: v for k, v in plan.metadata.items() if k not in _MEASURED_KEYS}
+    was = plan.metadata.get("budget") or {}
+    metadata["budget"] = {**budget.to_dict(), "requested": requested.requested_max_memory}
+    metadata["replanned"] = {
+        "predicted": True,
+        "from_plan": plan.describe(),
+        "from_budget": was.get("description"),
+        "batch_size": batch,
+        "profiled_batch_size": profile.batch_size,
+        "predicted_seconds": best.median_seconds,
+        "predicted_samples_per_second": best.samples_per_second,
+        "predicted_peak_bytes": best.peak_bytes,
+        "predicted_activation_bytes": best.activation_bytes,
+        "plans_scored": considered,
+    }
+    if batch != profile.batch_size and isinstance(metadata.get("conditions"), Mapping):
+        metadata["conditions"] = {**metadata["conditions"], "batch_size": batch}
+    return replace(best.plan, name="replanned", fingerprint=profile.memory.fingerprint, metadata=metadata)

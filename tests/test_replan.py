@@ -1,0 +1,186 @@
+"""Re-planning for a new budget from the profile a plan file keeps: the same plan a full search picks when the time
+model ranks plans correctly, zero trials in the callback with the first real steps beside the prediction, the
+budget guard catching a profile that lies, and ``lightning-ckpt replan``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from lit import LitGPT, quiet_trainer, token_loader
+
+from lightning_ckpt import ActivationCheckpointTuner, Plan
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.cli.main import main
+from lightning_ckpt.discovery import discover_blocks
+from lightning_ckpt.errors import InfeasibleBudgetError, PlanError
+from lightning_ckpt.measure.measurement import Measurement
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
+from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.plan.format import BlockPlan
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.replan import PROFILE_KEY, SavedProfile, profile_metadata, replan
+from lightning_ckpt.search.space import SearchSpace, offered_candidates
+from lightning_ckpt.search.study import Study
+from lightning_ckpt.testing import GPT, GPTConfig
+
+BATCH = 8
+
+
+class PredictedRunner:
+    """Measures every plan at exactly the profile's predictions: a time model that ranks plans correctly."""
+
+    predicts_memory, predicts_time, collective_steps, reserve_headroom_bytes = True, False, False, 0
+
+    def __init__(self, memory) -> None:
+        self.memory = memory
+
+    def _figures(self, plan: Plan) -> dict:
+        seconds = self.memory.timing.predict_seconds(plan)
+        peak, act = self.memory.predict_peak(plan), self.memory.predict_activation(plan)
+        return dict(peak_bytes=peak, activation_bytes=act, median_seconds=seconds, samples_per_second=BATCH / seconds)
+
+    def measure(self, plan: Plan, memory_limit, *, memory: bool = True) -> Measurement:
+        return Measurement("ok", steps=4, spread_seconds=0.0, **self._figures(plan))
+
+    def measure_memory(self, plan: Plan, memory_limit) -> Measurement:
+        return Measurement("ok", steps=1, **self._figures(plan))
+
+    def retime(self, plan: Plan, steps: int) -> Measurement:
+        f = self._figures(plan)
+        return Measurement("ok", step_seconds=(f["median_seconds"],), spread_seconds=0.0, **f)
+
+
+@pytest.mark.parametrize("share", [0.4, 0.6, 0.9])
+def test_a_replanned_plan_is_the_plan_a_full_search_picks_on_the_same_profile_when_the_time_model_ranks_right(share):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
+    x = torch.randint(0, 48, (BATCH, 16))
+    profiled = profile_memory(model, lambda: model(x, x))
+    memory = replace(profiled, timing=profiled.timing.calibrated([(Plan(), "none", 0.05)]))
+    stacks = discover_blocks(model)
+    space = SearchSpace().for_device("cpu")
+    stacks, candidates = offered_candidates(space, stacks, memory.fingerprint, memory)
+    limit = int(share * memory.predict_activation(Plan()))
+    budget = Budget("activation", limit, share, f"{share:.0%} of activations")
+    config = TuneConfig(n_trials=len(candidates), predict_time=False)
+    study = Study(candidates=candidates, space=space, stacks=stacks, runner=PredictedRunner(memory), budget=budget,
+                  memory=RealStepMemory(memory, OptimizerStepMemory.absent()), config=config,
+                  fingerprint=memory.fingerprint, device_type="cpu", samples_per_step=BATCH)  # fmt: skip
+    study.run()
+    assert all(t.status != "pruned" or t.pruned_by == "memory" for t in study.records), "every plan that fits ran"
+    study.confirm()
+    searched = study.result(extra_steps=0).best
+    profile = profile_metadata(memory, OptimizerStepMemory.absent(), stacks, space, batch_size=BATCH, seq_len=16,
+                               tie_tolerance=config.tie_tolerance)  # fmt: skip
+    saved = Plan(fingerprint=memory.fingerprint, metadata={PROFILE_KEY: json.loads(json.dumps(profile))})
+    replanned = replan(saved, activation_budget=share)
+    assert replanned.plan.key() == searched.key(), (replanned.plan.describe(), searched.describe())
+    assert replanned.plan.metadata["replanned"]["predicted"] is True
+    assert replanned.budget.limit_bytes == limit
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A plan file written by a real search in the callback (activation budget 0.5), and the LightningModule."""
+    tmp = tmp_path_factory.mktemp("tuned")
+    path = tmp / "plan.json"
+    tuner = ActivationCheckpointTuner(activation_budget=0.5, plan_path=path, search={"n_trials": 10})
+    quiet_trainer(tmp, [tuner], steps=2).fit(LitGPT(dropout=0.0), token_loader(64))
+    assert tuner.trials_run > 0
+    return path
+
+
+def test_the_plan_file_keeps_the_profile_the_search_fitted(tuned):
+    saved = Plan.load(tuned)
+    profile = SavedProfile.of_plan(saved)
+    assert profile.batch_size == BATCH and profile.seq_len == 16
+    anchors = profile.time.calibration.anchors
+    assert len(anchors) >= 2, "the time model was fitted to the plans the search measured"
+    assert saved.metadata["search"]["time_model"]["predicted_and_measured"] >= 1
+
+
+def test_a_new_budget_re_plans_from_the_saved_profile_with_zero_trials_and_reports_the_first_real_steps(
+    tuned, tmp_path, caplog
+):
+    out = tmp_path / "replanned.json"
+    tuner = ActivationCheckpointTuner(plan=str(tuned), activation_budget=0.4, plan_path=out)
+    with caplog.at_level(logging.INFO):
+        quiet_trainer(tmp_path, [tuner], steps=4).fit(LitGPT(dropout=0.0), token_loader(64))
+    assert tuner.result is None and tuner.trials_run == 0, "no search ran"
+    expected = replan(Plan.load(tuned), activation_budget=0.4)
+    assert tuner.plan.key() == expected.plan.key()
+    written = Plan.load(out)
+    replanned = written.metadata["replanned"]
+    assert replanned["predicted"] is True and replanned["predicted_seconds"] > 0
+    first = replanned["first_measured"]
+    assert first["peak_bytes"] > 0 and first["activation_bytes"] > 0 and first["seconds"] > 0
+    assert tuner.step_checks and all(c.within_budget for c in tuner.step_checks), "the guard read the first steps"
+    line = next(r.getMessage() for r in caplog.records if "vs its first real steps" in r.getMessage())
+    assert "predicted /" in line and "measured" in line and "ms predicted" in line
+    # Applied again with the same budget it is reused as it is: no re-plan.
+    again = ActivationCheckpointTuner(plan=str(out), activation_budget=0.4)
+    quiet_trainer(tmp_path, [again], steps=1).fit(LitGPT(dropout=0.0), token_loader(64))
+    assert again.trials_run == 0 and again.plan.metadata["replanned"]["first_measured"] == first
+
+
+def _lying(plan: Plan) -> Plan:
+    """``plan`` with a profile that says no-checkpointing saves no more than full checkpointing."""
+    data = json.loads(json.dumps(plan.metadata[PROFILE_KEY]))
+    for block in data["memory"]["blocks"]:
+        block["profiles"]["none"] = block["profiles"]["full"]
+        block["saved_bytes"]["none"] = block["saved_bytes"]["full"]
+    return plan.with_metadata(**{PROFILE_KEY: data})
+
+
+def test_the_budget_guard_catches_a_plan_replanned_from_a_wrong_profile(tuned, tmp_path):
+    honest = SavedProfile.of_plan(Plan.load(tuned))
+    stacks = {s.fqn: s for s in honest.stacks}
+    full = Plan({b.fqn: BlockPlan("full") for s in stacks.values() for b in s.blocks})
+    full_peak = RealStepMemory(honest.memory, honest.optimizer).predict(full)[0]
+    none_peak = RealStepMemory(honest.memory, honest.optimizer).predict(Plan())[0]
+    budget = int(full_peak + 0.2 * (none_peak - full_peak))
+    lying = tmp_path / "lying.json"
+    _lying(Plan.load(tuned)).save(lying)
+    assert replan(Plan.load(lying), max_memory=budget).plan.is_empty, "the wrong profile says no checkpointing fits"
+    assert not replan(Plan.load(tuned), max_memory=budget).plan.is_empty
+    tuner = ActivationCheckpointTuner(plan=str(lying), max_memory=budget, guard={"on_budget_exceeded": "warn"})
+    with pytest.warns(UserWarning, match="over the budget"):
+        quiet_trainer(tmp_path, [tuner], steps=3).fit(LitGPT(dropout=0.0), token_loader(64))
+    assert tuner.trials_run == 0 and tuner.plan.is_empty
+    assert tuner.step_checks and not tuner.step_checks[0].within_budget
+
+
+def test_replan_scales_with_the_batch_and_refuses_what_it_cannot_do(tuned):
+    saved = Plan.load(tuned)
+    at_8 = replan(saved, activation_budget=0.5)
+    at_16 = replan(saved, activation_budget=0.5, batch_size=16)
+    assert at_16.predicted_seconds == pytest.approx(2 * at_8.predicted_seconds, rel=0.02) or at_16.plan != at_8.plan
+    assert at_16.plan.metadata["conditions"]["batch_size"] == 16
+    with pytest.raises(InfeasibleBudgetError, match="predicted to fit"):
+        replan(saved, max_memory=1024)
+    with pytest.raises(PlanError, match="keeps no profile"):
+        replan(Plan({"model.transformer.h.0": BlockPlan("full")}), max_memory="1GiB")
+
+
+def test_the_replan_command_prints_the_predicted_plan_and_writes_it(tuned, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["replan", str(tuned), "--activation-budget", "0.4", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "re-planned (predicted, 0 trials)" in text and f"wrote {out}" in text
+    assert Plan.load(out).key() == replan(Plan.load(tuned), activation_budget=0.4).plan.key()
+    assert main(["replan", str(tuned), "--max-memory", "64MiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["predicted"] is True and data["predicted_peak_bytes"] <= 64 * 2**20
+
+
+def test_the_replan_command_refuses_a_plan_without_a_profile_and_a_missing_budget(tmp_path, capsys):
+    bare = tmp_path / "bare.json"
+    Plan({"model.transformer.h.0": BlockPlan("full")}).save(bare)
+    assert main(["replan", str(bare), "--max-memory", "1GiB"]) == 1
+    assert "keeps no profile" in capsys.readouterr().err
+    assert main(["replan", str(bare)]) == 2
+    assert "give the new budget" in capsys.readouterr().err

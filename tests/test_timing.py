@@ -1,0 +1,85 @@
+"""The time model: what a plan adds to a step from the blocks' own timings, its fit to measured steps, the file
+form, and the profile's timings of a real block (every mode timed, model state untouched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ckpt import discover_blocks
+from lightning_ckpt.memory.model import MemoryModel
+from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.plan.format import BlockPlan, Plan
+from lightning_ckpt.testing import GPT, GPTConfig
+from lightning_ckpt.timing.model import BlockTime, TimeModel
+
+FQNS = tuple(f"h.{i}" for i in range(4))
+SECONDS = {"none": 1.0, "full": 1.5, "selective:mlp": 1.2, "selective:attn": 1.1, "ops:save_matmuls": 1.3}
+
+
+def _model(calibrated: bool = False) -> TimeModel:
+    rows = tuple(BlockTime(f, SECONDS, "h.0" if f != "h.0" else None) for f in FQNS)
+    model = TimeModel(rows, {"h": FQNS})
+    return model.calibrated([(Plan(), "none", 10.0)]) if calibrated else model
+
+
+def test_a_plan_adds_what_each_block_mode_adds_and_a_segment_pays_full_for_its_checkpointed_chunks():
+    model = _model()
+    assert model.added_seconds(Plan()) == 0.0
+    full = Plan({f: BlockPlan("full") for f in FQNS})
+    assert model.added_seconds(full) == pytest.approx(4 * 0.5)
+    mixed = Plan({"h.0": BlockPlan("full"), "h.1": BlockPlan("selective", ("mlp",)), "h.3": BlockPlan("offload")})
+    assert model.added_seconds(mixed) is None, "a mode no block was timed under cannot be predicted"
+    mixed = Plan({"h.0": BlockPlan("full"), "h.1": BlockPlan("selective", ("mlp",))})
+    assert model.added_seconds(mixed) == pytest.approx(0.5 + 0.2)
+    # Children timed one by one add up when their set was not timed together.
+    both = Plan({"h.2": BlockPlan("selective", ("attn", "mlp"))})
+    assert model.added_seconds(both) == pytest.approx(0.1 + 0.2)
+    # Two segments over 4 blocks: the first chunk (2 blocks) is checkpointed, the last runs as usual.
+    assert model.added_seconds(Plan(segments={"h": 2})) == pytest.approx(2 * 0.5)
+    assert model.added_seconds(Plan(segments={"h": 5})) is None
+
+
+def test_the_fit_puts_the_plain_step_under_the_measured_plans_and_one_slow_step_does_not_move_it():
+    model = _model()
+    assert model.predict_seconds(Plan()) is None, "no prediction before a step was measured"
+    one = model.calibrated([(Plan(), "none", 10.0)])
+    full = Plan({f: BlockPlan("full") for f in FQNS})
+    assert one.predict_seconds(full) == pytest.approx(12.0)
+    # Measured with full checkpointing only: the plain step is what its blocks' modes did not add.
+    assert model.calibrated([(full, "full", 12.5)]).predict_seconds(Plan()) == pytest.approx(10.5)
+    sel = Plan({f: BlockPlan("selective", ("mlp",)) for f in FQNS})
+    three = model.calibrated([(Plan(), "a", 10.0), (full, "b", 12.0), (sel, "c", 20.0)])
+    assert three.calibration.base_seconds == pytest.approx(10.0), "one step timed in a slow moment is outvoted"
+    assert [a[0] for a in three.calibration.anchors] == ["a", "b", "c"]
+
+
+def test_the_time_model_survives_its_file_form_with_shared_rows_written_once():
+    model = _model(calibrated=True)
+    data = model.to_dict()
+    assert [("seconds" in r) for r in data["blocks"]] == [True, False, False, False]
+    back = TimeModel.from_dict(data)
+    assert back == model
+    plan = Plan({"h.1": BlockPlan("ops", save_list="save_matmuls")})
+    assert back.predict_seconds(plan) == pytest.approx(model.predict_seconds(plan))
+
+
+def test_the_profile_times_a_real_block_under_every_mode_and_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, n_head=4, n_embd=64, vocab_size=64, block_size=64, dropout=0.1))
+    x = torch.randint(0, 64, (8, 64))
+    rng = torch.get_rng_state()
+    memory = profile_memory(model, lambda: model(x, x))
+    assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
+    timing = memory.timing
+    assert timing is not None and len(timing.blocks) == 3
+    rep = timing.blocks[0].seconds
+    assert set(rep) == set(memory.blocks[0].profiles), "every mode the memory profile ran is timed"
+    assert all(v > 0 for v in rep.values())
+    # Full checkpointing runs the block's forward twice: it costs time (a loose bound, robust to a busy machine).
+    assert rep["full"] > rep["none"] * 1.05
+    assert [b.shared_with for b in timing.blocks] == [None, "transformer.h.0", "transformer.h.0"]
+    assert timing.stacks == {s.fqn: s.block_fqns for s in discover_blocks(model)}
+    # The memory model's file form carries it; a profile taken without timing has none.
+    assert MemoryModel.from_dict(memory.to_dict()).timing == timing
+    assert profile_memory(model, lambda: model(x, x), time_blocks=False).timing is None
