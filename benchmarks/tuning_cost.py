@@ -110,12 +110,12 @@ def main() -> None:
     print(f"{'layers':>6s} {'step ms':>8s} {'tuning s':>9s} {'plain-step eq':>13s} {'runs':>15s} {'steps run':>9s} "
           f"{'measured':>8s} {'profile s':>9s} {'trials s':>8s} {'confirm+rest s':>14s} {'time err':>8s}  chosen")  # fmt: skip
     for r in rows:
-        runs = "/".join(f"{v:.0f}" for v in r["plain_step_equivalents_of_runs"])
+        costs = "/".join(f"{v:.0f}" for v in r["plain_step_equivalents_of_runs"])
         errors = [abs(e) for e in r.get("prediction_errors") or ()]
         error = f"{statistics.median(errors):.1%}" if errors else "-"
         print(
             f"{r['depth']:6d} {1000 * r['plain_step_seconds']:8.1f} {r['tuning_seconds']:9.1f} "
-            f"{r['plain_step_equivalents']:13.0f} {runs:>15s} {r['training_steps_run']:9d} {r['measured']:8d} "
+            f"{r['plain_step_equivalents']:13.0f} {costs:>15s} {r['training_steps_run']:9d} {r['measured']:8d} "
             f"{r['profile_seconds']:9.1f} {r['trial_seconds']:8.1f} {r['confirmation_and_rest_seconds']:14.1f} "
             f"{error:>8s}  {r['chosen']}"
         )

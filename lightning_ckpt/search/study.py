@@ -62,9 +62,9 @@ _MAX_REDRAWS = 2
 # After a speed change, at most this many fitting trials are re-ranked side by side before the confirmation.
 _MAX_RERANKED = 24
 # The noise margin a plan's predicted step time must clear to be measured (``Study._can_win``): the time
-# model's own measured error (1.5x its median out-of-sample error), within these bounds; before any error
+# model's own measured error (1.25x its median out-of-sample error), within these bounds; before any error
 # is known, the default.
-_MARGIN_BOUNDS = (0.03, 0.10)
+_MARGIN_BOUNDS = (0.03, 0.08)
 _DEFAULT_MARGIN = 0.05
 # With the time model, the confirmation re-times only what could still be chosen: the leaders and baselines
 # measured within twice the noise margin (at least this share) of the fastest plan's throughput, and always
@@ -296,27 +296,40 @@ class Study:
         """The ``top`` fastest feasible trials and every fitting baseline (at most a handful: the reference a
         tuned plan must beat is re-timed beside it whatever its first figure), each with measured memory.
 
-        With the time model, only what could still be chosen: the leaders and baselines measured within
-        twice the noise margin (``_CONFIRM_WINDOW`` at least) of the fastest, and the fastest fitting baseline (the
-        reference) whatever its figure.
-        Their memory stays predicted (exact on CPU) until one is chosen: ``choose`` verifies the winner, and
-        chooses again if it does not fit."""
+        With the time model, only what could still be chosen (``_leaders_by_both``): the leaders by measurement
+        and by prediction, and the fastest fitting baseline (the reference) whatever its figure. Their memory
+        stays predicted (exact on CPU) until one is chosen: ``choose`` verifies the winner, and chooses again if
+        it does not fit."""
         while True:
             feasible = _fastest_fitting(self.records)
             if self.time_model is not None and feasible:
-                window = max(_CONFIRM_WINDOW, 2 * self.noise_margin())
-                floor = (feasible[0].samples_per_second or 0.0) * (1.0 - window)
-                close = [t for t in feasible if (t.samples_per_second or 0.0) >= floor]
-                leaders = [t for t in close if t.baseline is None][:top]
-                reference = next((t for t in feasible if t.baseline is not None), None)
-                leaders += [t for t in feasible if t.baseline is not None and (t in close or t is reference)]
-                return sorted(leaders, key=lambda t: -(t.samples_per_second or 0.0))
+                return self._leaders_by_both(feasible, top)
             leaders = feasible[:top]
             leaders += [t for t in feasible if t.baseline is not None and t not in leaders]
             unverified = [t for t in leaders if not t.memory_measured]
             if not unverified:
                 return leaders
             self.verify(unverified)
+
+    def _leaders_by_both(self, feasible: Sequence[TrialRecord], top: int) -> list[TrialRecord]:
+        """With the time model: ``top`` tuned plans, the one predicted fastest first (a plan timed in a slow moment
+        of the machine still gets its side-by-side figure), then the fastest measured within the window (twice
+        the noise margin, ``_CONFIRM_WINDOW`` at least); the baseline predicted fastest; and the fastest fitting
+        baseline by measurement (the reference)."""
+        assert self.time_model is not None
+        window = max(_CONFIRM_WINDOW, 2 * self.noise_margin())
+        floor = (feasible[0].samples_per_second or 0.0) * (1.0 - window)
+        tuned = [t for t in feasible if t.baseline is None]
+        baselines = [t for t in feasible if t.baseline is not None]
+        by_prediction = sorted((t for t in tuned if t.predicted_seconds is not None), key=lambda t: t.predicted_seconds)
+        by_measurement = [t for t in tuned if (t.samples_per_second or 0.0) >= floor]
+        leaders = list({t.number: t for t in (*by_prediction[:1], *by_measurement)}.values())[:top]
+        predicted_baselines = [t for t in baselines if t.predicted_seconds is not None]
+        if predicted_baselines:
+            leaders.append(min(predicted_baselines, key=lambda t: t.predicted_seconds or 0.0))
+        leaders += baselines[:1]
+        unique = {t.number: t for t in leaders}
+        return sorted(unique.values(), key=lambda t: -(t.samples_per_second or 0.0))
 
     # -- proposals (rank 0) ------------------------------------------------------------------------
     def _proposals(self) -> Iterator[Proposal]:
@@ -408,10 +421,10 @@ class Study:
         return predicted_seconds * (1.0 - self.noise_margin()) < best[0].median_seconds
 
     def noise_margin(self) -> float:
-        """How far the time model's predictions may be off: 1.5x the median of its errors so far (each taken
+        """How far the time model's predictions may be off: 1.25x the median of its errors so far (each taken
         before the plan was measured), within ``_MARGIN_BOUNDS`` and never below the tie tolerance."""
         errors = [abs(e) for t in self.records if (e := t.prediction_error) is not None]
-        observed = 1.5 * statistics.median(errors) if errors else _DEFAULT_MARGIN
+        observed = 1.25 * statistics.median(errors) if errors else _DEFAULT_MARGIN
         return min(_MARGIN_BOUNDS[1], max(_MARGIN_BOUNDS[0], self.config.tie_tolerance, observed))
 
     def time_model_summary(self) -> dict[str, Any]:
@@ -475,16 +488,15 @@ class Study:
         if len(chosen) < 2:
             return
         steps = config.measure_steps
-        # With the time model the first confirmation round re-times the reference itself, instead of a
-        # re-time of its own before the rounds; a speed change then re-ranks and confirms again.
-        folded = self.time_model is not None
-        if not folded and self._speed_changed_since_search(chosen, steps):
+        # With the time model the leaders are picked by prediction as well as by measurement, so a plan timed in
+        # a slow (or fast) moment is among them anyway: no re-ranking. The reference's first confirmation round
+        # says whether the machine's speed changed since the search timed it (reported, not acted on).
+        if self.time_model is None and self._speed_changed_since_search(chosen, steps):
             self._rerank(steps)
             chosen = self._verified_leaders(config.confirm_top)
         entries, side = self._confirm_rounds(chosen, steps)
-        if folded and self._reference_moved(chosen, side):
-            self._rerank(steps)
-            entries, side = self._confirm_rounds(self._verified_leaders(config.confirm_top), steps)
+        if self.time_model is not None:
+            self._reference_moved(chosen, side)
         if side.speed_changed:
             self.speed_changes.append(
                 f"during the confirmation rounds (speeds {', '.join(f'{v:.2f}' for v in side.round_speeds)} of the "
@@ -530,15 +542,21 @@ class Study:
         ratio = speed_change(reference.median_seconds, now, reference.spread_seconds or 0.0)
         if ratio is None:
             return False
+        done = (
+            "the leaders by measurement and by prediction were confirmed side by side"
+            if self.time_model is not None
+            else "every fitting plan was re-ranked side by side"
+        )
         self.speed_changes.append(
             f"between the search and the confirmation: {reference.label} re-timed at {ratio:.2f}x its search speed; "
-            "every fitting plan was re-ranked side by side"
+            + done
         )
         log.warning(
             "lightning_ckpt: the machine's speed changed during the search (%s re-timed at %.2fx its search "
-            "speed): re-ranking every fitting plan side by side.",
+            "speed): %s.",
             reference.label,
             ratio,
+            done,
         )
         return True
 
