@@ -8,6 +8,8 @@ TensorBoard logs under ``runs/``, then training continues with that plan.
 
 Run:           python examples/train_gpt.py
 Reuse a plan:  python examples/train_gpt.py --reuse        (zero trials)
+Re-plan:       python examples/train_gpt.py --reuse --activation-budget 0.3
+               (another budget, from the profile the plan file keeps: zero trials, the first steps checked)
 Quick check:   python examples/train_gpt.py --fast
 """
 
@@ -82,7 +84,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help="tiny model and a handful of steps (used by tests)")
     parser.add_argument("--reuse", action="store_true", help="apply the saved plan file without searching")
-    parser.add_argument("--activation-budget", type=float, default=0.5)
+    parser.add_argument(
+        "--activation-budget", type=float, default=None, help="default 0.5; with --reuse: re-plan for this budget"
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--trials", type=int, default=14)
     parser.add_argument("--plan", type=Path, default=Path("plans/gpt.json"))
@@ -103,10 +107,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     loader = DataLoader(CharDataset(text, config.block_size, vocab), batch_size=batch_size, shuffle=True, num_workers=0)
 
     if args.reuse:
-        tuner = ActivationCheckpointTuner(plan=args.plan)
+        tuner = ActivationCheckpointTuner(plan=args.plan, activation_budget=args.activation_budget)
     else:
         tuner = ActivationCheckpointTuner(
-            activation_budget=args.activation_budget,
+            activation_budget=0.5 if args.activation_budget is None else args.activation_budget,
             plan_path=args.plan,
             search=dict(n_trials=trials, measure_steps=2, storage=args.storage),
         )

@@ -62,7 +62,8 @@ def main() -> None:
             plan_path=plan_path,
             verbose=False,
             log_dir=args.out / "tb",
-            search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+            # A plan made to fail must run: the time model would not measure a plan it predicts cannot win.
+            search=dict(n_trials=6, measure_steps=1, search_space=SPACE, predict_time=not args.oom_on),
         )
     module = TinyGPT(args.oom_rank, args.oom_on)
     strategy = DDPStrategy(find_unused_parameters=True) if args.find_unused else "ddp"

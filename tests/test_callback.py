@@ -108,7 +108,7 @@ def test_resume_from_checkpoint_reapplies_without_trials(tmp_path):
 
 
 def test_simulated_oom_in_one_trial_is_survived(tmp_path):
-    cb = tuner(search=dict(n_trials=8))
+    cb = tuner(search=dict(n_trials=8, predict_time=False))  # every plan that fits runs, the failing one too
     trainer(tmp_path, [cb]).fit(TinyGPT(oom_on="selective(mlp) h.0-3"), token_loader(64))
     statuses = {t.label: t.status for t in cb.result.trials}
     assert statuses["baseline:selective_mlp"] == "oom"
@@ -260,7 +260,8 @@ def test_quiet_search_one_bar_one_result_line_and_step_one_is_not_the_search(tmp
 
     if bar == "rich":
         pytest.importorskip("rich")  # optional for Lightning (the GPU image has no rich)
-    settings = dict(n_trials=8, measure_steps=3, warmup_steps=2, search_space=SMALL_SPACE)
+    # Every plan measured (predict_time=False): a search long enough beside two training steps to tell them apart.
+    settings = dict(n_trials=8, measure_steps=3, warmup_steps=2, search_space=SMALL_SPACE, predict_time=False)
     cb = ActivationCheckpointTuner(activation_budget=0.9, search=settings)  # verbose left at its default
     clock = _BarClock()
     progress_bar = TQDMProgressBar() if bar == "tqdm" else RichProgressBar()
@@ -269,7 +270,7 @@ def test_quiet_search_one_bar_one_result_line_and_step_one_is_not_the_search(tmp
     assert out.count("lightning_ckpt: chose ") == 1 and cb.result.best.describe() in out
     assert "[trial " not in out and "samples/s  recompute" not in out  # no trial lines, no table
     assert "lightning_ckpt: tuning" in out  # the tuner's own bar
-    assert cb.result.n_measured >= 3
+    assert cb.result.n_measured >= 2
     # Lightning's bar does not count the search as the first step's time.
     assert clock.elapsed is not None and clock.elapsed < 0.5 * cb.result.tuning_seconds, (
         clock.elapsed,

@@ -19,8 +19,7 @@ from lightning_ckpt import Plan, baselines, discover_blocks, plan_applied
 from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.model import ModelView
-from lightning_ckpt.search.space import SearchSpace
-from lightning_ckpt.search.tune import _offered
+from lightning_ckpt.search.space import SearchSpace, offered_candidates
 from lightning_ckpt.testing.nanogpt import Block, CausalSelfAttention, GPTConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # MemTracker's notes on modules it skips
@@ -161,9 +160,14 @@ def _grads(model: nn.Module, forward, plan: Plan) -> dict[str, torch.Tensor]:
     return grads
 
 
+def _candidates(model: nn.Module, mm: MemoryModel):
+    view = ModelView.of(model)
+    return offered_candidates(SearchSpace().for_device("cpu"), view.stacks, view.fingerprint, mm)
+
+
 def _offered_blocks(mm: MemoryModel, model: nn.Module) -> set[str]:
     """Every block FQN that a candidate of tune()'s default search, or a baseline, gives a mode to."""
-    _, candidates = _offered(SearchSpace().for_device("cpu"), ModelView.of(model), mm)
+    _, candidates = _candidates(model, mm)
     named: set[str] = set()
     for plan in [*baselines(model, memory_model=mm).values(), *(c.plan for c in candidates)]:
         named |= set(plan.blocks)
@@ -186,7 +190,7 @@ def test_frozen_blocks_save_nothing_are_predicted_exactly_and_get_no_mode(case: 
     if case == "all_but_head":
         assert set(baselines(model, memory_model=mm)) == {"none"}
         assert mm.plannable_stacks(discover_blocks(model)) == []
-        _, candidates = _offered(SearchSpace().for_device("cpu"), ModelView.of(model), mm)
+        _, candidates = _candidates(model, mm)
         assert [c.baseline for c in candidates] == ["none"]  # the search measures no checkpointing only
     else:
         assert offered == {"h.3", "h.4", "h.5"}

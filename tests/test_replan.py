@@ -172,6 +172,9 @@ def test_the_replan_command_prints_the_predicted_plan_and_writes_it(tuned, tmp_p
     text = capsys.readouterr().out
     assert "re-planned (predicted, 0 trials)" in text and f"wrote {out}" in text
     assert Plan.load(out).key() == replan(Plan.load(tuned), activation_budget=0.4).plan.key()
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "re-planned   PREDICTED, 0 trials" in shown and "profile      kept" in shown
     assert main(["replan", str(tuned), "--max-memory", "64MiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["predicted"] is True and data["predicted_peak_bytes"] <= 64 * 2**20

@@ -73,13 +73,30 @@ def test_persisted_study_resumes_without_measuring_again(gpt, tokens, tmp_path):
     storage = f"sqlite:///{tmp_path / 'tuning.db'}"
     space = {"modes": ["full", "selective:mlp", "ops:save_matmuls", "selective:attention"],
              "selections": ["all", "first:0.5"], "rest_modes": ["none"], "segments": False}  # fmt: skip
-    common = dict(search_space=space, storage=storage, measure_steps=1, confirm_top=0)  # confirmation re-times
+    # confirm_top=0: the confirmation re-times; predict_time=False: measured as proposed, n_trials at a time.
+    common = dict(search_space=space, storage=storage, measure_steps=1, confirm_top=0, predict_time=False)
     first = tune(gpt, _loss_fn(gpt, tokens), n_trials=3, **common)
     second = tune(gpt, _loss_fn(gpt, tokens), n_trials=5, **common)
     resumed = [t for t in second.trials if t.resumed]
     assert [t.plan for t in resumed] == [t.plan for t in first.trials]
     assert [t.samples_per_second for t in resumed] == [t.samples_per_second for t in first.trials]
     assert sum(t.status != "pruned" for t in second.trials) == 5
+
+
+def test_a_time_model_search_resumes_its_measured_plans_as_anchors_without_measuring_them_again(gpt, tokens, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'tuning.db'}"
+    space = {"modes": ["full", "selective:mlp", "ops:save_matmuls", "selective:attention"],
+             "selections": ["all", "first:0.5"], "rest_modes": ["none"], "segments": False}  # fmt: skip
+    common = dict(search_space=space, storage=storage, measure_steps=1, confirm_top=0)
+    first = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.9, **common)
+    assert any(t.pruned_by == "time" for t in first.trials)
+    second = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.9, **common)
+    ran = {t.plan.key(): t for t in first.trials if t.status != "pruned"}
+    resumed = {t.plan.key(): t for t in second.trials if t.resumed and t.status != "pruned"}
+    assert resumed.keys() == ran.keys()
+    assert all(resumed[k].samples_per_second == ran[k].samples_per_second for k in ran), "taken as measured"
+    # A plan the first search pruned by time is scored again by this one (its profile, its anchors), not resumed.
+    assert not any(t.resumed and t.pruned_by == "time" for t in second.trials)
 
 
 def test_bad_tune_arguments(gpt, tokens):
@@ -89,7 +106,10 @@ def test_bad_tune_arguments(gpt, tokens):
         tune(gpt, lambda: None, n_trials=2, search_space=SPACE)
 
 
-def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side_figures(gpt, tokens):
+@pytest.mark.parametrize("predict_time, budget", [(False, None), (True, 0.9)], ids=["sampler", "time-model"])
+def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side_figures(
+    gpt, tokens, predict_time, budget
+):
     # Another job starts part-way: once the search has measured two plans, every step takes ~5x as long (a
     # sleep of 4 quiet steps). Started by the search's own progress, not by a count of steps taken in a quiet
     # run: a count can fall before every baseline is timed, and a search timed slow throughout sees no change.
@@ -109,7 +129,11 @@ def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side
         slow["seen"] += trial.status != "pruned"  # measured plans: pruned ones cost no step
         slow["on"] = slow["sleep"] > 0 and slow["seen"] >= 2
 
-    settings = dict(n_trials=6, search_space=SPACE, measure_steps=2, seed=0, batch_size=tokens.shape[0])
+    # With the time model and no budget only `none` would run (nothing can beat it): a budget and a space that
+    # make plans compete, so that the slowdown falls between the search and its confirmation.
+    space = SPACE if not predict_time else {**SPACE, "selections": ["all", "first:0.5"], "rest_modes": ["none"]}
+    settings = dict(n_trials=6, search_space=space, measure_steps=2, seed=0, batch_size=tokens.shape[0],
+                    predict_time=predict_time, activation_budget=budget)  # fmt: skip
     quiet = tune(gpt, step, **settings)
     slow["sleep"] = 4 * quiet.best_trial.median_seconds
     result = tune(gpt, step, progress=progress, **settings)

@@ -28,6 +28,7 @@ from lightning_ckpt.cli.metadata import (
 from lightning_ckpt.cli.usage import EXIT_OK, load_plan
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.records import TrialStatus
+from lightning_ckpt.search.replan import PROFILE_KEY
 
 __all__ = ["SHOW_JSON_HELP", "format_plan", "plan_summary", "run_show", "trial_counts"]
 
@@ -42,7 +43,7 @@ STATUS_COUNTS_KEY, CONFIRMED_KEY = "status_counts", "confirmed"
 
 def _block_memory(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
     """Per block: predicted bytes kept for backward under this plan, and without checkpointing."""
-    data = plan.metadata.get(MEMORY_BREAKDOWN_KEY)
+    data = plan.metadata.get(MEMORY_BREAKDOWN_KEY) or (plan.metadata.get(PROFILE_KEY) or {}).get("memory")
     if not isinstance(data, Mapping):
         return None
     from lightning_ckpt.memory.model import MemoryModel
@@ -162,12 +163,48 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
     if measured or baselines:
         lines += _evidence_lines(plan, measured, baselines)
 
-    known = {"run", "budget", "versions", "search", "measured", "baselines", MEMORY_BREAKDOWN_KEY}
+    lines += _profile_lines(md)
+    known = {"run", "budget", "versions", "search", "measured", "baselines", MEMORY_BREAKDOWN_KEY, PROFILE_KEY}
+    known.add("replanned")
     other = {k: v for k, v in md.items() if k not in known}
     if other:
         lines += ["", "other metadata"]
         lines += [f"  {k}: {json.dumps(v, default=str)[:200]}" for k, v in other.items()]
     return "\n".join(lines)
+
+
+def _profile_lines(md: Mapping[str, Any]) -> list[str]:
+    """Whether the plan keeps a profile to re-plan from, and whether it was itself re-planned (predicted)."""
+    lines = []
+    profile = section(md, PROFILE_KEY)
+    if profile:
+        timing = (profile.get("memory") or {}).get("timing") or {}
+        base = (timing.get("calibration") or {}).get("base_seconds")
+        fitted = f"; plain step fitted at {1000 * base:.1f} ms" if base else ""
+        lines += ["", f"profile      kept: {len(timing.get('blocks') or ())} block calls timed per mode{fitted}"]
+        lines.append("             (lightning-ckpt replan FILE --max-memory ... predicts the plan for another budget)")
+    replanned = section(md, "replanned")
+    if replanned:
+        first = replanned.get("first_measured") or {}
+        predicted = replanned.get("predicted_seconds")
+        lines += [
+            "",
+            f"re-planned   PREDICTED, 0 trials, from {replanned.get('from_plan')} ({replanned.get('from_budget')})",
+        ]
+        lines.append(
+            f"  predicted  {1000 * predicted:.1f} ms/step, peak {bytes_text(replanned.get('predicted_peak_bytes'))}, "
+            f"activations {bytes_text(replanned.get('predicted_activation_bytes'))}"
+            if predicted
+            else "  predicted  -"
+        )
+        if first:
+            seconds = first.get("seconds")
+            lines.append(
+                f"  measured   {f'{1000 * seconds:.1f} ms/step' if seconds else '-'}, peak "
+                f"{bytes_text(first.get('peak_bytes'))}, activations {bytes_text(first.get('activation_bytes'))} "
+                "(first real steps)"
+            )
+    return lines
 
 
 def _block_lines(plan: Plan) -> list[str]:

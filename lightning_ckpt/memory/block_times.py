@@ -74,7 +74,10 @@ def _time_once(
     try:
         _synchronize(device)
         t0 = time.perf_counter()
-        x = hidden.detach().requires_grad_(cap.input_grad) if cap.input_grad else hidden.detach()
+        # As the memory profile runs it: a fresh non-leaf input (a leaf would keep its gradient, and with it
+        # whatever a checkpointed child's graph still refers to, until the garbage collector runs).
+        seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=cap.input_grad)
+        x = hidden.detach() + seed
         args, kwargs = list(cap.args), dict(cap.kwargs)
         if where[0] == "arg":
             args[where[1]] = x  # type: ignore[index,call-overload]

@@ -68,11 +68,11 @@ def _fmt_error(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
-def pruned_counts(result: TuneResult) -> str:
+def pruned_counts(result: TuneResult, verb: str = "ruled out") -> str:
     """``"12 run, 30 ruled out by the memory model, 48 by the time model"``: what the search did with its plans."""
     by_memory = sum(t.status == "pruned" and t.pruned_by != "time" for t in result.trials)
     by_time = sum(t.status == "pruned" and t.pruned_by == "time" for t in result.trials)
-    text = f"{result.n_measured} run, {by_memory} ruled out by the memory model"
+    text = f"{result.n_measured} run, {by_memory} {verb} by the memory model"
     return text + (f", {by_time} by the time model" if by_time else "")
 
 
@@ -268,7 +268,7 @@ def verdict_lines(result: TuneResult) -> list[str]:
         lines.append(f"budget: {description} (constrains {mem} memory, limit {format_bytes(budget.limit_bytes)})")
     lines.append(
         f"tuning cost: {result.tuning_seconds:.1f} s, {result.tuning_steps} steps over {len(result.trials)} trials "
-        f"({pruned_counts(result)})"
+        f"({pruned_counts(result, 'pruned')})"
     )
     time_line = time_model_line(result)
     if time_line is not None:
