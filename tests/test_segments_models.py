@@ -281,8 +281,9 @@ def test_the_tuner_drops_segments_over_a_stack_seen_skipping_during_trials():
     model, loss_fn = _scheduled(schedule)
     space = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": True, "chunks": [2, 3],
              "baselines": False}  # fmt: skip
+    # predict_time=False: the segments must run to be seen skipping (the time model would measure `none` only).
     result = tune(model, lambda: loss_fn(0), n_trials=6, search_space=space, measure_steps=1, warmup_steps=0,
-                  confirm_top=0, seed=0, predict_time=False)  # fmt: skip  (segments must run to be seen skipping)
+                  confirm_top=0, seed=0, predict_time=False)  # fmt: skip
     segment_trials = [t for t in result.trials if t.plan.segments]
     assert len(segment_trials) == 1, [(t.label, t.status.value, t.pruned_by, t.predicted_seconds) for t in result.trials]  # the first one shows it; no more are offered
     assert segment_trials[0].status == "invalid"
