@@ -370,7 +370,7 @@ def test_search_progress_streams_and_announces(tmp_path, result, capsys):
         progress.close()
     out = capsys.readouterr().out
     assert out.count("[trial ") == len(result.trials)  # verbose: one line per trial
-    assert "confirming the 2 fastest plans side by side" in out and "replace the figures streamed" in out
+    assert "confirming 2 leading plans side by side" in out and "replace the figures streamed" in out
     best = {e.step: e.value for e in read(tmp_path).Scalars(TAG_BEST_SAMPLES_PER_SECOND)}
     assert best[7] == pytest.approx(90.0)
     quiet = report.SearchProgress(4, verbose=False, enabled=False)

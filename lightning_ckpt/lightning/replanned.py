@@ -2,7 +2,7 @@
 predictions, and the first real steps are put beside them.
 
 The budget guard reads the first steps' memory as it does for any plan (on CPU under the live-tensor
-tracker, which slows those steps); the first step after them is timed, forward and backward, as trials
+tracker, which slows those steps; the most of those readings is kept); the first step after them is timed, forward and backward, as trials
 time a step. When both are in, one line gives the predicted and the measured figures side by side, and
 the plan's ``metadata["replanned"]["first_measured"]`` keeps the measured ones.
 """
@@ -41,9 +41,11 @@ class ReplanCheck:
         return cls(dict(predicted), device) if isinstance(predicted, Mapping) else None
 
     def memory_read(self, peak_bytes: int, activation_bytes: int | None) -> None:
-        """The guard's first reading of a real step."""
-        if self.peak_bytes is None:
-            self.peak_bytes, self.activation_bytes = peak_bytes, activation_bytes
+        """A guard reading of a real step: the most of them is kept (the prediction is for a step that holds the
+        optimizer's state, which the first step does not yet)."""
+        self.peak_bytes = max(self.peak_bytes or 0, peak_bytes)
+        if activation_bytes is not None:
+            self.activation_bytes = max(self.activation_bytes or 0, activation_bytes)
 
     def step_starts(self, guard_reads_it: bool) -> None:
         """A batch starts: time it unless the guard reads it (its tracker slows the step) or one was timed."""

@@ -41,7 +41,8 @@ class SearchProgress:
 
         self.writer, self.verbose, self.enabled = writer, verbose, enabled
         self.best: float | None = None
-        self.pruned = 0
+        self.pruned = 0  # by the memory model
+        self.pruned_by_time = 0
         desc = "lightning_ckpt: tuning"
         self.bar = tqdm(
             total=total, desc=desc, unit="plan", disable=not enabled, leave=False, file=file, dynamic_ncols=True
@@ -54,7 +55,9 @@ class SearchProgress:
             log_trial(self.writer, trial, best_samples_per_second=self.best)
         if self.verbose:
             self.write(trial_line(trial, budget))
-        if trial.status == "pruned":
+        if trial.status == "pruned" and trial.pruned_by == "time":
+            self.pruned_by_time += 1  # as below
+        elif trial.status == "pruned":
             self.pruned += 1  # costs no step and does not count towards n_trials: not a step of the bar
         else:
             if self.bar.total is not None and self.bar.n >= self.bar.total:
@@ -62,12 +65,13 @@ class SearchProgress:
             self.bar.update(1)
         postfix = [f"best {self.best:.1f} samples/s"] if self.best is not None else []
         postfix += [f"{self.pruned} ruled out by the memory model"] if self.pruned else []
+        postfix += [f"{self.pruned_by_time} by the time model"] if self.pruned_by_time else []
         self.bar.set_postfix_str(", ".join(postfix))
 
     def confirming(self, trials: Sequence[TrialRecord]) -> None:
         self.bar.set_description_str("lightning_ckpt: confirming")
         self.write(
-            f"lightning_ckpt: confirming the {len(trials)} fastest plans side by side in interleaved rounds; their "
+            f"lightning_ckpt: confirming {len(trials)} leading plans side by side in interleaved rounds; their "
             "samples/s will replace the figures streamed so far, which were timed one plan at a time."
         )
 
