@@ -14,11 +14,19 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_ckpt.memory.capture import _autocast_as, _backward_leaves, _Captured, _hidden_index
+from lightning_ckpt.memory.capture import (
+    _autocast_as,
+    _backward_leaves,
+    _called_with,
+    _Captured,
+    _hidden_index,
+    _hidden_of,
+)
 from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
 
@@ -66,10 +74,8 @@ def time_block_modes(
     return {k: statistics.median(v) for k, v in samples.items() if v and k not in failed}
 
 
-def _time_once(
-    root: nn.Module, cap: _Captured, where: tuple[str, object], bp: BlockPlan, device: torch.device
-) -> float:
-    hidden = cap.args[where[1]] if where[0] == "arg" else cap.kwargs[where[1]]  # type: ignore[index,call-overload]
+def _time_once(root: nn.Module, cap: _Captured, where: tuple[str, Any], bp: BlockPlan, device: torch.device) -> float:
+    hidden = _hidden_of(cap, where)
     handle = apply_plan(root, Plan({cap.fqn: bp}) if bp.mode != "none" else Plan())
     try:
         _synchronize(device)
@@ -77,12 +83,7 @@ def _time_once(
         # As the memory profile runs it: a fresh non-leaf input (a leaf would keep its gradient, and with it
         # whatever a checkpointed child's graph still refers to, until the garbage collector runs).
         seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=cap.input_grad)
-        x = hidden.detach() + seed
-        args, kwargs = list(cap.args), dict(cap.kwargs)
-        if where[0] == "arg":
-            args[where[1]] = x  # type: ignore[index,call-overload]
-        else:
-            kwargs[where[1]] = x  # type: ignore[index]
+        args, kwargs = _called_with(cap, where, hidden.detach() + seed)
         with _autocast_as(cap.autocast):
             out = cap.module(*args, **kwargs)
             leaves = _backward_leaves(out, cap.grad_leaves)

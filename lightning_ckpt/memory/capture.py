@@ -250,3 +250,18 @@ def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
         return obj if obj.requires_grad else None
     leaves, _ = tree_flatten(obj)
     return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+
+
+def _hidden_of(cap: _Captured, where: tuple[str, Any]) -> torch.Tensor:
+    """The captured call's hidden state, at ``where`` (``_hidden_index``)."""
+    return cap.args[where[1]] if where[0] == "arg" else cap.kwargs[where[1]]
+
+
+def _called_with(cap: _Captured, where: tuple[str, Any], x: torch.Tensor) -> tuple[list[Any], dict[str, Any]]:
+    """The captured call's arguments with ``x`` in place of its hidden state: a block run alone on ``x``."""
+    args, kwargs = list(cap.args), dict(cap.kwargs)
+    if where[0] == "arg":
+        args[where[1]] = x
+    else:
+        kwargs[where[1]] = x
+    return args, kwargs

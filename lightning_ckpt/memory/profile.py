@@ -45,9 +45,11 @@ from lightning_ckpt.memory.block_times import time_block_modes
 from lightning_ckpt.memory.capture import (
     _autocast_as,
     _backward_leaves,
+    _called_with,
     _capture,
     _Captured,
     _hidden_index,
+    _hidden_of,
     _hidden_tensor,
 )
 from lightning_ckpt.memory.model import BlockMemory, MemoryModel, ModeProfile, PhasePeak
@@ -202,7 +204,7 @@ def _run_block(
             f"Block {cap.fqn!r} takes no floating-point tensor input, so there is no hidden state to run it "
             "on alone. Name blocks whose first argument is the hidden state via block_types."
         )
-    hidden = cap.args[where[1]] if where[0] == "arg" else cap.kwargs[where[1]]
+    hidden = _hidden_of(cap, where)
     tracker = new_live_tracker(device, root)
     captured = [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
     tracker.track_external(*externals, *captured)
@@ -218,11 +220,7 @@ def _run_block(
             base, base_act = tracker.now()
             x = hidden.detach() + seed
             in_bytes = tracker.now()[0] - base
-            args, kwargs = list(cap.args), dict(cap.kwargs)
-            if where[0] == "arg":
-                args[where[1]] = x
-            else:
-                kwargs[where[1]] = x
+            args, kwargs = _called_with(cap, where, x)
             tracker.enter_phase("fwd")
             with _autocast_as(cap.autocast):
                 out = cap.module(*args, **kwargs)

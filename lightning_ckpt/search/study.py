@@ -66,10 +66,10 @@ _MAX_RERANKED = 24
 # is known, the default.
 _MARGIN_BOUNDS = (0.03, 0.08)
 _DEFAULT_MARGIN = 0.05
-# With the time model, the confirmation re-times only what could still be chosen: the leaders and baselines
-# measured within twice the noise margin (at least this share) of the fastest plan's throughput, and always
-# the fastest fitting baseline; and it stops after one round more than ``confirm_rounds`` (the model has
-# already ranked them: more rounds only split plans a few percent apart).
+# With the time model, the confirmation re-times only what could still be chosen (``Study._leaders_by_both``):
+# the tuned plans measured within twice the noise margin (at least this share) of the fastest, the plans
+# predicted fastest and the reference; for exactly ``confirm_rounds`` rounds (the model has already ranked
+# them: more rounds only split plans a few percent apart).
 _CONFIRM_WINDOW = 0.05
 
 # params, plan, label, baseline name, what prunes it without running (None: run it, unless over budget)
@@ -300,10 +300,11 @@ class Study:
         and by prediction, and the fastest fitting baseline (the reference) whatever its figure. Their memory
         stays predicted (exact on CPU) until one is chosen: ``choose`` verifies the winner, and chooses again if
         it does not fit."""
+        if self.time_model is not None:
+            feasible = _fastest_fitting(self.records)
+            return self._leaders_by_both(feasible, top) if feasible else []
         while True:
             feasible = _fastest_fitting(self.records)
-            if self.time_model is not None and feasible:
-                return self._leaders_by_both(feasible, top)
             leaders = feasible[:top]
             leaders += [t for t in feasible if t.baseline is not None and t not in leaders]
             unverified = [t for t in leaders if not t.memory_measured]
