@@ -65,7 +65,7 @@ def main() -> None:
         activation_budget=0.9,
         verbose=False,
         plan_path=args.out / "plan.json",
-        search=dict(n_trials=4, measure_steps=1, search_space=SPACE),
+        search=dict(n_trials=4, measure_steps=1, search_space=SPACE, predict_time=not args.fail_on),
     )
     strategy = ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=args.timeout)
