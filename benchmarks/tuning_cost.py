@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt import tune
-from lightning_ckpt.memory.optimizer_step import measure_optimizer_step
+from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.testing import GPT, GPTConfig
 

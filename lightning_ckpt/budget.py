@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
 from lightning_ckpt.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    import torch
+
     from lightning_ckpt.plan.format import Plan
 
 __all__ = ["Budget", "RequestedBudget", "parse_bytes", "resolve_budget", "format_bytes"]
@@ -187,7 +187,7 @@ class RequestedBudget:
             return {"max_memory": None, "activation_budget": self.value}
         return {"max_memory": self.value, "activation_budget": None}
 
-    def resolve(self, *, device: torch.device, none_activation_bytes: int | None = None) -> Budget:
+    def resolve(self, *, device: torch.device | str, none_activation_bytes: int | None = None) -> Budget:
         """The ``Budget`` this request means on ``device``: the limit in bytes, from the parsed value (never the
         text again). ``activation`` needs the no-checkpointing activation memory (the profile predicts it)."""
         if not self.recorded:
@@ -201,17 +201,20 @@ class RequestedBudget:
             share = f"{self.value:.0%} of no-checkpointing activation memory ({format_bytes(limit)})"
             return Budget("activation", limit, float(self.value), share)
         if self.kind == "device_fraction":
-            if device.type != "cuda":
+            if device_type(device) != "cuda":
                 raise ConfigurationError(
-                    f"max_memory={self.value} is a fraction of device memory, but the model is on {device.type}, "
-                    "which has no fixed capacity. Give bytes (e.g. '8GiB') or use activation_budget=... instead."
+                    f"max_memory={self.value} is a fraction of device memory, but the model is on "
+                    f"{device_type(device)}, which has no fixed capacity. Give bytes (e.g. '8GiB') or use "
+                    "activation_budget=... instead."
                 )
+            import torch  # only for a CUDA device: a plan file is re-planned for a CPU budget without torch
+
             limit = int(self.value * torch.cuda.get_device_properties(device).total_memory)
             return Budget("peak", limit, float(self.value), f"{self.value:.0%} of {device} ({format_bytes(limit)})")
         if self.kind == "peak":
             limit = int(self.value)
             return Budget("peak", limit, None, f"{format_bytes(limit)} peak")
-        if device.type == "cuda":
+        if device_type(device) == "cuda":
             limit = int((1 - CUDA_SAFETY_MARGIN) * cuda_available_bytes(device))
             less = f"memory available to this process less {CUDA_SAFETY_MARGIN:.0%} ({format_bytes(limit)})"
             return Budget("peak", limit, None, less)
@@ -238,9 +241,16 @@ def _is_device_fraction(max_memory: object) -> bool:
     return isinstance(max_memory, float) and 0 < max_memory <= 1
 
 
-def cuda_available_bytes(device: torch.device) -> int:
+def device_type(device: torch.device | str) -> str:
+    """``"cuda"`` for ``torch.device("cuda:1")`` and for ``"cuda:1"`` alike."""
+    return device.type if not isinstance(device, str) else device.partition(":")[0]
+
+
+def cuda_available_bytes(device: torch.device | str) -> int:
     """What this process can allocate on ``device``: free memory plus what its own allocator already holds
     (other processes and contexts excluded), never above a cap set with ``set_per_process_memory_fraction``."""
+    import torch  # a CUDA device: torch is imported already
+
     free, total = torch.cuda.mem_get_info(device)
     available = free + torch.cuda.memory_reserved(device)
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
@@ -279,7 +289,7 @@ def resolve_budget(
     max_memory: int | float | str | None,
     activation_budget: float | None,
     *,
-    device: torch.device,
+    device: torch.device | str,
     none_activation_bytes: int | None = None,
 ) -> Budget:
     """Turn the user's budget arguments into a ``Budget`` for ``device`` (``RequestedBudget.parse`` then ``resolve``)."""

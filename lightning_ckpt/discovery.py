@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
 from lightning_ckpt.errors import DiscoveryError
+from lightning_ckpt.stacks import Block, Child, LayerStack
 
 __all__ = ["Block", "Child", "LayerStack", "canonical_fqn", "discover_blocks", "is_compile_wrapper", "unwrap_compiled"]
 
@@ -36,78 +35,6 @@ _PARALLEL_PATTERN = re.compile(r"(expert|moe|head|branch|tower)", re.I)
 # A stack's blocks are replaced by the repeated layers inside them (ResNet/ConvNeXt stages hold a
 # ``layers`` list each) when those layers hold at least this share of the blocks' parameters.
 _MIN_INNER_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class Child:
-    """A direct child of a block: the unit that ``selective`` plans checkpoint."""
-
-    name: str
-    class_name: str
-    kind: str  # "attention" | "mlp" | "norm" | "other"
-    num_params: int
-
-
-@dataclass(frozen=True)
-class Block:
-    """One layer of a stack, addressed by its fully qualified name in the (uncompiled) model."""
-
-    fqn: str
-    index: int
-    class_name: str
-    num_params: int
-    children: tuple[Child, ...]
-
-    def children_of_kind(self, kind: str) -> tuple[str, ...]:
-        return tuple(c.name for c in self.children if c.kind == kind)
-
-
-@dataclass(frozen=True)
-class LayerStack:
-    """A container whose children are the blocks, executed in order by the parent's forward."""
-
-    fqn: str
-    container_class: str
-    blocks: tuple[Block, ...]
-
-    @property
-    def num_params(self) -> int:
-        return sum(b.num_params for b in self.blocks)
-
-    @property
-    def block_fqns(self) -> tuple[str, ...]:
-        return tuple(b.fqn for b in self.blocks)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form (``from_dict`` reads it back): what a plan file keeps to re-plan without the model."""
-        return {
-            "fqn": self.fqn,
-            "container_class": self.container_class,
-            "blocks": [
-                {
-                    "fqn": b.fqn,
-                    "index": b.index,
-                    "class_name": b.class_name,
-                    "num_params": b.num_params,
-                    "children": [[c.name, c.class_name, c.kind, c.num_params] for c in b.children],
-                }
-                for b in self.blocks
-            ],
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LayerStack:
-        blocks = tuple(
-            Block(
-                b["fqn"],
-                int(b["index"]),
-                b["class_name"],
-                int(b["num_params"]),
-                tuple(Child(*c) for c in b["children"]),
-            )
-            for b in data["blocks"]
-        )
-        return cls(data["fqn"], data["container_class"], blocks)
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+# Every module that works on a model imports this one, and so the version check (a warning, once, for a torch
+# outside the tested range) runs before any of them touches torch internals, however the package is entered.
+from lightning_ckpt import versions  # noqa: F401
 from lightning_ckpt.discovery import (
     LayerStack,
     canonical_fqn,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_ckpt.measure.tracker import new_live_tracker
-from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, measure_optimizer_step
+from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory
 from lightning_ckpt.testing import GPT, GPTConfig
 
 OPTIMIZERS = {

@@ -187,3 +187,37 @@ def test_the_replan_command_refuses_a_plan_without_a_profile_and_a_missing_budge
     assert "keeps no profile" in capsys.readouterr().err
     assert main(["replan", str(bare)]) == 2
     assert "give the new budget" in capsys.readouterr().err
+
+
+# Run the command in a Python that cannot import torch, Lightning or Optuna: re-planning reads the profile alone.
+_WITHOUT_TORCH = """
+import importlib.abc, sys
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] in ("torch", "lightning", "pytorch_lightning", "optuna", "numpy"):
+            raise ImportError(f"{name} is not importable here")
+
+sys.meta_path.insert(0, NoTorch())
+from lightning_ckpt.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_replan_show_and_diff_run_without_torch(tuned, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.json"
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], capture_output=True, text=True)
+        assert done.returncode in (0, 1), done.stderr
+        return done
+
+    replanned = cli("replan", str(tuned), "--activation-budget", "0.4", "-o", str(out))
+    assert replanned.returncode == 0 and "re-planned (predicted, 0 trials)" in replanned.stdout
+    assert Plan.load(out).key() == replan(Plan.load(tuned), activation_budget=0.4).plan.key()
+    assert "re-planned   PREDICTED, 0 trials" in cli("show", str(out)).stdout
+    assert cli("diff", str(tuned), str(out)).returncode == 0
+    assert json.loads(cli("replan", str(tuned), "--max-memory", "64MiB", "--json").stdout)["predicted"] is True

@@ -16,7 +16,6 @@ from typing import Any
 
 from lightning_ckpt.cli.usage import EXIT_OK, EXIT_REFUSED, UsageError, load_plan
 from lightning_ckpt.errors import LightningCkptError
-from lightning_ckpt.model import model_fingerprint
 from lightning_ckpt.plan.format import Plan, closest_names
 
 __all__ = ["build_model", "check_plan", "load_factory", "run_validate"]
@@ -138,7 +137,9 @@ def _canonical(fqn: str) -> str:
 
 def check_plan(plan: Plan, model: Any) -> list[str]:
     """Every reason ``plan`` does not fit ``model`` (empty when it fits). The model is left as it was."""
+    # torch, here and not at import: the other commands read plan files without it.
     from lightning_ckpt.discovery import unwrap_compiled
+    from lightning_ckpt.model import model_fingerprint
     from lightning_ckpt.plan.apply import apply_plan
 
     root = unwrap_compiled(model)

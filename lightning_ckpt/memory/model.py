@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_ckpt.discovery import LayerStack
 from lightning_ckpt.errors import PlanError, StalePlanError
-from lightning_ckpt.plan.chain import segment_chunks
+from lightning_ckpt.plan.chunks import segment_chunks
 from lightning_ckpt.plan.format import Plan, closest_names, mode_key
+from lightning_ckpt.stacks import LayerStack
 from lightning_ckpt.timing.model import TimeModel
 
 __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction", "mode_key"]

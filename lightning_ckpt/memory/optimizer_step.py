@@ -1,35 +1,17 @@
-"""What the optimizer adds to a real training step: its state, and the peak of ``optimizer.step()``.
+"""What the optimizer adds to a real training step, as figures: its state and the peak of ``optimizer.step()``,
+and the real step's memory they turn a trial's into (``RealStepMemory``).
 
-Trials run forward and backward only, on the first batch, before the optimizer has ever stepped. The
-real steps after lock-in carry the optimizer's state through every forward and backward (AdamW: two
-copies of the trainable parameters), and ``optimizer.step()`` itself peaks with every gradient live
-plus its temporaries (``foreach`` implementations allocate a parameter-sized buffer per group, e.g.
-AdamW's ``sqrt(exp_avg_sq)``). A budget checked on trials alone is broken by both.
-
-So we measure one optimizer step, whatever the optimizer is (no table of known optimizers to keep up
-to date): gradients are filled in where missing, ``optimizer.step()`` runs under the same memory
-reading as a trial (CPU: the live-tensor tracker; CUDA: the allocator's peak), and afterwards the
-parameters, the optimizer's state and hyper-parameters, the gradients and the RNG are put back
-exactly. Copies are kept in host memory, so they do not count against the device being measured.
+``optimizer_measure`` measures them by running one step; a plan file keeps them, and re-planning reads them
+back without torch.
 """
 
 from __future__ import annotations
 
-import copy
-import gc
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-from torch import nn
-
-from lightning_ckpt.errors import InfeasibleBudgetError
-from lightning_ckpt.measure.measurement import is_out_of_memory, release_memory
-from lightning_ckpt.measure.snapshot import StateSnapshot
-from lightning_ckpt.measure.tracker import new_live_tracker, tensor_bytes
-
-__all__ = ["OptimizerStepMemory", "RealStepMemory", "measure_optimizer_step"]
+__all__ = ["OptimizerStepMemory", "RealStepMemory"]
 
 
 @dataclass(frozen=True)
@@ -74,107 +56,6 @@ class OptimizerStepMemory:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OptimizerStepMemory:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return tensor_bytes(v for state in optimizer.state.values() for v in state.values())
-
-
-def _host_copy(value: Any) -> Any:
-    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-
-
-class _OptimizerSnapshot:
-    """Parameters, optimizer state and hyper-parameters, copied to host memory and put back in place."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.param_copies = [p.detach().to("cpu", copy=True) for p in self.params]
-        self.groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        # The state's own tensor objects are kept (code may hold references to them) and refilled in place.
-        self.state = {p: {k: (v, _host_copy(v)) for k, v in s.items()} for p, s in optimizer.state.items()}
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for p, saved in zip(self.params, self.param_copies, strict=True):
-                p.copy_(saved)
-            for p in list(self.optimizer.state):
-                if p not in self.state:
-                    del self.optimizer.state[p]
-            for p, entries in self.state.items():
-                restored = {}
-                for k, (original, saved) in entries.items():
-                    if isinstance(original, torch.Tensor):
-                        original.copy_(saved)
-                        restored[k] = original
-                    else:
-                        restored[k] = saved
-                self.optimizer.state[p] = restored
-        for group, saved in zip(self.optimizer.param_groups, self.groups, strict=True):
-            group.update(saved)
-
-
-def measure_optimizer_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    device: torch.device | str,
-    extra: tuple[Any, ...] = (),
-) -> OptimizerStepMemory:
-    """Run ``optimizer.step()`` once on ``model`` and read what it adds to a real step; leave no trace.
-
-    Gradients missing at this point (none exist before the first backward) are filled with zeros for
-    the step: a real optimizer step sees every trainable parameter's gradient. Parameters, gradients,
-    optimizer state, hyper-parameters and RNG are restored afterwards, exactly.
-    """
-    device = torch.device(device)
-    before = _state_bytes(optimizer)
-    snapshot = StateSnapshot.capture(model)
-    saved = _OptimizerSnapshot(optimizer)
-    filled = []
-    try:
-        for p in saved.params:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-                filled.append(p)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            gc.collect()
-            torch.cuda.reset_peak_memory_stats(device)
-            optimizer.step()
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            tracker = new_live_tracker(device, model, optimizer)
-            tracker.track_external(model, optimizer, *extra)
-            tracker.total_peak = tracker.now()[0]
-            with tracker:
-                optimizer.step()
-            peak = tracker.total_peak
-        after = _state_bytes(optimizer)
-        oom = None
-    except Exception as err:
-        if is_out_of_memory(err):
-            # Not "unmeasured": the step alone, with no activation held, does not fit. Every real step would
-            # run out of memory whatever the plan, so no plan may be chosen (and none is: tune() stops here).
-            oom = InfeasibleBudgetError(
-                f"optimizer.step() of {type(optimizer).__name__} ran out of memory on its own, with no activation "
-                f"held ({type(err).__name__}: {str(err)[:300]}), so every training step would too, whatever the "
-                "checkpointing plan. Make room for the optimizer: shard it (FSDP2), use a lighter optimizer "
-                "(e.g. 8-bit or SGD), or keep its state off the device."
-            )
-        else:  # e.g. LBFGS: step() needs a closure. Nothing to predict; the guard checks real steps.
-            return OptimizerStepMemory(before, before, 0, measured=False, note=f"{type(err).__name__}: {err}")
-    finally:
-        for p in filled:
-            p.grad = None
-        saved.restore()
-        snapshot.restore()
-    if oom is not None:  # raised here, after the ``except``: the failed step's tensors are free by now
-        release_memory(device)
-        raise oom
-    return OptimizerStepMemory(before, after, peak, note=f"{type(optimizer).__name__} step measured")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.errors import ApplyError, PlanError
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.buffer_guard import _BufferGuard
-from lightning_ckpt.plan.chain import _StackWatch, segment_chunks
+from lightning_ckpt.plan.chain import _StackWatch
+from lightning_ckpt.plan.chunks import segment_chunks
 from lightning_ckpt.plan.foreign import _refuse_foreign_checkpointing
 from lightning_ckpt.plan.format import BlockPlan, Plan, closest_names
 from lightning_ckpt.plan.forwards import (

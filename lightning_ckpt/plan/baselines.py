@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.model import model_fingerprint
+from lightning_ckpt.plan.chunks import sqrt_segments
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.skipping import skipping_stacks
 
 if TYPE_CHECKING:  # memory_model imports the plan machinery; baselines must stay importable without it
     from lightning_ckpt.memory.model import MemoryModel
 
-__all__ = ["BASELINE_NAMES", "baselines", "sqrt_chunks", "sqrt_segments", "uniform_plan"]
+__all__ = ["BASELINE_NAMES", "baselines", "uniform_plan"]
 
 BASELINE_NAMES = ("none", "full", "sqrt_segments", "selective_mlp", "ops_save_matmuls", "offload")
 
@@ -27,29 +27,6 @@ def uniform_plan(
 ) -> Plan:
     """The same mode on every block of every stack."""
     return Plan({b.fqn: block_plan for s in stacks for b in s.blocks}, name=name, fingerprint=fingerprint)
-
-
-def sqrt_chunks(n_blocks: int) -> int:
-    """The sqrt(N) rule's chunk count for a stack of ``n_blocks`` blocks (Chen et al., 2016: stored chunk inputs
-    plus one chunk's activations are smallest near sqrt(N) chunks)."""
-    return max(1, round(math.sqrt(n_blocks)))
-
-
-def sqrt_segments(stacks: Sequence[LayerStack], *, skipping: Collection[str] = ()) -> dict[str, int]:
-    """The ``sqrt_segments`` baseline: stack FQN -> ``sqrt_chunks`` for every stack segments can run on (an
-    ``nn.ModuleList``/``nn.Sequential`` of two or more blocks, not in ``skipping``). Empty when it would only
-    repeat another baseline. The search space's baseline is this one too, so both always name the same plan."""
-    segments = {
-        s.fqn: sqrt_chunks(len(s.blocks))
-        for s in stacks
-        if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2 and s.fqn not in skipping
-    }
-    # The last chunk is never checkpointed, so one chunk recomputes nothing (the "none" baseline) and chunks of one
-    # block each checkpoint block by block (as "full" does). Only a chunk of two or more blocks is new.
-    sizes = {s.fqn: len(s.blocks) for s in stacks}
-    if not any(1 < n < sizes[fqn] for fqn, n in segments.items()):
-        return {}
-    return segments
 
 
 def baselines(

@@ -20,18 +20,7 @@ from torch.utils._pytree import tree_leaves
 if TYPE_CHECKING:  # the chunk runs inside the forwards, which use everything here
     from lightning_ckpt.plan.forwards import _Chunk
 
-__all__ = ["segment_chunks"]
-
-
-def segment_chunks(n_blocks: int, segments: int) -> list[tuple[int, int]]:
-    """[start, end) index ranges of ``segments`` near-equal chunks (first chunks get the remainder)."""
-    base, extra = divmod(n_blocks, segments)
-    ranges, start = [], 0
-    for i in range(segments):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
+__all__: list[str] = []  # the forwards (plan.forwards) and apply use the helpers here
 
 
 def _hidden_of(output: Any) -> Any:

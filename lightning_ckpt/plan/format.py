@@ -18,19 +18,23 @@ import difflib
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.errors import PlanError, PlanFileChangedError, StalePlanError
-from lightning_ckpt.model import ModelView, model_fingerprint
 from lightning_ckpt.plan.file import bytes_version, directory_lock, plan_file_version, read_json, replace_atomically
-from lightning_ckpt.plan.policies import get_save_list
+from lightning_ckpt.plan.save_list_names import check_save_list_name
 from lightning_ckpt.plan.schema import SCHEMA_VERSION, field_path, validate
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from lightning_ckpt.model import ModelView
+
+# No torch at import: a plan file is read, shown and re-planned without it (``lightning-ckpt show``/``replan``).
 
 __all__ = ["MODES", "BlockPlan", "Plan", "block_names", "closest_names", "library_versions", "mode_key"]
 
@@ -73,7 +77,7 @@ class BlockPlan:
         if self.mode == "ops":
             if not self.save_list:
                 raise PlanError("Mode 'ops' needs a save_list name, e.g. BlockPlan('ops', save_list='save_matmuls').")
-            get_save_list(self.save_list)
+            check_save_list_name(self.save_list)
         elif self.save_list is not None:
             raise PlanError(f"'save_list' only applies to mode 'ops', but mode is {self.mode!r}.")
 
@@ -286,6 +290,8 @@ class Plan:
         """Refuse a plan made for another model. A ``ModelView`` carries its fingerprint, computed once."""
         if self.fingerprint is None:
             return
+        from lightning_ckpt.model import ModelView, model_fingerprint  # torch, imported by the caller already
+
         actual = model.fingerprint if isinstance(model, ModelView) else model_fingerprint(model)
         if actual != self.fingerprint:
             raise StalePlanError(
@@ -383,7 +389,8 @@ def _json_default(obj: Any) -> Any:
         return list(obj)
     if isinstance(obj, Path):
         return str(obj)
-    if isinstance(obj, (torch.dtype, torch.device)):
+    torch = sys.modules.get("torch")  # a torch value exists only once torch is imported
+    if torch is not None and isinstance(obj, (torch.dtype, torch.device)):
         return str(obj)
     if hasattr(obj, "item"):
         return obj.item()

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_ckpt.errors import PlanError
+from lightning_ckpt import versions  # noqa: F401  (before the selective-checkpoint internals: see model.py)
+from lightning_ckpt.plan.save_list_names import SAVE_LIST_NAMES, check_save_list_name
 
 __all__ = ["SaveList", "SAVE_LISTS", "get_save_list", "selective_context_fn"]
 
@@ -82,16 +83,13 @@ SAVE_LISTS: dict[str, SaveList] = {
         ),
     )
 }
+# A plan file is read without torch against the names alone (``save_list_names``): they must be these.
+assert tuple(SAVE_LISTS) == SAVE_LIST_NAMES, (tuple(SAVE_LISTS), SAVE_LIST_NAMES)
 
 
 def get_save_list(name: str) -> SaveList:
-    try:
-        return SAVE_LISTS[name]
-    except KeyError:
-        raise PlanError(
-            f"Unknown op save-list {name!r}. Known save-lists: {', '.join(sorted(SAVE_LISTS))}. "
-            "Use one of these names in BlockPlan(mode='ops', save_list=...)."
-        ) from None
+    check_save_list_name(name)
+    return SAVE_LISTS[name]
 
 
 def _policy(save_list: SaveList, meta: dict[str, int], ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from lightning_ckpt.discovery import LayerStack
+from lightning_ckpt.stacks import LayerStack
 
 __all__ = ["SKIP_ATTRIBUTES", "skipping_parent", "skipping_stacks"]
 

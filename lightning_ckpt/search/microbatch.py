@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_map
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, measure_optimizer_step
+from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan

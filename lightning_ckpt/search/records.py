@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import InfeasibleBudgetError, TrialsFailedError
-from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.measure.status import TrialStatus
 from lightning_ckpt.plan.format import Plan
+
+if TYPE_CHECKING:
+    from lightning_ckpt.measure.measurement import Measurement
 
 __all__ = [
     "CHOICE_RULE",

@@ -16,19 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
-from lightning_ckpt.discovery import LayerStack
+from lightning_ckpt.budget import Budget, RequestedBudget, device_type, format_bytes
 from lightning_ckpt.errors import InfeasibleBudgetError, PlanError
 from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.records import TrialRecord, TrialStatus, choose_best
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
+from lightning_ckpt.stacks import LayerStack
 from lightning_ckpt.timing.model import TimeModel
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PROFILE_KEY", "Replanned", "SavedProfile", "profile_metadata", "replan"]
 
@@ -170,10 +171,10 @@ def replan(
     ratio = batch / profile.batch_size
     memory_model: Any = profile.memory if ratio == 1 else _BatchScaled(profile.memory, ratio)
     memory = RealStepMemory(memory_model, profile.optimizer)
-    dev = torch.device(device if device is not None else profile.memory.device)
+    dev = device if device is not None else profile.memory.device  # a string: no torch needed for a CPU budget
     budget = requested.resolve(device=dev, none_activation_bytes=memory_model.predict_activation(Plan()))
     _, candidates = offered_candidates(
-        profile.space.for_device(dev.type), profile.stacks, profile.memory.fingerprint, profile.memory
+        profile.space.for_device(device_type(dev)), profile.stacks, profile.memory.fingerprint, profile.memory
     )
     records = [_scored(i, c, memory, profile.time, ratio, batch, budget) for i, c in enumerate(candidates)]
     records = [r for r in records if r is not None]

@@ -22,11 +22,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_ckpt.discovery import Block, LayerStack
 from lightning_ckpt.errors import ConfigurationError
-from lightning_ckpt.plan.baselines import sqrt_chunks, sqrt_segments
+from lightning_ckpt.plan.chunks import sqrt_chunks, sqrt_segments
 from lightning_ckpt.plan.format import BlockPlan, Plan
-from lightning_ckpt.plan.policies import SAVE_LISTS
+from lightning_ckpt.plan.save_list_names import SAVE_LIST_NAMES
+from lightning_ckpt.stacks import Block, LayerStack
 
 __all__ = ["SearchSpace", "Candidate", "DIMENSIONS", "offered_candidates"]
 
@@ -143,9 +143,9 @@ class SearchSpace:
                 )
         for mode in (*self.modes, *self.rest_modes):
             kind, _, arg = mode.partition(":")
-            if kind == "ops" and arg not in SAVE_LISTS:
+            if kind == "ops" and arg not in SAVE_LIST_NAMES:
                 raise ConfigurationError(
-                    f"Unknown op save-list {arg!r} in search space mode {mode!r}. Known: {', '.join(sorted(SAVE_LISTS))}."
+                    f"Unknown op save-list {arg!r} in search space mode {mode!r}. Known: {', '.join(sorted(SAVE_LIST_NAMES))}."
                 )
             if kind not in ("none", "full", "offload", "ops", "selective") or (kind == "selective" and not arg):
                 raise ConfigurationError(

@@ -23,7 +23,8 @@ from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
 from lightning_ckpt.memory.model import MemoryModel
-from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory, measure_optimizer_step
+from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.apply import plan_applied
@@ -120,7 +121,7 @@ def tune(
     (``n_trials=12``, ``search_space={...}``, ...).
 
     The budget covers the training step as it will run after lock-in, not just the trial: with an
-    ``optimizer``, one ``optimizer.step()`` is measured (and undone, see ``optimizer_step.py``) and every
+    ``optimizer``, one ``optimizer.step()`` is measured (and undone, see ``optimizer_measure.py``) and every
     trial's peak becomes ``max(forward+backward peak + the state the first step creates, the optimizer
     step's peak)``. ``optimizer_step`` passes that measurement in when the caller already has it.
     HF KV caches are turned off for the search (``caches.py``).

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_ckpt.plan.chain import segment_chunks
+from lightning_ckpt.plan.chunks import segment_chunks
 from lightning_ckpt.plan.format import Plan, mode_key
 
 __all__ = ["BlockTime", "Calibration", "TimeModel", "relative_error"]

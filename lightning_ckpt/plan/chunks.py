@@ -1,0 +1,48 @@
+"""How a stack is cut into segments: each chunk's blocks, and the sqrt(N) rule for how many chunks.
+
+Plain arithmetic on block counts, apart from the machinery that runs a chunk (``plan.chain``,
+``plan.forwards``), so the memory and time models, the search space and re-planning use it without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+
+from lightning_ckpt.stacks import LayerStack
+
+__all__ = ["segment_chunks", "sqrt_chunks", "sqrt_segments"]
+
+
+def segment_chunks(n_blocks: int, segments: int) -> list[tuple[int, int]]:
+    """[start, end) index ranges of ``segments`` near-equal chunks (first chunks get the remainder)."""
+    base, extra = divmod(n_blocks, segments)
+    ranges, start = [], 0
+    for i in range(segments):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def sqrt_chunks(n_blocks: int) -> int:
+    """The sqrt(N) rule's chunk count for a stack of ``n_blocks`` blocks (Chen et al., 2016: stored chunk inputs
+    plus one chunk's activations are smallest near sqrt(N) chunks)."""
+    return max(1, round(math.sqrt(n_blocks)))
+
+
+def sqrt_segments(stacks: Sequence[LayerStack], *, skipping: Collection[str] = ()) -> dict[str, int]:
+    """The ``sqrt_segments`` baseline: stack FQN -> ``sqrt_chunks`` for every stack segments can run on (an
+    ``nn.ModuleList``/``nn.Sequential`` of two or more blocks, not in ``skipping``). Empty when it would only
+    repeat another baseline. The search space's baseline is this one too, so both always name the same plan."""
+    segments = {
+        s.fqn: sqrt_chunks(len(s.blocks))
+        for s in stacks
+        if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2 and s.fqn not in skipping
+    }
+    # The last chunk is never checkpointed, so one chunk recomputes nothing (the "none" baseline) and chunks of one
+    # block each checkpoint block by block (as "full" does). Only a chunk of two or more blocks is new.
+    sizes = {s.fqn: len(s.blocks) for s in stacks}
+    if not any(1 < n < sizes[fqn] for fqn, n in segments.items()):
+        return {}
+    return segments

@@ -1,0 +1,86 @@
+"""What discovery finds: a stack of blocks and each block's children, as plain frozen dataclasses.
+
+They name modules by their fully qualified names and hold no module, so a plan file keeps them
+(``LayerStack.to_dict``) and re-planning reads them back without the model and without torch.
+``discovery`` finds them in a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Block", "Child", "LayerStack"]
+
+
+@dataclass(frozen=True)
+class Child:
+    """A direct child of a block: the unit that ``selective`` plans checkpoint."""
+
+    name: str
+    class_name: str
+    kind: str  # "attention" | "mlp" | "norm" | "other"
+    num_params: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """One layer of a stack, addressed by its fully qualified name in the (uncompiled) model."""
+
+    fqn: str
+    index: int
+    class_name: str
+    num_params: int
+    children: tuple[Child, ...]
+
+    def children_of_kind(self, kind: str) -> tuple[str, ...]:
+        return tuple(c.name for c in self.children if c.kind == kind)
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A container whose children are the blocks, executed in order by the parent's forward."""
+
+    fqn: str
+    container_class: str
+    blocks: tuple[Block, ...]
+
+    @property
+    def num_params(self) -> int:
+        return sum(b.num_params for b in self.blocks)
+
+    @property
+    def block_fqns(self) -> tuple[str, ...]:
+        return tuple(b.fqn for b in self.blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (``from_dict`` reads it back): what a plan file keeps to re-plan without the model."""
+        return {
+            "fqn": self.fqn,
+            "container_class": self.container_class,
+            "blocks": [
+                {
+                    "fqn": b.fqn,
+                    "index": b.index,
+                    "class_name": b.class_name,
+                    "num_params": b.num_params,
+                    "children": [[c.name, c.class_name, c.kind, c.num_params] for c in b.children],
+                }
+                for b in self.blocks
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LayerStack:
+        blocks = tuple(
+            Block(
+                b["fqn"],
+                int(b["index"]),
+                b["class_name"],
+                int(b["num_params"]),
+                tuple(Child(*c) for c in b["children"]),
+            )
+            for b in data["blocks"]
+        )
+        return cls(data["fqn"], data["container_class"], blocks)
