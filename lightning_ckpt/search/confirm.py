@@ -109,12 +109,16 @@ def _speeds_differ(speeds: Sequence[float]) -> bool:
 
 def speed_change(before_seconds: float | None, after_seconds: float | None, spread: float = 0.0) -> float | None:
     """``after / before`` speed of one plan timed twice, when it differs by more than ``_SPEED_CHANGE`` (widened
-    to three relative spreads of the first figure); None when it does not, or cannot be told."""
+    to three relative spreads of the first figure); None when it does not, or cannot be told.
+
+    Compared as a factor, the same either way: a speed ratio can fall at most 100% but rise without bound, so
+    with a noisy first figure (two steps on a loaded machine: a 30% spread) a 5x slowdown (0.2x) would stay
+    "within the noise" as a difference while a 5x speedup would not."""
     if not before_seconds or not after_seconds:
         return None
     ratio = before_seconds / after_seconds
     tolerance = max(_SPEED_CHANGE, 3 * spread / before_seconds)
-    return ratio if abs(ratio - 1) > tolerance else None
+    return ratio if abs(math.log(ratio)) > math.log1p(tolerance) else None
 
 
 def _separated(per_sample: Mapping[int, Sequence[float]]) -> bool:
