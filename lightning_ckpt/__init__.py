@@ -3,6 +3,8 @@
 The core (discovery, plans, apply) works on any ``nn.Module``; the Lightning callback builds on it.
 """
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
 # Where each public name lives. The package root imports nothing until a name is used (PEP 562), so that
@@ -41,6 +43,30 @@ _EXPORTS: dict[str, str] = {
     "ActivationCheckpointTuner": "lightning_ckpt.lightning.callback",
     "GuardConfig": "lightning_ckpt.lightning.guard",
 }
+
+if TYPE_CHECKING:  # what type checkers, IDEs and the API docs read; at run time __getattr__ imports them
+    from lightning_ckpt.discovery import Block, LayerStack, discover_blocks
+    from lightning_ckpt.errors import (
+        ApplyError,
+        ConfigurationError,
+        DiscoveryError,
+        LightningCkptError,
+        PlanError,
+        PlanFileChangedError,
+        StalePlanError,
+        UnsupportedVersionError,
+    )
+    from lightning_ckpt.lightning.callback import ActivationCheckpointTuner
+    from lightning_ckpt.lightning.guard import GuardConfig
+    from lightning_ckpt.model import ModelView, model_fingerprint
+    from lightning_ckpt.plan.apply import apply_plan, plan_applied
+    from lightning_ckpt.plan.baselines import BASELINE_NAMES, baselines
+    from lightning_ckpt.plan.foreign import existing_checkpointing
+    from lightning_ckpt.plan.format import BlockPlan, Plan
+    from lightning_ckpt.plan.handle import PlanHandle, applied_plan, plan_handle
+    from lightning_ckpt.plan.policies import SAVE_LISTS
+    from lightning_ckpt.search.config import TuneConfig
+    from lightning_ckpt.search.tune import TuneResult, tune
 
 
 def __getattr__(name: str) -> object:

@@ -4,6 +4,7 @@ library (Lightning, Optuna, TensorBoard and matplotlib) is imported by one subpa
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,23 @@ def test_a_stage_imports_only_earlier_stages_and_its_own_libraries(path):
         owner = LIBRARIES.get(parts[0])
         if owner is not None:
             assert stage == owner, f"{path.name}:{line} imports {parts[0]}, which only lightning_ckpt/{owner}/ may"
+
+
+def test_the_lazy_package_root_names_each_export_once_where_it_lives():
+    """The root imports nothing at run time (``__getattr__`` loads a name on first use); its ``TYPE_CHECKING``
+    imports are what type checkers and the API docs read. Both, and ``__all__``, must name the same places."""
+    import lightning_ckpt
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    typed = {
+        alias.name: node.module
+        for guard in tree.body
+        if isinstance(guard, ast.If) and "TYPE_CHECKING" in ast.unparse(guard.test)
+        for node in guard.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert typed == lightning_ckpt._EXPORTS
+    assert set(lightning_ckpt.__all__) == {*lightning_ckpt._EXPORTS, "__version__"}
+    for name, module in lightning_ckpt._EXPORTS.items():
+        assert getattr(lightning_ckpt, name) is getattr(importlib.import_module(module), name), name
