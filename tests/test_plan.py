@@ -342,3 +342,12 @@ def test_the_schema_ships_with_the_package():
     assert "plan_schema.json" in pyproject["tool"]["setuptools"]["package-data"]["lightning_ckpt.plan"]
     assert any(d.startswith("jsonschema") for d in pyproject["project"]["dependencies"])
     assert (Path(lightning_ckpt.__file__).parent / "plan" / "plan_schema.json").is_file()
+
+
+def test_the_save_list_names_a_plan_file_is_read_against_are_the_save_lists_policies_defines():
+    from lightning_ckpt.plan.policies import SAVE_LISTS
+    from lightning_ckpt.plan.save_list_names import SAVE_LIST_NAMES
+
+    assert tuple(SAVE_LISTS) == SAVE_LIST_NAMES  # read without torch (show/replan), applied with it
+    for name in SAVE_LIST_NAMES:
+        assert BlockPlan("ops", save_list=name).save_list == name

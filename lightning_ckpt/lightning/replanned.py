@@ -2,8 +2,8 @@
 predictions, and the first real steps are put beside them.
 
 The budget guard reads the first steps' memory as it does for any plan (on CPU under the live-tensor
-tracker, which slows those steps; the most of those readings is kept); the first step after them is timed, forward and backward, as trials
-time a step. When both are in, one line gives the predicted and the measured figures side by side, and
+tracker, which slows those steps; the most of those readings is kept); the first step after them is
+timed, forward and backward, as trials time a step. When both are in, one line gives the predicted and the measured figures side by side, and
 the plan's ``metadata["replanned"]["first_measured"]`` keeps the measured ones.
 """
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_ckpt import versions  # noqa: F401  (before the selective-checkpoint internals: see model.py)
-from lightning_ckpt.plan.save_list_names import SAVE_LIST_NAMES, check_save_list_name
+from lightning_ckpt.plan.save_list_names import check_save_list_name
 
 __all__ = ["SaveList", "SAVE_LISTS", "get_save_list", "selective_context_fn"]
 
@@ -83,8 +83,6 @@ SAVE_LISTS: dict[str, SaveList] = {
         ),
     )
 }
-# A plan file is read without torch against the names alone (``save_list_names``): they must be these.
-assert tuple(SAVE_LISTS) == SAVE_LIST_NAMES, (tuple(SAVE_LISTS), SAVE_LIST_NAMES)
 
 
 def get_save_list(name: str) -> SaveList:
