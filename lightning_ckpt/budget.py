@@ -123,6 +123,21 @@ class RequestedBudget:
     """The argument as the user wrote it (``"20GiB"``), for messages and plan files; not part of equality."""
 
     @classmethod
+    def of(
+        cls, max_memory: int | float | str | RequestedBudget | None = None, activation_budget: float | None = None
+    ) -> RequestedBudget:
+        """``max_memory`` itself when the caller already parsed it (the callback parses its arguments once, at
+        construction, and hands the value on), else ``parse``."""
+        if isinstance(max_memory, RequestedBudget):
+            if activation_budget is not None:
+                raise ConfigurationError(
+                    f"Pass the budget once: got a parsed budget ({max_memory.written!r}) and also "
+                    f"activation_budget={activation_budget!r}."
+                )
+            return max_memory
+        return cls.parse(max_memory, activation_budget)
+
+    @classmethod
     def parse(
         cls, max_memory: int | float | str | None = None, activation_budget: float | None = None
     ) -> RequestedBudget:

@@ -255,6 +255,7 @@ def test_validate_model_that_exits_is_an_error_not_a_silent_exit(work, source, s
 SHOW_KEYS = {
     "json_format", "file", "name", "description", "digest", "fingerprint", "blocks_by_mode", "segments",
     "compile_memory_budget", "budget", "winner", "baselines", "trials", "fell_back", "predicted_block_memory", "plan",
+    "verdict",
 }  # fmt: skip
 TRIAL_KEYS = {
     "considered", "space_size", "n_trials", "exhaustive", "measured", "pruned", "within_budget", "over_budget",
@@ -268,6 +269,7 @@ def test_show_json_from_the_shell_is_one_object_with_the_documented_keys(work):
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)  # the whole of stdout: nothing else is printed
     assert set(data) == SHOW_KEYS and data["json_format"] == 1
+    assert data["verdict"] == plan.metadata.get("search", {}).get("verdict")
     assert data["description"] == plan.describe() and data["digest"] == plan.digest()
     assert data["fingerprint"] == plan.fingerprint and data["file"] == str(work / "with_memory.json")
     assert Plan.from_dict(data["plan"]) == plan and data["plan"]["metadata"] == json.loads(plan.to_json())["metadata"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.confirm import speed_change
 
 
@@ -27,3 +28,52 @@ def test_a_5x_change_is_seen_even_when_the_first_figure_was_noisy(factor):
 @pytest.mark.parametrize("factor", [1.6, 1 / 1.6], ids=["1.6x slower", "1.6x faster"])
 def test_a_change_within_three_spreads_of_a_noisy_first_figure_is_noise_either_way(factor):
     assert speed_change(1.4, 1.4 * factor, spread=0.4) is None
+
+
+def _entries(seconds: dict[str, list[float]], baselines: set[str], log: list[str]):
+    """Entries whose r-th round takes ``seconds[name][r]`` (per sample); ``log`` records the order they ran."""
+    from lightning_ckpt.search.confirm import ConfirmEntry
+    from lightning_ckpt.search.records import TrialRecord
+
+    out = []
+    for number, (name, times) in enumerate(seconds.items()):
+        calls = iter(times)
+
+        def step(name=name, calls=calls):
+            log.append(name)
+            return next(calls)
+
+        trial = TrialRecord(number, Plan(), name, baseline=name if name in baselines else None)
+        out.append(ConfirmEntry(trial, step, 1))
+    return out
+
+
+def test_rounds_go_on_until_the_verdict_is_decided_and_settled_plans_stop_being_timed():
+    from lightning_ckpt.search.confirm import confirm_interleaved
+
+    log: list[str] = []
+    rng = __import__("random").Random(1)
+    noise = [1 + rng.uniform(-0.03, 0.03) for _ in range(8)]
+    seconds = {
+        "full": [1.0 * n for n in noise],  # the reference
+        "slow_baseline": [1.5] * 8,  # clearly slower than the reference: dropped after the minimum rounds
+        "tuned": [1 / 1.03 * n * (1 + rng.uniform(-0.03, 0.03)) for n in noise],  # 3% faster, noisy: needs rounds
+        "hopeless": [1.2] * 8,  # cannot win: dropped after the minimum rounds
+    }
+    side = confirm_interleaved(
+        _entries(seconds, {"full", "slow_baseline"}, log), min_rounds=3, max_rounds=8, tie_tolerance=0.01
+    )
+    assert side.reference == 0
+    assert len(side.per_sample[1]) == 3 and len(side.per_sample[3]) == 3, "settled entries stop after 3 rounds"
+    assert len(side.per_sample[2]) > 3, "an undecided plan gets more rounds"
+    verdict = side.verdict(2, {0: "full", 2: "tuned"}, 0.01)
+    assert verdict.decided or verdict.rounds == 8
+
+
+def test_round_order_rotates_and_alternates():
+    from lightning_ckpt.search.confirm import confirm_interleaved
+
+    log: list[str] = []
+    seconds = {name: [1.0] * 3 for name in "abc"}
+    confirm_interleaved(_entries(seconds, {"a"}, log), min_rounds=3, max_rounds=3)
+    assert log == ["a", "b", "c", "a", "c", "b", "c", "a", "b"]

@@ -456,3 +456,36 @@ def test_report_imports_neither_lightning_nor_pyplot(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / report.PARETO_PNG).exists()
+
+
+def _with_verdict(result, verdict):
+    search = {**result.best.metadata.get("search", {}), "verdict": verdict.to_dict()}
+    return dataclasses.replace(result, best=result.best.with_metadata(search=search))
+
+
+def test_the_result_line_summary_and_warning_show_the_verdict_with_its_interval(result, tmp_path):
+    from lightning_ckpt.search.verdict import Verdict
+
+    ref = {r: 1.0 for r in range(6)}
+    won = Verdict.of("baseline:selective_mlp", ref, "tuned", {0: 0.94, 1: 0.95, 2: 0.93, 3: 0.945, 4: 0.94, 5: 0.95},
+                     tie_tolerance=0.01)  # fmt: skip
+    line = report.result_line(_with_verdict(result, won))
+    assert f"| {won.describe()} (90% interval) |" in line and won.describe().endswith("vs selective_mlp, 6 rounds")
+    assert "the best baseline that fits" not in line, "only the verdict's ratio, against the fastest fitting baseline"
+    summary = report.summary_table(_with_verdict(result, won))
+    assert won.describe() in summary
+    assert report.timing_warning(_with_verdict(result, won)) is None
+    noisy = Verdict.of("baseline:selective_mlp", ref, "tuned", {0: 0.8, 1: 1.1, 2: 0.9, 3: 1.05}, tie_tolerance=0.01)
+    assert noisy.outcome == "undecided"
+    kept = report.result_line(_with_verdict(result, noisy))
+    assert "kept the baseline selective_mlp: best tuned plan" in kept and "could not separate them in 4 rounds" in kept
+    warning = report.timing_warning(_with_verdict(result, noisy))
+    assert warning is not None and noisy.describe() in warning and "baseline was kept" in warning
+    # TensorBoard: the ratio and its bounds as scalars.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    report.write_tensorboard(tmp_path, _with_verdict(result, won))
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    values = {tag: acc.Scalars(tag)[0].value for tag in report.VERDICT_SCALAR_TAGS}
+    assert list(values.values()) == pytest.approx([won.ratio, won.low, won.high], rel=1e-6)

@@ -29,6 +29,7 @@ from lightning_ckpt.cli.usage import EXIT_OK, load_plan
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.records import TrialStatus
 from lightning_ckpt.search.replan import PROFILE_KEY
+from lightning_ckpt.search.verdict import Verdict
 
 __all__ = ["SHOW_JSON_HELP", "format_plan", "plan_summary", "run_show", "trial_counts"]
 
@@ -130,7 +131,21 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
     if counts["confirmed"]:
         lines.append(f"{pad}{counts['confirmed']} of the measured re-timed side by side to confirm the choice")
     lines.append(f"{pad}{cap} caps the plans measured; pruned plans do not count towards it")
+    verdict = _verdict(search)
+    if verdict is not None:
+        lines.append(f"  verdict    {verdict.describe()}: {verdict.outcome} ({verdict.explain()})")
     return lines
+
+
+def _verdict(search: Mapping[str, Any]) -> Verdict | None:
+    """The confirmation's verdict the file records (``metadata.search.verdict``), None where it has none."""
+    data = search.get("verdict")
+    if not isinstance(data, Mapping):
+        return None
+    try:
+        return Verdict.from_dict(data)
+    except (KeyError, TypeError):
+        return None
 
 
 def _or_unknown(x: Any) -> str:
@@ -304,6 +319,7 @@ def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
         "baselines": {name: dict(b) for name, b in baselines.items() if isinstance(b, Mapping)},
         "trials": trial_counts(search) if search else None,
         "fell_back": search.get("fell_back") if search else None,
+        "verdict": verdict.to_dict() if search and (verdict := _verdict(search)) is not None else None,
         "predicted_block_memory": block_memory,
         "plan": plan.to_dict(),
     }
@@ -327,6 +343,8 @@ not record it; json_format changes if a key changes meaning):
                           exhaustive, measured, pruned (rejected by the memory model without running),
                           within_budget, over_budget, failed, conflict, confirmed, by_status: {status: count}}
   fell_back               true when no plan fit the budget and the lowest-memory plan was kept
+  verdict                 {reference, candidate, ratio, low, high, rounds, threshold, confidence, outcome}: the best
+                          tuned plan against the fastest fitting baseline from the paired side-by-side rounds
   predicted_block_memory  {block: {kept_for_backward, without_ckpt}} bytes, from the memory model
   plan                    the plan file's own content (Plan.to_dict()), metadata included
 """

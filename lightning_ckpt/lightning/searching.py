@@ -10,7 +10,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -92,7 +92,7 @@ def search_first_batch(
             request.view,
             forward,
             optimizer=optimizer,
-            **budget.arguments(),
+            max_memory=budget,  # parsed once, by the callback
             config=config,
             batch_size=batch_size,
             seq_len=seq_len,
@@ -155,11 +155,11 @@ def search_micro_batch(
             loss_fn_for,
             base_micro_batch=base,
             global_batch=global_batch,
-            **budget.arguments(),
+            max_memory=budget,  # parsed once, by the callback
             progress=progress,
             extra_for=lambda m: tuple(batch_tensors(resize_batch(batch, base, m))),
             optimizer=optimizer,
-            config=replace(config, confirm_rounds=3),
+            config=config,
         )
     return found.result, resize_batch(batch, base, found.micro_batch)
 

@@ -46,6 +46,7 @@ from lightning_ckpt.report.tags import (
     TEXT_TAG_SUFFIX,
     TIME_SCALAR_TAGS,
     TRIAL_SCALAR_TAGS,
+    VERDICT_SCALAR_TAGS,
     WINNER_MARK,
     hparam_name,
     text_tag,
@@ -71,6 +72,7 @@ from lightning_ckpt.report.text import (
     timing_warning,
     trial_line,
     verdict_lines,
+    verdict_of,
 )
 
 __all__ = [
@@ -127,7 +129,9 @@ __all__ = [
     "timing_warning",
     "trial_line",
     "TRIAL_SCALAR_TAGS",
+    "VERDICT_SCALAR_TAGS",
     "verdict_lines",
+    "verdict_of",
     "WINNER_MARK",
     "write_experiment",
     "write_hparams_table",

@@ -49,6 +49,10 @@ __all__ = [
     "PARETO_PNG",
     "TAG_ACTIVATION_MIB",
     "TAG_BEST_SAMPLES_PER_SECOND",
+    "TAG_VERDICT_HIGH",
+    "TAG_VERDICT_LOW",
+    "TAG_VERDICT_RATIO",
+    "VERDICT_SCALAR_TAGS",
     "TAG_COMPILE_SECONDS",
     "TAG_CONFLICTS",
     "TAG_GRAPH_BREAKS",
@@ -87,6 +91,12 @@ TAG_PREDICTED_ACTIVATION_MIB = f"{TAG_PREFIX}/trial/predicted_activation_memory_
 TAG_RECOMPUTE_OVERHEAD = f"{TAG_PREFIX}/trial/recompute_overhead"
 TAG_TRIAL_SECONDS = f"{TAG_PREFIX}/trial/seconds"
 TAG_BEST_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/search/best_samples_per_second"
+# The confirmation's verdict (one point, step 0): the best tuned plan's speed over the fastest fitting baseline,
+# geometric mean of the paired side-by-side rounds, and its 90% interval (``search/verdict.py``).
+TAG_VERDICT_RATIO = f"{TAG_PREFIX}/search/verdict_ratio"
+TAG_VERDICT_LOW = f"{TAG_PREFIX}/search/verdict_low"
+TAG_VERDICT_HIGH = f"{TAG_PREFIX}/search/verdict_high"
+VERDICT_SCALAR_TAGS = (TAG_VERDICT_RATIO, TAG_VERDICT_LOW, TAG_VERDICT_HIGH)
 # Compiled trials only: logged when a trial carries compile statistics (TrialRecord.extra["compile"]).
 TAG_COMPILE_SECONDS = f"{TAG_PREFIX}/trial/compile_seconds"
 TAG_GRAPH_BREAKS = f"{TAG_PREFIX}/trial/graph_breaks"

@@ -50,10 +50,17 @@ from lightning_ckpt.report.tags import (
     TAG_SUMMARY,
     TAG_TIME_PREDICTION_ERROR,
     TAG_TRIAL_SECONDS,
+    VERDICT_SCALAR_TAGS,
     WINNER_MARK,
     hparam_name,
 )
-from lightning_ckpt.report.text import conflicts_markdown, memory_markdown, plan_markdown, summary_markdown
+from lightning_ckpt.report.text import (
+    conflicts_markdown,
+    memory_markdown,
+    plan_markdown,
+    summary_markdown,
+    verdict_of,
+)
 from lightning_ckpt.search.records import TrialRecord, TuneResult
 
 __all__ = [
@@ -314,6 +321,11 @@ def write_tensorboard(
             for t in result.trials:
                 log_trial(writer, t, best_samples_per_second=best.get(t.number))
         write_hparams_table(writer, result)
+        verdict = verdict_of(result)
+        if verdict is not None and verdict.ratio is not None:
+            for tag, value in zip(VERDICT_SCALAR_TAGS, (verdict.ratio, verdict.low, verdict.high), strict=True):
+                if value is not None:
+                    writer.add_scalar(tag, float(value), global_step=0)
         writer.add_text(TAG_SUMMARY, summary_markdown(result), global_step=0)
         writer.add_text(TAG_PLAN, plan_markdown(result.best, result.best_trial), global_step=0)
         memory = memory_breakdown_table

@@ -22,6 +22,7 @@ from lightning_ckpt.report.quantities import (
     predicted_constrained_bytes,
 )
 from lightning_ckpt.search.records import CHOICE_RULE, TrialRecord, TuneResult
+from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
     "NOISY_SPREAD",
@@ -36,6 +37,7 @@ __all__ = [
     "timing_warning",
     "trial_line",
     "verdict_lines",
+    "verdict_of",
 ]
 
 # Relative step-time spread (MAD / median) above which two overlapping leaders are a noise problem, not a tie.
@@ -138,10 +140,38 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     return " | ".join(parts)
 
 
+def verdict_of(result: TuneResult) -> Verdict | None:
+    """The confirmation's verdict the chosen plan's metadata holds (``metadata.search.verdict``), if any."""
+    data = (result.best.metadata.get("search") or {}).get("verdict")
+    return Verdict.from_dict(data) if isinstance(data, Mapping) else None
+
+
+def _verdict_phrase(verdict: Verdict) -> str:
+    """The verdict as the result line and the summary say it: the ratio with its interval, and what it decided."""
+    name = verdict.reference.removeprefix("baseline:")
+    if verdict.outcome == "tuned":
+        return f"{verdict.describe()} ({verdict.confidence:.0%} interval)"
+    if verdict.candidate is None:
+        return f"the baseline {name}: no tuned plan was re-timed beside it"
+    return f"kept the baseline {name}: best tuned plan {verdict.describe()}, {verdict.explain()}"
+
+
 def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | None:
-    """A warning when the two fastest plans that fit were timed side by side and still overlap within spreads
-    wider than ``noisy`` (relative): the machine was too noisy to tell them apart, so the choice between them
-    is not a speed verdict. Two plans overlapping within tight spreads are simply as fast: no warning."""
+    """A warning when the side-by-side rounds could not decide: the verdict's interval still straddles the
+    threshold after the most rounds (the baseline was kept because the machine could not separate the plans, not
+    because it was faster). Without a verdict (no fitting baseline), when the two fastest plans that fit overlap
+    within spreads wider than ``noisy`` (relative). Two plans overlapping within tight spreads are simply as fast:
+    no warning."""
+    verdict = verdict_of(result)
+    if verdict is not None:
+        if verdict.outcome != "undecided":
+            return None
+        return (
+            f"lightning_ckpt: the machine could not separate the best tuned plan from the fastest fitting baseline: "
+            f"{verdict.describe()} ({verdict.confidence:.0%} interval straddles {verdict.threshold:.2f}x), so the "
+            "baseline was kept. Something else was loading the machine, or they are as fast; tune on an idle machine "
+            "or raise confirm_max_rounds for a speed verdict."
+        )
     confirmed = sorted(
         (t for t in result.trials if t.feasible and len(t.confirmation_seconds) >= 2),
         key=lambda t: -(t.samples_per_second or 0.0),
@@ -177,7 +207,10 @@ def result_line(result: TuneResult) -> str:
         limit = f" of {format_bytes(budget.limit_bytes)}" if budget.limit_bytes is not None else ""
         parts.append(f"{_fmt_rate(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
         base = best_feasible_baseline(result)
-        if base is not None and base[1].number != winner.number:
+        verdict = verdict_of(result)
+        if verdict is not None:
+            parts.append(_verdict_phrase(verdict))
+        elif base is not None and base[1].number != winner.number:
             parts.append(
                 f"{_ratio(winner.samples_per_second, base[1].samples_per_second)} the best baseline that fits ({base[0]})"
             )
@@ -238,6 +271,9 @@ def verdict_lines(result: TuneResult) -> list[str]:
             f"activation {format_bytes(winner.activation_bytes)}, recompute {_fmt_overhead(winner.recompute_overhead)}"
         )
         best_base = best_feasible_baseline(result)
+        verdict = verdict_of(result)
+        if verdict is not None:
+            lines.append(f"verdict vs the fastest fitting baseline: {_verdict_phrase(verdict)}")
         if best_base is None:
             lines.append("vs baselines: no baseline fit the budget, so there is none to compare against.")
         else:
@@ -245,10 +281,14 @@ def verdict_lines(result: TuneResult) -> list[str]:
             if base.number == winner.number:
                 lines.append(f"vs baselines: the winner is the best feasible baseline itself ({name}).")
             else:
+                speed = (
+                    verdict.describe()
+                    if verdict is not None and verdict.ratio is not None
+                    else f"{_ratio(winner.samples_per_second, base.samples_per_second)}"
+                )
                 lines.append(
                     f"vs best feasible baseline {name} ({_fmt_rate(base.samples_per_second)} samples/s, "
-                    f"{mem} {format_bytes(constrained_bytes(base, budget))}): "
-                    f"{_ratio(winner.samples_per_second, base.samples_per_second)} samples/s, "
+                    f"{mem} {format_bytes(constrained_bytes(base, budget))}): {speed} samples/s, "
                     f"{_ratio(constrained_bytes(winner, budget), constrained_bytes(base, budget))} {mem} memory"
                 )
     if result.fell_back:

@@ -2,15 +2,16 @@
 taken at the same moments of a shared machine, never a trial measured in a slow moment against one that was not.
 
 Both searches confirm the same way (``Study.confirm`` within one micro-batch, ``tune_micro_batch`` across
-micro-batches): ``confirm_interleaved`` times the entries, ``apply_confirmation`` puts its figures into the
-records, and ``confirmed_tie_tolerance`` widens the tie tolerance to what those figures resolve.
+micro-batches): ``confirm_interleaved`` times the entries until ``SideBySide`` can give every tuned plan a
+decided ``verdict.Verdict`` against the fastest baseline, and ``apply_confirmation`` puts its figures into the
+records.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 
 from lightning_ckpt.measure.measurement import median_and_spread
@@ -18,20 +19,19 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.records import TrialRecord
 from lightning_ckpt.search.runners import TrialRunner
+from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
     "ConfirmEntry",
     "SideBySide",
     "apply_confirmation",
+    "beats_by",
     "confirm_interleaved",
-    "confirmed_tie_tolerance",
     "retimer",
     "speed_change",
+    "verdict_between",
 ]
 
-# A statistical tie (leaders closer than their measured spread) goes to lower memory, but never at the
-# cost of more than this much throughput.
-_MAX_STATISTICAL_TIE = 0.015
 # A reference re-timed this much faster or slower than before, or confirmation rounds whose common speed
 # differs this much, mean the machine's speed changed (another job, throttled clocks, a stalling loader):
 # the figures taken before and after are not compared. Same-moment noise on a busy 2-core machine stays
@@ -51,47 +51,71 @@ class ConfirmEntry:
 
 
 def confirm_interleaved(
-    entries: Sequence[ConfirmEntry], *, min_rounds: int, max_rounds: int, sync: Sync | None = None
+    entries: Sequence[ConfirmEntry],
+    *,
+    min_rounds: int,
+    max_rounds: int,
+    tie_tolerance: float = 0.0,
+    sync: Sync | None = None,
 ) -> SideBySide:
-    """Re-time ``entries`` in interleaved rounds until the leader's median separates from the runner-up's
-    beyond their spreads (MAD), or ``max_rounds``; seconds per sample by trial number (``SideBySide``).
+    """Re-time ``entries`` in interleaved rounds until the verdict is decided, or ``max_rounds``.
 
-    Interleaving puts every candidate through the same slow and fast moments of a shared machine, and the
-    order alternates (forward, then backward) so a change part-way through a round falls on both ends
-    alike. When the rounds' common speed differs by more than ``_SPEED_CHANGE`` (the machine's speed
-    changed during the confirmation), every round is run and each figure is divided by its round's speed,
-    so candidates are compared within rounds, never across moments.
+    Interleaving puts every candidate through the same slow and fast moments of a shared machine; each round
+    starts one entry further on and runs in the other direction than the last, so no plan always runs first
+    (after an idle moment) or next to the same neighbour. After ``min_rounds``, the rounds go on while a tuned
+    entry is undecided against the fastest baseline (``verdict.Verdict``: its interval straddles ``1 +
+    tie_tolerance``), and each entry that is settled stops being timed: a tuned plan that cannot win, a baseline
+    the reference is clearly faster than. Without a baseline among the entries (no baseline fits), until the
+    leader's median separates from the runner-up's beyond their spreads.
+
+    When the rounds' common speed differs by more than ``_SPEED_CHANGE``, each figure is divided by its round's
+    speed for display (``per_sample``); the verdict's paired ratios need no such correction.
     """
     sync = sync or LocalSync()
     rounds: list[dict[int, float]] = []
+    numbers = [e.trial.number for e in entries]
+    baselines = {e.trial.number for e in entries if e.trial.baseline is not None}
+    active = list(entries)
+    result = SideBySide.of(rounds, numbers, baselines)
     for done in range(1, max_rounds + 1):
+        shift = (done - 1) % len(active) if active else 0
+        order = active[shift:] + active[:shift]
         row: dict[int, float] = {}
-        for e in entries if done % 2 else reversed(entries):
+        for e in order if done % 2 else reversed(order):
             seconds = e.time_step()
             gathered = sync.all_gather(seconds)  # ranks step together: a step is as slow as the slowest rank
             if all(g is not None for g in gathered):
                 row[e.trial.number] = max(gathered) / (e.samples_per_step * sync.world_size)
         rounds.append(row)
-        result = SideBySide.of(rounds, [e.trial.number for e in entries])
-        if done >= min_rounds and not result.speed_changed and _separated(result.per_sample):
+        result = SideBySide.of(rounds, numbers, baselines)
+        if done < min_rounds:
+            continue
+        if result.decided(tie_tolerance):
             break
+        settled = result.settled(tie_tolerance)
+        active = [e for e in active if e.trial.number not in settled]
     return result
 
 
 @dataclass(frozen=True)
 class SideBySide:
     """Confirmation figures: seconds per sample by trial number (divided by each round's common speed when
-    that changed), and those speeds (1.0 = the median round)."""
+    that changed), those speeds (1.0 = the median round), each round's raw figures (``rounds``: trial number ->
+    seconds per sample, for the paired verdicts) and which trials are baselines."""
 
     per_sample: dict[int, list[float]]
     round_speeds: tuple[float, ...]
+    rounds: tuple[dict[int, float], ...] = ()
+    baselines: frozenset[int] = frozenset()
 
     @property
     def speed_changed(self) -> bool:
         return _speeds_differ(self.round_speeds)
 
     @classmethod
-    def of(cls, rounds: Sequence[Mapping[int, float]], numbers: Sequence[int]) -> SideBySide:
+    def of(
+        cls, rounds: Sequence[Mapping[int, float]], numbers: Sequence[int], baselines: Set[int] = frozenset()
+    ) -> SideBySide:
         typical = {n: statistics.median(vals) for n in numbers if (vals := [r[n] for r in rounds if n in r])}
         # A round's speed: its figures against each candidate's typical one (the median candidate's ratio).
         speeds = tuple(statistics.median(r[n] / typical[n] for n in r if typical.get(n)) if r else 1.0 for r in rounds)
@@ -100,7 +124,61 @@ class SideBySide:
             n: [r[n] / (speed if changed else 1.0) for r, speed in zip(rounds, speeds, strict=True) if n in r]
             for n in numbers
         }
-        return cls(per_sample, speeds)
+        return cls(per_sample, speeds, tuple(dict(r) for r in rounds), frozenset(baselines))
+
+    def by_round(self, number: int) -> dict[int, float]:
+        """``number``'s seconds per sample keyed by round index (only the rounds it was timed in)."""
+        return {i: r[number] for i, r in enumerate(self.rounds) if number in r}
+
+    @property
+    def reference(self) -> int | None:
+        """The fastest baseline re-timed (by median seconds per sample): what a tuned plan must beat."""
+        timed = [n for n in self.baselines if self.per_sample.get(n)]
+        return min(timed, key=lambda n: statistics.median(self.per_sample[n]), default=None)
+
+    def verdict(
+        self, number: int, labels: Mapping[int, str], tie_tolerance: float, *, reference: int | None = None
+    ) -> Verdict | None:
+        """Trial ``number`` against ``reference`` (default: the fastest baseline re-timed), from the rounds both ran
+        in; None without a reference."""
+        ref = self.reference if reference is None else reference
+        if ref is None:
+            return None
+        candidate = None if number == ref else labels.get(number, str(number))
+        return Verdict.of(
+            labels.get(ref, str(ref)),
+            self.by_round(ref),
+            candidate,
+            self.by_round(number) if candidate is not None else None,
+            tie_tolerance=tie_tolerance,
+        )
+
+    def tuned(self) -> list[int]:
+        return [n for n in self.per_sample if n not in self.baselines and self.per_sample[n]]
+
+    def decided(self, tie_tolerance: float) -> bool:
+        """Every tuned entry is decided against the reference (or, without one, the leader is separated)."""
+        ref = self.reference
+        if ref is None:
+            return _separated(self.per_sample)
+        labels: dict[int, str] = {}
+        return all((v := self.verdict(n, labels, tie_tolerance)) is not None and v.decided for n in self.tuned())
+
+    def settled(self, tie_tolerance: float) -> set[int]:
+        """Entries further rounds need not time: tuned plans that cannot win, baselines clearly slower than the
+        reference (the reference's interval over them lies above 1)."""
+        ref = self.reference
+        if ref is None:
+            return set()
+        labels: dict[int, str] = {}
+        out = {n for n in self.tuned() if (v := self.verdict(n, labels, tie_tolerance)) is not None and v.cannot_win}
+        for b in self.baselines - {ref}:
+            if (
+                self.per_sample.get(b)
+                and Verdict.of("", self.by_round(b), "", self.by_round(ref), tie_tolerance=0.0).wins
+            ):
+                out.add(b)
+        return out
 
 
 def _speeds_differ(speeds: Sequence[float]) -> bool:
@@ -154,13 +232,25 @@ def apply_confirmation(
     return out
 
 
-def confirmed_tie_tolerance(per_sample: Mapping[int, Sequence[float]], tie_tolerance: float) -> float:
-    """``tie_tolerance`` widened to the uncertainty of the side-by-side medians (relative MAD / sqrt(rounds)),
-    at most ``_MAX_STATISTICAL_TIE``: candidates closer than the machine resolves are a statistical tie,
-    which goes to lower memory."""
-    stats = [(median_and_spread(v), len(v)) for v in per_sample.values() if v]
-    errors = [mad / med / math.sqrt(n) for (med, mad), n in stats if med > 0]
-    return max(tie_tolerance, min(_MAX_STATISTICAL_TIE, statistics.median(errors))) if errors else tie_tolerance
+def verdict_between(
+    side: SideBySide | None, trial: TrialRecord, reference: TrialRecord, tie_tolerance: float
+) -> Verdict | None:
+    """``trial`` against ``reference`` from the paired rounds of ``side``; None where either was not re-timed."""
+    if side is None or not side.by_round(trial.number) or not side.by_round(reference.number):
+        return None
+    labels = {trial.number: trial.label, reference.number: reference.label}
+    return side.verdict(trial.number, labels, tie_tolerance, reference=reference.number)
+
+
+def beats_by(side: SideBySide | None, tie_tolerance: float) -> Callable[[TrialRecord, TrialRecord], bool | None]:
+    """``records.choose_best``'s ``beats`` from the confirmation ``side``: a tuned plan's verdict against the
+    reference decides whether it wins; None (the figures decide) for a pair not re-timed side by side."""
+
+    def beats(trial: TrialRecord, reference: TrialRecord) -> bool | None:
+        verdict = verdict_between(side, trial, reference, tie_tolerance)
+        return verdict.wins if verdict is not None else None
+
+    return beats
 
 
 def retimer(runner: TrialRunner, plan: Plan, steps: int) -> Callable[[], float | None]:

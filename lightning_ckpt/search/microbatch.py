@@ -37,9 +37,10 @@ from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.confirm import (
     ConfirmEntry,
+    SideBySide,
     apply_confirmation,
+    beats_by,
     confirm_interleaved,
-    confirmed_tie_tolerance,
     retimer,
 )
 from lightning_ckpt.search.records import (
@@ -149,7 +150,7 @@ def tune_micro_batch(
     base_micro_batch: int,
     global_batch: int,
     micro_batches: Sequence[int] | None = None,
-    max_memory: int | float | str | None = None,
+    max_memory: int | float | str | RequestedBudget | None = None,
     activation_budget: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     progress: ProgressFn | None = None,
@@ -170,8 +171,8 @@ def tune_micro_batch(
     winners and the reference a user would pick by hand: no checkpointing at the largest micro-batch
     where it fits. ``confirm_top=0`` chooses from the search figures alone.
     """
-    config = (config or TuneConfig(confirm_rounds=3, confirm_max_rounds=4)).with_overrides(settings)
-    requested = RequestedBudget.parse(max_memory, activation_budget)  # a bad budget fails before any step runs
+    config = (config or TuneConfig()).with_overrides(settings)
+    requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     candidates = _checked_micro_batches(micro_batches, global_batch)
     started = time.perf_counter()
     resolved = ModelView.of(model, config.block_types)
@@ -198,14 +199,16 @@ def tune_micro_batch(
     trials = _joint_trials(per_m, global_batch)
     before = sum(t.steps for t in trials)
     entries = _confirmation_entries(trials, model, resolved, loss_fn_for, extra_for, optimizer, config)
-    trials, tie = _confirmed(trials, entries, config, progress)
-    # The Study's own choice and fallback, over every micro-batch's trials at once.
+    trials, side = _confirmed(trials, entries, config, progress)
+    tie = config.tie_tolerance
+    # The Study's own choice and fallback, over every micro-batch's trials at once, by the same verdicts.
     best, fell_back, fallback_message = choose_plan(
         lambda: trials,
         budget,
         tie_tolerance=tie,
         on_infeasible=config.on_infeasible,
         nothing_fits=lambda _: f"No (plan, micro-batch) combination fits the budget ({budget.description}).",
+        beats=beats_by(side, tie),
     )
     m = int(best.micro_batch or base_micro_batch)
     spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch}
@@ -309,14 +312,18 @@ def _joint_trials(per_m: Mapping[int, TuneResult], global_batch: int) -> list[Tr
 
 def _confirmed(
     trials: list[TrialRecord], entries: Sequence[ConfirmEntry], config: TuneConfig, progress: ProgressFn | None
-) -> tuple[list[TrialRecord], float]:
-    """``trials`` with ``entries`` re-timed side by side, and the tie tolerance those figures resolve."""
+) -> tuple[list[TrialRecord], SideBySide | None]:
+    """``trials`` with ``entries`` re-timed side by side until the verdicts are decided, and those rounds."""
     if not entries:
-        return trials, config.tie_tolerance
+        return trials, None
     announce_confirmation(progress, [e.trial for e in entries])
-    side = confirm_interleaved(entries, min_rounds=config.confirm_rounds, max_rounds=config.confirm_max_rounds)
-    confirmed = apply_confirmation(trials, entries, side.per_sample)
-    return confirmed, confirmed_tie_tolerance(side.per_sample, config.tie_tolerance)
+    side = confirm_interleaved(
+        entries,
+        min_rounds=config.confirm_rounds,
+        max_rounds=config.confirm_max_rounds,
+        tie_tolerance=config.tie_tolerance,
+    )
+    return apply_confirmation(trials, entries, side.per_sample), side
 
 
 def _chosen_plan(best: TrialRecord, searched: Plan, micro_batch: Mapping[str, Any]) -> Plan:

@@ -203,14 +203,24 @@ def judge_status(
 
 
 CHOICE_RULE = (
-    "among the plans that fit, re-timed side by side: the fastest baseline is kept unless a tuned plan is faster "
-    "than it by more than the tie tolerance; among the tuned plans that are, the fastest wins, and one within the "
-    "tie tolerance of it that uses less memory wins the tie"
+    "among the plans that fit, re-timed side by side in interleaved rounds: the fastest baseline is kept unless a "
+    "tuned plan is faster than it by more than the tie tolerance with 90% confidence (the lower bound of its paired "
+    "per-round speed ratio's interval clears 1 + tie tolerance); among the tuned plans that are, the fastest wins, "
+    "and one within the tie tolerance of it that uses less memory wins the tie"
 )
+
+# ``beats(trial, reference)``: whether a tuned trial's verdict against the reference baseline says it wins (True
+# or False), or None where no verdict exists (either was not re-timed side by side): the point figures decide.
+BeatsFn = Callable[["TrialRecord", "TrialRecord"], "bool | None"]
 
 
 def choose_best(
-    trials: Sequence[TrialRecord], budget: Budget, *, tie_tolerance: float, confirmed_only: bool = False
+    trials: Sequence[TrialRecord],
+    budget: Budget,
+    *,
+    tie_tolerance: float,
+    confirmed_only: bool = False,
+    beats: BeatsFn | None = None,
 ) -> TrialRecord | None:
     """The plan ``CHOICE_RULE`` picks (the README and the result line state the same rule).
 
@@ -222,6 +232,10 @@ def choose_best(
     ``confirmed_only``: trials re-timed side by side (``confirmed``) compare with each other but not
     with figures taken at other moments (a slow moment, or a machine whose load changed, would otherwise
     hand the win to an unconfirmed trial), so when any exist only they compete.
+
+    ``beats`` (the confirmation's verdicts, ``verdict.py``): a tuned plan beats the reference only when its
+    interval's lower bound clears ``1 + tie_tolerance``, not by its median alone; without a verdict for a pair,
+    the figures decide as above (predicted figures in ``replan``, a search with ``confirm_top=0``).
     """
     feasible = [t for t in trials if t.feasible and t.samples_per_second]
     if not feasible:
@@ -235,7 +249,12 @@ def choose_best(
     reference = max((t for t in feasible if t.baseline is not None), key=speed, default=None)
     contenders = [t for t in feasible if t.baseline is None]
     if reference is not None:
-        contenders = [t for t in contenders if speed(t) > speed(reference) * (1 + tie_tolerance)]
+
+        def wins(t: TrialRecord) -> bool:
+            verdict = beats(t, reference) if beats is not None else None
+            return speed(t) > speed(reference) * (1 + tie_tolerance) if verdict is None else verdict
+
+        contenders = [t for t in contenders if wins(t)]
         if not contenders:
             return reference
     fastest = max(speed(t) for t in contenders)
@@ -259,6 +278,7 @@ def choose_plan(
     nothing_fits: Callable[[Sequence[TrialRecord]], str],
     verify: Callable[[TrialRecord], None] | None = None,
     measure: Callable[[TrialRecord], None] | None = None,
+    beats: BeatsFn | None = None,
 ) -> tuple[TrialRecord, bool, str]:
     """The one choice every search makes: ``choose_best`` (``CHOICE_RULE``, confirmed trials first), else the
     fallback, ``lowest_memory`` among the plans that ran; (chosen, fell back, the fallback's warning).
@@ -267,11 +287,11 @@ def choose_plan(
     gives a trial timed only its measured memory: a plan is then never chosen, nor fallen back to, on a
     prediction (without it, records are taken as they are). ``measure(t)`` runs a pruned plan: with
     ``on_infeasible="fallback"``, when everything was pruned (or failed) the plan predicted to use least memory
-    is measured first, so there is one to fall back to. ``nothing_fits(trials)`` starts the message when none
+    is measured first, so there is one to fall back to. ``beats``: the confirmation's verdicts (``choose_best``). ``nothing_fits(trials)`` starts the message when none
     fits: the fallback's warning, or the error when ``on_infeasible="raise"`` or nothing ran.
     """
     while True:
-        best = choose_best(trials(), budget, tie_tolerance=tie_tolerance, confirmed_only=True)
+        best = choose_best(trials(), budget, tie_tolerance=tie_tolerance, confirmed_only=True, beats=beats)
         if best is None or best.memory_measured or verify is None:
             break
         verify(best)  # never choose on a prediction alone

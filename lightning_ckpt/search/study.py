@@ -1,18 +1,17 @@
 """The search loop: propose plans, prune what cannot fit, run the rest through a runner, confirm, choose.
 
-``Study.run`` goes: resume a persisted study, then the baselines, then every distinct plan (small
-spaces) or the sampler's proposals. One place decides per candidate: prune (predicted over budget) or
-measure, and records the result. Ranks always move in lockstep through a ``Sync`` (a single process
+A ``Study`` is handed a proposer (``proposers.py``: Optuna's sampler, or the time model's ranking) and a runner
+(``runners.py``), and knows nothing else of either: one loop (ask the proposer -> prune by memory or by
+prediction -> measure -> tell), one confirmation, one choice. Ranks always move in lockstep through a ``Sync`` (a single process
 uses ``LocalSync``): rank 0 proposes, every rank measures, results are combined identically.
-``Study.confirm`` re-times the leaders side by side (``confirm.py``); ``Study.result`` chooses and
-assembles the plan. What the search records in Optuna, and resumes from, is ``store.py``'s.
+``Study.confirm`` re-times the proposer's leaders and every fitting baseline side by side (``confirm.py``) until
+each leader has a decided verdict (``verdict.py``); ``Study.result`` chooses by those verdicts and assembles the
+plan. What the search records in Optuna, and resumes from, is ``store.py``'s.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -30,13 +29,16 @@ from lightning_ckpt.plan.format import Plan, library_versions
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.confirm import (
     ConfirmEntry,
+    SideBySide,
     apply_confirmation,
+    beats_by,
     confirm_interleaved,
-    confirmed_tie_tolerance,
     retimer,
     speed_change,
+    verdict_between,
 )
 from lightning_ckpt.search.distributed import LocalSync, Sync, combine_trials
+from lightning_ckpt.search.proposers import Proposal, Proposer, SamplerProposer, fastest_fitting
 from lightning_ckpt.search.records import (
     ProgressFn,
     TrialRecord,
@@ -49,31 +51,14 @@ from lightning_ckpt.search.records import (
 from lightning_ckpt.search.runners import TrialRunner
 from lightning_ckpt.search.space import Candidate, SearchSpace
 from lightning_ckpt.search.store import TrialStore
-from lightning_ckpt.timing.model import TimeModel
+from lightning_ckpt.search.verdict import Verdict
 
 __all__ = ["CollectiveTrialError", "SearchInterrupted", "Study"]
 
 log = logging.getLogger(__name__)
 
-# Consecutive proposals of already-known plans after which the study takes an unseen plan itself:
-# a sampler that has seen most of a space redraws known points, and every redraw costs a suggest call
-# whose cost grows with the study (54 of 105 s of a 16-layer search went there before this bound).
-_MAX_REDRAWS = 2
 # After a speed change, at most this many fitting trials are re-ranked side by side before the confirmation.
 _MAX_RERANKED = 24
-# The noise margin a plan's predicted step time must clear to be measured (``Study._can_win``): the time
-# model's own measured error (1.25x its median out-of-sample error), within these bounds; before any error
-# is known, the default.
-_MARGIN_BOUNDS = (0.03, 0.08)
-_DEFAULT_MARGIN = 0.05
-# With the time model, the confirmation re-times only what could still be chosen (``Study._leaders_by_both``):
-# the tuned plans measured within twice the noise margin (at least this share) of the fastest, the plans
-# predicted fastest and the reference; for exactly ``confirm_rounds`` rounds (the model has already ranked
-# them: more rounds only split plans a few percent apart).
-_CONFIRM_WINDOW = 0.05
-
-# params, plan, label, baseline name, what prunes it without running (None: run it, unless over budget)
-Proposal = tuple[Mapping[str, Any], Plan, str, str | None, str | None]
 
 
 class CollectiveTrialError(LightningCkptError):
@@ -91,7 +76,7 @@ class SearchInterrupted(LightningCkptError):
 
 
 class Study:
-    """One search over ``candidates`` (every distinct plan of the space, baselines first)."""
+    """One search over ``candidates`` (every distinct plan of the space), in the order ``proposer`` gives."""
 
     def __init__(
         self,
@@ -110,6 +95,7 @@ class Study:
         should_stop: Callable[[], bool] | None = None,
         samples_per_step: int = 1,
         run: Mapping[str, Any] | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.candidates = list(candidates)
         self.space, self.stacks, self.runner, self.budget = space, stacks, runner, budget
@@ -129,18 +115,14 @@ class Study:
         self.unchained: set[str] = set()
         self.exhaustive = len(self.candidates) <= config.n_trials  # every distinct plan can be measured
         self.started = time.perf_counter()
-        self.tie_tolerance = config.tie_tolerance  # widened by confirm() when the leaders are statistically tied
+        self.tie_tolerance = config.tie_tolerance
+        self.side: SideBySide | None = None  # the confirmation's rounds (confirm()), which the verdicts come from
         self.speed_changes: list[str] = []  # what confirm() saw of the machine's speed changing (report, plan file)
         limit = (
             budget.limit_bytes if config.enforce_budget and budget.kind == "peak" and device_type == "cuda" else None
         )
         self.memory_limit = memory.trial_limit(limit) if memory is not None else limit
-        # The time model (``timing.model``) decides what is measured, when the profile timed the blocks and the
-        # runner's steps are the ones it timed (eager: a compiled step's time is the compiler's).
-        timing = getattr(memory.model, "timing", None) if memory is not None else None
-        usable = config.predict_time and getattr(runner, "predicts_time", False)
-        self.time_model: TimeModel | None = timing if usable else None
-        self._rng = random.Random(config.seed)
+        self.proposer: Proposer = proposer or SamplerProposer(config.seed)
         # What the figures depend on (``run``: seq_len, device, compiled, from ``tune``); the budget is not in
         # it (the default CUDA budget follows free memory): resumed trials are judged against today's.
         self.run_info: dict[str, Any] = {
@@ -159,13 +141,14 @@ class Study:
     def run(self) -> list[TrialRecord]:
         """Resume, then baselines, then the rest of the space or the sampler's proposals, in lockstep."""
         self._resume()
-        proposals = self._proposals() if self.sync.is_leader else None
+        proposals = self.proposer.proposals(self) if self.sync.is_leader else None
         proposal = next(proposals, None) if proposals is not None else None
         while True:
+            self.check_stop()
             message = None
             if proposal is not None:
                 params, plan, label, baseline, pruned_by = proposal
-                pruned_by = "memory" if self._predicted_over_budget(plan) else pruned_by
+                pruned_by = "memory" if self.predicted_over_budget(plan) else pruned_by
                 message = (dict(params), plan.to_dict(), label, baseline, pruned_by)
             message = self.sync.broadcast(message)
             if message is None:
@@ -195,8 +178,8 @@ class Study:
             trial = replace(trial, number=earlier.number)
             self.records[self.records.index(earlier)] = trial
         self._update(trial)
-        if self.time_model is not None and trial.median_seconds:
-            self._calibrate()
+        if trial.median_seconds:
+            self.proposer.observe(self.records)
         if self.progress is not None:
             self.progress(trial, self.budget)
         return trial
@@ -212,13 +195,17 @@ class Study:
                 f"The search was asked to stop after {len(self.records)} trials; no plan was chosen."
             )
 
-    def _done(self) -> bool:
+    # -- what a proposer reads (``proposers.SearchState``) ---------------------------------------------
+    def out_of_time(self) -> bool:
+        return self.config.timeout is not None and time.perf_counter() - self.started > self.config.timeout
+
+    def done(self) -> bool:
+        """``n_trials`` plans measured (pruned ones are free), or out of time."""
         self.check_stop()
         measured = sum(t.status != TrialStatus.PRUNED for t in self.records)
-        out_of_time = self.config.timeout is not None and time.perf_counter() - self.started > self.config.timeout
-        return measured >= self.config.n_trials or out_of_time
+        return measured >= self.config.n_trials or self.out_of_time()
 
-    def _predicted_over_budget(self, plan: Plan) -> bool:
+    def predicted_over_budget(self, plan: Plan) -> bool:
         if self.memory is None or not self.runner.predicts_memory:
             return False
         return not self.budget.fits(*self.memory.predict(plan))
@@ -237,7 +224,7 @@ class Study:
             baseline=baseline,
             predicted_peak_bytes=peak,
             predicted_activation_bytes=activation,
-            predicted_seconds=self.time_model.predict_seconds(plan) if self.time_model is not None else None,
+            predicted_seconds=self.proposer.predict_seconds(plan),
         )
         if prune:
             return replace(new, status=TrialStatus.PRUNED, pruned_by=prune, seconds=time.perf_counter() - t0)
@@ -292,167 +279,7 @@ class Study:
             self.records[self.records.index(t)] = verified
             self._update(verified)
 
-    def _verified_leaders(self, top: int) -> list[TrialRecord]:
-        """The ``top`` fastest feasible trials and every fitting baseline (at most a handful: the reference a
-        tuned plan must beat is re-timed beside it whatever its first figure), each with measured memory.
-
-        With the time model, only what could still be chosen (``_leaders_by_both``): the leaders by measurement
-        and by prediction, and the fastest fitting baseline (the reference) whatever its figure. Their memory
-        stays predicted (exact on CPU) until one is chosen: ``choose`` verifies the winner, and chooses again if
-        it does not fit."""
-        if self.time_model is not None:
-            feasible = _fastest_fitting(self.records)
-            return self._leaders_by_both(feasible, top) if feasible else []
-        while True:
-            feasible = _fastest_fitting(self.records)
-            leaders = feasible[:top]
-            leaders += [t for t in feasible if t.baseline is not None and t not in leaders]
-            unverified = [t for t in leaders if not t.memory_measured]
-            if not unverified:
-                return leaders
-            self.verify(unverified)
-
-    def _leaders_by_both(self, feasible: Sequence[TrialRecord], top: int) -> list[TrialRecord]:
-        """With the time model: ``top`` tuned plans, the one predicted fastest first (a plan timed in a slow moment
-        of the machine still gets its side-by-side figure), then the fastest measured within the window (twice
-        the noise margin, ``_CONFIRM_WINDOW`` at least); the baseline predicted fastest; and the fastest fitting
-        baseline by measurement (the reference)."""
-        assert self.time_model is not None
-        window = max(_CONFIRM_WINDOW, 2 * self.noise_margin())
-        floor = (feasible[0].samples_per_second or 0.0) * (1.0 - window)
-        tuned = [t for t in feasible if t.baseline is None]
-        baselines = [t for t in feasible if t.baseline is not None]
-        by_prediction = sorted((t for t in tuned if t.predicted_seconds is not None), key=lambda t: t.predicted_seconds)
-        by_measurement = [t for t in tuned if (t.samples_per_second or 0.0) >= floor]
-        leaders = list({t.number: t for t in (*by_prediction[:1], *by_measurement)}.values())[:top]
-        predicted_baselines = [t for t in baselines if t.predicted_seconds is not None]
-        if predicted_baselines:
-            leaders.append(min(predicted_baselines, key=lambda t: t.predicted_seconds or 0.0))
-        leaders += baselines[:1]
-        unique = {t.number: t for t in leaders}
-        return sorted(unique.values(), key=lambda t: -(t.samples_per_second or 0.0))
-
-    # -- proposals (rank 0) ------------------------------------------------------------------------
-    def _proposals(self) -> Iterator[Proposal]:
-        """Rank 0's candidates; each ``yield`` receives (via ``send``) the record the candidate produced. The
-        sampler's study learns every record (``measure`` has already written it to the record study)."""
-        if self.time_model is not None:
-            yield from self._predicted_proposals()
-            return
-        queue = [c for c in self.candidates if c.baseline is not None]
-        if self.exhaustive:
-            queue += [c for c in self.candidates if c.baseline is None]
-        for cand in queue:
-            if self._done():
-                return
-            if cand.plan.key() in self.by_key or not self._offered(cand.plan):
-                continue
-            record = yield cand.params, cand.plan, cand.label, cand.baseline, None
-            self.store.learn(record)
-        redraws = 0
-        while not self.exhaustive and not self._done() and len(self.by_key) < len(self.candidates):
-            ot = self.store.ask()
-            params = self.space.suggest(ot, self.stacks)
-            plan = self.space.plan_for(params, self.stacks, fingerprint=self.fingerprint)
-            if plan.key() not in self.by_key and self._offered(plan):
-                redraws = 0
-                record = yield params, plan, plan.describe(), None, None
-                self.store.tell(ot, record)
-                continue
-            self.store.tell(ot, None)  # a known (or unrunnable) plan
-            redraws += 1
-            if redraws >= _MAX_REDRAWS:
-                unseen = [c for c in self.candidates if c.plan.key() not in self.by_key and self._offered(c.plan)]
-                if not unseen:
-                    return
-                cand = unseen[self._rng.randrange(len(unseen))]
-                redraws = 0
-                record = yield cand.params, cand.plan, cand.label, cand.baseline, None
-                self.store.learn(record)
-
-    def _predicted_proposals(self) -> Iterator[Proposal]:
-        """The space scored whole by the time model. The plans predicted over budget are pruned first (free). Then
-        the fitting baseline predicted fastest is measured (the reference a tuned plan must beat, and the model's
-        first anchor; before any step is measured plans rank by what their modes add, which needs no anchor),
-        then the predicted-fastest plan left, baseline or not, the model refitted after each, until the fastest
-        left cannot beat the best measured plan by the noise margin (``_can_win``): the rest are pruned then,
-        each recorded with its prediction. A plan the model cannot predict (a mode its block could not be timed
-        under) is measured; ``n_trials`` and ``timeout`` still bound the measured ones."""
-        assert self.time_model is not None
-        self._calibrate()  # a resumed study's plans are anchors already
-        for cand in self._unseen():
-            if self._predicted_over_budget(cand.plan):
-                record = yield cand.params, cand.plan, cand.label, cand.baseline, "memory"
-                self.store.learn(record)
-        while not self._done():
-            remaining = self._unseen()
-            if not remaining:
-                return
-            ranked = {c.plan.key(): self._rank_seconds(c.plan) for c in remaining}
-            unpredictable = [c for c in remaining if ranked[c.plan.key()] is None]
-            ordered = sorted((c for c in remaining if c not in unpredictable), key=lambda c: ranked[c.plan.key()])
-            baselines = [c for c in ordered if c.baseline is not None]
-            if baselines and not any(t.baseline is not None and t.feasible for t in self.records):
-                cand = baselines[0]  # until a baseline is measured within budget: the reference
-            else:
-                cand = unpredictable[0] if unpredictable else ordered[0]
-            if cand not in unpredictable and not self._can_win(self.time_model.predict_seconds(cand.plan)):
-                for c in ordered:
-                    record = yield c.params, c.plan, c.label, c.baseline, "time"
-                    self.store.learn(record)
-                return
-            record = yield cand.params, cand.plan, cand.label, cand.baseline, None
-            self.store.learn(record)
-
-    def _rank_seconds(self, plan: Plan) -> float | None:
-        """What orders the plans: the predicted step, or before any anchor what the plan's modes add to one."""
-        assert self.time_model is not None
-        predicted = self.time_model.predict_seconds(plan)
-        return predicted if predicted is not None else self.time_model.added_seconds(plan)
-
-    def _unseen(self) -> list[Candidate]:
-        return [c for c in self.candidates if c.plan.key() not in self.by_key and self._offered(c.plan)]
-
-    def _can_win(self, predicted_seconds: float | None) -> bool:
-        """Whether a plan predicted to take ``predicted_seconds`` a step could beat the best plan measured within
-        budget: it could unless it is predicted slower even after the noise margin is taken off its time."""
-        best = _fastest_fitting(self.records)
-        if predicted_seconds is None or not best or not best[0].median_seconds:
-            return True
-        return predicted_seconds * (1.0 - self.noise_margin()) < best[0].median_seconds
-
-    def noise_margin(self) -> float:
-        """How far the time model's predictions may be off: 1.25x the median of its errors so far (each taken
-        before the plan was measured), within ``_MARGIN_BOUNDS`` and never below the tie tolerance."""
-        errors = [abs(e) for t in self.records if (e := t.prediction_error) is not None]
-        observed = 1.25 * statistics.median(errors) if errors else _DEFAULT_MARGIN
-        return min(_MARGIN_BOUNDS[1], max(_MARGIN_BOUNDS[0], self.config.tie_tolerance, observed))
-
-    def time_model_summary(self) -> dict[str, Any]:
-        """What the time model did: its fit, its measured errors, the margin, and what it pruned."""
-        errors = [e for t in self.records if (e := t.prediction_error) is not None]
-        calibration = self.time_model.calibration if self.time_model is not None else None
-        return {
-            "calibration": calibration.to_dict() if calibration is not None else None,
-            "noise_margin": self.noise_margin(),
-            "predicted_and_measured": len(errors),
-            "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
-            "max_abs_error": max((abs(e) for e in errors), default=None),
-            "pruned_by_time": sum(t.pruned_by == "time" for t in self.records),
-        }
-
-    def _calibrate(self) -> None:
-        """Fit the time model to every plan timed so far (within budget or not: speed does not depend on it)."""
-        if self.time_model is None:
-            return
-        timed = [
-            (t.plan, t.label, t.median_seconds)
-            for t in self.records
-            if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds
-        ]
-        self.time_model = self.time_model.calibrated(timed)
-
-    def _offered(self, plan: Plan) -> bool:
+    def offered(self, plan: Plan) -> bool:
         """Whether ``plan`` can run: the profile allows it, and no trial saw its segments leave the chain."""
         if plan.segments.keys() & self.unchained:
             return False
@@ -461,7 +288,7 @@ class Study:
     def _resume(self) -> None:
         """Take the plans an earlier run stored (``storage=``) as they are, judged against today's budget."""
         resumed = self.store.resume(
-            self.sync, self._predicted_over_budget, known=self.by_key.keys(), first_number=len(self.records)
+            self.sync, self.predicted_over_budget, known=self.by_key.keys(), first_number=len(self.records)
         )
         for record in resumed:
             self.records.append(record)
@@ -471,53 +298,56 @@ class Study:
 
     # -- confirmation ------------------------------------------------------------------------------
     def confirm(self) -> None:
-        """Re-time the ``confirm_top`` fastest feasible trials and every fitting baseline, interleaved.
+        """Re-time the proposer's leaders and every fitting baseline side by side, in interleaved rounds, until each
+        leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``.
 
-        The choice then rests on figures taken side by side, not on one trial measured in a slow moment.
-        A leader whose median is within the spread of the runner-up's is a statistical tie (``tie_tolerance``
-        widens to the measured relative spread; see ``records.CHOICE_RULE``). Memory is kept as measured.
-
-        The machine's speed may change during the search (another job starts, clocks throttle): first the
-        reference (the fastest fitting baseline) is re-timed and compared with its search figure. When its
-        speed changed, the search's figures were taken at different speeds and cannot pick the leaders, so
-        every fitting trial is re-ranked in one interleaved round first. ``speed_changes`` says what was seen.
+        The choice then rests on figures taken side by side, paired by round, never on one trial measured in a
+        slow moment. The machine's speed may also change between the search and the confirmation (another job
+        starts, clocks throttle): the reference (the fastest fitting baseline) is re-timed first and compared with
+        its search figure; when its speed changed, the search's figures were taken at different speeds and cannot
+        pick the leaders, so every fitting trial is re-ranked in one interleaved round first. ``speed_changes``
+        says what was seen.
         """
         config = self.config
         if config.confirm_top <= 0:
             return
-        chosen = self._verified_leaders(config.confirm_top)
+        chosen = self._leaders(config.confirm_top)
         if len(chosen) < 2:
             return
         steps = config.measure_steps
-        # With the time model the leaders are picked by prediction as well as by measurement, so a plan timed in
-        # a slow (or fast) moment is among them anyway: no re-ranking. The reference's first confirmation round
-        # says whether the machine's speed changed since the search timed it (reported, not acted on).
-        if self.time_model is None and self._speed_changed_since_search(chosen, steps):
+        if self._speed_changed_since_search(chosen, steps):
             self._rerank(steps)
-            chosen = self._verified_leaders(config.confirm_top)
-        entries, side = self._confirm_rounds(chosen, steps)
-        if self.time_model is not None:
-            self._reference_moved(chosen, side)
+            chosen = self._leaders(config.confirm_top)
+        announce_confirmation(self.progress, chosen)
+        entries = self._entries(chosen, steps)
+        side = confirm_interleaved(
+            entries,
+            min_rounds=config.confirm_rounds,
+            max_rounds=config.confirm_max_rounds,
+            tie_tolerance=config.tie_tolerance,
+            sync=self.sync,
+        )
         if side.speed_changed:
             self.speed_changes.append(
                 f"during the confirmation rounds (speeds {', '.join(f'{v:.2f}' for v in side.round_speeds)} of the "
-                "median round): each figure was divided by its round's speed"
+                "median round): the verdicts compare plans within rounds, and each figure shown was divided by its "
+                "round's speed"
             )
         self.records = apply_confirmation(self.records, entries, side.per_sample)
         for t in self.records:
             if t.number in side.per_sample:
                 self._update(t)
-        self.tie_tolerance = confirmed_tie_tolerance(side.per_sample, config.tie_tolerance)
+        self.side = side
 
-    def _confirm_rounds(self, chosen: Sequence[TrialRecord], steps: int) -> tuple[list[ConfirmEntry], Any]:
-        """The interleaved rounds over ``chosen``: ``confirm_rounds`` to ``confirm_max_rounds`` of them, and with
-        the time model (which already ranked them) exactly ``confirm_rounds``."""
-        config = self.config
-        announce_confirmation(self.progress, chosen)
-        entries = self._entries(chosen, steps)
-        max_rounds = config.confirm_rounds if self.time_model is not None else config.confirm_max_rounds
-        side = confirm_interleaved(entries, min_rounds=config.confirm_rounds, max_rounds=max_rounds, sync=self.sync)
-        return entries, side
+    def _leaders(self, top: int) -> list[TrialRecord]:
+        """What the confirmation re-times: the proposer's leaders among the tuned plans, and every fitting baseline
+        (at most a handful: the fastest of them is the reference a tuned plan must beat, whatever its first
+        figure). Their memory stays predicted where the model is exact (CPU) until one is chosen: ``choose``
+        verifies the winner, and chooses again if it does not fit."""
+        feasible = fastest_fitting(self.records)
+        tuned = [t for t in feasible if t.baseline is None]
+        leaders = self.proposer.leaders(tuned, top) + [t for t in feasible if t.baseline is not None]
+        return sorted(leaders, key=lambda t: -(t.samples_per_second or 0.0))
 
     def _reference(self, leaders: Sequence[TrialRecord]) -> TrialRecord:
         """The plan whose speed is compared before and after: the fastest fitting baseline, else the leader."""
@@ -531,40 +361,25 @@ class Study:
         seconds = m.median_seconds if m.status == "ok" else None
         gathered = self.sync.all_gather(seconds)
         now = max(gathered) if all(g is not None for g in gathered) else None
-        return self._speed_changed(reference, now)
-
-    def _reference_moved(self, leaders: Sequence[TrialRecord], side: Any) -> bool:
-        """True if the reference's first confirmation round shows the machine's speed changed since the search."""
-        reference = self._reference(leaders)
-        times = side.per_sample.get(reference.number)
-        return self._speed_changed(reference, times[0] * self.samples_per_step if times else None)
-
-    def _speed_changed(self, reference: TrialRecord, now: float | None) -> bool:
         ratio = speed_change(reference.median_seconds, now, reference.spread_seconds or 0.0)
         if ratio is None:
             return False
-        done = (
-            "the leaders by measurement and by prediction were confirmed side by side"
-            if self.time_model is not None
-            else "every fitting plan was re-ranked side by side"
-        )
         self.speed_changes.append(
             f"between the search and the confirmation: {reference.label} re-timed at {ratio:.2f}x its search speed; "
-            + done
+            "every fitting plan was re-ranked side by side"
         )
         log.warning(
             "lightning_ckpt: the machine's speed changed during the search (%s re-timed at %.2fx its search "
-            "speed): %s.",
+            "speed): every fitting plan was re-ranked side by side.",
             reference.label,
             ratio,
-            done,
         )
         return True
 
     def _rerank(self, steps: int) -> None:
         """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``): figures taken side by side
         replace the search's, so the leaders are picked at one speed. They do not count as confirmed."""
-        entries = self._entries(_fastest_fitting(self.records)[:_MAX_RERANKED], steps)
+        entries = self._entries(fastest_fitting(self.records)[:_MAX_RERANKED], steps)
         side = confirm_interleaved(entries, min_rounds=1, max_rounds=1, sync=self.sync)
         for i, t in enumerate(self.records):
             times = side.per_sample.get(t.number)
@@ -583,9 +398,14 @@ class Study:
         return [ConfirmEntry(t, retimer(self.runner, t.plan, steps), self.samples_per_step, steps + 1) for t in trials]
 
     # -- the choice ----------------------------------------------------------------------------------
+    def verdict(self, trial: TrialRecord, reference: TrialRecord) -> Verdict | None:
+        """``trial`` against ``reference`` from the confirmation's paired rounds; None where either was not re-timed."""
+        return verdict_between(self.side, trial, reference, self.tie_tolerance)
+
     def choose(self) -> tuple[TrialRecord, bool, str]:
-        """(chosen trial, fell back, fallback warning) by ``records.choose_plan``: a plan that never ran is never
-        chosen, and none is chosen on predicted memory (``verify``); the fallback is measured if it was pruned."""
+        """(chosen trial, fell back, fallback warning) by ``records.choose_plan``: a tuned plan beats the fastest
+        fitting baseline only by its verdict; a plan that never ran is never chosen, and none is chosen on
+        predicted memory (``verify``); the fallback is measured if it was pruned."""
         return choose_plan(
             lambda: self.records,
             self.budget,
@@ -594,7 +414,23 @@ class Study:
             nothing_fits=self._nothing_fits,
             verify=lambda t: self.verify([t]),
             measure=self._measure_again,
+            beats=beats_by(self.side, self.tie_tolerance),
         )
+
+    def final_verdict(self, best: TrialRecord) -> Verdict | None:
+        """The verdict the reports show: the chosen tuned plan's against the reference, or, when a baseline is kept,
+        the best confirmed tuned plan's against it (why it was kept); None without a confirmed fitting baseline."""
+        confirmed = [t for t in self.records if t.feasible and t.confirmed and t.samples_per_second]
+        baselines = [t for t in confirmed if t.baseline is not None]
+        if not baselines:
+            return None
+        reference = max(baselines, key=lambda t: t.samples_per_second or 0.0)
+        if best.baseline is None:
+            return self.verdict(best, reference)
+        tuned = [v for t in confirmed if t.baseline is None and (v := self.verdict(t, reference)) is not None]
+        if not tuned:
+            return Verdict.of(reference.label, {}, None, None, tie_tolerance=self.tie_tolerance)
+        return max(tuned, key=lambda v: v.ratio or 0.0)
 
     def _measure_again(self, trial: TrialRecord) -> None:
         self.measure(trial.params, trial.plan, trial.label, trial.baseline, prune=None)
@@ -662,6 +498,7 @@ class Study:
             "space_size": len(self.candidates),
             "seed": self.config.seed,
             "sampler": self.store.sampler_name,
+            "proposer": self.proposer.name,
             "study_name": self.study_name,
             "status_counts": {s.value: n for s in TrialStatus if (n := sum(t.status == s for t in self.records))},
             "confirmed": sum(t.confirmed for t in self.records),
@@ -669,8 +506,12 @@ class Study:
             "fell_back": fell_back,
             "speed_changes": self.speed_changes,
         }
-        if self.time_model is not None:
-            search["time_model"] = self.time_model_summary()
+        summary = self.proposer.summary(self.records)
+        if summary is not None:
+            search["time_model"] = summary
+        verdict = self.final_verdict(best)
+        if verdict is not None:
+            search["verdict"] = verdict.to_dict()
         return {
             "versions": library_versions(),
             "budget": self.budget.to_dict(),
@@ -685,12 +526,6 @@ def _send(proposals: Iterator[Proposal] | Any, record: TrialRecord) -> Proposal 
         return proposals.send(record)
     except StopIteration:
         return None
-
-
-def _fastest_fitting(records: Sequence[TrialRecord]) -> list[TrialRecord]:
-    """The trials that fit and were timed, fastest first."""
-    timed = [t for t in records if t.feasible and t.samples_per_second]
-    return sorted(timed, key=lambda t: -(t.samples_per_second or 0.0))
 
 
 def _measured_figures(best: TrialRecord) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from lightning_ckpt.plan.format import BlockPlan, Plan, mode_key
 from lightning_ckpt.search.compile import CompiledTrials, compiled_search, eager_while_profiling
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync, Sync
+from lightning_ckpt.search.proposers import proposer_for
 from lightning_ckpt.search.records import ProgressFn, TrialRecord, TrialStatus, TuneResult, choose_best
 from lightning_ckpt.search.replan import PROFILE_KEY, profile_metadata
 from lightning_ckpt.search.runners import EagerRunner, TrialRunner, release_cached_memory
@@ -97,7 +98,7 @@ def tune(
     step_fn: Callable[[], Any],
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    max_memory: int | float | str | None = None,
+    max_memory: int | float | str | RequestedBudget | None = None,
     activation_budget: float | None = None,
     config: TuneConfig | None = None,
     batch_size: int | None = None,
@@ -118,7 +119,8 @@ def tune(
     calls ``backward`` on it (and never steps an optimizer), both for the memory-safe profile and for
     every measured trial. The model is left exactly as it was: the caller applies ``result.best``.
     ``config`` (a ``TuneConfig``) holds the search settings; keyword ``settings`` override its fields
-    (``n_trials=12``, ``search_space={...}``, ...).
+    (``n_trials=12``, ``search_space={...}``, ...). ``max_memory`` may be a ``budget.RequestedBudget`` the caller
+    already parsed (the callback does, once, at construction).
 
     The budget covers the training step as it will run after lock-in, not just the trial: with an
     ``optimizer``, one ``optimizer.step()`` is measured (and undone, see ``optimizer_measure.py``) and every
@@ -139,7 +141,7 @@ def tune(
     and a search started again on the same model and run resumes it instead of measuring again.
     """
     config = (config or TuneConfig()).with_overrides(settings)
-    requested = RequestedBudget.parse(max_memory, activation_budget)  # a bad budget fails before any step runs
+    requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     resolved = ModelView.of(model, config.block_types)
     # Every step the search runs starts from the module's Python attributes as they were (a counter-driven
     # curriculum sees call 1 each time, and so does the first real step), and the parameters the forward
@@ -212,11 +214,19 @@ def _search(
     budget = sync.broadcast(budget or _resolve_budget(requested, memory, runner, resolved))
     warm_steps = _warm_up_process(harness, resolved, config, is_compiled)
     stacks, candidates = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
+    proposer = proposer_for(
+        getattr(memory_model, "timing", None),
+        predicts_time=getattr(runner, "predicts_time", False),
+        predict_time=config.predict_time,
+        tie_tolerance=config.tie_tolerance,
+        seed=config.seed,
+    )
     study = Study(
         candidates=candidates,
         space=space,
         stacks=stacks,
         runner=runner,
+        proposer=proposer,
         budget=budget,
         memory=memory,
         config=config,
@@ -234,9 +244,10 @@ def _search(
     compiled = list(runner.regions) if is_compiled else None
     run = {"device": str(device), "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": compiled}
     metadata: dict[str, Any] = {"optimizer_step": memory.optimizer.to_dict(), "run": run}
-    if study.time_model is not None and isinstance(memory_model, MemoryModel):
+    fitted = study.proposer.fitted()
+    if fitted is not None and isinstance(memory_model, MemoryModel):
         # The profile as the search fitted it: a later budget re-plans from it without a search (``replan``).
-        memory_model = replace(memory_model, timing=study.time_model)
+        memory_model = replace(memory_model, timing=fitted)
         metadata[PROFILE_KEY] = profile_metadata(
             memory_model,
             memory.optimizer,

@@ -1,0 +1,155 @@
+"""The verdict of a side-by-side confirmation: how much faster a tuned plan is than the fastest fitting baseline,
+with the interval the rounds support, and whether that is enough to choose it.
+
+A tuned plan's figure and the baseline's are paired by round: both were timed within the same interleaved round,
+at the same moment of a shared machine, so their ratio cancels whatever the machine's speed was then (another job,
+throttled clocks). The verdict is over those paired ratios: their geometric mean and a Student-t interval on the
+log ratios (90% by default). A t interval, not a bootstrap, because confirmations have 3-8 rounds: a bootstrap
+over so few rounds gives an interval no wider than the rounds' range, overconfident exactly when it matters.
+
+The rule (``records.CHOICE_RULE``): a tuned plan wins only when the lower bound clears ``1 + tie_tolerance``;
+a plan whose upper bound stays below it cannot win; anything in between is undecided, and more rounds are run
+(``confirm.confirm_interleaved``) until it is decided or the cap is reached, where the baseline is kept and the
+result says the machine could not separate them.
+
+Pure Python (no torch): a plan file's verdict is read by ``lightning-ckpt show`` without importing torch.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+__all__ = ["CONFIDENCE", "Verdict", "paired_interval", "t_quantile"]
+
+# The interval's coverage: a tuned plan is chosen when it is faster than the baseline with this confidence.
+CONFIDENCE = 0.90
+
+# Student's t, the 0.95 quantile (a two-sided 90% interval) by degrees of freedom 1..30; above, the normal's.
+_T95 = (
+    6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812,
+    1.796, 1.782, 1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725,
+    1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697,
+)  # fmt: skip
+_Z95 = 1.645
+
+Outcome = Literal["tuned", "baseline", "undecided"]
+
+
+def t_quantile(df: int) -> float:
+    """The 0.95 quantile of Student's t with ``df`` degrees of freedom (the two-sided 90% interval's factor)."""
+    if df < 1:
+        raise ValueError(f"a t interval needs at least 1 degree of freedom, got {df}")
+    return _T95[df - 1] if df <= len(_T95) else _Z95
+
+
+def paired_interval(
+    reference_seconds: Mapping[int, float], candidate_seconds: Mapping[int, float]
+) -> tuple[float | None, float | None, float | None, int]:
+    """(ratio, low, high, rounds): the candidate's speed over the reference's from the rounds both ran in (by
+    round index), as the geometric mean of the per-round ratios and its 90% t interval. ``low``/``high`` are None
+    with fewer than two paired rounds (one round has no spread to judge by); ``ratio`` None with none."""
+    logs = [
+        math.log(reference_seconds[r] / candidate_seconds[r])
+        for r in sorted(reference_seconds.keys() & candidate_seconds.keys())
+        if reference_seconds[r] > 0 and candidate_seconds[r] > 0
+    ]
+    n = len(logs)
+    if n == 0:
+        return None, None, None, 0
+    mean = statistics.fmean(logs)
+    if n < 2:
+        return math.exp(mean), None, None, n
+    half = t_quantile(n - 1) * statistics.stdev(logs) / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half), n
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A tuned plan (``candidate``) against the fastest fitting baseline (``reference``), from paired rounds.
+
+    ``ratio`` is the candidate's speed over the reference's; ``low``/``high`` its interval at ``confidence``;
+    ``threshold`` is ``1 + tie_tolerance``, what ``low`` must clear. ``candidate`` is None when no tuned plan was
+    confirmed (the reference is kept without a contest)."""
+
+    reference: str
+    candidate: str | None
+    ratio: float | None
+    low: float | None
+    high: float | None
+    rounds: int
+    threshold: float
+    confidence: float = CONFIDENCE
+
+    @classmethod
+    def of(
+        cls,
+        reference: str,
+        reference_seconds: Mapping[int, float],
+        candidate: str | None,
+        candidate_seconds: Mapping[int, float] | None,
+        *,
+        tie_tolerance: float,
+    ) -> Verdict:
+        """The verdict from per-round seconds (per sample) of both plans, keyed by round index."""
+        if candidate is None or candidate_seconds is None:
+            return cls(reference, None, None, None, None, 0, 1.0 + tie_tolerance)
+        ratio, low, high, n = paired_interval(reference_seconds, candidate_seconds)
+        return cls(reference, candidate, ratio, low, high, n, 1.0 + tie_tolerance)
+
+    @property
+    def wins(self) -> bool:
+        """The candidate is faster than the reference by more than the tie tolerance, with ``confidence``."""
+        return self.low is not None and self.low > self.threshold
+
+    @property
+    def cannot_win(self) -> bool:
+        """Even the interval's upper bound does not clear the threshold: more rounds would not make it win."""
+        return self.high is not None and self.high <= self.threshold
+
+    @property
+    def decided(self) -> bool:
+        return self.candidate is None or self.wins or self.cannot_win
+
+    @property
+    def outcome(self) -> Outcome:
+        """``tuned`` (the candidate is chosen), ``baseline`` (it is clearly not faster enough), or ``undecided``
+        (the rounds could not separate them: the baseline is kept)."""
+        if self.wins:
+            return "tuned"
+        return "baseline" if self.decided else "undecided"
+
+    def describe(self) -> str:
+        """``1.06x [1.03, 1.09] vs sqrt_segments, 6 rounds``: the figure every report shows."""
+        name = self.reference.removeprefix("baseline:")
+        if self.candidate is None or self.ratio is None:
+            return f"{name} kept: no tuned plan was re-timed beside it"
+        interval = f" [{self.low:.2f}, {self.high:.2f}]" if self.low is not None and self.high is not None else ""
+        return f"{self.ratio:.2f}x{interval} vs {name}, {self.rounds} round{'s' * (self.rounds != 1)}"
+
+    def explain(self) -> str:
+        """Why the verdict decided as it did, in words (the result line and the summary add what was kept)."""
+        pct = f"{self.confidence:.0%}"
+        if self.outcome == "tuned":
+            return f"faster than the fastest fitting baseline by more than {self.threshold - 1:.0%} ({pct} interval)"
+        if self.candidate is None:
+            return "no tuned plan was re-timed beside it"
+        if self.outcome == "baseline":
+            return f"not faster by more than {self.threshold - 1:.0%} ({pct} interval)"
+        return f"the machine could not separate them in {self.rounds} rounds ({pct} interval)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "outcome": self.outcome}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
+        names = ("reference", "candidate", "ratio", "low", "high", "rounds", "threshold", "confidence")
+        return cls(**{k: data[k] for k in names if k in data})
+
+
+def speeds_by_round(per_round: Sequence[float | None]) -> dict[int, float]:
+    """A plan's per-round figures (None where it was not timed that round) keyed by round index."""
+    return {r: s for r, s in enumerate(per_round) if s is not None}
