@@ -11,6 +11,7 @@ TensorBoard layout, under a Lightning ``TensorBoardLogger`` (``version_N`` is th
     version_N/lightning_ckpt/        the search run: one point per trial (global_step = trial number)
         lightning_ckpt/trial/...           TRIAL_SCALAR_TAGS, only what each trial produced
         lightning_ckpt/search/best_samples_per_second   the best-so-far curve
+        lightning_ckpt/search/verdict_{ratio,low,high}  VERDICT_SCALAR_TAGS: the verdict and its interval (step 0)
         lightning_ckpt/1_summary           text*: the verdict, then every trial, fastest first
         lightning_ckpt/2_plan              text*: the chosen plan as a markdown table
         lightning_ckpt/3_memory_breakdown  text*: the memory model's per-block table (markdown)

@@ -142,6 +142,8 @@ class SamplerProposer:
             for cand in _unseen(state):
                 if state.done():
                     return
+                if cand.plan.key() in state.by_key or not state.offered(cand.plan):
+                    continue  # a trial since saw its segments leave the chain
                 record = yield cand.params, cand.plan, cand.label, cand.baseline, None
                 state.store.learn(record)
             return
