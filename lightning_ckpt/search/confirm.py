@@ -157,12 +157,19 @@ class SideBySide:
         return [n for n in self.per_sample if n not in self.baselines and self.per_sample[n]]
 
     def decided(self, tie_tolerance: float) -> bool:
-        """Every tuned entry is decided against the reference (or, without one, the leader is separated)."""
+        """Every tuned entry is decided against the reference, or one has won and no undecided one looks faster
+        (without a reference: the leader is separated)."""
         ref = self.reference
         if ref is None:
             return _separated(self.per_sample)
         labels: dict[int, str] = {}
-        return all((v := self.verdict(n, labels, tie_tolerance)) is not None and v.decided for n in self.tuned())
+        verdicts = [v for n in self.tuned() if (v := self.verdict(n, labels, tie_tolerance)) is not None]
+        undecided = [v for v in verdicts if not v.decided]
+        if not undecided:
+            return True
+        # Once a tuned plan has won, an undecided one matters only if it might be faster than the winner.
+        best_win = max((v.ratio or 0.0 for v in verdicts if v.wins), default=None)
+        return best_win is not None and all((v.ratio or 0.0) <= best_win for v in undecided)
 
     def settled(self, tie_tolerance: float) -> set[int]:
         """Entries further rounds need not time: tuned plans that cannot win, baselines clearly slower than the
