@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lit import LitGPT, quiet_trainer, token_loader
 
-from lightning_ckpt import ActivationCheckpointTuner, applied_plan, model_fingerprint
+from lightning_ckpt import ActivationCheckpointTuner, applied_plan
+from lightning_ckpt.model import model_fingerprint
 from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}

@@ -8,16 +8,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt import (
-    ApplyError,
-    BlockPlan,
-    Plan,
-    PlanError,
-    applied_plan,
-    apply_plan,
-    baselines,
-    plan_applied,
-)
+from lightning_ckpt import BlockPlan, Plan, PlanError, applied_plan, apply_plan, baselines, plan_applied
+from lightning_ckpt.errors import ApplyError
 from lightning_ckpt.measure.measurement import track_step_memory
 from lightning_ckpt.testing import GPT, GPTConfig
 
@@ -602,7 +594,7 @@ def _assert_untouched(model: nn.Module) -> None:
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_hf_gradient_checkpointing_is_refused_with_the_fix():
-    from lightning_ckpt import existing_checkpointing
+    from lightning_ckpt.plan.foreign import existing_checkpointing
 
     model = _tiny_hf_gpt2()
     assert existing_checkpointing(model) == []
@@ -623,7 +615,7 @@ def test_hf_gradient_checkpointing_is_refused_with_the_fix():
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_hf_model_inside_a_wrapper_names_the_attribute_to_call():
-    from lightning_ckpt import existing_checkpointing
+    from lightning_ckpt.plan.foreign import existing_checkpointing
 
     class Wrapper(nn.Module):
         def __init__(self) -> None:
@@ -641,7 +633,7 @@ def test_hf_model_inside_a_wrapper_names_the_attribute_to_call():
 def test_torch_checkpoint_wrapper_is_refused():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from lightning_ckpt import existing_checkpointing
+    from lightning_ckpt.plan.foreign import existing_checkpointing
 
     torch.manual_seed(0)
     model = KwargModel()
@@ -656,7 +648,7 @@ def test_torch_checkpoint_wrapper_is_refused():
 def test_composable_checkpoint_is_refused():
     from torch.distributed._composable import checkpoint as composable_checkpoint
 
-    from lightning_ckpt import existing_checkpointing
+    from lightning_ckpt.plan.foreign import existing_checkpointing
 
     torch.manual_seed(0)
     model = KwargModel()
@@ -669,7 +661,7 @@ def test_composable_checkpoint_is_refused():
 
 
 def test_a_models_own_checkpointing_flags_are_refused():
-    from lightning_ckpt import existing_checkpointing
+    from lightning_ckpt.plan.foreign import existing_checkpointing
 
     torch.manual_seed(0)
     model = KwargModel()

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ckpt import DiscoveryError, discover_blocks
+from lightning_ckpt import discover_blocks
+from lightning_ckpt.errors import DiscoveryError
 from lightning_ckpt.testing import GPT, GPTConfig
 from lightning_ckpt.testing.nanogpt import Block
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ckpt import DiscoveryError, baselines, discover_blocks
+from lightning_ckpt import baselines, discover_blocks
+from lightning_ckpt.errors import DiscoveryError
 from lightning_ckpt.search.space import SearchSpace
 
 

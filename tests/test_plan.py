@@ -7,7 +7,8 @@ import stat
 
 import pytest
 
-from lightning_ckpt import BlockPlan, Plan, PlanError, StalePlanError, apply_plan, baselines, model_fingerprint
+from lightning_ckpt import BlockPlan, Plan, PlanError, StalePlanError, apply_plan, baselines
+from lightning_ckpt.model import model_fingerprint
 from lightning_ckpt.plan.schema import SCHEMA_VERSION
 from lightning_ckpt.testing import GPT, GPTConfig
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from lightning_ckpt import baselines, discover_blocks, model_fingerprint
+from lightning_ckpt import baselines, discover_blocks
 from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.model import model_fingerprint
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.testing import GPT, GPTConfig
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ckpt import LightningCkptError, UnsupportedVersionError, versions
+from lightning_ckpt import LightningCkptError, versions
+from lightning_ckpt.errors import UnsupportedVersionError
 from lightning_ckpt.versions import (
     QUIET_ENV,
     TORCH_NEWEST_TESTED,
