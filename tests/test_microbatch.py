@@ -67,9 +67,12 @@ def test_joint_search_keeps_the_global_batch_and_the_optimisation(tmp_path):
         activation_budget=0.6,
         plan_path=tmp_path / "plan.json",
         verbose=False,
-        search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+        # The user's confirmation settings hold in the joint search too (it once replaced confirm_rounds by 3,
+        # so these failed at fit start).
+        search=dict(n_trials=6, measure_steps=1, search_space=SPACE, confirm_rounds=2, confirm_max_rounds=2),
     )
     tuned = _fit(tmp_path, [tuner], BatchedGPT(8))
+    assert all(len(t.confirmation_seconds) <= 2 for t in tuner.result.trials)
     spec = tuner.micro_batch
     assert spec["size"] * spec["accumulation"] == spec["global"] == 8
     result = tuner.result

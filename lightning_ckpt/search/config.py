@@ -49,9 +49,10 @@ class TuneConfig:
     count_flops: count recompute FLOPs per trial. enforce_budget: cap the CUDA allocator during trials.
     process_warmup_steps: untimed steps before the first trial (thread pools, allocator growth).
     confirm_top / confirm_rounds / confirm_max_rounds: the tuned leaders re-timed side by side with every fitting
-    baseline, at least ``confirm_rounds`` and at most ``confirm_max_rounds`` interleaved rounds: rounds are added
-    until each leader's 90% interval against the fastest baseline is on one side of ``1 + tie_tolerance``
-    (``verdict.py``, ``study.confirm``).
+    baseline in interleaved rounds: after ``confirm_rounds`` the plans that are settled (a tuned plan whose 90%
+    interval against the fastest baseline lies below ``1 + tie_tolerance``, a baseline clearly slower than it) stop
+    being timed, and a tuned plan that can still win is timed for all ``confirm_max_rounds`` (``verdict.py``,
+    ``confirm.confirm_interleaved``).
     allow_graph_breaks: under ``torch.compile``, let plans that add graph breaks win on throughput.
     memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every
     benchmarked model), a trial's memory is its prediction and only the plans that can still be chosen
@@ -81,7 +82,7 @@ class TuneConfig:
     process_warmup_steps: int = 2
     confirm_top: int = 3
     confirm_rounds: int = 3
-    confirm_max_rounds: int = 8
+    confirm_max_rounds: int = 6
     allow_graph_breaks: bool = False
     memory_pass: Literal["finalists", "every"] = "finalists"
     predict_time: bool = True

@@ -51,7 +51,7 @@ from lightning_ckpt.search.records import (
     choose_plan,
 )
 from lightning_ckpt.search.runners import TrialRunner
-from lightning_ckpt.search.tune import build_runner, tune
+from lightning_ckpt.search.tune import Prepared, build_runner, tune
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
 
@@ -288,9 +288,7 @@ def _search_each(
                 loss_fn_for(m),
                 optimizer=optimizer,
                 config=config,
-                memory_model=scaled.at(m),
-                budget=budget,
-                optimizer_step=opt_mem,
+                prepared=Prepared(scaled.at(m), budget, opt_mem),
                 batch_size=m,
                 extra_tensors=extra_for(m),
                 progress=_labelled(progress, m, global_batch, streamed),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from lightning_ckpt.search.study import SearchInterrupted, Study
 from lightning_ckpt.versions import require_torch
 
 __all__ = [
+    "Prepared",
     "SearchInterrupted",
     "TrialRecord",
     "TrialStatus",
@@ -87,6 +88,17 @@ def build_runner(
     return EagerRunner(harness, count_flops=config.count_flops, reserve_headroom_bytes=reserve_headroom)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What a caller already measured for ``tune``, so it does not profile, resolve the budget or measure the
+    optimizer step again: the joint micro-batch search profiles twice, scales the profile to each micro-batch
+    and resolves one budget for all of them."""
+
+    memory_model: Any  # a ``MemoryModel`` (or one scaled to a micro-batch: ``microbatch.ScaledMemoryModel``)
+    budget: Budget
+    optimizer_step: OptimizerStepMemory
+
+
 # The oldest torch on which the FSDP2 tests (tests/test_fsdp.py: per-rank memory, ranks agree, weights equal
 # one process) pass; below it tuning a sharded model refuses, applying a saved plan does not.
 FSDP2_TUNING_VERIFIED = (2, 9)
@@ -106,10 +118,8 @@ def tune(
     progress: ProgressFn | None = None,
     extra_tensors: tuple[Any, ...] = (),
     sync: Sync | None = None,
-    memory_model: Any = None,
-    budget: Budget | None = None,
+    prepared: Prepared | None = None,
     compiled: bool | None = None,
-    optimizer_step: OptimizerStepMemory | None = None,
     should_stop: Callable[[], bool] | None = None,
     **settings: Any,
 ) -> TuneResult:
@@ -125,12 +135,12 @@ def tune(
     The budget covers the training step as it will run after lock-in, not just the trial: with an
     ``optimizer``, one ``optimizer.step()`` is measured (and undone, see ``optimizer_measure.py``) and every
     trial's peak becomes ``max(forward+backward peak + the state the first step creates, the optimizer
-    step's peak)``. ``optimizer_step`` passes that measurement in when the caller already has it.
+    step's peak)``.
     HF KV caches are turned off for the search (``caches.py``).
 
     ``sync`` (a ``lightning_ckpt.search.distributed.Sync``) runs the search on several ranks in lockstep.
-    ``memory_model`` and ``budget`` replace the profile and the budget resolution when the caller
-    already has them (the joint micro-batch search profiles once and scales). ``compiled`` (default:
+    ``prepared`` (a ``Prepared``) replaces the profile, the budget resolution and the optimizer-step
+    measurement when the caller already has them (the joint micro-batch search profiles once and scales). ``compiled`` (default:
     detected) makes every trial compile its plan; plans that add graph breaks are ``conflict`` trials.
     ``should_stop`` is polled between trials (the callback passes Lightning's SIGTERM flag); when it
     returns True the search ends with ``SearchInterrupted`` and the model is left as it was.
@@ -165,9 +175,7 @@ def tune(
             config=config,
             progress=progress,
             sync=sync,
-            memory_model=memory_model,
-            budget=budget,
-            optimizer_step=optimizer_step,
+            prepared=prepared,
             should_stop=should_stop,
         )
     finally:
@@ -185,13 +193,14 @@ def _search(
     config: TuneConfig,
     progress: ProgressFn | None,
     sync: Sync | None,
-    memory_model: Any,
-    budget: Budget | None,
-    optimizer_step: OptimizerStepMemory | None,
+    prepared: Prepared | None,
     should_stop: Callable[[], bool] | None,
 ) -> TuneResult:
-    """Profile (unless ``memory_model`` is given), resolve the budget, then run, confirm and choose the study."""
+    """Profile (unless ``prepared``), resolve the budget, then run, confirm and choose the study."""
     device, optimizer, seq_len = resolved.device, harness.optimizer, harness.seq_len
+    memory_model = prepared.memory_model if prepared is not None else None
+    budget = prepared.budget if prepared is not None else None
+    optimizer_step = prepared.optimizer_step if prepared is not None else None
     is_compiled = isinstance(runner, CompiledTrials)
     if memory_model is None:
         with eager_while_profiling(is_compiled):
