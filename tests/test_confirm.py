@@ -66,6 +66,14 @@ def test_a_plan_that_can_win_is_timed_for_every_round_and_settled_plans_stop_bei
     assert side.reference == 0
     assert len(side.per_sample[1]) == 3 and len(side.per_sample[3]) == 3, "settled entries stop after 3 rounds"
     assert len(side.per_sample[2]) == 8 and len(side.per_sample[0]) == 8, "a plan that can win runs every round"
+    # Two baselines that a few rounds cannot tell apart get every round: the one kept must be the faster.
+    log.clear()
+    close = {
+        "full": [1.0, 0.9, 1.1, 1.0, 0.95, 1.05, 1.0, 1.0],
+        "segments": [1.0, 1.1, 0.9, 0.98, 1.02, 1.0, 1.0, 0.97],
+    }
+    side = confirm_interleaved(_entries(close, {"full", "segments"}, log), min_rounds=3, max_rounds=8)
+    assert len(side.per_sample[0]) == 8 and len(side.per_sample[1]) == 8
     # When nothing can win any more, the rounds end after the minimum.
     log.clear()
     losing = {"full": [1.0] * 8, "hopeless": [1.2] * 8}

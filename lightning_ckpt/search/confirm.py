@@ -158,14 +158,19 @@ class SideBySide:
         return [n for n in self.per_sample if n not in self.baselines and self.per_sample[n]]
 
     def decided(self, tie_tolerance: float) -> bool:
-        """No tuned entry can win against the reference any more (without a reference: the leader is separated):
-        further rounds could not change the choice."""
+        """No tuned entry can win against the reference any more, and every other baseline is clearly slower than
+        the reference (without a reference: the leader is separated): further rounds could not change the choice."""
         ref = self.reference
         if ref is None:
             return _separated(self.per_sample)
         labels: dict[int, str] = {}
         verdicts = [self.verdict(n, labels, tie_tolerance) for n in self.tuned()]
-        return all(v is not None and v.cannot_win for v in verdicts)
+        if not all(v is not None and v.cannot_win for v in verdicts):
+            return False
+        # Which baseline is the reference must be settled too: the one kept is then the fastest, not the one a
+        # noisy round favoured (a 3-round tie between baselines once kept one 0.82x the fastest).
+        others = {b for b in self.baselines - {ref} if self.per_sample.get(b)}
+        return others <= self.settled(tie_tolerance)
 
     def settled(self, tie_tolerance: float) -> set[int]:
         """Entries further rounds need not time: tuned plans that cannot win, baselines clearly slower than the
