@@ -139,7 +139,7 @@ class Verdict:
             return "no tuned plan was re-timed beside it"
         if self.outcome == "baseline":
             return f"not faster by more than {self.threshold - 1:.0%} ({pct} interval)"
-        return f"the machine could not separate them in {self.rounds} rounds ({pct} interval)"
+        return f"the machine could not separate them ({pct} interval)"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "outcome": self.outcome}
