@@ -478,7 +478,10 @@ def test_the_result_line_summary_and_warning_show_the_verdict_with_its_interval(
     noisy = Verdict.of("baseline:selective_mlp", ref, "tuned", {0: 0.8, 1: 1.1, 2: 0.9, 3: 1.05}, tie_tolerance=0.01)
     assert noisy.outcome == "undecided"
     kept = report.result_line(_with_verdict(result, noisy))
-    assert "kept the baseline selective_mlp: best tuned plan" in kept and "4 rounds, the machine could not separate them" in kept
+    assert (
+        "kept the baseline selective_mlp: best tuned plan" in kept
+        and "4 rounds, the machine could not separate them" in kept
+    )
     warning = report.timing_warning(_with_verdict(result, noisy))
     assert warning is not None and noisy.describe() in warning and "baseline was kept" in warning
     # TensorBoard: the ratio and its bounds as scalars.
