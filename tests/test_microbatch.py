@@ -73,6 +73,9 @@ def test_joint_search_keeps_the_global_batch_and_the_optimisation(tmp_path):
     )
     tuned = _fit(tmp_path, [tuner], BatchedGPT(8))
     assert all(len(t.confirmation_seconds) <= 2 for t in tuner.result.trials)
+    # The plan records the joint confirmation's verdict (across micro-batches), not one micro-batch's own.
+    verdict = tuner.result.best.metadata["search"].get("verdict")
+    assert verdict is None or "[micro-batch" in verdict["reference"]
     spec = tuner.micro_batch
     assert spec["size"] * spec["accumulation"] == spec["global"] == 8
     result = tuner.result

@@ -131,21 +131,10 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
     if counts["confirmed"]:
         lines.append(f"{pad}{counts['confirmed']} of the measured re-timed side by side to confirm the choice")
     lines.append(f"{pad}{cap} caps the plans measured; pruned plans do not count towards it")
-    verdict = _verdict(search)
+    verdict = Verdict.recorded(search)
     if verdict is not None:
         lines.append(f"  verdict    {verdict.describe()}: {verdict.outcome} ({verdict.explain()})")
     return lines
-
-
-def _verdict(search: Mapping[str, Any]) -> Verdict | None:
-    """The confirmation's verdict the file records (``metadata.search.verdict``), None where it has none."""
-    data = search.get("verdict")
-    if not isinstance(data, Mapping):
-        return None
-    try:
-        return Verdict.from_dict(data)
-    except (KeyError, TypeError):
-        return None
 
 
 def _or_unknown(x: Any) -> str:
@@ -319,7 +308,7 @@ def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
         "baselines": {name: dict(b) for name, b in baselines.items() if isinstance(b, Mapping)},
         "trials": trial_counts(search) if search else None,
         "fell_back": search.get("fell_back") if search else None,
-        "verdict": verdict.to_dict() if search and (verdict := _verdict(search)) is not None else None,
+        "verdict": verdict.to_dict() if search and (verdict := Verdict.recorded(search)) is not None else None,
         "predicted_block_memory": block_memory,
         "plan": plan.to_dict(),
     }

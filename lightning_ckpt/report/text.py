@@ -142,8 +142,7 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
 
 def verdict_of(result: TuneResult) -> Verdict | None:
     """The confirmation's verdict the chosen plan's metadata holds (``metadata.search.verdict``), if any."""
-    data = (result.best.metadata.get("search") or {}).get("verdict")
-    return Verdict.from_dict(data) if isinstance(data, Mapping) else None
+    return Verdict.recorded(result.best.metadata.get("search"))
 
 
 def _verdict_phrase(verdict: Verdict) -> str:

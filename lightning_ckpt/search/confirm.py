@@ -19,7 +19,7 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.records import TrialRecord
 from lightning_ckpt.search.runners import TrialRunner
-from lightning_ckpt.search.verdict import Verdict
+from lightning_ckpt.search.verdict import Verdict, paired_interval
 
 __all__ = [
     "ConfirmEntry",
@@ -28,6 +28,7 @@ __all__ = [
     "beats_by",
     "confirm_interleaved",
     "retimer",
+    "reported_verdict",
     "speed_change",
     "verdict_between",
 ]
@@ -181,10 +182,8 @@ class SideBySide:
         labels: dict[int, str] = {}
         out = {n for n in self.tuned() if (v := self.verdict(n, labels, tie_tolerance)) is not None and v.cannot_win}
         for b in self.baselines - {ref}:
-            if (
-                self.per_sample.get(b)
-                and Verdict.of("", self.by_round(b), "", self.by_round(ref), tie_tolerance=0.0).wins
-            ):
+            low = paired_interval(self.by_round(b), self.by_round(ref))[1]  # the reference's speed over b's
+            if low is not None and low > 1.0:
                 out.add(b)
         return out
 
@@ -260,6 +259,25 @@ def verdict_between(
         return None
     labels = {trial.number: trial.label, reference.number: reference.label}
     return side.verdict(trial.number, labels, tie_tolerance, reference=reference.number)
+
+
+def reported_verdict(
+    side: SideBySide | None, records: Sequence[TrialRecord], best: TrialRecord, tie_tolerance: float
+) -> Verdict | None:
+    """The verdict the reports show for a choice: the chosen tuned plan's against the fastest confirmed fitting
+    baseline, or, when a baseline is kept, the best confirmed tuned plan's against it (why it was kept); None
+    without a confirmed fitting baseline (nothing to compare against)."""
+    confirmed = [t for t in records if t.feasible and t.confirmed and t.samples_per_second]
+    baselines = [t for t in confirmed if t.baseline is not None]
+    if not baselines:
+        return None
+    reference = max(baselines, key=lambda t: t.samples_per_second or 0.0)
+    if best.baseline is None:
+        return verdict_between(side, best, reference, tie_tolerance)
+    tuned = [v for t in confirmed if t.baseline is None and (v := verdict_between(side, t, reference, tie_tolerance))]
+    if not tuned:
+        return Verdict.of(reference.label, {}, None, None, tie_tolerance=tie_tolerance)
+    return max(tuned, key=lambda v: v.ratio or 0.0)
 
 
 def beats_by(side: SideBySide | None, tie_tolerance: float) -> Callable[[TrialRecord, TrialRecord], bool | None]:

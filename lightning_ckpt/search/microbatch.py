@@ -41,6 +41,7 @@ from lightning_ckpt.search.confirm import (
     apply_confirmation,
     beats_by,
     confirm_interleaved,
+    reported_verdict,
     retimer,
 )
 from lightning_ckpt.search.records import (
@@ -52,6 +53,7 @@ from lightning_ckpt.search.records import (
 )
 from lightning_ckpt.search.runners import TrialRunner
 from lightning_ckpt.search.tune import Prepared, build_runner, tune
+from lightning_ckpt.search.verdict import Verdict
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
 
@@ -213,7 +215,9 @@ def tune_micro_batch(
     m = int(best.micro_batch or base_micro_batch)
     spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch}
     result = TuneResult(
-        best=_chosen_plan(best, per_m[m].best, {**spec, "tie_tolerance": tie}),
+        best=_chosen_plan(
+            best, per_m[m].best, {**spec, "tie_tolerance": tie}, reported_verdict(side, trials, best, tie)
+        ),
         best_trial=best,
         trials=tuple(trials),
         budget=budget,
@@ -324,9 +328,10 @@ def _confirmed(
     return apply_confirmation(trials, entries, side.per_sample), side
 
 
-def _chosen_plan(best: TrialRecord, searched: Plan, micro_batch: Mapping[str, Any]) -> Plan:
+def _chosen_plan(best: TrialRecord, searched: Plan, micro_batch: Mapping[str, Any], verdict: Verdict | None) -> Plan:
     """The chosen plan with its micro-batch's search metadata (``searched``: that search's chosen plan), its
-    own figures and the micro-batch spec."""
+    own figures, the micro-batch spec and the joint confirmation's verdict (across micro-batches: the one that
+    chose; without a joint confirmation, none)."""
     base = searched if searched == best.plan else best.plan
     measured = {
         "label": best.label,
@@ -336,6 +341,8 @@ def _chosen_plan(best: TrialRecord, searched: Plan, micro_batch: Mapping[str, An
         "predicted_peak_bytes": best.predicted_peak_bytes,
     }
     search = {k: v for k, v in searched.metadata.items() if k not in ("measured",)}
+    inner = {k: v for k, v in (search.get("search") or {}).items() if k != "verdict"}
+    search["search"] = {**inner, **({"verdict": verdict.to_dict()} if verdict is not None else {})}
     return base.with_metadata(**search, measured=measured, micro_batch=dict(micro_batch))
 
 

@@ -33,9 +33,9 @@ from lightning_ckpt.search.confirm import (
     apply_confirmation,
     beats_by,
     confirm_interleaved,
+    reported_verdict,
     retimer,
     speed_change,
-    verdict_between,
 )
 from lightning_ckpt.search.distributed import LocalSync, Sync, combine_trials
 from lightning_ckpt.search.proposers import Proposal, Proposer, SamplerProposer, fastest_fitting
@@ -398,10 +398,6 @@ class Study:
         return [ConfirmEntry(t, retimer(self.runner, t.plan, steps), self.samples_per_step, steps + 1) for t in trials]
 
     # -- the choice ----------------------------------------------------------------------------------
-    def verdict(self, trial: TrialRecord, reference: TrialRecord) -> Verdict | None:
-        """``trial`` against ``reference`` from the confirmation's paired rounds; None where either was not re-timed."""
-        return verdict_between(self.side, trial, reference, self.tie_tolerance)
-
     def choose(self) -> tuple[TrialRecord, bool, str]:
         """(chosen trial, fell back, fallback warning) by ``records.choose_plan``: a tuned plan beats the fastest
         fitting baseline only by its verdict; a plan that never ran is never chosen, and none is chosen on
@@ -418,19 +414,8 @@ class Study:
         )
 
     def final_verdict(self, best: TrialRecord) -> Verdict | None:
-        """The verdict the reports show: the chosen tuned plan's against the reference, or, when a baseline is kept,
-        the best confirmed tuned plan's against it (why it was kept); None without a confirmed fitting baseline."""
-        confirmed = [t for t in self.records if t.feasible and t.confirmed and t.samples_per_second]
-        baselines = [t for t in confirmed if t.baseline is not None]
-        if not baselines:
-            return None
-        reference = max(baselines, key=lambda t: t.samples_per_second or 0.0)
-        if best.baseline is None:
-            return self.verdict(best, reference)
-        tuned = [v for t in confirmed if t.baseline is None and (v := self.verdict(t, reference)) is not None]
-        if not tuned:
-            return Verdict.of(reference.label, {}, None, None, tie_tolerance=self.tie_tolerance)
-        return max(tuned, key=lambda v: v.ratio or 0.0)
+        """The verdict the reports show for ``best`` (``confirm.reported_verdict``)."""
+        return reported_verdict(self.side, self.records, best, self.tie_tolerance)
 
     def _measure_again(self, trial: TrialRecord) -> None:
         self.measure(trial.params, trial.plan, trial.label, trial.baseline, prune=None)

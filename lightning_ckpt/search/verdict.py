@@ -149,6 +149,18 @@ class Verdict:
         names = ("reference", "candidate", "ratio", "low", "high", "rounds", "threshold", "confidence")
         return cls(**{k: data[k] for k in names if k in data})
 
+    @classmethod
+    def recorded(cls, search: Mapping[str, Any] | None) -> Verdict | None:
+        """The verdict a plan file's ``metadata.search`` records, None where it records none (or a malformed one):
+        what the reports and ``lightning-ckpt show`` read."""
+        data = search.get("verdict") if isinstance(search, Mapping) else None
+        if not isinstance(data, Mapping):
+            return None
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError):
+            return None
+
 
 def speeds_by_round(per_round: Sequence[float | None]) -> dict[int, float]:
     """A plan's per-round figures (None where it was not timed that round) keyed by round index."""
