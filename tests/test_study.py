@@ -5,6 +5,7 @@ Optuna study it stores (one trial per plan, final figures, constraints, resume a
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import statistics
 import warnings
@@ -460,7 +461,12 @@ def test_when_the_machines_speed_changes_mid_search_no_plan_slower_than_a_fittin
         baselines = [t for t in fitting if t.baseline is not None]
         assert all(t.confirmed for t in baselines), "every fitting baseline is re-timed beside the leaders"
         fastest_baseline = max(t.samples_per_second for t in baselines)
-        assert result.best_trial.samples_per_second >= fastest_baseline, (seed, result.best_trial.label)
+        if result.best_trial.baseline is None:  # a tuned plan: its fresh rounds find it faster than the reference
+            verdict = Verdict.recorded(result.best.metadata["search"])
+            assert verdict.chosen_after and verdict.ratio > 1.0 and verdict.outcome == "tuned", (seed, verdict)
+            assert verdict.reference == max(baselines, key=lambda t: t.samples_per_second).label, seed
+        else:
+            assert result.best_trial.samples_per_second == fastest_baseline, (seed, result.best_trial.label)
     assert min(ratios) >= 0.97, sorted(round(r, 3) for r in ratios)[:5]
 
 
@@ -584,3 +590,58 @@ def test_a_tuned_plan_within_the_noise_of_the_baseline_is_not_chosen_and_a_clear
         assert verdict["rounds"] >= 3 and verdict["candidate"] == tuned.describe()
         if expected == "tuned":
             assert verdict["low"] > 1.01 and verdict["low"] <= factor <= verdict["high"] * 1.02
+
+
+def _tied_winners_claims(holdout_rounds: int, seeds: range, noise: float = 0.2, true: float = 1.12) -> list[float]:
+    """log(claimed / true ratio) of the reported verdict over ``seeds``: every tuned plan that fits is truly
+    ``true`` times as fast as every baseline, so which one the confirmation chooses is the noise's pick among
+    equals (a busy machine: ``noise`` 20% per step)."""
+    errors = []
+    for seed in seeds:
+        speed = {c.plan.key(): (1.0 if c.baseline else 1 / true) for c in CANDIDATES}
+        runner = FakeRunner(noise=noise, seed=seed, speed=speed)
+        s = study(runner, Budget("peak", 800), seed=seed, holdout_rounds=holdout_rounds)
+        s.run()
+        s.confirm()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = s.result(extra_steps=0)
+        verdict = Verdict.recorded(result.best.metadata["search"])
+        if result.best_trial.baseline is None:
+            errors.append(math.log(verdict.ratio / true))
+    return errors
+
+
+def test_the_claimed_ratio_comes_from_fresh_rounds_not_the_ones_that_chose_the_plan():
+    # Winner's curse: among tied leaders, the rounds that chose one favour it. Their verdict overstates the
+    # speed-up; fresh rounds of the chosen plan and the reference do not (the same runs, seeded).
+    seeds = range(24)
+    chosen_by = _tied_winners_claims(0, seeds)
+    fresh = _tied_winners_claims(3, seeds)
+    assert len(chosen_by) >= 12 and len(fresh) >= 12
+    assert statistics.fmean(chosen_by) > 0.02, "the choosing rounds' claim is inflated (what this test guards)"
+    assert abs(statistics.fmean(fresh)) < 0.5 * statistics.fmean(chosen_by), (
+        statistics.fmean(fresh),
+        statistics.fmean(chosen_by),
+    )
+
+
+def test_a_plan_the_fresh_rounds_find_slower_is_not_kept(caplog):
+    fast = CANDIDATES[-1].plan
+    speed = {c.plan.key(): 1.0 for c in CANDIDATES} | {fast.key(): 0.85}
+    runner = FakeRunner(noise=0.01, speed=speed)
+    s = study(runner, Budget("peak", 10_000))
+    s.run()
+    s.confirm()
+    assert s.choose()[0].plan.key() == fast.key()  # the confirmation chose it
+    runner.speed[fast.key()] = 1.2  # ... and then it runs slower than every baseline
+    with caplog.at_level("WARNING"):
+        result = s.result(extra_steps=0)
+    assert result.best_trial.baseline is not None and result.best.key() != fast.key()
+    verdict = Verdict.recorded(result.best.metadata["search"])
+    assert verdict.candidate == s.by_key[fast.key()].label and verdict.ratio < 1.0
+    assert verdict.chosen_after == len(s.side.by_round(s.by_key[fast.key()].number)) and verdict.outcome == "baseline"
+    assert "fresh rounds" in verdict.explain() and "fresh rounds do not find it faster" in caplog.text
+    assert "3 fresh rounds after the" in verdict.describe()
+    # the figures the plan file shows for both come from the fresh rounds
+    assert result.best_trial.samples_per_second > s.by_key[fast.key()].samples_per_second

@@ -71,3 +71,21 @@ def test_t_quantiles():
     assert t_quantile(100) == pytest.approx(1.645)
     with pytest.raises(ValueError):
         t_quantile(0)
+
+
+def test_a_holdout_verdict_needs_only_the_direction_and_says_which_rounds_it_comes_from():
+    import dataclasses
+
+    # Fresh rounds after the 6 that chose the plan: 1.03x with an interval below the threshold still keeps it
+    # (the choosing rounds cleared the threshold); a ratio below 1 does not.
+    fresh = Verdict.of("baseline:full", {0: 1.05, 1: 1.0, 2: 1.04}, "t", {0: 1.0, 1: 1.0, 2: 1.0}, tie_tolerance=0.01)
+    assert not fresh.wins and fresh.low < 1.01  # as a choosing verdict, undecided
+    held = dataclasses.replace(fresh, chosen_after=6)
+    assert held.wins and held.outcome == "tuned" and held.decided
+    assert held.describe().endswith("vs full, 3 fresh rounds after the 6 that chose it")
+    assert "6 rounds that chose it" in held.explain() and Verdict.from_dict(held.to_dict()) == held
+    slower = dataclasses.replace(
+        Verdict.of("baseline:full", {0: 1.0, 1: 0.97, 2: 0.99}, "t", {0: 1.0, 1: 1.0, 2: 1.0}, tie_tolerance=0.01),
+        chosen_after=6,
+    )
+    assert slower.ratio < 1 and not slower.wins and slower.outcome == "baseline" and "fresh rounds" in slower.explain()

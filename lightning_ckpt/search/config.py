@@ -29,6 +29,7 @@ _LOWEST = {
     "confirm_top": 0,
     "confirm_rounds": 1,
     "confirm_max_rounds": 1,
+    "holdout_rounds": 0,
 }
 
 
@@ -53,6 +54,9 @@ class TuneConfig:
     interval against the fastest baseline lies below ``1 + tie_tolerance``, a baseline clearly slower than it) stop
     being timed, and a tuned plan that can still win is timed for all ``confirm_max_rounds`` (``verdict.py``,
     ``confirm.confirm_interleaved``).
+    holdout_rounds: when a tuned plan wins, it and the reference are timed again in this many fresh rounds, and the
+    verdict shown is theirs: the rounds that chose a plan among several favour it (a winner's curse); a plan the
+    fresh rounds do not find faster is not kept. 0: the choosing rounds' verdict is shown.
     allow_graph_breaks: under ``torch.compile``, let plans that add graph breaks win on throughput.
     memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every
     benchmarked model), a trial's memory is its prediction and only the plans that can still be chosen
@@ -83,6 +87,7 @@ class TuneConfig:
     confirm_top: int = 3
     confirm_rounds: int = 3
     confirm_max_rounds: int = 6
+    holdout_rounds: int = 3
     allow_graph_breaks: bool = False
     memory_pass: Literal["finalists", "every"] = "finalists"
     predict_time: bool = True

@@ -41,6 +41,7 @@ from lightning_ckpt.search.confirm import (
     apply_confirmation,
     beats_by,
     confirm_interleaved,
+    holdout,
     reported_verdict,
     retimer,
 )
@@ -183,7 +184,9 @@ def tune_micro_batch(
     budget = requested.resolve(device=resolved.device, none_activation_bytes=none_at_base)
 
     feasible, skipped = _feasible_micro_batches(candidates, scaled, opt_mem, budget, resolved.stacks, global_batch)
-    per_m_config = replace(config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback")
+    per_m_config = replace(
+        config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback", holdout_rounds=0
+    )  # the joint choice is held out, not each micro-batch's
     per_m = _search_each(
         model,
         loss_fn_for,
@@ -212,12 +215,13 @@ def tune_micro_batch(
         nothing_fits=lambda _: f"No (plan, micro-batch) combination fits the budget ({budget.description}).",
         beats=beats_by(side, tie),
     )
+    verdict = reported_verdict(side, trials, best, tie)
+    if not fell_back:
+        best, trials, verdict = _held_out(best, trials, side, entries, config, verdict)
     m = int(best.micro_batch or base_micro_batch)
     spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch}
     result = TuneResult(
-        best=_chosen_plan(
-            best, per_m[m].best, {**spec, "tie_tolerance": tie}, reported_verdict(side, trials, best, tie)
-        ),
+        best=_chosen_plan(best, per_m[m].best, {**spec, "tie_tolerance": tie}, verdict),
         best_trial=best,
         trials=tuple(trials),
         budget=budget,
@@ -326,6 +330,32 @@ def _confirmed(
         tie_tolerance=config.tie_tolerance,
     )
     return apply_confirmation(trials, entries, side.per_sample), side
+
+
+def _held_out(
+    best: TrialRecord,
+    trials: list[TrialRecord],
+    side: SideBySide | None,
+    entries: Sequence[ConfirmEntry],
+    config: TuneConfig,
+    verdict: Verdict | None,
+) -> tuple[TrialRecord, list[TrialRecord], Verdict | None]:
+    """The joint choice held out as a single search's is (``confirm.holdout``): the chosen (plan, micro-batch) and
+    the reference in fresh rounds; the reference is kept where they do not find the choice faster."""
+    by_number = {e.trial.number: e for e in entries}
+    held, reference, fresh = holdout(
+        best,
+        trials,
+        side,
+        lambda t: by_number[t.number],
+        rounds=config.holdout_rounds,
+        tie_tolerance=config.tie_tolerance,
+    )
+    if reference is None:
+        return best, trials, verdict
+    now = {t.number: t for t in held}
+    kept = now[best.number] if fresh is not None and fresh.wins else now[reference.number]
+    return kept, held, fresh
 
 
 def _chosen_plan(best: TrialRecord, searched: Plan, micro_batch: Mapping[str, Any], verdict: Verdict | None) -> Plan:

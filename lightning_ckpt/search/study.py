@@ -33,6 +33,7 @@ from lightning_ckpt.search.confirm import (
     apply_confirmation,
     beats_by,
     confirm_interleaved,
+    holdout,
     reported_verdict,
     retimer,
     speed_change,
@@ -117,6 +118,7 @@ class Study:
         self.started = time.perf_counter()
         self.tie_tolerance = config.tie_tolerance
         self.side: SideBySide | None = None  # the confirmation's rounds (confirm()), which the verdicts come from
+        self.held_out: Verdict | None = None  # the chosen tuned plan's verdict from fresh rounds (``_held_out``)
         self.speed_changes: list[str] = []  # what confirm() saw of the machine's speed changing (report, plan file)
         limit = (
             budget.limit_bytes if config.enforce_budget and budget.kind == "peak" and device_type == "cuda" else None
@@ -414,8 +416,47 @@ class Study:
         )
 
     def final_verdict(self, best: TrialRecord) -> Verdict | None:
-        """The verdict the reports show for ``best`` (``confirm.reported_verdict``)."""
+        """The verdict the reports show for ``best``: the fresh rounds' where a tuned plan was chosen and held out
+        (``_held_out``), else the confirmation's (``confirm.reported_verdict``)."""
+        if self.held_out is not None:
+            return self.held_out
         return reported_verdict(self.side, self.records, best, self.tie_tolerance)
+
+    def _held_out(self, best: TrialRecord) -> TrialRecord:
+        """``best``, or the reference where fresh rounds (``confirm.holdout``, ``holdout_rounds``) do not find the
+        tuned plan the confirmation chose faster than it. Their figures replace both plans' confirmation figures,
+        so the plan file's throughput and its verdict say the same."""
+        steps = self.config.measure_steps
+        self.records, reference, self.held_out = holdout(
+            best,
+            self.records,
+            self.side,
+            lambda t: self._entries([t], steps)[0],
+            rounds=self.config.holdout_rounds,
+            tie_tolerance=self.tie_tolerance,
+            sync=self.sync,
+        )
+        if reference is None:
+            return best
+        for t in self.records:
+            if t.confirmed:
+                self._update(t)
+        verdict = self.held_out
+        if verdict is not None and verdict.wins:
+            return self.by_key[best.plan.key()]
+        self.verify([self.by_key[reference.plan.key()]])
+        kept = self.by_key[reference.plan.key()]
+        if not kept.feasible:  # its measured memory is over budget after all: the tuned plan stays
+            self.held_out = None
+            return self.by_key[best.plan.key()]
+        log.warning(
+            "lightning_ckpt: %s was chosen by the confirmation but fresh rounds do not find it faster than %s (%s): "
+            "the baseline is kept.",
+            best.label,
+            reference.label,
+            verdict.describe() if verdict is not None else "it did not run",
+        )
+        return kept
 
     def _measure_again(self, trial: TrialRecord) -> None:
         self.measure(trial.params, trial.plan, trial.label, trial.baseline, prune=None)
@@ -440,6 +481,8 @@ class Study:
 
         try:
             best, fell_back, fallback_message = self.choose()
+            if not fell_back:
+                best = self._held_out(best)
         except (InfeasibleBudgetError, TrialsFailedError):
             self.store.finish(self.by_key)  # the search is over: the record shows what was tried
             raise

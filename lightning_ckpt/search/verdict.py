@@ -12,6 +12,12 @@ a plan whose upper bound stays below it cannot win; anything in between is undec
 (``confirm.confirm_interleaved``) until it is decided or the cap is reached, where the baseline is kept and the
 result says the machine could not separate them.
 
+The rounds that choose a plan cannot also say how fast it is: among several leaders, the one chosen is the one
+whose rounds happened to favour it most (measured: claims 5-17% above an outside re-timing of the same plan, every
+error in the same direction). So the chosen plan and the reference are timed again in fresh rounds
+(``confirm.holdout``) and the reported verdict is theirs (``chosen_after``: the rounds that chose it); a plan the
+fresh rounds do not find faster is not kept.
+
 Pure Python (no torch): a plan file's verdict is read by ``lightning-ckpt show`` without importing torch.
 """
 
@@ -83,6 +89,9 @@ class Verdict:
     rounds: int
     threshold: float
     confidence: float = CONFIDENCE
+    # > 0: a holdout verdict: the figures come from fresh rounds, after the ``chosen_after`` rounds that chose the
+    # candidate (which decided: the fresh rounds only have to confirm the direction, not clear the threshold again).
+    chosen_after: int = 0
 
     @classmethod
     def of(
@@ -102,12 +111,18 @@ class Verdict:
 
     @property
     def wins(self) -> bool:
-        """The candidate is faster than the reference by more than the tie tolerance, with ``confidence``."""
+        """The candidate is faster than the reference by more than the tie tolerance, with ``confidence``; for a
+        holdout verdict (``chosen_after``), the fresh rounds find it faster at all."""
+        if self.chosen_after:
+            return self.ratio is not None and self.ratio > 1.0
         return self.low is not None and self.low > self.threshold
 
     @property
     def cannot_win(self) -> bool:
-        """Even the interval's upper bound does not clear the threshold: more rounds would not make it win."""
+        """Even the interval's upper bound does not clear the threshold: more rounds would not make it win (a
+        holdout verdict's rounds are fixed: it cannot win once it did not)."""
+        if self.chosen_after:
+            return not self.wins
         return self.high is not None and self.high <= self.threshold
 
     @property
@@ -123,20 +138,31 @@ class Verdict:
         return "baseline" if self.decided else "undecided"
 
     def describe(self) -> str:
-        """``1.06x [1.03, 1.09] vs sqrt_segments, 6 rounds``: the figure every report shows."""
+        """``1.06x [1.03, 1.09] vs sqrt_segments, 6 rounds`` (a holdout: ``..., 3 fresh rounds after the 6 that chose
+        it``): the figure every report shows."""
         name = self.reference.removeprefix("baseline:")
         if self.candidate is None or self.ratio is None:
             return f"{name} kept: no tuned plan was re-timed beside it"
         interval = f" [{self.low:.2f}, {self.high:.2f}]" if self.low is not None and self.high is not None else ""
-        return f"{self.ratio:.2f}x{interval} vs {name}, {self.rounds} round{'s' * (self.rounds != 1)}"
+        rounds = f"{self.rounds} round{'s' * (self.rounds != 1)}"
+        if self.chosen_after:
+            rounds = f"{self.rounds} fresh round{'s' * (self.rounds != 1)} after the {self.chosen_after} that chose it"
+        return f"{self.ratio:.2f}x{interval} vs {name}, {rounds}"
 
     def explain(self) -> str:
         """Why the verdict decided as it did, in words (the result line and the summary add what was kept)."""
         pct = f"{self.confidence:.0%}"
+        if self.outcome == "tuned" and self.chosen_after:
+            return (
+                f"its {pct} interval over the {self.chosen_after} rounds that chose it cleared "
+                f"{self.threshold - 1:.0%}; the fresh rounds' figure is shown"
+            )
         if self.outcome == "tuned":
             return f"faster than the fastest fitting baseline by more than {self.threshold - 1:.0%} ({pct} interval)"
         if self.candidate is None:
             return "no tuned plan was re-timed beside it"
+        if self.chosen_after:
+            return "chosen by the confirmation's rounds but not faster in fresh rounds: the baseline is kept"
         if self.outcome == "baseline":
             return f"not faster by more than {self.threshold - 1:.0%} ({pct} interval)"
         return f"the machine could not separate them ({pct} interval)"
@@ -146,7 +172,7 @@ class Verdict:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
-        names = ("reference", "candidate", "ratio", "low", "high", "rounds", "threshold", "confidence")
+        names = ("reference", "candidate", "ratio", "low", "high", "rounds", "threshold", "confidence", "chosen_after")
         return cls(**{k: data[k] for k in names if k in data})
 
     @classmethod
