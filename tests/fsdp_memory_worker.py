@@ -1,6 +1,7 @@
 """Run by tests/test_fsdp.py: the per-rank memory model under FSDP2 on 2 CPU ranks (gloo), every baseline.
 
-Writes ``<out>/memory<rank>.json``: per baseline, the measured and predicted peak and activation bytes.
+Writes ``<out>/memory<reshard>-<rank>.json`` for each ``reshard_after_forward`` setting asked for (``1,0``: both, in
+one process group, so the test pays one launch): per baseline, the measured and predicted peak and activation bytes.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ import torch
 import torch.distributed as dist
 
 
-def run(rank: int, out: str, reshard: bool, port: str) -> None:
+def run(rank: int, out: str, settings: list[bool], port: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", port
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    for reshard in settings:
+        measure(rank, out, reshard)
+    dist.barrier()  # no rank tears gloo down while the other still talks to it (std::terminate at exit)
+    dist.destroy_process_group()
+
+
+def measure(rank: int, out: str, reshard: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from lightning_ckpt import baselines, plan_applied
@@ -42,14 +50,12 @@ def run(rank: int, out: str, reshard: bool, port: str) -> None:
         rows[name] = {"peak": reading.peak_bytes, "predicted_peak": pred.peak_bytes,
                       "activation": reading.activation_bytes, "predicted_activation": pred.activation_bytes}  # fmt: skip
     local_params = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    Path(out, f"memory{rank}.json").write_text(json.dumps({"rows": rows, "parameter_bytes": mm.parameter_bytes,
+    Path(out, f"memory{int(reshard)}-{rank}.json").write_text(json.dumps({"rows": rows, "parameter_bytes": mm.parameter_bytes,
                                                            "local_parameter_bytes": local_params,
                                                            "unchained": list(mm.unchained_stacks)}))  # fmt: skip
-    dist.barrier()  # no rank tears gloo down while the other still talks to it (std::terminate at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(run, args=(sys.argv[1], sys.argv[2] == "1", sys.argv[3]), nprocs=2)
+    mp.spawn(run, args=(sys.argv[1], [v == "1" for v in sys.argv[2].split(",")], sys.argv[3]), nprocs=2)
