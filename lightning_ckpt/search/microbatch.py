@@ -13,10 +13,8 @@ combination predicted over budget before anything runs.
 
 from __future__ import annotations
 
-import itertools
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,34 +25,23 @@ from torch.utils._pytree import tree_map
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
 from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
-from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory
+from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan
+from lightning_ckpt.search.compile import CompiledTrials
 from lightning_ckpt.search.config import TuneConfig
-from lightning_ckpt.search.confirm import (
-    ConfirmEntry,
-    SideBySide,
-    apply_confirmation,
-    beats_by,
-    confirm_interleaved,
-    holdout,
-    reported_verdict,
-    retimer,
-)
-from lightning_ckpt.search.records import (
-    ProgressFn,
-    TrialRecord,
-    TuneResult,
-    announce_confirmation,
-    choose_plan,
-)
-from lightning_ckpt.search.runners import TrialRunner
-from lightning_ckpt.search.tune import Prepared, build_runner, tune
-from lightning_ckpt.search.verdict import Verdict
+from lightning_ckpt.search.proposers import SamplerProposer
+from lightning_ckpt.search.records import ProgressFn, TuneResult
+from lightning_ckpt.search.runners import release_cached_memory
+from lightning_ckpt.search.space import Candidate, offered_candidates
+from lightning_ckpt.search.study import Study, Workload
+from lightning_ckpt.search.tune import PROFILE_STEPS, WRITE_CHECK_STEPS, build_runner, warm_up_process
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
 
@@ -135,13 +122,12 @@ class ScaledMemoryModel:
 
 @dataclass(frozen=True)
 class MicroBatchResult:
-    """The chosen (plan, micro-batch, accumulation) and every trial that led there."""
+    """The chosen (plan, micro-batch, accumulation) and every trial that led there (one search: ``result``)."""
 
-    result: TuneResult  # all trials of all micro-batches; result.best carries the micro_batch metadata
+    result: TuneResult  # every (plan, micro-batch) trial; result.best carries the micro_batch metadata
     micro_batch: int
     accumulation: int
     global_batch: int
-    per_micro_batch: Mapping[int, TuneResult] = field(default_factory=dict)
     skipped: Mapping[int, str] = field(default_factory=dict)  # micro-batch -> why it was not searched
 
 
@@ -166,73 +152,124 @@ def tune_micro_batch(
     ``loss_fn_for(m)`` returns a zero-argument function running the forward on a batch of ``m``
     samples and returning the loss. The budget is resolved at ``base_micro_batch`` (the user's), so
     ``activation_budget`` means a fraction of *the user's* no-checkpointing activation memory.
-    ``config``/``settings`` as for ``tune``; ``n_trials`` is shared among the micro-batches.
+    ``config``/``settings`` as for ``tune``; ``n_trials`` bounds the whole search.
 
-    Each micro-batch is searched at a different moment, so comparing their winners' figures would
-    compare moments as much as configurations. The choice is therefore made in a confirmation round
-    (``confirm.confirm_interleaved``, on equal samples) between the ``confirm_top`` fastest micro-batches'
-    winners and the reference a user would pick by hand: no checkpointing at the largest micro-batch
-    where it fits. ``confirm_top=0`` chooses from the search figures alone.
+    It is the same engine as ``tune``'s, over a larger space: one ``Study`` whose candidates are (plan,
+    micro-batch) pairs, each run through its micro-batch's ``Workload`` (runner, scaled memory model, samples
+    per step), figures compared per sample. Every micro-batch's baselines are measured first; one confirmation
+    re-times the leaders beside the fastest fitting baselines (across micro-batches) in interleaved rounds, one
+    verdict chooses, and the result's plan carries its micro-batch in ``metadata["micro_batch"]``.
     """
     config = (config or TuneConfig()).with_overrides(settings)
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
-    candidates = _checked_micro_batches(micro_batches, global_batch)
+    sizes = _checked_micro_batches(micro_batches, global_batch)
     started = time.perf_counter()
     resolved = ModelView.of(model, config.block_types)
-    scaled, opt_mem = _scaled_profiles(resolved, loss_fn_for, extra_for, optimizer, base_micro_batch)
-    none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
-    budget = requested.resolve(device=resolved.device, none_activation_bytes=none_at_base)
+    # As in ``tune``: every step starts from the module's Python attributes as they were.
+    python_state = PythonState.capture(resolved.root)
 
-    feasible, skipped = _feasible_micro_batches(candidates, scaled, opt_mem, budget, resolved.stacks, global_batch)
-    per_m_config = replace(
-        config, n_trials=max(3, config.n_trials // len(feasible)), on_infeasible="fallback", holdout_rounds=0
-    )  # the joint choice is held out, not each micro-batch's
-    per_m = _search_each(
-        model,
-        loss_fn_for,
-        feasible,
-        per_m_config,
-        scaled,
-        budget,
-        opt_mem,
-        optimizer,
-        extra_for,
-        progress,
-        global_batch,
-    )
+    def step_for(m: int) -> Callable[[], Any]:
+        return python_state.restoring(loss_fn_for(m))
 
-    trials = _joint_trials(per_m, global_batch)
-    before = sum(t.steps for t in trials)
-    entries = _confirmation_entries(trials, model, resolved, loss_fn_for, extra_for, optimizer, config)
-    trials, side = _confirmed(trials, entries, config, progress)
-    tie = config.tie_tolerance
-    # The Study's own choice and fallback, over every micro-batch's trials at once, by the same verdicts.
-    best, fell_back, fallback_message = choose_plan(
-        lambda: trials,
-        budget,
-        tie_tolerance=tie,
-        on_infeasible=config.on_infeasible,
-        nothing_fits=lambda _: f"No (plan, micro-batch) combination fits the budget ({budget.description}).",
-        beats=beats_by(side, tie),
-    )
-    verdict = reported_verdict(side, trials, best, tie)
-    if not fell_back:
-        best, trials, verdict = _held_out(best, trials, side, entries, config, verdict)
-    m = int(best.micro_batch or base_micro_batch)
-    spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch}
-    result = TuneResult(
-        best=_chosen_plan(best, per_m[m].best, {**spec, "tie_tolerance": tie}, verdict),
-        best_trial=best,
-        trials=tuple(trials),
-        budget=budget,
+    try:
+        find_parameters_written_in_forward(resolved.root, step_for(base_micro_batch))
+        scaled, opt_mem = _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch)
+        none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
+        budget = requested.resolve(device=resolved.device, none_activation_bytes=none_at_base)
+        feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
+        workloads, harnesses = _workloads(
+            resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
+        )
+        result = _search(resolved, workloads, harnesses[0], scaled, opt_mem, budget, config, progress, base_micro_batch)
+    finally:
+        forget_parameters_written_in_forward(resolved.root)
+        python_state.restore()
+        python_state.warn_unrestorable()
+    m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
+    spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch,
+            "tie_tolerance": config.tie_tolerance}  # fmt: skip
+    result = replace(
+        result,
+        best=result.best.with_metadata(micro_batch=spec),
         tuning_seconds=time.perf_counter() - started,
-        tuning_steps=sum(r.tuning_steps for r in per_m.values()) + sum(t.steps for t in trials) - before,
-        fell_back=fell_back,
-        fallback_message=fallback_message,
         memory_table=scaled.at(m).table(),
         memory_breakdown=scaled.at(m).to_dict(),
     )
-    return MicroBatchResult(result, m, global_batch // m, global_batch, per_m, skipped)
+    return MicroBatchResult(result, m, global_batch // m, global_batch, skipped)
+
+
+def _workloads(
+    resolved: ModelView,
+    step_for: Callable[[int], Callable[[], Any]],
+    extra_for: Callable[[int], tuple[Any, ...]],
+    optimizer: torch.optim.Optimizer | None,
+    config: TuneConfig,
+    scaled: ScaledMemoryModel,
+    opt_mem: OptimizerStepMemory,
+    feasible: Sequence[int],
+    global_batch: int,
+) -> tuple[list[Workload], list[StepHarness]]:
+    """One workload per feasible micro-batch, largest first (they are the ones checkpointing can unlock): its
+    harness and runner, and the scaled memory model with the optimizer step (measured once, shared by all)."""
+    workloads, harnesses = [], []
+    for m in sorted(feasible, reverse=True):
+        steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
+        harness = StepHarness(
+            resolved.root, step_for(m), resolved.device, optimizer, extra_for(m), batch_size=m, view=resolved, **steps
+        )
+        runner = build_runner(resolved, harness, config, compiled=None)
+        runner.reserve_headroom_bytes = scaled.at(m).reserve_overhead_bytes
+        harnesses.append(harness)
+        workloads.append(Workload(runner, RealStepMemory(scaled.at(m), opt_mem), m, m, global_batch // m))
+    return workloads, harnesses
+
+
+def _search(
+    resolved: ModelView,
+    workloads: list[Workload],
+    harness: StepHarness,
+    scaled: ScaledMemoryModel,
+    opt_mem: OptimizerStepMemory,
+    budget: Budget,
+    config: TuneConfig,
+    progress: ProgressFn | None,
+    base_micro_batch: int,
+) -> TuneResult:
+    """The one Study over every (plan, micro-batch) candidate: run, confirm, choose."""
+    device = resolved.device
+    is_compiled = isinstance(workloads[0].runner, CompiledTrials)
+    space = config.search_space.for_device(device.type)
+    if is_compiled:
+        space = workloads[0].runner.adapt(space)
+    warm_steps = warm_up_process(harness, resolved, config, is_compiled)
+    stacks, plain = offered_candidates(space, resolved.stacks, resolved.fingerprint, scaled.at(base_micro_batch))
+    candidates = [
+        Candidate({**c.params, "micro_batch": w.micro_batch}, c.plan, w.labelled(c.label), c.baseline)
+        for w in workloads
+        for c in plain
+    ]
+    sizes = sorted(w.micro_batch for w in workloads if w.micro_batch is not None)
+    study = Study(
+        candidates=candidates,
+        space=space,
+        stacks=stacks,
+        budget=budget,
+        config=config,
+        workloads=workloads,
+        proposer=SamplerProposer(config.seed),
+        fingerprint=resolved.fingerprint,
+        device_type=device.type,
+        progress=progress,
+        run={"device": device.type, "compiled": is_compiled, "micro_batches": sizes},
+    )
+    study.run()
+    study.confirm()
+    release_cached_memory(device)
+    run = {"device": str(device), "batch_size": base_micro_batch, "micro_batches": sizes, "compiled": is_compiled}
+    return study.result(
+        extra_steps=2 * PROFILE_STEPS + WRITE_CHECK_STEPS + warm_steps,
+        metadata={"optimizer_step": opt_mem.to_dict(), "run": run},
+    )
 
 
 def _checked_micro_batches(micro_batches: Sequence[int] | None, global_batch: int) -> list[int]:
@@ -271,111 +308,6 @@ def _scaled_profiles(
     return ScaledMemoryModel(profile[lo], profile[hi], lo, hi, base_micro_batch), opt_mem
 
 
-def _search_each(
-    model: nn.Module,
-    loss_fn_for: Callable[[int], Callable[[], Any]],
-    feasible: Sequence[int],
-    config: TuneConfig,
-    scaled: ScaledMemoryModel,
-    budget: Budget,
-    opt_mem: OptimizerStepMemory,
-    optimizer: torch.optim.Optimizer | None,
-    extra_for: Callable[[int], tuple[Any, ...]],
-    progress: ProgressFn | None,
-    global_batch: int,
-) -> dict[int, TuneResult]:
-    """One ``tune`` per feasible micro-batch, sharing the budget, the scaled profile and the optimizer step;
-    largest micro-batches first: they are the ones checkpointing can unlock."""
-    per_m: dict[int, TuneResult] = {}
-    streamed = itertools.count()
-    for m in sorted(feasible, reverse=True):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # per-micro-batch fall-backs are judged jointly
-            per_m[m] = tune(
-                model,
-                loss_fn_for(m),
-                optimizer=optimizer,
-                config=config,
-                prepared=Prepared(scaled.at(m), budget, opt_mem),
-                batch_size=m,
-                extra_tensors=extra_for(m),
-                progress=_labelled(progress, m, global_batch, streamed),
-            )
-    return per_m
-
-
-def _joint_trials(per_m: Mapping[int, TuneResult], global_batch: int) -> list[TrialRecord]:
-    """Every micro-batch's trials in one list, numbered on and labelled with their micro-batch. Confirmations
-    within one micro-batch are dropped: the joint choice compares only figures re-timed side by side."""
-    trials: list[TrialRecord] = []
-    for m, res in per_m.items():
-        for t in res.trials:
-            label = f"{t.label} [micro-batch {m} x{global_batch // m}]"
-            joint = dict(micro_batch=m, accumulation=global_batch // m, confirmation_seconds=())
-            trials.append(replace(t, number=len(trials), label=label, **joint))
-    return trials
-
-
-def _confirmed(
-    trials: list[TrialRecord], entries: Sequence[ConfirmEntry], config: TuneConfig, progress: ProgressFn | None
-) -> tuple[list[TrialRecord], SideBySide | None]:
-    """``trials`` with ``entries`` re-timed side by side until the verdicts are decided, and those rounds."""
-    if not entries:
-        return trials, None
-    announce_confirmation(progress, [e.trial for e in entries])
-    side = confirm_interleaved(
-        entries,
-        min_rounds=config.confirm_rounds,
-        max_rounds=config.confirm_max_rounds,
-        tie_tolerance=config.tie_tolerance,
-    )
-    return apply_confirmation(trials, entries, side.per_sample), side
-
-
-def _held_out(
-    best: TrialRecord,
-    trials: list[TrialRecord],
-    side: SideBySide | None,
-    entries: Sequence[ConfirmEntry],
-    config: TuneConfig,
-    verdict: Verdict | None,
-) -> tuple[TrialRecord, list[TrialRecord], Verdict | None]:
-    """The joint choice held out as a single search's is (``confirm.holdout``): the chosen (plan, micro-batch) and
-    the reference in fresh rounds; the reference is kept where they do not find the choice faster."""
-    by_number = {e.trial.number: e for e in entries}
-    held, reference, fresh = holdout(
-        best,
-        trials,
-        side,
-        lambda t: by_number[t.number],
-        rounds=config.holdout_rounds,
-        tie_tolerance=config.tie_tolerance,
-    )
-    if reference is None:
-        return best, trials, verdict
-    now = {t.number: t for t in held}
-    kept = now[best.number] if fresh is not None and fresh.wins else now[reference.number]
-    return kept, held, fresh
-
-
-def _chosen_plan(best: TrialRecord, searched: Plan, micro_batch: Mapping[str, Any], verdict: Verdict | None) -> Plan:
-    """The chosen plan with its micro-batch's search metadata (``searched``: that search's chosen plan), its
-    own figures, the micro-batch spec and the joint confirmation's verdict (across micro-batches: the one that
-    chose; without a joint confirmation, none)."""
-    base = searched if searched == best.plan else best.plan
-    measured = {
-        "label": best.label,
-        "samples_per_second": best.samples_per_second,
-        "peak_bytes": best.peak_bytes,
-        "activation_bytes": best.activation_bytes,
-        "predicted_peak_bytes": best.predicted_peak_bytes,
-    }
-    search = {k: v for k, v in searched.metadata.items() if k not in ("measured",)}
-    inner = {k: v for k, v in (search.get("search") or {}).items() if k != "verdict"}
-    search["search"] = {**inner, **({"verdict": verdict.to_dict()} if verdict is not None else {})}
-    return base.with_metadata(**search, measured=measured, micro_batch=dict(micro_batch))
-
-
 def _feasible_micro_batches(
     candidates: Sequence[int],
     scaled: ScaledMemoryModel,
@@ -403,58 +335,3 @@ def _feasible_micro_batches(
             "full checkpointing. Raise the budget or reduce the global batch."
         )
     return feasible, skipped
-
-
-def _confirmation_entries(
-    trials: Sequence[TrialRecord],
-    model: nn.Module,
-    resolved: ModelView,
-    loss_fn_for: Callable[[int], Callable[[], Any]],
-    extra_for: Callable[[int], tuple[Any, ...]],
-    optimizer: Any,
-    config: TuneConfig,
-) -> list[ConfirmEntry]:
-    """The leading (plan, micro-batch) pairs to re-time side by side, each through its micro-batch's runner.
-
-    Candidates: the winner of each of the ``confirm_top`` fastest micro-batches, plus no checkpointing at
-    the largest micro-batch where it fits (what tuning must beat). Equal samples, not equal steps: a small
-    micro-batch's steps are short, and timing only a few of them would give it a noisier window.
-    """
-    feasible = [t for t in trials if t.feasible and t.samples_per_second]
-    if config.confirm_top <= 0 or not feasible:
-        return []
-    best_of: dict[int, TrialRecord] = {}
-    for t in sorted(feasible, key=lambda t: -(t.samples_per_second or 0.0)):
-        best_of.setdefault(int(t.micro_batch or 0), t)
-    chosen = sorted(best_of.values(), key=lambda t: -(t.samples_per_second or 0.0))[: config.confirm_top]
-    reference = max((t for t in feasible if t.plan.is_empty), key=lambda t: t.micro_batch or 0, default=None)
-    if reference is not None and all(t.number != reference.number for t in chosen):
-        chosen.append(reference)
-    if len(chosen) < 2:
-        return []
-    samples = config.measure_steps * max(int(t.micro_batch or 1) for t in chosen)
-    runners: dict[int, TrialRunner] = {}
-    entries = []
-    for t in chosen:
-        m = int(t.micro_batch or 1)
-        if m not in runners:
-            harness = StepHarness(resolved.root, loss_fn_for(m), resolved.device, optimizer, extra_for(m), m)
-            runners[m] = build_runner(resolved, harness, config, compiled=None)
-        steps = -(-samples // m)
-        entries.append(ConfirmEntry(t, retimer(runners[m], t.plan, steps), m, steps + 1))
-    return entries
-
-
-def _labelled(
-    progress: Callable[[TrialRecord, Budget], None] | None, m: int, global_batch: int, numbers: Iterator[int]
-) -> Any:
-    """``progress`` for one micro-batch's search: its trials labelled with the micro-batch and numbered on
-    from the searches before it (``numbers``), as in the joint result, so streamed series do not overlap."""
-    if progress is None:
-        return None
-
-    def report(trial: TrialRecord, budget: Budget) -> None:
-        label = f"{trial.label} [micro-batch {m} x{global_batch // m}]"
-        progress(replace(trial, label=label, number=next(numbers)), budget)
-
-    return report

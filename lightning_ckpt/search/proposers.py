@@ -73,7 +73,11 @@ class SearchState(Protocol):
 
     def offered(self, plan: Plan) -> bool: ...
 
-    def predicted_over_budget(self, plan: Plan) -> bool: ...
+    def predicted_over_budget(self, plan: Plan, micro_batch: int | None = None) -> bool: ...
+
+    def suggest(self, asked: Any) -> Candidate:
+        """The candidate an Optuna trial proposes (the space's point, and the micro-batch in the joint search)."""
+        ...
 
 
 class Proposer(Protocol):
@@ -113,14 +117,14 @@ def fastest_fitting(records: Sequence[TrialRecord]) -> list[TrialRecord]:
 
 
 def _unseen(state: SearchState) -> list[Candidate]:
-    return [c for c in state.candidates if c.plan.key() not in state.by_key and state.offered(c.plan)]
+    return [c for c in state.candidates if c.key() not in state.by_key and state.offered(c.plan)]
 
 
 def _baselines_first(state: SearchState, order: Sequence[Candidate]) -> Proposals:
     """Every baseline in ``order`` that the memory model lets run, measured whatever ``n_trials`` (at most a
     handful): the reference set every confirmation re-times. Those predicted over budget are pruned (free)."""
     for cand in order:
-        if cand.baseline is None or cand.plan.key() in state.by_key or not state.offered(cand.plan):
+        if cand.baseline is None or cand.key() in state.by_key or not state.offered(cand.plan):
             continue
         if state.out_of_time():
             return
@@ -142,7 +146,7 @@ class SamplerProposer:
             for cand in _unseen(state):
                 if state.done():
                     return
-                if cand.plan.key() in state.by_key or not state.offered(cand.plan):
+                if cand.key() in state.by_key or not state.offered(cand.plan):
                     continue  # a trial since saw its segments leave the chain
                 record = yield cand.params, cand.plan, cand.label, cand.baseline, None
                 state.store.learn(record)
@@ -150,11 +154,10 @@ class SamplerProposer:
         redraws = 0
         while not state.done() and len(state.by_key) < len(state.candidates):
             ot = state.store.ask()
-            params = state.space.suggest(ot, state.stacks)
-            plan = state.space.plan_for(params, state.stacks, fingerprint=state.fingerprint)
-            if plan.key() not in state.by_key and state.offered(plan):
+            cand = state.suggest(ot)
+            if cand.key() not in state.by_key and state.offered(cand.plan):
                 redraws = 0
-                record = yield params, plan, plan.describe(), None, None
+                record = yield cand.params, cand.plan, cand.label, None, None
                 state.store.tell(ot, record)
                 continue
             state.store.tell(ot, None)  # a known (or unrunnable) plan
@@ -204,7 +207,7 @@ class TimeModelProposer:
     def proposals(self, state: SearchState) -> Proposals:
         self.observe(state.records)  # a resumed study's plans are anchors already
         for cand in _unseen(state):
-            if state.predicted_over_budget(cand.plan):
+            if state.predicted_over_budget(cand.plan, cand.micro_batch):
                 record = yield cand.params, cand.plan, cand.label, cand.baseline, "memory"
                 state.store.learn(record)
         yield from _baselines_first(state, self._ranked(_unseen(state)))

@@ -33,7 +33,13 @@ __all__ = [
     "failures_message",
     "judge_status",
     "lowest_memory",
+    "trial_key",
 ]
+
+
+def trial_key(plan: Plan, micro_batch: int | None) -> str:
+    """What identifies a candidate: its plan, and in the joint search its micro-batch (one record per pair)."""
+    return plan.key() if micro_batch is None else f"{plan.key()}@micro_batch={micro_batch}"
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,9 @@ class TrialRecord:
     @property
     def feasible(self) -> bool:
         return self.status == TrialStatus.OK
+
+    def key(self) -> str:
+        return trial_key(self.plan, self.micro_batch)
 
     @property
     def confirmed(self) -> bool:

@@ -26,6 +26,7 @@ from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.plan.chunks import sqrt_chunks, sqrt_segments
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.save_list_names import SAVE_LIST_NAMES
+from lightning_ckpt.search.records import trial_key
 from lightning_ckpt.stacks import Block, LayerStack
 
 __all__ = ["SearchSpace", "Candidate", "DIMENSIONS", "offered_candidates"]
@@ -63,6 +64,16 @@ class Candidate:
     plan: Plan
     label: str = ""
     baseline: str | None = None  # the baseline's name when the candidate is one
+
+    @property
+    def micro_batch(self) -> int | None:
+        """The joint search's micro-batch dimension (``params["micro_batch"]``); None in a search of one shape."""
+        value = self.params.get("micro_batch")
+        return int(value) if value is not None else None
+
+    def key(self) -> str:
+        """The plan's key, and the micro-batch's where the search has one: ``records.trial_key``."""
+        return trial_key(self.plan, self.micro_batch)
 
 
 def _mode_plan(block: Block, mode: str) -> BlockPlan | None:

@@ -125,7 +125,12 @@ class TrialStore:
 
     # -- opening and resuming ------------------------------------------------------------------------
     def resume(
-        self, sync: Sync, predicted_over_budget: Callable[[Plan], bool], *, known: Collection[str], first_number: int
+        self,
+        sync: Sync,
+        predicted_over_budget: Callable[[Plan, int | None], bool],
+        *,
+        known: Collection[str],
+        first_number: int,
     ) -> list[TrialRecord]:
         """Open the studies (rank 0) and return, on every rank, the plans an earlier run stored (``storage=``)
         that are not ``known`` yet, numbered from ``first_number`` and judged against today's budget; the
@@ -145,8 +150,8 @@ class TrialStore:
         resumed: dict[str, TrialRecord] = {}
         for attrs in message[1]:
             record = _record_from_attrs(first_number + len(resumed), attrs)
-            if record is not None and record.plan.key() not in known and record.plan.key() not in resumed:
-                resumed[record.plan.key()] = record
+            if record is not None and record.key() not in known and record.key() not in resumed:
+                resumed[record.key()] = record
                 self.learn(record)
         return list(resumed.values())
 
@@ -201,7 +206,7 @@ class TrialStore:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 self.record.set_metric_names(list(METRIC_NAMES))
 
-    def _stored_records(self, predicted_over_budget: Callable[[Plan], bool]) -> list[dict[str, Any]]:
+    def _stored_records(self, predicted_over_budget: Callable[[Plan, int | None], bool]) -> list[dict[str, Any]]:
         """Rank 0: the record study's plans (the first trial of each), as attributes of records judged against
         this run's budget; a plan pruned under another budget that now may fit is left out, to be measured."""
         import optuna
@@ -209,11 +214,11 @@ class TrialStore:
         out = []
         for t in self.record.get_trials(deepcopy=False):
             record = _record_from_attrs(0, t.user_attrs)
-            if record is None or record.plan.key() in self._stored:
+            if record is None or record.key() in self._stored:
                 continue  # not ours (no record attributes), or a duplicate left by an older version
             running = t.state == optuna.trial.TrialState.RUNNING
-            self._stored[record.plan.key()] = _StoredTrial(t.number, t._trial_id, running, dict(t.user_attrs))
-            if record.status == TrialStatus.PRUNED and not predicted_over_budget(record.plan):
+            self._stored[record.key()] = _StoredTrial(t.number, t._trial_id, running, dict(t.user_attrs))
+            if record.status == TrialStatus.PRUNED and not predicted_over_budget(record.plan, record.micro_batch):
                 continue
             if record.status.ran:
                 fits = self.budget.fits(record.peak_bytes, record.activation_bytes)
@@ -277,7 +282,7 @@ class TrialStore:
             return
         import optuna
 
-        key, attrs = trial.plan.key(), _attrs(trial)
+        key, attrs = trial.key(), _attrs(trial)
         stored = self._stored.get(key)
         if stored is None:
             params = _optuna_params(trial.params, self.distributions)
@@ -322,8 +327,8 @@ class TrialStore:
 
     def mark_chosen(self, trial: TrialRecord) -> None:
         """Name the chosen plan's trial in the record (``chosen_trial``)."""
-        if self.record is not None and trial.plan.key() in self._stored:
-            self.record.set_user_attr("chosen_trial", self._stored[trial.plan.key()].number)
+        if self.record is not None and trial.key() in self._stored:
+            self.record.set_user_attr("chosen_trial", self._stored[trial.key()].number)
 
 
 def _outcome(
@@ -377,7 +382,10 @@ def _record_from_attrs(number: int, attrs: Mapping[str, Any]) -> TrialRecord | N
     fields["steps"] = int(fields["steps"] or 0)
     fields["memory_measured"] = fields["memory_measured"] is not False  # older studies measured every trial
     fields["confirmation_seconds"] = tuple(fields["confirmation_seconds"] or ())
-    return TrialRecord(number=number, plan=plan, params=dict(attrs.get("params", {})), resumed=True, **fields)
+    params = dict(attrs.get("params", {}))
+    m = params.get("micro_batch")  # the joint search's dimension: the record's micro-batch
+    joint = {"micro_batch": int(m)} if m is not None else {}
+    return TrialRecord(number=number, plan=plan, params=params, resumed=True, **fields, **joint)
 
 
 def _optuna_params(params: Mapping[str, Any], distributions: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_ckpt.budget import Budget
@@ -54,12 +54,32 @@ from lightning_ckpt.search.space import Candidate, SearchSpace
 from lightning_ckpt.search.store import TrialStore
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["CollectiveTrialError", "SearchInterrupted", "Study"]
+__all__ = ["CollectiveTrialError", "SearchInterrupted", "Study", "Workload"]
 
 log = logging.getLogger(__name__)
 
 # After a speed change, at most this many fitting trials are re-ranked side by side before the confirmation.
 _MAX_RERANKED = 24
+# The fitting baselines every confirmation re-times beside the leaders: all of them in a search of one shape (at
+# most five), the fastest this many by their search figures in the joint search (five per micro-batch).
+_MAX_REFERENCES = 6
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a candidate's step runs with: its runner, its memory model, the samples one step processes. A search of
+    one shape has one (``micro_batch`` None); the joint search one per micro-batch, its candidates carrying the
+    micro-batch as a dimension (``Candidate.micro_batch``): one engine over the larger space."""
+
+    runner: TrialRunner
+    memory: RealStepMemory | None
+    samples_per_step: int = 1
+    micro_batch: int | None = None
+    accumulation: int | None = None
+
+    def labelled(self, label: str) -> str:
+        """A candidate's label, with its micro-batch in the joint search: ``full [micro-batch 4 x2]``."""
+        return label if self.micro_batch is None else f"{label} [micro-batch {self.micro_batch} x{self.accumulation}]"
 
 
 class CollectiveTrialError(LightningCkptError):
@@ -85,10 +105,10 @@ class Study:
         candidates: Sequence[Candidate],
         space: SearchSpace,
         stacks: Sequence[Any],
-        runner: TrialRunner,
         budget: Budget,
-        memory: RealStepMemory | None,
         config: TuneConfig,
+        runner: TrialRunner | None = None,
+        memory: RealStepMemory | None = None,
         fingerprint: str | None,
         device_type: str,
         sync: Sync | None = None,
@@ -97,18 +117,29 @@ class Study:
         samples_per_step: int = 1,
         run: Mapping[str, Any] | None = None,
         proposer: Proposer | None = None,
+        workloads: Sequence[Workload] | None = None,
     ) -> None:
+        """``runner``/``memory``/``samples_per_step``: a search of one shape; ``workloads`` instead: one per
+        micro-batch of the joint search (each candidate's ``params["micro_batch"]`` picks its own)."""
         self.candidates = list(candidates)
-        self.space, self.stacks, self.runner, self.budget = space, stacks, runner, budget
-        self.memory, self.config, self.fingerprint = memory, config, fingerprint
+        if workloads is None:
+            if runner is None:
+                raise TypeError("Study needs a runner (a search of one shape) or workloads (the joint search)")
+            workloads = [Workload(runner, memory, samples_per_step)]
+        self.workloads = {w.micro_batch: w for w in workloads}
+        base = workloads[0]
+        self.space, self.stacks, self.runner, self.budget = space, stacks, base.runner, budget
+        self.memory, self.config, self.fingerprint = base.memory, config, fingerprint
         # On CPU the memory model is exact: trials are timed only, and the plans that can still be chosen
         # get the slow tracked pass (verify). On CUDA every trial reads the allocator anyway.
         self.lazy_memory = (
-            config.memory_pass == "finalists" and device_type == "cpu" and memory is not None and runner.predicts_memory
+            config.memory_pass == "finalists"
+            and device_type == "cpu"
+            and all(w.memory is not None and w.runner.predicts_memory for w in workloads)
         )
         self.sync: Sync = sync or LocalSync()
         self.progress, self.should_stop = progress, should_stop
-        self.samples_per_step = samples_per_step
+        self.samples_per_step = base.samples_per_step
         self.records: list[TrialRecord] = []
         self.by_key: dict[str, TrialRecord] = {}
         # Stacks a trial saw leave the chain at run time (a parent that skips blocks on some batches only):
@@ -123,7 +154,7 @@ class Study:
         limit = (
             budget.limit_bytes if config.enforce_budget and budget.kind == "peak" and device_type == "cuda" else None
         )
-        self.memory_limit = memory.trial_limit(limit) if memory is not None else limit
+        self.limits = {w.micro_batch: w.memory.trial_limit(limit) if w.memory is not None else limit for w in workloads}
         self.proposer: Proposer = proposer or SamplerProposer(config.seed)
         # What the figures depend on (``run``: seq_len, device, compiled, from ``tune``); the budget is not in
         # it (the default CUDA budget follows free memory): resumed trials are judged against today's.
@@ -134,9 +165,13 @@ class Study:
             **(run or {}),
         }
         # Rank 0's Optuna studies (``store.py``), opened by run(): the study decides, the store only records.
-        self.store = TrialStore(
-            config=config, run_info=self.run_info, budget=budget, distributions=self.space.distributions(stacks)
-        )
+        distributions = dict(self.space.distributions(stacks))
+        sizes = sorted(m for m in self.workloads if m is not None)
+        if sizes:  # the joint search: the micro-batch is one more dimension for the sampler
+            import optuna
+
+            distributions["micro_batch"] = optuna.distributions.CategoricalDistribution(sizes)
+        self.store = TrialStore(config=config, run_info=self.run_info, budget=budget, distributions=distributions)
         self.study_name = self.store.study_name
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -150,7 +185,7 @@ class Study:
             message = None
             if proposal is not None:
                 params, plan, label, baseline, pruned_by = proposal
-                pruned_by = "memory" if self.predicted_over_budget(plan) else pruned_by
+                pruned_by = "memory" if self.predicted_over_budget(plan, params.get("micro_batch")) else pruned_by
                 message = (dict(params), plan.to_dict(), label, baseline, pruned_by)
             message = self.sync.broadcast(message)
             if message is None:
@@ -173,7 +208,7 @@ class Study:
         for t in per_rank:
             self.unchained.update(t.extra.get("unchained_stacks", ()))
         trial = combine_trials(per_rank, self.budget)
-        earlier = self.by_key.get(trial.plan.key())
+        earlier = self.by_key.get(trial.key())
         if earlier is None:
             self.records.append(trial)
         else:
@@ -188,7 +223,7 @@ class Study:
 
     def _update(self, trial: TrialRecord) -> None:
         """``trial`` is the plan's record now (``self.records`` already holds it): index and store it."""
-        self.by_key[trial.plan.key()] = trial
+        self.by_key[trial.key()] = trial
         self.store.store(trial)
 
     def check_stop(self) -> None:
@@ -207,16 +242,32 @@ class Study:
         measured = sum(t.status != TrialStatus.PRUNED for t in self.records)
         return measured >= self.config.n_trials or self.out_of_time()
 
-    def predicted_over_budget(self, plan: Plan) -> bool:
-        if self.memory is None or not self.runner.predicts_memory:
+    def workload(self, micro_batch: int | None) -> Workload:
+        """The workload a candidate of ``micro_batch`` runs with (None: the search's one shape)."""
+        return self.workloads[micro_batch]
+
+    def predicted_over_budget(self, plan: Plan, micro_batch: int | None = None) -> bool:
+        w = self.workload(micro_batch)
+        if w.memory is None or not w.runner.predicts_memory:
             return False
-        return not self.budget.fits(*self.memory.predict(plan))
+        return not self.budget.fits(*w.memory.predict(plan))
+
+    def suggest(self, asked: Any) -> Candidate:
+        """The candidate an Optuna trial (``asked``) proposes: the space's point, and the micro-batch where the
+        search has one."""
+        params = dict(self.space.suggest(asked, self.stacks))
+        sizes = sorted(m for m in self.workloads if m is not None)
+        if sizes:
+            params["micro_batch"] = asked.suggest_categorical("micro_batch", sizes)
+        plan = self.space.plan_for(params, self.stacks, fingerprint=self.fingerprint)
+        return Candidate(params, plan, self.workload(params.get("micro_batch")).labelled(plan.describe()))
 
     def _trial(
         self, params: Mapping[str, Any], plan: Plan, label: str, baseline: str | None, prune: str | None
     ) -> TrialRecord:
         t0 = time.perf_counter()
-        predicted = self.memory.predict(plan) if self.memory is not None and self.runner.predicts_memory else None
+        w = self.workload(params.get("micro_batch"))
+        predicted = w.memory.predict(plan) if w.memory is not None and w.runner.predicts_memory else None
         peak, activation = predicted if predicted else (None, None)
         new = TrialRecord(
             number=len(self.records),
@@ -227,12 +278,14 @@ class Study:
             predicted_peak_bytes=peak,
             predicted_activation_bytes=activation,
             predicted_seconds=self.proposer.predict_seconds(plan),
+            micro_batch=w.micro_batch,
+            accumulation=w.accumulation,
         )
         if prune:
             return replace(new, status=TrialStatus.PRUNED, pruned_by=prune, seconds=time.perf_counter() - t0)
         lazy = self.lazy_memory and predicted is not None
-        out = self.runner.measure(plan, self.memory_limit, memory=not lazy)
-        if out.trial_status.failed and getattr(self.runner, "collective_steps", False):
+        out = w.runner.measure(plan, self.limits[w.micro_batch], memory=not lazy)
+        if out.trial_status.failed and getattr(w.runner, "collective_steps", False):
             self._end_on_collective_failure(label, out)
         new = replace(new, seconds=time.perf_counter() - t0)
         if lazy and out.status == TrialStatus.OK:
@@ -257,7 +310,8 @@ class Study:
     def _with_memory(self, trial: TrialRecord, out: Any, *, keep_timing: bool = False) -> TrialRecord:
         """``trial`` with the measured memory (and speed, status, FLOPs) of ``out``, judged against the budget.
         ``keep_timing``: ``out`` is a memory pass whose one step says nothing about speed."""
-        peak = self.memory.real_peak(out.peak_bytes) if self.memory is not None else out.peak_bytes
+        memory = self.workload(trial.micro_batch).memory
+        peak = memory.real_peak(out.peak_bytes) if memory is not None else out.peak_bytes
         return self._judged(trial.with_measurement(out, real_peak_bytes=peak, timed=not keep_timing), out)
 
     def _judged(self, trial: TrialRecord, out: Any) -> TrialRecord:
@@ -275,7 +329,8 @@ class Study:
             if t.memory_measured:
                 continue
             t0 = time.perf_counter()
-            local = self._with_memory(t, self.runner.measure_memory(t.plan, self.memory_limit), keep_timing=True)
+            w = self.workload(t.micro_batch)
+            local = self._with_memory(t, w.runner.measure_memory(t.plan, self.limits[w.micro_batch]), keep_timing=True)
             local = replace(local, seconds=t.seconds + time.perf_counter() - t0)
             verified = combine_trials(self.sync.all_gather(local), self.budget)
             self.records[self.records.index(t)] = verified
@@ -293,8 +348,11 @@ class Study:
             self.sync, self.predicted_over_budget, known=self.by_key.keys(), first_number=len(self.records)
         )
         for record in resumed:
+            if record.micro_batch not in self.workloads:
+                continue  # a micro-batch this search does not offer
+            record = replace(record, accumulation=self.workload(record.micro_batch).accumulation)
             self.records.append(record)
-            self.by_key[record.plan.key()] = record
+            self.by_key[record.key()] = record
         if self.records:
             log.info("lightning_ckpt: resumed %d trials from the Optuna study %r", len(self.records), self.study_name)
 
@@ -348,7 +406,8 @@ class Study:
         verifies the winner, and chooses again if it does not fit."""
         feasible = fastest_fitting(self.records)
         tuned = [t for t in feasible if t.baseline is None]
-        leaders = self.proposer.leaders(tuned, top) + [t for t in feasible if t.baseline is not None]
+        references = [t for t in feasible if t.baseline is not None][:_MAX_REFERENCES]
+        leaders = self.proposer.leaders(tuned, top) + references
         return sorted(leaders, key=lambda t: -(t.samples_per_second or 0.0))
 
     def _reference(self, leaders: Sequence[TrialRecord]) -> TrialRecord:
@@ -359,7 +418,7 @@ class Study:
     def _speed_changed_since_search(self, leaders: Sequence[TrialRecord], steps: int) -> bool:
         """Re-time the reference once; True if its speed changed since the search timed it."""
         reference = self._reference(leaders)
-        m = self.runner.retime(reference.plan, steps)
+        m = self.workload(reference.micro_batch).runner.retime(reference.plan, steps)
         seconds = m.median_seconds if m.status == "ok" else None
         gathered = self.sync.all_gather(seconds)
         now = max(gathered) if all(g is not None for g in gathered) else None
@@ -389,7 +448,7 @@ class Study:
                 self.records[i] = replace(
                     t,
                     samples_per_second=1.0 / times[0],
-                    median_seconds=times[0] * self.samples_per_step,
+                    median_seconds=times[0] * self.workload(t.micro_batch).samples_per_step,
                     steps=t.steps + steps + 1,
                     first_samples_per_second=t.first_samples_per_second or t.samples_per_second,
                 )
@@ -397,7 +456,11 @@ class Study:
 
     def _entries(self, trials: Sequence[TrialRecord], steps: int) -> list[ConfirmEntry]:
         """``trials`` to re-time side by side, ``steps`` timed steps (and one warm-up) a round each."""
-        return [ConfirmEntry(t, retimer(self.runner, t.plan, steps), self.samples_per_step, steps + 1) for t in trials]
+        entries = []
+        for t in trials:
+            w = self.workload(t.micro_batch)
+            entries.append(ConfirmEntry(t, retimer(w.runner, t.plan, steps), w.samples_per_step, steps + 1))
+        return entries
 
     # -- the choice ----------------------------------------------------------------------------------
     def choose(self) -> tuple[TrialRecord, bool, str]:
@@ -443,12 +506,12 @@ class Study:
                 self._update(t)
         verdict = self.held_out
         if verdict is not None and verdict.wins:
-            return self.by_key[best.plan.key()]
-        self.verify([self.by_key[reference.plan.key()]])
-        kept = self.by_key[reference.plan.key()]
+            return self.by_key[best.key()]
+        self.verify([self.by_key[reference.key()]])
+        kept = self.by_key[reference.key()]
         if not kept.feasible:  # its measured memory is over budget after all: the tuned plan stays
             self.held_out = None
-            return self.by_key[best.plan.key()]
+            return self.by_key[best.key()]
         log.warning(
             "lightning_ckpt: %s was chosen by the confirmation but fresh rounds do not find it faster than %s (%s): "
             "the baseline is kept.",
@@ -544,7 +607,11 @@ class Study:
             "versions": library_versions(),
             "budget": self.budget.to_dict(),
             "measured": _measured_figures(best),
-            "baselines": {t.baseline: _baseline_figures(t) for t in self.records if t.baseline is not None},
+            "baselines": {
+                t.baseline: _baseline_figures(t)
+                for t in self.records
+                if t.baseline is not None and t.micro_batch == best.micro_batch
+            },
             "search": search,
         }
 

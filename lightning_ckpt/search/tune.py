@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +22,6 @@ from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
-from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_memory
@@ -43,7 +42,6 @@ from lightning_ckpt.search.study import SearchInterrupted, Study
 from lightning_ckpt.versions import require_torch
 
 __all__ = [
-    "Prepared",
     "SearchInterrupted",
     "TrialRecord",
     "TrialStatus",
@@ -58,9 +56,9 @@ log = logging.getLogger(__name__)
 
 # The memory profile runs one no-grad capture forward and one anchor step (plus per-block passes
 # that are each a fraction of a step); we count it as two steps of tuning cost.
-_PROFILE_STEPS = 2
+PROFILE_STEPS = 2
 # ``find_parameters_written_in_forward``: one forward without grad, under a dispatch mode.
-_WRITE_CHECK_STEPS = 1
+WRITE_CHECK_STEPS = 1
 
 
 def build_runner(
@@ -88,17 +86,6 @@ def build_runner(
     return EagerRunner(harness, count_flops=config.count_flops, reserve_headroom_bytes=reserve_headroom)
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What a caller already measured for ``tune``, so it does not profile, resolve the budget or measure the
-    optimizer step again: the joint micro-batch search profiles twice, scales the profile to each micro-batch
-    and resolves one budget for all of them."""
-
-    memory_model: Any  # a ``MemoryModel`` (or one scaled to a micro-batch: ``microbatch.ScaledMemoryModel``)
-    budget: Budget
-    optimizer_step: OptimizerStepMemory
-
-
 # The oldest torch on which the FSDP2 tests (tests/test_fsdp.py: per-rank memory, ranks agree, weights equal
 # one process) pass; below it tuning a sharded model refuses, applying a saved plan does not.
 FSDP2_TUNING_VERIFIED = (2, 9)
@@ -118,7 +105,6 @@ def tune(
     progress: ProgressFn | None = None,
     extra_tensors: tuple[Any, ...] = (),
     sync: Sync | None = None,
-    prepared: Prepared | None = None,
     compiled: bool | None = None,
     should_stop: Callable[[], bool] | None = None,
     **settings: Any,
@@ -139,9 +125,7 @@ def tune(
     HF KV caches are turned off for the search (``caches.py``).
 
     ``sync`` (a ``lightning_ckpt.search.distributed.Sync``) runs the search on several ranks in lockstep.
-    ``prepared`` (a ``Prepared``) replaces the profile, the budget resolution and the optimizer-step
-    measurement when the caller already has them (the joint micro-batch search profiles once and scales). ``compiled`` (default:
-    detected) makes every trial compile its plan; plans that add graph breaks are ``conflict`` trials.
+    ``compiled`` (default: detected) makes every trial compile its plan; plans that add graph breaks are ``conflict`` trials.
     ``should_stop`` is polled between trials (the callback passes Lightning's SIGTERM flag); when it
     returns True the search ends with ``SearchInterrupted`` and the model is left as it was.
 
@@ -175,7 +159,6 @@ def tune(
             config=config,
             progress=progress,
             sync=sync,
-            prepared=prepared,
             should_stop=should_stop,
         )
     finally:
@@ -193,35 +176,33 @@ def _search(
     config: TuneConfig,
     progress: ProgressFn | None,
     sync: Sync | None,
-    prepared: Prepared | None,
     should_stop: Callable[[], bool] | None,
 ) -> TuneResult:
-    """Profile (unless ``prepared``), resolve the budget, then run, confirm and choose the study."""
+    """Profile, resolve the budget, then run, confirm and choose the study."""
     device, optimizer, seq_len = resolved.device, harness.optimizer, harness.seq_len
-    memory_model = prepared.memory_model if prepared is not None else None
-    budget = prepared.budget if prepared is not None else None
-    optimizer_step = prepared.optimizer_step if prepared is not None else None
     is_compiled = isinstance(runner, CompiledTrials)
-    if memory_model is None:
-        with eager_while_profiling(is_compiled):
-            timed = False if is_compiled else _space_modes(config.search_space.for_device(device.type), resolved)
-            memory_model = profile_memory(
-                resolved, harness.step_fn, optimizer=optimizer, extra=harness.extra, time_blocks=timed
-            )
-        if memory_model.timing is not None:
-            at = {**memory_model.timing.measured_at, "batch_size": harness.batch_size, "seq_len": seq_len}
-            memory_model = replace(memory_model, timing=replace(memory_model.timing, measured_at=at))
+    with eager_while_profiling(is_compiled):
+        timed = False if is_compiled else _space_modes(config.search_space.for_device(device.type), resolved)
+        memory_model = profile_memory(
+            resolved, harness.step_fn, optimizer=optimizer, extra=harness.extra, time_blocks=timed
+        )
+    if memory_model.timing is not None:
+        at = {**memory_model.timing.measured_at, "batch_size": harness.batch_size, "seq_len": seq_len}
+        memory_model = replace(memory_model, timing=replace(memory_model.timing, measured_at=at))
     # The CUDA cap's headroom for the allocator's reserve, measured by the profile: eager and compiled trials alike.
     runner.reserve_headroom_bytes = getattr(memory_model, "reserve_overhead_bytes", 0)
     space = config.search_space.for_device(device.type)
     if is_compiled:
         space = runner.adapt(space)
-    if optimizer_step is None and optimizer is not None:
-        optimizer_step = measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)
-    memory = RealStepMemory(memory_model, optimizer_step or OptimizerStepMemory.absent())
+    optimizer_step = (
+        measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)
+        if optimizer is not None
+        else OptimizerStepMemory.absent()
+    )
+    memory = RealStepMemory(memory_model, optimizer_step)
     sync = sync or LocalSync()
-    budget = sync.broadcast(budget or _resolve_budget(requested, memory, runner, resolved))
-    warm_steps = _warm_up_process(harness, resolved, config, is_compiled)
+    budget = sync.broadcast(_resolve_budget(requested, memory, runner, resolved))
+    warm_steps = warm_up_process(harness, resolved, config, is_compiled)
     stacks, candidates = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
     proposer = proposer_for(
         getattr(memory_model, "timing", None),
@@ -254,7 +235,7 @@ def _search(
     run = {"device": str(device), "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": compiled}
     metadata: dict[str, Any] = {"optimizer_step": memory.optimizer.to_dict(), "run": run}
     fitted = study.proposer.fitted()
-    if fitted is not None and isinstance(memory_model, MemoryModel):
+    if fitted is not None:
         # The profile as the search fitted it: a later budget re-plans from it without a search (``replan``).
         memory_model = replace(memory_model, timing=fitted)
         metadata[PROFILE_KEY] = profile_metadata(
@@ -267,7 +248,7 @@ def _search(
             tie_tolerance=config.tie_tolerance,
         )
     return study.result(
-        extra_steps=_PROFILE_STEPS + _WRITE_CHECK_STEPS + warm_steps,
+        extra_steps=PROFILE_STEPS + WRITE_CHECK_STEPS + warm_steps,
         memory_table=memory_model.table(),
         memory_breakdown=memory_model.to_dict(),
         metadata=metadata,
@@ -299,7 +280,7 @@ def _resolve_budget(
     return budget
 
 
-def _warm_up_process(harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool) -> int:
+def warm_up_process(harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool) -> int:
     """Untimed steps before the first trial: the first steps of a process are slow (thread pools,
     oneDNN/cuBLAS handles, allocator growth) and would handicap whichever plan is measured first. Run
     under the lowest-memory plan so they cannot run out of memory; ``measure_step`` restores all state."""
