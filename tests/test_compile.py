@@ -435,11 +435,11 @@ def test_compiled_trials_cap_the_allocator_with_the_profiles_reserve_headroom(mo
     # headroom the profile measured, a compiled plan within the fragmentation margin would fail as an OOM.
     import importlib
 
-    from lightning_ckpt.search import compile as compile_module
-
     tune_module = importlib.import_module("lightning_ckpt.search.tune")
     seen = []
-    real_measure, real_profile = compile_module.measure_step, tune_module.profile_memory
+    from lightning_ckpt.measure import measurement
+
+    real_measure, real_profile = measurement.measure_step, tune_module.profile_step
 
     def measure(*args, **kwargs):
         seen.append(kwargs.get("reserve_headroom_bytes"))
@@ -454,8 +454,13 @@ def test_compiled_trials_cap_the_allocator_with_the_profiles_reserve_headroom(mo
         def __getattr__(self, name):
             return getattr(self._model, name)
 
-    monkeypatch.setattr(compile_module, "measure_step", measure)
-    monkeypatch.setattr(tune_module, "profile_memory", lambda *a, **k: WithReserve(real_profile(*a, **k)))
+    monkeypatch.setattr(measurement, "measure_step", measure)  # what every harness measures with
+
+    def profile(*args, **kwargs):
+        real = real_profile(*args, **kwargs)
+        return real.__class__(WithReserve(real.memory), real.time)
+
+    monkeypatch.setattr(tune_module, "profile_step", profile)
     model = tiny_gpt()
     compiled = torch.compile(model, backend="eager")
     x = tokens()

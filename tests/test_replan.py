@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from lightning_ckpt.discovery import discover_blocks
 from lightning_ckpt.errors import InfeasibleBudgetError, PlanError
 from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
-from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.memory.profile import profile_step
 from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.replan import PROFILE_KEY, SavedProfile, profile_metadata, replan
@@ -35,11 +34,11 @@ class PredictedRunner:
 
     predicts_memory, predicts_time, collective_steps, reserve_headroom_bytes = True, False, False, 0
 
-    def __init__(self, memory) -> None:
-        self.memory = memory
+    def __init__(self, memory, time) -> None:
+        self.memory, self.time = memory, time
 
     def _figures(self, plan: Plan) -> dict:
-        seconds = self.memory.timing.predict_seconds(plan)
+        seconds = self.time.predict_seconds(plan)
         peak, act = self.memory.predict_peak(plan), self.memory.predict_activation(plan)
         return dict(peak_bytes=peak, activation_bytes=act, median_seconds=seconds, samples_per_second=BATCH / seconds)
 
@@ -59,28 +58,36 @@ def test_a_replanned_plan_is_the_plan_a_full_search_picks_on_the_same_profile_wh
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
     x = torch.randint(0, 48, (BATCH, 16))
-    profiled = profile_memory(model, lambda: model(x, x))
-    memory = replace(profiled, timing=profiled.timing.calibrated([(Plan(), "none", 0.05)]))
+    profiled = profile_step(model, lambda: model(x, x))
+    profiled = profiled.with_time(profiled.time.calibrated([(Plan(), "none", 0.05)]))
+    memory = profiled.memory
     stacks = discover_blocks(model)
     space = SearchSpace().for_device("cpu")
     stacks, candidates = offered_candidates(space, stacks, memory.fingerprint, memory)
     limit = int(share * memory.predict_activation(Plan()))
     budget = Budget("activation", limit, share, f"{share:.0%} of activations")
     config = TuneConfig(n_trials=len(candidates), predict_time=False)
-    study = Study(candidates=candidates, space=space, stacks=stacks, runner=PredictedRunner(memory), budget=budget,
+    study = Study(candidates=candidates, space=space, stacks=stacks, runner=PredictedRunner(memory, profiled.time), budget=budget,
                   memory=RealStepMemory(memory, OptimizerStepMemory.absent()), config=config,
                   fingerprint=memory.fingerprint, device_type="cpu", samples_per_step=BATCH)  # fmt: skip
     study.run()
     assert all(t.status != "pruned" or t.pruned_by == "memory" for t in study.records), "every plan that fits ran"
     study.confirm()
     searched = study.result(extra_steps=0).best
-    profile = profile_metadata(memory, OptimizerStepMemory.absent(), stacks, space, batch_size=BATCH, seq_len=16,
+    profile = profile_metadata(profiled, OptimizerStepMemory.absent(), stacks, space, batch_size=BATCH, seq_len=16,
                                tie_tolerance=config.tie_tolerance)  # fmt: skip
     saved = Plan(fingerprint=memory.fingerprint, metadata={PROFILE_KEY: json.loads(json.dumps(profile))})
     replanned = replan(saved, activation_budget=share)
     assert replanned.plan.key() == searched.key(), (replanned.plan.describe(), searched.describe())
     assert replanned.plan.metadata["replanned"]["predicted"] is True
     assert replanned.budget.limit_bytes == limit
+    # The memory and the time model side by side; a file of 0.3-0.4 (time model inside the memory model's
+    # "timing") re-plans the same.
+    assert profile["time"] is not None and "timing" not in profile["memory"]
+    older = json.loads(json.dumps(profile))
+    older["memory"]["timing"] = older.pop("time")
+    again = replan(Plan(fingerprint=memory.fingerprint, metadata={PROFILE_KEY: older}), activation_budget=share)
+    assert again.plan.key() == replanned.plan.key()
 
 
 @pytest.fixture(scope="module")

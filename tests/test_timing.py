@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from lightning_ckpt import discover_blocks
-from lightning_ckpt.memory.model import MemoryModel
-from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.memory.profile import profile_memory, profile_step
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.testing import GPT, GPTConfig
 from lightning_ckpt.timing.model import BlockTime, TimeModel
@@ -69,9 +68,10 @@ def test_the_profile_times_a_real_block_under_every_mode_and_leaves_the_model_as
     model = GPT(GPTConfig(n_layer=3, n_head=4, n_embd=64, vocab_size=64, block_size=64, dropout=0.1))
     x = torch.randint(0, 64, (8, 64))
     rng = torch.get_rng_state()
-    memory = profile_memory(model, lambda: model(x, x))
+    profile = profile_step(model, lambda: model(x, x))
+    memory = profile.memory
     assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
-    timing = memory.timing
+    timing = profile.time
     assert timing is not None and len(timing.blocks) == 3
     rep = timing.blocks[0].seconds
     assert set(rep) == set(memory.blocks[0].profiles), "every mode the memory profile ran is timed"
@@ -80,6 +80,7 @@ def test_the_profile_times_a_real_block_under_every_mode_and_leaves_the_model_as
     assert rep["full"] > rep["none"] * 1.05
     assert [b.shared_with for b in timing.blocks] == [None, "transformer.h.0", "transformer.h.0"]
     assert timing.stacks == {s.fqn: s.block_fqns for s in discover_blocks(model)}
-    # The memory model's file form carries it; a profile taken without timing has none.
-    assert MemoryModel.from_dict(memory.to_dict()).timing == timing
-    assert profile_memory(model, lambda: model(x, x), time_blocks=False).timing is None
+    # Side by side: the memory model holds no timing, and a profile taken without timing has no time model.
+    assert "timing" not in memory.to_dict() and TimeModel.from_dict(timing.to_dict()) == timing
+    assert profile_step(model, lambda: model(x, x), time_blocks=False).time is None
+    assert profile_memory(model, lambda: model(x, x)) == memory

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.model import ModelView
+
+if TYPE_CHECKING:
+    from lightning_ckpt.measure.measurement import Measurement
 
 __all__ = ["StepHarness", "loss_of"]
 
@@ -70,3 +73,22 @@ class StepHarness:
     def train_step(self) -> None:
         """Forward and backward; never the optimizer (measuring must leave training untouched)."""
         loss_of(self.step_fn()).backward()
+
+    def measure(self, *, warmup: int, steps: int, step: Callable[[], Any] | None = None, **passes: Any) -> Measurement:
+        """``measurement.measure_step`` of this harness's step (``step``: another one over the same model and batch,
+        a compiled step), with its model, optimizer, device, shape and resting tensors: every caller measures
+        the same way. ``passes``: the pass options (``track_memory``, ``count_flops``, ``memory_limit_bytes``...)."""
+        from lightning_ckpt.measure.measurement import measure_step
+
+        return measure_step(
+            step or self.train_step,
+            model=self.root,
+            optimizer=self.optimizer,
+            warmup=warmup,
+            steps=steps,
+            device=self.device,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            extra=self.extra,
+            **passes,
+        )

@@ -29,7 +29,6 @@ from lightning_ckpt.errors import PlanError, StalePlanError
 from lightning_ckpt.plan.chunks import segment_chunks
 from lightning_ckpt.plan.format import Plan, closest_names, mode_key
 from lightning_ckpt.stacks import LayerStack
-from lightning_ckpt.timing.model import TimeModel
 
 __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction", "mode_key"]
 
@@ -127,8 +126,7 @@ class MemoryModel:
     inert_blocks: blocks no gradient flows through (frozen, behind frozen embeddings or frozen blocks):
     they save nothing for backward, so no mode can save anything there and none is offered
     (``plannable_stacks``). Plans may still name them; their cost is predicted like any other's.
-    timing: the same runs timed without the tracker (``timing.model.TimeModel``): what each block's mode adds
-    to a step; None when the profile was not timed (``profile_memory(time_blocks=False)``).
+    The time model of the same profiling pass sits beside it (``memory.profile.Profile``), not in it.
 
     A block called several times in one step (ALBERT's shared layer) has one row per call in ``blocks``:
     a plan's mode for its FQN applies to every call, and each call's memory is counted.
@@ -153,7 +151,6 @@ class MemoryModel:
     unchained_stacks: tuple[str, ...] = ()
     reserve_overhead_bytes: int = 0
     inert_blocks: tuple[str, ...] = ()
-    timing: TimeModel | None = field(default=None, compare=False)
 
     # -- prediction ---------------------------------------------------------------------------------
     def predict_peak(self, plan: Plan) -> int:
@@ -286,7 +283,6 @@ class MemoryModel:
             "unchained_stacks": list(self.unchained_stacks),
             "reserve_overhead_bytes": self.reserve_overhead_bytes,
             "inert_blocks": list(self.inert_blocks),
-            "timing": self.timing.to_dict() if self.timing is not None else None,
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
@@ -337,7 +333,6 @@ class MemoryModel:
             unchained_stacks=tuple(data.get("unchained_stacks", ())),
             reserve_overhead_bytes=data.get("reserve_overhead_bytes", 0),
             inert_blocks=tuple(data.get("inert_blocks", ())),
-            timing=TimeModel.from_dict(data["timing"]) if data.get("timing") else None,
         )
 
     # -- internals ------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from lightning_ckpt.plan.policies import SAVE_LISTS
 from lightning_ckpt.plan.skipping import skipping_stacks
 from lightning_ckpt.timing.model import BlockTime, TimeModel
 
-__all__ = ["profile_memory"]
+__all__ = ["Profile", "profile_memory", "profile_step"]
 
 
 def _block_plan_of(key: str) -> BlockPlan:
@@ -272,7 +272,20 @@ def _state_bytes(root: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
     return param_bytes, grad_bytes, opt_bytes, buffer_bytes
 
 
-def profile_memory(
+@dataclass(frozen=True)
+class Profile:
+    """What one profiling pass measured, side by side: the memory model (``memory.model``) and, where the blocks
+    were timed, the time model (``timing.model``). The search fits the time model to the plans it measures
+    (``with_time``); the plan file keeps both (``search.replan.profile_metadata``)."""
+
+    memory: MemoryModel
+    time: TimeModel | None = None
+
+    def with_time(self, time: TimeModel | None) -> Profile:
+        return dataclasses.replace(self, time=time)
+
+
+def profile_step(
     model: nn.Module | ModelView,
     forward_fn: Callable[[], Any],
     *,
@@ -284,8 +297,9 @@ def profile_memory(
     share_identical_blocks: bool = True,
     block_types: Iterable[type | str] | None = None,
     time_blocks: bool | Collection[str] = True,
-) -> MemoryModel:
-    """Profile ``model`` on one batch and return a ``MemoryModel`` that predicts any plan's memory.
+) -> Profile:
+    """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time
+    model (``time_blocks``) its step time.
 
     ``forward_fn`` takes no arguments, runs the forward on the batch and returns the loss (a scalar
     tensor, a dict with ``"loss"``, or an object with ``.loss``); the profile calls ``backward`` on it,
@@ -303,14 +317,14 @@ def profile_memory(
     block FQN, or one list for all blocks. Other sets are predicted by adding single-child effects.
     ``share_identical_blocks``: blocks with the same class, parameter shapes and input shapes share
     one profile (run once instead of once per block). ``time_blocks``: time each representative under every
-    mode as well, without the tracker (``memory.block_times``), for the ``TimeModel`` in ``MemoryModel.timing``; a
-    collection of mode keys (``plan.format.mode_key``) times only those (``tune`` passes its space's).
+    mode as well, without the tracker, for ``Profile.time``; a collection of mode keys (``plan.format.mode_key``)
+    times only those (``tune`` passes its space's); False: ``Profile.time`` is None.
     """
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
     if applied_plan(root) is not None:
         raise ApplyError(
-            f"profile_memory needs the model without checkpointing, but plan {applied_plan(root).describe()!r} "
+            f"profiling needs the model without checkpointing, but plan {applied_plan(root).describe()!r} "
             "is applied. Call handle.remove() first; the profile covers every plan, the applied one included."
         )
     if stacks is None and view is not None:
@@ -322,7 +336,35 @@ def profile_memory(
     externals: list[Any] = [root, *extra] + ([optimizer] if optimizer is not None else [])
     runs = _run_profile(root, forward_fn, stacks, blocks, sets, externals, dev, share_identical_blocks, time_blocks)
     fingerprint = view.fingerprint if view is not None else model_fingerprint(root)
-    return _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
+    memory = _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
+    return Profile(memory, _time_model(runs, memory.stacks, dev) if runs.timings else None)
+
+
+def profile_memory(
+    model: nn.Module | ModelView,
+    forward_fn: Callable[[], Any],
+    *,
+    stacks: Sequence[LayerStack] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: tuple[Any, ...] = (),
+    device: torch.device | str | None = None,
+    selective_sets: Mapping[str, Iterable[Iterable[str]]] | Iterable[Iterable[str]] | None = None,
+    share_identical_blocks: bool = True,
+    block_types: Iterable[type | str] | None = None,
+) -> MemoryModel:
+    """The memory model alone (``profile_step`` without timing the blocks): what predicting memory needs."""
+    return profile_step(
+        model,
+        forward_fn,
+        stacks=stacks,
+        optimizer=optimizer,
+        extra=extra,
+        device=device,
+        selective_sets=selective_sets,
+        share_identical_blocks=share_identical_blocks,
+        block_types=block_types,
+        time_blocks=False,
+    ).memory
 
 
 def _selective_sets(
@@ -480,7 +522,6 @@ def _memory_model(
         gradient_flows[fqn] = gradient_flows.get(fqn, False) or flows
     # All of each stack's blocks, run or not: apply_plan cuts segments over all of them.
     stack_map = {s.fqn: s.block_fqns for s in stacks}
-    timing = _time_model(runs, stack_map, dev) if runs.timings else None
     return MemoryModel(
         fixed_bytes=param_b + grad_b + opt_b + buf_b,
         other_activation_bytes=other,
@@ -501,7 +542,6 @@ def _memory_model(
         inert_blocks=tuple(f for f, flows in gradient_flows.items() if not flows),
         unchained_stacks=tuple(sorted(runs.unchained)),
         reserve_overhead_bytes=max(0, runs.reserve),
-        timing=timing,
     )
 
 

@@ -68,7 +68,7 @@ from torch import nn
 from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure.harness import StepHarness, loss_of
-from lightning_ckpt.measure.measurement import Measurement, classify_failure, measure_step, release_memory
+from lightning_ckpt.measure.measurement import Measurement, classify_failure, release_memory
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.model import compiled_regions
 from lightning_ckpt.plan import forwards as apply_module
@@ -450,19 +450,13 @@ class CompiledTrials:
     def _timed_steps(self, steps: int | None) -> Measurement:
         """The compiled steps, timed; on CUDA the allocator's peak over them (and its cap), no tracked pass."""
         is_cuda = self.device.type == "cuda"
-        return measure_step(
-            self._train_step,
-            model=self.root,
-            optimizer=self.optimizer,
+        return self.harness.measure(
+            step=self._train_step,
             warmup=self.warmup_steps,
             steps=steps or self.measure_steps,
-            device=self.device,
-            batch_size=self.batch_size,
-            seq_len=self.seq_len,
             track_memory=False,
             read_allocator=is_cuda,
             count_flops=False,
-            extra=self.extra,
             memory_limit_bytes=self.memory_limit_bytes if is_cuda else None,
             reserve_headroom_bytes=self.reserve_headroom_bytes,
         )

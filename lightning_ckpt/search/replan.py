@@ -31,6 +31,8 @@ from lightning_ckpt.timing.model import TimeModel
 if TYPE_CHECKING:
     import torch
 
+    from lightning_ckpt.memory.profile import Profile
+
 __all__ = ["PROFILE_KEY", "Replanned", "SavedProfile", "profile_metadata", "replan"]
 
 PROFILE_KEY = "profile"
@@ -39,7 +41,7 @@ _MEASURED_KEYS = ("measured", "baselines", "real_steps", "search", "switched_fro
 
 
 def profile_metadata(
-    memory: MemoryModel,
+    profile: Profile,
     optimizer: OptimizerStepMemory,
     stacks: Sequence[LayerStack],
     space: SearchSpace,
@@ -48,9 +50,11 @@ def profile_metadata(
     seq_len: int | None,
     tie_tolerance: float,
 ) -> dict[str, Any]:
-    """What a plan file keeps to re-plan without the model (``metadata["profile"]``)."""
+    """What a plan file keeps to re-plan without the model (``metadata["profile"]``): the memory and the time model
+    side by side, as the profile measured and the search fitted them."""
     return {
-        "memory": memory.to_dict(),
+        "memory": profile.memory.to_dict(),
+        "time": profile.time.to_dict() if profile.time is not None else None,
         "optimizer_step": optimizer.to_dict(),
         "stacks": [s.to_dict() for s in stacks],
         "search_space": space.to_config(),
@@ -83,10 +87,11 @@ class SavedProfile:
                 "Plans written by lightning_ckpt 0.3 or later keep one; re-tune once with this version."
             )
         try:
-            memory = MemoryModel.from_dict(data["memory"])
+            # Files of 0.3-0.4 kept the time model inside the memory model's ``timing``.
+            time = data.get("time") or data["memory"].get("timing")
             profile = cls(
-                memory=memory,
-                time=memory.timing,  # type: ignore[arg-type]  # checked below
+                memory=MemoryModel.from_dict(data["memory"]),
+                time=TimeModel.from_dict(time) if time else None,  # type: ignore[arg-type]  # checked below
                 optimizer=OptimizerStepMemory.from_dict(data["optimizer_step"]),
                 stacks=tuple(LayerStack.from_dict(s) for s in data["stacks"]),
                 space=SearchSpace.from_config(data["search_space"]),

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.measure.measurement import Measurement, measure_step, release_memory
+from lightning_ckpt.measure.measurement import Measurement, release_memory
 from lightning_ckpt.measure.tracker import fsdp_root
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.format import Plan
@@ -78,19 +78,12 @@ class EagerRunner:
             _reset_pinned_peak()
         with plan_applied(h.target, plan) as handle, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"lightning_ckpt: segments\[")  # reported as the trial's error
-            m = measure_step(
-                h.train_step,
-                model=h.root,
-                optimizer=h.optimizer,
+            m = h.measure(
                 warmup=warmup,
                 steps=steps,
-                device=h.device,
-                batch_size=h.batch_size,
-                seq_len=h.seq_len,
                 track_memory=memory,
                 count_flops=flops,
                 memory_limit_bytes=memory_limit,
-                extra=h.extra,
                 reserve_headroom_bytes=self.reserve_headroom_bytes,
             )
         if offload:  # offload trades device memory for pinned host memory: report it
@@ -100,19 +93,7 @@ class EagerRunner:
     def retime(self, plan: Plan, steps: int) -> Measurement:
         h = self.harness
         with plan_applied(h.target, plan):
-            return measure_step(
-                h.train_step,
-                model=h.root,
-                optimizer=h.optimizer,
-                warmup=1,
-                steps=steps,
-                device=h.device,
-                batch_size=h.batch_size,
-                seq_len=h.seq_len,
-                track_memory=False,
-                count_flops=False,
-                extra=h.extra,
-            )
+            return h.measure(warmup=1, steps=steps, track_memory=False, count_flops=False)
 
 
 def _with_deviations(outcome: Measurement, deviations: Mapping[str, str]) -> Measurement:

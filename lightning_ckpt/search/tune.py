@@ -19,12 +19,11 @@ from torch import nn
 
 from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
 from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
-from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.memory.profile import profile_step
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.baselines import uniform_plan
@@ -183,14 +182,13 @@ def _search(
     is_compiled = isinstance(runner, CompiledTrials)
     with eager_while_profiling(is_compiled):
         timed = False if is_compiled else _space_modes(config.search_space.for_device(device.type), resolved)
-        memory_model = profile_memory(
-            resolved, harness.step_fn, optimizer=optimizer, extra=harness.extra, time_blocks=timed
-        )
-    if memory_model.timing is not None:
-        at = {**memory_model.timing.measured_at, "batch_size": harness.batch_size, "seq_len": seq_len}
-        memory_model = replace(memory_model, timing=replace(memory_model.timing, measured_at=at))
+        profile = profile_step(resolved, harness.step_fn, optimizer=optimizer, extra=harness.extra, time_blocks=timed)
+    if profile.time is not None:
+        at = {**profile.time.measured_at, "batch_size": harness.batch_size, "seq_len": seq_len}
+        profile = profile.with_time(replace(profile.time, measured_at=at))
+    memory_model = profile.memory
     # The CUDA cap's headroom for the allocator's reserve, measured by the profile: eager and compiled trials alike.
-    runner.reserve_headroom_bytes = getattr(memory_model, "reserve_overhead_bytes", 0)
+    runner.reserve_headroom_bytes = memory_model.reserve_overhead_bytes
     space = config.search_space.for_device(device.type)
     if is_compiled:
         space = runner.adapt(space)
@@ -205,7 +203,7 @@ def _search(
     warm_steps = warm_up_process(harness, resolved, config, is_compiled)
     stacks, candidates = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
     proposer = proposer_for(
-        getattr(memory_model, "timing", None),
+        profile.time,
         predicts_time=getattr(runner, "predicts_time", False),
         predict_time=config.predict_time,
         tie_tolerance=config.tie_tolerance,
@@ -237,9 +235,8 @@ def _search(
     fitted = study.proposer.fitted()
     if fitted is not None:
         # The profile as the search fitted it: a later budget re-plans from it without a search (``replan``).
-        memory_model = replace(memory_model, timing=fitted)
         metadata[PROFILE_KEY] = profile_metadata(
-            memory_model,
+            profile.with_time(fitted),
             memory.optimizer,
             stacks,
             space,
@@ -286,17 +283,7 @@ def warm_up_process(harness: StepHarness, resolved: ModelView, config: TuneConfi
     under the lowest-memory plan so they cannot run out of memory; ``measure_step`` restores all state."""
     full = uniform_plan(resolved.stacks, BlockPlan("full"))
     with plan_applied(resolved, full), eager_while_profiling(compiled):
-        warm = measure_step(
-            harness.train_step,
-            model=resolved.root,
-            optimizer=harness.optimizer,
-            warmup=config.process_warmup_steps,
-            steps=1,
-            device=harness.device,
-            track_memory=False,
-            count_flops=False,
-            extra=harness.extra,
-        )
+        warm = harness.measure(warmup=config.process_warmup_steps, steps=1, track_memory=False, count_flops=False)
     return warm.warmup_steps + len(warm.step_seconds)
 
 

@@ -1,7 +1,7 @@
 """Predict a plan's step time without running it: what each block's mode costs, measured alone, on top of a
 step time measured on this machine.
 
-The profile (``memory.profile.profile_memory``) runs each distinct block alone under every mode, and
+The profile (``memory.profile.profile_step``) runs each distinct block alone under every mode, and
 ``memory.block_times.time_block_modes`` times those runs (forward and backward, under the step's autocast).
 Checkpointing changes a step's time by what each block's mode adds to its forward+backward: the
 recompute of a checkpointed block or child, the copies of an offloaded one. So a plan's step takes
