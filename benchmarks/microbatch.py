@@ -45,10 +45,10 @@ def run_budget(args: argparse.Namespace, model: GPT, batch: Any, fraction: float
     )  # fmt: skip
     limit = found.result.budget.limit_bytes
     # The no-checkpointing configuration: the largest micro-batch whose none plan fits the budget.
-    scaled = found.per_micro_batch
+    trials = found.result.trials  # one search over every (plan, micro-batch)
     none_fits = [
         m for m in divisors(args.global_batch)
-        if m in scaled and any(t.plan.is_empty and t.status == "ok" for t in scaled[m].trials)
+        if any(t.micro_batch == m and t.plan.is_empty and t.status == "ok" for t in trials)
     ]  # fmt: skip
     none_m = max(none_fits) if none_fits else args.micro_batch
     tuned_plan = Plan(found.result.best.blocks, found.result.best.segments)
@@ -77,10 +77,13 @@ def run_budget(args: argparse.Namespace, model: GPT, batch: Any, fraction: float
     }  # fmt: skip
     ratio = 1.0 if identical else rows[tuned_name]["samples_per_second"] / rows[none_name]["samples_per_second"]
     # What the search measured at each micro-batch: the evidence for (or against) a larger one.
+    best_of: dict[int, Any] = {}
+    for t in sorted((t for t in trials if t.feasible and t.samples_per_second), key=lambda t: t.samples_per_second):
+        best_of[t.micro_batch] = t  # the fastest last
     searched = {
-        m: {"plan": r.best.describe(), "samples_per_second": r.best_trial.samples_per_second,
-            "activation_bytes": r.best_trial.activation_bytes, "status": r.best_trial.status}
-        for m, r in sorted(scaled.items()) if r.best_trial is not None
+        m: {"plan": t.plan.describe(), "samples_per_second": t.samples_per_second,
+            "activation_bytes": t.activation_bytes, "status": t.status}
+        for m, t in sorted(best_of.items())
     }  # fmt: skip
     print(f"\nGPT {args.layers}x128, T=128, global batch {args.global_batch}, CPU; "
           f"budget {found.result.budget.description}")  # fmt: skip

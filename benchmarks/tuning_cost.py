@@ -23,7 +23,7 @@ import torch
 
 from lightning_ckpt import tune
 from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
-from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.memory.profile import profile_step
 from lightning_ckpt.testing import GPT, GPTConfig
 
 
@@ -50,7 +50,7 @@ def run_depth(depth: int, *, batch: int, seq: int, width: int) -> dict[str, Any]
         return model(x, x)
 
     t0 = time.perf_counter()
-    profile_memory(model, loss, optimizer=optimizer, extra=(x,))
+    profile_step(model, loss, optimizer=optimizer, extra=(x,))  # memory and block timings, as tune profiles
     profile_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     measure_optimizer_step(model, optimizer, device="cpu", extra=(x,))
