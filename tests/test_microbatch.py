@@ -175,10 +175,14 @@ def test_the_sampler_proposes_the_micro_batch_as_one_more_dimension():
 
     space = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5", "every:2"], "rest_modes": ["none"]}
     found = tune_micro_batch(model, loss_for, base_micro_batch=4, global_batch=8, activation_budget=0.8,
-                             n_trials=3, search_space=space, measure_steps=1, confirm_top=0,
+                             micro_batches=[2, 4], n_trials=14, search_space=space, measure_steps=1, confirm_top=0,
                              extra_for=lambda m: (resize_batch(tokens, 4, m),))  # fmt: skip
     trials = found.result.trials
-    tuned = [t for t in trials if t.baseline is None and t.status != "pruned"]
-    assert 1 <= len(tuned) <= 3 and all(t.params["micro_batch"] in (1, 2, 4, 8) for t in tuned)
+    assert not found.result.best.metadata["search"]["exhaustive"], "the sampler's path, not the whole space"
+    measured = [t for t in trials if t.status != "pruned"]
+    baselines = [t for t in measured if t.baseline is not None]
+    tuned = [t for t in measured if t.baseline is None]
+    assert len(baselines) < 14 and 1 <= len(tuned) and len(measured) <= 14  # baselines first, then the sampler's
+    assert all(t.params["micro_batch"] in (2, 4) for t in tuned)
     assert all(t.label.endswith(f"[micro-batch {t.micro_batch} x{8 // t.micro_batch}]") for t in trials)
     assert len({(t.plan.key(), t.micro_batch) for t in trials}) == len(trials)

@@ -66,7 +66,8 @@ def test_a_replanned_plan_is_the_plan_a_full_search_picks_on_the_same_profile_wh
     stacks, candidates = offered_candidates(space, stacks, memory.fingerprint, memory)
     limit = int(share * memory.predict_activation(Plan()))
     budget = Budget("activation", limit, share, f"{share:.0%} of activations")
-    config = TuneConfig(n_trials=len(candidates), predict_time=False)
+    # Every fitting plan confirmed: the search then chooses among all of them, as a re-plan does.
+    config = TuneConfig(n_trials=len(candidates), predict_time=False, confirm_top=len(candidates))
     study = Study(candidates=candidates, space=space, stacks=stacks, runner=PredictedRunner(memory, profiled.time), budget=budget,
                   memory=RealStepMemory(memory, OptimizerStepMemory.absent()), config=config,
                   fingerprint=memory.fingerprint, device_type="cpu", samples_per_step=BATCH)  # fmt: skip

@@ -188,9 +188,10 @@ def tune_micro_batch(
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch,
             "tie_tolerance": config.tie_tolerance}  # fmt: skip
+    run = {**result.best.metadata.get("run", {}), "batch_size": m}  # the step the plan runs: the chosen micro-batch
     result = replace(
         result,
-        best=result.best.with_metadata(micro_batch=spec),
+        best=result.best.with_metadata(micro_batch=spec, run=run),
         tuning_seconds=time.perf_counter() - started,
         memory_table=scaled.at(m).table(),
         memory_breakdown=scaled.at(m).to_dict(),
@@ -265,7 +266,7 @@ def _search(
     study.run()
     study.confirm()
     release_cached_memory(device)
-    run = {"device": str(device), "batch_size": base_micro_batch, "micro_batches": sizes, "compiled": is_compiled}
+    run = {"device": str(device), "micro_batches": sizes, "compiled": is_compiled}
     return study.result(
         extra_steps=2 * PROFILE_STEPS + WRITE_CHECK_STEPS + warm_steps,
         metadata={"optimizer_step": opt_mem.to_dict(), "run": run},
