@@ -1,0 +1,76 @@
+"""How far apart are two outside re-timings of the same plans? The same baselines, re-timed in N fresh processes.
+
+``repeatability.py`` judges a search's claim against one re-timing in one fresh process. If fresh processes
+disagree among themselves about the plans' relative speed, no claim can be closer to a re-timing than that.
+This runs ``--processes`` fresh processes (default 5), each re-timing the case's baseline plans side by side
+as ``repeatability.worker_retime`` does (6 interleaved rotated rounds, 1 warm-up + 3 timed steps), and prints
+each process's speed ratios over the first baseline, then the spread across processes.
+
+Run: ``python benchmarks/retime_spread.py mixer --processes 5`` (about 3 minutes on 2 cores); writes
+``benchmarks/results/retime_spread_<case>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+
+def _job(case: str, tmp: Path) -> Path:
+    """The case's baselines as plan files and a re-timing job naming them."""
+    import repeatability as R
+
+    from lightning_ckpt import baselines
+
+    built = R.BUILDERS[case](False)
+    paths = {}
+    for name, plan in baselines(built.model).items():
+        if name in ("full", "selective_mlp", "sqrt_segments"):
+            paths[name] = str(tmp / f"{name}.json")
+            plan.save(paths[name])
+    job = {"case": case, "tiny": False, "budget": 0.5, "threads": None, "plans": {}, "baselines": paths,
+           "limit_bytes": None, "rounds": 6, "steps": 3}  # fmt: skip
+    path = tmp / "job.json"
+    path.write_text(json.dumps(job))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=("gpt", "mixer", "llama"))
+    parser.add_argument("--processes", type=int, default=5)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    job = _job(args.case, tmp)
+    code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import repeatability as R; "
+            f"print(json.dumps(R.worker_retime(json.load(open({str(job)!r})))))")  # fmt: skip
+    runs = []
+    for i in range(args.processes):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        plans = json.loads(out.splitlines()[-1])["plans"]
+        speeds = {k.removeprefix("baseline:"): v["samples_per_second"] for k, v in plans.items()}
+        runs.append(speeds)
+        print(f"process {i}: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items()), flush=True)
+    names = list(runs[0])
+    first = names[0]
+    spread = {}
+    for name in names[1:]:
+        ratios = [r[name] / r[first] for r in runs]
+        spread[name] = {"ratios_over_" + first: ratios, "min": min(ratios), "max": max(ratios),
+                        "max_over_min": max(ratios) / min(ratios), "median": statistics.median(ratios)}  # fmt: skip
+        print(f"{name} / {first}: {', '.join(f'{x:.3f}' for x in ratios)}; max/min {max(ratios) / min(ratios):.3f}")
+    out_path = HERE / "results" / f"retime_spread_{args.case}.json"
+    out_path.write_text(json.dumps({"command": " ".join(sys.argv), "runs": runs, "spread": spread}, indent=1))
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
