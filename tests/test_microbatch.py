@@ -111,7 +111,8 @@ def test_micro_batch_needs_a_batch_size_attribute(tmp_path):
         _fit(tmp_path, [ActivationCheckpointTuner(tune_micro_batch=True, verbose=False)], NoAttr())
 
 
-def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
+def _tiny_gpt():
+    """A seeded 4-layer GPT, its batch of 4, and ``loss_for(m)``: the loss on that batch resized to ``m``."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
     tokens = torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -119,6 +120,12 @@ def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
     def loss_for(m):
         x = resize_batch(tokens, 4, m)
         return lambda: model(x, x)
+
+    return model, tokens, loss_for
+
+
+def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
+    model, tokens, loss_for = _tiny_gpt()
 
     common = dict(
         base_micro_batch=4,
@@ -165,13 +172,7 @@ def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
 def test_the_sampler_proposes_the_micro_batch_as_one_more_dimension():
     # A space larger than n_trials: Optuna's sampler proposes (plan, micro-batch) pairs through the study, each
     # once, and the budget bounds what is measured.
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
-    tokens = torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(0))
-
-    def loss_for(m):
-        x = resize_batch(tokens, 4, m)
-        return lambda: model(x, x)
+    model, tokens, loss_for = _tiny_gpt()
 
     space = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5", "every:2"], "rest_modes": ["none"]}
     found = tune_micro_batch(model, loss_for, base_micro_batch=4, global_batch=8, activation_budget=0.8,

@@ -340,31 +340,10 @@ def profile_step(
     return Profile(memory, _time_model(runs, memory.stacks, dev) if runs.timings else None)
 
 
-def profile_memory(
-    model: nn.Module | ModelView,
-    forward_fn: Callable[[], Any],
-    *,
-    stacks: Sequence[LayerStack] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    extra: tuple[Any, ...] = (),
-    device: torch.device | str | None = None,
-    selective_sets: Mapping[str, Iterable[Iterable[str]]] | Iterable[Iterable[str]] | None = None,
-    share_identical_blocks: bool = True,
-    block_types: Iterable[type | str] | None = None,
-) -> MemoryModel:
-    """The memory model alone (``profile_step`` without timing the blocks): what predicting memory needs."""
-    return profile_step(
-        model,
-        forward_fn,
-        stacks=stacks,
-        optimizer=optimizer,
-        extra=extra,
-        device=device,
-        selective_sets=selective_sets,
-        share_identical_blocks=share_identical_blocks,
-        block_types=block_types,
-        time_blocks=False,
-    ).memory
+def profile_memory(model: nn.Module | ModelView, forward_fn: Callable[[], Any], **options: Any) -> MemoryModel:
+    """The memory model alone: ``profile_step`` (same ``options``) without timing the blocks, which is what
+    predicting memory needs."""
+    return profile_step(model, forward_fn, **options, time_blocks=False).memory
 
 
 def _selective_sets(

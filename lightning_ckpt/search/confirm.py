@@ -1,9 +1,9 @@
 """The side-by-side confirmation: re-time the leaders in interleaved rounds, so the choice compares figures
 taken at the same moments of a shared machine, never a trial measured in a slow moment against one that was not.
 
-Both searches confirm the same way (``Study.confirm`` within one micro-batch, ``tune_micro_batch`` across
-micro-batches): ``confirm_interleaved`` times the entries until ``SideBySide`` can give every tuned plan a
-decided ``verdict.Verdict`` against the fastest baseline, and ``apply_confirmation`` puts its figures into the
+``Study.confirm`` (every search, the joint micro-batch one included) uses ``confirm_interleaved``, which times the
+entries until ``SideBySide`` can give every tuned plan a decided ``verdict.Verdict`` against the fastest baseline;
+``holdout`` re-times the winner in fresh rounds for the claim; ``apply_confirmation`` puts the figures into the
 records.
 """
 

@@ -139,7 +139,6 @@ class Study:
         )
         self.sync: Sync = sync or LocalSync()
         self.progress, self.should_stop = progress, should_stop
-        self.samples_per_step = base.samples_per_step
         self.records: list[TrialRecord] = []
         self.by_key: dict[str, TrialRecord] = {}
         # Stacks a trial saw leave the chain at run time (a parent that skips blocks on some batches only):
