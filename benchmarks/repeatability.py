@@ -7,9 +7,11 @@ the claimed ratio is the chosen plan's speed over the fastest fitting baseline's
 it (``metadata["search"]["verdict"]``: its ratio and 90% interval when the tuned plan won, 1.0 when the reference
 baseline was kept). Then every chosen plan and every fitting baseline (the plan the search ran under that name,
 fitting as ``tuner_vs_baselines.py`` decides it: its trial's status is ok) are re-timed side by side in interleaved
-rounds (``--rounds``, the order rotated every round, one warm-up step per plan per round, then ``--steps`` timed
-steps; median over rounds), and each search gets its re-timed ratio: chosen samples/s over the fastest fitting
-baseline's, both from the re-timing.
+rounds (``--rounds``, default 40, the order rotated every round, ``--steps`` timed steps per plan per round,
+default 1, one warm-up step in a plan's first round only: the confirmation's own design, see
+``step_alternation.py``), and each search gets its re-timed ratio: the chosen plan's speed over the fastest fitting
+baseline's, as the verdict computes it (geometric mean of the paired per-round ratios), the fastest baseline being
+the one whose paired ratios over the others are highest (``confirm.SideBySide.reference``).
 
 Why fresh processes: each search runs in a process of its own (``--worker search``), so that nothing one search
 leaves behind (warm thread pools and oneDNN caches, the allocator's pools, an Optuna study in memory) helps or
@@ -315,7 +317,7 @@ def worker_retime(job: dict[str, Any]) -> dict[str, Any]:
         orders.append(this_round)
         for name in this_round:
             with plan_applied(case.model, distinct[name], check_fingerprint=False):
-                m = measure_step(step, model=case.model, warmup=1, steps=job["steps"], batch_size=case.batch_size,
+                m = measure_step(step, model=case.model, warmup=1 if r == 0 else 0, steps=job["steps"], batch_size=case.batch_size,
                                  track_memory=False, extra=case.extra)  # fmt: skip
             if m.status != "ok":
                 raise RuntimeError(f"re-timing {name}: {m.status} {m.error}")
@@ -445,15 +447,16 @@ def run_case(case: str, budget: float, args: argparse.Namespace, tmp: Path) -> d
     differ = [k for k, same in retimed["search_baseline_is_plan_baselines"].items() if not same]
     if differ:
         print(f"  note: the search's baselines {differ} are not plan/baselines.py's plans of those names")
-    best_baseline = max((timed[f"baseline:{k}"]["samples_per_second"], k) for k in fitting) if fitting else None
+    fastest = fastest_paired({k: timed[f"baseline:{k}"] for k in fitting})
+    best_baseline = (timed[f"baseline:{fastest}"]["samples_per_second"], fastest) if fastest else None
     for s in searches:
         if "error" in s:
             continue
         mine = timed[f"search {s['index']}"]
         s["retimed_samples_per_second"] = mine["samples_per_second"]
         s["chosen_predicted_fits"] = mine["predicted_fits"]
-        s["retimed_ratio"] = mine["samples_per_second"] / best_baseline[0] if best_baseline else None
-        s["retimed_paired"] = paired(timed[f"baseline:{best_baseline[1]}"], mine) if best_baseline else None
+        s["retimed_paired"] = paired(timed[f"baseline:{fastest}"], mine) if fastest else None
+        s["retimed_ratio"] = s["retimed_paired"]["ratio"] if s["retimed_paired"] else None
         c, r = s["claimed"]["ratio"], s["retimed_ratio"]
         s["claim_error"] = abs(c / r - 1) if c and r else None
     summary = summarize(searches, args.searches)
@@ -463,9 +466,21 @@ def run_case(case: str, budget: float, args: argparse.Namespace, tmp: Path) -> d
         "retimed": retimed, "retime_wall_seconds": retime_wall, "calibration": calibration, "summary": summary,
     }  # fmt: skip
     if calibration is not None and best_baseline:
-        row["quiet_retimed_ratio"] = timed["quiet"]["samples_per_second"] / best_baseline[0]
+        row["quiet_retimed_ratio"] = paired(timed[f"baseline:{fastest}"], timed["quiet"])["ratio"]
     print_case(row, timed)
     return row
+
+
+def fastest_paired(baselines: dict[str, dict[str, Any]]) -> str | None:
+    """The fitting baseline whose paired speed ratios over every other baseline sum (in logs) highest: rounds
+    pair the plans at one moment, so the machine's drift between rounds does not pick it."""
+    if not baselines:
+        return None
+
+    def score(name: str) -> float:
+        return sum(math.log(paired(other, baselines[name])["ratio"]) for o, other in baselines.items() if o != name)
+
+    return max(sorted(baselines), key=score)
 
 
 def paired(reference: dict[str, Any], candidate: dict[str, Any]) -> dict[str, Any] | None:
@@ -553,8 +568,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.3])
     parser.add_argument("--searches", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--load", action="store_true", help="busy processes on every core for the middle of searches")
     parser.add_argument("--tiny", action="store_true", help="tiny models and batches, for smoke tests only")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")

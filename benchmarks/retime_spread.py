@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,7 +25,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 
-def _job(case: str, tmp: Path) -> Path:
+def _job(case: str, tmp: Path, rounds: int) -> Path:
     """The case's baselines as plan files and a re-timing job naming them."""
     import repeatability as R
 
@@ -37,28 +38,48 @@ def _job(case: str, tmp: Path) -> Path:
             paths[name] = str(tmp / f"{name}.json")
             plan.save(paths[name])
     job = {"case": case, "tiny": False, "budget": 0.5, "threads": None, "plans": {}, "baselines": paths,
-           "limit_bytes": None, "rounds": 6, "steps": 3}  # fmt: skip
+           "limit_bytes": None, "rounds": rounds, "steps": 3}  # fmt: skip
     path = tmp / "job.json"
     path.write_text(json.dumps(job))
     return path
+
+
+def _within(rounds: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
+    """Each plan's per-round speed ratio over the first plan's, low and high: the noise inside one process."""
+    names = list(rounds)
+    first = rounds[names[0]]
+    out = {}
+    for name in names[1:]:
+        ratios = [f / s for f, s in zip(first, rounds[name], strict=True)]
+        out[name] = (min(ratios), max(ratios))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=("gpt", "mixer", "llama"))
     parser.add_argument("--processes", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in every re-timing process (e.g. MALLOC_MMAP_THRESHOLD_=...)")  # fmt: skip
+    parser.add_argument("--tag", default="", help="suffix of the output file's name")
     args = parser.parse_args()
+    env = dict(os.environ) | dict(item.split("=", 1) for item in args.env)
     tmp = Path(tempfile.mkdtemp())
-    job = _job(args.case, tmp)
+    job = _job(args.case, tmp, args.rounds)
     code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import repeatability as R; "
             f"print(json.dumps(R.worker_retime(json.load(open({str(job)!r})))))")  # fmt: skip
-    runs = []
+    runs, within = [], []
     for i in range(args.processes):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
         plans = json.loads(out.splitlines()[-1])["plans"]
         speeds = {k.removeprefix("baseline:"): v["samples_per_second"] for k, v in plans.items()}
+        rounds = {k.removeprefix("baseline:"): v["round_seconds"] for k, v in plans.items()}
         runs.append(speeds)
-        print(f"process {i}: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items()), flush=True)
+        within.append(_within(rounds))
+        print(f"process {i}: " + ", ".join(f"{k} {v:.1f}" for k, v in speeds.items())
+              + "; within the process, per-round ratio range: "
+              + ", ".join(f"{k} {lo:.3f}-{hi:.3f}" for k, (lo, hi) in within[-1].items()), flush=True)  # fmt: skip
     names = list(runs[0])
     first = names[0]
     spread = {}
@@ -67,8 +88,9 @@ def main() -> None:
         spread[name] = {"ratios_over_" + first: ratios, "min": min(ratios), "max": max(ratios),
                         "max_over_min": max(ratios) / min(ratios), "median": statistics.median(ratios)}  # fmt: skip
         print(f"{name} / {first}: {', '.join(f'{x:.3f}' for x in ratios)}; max/min {max(ratios) / min(ratios):.3f}")
-    out_path = HERE / "results" / f"retime_spread_{args.case}.json"
-    out_path.write_text(json.dumps({"command": " ".join(sys.argv), "runs": runs, "spread": spread}, indent=1))
+    out_path = HERE / "results" / f"retime_spread_{args.case}{args.tag}.json"
+    record = {"command": " ".join(sys.argv), "env": args.env, "runs": runs, "within_process": within, "spread": spread}
+    out_path.write_text(json.dumps(record, indent=1))
     print(f"wrote {out_path}")
 
 

@@ -48,7 +48,7 @@ class PredictedRunner:
     def measure_memory(self, plan: Plan, memory_limit) -> Measurement:
         return Measurement("ok", steps=1, **self._figures(plan))
 
-    def retime(self, plan: Plan, steps: int) -> Measurement:
+    def retime(self, plan: Plan, steps: int, *, warmup: int = 1) -> Measurement:
         f = self._figures(plan)
         return Measurement("ok", step_seconds=(f["median_seconds"],), spread_seconds=0.0, **f)
 

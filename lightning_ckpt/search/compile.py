@@ -377,8 +377,9 @@ class CompiledTrials:
         steps = 1 + m.warmup_steps + len(m.step_seconds) + (1 if stats.saved_bytes is not None else 0)
         return replace(m, steps=steps, conflict=reason, extra=extra)
 
-    def retime(self, plan: Plan, steps: int | None = None) -> Measurement:
-        """Time ``plan`` again (a ``Measurement``): compiled afresh, the compile step untimed, no memory pass.
+    def retime(self, plan: Plan, steps: int | None = None, *, warmup: int = 1) -> Measurement:
+        """Time ``plan`` again (a ``Measurement``): compiled afresh, the compile step untimed, no memory pass
+        (``warmup`` is not used: the compile step is the warm-up of every compiled round).
 
         Switching plans on a warm compiled model would recompile through dynamo's guards, using up the
         recompile limit, and a plan that only sets a PT2 budget changes no guard at all, so it would

@@ -27,9 +27,11 @@ _LOWEST = {
     "measure_steps": 1,
     "process_warmup_steps": 0,
     "confirm_top": 0,
+    "confirm_steps": 1,
     "confirm_rounds": 1,
     "confirm_max_rounds": 1,
     "holdout_rounds": 0,
+    "holdout_max_rounds": 0,
 }
 
 
@@ -54,9 +56,15 @@ class TuneConfig:
     interval against the fastest baseline lies below ``1 + tie_tolerance``, a baseline clearly slower than it) stop
     being timed, and a tuned plan that can still win is timed for all ``confirm_max_rounds`` (``verdict.py``,
     ``confirm.confirm_interleaved``).
-    holdout_rounds: when a tuned plan wins, it and the reference are timed again in this many fresh rounds, and the
-    verdict shown is theirs: the rounds that chose a plan among several favour it (a winner's curse); a plan the
-    fresh rounds do not find faster is not kept. 0: the choosing rounds' verdict is shown.
+    confirm_steps: timed steps each plan gets per round (its first round adds one warm-up step). One, so the plans
+    alternate step by step: two steps taken back to back share the machine's moment, so their ratio is what the
+    verdict pairs; rounds of one warm-up and three timed steps gave 2.5x the interval's width for the same steps
+    on a 2-core CPU (``benchmarks/step_alternation.py``).
+    holdout_rounds / holdout_max_rounds: when a tuned plan wins, it and the reference are timed again in fresh rounds,
+    at least ``holdout_rounds`` and until the 90% interval of its ratio is within ±3% (``confirm.CLAIM_HALF_WIDTH``)
+    or ``holdout_max_rounds``; the verdict shown is theirs: the rounds that chose a plan among several favour it (a
+    winner's curse); a plan the fresh rounds do not find faster is not kept. 0: the choosing rounds' verdict is
+    shown.
     allow_graph_breaks: under ``torch.compile``, let plans that add graph breaks win on throughput.
     memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every
     benchmarked model), a trial's memory is its prediction and only the plans that can still be chosen
@@ -85,9 +93,11 @@ class TuneConfig:
     enforce_budget: bool = True
     process_warmup_steps: int = 2
     confirm_top: int = 3
-    confirm_rounds: int = 3
-    confirm_max_rounds: int = 6
-    holdout_rounds: int = 3
+    confirm_steps: int = 1
+    confirm_rounds: int = 6
+    confirm_max_rounds: int = 24
+    holdout_rounds: int = 8
+    holdout_max_rounds: int = 32
     allow_graph_breaks: bool = False
     memory_pass: Literal["finalists", "every"] = "finalists"
     predict_time: bool = True
@@ -120,6 +130,10 @@ class TuneConfig:
         if self.confirm_max_rounds < self.confirm_rounds:
             raise ConfigurationError(
                 f"confirm_max_rounds ({self.confirm_max_rounds}) must be >= confirm_rounds ({self.confirm_rounds})."
+            )
+        if self.holdout_max_rounds < self.holdout_rounds:
+            raise ConfigurationError(
+                f"holdout_max_rounds ({self.holdout_max_rounds}) must be >= holdout_rounds ({self.holdout_rounds})."
             )
         if not _is_int(self.seed):
             raise ConfigurationError(

@@ -42,8 +42,9 @@ class TrialRunner(Protocol):
         """Only the memory pass (and the FLOP count) of ``plan``: for a trial timed with ``memory=False``."""
         ...
 
-    def retime(self, plan: Plan, steps: int) -> Measurement:
-        """Time ``plan`` again, ``steps`` timed steps, no memory pass: the confirmation round's figures."""
+    def retime(self, plan: Plan, steps: int, *, warmup: int = 1) -> Measurement:
+        """Time ``plan`` again, ``warmup`` untimed then ``steps`` timed steps, no memory pass: a confirmation
+        round's figures."""
         ...
 
 
@@ -90,10 +91,10 @@ class EagerRunner:
             m = replace(m, extra={**m.extra, "pinned_host_peak_bytes": _pinned_peak()})
         return _with_deviations(m, handle.deviations)
 
-    def retime(self, plan: Plan, steps: int) -> Measurement:
+    def retime(self, plan: Plan, steps: int, *, warmup: int = 1) -> Measurement:
         h = self.harness
         with plan_applied(h.target, plan):
-            return h.measure(warmup=1, steps=steps, track_memory=False, count_flops=False)
+            return h.measure(warmup=warmup, steps=steps, track_memory=False, count_flops=False)
 
 
 def _with_deviations(outcome: Measurement, deviations: Mapping[str, str]) -> Measurement:

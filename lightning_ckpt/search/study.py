@@ -378,7 +378,7 @@ class Study:
             self._rerank(steps)
             chosen = self._leaders(config.confirm_top)
         announce_confirmation(self.progress, chosen)
-        entries = self._entries(chosen, steps)
+        entries = self._entries(chosen, config.confirm_steps)
         side = confirm_interleaved(
             entries,
             min_rounds=config.confirm_rounds,
@@ -454,11 +454,11 @@ class Study:
                 self._update(self.records[i])
 
     def _entries(self, trials: Sequence[TrialRecord], steps: int) -> list[ConfirmEntry]:
-        """``trials`` to re-time side by side, ``steps`` timed steps (and one warm-up) a round each."""
+        """``trials`` to re-time side by side, ``steps`` timed steps a round each (and one warm-up in the first)."""
         entries = []
         for t in trials:
             w = self.workload(t.micro_batch)
-            entries.append(ConfirmEntry(t, retimer(w.runner, t.plan, steps), w.samples_per_step, steps + 1))
+            entries.append(ConfirmEntry(t, retimer(w.runner, t.plan, steps), w.samples_per_step, steps, 1))
         return entries
 
     # -- the choice ----------------------------------------------------------------------------------
@@ -488,13 +488,14 @@ class Study:
         """``best``, or the reference where fresh rounds (``confirm.holdout``, ``holdout_rounds``) do not find the
         tuned plan the confirmation chose faster than it. Their figures replace both plans' confirmation figures,
         so the plan file's throughput and its verdict say the same."""
-        steps = self.config.measure_steps
+        steps = self.config.confirm_steps
         self.records, reference, self.held_out = holdout(
             best,
             self.records,
             self.side,
             lambda t: self._entries([t], steps)[0],
             rounds=self.config.holdout_rounds,
+            max_rounds=self.config.holdout_max_rounds,
             tie_tolerance=self.tie_tolerance,
             sync=self.sync,
         )
