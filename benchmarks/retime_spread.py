@@ -3,11 +3,14 @@
 ``repeatability.py`` judges a search's claim against one re-timing in one fresh process. If fresh processes
 disagree among themselves about the plans' relative speed, no claim can be closer to a re-timing than that.
 This runs ``--processes`` fresh processes (default 5), each re-timing the case's baseline plans side by side
-as ``repeatability.worker_retime`` does (6 interleaved rotated rounds, 1 warm-up + 3 timed steps), and prints
-each process's speed ratios over the first baseline, then the spread across processes.
+as ``repeatability.worker_retime`` does (``--rounds`` interleaved rotated rounds of ``--steps`` timed steps, a
+warm-up step in each plan's first round), and prints each process's speed ratios over the first baseline and
+the range of the per-round ratios inside it, then the spread across processes. ``--env NAME=VALUE`` sets a
+variable in every re-timing process (e.g. glibc's ``MALLOC_MMAP_THRESHOLD_``, ``OMP_NUM_THREADS``).
 
-Run: ``python benchmarks/retime_spread.py mixer --processes 5`` (about 3 minutes on 2 cores); writes
-``benchmarks/results/retime_spread_<case>.json``.
+Run: ``python benchmarks/retime_spread.py mixer --processes 5`` (about 2 minutes on 2 cores); writes
+``benchmarks/results/retime_spread_<case><--tag>.json``. The design before the confirmation alternated plans
+step by step: ``--rounds 6 --steps 3``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 
-def _job(case: str, tmp: Path, rounds: int) -> Path:
+def _job(case: str, tmp: Path, rounds: int, steps: int) -> Path:
     """The case's baselines as plan files and a re-timing job naming them."""
     import repeatability as R
 
@@ -38,7 +41,7 @@ def _job(case: str, tmp: Path, rounds: int) -> Path:
             paths[name] = str(tmp / f"{name}.json")
             plan.save(paths[name])
     job = {"case": case, "tiny": False, "budget": 0.5, "threads": None, "plans": {}, "baselines": paths,
-           "limit_bytes": None, "rounds": rounds, "steps": 3}  # fmt: skip
+           "limit_bytes": None, "rounds": rounds, "steps": steps}  # fmt: skip
     path = tmp / "job.json"
     path.write_text(json.dumps(job))
     return path
@@ -59,14 +62,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=("gpt", "mixer", "llama"))
     parser.add_argument("--processes", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="set in every re-timing process (e.g. MALLOC_MMAP_THRESHOLD_=...)")  # fmt: skip
     parser.add_argument("--tag", default="", help="suffix of the output file's name")
     args = parser.parse_args()
     env = dict(os.environ) | dict(item.split("=", 1) for item in args.env)
     tmp = Path(tempfile.mkdtemp())
-    job = _job(args.case, tmp, args.rounds)
+    job = _job(args.case, tmp, args.rounds, args.steps)
     code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import repeatability as R; "
             f"print(json.dumps(R.worker_retime(json.load(open({str(job)!r})))))")  # fmt: skip
     runs, within = [], []
