@@ -138,7 +138,7 @@ class Verdict:
         return "baseline" if self.decided else "undecided"
 
     def describe(self) -> str:
-        """``1.06x [1.03, 1.09] vs sqrt_segments, 6 rounds`` (a holdout: ``..., 3 fresh rounds after the 6 that chose
+        """``1.06x [1.03, 1.09] vs sqrt_segments, 6 rounds`` (a holdout: ``..., 32 fresh rounds after the 24 that chose
         it``): the figure every report shows."""
         name = self.reference.removeprefix("baseline:")
         if self.candidate is None or self.ratio is None:
