@@ -11,7 +11,8 @@ rounds (``--rounds``, default 40, the order rotated every round, ``--steps`` tim
 default 1, one warm-up step in a plan's first round only: the confirmation's own design, see
 ``step_alternation.py``), and each search gets its re-timed ratio: the chosen plan's speed over the fastest fitting
 baseline's, as the verdict computes it (geometric mean of the paired per-round ratios), the fastest baseline being
-the one whose paired ratios over the others are highest (``confirm.SideBySide.reference``).
+the one whose paired ratios over the others are highest (with 40 rounds the benchmark can afford the pairing;
+the search's confirmation takes the baseline of highest median, the rule its choice uses).
 
 Why fresh processes: each search runs in a process of its own (``--worker search``), so that nothing one search
 leaves behind (warm thread pools and oneDNN caches, the allocator's pools, an Optuna study in memory) helps or

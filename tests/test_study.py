@@ -646,7 +646,7 @@ def test_fresh_rounds_go_on_until_the_claim_is_precise(noise, fewest):
     assert verdict.candidate == fast.describe() and verdict.chosen_after
     assert verdict.rounds == (4 if fewest else 20)
     assert (math.sqrt(verdict.high / verdict.low) <= 1 + CLAIM_HALF_WIDTH) == fewest
-    assert verdict.low <= 1.3 <= verdict.high
+    assert abs(verdict.ratio / 1.3 - 1) <= CLAIM_HALF_WIDTH  # the claim is as close to the truth as promised
 
 
 def test_a_plan_the_fresh_rounds_find_slower_is_not_kept(caplog):

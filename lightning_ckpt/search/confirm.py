@@ -145,18 +145,11 @@ class SideBySide:
 
     @property
     def reference(self) -> int | None:
-        """The fastest baseline re-timed: what a tuned plan must beat. Judged on the rounds each pair of baselines
-        shared (its summed log speed ratio over every other baseline), as the verdicts are: comparing each one's
-        median over all its rounds would let the machine's drift between rounds, which pairing cancels, decide."""
+        """The fastest baseline re-timed (by median seconds per sample): what a tuned plan must beat. The same rule
+        as ``records.choose_best``'s reference (the highest samples/s, which ``apply_confirmation`` sets from these
+        medians), so the baseline the rounds settle on is the one the choice keeps."""
         timed = [n for n in self.baselines if self.per_sample.get(n)]
-        if len(timed) < 2:
-            return timed[0] if timed else None
-
-        def score(n: int) -> float:
-            paired = (paired_interval(self.by_round(o), self.by_round(n))[0] for o in timed if o != n)
-            return sum(math.log(r) for r in paired if r)
-
-        return max(sorted(timed), key=score)
+        return min(timed, key=lambda n: statistics.median(self.per_sample[n]), default=None)
 
     def verdict(
         self, number: int, labels: Mapping[int, str], tie_tolerance: float, *, reference: int | None = None
