@@ -1,9 +1,18 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from lightning_ckpt.testing import GPT, GPTConfig
+
+
+def pytest_configure(config):
+    # Under pytest -n 2 (the README command) two workers share the two cores: one intra-op thread each keeps
+    # them from oversubscribing the machine (two pools of two threads spin against each other).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

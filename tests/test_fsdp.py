@@ -67,12 +67,21 @@ def test_fsdp2_ranks_agree_train_as_one_process_and_reuse(tmp_path):
     assert again[0]["trials_run"] == again[1]["trials_run"] == 0 and again[0]["digest"] == r0["digest"]
 
 
+def _free_port() -> int:
+    """A port no one listens on: tests run two at a time (pytest -n 2), so a fixed one could be taken."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.slow
 def test_per_rank_memory_model_under_fsdp2_for_every_baseline(tmp_path):
     # Both reshard_after_forward settings in one launch of 2 ranks (a launch costs more than the measurements).
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, str(WORKER.with_name("fsdp_memory_worker.py")), str(tmp_path), "1,0",
-                           "29541"], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+                           str(_free_port())], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for reshard, rank in ((1, 0), (1, 1), (0, 0), (0, 1)):
         data = json.loads((tmp_path / f"memory{reshard}-{rank}.json").read_text())

@@ -151,7 +151,10 @@ def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
         (t for t in trials if t.feasible and t.baseline),
         key=lambda t: -(t.first_samples_per_second or t.samples_per_second),
     )
-    assert all(t.confirmed for t in fitting[:6])
+    assert sum(t.confirmed for t in fitting) == min(6, len(fitting))
+    if not found.result.best.metadata["search"].get("speed_changes"):
+        assert all(t.confirmed for t in fitting[:6])
+    # (after a speed change the six are the fastest of a side-by-side re-ranking round, not of the search figures)
     # The winner is re-timed and chosen by the verdict against the fastest fitting baseline; its figure is per sample.
     best = found.result.best_trial
     assert best in confirmed

@@ -111,33 +111,37 @@ def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side
     gpt, tokens, predict_time, budget
 ):
     # Another job starts part-way: once the search has measured two plans, every step takes ~5x as long as the
-    # faster of them (a sleep of 4 such steps). Started by the search's own progress, not by a count of steps taken
+    # faster of them (4 such steps more). Started by the search's own progress, not by a count of steps taken
     # in a quiet run: a count can fall before every baseline is timed, and a search timed slow throughout sees no
     # change. Sized by the search's own figures, not a quiet run's: on a machine another job already loads, steps
-    # take several times a quiet step, and a sleep sized by a quiet step would be a 1.5x change within the noise.
+    # take several times a quiet step, and a slowdown sized by a quiet step would be a 1.5x change within the noise.
+    # The slower machine is the search's clock running ahead by that much during each step (TuneConfig.clock):
+    # what the search sees is what a sleep would show it, without the test waiting for it.
     import time
 
     from lightning_ckpt.report.text import result_line
 
     loss = _loss_fn(gpt, tokens)
-    slow = {"sleep": 0.0, "timed": []}
+    slow = {"extra": 0.0, "timed": [], "ahead": 0.0}
+
+    def clock():
+        return time.perf_counter() + slow["ahead"]
 
     def step():
-        if slow["sleep"]:
-            time.sleep(slow["sleep"])
+        slow["ahead"] += slow["extra"]
         return loss()
 
     def progress(trial, budget):
         if trial.status != "pruned" and trial.median_seconds:  # measured plans: pruned ones cost no step
             slow["timed"].append(trial.median_seconds)
-        if not slow["sleep"] and len(slow["timed"]) >= 2:
-            slow["sleep"] = 4 * min(slow["timed"])
+        if not slow["extra"] and len(slow["timed"]) >= 2:
+            slow["extra"] = 4 * min(slow["timed"])
 
     # With the time model and no budget only `none` would run (nothing can beat it): a budget and a space that
     # make plans compete, so that the slowdown falls between the search and its confirmation.
     space = SPACE if not predict_time else {**SPACE, "selections": ["all", "first:0.5"], "rest_modes": ["none"]}
     settings = dict(n_trials=6, search_space=space, measure_steps=2, seed=0, batch_size=tokens.shape[0],
-                    predict_time=predict_time, activation_budget=budget)  # fmt: skip
+                    predict_time=predict_time, activation_budget=budget, clock=clock)  # fmt: skip
     result = tune(gpt, step, progress=progress, **settings)
     assert result.best.metadata["search"]["speed_changes"], "the slowdown is seen"
     fitting = [t for t in result.trials if t.feasible]

@@ -7,6 +7,7 @@ This module owns that, once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ class StepHarness:
     or not) on a fixed batch and returns the loss; ``extra`` are tensors made outside the step (the
     batch) that count as resting memory; ``batch_size``/``seq_len`` turn step times into samples/s
     and tokens/s (without a batch size a step counts as one sample, which ranks plans the same).
+    ``clock`` times the steps: ``time.perf_counter`` unless a test gives the search a machine whose speed it sets.
     """
 
     root: nn.Module
@@ -64,6 +66,7 @@ class StepHarness:
     warmup_steps: int = 1
     measure_steps: int = 3
     view: ModelView | None = None  # ``root`` resolved once (the search's): plans are checked against its fingerprint
+    clock: Callable[[], float] = time.perf_counter  # what steps are timed with (``TuneConfig.clock``)
 
     @property
     def target(self) -> nn.Module | ModelView:
@@ -90,5 +93,6 @@ class StepHarness:
             batch_size=self.batch_size,
             seq_len=self.seq_len,
             extra=self.extra,
+            clock=self.clock,
             **passes,
         )

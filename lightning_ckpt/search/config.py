@@ -7,7 +7,8 @@ one place so a bad value fails at construction, naming the setting and a valid e
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -75,6 +76,8 @@ class TuneConfig:
     beat the best measured one by the noise margin; the rest are pruned. False measures candidates as the
     sampler proposes them, up to ``n_trials`` (every distinct plan when the space is that small), as an
     exhaustive reference does. Compiled trials always do (their step time is the compiler's).
+    clock: what every trial, re-timing and confirmation round times its steps with (``time.perf_counter``); a test
+    that gives the search a machine which slows down part-way passes a clock that runs faster instead of sleeping.
     """
 
     n_trials: int = 40
@@ -101,8 +104,13 @@ class TuneConfig:
     allow_graph_breaks: bool = False
     memory_pass: Literal["finalists", "every"] = "finalists"
     predict_time: bool = True
+    clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
+        if not callable(self.clock):
+            raise ConfigurationError(
+                f"clock must be a function returning seconds, e.g. time.perf_counter, got {self.clock!r}."
+            )
         if self.memory_pass not in ("finalists", "every"):
             raise ConfigurationError(f"memory_pass must be 'finalists' or 'every', but got {self.memory_pass!r}.")
         object.__setattr__(self, "search_space", SearchSpace.from_config(self.search_space))

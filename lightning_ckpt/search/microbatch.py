@@ -216,7 +216,15 @@ def _workloads(
     for m in sorted(feasible, reverse=True):
         steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
         harness = StepHarness(
-            resolved.root, step_for(m), resolved.device, optimizer, extra_for(m), batch_size=m, view=resolved, **steps
+            resolved.root,
+            step_for(m),
+            resolved.device,
+            optimizer,
+            extra_for(m),
+            batch_size=m,
+            view=resolved,
+            clock=config.clock,
+            **steps,
         )
         runner = build_runner(resolved, harness, config, compiled=None)
         runner.reserve_headroom_bytes = scaled.at(m).reserve_overhead_bytes

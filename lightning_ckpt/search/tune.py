@@ -144,7 +144,9 @@ def tune(
     shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
     steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
     extra = tuple(extra_tensors)
-    harness = StepHarness(resolved.root, step_fn, resolved.device, optimizer, extra, **shape, **steps, view=resolved)
+    harness = StepHarness(
+        resolved.root, step_fn, resolved.device, optimizer, extra, **shape, **steps, view=resolved, clock=config.clock
+    )
     runner = build_runner(resolved, harness, config, compiled=compiled)
     is_compiled = isinstance(runner, CompiledTrials)
     try:
