@@ -22,7 +22,9 @@ from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import PlanError
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.model import compiled_regions, model_fingerprint
+from lightning_ckpt.plan.apply import reused_forwards
 from lightning_ckpt.plan.format import BlockPlan
+from lightning_ckpt.search import compile as compile_module
 from lightning_ckpt.search.compile import (
     CompileStats,
     compiled_search,
@@ -411,6 +413,70 @@ def test_tune_without_lightning_compares_with_the_partitioner_at_equal_memory():
     assert len(confirmed) >= 2 and all(t.confirmation_seconds for t in confirmed)
     assert all(t.predicted_peak_bytes is None for t in result.trials)  # the eager memory model does not apply
     assert not any("forward" in vars(m) for m in model.modules()), "no plan left applied"
+    assert not compile_module._KEPT.keys, "the graphs the re-timing rounds kept are dropped when tune returns"
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_a_plan_applied_again_runs_the_graph_compiled_for_it_with_its_gradients():
+    # Inside reused_forwards a plan applied again installs the forwards it had: dynamo's guards match the graph
+    # compiled for it the first time, so switching back compiles nothing, and the graph run is that plan's own.
+    model = tiny_gpt()
+    compiled = torch.compile(model)
+    x = tokens()
+    plans = baselines(model)
+    expected = {}
+    for name in ("full", "selective_mlp"):
+        with apply_plan(model, plans[name], check_fingerprint=False):
+            expected[name] = _loss_and_grads(model, model, x)
+    memo = {}
+    for name in ("full", "selective_mlp"):  # compile each once
+        with reused_forwards(memo), apply_plan(model, plans[name], check_fingerprint=False):
+            _loss_and_grads(model, compiled, x)
+    graphs = _unique_graphs()
+    for name in ("full", "selective_mlp", "full"):
+        with reused_forwards(memo), apply_plan(model, plans[name], check_fingerprint=False):
+            loss, grads = _loss_and_grads(model, compiled, x)
+        torch.testing.assert_close(loss, expected[name][0])
+        for g, e in zip(grads, expected[name][1], strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+    assert _unique_graphs() == graphs, "switching back to a compiled plan compiles nothing"
+    # Outside it every application installs fresh forwards: the same plan compiles again.
+    with apply_plan(model, plans["full"], check_fingerprint=False):
+        _loss_and_grads(model, compiled, x)
+    assert _unique_graphs() == graphs + 1
+
+
+def test_re_timing_rounds_compile_each_plan_once_and_never_reach_the_recompile_limit():
+    model = tiny_gpt()
+    trials = _trials_for(torch.compile(model))
+    plans = {**baselines(model), "segments": Plan(segments={"transformer.h": 2})}
+    names = ["none", "full", "selective_mlp", "segments"]
+    graphs = _unique_graphs()
+    for _ in range(3):  # three interleaved rounds
+        for name in names:
+            m = trials.retime(plans[name], 1)
+            assert m.ok, m.error
+    assert trials.retime_compiles == len(names), "one compile per plan, not per round"
+    assert _unique_graphs() == graphs + len(names)
+    # A PT2 budget guards nothing: a plan that sets one is compiled afresh, never run on the kept graph.
+    budgeted = trials.retime(Plan(compile_memory_budget=0.3), 1)
+    assert budgeted.extra["compile"]["compiled"] and trials.retime_compiles == len(names) + 1
+    assert trials.retime(plans["none"], 1).extra["compile"]["compiled"], "and the budget's graph is not reused"
+    # With a limit of 3 graphs a frame, four plans in rotation drop the kept graphs before the limit is reached.
+    reset_compiled()
+    watch = compile_module._DynamoWatch()
+    with torch._dynamo.config.patch(recompile_limit=3):
+        for _ in range(2):
+            for name in names:
+                assert trials.retime(plans[name], 1).ok
+    assert not watch.limit_hit(), "the recompile limit is never reached"
+    compile_module.release_kept_graphs()
+    assert not compile_module._KEPT.keys
 
 
 @pytest.mark.parametrize("where", ["model", "submodule"])

@@ -13,6 +13,11 @@ A recompute never updates a buffer a second time: BatchNorm statistics, EMAs and
 exactly as in the unplanned model, and a forward that reads a buffer it updates is recomputed from
 the value it read the first time (see ``buffer_guard.py``).
 
+Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had
+(and a stack the same segment chunks): to dynamo's guards a plan applied again is the code it compiled, so a
+compiled model switching back to a plan it has run runs that plan's graph without recompiling
+(``search.compile.CompiledTrials.retime``). Outside it every application installs fresh objects.
+
 This module decides what to install and refuses a plan before touching anything; the installed
 forwards are ``forwards.py``'s, segments' chain checks ``chain.py``'s, the handle ``handle.py``'s.
 """
@@ -22,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -54,7 +60,34 @@ from lightning_ckpt.plan.handle import (
     applied_plan,
 )
 
-__all__ = ["apply_plan", "plan_applied"]
+__all__ = ["apply_plan", "plan_applied", "reused_forwards"]
+
+_T = TypeVar("_T")
+# The forwards (and segment chunks) installed before, by (id(module), what): set by ``reused_forwards``.
+# The memo holds each module through its forward's partial, so an id is never reused while it is held.
+_REUSED: ContextVar[dict[tuple[Any, ...], Any] | None] = ContextVar("lightning_ckpt_reused_forwards", default=None)
+
+
+@contextlib.contextmanager
+def reused_forwards(memo: dict[tuple[Any, ...], Any]) -> Iterator[None]:
+    """Plans applied inside install the forward objects ``memo`` kept from earlier applications (see the module
+    docstring); the caller owns ``memo`` and drops it with the compiled graphs it was kept for."""
+    token = _REUSED.set(memo)
+    try:
+        yield
+    finally:
+        _REUSED.reset(token)
+
+
+def _reused(key: tuple[Any, ...], make: Callable[..., _T], *args: Any) -> _T:
+    """``make(*args)``, or inside ``reused_forwards`` what it made for ``key`` the first time."""
+    memo = _REUSED.get()
+    if memo is None:
+        return make(*args)
+    if key not in memo:
+        memo[key] = make(*args)
+    return memo[key]
+
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +118,13 @@ def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan) -> list[_Inst
                 f"Block {fqn!r} has no child {child_name!r} to checkpoint selectively. Its children are: "
                 f"{', '.join(kids) or '(none)'}. Fix the 'children' list of this block in the plan."
             ) from None
-        guard = _BufferGuard([child])
-        installs.append((child, f"{fqn}.{child_name}", functools.partial(_checkpointed_forward, child, None, guard)))
+        forward = _reused((id(child), "checkpoint", None), _checkpointing, child, None)
+        installs.append((child, f"{fqn}.{child_name}", forward))
     return installs
+
+
+def _checkpointing(module: nn.Module, save_list: str | None) -> functools.partial[Any]:
+    return functools.partial(_checkpointed_forward, module, save_list, _BufferGuard([module]))
 
 
 def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
@@ -97,10 +134,10 @@ def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
         block = _resolve(root, fqn, "Block")
         if bp.mode in ("full", "ops"):
             save_list = bp.save_list if bp.mode == "ops" else None
-            forward = functools.partial(_checkpointed_forward, block, save_list, _BufferGuard([block]))
+            forward = _reused((id(block), "checkpoint", save_list), _checkpointing, block, save_list)
             installs.append((block, fqn, forward))
         elif bp.mode == "offload":
-            installs.append((block, fqn, functools.partial(_offloaded_forward, block)))
+            installs.append((block, fqn, _reused((id(block), "offload"), functools.partial, _offloaded_forward, block)))
         elif bp.mode == "selective":
             installs += _selective_installs(block, fqn, bp)
     return installs
@@ -136,17 +173,34 @@ def _segment_installs(root: nn.Module, plan: Plan) -> tuple[list[_Install], list
     watches: list[_StackWatch] = []
     for stack_fqn, n_chunks in plan.segments.items():
         stack, names = _segmented_stack(root, plan, stack_fqn, n_chunks)
-        watches.append(_StackWatch(stack_fqn))
-        # The last chunk is not checkpointed (as torch's checkpoint_sequential does): its activations
-        # are needed first in backward, so recomputing them would cost time and save no peak memory.
-        for start, end in segment_chunks(len(names), n_chunks)[:-1]:
-            fqns = tuple(f"{stack_fqn}.{n}" if stack_fqn else n for n in names[start:end])
-            modules = [unwrap_compiled(stack.get_submodule(n)) for n in names[start:end]]
-            chunk = _Chunk(stack_fqn, fqns, modules, watches[-1])
-            installs.append((modules[0], fqns[0], functools.partial(_segment_head_forward, modules[0], chunk)))
-            for i, m in enumerate(modules[1:], start=1):
-                installs.append((m, fqns[i], functools.partial(_segment_member_forward, m, chunk, i)))
+        key = (id(stack), "segments", n_chunks)
+        stack_installs, watch, chunks = _reused(key, _stack_segments, stack, stack_fqn, names, n_chunks)
+        # Reused: nothing of a step that ended part-way (a failed trial) is handed out, and the watch starts afresh.
+        for chunk in chunks:
+            chunk.clear()
+        watch.reason, watch.deviations = None, 0
+        installs += stack_installs
+        watches.append(watch)
     return installs, watches
+
+
+def _stack_segments(
+    stack: nn.Module, stack_fqn: str, names: list[str], n_chunks: int
+) -> tuple[list[_Install], _StackWatch, list[_Chunk]]:
+    installs: list[_Install] = []
+    watch = _StackWatch(stack_fqn)
+    chunks = []
+    # The last chunk is not checkpointed (as torch's checkpoint_sequential does): its activations
+    # are needed first in backward, so recomputing them would cost time and save no peak memory.
+    for start, end in segment_chunks(len(names), n_chunks)[:-1]:
+        fqns = tuple(f"{stack_fqn}.{n}" if stack_fqn else n for n in names[start:end])
+        modules = [unwrap_compiled(stack.get_submodule(n)) for n in names[start:end]]
+        chunk = _Chunk(stack_fqn, fqns, modules, watch)
+        chunks.append(chunk)
+        installs.append((modules[0], fqns[0], functools.partial(_segment_head_forward, modules[0], chunk)))
+        for i, m in enumerate(modules[1:], start=1):
+            installs.append((m, fqns[i], functools.partial(_segment_member_forward, m, chunk, i)))
+    return installs, watch, chunks
 
 
 def _refuse_conflicts(installs: list[_Install]) -> None:

@@ -34,7 +34,7 @@ from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan
-from lightning_ckpt.search.compile import CompiledTrials
+from lightning_ckpt.search.compile import CompiledTrials, release_kept_graphs
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.proposers import SamplerProposer
 from lightning_ckpt.search.records import ProgressFn, TuneResult
@@ -182,6 +182,7 @@ def tune_micro_batch(
         )
         result = _search(resolved, workloads, harnesses[0], scaled, opt_mem, budget, config, progress, base_micro_batch)
     finally:
+        release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive the search
         forget_parameters_written_in_forward(resolved.root)
         python_state.restore()
         python_state.warn_unrestorable()

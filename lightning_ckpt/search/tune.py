@@ -29,7 +29,7 @@ from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan, mode_key
-from lightning_ckpt.search.compile import CompiledTrials, compiled_search, eager_while_profiling
+from lightning_ckpt.search.compile import CompiledTrials, compiled_search, eager_while_profiling, release_kept_graphs
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.proposers import proposer_for
@@ -163,6 +163,7 @@ def tune(
             should_stop=should_stop,
         )
     finally:
+        release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive tune
         forget_parameters_written_in_forward(resolved.root)
         python_state.restore()
         python_state.warn_unrestorable()

@@ -1,0 +1,149 @@
+"""What re-timing costs in a compiled search: every round compiling its plans again, or each plan compiled once.
+
+A compiled search confirms its leaders and every fitting baseline in interleaved rounds (6 to 24, then 8 to 32
+held-out rounds of the winner and the reference), switching plans every step. Before, every re-timing reset dynamo
+and compiled its plan again (``reset_compiled`` + a compile served by the FX graph cache); now a plan applied again
+installs the forwards it had (``plan.apply.reused_forwards``), dynamo's guards match the graph compiled for it,
+and a round costs its steps (``CompiledTrials.retime``).
+
+Both variants run the same ``tune`` on the compiled GPT (the issue's shape: 8 layers, width 128, batch 8 x 64
+tokens, no dropout, activation budget 50%), each in a fresh process with an empty inductor cache
+(``TORCHINDUCTOR_CACHE_DIR``), so neither inherits the other's compiled code. ``every-round`` restores the old
+behaviour by wrapping ``CompiledTrials.retime`` with a reset before and after each call and fresh forwards.
+Reported: the search's seconds, the seconds spent inside re-timings, how many of them compiled, and the plain
+compiled step, so the cost reads as plain compiled-step equivalents.
+
+Run: ``python benchmarks/compiled_retiming.py`` (2-core CPU: about 10 minutes, most of it compiling); writes
+``benchmarks/results/compiled_retiming.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_ckpt import tune
+from lightning_ckpt.search import compile as compile_module
+from lightning_ckpt.testing import GPT, GPTConfig
+
+SHAPE = dict(n_layer=8, n_head=4, n_embd=128, block_size=64, vocab_size=96)
+BATCH = 8
+SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all", "every:2"], "rest_modes": ["none"],
+         "chunks": [2, 4], "compile_budgets": []}  # fmt: skip
+
+
+def _instrument(variant: str) -> dict[str, Any]:
+    """Count and time every re-timing; ``every-round`` also resets around each, as the search did before."""
+    seen: dict[str, Any] = {"retimes": 0, "retime_seconds": 0.0, "retime_compiles": 0}
+    original = compile_module.CompiledTrials.retime
+
+    def retime(self: compile_module.CompiledTrials, plan: Any, steps: Any = None, *, warmup: int = 1) -> Any:
+        t0 = time.perf_counter()
+        if variant == "every-round":
+            compile_module.reset_compiled()
+            self._forwards = {}
+        try:
+            m = original(self, plan, steps, warmup=warmup)
+        finally:
+            if variant == "every-round":
+                compile_module.reset_compiled()
+        seen["retimes"] += 1
+        seen["retime_seconds"] += time.perf_counter() - t0
+        seen["retime_compiles"] += int(bool(m.extra.get("compile", {}).get("compiled")))
+        return m
+
+    compile_module.CompiledTrials.retime = retime  # type: ignore[method-assign]
+    return seen
+
+
+def worker(variant: str, out: Path, threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE, dropout=0.0))
+    compiled = torch.compile(model)
+    x = torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["block_size"]))
+
+    def step() -> torch.Tensor:
+        return compiled(x, x)
+
+    for _ in range(3):  # the plain compiled step: compile, then time it
+        model.zero_grad(set_to_none=True)
+        step().backward()
+    times = []
+    for _ in range(10):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        step().backward()
+        times.append(time.perf_counter() - t0)
+    plain = sorted(times)[len(times) // 2]
+    model.zero_grad(set_to_none=True)
+    compile_module.reset_compiled()
+    seen = _instrument(variant)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = tune(compiled, step, activation_budget=0.5, search_space=SPACE, batch_size=BATCH,
+                      seq_len=SHAPE["block_size"], extra_tensors=(x,))  # fmt: skip
+    seconds = time.perf_counter() - t0
+    trials = [t for t in result.trials if t.status != "pruned"]
+    record = {
+        "variant": variant,
+        "search_seconds": seconds,
+        "plain_compiled_step_seconds": plain,
+        "plain_step_equivalents": seconds / plain,
+        "trials_measured": len(trials),
+        "trial_compile_seconds": sum((t.extra or {}).get("compile", {}).get("compile_seconds", 0.0) for t in trials),
+        **seen,
+        "chosen": result.best.describe(),
+        "verdict": result.best.metadata.get("search", {}).get("verdict"),
+    }
+    out.write_text(json.dumps(record, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compiled_retiming.json")
+    parser.add_argument("--worker", choices=("every-round", "once"), help=argparse.SUPPRESS)
+    parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, Path(args.paths[0]), args.threads)
+        return
+    rows = []
+    for variant in ("every-round", "once"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
+            cmd = [sys.executable, __file__, "--worker", variant, str(out)]
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
+            subprocess.run(cmd, check=True, env=env)
+            rows.append(json.loads(out.read_text()))
+        r = rows[-1]
+        print(f"{variant:12s} search {r['search_seconds']:6.1f} s = {r['plain_step_equivalents']:6.0f} plain compiled "
+              f"steps; {r['retimes']} re-timings, {r['retime_compiles']} compiled, {r['retime_seconds']:6.1f} s; "
+              f"{r['trials_measured']} trials ({r['trial_compile_seconds']:.1f} s compiling); chose {r['chosen']}",
+              flush=True)  # fmt: skip
+    before, after = rows
+    print(f"re-timing seconds: {before['retime_seconds']:.1f} -> {after['retime_seconds']:.1f}; search "
+          f"{before['search_seconds']:.1f} -> {after['search_seconds']:.1f} s")  # fmt: skip
+    payload = {"shape": {**SHAPE, "batch": BATCH}, "space": SPACE, "torch": torch.__version__,
+               "command": "python benchmarks/compiled_retiming.py", "rows": rows}  # fmt: skip
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
