@@ -6,14 +6,15 @@ and compiled its plan again (``reset_compiled`` + a compile served by the FX gra
 installs the forwards it had (``plan.apply.reused_forwards``), dynamo's guards match the graph compiled for it,
 and a round costs its steps (``CompiledTrials.retime``).
 
-Both variants run the same ``tune`` on the compiled GPT (the issue's shape: 8 layers, width 128, batch 8 x 64
+The variants run the same ``tune`` on the compiled GPT (the issue's shape: 8 layers, width 128, batch 8 x 64
 tokens, no dropout, activation budget 50%), each in a fresh process with an empty inductor cache
 (``TORCHINDUCTOR_CACHE_DIR``), so neither inherits the other's compiled code. ``every-round`` restores the old
-behaviour by wrapping ``CompiledTrials.retime`` with a reset before and after each call and fresh forwards.
+behaviour by wrapping ``CompiledTrials.retime`` with a reset before and after each call and fresh forwards;
+``once-regional`` compiles each block alone (``block.compile()``, as torchtitan does) instead of the whole model.
 Reported: the search's seconds, the seconds spent inside re-timings, how many of them compiled, and the plain
 compiled step, so the cost reads as plain compiled-step equivalents.
 
-Run: ``python benchmarks/compiled_retiming.py`` (2-core CPU: about 10 minutes, most of it compiling); writes
+Run: ``python benchmarks/compiled_retiming.py [--variants ...]`` (2-core CPU: about 12 minutes, most of it compiling); writes
 ``benchmarks/results/compiled_retiming.json``.
 """
 
@@ -38,6 +39,9 @@ from lightning_ckpt.testing import GPT, GPTConfig
 
 SHAPE = dict(n_layer=8, n_head=4, n_embd=128, block_size=64, vocab_size=96)
 BATCH = 8
+# How re-timing rounds run (and how the model is compiled): compiled afresh every round (the search before
+# reused_forwards), each plan compiled once, and each plan compiled once on a model compiled block by block.
+VARIANTS = ("every-round", "once", "once-regional")
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all", "every:2"], "rest_modes": ["none"],
          "chunks": [2, 4], "compile_budgets": []}  # fmt: skip
 
@@ -71,7 +75,12 @@ def worker(variant: str, out: Path, threads: int | None) -> None:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SHAPE, dropout=0.0))
-    compiled = torch.compile(model)
+    if variant == "once-regional":  # torchtitan's way: each block compiled alone, the rest eager
+        for block in model.transformer.h:
+            block.compile()
+        compiled = model
+    else:
+        compiled = torch.compile(model)
     x = torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["block_size"]))
 
     def step() -> torch.Tensor:
@@ -115,14 +124,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compiled_retiming.json")
-    parser.add_argument("--worker", choices=("every-round", "once"), help=argparse.SUPPRESS)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, Path(args.paths[0]), args.threads)
         return
     rows = []
-    for variant in ("every-round", "once"):
+    if args.out.exists():  # variants not asked for this time keep their rows
+        rows = [r for r in json.loads(args.out.read_text())["rows"] if r["variant"] not in args.variants]
+    for variant in args.variants:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
@@ -136,9 +148,7 @@ def main() -> None:
               f"steps; {r['retimes']} re-timings, {r['retime_compiles']} compiled, {r['retime_seconds']:6.1f} s; "
               f"{r['trials_measured']} trials ({r['trial_compile_seconds']:.1f} s compiling); chose {r['chosen']}",
               flush=True)  # fmt: skip
-    before, after = rows
-    print(f"re-timing seconds: {before['retime_seconds']:.1f} -> {after['retime_seconds']:.1f}; search "
-          f"{before['search_seconds']:.1f} -> {after['search_seconds']:.1f} s")  # fmt: skip
+    rows.sort(key=lambda r: VARIANTS.index(r["variant"]))
     payload = {"shape": {**SHAPE, "batch": BATCH}, "space": SPACE, "torch": torch.__version__,
                "command": "python benchmarks/compiled_retiming.py", "rows": rows}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2))
