@@ -14,6 +14,9 @@ behaviour by wrapping ``CompiledTrials.retime`` with a reset before and after ea
 Reported: the search's seconds, the seconds spent inside re-timings, how many of them compiled, and the plain
 compiled step, so the cost reads as plain compiled-step equivalents.
 
+``--default-space``: the tuner's default space and trial count, as the issue's user ran it (write it to another
+``--out``).
+
 Run: ``python benchmarks/compiled_retiming.py [--variants ...]`` (2-core CPU: about 12 minutes, most of it compiling); writes
 ``benchmarks/results/compiled_retiming.json``.
 """
@@ -70,7 +73,7 @@ def _instrument(variant: str) -> dict[str, Any]:
     return seen
 
 
-def worker(variant: str, out: Path, threads: int | None) -> None:
+def worker(variant: str, out: Path, threads: int | None, default_space: bool) -> None:
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -102,8 +105,9 @@ def worker(variant: str, out: Path, threads: int | None) -> None:
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = tune(compiled, step, activation_budget=0.5, search_space=SPACE, batch_size=BATCH,
-                      seq_len=SHAPE["block_size"], extra_tensors=(x,))  # fmt: skip
+        space = {} if default_space else {"search_space": SPACE}
+        result = tune(compiled, step, activation_budget=0.5, batch_size=BATCH, seq_len=SHAPE["block_size"],
+                      extra_tensors=(x,), **space)  # fmt: skip
     seconds = time.perf_counter() - t0
     trials = [t for t in result.trials if t.status != "pruned"]
     record = {
@@ -125,11 +129,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compiled_retiming.json")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--default-space", action="store_true", help="the tuner's default space (the issue's user)")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, Path(args.paths[0]), args.threads)
+        worker(args.worker, Path(args.paths[0]), args.threads, args.default_space)
         return
     rows = []
     if args.out.exists():  # variants not asked for this time keep their rows
@@ -141,6 +146,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--worker", variant, str(out)]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
+            if args.default_space:
+                cmd += ["--default-space"]
             subprocess.run(cmd, check=True, env=env)
             rows.append(json.loads(out.read_text()))
         r = rows[-1]
@@ -149,8 +156,8 @@ def main() -> None:
               f"{r['trials_measured']} trials ({r['trial_compile_seconds']:.1f} s compiling); chose {r['chosen']}",
               flush=True)  # fmt: skip
     rows.sort(key=lambda r: VARIANTS.index(r["variant"]))
-    payload = {"shape": {**SHAPE, "batch": BATCH}, "space": SPACE, "torch": torch.__version__,
-               "command": "python benchmarks/compiled_retiming.py", "rows": rows}  # fmt: skip
+    payload = {"shape": {**SHAPE, "batch": BATCH}, "space": "the tuner's default" if args.default_space else SPACE, "torch": torch.__version__,
+               "command": " ".join(["python", "benchmarks/compiled_retiming.py", *sys.argv[1:]]), "rows": rows}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {args.out}")
 
