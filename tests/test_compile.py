@@ -463,10 +463,10 @@ def test_re_timing_rounds_compile_each_plan_once_and_never_reach_the_recompile_l
             assert m.ok, m.error
     assert trials.retime_compiles == len(names), "one compile per plan, not per round"
     assert _unique_graphs() == graphs + len(names)
-    # A PT2 budget guards nothing: a plan that sets one is compiled afresh, never run on the kept graph.
+    # A plan that only sets a PT2 budget has the forwards of `none`: it gets a graph of its own, beside the others.
     budgeted = trials.retime(Plan(compile_memory_budget=0.3), 1)
     assert budgeted.extra["compile"]["compiled"] and trials.retime_compiles == len(names) + 1
-    assert trials.retime(plans["none"], 1).extra["compile"]["compiled"], "and the budget's graph is not reused"
+    assert not trials.retime(plans["none"], 1).extra["compile"]["compiled"]
     # With a limit of 3 graphs a frame, four plans in rotation drop the kept graphs before the limit is reached.
     reset_compiled()
     watch = compile_module._DynamoWatch()
@@ -477,6 +477,41 @@ def test_re_timing_rounds_compile_each_plan_once_and_never_reach_the_recompile_l
     assert not watch.limit_hit(), "the recompile limit is never reached"
     compile_module.release_kept_graphs()
     assert not compile_module._KEPT.keys
+
+
+def test_re_timed_pt2_budgets_keep_a_graph_each_and_each_runs_its_own():
+    # No guard sees a PT2 budget: while a budget plan is re-timed the compiled region reads the budget as a string
+    # (a float would turn dynamic after one recompile and one graph would serve every budget). Each re-timed step
+    # must save what that budget's own graph saves, compiled from a reset.
+    from lightning_ckpt.measure.harness import loss_of
+    from lightning_ckpt.search.saved_for_backward import SavedForBackward
+
+    model = tiny_gpt()
+    trials = _trials_for(torch.compile(model))
+
+    def plan(budget):
+        return Plan(compile_memory_budget=budget) if budget is not None else Plan()
+
+    truth = {b: trials.measure_compiled(plan(b)).activation_bytes for b in (None, 0.5, 0.1)}
+    assert len(set(truth.values())) == 3, truth
+    seen = []
+    timed = trials._timed_steps
+
+    def timed_and_read(steps):
+        m = timed(steps)
+        with SavedForBackward(trials.root, [], trials.extra) as saved:
+            loss = loss_of(trials.step_fn())
+        loss.backward()
+        seen.append(saved.saved_bytes)
+        return m
+
+    trials._timed_steps = timed_and_read
+    order = [None, 0.5, 0.1, None, 0.1, 0.5, 0.5, None]
+    for b in order:
+        assert trials.retime(plan(b), 1).ok
+    assert seen == [truth[b] for b in order]
+    assert trials.retime_compiles == 3, "one graph per budget, kept"
+    assert not any("forward" in vars(m) for m in model.modules()), "no marker left behind"
 
 
 @pytest.mark.parametrize("where", ["model", "submodule"])

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -410,18 +411,22 @@ class CompiledTrials:
         it had the first time (``reused_forwards``), so dynamo's guards match the graph compiled for it and a round
         after its first costs steps, not a compile (about 0.8 s saved per plan per round on the 4-layer test GPT
         with every cache warm, the FX graph cache included; tens of seconds on a cold cache). The graphs kept are
-        dropped (``reset_compiled``) before a plan whose PT2 budget differs from theirs (the partitioner reads the
-        budget when compiling and no guard sees it, so that plan would run the previous plan's graph) and before one
-        more plan would reach dynamo's recompile limit, which would run the model eagerly from then on.
+        dropped (``reset_compiled``) before one more plan would reach dynamo's recompile limit, which would run the
+        model eagerly from then on. A PT2 budget is read when compiling and no guard sees it, so a plan that only
+        sets one would run the previous plan's graph: while it runs, each compiled region gets a forward that reads
+        the budget as a string (``_budget_forward``), which dynamo guards on, and its graph is kept beside the
+        others. Where a region already has an instance forward (the plan checkpoints it), the kept graphs are
+        dropped instead when the budget changes.
         """
         key = (id(self), plan.key())  # another runner (micro-batch) is another batch shape: other graphs
-        if _KEPT.keys and (plan.compile_memory_budget != _KEPT.budget or (
-            key not in _KEPT.keys and len(_KEPT.keys) + 1 >= _recompile_limit()
-        )):  # fmt: skip
+        if _KEPT.keys and key not in _KEPT.keys and len(_KEPT.keys) + 1 >= _recompile_limit():
             release_kept_graphs()
-        compiles = key not in _KEPT.keys
         with reused_forwards(self._forwards):
             handle = apply_plan(self.harness.target, plan)
+        marked = self._mark_budget(plan.compile_memory_budget)
+        if not marked and _KEPT.keys and plan.compile_memory_budget != _KEPT.budget:
+            release_kept_graphs()  # the unmarked graphs kept were compiled under another budget
+        compiles = key not in _KEPT.keys
         snapshot = StateSnapshot.capture(self.root)
         run = _CompiledRun()
         try:
@@ -429,15 +434,32 @@ class CompiledTrials:
             if run.failure is None:
                 run.measurement = self._timed_steps(steps)
         finally:
+            for module in marked:
+                del module.__dict__["forward"]
             handle.remove()
         if run.failure is not None or not run.measurement.ok:
             reset_compiled()  # whatever the failed step left compiled is not kept
         else:
             _KEPT.keys.add(key)
-            _KEPT.budget = plan.compile_memory_budget
+            if not marked:
+                _KEPT.budget = plan.compile_memory_budget
             self.retime_compiles += compiles
         m = self._reading(run)
         return replace(m, extra={**m.extra, "compile": {"compile_seconds": run.compile_seconds, "compiled": compiles}})
+
+    def _mark_budget(self, budget: float | None) -> list[nn.Module]:
+        """Give every compiled region the forward that names ``budget`` (see ``retime``); the regions marked, none
+        when there is no budget or a region already has an instance forward."""
+        if budget is None:
+            return []
+        modules = [unwrap_compiled(self.root.get_submodule(fqn)) if fqn else unwrap_compiled(self.root)
+                   for fqn in self.regions]  # fmt: skip
+        if not modules or any("forward" in vars(m) for m in modules):
+            return []
+        for m in modules:
+            marker = functools.partial(_budget_forward, m, repr(budget))
+            m.__dict__["forward"] = self._forwards.setdefault((id(m), "budget", repr(budget)), marker)
+        return modules
 
     def measure_compiled(self, plan: Plan, *, cached: bool = True) -> Measurement:
         """Compile ``plan`` from scratch and measure it (``cached``: reuse an earlier measurement of it). Its
@@ -543,6 +565,15 @@ class CompiledTrials:
         eager = _eager_ops(loss)
         loss.backward()
         return saved.saved_bytes, eager, saved.resting_bytes
+
+
+def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -> Any:
+    """A compiled region's forward while a plan with a PT2 budget is re-timed: the class's forward, after reading
+    ``budget`` so that dynamo guards on it. A string, not the float: dynamo makes a float that changed between
+    compiles dynamic, and one graph would then serve every budget."""
+    if budget == "":
+        raise ValueError("a PT2 budget marker needs the budget")
+    return type(module).forward(module, *args, **kwargs)
 
 
 def _recompile_limit() -> int:
