@@ -470,7 +470,8 @@ def test_re_timing_rounds_compile_each_plan_once_and_never_reach_the_recompile_l
     # With a limit of 3 graphs a frame, four plans in rotation drop the kept graphs before the limit is reached.
     reset_compiled()
     watch = compile_module._DynamoWatch()
-    with torch._dynamo.config.patch(recompile_limit=3):
+    name_of_limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch(**{name_of_limit: 3}):  # cache_size_limit before torch 2.7
         for _ in range(2):
             for name in names:
                 assert trials.retime(plans[name], 1).ok

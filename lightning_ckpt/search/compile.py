@@ -153,8 +153,9 @@ def reset_compiled() -> None:
 
 @dataclass
 class _KeptGraphs:
-    """The plans whose graphs dynamo holds since the last reset (re-timing rounds keep them), and the PT2 budget they
-    were all compiled under. Process-wide, as dynamo's cache is: the runners of a joint micro-batch search share it.
+    """The plans whose graphs dynamo holds since the last reset (re-timing rounds keep them), and the PT2 budget the
+    unmarked ones were compiled under (a plan re-timed with a budget marker, ``_budget_forward``, has graphs of its
+    own). Process-wide, as dynamo's cache is: the runners of a joint micro-batch search share it.
     """
 
     keys: set[tuple[int, str]] = dataclasses.field(default_factory=set)
@@ -329,7 +330,8 @@ class CompiledTrials:
 
     Every trial starts and ends with ``reset_compiled()``, so a trial compiles exactly its own plan and
     no trial's recompiles count towards the next one's limit. Re-timing rounds keep the graphs they compile
-    (``retime``); ``release()`` drops them, so the caller gets a dynamo state with nothing cached from the search.
+    (``retime``); ``release_kept_graphs()`` drops them when the search ends, so the caller gets a dynamo state
+    with nothing cached from the search.
     """
 
     def __init__(self, harness: StepHarness, *, regions: tuple[str, ...], allow_graph_breaks: bool) -> None:
@@ -430,9 +432,7 @@ class CompiledTrials:
         snapshot = StateSnapshot.capture(self.root)
         run = _CompiledRun()
         try:
-            self._compile_step(snapshot, run)
-            if run.failure is None:
-                run.measurement = self._timed_steps(steps)
+            self._compile_then_time(snapshot, run, steps)
         finally:
             for module in marked:
                 del module.__dict__["forward"]
@@ -476,9 +476,7 @@ class CompiledTrials:
         loss_of(self.step_fn()).backward()
 
     # -- internals ----------------------------------------------------------------------------------
-    def _compile_and_measure(
-        self, plan: Plan, *, memory: bool = True, steps: int | None = None
-    ) -> tuple[Measurement, CompileStats]:
+    def _compile_and_measure(self, plan: Plan) -> tuple[Measurement, CompileStats]:
         with reused_forwards(self._forwards):
             handle = apply_plan(self.harness.target, plan)
         reset_compiled()
@@ -486,11 +484,10 @@ class CompiledTrials:
         snapshot = StateSnapshot.capture(self.root)
         run = _CompiledRun()
         try:
-            self._compile_step(snapshot, run)
+            self._compile_then_time(snapshot, run, None)
             if run.failure is None:
-                run.measurement = self._timed_steps(steps)
                 run.recompiles = recompile_count()  # before the memory pass, which must not count
-                if run.measurement.ok and memory:
+                if run.measurement.ok:
                     self._memory_pass(snapshot, run)
         finally:
             handle.remove()
@@ -509,6 +506,12 @@ class CompiledTrials:
             break_reasons=reasons,
         )
         return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
+
+    def _compile_then_time(self, snapshot: StateSnapshot, run: _CompiledRun, steps: int | None) -> None:
+        """The untimed first step (it compiles, or runs a kept graph), then the timed steps unless it failed."""
+        self._compile_step(snapshot, run)
+        if run.failure is None:
+            run.measurement = self._timed_steps(steps)
 
     def _compile_step(self, snapshot: StateSnapshot, run: _CompiledRun) -> None:
         """The first step, which compiles forward and backward: tuning cost, never throughput."""
