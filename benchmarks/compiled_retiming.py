@@ -73,11 +73,11 @@ def _instrument(variant: str) -> dict[str, Any]:
     return seen
 
 
-def worker(variant: str, out: Path, threads: int | None, default_space: bool) -> None:
+def worker(variant: str, out: Path, threads: int | None, default_space: bool, layers: int) -> None:
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SHAPE, dropout=0.0))
+    model = GPT(GPTConfig(**{**SHAPE, "n_layer": layers}, dropout=0.0))
     if variant == "once-regional":  # torchtitan's way: each block compiled alone, the rest eager
         for block in model.transformer.h:
             block.compile()
@@ -89,9 +89,11 @@ def worker(variant: str, out: Path, threads: int | None, default_space: bool) ->
     def step() -> torch.Tensor:
         return compiled(x, x)
 
+    first = time.perf_counter()
     for _ in range(3):  # the plain compiled step: compile, then time it
         model.zero_grad(set_to_none=True)
         step().backward()
+    first = time.perf_counter() - first
     times = []
     for _ in range(10):
         model.zero_grad(set_to_none=True)
@@ -110,8 +112,11 @@ def worker(variant: str, out: Path, threads: int | None, default_space: bool) ->
                       extra_tensors=(x,), **space)  # fmt: skip
     seconds = time.perf_counter() - t0
     trials = [t for t in result.trials if t.status != "pruned"]
+    search = result.best.metadata.get("search", {})
+    blocks, time_model = result.best.metadata.get("compiled_blocks", {}), search.get("time_model") or {}
     record = {
         "variant": variant,
+        "layers": layers,
         "search_seconds": seconds,
         "plain_compiled_step_seconds": plain,
         "plain_step_equivalents": seconds / plain,
@@ -120,6 +125,13 @@ def worker(variant: str, out: Path, threads: int | None, default_space: bool) ->
         **seen,
         "chosen": result.best.describe(),
         "verdict": result.best.metadata.get("search", {}).get("verdict"),
+        "first_compiled_steps_seconds": first,  # three steps, the first compiling the plain model
+        "profile_compile_seconds": blocks.get("compile_seconds"),
+        "profile_compiles": blocks.get("compiles"),
+        "status_counts": search.get("status_counts"),
+        "pruned_by_time": time_model.get("pruned_by_time"),
+        "time_errors": {k: time_model.get(k) for k in ("predicted_and_measured", "median_abs_error", "max_abs_error")},
+        "activation_errors": blocks.get("activation_errors"),
     }
     out.write_text(json.dumps(record, indent=2))
 
@@ -130,32 +142,38 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compiled_retiming.json")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--default-space", action="store_true", help="the tuner's default space (the issue's user)")
+    parser.add_argument("--layers", type=int, nargs="+", default=[SHAPE["n_layer"]], help="depths to run (each a row)")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-layers", type=int, default=SHAPE["n_layer"], help=argparse.SUPPRESS)
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, Path(args.paths[0]), args.threads, args.default_space)
+        worker(args.worker, Path(args.paths[0]), args.threads, args.default_space, args.worker_layers)
         return
     rows = []
-    if args.out.exists():  # variants not asked for this time keep their rows
-        rows = [r for r in json.loads(args.out.read_text())["rows"] if r["variant"] not in args.variants]
-    for variant in args.variants:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "row.json"
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
-            cmd = [sys.executable, __file__, "--worker", variant, str(out)]
-            if args.threads:
-                cmd += ["--threads", str(args.threads)]
-            if args.default_space:
-                cmd += ["--default-space"]
-            subprocess.run(cmd, check=True, env=env)
-            rows.append(json.loads(out.read_text()))
-        r = rows[-1]
-        print(f"{variant:12s} search {r['search_seconds']:6.1f} s = {r['plain_step_equivalents']:6.0f} plain compiled "
-              f"steps; {r['retimes']} re-timings, {r['retime_compiles']} compiled, {r['retime_seconds']:6.1f} s; "
-              f"{r['trials_measured']} trials ({r['trial_compile_seconds']:.1f} s compiling); chose {r['chosen']}",
-              flush=True)  # fmt: skip
-    rows.sort(key=lambda r: VARIANTS.index(r["variant"]))
+    asked = {(v, n) for v in args.variants for n in args.layers}
+    if args.out.exists():  # variants and depths not asked for this time keep their rows
+        kept = json.loads(args.out.read_text())["rows"]
+        rows = [r for r in kept if (r["variant"], r.get("layers", SHAPE["n_layer"])) not in asked]
+    for layers in args.layers:
+        for variant in args.variants:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "row.json"
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
+                cmd = [sys.executable, __file__, "--worker", variant, "--worker-layers", str(layers), str(out)]
+                if args.threads:
+                    cmd += ["--threads", str(args.threads)]
+                if args.default_space:
+                    cmd += ["--default-space"]
+                subprocess.run(cmd, check=True, env=env)
+                rows.append(json.loads(out.read_text()))
+            r = rows[-1]
+            print(f"{layers:3d} layers {variant:13s} search {r['search_seconds']:6.1f} s = "
+                  f"{r['plain_step_equivalents']:6.0f} plain compiled steps (profile compiles "
+                  f"{r.get('profile_compile_seconds', 0.0):5.1f} s); {r['retimes']} re-timings, {r['retime_compiles']} "
+                  f"compiled, {r['retime_seconds']:6.1f} s; {r['trials_measured']} trials "
+                  f"({r['trial_compile_seconds']:.1f} s compiling); chose {r['chosen']}", flush=True)  # fmt: skip
+    rows.sort(key=lambda r: (r.get("layers", SHAPE["n_layer"]), VARIANTS.index(r["variant"])))
     payload = {"shape": {**SHAPE, "batch": BATCH}, "space": "the tuner's default" if args.default_space else SPACE, "torch": torch.__version__,
                "command": " ".join(["python", "benchmarks/compiled_retiming.py", *sys.argv[1:]]), "rows": rows}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2))

@@ -21,6 +21,7 @@ from lightning_ckpt import report as report_module
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import PlanError
 from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.memory.profile import profile_step
 from lightning_ckpt.model import compiled_regions, model_fingerprint
 from lightning_ckpt.plan.apply import reused_forwards
 from lightning_ckpt.plan.format import BlockPlan
@@ -29,6 +30,7 @@ from lightning_ckpt.search.compile import (
     CompileStats,
     compiled_search,
     conflict_reason,
+    eager_while_profiling,
     random_ops,
     recompile_count,
     reset_compiled,
@@ -332,14 +334,17 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
     assert "inside checkpointed regions" in full.extra["conflict"]
     assert "graph_break" in " ".join(full.extra["compile"]["break_reasons"]) or full.extra["compile"]["region_breaks"]
     first_half = trials["full h.0"]  # checkpoints only the block without a graph break
-    assert first_half.status in ("ok", "over_budget") and "conflict" not in first_half.extra
+    # Predicted from the blocks compiled alone to save more than half: pruned without compiling the model.
+    assert first_half.status == "pruned" and first_half.pruned_by == "memory"
+    assert first_half.predicted_activation_bytes > cb.result.budget.limit_bytes
     # Only the partitioner's knapsack fits half the compiled step's activations (full h.0-1 saves less, but
     # conflicts): it wins, and its budget stays in force for the rest of training, then is restored.
-    assert trials["none"].status == "over_budget"
+    assert trials["none"].status == "pruned" and trials["none"].pruned_by == "memory"  # predicted: exactly
     assert cb.result.best_trial.label == "pt2_budget(0.3)" and cb.result.best_trial.status == "ok"
     assert cb.result.best_trial.activation_bytes <= cb.result.budget.limit_bytes
     assert set(spy.budgets) == {0.3} and functorch_config.activation_memory_budget == default_budget
-    for t in cb.result.trials:
+    measured = [t for t in cb.result.trials if t.status != "pruned"]
+    for t in measured:
         assert t.extra["compile"]["compile_seconds"] > 0 and t.samples_per_second
     # The guard read the first real (compiled) steps as the trials were read: bytes saved for backward, so the
     # chosen plan's real activation is its trial's (the tracker would have made dynamo run them eagerly).
@@ -353,7 +358,7 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
     acc = EventAccumulator(f"{spy.log_dir}/lightning_ckpt", size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     compile_seconds = {e.step: e.value for e in acc.Scalars(report_module.TAG_COMPILE_SECONDS)}
-    assert sorted(compile_seconds) == [t.number for t in cb.result.trials] and min(compile_seconds.values()) > 0
+    assert sorted(compile_seconds) == [t.number for t in measured] and min(compile_seconds.values()) > 0
     summary = acc.Tensors(report_module.text_tag(report_module.TAG_SUMMARY))[0].tensor_proto.string_val[0].decode()
     (row,) = [line for line in summary.splitlines() if line.startswith(f"| {full.number} |")]
     assert "| conflict |" in row
@@ -370,8 +375,9 @@ def test_tuning_a_model_compiled_inside_the_lightning_module(tmp_path, how):
         search=dict(n_trials=4, measure_steps=1, warmup_steps=0, search_space=TINY_SPACE),
     )
     spy = _fit(tmp_path, CompiledGPT(how=how), cb, steps=4)
-    assert [t.status for t in cb.result.trials] == ["over_budget", "ok"]
-    assert all(t.extra["compile"]["graph_breaks"] == 0 for t in cb.result.trials)
+    # `none` is predicted over budget from the compiled `none` step the budget was resolved on: not run again.
+    assert [(t.status, t.pruned_by) for t in cb.result.trials] == [("pruned", "memory"), ("ok", None)]
+    assert cb.result.trials[1].extra["compile"]["graph_breaks"] == 0
     # The uncompiled model's names, whichever way it is compiled.
     assert set(cb.plan.blocks) == {"model.transformer.h.0", "model.transformer.h.1"}
     assert spy.plans[-1] == cb.plan and spy.counts[-1] == spy.counts[1], spy.counts
@@ -403,15 +409,22 @@ def test_tune_without_lightning_compares_with_the_partitioner_at_equal_memory():
     )
     by_label = {t.label: t for t in result.trials}
     assert not [t.error for t in result.trials if t.status == "error"]
-    none, pt2 = by_label["none"], by_label["pt2_budget(0.3)"]
-    assert result.budget.limit_bytes == pytest.approx(0.5 * none.activation_bytes, rel=0.01)
-    assert pt2.activation_bytes < none.activation_bytes  # the partitioner recomputed to meet its budget
-    assert by_label["full h.0-1"].activation_bytes < none.activation_bytes
-    assert by_label["segments(transformer.h=2)"].status in ("ok", "over_budget")  # segments compile cleanly
+    pt2 = by_label["pt2_budget(0.3)"]
+    # The compiled `none` step is measured once, for the budget and as the anchor of the compiled predictions.
+    none_bytes = result.best.metadata["compiled_blocks"]["none_activation_bytes"]
+    assert by_label["none"].status == "pruned" and by_label["none"].predicted_activation_bytes == none_bytes
+    assert result.budget.limit_bytes == pytest.approx(0.5 * none_bytes, rel=0.01)
+    assert pt2.activation_bytes < none_bytes  # the partitioner recomputed to meet its budget
+    assert by_label["full h.0-1"].activation_bytes < none_bytes
+    segments = by_label["segments(transformer.h=2)"]  # compiles cleanly, or is predicted over budget
+    assert segments.status in ("ok", "over_budget") or (
+        segments.pruned_by == "memory" and segments.predicted_activation_bytes > result.budget.limit_bytes
+    )
     assert result.best_trial.activation_bytes <= result.budget.limit_bytes
-    confirmed = [t for t in result.trials if t.confirmed]  # re-timed, compiled afresh
-    assert len(confirmed) >= 2 and all(t.confirmation_seconds for t in confirmed)
-    assert all(t.predicted_peak_bytes is None for t in result.trials)  # the eager memory model does not apply
+    # Memory is predicted from the blocks compiled alone, but for a PT2 budget: the partitioner's choice, measured.
+    assert pt2.predicted_activation_bytes is None and pt2.predicted_seconds is None
+    full = by_label["full h.0-1"]
+    assert abs(full.predicted_activation_bytes - full.activation_bytes) <= 0.05 * none_bytes
     assert not any("forward" in vars(m) for m in model.modules()), "no plan left applied"
     assert not compile_module._KEPT.keys, "the graphs the re-timing rounds kept are dropped when tune returns"
 
@@ -420,6 +433,76 @@ def _unique_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def test_the_profile_compiles_each_distinct_block_once_per_mode_and_predicts_the_compiled_step():
+    model = tiny_gpt()
+    compiled = torch.compile(model)
+    x = tokens()
+    modes = {"none", "full", "selective:mlp"}
+    graphs = _unique_graphs()
+    with eager_while_profiling(True):
+        profile = profile_step(model, lambda: compiled(x, x), time_blocks=modes, compiled_blocks=True)
+    blocks = profile.compiled
+    # The two blocks are identical: one representative, compiled once per mode; the timed rounds compile nothing.
+    assert blocks.compiles == len(modes) and _unique_graphs() - graphs == len(modes)
+    row = blocks.blocks[0]
+    assert blocks.blocks[1].shared_with == row.fqn and set(row.saved_bytes) == modes
+    assert row.saved_bytes["full"] < row.saved_bytes["selective:mlp"] < row.saved_bytes["none"]
+    assert set(profile.time.blocks[0].seconds) == modes and all(s > 0 for s in profile.time.blocks[0].seconds.values())
+    assert not any("forward" in vars(m) for m in model.modules()), "no mode left applied"
+    # Anchored on the compiled `none` step, it predicts what the model compiled whole saves under other plans.
+    trials = _trials_for(compiled)
+    none = trials.measure_compiled(Plan())
+    predicted = blocks.anchored(none.activation_bytes, none.peak_bytes)
+    assert predicted.predict_activation(Plan()) == none.activation_bytes
+    plans = baselines(model)
+    for plan in (Plan({"transformer.h.0": BlockPlan("full")}), plans["full"], plans["selective_mlp"]):
+        # Within 5% of the `none` step's activations, the scale an activation budget is a fraction of.
+        measured, tolerance = trials.measure_compiled(plan), 0.05 * none.activation_bytes
+        assert abs(predicted.predict_activation(plan) - measured.activation_bytes) <= tolerance, plan.describe()
+        assert abs(predicted.predict_peak(plan) - measured.peak_bytes) <= tolerance, plan.describe()
+    assert predicted.predict_activation(Plan(compile_memory_budget=0.5)) is None
+
+
+def test_a_compiled_search_is_pruned_by_compiled_predictions_and_reports_their_errors():
+    model = tiny_gpt()
+    compiled = torch.compile(model)
+    x = tokens()
+    space = {
+        "modes": ["full", "selective:mlp"],
+        "selections": ["all", "first:0.5"],
+        "rest_modes": ["none", "selective:mlp"],
+        "segments": False,
+        "compile_budgets": [0.3],
+    }
+    result = tune(compiled, lambda: compiled(x, x), activation_budget=0.5, search_space=space, measure_steps=1,
+                  batch_size=4, seq_len=16, confirm_rounds=1)  # fmt: skip
+    search, blocks = result.best.metadata["search"], result.best.metadata["compiled_blocks"]
+    assert search["proposer"] == "time_model"
+    assert blocks["compiles"] == 3, "one compile per distinct block and mode (none, full, selective:mlp)"
+    measured = [t for t in result.trials if t.status in ("ok", "over_budget")]
+    pruned = [t for t in result.trials if t.status == "pruned"]
+    assert pruned and all(t.pruned_by in ("memory", "time") for t in pruned)
+    assert len(measured) < len(result.trials), "not every plan compiles"
+    for t in measured:
+        if t.plan.compile_memory_budget is None:
+            assert t.predicted_activation_bytes is not None and t.predicted_peak_bytes is not None, t.label
+        else:  # the partitioner's choice: measured, never predicted
+            assert t.predicted_activation_bytes is None and t.predicted_seconds is None
+    # Every tuned plan that fits is predicted a step time (the blocks' compiled timings, calibrated on the measured
+    # steps): pruned by time when it cannot beat the best measured one, compiled and measured when it might. Which
+    # of the two depends on this machine's timings; that each was predicted does not.
+    fitting = [t for t in result.trials if not t.label.startswith("baseline:") and t.pruned_by != "memory"]
+    assert fitting and all(t.predicted_seconds for t in fitting), [(t.label, t.predicted_seconds) for t in fitting]
+    assert search["time_model"]["calibration"]["anchors"], "calibrated on compiled steps measured whole"
+    errors, none_bytes = blocks["activation_errors"], blocks["none_activation_bytes"]
+    assert errors["predicted_and_measured"] >= 1
+    for t in measured:
+        if t.predicted_activation_bytes is not None:  # within 5% of what the budget is a fraction of
+            assert abs(t.predicted_activation_bytes - t.activation_bytes) <= 0.05 * none_bytes, t.label
+    assert result.best_trial.activation_bytes <= result.budget.limit_bytes
+    assert not any("forward" in vars(m) for m in model.modules()), "no plan left applied"
 
 
 def test_a_plan_applied_again_runs_the_graph_compiled_for_it_with_its_gradients():
@@ -485,7 +568,7 @@ def test_re_timed_pt2_budgets_keep_a_graph_each_and_each_runs_its_own():
     # (a float would turn dynamic after one recompile and one graph would serve every budget). Each re-timed step
     # must save what that budget's own graph saves, compiled from a reset.
     from lightning_ckpt.measure.harness import loss_of
-    from lightning_ckpt.search.saved_for_backward import SavedForBackward
+    from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 
     model = tiny_gpt()
     trials = _trials_for(torch.compile(model))

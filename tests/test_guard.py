@@ -265,8 +265,8 @@ def test_a_compiled_real_step_is_read_as_compiled_trials_are_on_cuda_and_cpu(mon
     # The tracker's dispatch mode would make dynamo run the step eagerly: a compiled step's activation is the bytes
     # it saves for backward (compile.SavedForBackward), its CUDA peak the allocator's, with no tracker at all.
     from lightning_ckpt.lightning import guard
+    from lightning_ckpt.measure.saved_for_backward import SavedForBackward
     from lightning_ckpt.search.compile import reset_compiled
-    from lightning_ckpt.search.saved_for_backward import SavedForBackward
 
     reset_compiled()
     net = Net()

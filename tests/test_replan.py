@@ -32,7 +32,7 @@ BATCH = 8
 class PredictedRunner:
     """Measures every plan at exactly the profile's predictions: a time model that ranks plans correctly."""
 
-    predicts_memory, predicts_time, collective_steps, reserve_headroom_bytes = True, False, False, 0
+    predicts_memory, memory_exact, predicts_time, collective_steps, reserve_headroom_bytes = True, True, False, False, 0
 
     def __init__(self, memory, time) -> None:
         self.memory, self.time = memory, time

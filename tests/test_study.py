@@ -64,6 +64,7 @@ class FakeRunner:
     """Step time = 1 + 0.3 x checkpointed share (+ ``speed`` overrides), times (1 + noise) per measurement."""
 
     predicts_memory = True
+    memory_exact = True
 
     def __init__(self, *, noise: float = 0.0, seed: int = 0, speed: dict[str, float] | None = None,
                  fail: str | None = None, memory_error: float = 0.0) -> None:  # fmt: skip

@@ -23,11 +23,11 @@ from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
 from lightning_ckpt.measure.measurement import MemoryReading
+from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.measure.tracker import new_live_tracker
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
-from lightning_ckpt.search.saved_for_backward import SavedForBackward
 from lightning_ckpt.stacks import LayerStack
 
 __all__ = ["BudgetGuard", "GuardConfig", "RealStepReader", "StepCheck", "lower_memory_trial", "lower_plan"]

@@ -7,18 +7,29 @@ forward and backward of the block alone, under the step's autocast, its mode app
 ``apply_plan`` as a trial would. The modes are interleaved round by round (a machine that slows
 part-way slows every mode alike) and each mode's median is kept. The incoming gradient is ones, as in
 the memory profile; only differences between modes are used, so its cost cancels.
+
+For a compiled model (``compiled_block_modes``) each distinct block runs *compiled alone* instead: regional
+compilation, one compile per distinct block and mode, however many plans the space holds. The modes are
+applied inside ``plan.apply.reused_forwards``, so a mode's second round runs the graph its first round compiled
+(dynamo guards on the forward objects a plan installs). One untimed round compiles, one reads what each mode's
+compiled graph saves for backward (``measure.saved_for_backward``: the compiled step's activation memory, which a
+dispatch-mode tracker cannot see), then the timed rounds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_ckpt.discovery import is_compile_wrapper, unwrap_compiled
+from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.memory.capture import (
     _autocast_as,
     _backward_leaves,
@@ -27,10 +38,10 @@ from lightning_ckpt.memory.capture import (
     _hidden_index,
     _hidden_of,
 )
-from lightning_ckpt.plan.apply import apply_plan
+from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import BlockPlan, Plan
 
-__all__ = ["TIMING_ROUNDS", "time_block_modes"]
+__all__ = ["TIMING_ROUNDS", "CompiledBlockRuns", "compiled_block_modes", "time_block_modes"]
 
 # Rounds per mode after one untimed warm-up round: the median of 5 is steady to a few percent on a busy
 # 2-core machine, and a round costs one block's forward+backward per mode (a small share of one step).
@@ -51,32 +62,134 @@ def time_block_modes(
     where = _hidden_index(cap.args, cap.kwargs)
     if where is None:
         return {}
-    samples: dict[str, list[float]] = {k: [] for k in modes}
-    failed: set[str] = set()
+
+    def once(key: str, r: int) -> float:
+        return _time_once(root, cap, where, modes[key], device, cap.module)
+
     try:
-        for r in range(rounds + 1):
-            order: Sequence[str] = list(modes) if r % 2 == 0 else list(reversed(modes))
-            for key in order:
-                if key in failed:
-                    continue
-                try:
-                    seconds = _time_once(root, cap, where, modes[key], device)
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception:
-                    failed.add(key)  # the memory profile records why a mode cannot run
-                    continue
-                if r > 0:
-                    samples[key].append(seconds)
+        return _interleaved(modes, rounds + 1, once, timed_from=1)
     finally:
         if restore is not None:
             restore()
+
+
+@dataclass
+class CompiledBlockRuns:
+    """What one distinct block did compiled alone: per mode key, median forward+backward seconds and the bytes its
+    compiled graph saved for backward; and what compiling cost (tuning cost, never a block's time)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    saved_bytes: dict[str, int] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    compiles: int = 0
+
+
+def compiled_block_modes(
+    root: nn.Module,
+    cap: _Captured,
+    modes: Mapping[str, BlockPlan],
+    *,
+    device: torch.device,
+    rounds: int = TIMING_ROUNDS,
+    restore: Callable[[], None] | None = None,
+) -> CompiledBlockRuns:
+    """``cap``'s block compiled alone under each of ``modes`` (see the module docstring); a mode that fails to
+    compile or run is left out. ``restore`` puts the model's state back (gradients, RNG)."""
+    runs = CompiledBlockRuns()
+    where = _hidden_index(cap.args, cap.kwargs)
+    if where is None:
+        return runs
+    region = _compiled_region(cap.module)
+    memo: dict[tuple[Any, ...], Any] = {}
+
+    def once(key: str, r: int) -> float:
+        if r == 1:  # the graph compiled in round 0, run under the saved-tensor hooks
+            with SavedForBackward(root, extra=_inputs_of(cap)) as saved:
+                seconds = _time_once(root, cap, where, modes[key], device, region, memo)
+            runs.saved_bytes[key] = saved.saved_bytes
+            return seconds
+        seconds = _time_once(root, cap, where, modes[key], device, region, memo)
+        if r == 0:
+            runs.compile_seconds += seconds
+            runs.compiles += 1
+        return seconds
+
+    try:
+        with _compiling(len(modes)):
+            runs.seconds = _interleaved(modes, rounds + 2, once, timed_from=2)
+    finally:
+        if restore is not None:
+            restore()
+    runs.saved_bytes = {k: v for k, v in runs.saved_bytes.items() if k in runs.seconds}
+    return runs
+
+
+def _interleaved(
+    modes: Mapping[str, BlockPlan], rounds: int, once: Callable[[str, int], float], *, timed_from: int
+) -> dict[str, float]:
+    """Median of ``once(key, round)`` per mode over the rounds from ``timed_from`` on, modes interleaved and the
+    order reversed every other round (a machine that slows part-way slows every mode alike); a mode that raises
+    (but for running out of memory) is left out."""
+    samples: dict[str, list[float]] = {k: [] for k in modes}
+    failed: set[str] = set()
+    for r in range(rounds):
+        order: Sequence[str] = list(modes) if r % 2 == 0 else list(reversed(modes))
+        for key in order:
+            if key in failed:
+                continue
+            try:
+                seconds = once(key, r)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:
+                failed.add(key)  # the memory profile records why a mode cannot run
+                continue
+            if r >= timed_from:
+                samples[key].append(seconds)
     return {k: statistics.median(v) for k, v in samples.items() if v and k not in failed}
 
 
-def _time_once(root: nn.Module, cap: _Captured, where: tuple[str, Any], bp: BlockPlan, device: torch.device) -> float:
+def _compiled_region(block: nn.Module) -> Callable[..., Any]:
+    """The block as its compiled region runs it: the block itself where the user compiled it alone
+    (``block.compile()`` or a ``torch.compile`` wrapper: their options), else the block compiled alone with
+    ``torch.compile``'s defaults (inside a model compiled whole, a block's code is that model's graph's)."""
+    if is_compile_wrapper(block) or getattr(block, "_compiled_call_impl", None) is not None:
+        return block
+    return torch.compile(unwrap_compiled(block))
+
+
+@contextlib.contextmanager
+def _compiling(n_modes: int) -> Iterator[None]:
+    """Compile inside the profile's eager stance (``search.compile.eager_while_profiling``), with room in dynamo's
+    recompile limit for one graph per mode: every block call compiles into one code object's cache."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # before torch 2.7
+    limit = max(int(getattr(config, name)), n_modes + 8)
+    with torch.compiler.set_stance("default"), config.patch(**{name: limit}):
+        yield
+
+
+def _inputs_of(cap: _Captured) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
+
+
+def _time_once(
+    root: nn.Module,
+    cap: _Captured,
+    where: tuple[str, Any],
+    bp: BlockPlan,
+    device: torch.device,
+    call: Callable[..., Any],
+    memo: dict[tuple[Any, ...], Any] | None = None,
+) -> float:
+    """One forward+backward of the block under ``bp`` through ``call`` (the block, or its compiled region); inside
+    ``reused_forwards(memo)`` when a memo is given, so a compiled mode runs its graph again."""
     hidden = _hidden_of(cap, where)
-    handle = apply_plan(root, Plan({cap.fqn: bp}) if bp.mode != "none" else Plan())
+    reuse = reused_forwards(memo) if memo is not None else contextlib.nullcontext()
+    with reuse:
+        handle = apply_plan(root, Plan({cap.fqn: bp}) if bp.mode != "none" else Plan())
     try:
         _synchronize(device)
         t0 = time.perf_counter()
@@ -85,7 +198,7 @@ def _time_once(root: nn.Module, cap: _Captured, where: tuple[str, Any], bp: Bloc
         seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=cap.input_grad)
         args, kwargs = _called_with(cap, where, hidden.detach() + seed)
         with _autocast_as(cap.autocast):
-            out = cap.module(*args, **kwargs)
+            out = call(*args, **kwargs)
             leaves = _backward_leaves(out, cap.grad_leaves)
         if leaves:
             torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])

@@ -67,9 +67,13 @@ class RealStepMemory:
     model: Any
     optimizer: OptimizerStepMemory = field(default_factory=lambda: OptimizerStepMemory.absent())
 
-    def predict(self, plan: Any) -> tuple[int, int]:
-        """(real-step peak, activation bytes) predicted for ``plan``."""
-        return self.optimizer.real_peak(self.model.predict_peak(plan)) or 0, self.model.predict_activation(plan)
+    def predict(self, plan: Any) -> tuple[int, int] | None:
+        """(real-step peak, activation bytes) predicted for ``plan``; None where the model predicts nothing for it
+        (a compiled plan that leaves the choice to PT2's partitioner: measured instead)."""
+        peak, activation = self.model.predict_peak(plan), self.model.predict_activation(plan)
+        if peak is None or activation is None:
+            return None
+        return self.optimizer.real_peak(peak) or 0, activation
 
     def can_run(self, plan: Any) -> str | None:
         return self.model.can_run(plan)

@@ -41,7 +41,7 @@ from lightning_ckpt.measure.tracker import (
     normalise_device,
     tensor_bytes,
 )
-from lightning_ckpt.memory.block_times import time_block_modes
+from lightning_ckpt.memory.block_times import compiled_block_modes, time_block_modes
 from lightning_ckpt.memory.capture import (
     _autocast_as,
     _backward_leaves,
@@ -52,6 +52,7 @@ from lightning_ckpt.memory.capture import (
     _hidden_of,
     _hidden_tensor,
 )
+from lightning_ckpt.memory.compiled import CompiledBlockMemory, CompiledMemoryModel
 from lightning_ckpt.memory.model import BlockMemory, MemoryModel, ModeProfile, PhasePeak
 from lightning_ckpt.model import ModelView, is_sharded, model_device, model_fingerprint
 from lightning_ckpt.plan.apply import apply_plan
@@ -280,6 +281,7 @@ class Profile:
 
     memory: MemoryModel
     time: TimeModel | None = None
+    compiled: CompiledMemoryModel | None = None  # blocks compiled alone (``compiled_blocks``): saved bytes per mode
 
     def with_time(self, time: TimeModel | None) -> Profile:
         return dataclasses.replace(self, time=time)
@@ -297,6 +299,7 @@ def profile_step(
     share_identical_blocks: bool = True,
     block_types: Iterable[type | str] | None = None,
     time_blocks: bool | Collection[str] = True,
+    compiled_blocks: bool = False,
 ) -> Profile:
     """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time
     model (``time_blocks``) its step time.
@@ -318,7 +321,10 @@ def profile_step(
     ``share_identical_blocks``: blocks with the same class, parameter shapes and input shapes share
     one profile (run once instead of once per block). ``time_blocks``: time each representative under every
     mode as well, without the tracker, for ``Profile.time``; a collection of mode keys (``plan.format.mode_key``)
-    times only those (``tune`` passes its space's); False: ``Profile.time`` is None.
+    times only those (``tune`` passes its space's); False: ``Profile.time`` is None. ``compiled_blocks``: time
+    each representative *compiled alone* instead (``memory.block_times.compiled_block_modes``: one compile per
+    distinct block and mode), for a model that trains compiled; ``Profile.compiled`` then holds what each mode's
+    compiled graph saves for backward, which ``CompiledMemoryModel`` predicts a compiled step's memory from.
     """
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
@@ -334,10 +340,13 @@ def profile_step(
     blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
     sets = _selective_sets(stacks, selective_sets)
     externals: list[Any] = [root, *extra] + ([optimizer] if optimizer is not None else [])
-    runs = _run_profile(root, forward_fn, stacks, blocks, sets, externals, dev, share_identical_blocks, time_blocks)
+    runs = _run_profile(
+        root, forward_fn, stacks, blocks, sets, externals, dev, share_identical_blocks, time_blocks, compiled_blocks
+    )
     fingerprint = view.fingerprint if view is not None else model_fingerprint(root)
     memory = _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
-    return Profile(memory, _time_model(runs, memory.stacks, dev) if runs.timings else None)
+    time_model = _time_model(runs, memory.stacks, dev) if runs.timings else None
+    return Profile(memory, time_model, _compiled_model(runs, memory) if compiled_blocks and runs.timings else None)
 
 
 def profile_memory(model: nn.Module | ModelView, forward_fn: Callable[[], Any], **options: Any) -> MemoryModel:
@@ -377,6 +386,9 @@ class _Runs:
     failed: dict[str, dict[str, str]]
     in_bytes: dict[str, int]
     timings: dict[str, dict[str, float]]  # per representative key: median seconds per mode (memory.block_times)
+    compiled_saved: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # compiled alone, per mode
+    compile_seconds: float = 0.0  # the blocks' compiles (compiled_blocks)
+    compiles: int = 0
     overhead: int = 0  # CUDA: allocator peak minus tracked peak of the anchor step
     reserve: int = 0  # CUDA: reserved above allocated on the anchor step
 
@@ -391,6 +403,7 @@ def _run_profile(
     dev: torch.device,
     share: bool,
     timed: bool | Collection[str],
+    compiled: bool = False,
 ) -> _Runs:
     """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the
     state the model was in."""
@@ -413,7 +426,12 @@ def _run_profile(
             snapshot.restore()
 
         profiles, failed, in_bytes = _profile_blocks(root, profiled, sets, externals, dev, snapshot)
-        timings = _time_blocks(root, profiled, profiles, dev, snapshot, timed) if timed else {}
+        compiled_runs = {}
+        if timed and compiled:
+            compiled_runs = _compile_blocks(root, profiled, profiles, dev, snapshot, timed)
+            timings = {k: r.seconds for k, r in compiled_runs.items()}
+        else:
+            timings = _time_blocks(root, profiled, profiles, dev, snapshot, timed) if timed else {}
     finally:
         snapshot.restore()
     return _Runs(
@@ -429,6 +447,9 @@ def _run_profile(
         failed=failed,
         in_bytes=in_bytes,
         timings=timings,
+        compiled_saved={k: r.saved_bytes for k, r in compiled_runs.items()},
+        compile_seconds=sum(r.compile_seconds for r in compiled_runs.values()),
+        compiles=sum(r.compiles for r in compiled_runs.values()),
         overhead=overhead,
         reserve=reserve,
     )
@@ -538,6 +559,45 @@ def _time_model(runs: _Runs, stacks: Mapping[str, tuple[str, ...]], dev: torch.d
         "autocast": autocast,
     }
     return TimeModel(blocks=tuple(rows), stacks=stacks, measured_at=measured_at)
+
+
+def _compiled_model(runs: _Runs, memory: MemoryModel) -> CompiledMemoryModel:
+    """The blocks' compiled saved bytes, one row per block call (as the memory model's), not yet anchored on a
+    compiled step (``CompiledMemoryModel.anchored``)."""
+    rows = []
+    for fqn, key in zip(runs.order, runs.call_rep, strict=True):
+        rep = runs.profiled[key].fqn
+        rows.append(CompiledBlockMemory(fqn, dict(runs.compiled_saved.get(key, {})), rep if rep != fqn else None))
+    return CompiledMemoryModel(
+        blocks=tuple(rows),
+        stacks=memory.stacks,
+        eager=memory,
+        compile_seconds=runs.compile_seconds,
+        compiles=runs.compiles,
+    )
+
+
+def _compile_blocks(
+    root: nn.Module,
+    reps: Mapping[str, _Captured],
+    profiles: Mapping[str, Mapping[str, ModeProfile]],
+    dev: torch.device,
+    snapshot: StateSnapshot,
+    modes: bool | Collection[str],
+) -> dict[str, Any]:
+    """Each representative compiled alone under every mode its memory profile ran (or only ``modes``, and always
+    ``none``; ``memory.block_times.compiled_block_modes``)."""
+    wanted = None if isinstance(modes, bool) else {"none", *modes}
+    return {
+        key: compiled_block_modes(
+            root,
+            cap,
+            {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
+            device=dev,
+            restore=snapshot.restore,
+        )
+        for key, cap in reps.items()
+    }
 
 
 def _time_blocks(

@@ -70,6 +70,7 @@ from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_c
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure.harness import StepHarness, loss_of
 from lightning_ckpt.measure.measurement import Measurement, classify_failure, release_memory
+from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.model import compiled_regions
 from lightning_ckpt.plan import forwards as apply_module
@@ -77,7 +78,6 @@ from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.forwards import CHECKPOINT_FRAMES
 from lightning_ckpt.search.records import judge_status
-from lightning_ckpt.search.saved_for_backward import SavedForBackward
 
 __all__ = [
     "CompileStats",
@@ -384,8 +384,11 @@ class CompiledTrials:
         """Activation bytes of the compiled step without checkpointing: what activation budgets are fractions of."""
         return self.measure_compiled(none_plan).activation_bytes
 
-    predicts_memory = False  # the memory model predicts the eager step; a compiled one is measured
-    predicts_time = False  # the blocks were timed eager; a compiled step's time is the compiler's
+    # Set by ``tune`` once the profile has compiled the blocks alone and the compiled ``none`` step is measured
+    # (``memory.compiled``): until then nothing predicts a compiled step, and every candidate is compiled.
+    predicts_memory = False
+    memory_exact = False  # the blocks' saved bytes add up to a prediction, not a measurement: every trial reads its own
+    predicts_time = False
     collective_steps = False
 
     def measure_memory(self, plan: Plan, memory_limit: int | None) -> Measurement:

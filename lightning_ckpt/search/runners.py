@@ -29,7 +29,8 @@ class TrialRunner(Protocol):
     """What the study needs from whatever runs a plan."""
 
     predicts_memory: bool  # the memory model's predictions hold for this runner's steps
-    predicts_time: bool  # the time model's block timings (eager, alone) hold for this runner's steps
+    memory_exact: bool  # and are exact (CPU, eager): a trial may be timed only, its memory pass left to the finalists
+    predicts_time: bool  # the time model's block timings hold for this runner's steps
     collective_steps: bool  # a step runs collectives (FSDP2): a failure on one rank leaves the others waiting
     reserve_headroom_bytes: int  # added to the CUDA cap for the allocator's reserve (the profile measures it)
 
@@ -52,6 +53,7 @@ class EagerRunner:
     """Applies each plan to the uncompiled model and measures it with ``measure_step``."""
 
     predicts_memory = True
+    memory_exact = True
     predicts_time = True
 
     def __init__(self, harness: StepHarness, *, count_flops: bool = True, reserve_headroom_bytes: int = 0) -> None:

@@ -135,7 +135,7 @@ class Study:
         self.lazy_memory = (
             config.memory_pass == "finalists"
             and device_type == "cpu"
-            and all(w.memory is not None and w.runner.predicts_memory for w in workloads)
+            and all(w.memory is not None and w.runner.predicts_memory and w.runner.memory_exact for w in workloads)
         )
         self.sync: Sync = sync or LocalSync()
         self.progress, self.should_stop = progress, should_stop
@@ -249,7 +249,8 @@ class Study:
         w = self.workload(micro_batch)
         if w.memory is None or not w.runner.predicts_memory:
             return False
-        return not self.budget.fits(*w.memory.predict(plan))
+        predicted = w.memory.predict(plan)
+        return predicted is not None and not self.budget.fits(*predicted)
 
     def suggest(self, asked: Any) -> Candidate:
         """The candidate an Optuna trial (``asked``) proposes: the space's point, and the micro-batch where the

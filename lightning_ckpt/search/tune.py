@@ -10,6 +10,7 @@ chooses. The same engine runs inside the Lightning callback and from a plain scr
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -21,6 +22,7 @@ from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
+from lightning_ckpt.memory.compiled import CompiledMemoryModel
 from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_step
@@ -183,18 +185,26 @@ def _search(
     """Profile, resolve the budget, then run, confirm and choose the study."""
     device, optimizer, seq_len = resolved.device, harness.optimizer, harness.seq_len
     is_compiled = isinstance(runner, CompiledTrials)
+    space = config.search_space.for_device(device.type)
+    if is_compiled:
+        space = runner.adapt(space)
     with eager_while_profiling(is_compiled):
-        timed = False if is_compiled else _space_modes(config.search_space.for_device(device.type), resolved)
-        profile = profile_step(resolved, harness.step_fn, optimizer=optimizer, extra=harness.extra, time_blocks=timed)
+        # A compiled model's blocks are timed compiled alone (regional compilation: one compile per distinct block
+        # and mode the space uses), so its time model predicts compiled steps as the eager one predicts eager steps.
+        profile = profile_step(
+            resolved,
+            harness.step_fn,
+            optimizer=optimizer,
+            extra=harness.extra,
+            time_blocks=_space_modes(space, resolved),
+            compiled_blocks=is_compiled,
+        )
     if profile.time is not None:
-        at = {**profile.time.measured_at, "batch_size": harness.batch_size, "seq_len": seq_len}
+        at = {**profile.time.measured_at, "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": is_compiled}
         profile = profile.with_time(replace(profile.time, measured_at=at))
     memory_model = profile.memory
     # The CUDA cap's headroom for the allocator's reserve, measured by the profile: eager and compiled trials alike.
     runner.reserve_headroom_bytes = memory_model.reserve_overhead_bytes
-    space = config.search_space.for_device(device.type)
-    if is_compiled:
-        space = runner.adapt(space)
     optimizer_step = (
         measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)
         if optimizer is not None
@@ -203,6 +213,8 @@ def _search(
     memory = RealStepMemory(memory_model, optimizer_step)
     sync = sync or LocalSync()
     budget = sync.broadcast(_resolve_budget(requested, memory, runner, resolved))
+    if is_compiled and profile.compiled is not None:
+        memory = _compiled_memory(runner, profile.compiled, optimizer_step, resolved)
     warm_steps = warm_up_process(harness, resolved, config, is_compiled)
     stacks, candidates = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
     proposer = proposer_for(
@@ -236,7 +248,9 @@ def _search(
     run = {"device": str(device), "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": compiled}
     metadata: dict[str, Any] = {"optimizer_step": memory.optimizer.to_dict(), "run": run}
     fitted = study.proposer.fitted()
-    if fitted is not None:
+    if isinstance(memory.model, CompiledMemoryModel):
+        metadata["compiled_blocks"] = {**memory.model.to_dict(), "activation_errors": _activation_errors(study)}
+    if fitted is not None and not is_compiled:  # ``replan`` predicts eager steps: a compiled profile is not kept
         # The profile as the search fitted it: a later budget re-plans from it without a search (``replan``).
         metadata[PROFILE_KEY] = profile_metadata(
             profile.with_time(fitted),
@@ -253,6 +267,34 @@ def _search(
         memory_breakdown=memory_model.to_dict(),
         metadata=metadata,
     )
+
+
+def _activation_errors(study: Study) -> dict[str, Any]:
+    """How far the compiled memory predictions were from the compiled steps measured (``predicted / measured - 1``
+    of the activation bytes), as the time model's summary says it of step times."""
+    errors = [
+        t.predicted_activation_bytes / t.activation_bytes - 1.0
+        for t in study.records
+        if t.memory_measured and t.predicted_activation_bytes is not None and t.activation_bytes
+    ]
+    return {
+        "predicted_and_measured": len(errors),
+        "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
+        "max_abs_error": max((abs(e) for e in errors), default=None),
+    }
+
+
+def _compiled_memory(
+    runner: CompiledTrials, compiled: CompiledMemoryModel, optimizer_step: OptimizerStepMemory, resolved: ModelView
+) -> RealStepMemory:
+    """What the compiled search prunes by: the blocks' compiled saved bytes anchored on the compiled ``none`` step
+    (measured already: an activation budget is a fraction of it). The runner's steps are then predicted, memory
+    and time; without that step (it failed) nothing is, as before."""
+    none = runner.measure_compiled(Plan(fingerprint=resolved.fingerprint))
+    if not none.ok or none.activation_bytes is None:
+        return RealStepMemory(compiled.eager, optimizer_step)
+    runner.predicts_memory = runner.predicts_time = True
+    return RealStepMemory(compiled.anchored(none.activation_bytes, none.peak_bytes), optimizer_step)
 
 
 def _resolve_budget(

@@ -72,7 +72,10 @@ class TimeModel:
     # -- prediction --------------------------------------------------------------------------------
     def added_seconds(self, plan: Plan) -> float | None:
         """What ``plan``'s modes add to a step, by the blocks' own timings; None when a block the plan
-        checkpoints was not timed under its mode (it failed there, or the profile has no such mode)."""
+        checkpoints was not timed under its mode (it failed there, or the profile has no such mode), and for a
+        plan that sets PT2's memory budget (its recompute is the partitioner's choice: measured, not predicted)."""
+        if plan.compile_memory_budget is not None:
+            return None
         chunked: set[str] = set()
         for stack_fqn, n_chunks in plan.segments.items():
             fqns = self.stacks.get(stack_fqn)
