@@ -15,7 +15,9 @@ Reported: the search's seconds, the seconds spent inside re-timings, how many of
 compiled step, so the cost reads as plain compiled-step equivalents.
 
 ``--default-space``: the tuner's default space and trial count, as the issue's user ran it (write it to another
-``--out``).
+``--out``). ``--layers 8 32``: one row per depth and variant. Each row also keeps what the profile's regional
+compiles cost (``profile_compile_seconds``: each distinct block alone, once per mode), how many plans were pruned
+by the compiled time model, and the errors of the compiled predictions against the steps measured compiled.
 
 Run: ``python benchmarks/compiled_retiming.py [--variants ...]`` (2-core CPU: about 12 minutes, most of it compiling); writes
 ``benchmarks/results/compiled_retiming.json``.

@@ -64,11 +64,11 @@ def fit(tmp_path, callbacks, model: Net, *, steps: int = 4, precision: str = "32
     return trainer
 
 
-def real_peak(tmp_path, plan_of, precision: str, steps: int = 3) -> int:
+def real_peak(tmp_path, plan_of, precision: str, steps: int = 3, data=None) -> int:
     """The highest real-step peak with a plan applied by hand, no tuner."""
     net = Net()
     handle = apply_plan(net, plan_of(net))
-    fit(tmp_path, [], net, steps=steps, precision=precision)
+    fit(tmp_path, [], net, steps=steps, precision=precision, data=data)
     handle.remove()
     return max(net.peaks)
 
@@ -189,6 +189,109 @@ def test_lower_memory_trial_picks_the_fastest_plan_expected_to_fit():
     assert lower_memory_trial(trials, Plan().key(), budget, excess=50) is None
 
 
+def _rec(plan: Plan, label: str, peak: int, sps: float | None, status: str = "ok"):
+    from lightning_ckpt.search.tune import TrialRecord
+
+    if status == "pruned":  # a plan the search predicted and never ran
+        return TrialRecord(0, plan, label, {}, status, predicted_peak_bytes=peak, predicted_activation_bytes=peak)
+    return TrialRecord(0, plan, label, {}, status, peak_bytes=peak, activation_bytes=peak, samples_per_second=sps)
+
+
+def test_the_guard_never_moves_to_a_plan_that_needs_more_memory_nor_back_to_one_that_went_over():
+    from lightning_ckpt.budget import Budget
+    from lightning_ckpt.lightning.guard import lower_plan
+
+    net = Net()
+    stacks = discover_blocks(net)
+    none, full_plan = Plan(), full(net)
+    half = Plan({"model.transformer.h.0": BlockPlan("full"), "model.transformer.h.1": BlockPlan("full")})
+    # `full` was pruned by the time model (predicted, never measured); `none` and `half` ran.
+    trials = [_rec(none, "none", 100, 10.0), _rec(half, "half", 70, 8.0), _rec(full_plan, "full", 40, None, "pruned")]
+    budget = Budget("peak", 90)
+    # `full` over the budget: `none` fits its trial figure plus nothing, but needs more than `full`: no move (the
+    # old guard compared with nothing and moved to `none`, then back to `full`, step after step).
+    assert lower_plan(full_plan, trials, budget, stacks) is None
+    # `none` over: the fastest measured plan below it that fits, `half`; once `half` went over too, `full`.
+    assert lower_plan(none, trials, budget, stacks, exclude={none.key()}).key() == half.key()
+    lower = lower_plan(half, trials, budget, stacks, exclude={none.key(), half.key()})
+    assert lower.key() == full_plan.key() and lower.metadata["switched_from"] == half.describe()
+    # A prediction at a larger batch: `half` at 2x its activations (70 + 70) does not fit, so `full` it is.
+    doubled = lower_plan(none, trials, budget, stacks, exclude={none.key()}, predict=lambda peak, act: 2 * act)
+    assert doubled.key() == full_plan.key()
+    # Nothing below `full` is left once it went over: stay.
+    assert lower_plan(full_plan, trials, budget, stacks, exclude={none.key(), half.key(), full_plan.key()}) is None
+
+
+class _Batches:
+    """The given (rows, length) batches in order: a curriculum, a long tail."""
+
+    def __init__(self, shapes, extra=None) -> None:
+        self.batches = [next(iter(loader(rows, seq=length, n=rows))) for rows, length in shapes]
+        if extra is not None:
+            self.batches = [(*b, torch.tensor(e)) for b, e in zip(self.batches, extra, strict=True)]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_a_longer_later_batch_is_moved_to_a_plan_that_fits_before_its_forward_and_never_back(tmp_path):
+    # The issue's run: tuned on short batches, then 4x longer ones. The old guard read the long step after it ran
+    # (2x the budget; on a GPU an OOM), switched to `full`, then oscillated `full` / `none`.
+    short, long = (32, 8), (32, 32)
+    data = _Batches([short] + [long] * 4)
+    # Two steps each: the second holds AdamW's state, as every later step does.
+    none_short = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([short] * 2))
+    full_long = real_peak(tmp_path, full, "32-true", steps=2, data=_Batches([long] * 2))
+    none_long = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([long] * 2))
+    budget = max(none_short, full_long) * 21 // 20
+    assert none_long > budget, "the long batch needs checkpointing at this budget"
+    cb = ActivationCheckpointTuner(
+        max_memory=budget, verbose=False, search=dict(n_trials=6, measure_steps=1, search_space=SPACE)
+    )
+    net = Net()
+    with pytest.warns(UserWarning, match=r"next batch \(32 x 32, .* Switching to .* before it runs"):
+        fit(tmp_path, [cb], net, steps=5, data=data)
+    assert len(net.peaks) == 5 and max(net.peaks) <= budget, [p / budget for p in net.peaks]
+    long_checks = [c for c in cb.step_checks if c.size == "32 x 32"]
+    assert long_checks and all(c.within_budget for c in long_checks)
+    assert "none" not in [c.plan for c in long_checks], "never back to a plan that needs more"
+
+
+def test_after_the_first_steps_one_step_in_every_n_is_read(tmp_path):
+    cb = ActivationCheckpointTuner(
+        max_memory=10**10,
+        verbose=False,
+        search=dict(n_trials=2, measure_steps=1, search_space=SPACE),
+        guard=dict(steps=1, every=2),
+    )
+    fit(tmp_path, [cb], Net(), steps=6)
+    # Batches 0-1 (through the first holding the optimizer's state), then every second one (3 and 5); a check
+    # records the global step after its update.
+    assert [c.step for c in cb.step_checks] == [1, 2, 4, 6]
+
+
+class _PackedNet(Net):
+    def training_step(self, batch, batch_idx):
+        x, y, _lengths = batch
+        return self.model(x, y)
+
+
+def test_a_packed_batch_is_sized_by_the_users_key(tmp_path):
+    # Every batch is padded to 4 x 32; the sequences it packs sum to 32, 32, then 128 tokens: only the key says so.
+    data = _Batches([(4, 32)] * 3, extra=[[8, 8, 8, 8], [8, 8, 8, 8], [32, 32, 32, 32]])
+    cb = ActivationCheckpointTuner(
+        max_memory=10**10,
+        verbose=False,
+        search=dict(n_trials=2, measure_steps=1, search_space=SPACE),
+        guard=dict(steps=1, every=0, shape_key=lambda b: (1, int(b[2].sum()))),
+    )
+    fit(tmp_path, [cb], _PackedNet(), steps=3, data=data)
+    assert [c.size for c in cb.step_checks] == ["1 x 32", "1 x 32", "1 x 128"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # activation_budget: real steps are read as trials are (activation = what the step creates other than
 # gradients and optimizer state), on CPU and on CUDA.
@@ -222,9 +325,11 @@ def test_under_an_activation_budget_a_later_batch_4x_longer_is_caught(tmp_path):
         search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
         guard=dict(steps=1, on_budget_exceeded="raise"),
     )
-    with pytest.raises(InfeasibleBudgetError, match=r"batch 8 x 32\) used .* of activation memory, over the budget"):
+    # Caught before its forward (on a GPU, after it is an out-of-memory error): nothing of it ran.
+    match = r"next batch \(8 x 32, larger than the 8 x 8 read so far\) is predicted .* checked before its forward"
+    with pytest.raises(InfeasibleBudgetError, match=match):
         fit(tmp_path, [cb], Net(), steps=3, data=Growing())
-    assert [c.within_budget for c in cb.step_checks] == [True, True, False]
+    assert [c.within_budget for c in cb.step_checks] == [True, True]
 
 
 def test_on_cuda_an_activation_reading_leaves_out_gradients_and_optimizer_state(monkeypatch):

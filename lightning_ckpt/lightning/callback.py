@@ -201,7 +201,14 @@ class ActivationCheckpointTuner(Callback):
                 return
             result, self._tuned_batch = found
             self._pending = False
+            self._guard.reference = self._guard.size_of(self._tuned_batch)  # the batch the trials' figures are for
             self._searched(trainer, result, source="search")
+        if self.plan is not None and self._view is not None:
+            trials = self.result.trials if self.result is not None else ()
+            lower = self._guard.before_forward(trainer, batch, self.plan, trials, self._view)
+            if lower is not None:  # a larger batch predicted over the budget: moved before it runs
+                self._replan_check = None
+                self._lock_in(lower, source="the budget guard", trainer=trainer)
         self._guard.maybe_start(trainer, pl_module, batch, compiled=bool(self._view.compiled))
         if self._replan_check is not None:
             self._replan_check.step_starts(guard_reads_it=self._guard.reader.active)
@@ -214,11 +221,11 @@ class ActivationCheckpointTuner(Callback):
             self._report_replanned(trainer)
             return
         sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
-        check = self._guard.judge(trainer, reading, batch, self.plan, sync)
+        trials = self.result.trials if self.result is not None else ()
+        check = self._guard.judge(trainer, reading, batch, self.plan, sync, trials)
         if self._replan_check is not None:
             self._replan_check.memory_read(check.peak_bytes, check.activation_bytes)
         if not check.within_budget:
-            trials = self.result.trials if self.result is not None else ()
             lower = self._guard.over_budget(check, self.plan, trials, self._view)
             if lower is not None:
                 if self._replan_check is not None:  # its prediction was wrong: said, and not timed on another plan

@@ -11,7 +11,7 @@ dispatch mode would make dynamo run them eagerly and read the eager step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.lightning.shapes import BatchSize, ShapeScaling, batch_size_of
 from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
 from lightning_ckpt.measure.measurement import MemoryReading
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
@@ -30,7 +31,15 @@ from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.stacks import LayerStack
 
-__all__ = ["BudgetGuard", "GuardConfig", "RealStepReader", "StepCheck", "lower_memory_trial", "lower_plan"]
+__all__ = [
+    "BudgetGuard",
+    "GuardConfig",
+    "RealStepReader",
+    "StepCheck",
+    "lower_memory_trial",
+    "lower_plan",
+    "trial_figures",
+]
 
 
 class RealStepReader:
@@ -138,6 +147,7 @@ class StepCheck:
     batch_dims: tuple[int | None, int | None]
     plan: str
     within_budget: bool
+    size: str | None = None  # ``rows x length`` as the guard measures batches (``lightning.shapes``)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,26 +158,48 @@ class StepCheck:
             "seq_len": self.batch_dims[1],
             "plan": self.plan,
             "within_budget": self.within_budget,
+            "size": self.size,
         }
 
 
-def lower_memory_trial(trials: Sequence[Any], current_key: str, budget: Budget, excess: int) -> Any | None:
+def trial_figures(t: Any) -> tuple[int | None, int | None]:
+    """(peak, activation) bytes of a trial at the tuned batch: measured where it ran, predicted where it was pruned."""
+    if t.status in ("ok", "over_budget"):
+        return t.peak_bytes, t.activation_bytes
+    return t.predicted_peak_bytes, t.predicted_activation_bytes
+
+
+def lower_memory_trial(
+    trials: Sequence[Any],
+    current_key: str,
+    budget: Budget,
+    excess: int,
+    *,
+    exclude: Collection[str] = (),
+    predict: Callable[[int | None, int | None], int | None] | None = None,
+) -> Any | None:
     """The fastest measured trial that should fit once the real step's ``excess`` over its trial is added.
 
-    ``excess`` (real peak minus the current plan's trial peak) is what trials did not see; it is assumed
-    to be the same under every plan (optimizer, retained tensors, a larger batch scale it alike, roughly).
-    Only plans using less memory than the current one are considered. Returns None when none qualifies.
+    ``excess`` (real peak minus the current plan's predicted one) is what trials did not see; it is assumed
+    to be the same under every plan (optimizer, retained tensors, roughly). ``predict`` turns a trial's
+    ``(peak, activation)`` at the tuned batch into the budget's value at the batch at hand (default: as measured).
+    Only plans known to use less memory than the current one at the tuned batch (measured, or predicted where the
+    current one was pruned) are considered, and none in ``exclude`` (plans that already went over): each switch
+    goes down, so the guard cannot oscillate. Returns None when none qualifies.
     """
     current = next((t for t in trials if t.plan.key() == current_key), None)
-    current_value = budget.value_of(current.peak_bytes, current.activation_bytes) if current is not None else None
+    current_value = budget.value_of(*trial_figures(current)) if current is not None else None
+    if current_value is None:
+        return None  # a plan the search never saw: nothing is known to need less
     best = None
     for t in trials:
-        if t.status not in ("ok", "over_budget") or t.plan.key() == current_key:
+        if t.status not in ("ok", "over_budget") or t.plan.key() == current_key or t.plan.key() in exclude:
             continue
         value = budget.value_of(t.peak_bytes, t.activation_bytes)
-        if value is None or (current_value is not None and value >= current_value):
+        if value is None or value >= current_value:
             continue
-        if budget.limit_bytes is not None and value + excess > budget.limit_bytes:
+        at_batch = predict(t.peak_bytes, t.activation_bytes) if predict is not None else value
+        if budget.limit_bytes is not None and (at_batch is None or at_batch + excess > budget.limit_bytes):
             continue
         if best is None or (t.samples_per_second or 0.0) > (best.samples_per_second or 0.0):
             best = t
@@ -175,19 +207,26 @@ def lower_memory_trial(trials: Sequence[Any], current_key: str, budget: Budget, 
 
 
 def lower_plan(
-    plan: Plan, real_value: int, trials: Sequence[Any], budget: Budget, stacks: Sequence[LayerStack]
+    plan: Plan,
+    trials: Sequence[Any],
+    budget: Budget,
+    stacks: Sequence[LayerStack],
+    *,
+    excess: int = 0,
+    exclude: Collection[str] = (),
+    predict: Callable[[int | None, int | None], int | None] | None = None,
 ) -> Plan | None:
-    """The plan to switch to after a real step used ``real_value`` of the budget under ``plan``: the fastest
-    searched plan expected to fit (``lower_memory_trial``), else full checkpointing; None when that is ``plan``."""
-    current = next((t for t in trials if t.plan.key() == plan.key()), None)
-    trial_value = budget.value_of(current.peak_bytes, current.activation_bytes) if current is not None else None
-    excess = max(0, real_value - trial_value) if trial_value is not None else 0
-    found = lower_memory_trial(trials, plan.key(), budget, excess)
+    """The plan to move to when ``plan`` does not fit (read after a step, or predicted before one): the fastest
+    searched plan expected to fit (``lower_memory_trial``), else full checkpointing, the lowest-memory per-block
+    plan, unless it is ``plan``, went over already, or is known to need more than ``plan``. None: stay."""
+    found = lower_memory_trial(trials, plan.key(), budget, excess, exclude=exclude, predict=predict)
     if found is not None:
         lower = found.plan
     else:
         lower = uniform_plan(stacks, BlockPlan("full"))
-        if lower.key() == plan.key():
+        known = {t.plan.key(): budget.value_of(*trial_figures(t)) for t in trials}
+        current, floor = known.get(plan.key()), known.get(lower.key())
+        if lower.key() in (plan.key(), *exclude) or (current is not None and floor is not None and floor >= current):
             return None
     return replace(
         lower,
@@ -203,24 +242,39 @@ class GuardConfig:
 
     steps: real training steps read whole after lock-in (CUDA: the allocator's peak; CPU: the live-tensor
         tracker, slower, so only those steps), at least up to the first step that starts with the optimizer's
-        state (accumulation + 1); also every step on a batch larger than any checked before. ``0``: no guard.
-    on_budget_exceeded: when a read step exceeds the budget: ``"switch"`` (warn loudly and switch to the fastest
-        lower-memory plan expected to fit), ``"raise"`` or ``"warn"``.
+        state (accumulation + 1); also every step on a batch larger than any read before. ``0``: no guard.
+    every: after those, one step in every ``every`` is read too (memory a ``training_step`` keeps across steps
+        grows slowly); ``0``: only the first steps and larger batches.
+    on_budget_exceeded: when a step exceeds the budget, read after it ran or predicted before a larger batch's
+        forward: ``"switch"`` (warn loudly and move to the fastest lower-memory plan expected to fit; never to
+        one that needs more, never back to one that went over), ``"raise"`` or ``"warn"``.
+    shape_key: how big a batch is, for batches whose shape does not say it (a packed batch: ``lambda b: (1,
+        int(b["cu_seqlens"][-1]))``): returns ``(rows, length)`` or a length. Default: samples x tokens for token
+        batches, else the largest tensor's elements per sample (``lightning.shapes``).
     """
 
     steps: int = 2
+    every: int = 100
     on_budget_exceeded: Literal["switch", "raise", "warn"] = "switch"
+    shape_key: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
-            raise ConfigurationError(
-                f"guard steps must be an integer >= 0 (e.g. guard={{'steps': 2}}; 0 turns the guard off), "
-                f"got {self.steps!r}."
-            )
+        for name in ("steps", "every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigurationError(
+                    f"guard {name} must be an integer >= 0 (e.g. guard={{'steps': 2, 'every': 100}}; 0 turns it "
+                    f"off), got {value!r}."
+                )
         if self.on_budget_exceeded not in ("switch", "raise", "warn"):
             raise ConfigurationError(
                 "guard on_budget_exceeded must be 'switch', 'raise' or 'warn' (e.g. guard={'on_budget_exceeded': "
                 f"'raise'}}), but got {self.on_budget_exceeded!r}."
+            )
+        if self.shape_key is not None and not callable(self.shape_key):
+            raise ConfigurationError(
+                "guard shape_key must be a function of the batch returning (rows, length), e.g. "
+                f"lambda b: (1, int(b['cu_seqlens'][-1])), but got {type(self.shape_key).__name__}."
             )
 
     @classmethod
@@ -235,15 +289,18 @@ class GuardConfig:
             )
         unknown = sorted(set(value) - {f.name for f in fields(cls)})
         if unknown:
-            raise ConfigurationError(f"Unknown guard settings {unknown}. Known settings: steps, on_budget_exceeded.")
+            known = ", ".join(f.name for f in fields(cls))
+            raise ConfigurationError(f"Unknown guard settings {unknown}. Known settings: {known}.")
         return cls(**value)
 
 
 class BudgetGuard:
     """The guard over one fit: which real steps to read, what they showed (``checks``), and the verdict.
 
-    Every rank reads the same steps and judges the worst rank's figures, so a switch (which gathers plan
-    digests) is entered by all ranks or none.
+    Before a batch larger than any read so far (``lightning.shapes``), the current plan's memory at that size is
+    predicted from its trial (or its last real reading) and acted on before the forward. Every rank reads the
+    same steps and judges the worst rank's figures, so a switch (which gathers plan digests) is entered by all
+    ranks or none.
     """
 
     def __init__(self, config: GuardConfig, device: torch.device) -> None:
@@ -251,34 +308,126 @@ class BudgetGuard:
         self.reader = RealStepReader(device)
         self.checks: list[StepCheck] = []
         self.budget: Budget | None = None
+        self.reference: BatchSize | None = None  # the batch the trials measured (None: a reused plan)
+        self.scaling = ShapeScaling()
         self._left = 0
-        self._checked_dims: tuple[int, int] = (0, 0)
+        self._since_read = 0
+        self._covered: BatchSize | None = None  # the largest rows and length read so far
+        self._excess = 0  # what real steps used beyond their prediction (state trials do not see)
+        self._left_behind: set[str] = set()  # plans that went over: never switched back to
+        self._read_plans: dict[str, tuple[BatchSize, int | None, int]] = {}  # key -> (size, activation, peak)
 
     def arm(self, accumulation: int) -> None:
         """A plan was locked in: read its first steps, through the first one that holds the optimizer's state."""
         steps = self.config.steps
         self._left = steps and max(steps, accumulation + 1)
 
-    def maybe_start(self, trainer: Any, pl_module: nn.Module, batch: Any, *, compiled: bool) -> None:
+    @property
+    def active(self) -> bool:
         budget = self.budget
-        if budget is None or budget.kind == "none" or not self.config.steps:
+        return budget is not None and budget.kind != "none" and bool(self.config.steps)
+
+    def size_of(self, batch: Any) -> BatchSize | None:
+        return batch_size_of(batch, self.config.shape_key)
+
+    def maybe_start(self, trainer: Any, pl_module: nn.Module, batch: Any, *, compiled: bool) -> None:
+        if not self.active:
             return
-        dims = tuple(d or 0 for d in batch_dims(batch))
+        budget = self.budget
+        assert budget is not None
+        size = self.size_of(batch)
         # Under several ranks batch shapes can differ by rank (a ragged last batch) while every rank must read
-        # the same steps (the verdict is gathered): only the first steps after lock-in are read there.
+        # the same steps (the verdict is gathered): only the first steps and the periodic ones are read there.
         larger = (
-            trainer.world_size == 1
-            and bool(self.checks)
-            and any(d > c for d, c in zip(dims, self._checked_dims, strict=True))
+            trainer.world_size == 1 and size is not None and self._covered is not None and size.exceeds(self._covered)
         )
-        if self._left <= 0 and not larger:
+        self._since_read += 1
+        periodic = bool(self.config.every) and self._since_read >= self.config.every
+        if self._left <= 0 and not larger and not periodic:
             return
+        self._since_read = 0
         activation = budget.kind == "activation"
         extra = tuple(batch_tensors(batch))
         self.reader.start(pl_module, list(trainer.optimizers), extra, activation=activation, compiled=compiled)
 
-    def judge(self, trainer: Any, reading: MemoryReading, batch: Any, plan: Plan, sync: Any) -> StepCheck:
-        """Record one read step against the budget (the worst rank's figures under several ranks)."""
+    def predicted_value(self, plan_key: str, trials: Sequence[Any], size: BatchSize) -> int | None:
+        """The budget's value for plan ``plan_key`` on a batch of ``size``: from its trial at the tuned batch, else
+        from a real step read under it; None when neither exists."""
+        budget = self.budget
+        assert budget is not None
+        trial = next((t for t in trials if t.plan.key() == plan_key), None)
+        if trial is not None and self.reference is not None:
+            value = self._scaled(*trial_figures(trial), at=size, reference=self.reference)
+        elif plan_key in self._read_plans:
+            read_at, act, peak = self._read_plans[plan_key]
+            value = self._scaled(peak, act, at=size, reference=read_at)
+        else:
+            return None
+        return value + self._excess if value is not None else None
+
+    def _scaled(self, peak: int | None, act: int | None, *, at: BatchSize, reference: BatchSize) -> int | None:
+        budget = self.budget
+        assert budget is not None
+        factor = self.scaling.scale(at, reference)
+        if budget.kind == "activation":
+            return int(act * factor) if act is not None else None
+        if peak is None:
+            return None
+        return int(peak - act + act * factor) if act is not None else int(peak * factor)
+
+    def before_forward(
+        self, trainer: Any, batch: Any, plan: Plan, trials: Sequence[Any], view: ModelView
+    ) -> Plan | None:
+        """Act on a batch larger than any read so far before it runs: predict the current plan's memory at its size
+        and, over the budget, move (``"switch"``) to a plan predicted to fit (the plan to switch to), raise, or
+        warn. The step is read either way (``maybe_start``), and what it used refits the prediction."""
+        if not self.active or trainer.world_size > 1:
+            return None
+        size = self.size_of(batch)
+        covered = self._covered or self.reference
+        if size is None or covered is None or not size.exceeds(covered):
+            return None
+        budget = self.budget
+        assert budget is not None and budget.limit_bytes is not None
+        value = self.predicted_value(plan.key(), trials, size)
+        if value is None or value <= budget.limit_bytes:
+            return None
+        what = "activation memory" if budget.kind == "activation" else "peak memory"
+        growth = "as measured" if self.scaling.learned else "assuming quadratic growth in length until a step shows it"
+        message = (
+            f"lightning_ckpt: the next batch ({size}, larger than the {covered} read so far) is predicted to use "
+            f"{format_bytes(value)} of {what} under plan {plan.describe()} ({growth}), over the budget of "
+            f"{budget.description}; checked before its forward."
+        )
+        if self.config.on_budget_exceeded == "raise":
+            raise InfeasibleBudgetError(
+                message + " Raise the budget, declare the longest batch so the search covers it, or set "
+                "guard={'on_budget_exceeded': 'switch'} to move to a lower-memory plan."
+            )
+        if self.config.on_budget_exceeded == "warn":
+            rank_zero_warn(message + " Running it with this plan (on_budget_exceeded='warn').")
+            return None
+        self._left_behind.add(plan.key())
+        lower = lower_plan(
+            plan,
+            trials,
+            budget,
+            view.stacks,
+            excess=self._excess,
+            exclude=self._left_behind,
+            predict=lambda peak, act: self._scaled(peak, act, at=size, reference=self.reference or covered),
+        )
+        if lower is None:
+            rank_zero_warn(message + " No plan using less memory is left; running it with this one.")
+            return None
+        rank_zero_warn(message + f" Switching to {lower.describe()} before it runs (on_budget_exceeded='switch').")
+        return lower
+
+    def judge(
+        self, trainer: Any, reading: MemoryReading, batch: Any, plan: Plan, sync: Any, trials: Sequence[Any] = ()
+    ) -> StepCheck:
+        """Record one read step against the budget (the worst rank's figures under several ranks); ``trials``: the
+        search's, which the reading is compared with."""
         budget = self.budget
         assert budget is not None
         peak, act = reading.peak_bytes, reading.activation_bytes
@@ -287,15 +436,36 @@ class BudgetGuard:
             peak = max(g[0] for g in gathered)
             act = max((g[1] for g in gathered if g[1] is not None), default=None)
         dims = batch_dims(batch)
+        size = self.size_of(batch)
         self._left -= 1
-        self._checked_dims = (max(dims[0] or 0, self._checked_dims[0]), max(dims[1] or 0, self._checked_dims[1]))
-        check = StepCheck(trainer.global_step, peak, act, dims, plan.describe(), budget.fits(peak, act))
+        if size is not None:
+            self._learn(plan, size, peak, act, trials)
+        check = StepCheck(
+            trainer.global_step, peak, act, dims, plan.describe(), budget.fits(peak, act), str(size) if size else None
+        )
         self.checks.append(check)
         return check
 
+    def _learn(self, plan: Plan, size: BatchSize, peak: int, act: int | None, trials: Sequence[Any]) -> None:
+        """What a read step says: how memory grows with length (against the same plan's trial or earlier reading),
+        what real steps use beyond their prediction, and the largest size covered."""
+        reference = self._read_plans.get(plan.key())
+        trial = next((t for t in trials if t.plan.key() == plan.key()), None)
+        if act is not None and trial is not None and self.reference is not None and trial.activation_bytes:
+            self.scaling.observe(act, size, trial.activation_bytes, self.reference)
+        elif act is not None and reference is not None and reference[1]:
+            self.scaling.observe(act, size, reference[1], reference[0])
+        assert self.budget is not None
+        predicted = self.predicted_value(plan.key(), trials, size)
+        value = self.budget.value_of(peak, act)
+        if predicted is not None and value is not None:
+            self._excess = max(self._excess, value - (predicted - self._excess))
+        self._read_plans[plan.key()] = (size, act, peak)
+        self._covered = size if self._covered is None else self._covered.covering(size)
+
     @property
     def done(self) -> bool:
-        """The steps after lock-in are all read (later, only a larger batch is)."""
+        """The steps after lock-in are all read (later, only larger batches and the periodic ones are)."""
         return self._left <= 0
 
     def over_budget(self, check: StepCheck, plan: Plan, trials: Sequence[Any], view: ModelView) -> Plan | None:
@@ -317,7 +487,21 @@ class BudgetGuard:
         if self.config.on_budget_exceeded == "warn":
             rank_zero_warn(message + " Continuing with it (on_budget_exceeded='warn').")
             return None
-        lower = lower_plan(plan, value, trials, budget, view.stacks)
+        self._left_behind.add(plan.key())
+        at = self._read_plans.get(plan.key(), (None, None, None))[0]
+        lower = lower_plan(
+            plan,
+            trials,
+            budget,
+            view.stacks,
+            excess=self._excess,
+            exclude=self._left_behind,
+            predict=(
+                (lambda peak, act: self._scaled(peak, act, at=at, reference=self.reference))
+                if at is not None and self.reference is not None
+                else None
+            ),
+        )
         if lower is None:
             rank_zero_warn(message + " No plan using less memory is left; continuing with this one.")
             return None

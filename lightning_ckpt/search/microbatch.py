@@ -34,6 +34,7 @@ from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan
+from lightning_ckpt.plan.skipping import full_depth
 from lightning_ckpt.search.compile import CompiledTrials, release_kept_graphs
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.proposers import SamplerProposer
@@ -165,27 +166,30 @@ def tune_micro_batch(
     sizes = _checked_micro_batches(micro_batches, global_batch)
     started = time.perf_counter()
     resolved = ModelView.of(model, config.block_types)
-    # As in ``tune``: every step starts from the module's Python attributes as they were.
-    python_state = PythonState.capture(resolved.root)
+    with full_depth(resolved.root, resolved.stacks):  # as in ``tune``: LayerDrop runs every block while searched
+        # As in ``tune``: every step starts from the module's Python attributes as they were.
+        python_state = PythonState.capture(resolved.root)
 
-    def step_for(m: int) -> Callable[[], Any]:
-        return python_state.restoring(loss_fn_for(m))
+        def step_for(m: int) -> Callable[[], Any]:
+            return python_state.restoring(loss_fn_for(m))
 
-    try:
-        find_parameters_written_in_forward(resolved.root, step_for(base_micro_batch))
-        scaled, opt_mem = _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch)
-        none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
-        budget = requested.resolve(device=resolved.device, none_activation_bytes=none_at_base)
-        feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
-        workloads, harnesses = _workloads(
-            resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
-        )
-        result = _search(resolved, workloads, harnesses[0], scaled, opt_mem, budget, config, progress, base_micro_batch)
-    finally:
-        release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive the search
-        forget_parameters_written_in_forward(resolved.root)
-        python_state.restore()
-        python_state.warn_unrestorable()
+        try:
+            find_parameters_written_in_forward(resolved.root, step_for(base_micro_batch))
+            scaled, opt_mem = _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch)
+            none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
+            budget = requested.resolve(device=resolved.device, none_activation_bytes=none_at_base)
+            feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
+            workloads, harnesses = _workloads(
+                resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
+            )
+            result = _search(
+                resolved, workloads, harnesses[0], scaled, opt_mem, budget, config, progress, base_micro_batch
+            )
+        finally:
+            release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive the search
+            forget_parameters_written_in_forward(resolved.root)
+            python_state.restore()
+            python_state.warn_unrestorable()
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch,
             "tie_tolerance": config.tie_tolerance}  # fmt: skip

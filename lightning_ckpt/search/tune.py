@@ -31,6 +31,7 @@ from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan, mode_key
+from lightning_ckpt.plan.skipping import full_depth
 from lightning_ckpt.search.compile import CompiledTrials, compiled_search, eager_while_profiling, release_kept_graphs
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync, Sync
@@ -138,37 +139,51 @@ def tune(
     config = (config or TuneConfig()).with_overrides(settings)
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     resolved = ModelView.of(model, config.block_types)
-    # Every step the search runs starts from the module's Python attributes as they were (a counter-driven
-    # curriculum sees call 1 each time, and so does the first real step), and the parameters the forward
-    # itself writes (Embedding(max_norm=...)) are put back after each step.
-    python_state = PythonState.capture(resolved.root)
-    step_fn = python_state.restoring(step_fn)
-    shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
-    steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
-    extra = tuple(extra_tensors)
-    harness = StepHarness(
-        resolved.root, step_fn, resolved.device, optimizer, extra, **shape, **steps, view=resolved, clock=config.clock
-    )
-    runner = build_runner(resolved, harness, config, compiled=compiled)
-    is_compiled = isinstance(runner, CompiledTrials)
-    try:
-        with eager_while_profiling(is_compiled):
-            find_parameters_written_in_forward(resolved.root, step_fn)
-        return _search(
-            resolved,
-            harness,
-            runner,
-            requested=requested,
-            config=config,
-            progress=progress,
-            sync=sync,
-            should_stop=should_stop,
+    # LayerDrop and its kin run every block while the search reads steps (entered before the Python attributes are
+    # captured, which would put the rates back after every step): the budget must hold for the deepest step, not
+    # for whichever depth the profiled batch drew (plan.skipping).
+    with full_depth(resolved.root, resolved.stacks) as deepened:
+        if deepened:
+            log.info("lightning_ckpt: searching at full depth (every block runs): %s", deepened)
+        # Every step the search runs starts from the module's Python attributes as they were (a counter-driven
+        # curriculum sees call 1 each time, and so does the first real step), and the parameters the forward
+        # itself writes (Embedding(max_norm=...)) are put back after each step.
+        python_state = PythonState.capture(resolved.root)
+        step_fn = python_state.restoring(step_fn)
+        shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
+        steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
+        extra = tuple(extra_tensors)
+        harness = StepHarness(
+            resolved.root,
+            step_fn,
+            resolved.device,
+            optimizer,
+            extra,
+            **shape,
+            **steps,
+            view=resolved,
+            clock=config.clock,
         )
-    finally:
-        release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive tune
-        forget_parameters_written_in_forward(resolved.root)
-        python_state.restore()
-        python_state.warn_unrestorable()
+        runner = build_runner(resolved, harness, config, compiled=compiled)
+        is_compiled = isinstance(runner, CompiledTrials)
+        try:
+            with eager_while_profiling(is_compiled):
+                find_parameters_written_in_forward(resolved.root, step_fn)
+            return _search(
+                resolved,
+                harness,
+                runner,
+                requested=requested,
+                config=config,
+                progress=progress,
+                sync=sync,
+                should_stop=should_stop,
+            )
+        finally:
+            release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive tune
+            forget_parameters_written_in_forward(resolved.root)
+            python_state.restore()
+            python_state.warn_unrestorable()
 
 
 def _search(
