@@ -216,7 +216,7 @@ def test_the_guard_never_moves_to_a_plan_that_needs_more_memory_nor_back_to_one_
     lower = lower_plan(half, trials, budget, stacks, exclude={none.key(), half.key()})
     assert lower.key() == full_plan.key() and lower.metadata["switched_from"] == half.describe()
     # A prediction at a larger batch: `half` at 2x its activations (70 + 70) does not fit, so `full` it is.
-    doubled = lower_plan(none, trials, budget, stacks, exclude={none.key()}, predict=lambda peak, act: 2 * act)
+    doubled = lower_plan(none, trials, budget, stacks, exclude={none.key()}, predict=lambda key, peak, act: 2 * act)
     assert doubled.key() == full_plan.key()
     # Nothing below `full` is left once it went over: stay.
     assert lower_plan(full_plan, trials, budget, stacks, exclude={none.key(), half.key(), full_plan.key()}) is None
@@ -237,17 +237,25 @@ class _Batches:
         return len(self.batches)
 
 
+SHORT, LONG = (32, 8), (32, 32)
+
+
+def _short_then_long(tmp_path) -> tuple[_Batches, int]:
+    """A short batch, then four 4x longer ones, and a budget that `none` meets on the short batch and only
+    checkpointing meets on the long ones."""
+    # Two steps each: the second holds AdamW's state, as every later step does.
+    none_short = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([SHORT] * 2))
+    full_long = real_peak(tmp_path, full, "32-true", steps=2, data=_Batches([LONG] * 2))
+    none_long = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([LONG] * 2))
+    budget = max(none_short, full_long) * 21 // 20
+    assert none_long > budget, "the long batch needs checkpointing at this budget"
+    return _Batches([SHORT] + [LONG] * 4), budget
+
+
 def test_a_longer_later_batch_is_moved_to_a_plan_that_fits_before_its_forward_and_never_back(tmp_path):
     # The issue's run: tuned on short batches, then 4x longer ones. The old guard read the long step after it ran
     # (2x the budget; on a GPU an OOM), switched to `full`, then oscillated `full` / `none`.
-    short, long = (32, 8), (32, 32)
-    data = _Batches([short] + [long] * 4)
-    # Two steps each: the second holds AdamW's state, as every later step does.
-    none_short = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([short] * 2))
-    full_long = real_peak(tmp_path, full, "32-true", steps=2, data=_Batches([long] * 2))
-    none_long = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([long] * 2))
-    budget = max(none_short, full_long) * 21 // 20
-    assert none_long > budget, "the long batch needs checkpointing at this budget"
+    data, budget = _short_then_long(tmp_path)
     cb = ActivationCheckpointTuner(
         max_memory=budget, verbose=False, search=dict(n_trials=6, measure_steps=1, search_space=SPACE)
     )
@@ -258,6 +266,22 @@ def test_a_longer_later_batch_is_moved_to_a_plan_that_fits_before_its_forward_an
     long_checks = [c for c in cb.step_checks if c.size == "32 x 32"]
     assert long_checks and all(c.within_budget for c in long_checks)
     assert "none" not in [c.plan for c in long_checks], "never back to a plan that needs more"
+
+
+def test_with_the_longest_batch_declared_the_search_tunes_for_it_and_no_step_goes_over(tmp_path):
+    data, budget = _short_then_long(tmp_path)
+    cb = ActivationCheckpointTuner(
+        max_memory=budget,
+        max_shape=LONG,
+        verbose=False,
+        search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+        guard=dict(on_budget_exceeded="raise"),
+    )
+    net = Net()
+    fit(tmp_path, [cb], net, steps=5, data=data)  # "raise": any step over the budget, read or predicted, fails
+    assert cb.plan.metadata["conditions"]["seq_len"] == LONG[1], "tuned for the declared longest batch"
+    assert not cb.plan.is_empty and len(net.peaks) == 5 and max(net.peaks) <= budget
+    assert all(c.within_budget for c in cb.step_checks)
 
 
 def test_after_the_first_steps_one_step_in_every_n_is_read(tmp_path):

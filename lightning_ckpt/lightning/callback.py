@@ -36,6 +36,7 @@ from lightning_ckpt.lightning.plan_file import PlanFile
 from lightning_ckpt.lightning.replanned import ReplanCheck
 from lightning_ckpt.lightning.reuse import plan_to_reuse, retune_for_batch, reusable, reused_budget, run_conditions
 from lightning_ckpt.lightning.searching import SearchRequest, report_search, search_first_batch, search_micro_batch
+from lightning_ckpt.lightning.shapes import BatchSize, batch_size_of, grown_to
 from lightning_ckpt.lightning.sync import StrategySync
 from lightning_ckpt.lightning.tensorboard import TunerRun
 from lightning_ckpt.measure.tracker import normalise_device
@@ -68,6 +69,10 @@ class ActivationCheckpointTuner(Callback):
             trial, ``on_infeasible``, ``tie_tolerance``, ``allow_graph_breaks``: see ``TuneConfig``).
         guard: how real steps after lock-in are checked, a ``GuardConfig`` or a dict, e.g. ``{"steps": 2,
             "on_budget_exceeded": "switch"}`` (``"raise"``, ``"warn"``; ``steps=0`` turns it off).
+        max_shape: the longest batch the run will see, ``(rows, length)`` or a length (tokens per sample), for
+            data whose lengths vary: the search runs on the first batch grown to it (rows and positions
+            repeated), so the plan fits the longest batch, not the first. Without it the plan is tuned on the
+            first batch and the guard catches longer ones before their forward.
         tune_micro_batch: also search the micro-batch size with gradient accumulation (same global batch)
             jointly with the plan. ``True`` sets the LightningModule/DataModule attribute ``batch_size`` (as
             Lightning's ``BatchSizeFinder`` does); a string names another attribute.
@@ -96,6 +101,7 @@ class ActivationCheckpointTuner(Callback):
         block_types: list[Any] | None = None,
         search: TuneConfig | Mapping[str, Any] | None = None,
         guard: GuardConfig | Mapping[str, Any] | None = None,
+        max_shape: int | tuple[int, int] | None = None,
         tune_micro_batch: bool | str = False,
         on_stale_plan: Literal["retune", "raise"] = "retune",
         log_dir: str | os.PathLike[str] | None = None,
@@ -106,6 +112,8 @@ class ActivationCheckpointTuner(Callback):
         check_types(plan=plan, plan_path=plan_path, tune_micro_batch=tune_micro_batch)
         self.config = search_config(search, block_types)
         self.guard = GuardConfig.of(guard)
+        self.max_shape = max_shape
+        self._max_shape = BatchSize.declared(max_shape)
         check_reuse_arguments(plan, search, on_stale_plan)
         self._given_plan = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
         self._plan_file = PlanFile(plan_path) if plan_path is not None else None
@@ -188,15 +196,16 @@ class ActivationCheckpointTuner(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        tuning_batch = self._tuning_batch(batch) if self._check_batch_of is not None or self._pending else batch
         if self._check_batch_of is not None:
             plan, self._check_batch_of = self._check_batch_of, None
-            conditions = run_conditions(trainer, pl_module, batch)
+            conditions = run_conditions(trainer, pl_module, tuning_batch)
             if retune_for_batch(plan, conditions, budget=self._search_budget, on_stale_plan=self.on_stale_plan):
                 self._unlock()
                 check_tunable(pl_module)
                 self._pending = True
         if self._pending:
-            found = search_first_batch(trainer, pl_module, batch, batch_idx, self._request())
+            found = search_first_batch(trainer, pl_module, tuning_batch, batch_idx, self._request())
             if found is None:
                 return
             result, self._tuned_batch = found
@@ -264,6 +273,18 @@ class ActivationCheckpointTuner(Callback):
         self._resumed_plan = Plan.from_dict(data, source=source) if data else None
 
     # -- internals ---------------------------------------------------------------------------------
+    def _tuning_batch(self, batch: Any) -> Any:
+        """What the search measures (and a reused plan is compared with): the batch, grown to ``max_shape``."""
+        if self._max_shape is None:
+            return batch
+        grown = grown_to(batch, self._max_shape)
+        if grown is not batch and self._pending:
+            rank_zero_info(
+                f"lightning_ckpt: tuning on the first batch ({batch_size_of(batch)}) grown to the declared "
+                f"max_shape ({batch_size_of(grown)}): the plan fits the longest batch."
+            )
+        return grown
+
     def _reuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Plan, source: str) -> bool:
         """Apply a saved plan without searching (True), or return False to search (it was stale and re-tunes)."""
         conditions = run_conditions(trainer, pl_module, None)

@@ -176,13 +176,13 @@ def lower_memory_trial(
     excess: int,
     *,
     exclude: Collection[str] = (),
-    predict: Callable[[int | None, int | None], int | None] | None = None,
+    predict: Callable[[str, int | None, int | None], int | None] | None = None,
 ) -> Any | None:
     """The fastest measured trial that should fit once the real step's ``excess`` over its trial is added.
 
     ``excess`` (real peak minus the current plan's predicted one) is what trials did not see; it is assumed
     to be the same under every plan (optimizer, retained tensors, roughly). ``predict`` turns a trial's
-    ``(peak, activation)`` at the tuned batch into the budget's value at the batch at hand (default: as measured).
+    ``(plan key, peak, activation)`` at the tuned batch into the budget's value at the batch at hand (default: as measured).
     Only plans known to use less memory than the current one at the tuned batch (measured, or predicted where the
     current one was pruned) are considered, and none in ``exclude`` (plans that already went over): each switch
     goes down, so the guard cannot oscillate. Returns None when none qualifies.
@@ -198,7 +198,7 @@ def lower_memory_trial(
         value = budget.value_of(t.peak_bytes, t.activation_bytes)
         if value is None or value >= current_value:
             continue
-        at_batch = predict(t.peak_bytes, t.activation_bytes) if predict is not None else value
+        at_batch = predict(t.plan.key(), t.peak_bytes, t.activation_bytes) if predict is not None else value
         if budget.limit_bytes is not None and (at_batch is None or at_batch + excess > budget.limit_bytes):
             continue
         if best is None or (t.samples_per_second or 0.0) > (best.samples_per_second or 0.0):
@@ -214,7 +214,7 @@ def lower_plan(
     *,
     excess: int = 0,
     exclude: Collection[str] = (),
-    predict: Callable[[int | None, int | None], int | None] | None = None,
+    predict: Callable[[str, int | None, int | None], int | None] | None = None,
 ) -> Plan | None:
     """The plan to move to when ``plan`` does not fit (read after a step, or predicted before one): the fastest
     searched plan expected to fit (``lower_memory_trial``), else full checkpointing, the lowest-memory per-block
@@ -357,18 +357,20 @@ class BudgetGuard:
         assert budget is not None
         trial = next((t for t in trials if t.plan.key() == plan_key), None)
         if trial is not None and self.reference is not None:
-            value = self._scaled(*trial_figures(trial), at=size, reference=self.reference)
+            value = self._scaled(plan_key, *trial_figures(trial), at=size, reference=self.reference)
         elif plan_key in self._read_plans:
             read_at, act, peak = self._read_plans[plan_key]
-            value = self._scaled(peak, act, at=size, reference=read_at)
+            value = self._scaled(plan_key, peak, act, at=size, reference=read_at)
         else:
             return None
         return value + self._excess if value is not None else None
 
-    def _scaled(self, peak: int | None, act: int | None, *, at: BatchSize, reference: BatchSize) -> int | None:
+    def _scaled(
+        self, plan_key: str, peak: int | None, act: int | None, *, at: BatchSize, reference: BatchSize
+    ) -> int | None:
         budget = self.budget
         assert budget is not None
-        factor = self.scaling.scale(at, reference)
+        factor = self.scaling.scale(plan_key, at, reference)
         if budget.kind == "activation":
             return int(act * factor) if act is not None else None
         if peak is None:
@@ -385,6 +387,8 @@ class BudgetGuard:
             return None
         size = self.size_of(batch)
         covered = self._covered or self.reference
+        if self._covered is not None and self.reference is not None:
+            covered = self._covered.covering(self.reference)  # the trials measured the reference batch too
         if size is None or covered is None or not size.exceeds(covered):
             return None
         budget = self.budget
@@ -393,7 +397,11 @@ class BudgetGuard:
         if value is None or value <= budget.limit_bytes:
             return None
         what = "activation memory" if budget.kind == "activation" else "peak memory"
-        growth = "as measured" if self.scaling.learned else "assuming quadratic growth in length until a step shows it"
+        growth = (
+            "growing with length as its read steps showed"
+            if self.scaling.learned(plan.key())
+            else "assuming quadratic growth in length until a step under it shows otherwise"
+        )
         message = (
             f"lightning_ckpt: the next batch ({size}, larger than the {covered} read so far) is predicted to use "
             f"{format_bytes(value)} of {what} under plan {plan.describe()} ({growth}), over the budget of "
@@ -415,7 +423,7 @@ class BudgetGuard:
             view.stacks,
             excess=self._excess,
             exclude=self._left_behind,
-            predict=lambda peak, act: self._scaled(peak, act, at=size, reference=self.reference or covered),
+            predict=lambda key, peak, act: self._scaled(key, peak, act, at=size, reference=self.reference or covered),
         )
         if lower is None:
             rank_zero_warn(message + " No plan using less memory is left; running it with this one.")
@@ -452,9 +460,9 @@ class BudgetGuard:
         reference = self._read_plans.get(plan.key())
         trial = next((t for t in trials if t.plan.key() == plan.key()), None)
         if act is not None and trial is not None and self.reference is not None and trial.activation_bytes:
-            self.scaling.observe(act, size, trial.activation_bytes, self.reference)
+            self.scaling.observe(plan.key(), act, size, trial.activation_bytes, self.reference)
         elif act is not None and reference is not None and reference[1]:
-            self.scaling.observe(act, size, reference[1], reference[0])
+            self.scaling.observe(plan.key(), act, size, reference[1], reference[0])
         assert self.budget is not None
         predicted = self.predicted_value(plan.key(), trials, size)
         value = self.budget.value_of(peak, act)
@@ -497,7 +505,7 @@ class BudgetGuard:
             excess=self._excess,
             exclude=self._left_behind,
             predict=(
-                (lambda peak, act: self._scaled(peak, act, at=at, reference=self.reference))
+                (lambda key, peak, act: self._scaled(key, peak, act, at=at, reference=self.reference))
                 if at is not None and self.reference is not None
                 else None
             ),

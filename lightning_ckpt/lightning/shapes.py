@@ -7,28 +7,28 @@ all have one. A packed batch (sequences concatenated, boundaries in ``cu_seqlens
 the sequences it holds: the user's ``shape_key`` says it (``lambda b: (1, int(b["cu_seqlens"][-1]))``).
 
 A plan's activations at another size are predicted from a reference (a trial at the tuned batch, or a real step
-read under that plan) as ``rows`` scale them linearly and ``length`` by a power ``p`` between 1 (linear layers,
-fused attention) and 2 (attention that materialises its T x T scores). Until a real step has been read at a
-second length, ``p`` is 2: the guard assumes the worst and may move to a lower-memory plan a step early, never a
-step late. Each read step at a new length refits ``p`` (the median over readings of ``log(ratio) / log(length
-ratio)``), so the next prediction is the measured growth.
+read under that plan): rows scale them linearly; length as ``a * x + (1 - a) * x**2`` of the reference's, ``x``
+the length ratio, the form a transformer's activations have (linear layers and fused attention grow with T,
+attention that materialises its T x T scores with T**2). Until a real step of that plan has been read at a second
+length, ``a`` is 0 (all quadratic): the guard assumes the worst and may move to a lower-memory plan a step early,
+never a step late. A reading at another length solves for ``a`` (the smallest over readings is kept, the more
+quadratic one), which then extrapolates exactly for that form where a fitted power would not: the power between
+two short lengths is lower than between a short and a long one.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_map
+
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
 
-__all__ = ["BatchSize", "ShapeScaling", "batch_size_of"]
-
-# The power of the length that activations grow with before any reading says otherwise (see the docstring).
-WORST_CASE_POWER = 2.0
+__all__ = ["BatchSize", "ShapeScaling", "batch_size_of", "grown_to"]
 
 
 @dataclass(frozen=True, order=True)
@@ -47,6 +47,22 @@ class BatchSize:
 
     def __str__(self) -> str:
         return f"{self.rows} x {self.length}"
+
+    @classmethod
+    def declared(cls, value: Any) -> BatchSize | None:
+        """The user's ``max_shape``: ``(rows, length)``, a length, or None (not declared)."""
+        if value is None:
+            return None
+        pair = tuple(value) if isinstance(value, (tuple, list)) else (None, value)
+        ok = len(pair) == 2 and all(
+            v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0) for v in pair
+        )
+        if not ok or pair[1] is None:
+            raise ConfigurationError(
+                f"max_shape must be the longest batch the run will see, as (rows, length) or a length (tokens per "
+                f"sample), e.g. max_shape=(8, 1024) or max_shape=1024, but got {value!r}."
+            )
+        return cls(pair[0] or 0, pair[1])
 
 
 def batch_size_of(batch: Any, shape_key: Callable[[Any], Any] | None = None) -> BatchSize | None:
@@ -74,29 +90,76 @@ def batch_size_of(batch: Any, shape_key: Callable[[Any], Any] | None = None) -> 
 
 @dataclass
 class ShapeScaling:
-    """Predicts activation bytes at one size from a reference at another, and learns how they grow with length from
-    real steps (see the module docstring)."""
+    """Predicts a plan's activation bytes at one size from a reference at another, and learns per plan how they
+    grow with length from real steps (see the module docstring)."""
 
-    powers: list[float] = field(default_factory=list)  # one per reading at a length other than its reference's
+    linear_shares: dict[str, list[float]] = field(default_factory=dict)  # plan key -> ``a`` of each reading
 
-    @property
-    def power(self) -> float:
-        if not self.powers:
-            return WORST_CASE_POWER
-        return min(WORST_CASE_POWER, max(1.0, statistics.median(self.powers)))
+    def linear_share(self, plan_key: str) -> float:
+        """``a``: the part of the plan's activations that grows linearly with length (0 until a reading says)."""
+        shares = self.linear_shares.get(plan_key)
+        return min(shares) if shares else 0.0
 
-    @property
-    def learned(self) -> bool:
-        return bool(self.powers)
+    def learned(self, plan_key: str) -> bool:
+        return bool(self.linear_shares.get(plan_key))
 
-    def scale(self, at: BatchSize, reference: BatchSize) -> float:
-        """How many times the reference's activations a batch of size ``at`` is predicted to need."""
-        return (at.rows / reference.rows) * (at.length / reference.length) ** self.power
+    def scale(self, plan_key: str, at: BatchSize, reference: BatchSize) -> float:
+        """How many times the reference's activations plan ``plan_key`` is predicted to need at size ``at``."""
+        x = at.length / reference.length
+        a = self.linear_share(plan_key)
+        return (at.rows / reference.rows) * (a * x + (1.0 - a) * x * x)
 
-    def observe(self, activation: int, at: BatchSize, reference_activation: int, reference: BatchSize) -> None:
-        """A real step read at ``at`` used ``activation``; the same plan used ``reference_activation`` at
-        ``reference``. Readings at the reference's length say nothing of the power and are left out."""
+    def observe(
+        self, plan_key: str, activation: int, at: BatchSize, reference_activation: int, reference: BatchSize
+    ) -> None:
+        """A real step under plan ``plan_key`` read at ``at`` used ``activation``; the same plan used
+        ``reference_activation`` at ``reference``. Readings at the reference's length say nothing of the growth
+        with length and are left out."""
         if at.length == reference.length or activation <= 0 or reference_activation <= 0:
             return
+        x = at.length / reference.length
         per_row = (activation / at.rows) / (reference_activation / reference.rows)
-        self.powers.append(math.log(per_row) / math.log(at.length / reference.length))
+        a = (x * x - per_row) / (x * x - x)  # a * x + (1 - a) * x**2 = per_row
+        self.linear_shares.setdefault(plan_key, []).append(min(1.0, max(0.0, a)))
+
+
+def grown_to(batch: Any, target: BatchSize) -> Any:
+    """``batch`` grown to ``target`` (``rows`` 0: keep the batch's own) by repeating its rows and positions: every
+    tensor dimension that has the batch's row count (the first) or its length (any later one: ``(B, T)`` ids and
+    labels, ``(B, 1, T, T)`` masks) is tiled to the target and cut there. The tokens repeat; the memory and time a
+    step takes are those of a batch that size, which is what the search measures. A batch already at least that
+    large in a dimension keeps it. Batches whose shape does not carry the length (packed) cannot be grown: the
+    caller passes such a batch at its largest itself."""
+    rows, length = batch_dims(batch)
+    if rows is None or length is None:
+        raise ConfigurationError(
+            "max_shape needs token batches, whose tensors are (samples, length) like input_ids, to grow the first "
+            f"batch to the declared size; this batch's first tensor is {_shapes(batch)}. Tune on the largest batch "
+            "instead (the first batch the loader yields is what the search measures)."
+        )
+    to_rows, to_length = max(target.rows, rows), max(target.length, length)
+    if (to_rows, to_length) == (rows, length):
+        return batch
+
+    def grow(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != rows:
+            return t
+        t = t[torch.arange(to_rows, device=t.device) % rows]
+        for dim in range(1, t.dim()):
+            if t.shape[dim] == length:
+                t = t.index_select(dim, torch.arange(to_length, device=t.device) % length)
+        return t
+
+    grown = tree_map(grow, batch)
+    if batch_dims(grown) != (to_rows, to_length):
+        raise ConfigurationError(
+            f"max_shape could not grow this batch ({type(batch).__name__}, first tensor {_shapes(batch)}) to "
+            f"{to_rows} x {to_length}: its structure is not one torch's pytree walks. Pass the batch as a dict, "
+            "tuple or list of tensors, or tune on the largest batch."
+        )
+    return grown
+
+
+def _shapes(batch: Any) -> str:
+    tensors = batch_tensors(batch)
+    return f"of shape {tuple(tensors[0].shape)}" if tensors else "missing (no tensors)"
