@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -131,7 +132,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lens = lengths(args.steps, torch.Generator().manual_seed(0), args.min_len, args.max_len, args.median_len)
-    lens[lens.index(max(lens))] = args.max_len  # the tail reaches the declared maximum once
+    lens[0] = 8 * round(args.median_len / 8)  # the first batch, which the search measures by default, is a typical one
+    if args.max_len not in lens:
+        lens[len(lens) // 3] = args.max_len  # the tail reaches the declared maximum at least once
     data = batches(lens, args.rows, seed=1)
     first = [data[0]] * 2
     longest = batches([args.max_len] * 2, args.rows, seed=2)
@@ -148,12 +151,13 @@ def main() -> None:
         "max_shape": dict(max_shape=(args.rows, args.max_len), guard={"every": 1}),
     }
     results = []
+    logs = tempfile.mkdtemp(prefix="variable_length_tb_")  # the callback's TensorBoard runs: not this checkout's
     for name, options in rows.items():
-        cb = ActivationCheckpointTuner(max_memory=budget, verbose=False, search=search, **options)
+        cb = ActivationCheckpointTuner(max_memory=budget, verbose=False, search=search, log_dir=logs, **options)
         tracked = fit(data, [cb], args.max_len, track=True)
         over = [p for p in tracked.peaks if p > budget]
         plans = sorted({c.plan for c in cb.step_checks})
-        cb_timed = ActivationCheckpointTuner(max_memory=budget, verbose=False, search=search,
+        cb_timed = ActivationCheckpointTuner(max_memory=budget, verbose=False, search=search, log_dir=logs,
                                              **{**options, "guard": {**options["guard"], "every": 0}})  # fmt: skip
         timed = fit(data, [cb_timed], args.max_len, track=False)
         tokens, seconds = sum(timed.tokens[1:]), sum(timed.seconds[1:])  # after the search's step
