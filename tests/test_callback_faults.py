@@ -74,21 +74,48 @@ def test_exception_after_lock_in_leaves_the_model_as_given_and_a_new_fit_works(t
     trainer(tmp_path, tuner()).fit(net, token_loader(32))  # profiling needs the model without checkpointing
 
 
-def test_failed_plan_save_leaves_the_model_and_the_old_file_intact(tmp_path):
+def test_a_failed_plan_save_keeps_training_and_the_old_file_and_a_later_save_writes_it(tmp_path):
+    # The plan file is a by-product: a full disk at the search's save must not kill the run.
     path = tmp_path / "plan.json"
     old = Plan({"model.transformer.h.0": BlockPlan("full")}, name="old", metadata={"budget": {"kind": "peak"}})
     old.save(path)
     old_bytes = path.read_bytes()
     net = Net()
-    before = snapshot_model(net)
-    t = trainer(tmp_path, tuner(plan_path=path))
-    with fail_plan_save("replace") as fault, pytest.raises(OSError):
+    cb = tuner(plan_path=path)
+    t = trainer(tmp_path, cb, steps=4)
+    with fail_plan_save("replace") as fault, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         t.fit(net, token_loader(32))
-    assert fault.fired
-    assert all(not state for state in t.optimizers[0].state.values()), "no optimizer step ran, no state moved"
-    assert path.read_bytes() == old_bytes
+        final = path.read_bytes()
+    assert fault.fired and fault.fired_at == [1]
+    assert t.global_step == 4, "every step trained"
+    said = [str(w.message) for w in caught if "could not be written" in str(w.message)]
+    assert len(said) == 1 and str(path) in said[0] and "No space left on device" in said[0]
+    assert "Training goes on with plan" in said[0] and cb.plan.digest() in said[0]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".plan.json")], "no temp file left"
-    assert_model_intact(net, before)  # the fault came before any real step
+    # The guard's save after the first real steps worked: the file holds this run's plan, and it was said.
+    assert final != old_bytes and Plan.load(path) == cb.plan
+    assert any("was written after all" in str(w.message) for w in caught)
+
+
+def test_a_plan_file_that_can_never_be_written_leaves_the_plan_in_memory_and_in_checkpoints(tmp_path, monkeypatch):
+    path = tmp_path / "plan.json"
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(Plan, "save", read_only)
+    net = Net()
+    cb = tuner(plan_path=path)
+    t = trainer(tmp_path, cb, steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(net, token_loader(32))
+    assert t.global_step == 4 and not path.exists()
+    said = [str(w.message) for w in caught if "could not be written" in str(w.message)]
+    assert len(said) == 1 and "Read-only file system" in said[0], "said once per fit, not at every save"
+    assert cb.state_dict()["plan"] == cb.plan.to_dict() and not cb.plan.is_empty
+    assert cb._plan_file.failed == "OSError: Read-only file system"
 
 
 def test_second_fit_with_the_same_callback_reapplies_without_searching(tmp_path):

@@ -425,3 +425,25 @@ def test_a_compiled_real_step_is_read_as_compiled_trials_are_on_cuda_and_cpu(mon
     on_cuda = step(guard.RealStepReader(torch.device("cuda", 0)))
     assert on_cuda.peak_bytes == 99999 and on_cuda.activation_bytes == expected.saved_bytes
     reset_compiled()
+
+
+class _SkippingNet(Net):
+    """Skips batch 1 (``training_step`` returns None): Lightning runs no backward and no optimizer step for it."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+def test_a_skipped_step_does_not_use_up_a_guard_reading(tmp_path):
+    cb = ActivationCheckpointTuner(
+        max_memory=10**10,
+        verbose=False,
+        search=dict(n_trials=2, measure_steps=1, search_space=SPACE),
+        guard=dict(steps=2, every=0),
+    )
+    fit(tmp_path, [cb], _SkippingNet(), steps=3)
+    # Batches 0 and 2 are read (global steps 1 and 3 after their updates; Lightning counts the skipped one too);
+    # batch 1 ran no backward and is not a reading: before, it used up the second one (at step 2) and the first
+    # step holding AdamW's state was never read.
+    assert [c.step for c in cb.step_checks] == [1, 3]
+    assert all(c.peak_bytes > 0 for c in cb.step_checks)

@@ -225,6 +225,12 @@ class ActivationCheckpointTuner(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not outputs and self._guard.reader.active:
+            # training_step returned None (Lightning hands this hook an empty dict): no backward ran and the
+            # optimizer had no gradients, so the step says nothing of the plan's memory and must not use up a
+            # reading (the next step is read instead).
+            self._guard.step_skipped()
+            return
         reading = self._guard.reader.stop()
         if reading is None or self.plan is None:
             self._report_replanned(trainer)

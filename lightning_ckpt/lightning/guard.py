@@ -471,6 +471,12 @@ class BudgetGuard:
         self._read_plans[plan.key()] = (size, act, peak)
         self._covered = size if self._covered is None else self._covered.covering(size)
 
+    def step_skipped(self) -> None:
+        """The step being read was skipped (``training_step`` returned None): drop the reading, count nothing,
+        and read the next step in its place."""
+        self.reader.abandon()
+        self._since_read = max(self._since_read, self.config.every)
+
     @property
     def done(self) -> bool:
         """The steps after lock-in are all read (later, only larger batches and the periodic ones are)."""

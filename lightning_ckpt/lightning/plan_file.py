@@ -2,6 +2,12 @@
 
 Two runs tuning into one file must not both believe their plan is there: the file's content is noted when
 a fit reads it (or last wrote it), and a save that finds it changed keeps the other run's plan and says so.
+
+The file is a by-product; the training run is what the user came for. A save that fails (a full disk, a
+directory made read-only after the fit started, a failing rename) never stops the fit: the plan stays applied,
+in memory and in the callback's ``state_dict`` (so in Lightning checkpoints), the previous file is intact (the
+write is atomic), and one warning per fit says where the plan would have gone and why it could not. Later saves
+still try, and the first that works says so.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ class PlanFile:
         self._version: str | None = None  # the content when last read or written here
         self.lost = False  # another run wrote it meanwhile: never write over it this fit
         self.wrote = False
+        self.failed: str | None = None  # why the last save could not write (OSError), None once one works
 
     def open_fit(self) -> None:
         """Note the file's content before it is loaded: a save by another run after this is then seen as a change."""
         self.lost = False
+        self.failed = None
         self._version = plan_file_version(self.path)
 
     def load(self) -> Plan | None:
@@ -53,6 +61,20 @@ class PlanFile:
                 "the file to the other runs as plan=."
             )
             return False
+        except OSError as err:
+            if self.failed is None:
+                warn_each_fit(
+                    f"lightning_ckpt: the plan file {self.path} could not be written ({type(err).__name__}: "
+                    f"{err.strerror or err}). Training goes on with plan {plan.describe()} (digest {plan.digest()}), "
+                    "kept in memory and in the callback's state (Lightning checkpoints carry it); any earlier file "
+                    "there is intact. Free the space or fix the directory's permissions: the next save (after the "
+                    "guard's steps, or the next fit) tries again."
+                )
+            self.failed = f"{type(err).__name__}: {err.strerror or err}"
+            return False
+        if self.failed is not None:
+            rank_zero_warn(f"lightning_ckpt: the plan file {self.path} was written after all ({plan.describe()}).")
+            self.failed = None
         self._version = plan.file_version()
         return True
 

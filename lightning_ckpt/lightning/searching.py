@@ -186,7 +186,12 @@ def report_search(
     where = []
     if plan_file is not None:
         saved = f"plan saved to {plan_file.path}"
-        where.append(saved if plan_file.wrote else f"plan not saved: {plan_file.path} holds another run's plan")
+        if plan_file.wrote:
+            where.append(saved)
+        elif plan_file.failed is not None:
+            where.append(f"plan NOT saved: {plan_file.path} could not be written ({plan_file.failed})")
+        else:
+            where.append(f"plan not saved: {plan_file.path} holds another run's plan")
     where.append(f"view it: tensorboard --logdir {tb.view_dir(trainer, log_dir)}")
     if result.study_name is not None:
         where.append(f"Optuna study {result.study_name!r} ({storage_for_display(result.storage)})")
