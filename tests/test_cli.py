@@ -168,6 +168,22 @@ def test_validate_accepts_the_model_the_plan_was_tuned_for(work):
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr
 
 
+def test_validate_without_a_model_checks_the_file_alone(work, tmp_path, capsys):
+    # It was a usage error; a CI job that has the plan file but not the model can still check it.
+    assert main(["validate", str(work / "tuned.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"OK: {work / 'tuned.json'} is a well-formed plan file") and "--model MODULE:CALLABLE" in out
+    bad = tmp_path / "bad.json"
+    data = json.loads((work / "tuned.json").read_text())
+    data["metadata"]["profile"] = {"memory": "not a memory model"}
+    bad.write_text(json.dumps(data))
+    assert main(["validate", str(bad)]) == 1
+    assert "REFUSED" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text("{not json")
+    assert main(["validate", str(tmp_path / "broken.json")]) == 1
+    assert "broken.json" in capsys.readouterr().err
+
+
 def test_validate_refuses_another_model_with_reasons(work, capsys):
     out = cli("validate", work / "tuned.json", "--model", f"{work / 'models.py'}:gpt3")
     assert out.returncode == 1 and out.stderr.startswith("REFUSED")
@@ -259,8 +275,8 @@ SHOW_KEYS = {
     "verdict",
 }  # fmt: skip
 TRIAL_KEYS = {
-    "considered", "space_size", "n_trials", "exhaustive", "measured", "pruned", "within_budget", "over_budget",
-    "failed", "conflict", "confirmed", "by_status",
+    "considered", "space_size", "n_trials", "exhaustive", "measured", "pruned", "pruned_by_memory", "pruned_by_time",
+    "within_budget", "over_budget", "failed", "conflict", "confirmed", "by_status",
 }  # fmt: skip
 
 
@@ -308,6 +324,31 @@ def _search_plan(path: Path, **search) -> Plan:
     return plan
 
 
+def test_show_says_which_model_ruled_each_plan_out_as_the_result_line_did(tmp_path, capsys):
+    # The search's line said "67 ruled out by the memory model, 21 by the time model"; show said "88 rejected by
+    # the memory model".
+    counts = {"ok": 2, "pruned": 88}
+    _search_plan(tmp_path / "p.json", status_counts=counts, time_model={"pruned_by_time": 21})
+    assert main(["show", str(tmp_path / "p.json")]) == 0
+    assert (
+        "88 ruled out without running (pruned): 67 by the memory model, 21 by the time model" in capsys.readouterr().out
+    )
+    assert main(["show", str(tmp_path / "p.json"), "--json"]) == 0
+    trials = json.loads(capsys.readouterr().out)["trials"]
+    assert (trials["pruned"], trials["pruned_by_memory"], trials["pruned_by_time"]) == (88, 67, 21)
+
+
+def test_show_cuts_long_metadata_after_a_whole_item_and_says_so(tmp_path, capsys):
+    steps = [{"step": i, "peak_bytes": 124454816 + i} for i in range(8)]
+    Plan({"h.0": BlockPlan("full")}, metadata={"real_steps": steps}).save(tmp_path / "p.json")
+    assert main(["show", str(tmp_path / "p.json")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("real_steps:"))
+    shown, _, rest = line.partition(" ... (")
+    assert rest.endswith("more characters: lightning-ckpt show --json prints them all)")
+    assert shown.rstrip().endswith("}"), shown[-30:]  # never "peak_bytes": 1244 of 124454816
+    assert all(f"{124454816 + i}" in shown for i in range(2))
+
+
 def test_show_says_what_the_trial_counts_mean(tmp_path, capsys):
     counts = {"ok": 3, "over_budget": 1, "oom": 1, "error": 1, "pruned": 11}
     _search_plan(tmp_path / "counted.json", status_counts=counts, confirmed=2)
@@ -315,7 +356,7 @@ def test_show_says_what_the_trial_counts_mean(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "17 of the 88 candidate plans in the search space were considered (TPESampler, seed 0)" in text
     assert "6 measured (run for real): 3 within budget, 1 over budget, 1 out of memory, 1 failed with an error" in text
-    assert "11 rejected by the memory model without running (pruned)" in text
+    assert "11 ruled out without running (pruned): 11 by the memory model" in text
     assert "2 of the measured re-timed side by side" in text
     assert "n_trials=6 caps the plans measured; pruned plans do not count towards it" in text
     assert "n_trials=6)" not in text, "the old 'N trials (n_trials=M)' wording is gone"
@@ -331,7 +372,7 @@ def test_show_says_what_the_trial_counts_mean(tmp_path, capsys):
     assert main(["show", str(tmp_path / "total.json")]) == 0
     text = capsys.readouterr().out
     assert "all 17 candidate plans in the search space were considered" in text
-    assert "rejected without running (pruned)" in text and "n_trials=6 caps only the plans measured" in text
+    assert "ruled out without running (pruned)" in text and "n_trials=6 caps only the plans measured" in text
     assert "does not record how many" in text
 
 

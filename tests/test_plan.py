@@ -352,3 +352,17 @@ def test_the_save_list_names_a_plan_file_is_read_against_are_the_save_lists_poli
     assert tuple(SAVE_LISTS) == SAVE_LIST_NAMES  # read without torch (show/replan), applied with it
     for name in SAVE_LIST_NAMES:
         assert BlockPlan("ops", save_list=name).save_list == name
+
+
+def test_a_segments_plan_says_which_segment_each_block_is_in_not_none():
+    blocks = [f"h.{i}" for i in range(5)] + ["head.0"]
+    plan = Plan({"head.0": BlockPlan("full")}, segments={"h": 2})
+    assert plan.block_labels(blocks) == {
+        "h.0": "segment 1 of 2 (input kept)",
+        "h.1": "segment 1 of 2 (recomputed)",
+        "h.2": "segment 1 of 2 (recomputed)",
+        "h.3": "segment 2 of 2 (input kept)",
+        "h.4": "segment 2 of 2 (recomputed)",
+        "head.0": "full",
+    }
+    assert Plan().block_labels(blocks) == dict.fromkeys(blocks, "none")

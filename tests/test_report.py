@@ -378,6 +378,28 @@ def test_search_progress_streams_and_announces(tmp_path, result, capsys):
     assert capsys.readouterr().out == ""  # quiet: nothing but the bar
 
 
+def test_the_progress_bar_shows_no_total_it_cannot_know_and_fills_when_measuring_ends(result):
+    import io
+
+    measured = [t for t in result.trials if t.status != "pruned"][:2]
+    # The time model's search: how many plans it will measure is not known, so no "2/14" and no ETA.
+    out = io.StringIO()
+    open_ended = report.SearchProgress(None, enabled=True, file=out)
+    for t in measured:
+        open_ended(t, result.budget)
+    open_ended.close()
+    shown = out.getvalue().replace("\r", "\n").splitlines()[-2]
+    assert "2plan" in shown.replace(" ", "") and "/" not in shown.split("[")[0], shown
+    # A capped search that stopped before its cap: the bar reads as done, not 2/14, when the confirmation starts.
+    out = io.StringIO()
+    capped = report.SearchProgress(14, enabled=True, file=out)
+    for t in measured:
+        capped(t, result.budget)
+    capped.confirming(measured)
+    assert capped.bar.total == 2 and "2/2" in out.getvalue()
+    capped.close()
+
+
 def test_summary_table_says_when_nothing_fit(result):
     lowest = result.trials[1]
     trials = tuple(dataclasses.replace(t, status="over_budget") if t.status == "ok" else t for t in result.trials)

@@ -76,16 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser(
         "validate",
-        help="check a plan against a model: fingerprint and every block name (exit 0 OK, 1 refused)",
-        description="Build the model with --model and check that the plan was tuned for it (fingerprint) and "
-        "that every block it names exists and can be checkpointed. Nothing is trained.",
+        help="check a plan file (schema, names, budget, profile), and with --model against a model: fingerprint "
+        "and every block name (exit 0 OK, 1 refused)",
+        description="Check that the plan file is well formed (the schema, block names, budget and saved profile "
+        "as every reader of it checks them). With --model, also build the model and check that the plan was tuned "
+        "for it (fingerprint) and that every block it names exists and can be checkpointed. Nothing is trained.",
     )
     validate.add_argument("plan", help="path to a plan JSON file")
     validate.add_argument(
         "--model",
-        required=True,
-        help="MODULE:CALLABLE or FILE.py:CALLABLE; a callable taking no arguments that returns the model the plan "
-        "was tuned on (with the Lightning callback: the LightningModule)",
+        default=None,
+        help="MODULE:CALLABLE or FILE.py:CALLABLE, e.g. mypkg.models:build_model or models.py:build_model; a "
+        "callable taking no arguments that returns the model the plan was tuned on (with the Lightning callback: "
+        "the LightningModule)",
     )
     validate.set_defaults(func=run_validate)
 

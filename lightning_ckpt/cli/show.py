@@ -70,8 +70,8 @@ _STATUS_WORDS = {
 def trial_counts(search: Mapping[str, Any]) -> dict[str, Any]:
     """How many candidate plans the search considered, and what became of them (``None``: not recorded).
 
-    ``considered`` is every trial record: baselines, plans measured and plans pruned (rejected by the memory
-    model without running). ``n_trials`` caps the measured ones only; pruned plans are free.
+    ``considered`` is every trial record: baselines, plans measured and plans pruned (ruled out without running,
+    by the memory model or the time model). ``n_trials`` caps the measured ones only; pruned plans are free.
     """
     raw = search.get(STATUS_COUNTS_KEY)
     by_status = (
@@ -84,13 +84,19 @@ def trial_counts(search: Mapping[str, Any]) -> dict[str, Any]:
         return None if by_status is None else sum(by_status.get(s.value, 0) for s in statuses)
 
     exhaustive = search.get("exhaustive")
+    pruned = count(TrialStatus.PRUNED)
+    time_model = search.get("time_model")
+    by_time = number(time_model.get("pruned_by_time")) if isinstance(time_model, Mapping) else 0
+    by_time = min(by_time, pruned) if by_time is not None and pruned is not None else None
     return {
         "considered": number(search.get("trials_run")),
         "space_size": number(search.get("space_size")),
         "n_trials": number(search.get("n_trials")),
         "exhaustive": exhaustive if isinstance(exhaustive, bool) else None,
         "measured": count(*(s for s in TrialStatus if s != TrialStatus.PRUNED)),
-        "pruned": count(TrialStatus.PRUNED),
+        "pruned": pruned,
+        "pruned_by_memory": pruned - by_time if pruned is not None and by_time is not None else None,
+        "pruned_by_time": by_time,
         "within_budget": count(TrialStatus.OK),
         "over_budget": count(TrialStatus.OVER_BUDGET),
         "failed": count(*(s for s in TrialStatus if s.failed)),
@@ -118,7 +124,7 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
     if counts["by_status"] is None:
         return [
             f"  search     {head}",
-            f"{pad}they include the baselines and the plans the memory model rejected without running (pruned);",
+            f"{pad}they include the baselines and the plans ruled out without running (pruned);",
             f"{pad}{cap} caps only the plans measured. This file does not record how many of each there were.",
         ]
     by_status = counts["by_status"]
@@ -126,7 +132,7 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
     lines = [
         f"  search     {head}",
         f"{pad}{counts['measured']} measured (run for real)" + (f": {outcomes}" if outcomes else ""),
-        f"{pad}{counts['pruned']} rejected by the memory model without running (pruned)",
+        _pruned_line(counts, pad),
     ]
     if counts["confirmed"]:
         lines.append(f"{pad}{counts['confirmed']} of the measured re-timed side by side to confirm the choice")
@@ -135,6 +141,16 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
     if verdict is not None:
         lines.append(f"  verdict    {verdict.describe()}: {verdict.outcome} ({verdict.explain()})")
     return lines
+
+
+def _pruned_line(counts: Mapping[str, Any], pad: str) -> str:
+    """The plans ruled out without running, and by what: the memory model (predicted over the budget) or the time
+    model (predicted unable to beat the best plan measured), as the search's result line says it."""
+    by_memory, by_time = counts["pruned_by_memory"], counts["pruned_by_time"]
+    if by_memory is None or by_time is None:
+        return f"{pad}{counts['pruned']} ruled out without running (pruned)"
+    text = f"{pad}{counts['pruned']} ruled out without running (pruned): {by_memory} by the memory model"
+    return text + (f", {by_time} by the time model" if by_time else "")
 
 
 def _or_unknown(x: Any) -> str:
@@ -173,8 +189,18 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
     other = {k: v for k, v in md.items() if k not in known}
     if other:
         lines += ["", "other metadata"]
-        lines += [f"  {k}: {json.dumps(v, default=str)[:200]}" for k, v in other.items()]
+        lines += [f"  {k}: {_cut(json.dumps(v, default=str))}" for k, v in other.items()]
     return "\n".join(lines)
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    """``text`` up to ``limit`` characters, cut after a whole JSON item (never inside a number or a name) and
+    saying how much was left out and where to read it all."""
+    if len(text) <= limit:
+        return text
+    cut = max(text.rfind(", ", 0, limit), text.rfind("}", 0, limit) + 1, text.rfind("]", 0, limit) + 1)
+    cut = cut if cut > limit // 2 else limit
+    return f"{text[:cut]} ... ({len(text) - cut} more characters: lightning-ckpt show --json prints them all)"
 
 
 def _profile_lines(md: Mapping[str, Any]) -> list[str]:
@@ -223,9 +249,8 @@ def _block_lines(plan: Plan) -> list[str]:
             lines.append("no block is checkpointed (the no-checkpointing plan)")
     else:
         saved, unplanned = memory
-        rows = [
-            [fqn, plan.mode_of(fqn).describe(), bytes_text(saved[fqn]), bytes_text(unplanned.get(fqn))] for fqn in saved
-        ]
+        labels = plan.block_labels(list(saved))
+        rows = [[fqn, labels[fqn], bytes_text(saved[fqn]), bytes_text(unplanned.get(fqn))] for fqn in saved]
         lines.append(table(["block", "mode", "kept for backward", "without ckpt"], rows, right=(2, 3)))
         lines.append("(memory: the memory model's prediction for the tuning batch)")
     if plan.segments:
@@ -329,7 +354,8 @@ not record it; json_format changes if a key changes meaning):
                           speedup_over_baselines: {baseline: ratio}}
   baselines               {name: {status, samples_per_second, peak_bytes, activation_bytes}}
   trials                  {considered (baselines + measured + pruned), space_size, n_trials (caps measured only),
-                          exhaustive, measured, pruned (rejected by the memory model without running),
+                          exhaustive, measured, pruned (ruled out without running), pruned_by_memory (predicted
+                          over the budget), pruned_by_time (predicted unable to beat the best measured plan),
                           within_budget, over_budget, failed, conflict, confirmed, by_status: {status: count}}
   fell_back               true when no plan fit the budget and the lowest-memory plan was kept
   verdict                 {reference, candidate, ratio, low, high, rounds, threshold, confidence, outcome}: the best

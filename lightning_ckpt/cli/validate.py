@@ -1,4 +1,5 @@
-"""``lightning-ckpt validate``: does a plan fit a model the user names with ``--model``? (For CI.)
+"""``lightning-ckpt validate``: is a plan file well formed, and does it fit a model the user names with ``--model``?
+(For CI.)
 
 Loading the user's code is the delicate part: a file or a module, the current directory importable, and a
 ``sys.exit()`` in it reported as a usage error rather than ending the command with the model's exit code.
@@ -172,7 +173,30 @@ def check_plan(plan: Plan, model: Any) -> list[str]:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    plan = load_plan(args.plan)
+    plan = load_plan(args.plan)  # the schema, names and budget: an unreadable or malformed file is refused here
+    if args.model is None:
+        profile = plan.metadata.get("profile")
+        if isinstance(profile, dict):
+            from lightning_ckpt.search.replan import SavedProfile
+
+            try:
+                SavedProfile.of_plan(plan, source=str(args.plan))
+            except LightningCkptError as err:
+                print(f"REFUSED: {err}", file=sys.stderr)
+                return EXIT_REFUSED
+            except (AttributeError, KeyError, TypeError, ValueError) as err:  # a hand-edited profile of wrong types
+                print(
+                    f"REFUSED: {args.plan}'s profile (metadata['profile']) is malformed ({type(err).__name__}: "
+                    f"{err}); re-tune to write a new one.",
+                    file=sys.stderr,
+                )
+                return EXIT_REFUSED
+        kept = "a profile to re-plan from" if isinstance(profile, dict) else "no profile"
+        print(
+            f"OK: {args.plan} is a well-formed plan file ({plan.describe()}; {kept}); give --model "
+            "MODULE:CALLABLE to check it against the model too"
+        )
+        return EXIT_OK
     model = build_model(args.model)
     problems = check_plan(plan, model)
     if problems:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.lightning.micro_batch import check_micro_batch_tunable, first_batch
@@ -61,9 +61,9 @@ class SearchRequest:
             return None
         enabled = trainer.progress_bar_callback is not None
         writer = self.tb.writer(trainer)
-        return SearchProgress(
-            self.config.n_trials, writer=writer, verbose=self.verbose, enabled=enabled, file=sys.stdout
-        )
+        # The time model measures only the plans that can win (a few of n_trials): no total, so no fiction of one.
+        total = None if self.config.predict_time else self.config.n_trials
+        return SearchProgress(total, writer=writer, verbose=self.verbose, enabled=enabled, file=sys.stdout)
 
 
 def search_first_batch(
@@ -180,7 +180,9 @@ def report_search(
     tb.close()
     warning = report.timing_warning(result)
     if warning:
-        rank_zero_warn(warning)
+        # Printed as the result line is, on a line of its own: through ``warnings`` it came out glued onto
+        # Lightning's bar with a ``searching.py:183:`` prefix, easy to miss.
+        rank_zero_info(warning)
     if verbose:
         rank_zero_info(report.summary_table(result))
     where = []

@@ -170,6 +170,23 @@ class Plan:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Plan) and self.key() == other.key()
 
+    def block_labels(self, block_fqns: Sequence[str]) -> dict[str, str]:
+        """What this plan does to each of ``block_fqns`` (in stack order), in words: its per-block mode, or for a
+        block of a segmented stack which segment it is in (a segment keeps its first block's input and recomputes
+        all its blocks in backward). Without this a segments plan reads as ``none`` on every block."""
+        from lightning_ckpt.plan.chunks import segment_chunks
+
+        labels = {fqn: self.mode_of(fqn).describe() for fqn in block_fqns}
+        for stack, chunks in self.segments.items():
+            members = [f for f in block_fqns if f.rpartition(".")[0] == stack]
+            if not members or chunks < 1:
+                continue
+            for i, (start, end) in enumerate(segment_chunks(len(members), min(chunks, len(members)))):
+                for j in range(start, end):
+                    where = "input kept" if j == start else "recomputed"
+                    labels[members[j]] = f"segment {i + 1} of {chunks} ({where})"
+        return labels
+
     def mode_of(self, block_fqn: str) -> BlockPlan:
         return self.blocks.get(block_fqn, BlockPlan())
 

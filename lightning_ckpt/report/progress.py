@@ -22,6 +22,10 @@ __all__ = ["SearchProgress"]
 class SearchProgress:
     """What a user watches during the search: one progress bar, nothing else unless ``verbose``.
 
+    ``total``: how many plans at most will be measured, or None when that is not known in advance (the time model
+    stops measuring once no plan left can win, usually after a few): the bar then counts plans and time with no
+    fraction and no ETA, rather than a ``2/14`` that never fills and an ETA for plans that will not run.
+
     Called with each finished trial (a ``ProgressFn``): advances the bar (best plan so far in its postfix),
     streams the trial's scalars and the best-so-far curve to ``writer``, and with ``verbose`` writes the
     trial's line above the bar. ``confirming`` announces the side-by-side round, whose figures replace the
@@ -30,7 +34,7 @@ class SearchProgress:
 
     def __init__(
         self,
-        total: int,
+        total: int | None,
         *,
         writer: SummaryWriter | None = None,
         verbose: bool = False,
@@ -69,6 +73,9 @@ class SearchProgress:
         self.bar.set_postfix_str(", ".join(postfix))
 
     def confirming(self, trials: Sequence[TrialRecord]) -> None:
+        if self.bar.total is not None and self.bar.n < self.bar.total:
+            self.bar.total = self.bar.n  # the search measured fewer than its cap: the measuring is done
+            self.bar.refresh()
         self.bar.set_description_str("lightning_ckpt: confirming")
         self.write(
             f"lightning_ckpt: confirming {len(trials)} leading plans side by side in interleaved rounds; their "

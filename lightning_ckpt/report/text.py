@@ -432,9 +432,10 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
         return "\n".join(lines)
     in_plan = plan is not None and not plan.is_empty
 
+    labels = plan.block_labels([b["fqn"] for b in blocks]) if plan is not None else {}
+
     def mode_of(fqn: str) -> str:
-        bp = plan.blocks.get(fqn) if plan is not None else None
-        return bp.describe() if bp is not None else "none"
+        return labels.get(fqn, "none")
 
     keys = list(dict.fromkeys(k for b in blocks for k in b.get("saved_bytes", {})))
     groups: dict[tuple[Any, ...], list[str]] = {}
