@@ -202,9 +202,17 @@ class RequestedBudget:
             return {"max_memory": None, "activation_budget": self.value}
         return {"max_memory": self.value, "activation_budget": None}
 
-    def resolve(self, *, device: torch.device | str, none_activation_bytes: int | None = None) -> Budget:
+    def resolve(
+        self,
+        *,
+        device: torch.device | str,
+        none_activation_bytes: int | None = None,
+        capacity_bytes: int | None = None,
+    ) -> Budget:
         """The ``Budget`` this request means on ``device``: the limit in bytes, from the parsed value (never the
-        text again). ``activation`` needs the no-checkpointing activation memory (the profile predicts it)."""
+        text again). ``activation`` needs the no-checkpointing activation memory (the profile predicts it).
+        ``capacity_bytes``: the device's memory as a plan file recorded it, which a share of the device is taken
+        of when given (re-planning a GPU plan on a machine without that GPU)."""
         if not self.recorded:
             raise ConfigurationError(f"{self.describe()} cannot be resolved: its size is not recorded.")
         if self.kind == "activation":
@@ -216,6 +224,10 @@ class RequestedBudget:
             share = f"{self.value:.0%} of no-checkpointing activation memory ({format_bytes(limit)})"
             return Budget("activation", limit, float(self.value), share)
         if self.kind == "device_fraction":
+            if capacity_bytes is not None:
+                limit = int(self.value * capacity_bytes)
+                share = f"{self.value:.0%} of the recorded {format_bytes(capacity_bytes)} of {device} ({format_bytes(limit)})"
+                return Budget("peak", limit, float(self.value), share)
             if device_type(device) != "cuda":
                 raise ConfigurationError(
                     f"max_memory={self.value} is a fraction of device memory, but the model is on "
@@ -224,6 +236,11 @@ class RequestedBudget:
                 )
             import torch  # only for a CUDA device: a plan file is re-planned for a CPU budget without torch
 
+            if not torch.cuda.is_available():
+                raise ConfigurationError(
+                    f"max_memory={self.value} is a fraction of {device}'s memory, but this machine has no CUDA "
+                    "device and no capacity was recorded for it. Give bytes instead (e.g. '60GiB')."
+                )
             limit = int(self.value * torch.cuda.get_device_properties(device).total_memory)
             return Budget("peak", limit, float(self.value), f"{self.value:.0%} of {device} ({format_bytes(limit)})")
         if self.kind == "peak":

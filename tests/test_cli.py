@@ -234,6 +234,22 @@ def test_bench_runs_the_script_with_its_arguments(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+def test_bench_never_runs_another_checkouts_script_from_the_working_directory(tmp_path, monkeypatch):
+    # Inside any other repository, ./benchmarks/seed_table.py is that repository's code.
+    other = tmp_path / "other-checkout"
+    (other / "benchmarks").mkdir(parents=True)
+    (other / "benchmarks" / "seed_table.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
+    monkeypatch.chdir(other)
+    from lightning_ckpt.cli import bench
+
+    found = bench._find_benchmark("seed_table.py")
+    assert found is None or found.resolve() == (
+        Path(bench.__file__).resolve().parents[2] / "benchmarks" / "seed_table.py"
+    )
+    assert found is None or other not in found.resolve().parents
+    assert not (tmp_path / "ran").exists()
+
+
 def test_show_and_diff_report_the_compile_memory_budget(tmp_path, capsys):
     if "compile_memory_budget" not in Plan.__dataclass_fields__:
         pytest.skip("plans without torch.compile memory budgets")

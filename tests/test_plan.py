@@ -366,3 +366,22 @@ def test_a_segments_plan_says_which_segment_each_block_is_in_not_none():
         "head.0": "full",
     }
     assert Plan().block_labels(blocks) == dict.fromkeys(blocks, "none")
+
+
+def test_a_plan_file_is_refused_before_parsing_when_it_is_not_a_regular_file_or_too_large(tmp_path, monkeypatch):
+    with pytest.raises(PlanError, match="not a regular file"):
+        Plan.load("/dev/zero")  # `show /dev/zero` never ended
+    big = tmp_path / "big.json"
+    Plan({"h.0": BlockPlan("full")}, name="x" * 5000).save(big)
+    assert Plan.load(big).name == "x" * 5000  # under the default bound
+    monkeypatch.setenv("LIGHTNING_CKPT_MAX_PLAN_BYTES", "1000")
+    with pytest.raises(
+        PlanError, match=r"larger than the 1,000 bytes a plan file may be.*LIGHTNING_CKPT_MAX_PLAN_BYTES"
+    ):
+        Plan.load(big)
+    monkeypatch.delenv("LIGHTNING_CKPT_MAX_PLAN_BYTES")
+    huge_int = tmp_path / "int.json"
+    data = Plan({"h.0": BlockPlan("full")}).to_dict()
+    huge_int.write_text(json.dumps(data)[:-1] + ', "extra": ' + "9" * 5000 + "}")
+    with pytest.raises(PlanError, match="holds a number no plan has"):
+        Plan.load(huge_int)

@@ -15,7 +15,7 @@ from lightning_ckpt import ActivationCheckpointTuner, Plan
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.cli.main import main
 from lightning_ckpt.discovery import discover_blocks
-from lightning_ckpt.errors import InfeasibleBudgetError, PlanError
+from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError, PlanError
 from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_step
@@ -172,6 +172,21 @@ def test_replan_scales_with_the_batch_and_refuses_what_it_cannot_do(tuned):
         replan(saved, max_memory=1024)
     with pytest.raises(PlanError, match="keeps no profile"):
         replan(Plan({"model.transformer.h.0": BlockPlan("full")}), max_memory="1GiB")
+
+
+def test_a_gpu_plan_is_replanned_for_a_share_of_its_recorded_gpu_on_a_machine_without_one(tuned):
+    # On a CPU machine `replan --max-memory 0.8` of a GPU plan raised "Torch not compiled with CUDA enabled".
+    data = Plan.load(tuned).to_dict()
+    data["metadata"][PROFILE_KEY]["memory"]["device"] = "cuda:0"
+    data["metadata"]["conditions"] = {**(data["metadata"].get("conditions") or {}), "device_type": "cuda",
+                                      "device_capacity_bytes": 80 * 2**30}  # fmt: skip
+    gpu_plan = Plan.from_dict(data)
+    got = replan(gpu_plan, max_memory=0.8)
+    assert got.budget.limit_bytes == int(0.8 * 80 * 2**30) and "recorded 80.0 GiB" in got.budget.description
+    del data["metadata"]["conditions"]["device_capacity_bytes"]
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigurationError, match=r"no CUDA device and no capacity was recorded.*Give bytes"):
+            replan(Plan.from_dict(data), max_memory=0.8)
 
 
 def test_the_replan_command_prints_the_predicted_plan_and_writes_it(tuned, tmp_path, capsys):

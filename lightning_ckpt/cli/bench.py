@@ -1,6 +1,8 @@
 """``lightning-ckpt bench``: run the repository's benchmark script as ``python script.py ARGS`` would.
 
-The script is not part of an installed wheel, so it is looked up in a source checkout.
+The script is not part of an installed wheel, so it is looked up in the source checkout this package was installed
+from, never in the current directory (another checkout's script would run); ``--script PATH`` names one
+explicitly.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ __all__ = ["run_bench"]
 
 
 def _find_benchmark(name: str) -> Path | None:
-    # A source checkout: the current directory, else the checkout this package is installed from (-e).
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        candidate = root / "benchmarks" / name
-        if candidate.is_file():
-            return candidate
-    return None
+    """The script in the checkout this package itself was installed from (``pip install -e``), or None.
+
+    Never the current directory: inside any other checkout, ``benchmarks/seed_table.py`` is that repository's
+    code, and running it would execute whatever it holds. The checkout is ours when its ``lightning_ckpt``
+    package is the one running."""
+    root = Path(__file__).resolve().parents[2]
+    ours = (root / "lightning_ckpt" / "cli" / "bench.py").resolve() == Path(__file__).resolve()
+    candidate = root / "benchmarks" / name
+    return candidate if ours and (root / "pyproject.toml").is_file() and candidate.is_file() else None
 
 
 def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
@@ -30,7 +35,7 @@ def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
         where = repr(args.script) if args.script else "benchmarks/seed_table.py"
         raise UsageError(
             f"{where} not found. `lightning-ckpt bench` runs the repository's benchmark script, which is not part of "
-            "an installed wheel: run it from a checkout of lightning-ckpt, or pass --script PATH."
+            "an installed wheel: install lightning-ckpt from a checkout (pip install -e .), or pass --script PATH."
         )
     # Run it as `python script.py ARGS` would: its own argv, its directory importable.
     saved_argv, saved_path = sys.argv, list(sys.path)

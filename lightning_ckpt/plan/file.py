@@ -101,11 +101,45 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# The largest plan file read (bytes): a real one, profile included, is well under 1 MiB; this bound keeps a
+# mistaken path (a log, /dev/zero, a 50 MB hand edit) from being parsed and printed. LIGHTNING_CKPT_MAX_PLAN_BYTES
+# raises it.
+MAX_PLAN_BYTES = 8 * 2**20
+
+
+def max_plan_bytes() -> int:
+    value = os.environ.get("LIGHTNING_CKPT_MAX_PLAN_BYTES")
+    try:
+        return int(value) if value else MAX_PLAN_BYTES
+    except ValueError:
+        raise PlanError(
+            f"LIGHTNING_CKPT_MAX_PLAN_BYTES={value!r} is not a number of bytes; set it to e.g. 33554432 (32 MiB)."
+        ) from None
+
+
 def read_json(path: Path, where: str) -> Any:
     """The JSON value in the file at ``path``; anything unreadable or malformed raises ``PlanError`` starting
-    with ``where``."""
+    with ``where``. Only a regular file of at most ``max_plan_bytes()`` is read, before any parsing."""
+    limit = max_plan_bytes()
     try:
-        raw = path.read_bytes()
+        info = path.stat()
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(str(path))
+        if not stat.S_ISREG(info.st_mode):
+            raise PlanError(
+                f"{where} is not a regular file (a device, a pipe or a socket), so it is not read. Give the path of "
+                "a plan JSON file."
+            )
+        if info.st_size > limit:
+            raise PlanError(
+                f"{where} is {info.st_size:,} bytes, larger than the {limit:,} bytes a plan file may be, so it is "
+                "not read (a plan with its profile is well under 1 MiB). Check that the path names a "
+                "plan file, or set LIGHTNING_CKPT_MAX_PLAN_BYTES to read a larger one."
+            )
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
+        if len(raw) > limit:
+            raise PlanError(f"{where} grew beyond {limit:,} bytes while it was read; it is not read.")
     except FileNotFoundError:
         raise PlanError(f"{where} does not exist. Check the path, or tune first to write it.") from None
     except IsADirectoryError:
@@ -142,4 +176,6 @@ def read_json(path: Path, where: str) -> Any:
         ) from None
     except RecursionError:
         raise PlanError(f"{where} is nested too deeply to be a plan. Delete it and re-tune.") from None
+    except ValueError as err:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise PlanError(f"{where} holds a number no plan has ({err}). Delete it and re-tune.") from None
     return data

@@ -166,7 +166,8 @@ def replan(
     """The best plan for a new budget, predicted from ``plan``'s saved profile (``SavedProfile``) in well
     under a second: every plan of the searched space scored, the choice rule applied to the predictions.
 
-    ``device`` resolves a budget given as a share of device memory (default: the profile's device);
+    ``device`` resolves a budget given as a share of device memory (default: the profile's device, whose
+    capacity the plan records, so a GPU plan is re-planned on a machine without that GPU);
     ``batch_size`` re-plans for another batch (see the module docstring). Raises ``PlanError`` when the
     plan keeps no usable profile, ``InfeasibleBudgetError`` when no plan is predicted to fit.
     """
@@ -177,7 +178,14 @@ def replan(
     memory_model: Any = profile.memory if ratio == 1 else _BatchScaled(profile.memory, ratio)
     memory = RealStepMemory(memory_model, profile.optimizer)
     dev = device if device is not None else profile.memory.device  # a string: no torch needed for a CPU budget
-    budget = requested.resolve(device=dev, none_activation_bytes=memory_model.predict_activation(Plan()))
+    conditions = plan.metadata.get("conditions")
+    capacity = conditions.get("device_capacity_bytes") if isinstance(conditions, Mapping) else None
+    capacity = capacity if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0 else None
+    if device is not None and device_type(device) != device_type(profile.memory.device):
+        capacity = None  # another device than the one tuned on: its own capacity, not the recorded one
+    budget = requested.resolve(
+        device=dev, none_activation_bytes=memory_model.predict_activation(Plan()), capacity_bytes=capacity
+    )
     _, candidates = offered_candidates(
         profile.space.for_device(device_type(dev)), profile.stacks, profile.memory.fingerprint, profile.memory
     )
