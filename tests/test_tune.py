@@ -161,3 +161,27 @@ def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side
         # the ratio shown is the fresh rounds' (held out), after the rounds whose interval chose it
         assert verdict["outcome"] == "tuned" and verdict["chosen_after"] >= 1 and verdict["ratio"] > 1.0
         assert f"{verdict['ratio']:.2f}x [" in line and "fresh rounds after the" in line
+
+
+def test_a_stop_request_during_the_confirmation_stops_the_search_as_between_trials(gpt, tokens):
+    # It used to be polled only between trials: a SIGTERM in the last passes let the search finish, write its plan
+    # and run a real step. Now the confirmation's rounds poll it too.
+    from lightning_ckpt.search.tune import SearchInterrupted
+
+    stop = []
+
+    class Progress:
+        def __call__(self, trial, budget) -> None:
+            pass
+
+        def confirming(self, trials) -> None:
+            stop.append(True)  # the request arrives as the confirmation starts
+
+    before = {k: v.clone() for k, v in gpt.state_dict().items()}
+    with pytest.raises(SearchInterrupted, match="asked to stop"):
+        space = {**SPACE, "rest_modes": ["none"], "selections": ["all", "first:0.5"]}  # several plans fit: confirmed
+        tune(gpt, _loss_fn(gpt, tokens), activation_budget=1.0, n_trials=6, search_space=space, measure_steps=1,
+             progress=Progress(), should_stop=lambda: bool(stop))  # fmt: skip
+    assert stop, "the confirmation was reached"
+    assert all(torch.equal(before[k], v) for k, v in gpt.state_dict().items())
+    assert not any("forward" in vars(m) for m in gpt.modules()), "no plan left applied"

@@ -103,6 +103,11 @@ def search_first_batch(
         )
     if result is None:
         return None
+    if getattr(trainer, "received_sigterm", False):
+        # SIGTERM after the last round: one behaviour whenever it comes, the search stops and nothing is applied
+        # or written (``_handed_over`` hands it to Lightning's own handling).
+        with _handed_over(batch_idx):
+            raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
     if result.fell_back:
         warn_each_fit(result.fallback_message)
     return result, batch

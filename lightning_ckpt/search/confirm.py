@@ -68,6 +68,7 @@ def confirm_interleaved(
     tie_tolerance: float = 0.0,
     sync: Sync | None = None,
     until: Callable[[SideBySide], bool] | None = None,
+    check_stop: Callable[[], None] | None = None,
 ) -> SideBySide:
     """Re-time ``entries`` in interleaved rounds until the verdict is decided (or ``until`` says the figures are
     enough), or ``max_rounds``.
@@ -82,6 +83,8 @@ def confirm_interleaved(
     agree). Without a baseline among the entries (no baseline fits), until the leader's median separates from the
     runner-up's beyond their spreads.
 
+    ``check_stop`` runs before each round and raises to stop the search (``Study.check_stop``).
+
     When the rounds' common speed differs by more than ``_SPEED_CHANGE``, each figure is divided by its round's
     speed for display (``per_sample``); the verdict's paired ratios need no such correction.
     """
@@ -92,6 +95,8 @@ def confirm_interleaved(
     active = list(entries)
     result = SideBySide.of(rounds, numbers, baselines)
     for done in range(1, max_rounds + 1):
+        if check_stop is not None:
+            check_stop()  # a stop request (SIGTERM) ends the search between rounds as between trials
         order = _round_order(active, done)
         row: dict[int, float] = {}
         for e in order:
@@ -211,6 +216,7 @@ def holdout(
     max_rounds: int | None = None,
     tie_tolerance: float,
     sync: Sync | None = None,
+    check_stop: Callable[[], None] | None = None,
 ) -> tuple[list[TrialRecord], TrialRecord | None, Verdict | None]:
     """(records, reference, verdict): the chosen tuned plan ``best`` timed again in fresh interleaved rounds (at
     least ``rounds``, then until its ratio's interval is within ``CLAIM_HALF_WIDTH`` or it cannot win, at most
@@ -243,7 +249,12 @@ def holdout(
         return verdict.cannot_win or math.sqrt(verdict.high / verdict.low) <= 1 + CLAIM_HALF_WIDTH
 
     fresh = confirm_interleaved(
-        entries, min_rounds=rounds, max_rounds=max(rounds, max_rounds or rounds), sync=sync, until=precise
+        entries,
+        min_rounds=rounds,
+        max_rounds=max(rounds, max_rounds or rounds),
+        sync=sync,
+        until=precise,
+        check_stop=check_stop,
     )
     ref_number = fresh.reference
     if ref_number is None:  # no baseline ran in the fresh rounds

@@ -386,6 +386,7 @@ class Study:
             max_rounds=config.confirm_max_rounds,
             tie_tolerance=config.tie_tolerance,
             sync=self.sync,
+            check_stop=self.check_stop,
         )
         if side.speed_changed:
             self.speed_changes.append(
@@ -441,7 +442,7 @@ class Study:
         """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``): figures taken side by side
         replace the search's, so the leaders are picked at one speed. They do not count as confirmed."""
         entries = self._entries(fastest_fitting(self.records)[:_MAX_RERANKED], steps)
-        side = confirm_interleaved(entries, min_rounds=1, max_rounds=1, sync=self.sync)
+        side = confirm_interleaved(entries, min_rounds=1, max_rounds=1, sync=self.sync, check_stop=self.check_stop)
         for i, t in enumerate(self.records):
             times = side.per_sample.get(t.number)
             if times:
@@ -499,6 +500,7 @@ class Study:
             max_rounds=self.config.holdout_max_rounds,
             tie_tolerance=self.tie_tolerance,
             sync=self.sync,
+            check_stop=self.check_stop,
         )
         if reference is None:
             return best
