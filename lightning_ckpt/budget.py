@@ -58,8 +58,9 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
         m = _PATTERN.match(value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigurationError(
-                f"{what}={value!r} is not a memory size. Write a number with an optional unit "
-                "(B, KB, MB, GB, KiB, MiB, GiB, TiB), e.g. '20GiB' or '512MB', or a fraction of device memory like 0.8."
+                f"{what}={value!r} is not a memory size. Write a number with an optional unit, in any case: "
+                "B; KB, MB, GB, TB (powers of 1000); KiB, MiB, GiB, TiB or K, M, G, T (powers of 1024), e.g. "
+                "'20GiB', '20G', '20gb' or '512MB'; or a fraction of device memory as a number, like 0.8."
             )
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
     else:
@@ -296,6 +297,22 @@ def validate_budget_args(max_memory: int | float | str | None, activation_budget
     if max_memory is not None and activation_budget is not None:
         raise ConfigurationError(
             f"Give either max_memory ({max_memory!r}) or activation_budget ({activation_budget!r}), not both."
+        )
+    if isinstance(activation_budget, str):
+        raise ConfigurationError(
+            f"activation_budget must be a number, a fraction of the no-checkpointing activation memory, but got the "
+            f"string {activation_budget!r}. Write activation_budget={activation_budget.strip()} without quotes (YAML: "
+            "unquoted)."
+        )
+    if (
+        activation_budget is not None
+        and not isinstance(activation_budget, bool)
+        and isinstance(activation_budget, (int, float))
+        and 1 < activation_budget <= 100
+    ):
+        raise ConfigurationError(
+            f"activation_budget is a fraction of the no-checkpointing activation memory in (0, 1], but got "
+            f"{activation_budget!r}. For {activation_budget:g}% write activation_budget={activation_budget / 100:g}."
         )
     if activation_budget is not None and (
         isinstance(activation_budget, bool)

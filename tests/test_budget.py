@@ -77,3 +77,17 @@ def test_tune_refuses_a_bad_budget_before_running_any_step(gpt, tokens):
     with pytest.raises(ConfigurationError, match="not a memory size"):
         tune(gpt, step, max_memory="20 gigs", n_trials=2)
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"activation_budget": 50}, r"For 50% write activation_budget=0\.5"),
+        ({"activation_budget": "0.5"}, r"got the string '0\.5'\. Write activation_budget=0\.5 without quotes"),
+        ({"max_memory": "20 gigs"}, r"'20G', '20gb'"),
+    ],
+    ids=["percent", "string-fraction", "units"],
+)
+def test_budget_mistakes_get_the_fix_in_the_message(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        RequestedBudget.parse(kwargs.get("max_memory"), kwargs.get("activation_budget"))
