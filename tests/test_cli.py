@@ -354,6 +354,18 @@ def test_show_says_which_model_ruled_each_plan_out_as_the_result_line_did(tmp_pa
     assert (trials["pruned"], trials["pruned_by_memory"], trials["pruned_by_time"]) == (88, 67, 21)
 
 
+def test_show_lists_a_winning_baseline_once(tmp_path, capsys):
+    measured = {"label": "baseline:full", "status": "ok", "samples_per_second": 10.0, "peak_bytes": 100}
+    baselines = {
+        "full": {"status": "ok", "samples_per_second": 10.0},
+        "none": {"status": "ok", "samples_per_second": 12.0},
+    }
+    Plan({"h.0": BlockPlan("full")}, metadata={"measured": measured, "baselines": baselines}).save(tmp_path / "p.json")
+    assert main(["show", str(tmp_path / "p.json")]) == 0
+    text = capsys.readouterr().out
+    assert text.count("baseline:full") == 1 and "* baseline:full" in text and "baseline:none" in text
+
+
 def test_show_cuts_long_metadata_after_a_whole_item_and_says_so(tmp_path, capsys):
     steps = [{"step": i, "peak_bytes": 124454816 + i} for i in range(8)]
     Plan({"h.0": BlockPlan("full")}, metadata={"real_steps": steps}).save(tmp_path / "p.json")

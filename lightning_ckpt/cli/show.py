@@ -274,6 +274,8 @@ def _evidence_rows(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[s
         memory = [bytes_text(measured.get(k)) for k in _MEMORY_FIGURES]
         rows.append([label, str(measured.get("status", "-")), rate_text(win), speedup, *memory])
     for name, b in baselines.items():
+        if measured and measured.get("label") == f"baseline:{name}":
+            continue  # the winner is this baseline: its row is the starred one, not a second copy
         b = b if isinstance(b, Mapping) else {}
         rate = b.get("samples_per_second")
         memory = [bytes_text(b.get("peak_bytes")), bytes_text(b.get("activation_bytes")), ""]
