@@ -407,29 +407,16 @@ class BudgetGuard:
             f"{format_bytes(value)} of {what} under plan {plan.describe()} ({growth}), over the budget of "
             f"{budget.description}; checked before its forward."
         )
-        if self.config.on_budget_exceeded == "raise":
-            raise InfeasibleBudgetError(
-                message + " Raise the budget, declare the longest batch so the search covers it, or set "
-                "guard={'on_budget_exceeded': 'switch'} to move to a lower-memory plan."
-            )
-        if self.config.on_budget_exceeded == "warn":
-            rank_zero_warn(message + " Running it with this plan (on_budget_exceeded='warn').")
-            return None
-        self._left_behind.add(plan.key())
-        lower = lower_plan(
+        return self._act(
+            message,
             plan,
             trials,
-            budget,
-            view.stacks,
-            excess=self._excess,
-            exclude=self._left_behind,
+            view,
+            fix="Raise the budget, declare the longest batch so the search covers it, or set",
+            going_on="running it with this one",
+            switching="before it runs ",
             predict=lambda key, peak, act: self._scaled(key, peak, act, at=size, reference=self.reference or covered),
         )
-        if lower is None:
-            rank_zero_warn(message + " No plan using less memory is left; running it with this one.")
-            return None
-        rank_zero_warn(message + f" Switching to {lower.describe()} before it runs (on_budget_exceeded='switch').")
-        return lower
 
     def judge(
         self, trainer: Any, reading: MemoryReading, batch: Any, plan: Plan, sync: Any, trials: Sequence[Any] = ()
@@ -493,31 +480,52 @@ class BudgetGuard:
             f"lightning_ckpt: a real training step (step {check.step}, batch {size} x {seq}) used "
             f"{format_bytes(value)} of {what}, over the budget of {budget.description}, under plan {plan.describe()}."
         )
-        if self.config.on_budget_exceeded == "raise":
-            raise InfeasibleBudgetError(
-                message + " Raise the budget, or set guard={'on_budget_exceeded': 'switch'} to move to a lower-memory "
-                "plan."
-            )
-        if self.config.on_budget_exceeded == "warn":
-            rank_zero_warn(message + " Continuing with it (on_budget_exceeded='warn').")
-            return None
-        self._left_behind.add(plan.key())
         at = self._read_plans.get(plan.key(), (None, None, None))[0]
-        lower = lower_plan(
+        return self._act(
+            message,
             plan,
             trials,
-            budget,
-            view.stacks,
-            excess=self._excess,
-            exclude=self._left_behind,
+            view,
+            fix="Raise the budget, or set",
+            going_on="continuing with this one",
+            switching="",
             predict=(
                 (lambda key, peak, act: self._scaled(key, peak, act, at=at, reference=self.reference))
                 if at is not None and self.reference is not None
                 else None
             ),
         )
-        if lower is None:
-            rank_zero_warn(message + " No plan using less memory is left; continuing with this one.")
+
+    def _act(
+        self,
+        message: str,
+        plan: Plan,
+        trials: Sequence[Any],
+        view: ModelView,
+        *,
+        fix: str,
+        going_on: str,
+        switching: str,
+        predict: Callable[[str, int | None, int | None], int | None] | None,
+    ) -> Plan | None:
+        """What ``on_budget_exceeded`` says to do about ``plan`` over the budget (read after a step or predicted
+        before one): raise, warn and go on, or switch to the plan ``lower_plan`` finds (None: stay). ``plan`` is
+        left behind for good once a switch is attempted."""
+        budget = self.budget
+        assert budget is not None
+        if self.config.on_budget_exceeded == "raise":
+            raise InfeasibleBudgetError(
+                f"{message} {fix} guard={{'on_budget_exceeded': 'switch'}} to move to a lower-memory plan."
+            )
+        if self.config.on_budget_exceeded == "warn":
+            rank_zero_warn(f"{message} {going_on.capitalize()} (on_budget_exceeded='warn').")
             return None
-        rank_zero_warn(message + f" Switching to {lower.describe()} (on_budget_exceeded='switch').")
+        self._left_behind.add(plan.key())
+        lower = lower_plan(
+            plan, trials, budget, view.stacks, excess=self._excess, exclude=self._left_behind, predict=predict
+        )
+        if lower is None:
+            rank_zero_warn(f"{message} No plan using less memory is left; {going_on}.")
+            return None
+        rank_zero_warn(f"{message} Switching to {lower.describe()} {switching}(on_budget_exceeded='switch').")
         return lower

@@ -428,10 +428,10 @@ def _run_profile(
         profiles, failed, in_bytes = _profile_blocks(root, profiled, sets, externals, dev, snapshot)
         compiled_runs = {}
         if timed and compiled:
-            compiled_runs = _compile_blocks(root, profiled, profiles, dev, snapshot, timed)
+            compiled_runs = _run_blocks(compiled_block_modes, root, profiled, profiles, dev, snapshot, timed)
             timings = {k: r.seconds for k, r in compiled_runs.items()}
         else:
-            timings = _time_blocks(root, profiled, profiles, dev, snapshot, timed) if timed else {}
+            timings = _run_blocks(time_block_modes, root, profiled, profiles, dev, snapshot, timed) if timed else {}
     finally:
         snapshot.restore()
     return _Runs(
@@ -577,7 +577,8 @@ def _compiled_model(runs: _Runs, memory: MemoryModel) -> CompiledMemoryModel:
     )
 
 
-def _compile_blocks(
+def _run_blocks(
+    run: Callable[..., Any],
     root: nn.Module,
     reps: Mapping[str, _Captured],
     profiles: Mapping[str, Mapping[str, ModeProfile]],
@@ -585,34 +586,12 @@ def _compile_blocks(
     snapshot: StateSnapshot,
     modes: bool | Collection[str],
 ) -> dict[str, Any]:
-    """Each representative compiled alone under every mode its memory profile ran (or only ``modes``, and always
-    ``none``; ``memory.block_times.compiled_block_modes``)."""
+    """``run`` (``memory.block_times``: ``time_block_modes``, or ``compiled_block_modes`` for a compiled model) on
+    each representative alone under every mode its memory profile ran, or only ``modes``, and always ``none``,
+    which the others are measured against."""
     wanted = None if isinstance(modes, bool) else {"none", *modes}
     return {
-        key: compiled_block_modes(
-            root,
-            cap,
-            {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
-            device=dev,
-            restore=snapshot.restore,
-        )
-        for key, cap in reps.items()
-    }
-
-
-def _time_blocks(
-    root: nn.Module,
-    reps: Mapping[str, _Captured],
-    profiles: Mapping[str, Mapping[str, ModeProfile]],
-    dev: torch.device,
-    snapshot: StateSnapshot,
-    modes: bool | Collection[str],
-) -> dict[str, dict[str, float]]:
-    """Each representative timed alone under every mode its memory profile ran (or only ``modes``, and always
-    ``none``, which the others are measured against; ``memory.block_times``)."""
-    wanted = None if isinstance(modes, bool) else {"none", *modes}
-    return {
-        key: time_block_modes(
+        key: run(
             root,
             cap,
             {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
