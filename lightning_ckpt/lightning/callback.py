@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.lightning.applied import AppliedPlan
 from lightning_ckpt.lightning.checks import (
+    check_buckets,
     check_reuse_arguments,
     check_strategy,
     check_tunable,
@@ -42,6 +44,7 @@ from lightning_ckpt.lightning.tensorboard import TunerRun
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.buckets import TABLE_KEY, PlanTable, bucket_edges, table_line
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
 
@@ -71,8 +74,15 @@ class ActivationCheckpointTuner(Callback):
             "on_budget_exceeded": "switch"}`` (``"raise"``, ``"warn"``; ``steps=0`` turns it off).
         max_shape: the longest batch the run will see, ``(rows, length)`` or a length (tokens per sample), for
             data whose lengths vary: the search runs on the first batch grown to it (rows and positions
-            repeated), so the plan fits the longest batch, not the first. Without it the plan is tuned on the
-            first batch and the guard catches longer ones before their forward.
+            repeated), so the plan fits the longest batch, not the first; shorter batches run their bucket's plan
+            (``buckets``). Without it the plan is tuned on the first batch and the guard catches longer ones
+            before their forward.
+        buckets: with ``max_shape``, a plan table: lengths split into buckets, each running the fastest plan
+            predicted to fit the budget at its longest length (one profile per bucket before training, no
+            trials), switched by each batch's length before its forward. ``True`` (default): halving from the
+            longest length down to the first batch's (at most 8 buckets); a list of lengths sets the edges
+            (``[128, 256, 512]``: up to 128, up to 256, ...); ``False``: one plan for every length. Batches are
+            measured by ``guard``'s ``shape_key`` (a packed batch's own length).
         tune_micro_batch: also search the micro-batch size with gradient accumulation (same global batch)
             jointly with the plan. ``True`` sets the LightningModule/DataModule attribute ``batch_size`` (as
             Lightning's ``BatchSizeFinder`` does); a string names another attribute.
@@ -102,6 +112,7 @@ class ActivationCheckpointTuner(Callback):
         search: TuneConfig | Mapping[str, Any] | None = None,
         guard: GuardConfig | Mapping[str, Any] | None = None,
         max_shape: int | tuple[int, int] | None = None,
+        buckets: bool | list[int] = True,
         tune_micro_batch: bool | str = False,
         on_stale_plan: Literal["retune", "raise"] = "retune",
         log_dir: str | os.PathLike[str] | None = None,
@@ -114,6 +125,8 @@ class ActivationCheckpointTuner(Callback):
         self.guard = GuardConfig.of(guard)
         self.max_shape = max_shape
         self._max_shape = BatchSize.declared(max_shape)
+        self.buckets = buckets
+        self._bucket_edges = check_buckets(buckets, self._max_shape)
         check_reuse_arguments(plan, search, on_stale_plan)
         self._given_plan = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
         self._plan_file = PlanFile(plan_path) if plan_path is not None else None
@@ -137,6 +150,10 @@ class ActivationCheckpointTuner(Callback):
         self._guard = BudgetGuard(self.guard, torch.device("cpu"))
         self._view: ModelView | None = None  # the model, resolved once per fit (on_fit_start)
         self._replan_check: ReplanCheck | None = None  # a re-planned plan's predictions, beside its first real steps
+        self._table: PlanTable | None = (
+            None  # one plan per length bucket (``search.buckets``); the top one is self.plan
+        )
+        self._running: Plan | None = None  # the plan applied now: self.plan, or a shorter bucket's
 
     @property
     def plan_path(self) -> Path | None:
@@ -205,20 +222,27 @@ class ActivationCheckpointTuner(Callback):
                 check_tunable(pl_module)
                 self._pending = True
         if self._pending:
-            found = search_first_batch(trainer, pl_module, tuning_batch, batch_idx, self._request())
+            lengths = self._table_lengths(trainer, batch, tuning_batch)
+            found = search_first_batch(trainer, pl_module, tuning_batch, batch_idx, self._request(lengths))
             if found is None:
                 return
-            result, self._tuned_batch = found
+            result, self._tuned_batch, table = found
             self._pending = False
             self._guard.reference = self._guard.size_of(self._tuned_batch)  # the batch the trials' figures are for
-            self._searched(trainer, result, source="search")
+            self._searched(trainer, result, source="search", table=table)
+        if self._table is not None:
+            self._follow_table(trainer, batch)
         if self.plan is not None and self._view is not None:
             trials = self.result.trials if self.result is not None else ()
-            lower = self._guard.before_forward(trainer, batch, self.plan, trials, self._view)
+            running = self._running or self.plan
+            lower = self._guard.before_forward(trainer, batch, running, trials, self._view)
             if lower is not None:  # a larger batch predicted over the budget: moved before it runs
                 self._replan_check = None
-                self._lock_in(lower, source="the budget guard", trainer=trainer)
-        self._guard.maybe_start(trainer, pl_module, batch, compiled=bool(self._view.compiled))
+                self._guard_switched(lower, trainer)
+        running_key = (self._running or self.plan).key() if self.plan is not None else None
+        self._guard.maybe_start(
+            trainer, pl_module, batch, compiled=bool(self._view.compiled), first_of=running_key if self._table else None
+        )
         if self._replan_check is not None:
             self._replan_check.step_starts(guard_reads_it=self._guard.reader.active)
 
@@ -237,16 +261,17 @@ class ActivationCheckpointTuner(Callback):
             return
         sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
         trials = self.result.trials if self.result is not None else ()
-        check = self._guard.judge(trainer, reading, batch, self.plan, sync, trials)
+        running = self._running or self.plan
+        check = self._guard.judge(trainer, reading, batch, running, sync, trials)
         if self._replan_check is not None:
             self._replan_check.memory_read(check.peak_bytes, check.activation_bytes)
         if not check.within_budget:
-            lower = self._guard.over_budget(check, self.plan, trials, self._view)
+            lower = self._guard.over_budget(check, running, trials, self._view)
             if lower is not None:
                 if self._replan_check is not None:  # its prediction was wrong: said, and not timed on another plan
                     rank_zero_info(self._replan_check.line())
                     self._replan_check = None
-                self._lock_in(lower, source="the budget guard", trainer=trainer)
+                self._guard_switched(lower, trainer)
         if (self._guard.done or not check.within_budget) and trainer.is_global_zero and self.plan is not None:
             self.plan = self.plan.with_metadata(real_steps=[c.to_dict() for c in self.step_checks])
             if self._plan_file is not None:
@@ -307,6 +332,7 @@ class ActivationCheckpointTuner(Callback):
             if trainer.is_global_zero and self._plan_file is not None:
                 self._plan_file.wrote = self._plan_file.save(plan)
         self._lock_in(plan, source=source, trainer=trainer)
+        self._table = self._reused_table(trainer, plan, source)
         budget = reused_budget(plan, wanted, pl_module.device)
         if trainer.world_size > 1:
             # Resolved per rank (the default CUDA budget is a share of each GPU's free memory): ranks that judged a
@@ -318,23 +344,92 @@ class ActivationCheckpointTuner(Callback):
             self._set_micro_batch(trainer, pl_module, plan.metadata["micro_batch"])
         return True
 
-    def _searched(self, trainer: pl.Trainer, result: TuneResult, *, source: str) -> None:
+    def _searched(
+        self, trainer: pl.Trainer, result: TuneResult, *, source: str, table: PlanTable | None = None
+    ) -> None:
         """Lock in the search's plan, record what it was tuned for, save it and report (rank 0)."""
         self.result = result
         self._guard.budget = result.budget
         self._lock_in(result.best, source=source, trainer=trainer)
+        self._table = table
+        if table is not None:
+            self.plan = result.best.with_metadata(**{TABLE_KEY: table.to_dict()})
         if not trainer.is_global_zero:
             return
         conditions = run_conditions(trainer, trainer.lightning_module, self._tuned_batch).to_dict()
         budget = {**result.budget.to_dict(), "requested": self._search_budget.requested_max_memory}
-        self.plan = result.best.with_metadata(budget=budget, conditions=conditions)
+        self.plan = (self.plan or result.best).with_metadata(budget=budget, conditions=conditions)
         if self._plan_file is not None:
             self._plan_file.wrote = self._plan_file.save(self.plan)
         report_search(trainer, result, plan_file=self._plan_file, tb=self._tb, verbose=self.verbose)
+        if table is not None:
+            rank_zero_info(f"lightning_ckpt: {table_line(table, result.budget)}")
 
-    def _request(self) -> SearchRequest:
+    def _request(self, table_lengths: tuple[int, ...] | None = None) -> SearchRequest:
         assert self._view is not None
-        return SearchRequest(self._view, self.config, self._search_budget, self._tb, self.verbose)
+        return SearchRequest(self._view, self.config, self._search_budget, self._tb, self.verbose, table_lengths)
+
+    def _table_lengths(self, trainer: pl.Trainer, batch: Any, tuning_batch: Any) -> tuple[int, ...] | None:
+        """The plan table's bucket lengths for this search, None when there is none: no ``max_shape`` or
+        ``buckets=False``, several ranks (a rank switching alone would leave the ranks' plans apart), a compiled
+        model (its plans' graphs), or a declared maximum no longer than the first batch."""
+        if self._max_shape is None or self.buckets is False or self._view is None:
+            return None
+        why = None
+        if trainer.world_size > 1:
+            why = "several ranks (a rank switching plans alone would leave the ranks apart)"
+        elif self._view.compiled:
+            why = "a compiled model (each bucket's plan would be another graph)"
+        elif self.guard.shape_key is not None:
+            why = "batches sized by guard's shape_key (a packed batch cannot be cut to each bucket's length)"
+        if why is not None:
+            rank_zero_info(f"lightning_ckpt: no plan table with {why}: every batch runs the plan tuned for max_shape.")
+            return None
+        first, tuned = self._guard.size_of(batch), self._guard.size_of(tuning_batch)
+        if first is None or tuned is None:
+            return None
+        edges = bucket_edges(min(first.length, tuned.length // 8), tuned.length, self._bucket_edges)
+        return edges if len(edges) > 1 else None
+
+    def _follow_table(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Before the forward: run the plan of the batch's bucket (a batch longer than every bucket runs the top
+        one, and the guard's before-forward check covers it)."""
+        table, view = self._table, self._view
+        assert table is not None and self.plan is not None and view is not None
+        size = self._guard.size_of(batch)
+        index = table.bucket_for(size.length) if size is not None else None
+        top = index is None or index == len(table.buckets) - 1
+        want = self.plan if top else table.buckets[index].plan
+        if self._running is None or want.key() != self._running.key():
+            self._applied.apply(view, want, trainer)
+            self._running = want
+
+    def _guard_switched(self, lower: Plan, trainer: pl.Trainer) -> None:
+        """The guard moved to ``lower``: lock it in, or, under a plan table, make it the plan of the bucket that went
+        over (the top bucket's plan is the plan file's plan) and run it."""
+        table, running = self._table, self._running
+        if table is None or running is None or self.plan is None or running.key() == self.plan.key():
+            if table is not None:
+                self._table = table.with_top(replace(lower, metadata={}))
+                lower = lower.with_metadata(**{TABLE_KEY: self._table.to_dict()})
+            self._lock_in(lower, source="the budget guard", trainer=trainer)
+            return
+        index = next(i for i, b in enumerate(table.buckets) if b.plan.key() == running.key())
+        self._table = table.with_plan(index, replace(lower, metadata={}, name=running.name), "guard")
+        self.plan = self.plan.with_metadata(**{TABLE_KEY: self._table.to_dict()})
+        assert self._view is not None
+        self._applied.apply(self._view, self._table.buckets[index].plan, trainer)
+        self._running = self._table.buckets[index].plan
+        rank_zero_info(f"lightning_ckpt: bucket <= {table.buckets[index].max_length} now runs {lower.describe()}")
+
+    def _reused_table(self, trainer: pl.Trainer, plan: Plan, source: str) -> PlanTable | None:
+        """The plan table a reused plan keeps, when this fit follows one (as ``_table_lengths`` decides)."""
+        if self.buckets is False or trainer.world_size > 1 or (self._view is not None and self._view.compiled):
+            return None
+        table = PlanTable.of_plan(plan, source=source)
+        if table is not None:
+            rank_zero_info(f"lightning_ckpt: {table_line(table, None)}")
+        return table
 
     def _report_replanned(self, trainer: pl.Trainer) -> None:
         """Once a re-planned plan's first step was timed (its memory read before it): the side-by-side line, and
@@ -351,11 +446,12 @@ class ActivationCheckpointTuner(Callback):
     def _unlock(self) -> None:
         self._guard.reader.abandon()
         self._applied.remove()
+        self._running = None
 
     def _lock_in(self, plan: Plan, *, source: str, trainer: pl.Trainer) -> None:
         assert self._view is not None
         self._applied.apply(self._view, plan, trainer)
-        self.plan = plan
+        self.plan = self._running = plan
         self._guard.arm(int(trainer.accumulate_grad_batches))
         if source not in _SEARCHES or self.verbose:
             rank_zero_info(f"lightning_ckpt: applied plan from {source}: {plan.describe()}")

@@ -16,6 +16,7 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.config import TuneConfig
 
 __all__ = [
+    "check_buckets",
     "check_reuse_arguments",
     "check_strategy",
     "check_tunable",
@@ -23,6 +24,25 @@ __all__ = [
     "refuse_existing_checkpointing",
     "search_config",
 ]
+
+
+def check_buckets(buckets: Any, max_shape: Any) -> tuple[int, ...] | None:
+    """``buckets=`` checked: True/False, or bucket edges (lengths) below ``max_shape``'s; the edges, or None."""
+    if isinstance(buckets, bool):
+        return None
+    ok = isinstance(buckets, (list, tuple)) and bool(buckets)
+    ok = ok and all(isinstance(e, int) and not isinstance(e, bool) and e > 0 for e in buckets)
+    if not ok:
+        raise ConfigurationError(
+            "buckets must be True (halving from max_shape's length), False (one plan for every length) or a list "
+            f"of lengths (bucket edges, e.g. buckets=[128, 256, 512]), but got {buckets!r}."
+        )
+    if max_shape is None:
+        raise ConfigurationError(
+            f"buckets={list(buckets)} needs max_shape, the longest batch (the top bucket, which the search tunes "
+            "for), e.g. max_shape=1024 with buckets=[128, 256, 512]."
+        )
+    return tuple(sorted(set(buckets)))
 
 
 def search_config(search: TuneConfig | Mapping[str, Any] | None, block_types: Any) -> TuneConfig:

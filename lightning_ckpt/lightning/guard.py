@@ -330,7 +330,11 @@ class BudgetGuard:
     def size_of(self, batch: Any) -> BatchSize | None:
         return batch_size_of(batch, self.config.shape_key)
 
-    def maybe_start(self, trainer: Any, pl_module: nn.Module, batch: Any, *, compiled: bool) -> None:
+    def maybe_start(
+        self, trainer: Any, pl_module: nn.Module, batch: Any, *, compiled: bool, first_of: str | None = None
+    ) -> None:
+        """Read this step when it is one of the first after lock-in, a larger batch than any read, a periodic one, or
+        (``first_of``: the key of a plan table's bucket plan running now) the first step under that plan."""
         if not self.active:
             return
         budget = self.budget
@@ -343,7 +347,8 @@ class BudgetGuard:
         )
         self._since_read += 1
         periodic = bool(self.config.every) and self._since_read >= self.config.every
-        if self._left <= 0 and not larger and not periodic:
+        first = first_of is not None and first_of not in self._read_plans
+        if self._left <= 0 and not larger and not periodic and not first:
             return
         self._since_read = 0
         activation = budget.kind == "activation"

@@ -20,6 +20,7 @@ from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.lightning.micro_batch import check_micro_batch_tunable, first_batch
 from lightning_ckpt.lightning.plan_file import PlanFile, warn_each_fit
 from lightning_ckpt.lightning.progress import lightning_bars_paused
+from lightning_ckpt.lightning.shapes import BatchSize, resized_to
 from lightning_ckpt.lightning.sync import StrategySync
 from lightning_ckpt.lightning.tensorboard import TunerRun, logged_hparams
 from lightning_ckpt.lightning.trials import (
@@ -33,6 +34,7 @@ from lightning_ckpt.lightning.trials import (
     zero_grad_fn,
 )
 from lightning_ckpt.model import ModelView
+from lightning_ckpt.search.buckets import PlanTable
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
 from lightning_ckpt.search.store import storage_for_display
@@ -51,6 +53,7 @@ class SearchRequest:
     budget: RequestedBudget
     tb: TunerRun
     verbose: bool
+    table_lengths: tuple[int, ...] | None = None  # a plan table's bucket lengths (the last the tuned batch's)
 
     def progress(self, trainer: pl.Trainer) -> Any:
         """One progress bar for the search on rank 0 (trial lines above it when verbose), and each trial's
@@ -68,9 +71,10 @@ class SearchRequest:
 
 def search_first_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, request: SearchRequest
-) -> tuple[TuneResult, Any] | None:
-    """Search on ``batch`` (moved to the device when Lightning has not yet): the result, and the batch tuned on;
-    None when ``training_step`` skipped the batch (the search runs on the next one)."""
+) -> tuple[TuneResult, Any, PlanTable | None] | None:
+    """Search on ``batch`` (moved to the device when Lightning has not yet): the result, the batch tuned on, and the
+    plan table when ``request.table_lengths`` asks for one (``search.buckets``: one profile per shorter bucket, no
+    trials); None when ``training_step`` skipped the batch (the search runs on the next one)."""
     batch = trainer.strategy.batch_to_device(batch) if needs_transfer(batch, pl_module.device) else batch
     config, budget, progress = request.config, request.budget, request.progress(trainer)
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
@@ -78,7 +82,7 @@ def search_first_batch(
     forward = training_loss(pl_module, trainer.strategy.precision_plugin, batch, batch_idx, zero_grad=zero_grad)
     batch_size, seq_len = batch_dims(batch)
     sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
-    result = None
+    result = table = None
     with (
         _handed_over(batch_idx),
         lightning_bars_paused(trainer, progress),
@@ -101,6 +105,8 @@ def search_first_batch(
             should_stop=lambda: bool(getattr(trainer, "received_sigterm", False)),
             sync=sync,
         )
+        if request.table_lengths is not None and not result.fell_back:
+            table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
     if result is None:
         return None
     if getattr(trainer, "received_sigterm", False):
@@ -110,7 +116,42 @@ def search_first_batch(
             raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
     if result.fell_back:
         warn_each_fit(result.fallback_message)
-    return result, batch
+    return result, batch, table
+
+
+def _table(
+    pl_module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    request: SearchRequest,
+    result: TuneResult,
+    optimizer: Any,
+    zero_grad: Any,
+) -> PlanTable | None:
+    """The plan table over ``request.table_lengths``: the search's plan on top, each shorter bucket's chosen from a
+    profile of ``batch`` cut to its length (in the search's sandbox). None, said once, where the search kept no
+    profile to predict from (a compiled model's, or one whose time model was not fitted)."""
+    from lightning_ckpt.search.buckets import bucket_profile, plan_table
+    from lightning_ckpt.search.replan import PROFILE_KEY
+
+    if PROFILE_KEY not in result.best.metadata:
+        rank_zero_info(
+            "lightning_ckpt: no plan table: the search kept no profile to predict shorter buckets from (a compiled "
+            "model's search, or one that measured no plan eagerly); every batch runs the plan tuned for max_shape."
+        )
+        return None
+    assert request.table_lengths is not None
+    rows = batch_dims(batch)[0] or 1
+    precision = pl_module.trainer.strategy.precision_plugin
+    space = request.config.search_space.for_device(request.view.device.type)
+
+    def profile_at(length: int) -> Any:
+        resized = resized_to(batch, BatchSize(rows, length))
+        forward = training_loss(pl_module, precision, resized, batch_idx, zero_grad=zero_grad)
+        extra = tuple(batch_tensors(resized))
+        return bucket_profile(request.view, forward, space=space, optimizer=optimizer, extra=extra)
+
+    return plan_table(result.best, profile_at, request.table_lengths, result.budget, rows=rows)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
 
-__all__ = ["BatchSize", "ShapeScaling", "batch_size_of", "grown_to"]
+__all__ = ["BatchSize", "ShapeScaling", "batch_size_of", "grown_to", "resized_to"]
 
 
 @dataclass(frozen=True, order=True)
@@ -130,18 +130,20 @@ def grown_to(batch: Any, target: BatchSize) -> Any:
     step takes are those of a batch that size, which is what the search measures. A batch already at least that
     large in a dimension keeps it. Batches whose shape does not carry the length (packed) cannot be grown: the
     caller passes such a batch at its largest itself."""
-    rows, length = batch_dims(batch)
-    if rows is None or length is None:
-        raise ConfigurationError(
-            "max_shape needs token batches, whose tensors are (samples, length) like input_ids, to grow the first "
-            f"batch to the declared size; this batch's first tensor is {_shapes(batch)}. Tune on the largest batch "
-            "instead (the first batch the loader yields is what the search measures)."
-        )
-    to_rows, to_length = max(target.rows, rows), max(target.length, length)
+    rows, length = _token_dims(batch, "max_shape needs")
+    return resized_to(batch, BatchSize(max(target.rows, rows), max(target.length, length)))
+
+
+def resized_to(batch: Any, target: BatchSize) -> Any:
+    """``batch`` at exactly ``target`` (``rows`` 0: its own rows): rows and positions repeated to grow it, the first
+    ones kept to shrink it (as ``grown_to``). What a plan table's buckets are profiled on: the first batch at each
+    bucket's longest length."""
+    rows, length = _token_dims(batch, "a plan table needs")
+    to_rows, to_length = target.rows or rows, target.length
     if (to_rows, to_length) == (rows, length):
         return batch
 
-    def grow(t: Any) -> Any:
+    def resize(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != rows:
             return t
         t = t[torch.arange(to_rows, device=t.device) % rows]
@@ -150,14 +152,25 @@ def grown_to(batch: Any, target: BatchSize) -> Any:
                 t = t.index_select(dim, torch.arange(to_length, device=t.device) % length)
         return t
 
-    grown = tree_map(grow, batch)
-    if batch_dims(grown) != (to_rows, to_length):
+    resized = tree_map(resize, batch)
+    if batch_dims(resized) != (to_rows, to_length):
         raise ConfigurationError(
-            f"max_shape could not grow this batch ({type(batch).__name__}, first tensor {_shapes(batch)}) to "
+            f"This batch ({type(batch).__name__}, first tensor {_shapes(batch)}) could not be resized to "
             f"{to_rows} x {to_length}: its structure is not one torch's pytree walks. Pass the batch as a dict, "
             "tuple or list of tensors, or tune on the largest batch."
         )
-    return grown
+    return resized
+
+
+def _token_dims(batch: Any, needs: str) -> tuple[int, int]:
+    rows, length = batch_dims(batch)
+    if rows is None or length is None:
+        raise ConfigurationError(
+            f"{needs} token batches, whose tensors are (samples, length) like input_ids, to resize the first "
+            f"batch to other lengths; this batch's first tensor is {_shapes(batch)}. Tune on the largest batch "
+            "instead (the first batch the loader yields is what the search measures)."
+        )
+    return rows, length
 
 
 def _shapes(batch: Any) -> str:

@@ -33,11 +33,12 @@ if TYPE_CHECKING:
 
     from lightning_ckpt.memory.profile import Profile
 
-__all__ = ["PROFILE_KEY", "Replanned", "SavedProfile", "profile_metadata", "replan"]
+__all__ = ["PROFILE_KEY", "Replanned", "SavedProfile", "predicted_records", "profile_metadata", "replan"]
 
 PROFILE_KEY = "profile"
-# What a re-planned plan drops from the plan it came from: figures measured for that plan, not this one.
-_MEASURED_KEYS = ("measured", "baselines", "real_steps", "search", "switched_from")
+# What a re-planned plan drops from the plan it came from: figures measured for that plan, not this one, and its
+# plan table (``search.buckets``: its buckets' plans were chosen for the old budget; ``replan_table`` re-plans them).
+_MEASURED_KEYS = ("measured", "baselines", "real_steps", "search", "switched_from", "plan_table")
 
 
 def profile_metadata(
@@ -186,11 +187,7 @@ def replan(
     budget = requested.resolve(
         device=dev, none_activation_bytes=memory_model.predict_activation(Plan()), capacity_bytes=capacity
     )
-    _, candidates = offered_candidates(
-        profile.space.for_device(device_type(dev)), profile.stacks, profile.memory.fingerprint, profile.memory
-    )
-    records = [_scored(i, c, memory, profile.time, ratio, batch, budget) for i, c in enumerate(candidates)]
-    records = [r for r in records if r is not None]
+    records = predicted_records(profile, memory, profile.time, budget, device=dev, ratio=ratio, batch=batch)
     best = choose_best(records, budget, tie_tolerance=profile.tie_tolerance)
     if best is None:
         lowest = min(records, key=lambda r: r.memory(budget), default=None)
@@ -210,6 +207,29 @@ def replan(
         fitting=sum(r.feasible for r in records),
         batch_size=batch,
     )
+
+
+def predicted_records(
+    profile: SavedProfile,
+    memory: RealStepMemory,
+    time: TimeModel,
+    budget: Budget,
+    *,
+    device: torch.device | str,
+    ratio: float = 1.0,
+    batch: int | None = None,
+    model: MemoryModel | None = None,
+) -> list[TrialRecord]:
+    """Every plan of ``profile``'s space scored by prediction alone (``memory`` and ``time``: the profile's own, or
+    another batch's; see ``search.buckets``), as records ``choose_best`` picks from; plans whose time is not
+    predicted are left out. ``model``: the memory model that says which plans can run (default the profile's)."""
+    model = model or profile.memory
+    _, candidates = offered_candidates(
+        profile.space.for_device(device_type(device)), profile.stacks, model.fingerprint, model
+    )
+    rows = batch or profile.batch_size
+    records = [_scored(i, c, memory, time, ratio, rows, budget) for i, c in enumerate(candidates)]
+    return [r for r in records if r is not None]
 
 
 def _scored(

@@ -211,7 +211,7 @@ def _search(
             harness.step_fn,
             optimizer=optimizer,
             extra=harness.extra,
-            time_blocks=_space_modes(space, resolved),
+            time_blocks=space_modes(space, resolved),
             compiled_blocks=is_compiled,
         )
     if profile.time is not None:
@@ -352,7 +352,7 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def _space_modes(space: SearchSpace, resolved: ModelView) -> set[str]:
+def space_modes(space: SearchSpace, resolved: ModelView) -> set[str]:
     """The mode keys (``plan.format.mode_key``) the space's plans give any block: all the time profile needs."""
     keys = {"none", "full"}
     for cand in space.enumerate(resolved.stacks, fingerprint=None):

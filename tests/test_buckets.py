@@ -1,0 +1,155 @@
+"""The plan table (search/buckets.py and the callback's buckets=): one plan per length bucket, chosen from a profile
+at each bucket's longest length, switched by each batch's length before its forward, kept in the plan file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_guard import LONG, SHORT, SPACE, Net, _Batches, _PackedNet, fit, full, real_peak
+
+from lightning_ckpt import ActivationCheckpointTuner, Plan
+from lightning_ckpt.errors import ConfigurationError, PlanError
+from lightning_ckpt.plan.handle import applied_plan
+from lightning_ckpt.search.buckets import TABLE_KEY, PlanTable, bucket_edges
+
+
+def test_bucket_edges_halve_from_the_longest_or_follow_the_users():
+    assert bucket_edges(48, 256) == (64, 128, 256), "the shortest bucket covers the shortest length"
+    assert bucket_edges(32, 256) == (32, 64, 128, 256)
+    assert bucket_edges(256, 256) == (256,)
+    assert bucket_edges(1, 1024) == (8, 16, 32, 64, 128, 256, 512, 1024), "at most eight"
+    assert bucket_edges(8, 512, [128, 64, 128, 900]) == (64, 128, 512), "sorted, deduplicated, capped at the longest"
+    with pytest.raises(ConfigurationError, match="at most 8 buckets"):
+        bucket_edges(8, 10_000, list(range(10, 100, 10)))
+
+
+def test_buckets_are_checked_at_construction():
+    with pytest.raises(ConfigurationError, match="needs max_shape"):
+        ActivationCheckpointTuner(max_memory=10**9, buckets=[64, 128])
+    with pytest.raises(ConfigurationError, match="buckets must be True"):
+        ActivationCheckpointTuner(max_memory=10**9, max_shape=256, buckets=[64, "128"])
+    ActivationCheckpointTuner(max_memory=10**9, max_shape=256, buckets=[64, 128])
+
+
+class _Recording(Net):
+    """Records, for every real step, its batch length and the plan applied while it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: list[tuple[int, str]] = []
+
+    def training_step(self, batch, batch_idx):
+        plan = applied_plan(self)
+        self.ran.append((batch[0].shape[1], plan.key() if plan is not None else Plan().key()))
+        return super().training_step(batch, batch_idx)
+
+
+def _budget(tmp_path) -> int:
+    """A budget that `none` meets on short batches and only checkpointing meets on long ones (test_guard's)."""
+    none_short = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([SHORT] * 2))
+    full_long = real_peak(tmp_path, full, "32-true", steps=2, data=_Batches([LONG] * 2))
+    none_long = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([LONG] * 2))
+    budget = max(none_short, full_long) * 21 // 20
+    assert none_long > budget, "the long batch needs checkpointing at this budget"
+    return budget
+
+
+CURRICULUM = [SHORT, LONG, SHORT, LONG, SHORT, (32, 16)]
+
+
+def _tuner(budget: int, **kwargs) -> ActivationCheckpointTuner:
+    settings = dict(
+        max_memory=budget,
+        max_shape=LONG,
+        verbose=False,
+        search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+        guard=dict(on_budget_exceeded="raise", steps=2, every=1),  # every step read; any over the budget fails
+    )
+    return ActivationCheckpointTuner(**{**settings, **kwargs})
+
+
+def test_each_batch_runs_its_buckets_plan_within_the_budget_and_trains_as_without_one(tmp_path):
+    budget = _budget(tmp_path)
+    torch.manual_seed(0)
+    net = _Recording()
+    cb = _tuner(budget, plan_path=tmp_path / "plan.json")
+    fit(tmp_path, [cb], net, steps=len(CURRICULUM), data=_Batches(CURRICULUM))
+    table = cb._table
+    assert table is not None and table.longest == LONG[1] and len(table.buckets) >= 2
+    short = table.buckets[table.bucket_for(SHORT[1])].plan
+    assert short.is_empty, "no checkpointing fits a short batch at this budget: its bucket runs none"
+    assert not cb.plan.is_empty and table.buckets[-1].plan.key() == cb.plan.key(), "the top bucket: the search's"
+    # Every step ran its own bucket's plan, switched before its forward, and every step was read within the budget.
+    assert [key for _, key in net.ran] == [table.buckets[table.bucket_for(length)].plan.key() for length, _ in net.ran]
+    assert len(net.peaks) == len(CURRICULUM) and max(net.peaks) <= budget, [p / budget for p in net.peaks]
+    assert all(c.within_budget for c in cb.step_checks)
+
+    # Exact: the same steps without the tuner give bit-equal weights.
+    torch.manual_seed(0)
+    plain = Net()
+    fit(tmp_path, [], plain, steps=len(CURRICULUM), data=_Batches(CURRICULUM))
+    for (name, a), b in zip(net.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+    # The plan file keeps the table, and a later run reuses it with zero trials and switches the same way.
+    saved = Plan.load(tmp_path / "plan.json")
+    assert PlanTable.of_plan(saved) == PlanTable.of_plan(cb.plan)
+    again = _Recording()
+    cb2 = _tuner(budget, plan_path=tmp_path / "plan.json")
+    fit(tmp_path, [cb2], again, steps=len(CURRICULUM), data=_Batches(CURRICULUM))
+    assert cb2.trials_run == 0 and cb2._table is not None
+    assert [b.plan.key() for b in cb2._table.buckets] == [b.plan.key() for b in table.buckets]
+    assert again.ran == net.ran
+    assert max(again.peaks) <= budget
+
+
+def test_without_buckets_every_batch_runs_the_plan_tuned_for_the_longest(tmp_path):
+    budget = _budget(tmp_path)
+    net = _Recording()
+    cb = _tuner(budget, buckets=False)
+    fit(tmp_path, [cb], net, steps=3, data=_Batches(CURRICULUM[:3]))
+    assert cb._table is None and TABLE_KEY not in cb.plan.metadata
+    assert {key for _, key in net.ran} == {cb.plan.key()}
+
+
+def test_a_packed_batch_gets_no_table_and_says_why(tmp_path, caplog):
+    # Every batch is 4 x 32 tokens; the sequences it packs are 8 tokens long, then 32: only the user's key tells
+    # them apart, and such a batch cannot be cut to a bucket's length to profile it there.
+    data = _Batches([(4, 32)] * 3, extra=[[8, 8, 8, 8], [32, 32, 32, 32], [8, 8, 8, 8]])
+    cb = ActivationCheckpointTuner(
+        max_memory=10**10,
+        max_shape=32,
+        verbose=False,
+        search=dict(n_trials=2, measure_steps=1, search_space=SPACE),
+        guard=dict(shape_key=lambda b: int(b[2].max())),
+    )
+    with caplog.at_level("INFO"):
+        fit(tmp_path, [cb], _PackedNet(), steps=3, data=data)
+    assert cb._table is None and TABLE_KEY not in cb.plan.metadata
+    assert "no plan table with batches sized by guard's shape_key" in caplog.text
+
+
+def test_a_malformed_table_is_refused_naming_the_field(tmp_path):
+    top = Plan(name="top")
+    good = {
+        "key": "length",
+        "rows": 4,
+        "buckets": [
+            {"max_length": 8, "plan": {"schema_version": 1, "blocks": {}}, "source": "predicted"},
+            {"max_length": 32, "plan": top.to_dict(), "source": "search"},
+        ],
+    }
+    plan = top.with_metadata(**{TABLE_KEY: good})
+    assert [b.max_length for b in PlanTable.of_plan(plan).buckets] == [8, 32]
+    bad_length = json.loads(json.dumps(good))
+    bad_length["buckets"][0]["max_length"] = "8"
+    with pytest.raises(PlanError, match=r"plan_table.*max_length must be an integer"):
+        PlanTable.of_plan(top.with_metadata(**{TABLE_KEY: bad_length}))
+    unordered = json.loads(json.dumps(good))
+    unordered["buckets"].reverse()
+    with pytest.raises(PlanError, match="ascending"):
+        PlanTable.of_plan(top.with_metadata(**{TABLE_KEY: unordered}))
+    with pytest.raises(PlanError, match="top bucket runs"):
+        PlanTable.of_plan(Plan(name="other", segments={"h": 2}).with_metadata(**{TABLE_KEY: good}))
