@@ -7,11 +7,16 @@ median batch and the longest needs checkpointing. Each row is a fresh fit with t
 - ``first batch, no switching``: tuned on the first batch; the guard only warns (v0.3's plan for the run);
 - ``first batch, guard``: tuned on the first batch; the guard predicts each batch longer than any read so far
   before its forward and moves to a plan that fits (the default);
-- ``max_shape``: the longest length declared, ``max_shape=(rows, max_len)``: tuned for it.
+- ``max_shape, one plan``: the longest length declared, ``max_shape=(rows, max_len)``, ``buckets=False``: one plan
+  tuned for it runs every batch;
+- ``plan table``: the same declaration with the default ``buckets=True``: the search's plan for the longest bucket,
+  and for each shorter bucket (halving lengths) the plan predicted fastest that fits at its longest length,
+  switched before each batch's forward (the first step under each bucket's plan is read by the guard).
 
 Every real step's peak (forward, backward and the optimizer's update) is read by the live-tensor tracker in one
-fit; the speed (tokens per second over the steps after the search) is timed in a second fit of the same row
-without the tracker, each row in turn. Ratios are to the ``max_shape`` row, measured in the same run.
+fit; the speed (tokens per second over the steps after the search) is timed in further fits of each row without
+the tracker, ``--repeats`` of them in round-robin over the rows (the median is shown), so the machine's drift falls
+on every row alike. Ratios are to the ``max_shape, one plan`` row, measured in the same run.
 
 Run: ``python benchmarks/variable_length.py`` (2-core CPU: a few minutes); writes
 ``benchmarks/results/variable_length.json``.
@@ -121,7 +126,8 @@ def fit_with(module: Lit, data: list) -> Lit:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3, help="timed fits per row (round-robin); the median is shown")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=256)
@@ -148,7 +154,8 @@ def main() -> None:
     rows = {
         "first batch, no switching": dict(guard={"on_budget_exceeded": "warn", "every": 1}),
         "first batch, guard": dict(guard={"every": 1}),
-        "max_shape": dict(max_shape=(args.rows, args.max_len), guard={"every": 1}),
+        "max_shape, one plan": dict(max_shape=(args.rows, args.max_len), buckets=False, guard={"every": 1}),
+        "plan table": dict(max_shape=(args.rows, args.max_len), guard={"every": 1}),
     }
     results = []
     logs = tempfile.mkdtemp(prefix="variable_length_tb_")  # the callback's TensorBoard runs: not this checkout's
@@ -157,15 +164,23 @@ def main() -> None:
         tracked = fit(data, [cb], args.max_len, track=True)
         over = [p for p in tracked.peaks if p > budget]
         plans = sorted({c.plan for c in cb.step_checks})
-        cb_timed = ActivationCheckpointTuner(max_memory=budget, verbose=False, search=search, log_dir=logs,
-                                             **{**options, "guard": {**options["guard"], "every": 0}})  # fmt: skip
-        timed = fit(data, [cb_timed], args.max_len, track=False)
-        tokens, seconds = sum(timed.tokens[1:]), sum(timed.seconds[1:])  # after the search's step
         results.append({"row": name, "steps_over_budget": len(over), "steps": len(tracked.peaks),
                         "max_peak_of_budget": max(tracked.peaks) / budget, "plans_run": plans,
                         "tuned": cb.result.best.describe() if cb.result else None,
-                        "tokens_per_second": tokens / seconds})  # fmt: skip
-    ref = next(r for r in results if r["row"] == "max_shape")["tokens_per_second"]
+                        "table": cb.plan_table.describe() if cb.plan_table is not None else None,
+                        "tokens_per_second_each": []})  # fmt: skip
+    # Speed: each row's fit again without the tracker (the guard reads only its first steps and each longer batch,
+    # as by default), in round-robin over the rows, ``--repeats`` times: the machine's drift falls on every row.
+    for _ in range(args.repeats):
+        for name, options in rows.items():
+            cb = ActivationCheckpointTuner(max_memory=budget, verbose=False, search=search, log_dir=logs,
+                                           **{**options, "guard": {**options["guard"], "every": 0}})  # fmt: skip
+            timed = fit(data, [cb], args.max_len, track=False)
+            tokens, seconds = sum(timed.tokens[1:]), sum(timed.seconds[1:])  # after the search's step
+            next(r for r in results if r["row"] == name)["tokens_per_second_each"].append(tokens / seconds)
+    for r in results:
+        r["tokens_per_second"] = sorted(r["tokens_per_second_each"])[len(r["tokens_per_second_each"]) // 2]
+    ref = next(r for r in results if r["row"] == "max_shape, one plan")["tokens_per_second"]
     print(f"{'row':28s} {'over budget':>12s} {'max peak':>9s} {'tokens/s':>9s} {'vs max_shape':>12s}  plans")
     for r in results:
         r["vs_max_shape"] = r["tokens_per_second"] / ref

@@ -10,9 +10,12 @@ import torch
 from test_guard import LONG, SHORT, SPACE, Net, _Batches, _PackedNet, fit, full, real_peak
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan
+from lightning_ckpt.cli.main import main
+from lightning_ckpt.cli.show import plan_summary
 from lightning_ckpt.errors import ConfigurationError, PlanError
 from lightning_ckpt.plan.handle import applied_plan
-from lightning_ckpt.search.buckets import TABLE_KEY, PlanTable, bucket_edges
+from lightning_ckpt.plan.table import TABLE_KEY, PlanTable, bucket_edges
+from lightning_ckpt.search.replan import replan
 
 
 def test_bucket_edges_halve_from_the_longest_or_follow_the_users():
@@ -70,13 +73,13 @@ def _tuner(budget: int, **kwargs) -> ActivationCheckpointTuner:
     return ActivationCheckpointTuner(**{**settings, **kwargs})
 
 
-def test_each_batch_runs_its_buckets_plan_within_the_budget_and_trains_as_without_one(tmp_path):
+def test_each_batch_runs_its_buckets_plan_within_the_budget_and_trains_as_without_one(tmp_path, capsys):
     budget = _budget(tmp_path)
     torch.manual_seed(0)
     net = _Recording()
     cb = _tuner(budget, plan_path=tmp_path / "plan.json")
     fit(tmp_path, [cb], net, steps=len(CURRICULUM), data=_Batches(CURRICULUM))
-    table = cb._table
+    table = cb.plan_table
     assert table is not None and table.longest == LONG[1] and len(table.buckets) >= 2
     short = table.buckets[table.bucket_for(SHORT[1])].plan
     assert short.is_empty, "no checkpointing fits a short batch at this budget: its bucket runs none"
@@ -99,10 +102,26 @@ def test_each_batch_runs_its_buckets_plan_within_the_budget_and_trains_as_withou
     again = _Recording()
     cb2 = _tuner(budget, plan_path=tmp_path / "plan.json")
     fit(tmp_path, [cb2], again, steps=len(CURRICULUM), data=_Batches(CURRICULUM))
-    assert cb2.trials_run == 0 and cb2._table is not None
-    assert [b.plan.key() for b in cb2._table.buckets] == [b.plan.key() for b in table.buckets]
+    assert cb2.trials_run == 0 and cb2.plan_table is not None
+    assert [b.plan.key() for b in cb2.plan_table.buckets] == [b.plan.key() for b in table.buckets]
     assert again.ran == net.ran
     assert max(again.peaks) <= budget
+
+    # show prints the table; replan re-plans every bucket from the profile it keeps, for a tighter budget.
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"plan table   {len(table.buckets)} buckets by batch length" in out
+    assert f"<= {SHORT[1]}" in out and "predicted" in out and "search" in out
+    summary = plan_summary(saved)
+    assert [row["max_length"] for row in summary["plan_table"]] == [b.max_length for b in table.buckets]
+    tight = replan(saved, activation_budget=0.4)
+    replanned = PlanTable.of_plan(tight.plan)
+    assert replanned is not None and [b.max_length for b in replanned.buckets] == [b.max_length for b in table.buckets]
+    assert replanned.buckets[-1].plan.key() == tight.plan.key()
+    assert not replanned.buckets[-1].plan.is_empty, "40% of the longest batch's activations: it needs checkpointing"
+    for b in replanned.buckets:
+        assert tight.budget.value_of(b.predicted_peak_bytes, b.predicted_activation_bytes) <= tight.budget.limit_bytes
 
 
 def test_without_buckets_every_batch_runs_the_plan_tuned_for_the_longest(tmp_path):
@@ -110,7 +129,7 @@ def test_without_buckets_every_batch_runs_the_plan_tuned_for_the_longest(tmp_pat
     net = _Recording()
     cb = _tuner(budget, buckets=False)
     fit(tmp_path, [cb], net, steps=3, data=_Batches(CURRICULUM[:3]))
-    assert cb._table is None and TABLE_KEY not in cb.plan.metadata
+    assert cb.plan_table is None and TABLE_KEY not in cb.plan.metadata
     assert {key for _, key in net.ran} == {cb.plan.key()}
 
 
@@ -127,7 +146,7 @@ def test_a_packed_batch_gets_no_table_and_says_why(tmp_path, caplog):
     )
     with caplog.at_level("INFO"):
         fit(tmp_path, [cb], _PackedNet(), steps=3, data=data)
-    assert cb._table is None and TABLE_KEY not in cb.plan.metadata
+    assert cb.plan_table is None and TABLE_KEY not in cb.plan.metadata
     assert "no plan table with batches sized by guard's shape_key" in caplog.text
 
 

@@ -12,6 +12,7 @@ import json
 
 from lightning_ckpt.cli.usage import EXIT_OK, UsageError, load_plan
 from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.plan.table import PlanTable, table_line
 from lightning_ckpt.search.replan import replan
 
 __all__ = ["run_replan"]
@@ -48,6 +49,7 @@ def run_replan(args: argparse.Namespace) -> int:
                     "predicted_activation_bytes": result.predicted_activation_bytes,
                     "plans_scored": result.considered,
                     "plans_fitting": result.fitting,
+                    "plan_table": table.describe() if (table := PlanTable.of_plan(result.plan)) else None,
                     "written": args.output,
                 },
                 indent=2,
@@ -55,6 +57,9 @@ def run_replan(args: argparse.Namespace) -> int:
         )
     else:
         print(result.describe())
+        table = PlanTable.of_plan(result.plan)
+        if table is not None:
+            print(table_line(table, result.budget) + " (each bucket re-planned from the profile it keeps)")
     if args.output:
         path = result.plan.save(args.output)
         if not args.json:

@@ -26,7 +26,9 @@ from lightning_ckpt.cli.metadata import (
     versions_text,
 )
 from lightning_ckpt.cli.usage import EXIT_OK, load_plan
+from lightning_ckpt.errors import PlanError
 from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.plan.table import TABLE_KEY, PlanTable
 from lightning_ckpt.search.records import TrialStatus
 from lightning_ckpt.search.replan import PROFILE_KEY
 from lightning_ckpt.search.verdict import Verdict
@@ -183,14 +185,46 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
     if measured or baselines:
         lines += _evidence_lines(plan, measured, baselines)
 
+    lines += _table_lines(plan)
     lines += _profile_lines(md)
     known = {"run", "budget", "versions", "search", "measured", "baselines", MEMORY_BREAKDOWN_KEY, PROFILE_KEY}
+    known.add(TABLE_KEY)
     known.add("replanned")
     other = {k: v for k, v in md.items() if k not in known}
     if other:
         lines += ["", "other metadata"]
         lines += [f"  {k}: {_cut(json.dumps(v, default=str))}" for k, v in other.items()]
     return "\n".join(lines)
+
+
+def _table_lines(plan: Plan) -> list[str]:
+    """The plan table (one plan per length bucket), when the file keeps one; a malformed one is said, not shown."""
+    try:
+        found = PlanTable.of_plan(plan, source="this file")
+    except PlanError as err:
+        return ["", f"plan table   NOT USABLE: {err}"]
+    if found is None:
+        return []
+    rows = [
+        [
+            f"<= {b.max_length}",
+            b.plan.describe(),
+            b.source,
+            bytes_text(b.predicted_peak_bytes),
+            bytes_text(b.predicted_activation_bytes),
+            f"{1000 * b.predicted_seconds:.1f}" if b.predicted_seconds else "-",
+        ]
+        for b in found.buckets
+    ]
+    head = ["length", "plan", "chosen by", "peak", "activations", "ms/step"]
+    return [
+        "",
+        f"plan table   {len(found.buckets)} buckets by batch length ({found.rows} rows), each batch runs its bucket's "
+        "plan, switched before its forward",
+        table(head, rows, right=(3, 4, 5), indent="  "),
+        "  (search: measured by the search; predicted: chosen from a profile at the bucket's longest length, 0 "
+        "trials; guard: moved there by the budget guard)",
+    ]
 
 
 def _cut(text: str, limit: int = 200) -> str:
@@ -337,8 +371,23 @@ def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
         "fell_back": search.get("fell_back") if search else None,
         "verdict": verdict.to_dict() if search and (verdict := Verdict.recorded(search)) is not None else None,
         "predicted_block_memory": block_memory,
+        "plan_table": _table_summary(plan),
         "plan": plan.to_dict(),
     }
+
+
+def _table_summary(plan: Plan) -> list[dict[str, Any]] | None:
+    try:
+        found = PlanTable.of_plan(plan, source="this file")
+    except PlanError:
+        return None
+    if found is None:
+        return None
+    keys = ("predicted_peak_bytes", "predicted_activation_bytes", "predicted_seconds")
+    return [
+        {"max_length": b.max_length, "plan": b.plan.describe(), "source": b.source, **{k: getattr(b, k) for k in keys}}
+        for b in found.buckets
+    ]
 
 
 SHOW_JSON_HELP = """\
@@ -363,6 +412,8 @@ not record it; json_format changes if a key changes meaning):
   verdict                 {reference, candidate, ratio, low, high, rounds, threshold, confidence, outcome}: the best
                           tuned plan against the fastest fitting baseline from the paired side-by-side rounds
   predicted_block_memory  {block: {kept_for_backward, without_ckpt}} bytes, from the memory model
+  plan_table              [{max_length, plan, source, predicted_peak_bytes, predicted_activation_bytes,
+                          predicted_seconds}] per length bucket, shortest first (null without a table)
   plan                    the plan file's own content (Plan.to_dict()), metadata included
 """
 

@@ -44,7 +44,7 @@ from lightning_ckpt.lightning.tensorboard import TunerRun
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.search.buckets import TABLE_KEY, PlanTable, bucket_edges, table_line
+from lightning_ckpt.plan.table import TABLE_KEY, PlanTable, bucket_edges, table_line
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
 
@@ -162,6 +162,11 @@ class ActivationCheckpointTuner(Callback):
     @property
     def trials_run(self) -> int:
         return len(self.result.trials) if self.result is not None else 0
+
+    @property
+    def plan_table(self) -> PlanTable | None:
+        """The plan of each length bucket this fit follows (``buckets``; ``search.buckets``), None without one."""
+        return self._table
 
     @property
     def step_checks(self) -> list[StepCheck]:

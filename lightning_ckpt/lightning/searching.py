@@ -34,7 +34,7 @@ from lightning_ckpt.lightning.trials import (
     zero_grad_fn,
 )
 from lightning_ckpt.model import ModelView
-from lightning_ckpt.search.buckets import PlanTable
+from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
 from lightning_ckpt.search.store import storage_for_display

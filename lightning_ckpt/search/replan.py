@@ -23,6 +23,7 @@ from lightning_ckpt.errors import InfeasibleBudgetError, PlanError
 from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.plan.table import TABLE_KEY, Bucket, PlanTable
 from lightning_ckpt.search.records import TrialRecord, TrialStatus, choose_best
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
 from lightning_ckpt.stacks import LayerStack
@@ -33,7 +34,16 @@ if TYPE_CHECKING:
 
     from lightning_ckpt.memory.profile import Profile
 
-__all__ = ["PROFILE_KEY", "Replanned", "SavedProfile", "predicted_records", "profile_metadata", "replan"]
+__all__ = [
+    "PROFILE_KEY",
+    "Replanned",
+    "SavedProfile",
+    "predicted_records",
+    "profile_metadata",
+    "replan",
+    "replanned_table",
+    "table_bucket",
+]
 
 PROFILE_KEY = "profile"
 # What a re-planned plan drops from the plan it came from: figures measured for that plan, not this one, and its
@@ -196,8 +206,12 @@ def replan(
             f"No plan of the searched space is predicted to fit {budget.description} ({len(records)} scored{found}). "
             "Raise the budget, or lower the batch size."
         )
+    replanned = _replanned_plan(plan, best, budget, requested, profile, batch, len(records))
+    table = replanned_table(plan, replanned, budget, profile) if ratio == 1 else None
+    if table is not None:
+        replanned = replanned.with_metadata(**{TABLE_KEY: table.to_dict()})
     return Replanned(
-        plan=_replanned_plan(plan, best, budget, requested, profile, batch, len(records)),
+        plan=replanned,
         budget=budget,
         predicted_seconds=best.median_seconds or 0.0,
         predicted_samples_per_second=best.samples_per_second or 0.0,
@@ -230,6 +244,68 @@ def predicted_records(
     rows = batch or profile.batch_size
     records = [_scored(i, c, memory, time, ratio, rows, budget) for i, c in enumerate(candidates)]
     return [r for r in records if r is not None]
+
+
+def table_bucket(
+    length: int,
+    memory_model: MemoryModel,
+    time: TimeModel,
+    searched: SavedProfile,
+    budget: Budget,
+    rows: int,
+    top: Plan,
+) -> Bucket:
+    """The bucket at ``length``: the search's rule over every plan's predicted figures there; the top plan (which
+    fits at the longest length, so at this one) when nothing is predicted to fit."""
+    memory = RealStepMemory(memory_model, searched.optimizer)
+    records = predicted_records(
+        searched, memory, time, budget, device=memory_model.device, batch=rows, model=memory_model
+    )
+    best = choose_best(records, budget, tie_tolerance=searched.tie_tolerance)
+    profile = {"memory": memory_model.to_dict(), "time": time.to_dict()}
+    if best is None:
+        return Bucket(length, top, "search", profile=profile)
+    plan = replace(best.plan, name=f"bucket <= {length}", fingerprint=top.fingerprint, metadata={})
+    return Bucket(
+        length,
+        plan,
+        "predicted",
+        predicted_peak_bytes=best.peak_bytes,
+        predicted_activation_bytes=best.activation_bytes,
+        predicted_seconds=best.median_seconds,
+        profile=profile,
+    )
+
+
+def replanned_table(original: Plan, top: Plan, budget: Budget, profile: SavedProfile) -> PlanTable | None:
+    """``original``'s plan table re-planned for ``budget`` (``top``: the plan re-planned for the longest bucket): each
+    shorter bucket from the profile it keeps, by the same rule; None when ``original`` keeps no table, or a bucket
+    keeps no profile (the table is then dropped: every batch runs ``top``, and the guard reads them)."""
+    table = PlanTable.of_plan(original)
+    if table is None or any(b.profile is None for b in table.buckets[:-1]):
+        return None
+    buckets = []
+    for b in table.buckets[:-1]:
+        assert b.profile is not None
+        try:
+            memory = MemoryModel.from_dict(b.profile["memory"])
+            time = TimeModel.from_dict(b.profile["time"])
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise PlanError(
+                f"the plan table's bucket <= {b.max_length} keeps a malformed profile ({type(err).__name__}: {err}); "
+                "re-tune to write a new one."
+            ) from None
+        buckets.append(table_bucket(b.max_length, memory, time, profile, budget, table.rows, top))
+    replanned = top.metadata.get("replanned") or {}
+    head = Bucket(
+        table.longest,
+        top,
+        "predicted",
+        predicted_peak_bytes=replanned.get("predicted_peak_bytes"),
+        predicted_activation_bytes=replanned.get("predicted_activation_bytes"),
+        predicted_seconds=replanned.get("predicted_seconds"),
+    )
+    return PlanTable((*buckets, head), table.rows)
 
 
 def _scored(
