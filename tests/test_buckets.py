@@ -49,8 +49,10 @@ class _Recording(Net):
         return super().training_step(batch, batch_idx)
 
 
-def _budget(tmp_path) -> int:
+@pytest.fixture(scope="module")
+def budget(tmp_path_factory) -> int:
     """A budget that `none` meets on short batches and only checkpointing meets on long ones (test_guard's)."""
+    tmp_path = tmp_path_factory.mktemp("budget")
     none_short = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([SHORT] * 2))
     full_long = real_peak(tmp_path, full, "32-true", steps=2, data=_Batches([LONG] * 2))
     none_long = real_peak(tmp_path, lambda n: Plan(), "32-true", steps=2, data=_Batches([LONG] * 2))
@@ -73,8 +75,7 @@ def _tuner(budget: int, **kwargs) -> ActivationCheckpointTuner:
     return ActivationCheckpointTuner(**{**settings, **kwargs})
 
 
-def test_each_batch_runs_its_buckets_plan_within_the_budget_and_trains_as_without_one(tmp_path, capsys):
-    budget = _budget(tmp_path)
+def test_each_batch_runs_its_buckets_plan_within_the_budget_and_trains_as_without_one(tmp_path, capsys, budget):
     torch.manual_seed(0)
     net = _Recording()
     cb = _tuner(budget, plan_path=tmp_path / "plan.json")
@@ -124,8 +125,7 @@ def test_each_batch_runs_its_buckets_plan_within_the_budget_and_trains_as_withou
         assert tight.budget.value_of(b.predicted_peak_bytes, b.predicted_activation_bytes) <= tight.budget.limit_bytes
 
 
-def test_without_buckets_every_batch_runs_the_plan_tuned_for_the_longest(tmp_path):
-    budget = _budget(tmp_path)
+def test_without_buckets_every_batch_runs_the_plan_tuned_for_the_longest(tmp_path, budget):
     net = _Recording()
     cb = _tuner(budget, buckets=False)
     fit(tmp_path, [cb], net, steps=3, data=_Batches(CURRICULUM[:3]))
@@ -172,3 +172,37 @@ def test_a_malformed_table_is_refused_naming_the_field(tmp_path):
         PlanTable.of_plan(top.with_metadata(**{TABLE_KEY: unordered}))
     with pytest.raises(PlanError, match="top bucket runs"):
         PlanTable.of_plan(Plan(name="other", segments={"h": 2}).with_metadata(**{TABLE_KEY: good}))
+
+
+def test_each_buckets_prediction_matches_the_true_step_at_its_length():
+    # The core, without Lightning: a search at 64 tokens, then the table down to 8. Each bucket's plan is predicted
+    # from a profile at its own length (no scaling rule), so its activation memory must match a real step there.
+    from lightning_ckpt import tune
+    from lightning_ckpt.measure.measurement import track_step_memory
+    from lightning_ckpt.model import ModelView
+    from lightning_ckpt.plan.apply import plan_applied
+    from lightning_ckpt.search.buckets import bucket_profile, plan_table
+    from lightning_ckpt.search.replan import SavedProfile
+    from lightning_ckpt.testing import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=64, dropout=0.0))
+    ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+    result = tune(model, lambda: model(ids, ids), activation_budget=0.4, n_trials=4, measure_steps=1,
+                  search_space=SPACE, batch_size=4, seq_len=64)  # fmt: skip
+    view, space = ModelView.of(model), SavedProfile.of_plan(result.best).space
+
+    def profile_at(length: int):
+        x = ids[:, :length]
+        return bucket_profile(view, lambda: model(x, x), space=space, extra=(x,))
+
+    table = plan_table(result.best, profile_at, (8, 16, 32, 64), result.budget, rows=4)
+    assert [b.source for b in table.buckets] == ["predicted"] * 3 + ["search"]
+    for bucket in table.buckets[:-1]:
+        x = ids[:, : bucket.max_length]
+        with plan_applied(model, bucket.plan, check_fingerprint=False):
+            reading = track_step_memory(lambda x=x: model(x, x).backward(), model=model, extra=(x,))
+        model.zero_grad(set_to_none=True)
+        assert bucket.predicted_activation_bytes == pytest.approx(reading.activation_bytes, rel=0.05), bucket
+        assert reading.activation_bytes <= result.budget.limit_bytes, "the bucket's plan fits at its longest length"
+    assert table.buckets[0].plan.is_empty, "at an eighth of the length nothing needs checkpointing"

@@ -288,7 +288,7 @@ def test_validate_model_that_exits_is_an_error_not_a_silent_exit(work, source, s
 SHOW_KEYS = {
     "json_format", "file", "name", "description", "digest", "fingerprint", "blocks_by_mode", "segments",
     "compile_memory_budget", "budget", "winner", "baselines", "trials", "fell_back", "predicted_block_memory", "plan",
-    "verdict",
+    "verdict", "plan_table",
 }  # fmt: skip
 TRIAL_KEYS = {
     "considered", "space_size", "n_trials", "exhaustive", "measured", "pruned", "pruned_by_memory", "pruned_by_time",
