@@ -150,9 +150,7 @@ class ActivationCheckpointTuner(Callback):
         self._guard = BudgetGuard(self.guard, torch.device("cpu"))
         self._view: ModelView | None = None  # the model, resolved once per fit (on_fit_start)
         self._replan_check: ReplanCheck | None = None  # a re-planned plan's predictions, beside its first real steps
-        self._table: PlanTable | None = (
-            None  # one plan per length bucket (``search.buckets``); the top one is self.plan
-        )
+        self._table: PlanTable | None = None  # a plan per length bucket (``search.buckets``); the top one: self.plan
         self._running: Plan | None = None  # the plan applied now: self.plan, or a shorter bucket's
 
     @property
@@ -244,10 +242,8 @@ class ActivationCheckpointTuner(Callback):
             if lower is not None:  # a larger batch predicted over the budget: moved before it runs
                 self._replan_check = None
                 self._guard_switched(lower, trainer)
-        running_key = (self._running or self.plan).key() if self.plan is not None else None
-        self._guard.maybe_start(
-            trainer, pl_module, batch, compiled=bool(self._view.compiled), first_of=running_key if self._table else None
-        )
+        first_of = self._running.key() if self._table is not None and self._running is not None else None
+        self._guard.maybe_start(trainer, pl_module, batch, compiled=bool(self._view.compiled), first_of=first_of)
         if self._replan_check is not None:
             self._replan_check.step_starts(guard_reads_it=self._guard.reader.active)
 
@@ -380,13 +376,7 @@ class ActivationCheckpointTuner(Callback):
         model (its plans' graphs), or a declared maximum no longer than the first batch."""
         if self._max_shape is None or self.buckets is False or self._view is None:
             return None
-        why = None
-        if trainer.world_size > 1:
-            why = "several ranks (a rank switching plans alone would leave the ranks apart)"
-        elif self._view.compiled:
-            why = "a compiled model (each bucket's plan would be another graph)"
-        elif self.guard.shape_key is not None:
-            why = "batches sized by guard's shape_key (a packed batch cannot be cut to each bucket's length)"
+        why = self._table_refused(trainer)
         if why is not None:
             rank_zero_info(f"lightning_ckpt: no plan table with {why}: every batch runs the plan tuned for max_shape.")
             return None
@@ -395,6 +385,16 @@ class ActivationCheckpointTuner(Callback):
             return None
         edges = bucket_edges(min(first.length, tuned.length // 8), tuned.length, self._bucket_edges)
         return edges if len(edges) > 1 else None
+
+    def _table_refused(self, trainer: pl.Trainer) -> str | None:
+        """Why this fit can follow no plan table (a search builds none, a reused one is not followed), or None."""
+        if trainer.world_size > 1:
+            return "several ranks (a rank switching plans alone would leave the ranks apart)"
+        if self._view is not None and self._view.compiled:
+            return "a compiled model (each bucket's plan would be another graph)"
+        if self.guard.shape_key is not None:
+            return "batches sized by guard's shape_key (a packed batch cannot be cut to each bucket's length)"
+        return None
 
     def _follow_table(self, trainer: pl.Trainer, batch: Any) -> None:
         """Before the forward: run the plan of the batch's bucket (a batch longer than every bucket runs the top
@@ -429,7 +429,7 @@ class ActivationCheckpointTuner(Callback):
 
     def _reused_table(self, trainer: pl.Trainer, plan: Plan, source: str) -> PlanTable | None:
         """The plan table a reused plan keeps, when this fit follows one (as ``_table_lengths`` decides)."""
-        if self.buckets is False or trainer.world_size > 1 or (self._view is not None and self._view.compiled):
+        if self.buckets is False or self._table_refused(trainer) is not None:
             return None
         table = PlanTable.of_plan(plan, source=source)
         if table is not None:

@@ -35,8 +35,10 @@ from lightning_ckpt.lightning.trials import (
 )
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.table import PlanTable
+from lightning_ckpt.search.buckets import bucket_profile, plan_table
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
+from lightning_ckpt.search.replan import PROFILE_KEY
 from lightning_ckpt.search.store import storage_for_display
 from lightning_ckpt.search.tune import SearchInterrupted, tune
 
@@ -131,9 +133,6 @@ def _table(
     """The plan table over ``request.table_lengths``: the search's plan on top, each shorter bucket's chosen from a
     profile of ``batch`` cut to its length (in the search's sandbox). None, said once, where the search kept no
     profile to predict from (a compiled model's, or one whose time model was not fitted)."""
-    from lightning_ckpt.search.buckets import bucket_profile, plan_table
-    from lightning_ckpt.search.replan import PROFILE_KEY
-
     if PROFILE_KEY not in result.best.metadata:
         rank_zero_info(
             "lightning_ckpt: no plan table: the search kept no profile to predict shorter buckets from (a compiled "
