@@ -11,13 +11,19 @@ from lightning_ckpt.versions import torch_version
 
 def pytest_configure(config):
     # Under pytest -n 2 (the README command) two workers share the two cores: one intra-op thread each keeps
-    # them from oversubscribing the machine (two pools of two threads spin against each other).
-    # Not on torch 2.6: its inductor, compiling on CPU with one intra-op thread, emits wrong code for the test
-    # GPT's backward (the tied embedding weight's gradient differs from eager in a third of its elements, with no
-    # plan applied; reproduced with a fresh inductor cache, and 2.13 compiles it right), and the kernel then sits in
-    # the on-disk cache for every later process, whatever its threads. The oldest leg pays the oversubscription.
-    if os.environ.get("PYTEST_XDIST_WORKER") and (torch_version() or (99, 0)) >= (2, 7):
-        torch.set_num_threads(1)
+    # them from oversubscribing the machine (two pools of two threads spinning against each other made eager
+    # steps up to 10x slower on the torch 2.6 leg).
+    # On torch 2.6 inductor reads the thread count at compile time, and with one thread it emits wrong code for
+    # the test GPT's backward (the tied embedding weight's gradient differs from eager in a third of its
+    # elements, with no plan applied; reproduced with a fresh inductor cache, and 2.13 compiles it right). There
+    # its kernels are compiled for the machine's threads (config.cpp.threads) while eager runs one.
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if (torch_version() or (99, 0)) < (2, 7):
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.threads = torch.get_num_threads()
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -524,7 +524,6 @@ def test_a_buffer_first_updated_on_a_later_call_is_not_updated_twice():
     assert model[0].seen.item() == 2
 
 
-@pytest.mark.slow
 def test_compiled_planned_model_updates_batchnorm_statistics_once():
     # Under torch.compile the guard steps aside: AOTAutograd applies buffer updates once, after the graph.
     torch.manual_seed(0)
@@ -546,7 +545,6 @@ def test_compiled_planned_model_updates_batchnorm_statistics_once():
         torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.slow
 def test_before_torch_2_9_compiled_regions_with_running_statistics_run_eagerly_and_stay_exact(monkeypatch):
     # torch 2.6-2.8 update BatchNorm statistics again in a compiled recompute; there the region runs eagerly
     # under the buffer guard (a graph break and a warning) instead. Simulated here by the version string, so

@@ -30,7 +30,6 @@ def _run(out: Path, *args: str) -> list[dict]:
     return run_ranks(WORKER, out, *args)
 
 
-@pytest.mark.slow
 def test_fsdp2_ranks_agree_train_as_one_process_and_reuse(tmp_path):
     r0, r1 = _run(tmp_path)
     assert r0["digest"] == r1["digest"] and r0["trials_run"] == r1["trials_run"] > 0
@@ -76,7 +75,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_per_rank_memory_model_under_fsdp2_for_every_baseline(tmp_path):
     # Both reshard_after_forward settings in one launch of 2 ranks (a launch costs more than the measurements).
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -97,7 +95,6 @@ def test_per_rank_memory_model_under_fsdp2_for_every_baseline(tmp_path):
         assert data["rows"]["full"]["activation"] < 0.5 * data["rows"]["none"]["activation"], where
 
 
-@pytest.mark.slow
 def test_a_trial_failing_on_one_rank_of_a_sharded_model_ends_the_search_clearly_without_hanging(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     cmd = [
