@@ -76,8 +76,8 @@ def check_reusable(
     fingerprint = model.fingerprint
     if plan.fingerprint is not None and plan.fingerprint != fingerprint:
         raise StalePlanError(
-            f"The plan from {source} was tuned for another model (fingerprint {plan.fingerprint}; this "
-            f"model's is {fingerprint}: its module tree, parameter shapes or dtypes differ)."
+            f"The plan from {source} was tuned for another model: {plan.model_change(model)} (fingerprint "
+            f"{plan.fingerprint} in the plan, {fingerprint} for this model)."
         )
     saved = RequestedBudget.of_plan(plan)
     # A budget saved without its size is compared only with one this run asks for.

@@ -312,10 +312,25 @@ class Plan:
         actual = model.fingerprint if isinstance(model, ModelView) else model_fingerprint(model)
         if actual != self.fingerprint:
             raise StalePlanError(
-                f"Plan {self.name or self.digest()!r} was made for a model with fingerprint {self.fingerprint}, "
-                f"but this model's fingerprint is {actual} (module tree, parameter shapes or dtypes differ). "
+                f"Plan {self.name or self.digest()!r} was made for another model: "
+                f"{self.model_change(ModelView.of(model))} "
+                f"(fingerprint {self.fingerprint} in the plan, {actual} for this model). "
                 "Re-tune for this model, or pass check_fingerprint=False if you know the plan still fits."
             )
+
+    def model_change(self, model: ModelView) -> str:
+        """How ``model`` differs from the one this plan was tuned for, read from the plan's saved profile."""
+        from lightning_ckpt.plan.model_change import describe_model_change, model_changes
+
+        root = model.root
+        changes = model_changes(
+            self.metadata.get("profile"),
+            [s.to_dict() for s in model.stacks],
+            parameter_bytes=sum(p.numel() * p.element_size() for p in root.parameters()),
+            plan_blocks=tuple(self.blocks),
+            module_names=frozenset(name for name, _ in root.named_modules()),
+        )
+        return describe_model_change(changes)
 
 
 def _refuse_if_changed(target: Path, expected: str | None) -> None:
