@@ -158,6 +158,11 @@ def read(logdir) -> ea.EventAccumulator:
     return acc
 
 
+def scalars(acc: ea.EventAccumulator, tag: str) -> dict[int, float]:
+    """A scalar series by step: the report writes scalars as tensors with the scalars plugin's metadata."""
+    return {e.step: float(e.tensor_proto.float_val[0]) for e in acc.Tensors(tag)}
+
+
 def text_of(acc: ea.EventAccumulator, tag: str) -> str:
     (event,) = acc.Tensors(report.text_tag(tag))
     return event.tensor_proto.string_val[0].decode()
@@ -182,15 +187,15 @@ def test_tensorboard_round_trip(tmp_path, result):
     acc = read(logdir)
     tags = acc.Tags()
 
-    assert set(TRIAL_SCALAR_TAGS) <= set(tags["scalars"])
-    sps = {e.step: e.value for e in acc.Scalars(TAG_SAMPLES_PER_SECOND)}
+    assert set(TRIAL_SCALAR_TAGS) <= set(tags["tensors"])  # scalars written as tensors (add_scalar new_style)
+    sps = scalars(acc, TAG_SAMPLES_PER_SECOND)
     assert sps == pytest.approx({0: 100.0, 1: 70.0, 2: 85.0, 4: 90.0, 6: 88.0})  # never-run trials are skipped
-    peak = {e.step: e.value for e in acc.Scalars(TAG_PEAK_MIB)}
+    peak = scalars(acc, TAG_PEAK_MIB)
     assert peak[1] == pytest.approx(400.0) and 5 not in peak
-    assert {e.step: e.value for e in acc.Scalars(TAG_ACTIVATION_MIB)}[4] == pytest.approx(180.0)
-    assert [e.step for e in acc.Scalars(TAG_TRIAL_SECONDS)] == list(range(8))
+    assert scalars(acc, TAG_ACTIVATION_MIB)[4] == pytest.approx(180.0)
+    assert list(scalars(acc, TAG_TRIAL_SECONDS)) == list(range(8))
     # Best so far: only plans that fit count (trial 0, 100/s, is over the budget).
-    best = {e.step: e.value for e in acc.Scalars(TAG_BEST_SAMPLES_PER_SECOND)}
+    best = scalars(acc, TAG_BEST_SAMPLES_PER_SECOND)
     assert best == pytest.approx({1: 70.0, 2: 85.0, 3: 85.0, 4: 90.0, 5: 90.0, 6: 90.0, 7: 90.0})
 
     plan_text = text_of(acc, TAG_PLAN)
@@ -294,7 +299,7 @@ def test_streamed_trials_are_not_logged_twice(tmp_path, result):
         # The caller's writer stays open: it belongs to the caller (e.g. Lightning's logger).
         writer.add_scalar("user/after", 1.0, 0)
     acc = read(logdir)
-    assert [e.step for e in acc.Scalars(TAG_TRIAL_SECONDS)] == list(range(8))
+    assert list(scalars(acc, TAG_TRIAL_SECONDS)) == list(range(8))
     assert "custom table" in text_of(acc, TAG_MEMORY_BREAKDOWN)
     assert "user/after" in acc.Tags()["scalars"]
 
@@ -371,7 +376,7 @@ def test_search_progress_streams_and_announces(tmp_path, result, capsys):
     out = capsys.readouterr().out
     assert out.count("[trial ") == len(result.trials)  # verbose: one line per trial
     assert "confirming 2 leading plans side by side" in out and "replace the figures streamed" in out
-    best = {e.step: e.value for e in read(tmp_path).Scalars(TAG_BEST_SAMPLES_PER_SECOND)}
+    best = scalars(read(tmp_path), TAG_BEST_SAMPLES_PER_SECOND)
     assert best[7] == pytest.approx(90.0)
     quiet = report.SearchProgress(4, verbose=False, enabled=False)
     quiet(result.trials[0], result.budget)
@@ -512,5 +517,25 @@ def test_the_result_line_summary_and_warning_show_the_verdict_with_its_interval(
     report.write_tensorboard(tmp_path, _with_verdict(result, won))
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
-    values = {tag: acc.Scalars(tag)[0].value for tag in report.VERDICT_SCALAR_TAGS}
+    values = {tag: scalars(acc, tag)[0] for tag in report.VERDICT_SCALAR_TAGS}
     assert list(values.values()) == pytest.approx([won.ratio, won.low, won.high], rel=1e-6)
+
+
+def test_time_series_keeps_the_alone_and_the_side_by_side_figures_apart_and_says_which_is_which(tmp_path, result):
+    # The confirmation reversed the ranking: trial 2 measured fastest alone, trial 4 won side by side.
+    reversed_ = {
+        2: dict(first_samples_per_second=95.0, samples_per_second=80.0, confirmation_seconds=(0.1, 0.1)),
+        4: dict(first_samples_per_second=90.0, samples_per_second=92.0, confirmation_seconds=(0.1, 0.1)),
+    }
+    trials = tuple(dataclasses.replace(t, **reversed_.get(t.number, {})) for t in result.trials)
+    logdir = report.write_tensorboard(tmp_path / "tb", dataclasses.replace(result, trials=trials))
+    acc = read(logdir)
+    alone = scalars(acc, TAG_SAMPLES_PER_SECOND)
+    assert alone[2] == pytest.approx(95.0) and alone[4] == pytest.approx(90.0)
+    side = scalars(acc, report.TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND)
+    assert side == pytest.approx({2: 80.0, 4: 92.0})  # only the plans re-timed side by side
+    assert max(scalars(acc, TAG_BEST_SAMPLES_PER_SECOND).values()) == pytest.approx(95.0)
+    for tag in (TAG_SAMPLES_PER_SECOND, TAG_BEST_SAMPLES_PER_SECOND, report.TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND):
+        description = acc.SummaryMetadata(tag).summary_description
+        assert description == report.SCALAR_DESCRIPTIONS[tag] and "side" in description
+    assert "alone" in TAG_SAMPLES_PER_SECOND and "alone" in TAG_BEST_SAMPLES_PER_SECOND

@@ -163,6 +163,13 @@ def test_run_count_stays_small_whatever_the_trial_count(server, fit):
     )
     steps, values = [s for _, s, _ in best], [v for _, _, v in best]
     assert steps == sorted(steps) and values == sorted(values)  # a best-so-far curve, by trial number
+    # Each chart says whose figures it holds: measured alone as the search ran, or side by side.
+    tags = json.loads(get(server, "/data/plugin/scalars/tags"))[search_run]
+    for tag in (report.TAG_SAMPLES_PER_SECOND, report.TAG_BEST_SAMPLES_PER_SECOND):
+        assert "measured alone" in tags[tag]["description"] and "side" in tags[tag]["description"]
+    side = tags.get(report.TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND)
+    assert side is None or "side by side" in side["description"]
+    assert (side is not None) == any(t.confirmed for t in tuner.result.trials)
 
 
 def test_text_and_images_tabs_show_the_plan_summary_and_pareto_figure(server, fit):

@@ -9,8 +9,11 @@ TensorBoard layout, under a Lightning ``TensorBoardLogger`` (``version_N`` is th
     version_N/                       the HParams experiment (the table's columns, see experiment_summary),
                                      written before Lightning's own so the tuner's columns win
     version_N/lightning_ckpt/        the search run: one point per trial (global_step = trial number)
-        lightning_ckpt/trial/...           TRIAL_SCALAR_TAGS, only what each trial produced
-        lightning_ckpt/search/best_samples_per_second   the best-so-far curve
+        lightning_ckpt/trial/...           TRIAL_SCALAR_TAGS, only what each trial produced; its samples/s
+                                           (trial/samples_per_second_alone) is the plan measured alone
+        lightning_ckpt/search/best_samples_per_second_alone   the best-so-far curve of those
+        lightning_ckpt/confirm/samples_per_second  the leaders and baselines re-timed side by side: the
+                                           figures the plan was chosen on (at each one's trial number)
         lightning_ckpt/search/verdict_{ratio,low,high}  VERDICT_SCALAR_TAGS: the verdict and its interval (step 0)
         lightning_ckpt/1_summary           text*: the verdict, then every trial, fastest first
         lightning_ckpt/2_plan              text*: the chosen plan as a markdown table
@@ -67,6 +70,8 @@ __all__ = [
     "TAG_RECOMPILES",
     "TAG_RECOMPUTE_OVERHEAD",
     "TAG_SAMPLES_PER_SECOND",
+    "TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND",
+    "SCALAR_DESCRIPTIONS",
     "TAG_SUMMARY",
     "TAG_TRIAL_SECONDS",
     "TAG_PREDICTED_STEP_MS",
@@ -84,20 +89,41 @@ TAG_PREFIX = "lightning_ckpt"
 # The search run: one point per trial, global_step = trial number. Only quantities a trial produced
 # are logged (a pruned trial has no throughput), so every point is a real figure; plans differ from
 # one step to the next, so read these at smoothing 0. The best-so-far series is a true curve.
-TAG_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/trial/samples_per_second"
+# A trial's samples/s is the one it measured alone, as the search ran ("_alone": the plan was chosen on the
+# side-by-side figures under confirm/, which can rank plans the other way when the machine's speed drifts).
+TAG_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/trial/samples_per_second_alone"
 TAG_PEAK_MIB = f"{TAG_PREFIX}/trial/peak_memory_mib"
 TAG_PREDICTED_PEAK_MIB = f"{TAG_PREFIX}/trial/predicted_peak_memory_mib"
 TAG_ACTIVATION_MIB = f"{TAG_PREFIX}/trial/activation_memory_mib"
 TAG_PREDICTED_ACTIVATION_MIB = f"{TAG_PREFIX}/trial/predicted_activation_memory_mib"
 TAG_RECOMPUTE_OVERHEAD = f"{TAG_PREFIX}/trial/recompute_overhead"
 TAG_TRIAL_SECONDS = f"{TAG_PREFIX}/trial/seconds"
-TAG_BEST_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/search/best_samples_per_second"
+TAG_BEST_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/search/best_samples_per_second_alone"
+# The confirmation's figures (written once it ends): each plan re-timed side by side, at its trial number.
+TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/confirm/samples_per_second"
 # The confirmation's verdict (one point, step 0): the best tuned plan's speed over the fastest fitting baseline,
 # geometric mean of the paired side-by-side rounds, and its 90% interval (``search/verdict.py``).
 TAG_VERDICT_RATIO = f"{TAG_PREFIX}/search/verdict_ratio"
 TAG_VERDICT_LOW = f"{TAG_PREFIX}/search/verdict_low"
 TAG_VERDICT_HIGH = f"{TAG_PREFIX}/search/verdict_high"
 VERDICT_SCALAR_TAGS = (TAG_VERDICT_RATIO, TAG_VERDICT_LOW, TAG_VERDICT_HIGH)
+# What TensorBoard shows as each chart's description (Time Series and Scalars: the card's info tooltip), for
+# the series whose figures could be mistaken for one another.
+SCALAR_DESCRIPTIONS = {
+    TAG_SAMPLES_PER_SECOND: (
+        "Each trial's throughput measured alone, as the search ran (x = trial number). The plan was chosen on "
+        "the side-by-side figures in confirm/samples_per_second; these can rank plans differently."
+    ),
+    TAG_BEST_SAMPLES_PER_SECOND: (
+        "The fastest fitting trial so far, measured alone. Not the winner's figure: the winner was chosen on "
+        "confirm/samples_per_second (side by side)."
+    ),
+    TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND: (
+        "The leaders and every fitting baseline re-timed side by side in interleaved rounds (x = trial number): "
+        "the figures the plan was chosen on, also in the HParams table and the summary text."
+    ),
+    TAG_VERDICT_RATIO: "The winner's speed over the fastest fitting baseline, from the paired side-by-side rounds.",
+}
 # Compiled trials only: logged when a trial carries compile statistics (TrialRecord.extra["compile"]).
 TAG_COMPILE_SECONDS = f"{TAG_PREFIX}/trial/compile_seconds"
 TAG_GRAPH_BREAKS = f"{TAG_PREFIX}/trial/graph_breaks"

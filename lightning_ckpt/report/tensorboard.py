@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboard.compat.proto.tensor_pb2 import TensorProto
+from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
+from tensorboard.plugins.scalar.plugin_data_pb2 import ScalarPluginData
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_ckpt.report.figure import figure_to_hwc, pareto_figure
@@ -32,6 +35,7 @@ from lightning_ckpt.report.tags import (
     HPARAM_RUN_DIR,
     HPARAM_SAMPLES_PER_SECOND,
     PARETO_PNG,
+    SCALAR_DESCRIPTIONS,
     TAG_ACTIVATION_MIB,
     TAG_BEST_SAMPLES_PER_SECOND,
     TAG_COMPILE_SECONDS,
@@ -47,6 +51,7 @@ from lightning_ckpt.report.tags import (
     TAG_RECOMPILES,
     TAG_RECOMPUTE_OVERHEAD,
     TAG_SAMPLES_PER_SECOND,
+    TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND,
     TAG_SUMMARY,
     TAG_TIME_PREDICTION_ERROR,
     TAG_TRIAL_SECONDS,
@@ -183,7 +188,7 @@ def write_experiment(writer: SummaryWriter, other_hparams: Mapping[str, Any] | N
 
 def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
     scalars = {
-        TAG_SAMPLES_PER_SECOND: trial.samples_per_second,
+        TAG_SAMPLES_PER_SECOND: alone_samples_per_second(trial),
         TAG_PEAK_MIB: None if trial.peak_bytes is None else trial.peak_bytes / MIB,
         TAG_PREDICTED_PEAK_MIB: None if trial.predicted_peak_bytes is None else trial.predicted_peak_bytes / MIB,
         TAG_ACTIVATION_MIB: None if trial.activation_bytes is None else trial.activation_bytes / MIB,
@@ -207,6 +212,28 @@ def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
     return {tag: float(v) for tag, v in scalars.items() if v is not None}
 
 
+def alone_samples_per_second(trial: TrialRecord) -> float | None:
+    """The trial's throughput measured alone, as the search ran: what the per-trial series plots, also after the
+    confirmation replaced ``samples_per_second`` with the side-by-side figure."""
+    return trial.first_samples_per_second or trial.samples_per_second
+
+
+def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None:
+    """``writer.add_scalar(..., new_style=True)``, with the chart's description where ``SCALAR_DESCRIPTIONS`` has
+    one: TensorBoard reads it from the tag's first point and shows it on the chart. Every scalar of the report is
+    written this way (a tensor with the scalars plugin's metadata), so readers see one form; TensorBoard's Rust
+    data server would drop the description of a legacy ``simple_value``."""
+    metadata = SummaryMetadata(
+        display_name=tag,
+        summary_description=SCALAR_DESCRIPTIONS.get(tag, ""),
+        plugin_data=SummaryMetadata.PluginData(
+            plugin_name="scalars", content=ScalarPluginData(version=0).SerializeToString()
+        ),
+    )
+    tensor = TensorProto(dtype="DT_FLOAT", float_val=[float(value)], tensor_shape=TensorShapeProto())
+    writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, tensor=tensor, metadata=metadata)]), step)
+
+
 def log_trial(writer: SummaryWriter, trial: TrialRecord, *, best_samples_per_second: float | None = None) -> None:
     """Log one finished trial's scalars at global_step = trial number, as it finishes.
 
@@ -214,18 +241,20 @@ def log_trial(writer: SummaryWriter, trial: TrialRecord, *, best_samples_per_sec
     as the best-so-far curve. Nothing is logged as NaN: a quantity a trial did not produce is skipped.
     """
     for tag, value in _trial_scalars(trial).items():
-        writer.add_scalar(tag, value, global_step=trial.number)
+        add_scalar(writer, tag, value, trial.number)
     if best_samples_per_second is not None:
-        writer.add_scalar(TAG_BEST_SAMPLES_PER_SECOND, float(best_samples_per_second), global_step=trial.number)
+        add_scalar(writer, TAG_BEST_SAMPLES_PER_SECOND, float(best_samples_per_second), trial.number)
     writer.flush()
 
 
 def best_so_far(trials: Iterable[TrialRecord]) -> list[tuple[int, float]]:
-    """(trial number, fastest feasible samples/s up to it) for each trial once a feasible one exists."""
+    """(trial number, fastest feasible samples/s measured alone up to it) for each trial once a feasible one exists:
+    the curve the search streamed, the same whether it is written as the search runs or afterwards."""
     out, best = [], None
     for t in sorted(trials, key=lambda t: t.number):
-        if t.feasible and t.samples_per_second is not None:
-            best = t.samples_per_second if best is None else max(best, t.samples_per_second)
+        alone = alone_samples_per_second(t)
+        if t.feasible and alone is not None:
+            best = alone if best is None else max(best, alone)
         if best is not None:
             out.append((t.number, best))
     return out
@@ -273,7 +302,7 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
         hparams = {hparam_name(k): v if k in _NUMERIC_COLUMNS else str(v) for k, v in values.items()}
         scalars = _trial_scalars(t)  # the same figures as the trial's own series, under the table's names
         metrics = {
-            HPARAM_SAMPLES_PER_SECOND: scalars.get(TAG_SAMPLES_PER_SECOND),
+            HPARAM_SAMPLES_PER_SECOND: t.samples_per_second,  # side by side where the leaders were confirmed
             HPARAM_PEAK_MIB: scalars.get(TAG_PEAK_MIB),
             HPARAM_ACTIVATION_MIB: scalars.get(TAG_ACTIVATION_MIB),
             HPARAM_PREDICTED_PEAK_MIB: scalars.get(TAG_PREDICTED_PEAK_MIB),
@@ -284,7 +313,7 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
             run.file_writer.add_summary(_session_start(hparams))
             for tag, value in metrics.items():
                 if value is not None:
-                    run.add_scalar(tag, float(value), global_step=t.number)
+                    add_scalar(run, tag, float(value), t.number)
             run.file_writer.add_summary(_session_end())
         names.append(name)
     return names
@@ -325,7 +354,10 @@ def write_tensorboard(
         if verdict is not None and verdict.ratio is not None:
             for tag, value in zip(VERDICT_SCALAR_TAGS, (verdict.ratio, verdict.low, verdict.high), strict=True):
                 if value is not None:
-                    writer.add_scalar(tag, float(value), global_step=0)
+                    add_scalar(writer, tag, float(value), 0)
+        for t in result.trials:
+            if t.confirmed and t.samples_per_second is not None:
+                add_scalar(writer, TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND, t.samples_per_second, t.number)
         writer.add_text(TAG_SUMMARY, summary_markdown(result), global_step=0)
         writer.add_text(TAG_PLAN, plan_markdown(result.best, result.best_trial), global_step=0)
         memory = memory_breakdown_table
