@@ -61,3 +61,10 @@ def test_readme_images_exist_and_screenshots_come_from_the_script():
     spec.loader.exec_module(module)
     shots = {p for p in images if p.startswith("docs/screenshots/")}
     assert shots and shots <= {f"docs/screenshots/{name}.png" for name in module.TABS}
+
+
+def test_the_readme_stays_short_enough_to_read_and_links_the_rest():
+    # A newcomer's page: at most 300 lines; measurements and tables beyond the headline live in docs/.
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300, f"README.md has {len(text.splitlines())} lines; move detail to docs/"
+    assert "docs/benchmarks.md#" in text
