@@ -32,7 +32,10 @@ TABS = {
     "images": ("#images", "Show actual image size"),  # the Pareto figure, full size
     # samples/s measured alone per trial, their best-so-far curve, and the side-by-side figures the plan was
     # chosen on (confirm/); smoothing 0 because consecutive trials are unrelated plans
-    "timeseries": ("?tagFilter=lightning_ckpt%2F(search%2Fbest%7Ctrial%2Fsamples%7Cconfirm)&smoothing=0#timeseries", ""),
+    "timeseries": (
+        "?tagFilter=lightning_ckpt%2F(search%2Fbest%7Ctrial%2Fsamples%7Cconfirm)&smoothing=0#timeseries",
+        "",
+    ),
 }
 CHROMIUM_FLAGS = [
     "--no-sandbox", "--disable-quic", "--no-first-run", "--disable-background-networking",
