@@ -20,9 +20,9 @@ def pytest_configure(config):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if (torch_version() or (99, 0)) < (2, 7):
-        import torch._inductor.config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.cpp.threads = torch.get_num_threads()
+        inductor_config.cpp.threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
 

@@ -206,3 +206,25 @@ def test_each_buckets_prediction_matches_the_true_step_at_its_length():
         assert bucket.predicted_activation_bytes == pytest.approx(reading.activation_bytes, rel=0.05), bucket
         assert reading.activation_bytes <= result.budget.limit_bytes, "the bucket's plan fits at its longest length"
     assert table.buckets[0].plan.is_empty, "at an eighth of the length nothing needs checkpointing"
+
+
+def test_a_batch_longer_than_the_table_grows_a_bucket_before_its_forward_and_shorter_ones_keep_their_plans(
+    tmp_path, caplog, budget
+):
+    # The table is built for 16 tokens at most (max_shape), then 32-token batches arrive: the guard predicts the top
+    # plan over the budget before the long batch's forward and moves it to a lower-memory plan in a new bucket.
+    shapes = [(32, 16), (32, 8), LONG, (32, 16), LONG, (32, 8)]
+    net = _Recording()
+    cb = _tuner(budget, max_shape=(32, 16), guard=dict(on_budget_exceeded="switch", steps=2, every=1))
+    with caplog.at_level("INFO"):
+        fit(tmp_path, [cb], net, steps=len(shapes), data=_Batches(shapes))
+    table = cb.plan_table
+    assert table is not None and table.longest == LONG[1], table.describe()
+    top, below = table.buckets[-1], table.buckets[-2]
+    assert below.max_length == 16 and top.source == "guard" and top.plan.key() == cb.plan.key()
+    assert "the table grows a bucket <= 32" in caplog.text
+    ran = {length: key for length, key in net.ran[3:]}  # after the growth
+    assert ran[LONG[1]] == top.plan.key() and ran[16] == below.plan.key() != top.plan.key()
+    long_steps = [c for c in cb.step_checks if c.batch_dims[1] == LONG[1]]
+    assert long_steps and all(c.within_budget for c in long_steps), "the long batches ran within the budget"
+    assert PlanTable.of_plan(cb.plan) == table  # the plan file keeps the grown table

@@ -241,7 +241,7 @@ class ActivationCheckpointTuner(Callback):
             lower = self._guard.before_forward(trainer, batch, running, trials, self._view)
             if lower is not None:  # a larger batch predicted over the budget: moved before it runs
                 self._replan_check = None
-                self._guard_switched(lower, trainer)
+                self._guard_switched(lower, trainer, batch)
         first_of = self._running.key() if self._table is not None and self._running is not None else None
         self._guard.maybe_start(trainer, pl_module, batch, compiled=bool(self._view.compiled), first_of=first_of)
         if self._replan_check is not None:
@@ -272,7 +272,7 @@ class ActivationCheckpointTuner(Callback):
                 if self._replan_check is not None:  # its prediction was wrong: said, and not timed on another plan
                     rank_zero_info(self._replan_check.line())
                     self._replan_check = None
-                self._guard_switched(lower, trainer)
+                self._guard_switched(lower, trainer, batch)
         if (self._guard.done or not check.within_budget) and trainer.is_global_zero and self.plan is not None:
             self.plan = self.plan.with_metadata(real_steps=[c.to_dict() for c in self.step_checks])
             if self._plan_file is not None:
@@ -409,10 +409,22 @@ class ActivationCheckpointTuner(Callback):
             self._applied.apply(view, want, trainer)
             self._running = want
 
-    def _guard_switched(self, lower: Plan, trainer: pl.Trainer) -> None:
+    def _guard_switched(self, lower: Plan, trainer: pl.Trainer, batch: Any) -> None:
         """The guard moved to ``lower``: lock it in, or, under a plan table, make it the plan of the bucket that went
-        over (the top bucket's plan is the plan file's plan) and run it."""
+        over (the top bucket's plan is the plan file's plan) and run it. A batch longer than every bucket grows the
+        table a bucket up to its length instead, so the batches the top bucket covers keep their plan."""
         table, running = self._table, self._running
+        size = self._guard.size_of(batch)
+        if table is not None and size is not None and size.length > table.longest and self.plan is not None:
+            self._table = table.grown(size.length, replace(lower, metadata={}))
+            rank_zero_info(
+                f"lightning_ckpt: a batch of length {size.length} is longer than the plan table's longest bucket "
+                f"({table.longest}): the table grows a bucket <= {size.length} running {lower.describe()}."
+            )
+            self._lock_in(
+                lower.with_metadata(**{TABLE_KEY: self._table.to_dict()}), source="the budget guard", trainer=trainer
+            )
+            return
         if table is None or running is None or self.plan is None or running.key() == self.plan.key():
             if table is not None:
                 self._table = table.with_top(replace(lower, metadata={}))

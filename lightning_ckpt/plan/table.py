@@ -89,6 +89,15 @@ class PlanTable:
         new = replace(self.buckets[index], plan=plan, source=source)
         return replace(self, buckets=(*self.buckets[:index], new, *self.buckets[index + 1 :]))
 
+    def grown(self, length: int, plan: Plan) -> PlanTable:
+        """The table with a new top bucket, batches up to ``length`` running ``plan``: a batch longer than every
+        bucket was (or was predicted to be) over the budget under the top plan, and the guard moved it to ``plan``.
+        The old top bucket keeps its plan for the batches it covers; at ``MAX_BUCKETS`` it is stretched instead
+        (its batches then run the lower-memory ``plan`` too)."""
+        new = Bucket(max_length=length, plan=plan, source="guard")
+        kept = self.buckets[:-1] if len(self.buckets) >= MAX_BUCKETS else self.buckets
+        return replace(self, buckets=(*kept, new))
+
     def with_top(self, plan: Plan) -> PlanTable:
         """The table whose top bucket runs ``plan`` (a guard's switch above every bucket)."""
         return self.with_plan(len(self.buckets) - 1, plan, "guard")
