@@ -35,6 +35,7 @@ from lightning_ckpt.lightning.checks import (
 from lightning_ckpt.lightning.guard import BudgetGuard, GuardConfig, StepCheck
 from lightning_ckpt.lightning.micro_batch import set_micro_batch
 from lightning_ckpt.lightning.plan_file import PlanFile
+from lightning_ckpt.lightning.probe import probe_request, probed_max_shape
 from lightning_ckpt.lightning.replanned import ReplanCheck
 from lightning_ckpt.lightning.reuse import plan_to_reuse, retune_for_batch, reusable, reused_budget, run_conditions
 from lightning_ckpt.lightning.searching import SearchRequest, report_search, search_first_batch, search_micro_batch
@@ -75,8 +76,10 @@ class ActivationCheckpointTuner(Callback):
         max_shape: the longest batch the run will see, ``(rows, length)`` or a length (tokens per sample), for
             data whose lengths vary: the search runs on the first batch grown to it (rows and positions
             repeated), so the plan fits the longest batch, not the first; shorter batches run their bucket's plan
-            (``buckets``). Without it the plan is tuned on the first batch and the guard catches longer ones
-            before their forward.
+            (``buckets``). ``"probe"``: found before the first step, from the datamodule's ``max_seq_length``
+            (or ``max_length``) where it has one, else from the first 64 batches of the training loader (shapes
+            only; ``"probe:256"`` for more; random states put back, so training sees the same batches). Without it
+            the plan is tuned on the first batch and the guard catches longer ones before their forward.
         buckets: with ``max_shape``, a plan table: lengths split into buckets, each running the fastest plan
             predicted to fit the budget at its longest length (one profile per bucket before training, no
             trials), switched by each batch's length before its forward. ``True`` (default): halving from the
@@ -111,7 +114,7 @@ class ActivationCheckpointTuner(Callback):
         block_types: list[Any] | None = None,
         search: TuneConfig | Mapping[str, Any] | None = None,
         guard: GuardConfig | Mapping[str, Any] | None = None,
-        max_shape: int | tuple[int, int] | None = None,
+        max_shape: int | tuple[int, int] | str | None = None,
         buckets: bool | list[int] = True,
         tune_micro_batch: bool | str = False,
         on_stale_plan: Literal["retune", "raise"] = "retune",
@@ -124,9 +127,10 @@ class ActivationCheckpointTuner(Callback):
         self.config = search_config(search, block_types)
         self.guard = GuardConfig.of(guard)
         self.max_shape = max_shape
-        self._max_shape = BatchSize.declared(max_shape)
+        self._probe = probe_request(max_shape)  # max_shape="probe": found before the first step
+        self._max_shape = None if self._probe is not None else BatchSize.declared(max_shape)
         self.buckets = buckets
-        self._bucket_edges = check_buckets(buckets, self._max_shape)
+        self._bucket_edges = check_buckets(buckets, self._max_shape or self._probe)
         check_reuse_arguments(plan, search, on_stale_plan)
         self._given_plan = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
         self._plan_file = PlanFile(plan_path) if plan_path is not None else None
@@ -216,6 +220,11 @@ class ActivationCheckpointTuner(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._probe is not None and self._max_shape is None and (self._pending or self._check_batch_of is not None):
+            probed = probed_max_shape(trainer, self._guard.size_of, self._probe)
+            self._max_shape = probed.size
+            shape = str(probed.size) if probed.size.rows else f"length {probed.size.length}"
+            rank_zero_info(f"lightning_ckpt: max_shape {shape}, from {probed.source}.")
         tuning_batch = self._tuning_batch(batch) if self._check_batch_of is not None or self._pending else batch
         if self._check_batch_of is not None:
             plan, self._check_batch_of = self._check_batch_of, None
