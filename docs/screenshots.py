@@ -5,7 +5,7 @@
 
 Starts ``tensorboard`` on 127.0.0.1 over ``--logdir`` exactly as a user would, waits until its HParams
 table holds the tuner's rows, then drives Debian's Chromium (package ``chromium``) with Playwright
-(``pip install -e ".[docs]"``) through each tab as a user would, and writes
+(``pip install -e ".[screenshots]"``) through each tab as a user would, and writes
 ``docs/screenshots/<tab>.png``. Nothing is drawn by hand: what the PNGs show is what TensorBoard's own
 front end renders from the files the callback wrote.
 """
@@ -88,7 +88,7 @@ def take_screenshots(chromium: str, url: str, out_dir: Path, *, width: int, heig
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        sys.exit('Playwright is not installed: pip install -e ".[docs]" (it drives the system Chromium).')
+        sys.exit('Playwright is not installed: pip install -e ".[screenshots]" (it drives the system Chromium).')
     written = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)

@@ -83,6 +83,10 @@ SAVE_LISTS: dict[str, SaveList] = {
         ),
     )
 }
+"""The op save-lists a plan's mode ``ops`` names (``BlockPlan("ops", save_list="save_matmuls")``), by name: what each
+keeps from the forward; every other op's output is recomputed in backward. ``save_matmuls`` keeps matmul, attention
+and reduction outputs; ``save_matmuls_alternate`` (torchtitan's op SAC) keeps the same but every second matmul;
+``save_attention`` keeps only attention outputs, the part that grows with the square of the length."""
 
 
 def get_save_list(name: str) -> SaveList:
