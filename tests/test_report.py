@@ -468,6 +468,11 @@ def test_pareto_figure_contents(result):
     assert report.pareto_figure(act).axes[0].get_xlabel() == "measured activation memory (MiB)"
     assert [t.number for t in report.pareto_front(act)] == [1, 4, 0]
 
+    # A front of one point draws no line: the legend does not name it.
+    one = dataclasses.replace(result, trials=tuple(t for t in result.trials if t.number == 4))
+    assert len(report.pareto_front(one)) == 1
+    assert "Pareto front" not in [t.get_text() for t in report.pareto_figure(one).legends[0].get_texts()]
+
 
 def test_report_imports_neither_lightning_nor_pyplot(tmp_path):
     code = (

@@ -39,32 +39,70 @@ log = logging.getLogger(__name__)
 _said: set[str] = set()
 
 
+def _builds_cache(config: Any) -> bool:
+    """Whether a model with this HF config builds a KV cache when ``use_cache`` is on: decoders and encoder-decoders
+    do; encoder-only families (BERT, RoBERTa, ELECTRA, which keep ``use_cache=True`` in their configs for their
+    rarely used decoder mode) ignore it unless ``is_decoder`` is set."""
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False):
+        return True
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        )
+    except ImportError:
+        return True
+    kind = getattr(config, "model_type", None)
+    return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def _notice_on_first_call(module: nn.Module) -> Any:
+    """Say, once per model class, that the cache is off while training with a plan: at the model's first call, and
+    only when that call would have built one (it does not pass ``use_cache=False`` itself)."""
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        handle.remove()
+        name = type(mod).__name__
+        if kwargs.get("use_cache", True) is False or name in _said:
+            return
+        _said.add(name)
+        log.warning(
+            "lightning_ckpt: %s has use_cache=True, which builds a KV cache in every training forward (memory "
+            "no plan can remove, and nothing reads it in training). Setting use_cache=False while tuning and "
+            "training with a plan; your setting is restored afterwards.",
+            name,
+        )
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    return handle
+
+
 def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
     """Set ``use_cache=False`` on every HF config in ``model``; returns a function that restores them.
 
-    Says so once per model class (as HF does), because a user who set ``use_cache=True`` should know.
+    Says so once per model class (as HF does), because a user who set ``use_cache=True`` should know; but only for
+    a model that builds a cache (not an encoder-only one) called without ``use_cache=False`` of its own.
     """
     changed = []
+    hooks = []
     seen: set[int] = set()
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is None or id(config) in seen:
             continue
         seen.add(id(config))
+        builds = False
         for cfg in (config, getattr(config, "text_config", None), getattr(config, "decoder", None)):
             if cfg is not None and getattr(cfg, "use_cache", False) is True:
                 cfg.use_cache = False
                 changed.append(cfg)
-        if changed and type(module).__name__ not in _said:
-            _said.add(type(module).__name__)
-            log.warning(
-                "lightning_ckpt: %s has use_cache=True, which builds a KV cache in every training forward (memory "
-                "no plan can remove, and nothing reads it in training). Setting use_cache=False while tuning and "
-                "training with a plan; your setting is restored afterwards.",
-                type(module).__name__,
-            )
+                builds = builds or _builds_cache(cfg)
+        if builds and type(module).__name__ not in _said:
+            hooks.append(_notice_on_first_call(module))
 
     def restore() -> None:
+        for handle in hooks:
+            handle.remove()
         for cfg in changed:
             cfg.use_cache = True
 

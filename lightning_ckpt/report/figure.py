@@ -93,7 +93,7 @@ def pareto_figure(result: TuneResult) -> Figure:
     # The legend lists artists in the order they are added: trials, the front, the winner, the budget.
     _plot_trials(ax, measured, unmeasured, scale, budget)
     front = pareto_front(result)
-    if front:
+    if len(front) >= 2:  # one point draws no line, and the legend would name a front that is not there
         fx = [constrained_bytes(t, budget) / scale for t in front]  # type: ignore[operator]
         fy = [t.samples_per_second for t in front]
         ax.step(fx, fy, where="post", color="tab:blue", lw=1.5, alpha=0.7, label="Pareto front", zorder=2)
