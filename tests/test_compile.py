@@ -371,7 +371,8 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
     assert full.label in text and "inside checkpointed regions" in text
 
 
-@pytest.mark.parametrize("how", ["submodule", "per_block"])
+# Compiled as a submodule the whole model is one graph per plan (end to end, slow); block by block, one per block.
+@pytest.mark.parametrize("how", [pytest.param("submodule", marks=pytest.mark.slow), "per_block"])
 def test_tuning_a_model_compiled_inside_the_lightning_module(tmp_path, how):
     cb = ActivationCheckpointTuner(
         activation_budget=0.5,
@@ -470,6 +471,7 @@ def test_the_profile_compiles_each_distinct_block_once_per_mode_and_predicts_the
     assert predicted.predict_activation(Plan(compile_memory_budget=0.5)) is None
 
 
+@pytest.mark.slow
 def test_a_compiled_search_is_pruned_by_compiled_predictions_and_reports_their_errors():
     model = tiny_gpt()
     compiled = torch.compile(model)
