@@ -105,19 +105,20 @@ def test_show_without_metadata_and_with_segments(capsys, work):
     ("content", "code", "message"),
     [
         (None, 2, "does not exist"),
-        ("{not json", 1, "is not valid JSON"),
-        (json.dumps({"schema_version": 99}), 1, "schema version 99 is not supported"),
+        # A file that is not a well-formed plan is bad input, as a missing one is: 2, never 1 ("refused").
+        ("{not json", 2, "is not valid JSON"),
+        (json.dumps({"schema_version": 99}), 2, "schema version 99 is not supported"),
         (
             json.dumps({"schema_version": 1, "blocks": {"h.0": {"mode": "fast"}}}),
-            1,
+            2,
             "Unknown checkpointing mode 'fast'",
         ),
         (
             json.dumps({"schema_version": 1, "blocks": {"h.0": {"mode": "selective", "children": "mlp"}}}),
-            1,
+            2,
             "field blocks['h.0'].children: must be an array",
         ),
-        (b"\x89PNG\r\n\x1a\n\x00\xff", 1, "is not a UTF-8 text file"),
+        (b"\x89PNG\r\n\x1a\n\x00\xff", 2, "is not a UTF-8 text file"),
     ],
     ids=["missing", "not-json", "newer-schema", "bad-mode", "children-string", "binary"],
 )
@@ -177,10 +178,10 @@ def test_validate_without_a_model_checks_the_file_alone(work, tmp_path, capsys):
     data = json.loads((work / "tuned.json").read_text())
     data["metadata"]["profile"] = {"memory": "not a memory model"}
     bad.write_text(json.dumps(data))
-    assert main(["validate", str(bad)]) == 1
-    assert "REFUSED" in capsys.readouterr().err
+    assert main(["validate", str(bad)]) == 2
+    assert "field metadata.profile" in capsys.readouterr().err
     (tmp_path / "broken.json").write_text("{not json")
-    assert main(["validate", str(tmp_path / "broken.json")]) == 1
+    assert main(["validate", str(tmp_path / "broken.json")]) == 2
     assert "broken.json" in capsys.readouterr().err
 
 

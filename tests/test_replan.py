@@ -206,7 +206,7 @@ def test_the_replan_command_prints_the_predicted_plan_and_writes_it(tuned, tmp_p
 def test_the_replan_command_refuses_a_plan_without_a_profile_and_a_missing_budget(tmp_path, capsys):
     bare = tmp_path / "bare.json"
     Plan({"model.transformer.h.0": BlockPlan("full")}).save(bare)
-    assert main(["replan", str(bare), "--max-memory", "1GiB"]) == 1
+    assert main(["replan", str(bare), "--max-memory", "1GiB"]) == 2  # a file it cannot re-plan from: bad input
     assert "keeps no profile" in capsys.readouterr().err
     assert main(["replan", str(bare)]) == 2
     assert "give the new budget" in capsys.readouterr().err

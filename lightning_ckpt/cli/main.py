@@ -8,8 +8,9 @@
                                                           the best plan for another budget, predicted (<1 s)
     lightning-ckpt bench --layers 8                       the seed trade-off table (benchmarks/seed_table.py)
 
-Exit codes: 0 success; 1 a plan or model was refused (the message says why); 2 bad usage (an unknown
-option, a file that does not exist, a --model that cannot be imported or that calls sys.exit()).
+Exit codes: 0 success; 1 a plan or model was refused (the message says why: the plan does not fit the
+model, no plan is predicted to fit the budget); 2 bad usage or a bad plan file (an unknown option, a file
+that does not exist or is not a well-formed plan, a --model that cannot be imported or that calls sys.exit()).
 `diff` follows diff(1) and `git diff`: 0, or with --exit-code 0 same / 1 different; 2 on any error,
 a plan file that does not load included (so 1 only ever means "the plans differ").
 """
@@ -27,7 +28,7 @@ from lightning_ckpt.cli.replan import run_replan
 from lightning_ckpt.cli.show import SHOW_JSON_HELP, run_show
 from lightning_ckpt.cli.usage import EXIT_REFUSED, EXIT_USAGE, UsageError
 from lightning_ckpt.cli.validate import run_validate
-from lightning_ckpt.errors import LightningCkptError
+from lightning_ckpt.errors import LightningCkptError, PlanError
 
 __all__ = ["build_parser", "main"]
 
@@ -77,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser(
         "validate",
         help="check a plan file (schema, names, budget, profile), and with --model against a model: fingerprint "
-        "and every block name (exit 0 OK, 1 refused)",
-        description="Check that the plan file is well formed (the schema, block names, budget and saved profile "
-        "as every reader of it checks them). With --model, also build the model and check that the plan was tuned "
-        "for it (fingerprint) and that every block it names exists and can be checkpointed. Nothing is trained.",
+        "and every block name (exit 0 OK, 1 refused, 2 not a well-formed plan file)",
+        description="Check that the plan file is well formed (the schema, block names, budget, plan table and saved "
+        "profile as every reader of it checks them). With --model, also build the model and check that the plan was "
+        "tuned for it (fingerprint) and that every block it names exists and can be checkpointed. Nothing is trained.",
     )
     validate.add_argument("plan", help="path to a plan JSON file")
     validate.add_argument(
@@ -136,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args, extra) if args.func is run_bench else args.func(args)
     except UsageError as err:
+        print(f"lightning-ckpt {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except PlanError as err:  # a file that is not a well-formed plan is bad input, as a missing one is
         print(f"lightning-ckpt {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except LightningCkptError as err:

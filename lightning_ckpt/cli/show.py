@@ -242,7 +242,8 @@ def _profile_lines(md: Mapping[str, Any]) -> list[str]:
     lines = []
     profile = section(md, PROFILE_KEY)
     if profile:
-        timing = (profile.get("memory") or {}).get("timing") or {}
+        # Files of 0.3-0.4 kept the time model inside the memory model's ``timing``, as ``SavedProfile`` reads them.
+        timing = profile.get("time") or (profile.get("memory") or {}).get("timing") or {}
         base = (timing.get("calibration") or {}).get("base_seconds")
         fitted = f"; plain step fitted at {1000 * base:.1f} ms" if base else ""
         lines += ["", f"profile      kept: {len(timing.get('blocks') or ())} block calls timed per mode{fitted}"]

@@ -1,7 +1,9 @@
 """What a command line can get wrong, and the exit codes every command shares.
 
 A ``UsageError`` is the shell user's mistake (a path or a name that is not there), exit code 2 like
-argparse's own errors; a refused plan or model is a ``LightningCkptError``, exit code 1.
+argparse's own errors, and so is a file that is not a well-formed plan (a ``PlanError``: corrupt, hand-edited
+wrongly, another tool's): a crash never reads as a verdict. A refused plan or model (it does not fit the model,
+nothing fits the budget) is another ``LightningCkptError``, exit code 1.
 """
 
 from __future__ import annotations

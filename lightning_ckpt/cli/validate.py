@@ -18,6 +18,7 @@ from typing import Any
 from lightning_ckpt.cli.usage import EXIT_OK, EXIT_REFUSED, UsageError, load_plan
 from lightning_ckpt.errors import LightningCkptError
 from lightning_ckpt.plan.format import Plan, closest_names
+from lightning_ckpt.plan.table import PlanTable
 
 __all__ = ["build_model", "check_plan", "load_factory", "run_validate"]
 
@@ -174,23 +175,14 @@ def check_plan(plan: Plan, model: Any) -> list[str]:
 
 def run_validate(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)  # the schema, names and budget: an unreadable or malformed file is refused here
+    PlanTable.of_plan(plan, source=str(args.plan))  # as the callback reads it: a malformed table is a PlanError
     if args.model is None:
         profile = plan.metadata.get("profile")
         if isinstance(profile, dict):
             from lightning_ckpt.search.replan import SavedProfile
 
-            try:
-                SavedProfile.of_plan(plan, source=str(args.plan))
-            except LightningCkptError as err:
-                print(f"REFUSED: {err}", file=sys.stderr)
-                return EXIT_REFUSED
-            except (AttributeError, KeyError, TypeError, ValueError) as err:  # a hand-edited profile of wrong types
-                print(
-                    f"REFUSED: {args.plan}'s profile (metadata['profile']) is malformed ({type(err).__name__}: "
-                    f"{err}); re-tune to write a new one.",
-                    file=sys.stderr,
-                )
-                return EXIT_REFUSED
+            # As replan reads it: a profile that cannot be re-planned from is a PlanError (exit 2, as a bad file).
+            SavedProfile.of_plan(plan, source=str(args.plan))
         kept = "a profile to re-plan from" if isinstance(profile, dict) else "no profile"
         print(
             f"OK: {args.plan} is a well-formed plan file ({plan.describe()}; {kept}); give --model "

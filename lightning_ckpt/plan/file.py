@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import secrets
 import stat
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ckpt.errors import PlanError
+from lightning_ckpt.plan.schema import MAX_INT_DIGITS, Unreadable, refuse_unreadable
 
 __all__ = ["bytes_version", "directory_lock", "plan_file_version", "read_json", "replace_atomically"]
 
@@ -101,6 +103,16 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _parse_int(text: str) -> int | Unreadable:
+    # Checked before int(): converting a long digit string costs quadratic time (and fails past 4,300 digits).
+    return Unreadable(text) if len(text.lstrip("-")) > MAX_INT_DIGITS else int(text)
+
+
+def _parse_float(text: str) -> float | Unreadable:
+    value = float(text)
+    return value if math.isfinite(value) else Unreadable(text)
+
+
 # The largest plan file read (bytes): a real one, profile included, is well under 1 MiB; this bound keeps a
 # mistaken path (a log, /dev/zero, a 50 MB hand edit) from being parsed and printed. LIGHTNING_CKPT_MAX_PLAN_BYTES
 # raises it.
@@ -163,7 +175,13 @@ def read_json(path: Path, where: str) -> Any:
             "restore it from version control."
         )
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        data = json.loads(
+            text,
+            object_pairs_hook=_no_duplicate_keys,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=Unreadable,
+        )
     except json.JSONDecodeError as err:
         raise PlanError(
             f"{where} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "
@@ -176,6 +194,5 @@ def read_json(path: Path, where: str) -> Any:
         ) from None
     except RecursionError:
         raise PlanError(f"{where} is nested too deeply to be a plan. Delete it and re-tune.") from None
-    except ValueError as err:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
-        raise PlanError(f"{where} holds a number no plan has ({err}). Delete it and re-tune.") from None
+    refuse_unreadable(data, where)  # NaN, Infinity, huge numbers and deep nesting, naming the field
     return data

@@ -10,18 +10,89 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from importlib import resources
 from typing import Any
 
 from lightning_ckpt.errors import PlanError
 
-__all__ = ["SCHEMA_FILE", "SCHEMA_VERSION", "field_path", "plan_schema", "validate"]
+__all__ = [
+    "MAX_INT_DIGITS",
+    "MAX_PLAN_DEPTH",
+    "SCHEMA_FILE",
+    "SCHEMA_VERSION",
+    "Unreadable",
+    "field_path",
+    "plan_schema",
+    "refuse_unreadable",
+    "validate",
+]
 
 # Version 2 added ``compile_memory_budget``. A plan is written with the lowest version that can hold it
 # (1 unless it sets a compile memory budget), so plans that do not use the new field stay readable by
 # lightning_ckpt releases that only know version 1.
 SCHEMA_VERSION = 2
 SCHEMA_FILE = "plan_schema.json"
+
+
+# JSON spells values that no plan holds and that break whoever reads them: NaN and Infinity (Python's json accepts
+# them), a float beyond double range (read as inf), and integers of any length (one of more than 4,300 digits is a
+# ValueError when parsed, one like 10**400 an OverflowError wherever it meets a float). ``file.read_json`` parses
+# them into ``Unreadable`` placeholders, and ``refuse_unreadable`` refuses them naming the field, as it does the
+# same values in a plan built in Python (a checkpoint's state, a broadcast). JSON Schema cannot say "finite":
+# NaN passes every minimum and maximum.
+MAX_INT_DIGITS = 20  # every count, byte figure and seed a plan keeps fits (2**64 has 20 digits)
+MAX_PLAN_DEPTH = 32  # a real plan file nests 11 levels (a plan table's bucket profile); more is not a plan
+
+
+class Unreadable:
+    """A JSON value no plan holds (NaN, Infinity, an integer too long), kept as written until its field is named."""
+
+    __slots__ = ("digits", "text")
+
+    def __init__(self, text: str, digits: int | None = None) -> None:
+        self.text = text
+        stripped = text.lstrip("-")
+        self.digits = digits if digits is not None else len(stripped) if stripped.isdigit() else None
+
+    def describe(self) -> str:
+        if self.digits is not None:
+            return f"an integer of {self.digits} digits ({self.text[:12]}...)"
+        return self.text if len(self.text) <= 40 else f"{self.text[:20]}... ({len(self.text)} characters)"
+
+
+def _unreadable(value: Any) -> Unreadable | None:
+    if isinstance(value, Unreadable):
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        return Unreadable(repr(value))
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**MAX_INT_DIGITS:
+        # str() refuses integers past 4,300 digits: the count from the bit length (exact below that).
+        digits = len(str(abs(value))) if value.bit_length() < 14_000 else int(value.bit_length() * math.log10(2)) + 1
+        return Unreadable(hex(value)[:12] if digits > 4300 else str(value), digits)
+    return None
+
+
+def refuse_unreadable(data: Any, source: str) -> None:
+    """``PlanError`` naming the first field that holds a value no plan holds (see ``Unreadable``) or that nests deeper
+    than ``MAX_PLAN_DEPTH``. Walked with a stack, not recursion: the data may nest as deeply as the parser allowed."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        bad = _unreadable(value)
+        if bad is not None:
+            raise PlanError(
+                f"{source}: field {field_path(path)}: holds {bad.describe()}, which no plan holds (numbers in a plan "
+                f"are finite, and integers have at most {MAX_INT_DIGITS} digits). The file was corrupted or edited by "
+                "hand: fix the field, or delete the file and re-tune."
+            )
+        if isinstance(value, (dict, list)) and len(path) >= MAX_PLAN_DEPTH:
+            raise PlanError(
+                f"{source}: field {field_path(path[:4])}...: nested more than {MAX_PLAN_DEPTH} levels deep, deeper than "
+                "any plan. The file was corrupted or edited by hand: delete it and re-tune."
+            )
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend(((*path, key), item) for key, item in reversed(list(items)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -122,14 +193,34 @@ def _describe_error(error: Any, root: dict[str, Any]) -> tuple[str, str]:
         return field_path(path), f"not allowed here: {error.schema.get('description', expected)}"
     if kind == "enum":
         title = described.get("title", "value")
-        return field_path(path), f"Unknown {title} {instance!r}. Known: {', '.join(map(str, value))}"
+        return field_path(path), f"Unknown {title} {_cut(repr(instance))}. Known: {', '.join(map(str, value))}"
     if kind == "type":
         types = value if isinstance(value, list) else [value]
         wanted = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
         return field_path(path), f"must be {wanted}, but found {_found(instance)}; expected {expected}"
     if kind == "uniqueItems":
         return field_path(path), f"names an item more than once: {_found(instance)}; expected {expected}"
-    return field_path(path), f"{error.message}; expected {expected}" if expected else error.message
+    if kind in _BOUNDS:
+        problem = f"must {_BOUNDS[kind].format(value)}, but found {_found(instance)}"
+        return field_path(path), f"{problem}; expected {expected}" if expected else problem
+    # jsonschema's own message quotes the whole value, which may be megabytes long.
+    message = _cut(error.message)
+    return field_path(path), f"{message}; expected {expected}" if expected else message
+
+
+_BOUNDS = {
+    "minimum": "be at least {}",
+    "maximum": "be at most {}",
+    "exclusiveMinimum": "be more than {}",
+    "exclusiveMaximum": "be less than {}",
+    "minItems": "have at least {} items",
+    "maxItems": "have at most {} items",
+    "minLength": "be at least {} characters long",
+}
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def validate(data: Any, source: str) -> None:
@@ -152,6 +243,7 @@ def validate(data: Any, source: str) -> None:
             f"(it reads schema versions 1..{SCHEMA_VERSION}). Upgrade lightning-ckpt, or re-tune to write a plan "
             "in the current schema."
         )
+    refuse_unreadable(data, source)
     validator, root = _validator()
     errors = list(validator.iter_errors(data))
     if errors:

@@ -14,12 +14,13 @@ activation bytes and step time (parameters, gradients and optimizer state do not
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.budget import Budget, RequestedBudget, device_type, format_bytes
-from lightning_ckpt.errors import InfeasibleBudgetError, PlanError
+from lightning_ckpt.errors import InfeasibleBudgetError, LightningCkptError, PlanError
 from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.plan.format import Plan
@@ -120,7 +121,41 @@ class SavedProfile:
                 f"{source}'s profile has no fitted time model (the search that wrote it measured no plan eagerly, "
                 "e.g. a compiled model), so plans cannot be ranked by speed without running them. Re-tune instead."
             )
+        with _reading_profile(source):
+            _check_consistent(profile, source)
         return profile
+
+
+@contextlib.contextmanager
+def _reading_profile(source: str) -> Iterator[None]:
+    """Predictions from a profile a file kept: the schema checks its types, not how its parts refer to each other
+    (a phase naming a block the model does not have, a block timed under no mode), so whatever a prediction
+    fails on there is the file's fault, and a ``PlanError`` that says so (our own refusals pass through)."""
+    try:
+        yield
+    except LightningCkptError:
+        raise
+    except (ArithmeticError, IndexError, KeyError, TypeError, ValueError) as err:
+        raise PlanError(
+            f"{source}'s profile (metadata['profile']) is inconsistent: predicting from it failed "
+            f"({type(err).__name__}: {err}). The file was edited by hand or corrupted; re-tune to write a new one."
+        ) from None
+
+
+def _check_consistent(profile: SavedProfile, source: str) -> None:
+    """Refuse, naming the part, what no prediction can hold; then predict the plan without checkpointing, which
+    reads every block's row, phase and timing."""
+    memory = profile.memory
+    for i, phase in enumerate(memory.phases):
+        needs_block = phase.kind not in ("pre", "bw_head")
+        if phase.block is None and needs_block or phase.block is not None and phase.block >= len(memory.blocks):
+            raise PlanError(
+                f"{source}: field metadata.profile.memory.phases[{i}]: phase {phase.kind!r} names block {phase.block!r}, but "
+                f"the memory model has {len(memory.blocks)} blocks (0-{len(memory.blocks) - 1}). Re-tune to write "
+                "a new profile."
+            )
+    memory.predict(Plan())
+    profile.time.predict_seconds(Plan())
 
 
 @dataclass(frozen=True)
@@ -184,6 +219,18 @@ def replan(
     """
     profile = SavedProfile.of_plan(plan, source=source)
     requested = RequestedBudget.parse(max_memory, activation_budget)
+    with _reading_profile(source):
+        return _replan(plan, profile, requested, batch_size=batch_size, device=device)
+
+
+def _replan(
+    plan: Plan,
+    profile: SavedProfile,
+    requested: RequestedBudget,
+    *,
+    batch_size: int | None,
+    device: torch.device | str | None,
+) -> Replanned:
     batch = batch_size or profile.batch_size
     ratio = batch / profile.batch_size
     memory_model: Any = profile.memory if ratio == 1 else _BatchScaled(profile.memory, ratio)
