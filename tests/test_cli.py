@@ -320,7 +320,7 @@ def test_show_json_from_the_shell_is_one_object_with_the_documented_keys(work):
         ratio = md["measured"]["samples_per_second"] / full["samples_per_second"]
         assert data["winner"]["speedup_over_baselines"]["full"] == pytest.approx(ratio)
     assert set(data["trials"]) == TRIAL_KEYS
-    assert data["trials"]["considered"] == md["search"]["trials_run"]
+    assert data["trials"]["considered"] == md["search"]["plans_considered"]
     assert data["trials"]["n_trials"] == md["search"]["n_trials"] == 2
     assert "transformer.h.3" in data["predicted_block_memory"], "every block, checkpointed or not"
     assert data["fell_back"] is False

@@ -91,7 +91,7 @@ def trial_counts(search: Mapping[str, Any]) -> dict[str, Any]:
     by_time = number(time_model.get("pruned_by_time")) if isinstance(time_model, Mapping) else 0
     by_time = min(by_time, pruned) if by_time is not None and pruned is not None else None
     return {
-        "considered": number(search.get("trials_run")),
+        "considered": number(search.get("plans_considered", search.get("trials_run"))),  # trials_run: before 0.4
         "space_size": number(search.get("space_size")),
         "n_trials": number(search.get("n_trials")),
         "exhaustive": exhaustive if isinstance(exhaustive, bool) else None,

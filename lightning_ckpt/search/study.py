@@ -587,7 +587,7 @@ class Study:
         """What the chosen plan's metadata says of how it was found: its figures, the baselines', the search's."""
         search = {
             "n_trials": self.config.n_trials,
-            "trials_run": len(self.records),
+            "plans_considered": len(self.records),  # every plan the search scored: run, pruned or ruled out
             "exhaustive": self.exhaustive,
             "space_size": len(self.candidates),
             "seed": self.config.seed,
