@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,42 @@ def _load(name: str):
     return module
 
 
-def test_train_gpt_fast_then_reuse(tmp_path, monkeypatch):
+README = EXAMPLES.parent / "README.md"
+
+
+def _template(line: str) -> str:
+    """A printed line with its figures, units, plan and study name taken out: what must match the README's sample.
+    The result line keeps its first word and the start of its last part (the search's cost and plans run); the
+    parts between (the plan's figures and the verdict) change with what the search found."""
+    line = re.sub(r"^(INFO|WARNING): ", "", line.strip())  # the logging format under pytest's capture
+    line = re.sub(r"'lightning_ckpt-[0-9a-f-]+'", "'<study>'", line)
+    line = re.sub(r"\d+(\.\d+)?", "#", line)
+    line = re.sub(r"# (B|KiB|MiB|GiB)\b", "# <unit>", line)
+    if line.startswith("lightning_ckpt: chose "):
+        last = line.split(" | ")[-1]  # "tuned in # s (# plans: # run, ...)": what follows depends on what was pruned
+        return f"lightning_ckpt: chose ... | {last.split(' run', 1)[0]} run"
+    return line
+
+
+def _readme_sample() -> list[str]:
+    text = README.read_text()
+    block = text.split("## What the main job prints", 1)[1].split("```", 2)[1]
+    return [ln for ln in block.splitlines() if ln.startswith(("lightning_ckpt: ", "final train loss", "`Trainer"))]
+
+
+def test_train_gpt_fast_then_reuse(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     train_gpt = _load("train_gpt")
     first = train_gpt.main(["--fast"])
+    # What it printed has the README sample's lines, apart from figures (the progress bar aside: it redraws).
+    printed = {_template(ln) for ln in re.split(r"[\r\n]", "".join(capfd.readouterr()))}
+    # The bar redraws, and the confirmation is announced only when there are plans to confirm.
+    sample = [
+        ln for ln in _readme_sample() if not ln.startswith(("lightning_ckpt: tuning:", "lightning_ckpt: confirm"))
+    ]
+    assert len(sample) >= 4
+    missing = [ln for ln in sample if _template(ln) not in printed]
+    assert not missing, f"README lines the main job no longer prints: {missing}; printed: {sorted(printed)}"
     assert (tmp_path / "plans" / "gpt.json").exists()
     assert first["trials"] > 0 and first["plan"] is not None and not first["plan"].is_empty
     assert list((tmp_path / "runs").rglob("pareto.png"))
