@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import re
 from pathlib import Path
@@ -45,12 +46,30 @@ def _readme_sample() -> list[str]:
     return [ln for ln in block.splitlines() if ln.startswith(("lightning_ckpt: ", "final train loss", "`Trainer"))]
 
 
+class _Lines(logging.Handler):
+    """Lightning's and the tuner's lines are records of the ``lightning.pytorch`` logger, which prints them itself
+    (its own stream handler, no propagation to the root logger that caplog reads): collected here."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def test_train_gpt_fast_then_reuse(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     train_gpt = _load("train_gpt")
-    first = train_gpt.main(["--fast"])
+    logged, logger = _Lines(), logging.getLogger("lightning.pytorch")
+    logger.addHandler(logged)
+    try:
+        first = train_gpt.main(["--fast"])
+    finally:
+        logger.removeHandler(logged)
     # What it printed has the README sample's lines, apart from figures (the progress bar aside: it redraws).
-    printed = {_template(ln) for ln in re.split(r"[\r\n]", "".join(capfd.readouterr()))}
+    text = "".join(capfd.readouterr()) + "\n" + "\n".join(logged.lines)
+    printed = {_template(ln) for ln in re.split(r"[\r\n]", text)}
     # The bar redraws, and the confirmation is announced only when there are plans to confirm.
     sample = [
         ln for ln in _readme_sample() if not ln.startswith(("lightning_ckpt: tuning:", "lightning_ckpt: confirm"))
