@@ -10,7 +10,6 @@ and a loader that cannot be iterated afresh (a one-shot iterator or generator) i
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.lightning.shapes import BatchSize
+from lightning_ckpt.measure.snapshot import rng_state, set_rng_state
 
 __all__ = ["DATAMODULE_ATTRIBUTES", "PROBE_BATCHES", "Probed", "probe_request", "probed_max_shape"]
 
@@ -59,31 +59,6 @@ def _declared_length(owners: Iterable[Any]) -> tuple[int, str] | None:
     return None
 
 
-class _RandomStates:
-    """torch's, Python's and NumPy's global random states, put back after the probe drew from them."""
-
-    def __init__(self) -> None:
-        self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.python = random.getstate()
-        try:
-            import numpy
-
-            self.numpy: Any = numpy.random.get_state()
-        except ImportError:
-            self.numpy = None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        random.setstate(self.python)
-        if self.numpy is not None:
-            import numpy
-
-            numpy.random.set_state(self.numpy)
-
-
 def probe_loader(loader: Any, size_of: Callable[[Any], BatchSize | None], batches: int) -> Probed:
     """The longest of the first ``batches`` batches of a fresh iterator over ``loader`` (shapes only)."""
     if loader is None or isinstance(loader, (dict, list, tuple)):
@@ -92,7 +67,7 @@ def probe_loader(loader: Any, size_of: Callable[[Any], BatchSize | None], batche
             f"{'none' if loader is None else type(loader).__name__ + ' of loaders'}. Declare the longest batch, e.g. "
             "max_shape=1024."
         )
-    states = _RandomStates()
+    states = rng_state()
     iterator = iter(loader)
     try:
         if iterator is loader:
@@ -108,7 +83,7 @@ def probe_loader(loader: Any, size_of: Callable[[Any], BatchSize | None], batche
                 seen.append(size)
     finally:
         del iterator  # a DataLoader's workers shut down here
-        states.restore()
+        set_rng_state(states)
     if not seen:
         raise ConfigurationError(
             "max_shape='probe' found no batch with a tensor in the training loader. Declare the longest batch, "

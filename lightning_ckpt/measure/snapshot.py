@@ -26,6 +26,8 @@ __all__ = [
     "find_parameters_written_in_forward",
     "forget_parameters_written_in_forward",
     "mark_zero_grad",
+    "rng_state",
+    "set_rng_state",
 ]
 
 
@@ -58,7 +60,7 @@ class StateSnapshot:
         recorded as zeros instead of copied (the callback's trials start from such gradients: on a 7B model a
         host copy of them is tens of GB per rank and seconds per trial)."""
         snap = cls()
-        snap._rng = _rng_state()
+        snap._rng = rng_state()
         seen: set[int] = set()
         for name, p in model.named_parameters():
             if id(p) in seen:
@@ -108,7 +110,7 @@ class StateSnapshot:
                 g.copy_(copy)
 
     def restore_rng(self) -> None:
-        _set_rng_state(self._rng)
+        set_rng_state(self._rng)
 
     def restore(self) -> None:
         """Gradients, buffers and RNG streams back to the captured state."""
@@ -200,7 +202,8 @@ def forget_parameters_written_in_forward(model: nn.Module) -> None:
             delattr(p, WRITTEN_IN_FORWARD)
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """The global random streams (torch CPU and CUDA, Python ``random``, NumPy), for ``set_rng_state``."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     # Only CUDA generators that exist already: reading them would otherwise initialise CUDA.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -214,7 +217,8 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back what ``rng_state`` captured."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state:

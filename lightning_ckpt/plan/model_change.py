@@ -46,8 +46,9 @@ def _compare_blocks(saved: list[Any], now: list[Mapping[str, Any]]) -> list[str]
                 if isinstance(old.get("num_params"), int)
                 else f"{new['fqn']} has another parameter count in this model ({new['num_params']:,})"
             )
-        elif [c[0] for c in old.get("children") or [] if isinstance(c, list) and c] != [c[0] for c in new["children"]]:
-            names = [c[0] for c in old.get("children") or [] if isinstance(c, list) and c]
+        elif (names := [c[0] for c in old.get("children") or [] if isinstance(c, list) and c]) != [
+            c[0] for c in new["children"]
+        ]:
             out.append(
                 f"{new['fqn']}'s children are {', '.join(map(str, names)) or 'none'} in the plan and "
                 f"{', '.join(c[0] for c in new['children']) or 'none'} in this model"
