@@ -40,39 +40,27 @@ def data() -> TensorDataset:
     return token_dataset(8)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--reuse", action="store_true")
-    parser.add_argument("--oom-rank", type=int, default=-1)
-    parser.add_argument("--oom-on", default="")
-    parser.add_argument("--find-unused", action="store_true")
-    parser.add_argument("--rank-budget", action="store_true", help="resolve the reused plan's budget per rank")
-    args = parser.parse_args()
-    if args.rank_budget:  # as the default CUDA budget does: a share of each GPU's free memory, which differs
-        from lightning_ckpt.budget import Budget, RequestedBudget
-
-        limit = (10 + 10 * int(os.environ.get("LOCAL_RANK", "0"))) * 2**30
-        RequestedBudget.resolve = lambda *a, **k: Budget("peak", limit, None, f"{limit} bytes free on this rank")
-    plan_path = args.out / "plan.json"
-    if args.reuse:
+def fit(out: Path, args: argparse.Namespace, *, reuse: bool) -> dict:
+    """One DDP fit: the tuner searching (a trial made to fail on one rank), or reusing ``out/plan.json`` under
+    ``find_unused_parameters`` with a budget that resolves differently per rank."""
+    plan_path = out / "plan.json"
+    if reuse:
         tuner = ActivationCheckpointTuner(plan=plan_path, verbose=False)
     else:
         tuner = ActivationCheckpointTuner(
             plan_path=plan_path,
             verbose=False,
-            log_dir=args.out / "tb",
+            log_dir=out / "tb",
             # A plan made to fail must run: the time model would not measure a plan it predicts cannot win.
             search=dict(n_trials=6, measure_steps=1, search_space=SPACE, predict_time=not args.oom_on),
         )
-    module = TinyGPT(args.oom_rank, args.oom_on)
-    strategy = DDPStrategy(find_unused_parameters=True) if args.find_unused else "ddp"
+    module = TinyGPT(-1 if reuse else args.oom_rank, args.oom_on)
+    strategy = DDPStrategy(find_unused_parameters=True) if reuse else "ddp"
     trainer = quiet_trainer(None, [tuner], steps=1, devices=2, strategy=strategy)
     trainer.fit(module, DataLoader(data(), batch_size=4, shuffle=False))
-    rank = trainer.global_rank
     result = tuner.result
-    report = {
-        "rank": rank,
+    return {
+        "rank": trainer.global_rank,
         "plan": tuner.plan.to_dict() if tuner.plan else None,
         "digest": tuner.plan.digest() if tuner.plan else None,
         "trials_run": tuner.trials_run,
@@ -81,7 +69,30 @@ def main() -> None:
         "budget_limit": tuner._guard.budget.limit_bytes if tuner._guard.budget is not None else None,
         "weights": {k: v.tolist() for k, v in module.state_dict().items()},
     }
-    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--oom-rank", type=int, default=-1)
+    parser.add_argument("--oom-on", default="")
+    parser.add_argument(
+        "--then-reuse",
+        action="store_true",
+        help="after the search, in the same launch (it costs more than a fit), a second fit reusing the plan file "
+        "under find_unused_parameters, its budget resolved per rank; written to out/reuse-rank<r>.json",
+    )
+    args = parser.parse_args()
+    first = fit(args.out, args, reuse=False)
+    (args.out / f"rank{first['rank']}.json").write_text(json.dumps(first))
+    if args.then_reuse:
+        # As the default CUDA budget does: a share of each GPU's free memory, which differs per rank.
+        from lightning_ckpt.budget import Budget, RequestedBudget
+
+        limit = (10 + 10 * int(os.environ.get("LOCAL_RANK", "0"))) * 2**30
+        RequestedBudget.resolve = lambda *a, **k: Budget("peak", limit, None, f"{limit} bytes free on this rank")
+        again = fit(args.out, args, reuse=True)
+        (args.out / f"reuse-rank{again['rank']}.json").write_text(json.dumps(again))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Run by tests/test_fsdp.py in a subprocess: a 2-rank CPU fit under FSDP2 (Lightning's ModelParallelStrategy).
 
 Each rank writes what it saw to ``<out>/rank<r>.json``; rank 0 also saves the trained weights
-(gathered from the shards) to ``<out>/weights.pt`` so the test can compare with a single process.
+(gathered from the shards) to ``<out>/weights.pt`` so the test can compare with a single process. ``--fits`` runs
+several fits in one launch (the tuned one, FSDP2 alone, a reuse of the plan file).
 """
 
 from __future__ import annotations
@@ -52,33 +53,26 @@ class ShardedGPT(LitGPT):
         return super().training_step(batch, batch_idx)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--no-tuner", action="store_true", help="FSDP2 alone, for comparison")
-    parser.add_argument("--fail-rank", type=int, default=-1)
-    parser.add_argument("--fail-on", default="")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="process group timeout, seconds")
-    args = parser.parse_args()
+def fit(out: Path, args: argparse.Namespace, *, tuner: bool, prefix: str = "") -> dict:
+    """One FSDP2 fit writing to ``out``: with the tuner (searching, or reusing ``out/plan.json`` when it exists),
+    or FSDP2 alone. Rank 0 saves the trained weights to ``out/<prefix>weights.pt``; the report is what this rank saw."""
     module = ShardedGPT(args.fail_rank, args.fail_on)
     cb = ActivationCheckpointTuner(
         activation_budget=0.9,
         verbose=False,
-        plan_path=args.out / "plan.json",
+        plan_path=out / "plan.json",
         search=dict(n_trials=4, measure_steps=1, search_space=SPACE, predict_time=not args.fail_on),
     )
     strategy = ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=args.timeout)
     )
-    callbacks = [] if args.no_tuner else [cb]
-    trainer = quiet_trainer(args.out, callbacks, steps=args.steps, devices=2, strategy=strategy)
+    trainer = quiet_trainer(out, [cb] if tuner else [], steps=args.steps, devices=2, strategy=strategy)
     trainer.fit(module, token_loader(32, batch_size=4))
     weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.model.state_dict().items()}
-    rank = trainer.global_rank
-    if rank == 0:
-        torch.save(weights, args.out / "weights.pt")
-    report = {
+    if trainer.global_rank == 0:
+        torch.save(weights, out / f"{prefix}weights.pt")
+    return {
+        "rank": trainer.global_rank,
         "digest": cb.plan.digest() if cb.plan else None,
         "plan": cb.plan.to_dict() if cb.plan else None,
         "trials_run": cb.trials_run,
@@ -89,7 +83,29 @@ def main() -> None:
         "left_applied": applied_plan(module) is not None,
         "batches": module.batches,
     }
-    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--fits",
+        default="tuned",
+        help="the fits to run one after another in this launch (a launch of two ranks costs more than a fit): "
+        "'tuned' (the tuner, writing out/rank<r>.json), 'plain' (FSDP2 alone, in out/plain/) and 'reuse' (the "
+        "tuner again, reusing out/plan.json, in out/reuse-rank<r>.json and out/reuse-weights.pt), comma-separated",
+    )
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--fail-on", default="")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="process group timeout, seconds")
+    args = parser.parse_args()
+    for name in args.fits.split(","):
+        out = args.out / "plain" if name == "plain" else args.out
+        out.mkdir(exist_ok=True)
+        prefix = "reuse-" if name == "reuse" else ""
+        report = fit(out, args, tuner=name != "plain", prefix=prefix)
+        (out / f"{prefix}rank{report['rank']}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

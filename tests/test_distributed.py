@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -23,7 +24,8 @@ def _run(out: Path, *args: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_ddp_ranks_agree_survive_one_rank_oom_and_reuse(tmp_path):
-    first = _run(tmp_path, "--oom-rank", "1", "--oom-on", "selective(mlp) h.0-1")
+    # Both fits in one launch of two ranks (the launch costs more than a fit): the search, then a reuse.
+    first = _run(tmp_path, "--oom-rank", "1", "--oom-on", "selective(mlp) h.0-1", "--then-reuse")
     r0, r1 = first
     assert r0["digest"] == r1["digest"] and r0["plan"]["blocks"] == r1["plan"]["blocks"]
     assert r0["trials_run"] == r1["trials_run"] > 0
@@ -51,7 +53,7 @@ def test_ddp_ranks_agree_survive_one_rank_oom_and_reuse(tmp_path):
 
     # The plan also trains under find_unused_parameters. Its budget resolves differently per rank (as the default
     # CUDA budget does): the ranks guard against one budget, rank 0's, or a step judged differently would hang.
-    reuse = _run(tmp_path, "--reuse", "--find-unused", "--rank-budget")
+    reuse = [json.loads((tmp_path / f"reuse-rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["trials_run"] for r in reuse] == [0, 0]
     assert reuse[0]["digest"] == reuse[1]["digest"] == r0["digest"]
     assert reuse[0]["budget_limit"] == reuse[1]["budget_limit"] == 10 * 2**30
