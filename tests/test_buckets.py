@@ -3,16 +3,18 @@ at each bucket's longest length, switched by each batch's length before its forw
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 import torch
 from test_guard import LONG, SHORT, SPACE, Net, _Batches, _PackedNet, fit, full, real_peak
 
-from lightning_ckpt import ActivationCheckpointTuner, Plan
+from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan
 from lightning_ckpt.cli.main import main
 from lightning_ckpt.cli.show import plan_summary
 from lightning_ckpt.errors import ConfigurationError, PlanError
+from lightning_ckpt.lightning.shapes import batch_at_length
 from lightning_ckpt.plan.handle import applied_plan
 from lightning_ckpt.plan.table import TABLE_KEY, PlanTable, bucket_edges
 from lightning_ckpt.search.replan import replan
@@ -133,9 +135,9 @@ def test_without_buckets_every_batch_runs_the_plan_tuned_for_the_longest(tmp_pat
     assert {key for _, key in net.ran} == {cb.plan.key()}
 
 
-def test_a_packed_batch_gets_no_table_and_says_why(tmp_path, caplog):
+def test_a_packed_batch_gets_no_table_without_resize_and_says_why(tmp_path, caplog):
     # Every batch is 4 x 32 tokens; the sequences it packs are 8 tokens long, then 32: only the user's key tells
-    # them apart, and such a batch cannot be cut to a bucket's length to profile it there.
+    # them apart, and without the user's resize such a batch cannot be cut to a bucket's length to profile it there.
     data = _Batches([(4, 32)] * 3, extra=[[8, 8, 8, 8], [32, 32, 32, 32], [8, 8, 8, 8]])
     cb = ActivationCheckpointTuner(
         max_memory=10**10,
@@ -147,7 +149,108 @@ def test_a_packed_batch_gets_no_table_and_says_why(tmp_path, caplog):
     with caplog.at_level("INFO"):
         fit(tmp_path, [cb], _PackedNet(), steps=3, data=data)
     assert cb.plan_table is None and TABLE_KEY not in cb.plan.metadata
-    assert "no plan table with batches sized by guard's shape_key" in caplog.text
+    assert "no plan table with batches sized by guard's shape_key and no guard resize" in caplog.text
+
+
+PACK, SEQ = 256, 32  # a pack's buffer (tokens) and the length of the sequences packed in it (the GPT's block size)
+
+
+def _pack(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed batch: ``tokens`` real tokens of ``SEQ``-long sequences in a ``PACK``-token buffer (padding after
+    them), with their boundaries (``cu_seqlens``). The tensors' shape is the same for every pack."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, 64, (2, 1, PACK), generator=g)
+    return x, y, torch.tensor([*range(0, tokens, SEQ), tokens])
+
+
+def _resize_pack(batch, length: int):
+    """The user's resize: the pack holding ``length`` tokens, its real tokens repeated past the first ones."""
+    x, y, cu = batch
+    repeat = torch.arange(x.shape[1]) % int(cu[-1])
+    return x[:, repeat], y[:, repeat], torch.tensor([*range(0, length, SEQ), length])
+
+
+def _pack_key(batch) -> tuple[int, int]:
+    return 1, int(batch[2][-1])
+
+
+class _PackedSequences(Net):
+    """Runs each sequence of a packed batch through the GPT by itself (as varlen attention does): a step's memory
+    follows the real tokens, which only ``cu_seqlens`` says. Records each step's real tokens and plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: list[tuple[int, str]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, cu = batch
+        plan = applied_plan(self)
+        self.ran.append((int(cu[-1]), plan.key() if plan is not None else Plan().key()))
+        spans = list(itertools.pairwise(cu.tolist()))
+        xs = torch.stack([x[0, a:b] for a, b in spans])  # the sequences, one per row
+        ys = torch.stack([y[0, a:b] for a, b in spans])
+        return self.model(xs, ys)
+
+
+class _Packs:
+    def __init__(self, tokens: list[int]) -> None:
+        self.batches = [_pack(n, seed) for seed, n in enumerate(tokens)]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _packed_peak(tmp_path, plan_of, tokens: int) -> int:
+    net = _PackedSequences()
+    handle = apply_plan(net, plan_of(net))
+    fit(tmp_path, [], net, steps=2, data=_Packs([tokens] * 2))
+    handle.remove()
+    return max(net.peaks)
+
+
+def test_packed_batches_are_bucketed_by_the_users_key_and_cut_by_the_users_resize(tmp_path):
+    short, long = 2 * SEQ, PACK
+    none_short = _packed_peak(tmp_path, lambda n: Plan(), short)
+    full_long, none_long = _packed_peak(tmp_path, full, long), _packed_peak(tmp_path, lambda n: Plan(), long)
+    budget = max(none_short, full_long) * 21 // 20
+    assert none_long > budget, "the longest pack needs checkpointing at this budget"
+    packs = [short, long, short, 4 * SEQ, long, short]
+    torch.manual_seed(0)
+    net = _PackedSequences()
+    cb = ActivationCheckpointTuner(
+        max_memory=budget,
+        max_shape=PACK,  # tokens per pack, by the key
+        verbose=False,
+        search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+        guard=dict(shape_key=_pack_key, resize=_resize_pack, on_budget_exceeded="raise", steps=2, every=1),
+    )
+    fit(tmp_path, [cb], net, steps=len(packs), data=_Packs(packs))
+    table = cb.plan_table
+    # The first pack holds 64 tokens: it was grown to the declared 256 by resize to search, and cut to each
+    # bucket's length to profile it; the buckets are by real tokens, which the tensors' shapes never change.
+    assert table is not None and [b.max_length for b in table.buckets] == [32, 64, 128, 256]
+    assert table.buckets[table.bucket_for(short)].plan.is_empty, "a short pack fits the budget without checkpointing"
+    assert not cb.plan.is_empty and table.buckets[-1].plan.key() == cb.plan.key()
+    assert [key for _, key in net.ran] == [table.buckets[table.bucket_for(n)].plan.key() for n, _ in net.ran]
+    assert [n for n, _ in net.ran] == packs
+    assert len(net.peaks) == len(packs) and max(net.peaks) <= budget, [p / budget for p in net.peaks]
+    assert [c.size for c in cb.step_checks][:2] == ["1 x 64", "1 x 256"]
+    # Exact: the same packs without the tuner give bit-equal weights.
+    torch.manual_seed(0)
+    plain = _PackedSequences()
+    fit(tmp_path, [], plain, steps=len(packs), data=_Packs(packs))
+    for (name, a), b in zip(net.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_resize_that_misses_the_length_is_refused_by_the_key():
+    with pytest.raises(ConfigurationError, match=r"guard resize\(batch, 128\) returned a batch of length 64"):
+        batch_at_length(_pack(64, 0), 128, resize=lambda b, n: b, shape_key=_pack_key)
+    with pytest.raises(ConfigurationError, match="guard resize must be a function"):
+        ActivationCheckpointTuner(max_memory=10**9, guard=dict(shape_key=_pack_key, resize=128))
 
 
 def test_a_malformed_table_is_refused_naming_the_field(tmp_path):

@@ -39,7 +39,7 @@ from lightning_ckpt.lightning.probe import probe_request, probed_max_shape
 from lightning_ckpt.lightning.replanned import ReplanCheck
 from lightning_ckpt.lightning.reuse import plan_to_reuse, retune_for_batch, reusable, reused_budget, run_conditions
 from lightning_ckpt.lightning.searching import SearchRequest, report_search, search_first_batch, search_micro_batch
-from lightning_ckpt.lightning.shapes import BatchSize, batch_size_of, grown_to
+from lightning_ckpt.lightning.shapes import BatchSize, batch_at_length, grown_to
 from lightning_ckpt.lightning.sync import StrategySync
 from lightning_ckpt.lightning.tensorboard import TunerRun
 from lightning_ckpt.measure.tracker import normalise_device
@@ -85,7 +85,8 @@ class ActivationCheckpointTuner(Callback):
             trials), switched by each batch's length before its forward. ``True`` (default): halving from the
             longest length down to the first batch's (at most 8 buckets); a list of lengths sets the edges
             (``[128, 256, 512]``: up to 128, up to 256, ...); ``False``: one plan for every length. Batches are
-            measured by ``guard``'s ``shape_key`` (a packed batch's own length).
+            measured by ``guard``'s ``shape_key`` (a packed batch's own length), and cut to each bucket's length by
+            ``guard``'s ``resize`` where they have such a key (without it, no table).
         tune_micro_batch: also search the micro-batch size with gradient accumulation (same global batch)
             jointly with the plan. ``True`` sets the LightningModule/DataModule attribute ``batch_size`` (as
             Lightning's ``BatchSizeFinder`` does); a string names another attribute.
@@ -315,14 +316,23 @@ class ActivationCheckpointTuner(Callback):
 
     # -- internals ---------------------------------------------------------------------------------
     def _tuning_batch(self, batch: Any) -> Any:
-        """What the search measures (and a reused plan is compared with): the batch, grown to ``max_shape``."""
+        """What the search measures (and a reused plan is compared with): the batch, grown to ``max_shape`` (by
+        guard ``resize`` for batches sized by ``shape_key``)."""
         if self._max_shape is None:
             return batch
-        grown = grown_to(batch, self._max_shape)
+        if self.guard.resize is not None:
+            size = self._guard.size_of(batch)
+            longer = size is not None and size.length < self._max_shape.length
+            grown = batch
+            if longer:
+                length = self._max_shape.length
+                grown = batch_at_length(batch, length, resize=self.guard.resize, shape_key=self.guard.shape_key)
+        else:
+            grown = grown_to(batch, self._max_shape)
         if grown is not batch and self._pending:
             rank_zero_info(
-                f"lightning_ckpt: tuning on the first batch ({batch_size_of(batch)}) grown to the declared "
-                f"max_shape ({batch_size_of(grown)}): the plan fits the longest batch."
+                f"lightning_ckpt: tuning on the first batch ({self._guard.size_of(batch)}) grown to the declared "
+                f"max_shape ({self._guard.size_of(grown)}): the plan fits the longest batch."
             )
         return grown
 
@@ -377,7 +387,16 @@ class ActivationCheckpointTuner(Callback):
 
     def _request(self, table_lengths: tuple[int, ...] | None = None) -> SearchRequest:
         assert self._view is not None
-        return SearchRequest(self._view, self.config, self._search_budget, self._tb, self.verbose, table_lengths)
+        return SearchRequest(
+            self._view,
+            self.config,
+            self._search_budget,
+            self._tb,
+            self.verbose,
+            table_lengths,
+            resize=self.guard.resize,
+            shape_key=self.guard.shape_key,
+        )
 
     def _table_lengths(self, trainer: pl.Trainer, batch: Any, tuning_batch: Any) -> tuple[int, ...] | None:
         """The plan table's bucket lengths for this search, None when there is none: no ``max_shape`` or
@@ -401,8 +420,11 @@ class ActivationCheckpointTuner(Callback):
             return "several ranks (a rank switching plans alone would leave the ranks apart)"
         if self._view is not None and self._view.compiled:
             return "a compiled model (each bucket's plan would be another graph)"
-        if self.guard.shape_key is not None:
-            return "batches sized by guard's shape_key (a packed batch cannot be cut to each bucket's length)"
+        if self.guard.shape_key is not None and self.guard.resize is None:
+            return (
+                "batches sized by guard's shape_key and no guard resize (a packed batch is cut to each bucket's "
+                "length by resize(batch, length), which only the user can write)"
+            )
         return None
 
     def _follow_table(self, trainer: pl.Trainer, batch: Any) -> None:

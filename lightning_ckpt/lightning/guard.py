@@ -251,12 +251,17 @@ class GuardConfig:
     shape_key: how big a batch is, for batches whose shape does not say it (a packed batch: ``lambda b: (1,
         int(b["cu_seqlens"][-1]))``): returns ``(rows, length)`` or a length. Default: samples x tokens for token
         batches, else the largest tensor's elements per sample (``lightning.shapes``).
+    resize: ``resize(batch, length)``, the batch at ``length`` as ``shape_key`` measures it (a packed batch: its
+        first ``length`` tokens with ``cu_seqlens`` clipped, or its sequences' lengths cut to sum to ``length``).
+        It lets batches sized by ``shape_key`` be grown to ``max_shape`` for the search and cut to each bucket's
+        length for a plan table; without it such batches get neither (the shapes alone say nothing of their size).
     """
 
     steps: int = 2
     every: int = 100
     on_budget_exceeded: Literal["switch", "raise", "warn"] = "switch"
     shape_key: Callable[[Any], Any] | None = None
+    resize: Callable[[Any, int], Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "every"):
@@ -275,6 +280,11 @@ class GuardConfig:
             raise ConfigurationError(
                 "guard shape_key must be a function of the batch returning (rows, length), e.g. "
                 f"lambda b: (1, int(b['cu_seqlens'][-1])), but got {type(self.shape_key).__name__}."
+            )
+        if self.resize is not None and not callable(self.resize):
+            raise ConfigurationError(
+                "guard resize must be a function (batch, length) -> the batch at that length, e.g. one keeping a "
+                f"packed batch's first `length` tokens, but got {type(self.resize).__name__}."
             )
 
     @classmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.lightning.micro_batch import check_micro_batch_tunable, first_batch
 from lightning_ckpt.lightning.plan_file import PlanFile, warn_each_fit
 from lightning_ckpt.lightning.progress import lightning_bars_paused
-from lightning_ckpt.lightning.shapes import BatchSize, resized_to
+from lightning_ckpt.lightning.shapes import batch_at_length, batch_size_of
 from lightning_ckpt.lightning.sync import StrategySync
 from lightning_ckpt.lightning.tensorboard import TunerRun, logged_hparams
 from lightning_ckpt.lightning.trials import (
@@ -56,6 +56,8 @@ class SearchRequest:
     tb: TunerRun
     verbose: bool
     table_lengths: tuple[int, ...] | None = None  # a plan table's bucket lengths (the last the tuned batch's)
+    resize: Callable[[Any, int], Any] | None = None  # guard resize: a packed batch at a bucket's length
+    shape_key: Callable[[Any], Any] | None = None  # guard shape_key: how long a packed batch is
 
     def progress(self, trainer: pl.Trainer) -> Any:
         """One progress bar for the search on rank 0 (trial lines above it when verbose), and each trial's
@@ -140,12 +142,13 @@ def _table(
         )
         return None
     assert request.table_lengths is not None
-    rows = batch_dims(batch)[0] or 1
+    size = batch_size_of(batch, request.shape_key)
+    rows = size.rows if size is not None else 1
     precision = pl_module.trainer.strategy.precision_plugin
     space = request.config.search_space.for_device(request.view.device.type)
 
     def profile_at(length: int) -> Any:
-        resized = resized_to(batch, BatchSize(rows, length))
+        resized = batch_at_length(batch, length, rows=rows, resize=request.resize, shape_key=request.shape_key)
         forward = training_loss(pl_module, precision, resized, batch_idx, zero_grad=zero_grad)
         extra = tuple(batch_tensors(resized))
         return bucket_profile(request.view, forward, space=space, optimizer=optimizer, extra=extra)

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
 
-__all__ = ["BatchSize", "ShapeScaling", "batch_size_of", "grown_to", "resized_to"]
+__all__ = ["BatchSize", "ShapeScaling", "batch_at_length", "batch_size_of", "grown_to", "resized_to"]
 
 
 @dataclass(frozen=True, order=True)
@@ -160,6 +160,30 @@ def resized_to(batch: Any, target: BatchSize) -> Any:
             "tuple or list of tensors, or tune on the largest batch."
         )
     return resized
+
+
+def batch_at_length(
+    batch: Any,
+    length: int,
+    *,
+    rows: int = 0,
+    resize: Callable[[Any, int], Any] | None = None,
+    shape_key: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``batch`` at ``length``: by the user's ``resize`` (guard ``resize``, for batches sized by ``shape_key``, whose
+    result is checked with it), else as ``resized_to`` (``rows`` 0: the batch's own)."""
+    if resize is None:
+        return resized_to(batch, BatchSize(rows, length))
+    out = resize(batch, length)
+    size = batch_size_of(out, shape_key)
+    if size is None or size.length != length:
+        found = "no tensors" if size is None else f"length {size.length}"
+        raise ConfigurationError(
+            f"guard resize(batch, {length}) returned a batch of {found}"
+            f"{' by guard shape_key' if shape_key is not None else ''}, not {length}. It must return the batch at "
+            "exactly that length, e.g. a packed batch's first `length` tokens with cu_seqlens clipped to them."
+        )
+    return out
 
 
 def _token_dims(batch: Any, needs: str) -> tuple[int, int]:
