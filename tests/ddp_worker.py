@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lit import LitGPT, quiet_trainer, token_dataset
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ckpt import ActivationCheckpointTuner, applied_plan
+from lightning_ckpt import ActivationCheckpointTuner, Plan, applied_plan
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
 
@@ -38,6 +38,56 @@ class TinyGPT(LitGPT):
 
 def data() -> TensorDataset:
     return token_dataset(8)
+
+
+TABLE_LENGTHS = {0: [4, 16, 4, 4], 1: [4, 4, 4, 16]}  # each rank's batch lengths, step by step: they differ
+
+
+class RankBatches:
+    """Each rank's own token batches (4 rows), whose lengths differ from rank to rank within a step."""
+
+    def __iter__(self):
+        rank = torch.distributed.get_rank()
+        for step, length in enumerate(TABLE_LENGTHS[rank]):
+            tokens = token_dataset(4, length, seed=100 * rank + step).tensors
+            yield tokens[0], tokens[1]
+
+    def __len__(self) -> int:
+        return len(TABLE_LENGTHS[0])
+
+
+class RecordingGPT(TinyGPT):
+    """Records each step's batch length and the plan applied while it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: list[list] = []
+
+    def training_step(self, batch, batch_idx):
+        plan = applied_plan(self)
+        self.ran.append([int(batch[0].shape[1]), plan.key() if plan is not None else Plan().key()])
+        return super().training_step(batch, batch_idx)
+
+
+def table_fit(out: Path) -> dict:
+    """A fit with a plan table (max_shape 16, lengths 4 to 16) on batches whose lengths differ between the ranks."""
+    tuner = ActivationCheckpointTuner(
+        activation_budget=0.7,  # full checkpointing keeps about 0.6 of this tiny GPT's activations at length 16
+        max_shape=16,
+        plan_path=out / "table-plan.json",
+        verbose=False,
+        search=dict(n_trials=6, measure_steps=1, search_space=SPACE),
+    )
+    module = RecordingGPT()
+    trainer = quiet_trainer(None, [tuner], steps=len(TABLE_LENGTHS[0]), devices=2, strategy="ddp")
+    trainer.fit(module, RankBatches())
+    table = tuner.plan_table
+    return {
+        "rank": trainer.global_rank,
+        "ran": module.ran,
+        "table": [[b.max_length, b.plan.key()] for b in table.buckets] if table is not None else None,
+        "wrote_plan_file": tuner.wrote_plan_file,
+    }
 
 
 def fit(out: Path, args: argparse.Namespace, *, reuse: bool) -> dict:
@@ -77,6 +127,12 @@ def main() -> None:
     parser.add_argument("--oom-rank", type=int, default=-1)
     parser.add_argument("--oom-on", default="")
     parser.add_argument(
+        "--then-table",
+        action="store_true",
+        help="after the search, a fit following a plan table on batches whose lengths differ between the ranks; "
+        "written to out/table-rank<r>.json",
+    )
+    parser.add_argument(
         "--then-reuse",
         action="store_true",
         help="after the search, in the same launch (it costs more than a fit), a second fit reusing the plan file "
@@ -85,6 +141,9 @@ def main() -> None:
     args = parser.parse_args()
     first = fit(args.out, args, reuse=False)
     (args.out / f"rank{first['rank']}.json").write_text(json.dumps(first))
+    if args.then_table:
+        table = table_fit(args.out)
+        (args.out / f"table-rank{table['rank']}.json").write_text(json.dumps(table))
     if args.then_reuse:
         # As the default CUDA budget does: a share of each GPU's free memory, which differs per rank.
         from lightning_ckpt.budget import Budget, RequestedBudget

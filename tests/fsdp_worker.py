@@ -85,6 +85,34 @@ def fit(out: Path, args: argparse.Namespace, *, tuner: bool, prefix: str = "") -
     }
 
 
+def table_fit(out: Path, args: argparse.Namespace) -> dict:
+    """A sharded fit following a plan table on batches whose lengths differ between the ranks (tests/ddp_worker.py's):
+    the buckets are profiled in lockstep (each profile gathers parameters) and every step runs one plan on all ranks,
+    so no rank waits on a gather another never issues."""
+    from ddp_worker import TABLE_LENGTHS, RankBatches
+
+    module = ShardedGPT()
+    cb = ActivationCheckpointTuner(
+        activation_budget=0.7,
+        max_shape=16,
+        verbose=False,
+        plan_path=out / "table-plan.json",
+        search=dict(n_trials=4, measure_steps=1, search_space=SPACE),
+    )
+    strategy = ModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=args.timeout)
+    )
+    trainer = quiet_trainer(out, [cb], steps=len(TABLE_LENGTHS[0]), devices=2, strategy=strategy)
+    trainer.fit(module, RankBatches())
+    table = cb.plan_table
+    return {
+        "rank": trainer.global_rank,
+        "lengths": [len(module.batches[step][0][0]) for step in sorted(module.batches)],
+        "plans_seen": module.plans_seen,
+        "table": [[b.max_length, b.plan.digest()] for b in table.buckets] if table is not None else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -101,6 +129,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="process group timeout, seconds")
     args = parser.parse_args()
     for name in args.fits.split(","):
+        if name == "table":
+            report = table_fit(args.out, args)
+            (args.out / f"table-rank{report['rank']}.json").write_text(json.dumps(report))
+            continue
         out = args.out / "plain" if name == "plain" else args.out
         out.mkdir(exist_ok=True)
         prefix = "reuse-" if name == "reuse" else ""

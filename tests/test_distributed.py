@@ -25,7 +25,7 @@ def _run(out: Path, *args: str) -> list[dict]:
 @pytest.mark.slow
 def test_ddp_ranks_agree_survive_one_rank_oom_and_reuse(tmp_path):
     # Both fits in one launch of two ranks (the launch costs more than a fit): the search, then a reuse.
-    first = _run(tmp_path, "--oom-rank", "1", "--oom-on", "selective(mlp) h.0-1", "--then-reuse")
+    first = _run(tmp_path, "--oom-rank", "1", "--oom-on", "selective(mlp) h.0-1", "--then-table", "--then-reuse")
     r0, r1 = first
     assert r0["digest"] == r1["digest"] and r0["plan"]["blocks"] == r1["plan"]["blocks"]
     assert r0["trials_run"] == r1["trials_run"] > 0
@@ -57,6 +57,22 @@ def test_ddp_ranks_agree_survive_one_rank_oom_and_reuse(tmp_path):
     assert [r["trials_run"] for r in reuse] == [0, 0]
     assert reuse[0]["digest"] == reuse[1]["digest"] == r0["digest"]
     assert reuse[0]["budget_limit"] == reuse[1]["budget_limit"] == 10 * 2**30
+
+    # A plan table under several ranks: rank 0's table on both, and each step every rank runs the plan of the
+    # bucket of that step's longest batch on any rank, whatever its own batch's length.
+    import ddp_worker
+
+    t0, t1 = (json.loads((tmp_path / f"table-rank{r}.json").read_text()) for r in (0, 1))
+    assert t0["table"] is not None and t0["table"] == t1["table"] and len(t0["table"]) >= 2
+    assert t0["wrote_plan_file"] and not t1["wrote_plan_file"]
+    table = t0["table"]
+    assert len({key for _, key in table}) >= 2, "the buckets run different plans: switching is exercised"
+    assert [n for n, _ in t0["ran"]] == ddp_worker.TABLE_LENGTHS[0] and [
+        n for n, _ in t1["ran"]
+    ] == ddp_worker.TABLE_LENGTHS[1]
+    longest = [max(a, b) for a, b in zip(*ddp_worker.TABLE_LENGTHS.values(), strict=True)]
+    expected = [next(key for edge, key in table if n <= edge) for n in longest]
+    assert [key for _, key in t0["ran"]] == [key for _, key in t1["ran"]] == expected
 
 
 def _trial(status, sps, seconds, peak):

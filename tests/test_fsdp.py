@@ -32,7 +32,7 @@ def _run(out: Path, *args: str) -> list[dict]:
 
 def test_fsdp2_ranks_agree_train_as_one_process_and_reuse(tmp_path):
     # Three fits in one launch of two ranks (the launch costs more than a fit): tuned, FSDP2 alone, reused.
-    r0, r1 = _run(tmp_path, "--fits", "tuned,plain,reuse")
+    r0, r1 = _run(tmp_path, "--fits", "tuned,plain,reuse,table")
     assert r0["digest"] == r1["digest"] and r0["trials_run"] == r1["trials_run"] > 0
     assert r0["wrote_plan_file"] and not r1["wrote_plan_file"]
     assert Plan.load(tmp_path / "plan.json").digest() == r0["digest"]
@@ -67,6 +67,16 @@ def test_fsdp2_ranks_agree_train_as_one_process_and_reuse(tmp_path):
     reused = torch.load(tmp_path / "reuse-weights.pt")
     for name, value in tuned.items():
         torch.testing.assert_close(reused[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # A plan table on sharded ranks whose batches differ in length: rank 0's table on both, and each step one plan
+    # on every rank, the bucket of the step's longest batch (the fit ended: no rank waited on a gather).
+    from ddp_worker import TABLE_LENGTHS
+
+    t0, t1 = (json.loads((tmp_path / f"table-rank{r}.json").read_text()) for r in (0, 1))
+    assert t0["table"] is not None and t0["table"] == t1["table"] and len({d for _, d in t0["table"]}) >= 2
+    assert t0["lengths"] == TABLE_LENGTHS[0] and t1["lengths"] == TABLE_LENGTHS[1]
+    longest = [max(a, b) for a, b in zip(TABLE_LENGTHS[0], TABLE_LENGTHS[1], strict=True)]
+    expected = [next(digest for edge, digest in t0["table"] if n <= edge) for n in longest]
+    assert t0["plans_seen"] == t1["plans_seen"] == expected
 
 
 def _free_port() -> int:

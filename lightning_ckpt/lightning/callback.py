@@ -40,7 +40,7 @@ from lightning_ckpt.lightning.replanned import ReplanCheck
 from lightning_ckpt.lightning.reuse import plan_to_reuse, retune_for_batch, reusable, reused_budget, run_conditions
 from lightning_ckpt.lightning.searching import SearchRequest, report_search, search_first_batch, search_micro_batch
 from lightning_ckpt.lightning.shapes import BatchSize, batch_at_length, grown_to
-from lightning_ckpt.lightning.sync import StrategySync
+from lightning_ckpt.lightning.sync import StrategySync, max_over_ranks
 from lightning_ckpt.lightning.tensorboard import TunerRun
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
@@ -157,6 +157,7 @@ class ActivationCheckpointTuner(Callback):
         self._replan_check: ReplanCheck | None = None  # a re-planned plan's predictions, beside its first real steps
         self._table: PlanTable | None = None  # a plan per length bucket (``search.buckets``); the top one: self.plan
         self._running: Plan | None = None  # the plan applied now: self.plan, or a shorter bucket's
+        self._step_length: int | None = None  # this step's longest batch on any rank, when a table is followed
 
     @property
     def plan_path(self) -> Path | None:
@@ -400,8 +401,8 @@ class ActivationCheckpointTuner(Callback):
 
     def _table_lengths(self, trainer: pl.Trainer, batch: Any, tuning_batch: Any) -> tuple[int, ...] | None:
         """The plan table's bucket lengths for this search, None when there is none: no ``max_shape`` or
-        ``buckets=False``, several ranks (a rank switching alone would leave the ranks' plans apart), a compiled
-        model (its plans' graphs), or a declared maximum no longer than the first batch."""
+        ``buckets=False``, a compiled model (its plans' graphs), packed batches without ``resize``, or a declared
+        maximum no longer than the first batch."""
         if self._max_shape is None or self.buckets is False or self._view is None:
             return None
         why = self._table_refused(trainer)
@@ -412,12 +413,12 @@ class ActivationCheckpointTuner(Callback):
         if first is None or tuned is None:
             return None
         edges = bucket_edges(min(first.length, tuned.length // 8), tuned.length, self._bucket_edges)
+        if trainer.world_size > 1:  # rank 0's: every rank profiles the same buckets, in lockstep
+            edges = StrategySync(trainer.strategy).broadcast(edges)
         return edges if len(edges) > 1 else None
 
     def _table_refused(self, trainer: pl.Trainer) -> str | None:
         """Why this fit can follow no plan table (a search builds none, a reused one is not followed), or None."""
-        if trainer.world_size > 1:
-            return "several ranks (a rank switching plans alone would leave the ranks apart)"
         if self._view is not None and self._view.compiled:
             return "a compiled model (each bucket's plan would be another graph)"
         if self.guard.shape_key is not None and self.guard.resize is None:
@@ -429,11 +430,15 @@ class ActivationCheckpointTuner(Callback):
 
     def _follow_table(self, trainer: pl.Trainer, batch: Any) -> None:
         """Before the forward: run the plan of the batch's bucket (a batch longer than every bucket runs the top
-        one, and the guard's before-forward check covers it)."""
+        one, and the guard's before-forward check covers it). Under several ranks the bucket is the longest batch's
+        of this step on any rank (one all-reduce of its length), so every rank runs the same plan: a sharded
+        model's recompute gathers parameters, and ranks checkpointing different blocks would wait on each other."""
         table, view = self._table, self._view
         assert table is not None and self.plan is not None and view is not None
         size = self._guard.size_of(batch)
-        index = table.bucket_for(size.length) if size is not None else None
+        length = max_over_ranks(trainer.strategy, size.length if size is not None else 0)
+        self._step_length = length or None
+        index = table.bucket_for(length) if length else None
         top = index is None or index == len(table.buckets) - 1
         want = self.plan if top else table.buckets[index].plan
         if self._running is None or want.key() != self._running.key():
@@ -445,12 +450,12 @@ class ActivationCheckpointTuner(Callback):
         over (the top bucket's plan is the plan file's plan) and run it. A batch longer than every bucket grows the
         table a bucket up to its length instead, so the batches the top bucket covers keep their plan."""
         table, running = self._table, self._running
-        size = self._guard.size_of(batch)
-        if table is not None and size is not None and size.length > table.longest and self.plan is not None:
-            self._table = table.grown(size.length, replace(lower, metadata={}))
+        length = self._step_length  # the step's longest batch on any rank, as the table was followed
+        if table is not None and length is not None and length > table.longest and self.plan is not None:
+            self._table = table.grown(length, replace(lower, metadata={}))
             rank_zero_info(
-                f"lightning_ckpt: a batch of length {size.length} is longer than the plan table's longest bucket "
-                f"({table.longest}): the table grows a bucket <= {size.length} running {lower.describe()}."
+                f"lightning_ckpt: a batch of length {length} is longer than the plan table's longest bucket "
+                f"({table.longest}): the table grows a bucket <= {length} running {lower.describe()}."
             )
             self._lock_in(
                 lower.with_metadata(**{TABLE_KEY: self._table.to_dict()}), source="the budget guard", trainer=trainer

@@ -133,7 +133,7 @@ def _table(
     zero_grad: Any,
 ) -> PlanTable | None:
     """The plan table over ``request.table_lengths``: the search's plan on top, each shorter bucket's chosen from a
-    profile of ``batch`` cut to its length (in the search's sandbox). None, said once, where the search kept no
+    profile of ``batch`` cut to its length (in the search's sandbox); under several ranks, rank 0's. None, said once, where the search kept no
     profile to predict from (a compiled model's, or one whose time model was not fitted)."""
     if PROFILE_KEY not in result.best.metadata:
         rank_zero_info(
@@ -153,7 +153,11 @@ def _table(
         extra = tuple(batch_tensors(resized))
         return bucket_profile(request.view, forward, space=space, optimizer=optimizer, extra=extra)
 
-    return plan_table(result.best, profile_at, request.table_lengths, result.budget, rows=rows)
+    table = plan_table(result.best, profile_at, request.table_lengths, result.budget, rows=rows)
+    # Every rank profiled the buckets in lockstep (a sharded model's profile gathers parameters); the table is rank
+    # 0's, so every rank switches the same way (the callback picks each step's bucket by its longest batch).
+    trainer = pl_module.trainer
+    return StrategySync(trainer.strategy).broadcast(table) if trainer.world_size > 1 else table
 
 
 @contextlib.contextmanager

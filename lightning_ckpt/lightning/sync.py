@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["StrategySync"]
+__all__ = ["StrategySync", "max_over_ranks"]
 
 
 class StrategySync:
@@ -32,3 +32,15 @@ class StrategySync:
         out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
+
+
+def max_over_ranks(strategy: Any, value: int) -> int:
+    """The largest ``value`` any rank holds, on every rank: one all-reduce of one integer (on the strategy's device,
+    as NCCL needs), which is what lets every rank pick the same plan table bucket for a step whose batches differ
+    in length from rank to rank."""
+    import torch
+
+    if strategy.world_size <= 1:
+        return value
+    reduced = strategy.reduce(torch.tensor(value, device=strategy.root_device), reduce_op="max")
+    return int(reduced.item())
