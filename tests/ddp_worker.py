@@ -43,17 +43,23 @@ def data() -> TensorDataset:
 TABLE_LENGTHS = {0: [4, 16, 4, 4], 1: [4, 4, 4, 16]}  # each rank's batch lengths, step by step: they differ
 
 
+GUARD_LENGTHS = {0: [4, 4, 4], 1: [4, 16, 4]}  # a batch 4x longer than any before, on rank 1 only
+
+
 class RankBatches:
     """Each rank's own token batches (4 rows), whose lengths differ from rank to rank within a step."""
 
+    def __init__(self, lengths: dict[int, list[int]] = TABLE_LENGTHS) -> None:
+        self.lengths = lengths
+
     def __iter__(self):
         rank = torch.distributed.get_rank()
-        for step, length in enumerate(TABLE_LENGTHS[rank]):
+        for step, length in enumerate(self.lengths[rank]):
             tokens = token_dataset(4, length, seed=100 * rank + step).tensors
             yield tokens[0], tokens[1]
 
     def __len__(self) -> int:
-        return len(TABLE_LENGTHS[0])
+        return len(self.lengths[0])
 
 
 class RecordingGPT(TinyGPT):
@@ -121,6 +127,18 @@ def fit(out: Path, args: argparse.Namespace, *, reuse: bool) -> dict:
     }
 
 
+def guard_fit(out: Path) -> dict:
+    """No max_shape: tuned on a 4-token batch at the whole no-checkpointing activation (``none`` fits exactly); then
+    rank 1 alone gets a batch 4x longer. The guard must act before that step's forward on both ranks alike."""
+    tuner = ActivationCheckpointTuner(
+        activation_budget=1.0, verbose=False, search=dict(n_trials=6, measure_steps=1, search_space=SPACE)
+    )
+    module = RecordingGPT()
+    trainer = quiet_trainer(None, [tuner], steps=len(GUARD_LENGTHS[0]), devices=2, strategy="ddp")
+    trainer.fit(module, RankBatches(GUARD_LENGTHS))
+    return {"rank": trainer.global_rank, "ran": module.ran, "chosen": tuner.result.best.key()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -131,6 +149,11 @@ def main() -> None:
         action="store_true",
         help="after the search, a fit following a plan table on batches whose lengths differ between the ranks; "
         "written to out/table-rank<r>.json",
+    )
+    parser.add_argument(
+        "--then-guard",
+        action="store_true",
+        help="then a fit where one rank's batch is longer than any before (out/guard-rank<r>.json)",
     )
     parser.add_argument(
         "--then-reuse",
@@ -144,6 +167,9 @@ def main() -> None:
     if args.then_table:
         table = table_fit(args.out)
         (args.out / f"table-rank{table['rank']}.json").write_text(json.dumps(table))
+    if args.then_guard:
+        guarded = guard_fit(args.out)
+        (args.out / f"guard-rank{guarded['rank']}.json").write_text(json.dumps(guarded))
     if args.then_reuse:
         # As the default CUDA budget does: a share of each GPU's free memory, which differs per rank.
         from lightning_ckpt.budget import Budget, RequestedBudget

@@ -25,7 +25,9 @@ def _run(out: Path, *args: str) -> list[dict]:
 @pytest.mark.slow
 def test_ddp_ranks_agree_survive_one_rank_oom_and_reuse(tmp_path):
     # Both fits in one launch of two ranks (the launch costs more than a fit): the search, then a reuse.
-    first = _run(tmp_path, "--oom-rank", "1", "--oom-on", "selective(mlp) h.0-1", "--then-table", "--then-reuse")
+    first = _run(
+        tmp_path, "--oom-rank", "1", "--oom-on", "selective(mlp) h.0-1", "--then-table", "--then-guard", "--then-reuse"
+    )
     r0, r1 = first
     assert r0["digest"] == r1["digest"] and r0["plan"]["blocks"] == r1["plan"]["blocks"]
     assert r0["trials_run"] == r1["trials_run"] > 0
@@ -73,6 +75,16 @@ def test_ddp_ranks_agree_survive_one_rank_oom_and_reuse(tmp_path):
     longest = [max(a, b) for a, b in zip(*ddp_worker.TABLE_LENGTHS.values(), strict=True)]
     expected = [next(key for edge, key in table if n <= edge) for n in longest]
     assert [key for _, key in t0["ran"]] == [key for _, key in t1["ran"]] == expected
+
+    # Without a table: tuned on 4-token batches (none fits), then rank 1 alone gets a batch 4x longer. Both ranks
+    # judge the step by its largest batch on any rank: both move to the same lower-memory plan before its forward,
+    # and stay there.
+    g0, g1 = (json.loads((tmp_path / f"guard-rank{r}.json").read_text()) for r in (0, 1))
+    assert [n for n, _ in g1["ran"]] == ddp_worker.GUARD_LENGTHS[1]
+    none = Plan().key()
+    assert g0["chosen"] == none and g0["ran"][0][1] == g1["ran"][0][1] == none
+    moved = [key for _, key in g0["ran"][1:]]
+    assert moved == [key for _, key in g1["ran"][1:]] and len(set(moved)) == 1 and moved[0] != none
 
 
 def _trial(status, sps, seconds, peak):

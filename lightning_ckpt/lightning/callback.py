@@ -40,7 +40,7 @@ from lightning_ckpt.lightning.replanned import ReplanCheck
 from lightning_ckpt.lightning.reuse import plan_to_reuse, retune_for_batch, reusable, reused_budget, run_conditions
 from lightning_ckpt.lightning.searching import SearchRequest, report_search, search_first_batch, search_micro_batch
 from lightning_ckpt.lightning.shapes import BatchSize, batch_at_length, grown_to
-from lightning_ckpt.lightning.sync import StrategySync, max_over_ranks
+from lightning_ckpt.lightning.sync import StrategySync
 from lightning_ckpt.lightning.tensorboard import TunerRun
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
@@ -157,7 +157,6 @@ class ActivationCheckpointTuner(Callback):
         self._replan_check: ReplanCheck | None = None  # a re-planned plan's predictions, beside its first real steps
         self._table: PlanTable | None = None  # a plan per length bucket (``search.buckets``); the top one: self.plan
         self._running: Plan | None = None  # the plan applied now: self.plan, or a shorter bucket's
-        self._step_length: int | None = None  # this step's longest batch on any rank, when a table is followed
 
     @property
     def plan_path(self) -> Path | None:
@@ -244,8 +243,9 @@ class ActivationCheckpointTuner(Callback):
             self._pending = False
             self._guard.reference = self._guard.size_of(self._tuned_batch)  # the batch the trials' figures are for
             self._searched(trainer, result, source="search", table=table)
+        self._guard.agree(trainer, batch, table=self._table is not None)  # this step's size, alike on all ranks
         if self._table is not None:
-            self._follow_table(trainer, batch)
+            self._follow_table(trainer)
         if self.plan is not None and self._view is not None:
             trials = self.result.trials if self.result is not None else ()
             running = self._running or self.plan
@@ -428,17 +428,15 @@ class ActivationCheckpointTuner(Callback):
             )
         return None
 
-    def _follow_table(self, trainer: pl.Trainer, batch: Any) -> None:
-        """Before the forward: run the plan of the batch's bucket (a batch longer than every bucket runs the top
-        one, and the guard's before-forward check covers it). Under several ranks the bucket is the longest batch's
-        of this step on any rank (one all-reduce of its length), so every rank runs the same plan: a sharded
-        model's recompute gathers parameters, and ranks checkpointing different blocks would wait on each other."""
+    def _follow_table(self, trainer: pl.Trainer) -> None:
+        """Before the forward: run the plan of this step's bucket (a batch longer than every bucket runs the top
+        one, and the guard's before-forward check covers it). Under several ranks the bucket is that of the step's
+        longest batch on any rank (``BudgetGuard.agree``), so every rank runs the same plan: a sharded model's
+        recompute gathers parameters, and ranks checkpointing different blocks would wait on each other."""
         table, view = self._table, self._view
         assert table is not None and self.plan is not None and view is not None
-        size = self._guard.size_of(batch)
-        length = max_over_ranks(trainer.strategy, size.length if size is not None else 0)
-        self._step_length = length or None
-        index = table.bucket_for(length) if length else None
+        size = self._guard.step_size
+        index = table.bucket_for(size.length) if size is not None else None
         top = index is None or index == len(table.buckets) - 1
         want = self.plan if top else table.buckets[index].plan
         if self._running is None or want.key() != self._running.key():
@@ -450,7 +448,8 @@ class ActivationCheckpointTuner(Callback):
         over (the top bucket's plan is the plan file's plan) and run it. A batch longer than every bucket grows the
         table a bucket up to its length instead, so the batches the top bucket covers keep their plan."""
         table, running = self._table, self._running
-        length = self._step_length  # the step's longest batch on any rank, as the table was followed
+        size = self._guard.step_size  # the step's largest batch on any rank, as the table was followed
+        length = size.length if size is not None else None
         if table is not None and length is not None and length > table.longest and self.plan is not None:
             self._table = table.grown(length, replace(lower, metadata={}))
             rank_zero_info(

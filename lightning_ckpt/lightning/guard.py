@@ -22,6 +22,7 @@ from torch import nn
 from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.lightning.shapes import BatchSize, ShapeScaling, batch_size_of
+from lightning_ckpt.lightning.sync import max_over_ranks
 from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
 from lightning_ckpt.measure.measurement import MemoryReading
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
@@ -326,6 +327,7 @@ class BudgetGuard:
         self._excess = 0  # what real steps used beyond their prediction (state trials do not see)
         self._left_behind: set[str] = set()  # plans that went over: never switched back to
         self._read_plans: dict[str, tuple[BatchSize, int | None, int]] = {}  # key -> (size, activation, peak)
+        self.step_size: BatchSize | None = None  # this step's batch size; under several ranks the largest on any
 
     def arm(self, accumulation: int) -> None:
         """A plan was locked in: read its first steps, through the first one that holds the optimizer's state."""
@@ -340,6 +342,18 @@ class BudgetGuard:
     def size_of(self, batch: Any) -> BatchSize | None:
         return batch_size_of(batch, self.config.shape_key)
 
+    def agree(self, trainer: Any, batch: Any, *, table: bool = False) -> BatchSize | None:
+        """This step's size, which the before-forward check, the choice of steps to read, the reading itself and a
+        plan table's bucket go by. Under several ranks (while the guard or a table needs it) it is the largest rows
+        and length on any rank (``sync.max_over_ranks``), so every rank acts alike on a step whose batches differ,
+        and a batch longer than any before is caught before its forward whichever rank holds it."""
+        size = self.size_of(batch)
+        if trainer.world_size > 1 and (self.active or table):
+            rows, length = max_over_ranks(trainer.strategy, (size.rows, size.length) if size else (0, 0))
+            size = BatchSize(rows, length) if length else None
+        self.step_size = size
+        return size
+
     def maybe_start(
         self, trainer: Any, pl_module: nn.Module, batch: Any, *, compiled: bool, first_of: str | None = None
     ) -> None:
@@ -349,12 +363,9 @@ class BudgetGuard:
             return
         budget = self.budget
         assert budget is not None
-        size = self.size_of(batch)
-        # Under several ranks batch shapes can differ by rank (a ragged last batch) while every rank must read
-        # the same steps (the verdict is gathered): only the first steps and the periodic ones are read there.
-        larger = (
-            trainer.world_size == 1 and size is not None and self._covered is not None and size.exceeds(self._covered)
-        )
+        # The step's agreed size (``agree``): every rank reads the same steps (the verdict is gathered).
+        size = self.step_size
+        larger = size is not None and self._covered is not None and size.exceeds(self._covered)
         self._since_read += 1
         periodic = bool(self.config.every) and self._since_read >= self.config.every
         first = first_of is not None and first_of not in self._read_plans
@@ -398,9 +409,9 @@ class BudgetGuard:
         """Act on a batch larger than any read so far before it runs: predict the current plan's memory at its size
         and, over the budget, move (``"switch"``) to a plan predicted to fit (the plan to switch to), raise, or
         warn. The step is read either way (``maybe_start``), and what it used refits the prediction."""
-        if not self.active or trainer.world_size > 1:
+        if not self.active:
             return None
-        size = self.size_of(batch)
+        size = self.step_size  # under several ranks the largest on any: every rank predicts, and acts, alike
         covered = self._covered or self.reference
         if self._covered is not None and self.reference is not None:
             covered = self._covered.covering(self.reference)  # the trials measured the reference batch too
@@ -446,7 +457,7 @@ class BudgetGuard:
             peak = max(g[0] for g in gathered)
             act = max((g[1] for g in gathered if g[1] is not None), default=None)
         dims = batch_dims(batch)
-        size = self.size_of(batch)
+        size = self.step_size  # the worst rank's figures go with the largest batch on any rank
         self._left -= 1
         if size is not None:
             self._learn(plan, size, peak, act, trials)

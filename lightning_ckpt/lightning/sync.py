@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["StrategySync", "max_over_ranks"]
@@ -34,13 +35,14 @@ class StrategySync:
         return out
 
 
-def max_over_ranks(strategy: Any, value: int) -> int:
-    """The largest ``value`` any rank holds, on every rank: one all-reduce of one integer (on the strategy's device,
-    as NCCL needs), which is what lets every rank pick the same plan table bucket for a step whose batches differ
-    in length from rank to rank."""
+def max_over_ranks(strategy: Any, values: Sequence[int]) -> list[int]:
+    """Each of ``values`` at its largest over the ranks, on every rank: one all-reduce of a few integers (on the
+    strategy's device, as NCCL needs; there it waits for the previous step's kernels, one host sync per step). It is
+    what lets every rank judge a step by the same batch size when their batches differ (ragged lengths): the same
+    plan table bucket, the same before-forward verdict, the same steps read."""
     import torch
 
     if strategy.world_size <= 1:
-        return value
-    reduced = strategy.reduce(torch.tensor(value, device=strategy.root_device), reduce_op="max")
-    return int(reduced.item())
+        return list(values)
+    reduced = strategy.reduce(torch.tensor(list(values), device=strategy.root_device), reduce_op="max")
+    return [int(v) for v in reduced.tolist()]
