@@ -241,7 +241,8 @@ class ActivationCheckpointTuner(Callback):
                 return
             result, self._tuned_batch, table = found
             self._pending = False
-            self._guard.reference = self._guard.size_of(self._tuned_batch)  # the batch the trials' figures are for
+            # The batch the trials' figures are for (under several ranks the largest rank's, as their memory is).
+            self._guard.reference = self._guard.largest_size(trainer, self._tuned_batch)
             self._searched(trainer, result, source="search", table=table)
         self._guard.agree(trainer, batch, table=self._table is not None)  # this step's size, alike on all ranks
         if self._table is not None:

@@ -347,11 +347,17 @@ class BudgetGuard:
         plan table's bucket go by. Under several ranks (while the guard or a table needs it) it is the largest rows
         and length on any rank (``sync.max_over_ranks``), so every rank acts alike on a step whose batches differ,
         and a batch longer than any before is caught before its forward whichever rank holds it."""
+        self.step_size = self.largest_size(trainer, batch) if self.active or table else self.size_of(batch)
+        return self.step_size
+
+    def largest_size(self, trainer: Any, batch: Any) -> BatchSize | None:
+        """``batch``'s size, the largest rows and length on any rank under several ranks (every rank must call it
+        at the same point). The batch a search measured is sized this way too: the trials' memory is the largest
+        rank's, so the size it is scaled from must be the largest rank's batch, the same on every rank."""
         size = self.size_of(batch)
-        if trainer.world_size > 1 and (self.active or table):
+        if trainer.world_size > 1:
             rows, length = max_over_ranks(trainer.strategy, (size.rows, size.length) if size else (0, 0))
             size = BatchSize(rows, length) if length else None
-        self.step_size = size
         return size
 
     def maybe_start(

@@ -227,7 +227,7 @@ def _search(
     )
     memory = RealStepMemory(memory_model, optimizer_step)
     sync = sync or LocalSync()
-    budget = sync.broadcast(_resolve_budget(requested, memory, runner, resolved))
+    budget = sync.broadcast(_resolve_budget(requested, memory, runner, resolved, sync))
     if is_compiled and profile.compiled is not None:
         memory = _compiled_memory(runner, profile.compiled, optimizer_step, resolved)
     warm_steps = warm_up_process(harness, resolved, config, is_compiled)
@@ -317,10 +317,15 @@ def _resolve_budget(
     memory: RealStepMemory,
     runner: TrialRunner,
     resolved: ModelView,
+    sync: Sync,
 ) -> Budget:
     none_activation = memory.model.predict_activation(Plan())
     if isinstance(runner, CompiledTrials):  # an activation budget is a fraction of the *compiled* step's activations
         none_activation = runner.none_activation_bytes(Plan(fingerprint=resolved.fingerprint)) or none_activation
+    if sync.world_size > 1:
+        # The largest rank's: trials are judged by the most any rank used, so the share must be of the step that
+        # needs the most (the ranks' first batches can differ in length), not rank 0's own.
+        none_activation = max((n for n in sync.all_gather(none_activation) if n is not None), default=None)
     budget = requested.resolve(device=resolved.device, none_activation_bytes=none_activation)
     predicted = format_bytes(none_activation)
     log.info(
