@@ -322,18 +322,14 @@ class ActivationCheckpointTuner(Callback):
         guard ``resize`` for batches sized by ``shape_key``)."""
         if self._max_shape is None:
             return batch
-        if self.guard.resize is not None:
-            size = self._guard.size_of(batch)
-            longer = size is not None and size.length < self._max_shape.length
-            grown = batch
-            if longer:
-                length = self._max_shape.length
-                grown = batch_at_length(batch, length, resize=self.guard.resize, shape_key=self.guard.shape_key)
-        else:
+        grown, length, size = batch, self._max_shape.length, self._guard.size_of(batch)
+        if self.guard.resize is None:
             grown = grown_to(batch, self._max_shape)
+        elif size is not None and size.length < length:
+            grown = batch_at_length(batch, length, resize=self.guard.resize, shape_key=self.guard.shape_key)
         if grown is not batch and self._pending:
             rank_zero_info(
-                f"lightning_ckpt: tuning on the first batch ({self._guard.size_of(batch)}) grown to the declared "
+                f"lightning_ckpt: tuning on the first batch ({size}) grown to the declared "
                 f"max_shape ({self._guard.size_of(grown)}): the plan fits the longest batch."
             )
         return grown

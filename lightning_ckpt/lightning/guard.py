@@ -346,8 +346,9 @@ class BudgetGuard:
         """This step's size, which the before-forward check, the choice of steps to read, the reading itself and a
         plan table's bucket go by. Under several ranks (while the guard or a table needs it) it is the largest rows
         and length on any rank (``sync.max_over_ranks``), so every rank acts alike on a step whose batches differ,
-        and a batch longer than any before is caught before its forward whichever rank holds it."""
-        self.step_size = self.largest_size(trainer, batch) if self.active or table else self.size_of(batch)
+        and a batch longer than any before is caught before its forward whichever rank holds it. None while neither
+        needs it (no batch is sized then)."""
+        self.step_size = self.largest_size(trainer, batch) if self.active or table else None
         return self.step_size
 
     def largest_size(self, trainer: Any, batch: Any) -> BatchSize | None:

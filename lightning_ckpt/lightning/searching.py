@@ -133,8 +133,9 @@ def _table(
     zero_grad: Any,
 ) -> PlanTable | None:
     """The plan table over ``request.table_lengths``: the search's plan on top, each shorter bucket's chosen from a
-    profile of ``batch`` cut to its length (in the search's sandbox); under several ranks, rank 0's. None, said once, where the search kept no
-    profile to predict from (a compiled model's, or one whose time model was not fitted)."""
+    profile of ``batch`` cut to its length (in the search's sandbox); under several ranks, rank 0's. None, said
+    once, where the search kept no profile to predict from (a compiled model's, or one whose time model was not
+    fitted)."""
     if PROFILE_KEY not in result.best.metadata:
         rank_zero_info(
             "lightning_ckpt: no plan table: the search kept no profile to predict shorter buckets from (a compiled "
