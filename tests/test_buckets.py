@@ -6,8 +6,10 @@ from __future__ import annotations
 import itertools
 import json
 
+import lightning as L
 import pytest
 import torch
+from lit import LitGPT, quiet_trainer
 from test_guard import LONG, SHORT, SPACE, Net, _Batches, _PackedNet, fit, full, real_peak
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan
@@ -331,3 +333,58 @@ def test_a_batch_longer_than_the_table_grows_a_bucket_before_its_forward_and_sho
     long_steps = [c for c in cb.step_checks if c.batch_dims[1] == LONG[1]]
     assert long_steps and all(c.within_budget for c in long_steps), "the long batches ran within the budget"
     assert PlanTable.of_plan(cb.plan) == table  # the plan file keeps the grown table
+
+
+class _CountingCompiles(L.Callback):
+    """After every step: dynamo's compiled-frame and graph counters, and the plan the step ran."""
+
+    def __init__(self) -> None:
+        self.frames: list[int] = []
+        self.graphs: list[int] = []
+        self.ran: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from torch._dynamo.utils import counters
+
+        self.frames.append(counters["frames"]["ok"])
+        self.graphs.append(counters["stats"]["unique_graphs"])
+        plan = applied_plan(pl_module)
+        self.ran.append(plan.key() if plan is not None else Plan().key())
+
+
+@pytest.mark.slow
+def test_a_compiled_model_switches_buckets_without_compiling_again_after_each_buckets_first_step(tmp_path):
+    # Buckets <= 8 and <= 32 tokens; lengths vary inside each. Each bucket's plan compiles at its first batch, with
+    # the length marked dynamic, so later lengths of the bucket and every switch back run the graphs compiled then.
+    lengths = [8, 32, 6, 24, 4, 16, 8, 32]
+    module = LitGPT(n_layer=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0, optimizer=torch.optim.SGD)
+    space = {**SPACE, "modes": ["full"], "compile_budgets": [], "baselines": False}  # switching, not PT2's choice
+    cb = ActivationCheckpointTuner(
+        activation_budget=0.5,
+        max_shape=(8, 32),
+        buckets=[8, 32],
+        verbose=False,
+        search=dict(n_trials=3, measure_steps=1, search_space=space),
+        guard=dict(on_budget_exceeded="raise", steps=2, every=1),  # every step read; any over the budget fails
+    )
+    spy = _CountingCompiles()
+    trainer = quiet_trainer(tmp_path, [cb, spy], steps=len(lengths))
+    trainer.fit(torch.compile(module), _Batches([(8, n) for n in lengths]))
+
+    table = cb.plan_table
+    assert table is not None and [b.max_length for b in table.buckets] == [8, 32], "a compiled model gets a table"
+    short, top = table.buckets[0].plan, table.buckets[1].plan
+    assert short.key() != top.key(), table.describe()
+    assert spy.ran == [(short if n <= 8 else top).key() for n in lengths], "each step ran its bucket's plan"
+    first_of_bucket = {lengths.index(8), lengths.index(32)}  # steps 0 (the search's) and 1
+    for i in range(1, len(lengths)):
+        if i not in first_of_bucket:
+            assert spy.frames[i] == spy.frames[i - 1] and spy.graphs[i] == spy.graphs[i - 1], (
+                f"step {i} (length {lengths[i]}) compiled: frames {spy.frames}, graphs {spy.graphs}"
+            )
+    assert len(cb.step_checks) == len(lengths) and all(c.within_budget for c in cb.step_checks)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    # The short bucket's compiled memory was predicted from its blocks compiled alone at 8 tokens: the real step says.
+    predicted = table.buckets[0].predicted_activation_bytes
+    read = [c.activation_bytes for c, n in zip(cb.step_checks, lengths, strict=True) if n == 8]
+    assert predicted == pytest.approx(max(read), rel=0.05), (predicted, read)

@@ -30,7 +30,7 @@ from lightning_ckpt.errors import PlanError
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import TABLE_KEY, PlanTable
 from lightning_ckpt.search.records import TrialStatus
-from lightning_ckpt.search.replan import PROFILE_KEY
+from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = ["SHOW_JSON_HELP", "format_plan", "plan_summary", "run_show", "trial_counts"]
@@ -189,6 +189,7 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
     lines += _profile_lines(md)
     known = {"run", "budget", "versions", "search", "measured", "baselines", MEMORY_BREAKDOWN_KEY, PROFILE_KEY}
     known.add(TABLE_KEY)
+    known.add(COMPILED_PROFILE_KEY)  # what a compiled plan table was predicted from; not re-planned from
     known.add("replanned")
     other = {k: v for k, v in md.items() if k not in known}
     if other:

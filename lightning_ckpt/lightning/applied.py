@@ -14,7 +14,8 @@ from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.caches import disable_kv_cache
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.handle import PlanHandle
-from lightning_ckpt.search.compile import reset_compiled
+from lightning_ckpt.search.compile import apply_reusing_graphs, release_kept_graphs, reset_compiled
+from lightning_ckpt.search.compile import keep_graphs as keep_graphs_of
 
 __all__ = ["AppliedPlan"]
 
@@ -25,15 +26,32 @@ class AppliedPlan:
     def __init__(self) -> None:
         self._handle: PlanHandle | None = None
         self._restore_cache: Any = None
+        self._forwards: dict[Any, Any] = {}  # what plans installed while graphs are kept (``keep_graphs``)
+        self._keeping = False  # graphs are kept since the last fresh start
 
-    def apply(self, view: ModelView, plan: Plan, trainer: pl.Trainer) -> None:
-        """Apply ``plan`` in place of the one applied now; every rank must have applied the same plan."""
+    def apply(self, view: ModelView, plan: Plan, trainer: pl.Trainer, *, keep_graphs: bool = False) -> None:
+        """Apply ``plan`` in place of the one applied now; every rank must have applied the same plan.
+
+        A compiled model compiles the plan afresh (no stale graphs, no recompiles counted: ``search.compile``).
+        ``keep_graphs`` (a compiled plan table switching between its buckets' plans): every plan applied again gets
+        the forwards it had the first time, so dynamo runs the graph compiled for it then: a switch compiles only
+        on a plan's first step. Only the first such apply starts afresh."""
         self.remove_plan()
         if self._restore_cache is None:
             self._restore_cache = disable_kv_cache(view.root)  # training forwards never need HF's KV cache
-        self._handle = apply_plan(view, plan)
-        if view.compiled:
-            reset_compiled()  # compile the locked-in plan afresh: no stale graphs, no recompiles counted (compile.py)
+        if view.compiled and keep_graphs:
+            if not self._keeping:
+                reset_compiled()
+                self._keeping = True
+            key = (id(self), plan.key())
+            self._handle = apply_reusing_graphs(view, plan, self._forwards, key)
+            keep_graphs_of(key)
+        else:
+            self._forwards.clear()
+            self._keeping = False
+            self._handle = apply_plan(view, plan)
+            if view.compiled:
+                reset_compiled()
         if trainer.world_size > 1:
             digests = StrategySync(trainer.strategy).all_gather(plan.digest())
             if len(set(digests)) != 1:
@@ -49,8 +67,12 @@ class AppliedPlan:
             self._handle = None
 
     def remove(self) -> None:
-        """The model as the user gave it: no plan, the HF cache setting back."""
+        """The model as the user gave it: no plan, the HF cache setting back, no graph of a plan kept."""
         self.remove_plan()
+        if self._keeping:
+            self._forwards.clear()
+            self._keeping = False
+            release_kept_graphs()
         if self._restore_cache is not None:
             self._restore_cache()
             self._restore_cache = None

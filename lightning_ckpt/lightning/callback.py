@@ -39,7 +39,7 @@ from lightning_ckpt.lightning.probe import probe_request, probed_max_shape
 from lightning_ckpt.lightning.replanned import ReplanCheck
 from lightning_ckpt.lightning.reuse import plan_to_reuse, retune_for_batch, reusable, reused_budget, run_conditions
 from lightning_ckpt.lightning.searching import SearchRequest, report_search, search_first_batch, search_micro_batch
-from lightning_ckpt.lightning.shapes import BatchSize, batch_at_length, grown_to
+from lightning_ckpt.lightning.shapes import BatchSize, batch_at_length, grown_to, mark_length_dynamic
 from lightning_ckpt.lightning.sync import StrategySync
 from lightning_ckpt.lightning.tensorboard import TunerRun
 from lightning_ckpt.measure.tracker import normalise_device
@@ -247,6 +247,8 @@ class ActivationCheckpointTuner(Callback):
         self._guard.agree(trainer, batch, table=self._table is not None)  # this step's size, alike on all ranks
         if self._table is not None:
             self._follow_table(trainer)
+            if self._keeps_graphs() and self._guard.step_size is not None:
+                mark_length_dynamic(batch, self._guard.step_size.length)  # one graph per bucket, not per length
         if self.plan is not None and self._view is not None:
             trials = self.result.trials if self.result is not None else ()
             running = self._running or self.plan
@@ -349,8 +351,8 @@ class ActivationCheckpointTuner(Callback):
             self._replan_check = ReplanCheck.of(plan, normalise_device(pl_module.device))
             if trainer.is_global_zero and self._plan_file is not None:
                 self._plan_file.wrote = self._plan_file.save(plan)
-        self._lock_in(plan, source=source, trainer=trainer)
         self._table = self._reused_table(trainer, plan, source)
+        self._lock_in(plan, source=source, trainer=trainer)
         budget = reused_budget(plan, wanted, pl_module.device)
         if trainer.world_size > 1:
             # Resolved per rank (the default CUDA budget is a share of each GPU's free memory): ranks that judged a
@@ -368,8 +370,8 @@ class ActivationCheckpointTuner(Callback):
         """Lock in the search's plan, record what it was tuned for, save it and report (rank 0)."""
         self.result = result
         self._guard.budget = result.budget
-        self._lock_in(result.best, source=source, trainer=trainer)
         self._table = table
+        self._lock_in(result.best, source=source, trainer=trainer)
         if table is not None:
             self.plan = result.best.with_metadata(**{TABLE_KEY: table.to_dict()})
         if not trainer.is_global_zero:
@@ -416,8 +418,6 @@ class ActivationCheckpointTuner(Callback):
 
     def _table_refused(self, trainer: pl.Trainer) -> str | None:
         """Why this fit can follow no plan table (a search builds none, a reused one is not followed), or None."""
-        if self._view is not None and self._view.compiled:
-            return "a compiled model (each bucket's plan would be another graph)"
         if self.guard.shape_key is not None and self.guard.resize is None:
             return (
                 "batches sized by guard's shape_key and no guard resize (a packed batch is cut to each bucket's "
@@ -437,8 +437,17 @@ class ActivationCheckpointTuner(Callback):
         top = index is None or index == len(table.buckets) - 1
         want = self.plan if top else table.buckets[index].plan
         if self._running is None or want.key() != self._running.key():
-            self._applied.apply(view, want, trainer)
+            self._applied.apply(view, want, trainer, keep_graphs=self._keeps_graphs())
             self._running = want
+
+    def _keeps_graphs(self) -> bool:
+        """Whether switching between the plan table's plans keeps each one's compiled graphs (``AppliedPlan``): a
+        compiled model's table, whose plans share one PT2 budget (none: a search that chose one builds no table, as
+        the compiler reads it when compiling and no guard sees it)."""
+        table = self._table
+        if table is None or self._view is None or not self._view.compiled:
+            return False
+        return len({b.plan.compile_memory_budget for b in table.buckets}) == 1
 
     def _guard_switched(self, lower: Plan, trainer: pl.Trainer, batch: Any) -> None:
         """The guard moved to ``lower``: lock it in, or, under a plan table, make it the plan of the bucket that went
@@ -467,7 +476,7 @@ class ActivationCheckpointTuner(Callback):
         self._table = table.with_plan(index, replace(lower, metadata={}, name=running.name), "guard")
         self.plan = self.plan.with_metadata(**{TABLE_KEY: self._table.to_dict()})
         assert self._view is not None
-        self._applied.apply(self._view, self._table.buckets[index].plan, trainer)
+        self._applied.apply(self._view, self._table.buckets[index].plan, trainer, keep_graphs=self._keeps_graphs())
         self._running = self._table.buckets[index].plan
         rank_zero_info(f"lightning_ckpt: bucket <= {table.buckets[index].max_length} now runs {lower.describe()}")
 
@@ -499,7 +508,7 @@ class ActivationCheckpointTuner(Callback):
 
     def _lock_in(self, plan: Plan, *, source: str, trainer: pl.Trainer) -> None:
         assert self._view is not None
-        self._applied.apply(self._view, plan, trainer)
+        self._applied.apply(self._view, plan, trainer, keep_graphs=self._keeps_graphs())
         self.plan = self._running = plan
         self._guard.arm(int(trainer.accumulate_grad_batches))
         if source not in _SEARCHES or self.verbose:

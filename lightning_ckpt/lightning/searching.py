@@ -38,7 +38,8 @@ from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.buckets import bucket_profile, plan_table
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
-from lightning_ckpt.search.replan import PROFILE_KEY
+from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY
+from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.store import storage_for_display
 from lightning_ckpt.search.tune import SearchInterrupted, tune
 
@@ -133,26 +134,36 @@ def _table(
     zero_grad: Any,
 ) -> PlanTable | None:
     """The plan table over ``request.table_lengths``: the search's plan on top, each shorter bucket's chosen from a
-    profile of ``batch`` cut to its length (in the search's sandbox); under several ranks, rank 0's. None, said
-    once, where the search kept no profile to predict from (a compiled model's, or one whose time model was not
-    fitted)."""
-    if PROFILE_KEY not in result.best.metadata:
+    profile of ``batch`` cut to its length (in the search's sandbox; a compiled model's blocks compiled alone there);
+    under several ranks, rank 0's. None, said once, where the search kept no profile to predict from (its time model
+    was not fitted: it measured no plan)."""
+    compiled = bool(request.view.compiled)
+    if (COMPILED_PROFILE_KEY if compiled else PROFILE_KEY) not in result.best.metadata:
         rank_zero_info(
-            "lightning_ckpt: no plan table: the search kept no profile to predict shorter buckets from (a compiled "
-            "model's search, or one that measured no plan eagerly); every batch runs the plan tuned for max_shape."
+            "lightning_ckpt: no plan table: the search kept no profile to predict shorter buckets from (it measured "
+            "no plan, so its time model was not fitted); every batch runs the plan tuned for max_shape."
+        )
+        return None
+    if compiled and result.best.compile_memory_budget is not None:
+        rank_zero_info(
+            "lightning_ckpt: no plan table: the search chose PT2's own activation_memory_budget, which the compiler "
+            "reads when compiling and no guard sees, so switching to a shorter bucket's plan would compile afresh at "
+            "every switch; every batch runs the plan tuned for max_shape."
         )
         return None
     assert request.table_lengths is not None
     size = batch_size_of(batch, request.shape_key)
     rows = size.rows if size is not None else 1
     precision = pl_module.trainer.strategy.precision_plugin
-    space = request.config.search_space.for_device(request.view.device.type)
+    # The space the search ran (for a compiled model, as its runner adapted it): the modes each bucket profiles.
+    saved = result.best.metadata[COMPILED_PROFILE_KEY if compiled else PROFILE_KEY]
+    space = SearchSpace.from_config(saved["search_space"])
 
     def profile_at(length: int) -> Any:
         resized = batch_at_length(batch, length, rows=rows, resize=request.resize, shape_key=request.shape_key)
         forward = training_loss(pl_module, precision, resized, batch_idx, zero_grad=zero_grad)
         extra = tuple(batch_tensors(resized))
-        return bucket_profile(request.view, forward, space=space, optimizer=optimizer, extra=extra)
+        return bucket_profile(request.view, forward, space=space, optimizer=optimizer, extra=extra, compiled=compiled)
 
     table = plan_table(result.best, profile_at, request.table_lengths, result.budget, rows=rows)
     # Every rank profiled the buckets in lockstep (a sharded model's profile gathers parameters); the table is rank

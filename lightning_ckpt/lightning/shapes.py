@@ -28,7 +28,15 @@ from torch.utils._pytree import tree_map
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
 
-__all__ = ["BatchSize", "ShapeScaling", "batch_at_length", "batch_size_of", "grown_to", "resized_to"]
+__all__ = [
+    "BatchSize",
+    "ShapeScaling",
+    "batch_at_length",
+    "batch_size_of",
+    "grown_to",
+    "mark_length_dynamic",
+    "resized_to",
+]
 
 
 @dataclass(frozen=True, order=True)
@@ -184,6 +192,23 @@ def batch_at_length(
             "exactly that length, e.g. a packed batch's first `length` tokens with cu_seqlens clipped to them."
         )
     return out
+
+
+def mark_length_dynamic(batch: Any, length: int) -> int:
+    """Mark every dimension ``length`` long of the batch's tensors, but the first (the rows), dynamic for dynamo
+    (``maybe_mark_dynamic``: a model that needs the length static keeps it static, without an error). The graph a
+    compiled plan gets at its bucket's first batch then serves every length of the bucket; otherwise it would be
+    compiled for that one length, and dynamo's automatic dynamic shapes would compile it again at the second. The
+    number of dimensions marked."""
+    if length < 2:  # dynamo specialises sizes 0 and 1 whatever is marked
+        return 0
+    marked = 0
+    for tensor in batch_tensors(batch):
+        for dim in range(1, tensor.dim()):
+            if tensor.shape[dim] == length:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                marked += 1
+    return marked
 
 
 def _token_dims(batch: Any, needs: str) -> tuple[int, int]:

@@ -25,18 +25,20 @@ from typing import Any
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import PlanError
 from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.memory.compiled import CompiledMemoryModel
 from lightning_ckpt.memory.profile import Profile, profile_step
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan, mode_key
 from lightning_ckpt.plan.skipping import full_depth
 from lightning_ckpt.plan.table import Bucket, PlanTable
-from lightning_ckpt.search.replan import SavedProfile, table_bucket
+from lightning_ckpt.search.compile import eager_while_profiling
+from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY, SavedProfile, table_bucket
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.tune import space_modes
 from lightning_ckpt.timing.model import Calibration, TimeModel
 
-__all__ = ["bucket_profile", "plan_table", "rescaled_time"]
+__all__ = ["bucket_profile", "compiled_at", "plan_table", "rescaled_time"]
 
 
 def rescaled_time(time_at: TimeModel, searched: TimeModel) -> TimeModel:
@@ -62,15 +64,24 @@ def bucket_profile(
     space: SearchSpace,
     optimizer: Any = None,
     extra: tuple[Any, ...] = (),
+    compiled: bool = False,
 ) -> Profile:
     """The profile of one bucket: ``step_fn`` runs the tuned batch at the bucket's longest length. Taken as the
     search takes its own: KV caches off, every block running (LayerDrop and kin at full depth), Python attributes
-    the step writes put back, each block timed under the modes the space gives it."""
-    with full_depth(view.root, view.stacks):
+    the step writes put back, each block timed under the modes the space gives it (``compiled``: compiled alone,
+    at this length, as a compiled search's profile does)."""
+    with full_depth(view.root, view.stacks), eager_while_profiling(compiled):
         state = PythonState.capture(view.root)
         try:
             modes = space_modes(space, view)
-            return profile_step(view, state.restoring(step_fn), optimizer=optimizer, extra=extra, time_blocks=modes)
+            return profile_step(
+                view,
+                state.restoring(step_fn),
+                optimizer=optimizer,
+                extra=extra,
+                time_blocks=modes,
+                compiled_blocks=compiled,
+            )
         finally:
             state.restore()
 
@@ -85,8 +96,11 @@ def plan_table(
 ) -> PlanTable:
     """The table for ``edges`` (ascending, the last the length ``top`` was searched at). ``top`` is the search's
     choice and keeps the search's saved profile (``replan.SavedProfile``); ``profile_at(length)`` profiles the
-    model on the tuned batch at that length (a ``memory.profile.Profile`` with block times)."""
-    searched = SavedProfile.of_plan(top, source="the search's plan")
+    model on the tuned batch at that length (a ``memory.profile.Profile`` with block times; for a compiled search,
+    with its blocks compiled alone: see ``compiled_at``)."""
+    compiled = COMPILED_PROFILE_KEY in top.metadata
+    key = COMPILED_PROFILE_KEY if compiled else PROFILE_KEY
+    searched = SavedProfile.of_plan(top, source="the search's plan", key=key)
     top_bucket = Bucket(
         max_length=edges[-1],
         plan=top,
@@ -101,8 +115,39 @@ def plan_table(
         if profile.time is None:
             raise PlanError(f"the profile at length {length} timed no block: no plan can be predicted there")
         time = rescaled_time(profile.time, searched.time)
-        buckets.append(table_bucket(length, profile.memory, time, searched, budget, rows, top))
+        at = compiled_at(top, profile, length / edges[-1]) if compiled else None
+        buckets.append(table_bucket(length, profile.memory, time, searched, budget, rows, top, compiled=at))
     return PlanTable((*buckets, top_bucket), rows)
+
+
+def compiled_at(top: Plan, profile: Profile, length_ratio: float) -> CompiledMemoryModel:
+    """A compiled model's memory at a bucket's length (``length_ratio`` of the longest): what its blocks, compiled
+    alone at that length, save per mode (``profile.compiled``), anchored on the compiled ``none`` step the search
+    measured at the longest length. That step's bytes outside the blocks (embeddings, head, logits, loss: linear in
+    the length, no attention among them) are scaled by the ratio; the blocks' are the bucket's own. No whole-model
+    compile per bucket; the guard reads the first step under each bucket's plan, as it reads any."""
+    if profile.compiled is None:
+        raise PlanError("the bucket's profile compiled no block alone: its compiled memory cannot be predicted")
+    kept = top.metadata.get("compiled_blocks")
+    kept = kept if isinstance(kept, Mapping) else {}
+    none_act, none_peak = kept.get("none_activation_bytes"), kept.get("none_peak_bytes")
+    if not isinstance(none_act, int) or not isinstance(none_peak, int):
+        raise PlanError("the compiled search measured no compiled none step: no bucket's memory can be predicted")
+    blocks_there = _blocks_none(kept.get("blocks"))
+    blocks_here = _blocks_none([{"saved_bytes": b.saved_bytes} for b in profile.compiled.blocks])
+    if blocks_there is None or blocks_here is None:
+        raise PlanError("a block was not compiled under none: no bucket's compiled memory can be predicted")
+    outside = max(0, none_act - blocks_there)
+    activation = blocks_here + round(outside * length_ratio)
+    return profile.compiled.anchored(activation, none_peak - (none_act - activation))
+
+
+def _blocks_none(rows: Any) -> int | None:
+    """The bytes every block call's compiled graph saves under ``none``, summed (None if one is missing)."""
+    if not isinstance(rows, Sequence):
+        return None
+    saved = [r.get("saved_bytes", {}).get("none") if isinstance(r, Mapping) else None for r in rows]
+    return sum(saved) if saved and all(isinstance(v, int) for v in saved) else None
 
 
 def _measured(plan: Plan, key: str) -> Any:

@@ -72,19 +72,22 @@ from lightning_ckpt.measure.harness import StepHarness, loss_of
 from lightning_ckpt.measure.measurement import Measurement, classify_failure, release_memory
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.measure.snapshot import StateSnapshot
-from lightning_ckpt.model import compiled_regions
+from lightning_ckpt.model import ModelView, compiled_regions
 from lightning_ckpt.plan import forwards as apply_module
 from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.forwards import CHECKPOINT_FRAMES
+from lightning_ckpt.plan.handle import PlanHandle
 from lightning_ckpt.search.records import judge_status
 
 __all__ = [
     "CompileStats",
     "CompiledTrials",
     "compiled_search",
+    "apply_reusing_graphs",
     "conflict_reason",
     "eager_while_profiling",
+    "keep_graphs",
     "random_ops",
     "recompile_count",
     "release_kept_graphs",
@@ -169,6 +172,25 @@ def release_kept_graphs() -> None:
     """Drop the graphs compiled re-timing rounds kept (``reset_compiled``), if any: a search ends with this."""
     if _KEPT.keys:
         reset_compiled()
+
+
+def apply_reusing_graphs(
+    target: nn.Module | ModelView, plan: Plan, forwards: dict[Any, Any], key: tuple[int, str]
+) -> PlanHandle:
+    """Apply ``plan`` with the forward objects it had when it was applied before under ``forwards``
+    (``reused_forwards``), so dynamo's guards match the graph compiled for it then and nothing compiles again. The
+    graphs kept (``keep_graphs``) are dropped first when one more plan would reach dynamo's recompile limit, which
+    would run the model eagerly from then on. ``key``: the plan's, with its owner (another batch shape, other
+    graphs)."""
+    if _KEPT.keys and key not in _KEPT.keys and len(_KEPT.keys) + 1 >= _recompile_limit():
+        release_kept_graphs()
+    with reused_forwards(forwards):
+        return apply_plan(target, plan)
+
+
+def keep_graphs(key: tuple[int, str]) -> None:
+    """Count ``key``'s graphs among those kept since the last reset (``apply_reusing_graphs``)."""
+    _KEPT.keys.add(key)
 
 
 def recompile_count() -> int:
@@ -424,10 +446,7 @@ class CompiledTrials:
         dropped instead when the budget changes.
         """
         key = (id(self), plan.key())  # another runner (micro-batch) is another batch shape: other graphs
-        if _KEPT.keys and key not in _KEPT.keys and len(_KEPT.keys) + 1 >= _recompile_limit():
-            release_kept_graphs()
-        with reused_forwards(self._forwards):
-            handle = apply_plan(self.harness.target, plan)
+        handle = apply_reusing_graphs(self.harness.target, plan, self._forwards, key)
         marked = self._mark_budget(plan.compile_memory_budget)
         if not marked and _KEPT.keys and plan.compile_memory_budget != _KEPT.budget:
             release_kept_graphs()  # the unmarked graphs kept were compiled under another budget
@@ -443,7 +462,7 @@ class CompiledTrials:
         if run.failure is not None or not run.measurement.ok:
             reset_compiled()  # whatever the failed step left compiled is not kept
         else:
-            _KEPT.keys.add(key)
+            keep_graphs(key)
             if not marked:
                 _KEPT.budget = plan.compile_memory_budget
             self.retime_compiles += compiles

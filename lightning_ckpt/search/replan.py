@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.budget import Budget, RequestedBudget, device_type, format_bytes
 from lightning_ckpt.errors import InfeasibleBudgetError, LightningCkptError, PlanError
+from lightning_ckpt.memory.compiled import CompiledMemoryModel
 from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.plan.format import Plan
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from lightning_ckpt.memory.profile import Profile
 
 __all__ = [
+    "COMPILED_PROFILE_KEY",
     "PROFILE_KEY",
     "Replanned",
     "SavedProfile",
@@ -47,6 +49,10 @@ __all__ = [
 ]
 
 PROFILE_KEY = "profile"
+# A compiled search's profile (blocks compiled alone, its time model fitted to compiled steps), kept apart from
+# PROFILE_KEY: ``replan`` and a reused plan's re-plan predict eager steps, and would misread it. Only the plan table
+# (``search.buckets``) predicts from it, with the compiled memory model (``metadata.compiled_blocks``).
+COMPILED_PROFILE_KEY = "compiled_profile"
 # What a re-planned plan drops from the plan it came from: figures measured for that plan, not this one, and its
 # plan table (``search.buckets``: its buckets' plans were chosen for the old budget; ``replan_table`` re-plans them).
 _MEASURED_KEYS = ("measured", "baselines", "real_steps", "search", "switched_from", "plan_table")
@@ -90,9 +96,10 @@ class SavedProfile:
     tie_tolerance: float
 
     @classmethod
-    def of_plan(cls, plan: Plan, *, source: str = "the plan") -> SavedProfile:
-        """The profile ``plan`` keeps; ``PlanError`` saying what is missing when it cannot be re-planned from."""
-        data = plan.metadata.get(PROFILE_KEY)
+    def of_plan(cls, plan: Plan, *, source: str = "the plan", key: str = PROFILE_KEY) -> SavedProfile:
+        """The profile ``plan`` keeps (under ``key``); ``PlanError`` saying what is missing when it cannot be
+        re-planned from."""
+        data = plan.metadata.get(key)
         if not isinstance(data, Mapping):
             raise PlanError(
                 f"{source} keeps no profile (metadata['profile']), so it cannot be re-planned without a search. "
@@ -301,15 +308,19 @@ def table_bucket(
     budget: Budget,
     rows: int,
     top: Plan,
+    *,
+    compiled: CompiledMemoryModel | None = None,
 ) -> Bucket:
     """The bucket at ``length``: the search's rule over every plan's predicted figures there; the top plan (which
-    fits at the longest length, so at this one) when nothing is predicted to fit."""
-    memory = RealStepMemory(memory_model, searched.optimizer)
+    fits at the longest length, so at this one) when nothing is predicted to fit. ``compiled``: a compiled model's
+    memory there (``memory_model`` then only says which plans can run); its bucket keeps no profile, as ``replan``
+    predicts eager steps (a re-planned budget drops such a table: every batch runs the top plan, read by the guard)."""
+    memory = RealStepMemory(compiled or memory_model, searched.optimizer)
     records = predicted_records(
         searched, memory, time, budget, device=memory_model.device, batch=rows, model=memory_model
     )
     best = choose_best(records, budget, tie_tolerance=searched.tie_tolerance)
-    profile = {"memory": memory_model.to_dict(), "time": time.to_dict()}
+    profile = None if compiled is not None else {"memory": memory_model.to_dict(), "time": time.to_dict()}
     if best is None:
         return Bucket(length, top, "search", profile=profile)
     plan = replace(best.plan, name=f"bucket <= {length}", fingerprint=top.fingerprint, metadata={})
@@ -369,7 +380,10 @@ def _scored(
     if seconds is None:
         return None
     seconds *= ratio
-    peak, activation = memory.predict(cand.plan)
+    predicted = memory.predict(cand.plan)
+    if predicted is None:  # a PT2 budget under compile: the partitioner's choice, never predicted
+        return None
+    peak, activation = predicted
     return TrialRecord(
         number=number,
         plan=cand.plan,

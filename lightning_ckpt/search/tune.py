@@ -37,7 +37,7 @@ from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.proposers import proposer_for
 from lightning_ckpt.search.records import ProgressFn, TrialRecord, TrialStatus, TuneResult, choose_best
-from lightning_ckpt.search.replan import PROFILE_KEY, profile_metadata
+from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY, profile_metadata
 from lightning_ckpt.search.runners import EagerRunner, TrialRunner, release_cached_memory
 from lightning_ckpt.search.space import SearchSpace, offered_candidates
 from lightning_ckpt.search.study import SearchInterrupted, Study
@@ -265,9 +265,11 @@ def _search(
     fitted = study.proposer.fitted()
     if isinstance(memory.model, CompiledMemoryModel):
         metadata["compiled_blocks"] = {**memory.model.to_dict(), "activation_errors": _activation_errors(study)}
-    if fitted is not None and not is_compiled:  # ``replan`` predicts eager steps: a compiled profile is not kept
-        # The profile as the search fitted it: a later budget re-plans from it without a search (``replan``).
-        metadata[PROFILE_KEY] = profile_metadata(
+    if fitted is not None:
+        # The profile as the search fitted it: a later budget re-plans from it without a search (``replan``). A
+        # compiled one is kept apart (COMPILED_PROFILE_KEY): ``replan`` predicts eager steps; a plan table predicts
+        # its shorter buckets from it (``search.buckets``).
+        metadata[COMPILED_PROFILE_KEY if is_compiled else PROFILE_KEY] = profile_metadata(
             profile.with_time(fitted),
             memory.optimizer,
             stacks,
