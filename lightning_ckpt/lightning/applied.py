@@ -14,7 +14,7 @@ from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.caches import disable_kv_cache
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.handle import PlanHandle
-from lightning_ckpt.search.compile import apply_reusing_graphs, release_kept_graphs, reset_compiled
+from lightning_ckpt.search.compile import apply_reusing_graphs, reset_compiled
 from lightning_ckpt.search.compile import keep_graphs as keep_graphs_of
 
 __all__ = ["AppliedPlan"]
@@ -67,12 +67,12 @@ class AppliedPlan:
             self._handle = None
 
     def remove(self) -> None:
-        """The model as the user gave it: no plan, the HF cache setting back, no graph of a plan kept."""
+        """The model as the user gave it: no plan, the HF cache setting back. The graphs a plan table kept stay with
+        dynamo, as any fit's compiled graphs do (their guards fail without the plan's forwards; a reset here would
+        make the user's validation compile the plain model again); a later plan starts afresh."""
         self.remove_plan()
-        if self._keeping:
-            self._forwards.clear()
-            self._keeping = False
-            release_kept_graphs()
+        self._forwards.clear()
+        self._keeping = False
         if self._restore_cache is not None:
             self._restore_cache()
             self._restore_cache = None

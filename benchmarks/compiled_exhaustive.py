@@ -1,0 +1,236 @@
+"""Is a compiled search's choice the fastest plan that fits? The search against every plan of its space, measured.
+
+For the compiled GPT of ``compiled_retiming.py`` (width 128, batch 8 x 64 tokens, no dropout, activation budget
+50%, the tuner's defaults), each depth and way of compiling (``whole``: ``torch.compile(model)``; ``regional``:
+``block.compile()`` on each block, as torchtitan does) runs in a fresh process with an empty inductor cache:
+
+1. ``tune`` as a user calls it: the chosen plan, and what the search cost (seconds, and plain compiled steps);
+2. every plan of the search's space compiled whole and measured (time and memory) by the search's own runner,
+   except those the search's compiled memory model predicted more than 10% over the budget (its median error is
+   0-5.5%; ``compiled_retiming.py``): the exhaustive measurement;
+3. the chosen plan and the three fastest fitting plans of step 2 re-timed side by side in interleaved rounds (each
+   round switches plans every few steps; a plan's graph is compiled once and reused): the chosen plan's
+   throughput over the fastest's, the issue's ">= 0.97x";
+4. the compiled time model's error on every plan step 2 measured: the search's fitted model (blocks compiled
+   alone, anchored on the steps it measured), and the same model with what the plans add scaled by one factor
+   fitted on the compiled ``full`` step (``scaled``: how much of the error is one systematic factor).
+
+Run: ``python benchmarks/compiled_exhaustive.py --layers 8 32 --ways regional whole`` (2-core CPU: 3 to 10 minutes
+per row but the whole 32-layer one, about 40), or ``--rows 8:regional 8:whole 32:regional``; writes
+``benchmarks/results/compiled_exhaustive.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_ckpt import Plan, tune
+from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.search.compile import compiled_search, release_kept_graphs, reset_compiled
+from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY
+from lightning_ckpt.testing import GPT, GPTConfig
+from lightning_ckpt.timing.model import TimeModel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compiled_retiming import BATCH, SHAPE  # noqa: E402  (the same model and batch)
+
+WAYS = ("regional", "whole")
+ROUNDS = 6  # side-by-side rounds of step 3
+MEMORY_MARGIN = 1.10  # step 2 skips plans predicted over 110% of the budget
+
+
+def _model(layers: int, way: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SHAPE, "n_layer": layers}, dropout=0.0))
+    if way == "regional":
+        for block in model.transformer.h:
+            block.compile()
+        compiled = model
+    else:
+        compiled = torch.compile(model)
+    return model, compiled, torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["block_size"]))
+
+
+def _plain_step(model: torch.nn.Module, step: Any) -> float:
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        step().backward()
+    times = []
+    for _ in range(10):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        step().backward()
+        times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def worker(way: str, layers: int, out: Path) -> None:
+    model, compiled, x = _model(layers, way)
+
+    def step() -> torch.Tensor:
+        return compiled(x, x)
+
+    plain = _plain_step(model, step)
+    reset_compiled()
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = tune(compiled, step, activation_budget=0.5, batch_size=BATCH, seq_len=SHAPE["block_size"],
+                      extra_tensors=(x,))  # fmt: skip
+    search_seconds = time.perf_counter() - t0
+    budget, chosen = result.budget, result.best
+    saved = chosen.metadata.get(COMPILED_PROFILE_KEY) or {}
+    fitted = TimeModel.from_dict(saved["time"]) if saved.get("time") else None
+
+    # 2. Every plan of the space the memory model does not rule out by more than the margin, measured compiled.
+    harness = StepHarness(model, step, torch.device("cpu"), extra=(x,), batch_size=BATCH,
+                          seq_len=SHAPE["block_size"], warmup_steps=1, measure_steps=3)  # fmt: skip
+    runner = compiled_search(compiled, harness, compiled=True, allow_graph_breaks=False)
+    assert runner is not None
+    limit = budget.limit_bytes or 0
+    plans: dict[str, tuple[str, Plan, int | None]] = {}
+    for t in result.trials:
+        predicted = t.predicted_activation_bytes
+        if predicted is not None and limit and predicted > MEMORY_MARGIN * limit and not t.plan.is_empty:
+            continue  # (``none`` is always measured: the time model's base)
+        plans.setdefault(t.plan.key(), (t.label, t.plan, predicted))
+    rows = []
+    t_sweep = time.perf_counter()
+    for label, plan, predicted in plans.values():
+        m = runner.measure(plan, None)
+        rows.append({
+            "plan": label,
+            "status": m.status,
+            "fits": bool(m.ok and budget.fits(m.peak_bytes, m.activation_bytes)),
+            "median_seconds": m.median_seconds,
+            "activation_bytes": m.activation_bytes,
+            "predicted_activation_bytes": predicted,
+            "predicted_seconds": fitted.predict_seconds(plan) if fitted is not None else None,
+            "added_seconds": fitted.added_seconds(plan) if fitted is not None else None,
+            "compile_seconds": (m.extra.get("compile") or {}).get("compile_seconds"),
+            "_plan": plan,
+        })  # fmt: skip
+        print(f"  {label}: {m.status} {m.median_seconds}", flush=True)
+    sweep_seconds = time.perf_counter() - t_sweep
+    fitting = sorted((r for r in rows if r["fits"] and r["median_seconds"]), key=lambda r: r["median_seconds"])
+
+    # 3. The chosen plan beside the three fastest fitting plans, interleaved rounds.
+    chosen_key = chosen.key()
+    contenders = {r["_plan"].key(): (r["plan"], r["_plan"]) for r in fitting[:3]}
+    contenders.setdefault(chosen_key, ("chosen", chosen))
+    samples: dict[str, list[float]] = {k: [] for k in contenders}
+    for r in range(ROUNDS):
+        order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
+        for key in order:
+            m = runner.retime(contenders[key][1], 3)
+            if m.ok and m.median_seconds:
+                samples[key].append(m.median_seconds)
+    release_kept_graphs()
+    side = {contenders[k][0]: statistics.median(v) for k, v in samples.items() if v}
+    fastest_key = min((k for k in samples if samples[k]), key=lambda k: statistics.median(samples[k]))
+    ratio = statistics.median(samples[fastest_key]) / statistics.median(samples[chosen_key])
+
+    # 4. The time model's error on every measured plan, as fitted and with one scale on what plans add.
+    errors = [r["predicted_seconds"] / r["median_seconds"] - 1 for r in rows
+              if r["predicted_seconds"] and r["median_seconds"]]  # fmt: skip
+    none = next((r for r in rows if r["_plan"].is_empty and r["median_seconds"]), None)
+    full = next((r for r in rows if r["plan"].endswith(":full") and r["median_seconds"] and r["added_seconds"]), None)
+    scaled_errors: list[float] = []
+    scale = None
+    if none is not None and full is not None:
+        scale = (full["median_seconds"] - none["median_seconds"]) / full["added_seconds"]
+        for r in rows:
+            if r["added_seconds"] is not None and r["median_seconds"]:
+                predicted = none["median_seconds"] + scale * r["added_seconds"]
+                scaled_errors.append(predicted / r["median_seconds"] - 1)
+    search = chosen.metadata.get("search", {})
+    record = {
+        "way": way,
+        "layers": layers,
+        "search_seconds": search_seconds,
+        "plain_compiled_step_seconds": plain,
+        "plain_step_equivalents": search_seconds / plain,
+        "chosen": chosen.describe(),
+        "budget": budget.description,
+        "plans_in_space": len({t.plan.key() for t in result.trials}),
+        "plans_measured_exhaustively": len(rows),
+        "exhaustive_seconds": sweep_seconds,
+        "fastest_fitting_exhaustive": fitting[0]["plan"] if fitting else None,
+        "side_by_side_median_seconds": side,
+        "chosen_over_fastest": ratio,
+        "search_time_errors": {
+            k: (search.get("time_model") or {}).get(k)
+            for k in ("predicted_and_measured", "median_abs_error", "max_abs_error")
+        },  # fmt: skip
+        "time_model_median_abs_error_all_plans": statistics.median(abs(e) for e in errors) if errors else None,
+        "time_model_max_abs_error_all_plans": max((abs(e) for e in errors), default=None),
+        # The same plain step measured twice in this process (before the search, and in step 2): the noise floor.
+        "none_in_sweep_over_plain_step": none["median_seconds"] / plain - 1 if none is not None else None,
+        "scale_fitted_on_full": scale,
+        "scaled_median_abs_error_all_plans": (
+            statistics.median(abs(e) for e in scaled_errors) if scaled_errors else None
+        ),
+        "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+    }
+    out.write_text(json.dumps(record, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[8])
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compiled_exhaustive.json")
+    parser.add_argument("--rows", nargs="+", help="LAYERS:WAY pairs instead of every --layers x --ways")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        way, layers, out = args.worker
+        worker(way, int(layers), Path(out))
+        return
+    records = []
+    rows = [(layers, way) for layers in args.layers for way in args.ways]
+    if args.rows:
+        rows = [(int(r.split(":")[0]), r.split(":")[1]) for r in args.rows]
+    for layers, way in rows:
+        with tempfile.TemporaryDirectory() as cache, tempfile.NamedTemporaryFile(suffix=".json") as out:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+            t0 = time.perf_counter()
+            cmd = [sys.executable, __file__, "--worker", way, str(layers), out.name]
+            subprocess.run(cmd, check=True, env=env)
+            record = json.loads(Path(out.name).read_text())
+            record["row_seconds"] = time.perf_counter() - t0
+            records.append(record)
+        r = records[-1]
+        print(
+            f"{way:>8} {layers:>3} layers | search {r['search_seconds']:.0f} s = "
+            f"{r['plain_step_equivalents']:.0f} plain steps | chosen {r['chosen']} | "
+            f"{r['chosen_over_fastest']:.3f}x the fastest fitting ({r['fastest_fitting_exhaustive']}) | time "
+            f"error, all {r['plans_measured_exhaustively']} plans: median "
+            f"{r['time_model_median_abs_error_all_plans']}, scaled {r['scaled_median_abs_error_all_plans']}",
+            flush=True,
+        )
+    payload = {
+        "command": "python benchmarks/compiled_exhaustive.py " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "shape": {**SHAPE, "batch": BATCH},
+        "rows": records,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
