@@ -32,7 +32,6 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -40,50 +39,23 @@ from lightning_ckpt import Plan, tune
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.search.compile import compiled_search, release_kept_graphs, reset_compiled
 from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY
-from lightning_ckpt.testing import GPT, GPTConfig
 from lightning_ckpt.timing.model import TimeModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compiled_retiming import BATCH, SHAPE  # noqa: E402  (the same model and batch)
+from compiled_retiming import BATCH, SHAPE, compiled_gpt, plain_compiled_step  # noqa: E402  (the same model)
 
 WAYS = ("regional", "whole")
 ROUNDS = 6  # side-by-side rounds of step 3
 MEMORY_MARGIN = 1.10  # step 2 skips plans predicted over 110% of the budget
 
 
-def _model(layers: int, way: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**SHAPE, "n_layer": layers}, dropout=0.0))
-    if way == "regional":
-        for block in model.transformer.h:
-            block.compile()
-        compiled = model
-    else:
-        compiled = torch.compile(model)
-    return model, compiled, torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["block_size"]))
-
-
-def _plain_step(model: torch.nn.Module, step: Any) -> float:
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        step().backward()
-    times = []
-    for _ in range(10):
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        step().backward()
-        times.append(time.perf_counter() - t0)
-    model.zero_grad(set_to_none=True)
-    return statistics.median(times)
-
-
 def worker(way: str, layers: int, out: Path) -> None:
-    model, compiled, x = _model(layers, way)
+    model, compiled, x = compiled_gpt(layers, regional=way == "regional")
 
     def step() -> torch.Tensor:
         return compiled(x, x)
 
-    plain = _plain_step(model, step)
+    _, plain = plain_compiled_step(model, step)
     reset_compiled()
     t0 = time.perf_counter()
     with warnings.catch_warnings():

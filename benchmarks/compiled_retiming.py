@@ -75,24 +75,25 @@ def _instrument(variant: str) -> dict[str, Any]:
     return seen
 
 
-def worker(variant: str, out: Path, threads: int | None, default_space: bool, layers: int) -> None:
-    if threads:
-        torch.set_num_threads(threads)
+def compiled_gpt(layers: int, *, regional: bool) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """The benchmark's GPT (seeded), compiled whole or block by block (torchtitan's way: each block alone, the rest
+    eager), and its token batch: the model, what is called, the batch."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**SHAPE, "n_layer": layers}, dropout=0.0))
-    if variant == "once-regional":  # torchtitan's way: each block compiled alone, the rest eager
+    if regional:
         for block in model.transformer.h:
             block.compile()
         compiled = model
     else:
         compiled = torch.compile(model)
-    x = torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["block_size"]))
+    return model, compiled, torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["block_size"]))
 
-    def step() -> torch.Tensor:
-        return compiled(x, x)
 
+def plain_compiled_step(model: torch.nn.Module, step: Any) -> tuple[float, float]:
+    """The seconds of the first three steps (the first compiles the plain model) and the median plain compiled step
+    of the next ten; gradients cleared after."""
     first = time.perf_counter()
-    for _ in range(3):  # the plain compiled step: compile, then time it
+    for _ in range(3):
         model.zero_grad(set_to_none=True)
         step().backward()
     first = time.perf_counter() - first
@@ -102,8 +103,19 @@ def worker(variant: str, out: Path, threads: int | None, default_space: bool, la
         t0 = time.perf_counter()
         step().backward()
         times.append(time.perf_counter() - t0)
-    plain = sorted(times)[len(times) // 2]
     model.zero_grad(set_to_none=True)
+    return first, sorted(times)[len(times) // 2]
+
+
+def worker(variant: str, out: Path, threads: int | None, default_space: bool, layers: int) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    model, compiled, x = compiled_gpt(layers, regional=variant == "once-regional")
+
+    def step() -> torch.Tensor:
+        return compiled(x, x)
+
+    first, plain = plain_compiled_step(model, step)
     compile_module.reset_compiled()
     seen = _instrument(variant)
     t0 = time.perf_counter()

@@ -14,8 +14,7 @@ from lightning_ckpt.plan.apply import apply_plan
 from lightning_ckpt.plan.caches import disable_kv_cache
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.handle import PlanHandle
-from lightning_ckpt.search.compile import apply_reusing_graphs, reset_compiled
-from lightning_ckpt.search.compile import keep_graphs as keep_graphs_of
+from lightning_ckpt.search.compile import apply_reusing_graphs, count_kept, reset_compiled
 
 __all__ = ["AppliedPlan"]
 
@@ -45,7 +44,7 @@ class AppliedPlan:
                 self._keeping = True
             key = (id(self), plan.key())
             self._handle = apply_reusing_graphs(view, plan, self._forwards, key)
-            keep_graphs_of(key)
+            count_kept(key)
         else:
             self._forwards.clear()
             self._keeping = False

@@ -87,7 +87,7 @@ __all__ = [
     "apply_reusing_graphs",
     "conflict_reason",
     "eager_while_profiling",
-    "keep_graphs",
+    "count_kept",
     "random_ops",
     "recompile_count",
     "release_kept_graphs",
@@ -179,7 +179,7 @@ def apply_reusing_graphs(
 ) -> PlanHandle:
     """Apply ``plan`` with the forward objects it had when it was applied before under ``forwards``
     (``reused_forwards``), so dynamo's guards match the graph compiled for it then and nothing compiles again. The
-    graphs kept (``keep_graphs``) are dropped first when one more plan would reach dynamo's recompile limit, which
+    graphs kept (``count_kept``) are dropped first when one more plan would reach dynamo's recompile limit, which
     would run the model eagerly from then on. ``key``: the plan's, with its owner (another batch shape, other
     graphs)."""
     if _KEPT.keys and key not in _KEPT.keys and len(_KEPT.keys) + 1 >= _recompile_limit():
@@ -188,7 +188,7 @@ def apply_reusing_graphs(
         return apply_plan(target, plan)
 
 
-def keep_graphs(key: tuple[int, str]) -> None:
+def count_kept(key: tuple[int, str]) -> None:
     """Count ``key``'s graphs among those kept since the last reset (``apply_reusing_graphs``)."""
     _KEPT.keys.add(key)
 
@@ -462,7 +462,7 @@ class CompiledTrials:
         if run.failure is not None or not run.measurement.ok:
             reset_compiled()  # whatever the failed step left compiled is not kept
         else:
-            keep_graphs(key)
+            count_kept(key)
             if not marked:
                 _KEPT.budget = plan.compile_memory_budget
             self.retime_compiles += compiles
