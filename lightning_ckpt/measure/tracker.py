@@ -10,7 +10,9 @@ phases the memory model is built from).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+import contextlib
+import importlib
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -24,10 +26,52 @@ __all__ = [
     "local_tensor",
     "new_live_tracker",
     "normalise_device",
+    "removing_grad_hooks",
     "tensor_bytes",
 ]
 
 _TRACKER_CLASSES: dict[str, type] = {}
+
+# torch's module trackers (under MemTracker and FlopCounterMode) register a multi-grad hook on every module's
+# inputs and outputs and drop the handles. The hook holds the graph's nodes and the nodes hold the hook: a cycle
+# through C++ that ``gc`` cannot break. A backward that completes frees the saved tensors anyway; a step that fails
+# first (an OOM in forward or backward) would keep every activation it saved alive for the rest of the process.
+_MULTI_GRAD_HOOK_MODULES = ("torch.distributed._tools.mod_tracker", "torch.utils.module_tracker")
+
+
+@contextlib.contextmanager
+def removing_grad_hooks() -> Iterator[list[Any]]:
+    """Record the handles of every multi-grad hook torch's module trackers register inside, remove them all on exit.
+
+    Removing a hook that already fired is a no-op, so a step that completed is unaffected; one that failed lets
+    its graph go. Nested uses each restore what they replaced (last in, first out).
+    """
+    handles: list[Any] = []
+    patched: list[tuple[Any, Any]] = []
+    for name in _MULTI_GRAD_HOOK_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # pragma: no cover - older torch without one of them
+            continue
+        original = getattr(module, "register_multi_grad_hook", None)
+        if original is None:  # pragma: no cover
+            continue
+
+        def recording(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            handle = _original(*args, **kwargs)
+            handles.append(handle)
+            return handle
+
+        module.register_multi_grad_hook = recording
+        patched.append((module, original))
+    try:
+        yield handles
+    finally:
+        for module, original in reversed(patched):
+            module.register_multi_grad_hook = original
+        for handle in handles:
+            handle.remove()
+        handles.clear()
 
 
 class _IdSet:
@@ -75,6 +119,22 @@ class _LiveTracking:
         self.activation_peak = 0
         self.phase: Hashable | None = None
         self.phase_peaks: dict[Hashable, list[int]] = {}
+        self._grad_hooks: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> Any:
+        if self._grad_hooks is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(removing_grad_hooks())
+            self._grad_hooks = stack
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            if self._grad_hooks is not None and getattr(self, "_depth", 0) == 0:
+                stack, self._grad_hooks = self._grad_hooks, None
+                stack.close()
 
     def now(self) -> tuple[int, int]:
         """(total, activation) bytes live on the tracked device right now."""

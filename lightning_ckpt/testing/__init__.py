@@ -3,6 +3,7 @@
 Like ``optuna.testing``, this is public so users can reproduce our measurements on the same models.
 """
 
+from lightning_ckpt.testing.card import SimulatedCard
 from lightning_ckpt.testing.nanogpt import GPT, GPTConfig
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "SimulatedCard"]
