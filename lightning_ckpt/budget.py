@@ -100,6 +100,24 @@ class Budget:
         """The number this budget constrains: peak or activation bytes."""
         return activation_bytes if self.kind == "activation" else peak_bytes
 
+    def within(self, cap_bytes: int, where: str) -> tuple[Budget, str | None]:
+        """This budget, its peak clamped to what the device lets this process allocate (``cap_bytes``: the card, or
+        the user's own ``set_per_process_memory_fraction`` of it); and the line that says so when it was clamped.
+
+        A peak above the cap cannot be reached: plans the memory model knows cannot fit the card would still run
+        and fail. No budget on such a device means the card's own."""
+        if self.kind == "none" or self.limit_bytes is None:
+            clamped = Budget("peak", int(cap_bytes), None, f"{where}: {format_bytes(cap_bytes)} peak")
+            return clamped, None
+        if self.kind != "peak" or self.limit_bytes <= cap_bytes:
+            return self, None
+        description = f"{format_bytes(cap_bytes)} peak, clamped from {self.description} to {where}"
+        note = (
+            f"lightning_ckpt: max_memory ({format_bytes(self.limit_bytes)}) is above what this process may allocate on "
+            f"{where} ({format_bytes(cap_bytes)}); the budget is clamped to {format_bytes(cap_bytes)}"
+        )
+        return Budget("peak", int(cap_bytes), self.fraction, description), note
+
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 

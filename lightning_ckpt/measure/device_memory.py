@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "DeviceMemory",
+    "allocator_type",
     "device_memory",
     "install_card",
     "requested_bytes",
@@ -98,6 +99,13 @@ def device_memory(device: torch.device | str) -> DeviceMemory | None:
             device = torch.device("cuda", torch.cuda.current_device())
         return CudaMemory(device)
     return None
+
+
+def allocator_type(device: torch.device | str) -> str:
+    """``"cuda"`` where an allocator caps and counts the device's memory (a GPU, or a simulated card), else the
+    device's type: what decides whether trials read the allocator and run under a cap, as on a GPU."""
+    device = torch.device(device)
+    return "cuda" if device_memory(device) is not None else device.type
 
 
 def allocated_now(device: torch.device | str) -> int | None:

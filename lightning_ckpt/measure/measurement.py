@@ -332,6 +332,19 @@ def _in_recompute() -> bool:
 _FLOP_COUNTER_CLASS: type | None = None
 
 
+class _GlobalModuleOnly:
+    """Stands in for ``FlopCounterMode``'s module tracker: every op is the step's ("Global"), no hook registered."""
+
+    parents = frozenset({"Global"})
+    is_bw = False
+
+    def __enter__(self) -> _GlobalModuleOnly:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
 def _flop_counter() -> Any:
     global _FLOP_COUNTER_CLASS
     if _FLOP_COUNTER_CLASS is None:
@@ -343,6 +356,12 @@ def _flop_counter() -> Any:
             def __init__(self) -> None:
                 super().__init__(display=False)
                 self.recompute_flops = 0
+                # Only the step's total is read, so no per-module attribution: torch's module tracker registers a
+                # multi-grad hook on every module's outputs, recomputed ones included, and a recomputed graph whose
+                # backward never runs stays alive in a hook cycle until the pass ends: a fully checkpointed step
+                # counted with it peaked as high as no checkpointing, enough to fail a plan on a card it fits.
+                if hasattr(self, "mod_tracker"):
+                    self.mod_tracker = _GlobalModuleOnly()
 
             def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
                 if func_packet in self.flop_registry and _in_recompute():

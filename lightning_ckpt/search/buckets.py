@@ -18,12 +18,14 @@ needs. Switching between the table's plans is exact (every plan leaves gradients
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import PlanError
+from lightning_ckpt.measure.measurement import is_out_of_memory, release_memory
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.memory.compiled import CompiledMemoryModel
 from lightning_ckpt.memory.profile import Profile, profile_step
@@ -37,6 +39,8 @@ from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY, Save
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.tune import space_modes
 from lightning_ckpt.timing.model import Calibration, TimeModel
+
+log = logging.getLogger(__name__)
 
 __all__ = ["bucket_profile", "compiled_at", "plan_table", "rescaled_time"]
 
@@ -65,11 +69,14 @@ def bucket_profile(
     optimizer: Any = None,
     extra: tuple[Any, ...] = (),
     compiled: bool = False,
-) -> Profile:
+) -> Profile | None:
     """The profile of one bucket: ``step_fn`` runs the tuned batch at the bucket's longest length. Taken as the
     search takes its own: KV caches off, every block running (LayerDrop and kin at full depth), Python attributes
     the step writes put back, each block timed under the modes the space gives it (``compiled``: compiled alone,
-    at this length, as a compiled search's profile does)."""
+    at this length, as a compiled search's profile does).
+
+    None when the profile ran out of memory (a card that something else filled since the search): the bucket is
+    left out, and its lengths run the next longer bucket's plan, which fits them."""
     with full_depth(view.root, view.stacks), eager_while_profiling(compiled):
         state = PythonState.capture(view.root)
         try:
@@ -82,8 +89,17 @@ def bucket_profile(
                 time_blocks=modes,
                 compiled_blocks=compiled,
             )
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            message = f"{type(exc).__name__}: {str(exc)[:300]}"
         finally:
             state.restore()
+    release_memory(view.device)  # outside the ``except``: the failed pass's frames are gone
+    log.warning(
+        "lightning_ckpt: a bucket's profile ran out of memory (%s); its lengths run a longer bucket's plan", message
+    )
+    return None
 
 
 def plan_table(
@@ -112,6 +128,8 @@ def plan_table(
     buckets = []
     for length in edges[:-1]:
         profile = profile_at(length)
+        if profile is None:  # ran out of memory: the next longer bucket's plan covers these lengths
+            continue
         if profile.time is None:
             raise PlanError(f"the profile at length {length} timed no block: no plan can be predicted there")
         time = rescaled_time(profile.time, searched.time)

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.measure.device_memory import allocator_type
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
@@ -42,7 +43,15 @@ from lightning_ckpt.search.records import ProgressFn, TuneResult
 from lightning_ckpt.search.runners import release_cached_memory
 from lightning_ckpt.search.space import Candidate, offered_candidates
 from lightning_ckpt.search.study import Study, Workload
-from lightning_ckpt.search.tune import PROFILE_STEPS, WRITE_CHECK_STEPS, build_runner, warm_up_process
+from lightning_ckpt.search.tune import (
+    PROFILE_STEPS,
+    WRITE_CHECK_STEPS,
+    allocated_bytes,
+    build_runner,
+    lowest_memory_pass,
+    resolve_on_device,
+    warm_up_process,
+)
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
 
@@ -173,11 +182,22 @@ def tune_micro_batch(
         def step_for(m: int) -> Callable[[], Any]:
             return python_state.restoring(loss_fn_for(m))
 
+        began = allocated_bytes(resolved.device)
         try:
-            find_parameters_written_in_forward(resolved.root, step_for(base_micro_batch))
-            scaled, opt_mem = _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch)
+            lowest_memory_pass(
+                "the parameter-write check",
+                began,
+                resolved,
+                lambda: find_parameters_written_in_forward(resolved.root, step_for(base_micro_batch)),
+            )
+            scaled, opt_mem = lowest_memory_pass(
+                "the memory profile",
+                began,
+                resolved,
+                lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch),
+            )
             none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
-            budget = requested.resolve(device=resolved.device, none_activation_bytes=none_at_base)
+            budget = resolve_on_device(requested, resolved.device, none_at_base)
             feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
             workloads, harnesses = _workloads(
                 resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
@@ -186,6 +206,7 @@ def tune_micro_batch(
                 resolved, workloads, harnesses[0], scaled, opt_mem, budget, config, progress, base_micro_batch
             )
         finally:
+            release_cached_memory(resolved.device)  # device blocks and offload trials' pinned host memory
             release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive the search
             forget_parameters_written_in_forward(resolved.root)
             python_state.restore()
@@ -272,7 +293,7 @@ def _search(
         workloads=workloads,
         proposer=SamplerProposer(config.seed),
         fingerprint=resolved.fingerprint,
-        device_type=device.type,
+        device_type=allocator_type(device),
         progress=progress,
         run={"device": device.type, "compiled": is_compiled, "micro_batches": sizes},
     )

@@ -19,7 +19,10 @@ import torch
 from torch import nn
 
 from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
+from lightning_ckpt.errors import InfeasibleBudgetError
+from lightning_ckpt.measure.device_memory import allocator_type, device_memory
 from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.measure.measurement import is_out_of_memory, release_memory
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
 from lightning_ckpt.memory.compiled import CompiledMemoryModel
@@ -49,8 +52,11 @@ __all__ = [
     "TrialStatus",
     "TuneConfig",
     "TuneResult",
+    "allocated_bytes",
     "build_runner",
     "choose_best",
+    "lowest_memory_pass",
+    "resolve_on_device",
     "tune",
 ]
 
@@ -166,9 +172,15 @@ def tune(
         )
         runner = build_runner(resolved, harness, config, compiled=compiled)
         is_compiled = isinstance(runner, CompiledTrials)
+        started = allocated_bytes(resolved.device)
         try:
             with eager_while_profiling(is_compiled):
-                find_parameters_written_in_forward(resolved.root, step_fn)
+                lowest_memory_pass(
+                    "the parameter-write check",
+                    started,
+                    resolved,
+                    lambda: find_parameters_written_in_forward(resolved.root, step_fn),
+                )
             return _search(
                 resolved,
                 harness,
@@ -180,6 +192,9 @@ def tune(
                 should_stop=should_stop,
             )
         finally:
+            release_cached_memory(
+                resolved.device
+            )  # device blocks and offload trials' pinned host memory, however it ended
             release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive tune
             forget_parameters_written_in_forward(resolved.root)
             python_state.restore()
@@ -203,16 +218,23 @@ def _search(
     space = config.search_space.for_device(device.type)
     if is_compiled:
         space = runner.adapt(space)
+    started = allocated_bytes(device)
     with eager_while_profiling(is_compiled):
         # A compiled model's blocks are timed compiled alone (regional compilation: one compile per distinct block
         # and mode the space uses), so its time model predicts compiled steps as the eager one predicts eager steps.
-        profile = profile_step(
+        # Memory-safe: no pass of it needs more than the lowest-memory plan's step, so an OOM here means none fits.
+        profile = lowest_memory_pass(
+            "the memory profile",
+            started,
             resolved,
-            harness.step_fn,
-            optimizer=optimizer,
-            extra=harness.extra,
-            time_blocks=space_modes(space, resolved),
-            compiled_blocks=is_compiled,
+            lambda: profile_step(
+                resolved,
+                harness.step_fn,
+                optimizer=optimizer,
+                extra=harness.extra,
+                time_blocks=space_modes(space, resolved),
+                compiled_blocks=is_compiled,
+            ),
         )
     if profile.time is not None:
         at = {**profile.time.measured_at, "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": is_compiled}
@@ -221,7 +243,7 @@ def _search(
     # The CUDA cap's headroom for the allocator's reserve, measured by the profile: eager and compiled trials alike.
     runner.reserve_headroom_bytes = memory_model.reserve_overhead_bytes
     optimizer_step = (
-        measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)
+        measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)  # an OOM: infeasible
         if optimizer is not None
         else OptimizerStepMemory.absent()
     )
@@ -249,7 +271,7 @@ def _search(
         memory=memory,
         config=config,
         fingerprint=resolved.fingerprint,
-        device_type=device.type,
+        device_type=allocator_type(device),
         sync=sync,
         progress=progress,
         should_stop=should_stop,
@@ -328,7 +350,7 @@ def _resolve_budget(
         # The largest rank's: trials are judged by the most any rank used, so the share must be of the step that
         # needs the most (the ranks' first batches can differ in length), not rank 0's own.
         none_activation = max((n for n in sync.all_gather(none_activation) if n is not None), default=None)
-    budget = requested.resolve(device=resolved.device, none_activation_bytes=none_activation)
+    budget = resolve_on_device(requested, resolved.device, none_activation)
     predicted = format_bytes(none_activation)
     log.info(
         "lightning_ckpt: budget %s; no-checkpointing activation memory predicted %s", budget.description, predicted
@@ -342,6 +364,48 @@ def _resolve_budget(
             budget.description,
         )
     return budget
+
+
+def resolve_on_device(requested: RequestedBudget, device: torch.device, none_activation: int | None) -> Budget:
+    """The requested budget on ``device``, its peak clamped (with one line that says so) to what the device's
+    allocator lets this process have: the card, or the user's own ``set_per_process_memory_fraction`` of it."""
+    budget = requested.resolve(device=device, none_activation_bytes=none_activation)
+    memory = device_memory(device)
+    if memory is not None and budget.kind in ("peak", "none"):
+        budget, clamped = budget.within(memory.cap_bytes(), str(device))
+        if clamped is not None:
+            log.warning(clamped)
+    return budget
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """What the device's allocator holds now (None without one): what an infeasible search reports it began with."""
+    memory = device_memory(device)
+    return memory.allocated() if memory is not None else None
+
+
+def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run: Callable[[], Any]) -> Any:
+    """``run()``, a pass that needs no more memory than the lowest-memory plan (the parameter-write check, the memory
+    profile): an out-of-memory error there means no plan can fit, so it becomes ``InfeasibleBudgetError`` naming the
+    pass, what was allocated when the search began and what the device lets this process have. The pass restores the
+    model's state itself; the error is raised outside the ``except``, once the failed pass's memory is released, and
+    does not chain the OOM (whose traceback would keep the pass's tensors alive)."""
+    try:
+        return run()
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        message = f"{type(exc).__name__}: {str(exc)[:400]}"
+    release_memory(resolved.device)
+    memory = device_memory(resolved.device)
+    cap = f"; this process may allocate {format_bytes(memory.cap_bytes())} there" if memory is not None else ""
+    held = f"{format_bytes(started)} was already allocated when the search began" if started else "see below"
+    raise InfeasibleBudgetError(
+        f"{what} ran out of memory on {resolved.device} ({message}). It needs no more memory than the lowest-memory "
+        f"plan (every block fully checkpointed), so no plan fits: {held}{cap}. Free memory before the fit (other "
+        "models, cached tensors), use a smaller batch or micro-batch, shard the model (FSDP2), or give the process "
+        "more of the device."
+    )
 
 
 def warm_up_process(harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool) -> int:
