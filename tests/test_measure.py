@@ -377,6 +377,7 @@ def test_cuda_cap_keeps_a_smaller_user_cap_and_adds_the_reserve_headroom(monkeyp
     """By reading the calls (CPU): budgets are allocated bytes, the cap counts reserved memory."""
     from types import SimpleNamespace
 
+    from lightning_ckpt.measure.device_memory import CudaMemory
     from lightning_ckpt.measure.measurement import _enforced_memory_limit
 
     total = 100 * 2**30
@@ -385,13 +386,14 @@ def test_cuda_cap_keeps_a_smaller_user_cap_and_adds_the_reserve_headroom(monkeyp
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total))
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: state["fraction"])
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
 
     def set_fraction(f: float, d=None) -> None:
         calls.append(f)
         state["fraction"] = f
 
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
-    dev = torch.device("cuda", 0)
+    dev = CudaMemory(torch.device("cuda", 0))
     with _enforced_memory_limit(dev, 50 * 2**30, reserve_headroom=2**30):
         assert state["fraction"] == pytest.approx(0.51)
     assert state["fraction"] == 1.0
