@@ -192,9 +192,8 @@ def tune(
                 should_stop=should_stop,
             )
         finally:
-            release_cached_memory(
-                resolved.device
-            )  # device blocks and offload trials' pinned host memory, however it ended
+            # Device blocks and offload trials' pinned host memory, however the search ended.
+            release_cached_memory(resolved.device)
             release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive tune
             forget_parameters_written_in_forward(resolved.root)
             python_state.restore()
