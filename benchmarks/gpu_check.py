@@ -822,6 +822,7 @@ def part_f() -> dict[str, Any]:
                   holdout_rounds=2, holdout_max_rounds=4, timeout=min(90.0, remaining(60)))  # fmt: skip
     tuner = ActivationCheckpointTuner(**tuner_budget, tune_micro_batch=True, plan_path=tmp / "plan.json", search=search)
     recorder, fit_s = fit(lit, tuner, steps=2, accumulate=g // base)
+    lit.to(DEVICE)  # Lightning's teardown moves the module back to the CPU
     result, spec = tuner.result, tuner.micro_batch or {}
     chosen = tuner.plan or Plan()
     out.update(fit_s=fit_s, chosen=chosen.describe(), chosen_micro_batch=spec.get("size"),

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
-from lightning_ckpt.measure.device_memory import DeviceMemory, device_memory, requested_bytes
+from lightning_ckpt.measure.device_memory import DeviceMemory, device_memory, refused_although_it_fits
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.status import TrialStatus
 from lightning_ckpt.measure.tracker import new_live_tracker, normalise_device, removing_grad_hooks
@@ -627,6 +627,7 @@ def measure_step(
     snapshot = StateSnapshot.capture(model)
     cap_limit = memory_limit_bytes
     notes: dict[str, Any] = {}
+    retried = False
     while True:
         started = memory.allocated() if memory is not None else None
         passes = _Passes(step_fn, snapshot, device, memory_limit_bytes)
@@ -644,8 +645,9 @@ def measure_step(
             over_budget = str(exc)
         except Exception as exc:  # BaseException (KeyboardInterrupt, SystemExit) propagates, state restored below
             failure = _failure_of(exc)
-            if failure[0] == "oom" and capped:
-                refused_but_fits = _refused_although_allocated_fits(exc, memory, memory_limit_bytes)
+            if failure[0] == "oom" and not retried:
+                # Under the search's cap: judged against the budget; under the device's own: against the device.
+                refused_but_fits = refused_although_it_fits(exc, memory, memory_limit_bytes if capped else None)
         finally:
             if failure is not None:
                 # A failed step's frames (held by the traceback) can hold its tensors in reference cycles.
@@ -664,33 +666,15 @@ def measure_step(
                     failure[0],
                     leaked / 2**20,
                 )
-        if refused_but_fits is not None and cap_limit is not None:
-            # The allocator's cap counts reserved bytes: run once more under the user's own cap only, and judge
-            # the budget on the allocated peak, as the memory model and the guard do.
+        if refused_but_fits is not None:
+            # The allocator's cap counts reserved bytes: run once more from an emptied cache, under the user's own cap
+            # only, and judge the budget on the allocated peak, as the memory model and the guard do.
             notes["cap_refused"] = refused_but_fits
-            cap_limit = None
+            cap_limit, retried = None, True
             continue
         break
     _refuse_changed_parameters(snapshot)
     return passes.outcome(warmup, failure, over_budget, batch_size, seq_len, notes)
-
-
-def _refused_although_allocated_fits(exc: BaseException, memory: DeviceMemory | None, limit: int | None) -> str | None:
-    """Why a step refused under the search's cap deserves one more run: the bytes allocated when it failed plus
-    the request fit ``limit`` (the refusal came from the allocator's reserve, not from the step). None otherwise.
-    Read inside the ``except``: the failed step's tensors are still alive, so ``allocated`` is where it stopped."""
-    if memory is None or limit is None:
-        return None
-    request = requested_bytes(str(exc))
-    if request is None:
-        return None
-    allocated = memory.allocated()
-    if allocated + request > limit:
-        return None
-    return (
-        f"the allocator's cap refused {request} bytes with {allocated} allocated ({memory.reserved()} reserved), "
-        f"within the budget of {limit} bytes: re-run under the device's own cap"
-    )
 
 
 def _left_allocated(memory: DeviceMemory | None, started: int | None, tracker: Any) -> int | None:

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
-from lightning_ckpt.measure.device_memory import allocator_type
+from lightning_ckpt.measure.device_memory import allocator_type, expandable_segments
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
@@ -183,6 +183,8 @@ def tune_micro_batch(
             return python_state.restoring(loss_fn_for(m))
 
         began = allocated_bytes(resolved.device)
+        search_allocator = expandable_segments(resolved.device)  # as in ``tune``
+        search_allocator.__enter__()
         try:
             lowest_memory_pass(
                 "the parameter-write check",
@@ -207,6 +209,7 @@ def tune_micro_batch(
             )
         finally:
             release_cached_memory(resolved.device)  # device blocks and offload trials' pinned host memory
+            search_allocator.__exit__(None, None, None)
             release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive the search
             forget_parameters_written_in_forward(resolved.root)
             python_state.restore()

@@ -20,7 +20,12 @@ from torch import nn
 
 from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
 from lightning_ckpt.errors import InfeasibleBudgetError
-from lightning_ckpt.measure.device_memory import allocator_type, device_memory
+from lightning_ckpt.measure.device_memory import (
+    allocator_type,
+    device_memory,
+    expandable_segments,
+    refused_although_it_fits,
+)
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.measurement import is_out_of_memory, release_memory
 from lightning_ckpt.measure.python_state import PythonState
@@ -173,6 +178,8 @@ def tune(
         runner = build_runner(resolved, harness, config, compiled=compiled)
         is_compiled = isinstance(runner, CompiledTrials)
         started = allocated_bytes(resolved.device)
+        search_allocator = expandable_segments(resolved.device)  # what is reserved stays close to what is allocated
+        search_allocator.__enter__()
         try:
             with eager_while_profiling(is_compiled):
                 lowest_memory_pass(
@@ -194,6 +201,7 @@ def tune(
         finally:
             # Device blocks and offload trials' pinned host memory, however the search ended.
             release_cached_memory(resolved.device)
+            search_allocator.__exit__(None, None, None)
             release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive tune
             forget_parameters_written_in_forward(resolved.root)
             python_state.restore()
@@ -389,14 +397,19 @@ def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run:
     pass, what was allocated when the search began and what the device lets this process have. The pass restores the
     model's state itself; the error is raised outside the ``except``, once the failed pass's memory is released, and
     does not chain the OOM (whose traceback would keep the pass's tensors alive)."""
-    try:
-        return run()
-    except Exception as exc:
-        if not is_out_of_memory(exc):
-            raise
-        message = f"{type(exc).__name__}: {str(exc)[:400]}"
-    release_memory(resolved.device)
     memory = device_memory(resolved.device)
+    for attempt in (1, 2):
+        try:
+            return run()
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            message = f"{type(exc).__name__}: {str(exc)[:400]}"
+            fragments = refused_although_it_fits(exc, memory, None) if attempt == 1 else None
+        release_memory(resolved.device)  # outside the ``except``: the failed pass's frames are gone; cache emptied
+        if fragments is None:
+            break
+        log.info("lightning_ckpt: %s was refused memory (%s); once more from an emptied cache", what, fragments)
     cap = f"; this process may allocate {format_bytes(memory.cap_bytes())} there" if memory is not None else ""
     held = f"{format_bytes(started)} was already allocated when the search began" if started else "see below"
     raise InfeasibleBudgetError(
