@@ -23,6 +23,7 @@ How a plan is predicted from these is ``memory.model``'s part.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, LightningCkptError
+from lightning_ckpt.measure.device_memory import device_memory
 from lightning_ckpt.measure.harness import loss_of
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.tracker import (
@@ -416,6 +418,10 @@ def _run_profile(
         unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
         unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
         snapshot.restore()
+        # A cold cache, as under a trial's cap: the capture's forward left blocks cached (its fp32 logits among them)
+        # that the anchor step splits, and on a card capped near the budget the anchor's own logits then found no
+        # room (an H200 capped at 21.8 GiB refused 6.14 GiB with 11.17 allocated and 4.74 reserved but free).
+        _cold_cache(dev)
         tracker, resting, end_of_forward, calls = _anchor(root, forward_fn, order, externals, dev)
         snapshot.restore()
         call_rep, profiled = _calls_to_profile(rep_of, reps, calls)
@@ -632,6 +638,13 @@ def _profile_blocks(
             finally:
                 snapshot.restore()
     return profiles, failed, in_bytes
+
+
+def _cold_cache(device: torch.device) -> None:
+    memory = device_memory(device)
+    if memory is not None:
+        gc.collect()
+        memory.empty_cache()
 
 
 def _cuda_allocator_anchor(
