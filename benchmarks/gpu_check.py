@@ -664,12 +664,12 @@ def part_d() -> dict[str, Any]:
         out["offload_step_memory_ratio"] = round(out["offload"]["step_memory_gib"] / out["none"]["step_memory_gib"], 3)
     if out["none"]["ms"] and out["offload"]["ms"]:
         out["offload_time_ratio"] = round(out["offload"]["ms"] / out["none"]["ms"], 2)
-    free()  # what the package does after every trial (gc, empty_cache); the host cache is torch's to keep
-    out["host_after_release"] = host()
-    empty_host = getattr(torch._C, "_accelerator_emptyHostCache", None)  # torch's, never called by lightning_ckpt
-    if CUDA and empty_host is not None:
-        empty_host()
-        out["host_after_host_empty_cache"] = host()
+    free()  # what the package does after every trial (gc, empty_cache)
+    out["host_after_trial_release"] = host()
+    from lightning_ckpt.search.runners import release_cached_memory  # what tune() runs when the search ends
+
+    release_cached_memory(DEVICE)
+    out["host_after_search_release"] = host()  # target: pinned back to 0 (issue 48 item 5)
     out["space_has_offload"] = "offload" in TuneConfig().search_space.for_device(DEVICE.type).modes
     if not CUDA:
         out["needs_cuda"] = {"memory": f"{NEEDS_CUDA}: device and pinned host memory; step times only"}

@@ -132,6 +132,7 @@ def release_cached_memory(device: torch.device) -> None:
     release_memory(device)
     if device.type != "cuda":
         return
-    host_empty = getattr(torch._C, "_host_emptyCache", None)
+    # torch 2.13 added the accelerator-generic name; the CUDA one is older.
+    host_empty = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
     if host_empty is not None:
         host_empty()
