@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from faults import assert_model_intact, sigterm_on_call, snapshot_model
 from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, baselines, plan_applied
@@ -51,6 +54,14 @@ class BatchedGPT(LitGPT):
         )
         self.batch_size = batch_size
         self.losses: list[float] = []
+        self.calls = 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        return super().training_step(batch, batch_idx)
+
+    def calls_after(self, fault) -> int:
+        return self.calls - fault.fired_at[0]
 
     def train_dataloader(self):
         return token_loader(64, batch_size=self.batch_size)
@@ -190,3 +201,44 @@ def test_the_sampler_proposes_the_micro_batch_as_one_more_dimension():
     assert all(t.params["micro_batch"] in (2, 4) for t in tuned)
     assert all(t.label.endswith(f"[micro-batch {t.micro_batch} x{8 // t.micro_batch}]") for t in trials)
     assert len({(t.plan.key(), t.micro_batch) for t in trials}) == len(trials)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="SIGTERM")
+def test_sigterm_stops_the_joint_search_as_it_stops_the_plan_search(tmp_path):
+    # The joint search was a second pipeline without the plan search's should_stop: SIGTERM ran it to the end.
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    net = BatchedGPT(8)
+    before = snapshot_model(net)
+    path = tmp_path / "plan.json"
+    tuner = ActivationCheckpointTuner(
+        tune_micro_batch=True, activation_budget=0.6, plan_path=path, verbose=False,
+        search=dict(n_trials=20, measure_steps=1, search_space=SPACE),
+    )  # fmt: skip
+    with sigterm_on_call(net, "training_step", at=12) as fault, pytest.raises((SIGTERMException, SystemExit)):
+        _fit(tmp_path, [tuner], net)
+    assert fault.fired
+    assert net.calls_after(fault) <= 6, "the search stopped within a trial or two of the signal"
+    assert tuner.plan is None and not path.exists()
+    assert_model_intact(net, before)
+
+
+def test_the_joint_search_polls_should_stop_and_leaves_the_model_as_it_was():
+    from lightning_ckpt.search.study import SearchInterrupted
+
+    model, tokens, loss_for = _tiny_gpt()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    polls: list[int] = []
+
+    def stop() -> bool:
+        polls.append(1)
+        return len(polls) > 2
+
+    with pytest.raises(SearchInterrupted):
+        tune_micro_batch(model, loss_for, base_micro_batch=4, global_batch=8, activation_budget=0.8,
+                         micro_batches=[2, 4], n_trials=14, search_space=SPACE, measure_steps=1,
+                         extra_for=lambda m: (resize_batch(tokens, 4, m),), should_stop=stop)  # fmt: skip
+    assert len(polls) == 3, "polled between trials, stopped at the first True"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert all(p.grad is None for p in model.parameters())

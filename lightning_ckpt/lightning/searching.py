@@ -107,7 +107,7 @@ def search_first_batch(
             seq_len=seq_len,
             progress=progress,
             extra_tensors=tuple(batch_tensors(batch)),
-            should_stop=lambda: bool(getattr(trainer, "received_sigterm", False)),
+            should_stop=_sigterm_received(trainer),
             sync=sync,
         )
         if request.table_lengths is not None and not result.fell_back:
@@ -177,17 +177,56 @@ def _handed_over(batch_idx: int) -> Iterator[None]:
     """A batch ``training_step`` skips waits for the next one; SIGTERM during the search goes to Lightning's own
     handling. The model is untouched either way (trials are sandboxed)."""
     try:
-        yield
+        with _sigterm_handed_over():
+            yield
     except SkippedBatch:
         rank_zero_info(
             f"lightning_ckpt: training_step returned None for batch {batch_idx} (Lightning skips it); "
             "tuning on the next batch."
         )
+
+
+@contextlib.contextmanager
+def _sigterm_handed_over() -> Iterator[None]:
+    """SIGTERM during a search (plan or joint micro-batch) goes to Lightning's own handling, nothing applied."""
+    try:
+        yield
     except SearchInterrupted:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         rank_zero_info("lightning_ckpt: SIGTERM received; the search stopped and nothing was applied.")
         raise SIGTERMException() from None
+
+
+def _sigterm_received(trainer: pl.Trainer) -> Callable[[], bool]:
+    """What every search polls between trials: Lightning's flag, set by its SIGTERM handler."""
+    return lambda: bool(getattr(trainer, "received_sigterm", False))
+
+
+@contextlib.contextmanager
+def _sigterm_noted(trainer: pl.Trainer) -> Iterator[None]:
+    """Lightning installs its SIGTERM handler after ``on_fit_start``, where the joint micro-batch search runs: until
+    then a SIGTERM would end the process mid-search. Note it as Lightning's handler would (``received_sigterm``),
+    so the search stops between trials as the plan search does; the previous handler is put back afterwards."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        yield  # someone handles it already (Lightning's own, or the user's)
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        trainer._signal_connector.received_sigterm = True  # what ``Trainer.received_sigterm`` reads
+
+    signal.signal(signal.SIGTERM, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def search_micro_batch(
@@ -212,7 +251,8 @@ def search_micro_batch(
         zero_grad = zero_grad_fn(trainer, pl_module, optimizer, 0) if global_batch // m == 1 else None
         return training_loss(pl_module, precision, resize_batch(batch, base, m), 0, zero_grad=zero_grad)
 
-    with lightning_bars_paused(trainer, progress), sandbox(pl_module):
+    sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
+    with _sigterm_handed_over(), _sigterm_noted(trainer), lightning_bars_paused(trainer, progress), sandbox(pl_module):
         fill_grads(pl_module)
         found = tune_micro_batch(
             request.view,
@@ -224,7 +264,11 @@ def search_micro_batch(
             extra_for=lambda m: tuple(batch_tensors(resize_batch(batch, base, m))),
             optimizer=optimizer,
             config=config,
+            should_stop=_sigterm_received(trainer),  # as the plan search: one behaviour on SIGTERM
+            sync=sync,
         )
+        if _sigterm_received(trainer)():  # after the last round: the search stops and nothing is applied
+            raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
     return found.result, resize_batch(batch, base, found.micro_batch)
 
 

@@ -24,10 +24,8 @@ from torch.utils._pytree import tree_map
 
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
-from lightning_ckpt.measure.device_memory import allocator_type, expandable_segments
+from lightning_ckpt.measure.device_memory import allocator_type
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.measure.python_state import PythonState
-from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
 from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_memory
@@ -35,9 +33,9 @@ from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan
-from lightning_ckpt.plan.skipping import full_depth
-from lightning_ckpt.search.compile import CompiledTrials, release_kept_graphs
+from lightning_ckpt.search.compile import CompiledTrials
 from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.proposers import SamplerProposer
 from lightning_ckpt.search.records import ProgressFn, TuneResult
 from lightning_ckpt.search.runners import release_cached_memory
@@ -46,10 +44,10 @@ from lightning_ckpt.search.study import Study, Workload
 from lightning_ckpt.search.tune import (
     PROFILE_STEPS,
     WRITE_CHECK_STEPS,
-    allocated_bytes,
     build_runner,
     lowest_memory_pass,
     resolve_on_device,
+    search_session,
     warm_up_process,
 )
 
@@ -155,6 +153,8 @@ def tune_micro_batch(
     progress: ProgressFn | None = None,
     extra_for: Callable[[int], tuple[Any, ...]] = lambda m: (),
     config: TuneConfig | None = None,
+    sync: Sync | None = None,
+    should_stop: Callable[[], bool] | None = None,
     **settings: Any,
 ) -> MicroBatchResult:
     """Search (plan, micro-batch) for the most samples/s within the budget at a fixed global batch.
@@ -162,7 +162,9 @@ def tune_micro_batch(
     ``loss_fn_for(m)`` returns a zero-argument function running the forward on a batch of ``m``
     samples and returning the loss. The budget is resolved at ``base_micro_batch`` (the user's), so
     ``activation_budget`` means a fraction of *the user's* no-checkpointing activation memory.
-    ``config``/``settings`` as for ``tune``; ``n_trials`` bounds the whole search.
+    ``config``/``settings`` as for ``tune``; ``n_trials`` bounds the whole search. ``sync`` and ``should_stop`` as
+    for ``tune``: ranks agree on the budget and every trial, and the search ends with ``SearchInterrupted`` when
+    ``should_stop()`` (the callback passes Lightning's SIGTERM flag), the model as it was.
 
     It is the same engine as ``tune``'s, over a larger space: one ``Study`` whose candidates are (plan,
     micro-batch) pairs, each run through its micro-batch's ``Workload`` (runner, scaled memory model, samples
@@ -175,45 +177,38 @@ def tune_micro_batch(
     sizes = _checked_micro_batches(micro_batches, global_batch)
     started = time.perf_counter()
     resolved = ModelView.of(model, config.block_types)
-    with full_depth(resolved.root, resolved.stacks):  # as in ``tune``: LayerDrop runs every block while searched
-        # As in ``tune``: every step starts from the module's Python attributes as they were.
-        python_state = PythonState.capture(resolved.root)
+    with search_session(resolved) as session:  # the set-up and tear-down ``tune`` has, the same code
 
         def step_for(m: int) -> Callable[[], Any]:
-            return python_state.restoring(loss_fn_for(m))
+            return session.restoring(loss_fn_for(m))
 
-        began = allocated_bytes(resolved.device)
-        search_allocator = expandable_segments(resolved.device)  # as in ``tune``
-        search_allocator.__enter__()
-        try:
-            lowest_memory_pass(
-                "the parameter-write check",
-                began,
-                resolved,
-                lambda: find_parameters_written_in_forward(resolved.root, step_for(base_micro_batch)),
-            )
-            scaled, opt_mem = lowest_memory_pass(
-                "the memory profile",
-                began,
-                resolved,
-                lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch),
-            )
-            none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
-            budget = resolve_on_device(requested, resolved.device, none_at_base)
-            feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
-            workloads, harnesses = _workloads(
-                resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
-            )
-            result = _search(
-                resolved, workloads, harnesses[0], scaled, opt_mem, budget, config, progress, base_micro_batch
-            )
-        finally:
-            release_cached_memory(resolved.device)  # device blocks and offload trials' pinned host memory
-            search_allocator.__exit__(None, None, None)
-            release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive the search
-            forget_parameters_written_in_forward(resolved.root)
-            python_state.restore()
-            python_state.warn_unrestorable()
+        session.check_parameter_writes(step_for(base_micro_batch))
+        scaled, opt_mem = lowest_memory_pass(
+            "the memory profile",
+            session.began,
+            resolved,
+            lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch),
+        )
+        none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
+        sync = sync or LocalSync()
+        budget = sync.broadcast(resolve_on_device(requested, resolved.device, none_at_base))
+        feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
+        workloads, harnesses = _workloads(
+            resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
+        )
+        result = _search(
+            resolved,
+            workloads,
+            harnesses[0],
+            scaled,
+            opt_mem,
+            budget,
+            config,
+            base_micro_batch,
+            progress=progress,
+            sync=sync,
+            should_stop=should_stop,
+        )
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch,
             "tie_tolerance": config.tie_tolerance}  # fmt: skip
@@ -270,8 +265,11 @@ def _search(
     opt_mem: OptimizerStepMemory,
     budget: Budget,
     config: TuneConfig,
-    progress: ProgressFn | None,
     base_micro_batch: int,
+    *,
+    progress: ProgressFn | None,
+    sync: Sync,
+    should_stop: Callable[[], bool] | None,
 ) -> TuneResult:
     """The one Study over every (plan, micro-batch) candidate: run, confirm, choose."""
     device = resolved.device
@@ -298,6 +296,8 @@ def _search(
         fingerprint=resolved.fingerprint,
         device_type=allocator_type(device),
         progress=progress,
+        sync=sync,
+        should_stop=should_stop,
         run={"device": device.type, "compiled": is_compiled, "micro_batches": sizes},
     )
     study.run()

@@ -9,9 +9,10 @@ chooses. The same engine runs inside the Lightning callback and from a plain scr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -62,6 +63,7 @@ __all__ = [
     "choose_best",
     "lowest_memory_pass",
     "resolve_on_device",
+    "search_session",
     "tune",
 ]
 
@@ -150,26 +152,16 @@ def tune(
     config = (config or TuneConfig()).with_overrides(settings)
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     resolved = ModelView.of(model, config.block_types)
-    # LayerDrop and its kin run every block while the search reads steps (entered before the Python attributes are
-    # captured, which would put the rates back after every step): the budget must hold for the deepest step, not
-    # for whichever depth the profiled batch drew (plan.skipping).
-    with full_depth(resolved.root, resolved.stacks) as deepened:
-        if deepened:
-            log.info("lightning_ckpt: searching at full depth (every block runs): %s", deepened)
-        # Every step the search runs starts from the module's Python attributes as they were (a counter-driven
-        # curriculum sees call 1 each time, and so does the first real step), and the parameters the forward
-        # itself writes (Embedding(max_norm=...)) are put back after each step.
-        python_state = PythonState.capture(resolved.root)
-        step_fn = python_state.restoring(step_fn)
+    with search_session(resolved) as session:
+        step_fn = session.restoring(step_fn)
         shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
         steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
-        extra = tuple(extra_tensors)
         harness = StepHarness(
             resolved.root,
             step_fn,
             resolved.device,
             optimizer,
-            extra,
+            tuple(extra_tensors),
             **shape,
             **steps,
             view=resolved,
@@ -177,35 +169,70 @@ def tune(
         )
         runner = build_runner(resolved, harness, config, compiled=compiled)
         is_compiled = isinstance(runner, CompiledTrials)
-        started = allocated_bytes(resolved.device)
-        search_allocator = expandable_segments(resolved.device)  # what is reserved stays close to what is allocated
-        search_allocator.__enter__()
+        with eager_while_profiling(is_compiled):
+            session.check_parameter_writes(step_fn)
+        return _search(
+            resolved,
+            harness,
+            runner,
+            requested=requested,
+            config=config,
+            progress=progress,
+            sync=sync,
+            should_stop=should_stop,
+        )
+
+
+class SearchSession:
+    """What every search (``tune``, and the joint micro-batch search) sets up before its first step and undoes
+    after its last, however it ends: one place, so the two cannot drift apart.
+
+    Set up: every block runs (LayerDrop and kin at full depth: the budget must hold for the deepest step), the
+    modules' Python attributes are captured so each step starts from them, the allocator runs with expandable
+    segments on CUDA. Undone: cached device blocks and offload trials' pinned host memory released, the allocator,
+    kept compiled graphs, parameters the forward writes, Python attributes (with a warning for what could not be
+    restored)."""
+
+    def __init__(self, resolved: ModelView) -> None:
+        self.resolved = resolved
+        self.began = allocated_bytes(resolved.device)  # what the device held before the search: named if none fits
+        self.python_state = PythonState.capture(resolved.root)
+
+    def restoring(self, step_fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``step_fn`` starting from the Python attributes as they were (a counter-driven curriculum sees call 1
+        each time, and so does the first real step)."""
+        return self.python_state.restoring(step_fn)
+
+    def check_parameter_writes(self, step_fn: Callable[[], Any]) -> None:
+        """Find the parameters the forward itself writes (``Embedding(max_norm=...)``), to put back after each step."""
+        lowest_memory_pass(
+            "the parameter-write check",
+            self.began,
+            self.resolved,
+            lambda: find_parameters_written_in_forward(self.resolved.root, step_fn),
+        )
+
+    def close(self) -> None:
+        release_cached_memory(self.resolved.device)
+        release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive it
+        forget_parameters_written_in_forward(self.resolved.root)
+        self.python_state.restore()
+        self.python_state.warn_unrestorable()
+
+
+@contextlib.contextmanager
+def search_session(resolved: ModelView) -> Iterator[SearchSession]:
+    """A ``SearchSession`` for the duration of one search (see there)."""
+    # Entered before the Python attributes are captured, which would otherwise put LayerDrop's rates back after
+    # every step.
+    with full_depth(resolved.root, resolved.stacks) as deepened, expandable_segments(resolved.device):
+        if deepened:
+            log.info("lightning_ckpt: searching at full depth (every block runs): %s", deepened)
+        session = SearchSession(resolved)
         try:
-            with eager_while_profiling(is_compiled):
-                lowest_memory_pass(
-                    "the parameter-write check",
-                    started,
-                    resolved,
-                    lambda: find_parameters_written_in_forward(resolved.root, step_fn),
-                )
-            return _search(
-                resolved,
-                harness,
-                runner,
-                requested=requested,
-                config=config,
-                progress=progress,
-                sync=sync,
-                should_stop=should_stop,
-            )
+            yield session
         finally:
-            # Device blocks and offload trials' pinned host memory, however the search ended.
-            release_cached_memory(resolved.device)
-            search_allocator.__exit__(None, None, None)
-            release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive tune
-            forget_parameters_written_in_forward(resolved.root)
-            python_state.restore()
-            python_state.warn_unrestorable()
+            session.close()
 
 
 def _search(
