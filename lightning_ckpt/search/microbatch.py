@@ -24,7 +24,6 @@ from torch.utils._pytree import tree_map
 
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
-from lightning_ckpt.measure.device_memory import allocator_type
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
@@ -38,17 +37,16 @@ from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.proposers import SamplerProposer
 from lightning_ckpt.search.records import ProgressFn, TuneResult
-from lightning_ckpt.search.runners import release_cached_memory
-from lightning_ckpt.search.space import Candidate, offered_candidates
-from lightning_ckpt.search.study import Study, Workload
+from lightning_ckpt.search.study import Workload
 from lightning_ckpt.search.tune import (
     PROFILE_STEPS,
     WRITE_CHECK_STEPS,
+    SearchHooks,
     build_runner,
     lowest_memory_pass,
     resolve_on_device,
+    run_study,
     search_session,
-    warm_up_process,
 )
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
@@ -277,32 +275,19 @@ def _search(
     space = config.search_space.for_device(device.type)
     if is_compiled:
         space = workloads[0].runner.adapt(space)
-    warm_steps = warm_up_process(harness, resolved, config, is_compiled)
-    stacks, plain = offered_candidates(space, resolved.stacks, resolved.fingerprint, scaled.at(base_micro_batch))
-    candidates = [
-        Candidate({**c.params, "micro_batch": w.micro_batch}, c.plan, w.labelled(c.label), c.baseline)
-        for w in workloads
-        for c in plain
-    ]
     sizes = sorted(w.micro_batch for w in workloads if w.micro_batch is not None)
-    study = Study(
-        candidates=candidates,
+    study, warm_steps, _ = run_study(
+        resolved,
+        workloads,
+        harness=harness,
         space=space,
-        stacks=stacks,
         budget=budget,
         config=config,
-        workloads=workloads,
         proposer=SamplerProposer(config.seed),
-        fingerprint=resolved.fingerprint,
-        device_type=allocator_type(device),
-        progress=progress,
-        sync=sync,
-        should_stop=should_stop,
+        memory_model=scaled.at(base_micro_batch),
+        hooks=SearchHooks(progress, sync, should_stop),
         run={"device": device.type, "compiled": is_compiled, "micro_batches": sizes},
     )
-    study.run()
-    study.confirm()
-    release_cached_memory(device)
     run = {"device": str(device), "micro_batches": sizes, "compiled": is_compiled}
     return study.result(
         extra_steps=2 * PROFILE_STEPS + WRITE_CHECK_STEPS + warm_steps,

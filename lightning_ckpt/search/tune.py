@@ -13,7 +13,7 @@ import contextlib
 import logging
 import statistics
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,8 +48,8 @@ from lightning_ckpt.search.proposers import proposer_for
 from lightning_ckpt.search.records import ProgressFn, TrialRecord, TrialStatus, TuneResult, choose_best
 from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY, profile_metadata
 from lightning_ckpt.search.runners import EagerRunner, TrialRunner, release_cached_memory
-from lightning_ckpt.search.space import SearchSpace, offered_candidates
-from lightning_ckpt.search.study import SearchInterrupted, Study
+from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
+from lightning_ckpt.search.study import SearchInterrupted, Study, Workload
 from lightning_ckpt.versions import require_torch
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "choose_best",
     "lowest_memory_pass",
     "resolve_on_device",
+    "run_study",
     "search_session",
     "tune",
 ]
@@ -286,8 +287,6 @@ def _search(
     budget = sync.broadcast(_resolve_budget(requested, memory, runner, resolved, sync))
     if is_compiled and profile.compiled is not None:
         memory = _compiled_memory(runner, profile.compiled, optimizer_step, resolved)
-    warm_steps = warm_up_process(harness, resolved, config, is_compiled)
-    stacks, candidates = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
     proposer = proposer_for(
         profile.time,
         predicts_time=getattr(runner, "predicts_time", False),
@@ -295,26 +294,18 @@ def _search(
         tie_tolerance=config.tie_tolerance,
         seed=config.seed,
     )
-    study = Study(
-        candidates=candidates,
+    study, warm_steps, stacks = run_study(
+        resolved,
+        [Workload(runner, memory, harness.batch_size)],
+        harness=harness,
         space=space,
-        stacks=stacks,
-        runner=runner,
-        proposer=proposer,
         budget=budget,
-        memory=memory,
         config=config,
-        fingerprint=resolved.fingerprint,
-        device_type=allocator_type(device),
-        sync=sync,
-        progress=progress,
-        should_stop=should_stop,
-        samples_per_step=harness.batch_size,
+        proposer=proposer,
+        memory_model=memory_model,
+        hooks=SearchHooks(progress, sync, should_stop),
         run={"seq_len": seq_len, "device": _device_name(device), "compiled": is_compiled},
     )
-    study.run()
-    study.confirm()
-    release_cached_memory(device)
     compiled = list(runner.regions) if is_compiled else None
     run = {"device": str(device), "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": compiled}
     metadata: dict[str, Any] = {"optimizer_step": memory.optimizer.to_dict(), "run": run}
@@ -340,6 +331,68 @@ def _search(
         memory_breakdown=memory_model.to_dict(),
         metadata=metadata,
     )
+
+
+@dataclass(frozen=True)
+class SearchHooks:
+    """The run-time hooks every search takes from its caller: how it reports (``progress``), how ranks agree
+    (``sync``), when it must stop (``should_stop``, polled between trials: the callback passes Lightning's SIGTERM
+    flag)."""
+
+    progress: ProgressFn | None = None
+    sync: Sync | None = None
+    should_stop: Callable[[], bool] | None = None
+
+
+def run_study(
+    resolved: ModelView,
+    workloads: list[Workload],
+    *,
+    harness: StepHarness,
+    space: SearchSpace,
+    budget: Budget,
+    config: TuneConfig,
+    proposer: Any,
+    memory_model: Any,
+    hooks: SearchHooks,
+    run: dict[str, Any],
+) -> tuple[Study, int, list[Any]]:
+    """The part every search shares once its memory is known: warm the process up, offer the space's candidates
+    (one per plan, or one per plan and workload when there are several: the joint search's micro-batches), run the
+    study, confirm its leaders side by side and give back what the trials cached. Returns the study, the warm-up's
+    steps (tuning cost) and the stacks the candidates plan."""
+    is_compiled = isinstance(workloads[0].runner, CompiledTrials)
+    warm_steps = warm_up_process(harness, resolved, config, is_compiled)
+    stacks, plain = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
+    several = len(workloads) > 1 or workloads[0].micro_batch is not None
+    candidates = (
+        [
+            Candidate({**c.params, "micro_batch": w.micro_batch}, c.plan, w.labelled(c.label), c.baseline)
+            for w in workloads
+            for c in plain
+        ]
+        if several
+        else plain
+    )
+    study = Study(
+        candidates=candidates,
+        space=space,
+        stacks=stacks,
+        budget=budget,
+        config=config,
+        workloads=workloads,
+        proposer=proposer,
+        fingerprint=resolved.fingerprint,
+        device_type=allocator_type(resolved.device),
+        sync=hooks.sync or LocalSync(),
+        progress=hooks.progress,
+        should_stop=hooks.should_stop,
+        run=run,
+    )
+    study.run()
+    study.confirm()
+    release_cached_memory(resolved.device)
+    return study, warm_steps, stacks
 
 
 def _activation_errors(study: Study) -> dict[str, Any]:
