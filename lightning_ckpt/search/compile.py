@@ -38,11 +38,16 @@ dynamo would run the frame eagerly and the reading would be the eager step's. **
 are the saved-for-backward bytes, as on CPU, so an activation budget means the same on both devices
 and the guard reads real compiled steps the same way (``saved_for_backward.SavedForBackward``).
 
-The memory model predicts the *eager* step's activation peak, saved tensors plus recompute and
+The eager memory model predicts the *eager* step's activation peak, saved tensors plus recompute and
 backward transients, a different quantity (on the 2-layer test GPT, batch 4: ``full`` has an eager
 activation peak of 200 KiB, mostly logits and one block's recompute, while its compiled step saves
-29 KiB for backward), and it knows nothing of the partitioner's choices (PT2 budgets). So for
-compiled models it predicts nothing and prunes nothing: every candidate is compiled and measured.
+29 KiB for backward), and it knows nothing of the partitioner's choices (PT2 budgets). So a compiled
+search predicts from the blocks compiled alone instead (``memory.compiled.CompiledMemoryModel``: what each
+block's graph saves under each mode), anchored on the compiled no-checkpointing step it measures first, and
+its time model from the same blocks timed compiled alone: ``tune`` then marks the runner as predicting memory
+and time (``predicts_memory``/``predicts_time``) and prunes as an eager search does. Until that anchor is
+measured (or when it fails) a ``CompiledTrials`` predicts nothing and every candidate is compiled and
+measured; PT2's budgets are never predicted, only measured.
 
 ``compiled=True`` on an eager step function undercounts: saved-tensor hooks cannot see inside an
 *eager* checkpointed region (the checkpoint installs its own hooks), so force it only for a step

@@ -33,7 +33,7 @@ from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.compile import CompiledTrials
-from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.config import TuneConfig, settings_into_config
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.proposers import SamplerProposer
 from lightning_ckpt.search.records import ProgressFn, TuneResult
@@ -170,7 +170,7 @@ def tune_micro_batch(
     re-times the leaders beside the fastest fitting baselines (across micro-batches) in interleaved rounds, one
     verdict chooses, and the result's plan carries its micro-batch in ``metadata["micro_batch"]``.
     """
-    config = (config or TuneConfig()).with_overrides(settings)
+    config = settings_into_config(config, settings, "tune_micro_batch")
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     sizes = _checked_micro_batches(micro_batches, global_batch)
     started = time.perf_counter()

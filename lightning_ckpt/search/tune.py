@@ -42,7 +42,7 @@ from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan, mode_key
 from lightning_ckpt.plan.skipping import full_depth
 from lightning_ckpt.search.compile import CompiledTrials, compiled_search, eager_while_profiling, release_kept_graphs
-from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.config import TuneConfig, settings_into_config
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.proposers import proposer_for
 from lightning_ckpt.search.records import ProgressFn, TrialRecord, TrialStatus, TuneResult, choose_best
@@ -150,7 +150,7 @@ def tune(
     ``storage=`` it persists: ``optuna.load_study(study_name=result.study_name, storage=result.storage)``,
     and a search started again on the same model and run resumes it instead of measuring again.
     """
-    config = (config or TuneConfig()).with_overrides(settings)
+    config = settings_into_config(config, settings, "tune")
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     resolved = ModelView.of(model, config.block_types)
     with search_session(resolved) as session:
