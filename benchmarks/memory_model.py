@@ -20,7 +20,7 @@ live-tensor tracker) is compared with the budget.
 
 What dominates the error: the prediction is exact to the byte for per-block plans (none, full,
 selective, ops, offload). The only error is in ``sqrt_segments``, an under-prediction of one
-hidden-state tensor per checkpointed chunk: ``apply.py``'s ``_Chunk`` keeps a reference to the chunk's
+hidden-state tensor per checkpointed chunk: ``plan/forwards.py``'s ``Chunk`` keeps a reference to the chunk's
 last output (``last_output``) after the parent has consumed it, so that tensor outlives its backward.
 With that reference cleared once the last member has run, segments are exact too. With an HF KV cache
 enabled (``use_cache=True``), blocks that are not checkpointed also hold the cache's K/V until the end

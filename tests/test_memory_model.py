@@ -343,10 +343,10 @@ def test_t5_selective_children_segments_refused_and_predictions_within_tolerance
 def test_blocks_replayed_alone_keep_the_steps_autocast_cache_setting() -> None:
     # Lightning's mixed precision runs autocast with cache_enabled=False; a block replayed with the cache on
     # would hold low-precision weight copies the real step never holds.
-    from lightning_ckpt.memory.capture import _autocast_as, _autocast_state
+    from lightning_ckpt.memory.capture import _autocast_state, autocast_as
 
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         state = _autocast_state()
     assert state == (("cpu", torch.bfloat16, False),)
-    with _autocast_as(state):
+    with autocast_as(state):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()

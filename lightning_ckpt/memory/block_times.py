@@ -31,12 +31,12 @@ from torch import nn
 from lightning_ckpt.discovery import is_compile_wrapper, unwrap_compiled
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.memory.capture import (
-    _autocast_as,
-    _backward_leaves,
-    _called_with,
-    _Captured,
-    _hidden_index,
-    _hidden_of,
+    Captured,
+    autocast_as,
+    backward_leaves,
+    called_with,
+    hidden_index,
+    hidden_of,
 )
 from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import BlockPlan, Plan
@@ -50,7 +50,7 @@ TIMING_ROUNDS = 5
 
 def time_block_modes(
     root: nn.Module,
-    cap: _Captured,
+    cap: Captured,
     modes: Mapping[str, BlockPlan],
     *,
     device: torch.device,
@@ -59,7 +59,7 @@ def time_block_modes(
 ) -> dict[str, float]:
     """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes`` (key -> block
     plan); a mode that fails here is left out. ``restore`` puts the model's state back (gradients, RNG)."""
-    where = _hidden_index(cap.args, cap.kwargs)
+    where = hidden_index(cap.args, cap.kwargs)
     if where is None:
         return {}
 
@@ -86,7 +86,7 @@ class CompiledBlockRuns:
 
 def compiled_block_modes(
     root: nn.Module,
-    cap: _Captured,
+    cap: Captured,
     modes: Mapping[str, BlockPlan],
     *,
     device: torch.device,
@@ -96,7 +96,7 @@ def compiled_block_modes(
     """``cap``'s block compiled alone under each of ``modes`` (see the module docstring); a mode that fails to
     compile or run is left out. ``restore`` puts the model's state back (gradients, RNG)."""
     runs = CompiledBlockRuns()
-    where = _hidden_index(cap.args, cap.kwargs)
+    where = hidden_index(cap.args, cap.kwargs)
     if where is None:
         return runs
     region = _compiled_region(cap.module)
@@ -169,7 +169,7 @@ def _compiling(n_modes: int) -> Iterator[None]:
         yield
 
 
-def _inputs_of(cap: _Captured) -> list[torch.Tensor]:
+def _inputs_of(cap: Captured) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_flatten
 
     return [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -177,7 +177,7 @@ def _inputs_of(cap: _Captured) -> list[torch.Tensor]:
 
 def _time_once(
     root: nn.Module,
-    cap: _Captured,
+    cap: Captured,
     where: tuple[str, Any],
     bp: BlockPlan,
     device: torch.device,
@@ -186,7 +186,7 @@ def _time_once(
 ) -> float:
     """One forward+backward of the block under ``bp`` through ``call`` (the block, or its compiled region); inside
     ``reused_forwards(memo)`` when a memo is given, so a compiled mode runs its graph again."""
-    hidden = _hidden_of(cap, where)
+    hidden = hidden_of(cap, where)
     reuse = reused_forwards(memo) if memo is not None else contextlib.nullcontext()
     with reuse:
         handle = apply_plan(root, Plan({cap.fqn: bp}) if bp.mode != "none" else Plan())
@@ -196,10 +196,10 @@ def _time_once(
         # As the memory profile runs it: a fresh non-leaf input (a leaf would keep its gradient, and with it
         # whatever a checkpointed child's graph still refers to, until the garbage collector runs).
         seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=cap.input_grad)
-        args, kwargs = _called_with(cap, where, hidden.detach() + seed)
-        with _autocast_as(cap.autocast):
+        args, kwargs = called_with(cap, where, hidden.detach() + seed)
+        with autocast_as(cap.autocast):
             out = call(*args, **kwargs)
-            leaves = _backward_leaves(out, cap.grad_leaves)
+            leaves = backward_leaves(out, cap.grad_leaves)
         if leaves:
             torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
         _synchronize(device)

@@ -21,16 +21,16 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.plan.caches import CACHE_ARGS, forward_params
-from lightning_ckpt.plan.chain import _rng_equal, _rng_states, _tensor_devices, hidden_slot
+from lightning_ckpt.plan.chain import hidden_slot, rng_equal, rng_states, tensor_devices
 
 
-def _hidden_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, Any] | None:
+def hidden_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, Any] | None:
     """Where the block's hidden state is, by segments' own rule (``chain.hidden_slot``): a call without a
     floating-point tensor carries none."""
     return hidden_slot(args, kwargs, strict=True)
 
 
-def _hidden_tensor(obj: Any) -> torch.Tensor | None:
+def hidden_tensor(obj: Any) -> torch.Tensor | None:
     """A block output's hidden state: the first floating-point tensor (needing a gradient or not)."""
     leaves, _ = tree_flatten(obj)
     return next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
@@ -73,7 +73,7 @@ def _without_kv_cache(
 
 
 @dataclass
-class _Captured:
+class Captured:
     fqn: str
     module: nn.Module
     args: tuple[Any, ...]
@@ -106,7 +106,7 @@ def _autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
 
 
 @contextlib.contextmanager
-def _autocast_as(state: tuple[tuple[str, torch.dtype, bool], ...]) -> Iterator[None]:
+def autocast_as(state: tuple[tuple[str, torch.dtype, bool], ...]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for dev, dtype, cache in state:
             stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=cache))
@@ -122,7 +122,7 @@ class _ChainCheck:
     Tensors are compared by identity (weak references: the check keeps nothing alive).
     A chain also runs its blocks in order, from the first, none skipped, and the parent draws no random
     numbers between them: LayerDrop (BART, Whisper, wav2vec2) draws a coin before every block and skips
-    some, so a chunk run at once would hand blocks the wrong outputs and random state (``apply._Chunk``).
+    some, so a chunk run at once would hand blocks the wrong outputs and random state (``plan.forwards.Chunk``).
     """
 
     def __init__(self, stack_of: Mapping[str, str]) -> None:
@@ -147,12 +147,12 @@ class _ChainCheck:
         stack = self.stack_of.get(fqn)
         if stack is None or stack in self.unchained:
             return
-        where = _hidden_index(args, kwargs)
+        where = hidden_index(args, kwargs)
         others = self._others(args, kwargs, where)
         last = self._last.get(stack)
         index, ran, rng = self._index[fqn], self._ran.get(stack), self._rng.get(stack)
         skipped = index != (0 if ran is None else ran + 1)  # a block skipped, repeated or run out of order
-        drew = rng is not None and not _rng_equal(_rng_states(rng[0]), rng[1])  # random numbers drawn in between
+        drew = rng is not None and not rng_equal(rng_states(rng[0]), rng[1])  # random numbers drawn in between
         if skipped or drew:
             self.unchained.add(stack)
             return
@@ -174,11 +174,11 @@ class _ChainCheck:
         stack = self.stack_of.get(fqn)
         if stack is None or stack not in self._last:
             return
-        first = out if isinstance(out, torch.Tensor) else _hidden_tensor(out)
+        first = out if isinstance(out, torch.Tensor) else hidden_tensor(out)
         self._last[stack] = (weakref.ref(first) if first is not None else None, self._last[stack][1])
         self._ran[stack] = self._index[fqn]
-        devices = _tensor_devices((out,), {})
-        self._rng[stack] = (devices, _rng_states(devices))
+        devices = tensor_devices((out,), {})
+        self._rng[stack] = (devices, rng_states(devices))
 
 
 def _same_leaf(a: Any, b: Any) -> bool:
@@ -190,18 +190,18 @@ def _same_leaf(a: Any, b: Any) -> bool:
         return False
 
 
-def _capture(
+def capture_calls(
     root: nn.Module,
     forward_fn: Callable[[], Any],
     blocks: dict[int, str],
     share: bool,
     stack_of: Mapping[str, str] | None = None,
-) -> tuple[list[str], dict[str, _Captured], list[str], set[str]]:
+) -> tuple[list[str], dict[str, Captured], list[str], set[str]]:
     """No-grad forward: block execution order (a block shared across depth, like ALBERT's one layer, once
     per call), one captured input per group, each call's representative, and the stacks whose blocks do not
     run as a chain (see ``_ChainCheck``; a stack with a shared block is never one)."""
     order: list[str] = []
-    reps: dict[Any, _Captured] = {}
+    reps: dict[Any, Captured] = {}
     rep_of: list[str] = []
     chain = _ChainCheck(stack_of or {})
 
@@ -212,7 +212,7 @@ def _capture(
         args, kwargs = _without_kv_cache(module, args, kwargs)
         key = _group_key(module, args, kwargs) if share else fqn
         if key not in reps:
-            reps[key] = _Captured(fqn, module, tuple(args), dict(kwargs), _autocast_state())
+            reps[key] = Captured(fqn, module, tuple(args), dict(kwargs), _autocast_state())
         rep_of.append(reps[key].fqn)
 
     def post_hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
@@ -235,7 +235,7 @@ def _capture(
     return order, {c.fqn: c for c in reps.values()}, rep_of, unchained
 
 
-def _backward_leaves(out: Any, positions: tuple[int, ...] | None) -> list[torch.Tensor]:
+def backward_leaves(out: Any, positions: tuple[int, ...] | None) -> list[torch.Tensor]:
     """The output leaves a block's backward starts from: those that received a gradient in the step
     (``positions``), or the first that needs one when that is not known."""
     leaves, _ = tree_flatten(out)
@@ -252,12 +252,12 @@ def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
     return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
-def _hidden_of(cap: _Captured, where: tuple[str, Any]) -> torch.Tensor:
-    """The captured call's hidden state, at ``where`` (``_hidden_index``)."""
+def hidden_of(cap: Captured, where: tuple[str, Any]) -> torch.Tensor:
+    """The captured call's hidden state, at ``where`` (``hidden_index``)."""
     return cap.args[where[1]] if where[0] == "arg" else cap.kwargs[where[1]]
 
 
-def _called_with(cap: _Captured, where: tuple[str, Any], x: torch.Tensor) -> tuple[list[Any], dict[str, Any]]:
+def called_with(cap: Captured, where: tuple[str, Any], x: torch.Tensor) -> tuple[list[Any], dict[str, Any]]:
     """The captured call's arguments with ``x`` in place of its hidden state: a block run alone on ``x``."""
     args, kwargs = list(cap.args), dict(cap.kwargs)
     if where[0] == "arg":

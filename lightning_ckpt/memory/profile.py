@@ -45,14 +45,14 @@ from lightning_ckpt.measure.tracker import (
 )
 from lightning_ckpt.memory.block_times import compiled_block_modes, time_block_modes
 from lightning_ckpt.memory.capture import (
-    _autocast_as,
-    _backward_leaves,
-    _called_with,
-    _capture,
-    _Captured,
-    _hidden_index,
-    _hidden_of,
-    _hidden_tensor,
+    Captured,
+    autocast_as,
+    backward_leaves,
+    called_with,
+    capture_calls,
+    hidden_index,
+    hidden_of,
+    hidden_tensor,
 )
 from lightning_ckpt.memory.compiled import CompiledBlockMemory, CompiledMemoryModel
 from lightning_ckpt.memory.model import BlockMemory, MemoryModel, ModeProfile, PhasePeak
@@ -143,7 +143,7 @@ class _AnchorPhases:
         calls_of = self.positions[fqn]
         i = self.running[id(module)] = calls_of[min(k, len(calls_of) - 1)]  # a shared block: its k-th call
         self.enter(("fwd", i))
-        where = _hidden_index(args, kwargs)
+        where = hidden_index(args, kwargs)
         if where is not None:
             t = args[where[1]] if where[0] == "arg" else kwargs[where[1]]
             self.calls.input_grad[i] = t.requires_grad
@@ -198,16 +198,16 @@ def _anchor(
 
 
 def _run_block(
-    root: nn.Module, cap: _Captured, bp: BlockPlan, externals: list[Any], device: torch.device
+    root: nn.Module, cap: Captured, bp: BlockPlan, externals: list[Any], device: torch.device
 ) -> tuple[ModeProfile, int]:
     """Run one block alone under ``bp``; returns its profile and its input's bytes."""
-    where = _hidden_index(cap.args, cap.kwargs)
+    where = hidden_index(cap.args, cap.kwargs)
     if where is None:
         raise LightningCkptError(
             f"Block {cap.fqn!r} takes no floating-point tensor input, so there is no hidden state to run it "
             "on alone. Name blocks whose first argument is the hidden state via block_types."
         )
-    hidden = _hidden_of(cap, where)
+    hidden = hidden_of(cap, where)
     tracker = new_live_tracker(device, root)
     captured = [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
     tracker.track_external(*externals, *captured)
@@ -223,13 +223,13 @@ def _run_block(
             base, base_act = tracker.now()
             x = hidden.detach() + seed
             in_bytes = tracker.now()[0] - base
-            args, kwargs = _called_with(cap, where, x)
+            args, kwargs = called_with(cap, where, x)
             tracker.enter_phase("fwd")
-            with _autocast_as(cap.autocast):
+            with autocast_as(cap.autocast):
                 out = cap.module(*args, **kwargs)
-                out_t = _hidden_tensor(out)
+                out_t = hidden_tensor(out)
                 out_bytes = tensor_bytes([out_t]) if out_t is not None else 0
-                backward_from = _backward_leaves(out, cap.grad_leaves)
+                backward_from = backward_leaves(out, cap.grad_leaves)
                 in_context = tracker.now()[0]
             keep_with_input = tracker.enter_phase("after_fwd")[0] - base - out_bytes
             # Autocast caches the low-precision copies of the weights until the step's autocast region
@@ -383,7 +383,7 @@ class _Runs:
     end_of_forward: tuple[int, int]
     calls: _Calls
     call_rep: list[str]  # per call: its key in ``profiled``
-    profiled: dict[str, _Captured]
+    profiled: dict[str, Captured]
     profiles: dict[str, dict[str, ModeProfile]]
     failed: dict[str, dict[str, str]]
     in_bytes: dict[str, int]
@@ -412,7 +412,7 @@ def _run_profile(
     snapshot = StateSnapshot.capture(root)
     try:
         stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
-        order, reps, rep_of, unchained = _capture(root, forward_fn, blocks, share, stack_of)
+        order, reps, rep_of, unchained = capture_calls(root, forward_fn, blocks, share, stack_of)
         # FSDP2 all-gathers a sharded block's parameters in its own forward hooks, which a segment's recompute
         # of several blocks as one function does not run: no segments over sharded blocks.
         unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
@@ -462,8 +462,8 @@ def _run_profile(
 
 
 def _calls_to_profile(
-    rep_of: list[str], reps: Mapping[str, _Captured], calls: _Calls
-) -> tuple[list[str], dict[str, _Captured]]:
+    rep_of: list[str], reps: Mapping[str, Captured], calls: _Calls
+) -> tuple[list[str], dict[str, Captured]]:
     """Per call, the key of the run that profiles it; and per key, the captured call to run.
 
     One profile per representative and way of being called: a frozen block behind frozen embeddings
@@ -586,7 +586,7 @@ def _compiled_model(runs: _Runs, memory: MemoryModel) -> CompiledMemoryModel:
 def _run_blocks(
     run: Callable[..., Any],
     root: nn.Module,
-    reps: Mapping[str, _Captured],
+    reps: Mapping[str, Captured],
     profiles: Mapping[str, Mapping[str, ModeProfile]],
     dev: torch.device,
     snapshot: StateSnapshot,
@@ -610,7 +610,7 @@ def _run_blocks(
 
 def _profile_blocks(
     root: nn.Module,
-    reps: Mapping[str, _Captured],
+    reps: Mapping[str, Captured],
     sets: Mapping[str, list[tuple[str, ...]]],
     externals: list[Any],
     dev: torch.device,

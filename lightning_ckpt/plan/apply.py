@@ -36,28 +36,28 @@ from torch import nn
 from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.errors import ApplyError, PlanError
 from lightning_ckpt.model import ModelView
-from lightning_ckpt.plan.buffer_guard import _BufferGuard
-from lightning_ckpt.plan.chain import _StackWatch
+from lightning_ckpt.plan.buffer_guard import BufferGuard
+from lightning_ckpt.plan.chain import StackWatch
 from lightning_ckpt.plan.chunks import segment_chunks
-from lightning_ckpt.plan.foreign import _refuse_foreign_checkpointing
+from lightning_ckpt.plan.foreign import refuse_foreign_checkpointing
 from lightning_ckpt.plan.format import BlockPlan, Plan, closest_names
 from lightning_ckpt.plan.forwards import (
-    _PREV_FORWARD,
-    _checkpointed_forward,
-    _Chunk,
-    _is_ours,
-    _offloaded_forward,
-    _segment_head_forward,
-    _segment_member_forward,
+    PREV_FORWARD,
+    Chunk,
+    checkpointed_forward,
+    is_ours,
+    offloaded_forward,
+    segment_head_forward,
+    segment_member_forward,
 )
 from lightning_ckpt.plan.handle import (
-    _ACTIVE,
-    _HANDLE_ATTR,
+    ACTIVE,
+    HANDLE_ATTR,
+    Patch,
     PlanHandle,
-    _installed_by,
-    _Patch,
-    _set_compile_memory_budget,
     applied_plan,
+    installed_by,
+    set_compile_memory_budget,
 )
 
 __all__ = ["apply_plan", "plan_applied", "reused_forwards"]
@@ -124,7 +124,7 @@ def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan) -> list[_Inst
 
 
 def _checkpointing(module: nn.Module, save_list: str | None) -> functools.partial[Any]:
-    return functools.partial(_checkpointed_forward, module, save_list, _BufferGuard([module]))
+    return functools.partial(checkpointed_forward, module, save_list, BufferGuard([module]))
 
 
 def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
@@ -137,7 +137,7 @@ def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
             forward = _reused((id(block), "checkpoint", save_list), _checkpointing, block, save_list)
             installs.append((block, fqn, forward))
         elif bp.mode == "offload":
-            installs.append((block, fqn, _reused((id(block), "offload"), functools.partial, _offloaded_forward, block)))
+            installs.append((block, fqn, _reused((id(block), "offload"), functools.partial, offloaded_forward, block)))
         elif bp.mode == "selective":
             installs += _selective_installs(block, fqn, bp)
     return installs
@@ -167,10 +167,10 @@ def _segmented_stack(root: nn.Module, plan: Plan, stack_fqn: str, n_chunks: int)
     return stack, names
 
 
-def _segment_installs(root: nn.Module, plan: Plan) -> tuple[list[_Install], list[_StackWatch]]:
+def _segment_installs(root: nn.Module, plan: Plan) -> tuple[list[_Install], list[StackWatch]]:
     """What the plan's segments install, and one watch per segmented stack."""
     installs: list[_Install] = []
-    watches: list[_StackWatch] = []
+    watches: list[StackWatch] = []
     for stack_fqn, n_chunks in plan.segments.items():
         stack, names = _segmented_stack(root, plan, stack_fqn, n_chunks)
         key = (id(stack), "segments", n_chunks)
@@ -186,20 +186,20 @@ def _segment_installs(root: nn.Module, plan: Plan) -> tuple[list[_Install], list
 
 def _stack_segments(
     stack: nn.Module, stack_fqn: str, names: list[str], n_chunks: int
-) -> tuple[list[_Install], _StackWatch, list[_Chunk]]:
+) -> tuple[list[_Install], StackWatch, list[Chunk]]:
     installs: list[_Install] = []
-    watch = _StackWatch(stack_fqn)
+    watch = StackWatch(stack_fqn)
     chunks = []
     # The last chunk is not checkpointed (as torch's checkpoint_sequential does): its activations
     # are needed first in backward, so recomputing them would cost time and save no peak memory.
     for start, end in segment_chunks(len(names), n_chunks)[:-1]:
         fqns = tuple(f"{stack_fqn}.{n}" if stack_fqn else n for n in names[start:end])
         modules = [unwrap_compiled(stack.get_submodule(n)) for n in names[start:end]]
-        chunk = _Chunk(stack_fqn, fqns, modules, watch)
+        chunk = Chunk(stack_fqn, fqns, modules, watch)
         chunks.append(chunk)
-        installs.append((modules[0], fqns[0], functools.partial(_segment_head_forward, modules[0], chunk)))
+        installs.append((modules[0], fqns[0], functools.partial(segment_head_forward, modules[0], chunk)))
         for i, m in enumerate(modules[1:], start=1):
-            installs.append((m, fqns[i], functools.partial(_segment_member_forward, m, chunk, i)))
+            installs.append((m, fqns[i], functools.partial(segment_member_forward, m, chunk, i)))
     return installs, watch, chunks
 
 
@@ -210,9 +210,9 @@ def _refuse_conflicts(installs: list[_Install]) -> None:
         if id(module) in seen:
             raise PlanError(f"Module {fqn!r} is planned twice (also as {seen[id(module)]!r}). Give it one mode.")
         seen[id(module)] = fqn
-        if _is_ours(module.__dict__.get("forward")):
+        if is_ours(module.__dict__.get("forward")):
             raise ApplyError(
-                f"Module {fqn!r} already has lightning_ckpt checkpointing, installed by {_installed_by(module)}. "
+                f"Module {fqn!r} already has lightning_ckpt checkpointing, installed by {installed_by(module)}. "
                 "Remove that plan first (handle.remove(), or lightning_ckpt.plan_handle(that model).remove())."
             )
     fqns_planned = sorted(seen.values())
@@ -224,12 +224,12 @@ def _refuse_conflicts(installs: list[_Install]) -> None:
             )
 
 
-def _install(module: nn.Module, forward: functools.partial[Any]) -> _Patch:
+def _install(module: nn.Module, forward: functools.partial[Any]) -> Patch:
     prev = module.__dict__.get("forward")
     if prev is not None:
-        module.__dict__[_PREV_FORWARD] = prev
+        module.__dict__[PREV_FORWARD] = prev
     module.__dict__["forward"] = forward
-    return _Patch(module, forward)
+    return Patch(module, forward)
 
 
 def apply_plan(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: bool = True) -> PlanHandle:
@@ -253,7 +253,7 @@ def apply_plan(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: b
         )
     if check_fingerprint:
         plan.check_fingerprint(model if isinstance(model, ModelView) else root)
-    _refuse_foreign_checkpointing(root, plan)
+    refuse_foreign_checkpointing(root, plan)
     installs = _block_installs(root, plan)
     segment_installs, watches = _segment_installs(root, plan)
     installs += segment_installs
@@ -263,12 +263,12 @@ def apply_plan(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: b
     # is applied (compiles that happen later, e.g. after a recompile, must see it too).
     previous_budget = None
     if plan.compile_memory_budget is not None:
-        previous_budget = _set_compile_memory_budget(plan.compile_memory_budget)
+        previous_budget = set_compile_memory_budget(plan.compile_memory_budget)
     patches = [_install(module, forward) for module, _fqn, forward in installs]
     handle = PlanHandle(root, plan, patches, previous_budget, watches)
-    _ACTIVE[root] = handle
+    ACTIVE[root] = handle
     # Held by the model itself so that a copy of it (deepcopy, pickle, torch.save) carries its own handle.
-    root.__dict__[_HANDLE_ATTR] = handle
+    root.__dict__[HANDLE_ATTR] = handle
     log.info("lightning_ckpt: applied plan %s (%d modules)", plan.describe(), len(patches))
     return handle
 

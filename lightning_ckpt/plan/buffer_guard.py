@@ -109,7 +109,7 @@ class _Recompute:
                 owner._buffers[name] = buf
 
 
-class _BufferGuard:
+class BufferGuard:
     """Checkpoints one region (a block, a child, a segment's blocks) so that its recompute leaves buffers alone.
 
     Which buffers the region's forward updates is learned on its first call in each train/eval
@@ -189,7 +189,7 @@ def _compiled_recompute_updates_twice(modules: list[nn.Module]) -> bool:
 
 
 @torch.compiler.disable
-def _eager_in_compiled(guard: _BufferGuard, fn: Callable[..., Any], args: Any, kwargs: Any, **extra: Any) -> Any:
+def eager_in_compiled(guard: BufferGuard, fn: Callable[..., Any], args: Any, kwargs: Any, **extra: Any) -> Any:
     _warn_eager_in_compiled_once(type(guard.modules[0]).__name__, str(torch.__version__))
     return guard.checkpoint(fn, args, kwargs, **extra)
 

@@ -4,26 +4,22 @@ parent calls the chunk's blocks as a chain, and what it does when the parent doe
 A segment runs several blocks inside one checkpoint, but the parent still calls every block itself. So a
 block's precomputed output may be handed out only to the call the chunk predicted: the next block, with the
 previous block's output where the hidden state travels, the same other arguments, and the random-number
-state where the chunk left it. Any other call gives the chunk up for that step (``_deviate``), exactly, at
+state where the chunk left it. Any other call gives the chunk up for that step (``deviate``), exactly, at
 the cost of the memory the plan meant to save.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-if TYPE_CHECKING:  # the chunk runs inside the forwards, which use everything here
-    from lightning_ckpt.plan.forwards import _Chunk
-
 __all__: list[str] = []  # the forwards (plan.forwards) and apply use the helpers here
 
 
-def _hidden_of(output: Any) -> Any:
+def hidden_of(output: Any) -> Any:
     """The part of a block's output that the next block takes as its hidden state."""
     if isinstance(output, (tuple, list)) and output:
         return output[0]
@@ -31,11 +27,11 @@ def _hidden_of(output: Any) -> Any:
 
 
 # Where a block call carries its hidden state: ("arg", index) or ("kw", name).
-_HiddenAt = tuple[str, Any]
+HiddenAt = tuple[str, Any]
 _HIDDEN_KEYWORDS = ("hidden_states", "x", "input", "inputs", "hidden")
 
 
-def hidden_slot(args: tuple[Any, ...], kwargs: Mapping[str, Any], *, strict: bool = False) -> _HiddenAt | None:
+def hidden_slot(args: tuple[Any, ...], kwargs: Mapping[str, Any], *, strict: bool = False) -> HiddenAt | None:
     """Where this call's hidden state is: the first floating-point tensor argument, else a keyword (the usual
     names first). One rule for segments (what a chunk passes on) and for the profile's chain check (which calls
     form a chain, so segments are offered). Blocks called with keyword arguments only
@@ -52,15 +48,15 @@ def hidden_slot(args: tuple[Any, ...], kwargs: Mapping[str, Any], *, strict: boo
     return ("arg", 0) if args and not strict else None
 
 
-def _in_slot(args: tuple[Any, ...], kwargs: dict[str, Any], slot: _HiddenAt) -> Any:
+def in_slot(args: tuple[Any, ...], kwargs: dict[str, Any], slot: HiddenAt) -> Any:
     kind, key = slot
     if kind == "arg":
         return args[key] if key < len(args) else None
     return kwargs.get(key)
 
 
-def _with_hidden(
-    args: tuple[Any, ...], kwargs: dict[str, Any], slot: _HiddenAt, value: Any
+def with_hidden(
+    args: tuple[Any, ...], kwargs: dict[str, Any], slot: HiddenAt, value: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     kind, key = slot
     if kind == "arg":
@@ -68,7 +64,7 @@ def _with_hidden(
     return args, {**kwargs, key: value}
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -84,28 +80,28 @@ def _same(a: Any, b: Any) -> bool:
 # runs the whole chunk at once, so the parent would draw after every block of the chunk had drawn. So after the
 # chunk the state goes back to where block 0 left it, each later block's precomputed output is handed out only
 # if the state is still where that block started from inside the chunk, and then moved to where it ended.
-def _tensor_devices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.device, ...]:
+def tensor_devices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.device, ...]:
     """The accelerator devices a call's tensors live on (the CPU generator is always tracked)."""
     leaves = tree_leaves((args, kwargs))
     found = {t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")}
     return tuple(sorted(found, key=str))
 
 
-def _rng_states(devices: tuple[torch.device, ...]) -> tuple[torch.Tensor, ...]:
+def rng_states(devices: tuple[torch.device, ...]) -> tuple[torch.Tensor, ...]:
     return (torch.get_rng_state(), *(torch.get_device_module(d.type).get_rng_state(d) for d in devices))
 
 
-def _set_rng_states(devices: tuple[torch.device, ...], states: tuple[torch.Tensor, ...]) -> None:
+def set_rng_states(devices: tuple[torch.device, ...], states: tuple[torch.Tensor, ...]) -> None:
     torch.set_rng_state(states[0])
     for d, state in zip(devices, states[1:], strict=True):
         torch.get_device_module(d.type).set_rng_state(state, d)
 
 
-def _rng_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+def rng_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-class _StackWatch:
+class StackWatch:
     """How one stack's segments fared under one applied plan: the first reason a step left the chain."""
 
     __slots__ = ("deviations", "reason", "stack_fqn")
@@ -114,31 +110,3 @@ class _StackWatch:
         self.stack_fqn = stack_fqn
         self.reason: str | None = None
         self.deviations = 0
-
-
-# A graph break when compiled: only a step that leaves the chain gets here, and the compiled search reports
-# a plan that breaks graphs in a checkpointed region as a conflict.
-@torch.compiler.disable
-def _deviate(chunk: _Chunk, start: int, reason: str) -> None:
-    """Give the chunk up for the rest of this step: undo the buffer updates its run made in blocks from
-    ``start`` on (the parent runs those itself, or not at all), drop its outputs, and warn once per stack."""
-    with torch.no_grad():
-        for index, buf, before in chunk.updates:
-            if index >= start and buf.shape == before.shape:
-                buf.copy_(before)
-    chunk.clear()
-    watch = chunk.watch
-    watch.deviations += 1
-    if watch.reason is not None:
-        return
-    watch.reason = reason
-    stack = chunk.stack_fqn
-    warnings.warn(
-        f"lightning_ckpt: segments[{stack!r}] could not run as planned in this step: {reason}. From there on the "
-        "blocks of that chunk ran without checkpointing, so the step is exact but uses more memory than the plan "
-        "predicts (shown once per stack). Segments need a parent that calls every block of the stack in order, "
-        "each with the previous block's output, and draws no random numbers in between. For a model that skips "
-        "blocks (LayerDrop, stochastic depth, early exit), remove this stack from the plan's 'segments' and use "
-        "per-block modes (e.g. 'full') instead.",
-        stacklevel=4,
-    )

@@ -100,7 +100,7 @@ def existing_checkpointing(model: nn.Module) -> list[str]:
     return [f"{fqn or '<root>'}: {what}" for fqn, what, _ in _foreign_checkpointing(model)]
 
 
-def _refuse_foreign_checkpointing(root: nn.Module, plan: Plan) -> None:
+def refuse_foreign_checkpointing(root: nn.Module, plan: Plan) -> None:
     if not (plan.blocks or plan.segments):  # installs nothing, so there is nothing to do twice
         return
     found = _foreign_checkpointing(root)

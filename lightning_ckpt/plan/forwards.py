@@ -1,9 +1,9 @@
 """The forwards ``apply_plan`` installs, and everything they run inside a checkpointed region.
 
-Each takes the module first (bound with ``functools.partial``): ``_checkpointed_forward`` (mode ``full``,
-``ops``, and the children of ``selective``), ``_offloaded_forward`` (``offload``), and for a segment the
-head block's ``_segment_head_forward``, which runs the whole ``_Chunk`` in one checkpoint, and the later
-blocks' ``_segment_member_forward``, which hand out the outputs it precomputed.
+Each takes the module first (bound with ``functools.partial``): ``checkpointed_forward`` (mode ``full``,
+``ops``, and the children of ``selective``), ``offloaded_forward`` (``offload``), and for a segment the
+head block's ``segment_head_forward``, which runs the whole ``Chunk`` in one checkpoint, and the later
+blocks' ``segment_member_forward``, which hand out the outputs it precomputed.
 
 They share one module on purpose: ``search/compile.py`` tells a graph break inside one of our regions by a
 frame of this file named in ``CHECKPOINT_FRAMES``. The buffer guard (``buffer_guard.py``), the chain checks
@@ -14,6 +14,7 @@ these frames.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,32 +22,31 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ckpt.plan.buffer_guard import Update, _BufferGuard, _eager_in_compiled
+from lightning_ckpt.plan.buffer_guard import BufferGuard, Update, eager_in_compiled
 from lightning_ckpt.plan.caches import without_cache_args
 from lightning_ckpt.plan.chain import (
-    _deviate,
-    _hidden_of,
-    _HiddenAt,
-    _in_slot,
-    _rng_equal,
-    _rng_states,
-    _same,
-    _set_rng_states,
-    _StackWatch,
-    _tensor_devices,
-    _with_hidden,
+    HiddenAt,
+    StackWatch,
+    hidden_of,
     hidden_slot,
+    in_slot,
+    rng_equal,
+    rng_states,
+    same_value,
+    set_rng_states,
+    tensor_devices,
+    with_hidden,
 )
 from lightning_ckpt.plan.policies import selective_context_fn
 
 __all__ = ["CHECKPOINT_FRAMES"]
 
 # Where a patched module keeps the instance forward it had before the plan (put back by PlanHandle.remove).
-_PREV_FORWARD = "_lightning_ckpt_prev_forward"
+PREV_FORWARD = "_lightning_ckpt_prev_forward"
 
 
 def _original_forward(module: nn.Module) -> Callable[..., Any]:
-    prev = module.__dict__.get(_PREV_FORWARD)
+    prev = module.__dict__.get(PREV_FORWARD)
     # A partial, not ``type(module).forward.__get__(module)``: Dynamo before torch 2.7 cannot trace __get__.
     return prev if prev is not None else functools.partial(type(module).forward, module)
 
@@ -57,8 +57,8 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
     return fn(*args, **kwargs)
 
 
-def _checkpointed_forward(
-    module: nn.Module, save_list: str | None, guard: _BufferGuard, *args: Any, **kwargs: Any
+def checkpointed_forward(
+    module: nn.Module, save_list: str | None, guard: BufferGuard, *args: Any, **kwargs: Any
 ) -> Any:
     inner = _original_forward(module)
     if not torch.is_grad_enabled():
@@ -67,7 +67,7 @@ def _checkpointed_forward(
     extra = {"context_fn": selective_context_fn(save_list)} if save_list else {}
     if torch.compiler.is_compiling():
         if guard.eager_under_compile:
-            return _eager_in_compiled(guard, functools.partial(_call, inner), args, kwargs, **extra)
+            return eager_in_compiled(guard, functools.partial(_call, inner), args, kwargs, **extra)
         return checkpoint(_call, inner, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
     return guard.checkpoint(functools.partial(_call, inner), args, kwargs, **extra)
 
@@ -80,7 +80,7 @@ def _first_device(module: nn.Module, args: tuple[Any, ...]) -> torch.device | No
     return p.device if p is not None else None
 
 
-def _offloaded_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def offloaded_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     inner = _original_forward(module)
     device = _first_device(module, args)
     # On a CPU model the activations already live in host memory; save_on_cpu would only copy them.
@@ -90,7 +90,35 @@ def _offloaded_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return inner(*args, **kwargs)
 
 
-class _Chunk:
+# A graph break when compiled: only a step that leaves the chain gets here, and the compiled search reports
+# a plan that breaks graphs in a checkpointed region as a conflict.
+@torch.compiler.disable
+def deviate(chunk: Chunk, start: int, reason: str) -> None:
+    """Give the chunk up for the rest of this step: undo the buffer updates its run made in blocks from
+    ``start`` on (the parent runs those itself, or not at all), drop its outputs, and warn once per stack."""
+    with torch.no_grad():
+        for index, buf, before in chunk.updates:
+            if index >= start and buf.shape == before.shape:
+                buf.copy_(before)
+    chunk.clear()
+    watch = chunk.watch
+    watch.deviations += 1
+    if watch.reason is not None:
+        return
+    watch.reason = reason
+    stack = chunk.stack_fqn
+    warnings.warn(
+        f"lightning_ckpt: segments[{stack!r}] could not run as planned in this step: {reason}. From there on the "
+        "blocks of that chunk ran without checkpointing, so the step is exact but uses more memory than the plan "
+        "predicts (shown once per stack). Segments need a parent that calls every block of the stack in order, "
+        "each with the previous block's output, and draws no random numbers in between. For a model that skips "
+        "blocks (LayerDrop, stochastic depth, early exit), remove this stack from the plan's 'segments' and use "
+        "per-block modes (e.g. 'full') instead.",
+        stacklevel=4,
+    )
+
+
+class Chunk:
     """Run-time state of one segment: several consecutive blocks recomputed as one region.
 
     The parent model still calls every block itself. The chunk's first block runs the whole chunk
@@ -105,11 +133,11 @@ class _Chunk:
     handed out (or given up), and never copied or pickled.
     """
 
-    def __init__(self, stack_fqn: str, fqns: tuple[str, ...], modules: list[nn.Module], watch: _StackWatch) -> None:
+    def __init__(self, stack_fqn: str, fqns: tuple[str, ...], modules: list[nn.Module], watch: StackWatch) -> None:
         self.stack_fqn = stack_fqn
         self.fqns = fqns
         self.modules = modules
-        self.guard = _BufferGuard(modules)
+        self.guard = BufferGuard(modules)
         self.watch = watch
         self.recording = False  # True from the head's checkpoint call until its forward starts
         self.clear()
@@ -118,7 +146,7 @@ class _Chunk:
         """Forget this step's run: the outputs still to hand out and everything needed to check the calls."""
         self.next_index: int | None = None  # the block due next, while outputs are waiting for it
         self.outputs: tuple[Any, ...] = ()
-        self.slot: _HiddenAt | None = None
+        self.slot: HiddenAt | None = None
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.devices: tuple[torch.device, ...] = ()
@@ -127,14 +155,14 @@ class _Chunk:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        step = _Chunk.__new__(_Chunk)
+        step = Chunk.__new__(Chunk)
         step.clear()
         state.update(vars(step), recording=False)
         return state
 
     def run(
         self,
-        slot: _HiddenAt,
+        slot: HiddenAt,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         after_block: Callable[[], None] | None = None,
@@ -145,21 +173,21 @@ class _Chunk:
             outputs.append(out)
             if after_block is not None:
                 after_block()
-            args, kwargs = _with_hidden(args, kwargs, slot, _hidden_of(out))
+            args, kwargs = with_hidden(args, kwargs, slot, hidden_of(out))
         return tuple(outputs)
 
-    def run_eager(self, slot: _HiddenAt, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def run_eager(self, slot: HiddenAt, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """``run`` outside compiled code: the forward records the RNG state after each block; a recompute
         (in backward, so the step's forward is over) gives up on blocks the parent never called."""
         if not self.recording:
             if self.next_index is not None:
                 why = f"{self._rest()} never ran in that step (the parent skipped it or exited early)"
-                _deviate(self, self.next_index, why)
+                deviate(self, self.next_index, why)
             return self.run(slot, args, kwargs)
         self.recording = False
         states: list[tuple[torch.Tensor, ...]] = []
         self.states = states
-        return self.run(slot, args, kwargs, lambda: states.append(_rng_states(self.devices)))
+        return self.run(slot, args, kwargs, lambda: states.append(rng_states(self.devices)))
 
     def _rest(self) -> str:
         rest = self.fqns[self.next_index or 0 :]
@@ -176,39 +204,41 @@ class _Chunk:
         same = (
             torch.is_grad_enabled()
             and slot is not None
-            and _in_slot(args, kwargs, slot) is _hidden_of(self.outputs[index - 1])
+            and in_slot(args, kwargs, slot) is hidden_of(self.outputs[index - 1])
             and len(args) == len(self.args)
             and kwargs.keys() == self.kwargs.keys()
-            and all(_same(a, b) for i, (a, b) in enumerate(zip(args, self.args, strict=True)) if ("arg", i) != slot)
-            and all(_same(kwargs[k], self.kwargs[k]) for k in kwargs if ("kw", k) != slot)
+            and all(
+                same_value(a, b) for i, (a, b) in enumerate(zip(args, self.args, strict=True)) if ("arg", i) != slot
+            )
+            and all(same_value(kwargs[k], self.kwargs[k]) for k in kwargs if ("kw", k) != slot)
         )
         if not same:
             return (
                 f"{fqn!r} was not called with {self.fqns[index - 1]!r}'s output and the same other arguments as "
                 f"{self.fqns[0]!r}"
             )
-        if self.states is not None and not _rng_equal(_rng_states(self.devices), self.states[index - 1]):
+        if self.states is not None and not rng_equal(rng_states(self.devices), self.states[index - 1]):
             return f"the parent drew random numbers before calling {fqn!r} (e.g. LayerDrop deciding whether to run it)"
         return None
 
 
-def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs: Any) -> Any:
+def segment_head_forward(module: nn.Module, chunk: Chunk, *args: Any, **kwargs: Any) -> Any:
     if chunk.next_index is not None:  # the last step left blocks of the chunk uncalled
-        _deviate(chunk, chunk.next_index, f"{chunk._rest()} never ran before {chunk.fqns[0]!r} ran again")
+        deviate(chunk, chunk.next_index, f"{chunk._rest()} never ran before {chunk.fqns[0]!r} ran again")
     if not torch.is_grad_enabled():
         return _original_forward(module)(*args, **kwargs)
     slot = hidden_slot(args, kwargs)
     if slot is None:
-        _deviate(chunk, len(chunk.modules), f"{chunk.fqns[0]!r} was called without a hidden state to hand on")
+        deviate(chunk, len(chunk.modules), f"{chunk.fqns[0]!r} was called without a hidden state to hand on")
         return _original_forward(module)(*args, **kwargs)
     run_args, run_kwargs = without_cache_args(module, args, kwargs)
     if torch.compiler.is_compiling() and chunk.guard.eager_under_compile:
-        outputs = _eager_in_compiled(chunk.guard, functools.partial(chunk.run, slot), run_args, run_kwargs)
+        outputs = eager_in_compiled(chunk.guard, functools.partial(chunk.run, slot), run_args, run_kwargs)
     elif torch.compiler.is_compiling():
         # Compiled RNG is not eager RNG anyway, and reading generator state breaks graphs: no RNG tracking.
         outputs = checkpoint(chunk.run, slot, run_args, run_kwargs, use_reentrant=False, preserve_rng_state=True)
     else:
-        chunk.devices = _tensor_devices(run_args, run_kwargs)
+        chunk.devices = tensor_devices(run_args, run_kwargs)
         chunk.recording = True
         updates: list[Update] = []
         try:
@@ -218,7 +248,7 @@ def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs
         states = chunk.states
         chunk.updates = updates
         if states:  # the parent goes on from where block 0 left the generators, as without the plan
-            _set_rng_states(chunk.devices, states[0])
+            set_rng_states(chunk.devices, states[0])
     if len(outputs) == 1:
         chunk.clear()
         return outputs[0]
@@ -229,20 +259,20 @@ def _segment_head_forward(module: nn.Module, chunk: _Chunk, *args: Any, **kwargs
 
 # Functions of this module that run inside a checkpointed region when dynamo traces one: a graph break
 # whose user stack passes through one of them broke a graph inside our region (compile.py counts them).
-_REGION_FUNCTIONS = (_checkpointed_forward, _call, _segment_head_forward, _Chunk.run, _Chunk.run_eager)
+_REGION_FUNCTIONS = (checkpointed_forward, _call, segment_head_forward, Chunk.run, Chunk.run_eager)
 CHECKPOINT_FRAMES = frozenset(f.__name__ for f in _REGION_FUNCTIONS)
 
 
-def _segment_member_forward(module: nn.Module, chunk: _Chunk, index: int, *args: Any, **kwargs: Any) -> Any:
+def segment_member_forward(module: nn.Module, chunk: Chunk, index: int, *args: Any, **kwargs: Any) -> Any:
     if chunk.next_index is None and not torch.is_grad_enabled():
         return _original_forward(module)(*args, **kwargs)
     why = chunk.off_chain(index, args, kwargs)
     if why is not None:
-        _deviate(chunk, chunk.next_index if chunk.next_index is not None else len(chunk.modules), why)
+        deviate(chunk, chunk.next_index if chunk.next_index is not None else len(chunk.modules), why)
         return _original_forward(module)(*args, **kwargs)
     out = chunk.outputs[index]
     if chunk.states is not None:
-        _set_rng_states(chunk.devices, chunk.states[index])
+        set_rng_states(chunk.devices, chunk.states[index])
     if index + 1 < len(chunk.modules):
         chunk.next_index = index + 1
     else:
@@ -252,8 +282,8 @@ def _segment_member_forward(module: nn.Module, chunk: _Chunk, index: int, *args:
     return out
 
 
-_OUR_FORWARDS = (_checkpointed_forward, _offloaded_forward, _segment_head_forward, _segment_member_forward)
+_OUR_FORWARDS = (checkpointed_forward, offloaded_forward, segment_head_forward, segment_member_forward)
 
 
-def _is_ours(fn: Any) -> bool:
+def is_ours(fn: Any) -> bool:
     return isinstance(fn, functools.partial) and fn.func in _OUR_FORWARDS

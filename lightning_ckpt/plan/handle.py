@@ -15,18 +15,18 @@ from typing import Any
 from torch import nn
 
 from lightning_ckpt.discovery import unwrap_compiled
-from lightning_ckpt.plan.chain import _StackWatch
+from lightning_ckpt.plan.chain import StackWatch
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.plan.forwards import _PREV_FORWARD
+from lightning_ckpt.plan.forwards import PREV_FORWARD
 
 __all__ = ["PlanHandle", "applied_plan", "plan_handle"]
 
-_HANDLE_ATTR = "_lightning_ckpt_plan_handle"
-_ACTIVE: weakref.WeakKeyDictionary[nn.Module, PlanHandle] = weakref.WeakKeyDictionary()
+HANDLE_ATTR = "_lightning_ckpt_plan_handle"
+ACTIVE: weakref.WeakKeyDictionary[nn.Module, PlanHandle] = weakref.WeakKeyDictionary()
 
 
 @dataclass
-class _Patch:
+class Patch:
     module: nn.Module
     forward: functools.partial[Any]
 
@@ -44,9 +44,9 @@ class PlanHandle:
         self,
         model: nn.Module | None,
         plan: Plan,
-        patches: list[_Patch],
+        patches: list[Patch],
         previous_budget: float | None = None,
-        watches: Sequence[_StackWatch] = (),
+        watches: Sequence[StackWatch] = (),
     ) -> None:
         self.plan = plan
         # None only for a handle pickled without its model (it is then removed already).
@@ -83,17 +83,17 @@ class PlanHandle:
             d = p.module.__dict__
             if d.get("forward") is p.forward:
                 del d["forward"]
-            prev = d.pop(_PREV_FORWARD, None)
+            prev = d.pop(PREV_FORWARD, None)
             if prev is not None:
                 d["forward"] = prev
         if self._previous_budget is not None:
-            _set_compile_memory_budget(self._previous_budget)
+            set_compile_memory_budget(self._previous_budget)
         self._removed = True
         model = self._model_ref()
-        if model is not None and _ACTIVE.get(model) is self:
-            del _ACTIVE[model]
-        if model is not None and model.__dict__.get(_HANDLE_ATTR) is self:
-            del model.__dict__[_HANDLE_ATTR]
+        if model is not None and ACTIVE.get(model) is self:
+            del ACTIVE[model]
+        if model is not None and model.__dict__.get(HANDLE_ATTR) is self:
+            del model.__dict__[HANDLE_ATTR]
 
     def __enter__(self) -> PlanHandle:
         return self
@@ -106,7 +106,7 @@ class PlanHandle:
         return f"PlanHandle({self.plan.describe()}, {len(self._patches)} modules, {state})"
 
 
-def _set_compile_memory_budget(value: float) -> float:
+def set_compile_memory_budget(value: float) -> float:
     """Set PT2's activation memory budget (read by the partitioner at compile time); return the old value."""
     import torch._functorch.config as functorch_config
 
@@ -120,13 +120,13 @@ def _no_model() -> None:
 
 
 def _restore_handle(
-    model: nn.Module | None, plan: Plan, patches: list[_Patch], watches: list[_StackWatch], removed: bool
+    model: nn.Module | None, plan: Plan, patches: list[Patch], watches: list[StackWatch], removed: bool
 ) -> PlanHandle:
     """A copied or unpickled model's handle (see ``PlanHandle.__reduce__``), registered for that model."""
     handle = PlanHandle(model, plan, patches, None, watches)
     handle._removed = removed or model is None
     if model is not None and not handle._removed:
-        _ACTIVE[model] = handle
+        ACTIVE[model] = handle
     return handle
 
 
@@ -139,13 +139,13 @@ def applied_plan(model: nn.Module) -> Plan | None:
 def plan_handle(model: nn.Module) -> PlanHandle | None:
     """The active ``PlanHandle`` of ``model``: the one ``apply_plan`` returned, or the one a copy of a planned
     model (deepcopy, pickle, ``torch.save``) carries, so a plan can be removed without holding its handle."""
-    handle = _ACTIVE.get(unwrap_compiled(model))
+    handle = ACTIVE.get(unwrap_compiled(model))
     return handle if handle is not None and handle.active else None
 
 
-def _installed_by(module: nn.Module) -> str:
+def installed_by(module: nn.Module) -> str:
     """Which applied plan patched ``module``, for an error message."""
-    for root, handle in list(_ACTIVE.items()):
+    for root, handle in list(ACTIVE.items()):
         if handle.active and any(p.module is module for p in handle._patches):
             return f"a plan applied to a {type(root).__name__} ({handle.plan.describe()})"
     return (
