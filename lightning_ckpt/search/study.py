@@ -25,30 +25,21 @@ from lightning_ckpt.errors import (
     TrialsFailedError,
 )
 from lightning_ckpt.memory.optimizer_step import RealStepMemory
-from lightning_ckpt.plan.format import Plan, library_versions
+from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.config import TuneConfig
-from lightning_ckpt.search.confirm import (
-    ConfirmEntry,
-    SideBySide,
-    apply_confirmation,
-    beats_by,
-    confirm_interleaved,
-    holdout,
-    reported_verdict,
-    retimer,
-    speed_change,
-)
+from lightning_ckpt.search.confirm import SideBySide, beats_by, reported_verdict
+from lightning_ckpt.search.confirmation import Confirmation
 from lightning_ckpt.search.distributed import LocalSync, Sync, combine_trials
-from lightning_ckpt.search.proposers import Proposal, Proposer, SamplerProposer, fastest_fitting
+from lightning_ckpt.search.proposers import Proposal, Proposer, SamplerProposer
 from lightning_ckpt.search.records import (
     ProgressFn,
     TrialRecord,
     TrialStatus,
     TuneResult,
-    announce_confirmation,
     choose_plan,
     judge_status,
 )
+from lightning_ckpt.search.result import SearchFacts, evidence
 from lightning_ckpt.search.runners import TrialRunner
 from lightning_ckpt.search.space import Candidate, SearchSpace
 from lightning_ckpt.search.store import TrialStore
@@ -57,12 +48,6 @@ from lightning_ckpt.search.verdict import Verdict
 __all__ = ["CollectiveTrialError", "SearchInterrupted", "Study", "Workload"]
 
 log = logging.getLogger(__name__)
-
-# After a speed change, at most this many fitting trials are re-ranked side by side before the confirmation.
-_MAX_RERANKED = 24
-# The fitting baselines every confirmation re-times beside the leaders: all of them in a search of one shape (at
-# most five), the fastest this many by their search figures in the joint search (five per micro-batch).
-_MAX_REFERENCES = 6
 
 
 @dataclass(frozen=True)
@@ -213,14 +198,36 @@ class Study:
         else:
             trial = replace(trial, number=earlier.number)
             self.records[self.records.index(earlier)] = trial
-        self._update(trial)
+        self.update(trial)
         if trial.median_seconds:
             self.proposer.observe(self.records)
         if self.progress is not None:
             self.progress(trial, self.budget)
         return trial
 
-    def _update(self, trial: TrialRecord) -> None:
+    def evidence(self, best: TrialRecord, fell_back: bool) -> dict[str, Any]:
+        """What the chosen plan's metadata says of how it was found (``result.evidence``, from this study's state)."""
+        return evidence(
+            best,
+            self.records,
+            self.budget,
+            SearchFacts(
+                n_trials=self.config.n_trials,
+                exhaustive=self.exhaustive,
+                space_size=len(self.candidates),
+                seed=self.config.seed,
+                sampler=self.store.sampler_name,
+                proposer=self.proposer.name,
+                study_name=self.study_name,
+                tie_tolerance=self.tie_tolerance,
+                speed_changes=tuple(self.speed_changes),
+                proposer_summary=self.proposer.summary(self.records),
+                verdict=self.final_verdict(best),
+            ),
+            fell_back,
+        )
+
+    def update(self, trial: TrialRecord) -> None:
         """``trial`` is the plan's record now (``self.records`` already holds it): index and store it."""
         self.by_key[trial.key()] = trial
         self.store.store(trial)
@@ -334,7 +341,7 @@ class Study:
             local = replace(local, seconds=t.seconds + time.perf_counter() - t0)
             verified = combine_trials(self.sync.all_gather(local), self.budget)
             self.records[self.records.index(t)] = verified
-            self._update(verified)
+            self.update(verified)
 
     def offered(self, plan: Plan) -> bool:
         """Whether ``plan`` can run: the profile allows it, and no trial saw its segments leave the chain."""
@@ -358,110 +365,8 @@ class Study:
 
     # -- confirmation ------------------------------------------------------------------------------
     def confirm(self) -> None:
-        """Re-time the proposer's leaders and every fitting baseline side by side, in interleaved rounds, until each
-        leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``.
-
-        The choice then rests on figures taken side by side, paired by round, never on one trial measured in a
-        slow moment. The machine's speed may also change between the search and the confirmation (another job
-        starts, clocks throttle): the reference (the fastest fitting baseline) is re-timed first and compared with
-        its search figure; when its speed changed, the search's figures were taken at different speeds and cannot
-        pick the leaders, so every fitting trial is re-ranked in one interleaved round first. ``speed_changes``
-        says what was seen.
-        """
-        config = self.config
-        if config.confirm_top <= 0:
-            return
-        chosen = self._leaders(config.confirm_top)
-        if len(chosen) < 2:
-            return
-        steps = config.measure_steps
-        if self._speed_changed_since_search(chosen, steps):
-            self._rerank(steps)
-            chosen = self._leaders(config.confirm_top)
-        announce_confirmation(self.progress, chosen)
-        entries = self._entries(chosen, config.confirm_steps)
-        side = confirm_interleaved(
-            entries,
-            min_rounds=config.confirm_rounds,
-            max_rounds=config.confirm_max_rounds,
-            tie_tolerance=config.tie_tolerance,
-            sync=self.sync,
-            check_stop=self.check_stop,
-        )
-        if side.speed_changed:
-            self.speed_changes.append(
-                f"during the confirmation rounds (speeds {', '.join(f'{v:.2f}' for v in side.round_speeds)} of the "
-                "median round): the verdicts compare plans within rounds, and each figure shown was divided by its "
-                "round's speed"
-            )
-        self.records = apply_confirmation(self.records, entries, side.per_sample)
-        for t in self.records:
-            if t.number in side.per_sample:
-                self._update(t)
-        self.side = side
-
-    def _leaders(self, top: int) -> list[TrialRecord]:
-        """What the confirmation re-times: the proposer's leaders among the tuned plans, and every fitting baseline
-        (at most a handful: the fastest of them is the reference a tuned plan must beat, whatever its first
-        figure). Their memory stays predicted where the model is exact (CPU) until one is chosen: ``choose``
-        verifies the winner, and chooses again if it does not fit."""
-        feasible = fastest_fitting(self.records)
-        tuned = [t for t in feasible if t.baseline is None]
-        references = [t for t in feasible if t.baseline is not None][:_MAX_REFERENCES]
-        leaders = self.proposer.leaders(tuned, top) + references
-        return sorted(leaders, key=lambda t: -(t.samples_per_second or 0.0))
-
-    def _reference(self, leaders: Sequence[TrialRecord]) -> TrialRecord:
-        """The plan whose speed is compared before and after: the fastest fitting baseline, else the leader."""
-        baselines = [t for t in leaders if t.baseline is not None]
-        return max(baselines or leaders, key=lambda t: t.samples_per_second or 0.0)
-
-    def _speed_changed_since_search(self, leaders: Sequence[TrialRecord], steps: int) -> bool:
-        """Re-time the reference once; True if its speed changed since the search timed it."""
-        reference = self._reference(leaders)
-        m = self.workload(reference.micro_batch).runner.retime(reference.plan, steps)
-        seconds = m.median_seconds if m.status == "ok" else None
-        gathered = self.sync.all_gather(seconds)
-        now = max(gathered) if all(g is not None for g in gathered) else None
-        ratio = speed_change(reference.median_seconds, now, reference.spread_seconds or 0.0)
-        if ratio is None:
-            return False
-        self.speed_changes.append(
-            f"between the search and the confirmation: {reference.label} re-timed at {ratio:.2f}x its search speed; "
-            "every fitting plan was re-ranked side by side"
-        )
-        log.warning(
-            "lightning_ckpt: the machine's speed changed during the search (%s re-timed at %.2fx its search "
-            "speed): every fitting plan was re-ranked side by side.",
-            reference.label,
-            ratio,
-        )
-        return True
-
-    def _rerank(self, steps: int) -> None:
-        """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``): figures taken side by side
-        replace the search's, so the leaders are picked at one speed. They do not count as confirmed."""
-        entries = self._entries(fastest_fitting(self.records)[:_MAX_RERANKED], steps)
-        side = confirm_interleaved(entries, min_rounds=1, max_rounds=1, sync=self.sync, check_stop=self.check_stop)
-        for i, t in enumerate(self.records):
-            times = side.per_sample.get(t.number)
-            if times:
-                self.records[i] = replace(
-                    t,
-                    samples_per_second=1.0 / times[0],
-                    median_seconds=times[0] * self.workload(t.micro_batch).samples_per_step,
-                    steps=t.steps + steps + 1,
-                    first_samples_per_second=t.first_samples_per_second or t.samples_per_second,
-                )
-                self._update(self.records[i])
-
-    def _entries(self, trials: Sequence[TrialRecord], steps: int) -> list[ConfirmEntry]:
-        """``trials`` to re-time side by side, ``steps`` timed steps a round each (and one warm-up in the first)."""
-        entries = []
-        for t in trials:
-            w = self.workload(t.micro_batch)
-            entries.append(ConfirmEntry(t, retimer(w.runner, t.plan, steps), w.samples_per_step, steps, 1))
-        return entries
+        """Re-time the leaders and every fitting baseline side by side (``confirmation.Confirmation``)."""
+        Confirmation(self).run()
 
     # -- the choice ----------------------------------------------------------------------------------
     def choose(self) -> tuple[TrialRecord, bool, str]:
@@ -485,44 +390,6 @@ class Study:
         if self.held_out is not None:
             return self.held_out
         return reported_verdict(self.side, self.records, best, self.tie_tolerance)
-
-    def _held_out(self, best: TrialRecord) -> TrialRecord:
-        """``best``, or the reference where fresh rounds (``confirm.holdout``, ``holdout_rounds``) do not find the
-        tuned plan the confirmation chose faster than it. Their figures replace both plans' confirmation figures,
-        so the plan file's throughput and its verdict say the same."""
-        steps = self.config.confirm_steps
-        self.records, reference, self.held_out = holdout(
-            best,
-            self.records,
-            self.side,
-            lambda t: self._entries([t], steps)[0],
-            rounds=self.config.holdout_rounds,
-            max_rounds=self.config.holdout_max_rounds,
-            tie_tolerance=self.tie_tolerance,
-            sync=self.sync,
-            check_stop=self.check_stop,
-        )
-        if reference is None:
-            return best
-        for t in self.records:
-            if t.confirmed:
-                self._update(t)
-        verdict = self.held_out
-        if verdict is not None and verdict.wins:
-            return self.by_key[best.key()]
-        self.verify([self.by_key[reference.key()]])
-        kept = self.by_key[reference.key()]
-        if not kept.feasible:  # its measured memory is over budget after all: the tuned plan stays
-            self.held_out = None
-            return self.by_key[best.key()]
-        log.warning(
-            "lightning_ckpt: %s was chosen by the confirmation but fresh rounds do not find it faster than %s (%s): "
-            "the baseline is kept.",
-            best.label,
-            reference.label,
-            verdict.describe() if verdict is not None else "it did not run",
-        )
-        return kept
 
     def _measure_again(self, trial: TrialRecord) -> None:
         self.measure(trial.params, trial.plan, trial.label, trial.baseline, prune=None)
@@ -548,7 +415,7 @@ class Study:
         try:
             best, fell_back, fallback_message = self.choose()
             if not fell_back:
-                best = self._held_out(best)
+                best = Confirmation(self).held_out(best)
         except (InfeasibleBudgetError, TrialsFailedError):
             self.store.finish(self.by_key)  # the search is over: the record shows what was tried
             raise
@@ -560,7 +427,7 @@ class Study:
             best.plan,
             name=best.plan.name or "tuned",
             fingerprint=self.fingerprint,
-            metadata={**best.plan.metadata, **self._evidence(best, fell_back), **(metadata or {})},
+            metadata={**best.plan.metadata, **self.evidence(best, fell_back), **(metadata or {})},
         )
         leader_digest = self.sync.broadcast(chosen.digest())
         if leader_digest != chosen.digest():
@@ -583,66 +450,9 @@ class Study:
             storage=self.config.storage,
         )
 
-    def _evidence(self, best: TrialRecord, fell_back: bool) -> dict[str, Any]:
-        """What the chosen plan's metadata says of how it was found: its figures, the baselines', the search's."""
-        search = {
-            "n_trials": self.config.n_trials,
-            "plans_considered": len(self.records),  # every plan the search scored: run, pruned or ruled out
-            "exhaustive": self.exhaustive,
-            "space_size": len(self.candidates),
-            "seed": self.config.seed,
-            "sampler": self.store.sampler_name,
-            "proposer": self.proposer.name,
-            "study_name": self.study_name,
-            "status_counts": {s.value: n for s in TrialStatus if (n := sum(t.status == s for t in self.records))},
-            "confirmed": sum(t.confirmed for t in self.records),
-            "tie_tolerance": self.tie_tolerance,
-            "fell_back": fell_back,
-            "speed_changes": self.speed_changes,
-        }
-        summary = self.proposer.summary(self.records)
-        if summary is not None:
-            search["time_model"] = summary
-        verdict = self.final_verdict(best)
-        if verdict is not None:
-            search["verdict"] = verdict.to_dict()
-        return {
-            "versions": library_versions(),
-            "budget": self.budget.to_dict(),
-            "measured": _measured_figures(best),
-            "baselines": {
-                t.baseline: _baseline_figures(t)
-                for t in self.records
-                if t.baseline is not None and t.micro_batch == best.micro_batch
-            },
-            "search": search,
-        }
-
 
 def _send(proposals: Iterator[Proposal] | Any, record: TrialRecord) -> Proposal | None:
     try:
         return proposals.send(record)
     except StopIteration:
         return None
-
-
-def _measured_figures(best: TrialRecord) -> dict[str, Any]:
-    return {
-        "label": best.label,
-        "status": best.status.value,
-        "samples_per_second": best.samples_per_second,
-        "median_seconds": best.median_seconds,
-        "peak_bytes": best.peak_bytes,
-        "activation_bytes": best.activation_bytes,
-        "predicted_peak_bytes": best.predicted_peak_bytes,
-        "recompute_overhead": best.recompute_overhead,
-    }
-
-
-def _baseline_figures(trial: TrialRecord) -> dict[str, Any]:
-    return {
-        "status": trial.status.value,
-        "samples_per_second": trial.samples_per_second,
-        "peak_bytes": trial.peak_bytes,
-        "activation_bytes": trial.activation_bytes,
-    }
