@@ -666,7 +666,7 @@ def measure_step(
                     failure[0],
                     leaked / 2**20,
                 )
-        if refused_but_fits is not None:
+        if refused_but_fits is not None and "leaked_bytes" not in notes:  # a step that leaked would only fail again
             # The allocator's cap counts reserved bytes: run once more from an emptied cache, under the user's own cap
             # only, and judge the budget on the allocated peak, as the memory model and the guard do.
             notes["cap_refused"] = refused_but_fits
