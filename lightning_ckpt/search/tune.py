@@ -130,9 +130,11 @@ def tune(
     ``step_fn`` runs the forward of one training step on a fixed batch and returns the loss; tune
     calls ``backward`` on it (and never steps an optimizer), both for the memory-safe profile and for
     every measured trial. The model is left exactly as it was: the caller applies ``result.best``.
-    ``config`` (a ``TuneConfig``) holds the search settings; keyword ``settings`` override its fields
-    (``n_trials=12``, ``search_space={...}``, ...). ``max_memory`` may be a ``budget.RequestedBudget`` the caller
-    already parsed (the callback does, once, at construction).
+    ``config`` (a ``TuneConfig``) holds the search settings; keyword ``settings`` (``n_trials=12``, ...) still
+    override its fields but are deprecated (a ``DeprecationWarning``). ``max_memory`` may be a
+    ``budget.RequestedBudget`` the caller already parsed (the callback does, once, at construction). On a GPU it is
+    clamped to what the process may allocate there, and the search never lets an out-of-memory error out: a trial
+    records it, and a pass that needs no more than the lowest-memory plan ends in ``InfeasibleBudgetError``.
 
     The budget covers the training step as it will run after lock-in, not just the trial: with an
     ``optimizer``, one ``optimizer.step()`` is measured (and undone, see ``optimizer_measure.py``) and every
