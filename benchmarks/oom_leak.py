@@ -9,11 +9,13 @@ package removes those hooks when a pass ends (``measure.tracker.removing_grad_ho
 afterwards: as the package runs it, and with the hook removal turned off (the code before the fix), each with the
 live-tensor tracker on (``track_memory=True``, every trial on CUDA) and off.
 
-    python benchmarks/oom_leak.py            # writes benchmarks/results/oom_leak.json
+    python benchmarks/oom_leak.py                  # writes benchmarks/results/oom_leak.json
+    python benchmarks/oom_leak.py --dropout 0.1    # the same with dropout (its masks are saved too)
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -40,9 +42,9 @@ def _hooks_kept() -> Any:
         tracker.removing_grad_hooks = original
 
 
-def left_alive(track: bool) -> tuple[float, str]:
+def left_alive(track: bool, dropout: float) -> tuple[float, str]:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=6, n_embd=128, block_size=256, dropout=0.0))
+    model = GPT(GPTConfig(n_layer=6, n_embd=128, block_size=256, dropout=dropout))
     tokens = torch.randint(0, 96, (8, 256))
 
     def step() -> None:
@@ -58,11 +60,14 @@ def left_alive(track: bool) -> tuple[float, str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dropout", type=float, default=0.0)
+    args = parser.parse_args()
     rows = []
     for fixed in (False, True):
         for track in (True, False):
             with contextlib.nullcontext() if fixed else _hooks_kept():
-                mib, status = left_alive(track)
+                mib, status = left_alive(track, args.dropout)
             rows.append(
                 {"hooks_removed": fixed, "track_memory": track, "status": status, "mib_left_alive": round(mib, 1)}
             )
@@ -70,8 +75,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['hooks_removed']!s:>14} {r['track_memory']!s:>13} {r['status']:>7} {r['mib_left_alive']:>15}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"model": "GPT 6 layers, 128 wide, batch 8 x 256", "rows": rows}, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    model = f"GPT 6 layers, 128 wide, batch 8 x 256, dropout {args.dropout}"
+    out = OUT if args.dropout == 0.0 else OUT.with_name(f"oom_leak_dropout{args.dropout}.json")
+    out.write_text(json.dumps({"model": model, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
