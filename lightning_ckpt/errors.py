@@ -45,7 +45,9 @@ class ConfigurationError(LightningCkptError, ValueError):
 
 
 class InfeasibleBudgetError(LightningCkptError):
-    """No candidate plan fits the memory budget and the caller asked to raise rather than fall back."""
+    """No plan can fit: none fits the memory budget and the caller asked to raise rather than fall back, or a pass
+    that needs no more memory than the lowest-memory plan (the memory profile, the optimizer step) ran out of memory,
+    so every training step would too. The message names what was allocated and what the device allows."""
 
 
 class UnsupportedVersionError(LightningCkptError, RuntimeError):
