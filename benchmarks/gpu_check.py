@@ -989,7 +989,7 @@ def headline(key: str) -> str:
                 f"{c2.get('search_continued')}, none {c2.get('none_status')}")  # fmt: skip
     if key == "d":
         return (f"offload's step adds {r.get('offload_step_memory_ratio')} of none's memory at {r.get('offload_time_ratio')}x "
-                f"the step time; pinned after {(r.get('host_after_release') or {}).get('pinned_gib')} GiB")  # fmt: skip
+                f"the step time; pinned after the search's release {(r.get('host_after_search_release') or {}).get('pinned_gib')} GiB")  # fmt: skip
     if key == "e":
         return f"compile {r.get('compile_s_total')} s over {len(r.get('trials', []))} trials; eager none {r.get('eager_none_ms')} ms; tuned in {r.get('tuning_s')} s"
     if key == "f":

@@ -9,7 +9,6 @@ through ``device_memory(device)``, so the suite can run the CUDA path's failures
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import re
@@ -112,15 +111,6 @@ def allocator_type(device: torch.device | str) -> str:
     device's type: what decides whether trials read the allocator and run under a cap, as on a GPU."""
     device = torch.device(device)
     return "cuda" if device_memory(device) is not None else device.type
-
-
-def allocated_now(device: torch.device | str) -> int | None:
-    """Allocated bytes after a full collection (what is really alive), or None without an allocator."""
-    memory = device_memory(device)
-    if memory is None:
-        return None
-    gc.collect()
-    return memory.allocated()
 
 
 log = logging.getLogger(__name__)

@@ -183,6 +183,7 @@ def tune(
             progress=progress,
             sync=sync,
             should_stop=should_stop,
+            began=session.began,
         )
 
 
@@ -248,21 +249,22 @@ def _search(
     progress: ProgressFn | None,
     sync: Sync | None,
     should_stop: Callable[[], bool] | None,
+    began: int | None,
 ) -> TuneResult:
-    """Profile, resolve the budget, then run, confirm and choose the study."""
+    """Profile, resolve the budget, then run, confirm and choose the study. ``began``: what the device held before
+    the search (``SearchSession.began``), named if no plan can fit."""
     device, optimizer, seq_len = resolved.device, harness.optimizer, harness.seq_len
     is_compiled = isinstance(runner, CompiledTrials)
     space = config.search_space.for_device(device.type)
     if is_compiled:
         space = runner.adapt(space)
-    started = allocated_bytes(device)
     with eager_while_profiling(is_compiled):
         # A compiled model's blocks are timed compiled alone (regional compilation: one compile per distinct block
         # and mode the space uses), so its time model predicts compiled steps as the eager one predicts eager steps.
         # Memory-safe: no pass of it needs more than the lowest-memory plan's step, so an OOM here means none fits.
         profile = lowest_memory_pass(
             "the memory profile",
-            started,
+            began,
             resolved,
             lambda: profile_step(
                 resolved,
@@ -492,13 +494,14 @@ def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run:
         if fragments is None:
             break
         log.info("lightning_ckpt: %s was refused memory (%s); once more from an emptied cache", what, fragments)
-    cap = f"; this process may allocate {format_bytes(memory.cap_bytes())} there" if memory is not None else ""
-    held = f"{format_bytes(started)} was already allocated when the search began" if started else "see below"
+    facts = [f"{format_bytes(started)} was already allocated when the search began"] if started is not None else []
+    if memory is not None:
+        facts.append(f"this process may allocate {format_bytes(memory.cap_bytes())} there")
     raise InfeasibleBudgetError(
         f"{what} ran out of memory on {resolved.device} ({message}). It needs no more memory than the lowest-memory "
-        f"plan (every block fully checkpointed), so no plan fits: {held}{cap}. Free memory before the fit (other "
-        "models, cached tensors), use a smaller batch or micro-batch, shard the model (FSDP2), or give the process "
-        "more of the device."
+        f"plan (every block fully checkpointed), so no plan fits{': ' + '; '.join(facts) if facts else ''}. Free "
+        "memory before the fit (other models, cached tensors), use a smaller batch or micro-batch, shard the model "
+        "(FSDP2), or give the process more of the device."
     )
 
 
