@@ -261,3 +261,42 @@ def test_cached_and_pinned_memory_is_released_however_the_search_ends(monkeypatc
     with pytest.raises(SearchInterrupted):
         tune(model, lambda: model(tokens, tokens), should_stop=lambda: True, config=TuneConfig(**SEARCH))
     assert released, "offload trials' pinned host memory is returned when a search is interrupted too"
+
+
+def test_the_profile_starts_its_anchor_step_from_an_emptied_cache(small_card) -> None:
+    # On an H200 capped at 21.8 GiB the capture's cached blocks left the anchor's logits no room (6.14 GiB refused
+    # with 11.17 allocated and 4.74 cached but free): the cache is emptied between the capture and the anchor.
+    from lightning_ckpt.memory.profile import profile_memory
+
+    model, tokens = _gpt(layers=2)
+    emptied: list[int] = []
+
+    class Counting(SimulatedCard):
+        def empty_cache(self) -> None:
+            emptied.append(self.allocated())
+            super().empty_cache()
+
+    with Counting(2**40, resident=(model,)):
+        profile_memory(model, lambda: model(tokens, tokens))
+    assert emptied, "the profile emptied the cache before its anchor step"
+
+
+def test_the_search_runs_cuda_with_expandable_segments_and_puts_the_allocator_back(monkeypatch) -> None:
+    from lightning_ckpt.measure.device_memory import expandable_segments
+
+    settings: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with expandable_segments(torch.device("cuda", 0)) as on:
+        assert on and settings == ["expandable_segments:True"]
+    assert settings == ["expandable_segments:True", "expandable_segments:False"]
+    settings.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's own choice is kept
+    with expandable_segments(torch.device("cuda", 0)) as on:
+        assert not on
+    with expandable_segments(torch.device("cpu")) as on:
+        assert not on
+    assert settings == []
