@@ -22,7 +22,7 @@ from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMe
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.confirm import CLAIM_HALF_WIDTH
-from lightning_ckpt.search.proposers import TimeModelProposer
+from lightning_ckpt.search.proposers import TimeModelSampler
 from lightning_ckpt.search.records import TrialStatus
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.store import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
@@ -501,7 +501,7 @@ def _timed_study(runner: FakeRunner, budget: Budget, **config) -> Study:
     runner.predicts_time = True
     config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, **config})
     memory = TimedMemory()
-    proposer = TimeModelProposer(memory.timing, tie_tolerance=config.tie_tolerance)
+    proposer = TimeModelSampler(memory.timing, tie_tolerance=config.tie_tolerance)
     return Study(candidates=CANDIDATES, space=SPACE, stacks=STACKS, runner=runner, budget=budget, proposer=proposer,
                  memory=RealStepMemory(memory, OptimizerStepMemory.absent()), config=config,
                  fingerprint=None, device_type="cpu")  # fmt: skip
@@ -550,6 +550,69 @@ def test_a_plan_the_time_model_pruned_is_stored_in_optuna_as_pruned_with_its_pre
             assert frozen.user_attrs["pruned_by"] == "time"
         elif t.pruned_by == "memory":
             assert stored[t.label].value is None
+
+
+def _sampler_trials(s: Study) -> list[optuna.trial.FrozenTrial]:
+    """The sampler's study's trials that carried a plan (a redraw of a known plan is told FAIL)."""
+    return [t for t in s.store.sampler.trials if t.state != optuna.trial.TrialState.FAIL]
+
+
+def test_the_time_model_is_the_optuna_sampler_that_proposes_and_every_plan_is_an_asked_and_told_trial():
+    s = _timed_study(FakeRunner(), Budget("peak", 850))
+    s.run()
+    assert isinstance(s.store.sampler.sampler, TimeModelSampler) and s.store.sampler_name == "TimeModelSampler"
+    told = _sampler_trials(s)
+    assert len(told) == len(s.records), "one asked-and-told trial per plan measured or pruned"
+    by_label = {t.label: t for t in s.records}
+    states = {optuna.trial.TrialState.PRUNED: TrialStatus.PRUNED}
+    for frozen, record in zip(told, s.records, strict=True):
+        assert states.get(frozen.state, record.status) == record.status
+        if record.baseline is None:  # a tuned plan: the sampler's params are the plan's
+            assert s.space.plan_for(frozen.params, STACKS, fingerprint=None).key() == record.plan.key()
+    # After the baselines the sampler's relative sample is the plan predicted fastest of those left.
+    tuned = [t for t in s.records if t.baseline is None and t.status != TrialStatus.PRUNED]
+    assert tuned and by_label[tuned[0].label].predicted_seconds == min(
+        t.predicted_seconds for t in s.records if t.baseline is None and t.predicted_seconds is not None
+        and t.pruned_by != "memory"
+    )
+
+
+def test_the_time_model_sampler_hands_a_plan_it_cannot_predict_to_its_fallback():
+    runner = FakeRunner()
+    s = _timed_study(runner, Budget("none", None))
+    sampler = s.proposer
+    calls = []
+
+    class Recording(optuna.samplers.RandomSampler):
+        def sample_independent(self, study, trial, name, distribution):
+            calls.append(name)
+            return super().sample_independent(study, trial, name, distribution)
+
+    sampler.fallback = Recording(seed=0)
+    unpredictable = {c.key() for c in CANDIDATES if c.baseline is None and c.params.get("mode") == "selective:attention"}
+    assert unpredictable
+    original = sampler._rank_seconds
+    sampler._rank_seconds = lambda plan: None if plan.key() in unpredictable else original(plan)  # type: ignore
+    s.run()
+    assert calls, "the fallback sampler drew the dimensions while unpredictable plans were left"
+    measured = {t.plan.key() for t in s.records if t.status != TrialStatus.PRUNED}
+    assert unpredictable <= measured, "every plan the model cannot predict is measured"
+
+
+def test_a_users_sampler_replaces_the_time_model_on_an_eager_model():
+    from lightning_ckpt.search.proposers import SamplerProposer, proposer_for
+
+    timing = TimedMemory().timing
+    mine = optuna.samplers.RandomSampler(seed=3)
+    chosen = proposer_for(timing, predicts_time=True, predict_time=True, tie_tolerance=0.01, seed=0, sampler=mine)
+    assert isinstance(chosen, SamplerProposer) and chosen.sampler is mine
+    default = proposer_for(timing, predicts_time=True, predict_time=True, tie_tolerance=0.01, seed=0)
+    assert isinstance(default, TimeModelSampler)
+    assert isinstance(default.fallback, optuna.samplers.TPESampler)
+    s = study(FakeRunner(), Budget("peak", 850), n_trials=len(CANDIDATES) - 2, confirm_top=0, sampler=mine)
+    s.run()
+    assert s.store.sampler.sampler is mine
+    assert len(_sampler_trials(s)) == len(s.records)
 
 
 def _segments_baseline() -> Plan:

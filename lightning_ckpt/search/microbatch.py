@@ -283,7 +283,7 @@ def _search(
         space=space,
         budget=budget,
         config=config,
-        proposer=SamplerProposer(config.seed),
+        proposer=SamplerProposer(config.seed, config.sampler, n_trials=config.n_trials),
         memory_model=scaled.at(base_micro_batch),
         hooks=SearchHooks(progress, sync, should_stop),
         run={"device": device.type, "compiled": is_compiled, "micro_batches": sizes},

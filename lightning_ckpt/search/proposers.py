@@ -1,17 +1,23 @@
-"""Who picks the next candidate: the two strategies a ``Study`` can be handed, behind one protocol.
+"""Who picks the next candidate: an Optuna sampler, behind one protocol the ``Study`` drives.
 
 A ``Study`` runs one loop (ask -> prune by memory -> prune by prediction -> measure -> tell) and one
 confirmation; what differs between searches is only which candidate comes next, what a plan is predicted to
-take, and which measured plans are worth confirming. That is a ``Proposer``:
+take, and which measured plans are worth confirming. That is a ``Proposer``, and each proposer's choices are
+made by an Optuna sampler through the study's ``ask``/``tell`` (``store.TrialStore``): every plan measured or
+pruned is one told trial of the sampler's study, so a user's sampler plugs in where ours does.
 
-- ``SamplerProposer``: Optuna's sampler (seeded TPE by default), or every distinct plan when the space is
-  small; no predictions. Used where a plan's step time cannot be predicted (``torch.compile``: the compiler's)
-  and when ``predict_time=False`` (an exhaustive reference).
-- ``TimeModelProposer``: the profile's time model (``timing.model``) scores the space whole and measures the
-  predicted-fastest plans until none left can beat the best measured one by the model's own error.
+- ``TimeModelSampler`` (eager models, the default): an ``optuna.samplers.BaseSampler`` whose relative sample is
+  the plan the profile's time model (``timing.model``) predicts fastest among those not yet measured; measured
+  until none left can beat the best measured one by the model's own error. What it cannot predict (a mode its
+  block could not be timed under) it hands to its fallback sampler, seeded TPE.
+- ``SamplerProposer``: an Optuna sampler as it is (the user's ``sampler=``, else seeded TPE), or every distinct
+  plan when the space is small; no predictions. Used where a plan's step time cannot be predicted
+  (``torch.compile``: the compiler's), when ``predict_time=False`` (an exhaustive reference), and whenever the
+  user hands the search a sampler.
 
 Both start with every baseline the memory model lets run (the reference a tuned plan must beat, re-timed in
-every confirmation), and both bound what they measure by ``n_trials`` and ``timeout``, through the study.
+every confirmation), asked as enqueued trials, and both bound what they measure by ``n_trials`` and
+``timeout``, through the study.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import random
 import statistics
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any, Protocol
+
+import optuna
+from optuna.samplers import BaseSampler
 
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.records import TrialRecord, TrialStatus
@@ -33,6 +42,8 @@ __all__ = [
     "SamplerProposer",
     "SearchState",
     "TimeModelProposer",
+    "TimeModelSampler",
+    "default_sampler",
     "fastest_fitting",
     "proposer_for",
 ]
@@ -45,7 +56,7 @@ Proposals = Generator[Proposal, TrialRecord, None]
 # a sampler that has seen most of a space redraws known points, and every redraw costs a suggest call whose
 # cost grows with the study (54 of 105 s of a 16-layer search went there before this bound).
 _MAX_REDRAWS = 2
-# The noise margin a plan's predicted step time must clear to be measured (``TimeModelProposer._can_win``): the
+# The noise margin a plan's predicted step time must clear to be measured (``TimeModelSampler._can_win``): the
 # time model's own measured error (1.25x its median out-of-sample error), within these bounds; before any error
 # is known, the default.
 _MARGIN_BOUNDS = (0.03, 0.08)
@@ -85,8 +96,14 @@ class Proposer(Protocol):
 
     name: str
 
+    @property
+    def sampler(self) -> BaseSampler:
+        """The Optuna sampler the study asks (``TrialStore``'s sampler study)."""
+        ...
+
     def proposals(self, state: SearchState) -> Proposals:
-        """Candidates one at a time; each ``yield`` receives (``send``) the record the candidate produced."""
+        """Candidates one at a time, each an asked trial of ``state.store`` that the proposer tells with the record
+        its ``yield`` receives (``send``)."""
         ...
 
     def predict_seconds(self, plan: Plan) -> float | None:
@@ -110,6 +127,13 @@ class Proposer(Protocol):
         ...
 
 
+def default_sampler(seed: int, n_trials: int) -> BaseSampler:
+    """Seeded TPE. It reads each trial's constraints itself (Optuna 5 deprecated ``constraints_func`` for
+    ``Trial.set_constraint``, which is how trials get them here), so infeasible plans inform it too."""
+    startup = min(10, max(1, n_trials // 3))
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup)
+
+
 def fastest_fitting(records: Sequence[TrialRecord]) -> list[TrialRecord]:
     """The trials that fit and were timed, fastest first."""
     timed = [t for t in records if t.feasible and t.samples_per_second]
@@ -120,6 +144,14 @@ def _unseen(state: SearchState) -> list[Candidate]:
     return [c for c in state.candidates if c.key() not in state.by_key and state.offered(c.plan)]
 
 
+def _enqueued(state: SearchState, cand: Candidate, prune: str | None = None) -> Proposals:
+    """``cand`` as an enqueued trial of the sampler's study (its params fixed): asked, measured (or pruned by
+    ``prune``), told."""
+    asked = state.store.ask(cand.params)
+    record = yield cand.params, cand.plan, cand.label, cand.baseline, prune
+    state.store.tell(asked, record)
+
+
 def _baselines_first(state: SearchState, order: Sequence[Candidate]) -> Proposals:
     """Every baseline in ``order`` that the memory model lets run, measured whatever ``n_trials`` (at most a
     handful): the reference set every confirmation re-times. Those predicted over budget are pruned (free)."""
@@ -128,17 +160,45 @@ def _baselines_first(state: SearchState, order: Sequence[Candidate]) -> Proposal
             continue
         if state.out_of_time():
             return
-        record = yield cand.params, cand.plan, cand.label, cand.baseline, None
-        state.store.learn(record)
+        yield from _enqueued(state, cand)
+
+
+def _sampled(state: SearchState, rng: random.Random) -> Proposals:
+    """The sampler's proposals until the study is done or every plan is known: each an asked trial whose plan
+    the sampler chose. A known (or unrunnable) plan is told ``FAIL`` and asked again; after ``_MAX_REDRAWS``
+    in a row an unseen plan is taken at random (enqueued)."""
+    redraws = 0
+    while not state.done() and len(state.by_key) < len(state.candidates):
+        asked = state.store.ask()
+        cand = state.suggest(asked)
+        if cand.key() not in state.by_key and state.offered(cand.plan):
+            redraws = 0
+            record = yield cand.params, cand.plan, cand.label, None, None
+            state.store.tell(asked, record)
+            continue
+        state.store.tell(asked, None)  # a known (or unrunnable) plan
+        redraws += 1
+        if redraws >= _MAX_REDRAWS:
+            unseen = _unseen(state)
+            if not unseen:
+                return
+            redraws = 0
+            yield from _enqueued(state, unseen[rng.randrange(len(unseen))])
 
 
 class SamplerProposer:
-    """The baselines, then every distinct plan (a space no larger than ``n_trials``) or the sampler's proposals."""
+    """The baselines, then every distinct plan (a space no larger than ``n_trials``) or ``sampler``'s proposals
+    (the user's, else seeded TPE)."""
 
     name = "sampler"
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, sampler: BaseSampler | None = None, *, n_trials: int = 40) -> None:
         self._rng = random.Random(seed)
+        self._sampler = sampler if sampler is not None else default_sampler(seed, n_trials)
+
+    @property
+    def sampler(self) -> BaseSampler:
+        return self._sampler
 
     def proposals(self, state: SearchState) -> Proposals:
         yield from _baselines_first(state, state.candidates)
@@ -148,28 +208,9 @@ class SamplerProposer:
                     return
                 if cand.key() in state.by_key or not state.offered(cand.plan):
                     continue  # a trial since saw its segments leave the chain
-                record = yield cand.params, cand.plan, cand.label, cand.baseline, None
-                state.store.learn(record)
+                yield from _enqueued(state, cand)
             return
-        redraws = 0
-        while not state.done() and len(state.by_key) < len(state.candidates):
-            ot = state.store.ask()
-            cand = state.suggest(ot)
-            if cand.key() not in state.by_key and state.offered(cand.plan):
-                redraws = 0
-                record = yield cand.params, cand.plan, cand.label, None, None
-                state.store.tell(ot, record)
-                continue
-            state.store.tell(ot, None)  # a known (or unrunnable) plan
-            redraws += 1
-            if redraws >= _MAX_REDRAWS:
-                unseen = _unseen(state)
-                if not unseen:
-                    return
-                cand = unseen[self._rng.randrange(len(unseen))]
-                redraws = 0
-                record = yield cand.params, cand.plan, cand.label, cand.baseline, None
-                state.store.learn(record)
+        yield from _sampled(state, self._rng)
 
     def predict_seconds(self, plan: Plan) -> float | None:
         return None
@@ -187,69 +228,68 @@ class SamplerProposer:
         return None
 
 
-class TimeModelProposer:
-    """The space scored whole by the time model, measuring only the plans that can win.
+class TimeModelSampler(BaseSampler):
+    """The time model as an Optuna sampler: each asked trial's plan is the one predicted fastest of those not
+    measured yet, measuring only the plans that can win.
 
     The plans predicted over budget are pruned first (free); then every baseline that fits, predicted-fastest
     first (the reference set, and the model's anchors: before any step is measured plans rank by what their
-    modes add, which needs no anchor); then the predicted-fastest plan left, the model refitted after each, until
-    the fastest left cannot beat the best measured plan by the noise margin (``_can_win``): the rest are pruned,
-    each recorded with its prediction. A plan the model cannot predict (a mode its block could not be timed
-    under) is measured."""
+    modes add, which needs no anchor); then the sampler's choice, the model refitted after each, until the
+    fastest left cannot beat the best measured plan by the noise margin (``_can_win``): the rest are pruned,
+    each recorded with its prediction. While some plan left is one the model cannot predict (a mode its block
+    could not be timed under), ``fallback`` (seeded TPE) proposes instead, and those plans get measured."""
 
     name = "time_model"
 
-    def __init__(self, time_model: TimeModel, *, tie_tolerance: float) -> None:
+    def __init__(self, time_model: TimeModel, *, tie_tolerance: float, fallback: BaseSampler | None = None) -> None:
         self.time_model = time_model
         self.tie_tolerance = tie_tolerance
+        self.fallback = fallback if fallback is not None else default_sampler(0, 40)
         self._records: Sequence[TrialRecord] = ()
+        self._state: SearchState | None = None
+        self._rng = random.Random(0)
 
+    @property
+    def sampler(self) -> BaseSampler:
+        return self
+
+    # -- the Proposer ---------------------------------------------------------------------------------
     def proposals(self, state: SearchState) -> Proposals:
+        self._state = state
         self.observe(state.records)  # a resumed study's plans are anchors already
         for cand in _unseen(state):
             if state.predicted_over_budget(cand.plan, cand.micro_batch):
-                record = yield cand.params, cand.plan, cand.label, cand.baseline, "memory"
-                state.store.learn(record)
+                yield from _enqueued(state, cand, "memory")
         yield from _baselines_first(state, self._ranked(_unseen(state)))
+        redraws = 0
         while not state.done():
             remaining = _unseen(state)
             if not remaining:
                 return
-            ordered = self._ranked(remaining)
-            unpredictable = [c for c in remaining if self._rank_seconds(c.plan) is None]
-            cand = unpredictable[0] if unpredictable else ordered[0]
-            if cand not in unpredictable and not self._can_win(self.time_model.predict_seconds(cand.plan)):
-                for c in ordered:
-                    record = yield c.params, c.plan, c.label, c.baseline, "time"
-                    state.store.learn(record)
+            choice = self._choice(remaining)
+            if choice is not None and not self._can_win(self.time_model.predict_seconds(choice.plan)):
+                for c in self._ranked(remaining):
+                    yield from _enqueued(state, c, "time")
                 return
+            asked = state.store.ask()  # sample_relative: ``choice``, or the fallback's where it cannot predict
+            cand = state.suggest(asked)
+            if redraws >= _MAX_REDRAWS:  # the fallback keeps drawing plans known or unable to win
+                state.store.tell(asked, None)
+                redraws = 0
+                unpredictable = [c for c in remaining if self._rank_seconds(c.plan) is None] or remaining
+                yield from _enqueued(state, unpredictable[self._rng.randrange(len(unpredictable))])
+                continue
+            if cand.key() in state.by_key or not state.offered(cand.plan):
+                state.store.tell(asked, None)  # the fallback redrew a known plan
+                redraws += 1
+                continue
+            if not self._can_win(self.time_model.predict_seconds(cand.plan)):
+                state.store.tell(asked, None)  # the fallback drew a plan the model says cannot win: not measured
+                redraws += 1
+                continue
+            redraws = 0
             record = yield cand.params, cand.plan, cand.label, cand.baseline, None
-            state.store.learn(record)
-
-    def _ranked(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        """``candidates`` the model can rank, predicted-fastest first."""
-        ranked = [(s, i, c) for i, c in enumerate(candidates) if (s := self._rank_seconds(c.plan)) is not None]
-        return [c for _, _, c in sorted(ranked, key=lambda x: (x[0], x[1]))]
-
-    def _rank_seconds(self, plan: Plan) -> float | None:
-        """What orders the plans: the predicted step, or before any anchor what the plan's modes add to one."""
-        predicted = self.time_model.predict_seconds(plan)
-        return predicted if predicted is not None else self.time_model.added_seconds(plan)
-
-    def _can_win(self, predicted_seconds: float | None) -> bool:
-        """Whether a plan predicted to take ``predicted_seconds`` a step could beat the best plan measured within
-        budget: it could unless it is predicted slower even after the noise margin is taken off its time."""
-        best = fastest_fitting(self._records)
-        if predicted_seconds is None or not best or not best[0].median_seconds:
-            return True
-        return predicted_seconds * (1.0 - self.noise_margin()) < best[0].median_seconds
-
-    def noise_margin(self) -> float:
-        """How far the time model's predictions may be off: 1.25x the median of its errors so far (each taken
-        before the plan was measured), within ``_MARGIN_BOUNDS`` and never below the tie tolerance."""
-        errors = [abs(e) for t in self._records if (e := t.prediction_error) is not None]
-        observed = 1.25 * statistics.median(errors) if errors else _DEFAULT_MARGIN
-        return min(_MARGIN_BOUNDS[1], max(_MARGIN_BOUNDS[0], self.tie_tolerance, observed))
+            state.store.tell(asked, record)
 
     def predict_seconds(self, plan: Plan) -> float | None:
         return self.time_model.predict_seconds(plan)
@@ -292,12 +332,104 @@ class TimeModelProposer:
     def fitted(self) -> TimeModel | None:
         return self.time_model
 
+    def noise_margin(self) -> float:
+        """How far the time model's predictions may be off: 1.25x the median of its errors so far (each taken
+        before the plan was measured), within ``_MARGIN_BOUNDS`` and never below the tie tolerance."""
+        errors = [abs(e) for t in self._records if (e := t.prediction_error) is not None]
+        observed = 1.25 * statistics.median(errors) if errors else _DEFAULT_MARGIN
+        return min(_MARGIN_BOUNDS[1], max(_MARGIN_BOUNDS[0], self.tie_tolerance, observed))
+
+    # -- the Optuna sampler ---------------------------------------------------------------------------
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial
+    ) -> dict[str, optuna.distributions.BaseDistribution]:
+        """The whole space (every dimension the study's candidates have), as long as a search is bound."""
+        if self._state is None:
+            return {}
+        return dict(self._state.store.distributions)
+
+    def sample_relative(
+        self,
+        study: optuna.Study,
+        trial: optuna.trial.FrozenTrial,
+        search_space: dict[str, optuna.distributions.BaseDistribution],
+    ) -> dict[str, Any]:
+        """The params of the plan predicted fastest among those not measured; nothing (the fallback then draws
+        each dimension) while some plan left cannot be predicted."""
+        if self._state is None or not search_space:
+            return {}
+        choice = self._choice(_unseen(self._state))
+        if choice is None:
+            return {}
+        return {k: v for k, v in choice.params.items() if k in search_space}
+
+    def sample_independent(
+        self,
+        study: optuna.Study,
+        trial: optuna.trial.FrozenTrial,
+        param_name: str,
+        param_distribution: optuna.distributions.BaseDistribution,
+    ) -> Any:
+        return self.fallback.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        self.fallback.before_trial(study, trial)
+
+    def after_trial(
+        self,
+        study: optuna.Study,
+        trial: optuna.trial.FrozenTrial,
+        state: optuna.trial.TrialState,
+        values: Sequence[float] | None,
+    ) -> None:
+        self.fallback.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self.fallback.reseed_rng()
+
+    # -- ranking --------------------------------------------------------------------------------------
+    def _choice(self, remaining: Sequence[Candidate]) -> Candidate | None:
+        """The predicted-fastest of ``remaining``; None while one of them cannot be predicted (the fallback's)."""
+        if not remaining or any(self._rank_seconds(c.plan) is None for c in remaining):
+            return None
+        return self._ranked(remaining)[0]
+
+    def _ranked(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """``candidates`` the model can rank, predicted-fastest first."""
+        ranked = [(s, i, c) for i, c in enumerate(candidates) if (s := self._rank_seconds(c.plan)) is not None]
+        return [c for _, _, c in sorted(ranked, key=lambda x: (x[0], x[1]))]
+
+    def _rank_seconds(self, plan: Plan) -> float | None:
+        """What orders the plans: the predicted step, or before any anchor what the plan's modes add to one."""
+        predicted = self.time_model.predict_seconds(plan)
+        return predicted if predicted is not None else self.time_model.added_seconds(plan)
+
+    def _can_win(self, predicted_seconds: float | None) -> bool:
+        """Whether a plan predicted to take ``predicted_seconds`` a step could beat the best plan measured within
+        budget: it could unless it is predicted slower even after the noise margin is taken off its time."""
+        best = fastest_fitting(self._records)
+        if predicted_seconds is None or not best or not best[0].median_seconds:
+            return True
+        return predicted_seconds * (1.0 - self.noise_margin()) < best[0].median_seconds
+
+
+# The name this proposer had before it became an Optuna sampler.
+TimeModelProposer = TimeModelSampler
+
 
 def proposer_for(
-    timing: TimeModel | None, *, predicts_time: bool, predict_time: bool, tie_tolerance: float, seed: int
+    timing: TimeModel | None,
+    *,
+    predicts_time: bool,
+    predict_time: bool,
+    tie_tolerance: float,
+    seed: int,
+    sampler: BaseSampler | None = None,
+    n_trials: int = 40,
 ) -> Proposer:
-    """The time model's proposer where the profile timed the blocks and the runner's steps are the ones it timed
-    (eager: a compiled step's time is the compiler's) and the user did not turn it off; else the sampler's."""
-    if timing is not None and predicts_time and predict_time:
-        return TimeModelProposer(timing, tie_tolerance=tie_tolerance)
-    return SamplerProposer(seed)
+    """The time model's sampler where the profile timed the blocks, the runner's steps are the ones it timed
+    (eager: a compiled step's time is the compiler's), the user did not turn it off and handed no ``sampler``
+    of their own; else ``sampler`` (seeded TPE when None) as it is."""
+    if timing is not None and predicts_time and predict_time and sampler is None:
+        return TimeModelSampler(timing, tie_tolerance=tie_tolerance, fallback=default_sampler(seed, n_trials))
+    return SamplerProposer(seed, sampler, n_trials=n_trials)

@@ -110,9 +110,17 @@ class TrialStore:
     before ``resume``, every write is a no-op, so the study calls it the same way on every rank."""
 
     def __init__(
-        self, *, config: TuneConfig, run_info: Mapping[str, Any], budget: Budget, distributions: Mapping[str, Any]
+        self,
+        *,
+        config: TuneConfig,
+        run_info: Mapping[str, Any],
+        budget: Budget,
+        distributions: Mapping[str, Any],
+        sampler: Any,
     ) -> None:
+        """``sampler``: the Optuna sampler that proposes plans (the proposer's, ``proposers.py``)."""
         self.config, self.budget, self.distributions = config, budget, distributions
+        self._proposing = sampler
         self.run_info = dict(run_info)
         self.study_name = config.study_name or _default_study_name(self.run_info)
         self.record: Any = None  # the record study
@@ -161,13 +169,7 @@ class TrialStore:
 
         config = self.config
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        sampler = config.sampler
-        if sampler is None:
-            # TPE reads each trial's constraints itself (Optuna 5 deprecated ``constraints_func`` for
-            # ``Trial.set_constraint``, which is how trials get them here), so infeasible plans inform it too.
-            startup = min(10, max(1, config.n_trials // 3))
-            sampler = optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=startup)
-        self.sampler = optuna.create_study(direction="maximize", sampler=sampler, study_name=self.study_name)
+        self.sampler = optuna.create_study(direction="maximize", sampler=self._proposing, study_name=self.study_name)
         # Nothing is ever sampled from the record; whoever loads it chooses their own sampler.
         self.record = optuna.create_study(
             direction="maximize",
@@ -255,9 +257,19 @@ class TrialStore:
         samples = int(self.run_info.get("batch_size") or 1) * int(self.run_info.get("world_size") or 1)
         return samples / trial.predicted_seconds
 
-    def ask(self) -> Any:
-        """A new trial of the sampler's study, for ``SearchSpace.suggest``."""
-        return self.sampler.ask()
+    def ask(self, params: Mapping[str, Any] | None = None) -> Any:
+        """A new trial of the sampler's study: the sampler's proposal, for ``SearchSpace.suggest``; or, with
+        ``params``, a trial enqueued with them and given them (a baseline, a plan the study takes itself). A
+        baseline outside the space's distributions gets no Optuna params (``_optuna_params``)."""
+        if params is None:
+            return self.sampler.ask()
+        fixed = _optuna_params(params, self.distributions)
+        if fixed:
+            self.sampler.enqueue_trial(fixed, skip_if_exists=False)
+        asked = self.sampler.ask()
+        for name in fixed:  # the enqueued values: a trial's params are those it suggested
+            asked.suggest_categorical(name, self.distributions[name].choices)
+        return asked
 
     def tell(self, asked: Any, trial: TrialRecord | None) -> None:
         """Finish the sampler's ``asked`` trial with ``trial``'s figures, or, for None (a known or unrunnable
@@ -271,6 +283,9 @@ class TrialStore:
         state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
         for name, violation in constraints.items():
             asked.set_constraint(name, violation)
+        predicted = self._predicted_value(trial)
+        if predicted is not None:
+            asked.report(predicted, 0)  # a pruned trial's value: its predicted samples/s
         self.sampler.tell(asked, value, state=state)
 
     # -- the record ----------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ class Study:
             budget.limit_bytes if config.enforce_budget and budget.kind == "peak" and device_type == "cuda" else None
         )
         self.limits = {w.micro_batch: w.memory.trial_limit(limit) if w.memory is not None else limit for w in workloads}
-        self.proposer: Proposer = proposer or SamplerProposer(config.seed)
+        self.proposer: Proposer = proposer or SamplerProposer(config.seed, config.sampler, n_trials=config.n_trials)
         # What the figures depend on (``run``: seq_len, device, compiled, from ``tune``); the budget is not in
         # it (the default CUDA budget follows free memory): resumed trials are judged against today's.
         self.run_info: dict[str, Any] = {
@@ -155,7 +155,13 @@ class Study:
             import optuna
 
             distributions["micro_batch"] = optuna.distributions.CategoricalDistribution(sizes)
-        self.store = TrialStore(config=config, run_info=self.run_info, budget=budget, distributions=distributions)
+        self.store = TrialStore(
+            config=config,
+            run_info=self.run_info,
+            budget=budget,
+            distributions=distributions,
+            sampler=self.proposer.sampler,
+        )
         self.study_name = self.store.study_name
 
     # -- the loop ---------------------------------------------------------------------------------

@@ -297,6 +297,8 @@ def _search(
         predict_time=config.predict_time,
         tie_tolerance=config.tie_tolerance,
         seed=config.seed,
+        sampler=config.sampler,
+        n_trials=config.n_trials,
     )
     study, warm_steps, stacks = run_study(
         resolved,
