@@ -572,8 +572,9 @@ def test_the_time_model_is_the_optuna_sampler_that_proposes_and_every_plan_is_an
     # After the baselines the sampler's relative sample is the plan predicted fastest of those left.
     tuned = [t for t in s.records if t.baseline is None and t.status != TrialStatus.PRUNED]
     assert tuned and by_label[tuned[0].label].predicted_seconds == min(
-        t.predicted_seconds for t in s.records if t.baseline is None and t.predicted_seconds is not None
-        and t.pruned_by != "memory"
+        t.predicted_seconds
+        for t in s.records
+        if t.baseline is None and t.predicted_seconds is not None and t.pruned_by != "memory"
     )
 
 
@@ -589,7 +590,9 @@ def test_the_time_model_sampler_hands_a_plan_it_cannot_predict_to_its_fallback()
             return super().sample_independent(study, trial, name, distribution)
 
     sampler.fallback = Recording(seed=0)
-    unpredictable = {c.key() for c in CANDIDATES if c.baseline is None and c.params.get("mode") == "selective:attention"}
+    unpredictable = {
+        c.key() for c in CANDIDATES if c.baseline is None and c.params.get("mode") == "selective:attention"
+    }
     assert unpredictable
     original = sampler._rank_seconds
     sampler._rank_seconds = lambda plan: None if plan.key() in unpredictable else original(plan)  # type: ignore
