@@ -81,6 +81,8 @@ def run_depth(depth: int, *, batch: int, seq: int, width: int) -> dict[str, Any]
         "confirmed_trial_steps": confirm_steps,
         "chosen": result.best.describe(),
         "time_model": result.best.metadata["search"].get("time_model"),
+        # how many rounds chose the plan (``chosen_after``) and how many fresh ones gave its claim (``rounds``)
+        "verdict": result.best.metadata["search"].get("verdict"),
         "prediction_errors": [t.prediction_error for t in result.trials if t.prediction_error is not None],
     }
 

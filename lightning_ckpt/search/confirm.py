@@ -191,6 +191,30 @@ class SideBySide:
         others = {b for b in self.baselines - {ref} if self.per_sample.get(b)}
         return others <= self.settled(tie_tolerance)
 
+    def choice_decided(self, tie_tolerance: float) -> bool:
+        """The choice these rounds make is settled, where a hold-out (``holdout``) gives the claim and re-times every
+        baseline not clearly slower: no tuned plan can win any more (``decided``), or a tuned plan wins and the leading
+        tuned plan (by median) is decided either way; and either way the reference is settled. The sequential test's stop:
+        more rounds could change only the claim, which the fresh rounds give without these rounds' selection.
+        """
+        if self.decided(tie_tolerance):
+            return True
+        if self.reference is None:
+            return False
+        labels: dict[int, str] = {}
+        verdicts = {n: self.verdict(n, labels, tie_tolerance) for n in self.tuned()}
+        if not any(v is not None and v.wins for v in verdicts.values()):
+            return False
+        leader = min(verdicts, key=lambda n: statistics.median(self.per_sample[n]))
+        lead = verdicts[leader]
+        if lead is None or not lead.decided:
+            return False
+        # Which baseline is the reference must be settled too: the hold-out re-times every baseline not clearly
+        # slower and takes the fastest of its own rounds, and the luckiest of several near-equal ones would make the
+        # claim smaller than the truth.
+        others = {b for b in self.baselines - {self.reference} if self.per_sample.get(b)}
+        return others <= self.settled(tie_tolerance)
+
     def settled(self, tie_tolerance: float) -> set[int]:
         """Entries further rounds need not time: tuned plans that cannot win, baselines clearly slower than the
         reference (the reference's interval over them lies above 1)."""
@@ -369,15 +393,16 @@ def beats_by(side: SideBySide | None, tie_tolerance: float) -> Callable[[TrialRe
     return beats
 
 
-def retimer(runner: TrialRunner, plan: Plan, steps: int) -> Callable[[], float | None]:
+def retimer(runner: TrialRunner, plan: Plan, steps: int, *, warm: bool = True) -> Callable[[], float | None]:
     """One confirmation round of ``plan`` through ``runner``: its median step seconds, None if it failed. Only the
-    first round has a warm-up step: a plan switch is a forward patch, and a step after another plan's step
-    measured as fast as one after its own (``benchmarks/step_alternation.py``)."""
+    first round has a warm-up step (none without ``warm``: a plan timed moments ago): a plan switch is a forward
+    patch, and a step after another plan's step measured as fast as one after its own
+    (``benchmarks/step_alternation.py``)."""
     rounds = 0
 
     def time_step() -> float | None:
         nonlocal rounds
-        m = runner.retime(plan, steps, warmup=1 if rounds == 0 else 0)
+        m = runner.retime(plan, steps, warmup=1 if rounds == 0 and warm else 0)
         rounds += 1
         return m.median_seconds if m.status == "ok" else None
 

@@ -84,18 +84,23 @@ class Confirmation:
         chosen = self._leaders(config.confirm_top)
         if len(chosen) < 2:
             return
-        steps = config.measure_steps
-        if self._speed_changed_since_search(chosen, steps):
-            self._rerank(steps)
+        if self._speed_changed_since_search(chosen, config.measure_steps):
+            self._rerank(config.confirm_steps)
             chosen = self._leaders(config.confirm_top)
         announce_confirmation(self.study.progress, chosen)
         entries = self._entries(chosen, config.confirm_steps)
+        # With a hold-out the claim comes from fresh rounds (``held_out``), so these rounds only choose: they stop
+        # once the choice is decided (``SideBySide.choice_decided``). Without one they are the claim, and a plan that
+        # can win is timed for every round (``confirm_interleaved``): stopping as it clears would report its luckiest
+        # moment.
+        tol = config.tie_tolerance
         side = confirm_interleaved(
             entries,
             min_rounds=config.confirm_rounds,
             max_rounds=config.confirm_max_rounds,
-            tie_tolerance=config.tie_tolerance,
+            tie_tolerance=tol,
             sync=self.study.sync,
+            until=(lambda s: s.choice_decided(tol)) if config.holdout_rounds > 0 else None,
             check_stop=self.study.check_stop,
         )
         if side.speed_changed:
@@ -149,8 +154,10 @@ class Confirmation:
         return True
 
     def _rerank(self, steps: int) -> None:
-        """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``): figures taken side by side
-        replace the search's, so the leaders are picked at one speed. They do not count as confirmed."""
+        """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``), ``steps`` timed steps each (the
+        confirmation's: steps back to back share the machine's moment, so one is enough to rank at one speed):
+        figures taken side by side replace the search's, so the leaders are picked at one speed. They do not count
+        as confirmed."""
         entries = self._entries(fastest_fitting(self.study.records)[:_MAX_RERANKED], steps)
         side = confirm_interleaved(
             entries, min_rounds=1, max_rounds=1, sync=self.study.sync, check_stop=self.study.check_stop
@@ -167,12 +174,14 @@ class Confirmation:
                 )
                 self.study.update(self.study.records[i])
 
-    def _entries(self, trials: Sequence[TrialRecord], steps: int) -> list[ConfirmEntry]:
-        """``trials`` to re-time side by side, ``steps`` timed steps a round each (and one warm-up in the first)."""
+    def _entries(self, trials: Sequence[TrialRecord], steps: int, *, warm: bool = True) -> list[ConfirmEntry]:
+        """``trials`` to re-time side by side, ``steps`` timed steps a round each (and, ``warm``, one warm-up in the
+        first)."""
         entries = []
         for t in trials:
             w = self.study.workload(t.micro_batch)
-            entries.append(ConfirmEntry(t, retimer(w.runner, t.plan, steps), w.samples_per_step, steps, 1))
+            timer = retimer(w.runner, t.plan, steps, warm=warm)
+            entries.append(ConfirmEntry(t, timer, w.samples_per_step, steps, 1 if warm else 0))
         return entries
 
     def held_out(self, best: TrialRecord) -> TrialRecord:
@@ -184,7 +193,8 @@ class Confirmation:
             best,
             self.study.records,
             self.study.side,
-            lambda t: self._entries([t], steps)[0],
+            # No warm-up: every plan held out was just timed in the confirmation rounds, one step after another's.
+            lambda t: self._entries([t], steps, warm=False)[0],
             rounds=self.study.config.holdout_rounds,
             max_rounds=self.study.config.holdout_max_rounds,
             tie_tolerance=self.study.tie_tolerance,
