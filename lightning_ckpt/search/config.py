@@ -57,8 +57,10 @@ class TuneConfig:
     confirm_top / confirm_rounds / confirm_max_rounds: the tuned leaders re-timed side by side with every fitting
     baseline in interleaved rounds: after ``confirm_rounds`` the plans that are settled (a tuned plan whose 90%
     interval against the fastest baseline lies below ``1 + tie_tolerance``, a baseline clearly slower than it) stop
-    being timed, and a tuned plan that can still win is timed for all ``confirm_max_rounds`` (``verdict.py``,
-    ``confirm.confirm_interleaved``).
+    being timed; the rounds stop once the choice is decided (no tuned plan can win, or the leading one's verdict is
+    decided, and the reference settled: ``confirm.SideBySide.choice_decided``), at most ``confirm_max_rounds``. With
+    ``holdout_rounds=0`` (no fresh rounds give the claim) a tuned plan that can still win is timed for all of them
+    (``verdict.py``, ``confirm.confirm_interleaved``).
     confirm_steps: timed steps each plan gets per round (its first round adds one warm-up step). One, so the plans
     alternate step by step: two steps taken back to back share the machine's moment, so their ratio is what the
     verdict pairs; rounds of one warm-up and three timed steps gave 2.5x the interval's width for the same steps
