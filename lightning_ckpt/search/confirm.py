@@ -192,28 +192,31 @@ class SideBySide:
         return others <= self.settled(tie_tolerance)
 
     def choice_decided(self, tie_tolerance: float) -> bool:
-        """The choice these rounds make is settled, where a hold-out (``holdout``) gives the claim and re-times every
-        baseline not clearly slower: no tuned plan can win any more (``decided``), or a tuned plan wins and the leading
-        tuned plan (by median) is decided either way; and either way the reference is settled. The sequential test's stop:
-        more rounds could change only the claim, which the fresh rounds give without these rounds' selection.
+        """The choice these rounds make is settled, where a hold-out (``holdout``) gives the claim: no tuned plan can
+        win any more and the reference is settled (``decided``), or a tuned plan wins against every baseline that
+        could still be the reference (near-equal baselines need not be told apart then: whichever it is, it is
+        beaten) and the leading tuned plan (by median) is decided either way. The sequential test's stop: more
+        rounds could change only the claim, which the fresh rounds give without these rounds' selection.
         """
         if self.decided(tie_tolerance):
             return True
-        if self.reference is None:
+        ref = self.reference
+        if ref is None:
             return False
+        settled = self.settled(tie_tolerance)
+        candidates = [b for b in self.baselines if self.per_sample.get(b) and b not in settled] or [ref]
         labels: dict[int, str] = {}
-        verdicts = {n: self.verdict(n, labels, tie_tolerance) for n in self.tuned()}
-        if not any(v is not None and v.wins for v in verdicts.values()):
+
+        def beats_every_candidate(n: int) -> bool:
+            verdicts = (self.verdict(n, labels, tie_tolerance, reference=b) for b in candidates)
+            return all(v is not None and v.wins for v in verdicts)
+
+        tuned = self.tuned()
+        if not any(beats_every_candidate(n) for n in tuned):
             return False
-        leader = min(verdicts, key=lambda n: statistics.median(self.per_sample[n]))
-        lead = verdicts[leader]
-        if lead is None or not lead.decided:
-            return False
-        # Which baseline is the reference must be settled too: the hold-out re-times every baseline not clearly
-        # slower and takes the fastest of its own rounds, and the luckiest of several near-equal ones would make the
-        # claim smaller than the truth.
-        others = {b for b in self.baselines - {self.reference} if self.per_sample.get(b)}
-        return others <= self.settled(tie_tolerance)
+        leader = min(tuned, key=lambda n: statistics.median(self.per_sample[n]))
+        lead = self.verdict(leader, labels, tie_tolerance)
+        return lead is not None and (lead.cannot_win or beats_every_candidate(leader))
 
     def settled(self, tie_tolerance: float) -> set[int]:
         """Entries further rounds need not time: tuned plans that cannot win, baselines clearly slower than the
@@ -244,9 +247,8 @@ def holdout(
 ) -> tuple[list[TrialRecord], TrialRecord | None, Verdict | None]:
     """(records, reference, verdict): the chosen tuned plan ``best`` timed again in fresh interleaved rounds (at
     least ``rounds``, then until its ratio's interval is within ``CLAIM_HALF_WIDTH`` or it cannot win, at most
-    ``max_rounds``) beside every confirmed fitting baseline that could still be the reference (those the confirmation had
-    not settled as clearly slower than it), ``records`` with those figures, the fastest baseline of the fresh
-    rounds, and ``best``'s verdict against it from those rounds alone (``Verdict.chosen_after``: the rounds of
+    ``max_rounds``) beside the reference the choosing rounds found fastest, ``records`` with those two figures, that
+    reference, and ``best``'s verdict against it from those rounds alone (``Verdict.chosen_after``: the rounds of
     ``side`` that chose it). ``reference`` is None, and nothing is timed, where there is nothing to hold out
     (``rounds`` 0, a baseline chosen, ``best`` not confirmed, no baseline).
 
@@ -254,15 +256,19 @@ def holdout(
     rounds the noise favoured (measured on the repeatability benchmark: claims 5-17% above an outside re-timing,
     never below, for every tuned plan chosen). Fresh rounds are independent of that selection, so their ratio is
     an honest estimate; the caller keeps the reference where they do not find ``best`` faster (``Verdict.wins``).
-    The baselines the confirmation settled keep its figures: they were clearly slower than the reference."""
+    The other baselines keep the confirmation's figures."""
     chosen_after = len(side.by_round(best.number)) if side is not None else 0
     confirmed = [t for t in records if t.baseline is not None and t.feasible and t.confirmed]
     if side is None or rounds <= 0 or best.baseline is not None or not chosen_after or not confirmed:
         return list(records), None, None
-    settled = side.settled(tie_tolerance)
-    contenders = [t for t in confirmed if t.number not in settled] or confirmed
-    entries = [entry_for(best), *(entry_for(t) for t in contenders)]
-    labels = {t.number: t.label for t in (best, *contenders)}
+    # The reference is the one the choosing rounds found fastest (the rule ``choose_best`` keeps it by), timed again
+    # beside ``best``: choosing it again from the fresh rounds, the luckiest of near-equal baselines there, would make
+    # it look faster than it is and the claim smaller (the simulated machine: -2% on average, tied baselines).
+    reference = next((t for t in confirmed if t.number == side.reference), None) or max(
+        confirmed, key=lambda t: t.samples_per_second or 0.0
+    )
+    entries = [entry_for(best), entry_for(reference)]
+    labels = {t.number: t.label for t in (best, reference)}
 
     def precise(side: SideBySide) -> bool:
         # Stopping on the interval's width, not its place, leaves the ratio unbiased (a sample's spread and mean
@@ -280,10 +286,8 @@ def holdout(
         until=precise,
         check_stop=check_stop,
     )
-    ref_number = fresh.reference
-    if ref_number is None:  # no baseline ran in the fresh rounds
+    if not fresh.per_sample.get(reference.number):  # the reference did not run in the fresh rounds
         return list(records), None, None
-    reference = next(t for t in contenders if t.number == ref_number)
     verdict = fresh.verdict(best.number, labels, tie_tolerance, reference=reference.number)
     verdict = replace(verdict, chosen_after=chosen_after) if verdict is not None else None
     return apply_confirmation(records, entries, fresh.per_sample), reference, verdict
