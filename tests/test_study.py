@@ -23,7 +23,7 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.confirm import CLAIM_HALF_WIDTH
 from lightning_ckpt.search.proposers import TimeModelSampler
-from lightning_ckpt.search.records import TrialStatus
+from lightning_ckpt.search.records import TrialRecord, TrialStatus
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.store import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
 from lightning_ckpt.search.study import SearchInterrupted, Study
@@ -616,6 +616,24 @@ def test_a_users_sampler_replaces_the_time_model_on_an_eager_model():
     s.run()
     assert s.store.sampler.sampler is mine
     assert len(_sampler_trials(s)) == len(s.records)
+
+
+@pytest.mark.parametrize(("off_by", "margin"), [(0.02, 0.03), (0.05, 0.0625), (0.21, 0.21)])
+def test_the_time_models_margin_is_never_below_the_error_it_has_shown(off_by, margin, caplog):
+    # 1.25x the median error within 3-8%, but a model whose predictions are off by 21% prunes with 21%, not 8%, and
+    # says so once (the terminal, and the plan file's summary).
+    sampler = TimeModelSampler(TimedMemory().timing, tie_tolerance=0.01)
+    plans = [c.plan for c in CANDIDATES[:5]]
+    records = [TrialRecord(number=i, plan=p, label=str(i), params={}, status=TrialStatus.OK, predicted_seconds=1.0,
+                           median_seconds=1.0 / (1 + off_by * (-1) ** i), samples_per_second=1.0)
+               for i, p in enumerate(plans)]  # fmt: skip
+    sampler._records = records
+    with caplog.at_level("WARNING"):
+        assert sampler.noise_margin() == pytest.approx(margin, rel=0.02)
+        sampler.noise_margin()
+    follows = off_by > 0.08
+    assert caplog.text.count("predictions were off by") == (1 if follows else 0)
+    assert sampler.summary(records)["margin_follows_error"] is follows
 
 
 def _segments_baseline() -> Plan:

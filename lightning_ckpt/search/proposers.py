@@ -22,6 +22,7 @@ every confirmation), asked as enqueued trials, and both bound what they measure 
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 from collections.abc import Generator, Mapping, Sequence
@@ -52,13 +53,15 @@ __all__ = [
 Proposal = tuple[Mapping[str, Any], Plan, str, str | None, str | None]
 Proposals = Generator[Proposal, TrialRecord, None]
 
+log = logging.getLogger(__name__)
+
 # Consecutive proposals of already-known plans after which the sampler proposer takes an unseen plan itself:
 # a sampler that has seen most of a space redraws known points, and every redraw costs a suggest call whose
 # cost grows with the study (54 of 105 s of a 16-layer search went there before this bound).
 _MAX_REDRAWS = 2
 # The noise margin a plan's predicted step time must clear to be measured (``TimeModelSampler._can_win``): the
-# time model's own measured error (1.25x its median out-of-sample error), within these bounds; before any error
-# is known, the default.
+# time model's own measured error (1.25x its median out-of-sample error), within these bounds, and never below the
+# median error itself (a model off by 21% must not prune with 8%); before any error is known, the default.
 _MARGIN_BOUNDS = (0.03, 0.08)
 _DEFAULT_MARGIN = 0.05
 # The tuned plans confirmed beside the predicted-fastest one: those measured within twice the noise margin (at
@@ -248,6 +251,7 @@ class TimeModelSampler(BaseSampler):
         self._records: Sequence[TrialRecord] = ()
         self._state: SearchState | None = None
         self._rng = random.Random(0)
+        self._warned = False  # the margin followed the model's error (``noise_margin``): said once
 
     @property
     def sampler(self) -> BaseSampler:
@@ -327,6 +331,7 @@ class TimeModelSampler(BaseSampler):
             "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
             "max_abs_error": max((abs(e) for e in errors), default=None),
             "pruned_by_time": sum(t.pruned_by == "time" for t in records),
+            "margin_follows_error": self._warned,
         }
 
     def fitted(self) -> TimeModel | None:
@@ -334,10 +339,32 @@ class TimeModelSampler(BaseSampler):
 
     def noise_margin(self) -> float:
         """How far the time model's predictions may be off: 1.25x the median of its errors so far (each taken
-        before the plan was measured), within ``_MARGIN_BOUNDS`` and never below the tie tolerance."""
-        errors = [abs(e) for t in self._records if (e := t.prediction_error) is not None]
-        observed = 1.25 * statistics.median(errors) if errors else _DEFAULT_MARGIN
-        return min(_MARGIN_BOUNDS[1], max(_MARGIN_BOUNDS[0], self.tie_tolerance, observed))
+        before the plan was measured), within ``_MARGIN_BOUNDS``, never below the tie tolerance, and never below the
+        median error itself: on a machine where the model predicts badly it prunes only what is predicted slower by
+        more than it has shown itself to be off (``margin_follows_error`` in the summary; a warning says so)."""
+        median = self._median_error()
+        observed = 1.25 * median if median is not None else _DEFAULT_MARGIN
+        margin = min(_MARGIN_BOUNDS[1], max(_MARGIN_BOUNDS[0], self.tie_tolerance, observed))
+        if median is not None and median > margin:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "lightning_ckpt: the time model's predictions were off by %.1f%% (median, %d plans) on this "
+                    "machine, more than the %.0f%% margin it prunes with when it predicts well: it now prunes only "
+                    "plans predicted slower than the best measured one by more than that, so more plans are measured.",
+                    100 * median,
+                    len(self._errors()),
+                    100 * _MARGIN_BOUNDS[1],
+                )
+            return median
+        return margin
+
+    def _errors(self) -> list[float]:
+        return [abs(e) for t in self._records if (e := t.prediction_error) is not None]
+
+    def _median_error(self) -> float | None:
+        errors = self._errors()
+        return statistics.median(errors) if errors else None
 
     # -- the Optuna sampler ---------------------------------------------------------------------------
     def infer_relative_search_space(
