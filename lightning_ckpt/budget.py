@@ -63,6 +63,13 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
                 "'20GiB', '20G', '20gb' or '512MB'; or a fraction of device memory as a number, like 0.8."
             )
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if _UNITS[m.group(2).lower()] == 1 and not n.is_integer():
+            # "1.5" is no number of bytes, and a string is never a fraction: it must not become a 1-byte budget.
+            raise ConfigurationError(
+                f"{what}={value!r} is a string without a unit, read as bytes, but is not a whole number of bytes. "
+                "A fraction of device memory is a number, not a string (max_memory=0.8); a size has a unit, e.g. "
+                "'1.5GiB'."
+            )
     else:
         raise ConfigurationError(f"{what} must be bytes, a size string or a fraction, but got {type(value).__name__}.")
     if n <= 0:

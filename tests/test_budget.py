@@ -85,8 +85,11 @@ def test_tune_refuses_a_bad_budget_before_running_any_step(gpt, tokens):
         ({"activation_budget": 50}, r"For 50% write activation_budget=0\.5"),
         ({"activation_budget": "0.5"}, r"got the string '0\.5'\. Write activation_budget=0\.5 without quotes"),
         ({"max_memory": "20 gigs"}, r"'20G', '20gb'"),
+        # A unitless string above one: once silently a 1-byte budget (the float 1.5 and "0.8" were refused).
+        ({"max_memory": "1.5"}, r"'1\.5' is a string without a unit, read as bytes, but is not a whole number"),
+        ({"max_memory": "2.5 B"}, r"not a whole number of bytes"),
     ],
-    ids=["percent", "string-fraction", "units"],
+    ids=["percent", "string-fraction", "units", "string-above-one", "fractional-bytes"],
 )
 def test_budget_mistakes_get_the_fix_in_the_message(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):
