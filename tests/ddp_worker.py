@@ -125,7 +125,7 @@ def fit(out: Path, args: argparse.Namespace, *, reuse: bool) -> dict:
         "trials_run": tuner.trials_run,
         "statuses": {t.label: t.status for t in result.trials} if result else {},
         "wrote_plan_file": tuner.wrote_plan_file,
-        "budget_limit": tuner._guard.budget.limit_bytes if tuner._guard.budget is not None else None,
+        "budget_limit": tuner._session.guard.budget.limit_bytes if tuner._session.guard is not None else None,
         "weights": {k: v.tolist() for k, v in module.state_dict().items()},
     }
 

@@ -37,6 +37,7 @@ __all__ = [
     "GuardConfig",
     "RealStepReader",
     "StepCheck",
+    "largest_size",
     "lower_memory_trial",
     "lower_plan",
     "trial_figures",
@@ -305,6 +306,17 @@ class GuardConfig:
         return cls(**value)
 
 
+def largest_size(trainer: Any, batch: Any, shape_key: Callable[[Any], Any] | None) -> BatchSize | None:
+    """``batch``'s size, the largest rows and length on any rank under several ranks (every rank must call it at the
+    same point). The batch a search measured is sized this way too: the trials' memory is the largest rank's, so the
+    size it is scaled from must be the largest rank's batch, the same on every rank."""
+    size = batch_size_of(batch, shape_key)
+    if trainer.world_size > 1:
+        rows, length = max_over_ranks(trainer.strategy, (size.rows, size.length) if size else (0, 0))
+        size = BatchSize(rows, length) if length else None
+    return size
+
+
 class BudgetGuard:
     """The guard over one fit: which real steps to read, what they showed (``checks``), and the verdict.
 
@@ -314,12 +326,16 @@ class BudgetGuard:
     ranks or none.
     """
 
-    def __init__(self, config: GuardConfig, device: torch.device) -> None:
+    def __init__(
+        self, config: GuardConfig, device: torch.device, budget: Budget, *, reference: BatchSize | None = None
+    ) -> None:
+        """``budget``: what the locked-in plan was chosen for (a search's, or a reused plan's resolved for this run;
+        kind ``none`` guards nothing). ``reference``: the batch the trials measured (None: a reused plan)."""
         self.config = config
+        self.budget = budget
+        self.reference = reference
         self.reader = RealStepReader(device)
         self.checks: list[StepCheck] = []
-        self.budget: Budget | None = None
-        self.reference: BatchSize | None = None  # the batch the trials measured (None: a reused plan)
         self.scaling = ShapeScaling()
         self._left = 0
         self._since_read = 0
@@ -336,8 +352,7 @@ class BudgetGuard:
 
     @property
     def active(self) -> bool:
-        budget = self.budget
-        return budget is not None and budget.kind != "none" and bool(self.config.steps)
+        return self.budget.kind != "none" and bool(self.config.steps)
 
     def size_of(self, batch: Any) -> BatchSize | None:
         return batch_size_of(batch, self.config.shape_key)
@@ -348,18 +363,8 @@ class BudgetGuard:
         and length on any rank (``sync.max_over_ranks``), so every rank acts alike on a step whose batches differ,
         and a batch longer than any before is caught before its forward whichever rank holds it. None while neither
         needs it (no batch is sized then)."""
-        self.step_size = self.largest_size(trainer, batch) if self.active or table else None
+        self.step_size = largest_size(trainer, batch, self.config.shape_key) if self.active or table else None
         return self.step_size
-
-    def largest_size(self, trainer: Any, batch: Any) -> BatchSize | None:
-        """``batch``'s size, the largest rows and length on any rank under several ranks (every rank must call it
-        at the same point). The batch a search measured is sized this way too: the trials' memory is the largest
-        rank's, so the size it is scaled from must be the largest rank's batch, the same on every rank."""
-        size = self.size_of(batch)
-        if trainer.world_size > 1:
-            rows, length = max_over_ranks(trainer.strategy, (size.rows, size.length) if size else (0, 0))
-            size = BatchSize(rows, length) if length else None
-        return size
 
     def maybe_start(
         self, trainer: Any, pl_module: nn.Module, batch: Any, *, compiled: bool, first_of: str | None = None
@@ -369,7 +374,6 @@ class BudgetGuard:
         if not self.active:
             return
         budget = self.budget
-        assert budget is not None
         # The step's agreed size (``agree``): every rank reads the same steps (the verdict is gathered).
         size = self.step_size
         larger = size is not None and self._covered is not None and size.exceeds(self._covered)
@@ -386,8 +390,6 @@ class BudgetGuard:
     def predicted_value(self, plan_key: str, trials: Sequence[Any], size: BatchSize) -> int | None:
         """The budget's value for plan ``plan_key`` on a batch of ``size``: from its trial at the tuned batch, else
         from a real step read under it; None when neither exists."""
-        budget = self.budget
-        assert budget is not None
         trial = next((t for t in trials if t.plan.key() == plan_key), None)
         if trial is not None and self.reference is not None:
             value = self._scaled(plan_key, *trial_figures(trial), at=size, reference=self.reference)
@@ -402,7 +404,6 @@ class BudgetGuard:
         self, plan_key: str, peak: int | None, act: int | None, *, at: BatchSize, reference: BatchSize
     ) -> int | None:
         budget = self.budget
-        assert budget is not None
         factor = self.scaling.scale(plan_key, at, reference)
         if budget.kind == "activation":
             return int(act * factor) if act is not None else None
@@ -425,9 +426,8 @@ class BudgetGuard:
         if size is None or covered is None or not size.exceeds(covered):
             return None
         budget = self.budget
-        assert budget is not None and budget.limit_bytes is not None
         value = self.predicted_value(plan.key(), trials, size)
-        if value is None or value <= budget.limit_bytes:
+        if value is None or budget.limit_bytes is None or value <= budget.limit_bytes:
             return None
         what = "activation memory" if budget.kind == "activation" else "peak memory"
         growth = (
@@ -457,7 +457,6 @@ class BudgetGuard:
         """Record one read step against the budget (the worst rank's figures under several ranks); ``trials``: the
         search's, which the reading is compared with."""
         budget = self.budget
-        assert budget is not None
         peak, act = reading.peak_bytes, reading.activation_bytes
         if sync is not None:
             gathered = sync.all_gather((peak, act))
@@ -483,7 +482,6 @@ class BudgetGuard:
             self.scaling.observe(plan.key(), act, size, trial.activation_bytes, self.reference)
         elif act is not None and reference is not None and reference[1]:
             self.scaling.observe(plan.key(), act, size, reference[1], reference[0])
-        assert self.budget is not None
         predicted = self.predicted_value(plan.key(), trials, size)
         value = self.budget.value_of(peak, act)
         if predicted is not None and value is not None:
@@ -505,7 +503,6 @@ class BudgetGuard:
     def over_budget(self, check: StepCheck, plan: Plan, trials: Sequence[Any], view: ModelView) -> Plan | None:
         """Act on a step over the budget as ``on_budget_exceeded`` says: the plan to switch to, or None to go on."""
         budget = self.budget
-        assert budget is not None
         value = budget.value_of(check.peak_bytes, check.activation_bytes) or 0
         size, seq = check.batch_dims
         what = "activation memory" if budget.kind == "activation" else "peak memory"
@@ -545,7 +542,6 @@ class BudgetGuard:
         before one): raise, warn and go on, or switch to the plan ``lower_plan`` finds (None: stay). ``plan`` is
         left behind for good once a switch is attempted."""
         budget = self.budget
-        assert budget is not None
         if self.config.on_budget_exceeded == "raise":
             raise InfeasibleBudgetError(
                 f"{message} {fix} guard={{'on_budget_exceeded': 'switch'}} to move to a lower-memory plan."

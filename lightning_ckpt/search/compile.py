@@ -89,6 +89,8 @@ __all__ = [
     "CompileStats",
     "CompiledTrials",
     "compiled_search",
+    "compiled_space",
+    "compiled_target",
     "apply_reusing_graphs",
     "conflict_reason",
     "eager_while_profiling",
@@ -361,7 +363,14 @@ class CompiledTrials:
     with nothing cached from the search.
     """
 
-    def __init__(self, harness: StepHarness, *, regions: tuple[str, ...], allow_graph_breaks: bool) -> None:
+    def __init__(
+        self,
+        harness: StepHarness,
+        *,
+        regions: tuple[str, ...],
+        allow_graph_breaks: bool,
+        reserve_headroom_bytes: int = 0,
+    ) -> None:
         self.harness = harness
         self.root, self.step_fn, self.device = harness.root, harness.step_fn, harness.device
         self.optimizer, self.extra = harness.optimizer, harness.extra
@@ -370,7 +379,7 @@ class CompiledTrials:
         self.regions = regions
         self.allow_graph_breaks = allow_graph_breaks
         self.memory_limit_bytes: int | None = None
-        self.reserve_headroom_bytes = 0  # the CUDA cap's headroom for the allocator's reserve (set by tune)
+        self.reserve_headroom_bytes = reserve_headroom_bytes  # the CUDA cap's headroom for the allocator's reserve
         self.reference: CompileStats | None = None
         self._cache: dict[str, tuple[Measurement, CompileStats]] = {}
         self._forwards: dict[Any, Any] = {}  # what plans installed, reinstalled as they were (``reused_forwards``)
@@ -378,31 +387,8 @@ class CompiledTrials:
 
     # -- public ---------------------------------------------------------------------------------
     def adapt(self, space: Any) -> Any:
-        """The search space for this compiled model (``SearchSpace.for_compile``), minus unsafe PT2 budgets.
-
-        torch 2.13's memory-budget partitioner may recompute random ops (dropout) in backward with
-        fresh randomness, silently corrupting gradients at any ``activation_memory_budget < 1``
-        (pytorch#190758, pytorch#190717; we reproduced it on CPU with ``fallback_random=True``). So for
-        a model with active dropout the PT2 budgets are left out unless the user listed them.
-        """
-        compiled_space = space.for_compile()
-        rng = random_ops(self.root)
-        if rng and compiled_space.budget_choices:
-            if space.compile_budgets is None:
-                log.warning(
-                    "lightning_ckpt: not trying PT2 activation_memory_budget candidates: %s uses dropout, which "
-                    "the memory-budget partitioner may recompute with fresh randomness (wrong gradients, "
-                    "pytorch#190758). Set search_space={'compile_budgets': [...]} to try them anyway.",
-                    rng,
-                )
-                return dataclasses.replace(compiled_space, compile_budgets=())
-            warnings.warn(
-                f"lightning_ckpt: search_space['compile_budgets'] asks for PT2 memory budgets, but the model uses "
-                f"dropout ({rng}); torch's memory-budget partitioner may then compute wrong gradients "
-                "(pytorch#190758). Remove compile_budgets, or set dropout to 0, unless your torch has the fix.",
-                stacklevel=3,
-            )
-        return compiled_space
+        """The search space for this compiled model (``compiled_space``)."""
+        return compiled_space(space, self.root)
 
     def describe(self) -> str:
         return ", ".join(r or "<whole model>" for r in self.regions) or "<step function>"
@@ -613,10 +599,56 @@ def _recompile_limit() -> int:
     return int(limit)
 
 
+def compiled_space(space: Any, root: nn.Module) -> Any:
+    """The search space for this compiled model (``SearchSpace.for_compile``), minus unsafe PT2 budgets.
+
+    torch 2.13's memory-budget partitioner may recompute random ops (dropout) in backward with
+    fresh randomness, silently corrupting gradients at any ``activation_memory_budget < 1``
+    (pytorch#190758, pytorch#190717; we reproduced it on CPU with ``fallback_random=True``). So for
+    a model with active dropout the PT2 budgets are left out unless the user listed them.
+    """
+    adapted = space.for_compile()
+    rng = random_ops(root)
+    if rng and adapted.budget_choices:
+        if space.compile_budgets is None:
+            log.warning(
+                "lightning_ckpt: not trying PT2 activation_memory_budget candidates: %s uses dropout, which "
+                "the memory-budget partitioner may recompute with fresh randomness (wrong gradients, "
+                "pytorch#190758). Set search_space={'compile_budgets': [...]} to try them anyway.",
+                rng,
+            )
+            return dataclasses.replace(adapted, compile_budgets=())
+        warnings.warn(
+            f"lightning_ckpt: search_space['compile_budgets'] asks for PT2 memory budgets, but the model uses "
+            f"dropout ({rng}); torch's memory-budget partitioner may then compute wrong gradients "
+            "(pytorch#190758). Remove compile_budgets, or set dropout to 0, unless your torch has the fix.",
+            stacklevel=3,
+        )
+    return adapted
+
+
 def compiled_search(
-    model: nn.Module, harness: StepHarness, *, compiled: bool | None, allow_graph_breaks: bool
+    model: nn.Module,
+    harness: StepHarness,
+    *,
+    compiled: bool | None,
+    allow_graph_breaks: bool,
+    reserve_headroom_bytes: int = 0,
 ) -> CompiledTrials | None:
-    """``CompiledTrials`` for ``model`` when it is compiled (``compiled=None``: detect), else ``None``.
+    """``CompiledTrials`` for ``model`` when it is compiled (``compiled_target``), else ``None``."""
+    regions = compiled_target(model, compiled=compiled)
+    if regions is None:
+        return None
+    trials = CompiledTrials(
+        harness, regions=regions, allow_graph_breaks=allow_graph_breaks, reserve_headroom_bytes=reserve_headroom_bytes
+    )
+    log.info("lightning_ckpt: compiled model (%s): every trial compiles its plan", trials.describe())
+    return trials
+
+
+def compiled_target(model: nn.Module, *, compiled: bool | None) -> tuple[str, ...] | None:
+    """The compiled regions of ``model`` when it is compiled (``compiled=None``: detect; ``True``: compiled even where
+    none is found), else ``None``; a model compiled with CUDA graphs is refused.
 
     ``None`` costs one walk over the modules, so the eager search pays nothing for compile support.
     """
@@ -632,9 +664,7 @@ def compiled_search(
             "graphs, so trials could not be measured or compared. Tune with mode='default' or "
             "mode='max-autotune-no-cudagraphs', then reuse the plan file (plan=...) with the mode you train with."
         )
-    trials = CompiledTrials(harness, regions=regions, allow_graph_breaks=allow_graph_breaks)
-    log.info("lightning_ckpt: compiled model (%s): every trial compiles its plan", trials.describe())
-    return trials
+    return regions
 
 
 def _is_dynamo_refusal(exc: BaseException) -> bool:

@@ -248,8 +248,9 @@ def _workloads(
             clock=config.clock,
             **steps,
         )
-        runner = build_runner(resolved, harness, config, compiled=None)
-        runner.reserve_headroom_bytes = scaled.at(m).reserve_overhead_bytes
+        runner = build_runner(
+            resolved, harness, config, compiled=None, reserve_headroom=scaled.at(m).reserve_overhead_bytes
+        )
         harnesses.append(harness)
         workloads.append(Workload(runner, RealStepMemory(scaled.at(m), opt_mem), m, m, global_batch // m))
     return workloads, harnesses

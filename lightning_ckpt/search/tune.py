@@ -41,7 +41,14 @@ from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan, mode_key
 from lightning_ckpt.plan.skipping import full_depth
-from lightning_ckpt.search.compile import CompiledTrials, compiled_search, eager_while_profiling, release_kept_graphs
+from lightning_ckpt.search.compile import (
+    CompiledTrials,
+    compiled_search,
+    compiled_space,
+    compiled_target,
+    eager_while_profiling,
+    release_kept_graphs,
+)
 from lightning_ckpt.search.config import TuneConfig, settings_into_config
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.proposers import proposer_for
@@ -60,6 +67,7 @@ __all__ = [
     "TuneResult",
     "allocated_bytes",
     "build_runner",
+    "check_tunable",
     "choose_best",
     "lowest_memory_pass",
     "resolve_on_device",
@@ -85,7 +93,23 @@ def build_runner(
     compiled: bool | None,
     reserve_headroom: int = 0,
 ) -> TrialRunner:
-    """The runner for this model: ``CompiledTrials`` when it is compiled, else an ``EagerRunner``."""
+    """The runner for this model, complete: ``CompiledTrials`` when it is compiled, else an ``EagerRunner``;
+    ``reserve_headroom``: the allocator's reserve the profile measured, added to the CUDA cap."""
+    check_tunable(resolved)
+    compiled_runner = compiled_search(
+        resolved.model,
+        harness,
+        compiled=compiled,
+        allow_graph_breaks=config.allow_graph_breaks,
+        reserve_headroom_bytes=reserve_headroom,
+    )
+    if compiled_runner is not None:
+        return compiled_runner
+    return EagerRunner(harness, count_flops=config.count_flops, reserve_headroom_bytes=reserve_headroom)
+
+
+def check_tunable(resolved: ModelView) -> None:
+    """Refuse, before any step runs, a model this torch cannot tune (FSDP2 below ``FSDP2_TUNING_VERIFIED``)."""
     if resolved.sharded:
         require_torch(
             FSDP2_TUNING_VERIFIED,
@@ -94,12 +118,6 @@ def build_runner(
             "not run on CPU and on 2.8 it trains differently from one process there, so trials could not be checked.",
             "tune once on torch>=2.9 and reuse the plan file with ActivationCheckpointTuner(plan=...) here",
         )
-    compiled_runner = compiled_search(
-        resolved.model, harness, compiled=compiled, allow_graph_breaks=config.allow_graph_breaks
-    )
-    if compiled_runner is not None:
-        return compiled_runner
-    return EagerRunner(harness, count_flops=config.count_flops, reserve_headroom_bytes=reserve_headroom)
 
 
 # The oldest torch on which the FSDP2 tests (tests/test_fsdp.py: per-rank memory, ranks agree, weights equal
@@ -170,14 +188,14 @@ def tune(
             view=resolved,
             clock=config.clock,
         )
-        runner = build_runner(resolved, harness, config, compiled=compiled)
-        is_compiled = isinstance(runner, CompiledTrials)
+        check_tunable(resolved)
+        is_compiled = compiled_target(resolved.model, compiled=compiled) is not None
         with eager_while_profiling(is_compiled):
             session.check_parameter_writes(step_fn)
         return _search(
             resolved,
             harness,
-            runner,
+            is_compiled,
             requested=requested,
             config=config,
             progress=progress,
@@ -242,7 +260,7 @@ def search_session(resolved: ModelView) -> Iterator[SearchSession]:
 def _search(
     resolved: ModelView,
     harness: StepHarness,
-    runner: TrialRunner,
+    is_compiled: bool,
     *,
     requested: RequestedBudget,
     config: TuneConfig,
@@ -254,10 +272,9 @@ def _search(
     """Profile, resolve the budget, then run, confirm and choose the study. ``began``: what the device held before
     the search (``SearchSession.began``), named if no plan can fit."""
     device, optimizer, seq_len = resolved.device, harness.optimizer, harness.seq_len
-    is_compiled = isinstance(runner, CompiledTrials)
     space = config.search_space.for_device(device.type)
     if is_compiled:
-        space = runner.adapt(space)
+        space = compiled_space(space, resolved.root)
     with eager_while_profiling(is_compiled):
         # A compiled model's blocks are timed compiled alone (regional compilation: one compile per distinct block
         # and mode the space uses), so its time model predicts compiled steps as the eager one predicts eager steps.
@@ -279,8 +296,10 @@ def _search(
         at = {**profile.time.measured_at, "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": is_compiled}
         profile = profile.with_time(replace(profile.time, measured_at=at))
     memory_model = profile.memory
-    # The CUDA cap's headroom for the allocator's reserve, measured by the profile: eager and compiled trials alike.
-    runner.reserve_headroom_bytes = memory_model.reserve_overhead_bytes
+    # Built complete from the profile: the CUDA cap's headroom for the allocator's reserve, eager and compiled alike.
+    runner = build_runner(
+        resolved, harness, config, compiled=is_compiled, reserve_headroom=memory_model.reserve_overhead_bytes
+    )
     optimizer_step = (
         measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)  # an OOM: infeasible
         if optimizer is not None

@@ -1,0 +1,482 @@
+"""One fit of the callback: what it reuses or searches, the plan it follows, and the guard over its real steps.
+
+The callback's hooks hand over to one ``FitSession`` per fit, which moves through named stages (``Stage``)
+instead of keeping flags: a search waiting for its batch, a reused plan whose first batch is still to be
+compared, a plan locked in (with or without a plan table), the fit over. What outlives a fit (the plan a later
+fit re-applies, the search, the micro-batch, a probed ``max_shape``) is kept in ``Found``, which the callback
+owns and each session updates.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_ckpt.budget import Budget, RequestedBudget
+from lightning_ckpt.lightning.applied import AppliedPlan
+from lightning_ckpt.lightning.checks import check_tunable, refuse_existing_checkpointing
+from lightning_ckpt.lightning.guard import BudgetGuard, GuardConfig, StepCheck, largest_size
+from lightning_ckpt.lightning.micro_batch import set_micro_batch
+from lightning_ckpt.lightning.plan_file import PlanFile
+from lightning_ckpt.lightning.probe import probed_max_shape
+from lightning_ckpt.lightning.replanned import ReplanCheck
+from lightning_ckpt.lightning.reuse import plan_to_reuse, retune_for_batch, reusable, reused_budget, run_conditions
+from lightning_ckpt.lightning.searching import SearchRequest, report_search, search_first_batch, search_micro_batch
+from lightning_ckpt.lightning.shapes import BatchSize, batch_at_length, batch_size_of, grown_to, mark_length_dynamic
+from lightning_ckpt.lightning.sync import StrategySync
+from lightning_ckpt.lightning.tensorboard import TunerRun
+from lightning_ckpt.measure.tracker import normalise_device
+from lightning_ckpt.model import ModelView
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.plan.table import TABLE_KEY, PlanTable, bucket_edges, table_line
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.records import TuneResult
+
+__all__ = ["FitSession", "Found", "Settings", "Stage"]
+
+_SEARCHES = ("search", "joint micro-batch search")  # lock-in sources whose search ends with its own line
+
+
+class Stage(enum.Enum):
+    """Where a fit is; each hook acts by it."""
+
+    STARTING = "on_fit_start has not decided yet between reuse and search"
+    SEARCH_PENDING = "the search runs on the next training batch"
+    CHECKING_REUSED = "a reused plan is applied; the first batch is compared with the batches it was tuned on"
+    LOCKED_IN = "a plan is applied and the guard reads real steps"
+    FOLLOWING_TABLE = "locked in with a plan table: each batch's bucket plan is applied before its forward"
+    ENDED = "the fit ended or failed: no plan is applied"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the user set on the callback, as it checked it: one fit's settings."""
+
+    requested: RequestedBudget  # parsed once: every reuse decision compares this by value
+    config: TuneConfig
+    guard: GuardConfig
+    buckets: bool | list[int]
+    bucket_edges: tuple[int, ...] | None
+    probe: int | None  # max_shape="probe": batches to probe before the first step
+    given_plan: Plan | None
+    plan_file: PlanFile | None
+    on_stale_plan: str
+    tune_micro_batch: bool
+    batch_arg_name: str
+    log_dir: Path | None
+    verbose: bool
+
+
+@dataclass
+class Found:
+    """What the callback's fits found, kept across them: a later fit re-applies ``plan`` without searching."""
+
+    plan: Plan | None = None  # the locked-in plan
+    result: TuneResult | None = None  # the search, when one ran in this process
+    micro_batch: dict[str, int] | None = None  # the applied {size, accumulation, global, original_size}
+    max_shape: BatchSize | None = None  # declared, or probed by the first fit that needed it
+
+
+class FitSession:
+    """The per-fit state of the callback, and what each of its hooks does with it."""
+
+    def __init__(self, settings: Settings, found: Found, pl_module: pl.LightningModule) -> None:
+        # Resolved once for the fit (a model with nothing to checkpoint fails here): the search, reuse, lock-in
+        # and the guard all see this one view.
+        self.view = ModelView.of(pl_module, settings.config.block_types)
+        refuse_existing_checkpointing(self.view.root)
+        self.settings, self.found = settings, found
+        self.device = normalise_device(pl_module.device)
+        self.stage = Stage.STARTING
+        self.tb = TunerRun(settings.log_dir)  # this fit's logger run has no tuner HParams columns yet
+        self.applied = AppliedPlan()
+        self.guard: BudgetGuard | None = None  # built at lock-in, with the budget the plan was chosen for
+        self.search_budget = settings.requested  # what a search in this fit tunes for (see reuse.wanted_budget)
+        self.tuned_batch: Any = None
+        self.replan_check: ReplanCheck | None = None  # a re-planned plan's predictions, beside its first real steps
+        self.table: PlanTable | None = None  # a plan per length bucket (``search.buckets``); the top one: found.plan
+        self.running: Plan | None = None  # the plan applied now: found.plan, or a shorter bucket's
+
+    @property
+    def step_checks(self) -> list[StepCheck]:
+        return self.guard.checks if self.guard is not None else []
+
+    # -- the hooks ---------------------------------------------------------------------------------
+    def fit_starts(self, trainer: pl.Trainer, pl_module: pl.LightningModule, resumed: Plan | None) -> None:
+        """Reuse a saved plan (resumed checkpoint, ``plan=``, an earlier fit, the plan file), or search: the joint
+        micro-batch search now (before the loop draws its first batch), the plan search on the first batch."""
+        s = self.settings
+        if s.plan_file is not None:
+            s.plan_file.open_fit()
+        sources = (
+            (resumed, "resumed checkpoint"),
+            (s.given_plan, "plan= argument"),
+            (self.found.plan, "an earlier fit with this callback"),
+        )
+        plan, source = plan_to_reuse(sources, s.plan_file)
+        if trainer.world_size > 1:
+            # Rank 0 decides (its plan file, its checkpoint state); a rank that decided differently
+            # would run trials alone and hang the others' collectives.
+            data = trainer.strategy.broadcast(plan.to_dict() if plan is not None else None, src=0)
+            plan = Plan.from_dict(data, source="plan broadcast from rank 0") if data is not None else None
+        if plan is not None and self._reuse(trainer, pl_module, plan, source):
+            return
+        check_tunable(pl_module)
+        if trainer.is_global_zero:
+            self.tb.declare_hparams_table(trainer, pl_module)
+        if s.tune_micro_batch:
+            result, self.tuned_batch = search_micro_batch(trainer, pl_module, s.batch_arg_name, self._request())
+            self._searched(trainer, result, source="joint micro-batch search")
+            self._set_micro_batch(trainer, pl_module, result.best.metadata["micro_batch"])
+            return
+        self.stage = Stage.SEARCH_PENDING
+
+    def batch_starts(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Before the forward: search (or check a reused plan) on the first batch, switch to this batch's bucket
+        plan, act on a batch predicted over the budget, and start reading the step when the guard reads it."""
+        if self.stage in (Stage.SEARCH_PENDING, Stage.CHECKING_REUSED):
+            self._find_max_shape(trainer)
+            tuning_batch = self._tuning_batch(batch)
+            if self.stage is Stage.CHECKING_REUSED:
+                self._check_reused(trainer, pl_module, tuning_batch)
+            if self.stage is Stage.SEARCH_PENDING and not self._search(
+                trainer, pl_module, batch, tuning_batch, batch_idx
+            ):
+                return  # training_step skipped the batch: the search runs on the next one
+        guard = self.guard
+        if guard is None or self.stage not in (Stage.LOCKED_IN, Stage.FOLLOWING_TABLE):
+            return
+        guard.agree(trainer, batch, table=self.table is not None)  # this step's size, alike on all ranks
+        if self.table is not None:
+            self._follow_table(trainer)
+            if self._keeps_graphs() and guard.step_size is not None:
+                mark_length_dynamic(batch, guard.step_size.length)  # one graph per bucket, not per length
+        plan = self.found.plan
+        if plan is not None:
+            lower = guard.before_forward(trainer, batch, self.running or plan, self._trials(), self.view)
+            if lower is not None:  # a larger batch predicted over the budget: moved before it runs
+                self.replan_check = None
+                self._guard_switched(lower, trainer)
+        first_of = self.running.key() if self.table is not None and self.running is not None else None
+        guard.maybe_start(trainer, pl_module, batch, compiled=bool(self.view.compiled), first_of=first_of)
+        if self.replan_check is not None:
+            self.replan_check.step_starts(guard_reads_it=guard.reader.active)
+
+    def batch_ends(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> None:
+        """After the step: judge a read step against the budget (and act on it), then save what it showed."""
+        guard = self.guard
+        if guard is None:
+            return
+        if not outputs and guard.reader.active:
+            # training_step returned None (Lightning hands this hook an empty dict): no backward ran and the
+            # optimizer had no gradients, so the step says nothing of the plan's memory and must not use up a
+            # reading (the next step is read instead).
+            guard.step_skipped()
+            return
+        reading = guard.reader.stop()
+        if reading is None or self.found.plan is None:
+            self._report_replanned(trainer)
+            return
+        sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
+        trials = self._trials()
+        running = self.running or self.found.plan
+        check = guard.judge(trainer, reading, batch, running, sync, trials)
+        if self.replan_check is not None:
+            self.replan_check.memory_read(check.peak_bytes, check.activation_bytes)
+        if not check.within_budget:
+            lower = guard.over_budget(check, running, trials, self.view)
+            if lower is not None:
+                if self.replan_check is not None:  # its prediction was wrong: said, and not timed on another plan
+                    rank_zero_info(self.replan_check.line())
+                    self.replan_check = None
+                self._guard_switched(lower, trainer)
+        plan = self.found.plan
+        if (guard.done or not check.within_budget) and trainer.is_global_zero and plan is not None:
+            self.found.plan = plan.with_metadata(real_steps=[c.to_dict() for c in guard.checks])
+            if self.settings.plan_file is not None:
+                self.settings.plan_file.save(self.found.plan)
+
+    def closure_ends(self) -> None:
+        """Forward and backward of the step are over; the optimizer's update starts."""
+        if self.guard is not None:
+            self.guard.reader.optimizer_update_starts()
+        if self.replan_check is not None:
+            self.replan_check.closure_ends()
+
+    def end(self) -> None:
+        """The model leaves the fit as the user gave it (no instance forwards, HF cache setting back); the plan stays
+        in ``found``, so a new fit (or a resumed one) re-applies it without searching."""
+        self._unlock()
+        self.stage = Stage.ENDED
+
+    def close(self) -> None:
+        self.end()
+        self.tb.close()
+
+    # -- reuse and search --------------------------------------------------------------------------
+    def _reuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Plan, source: str) -> bool:
+        """Apply a saved plan without searching (True), or return False to search (it was stale and re-tunes)."""
+        s = self.settings
+        conditions = run_conditions(trainer, pl_module, None)
+        wanted, reused = reusable(plan, source, conditions, self.view, s.requested, on_stale_plan=s.on_stale_plan)
+        self.search_budget = wanted
+        if reused is None:
+            return False
+        if reused is not plan:  # re-planned for this budget from the saved profile: predicted, checked on real steps
+            plan, source = reused, f"the profile saved with the plan from {source} (re-planned, 0 trials)"
+            self.replan_check = ReplanCheck.of(plan, self.device)
+            if trainer.is_global_zero and s.plan_file is not None:
+                s.plan_file.wrote = s.plan_file.save(plan)
+        self.table = self._reused_table(plan, source)
+        budget = reused_budget(plan, wanted, pl_module.device)
+        if trainer.world_size > 1:
+            # Resolved per rank (the default CUDA budget is a share of each GPU's free memory): ranks that judged a
+            # step differently would enter the switch's collectives alone and hang. Rank 0's, as a search uses.
+            budget = StrategySync(trainer.strategy).broadcast(budget)
+        # No budget known (a share of activation memory the plan never resolved): nothing to guard against.
+        self.guard = BudgetGuard(s.guard, self.device, budget or Budget("none"))
+        self._lock_in(plan, source=source, trainer=trainer)
+        self.stage = Stage.CHECKING_REUSED  # its batch shape is compared with the first batch's
+        if plan.metadata.get("micro_batch"):
+            self._set_micro_batch(trainer, pl_module, plan.metadata["micro_batch"])
+        return True
+
+    def _check_reused(self, trainer: pl.Trainer, pl_module: pl.LightningModule, tuning_batch: Any) -> None:
+        """The first batch against the batches the reused plan was tuned on: keep it, or re-tune on this batch."""
+        plan = self.found.plan
+        assert plan is not None
+        conditions = run_conditions(trainer, pl_module, tuning_batch)
+        s = self.settings
+        if not retune_for_batch(plan, conditions, budget=self.search_budget, on_stale_plan=s.on_stale_plan):
+            self.stage = self._locked_stage()
+            return
+        self._unlock()
+        check_tunable(pl_module)
+        self.guard = self.replan_check = None  # the search's plan gets its own guard, and is no re-planned one
+        self.stage = Stage.SEARCH_PENDING
+
+    def _search(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, tuning_batch: Any, batch_idx: int
+    ) -> bool:
+        """Search on this batch and lock the result in; False when ``training_step`` skipped the batch."""
+        lengths = self._table_lengths(trainer, batch, tuning_batch)
+        found = search_first_batch(trainer, pl_module, tuning_batch, batch_idx, self._request(lengths))
+        if found is None:
+            return False
+        result, self.tuned_batch, table = found
+        # The batch the trials' figures are for (under several ranks the largest rank's, as their memory is).
+        reference = largest_size(trainer, self.tuned_batch, self.settings.guard.shape_key)
+        self._searched(trainer, result, source="search", table=table, reference=reference)
+        return True
+
+    def _searched(
+        self,
+        trainer: pl.Trainer,
+        result: TuneResult,
+        *,
+        source: str,
+        table: PlanTable | None = None,
+        reference: BatchSize | None = None,
+    ) -> None:
+        """Lock in the search's plan, record what it was tuned for, save it and report (rank 0)."""
+        s, found = self.settings, self.found
+        found.result = result
+        self.guard = BudgetGuard(s.guard, self.device, result.budget, reference=reference)
+        self.table = table
+        self._lock_in(result.best, source=source, trainer=trainer)
+        if table is not None:
+            found.plan = result.best.with_metadata(**{TABLE_KEY: table.to_dict()})
+        if not trainer.is_global_zero:
+            return
+        conditions = run_conditions(trainer, trainer.lightning_module, self.tuned_batch).to_dict()
+        budget = {**result.budget.to_dict(), "requested": self.search_budget.requested_max_memory}
+        found.plan = (found.plan or result.best).with_metadata(budget=budget, conditions=conditions)
+        if s.plan_file is not None:
+            s.plan_file.wrote = s.plan_file.save(found.plan)
+        report_search(trainer, result, plan_file=s.plan_file, tb=self.tb, verbose=s.verbose)
+        if table is not None:
+            rank_zero_info(f"lightning_ckpt: {table_line(table, result.budget)}")
+
+    def _request(self, table_lengths: tuple[int, ...] | None = None) -> SearchRequest:
+        s = self.settings
+        return SearchRequest(
+            self.view,
+            s.config,
+            self.search_budget,
+            self.tb,
+            s.verbose,
+            table_lengths,
+            resize=s.guard.resize,
+            shape_key=s.guard.shape_key,
+        )
+
+    def _trials(self) -> tuple[Any, ...] | list[Any]:
+        result = self.found.result
+        return result.trials if result is not None else ()
+
+    # -- batch shapes ------------------------------------------------------------------------------
+    def _find_max_shape(self, trainer: pl.Trainer) -> None:
+        """``max_shape="probe"``: the longest batch, found before the first step (once per callback)."""
+        s = self.settings
+        if s.probe is None or self.found.max_shape is not None:
+            return
+        probed = probed_max_shape(trainer, partial(batch_size_of, shape_key=s.guard.shape_key), s.probe)
+        self.found.max_shape = probed.size
+        shape = str(probed.size) if probed.size.rows else f"length {probed.size.length}"
+        rank_zero_info(f"lightning_ckpt: max_shape {shape}, from {probed.source}.")
+
+    def _tuning_batch(self, batch: Any) -> Any:
+        """What the search measures (and a reused plan is compared with): the batch, grown to ``max_shape`` (by
+        guard ``resize`` for batches sized by ``shape_key``)."""
+        max_shape, guard = self.found.max_shape, self.settings.guard
+        if max_shape is None:
+            return batch
+        grown, length, size = batch, max_shape.length, batch_size_of(batch, guard.shape_key)
+        if guard.resize is None:
+            grown = grown_to(batch, max_shape)
+        elif size is not None and size.length < length:
+            grown = batch_at_length(batch, length, resize=guard.resize, shape_key=guard.shape_key)
+        if grown is not batch and self.stage is Stage.SEARCH_PENDING:
+            rank_zero_info(
+                f"lightning_ckpt: tuning on the first batch ({size}) grown to the declared "
+                f"max_shape ({batch_size_of(grown, guard.shape_key)}): the plan fits the longest batch."
+            )
+        return grown
+
+    # -- the plan table ----------------------------------------------------------------------------
+    def _table_lengths(self, trainer: pl.Trainer, batch: Any, tuning_batch: Any) -> tuple[int, ...] | None:
+        """The plan table's bucket lengths for this search, None when there is none: no ``max_shape`` or
+        ``buckets=False``, a compiled model (its plans' graphs), packed batches without ``resize``, or a declared
+        maximum no longer than the first batch."""
+        s = self.settings
+        if self.found.max_shape is None or s.buckets is False:
+            return None
+        why = self._table_refused()
+        if why is not None:
+            rank_zero_info(f"lightning_ckpt: no plan table with {why}: every batch runs the plan tuned for max_shape.")
+            return None
+        first, tuned = batch_size_of(batch, s.guard.shape_key), batch_size_of(tuning_batch, s.guard.shape_key)
+        if first is None or tuned is None:
+            return None
+        edges = bucket_edges(min(first.length, tuned.length // 8), tuned.length, s.bucket_edges)
+        if trainer.world_size > 1:  # rank 0's: every rank profiles the same buckets, in lockstep
+            edges = StrategySync(trainer.strategy).broadcast(edges)
+        return edges if len(edges) > 1 else None
+
+    def _table_refused(self) -> str | None:
+        """Why this fit can follow no plan table (a search builds none, a reused one is not followed), or None."""
+        guard = self.settings.guard
+        if guard.shape_key is not None and guard.resize is None:
+            return (
+                "batches sized by guard's shape_key and no guard resize (a packed batch is cut to each bucket's "
+                "length by resize(batch, length), which only the user can write)"
+            )
+        return None
+
+    def _reused_table(self, plan: Plan, source: str) -> PlanTable | None:
+        """The plan table a reused plan keeps, when this fit follows one (as ``_table_lengths`` decides)."""
+        if self.settings.buckets is False or self._table_refused() is not None:
+            return None
+        table = PlanTable.of_plan(plan, source=source)
+        if table is not None:
+            rank_zero_info(f"lightning_ckpt: {table_line(table, None)}")
+        return table
+
+    def _follow_table(self, trainer: pl.Trainer) -> None:
+        """Before the forward: run the plan of this step's bucket (a batch longer than every bucket runs the top
+        one, and the guard's before-forward check covers it). Under several ranks the bucket is that of the step's
+        longest batch on any rank (``BudgetGuard.agree``), so every rank runs the same plan: a sharded model's
+        recompute gathers parameters, and ranks checkpointing different blocks would wait on each other."""
+        table, plan, guard = self.table, self.found.plan, self.guard
+        assert table is not None and plan is not None and guard is not None
+        size = guard.step_size
+        index = table.bucket_for(size.length) if size is not None else None
+        top = index is None or index == len(table.buckets) - 1
+        want = plan if top else table.buckets[index].plan
+        if self.running is None or want.key() != self.running.key():
+            self.applied.apply(self.view, want, trainer, keep_graphs=self._keeps_graphs())
+            self.running = want
+
+    def _keeps_graphs(self) -> bool:
+        """Whether switching between the plan table's plans keeps each one's compiled graphs (``AppliedPlan``): a
+        compiled model's table, whose plans share one PT2 budget (none: a search that chose one builds no table, as
+        the compiler reads it when compiling and no guard sees it)."""
+        table = self.table
+        if table is None or not self.view.compiled:
+            return False
+        return len({b.plan.compile_memory_budget for b in table.buckets}) == 1
+
+    # -- lock-in and the guard's switches ----------------------------------------------------------
+    def _lock_in(self, plan: Plan, *, source: str, trainer: pl.Trainer) -> None:
+        guard = self.guard
+        assert guard is not None, "the guard is built, with its budget, before a plan is locked in"
+        self.applied.apply(self.view, plan, trainer, keep_graphs=self._keeps_graphs())
+        self.found.plan = self.running = plan
+        guard.arm(int(trainer.accumulate_grad_batches))
+        self.stage = self._locked_stage()
+        if source not in _SEARCHES or self.settings.verbose:
+            rank_zero_info(f"lightning_ckpt: applied plan from {source}: {plan.describe()}")
+
+    def _locked_stage(self) -> Stage:
+        return Stage.FOLLOWING_TABLE if self.table is not None else Stage.LOCKED_IN
+
+    def _guard_switched(self, lower: Plan, trainer: pl.Trainer) -> None:
+        """The guard moved to ``lower``: lock it in, or, under a plan table, make it the plan of the bucket that went
+        over (the top bucket's plan is the plan file's plan) and run it. A batch longer than every bucket grows the
+        table a bucket up to its length instead, so the batches the top bucket covers keep their plan."""
+        table, running, plan, guard = self.table, self.running, self.found.plan, self.guard
+        assert guard is not None
+        size = guard.step_size  # the step's largest batch on any rank, as the table was followed
+        length = size.length if size is not None else None
+        if table is not None and length is not None and length > table.longest and plan is not None:
+            self.table = table.grown(length, replace(lower, metadata={}))
+            rank_zero_info(
+                f"lightning_ckpt: a batch of length {length} is longer than the plan table's longest bucket "
+                f"({table.longest}): the table grows a bucket <= {length} running {lower.describe()}."
+            )
+            self._lock_in(
+                lower.with_metadata(**{TABLE_KEY: self.table.to_dict()}), source="the budget guard", trainer=trainer
+            )
+            return
+        if table is None or running is None or plan is None or running.key() == plan.key():
+            if table is not None:
+                self.table = table.with_top(replace(lower, metadata={}))
+                lower = lower.with_metadata(**{TABLE_KEY: self.table.to_dict()})
+            self._lock_in(lower, source="the budget guard", trainer=trainer)
+            return
+        index = next(i for i, b in enumerate(table.buckets) if b.plan.key() == running.key())
+        self.table = table.with_plan(index, replace(lower, metadata={}, name=running.name), "guard")
+        self.found.plan = plan.with_metadata(**{TABLE_KEY: self.table.to_dict()})
+        self.applied.apply(self.view, self.table.buckets[index].plan, trainer, keep_graphs=self._keeps_graphs())
+        self.running = self.table.buckets[index].plan
+        rank_zero_info(f"lightning_ckpt: bucket <= {table.buckets[index].max_length} now runs {lower.describe()}")
+
+    def _report_replanned(self, trainer: pl.Trainer) -> None:
+        """Once a re-planned plan's first step was timed (its memory read before it): the side-by-side line, and
+        the measured figures into the plan file."""
+        check, plan = self.replan_check, self.found.plan
+        if check is None or check.seconds is None or plan is None:
+            return
+        self.replan_check = None
+        if trainer.is_global_zero:
+            self.found.plan = check.report(plan)
+            if self.settings.plan_file is not None:
+                self.settings.plan_file.save(self.found.plan)
+
+    def _set_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Mapping[str, int]) -> None:
+        s = self.settings
+        if set_micro_batch(trainer, pl_module, s.batch_arg_name, spec, verbose=s.verbose):
+            self.found.micro_batch = dict(spec)
+
+    def _unlock(self) -> None:
+        if self.guard is not None:
+            self.guard.reader.abandon()
+        self.applied.remove()
+        self.running = None
