@@ -7,7 +7,7 @@ from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan
 from lightning_ckpt.errors import StalePlanError
-from lightning_ckpt.lightning.conditions import RunConditions
+from lightning_ckpt.lightning.reuse import RunConditions
 
 SPACE = {"modes": ["full"], "selections": ["all"], "rest_modes": ["none"], "segments": False}
 

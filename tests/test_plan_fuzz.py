@@ -30,9 +30,8 @@ from lightning_ckpt import ActivationCheckpointTuner, Plan
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.cli.main import main
 from lightning_ckpt.errors import LightningCkptError, PlanError
-from lightning_ckpt.lightning.conditions import RunConditions
-from lightning_ckpt.lightning.replanned import ReplanCheck
-from lightning_ckpt.lightning.reuse import condition_changes, reusable
+from lightning_ckpt.lightning.reuse import RunConditions, condition_changes, reusable
+from lightning_ckpt.lightning.session import ReplanCheck
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.table import PlanTable, table_line
 from lightning_ckpt.search.replan import replan

@@ -12,8 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_ckpt import ActivationCheckpointTuner
 from lightning_ckpt.errors import ConfigurationError
-from lightning_ckpt.lightning.probe import PROBE_BATCHES, probe_loader, probe_request
-from lightning_ckpt.lightning.shapes import BatchSize, batch_size_of
+from lightning_ckpt.lightning.shapes import PROBE_BATCHES, BatchSize, batch_size_of, probe_loader, probe_request
 
 LENGTHS = [8, 16, 8, 32, 16, 8, 16, 8]  # the longest, 32, is one batch in eight
 

@@ -29,10 +29,9 @@ from lightning_ckpt.lightning.checks import (
     search_config,
 )
 from lightning_ckpt.lightning.guard import GuardConfig, StepCheck
-from lightning_ckpt.lightning.plan_file import PlanFile
-from lightning_ckpt.lightning.probe import probe_request
+from lightning_ckpt.lightning.reuse import PlanFile
 from lightning_ckpt.lightning.session import FitSession, Found, Settings
-from lightning_ckpt.lightning.shapes import BatchSize
+from lightning_ckpt.lightning.shapes import BatchSize, probe_request
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.config import TuneConfig

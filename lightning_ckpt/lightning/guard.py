@@ -7,6 +7,8 @@ lock-in, and any step on a batch larger than every one checked so far, are read 
 allocator's peak, CPU with the live-tensor tracker (several times slower, so only those steps).
 A compiled model's steps are read as its trials were (``compile.SavedForBackward``): the tracker's
 dispatch mode would make dynamo run them eagerly and read the eager step.
+
+The search's ``Sync`` (``lightning_ckpt.search.distributed``) over a Lightning strategy's process group.
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ from torch import nn
 
 from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
-from lightning_ckpt.lightning.shapes import BatchSize, ShapeScaling, batch_size_of
-from lightning_ckpt.lightning.sync import max_over_ranks
-from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
+from lightning_ckpt.lightning.shapes import BatchSize, ShapeScaling, batch_dims, batch_size_of, batch_tensors
 from lightning_ckpt.measure.measurement import MemoryReading
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.measure.tracker import new_live_tracker
@@ -37,9 +37,11 @@ __all__ = [
     "GuardConfig",
     "RealStepReader",
     "StepCheck",
+    "StrategySync",
     "largest_size",
     "lower_memory_trial",
     "lower_plan",
+    "max_over_ranks",
     "trial_figures",
 ]
 
@@ -184,7 +186,8 @@ def lower_memory_trial(
 
     ``excess`` (real peak minus the current plan's predicted one) is what trials did not see; it is assumed
     to be the same under every plan (optimizer, retained tensors, roughly). ``predict`` turns a trial's
-    ``(plan key, peak, activation)`` at the tuned batch into the budget's value at the batch at hand (default: as measured).
+    ``(plan key, peak, activation)`` at the tuned batch into the budget's value at the batch at hand (default: as
+    measured).
     Only plans known to use less memory than the current one at the tuned batch (measured, or predicted where the
     current one was pruned) are considered, and none in ``exclude`` (plans that already went over): each switch
     goes down, so the guard cannot oscillate. Returns None when none qualifies.
@@ -558,3 +561,43 @@ class BudgetGuard:
             return None
         rank_zero_warn(f"{message} Switching to {lower.describe()} {switching}(on_budget_exceeded='switch').")
         return lower
+
+
+class StrategySync:
+    """``lightning_ckpt.search.distributed.Sync`` over a Lightning strategy's process group."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    @property
+    def is_leader(self) -> bool:
+        return self.strategy.global_rank == 0
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    def broadcast(self, obj: Any) -> Any:
+        return self.strategy.broadcast(obj, src=0)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def max_over_ranks(strategy: Any, values: Sequence[int]) -> list[int]:
+    """Each of ``values`` at its largest over the ranks, on every rank: one all-reduce of a few integers (on the
+    strategy's device, as NCCL needs; there it waits for the previous step's kernels, one host sync per step). It is
+    what lets every rank judge a step by the same batch size when their batches differ (ragged lengths): the same
+    plan table bucket, the same before-forward verdict, the same steps read."""
+    import torch
+
+    if strategy.world_size <= 1:
+        return list(values)
+    reduced = strategy.reduce(torch.tensor(list(values), device=strategy.root_device), reduce_op="max")
+    return [int(v) for v in reduced.tolist()]

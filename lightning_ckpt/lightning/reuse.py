@@ -1,27 +1,56 @@
 """When a saved plan (resumed checkpoint, ``plan=``, plan file) may be applied without searching: the run's
 conditions, the model, and the budget it was tuned for must match this run's; and the budget it is then
-guarded against."""
+guarded against.
+
+The conditions a plan was tuned for, and what changed since: a plan is reused only where it was measured.
+
+A plan file is a cache of a measurement. The fastest plan that fits at micro-batch 8 in bf16 on an
+80 GB card is not the one that fits at micro-batch 16 in fp32 on a 40 GB card, so everything that
+moves the measurement is recorded with the plan and compared before reuse.
+
+The callback's ``plan_path``: read once per fit, written atomically by rank 0, and never over another run's plan.
+
+Two runs tuning into one file must not both believe their plan is there: the file's content is noted when
+a fit reads it (or last wrote it), and a save that finds it changed keeps the other run's plan and says so.
+
+The file is a by-product; the training run is what the user came for. A save that fails (a full disk, a
+directory made read-only after the fit started, a failing rename) never stops the fit: the plan stays applied,
+in memory and in the callback's ``state_dict`` (so in Lightning checkpoints), the previous file is intact (the
+write is atomic), and one warning per fit says where the plan would have gone and why it could not. Later saves
+still try, and the first that works says so.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_ckpt.budget import Budget, RequestedBudget
-from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError, PlanError, StalePlanError
-from lightning_ckpt.lightning.conditions import RunConditions
-from lightning_ckpt.lightning.plan_file import warn_each_fit
-from lightning_ckpt.lightning.trials import batch_dims
+from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
+from lightning_ckpt.errors import (
+    ConfigurationError,
+    InfeasibleBudgetError,
+    PlanError,
+    PlanFileChangedError,
+    StalePlanError,
+)
+from lightning_ckpt.lightning.shapes import batch_dims
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
+from lightning_ckpt.plan.file import plan_file_version
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.replan import PROFILE_KEY, replan
 
 __all__ = [
+    "PlanFile",
+    "RunConditions",
     "check_reusable",
     "condition_changes",
     "plan_to_reuse",
@@ -30,6 +59,7 @@ __all__ = [
     "reused_budget",
     "run_conditions",
     "wanted_budget",
+    "warn_each_fit",
 ]
 
 
@@ -172,3 +202,123 @@ def retune_for_batch(plan: Plan, conditions: RunConditions, *, budget: Requested
         f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (on_stale_plan='retune')."
     )
     return True
+
+
+_LABELS = {
+    "batch_size": "micro-batch size",
+    "seq_len": "sequence length",
+    "precision": "precision",
+    "device_type": "device type",
+    "device_capacity_bytes": "device capacity",
+    "world_size": "world size",
+    "accumulation": "gradient accumulation",
+}
+_BATCH = ("batch_size", "seq_len")
+
+
+@dataclass(frozen=True)
+class RunConditions:
+    """What a tuned plan's measurements depend on besides the model (whose fingerprint the plan carries)."""
+
+    batch_size: int | None
+    seq_len: int | None
+    precision: str | None
+    device_type: str
+    device_capacity_bytes: int | None
+    world_size: int
+    accumulation: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def changes_from(self, saved: Mapping[str, Any] | None, *, include_batch: bool = True) -> list[str]:
+        """Human-readable differences from ``saved`` (a plan's ``metadata["conditions"]``); empty if it
+        matches. Conditions the saved plan does not record (older files) are not compared."""
+        if not saved:
+            return []
+        changes = []
+        for key, label in _LABELS.items():
+            if key in _BATCH and not include_batch:
+                continue
+            if key not in saved or saved[key] is None:
+                continue
+            mine = getattr(self, key)
+            if mine != saved[key]:
+                fmt = format_bytes if key == "device_capacity_bytes" else repr
+                changes.append(
+                    f"{label}: tuned for {fmt(saved[key])}, this run has {fmt(mine) if mine is not None else 'none'}"
+                )
+        return changes
+
+
+class PlanFile:
+    """``plan_path`` over the fits of one callback."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        _check_writable(self.path)
+        self._version: str | None = None  # the content when last read or written here
+        self.lost = False  # another run wrote it meanwhile: never write over it this fit
+        self.wrote = False
+        self.failed: str | None = None  # why the last save could not write (OSError), None once one works
+
+    def open_fit(self) -> None:
+        """Note the file's content before it is loaded: a save by another run after this is then seen as a change."""
+        self.lost = False
+        self.failed = None
+        self._version = plan_file_version(self.path)
+
+    def load(self) -> Plan | None:
+        """The saved plan, if any (its budget, conditions and fingerprint are checked by ``reuse``)."""
+        return Plan.load(self.path) if self.path.exists() else None
+
+    def save(self, plan: Plan) -> bool:
+        """Write ``plan`` unless another run wrote the file since this fit read it; False (with a warning) if so."""
+        if self.lost:
+            return False
+        try:
+            plan.save(self.path, unchanged_since=self._version)
+        except PlanFileChangedError as err:
+            self.lost = True
+            warn_each_fit(
+                f"lightning_ckpt: {self.path} was written by another run while this one was tuning: it now "
+                f"holds {err.held}, which is kept. This run trains with its own plan {plan.describe()} (digest "
+                f"{plan.digest()}), which was not saved. Give each run its own plan_path, or tune once and pass "
+                "the file to the other runs as plan=."
+            )
+            return False
+        except OSError as err:
+            if self.failed is None:
+                warn_each_fit(
+                    f"lightning_ckpt: the plan file {self.path} could not be written ({type(err).__name__}: "
+                    f"{err.strerror or err}). Training goes on with plan {plan.describe()} (digest {plan.digest()}), "
+                    "kept in memory and in the callback's state (Lightning checkpoints carry it); any earlier file "
+                    "there is intact. Free the space or fix the directory's permissions: the next save (after the "
+                    "guard's steps, or the next fit) tries again."
+                )
+            self.failed = f"{type(err).__name__}: {err.strerror or err}"
+            return False
+        if self.failed is not None:
+            rank_zero_warn(f"lightning_ckpt: the plan file {self.path} was written after all ({plan.describe()}).")
+            self.failed = None
+        self._version = plan.file_version()
+        return True
+
+
+def warn_each_fit(message: str) -> None:
+    """``rank_zero_warn`` shown on every fit, not once per process: entering ``catch_warnings`` resets the
+    'already shown' registry, while the user's own filters (e.g. ``ignore``) still apply."""
+    with warnings.catch_warnings():
+        rank_zero_warn(message)
+
+
+def _check_writable(path: Path) -> None:
+    parent = path.parent if str(path.parent) else Path(".")
+    probe = parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigurationError(
+            f"plan_path={str(path)!r} cannot be written: {str(probe)!r} is not a writable directory. "
+            "Choose a plan_path in a directory you can write to."
+        )

@@ -2,30 +2,38 @@
 inside the trial sandbox, with Lightning's progress bars paused; and its report once a plan is locked in.
 
 Everything here is glue from a Trainer to ``search.tune``/``search.microbatch``: the algorithm lives there.
+
+Switching the micro-batch for the joint search (``tune_micro_batch``): what it needs from the run, the batch it
+tunes on, and setting the micro-batch and accumulation as Lightning's ``BatchSizeFinder`` does.
+
+Lightning's progress bars during the search: they step aside for the tuner's bar, and their clocks leave
+the search out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.budget import RequestedBudget
-from lightning_ckpt.lightning.micro_batch import check_micro_batch_tunable, first_batch
-from lightning_ckpt.lightning.plan_file import PlanFile, warn_each_fit
-from lightning_ckpt.lightning.progress import lightning_bars_paused
-from lightning_ckpt.lightning.shapes import batch_at_length, batch_size_of
-from lightning_ckpt.lightning.sync import StrategySync
-from lightning_ckpt.lightning.tensorboard import TunerRun, logged_hparams
-from lightning_ckpt.lightning.trials import (
+from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.lightning.guard import StrategySync
+from lightning_ckpt.lightning.reuse import PlanFile, warn_each_fit
+from lightning_ckpt.lightning.shapes import (
     SkippedBatch,
+    batch_at_length,
     batch_dims,
+    batch_size_of,
     batch_tensors,
     fill_grads,
     needs_transfer,
@@ -33,6 +41,7 @@ from lightning_ckpt.lightning.trials import (
     training_loss,
     zero_grad_fn,
 )
+from lightning_ckpt.lightning.tensorboard import TunerRun, logged_hparams
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.buckets import bucket_profile, plan_table
@@ -43,7 +52,16 @@ from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.store import storage_for_display
 from lightning_ckpt.search.tune import SearchInterrupted, tune
 
-__all__ = ["SearchRequest", "report_search", "search_first_batch", "search_micro_batch"]
+__all__ = [
+    "SearchRequest",
+    "check_micro_batch_tunable",
+    "first_batch",
+    "lightning_bars_paused",
+    "report_search",
+    "search_first_batch",
+    "search_micro_batch",
+    "set_micro_batch",
+]
 
 
 @dataclass(frozen=True)
@@ -306,3 +324,116 @@ def report_search(
     if result.study_name is not None:
         where.append(f"Optuna study {result.study_name!r} ({storage_for_display(result.storage)})")
     rank_zero_info(report.result_line(result) + "\nlightning_ckpt: " + "; ".join(where))
+
+
+def check_micro_batch_tunable(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_arg_name: str) -> None:
+    """Refuse what the joint search cannot do (several processes, no batch-size attribute, a scheduler that sets
+    the accumulation itself); warn where accumulation is not exactly the original batch (BatchNorm)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+    from lightning.pytorch.utilities.parsing import lightning_hasattr
+
+    if trainer.world_size > 1:
+        raise ConfigurationError("tune_micro_batch=True is not supported under multi-process training yet.")
+    if not lightning_hasattr(pl_module, batch_arg_name):
+        raise ConfigurationError(
+            f"tune_micro_batch=True changes the micro-batch through the '{batch_arg_name}' attribute of the "
+            "LightningModule or its datamodule (as Lightning's BatchSizeFinder does), but neither has it. Add "
+            f"self.{batch_arg_name} and use it in train_dataloader(), or name yours: tune_micro_batch='my_batch_size'."
+        )
+    if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        raise ConfigurationError(
+            "tune_micro_batch=True sets accumulate_grad_batches itself, but a GradientAccumulationScheduler is "
+            "also set. Remove one of them."
+        )
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
+        rank_zero_warn(
+            "tune_micro_batch=True: this model has BatchNorm layers, whose statistics depend on the micro-batch; "
+            "gradient accumulation is then not exactly equivalent to the original batch."
+        )
+
+
+def first_batch(trainer: pl.Trainer) -> Any:
+    """The first training batch, on the device, drawn without moving the data order or any RNG."""
+    trainer.fit_loop.setup_data()
+    loader = trainer.train_dataloader
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise ConfigurationError("tune_micro_batch=True needs a single train DataLoader.")
+    with isolate_rng():  # drawing a batch must not move the data order or any RNG
+        batch = next(iter(loader))
+    return trainer.strategy.batch_to_device(batch)
+
+
+def set_micro_batch(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch_arg_name: str, spec: Mapping[str, int], *, verbose: bool
+) -> bool:
+    """Switch to ``spec``'s micro-batch and accumulation (True), or keep this run's when its global batch differs
+    (False, with a warning); restore both if the switch fails."""
+    from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+
+    if not lightning_hasattr(pl_module, batch_arg_name):
+        raise ConfigurationError(
+            f"The plan sets micro-batch {spec['size']} x {spec['accumulation']} accumulation, but the model has "
+            f"no '{batch_arg_name}' attribute to set. Add it, or re-tune without tune_micro_batch."
+        )
+    old_size = lightning_getattr(pl_module, batch_arg_name)
+    old_accumulation = trainer.accumulate_grad_batches
+    if old_size * old_accumulation != spec["global"]:
+        rank_zero_warn(
+            f"lightning_ckpt: the plan's micro-batch was tuned for a global batch of {spec['global']}, but this run "
+            f"has {old_size} x {old_accumulation}; keeping this run's batch settings."
+        )
+        return False
+    try:
+        lightning_setattr(pl_module, batch_arg_name, int(spec["size"]))
+        trainer.accumulate_grad_batches = int(spec["accumulation"])
+        trainer.fit_loop._combined_loader = None  # force a reload, as Lightning's batch-size tuner does
+        trainer.fit_loop.setup_data()
+        loader = trainer.train_dataloader
+        actual = getattr(loader, "batch_size", spec["size"])
+        if actual != spec["size"]:
+            raise ConfigurationError(
+                f"Set {batch_arg_name}={spec['size']} but the reloaded train DataLoader still has batch_size "
+                f"{actual}: train_dataloader() must build its DataLoader from self.{batch_arg_name}."
+            )
+    except BaseException:
+        lightning_setattr(pl_module, batch_arg_name, old_size)
+        trainer.accumulate_grad_batches = old_accumulation
+        trainer.fit_loop._combined_loader = None
+        trainer.fit_loop.setup_data()
+        raise
+    if verbose:
+        rank_zero_info(
+            f"lightning_ckpt: micro-batch {spec['size']} x {spec['accumulation']} accumulation "
+            f"(global batch {spec['global']}, was {old_size} x {old_accumulation})"
+        )
+    return True
+
+
+@contextlib.contextmanager
+def lightning_bars_paused(trainer: pl.Trainer, progress: Any) -> Iterator[None]:
+    """Around the search: Lightning's own bar steps aside for the tuner's, and its clock leaves the search
+    out, so step 1 is not reported as taking the whole search (the result line reports the tuning time)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    callback = trainer.progress_bar_callback
+    tqdm_bar = getattr(callback, "_train_progress_bar", None) if isinstance(callback, TQDMProgressBar) else None
+    rich = callback.progress if isinstance(callback, RichProgressBar) else None
+    if tqdm_bar is not None:
+        tqdm_bar.clear()
+    if rich is not None:
+        rich.stop()
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        if progress is not None:
+            progress.close()
+        if tqdm_bar is not None:
+            tqdm_bar.unpause()  # restarts tqdm's timer from its last print: rate and elapsed leave the search out
+            tqdm_bar.refresh()
+        if rich is not None:
+            for task in rich.tasks:
+                if task.start_time is not None:
+                    task.start_time += time.monotonic() - started
+                task._progress.clear()  # the speed estimate's samples: none may span the search
+            rich.start()

@@ -14,28 +14,58 @@ length, ``a`` is 0 (all quadratic): the guard assumes the worst and may move to 
 never a step late. A reading at another length solves for ``a`` (the smallest over readings is kept, the more
 quadratic one), which then extrapolates exactly for that form where a fitted power would not: the power between
 two short lengths is lower than between a short and a long one.
+
+Running the user's ``training_step`` as a trial: without a trace (the sandbox), with the gradients Lightning
+would hold at that point of a real step, under the Trainer's precision; and reading a batch's shape.
+
+The longest batch a run will see, found before its first step: ``max_shape="probe"``.
+
+A plan tuned on the first batch runs over the budget on the first long one, many steps later. Users who cannot
+name their longest batch ask the run: the datamodule's declared maximum length where it exposes one (LitGPT's
+data modules and many Hugging Face ones keep ``max_seq_length``), else a bounded probe of the training loader:
+N batches drawn from a fresh iterator, only their shapes kept. The probe must not change training: the random
+states a loader draws from (torch's for a shuffling sampler, Python's and NumPy's for user code) are put back,
+and a loader that cannot be iterated afresh (a one-shot iterator or generator) is refused rather than consumed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import copy
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch.utils._pytree import tree_map
 
 from lightning_ckpt.errors import ConfigurationError
-from lightning_ckpt.lightning.trials import batch_dims, batch_tensors
+from lightning_ckpt.measure.harness import loss_of
+from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.measure.snapshot import StateSnapshot, mark_zero_grad, rng_state, set_rng_state
 
 __all__ = [
     "BatchSize",
+    "DATAMODULE_ATTRIBUTES",
+    "PROBE_BATCHES",
+    "Probed",
     "ShapeScaling",
+    "SkippedBatch",
     "batch_at_length",
+    "batch_dims",
     "batch_size_of",
+    "batch_tensors",
+    "fill_grads",
     "grown_to",
     "mark_length_dynamic",
+    "needs_transfer",
+    "probe_request",
+    "probed_max_shape",
     "resized_to",
+    "sandbox",
+    "training_loss",
+    "zero_grad_fn",
 ]
 
 
@@ -225,3 +255,212 @@ def _token_dims(batch: Any, needs: str) -> tuple[int, int]:
 def _shapes(batch: Any) -> str:
     tensors = batch_tensors(batch)
     return f"of shape {tuple(tensors[0].shape)}" if tensors else "missing (no tensors)"
+
+
+@contextlib.contextmanager
+def sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
+    """Run trials without leaving a trace: grads, buffers, metric states, Python attributes, RNG and logging.
+
+    Tensors and RNG are the measure stage's ``StateSnapshot`` (the one snapshot every step of the search is
+    restored from), and Python attributes its ``PythonState``; what is Lightning's own (metric states, logging,
+    train/eval flags) is put back here."""
+    python_state = PythonState.capture(pl_module)  # tune() also restores them after every step it runs
+    state = StateSnapshot.capture(pl_module)
+    metric_states = _metric_states(pl_module)
+    training = {m: m.training for m in pl_module.modules()}
+    patched = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
+    pl_module.log = _no_log  # type: ignore[method-assign]
+    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name, previous in patched.items():
+            if previous is None:
+                pl_module.__dict__.pop(name, None)
+            else:
+                pl_module.__dict__[name] = previous
+        state.restore()
+        for m, was in training.items():
+            m.training = was
+        _restore_metric_states(metric_states)
+        python_state.restore()
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _metric_states(pl_module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics ships with lightning
+        return []
+    saved = []
+    for m in pl_module.modules():
+        if isinstance(m, Metric):
+            state = {k: copy.deepcopy(getattr(m, k)) for k in m._defaults}
+            state.update(_update_count=m._update_count, _computed=copy.deepcopy(m._computed))
+            saved.append((m, state))
+    return saved
+
+
+def _restore_metric_states(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+    for m, state in saved:
+        for k, v in state.items():
+            setattr(m, k, v)
+
+
+def fill_grads(pl_module: pl.LightningModule) -> None:
+    """Give every trainable parameter a gradient for the trials (the sandbox puts the real ones back).
+
+    From the second real step on, gradients are live while the forward runs: Lightning zeroes them after
+    ``training_step`` and before ``backward`` (and under gradient accumulation not at all within a window).
+    A first batch has none, so trials without them would under-state every later step.
+    """
+    for p in pl_module.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+            mark_zero_grad(p.grad)  # trials' snapshots then restore zeros instead of copying to host and back
+
+
+def zero_grad_fn(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, batch_idx: int) -> Any:
+    """Lightning's own zeroing between forward and backward, where it happens (not inside an accumulation window)."""
+    if optimizer is None or trainer.accumulate_grad_batches > 1:
+        return None
+    return lambda: pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+
+
+def training_loss(
+    pl_module: pl.LightningModule, precision: Any, batch: Any, batch_idx: int, *, zero_grad: Any = None
+) -> Any:
+    """The user's ``training_step`` on ``batch`` under the Trainer's precision, as a zero-argument loss function.
+
+    Trials must run exactly what training runs (autocast included), so the tuner never builds its own forward.
+    ``zero_grad`` runs after the forward, where Lightning's automatic optimization zeroes gradients.
+    """
+
+    def forward() -> torch.Tensor:
+        with precision.forward_context():
+            out = pl_module.training_step(batch, batch_idx)
+        if out is None:
+            raise SkippedBatch  # legal in Lightning: the batch is skipped; tune on the next one
+        loss = loss_of(out, require_grad=torch.is_grad_enabled())
+        if zero_grad is not None:
+            zero_grad()
+        return loss
+
+    return forward
+
+
+class SkippedBatch(Exception):
+    """training_step returned None for the batch being tuned on."""
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+def needs_transfer(batch: Any, device: torch.device) -> bool:
+    return any(t.device != device for t in batch_tensors(batch))
+
+
+def batch_dims(batch: Any) -> tuple[int | None, int | None]:
+    """Samples per batch (first dim of the first tensor) and sequence length (token-id batches)."""
+    tensors = batch_tensors(batch)
+    if not tensors or tensors[0].dim() == 0:
+        return None, None
+    first = tensors[0]
+    seq = first.shape[1] if first.dim() == 2 and not first.is_floating_point() else None
+    return int(first.shape[0]), (int(seq) if seq is not None else None)
+
+
+PROBE_BATCHES = 64
+# Where a datamodule (or the LightningModule) keeps the longest sequence it will produce, in order.
+DATAMODULE_ATTRIBUTES = ("max_seq_length", "max_length", "max_seq_len")
+
+
+@dataclass(frozen=True)
+class Probed:
+    """The longest batch found, and where it came from, for the one line the callback prints."""
+
+    size: BatchSize
+    source: str
+
+
+def probe_request(value: Any) -> int | None:
+    """``max_shape="probe"`` (``PROBE_BATCHES`` batches) or ``"probe:N"``: the number of batches to probe; None
+    for any other ``max_shape``."""
+    if not isinstance(value, str):
+        return None
+    head, _, count = value.partition(":")
+    if head == "probe" and (not count or (count.isdigit() and int(count) > 0)):
+        return int(count) if count else PROBE_BATCHES
+    raise ConfigurationError(
+        f"max_shape={value!r} is not understood. Give the longest batch, (rows, length) or a length, e.g. "
+        f"max_shape=1024; or max_shape='probe' to read it from the datamodule or the first {PROBE_BATCHES} "
+        "batches of the training loader ('probe:256' for more)."
+    )
+
+
+def _declared_length(owners: Iterable[Any]) -> tuple[int, str] | None:
+    for owner in owners:
+        for name in DATAMODULE_ATTRIBUTES:
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, f"{type(owner).__name__}.{name}"
+    return None
+
+
+def probe_loader(loader: Any, size_of: Callable[[Any], BatchSize | None], batches: int) -> Probed:
+    """The longest of the first ``batches`` batches of a fresh iterator over ``loader`` (shapes only)."""
+    if loader is None or isinstance(loader, (dict, list, tuple)):
+        raise ConfigurationError(
+            "max_shape='probe' needs one training loader to probe, but the fit has "
+            f"{'none' if loader is None else type(loader).__name__ + ' of loaders'}. Declare the longest batch, e.g. "
+            "max_shape=1024."
+        )
+    states = rng_state()
+    iterator = iter(loader)
+    try:
+        if iterator is loader:
+            raise ConfigurationError(
+                f"max_shape='probe' cannot probe the training data: it is a one-shot iterator "
+                f"({type(loader).__name__}) that the probe would consume. Declare the longest batch, e.g. "
+                "max_shape=1024, or pass a DataLoader."
+            )
+        seen: list[BatchSize] = []
+        for _, batch in zip(range(batches), iterator, strict=False):
+            size = size_of(batch)
+            if size is not None:
+                seen.append(size)
+    finally:
+        del iterator  # a DataLoader's workers shut down here
+        set_rng_state(states)
+    if not seen:
+        raise ConfigurationError(
+            "max_shape='probe' found no batch with a tensor in the training loader. Declare the longest batch, "
+            "e.g. max_shape=1024."
+        )
+    longest = BatchSize(max(s.rows for s in seen), max(s.length for s in seen))
+    shortest = min(s.length for s in seen)
+    return Probed(
+        longest, f"a probe of {len(seen)} batches of the training loader (lengths {shortest}-{longest.length})"
+    )
+
+
+def probed_max_shape(trainer: Any, size_of: Callable[[Any], BatchSize | None], batches: int) -> Probed:
+    """The longest batch this fit will see: the datamodule's (or module's) declared maximum length, else a probe of
+    ``batches`` batches of its training loader. Several ranks take the longest any rank found."""
+    declared = _declared_length((trainer.datamodule, trainer.lightning_module))
+    if declared is not None:
+        probed = Probed(BatchSize(0, declared[0]), f"{declared[1]} ({declared[0]})")
+    else:
+        probed = probe_loader(trainer.train_dataloader, size_of, batches)
+    if trainer.world_size > 1:
+        mine = torch.tensor([probed.size.rows, probed.size.length], device=trainer.strategy.root_device)
+        sizes = trainer.strategy.all_gather(mine)
+        rows, length = (int(v) for v in sizes.reshape(-1, 2).max(dim=0).values)
+        probed = Probed(BatchSize(rows, length), probed.source + ", the longest of every rank's")
+    return probed
