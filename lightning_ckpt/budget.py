@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.formatting import format_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -29,16 +30,6 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 # Without a budget on CUDA we leave this share of the device free: the caching allocator's
 # fragmentation and other processes' contexts make the last few percent unusable in practice.
 CUDA_SAFETY_MARGIN = 0.10
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:

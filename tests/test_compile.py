@@ -208,7 +208,7 @@ def test_report_shows_compile_time_and_conflicts():
     result = TuneResult(Plan(), trials[0], trials, budget, tuning_seconds=6.0, tuning_steps=10)
     table = report_module.summary_table(result)
     assert "compile s" in table and "1 plan(s) conflicted with the compiler" in table
-    assert "| 1 | baseline:full | conflict | 1 |" in report_module.conflicts_markdown(result)
+    assert "| 1 | baseline:full | conflict | 1 |" in report_module.text.conflicts_markdown(result)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -365,12 +365,14 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
 
     acc = EventAccumulator(f"{spy.log_dir}/lightning_ckpt", size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    compile_seconds = {e.step: e.tensor_proto.float_val[0] for e in acc.Tensors(report_module.TAG_COMPILE_SECONDS)}
+    compile_seconds = {e.step: e.tensor_proto.float_val[0] for e in acc.Tensors(report_module.tags.TAG_COMPILE_SECONDS)}
     assert sorted(compile_seconds) == [t.number for t in measured] and min(compile_seconds.values()) > 0
-    summary = acc.Tensors(report_module.text_tag(report_module.TAG_SUMMARY))[0].tensor_proto.string_val[0].decode()
+    summary = (
+        acc.Tensors(report_module.tags.text_tag(report_module.tags.TAG_SUMMARY))[0].tensor_proto.string_val[0].decode()
+    )
     (row,) = [line for line in summary.splitlines() if line.startswith(f"| {full.number} |")]
     assert "| conflict |" in row
-    (conflicts,) = acc.Tensors(report_module.text_tag(report_module.TAG_CONFLICTS))
+    (conflicts,) = acc.Tensors(report_module.tags.text_tag(report_module.tags.TAG_CONFLICTS))
     text = conflicts.tensor_proto.string_val[0].decode()
     assert full.label in text and "inside checkpointed regions" in text
 

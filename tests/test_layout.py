@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parents[1] / "lightning_ckpt"
-# Data-flow order. The top-level modules (errors, versions, stacks, discovery, model, budget) are shared by every stage.
+# Data-flow order. The top-level modules (errors, versions, stacks, discovery, model, budget, formatting) are shared by
+# every stage.
 STAGES = ("plan", "measure", "timing", "memory", "search", "report", "lightning", "cli")
 LIBRARIES = {"lightning": "lightning", "pytorch_lightning": "lightning", "optuna": "search",
              "tensorboard": "report", "matplotlib": "report"}  # fmt: skip

@@ -164,7 +164,7 @@ def scalars(acc: ea.EventAccumulator, tag: str) -> dict[int, float]:
 
 
 def text_of(acc: ea.EventAccumulator, tag: str) -> str:
-    (event,) = acc.Tensors(report.text_tag(tag))
+    (event,) = acc.Tensors(report.tags.text_tag(tag))
     return event.tensor_proto.string_val[0].decode()
 
 
@@ -175,10 +175,10 @@ def test_tags_live_under_the_prefix():
         TAG_PLAN,
         TAG_SUMMARY,
         TAG_PARETO,
-        *report.HPARAM_METRIC_TAGS,
+        *report.tags.HPARAM_METRIC_TAGS,
     )
     assert all(tag.startswith(f"{TAG_PREFIX}/") for tag in tags)
-    assert len({name for name, _, _ in report.HPARAM_COLUMNS}) == len(report.HPARAM_COLUMNS)
+    assert len({name for name, _, _ in report.tags.HPARAM_COLUMNS}) == len(report.tags.HPARAM_COLUMNS)
 
 
 def test_tensorboard_round_trip(tmp_path, result):
@@ -210,30 +210,32 @@ def test_tensorboard_round_trip(tmp_path, result):
 
     (image,) = acc.Images(TAG_PARETO)
     assert image.encoded_image_string.startswith(PNG_MAGIC) and image.width > 400 and image.height > 300
-    png = (logdir / report.PARETO_PNG).read_bytes()
+    png = (logdir / report.tags.PARETO_PNG).read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
     # The HParams table: the experiment in this run, one session run per leader under table/.
     content = acc.PluginTagToContent(hp_metadata.PLUGIN_NAME)
     experiment = hp_metadata.parse_experiment_plugin_data(content[hp_metadata.EXPERIMENT_TAG])
-    assert [h.name for h in experiment.hparam_infos] == [report.hparam_name(k) for k, _, _ in report.HPARAM_COLUMNS]
-    rows = sorted(p.name for p in (logdir / report.HPARAM_RUN_DIR).iterdir())
+    assert [h.name for h in experiment.hparam_infos] == [
+        report.tags.hparam_name(k) for k, _, _ in report.tags.HPARAM_COLUMNS
+    ]
+    rows = sorted(p.name for p in (logdir / report.tags.HPARAM_RUN_DIR).iterdir())
     assert rows == ["01_winner_trial_004", "02_trial_006", "03_trial_002", "04_trial_001", "05_trial_000"]
-    winner = read(logdir / report.HPARAM_RUN_DIR / rows[0]).PluginTagToContent(hp_metadata.PLUGIN_NAME)
+    winner = read(logdir / report.tags.HPARAM_RUN_DIR / rows[0]).PluginTagToContent(hp_metadata.PLUGIN_NAME)
     hp = hp_metadata.parse_session_start_info_plugin_data(winner[hp_metadata.SESSION_START_INFO_TAG]).hparams
     hp = {name.split("_", 1)[1]: value for name, value in hp.items()}  # "02_plan" -> "plan"
-    assert hp["winner"].string_value == report.WINNER_MARK and hp["trial"].string_value == "4"
+    assert hp["winner"].string_value == report.tags.WINNER_MARK and hp["trial"].string_value == "4"
     assert hp["plan"].string_value == WINNER_PLAN.describe() and hp["status"].string_value == "ok"
     assert hp["selection"].string_value == "first:0.5" and hp["rest_mode"].string_value == "selective:mlp"
-    other = read(logdir / report.HPARAM_RUN_DIR / rows[1]).PluginTagToContent(hp_metadata.PLUGIN_NAME)
+    other = read(logdir / report.tags.HPARAM_RUN_DIR / rows[1]).PluginTagToContent(hp_metadata.PLUGIN_NAME)
     hp = hp_metadata.parse_session_start_info_plugin_data(other[hp_metadata.SESSION_START_INFO_TAG]).hparams
-    assert hp[report.hparam_name("winner")].string_value == "" and not any("unknown_dim" in k for k in hp)
+    assert hp[report.tags.hparam_name("winner")].string_value == "" and not any("unknown_dim" in k for k in hp)
 
 
 def test_table_keeps_the_leaders_and_the_best_baseline(result):
-    assert [t.number for t in report.table_trials(result)] == [4, 6, 2, 1, 0]
+    assert [t.number for t in report.tensorboard.table_trials(result)] == [4, 6, 2, 1, 0]
     # Two rows: the winner, then the best baseline that fits rather than the faster trial 6.
-    assert [t.number for t in report.table_trials(result, limit=2)] == [4, 2]
+    assert [t.number for t in report.tensorboard.table_trials(result, limit=2)] == [4, 2]
 
 
 def test_hparams_dashboard_shows_the_leaders_under_the_tuner_columns(tmp_path, result):
@@ -249,7 +251,7 @@ def test_hparams_dashboard_shows_the_leaders_under_the_tuner_columns(tmp_path, r
     from werkzeug.test import Client
 
     with SummaryWriter(log_dir=str(tmp_path)) as writer:
-        report.write_experiment(writer, {"lr": 0.001})
+        report.tensorboard.write_experiment(writer, {"lr": 0.001})
         exp, ssi, sei = torch_hparams({"lr": 0.001}, {"hp_metric": -1})  # what Lightning writes after on_fit_start
         for summary in (exp, ssi, sei):
             writer.file_writer.add_summary(summary)
@@ -270,8 +272,8 @@ def test_hparams_dashboard_shows_the_leaders_under_the_tuner_columns(tmp_path, r
 
     experiment = client.post("/data/plugin/hparams/experiment", json={"experimentName": ""}, headers=headers).json
     columns = [h["name"] for h in experiment["hparamInfos"]]
-    assert columns == [report.hparam_name(k) for k, _, _ in report.HPARAM_COLUMNS] + ["lr"]  # in our order
-    assert {m["name"]["tag"] for m in experiment["metricInfos"]} == set(report.HPARAM_METRIC_TAGS)
+    assert columns == [report.tags.hparam_name(k) for k, _, _ in report.tags.HPARAM_COLUMNS] + ["lr"]  # in our order
+    assert {m["name"]["tag"] for m in experiment["metricInfos"]} == set(report.tags.HPARAM_METRIC_TAGS)
     query = {
         "experimentName": "",
         "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
@@ -281,20 +283,20 @@ def test_hparams_dashboard_shows_the_leaders_under_the_tuner_columns(tmp_path, r
     }
     groups = client.post("/data/plugin/hparams/session_groups", json=query, headers=headers).json["sessionGroups"]
     names = [g["name"] for g in groups]
-    assert names == [".", *(f"{report.HPARAM_RUN_DIR}/{n}" for n in ("01_winner_trial_004", "02_trial_006",
+    assert names == [".", *(f"{report.tags.HPARAM_RUN_DIR}/{n}" for n in ("01_winner_trial_004", "02_trial_006",
                      "03_trial_002", "04_trial_001", "05_trial_000"))]  # fmt: skip
     assert groups[0]["hparams"] == {"lr": 0.001}  # the training run's own row keeps its hyperparameters
     winner = {m["name"]["tag"]: m["value"] for m in groups[1]["metricValues"]}
-    assert winner[report.HPARAM_SAMPLES_PER_SECOND] == pytest.approx(90.0)
-    assert winner[report.HPARAM_RECOMPUTE_PERCENT] == pytest.approx(20.0)
-    assert groups[1]["hparams"][report.hparam_name("plan")] == WINNER_PLAN.describe()
+    assert winner[report.tags.HPARAM_SAMPLES_PER_SECOND] == pytest.approx(90.0)
+    assert winner[report.tags.HPARAM_RECOMPUTE_PERCENT] == pytest.approx(20.0)
+    assert groups[1]["hparams"][report.tags.hparam_name("plan")] == WINNER_PLAN.describe()
 
 
 def test_streamed_trials_are_not_logged_twice(tmp_path, result):
     with SummaryWriter(log_dir=str(tmp_path)) as writer:
-        best = dict(report.best_so_far(result.trials))
+        best = dict(report.tensorboard.best_so_far(result.trials))
         for t in result.trials:
-            report.log_trial(writer, t, best_samples_per_second=best.get(t.number))
+            report.tensorboard.log_trial(writer, t, best_samples_per_second=best.get(t.number))
         logdir = report.write_tensorboard(writer, result, memory_breakdown_table="custom table", log_trials=False)
         # The caller's writer stays open: it belongs to the caller (e.g. Lightning's logger).
         writer.add_scalar("user/after", 1.0, 0)
@@ -312,7 +314,7 @@ def test_memory_breakdown_is_a_markdown_table():
                     "recompute_transient_bytes": 2 * MiB, "shared_with": None if i == 0 else BLOCKS[0]}
                    for i, fqn in enumerate(BLOCKS)],
     }  # fmt: skip
-    text = report.memory_markdown(breakdown, WINNER_PLAN)
+    text = report.text.memory_markdown(breakdown, WINNER_PLAN)
     html = markdown_to_safe_html(text)
     assert html.count("<table>") == 2 and "<pre>" not in html
     # Identical blocks share a column unless the plan treats them differently.
@@ -320,7 +322,7 @@ def test_memory_breakdown_is_a_markdown_table():
     assert "| none | 10.0 | 10.0 | 10.0 |" in text and "| sel:mlp |" not in text  # keys as the model names them
     assert "| selective:mlp | 4.0 | 4.0 | 4.0 |" in text
     assert "| **plan** | **full** | **selective(mlp)** | **ops(save_matmuls)** |" in text
-    no_plan = report.memory_markdown(breakdown)
+    no_plan = report.text.memory_markdown(breakdown)
     assert "| mode | `h.0-3` |" in no_plan and "**plan**" not in no_plan
 
 
@@ -437,11 +439,11 @@ def test_trial_lines(result):
 
 
 def test_plan_markdown_edge_cases(result):
-    assert "No checkpointing" in report.plan_markdown(Plan(name="none"))
-    seg = report.plan_markdown(Plan(segments={"transformer.h": 2}), result.trials[7])
+    assert "No checkpointing" in report.text.plan_markdown(Plan(name="none"))
+    seg = report.text.plan_markdown(Plan(segments={"transformer.h": 2}), result.trials[7])
     assert "`transformer.h` (stack) | segments: 2 chunks" in seg and "error" in seg
     measured = Plan({"h.0": BlockPlan("full")}, metadata={"measured": {"samples_per_s": 12.5}})
-    assert "| samples_per_s | 12.5 |" in report.plan_markdown(measured)
+    assert "| samples_per_s | 12.5 |" in report.text.plan_markdown(measured)
 
 
 def test_pareto_figure_contents(result):
@@ -456,7 +458,7 @@ def test_pareto_figure_contents(result):
     assert any(s.startswith("out of memory") for s in legend) and any(s.startswith("pruned") for s in legend)
     annotations = {t.get_text() for t in ax.texts}
     assert {"none", "full", "selective_mlp"} <= annotations  # offload never ran: no label
-    assert [t.number for t in report.pareto_front(result)] == [1, 4, 0]
+    assert [t.number for t in report.figure.pareto_front(result)] == [1, 4, 0]
 
     no_budget = dataclasses.replace(result, budget=Budget("none", description="no budget"))
     assert "budget: no budget (no memory limit)" in report.summary_table(no_budget)
@@ -466,11 +468,11 @@ def test_pareto_figure_contents(result):
 
     act = dataclasses.replace(result, budget=Budget("activation", 200 * MiB, 0.5, "50%"))
     assert report.pareto_figure(act).axes[0].get_xlabel() == "measured activation memory (MiB)"
-    assert [t.number for t in report.pareto_front(act)] == [1, 4, 0]
+    assert [t.number for t in report.figure.pareto_front(act)] == [1, 4, 0]
 
     # A front of one point draws no line: the legend does not name it.
     one = dataclasses.replace(result, trials=tuple(t for t in result.trials if t.number == 4))
-    assert len(report.pareto_front(one)) == 1
+    assert len(report.figure.pareto_front(one)) == 1
     assert "Pareto front" not in [t.get_text() for t in report.pareto_figure(one).legends[0].get_texts()]
 
 
@@ -487,7 +489,7 @@ def test_report_imports_neither_lightning_nor_pyplot(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / report.PARETO_PNG).exists()
+    assert (tmp_path / report.tags.PARETO_PNG).exists()
 
 
 def _with_verdict(result, verdict):
@@ -522,7 +524,7 @@ def test_the_result_line_summary_and_warning_show_the_verdict_with_its_interval(
     report.write_tensorboard(tmp_path, _with_verdict(result, won))
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
-    values = {tag: scalars(acc, tag)[0] for tag in report.VERDICT_SCALAR_TAGS}
+    values = {tag: scalars(acc, tag)[0] for tag in report.tags.VERDICT_SCALAR_TAGS}
     assert list(values.values()) == pytest.approx([won.ratio, won.low, won.high], rel=1e-6)
 
 
@@ -537,10 +539,20 @@ def test_time_series_keeps_the_alone_and_the_side_by_side_figures_apart_and_says
     acc = read(logdir)
     alone = scalars(acc, TAG_SAMPLES_PER_SECOND)
     assert alone[2] == pytest.approx(95.0) and alone[4] == pytest.approx(90.0)
-    side = scalars(acc, report.TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND)
+    side = scalars(acc, report.tags.TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND)
     assert side == pytest.approx({2: 80.0, 4: 92.0})  # only the plans re-timed side by side
     assert max(scalars(acc, TAG_BEST_SAMPLES_PER_SECOND).values()) == pytest.approx(95.0)
-    for tag in (TAG_SAMPLES_PER_SECOND, TAG_BEST_SAMPLES_PER_SECOND, report.TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND):
+    for tag in (TAG_SAMPLES_PER_SECOND, TAG_BEST_SAMPLES_PER_SECOND, report.tags.TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND):
         description = acc.SummaryMetadata(tag).summary_description
-        assert description == report.SCALAR_DESCRIPTIONS[tag] and "side" in description
+        assert description == report.tags.SCALAR_DESCRIPTIONS[tag] and "side" in description
     assert "alone" in TAG_SAMPLES_PER_SECOND and "alone" in TAG_BEST_SAMPLES_PER_SECOND
+
+
+def test_a_name_the_report_package_used_to_export_still_resolves_with_a_warning():
+    with pytest.warns(DeprecationWarning, match=r"lightning_ckpt\.report\.tags\.HPARAM_COLUMNS"):
+        assert report.HPARAM_COLUMNS is report.tags.HPARAM_COLUMNS
+    with pytest.warns(DeprecationWarning, match=r"report\.text\.plan_markdown"):
+        assert report.plan_markdown is report.text.plan_markdown
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        report.nothing_here  # noqa: B018
+    assert len(report.__all__) <= 15

@@ -7,11 +7,12 @@ on what a budget is and when two are the same.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from lightning_ckpt.budget import RequestedBudget, format_bytes
+from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.errors import LightningCkptError
+from lightning_ckpt.formatting import format_bytes, table
 from lightning_ckpt.plan.format import Plan, library_versions
 
 __all__ = [
@@ -39,17 +40,6 @@ def section(metadata: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     """``metadata[key]`` when it is a mapping, else empty: hand-edited files may hold anything there."""
     value = metadata.get(key)
     return value if isinstance(value, Mapping) else {}
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[int] = (), indent: str = "") -> str:
-    """Aligned columns; ``right`` lists the columns of numbers, right-aligned so digits line up."""
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        out = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
-        return (indent + "  ".join(out)).rstrip()
-
-    return "\n".join([line(headers)] + [line(r) for r in rows])
 
 
 # Cells: "-" where the file records nothing, or something that is not a number.

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
+from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.measure.device_memory import DeviceMemory, device_memory, refused_although_it_fits
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.status import TrialStatus
@@ -660,11 +661,11 @@ def measure_step(
             if leaked is not None and leaked > LEAK_TOLERANCE_BYTES:
                 notes["leaked_bytes"] = leaked
                 log.warning(
-                    "lightning_ckpt: a step that failed (%s) left %.1f MiB allocated above where it started; every "
+                    "lightning_ckpt: a step that failed (%s) left %s allocated above where it started; every "
                     "later step starts that much higher. Something outside the step holds its tensors (a hook whose "
                     "handle was dropped, a global, a logged tensor): release them in the step's own code.",
                     failure[0],
-                    leaked / 2**20,
+                    format_bytes(leaked),
                 )
         if refused_but_fits is not None and "leaked_bytes" not in notes:  # a step that leaked would only fail again
             # The allocator's cap counts reserved bytes: run once more from an emptied cache, under the user's own cap

@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_ckpt.errors import PlanError, StalePlanError
+from lightning_ckpt.formatting import format_bytes, table
 from lightning_ckpt.plan.chunks import segment_chunks
 from lightning_ckpt.plan.format import Plan, closest_names, mode_key
 from lightning_ckpt.stacks import LayerStack
 
 __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction", "mode_key"]
-
-_MB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -244,15 +243,12 @@ class MemoryModel:
             if saved_under is not None:  # a shared block's calls together, on its first row
                 row.append(_mib(saved_under[b.fqn]) if call_no[b.fqn] == 1 else "")
             rows.append(row)
-        widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
-        fmt = "  ".join(f"{{:<{widths[0]}}}" if c == 0 else f"{{:>{widths[c]}}}" for c in range(len(header)))
         lines = [
             f"Memory profile on {self.device} (MiB; saved activations kept from forward to backward per block)",
             f"fixed {_mib(self.fixed_bytes)} = parameters {_mib(self.parameter_bytes)} + gradients "
             f"{_mib(self.gradient_bytes)} + optimizer state {_mib(self.optimizer_state_bytes)} + buffers "
             f"{_mib(self.buffer_bytes)}; activations outside the blocks {_mib(self.other_activation_bytes)}",
-            fmt.format(*header),
-            *(fmt.format(*r) for r in rows),
+            table(header, rows, right=range(1, len(header))),
         ]
         if any(b.shared_with for b in self.blocks):
             lines.append("* profile shared with an identical block")
@@ -523,7 +519,7 @@ class _PlanState:
 
 
 def _mib(n: int) -> str:
-    return f"{n / _MB:.2f}"
+    return format_bytes(n, unit="MiB", digits=2, suffix=False)
 
 
 def _profile_tuple(p: ModeProfile) -> tuple[int, ...]:

@@ -3,141 +3,52 @@ TensorBoard and matplotlib are imported only here.
 
 One module per job: ``text`` (words, plain and markdown), ``progress`` (the bar during the search), ``figure``
 (the Pareto plot), ``tensorboard`` (writing the logs) and ``tags`` (the names in them); ``quantities`` holds
-what they all read off a trial. The package is the public surface: ``from lightning_ckpt import report``, then
-``report.write_tensorboard(...)``, ``report.summary_table(...)``.
+what they all read off a trial. The package exports the few names callers use (``from lightning_ckpt import
+report``, then ``report.write_tensorboard(...)``, ``report.summary_table(...)``); the rest live in their module
+(``report.tags.HPARAM_COLUMNS``, ``report.text.plan_markdown``). A name this package used to export still
+resolves, with a ``DeprecationWarning`` naming its module.
 """
 
 from __future__ import annotations
 
-from lightning_ckpt.report.figure import pareto_figure, pareto_front
+import importlib
+import warnings
+from typing import Any
+
+from lightning_ckpt.report import figure, progress, quantities, tags, tensorboard, text
+from lightning_ckpt.report.figure import pareto_figure
 from lightning_ckpt.report.progress import SearchProgress
-from lightning_ckpt.report.tags import (
-    COMPILE_SCALAR_TAGS,
-    HPARAM_ACTIVATION_MIB,
-    HPARAM_COLUMNS,
-    HPARAM_METRIC_TAGS,
-    HPARAM_METRICS,
-    HPARAM_PEAK_MIB,
-    HPARAM_PREDICTED_PEAK_MIB,
-    HPARAM_RECOMPUTE_PERCENT,
-    HPARAM_ROWS,
-    HPARAM_RUN_DIR,
-    HPARAM_SAMPLES_PER_SECOND,
-    PARETO_PNG,
-    SCALAR_DESCRIPTIONS,
-    TAG_ACTIVATION_MIB,
-    TAG_BEST_SAMPLES_PER_SECOND,
-    TAG_COMPILE_SECONDS,
-    TAG_CONFLICTS,
-    TAG_GRAPH_BREAKS,
-    TAG_MEMORY_BREAKDOWN,
-    TAG_PARETO,
-    TAG_PEAK_MIB,
-    TAG_PLAN,
-    TAG_PREDICTED_ACTIVATION_MIB,
-    TAG_PREDICTED_PEAK_MIB,
-    TAG_PREDICTED_STEP_MS,
-    TAG_PREFIX,
-    TAG_RECOMPILES,
-    TAG_RECOMPUTE_OVERHEAD,
-    TAG_SAMPLES_PER_SECOND,
-    TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND,
-    TAG_SUMMARY,
-    TAG_TIME_PREDICTION_ERROR,
-    TAG_TRIAL_SECONDS,
-    TEXT_TAG_SUFFIX,
-    TIME_SCALAR_TAGS,
-    TRIAL_SCALAR_TAGS,
-    VERDICT_SCALAR_TAGS,
-    WINNER_MARK,
-    hparam_name,
-    text_tag,
-)
-from lightning_ckpt.report.tensorboard import (
-    best_so_far,
-    experiment_summary,
-    log_trial,
-    open_writer,
-    table_trials,
-    write_experiment,
-    write_hparams_table,
-    write_tensorboard,
-)
-from lightning_ckpt.report.text import (
-    NOISY_SPREAD,
-    conflicts_markdown,
-    memory_markdown,
-    plan_markdown,
-    result_line,
-    summary_markdown,
-    summary_table,
-    timing_warning,
-    trial_line,
-    verdict_lines,
-    verdict_of,
-)
+from lightning_ckpt.report.tensorboard import write_tensorboard
+from lightning_ckpt.report.text import result_line, summary_table, timing_warning, trial_line
 
 __all__ = [
-    "best_so_far",
-    "COMPILE_SCALAR_TAGS",
-    "conflicts_markdown",
-    "experiment_summary",
-    "HPARAM_ACTIVATION_MIB",
-    "HPARAM_COLUMNS",
-    "HPARAM_METRIC_TAGS",
-    "HPARAM_METRICS",
-    "hparam_name",
-    "HPARAM_PEAK_MIB",
-    "HPARAM_PREDICTED_PEAK_MIB",
-    "HPARAM_RECOMPUTE_PERCENT",
-    "HPARAM_ROWS",
-    "HPARAM_RUN_DIR",
-    "HPARAM_SAMPLES_PER_SECOND",
-    "log_trial",
-    "memory_markdown",
-    "NOISY_SPREAD",
-    "open_writer",
-    "pareto_figure",
-    "pareto_front",
-    "PARETO_PNG",
-    "plan_markdown",
-    "result_line",
     "SearchProgress",
-    "summary_markdown",
+    "figure",
+    "pareto_figure",
+    "progress",
+    "quantities",
+    "result_line",
     "summary_table",
-    "table_trials",
-    "TAG_ACTIVATION_MIB",
-    "TAG_BEST_SAMPLES_PER_SECOND",
-    "TAG_COMPILE_SECONDS",
-    "TAG_CONFLICTS",
-    "TAG_GRAPH_BREAKS",
-    "TAG_MEMORY_BREAKDOWN",
-    "TAG_PARETO",
-    "TAG_PEAK_MIB",
-    "TAG_PLAN",
-    "TAG_PREDICTED_ACTIVATION_MIB",
-    "TAG_PREDICTED_PEAK_MIB",
-    "TAG_PREFIX",
-    "TAG_RECOMPILES",
-    "TAG_RECOMPUTE_OVERHEAD",
-    "TAG_SAMPLES_PER_SECOND",
-    "TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND",
-    "SCALAR_DESCRIPTIONS",
-    "TAG_SUMMARY",
-    "TAG_PREDICTED_STEP_MS",
-    "TAG_TIME_PREDICTION_ERROR",
-    "TAG_TRIAL_SECONDS",
-    "TIME_SCALAR_TAGS",
-    "text_tag",
-    "TEXT_TAG_SUFFIX",
+    "tags",
+    "tensorboard",
+    "text",
     "timing_warning",
     "trial_line",
-    "TRIAL_SCALAR_TAGS",
-    "VERDICT_SCALAR_TAGS",
-    "verdict_lines",
-    "verdict_of",
-    "WINNER_MARK",
-    "write_experiment",
-    "write_hparams_table",
     "write_tensorboard",
 ]
+
+_MODULES = ("tags", "text", "tensorboard", "figure")  # where the names this package exported until 0.5 live
+
+
+def __getattr__(name: str) -> Any:
+    for module_name in _MODULES:
+        module = importlib.import_module(f"{__name__}.{module_name}")
+        if name in getattr(module, "__all__", ()):
+            warnings.warn(
+                f"lightning_ckpt.report.{name} is deprecated: use lightning_ckpt.report.{module_name}.{name} (the "
+                "report package exports only the names callers use). The alias will be removed in a later release.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

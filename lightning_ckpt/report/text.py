@@ -11,10 +11,10 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_ckpt.budget import Budget, format_bytes
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.formatting import format_bytes, markdown_table, table
 from lightning_ckpt.plan.format import Plan, block_names
 from lightning_ckpt.report.quantities import (
-    MIB,
     best_feasible_baseline,
     compile_stats,
     constrained_bytes,
@@ -228,12 +228,12 @@ def conflicts_markdown(result: TuneResult) -> str:
     rows = [t for t in result.trials if t.extra.get("conflict")]
     if not rows:
         return "No plan conflicted with torch.compile (no added graph breaks, no recompile limit reached)."
-    lines = ["| trial | plan | status | graph breaks | reason |", "|---|---|---|---|---|"]
+    cells = []
     for t in rows:
         stats = compile_stats(t) or {}
         reason = str(t.extra["conflict"]).replace("|", "\\|")
-        lines.append(f"| {t.number} | {t.label} | {t.status} | {stats.get('graph_breaks', '-')} | {reason} |")
-    return "\n".join(lines)
+        cells.append([t.number, t.label, t.status, stats.get("graph_breaks", "-"), reason])
+    return markdown_table(["trial", "plan", "status", "graph breaks", "reason"], cells)
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -373,17 +373,9 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
 
 def summary_table(result: TuneResult) -> str:
     """The verdict first, then every trial as a fixed-width table, fastest first (the winner marked '*')."""
-    rows = _summary_rows(result)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    left = {0, 2, 3}  # text columns; numbers align right
-    lines = [
-        "  ".join(
-            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ).rstrip()
-        for r in rows
-    ]
-    lines.insert(1, "-" * len(max(lines, key=len)))
-    return "\n".join([*verdict_lines(result), "", *lines])
+    header, *rows = _summary_rows(result)
+    numbers = [i for i in range(len(header)) if i not in (0, 2, 3)]  # text columns: mark, label, status
+    return "\n".join([*verdict_lines(result), "", table(header, rows, right=numbers, rule=True)])
 
 
 def summary_markdown(result: TuneResult) -> str:
@@ -391,11 +383,11 @@ def summary_markdown(result: TuneResult) -> str:
     rows = _summary_rows(result)
     verdict = [line.replace("winner (*)", "winner (bold)", 1) for line in verdict_lines(result)]
     out = [f"- {_escape(line)}" for line in verdict]
-    out += ["", "| " + " | ".join(rows[0][1:]) + " |", "|" + "---|" * (len(rows[0]) - 1)]
+    cells = []
     for r in rows[1:]:
-        cells = [_escape(c) if i == 1 else c for i, c in enumerate(r[1:])]
-        cells = [f"**{c}**" if r[0] == "*" and c else c for c in cells]
-        out.append("| " + " | ".join(cells) + " |")
+        row = [_escape(c) if i == 1 else c for i, c in enumerate(r[1:])]
+        cells.append([f"**{c}**" if r[0] == "*" and c else c for c in row])
+    out += ["", markdown_table(rows[0][1:], cells)]
     out += ["", "Bold: the winner. `~`: memory predicted by the memory model (the trial was timed only)."]
     return "\n".join(out)
 
@@ -414,18 +406,19 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
     """
 
     def mib(n: Any) -> str:
-        return "-" if n is None else f"{n / MIB:.1f}"
+        return format_bytes(n, unit="MiB", suffix=False)
 
+    parts = [
+        ("parameters", "parameter_bytes"),
+        ("gradients", "gradient_bytes"),
+        ("optimizer state", "optimizer_state_bytes"),
+        ("buffers", "buffer_bytes"),
+        ("activations outside the blocks", "other_activation_bytes"),
+    ]
     lines = [
         f"**Memory profile** on {breakdown.get('device', '?')} (MiB)",
         "",
-        "| part | MiB |",
-        "|---|---|",
-        f"| parameters | {mib(breakdown.get('parameter_bytes'))} |",
-        f"| gradients | {mib(breakdown.get('gradient_bytes'))} |",
-        f"| optimizer state | {mib(breakdown.get('optimizer_state_bytes'))} |",
-        f"| buffers | {mib(breakdown.get('buffer_bytes'))} |",
-        f"| activations outside the blocks | {mib(breakdown.get('other_activation_bytes'))} |",
+        markdown_table(["part", "MiB"], [[name, mib(breakdown.get(key))] for name, key in parts]),
     ]
     blocks = list(breakdown.get("blocks") or [])
     if not blocks:
@@ -451,14 +444,12 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
         "figures share a column); *recompute*: the transient of a fully checkpointed block's backward."
         + (" Last row: the chosen plan." if in_plan else ""),
         "",
-        "| mode | " + " | ".join(f"`{h}`" for h in headers) + " |",
-        "|---|" + "---|" * len(headers),
     ]
-    for i, k in enumerate(keys):
-        lines.append(f"| {k} | " + " | ".join(mib(sig[0][i]) for sig in groups) + " |")
-    lines.append("| *recompute* | " + " | ".join(mib(sig[1]) for sig in groups) + " |")
+    rows = [[k, *(mib(sig[0][i]) for sig in groups)] for i, k in enumerate(keys)]
+    rows.append(["*recompute*", *(mib(sig[1]) for sig in groups)])
     if in_plan:
-        lines.append("| **plan** | " + " | ".join(f"**{sig[2]}**" for sig in groups) + " |")
+        rows.append(["**plan**", *(f"**{sig[2]}**" for sig in groups)])
+    lines.append(markdown_table(["mode", *(f"`{h}`" for h in headers)], rows))
     return "\n".join(lines)
 
 
@@ -473,29 +464,31 @@ def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
     if plan.is_empty:
         lines.append("No checkpointing: every block runs as usual.")
     else:
-        lines += ["| block | mode |", "|---|---|"]
-        lines += [f"| `{fqn}` | {bp.describe()} |" for fqn, bp in plan.blocks.items()]
-        lines += [f"| `{fqn or '<root>'}` (stack) | segments: {n} chunks |" for fqn, n in plan.segments.items()]
+        rows = [[f"`{fqn}`", bp.describe()] for fqn, bp in plan.blocks.items()]
+        rows += [[f"`{fqn or '<root>'}` (stack)", f"segments: {n} chunks"] for fqn, n in plan.segments.items()]
+        lines.append(markdown_table(["block", "mode"], rows))
         lines += ["", "Blocks not listed are not checkpointed."]
     if trial is not None:
         lines += [
             "",
             f"**Measured** (trial {trial.number}, {trial.status}):",
             "",
-            "| quantity | value |",
-            "|---|---|",
-            f"| samples/s | {_fmt_rate(trial.samples_per_second)} |",
-            f"| peak memory | {format_bytes(trial.peak_bytes)} (predicted {format_bytes(trial.predicted_peak_bytes)}) |",
-            f"| activation memory | {format_bytes(trial.activation_bytes)} "
-            f"(predicted {format_bytes(trial.predicted_activation_bytes)}) |",
-            f"| recompute overhead | {_fmt_overhead(trial.recompute_overhead)} |",
+        ]
+        rows = [
+            ["samples/s", _fmt_rate(trial.samples_per_second)],
+            ["peak memory", f"{format_bytes(trial.peak_bytes)} (predicted {format_bytes(trial.predicted_peak_bytes)})"],
+            [
+                "activation memory",
+                f"{format_bytes(trial.activation_bytes)} (predicted {format_bytes(trial.predicted_activation_bytes)})",
+            ],
+            ["recompute overhead", _fmt_overhead(trial.recompute_overhead)],
         ]
         if trial.median_seconds is not None:
             spread = f" ± {trial.spread_seconds:.4f}" if trial.spread_seconds is not None else ""
-            lines.append(f"| step time (median) | {trial.median_seconds:.4f} s{spread} |")
+            rows.append(["step time (median)", f"{trial.median_seconds:.4f} s{spread}"])
+        lines.append(markdown_table(["quantity", "value"], rows))
     else:
         measured = plan.metadata.get("measured")
         if isinstance(measured, Mapping) and measured:
-            lines += ["", "**Measured:**", "", "| quantity | value |", "|---|---|"]
-            lines += [f"| {k} | {v} |" for k, v in measured.items()]
+            lines += ["", "**Measured:**", "", markdown_table(["quantity", "value"], list(measured.items()))]
     return "\n".join(lines)
