@@ -238,7 +238,11 @@ class RequestedBudget:
                     "activation_budget needs the no-checkpointing activation memory, which is unknown."
                 )
             limit = int(self.value * none_activation_bytes)
-            share = f"{self.value:.0%} of no-checkpointing activation memory ({format_bytes(limit)})"
+            # Both figures: "50% of ... (123.3 MiB)" read as if 123.3 MiB were the no-checkpointing memory.
+            share = (
+                f"{format_bytes(limit)} of activation memory, {self.value:.0%} of the "
+                f"{format_bytes(none_activation_bytes)} without checkpointing"
+            )
             return Budget("activation", limit, float(self.value), share)
         if self.kind == "device_fraction":
             if capacity_bytes is not None:

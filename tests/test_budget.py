@@ -94,3 +94,12 @@ def test_tune_refuses_a_bad_budget_before_running_any_step(gpt, tokens):
 def test_budget_mistakes_get_the_fix_in_the_message(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):
         RequestedBudget.parse(kwargs.get("max_memory"), kwargs.get("activation_budget"))
+
+
+def test_an_activation_budget_line_names_the_budget_and_the_memory_it_is_a_share_of():
+    # "50% of no-checkpointing activation memory (123.3 MiB)" read as if 123.3 MiB were the whole: say both.
+    budget = RequestedBudget.parse(activation_budget=0.5).resolve(
+        device=torch.device("cpu"), none_activation_bytes=int(246.5 * 2**20)
+    )
+    assert budget.limit_bytes == int(123.25 * 2**20)
+    assert budget.description == "123.2 MiB of activation memory, 50% of the 246.5 MiB without checkpointing"

@@ -361,8 +361,8 @@ def test_a_segments_plan_says_which_segment_each_block_is_in_not_none():
         "h.0": "segment 1 of 2 (input kept)",
         "h.1": "segment 1 of 2 (recomputed)",
         "h.2": "segment 1 of 2 (recomputed)",
-        "h.3": "segment 2 of 2 (input kept)",
-        "h.4": "segment 2 of 2 (recomputed)",
+        "h.3": "segment 2 of 2 (last: not checkpointed)",  # as checkpoint_sequential: it keeps what it keeps
+        "h.4": "segment 2 of 2 (last: not checkpointed)",
         "head.0": "full",
     }
     assert Plan().block_labels(blocks) == dict.fromkeys(blocks, "none")

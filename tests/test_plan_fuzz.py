@@ -355,3 +355,44 @@ def test_a_profile_that_breaks_no_type_but_no_prediction_holds_is_refused_by_eve
     with pytest.warns(UserWarning, match="could not re-plan"):
         wanted = RequestedBudget.parse(activation_budget=0.9)
         assert reusable(plan, "plan file", conditions, view, wanted, on_stale_plan="retune")[1] is None
+
+
+def _hand_added_block(data: Any) -> None:
+    data["blocks"]["model.transformer.h.12"] = {"mode": "full"}  # the model and the file's profile have h.0 and h.1
+
+
+@pytest.mark.parametrize("command", [["validate"], ["show"], ["replan", "--activation-budget", "0.5"], ["diff"]])
+def test_a_block_its_own_profile_never_saw_is_refused_by_every_command(tmp_path, command):
+    path = write(tmp_path, _hand_added_block)
+    args = [command[0], str(path), *command[1:]] + ([str(REAL)] if command[0] == "diff" else [])
+    code, err = cli(*args)
+    assert code == 2, err  # refused as a bad file, not "OK" with the old measured figures
+    assert "'model.transformer.h.12' is not in the profile the file keeps" in err and "bad.json" in err
+
+
+def test_plan_path_with_a_hand_edited_block_re_tunes_with_a_warning_naming_the_file(tmp_path):
+    path = write(tmp_path, _hand_added_block)
+    tuner = ActivationCheckpointTuner(plan_path=path, activation_budget=0.6, search={"n_trials": 2}, verbose=False)
+    with pytest.warns(UserWarning, match=r"bad\.json.*model\.transformer\.h\.12.*Re-tuning instead"):
+        quiet_trainer(tmp_path, [tuner], steps=1).fit(LitGPT(n_layer=2, block_size=32, dropout=0.0), token_loader(8))
+    assert tuner.trials_run > 0  # it searched, and the file now holds the search's plan
+    assert "model.transformer.h.12" not in json.loads(path.read_text())["blocks"]
+
+
+def test_plan_with_a_hand_edited_block_is_refused_naming_the_file(tmp_path):
+    path = write(tmp_path, _hand_added_block)
+    with pytest.raises(PlanError, match=r"bad\.json.*'model\.transformer\.h\.12' is not in the profile"):
+        ActivationCheckpointTuner(plan=path)
+
+
+def test_a_plan_naming_a_module_the_model_lacks_re_tunes_instead_of_failing_the_fit(tmp_path, view):
+    # No profile to check it against in the file: the model is what it is checked against, before anything applies.
+    data = copy.deepcopy(BASE)
+    data["metadata"] = {k: v for k, v in data["metadata"].items() if k not in ("profile", "plan_table")}
+    _hand_added_block(data)
+    plan = Plan.from_dict(data, source="hand-edited")
+    conditions = RunConditions(**BASE["metadata"]["conditions"])
+    with pytest.warns(UserWarning, match=r"names 1 module\(s\) this model does not have: 'model\.transformer\.h\.12'"):
+        assert reusable(plan, "plan=x.json", conditions, view, RequestedBudget(), on_stale_plan="retune")[1] is None
+    with pytest.raises(PlanError, match="does not have"):
+        reusable(plan, "plan=x.json", conditions, view, RequestedBudget(), on_stale_plan="raise")

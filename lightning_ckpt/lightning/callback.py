@@ -128,6 +128,7 @@ class ActivationCheckpointTuner(Callback):
         self._bucket_edges = check_buckets(buckets, declared or self._probe)
         check_reuse_arguments(plan, search, on_stale_plan)
         self._given_plan = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
+        self._given_source = "plan= argument" if plan is None or isinstance(plan, Plan) else f"plan={os.fspath(plan)!r}"
         self._plan_file = PlanFile(plan_path) if plan_path is not None else None
         self.on_stale_plan = on_stale_plan
         self.batch_arg_name = tune_micro_batch if isinstance(tune_micro_batch, str) else "batch_size"
@@ -242,6 +243,7 @@ class ActivationCheckpointTuner(Callback):
             bucket_edges=self._bucket_edges,
             probe=self._probe,
             given_plan=self._given_plan,
+            given_source=self._given_source,
             plan_file=self._plan_file,
             on_stale_plan=self.on_stale_plan,
             tune_micro_batch=self.tune_micro_batch,

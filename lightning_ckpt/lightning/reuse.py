@@ -45,7 +45,7 @@ from lightning_ckpt.lightning.shapes import batch_dims
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.file import plan_file_version
-from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.plan.format import Plan, closest_names
 from lightning_ckpt.search.replan import PROFILE_KEY, replan
 
 __all__ = [
@@ -103,6 +103,13 @@ def check_reusable(
     """Raise ``StalePlanError`` saying why ``plan`` (from ``source``) cannot be applied to this run as it is."""
     if changes:
         raise StalePlanError(f"The plan from {source} was tuned under other conditions: {'; '.join(changes)}.")
+    modules = {name for name, _ in model.root.named_modules()}
+    unknown = [fqn for fqn in (*plan.blocks, *plan.segments) if fqn not in modules]
+    if unknown:  # a hand-edited file, or one for another model written without a fingerprint
+        raise StalePlanError(
+            f"The plan from {source} names {len(unknown)} module(s) this model does not have: "
+            f"{', '.join(map(repr, unknown[:3]))} (closest: {closest_names(unknown[0], sorted(modules))})."
+        )
     fingerprint = model.fingerprint
     if plan.fingerprint is not None and plan.fingerprint != fingerprint:
         raise StalePlanError(
@@ -127,12 +134,25 @@ def reused_budget(plan: Plan, wanted: RequestedBudget, device: torch.device) -> 
     return wanted.resolve(device=normalise_device(device))
 
 
-def plan_to_reuse(candidates: Sequence[tuple[Plan | None, str]], plan_file: Any) -> tuple[Plan | None, str]:
-    """The first of ``candidates`` (plan, where it came from) that is set, else the plan in ``plan_file``."""
+def plan_to_reuse(
+    candidates: Sequence[tuple[Plan | None, str]], plan_file: PlanFile | None, *, on_stale_plan: str
+) -> tuple[Plan | None, str]:
+    """The first of ``candidates`` (plan, where it came from) that is set, else the plan in ``plan_file``. A plan
+    file that no longer fits (``StalePlanError`` on reading: a block its own profile never saw) is re-tuned with a
+    warning naming it, as any stale plan is, unless ``on_stale_plan='raise'``; a corrupt one fails the fit."""
     for plan, source in candidates:
         if plan is not None:
             return plan, source
-    return (plan_file.load() if plan_file is not None else None), "plan file"
+    if plan_file is None:
+        return None, "plan file"
+    source = f"the plan file {str(plan_file.path)!r}"
+    try:
+        return plan_file.load(), source
+    except StalePlanError as err:
+        if on_stale_plan == "raise":
+            raise StalePlanError(f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune'.") from None
+        rank_zero_warn(f"{err} Re-tuning instead (on_stale_plan='retune'); the search's plan replaces the file.")
+        return None, source
 
 
 def reusable(

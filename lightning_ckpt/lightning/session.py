@@ -99,6 +99,7 @@ class Settings:
     bucket_edges: tuple[int, ...] | None
     probe: int | None  # max_shape="probe": batches to probe before the first step
     given_plan: Plan | None
+    given_source: str  # where given_plan came from, as messages name it: plan='plans/gpt.json'
     plan_file: PlanFile | None
     on_stale_plan: str
     tune_micro_batch: bool
@@ -150,10 +151,10 @@ class FitSession:
             s.plan_file.open_fit()
         sources = (
             (resumed, "resumed checkpoint"),
-            (s.given_plan, "plan= argument"),
+            (s.given_plan, s.given_source),
             (self.found.plan, "an earlier fit with this callback"),
         )
-        plan, source = plan_to_reuse(sources, s.plan_file)
+        plan, source = plan_to_reuse(sources, s.plan_file, on_stale_plan=s.on_stale_plan)
         if trainer.world_size > 1:
             # Rank 0 decides (its plan file, its checkpoint state); a rank that decided differently
             # would run trials alone and hang the others' collectives.

@@ -173,7 +173,8 @@ class Plan:
     def block_labels(self, block_fqns: Sequence[str]) -> dict[str, str]:
         """What this plan does to each of ``block_fqns`` (in stack order), in words: its per-block mode, or for a
         block of a segmented stack which segment it is in (a segment keeps its first block's input and recomputes
-        all its blocks in backward). Without this a segments plan reads as ``none`` on every block."""
+        all its blocks in backward; the last segment is not checkpointed, as in ``checkpoint_sequential``: its
+        blocks keep what they keep without a plan). Without this a segments plan reads as ``none`` on every block."""
         from lightning_ckpt.plan.chunks import segment_chunks
 
         labels = {fqn: self.mode_of(fqn).describe() for fqn in block_fqns}
@@ -181,9 +182,13 @@ class Plan:
             members = [f for f in block_fqns if f.rpartition(".")[0] == stack]
             if not members or chunks < 1:
                 continue
-            for i, (start, end) in enumerate(segment_chunks(len(members), min(chunks, len(members)))):
+            ranges = segment_chunks(len(members), min(chunks, len(members)))
+            for i, (start, end) in enumerate(ranges):
                 for j in range(start, end):
-                    where = "input kept" if j == start else "recomputed"
+                    if i == len(ranges) - 1:
+                        where = "last: not checkpointed"
+                    else:
+                        where = "input kept" if j == start else "recomputed"
                     labels[members[j]] = f"segment {i + 1} of {chunks} ({where})"
         return labels
 
@@ -256,7 +261,7 @@ class Plan:
                 field_ = "save_list" if spec.get("save_list") else "mode"
                 raise PlanError(f"{source}: field {field_path(('blocks', fqn, field_))}: {err}") from None
         try:
-            return cls(
+            plan = cls(
                 blocks,
                 data.get("segments", {}),
                 data.get("name", ""),
@@ -266,6 +271,8 @@ class Plan:
             )
         except PlanError as err:
             raise PlanError(f"{source}: {err}") from None
+        _check_against_own_profile(plan, source)
+        return plan
 
     def save(self, path: str | os.PathLike[str], *, unchanged_since: str | None | object = _ANY_VERSION) -> Path:
         """Write atomically: a crash or a full disk leaves any previous plan file intact.
@@ -409,6 +416,44 @@ def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
     every FQN of ``among`` (default: ``fqns``) shares."""
     drop = _shared_prefix_length(list(among if among is not None else fqns))
     return _compact_fqns(sorted(fqns, key=_natural_key), drop)
+
+
+def _check_against_own_profile(plan: Plan, source: str) -> None:
+    """Refuse a plan naming a block (or a segmented stack) the profile it keeps never saw: a hand-edited file, or
+    one pieced together from two runs. Without a model to check against (``show``, ``validate`` without
+    ``--model``, ``replan``, ``diff``) the profile is the file's own record of the model, and its figures would
+    be quoted for a plan they were not measured for. A file without a readable profile is not checked here."""
+    profile = plan.metadata.get("profile")
+    stacks = profile.get("stacks") if isinstance(profile, Mapping) else None
+    if not isinstance(stacks, list) or not all(isinstance(s, Mapping) for s in stacks):
+        return
+    stack_names = [s.get("fqn") for s in stacks]
+    block_names = [
+        b.get("fqn")
+        for s in stacks
+        for b in (s.get("blocks") or [])
+        if isinstance(s.get("blocks"), list) and isinstance(b, Mapping)
+    ]
+    memory = profile.get("memory")
+    if isinstance(memory, Mapping) and isinstance(memory.get("blocks"), list):
+        block_names += [b.get("fqn") for b in memory["blocks"] if isinstance(b, Mapping)]
+    known = sorted({n for n in block_names if isinstance(n, str)})
+    if not known:
+        return
+    for fqn in plan.blocks:
+        if fqn not in known:
+            raise StalePlanError(
+                f"{source}: block {fqn!r} is not in the profile the file keeps (metadata['profile'] records "
+                f"{len(known)} blocks, e.g. {closest_names(fqn, known)}), so the file was edited by hand or mixes two "
+                "models. Remove the block from 'blocks', or re-tune to write a new plan."
+            )
+    for fqn in plan.segments:
+        if fqn not in stack_names:
+            raise StalePlanError(
+                f"{source}: segments name the stack {fqn!r}, which is not in the profile the file keeps (its stacks: "
+                f"{closest_names(fqn, [n for n in stack_names if isinstance(n, str)])}). Remove it from "
+                "'segments', or re-tune to write a new plan."
+            )
 
 
 def closest_names(name: str, candidates: list[str], n: int = 3) -> str:
