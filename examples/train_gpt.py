@@ -14,7 +14,7 @@ The budget is a share of that activation memory on both, so it binds on any card
 Run:           python examples/train_gpt.py
 On CPU only:   python examples/train_gpt.py --accelerator cpu
 Reuse a plan:  python examples/train_gpt.py --reuse        (zero trials)
-Re-plan:       python examples/train_gpt.py --reuse --activation-budget 0.3
+Re-plan:       python examples/train_gpt.py --reuse --activation-budget 0.3   (writes plans/gpt-0.3.json)
                (another budget, from the profile the plan file keeps: zero trials, the first steps checked)
 Quick check:   python examples/train_gpt.py --fast
 """
@@ -135,7 +135,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     loader = DataLoader(CharDataset(text, config.block_size, vocab), batch_size=batch_size, shuffle=True, num_workers=0)
 
     if args.reuse:
-        tuner = ActivationCheckpointTuner(plan=args.plan, activation_budget=args.activation_budget)
+        # A new budget re-plans from the file's profile: the re-planned plan, with its first measured steps
+        # (metadata.replanned.first_measured), goes to a file of its own; the searched one stays as it is.
+        replanned = args.plan.with_name(f"{args.plan.stem}-{args.activation_budget}{args.plan.suffix}")
+        tuner = ActivationCheckpointTuner(
+            plan=args.plan,
+            activation_budget=args.activation_budget,
+            plan_path=replanned if args.activation_budget is not None else None,
+        )
     else:
         tuner = ActivationCheckpointTuner(
             activation_budget=0.5 if args.activation_budget is None else args.activation_budget,
@@ -153,7 +160,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     trainer.fit(CharGPT(config), loader)
     final_loss = float(trainer.callback_metrics["train_loss"])
-    print(f"final train loss {final_loss:.3f}; view the search: tensorboard --logdir {args.logs}")
+    # Where to view the search is said once, by the tuner's own line (a reused plan ran none).
+    print(f"final train loss {final_loss:.3f}")
     return {"plan": tuner.plan, "trials": tuner.trials_run, "loss": final_loss}
 
 

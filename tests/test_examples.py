@@ -82,6 +82,12 @@ def test_train_gpt_fast_then_reuse(tmp_path, monkeypatch, capfd):
     assert list((tmp_path / "runs").rglob("pareto.png"))
     second = train_gpt.main(["--fast", "--reuse"])
     assert second["trials"] == 0 and second["plan"] == first["plan"]
+    # The docstring's re-plan: another budget from the saved profile, written with its first measured steps.
+    third = train_gpt.main(["--fast", "--reuse", "--activation-budget", "0.4"])
+    assert third["trials"] == 0
+    first_measured = Plan.load(tmp_path / "plans" / "gpt-0.4.json").metadata["replanned"]["first_measured"]
+    assert first_measured["seconds"] > 0 and first_measured["peak_bytes"] > 0
+    assert Plan.load(tmp_path / "plans" / "gpt.json") == first["plan"]  # the searched plan's file is left as it was
 
 
 @pytest.mark.slow
