@@ -488,3 +488,29 @@ def test_diff_errors_exit_2_with_one_message(work, tmp_path, capsys):
         assert main(["diff", *flags, str(work / "tuned.json"), str(tmp_path / "bad.json")]) == 2
         captured = capsys.readouterr()
         assert "is not valid JSON" in captured.err and captured.out == ""
+
+
+def test_show_names_the_proposer_that_chose_what_ran_and_the_plan_the_verdict_is_about(tmp_path, capsys):
+    verdict = {"reference": "baseline:full", "candidate": "selective(mlp) h.0-3", "ratio": 0.99, "low": 0.95,
+               "high": 1.03, "rounds": 24, "threshold": 1.01, "confidence": 0.9, "chosen_after": 0,
+               "outcome": "undecided"}  # fmt: skip
+    _search_plan(tmp_path / "p.json", proposer="time_model", verdict=verdict)
+    assert main(["show", str(tmp_path / "p.json")]) == 0
+    text = capsys.readouterr().out
+    assert "(TPESampler, seed 0)" not in text  # the file's proposer was the time model, TPE only behind it
+    assert "the time model proposed the plans it could predict, TPESampler the rest, seed 0" in text
+    assert "verdict    selective(mlp) h.0-3: 0.99x [0.95, 1.03] vs full" in text
+
+
+def test_diff_against_a_re_planned_plan_shows_its_predicted_figures(tmp_path, capsys):
+    measured = {"samples_per_second": 24.0, "peak_bytes": 100 * 2**20, "activation_bytes": 60 * 2**20}
+    Plan({"h.0": BlockPlan("full")}, metadata={"measured": measured}).save(tmp_path / "a.json")
+    replanned = {"predicted": True, "predicted_samples_per_second": 21.5, "predicted_peak_bytes": 80 * 2**20,
+                 "predicted_activation_bytes": 40 * 2**20}  # fmt: skip
+    Plan({"h.0": BlockPlan("full"), "h.1": BlockPlan("full")}, metadata={"replanned": replanned}).save(
+        tmp_path / "b.json"
+    )
+    main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    text = capsys.readouterr().out
+    assert "samples/s 24.0 -> 21.5 predicted" in text and "24.0 -> -" not in text
+    assert "peak 100.0 MiB -> 80.0 MiB predicted" in text and "it ran no trial" in text

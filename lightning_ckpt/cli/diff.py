@@ -33,6 +33,30 @@ def _change(in_a: bool, in_b: bool) -> str:
     return "changed" if in_a and in_b else "added" if in_b else "removed"
 
 
+def _figures(plan: Plan) -> dict[str, str]:
+    """The figures ``diff`` prints for ``plan``: measured while tuning, else (a re-planned plan, which ran no trial)
+    the predictions it was chosen on, marked; empty where the file records neither."""
+    measured = section(plan.metadata, "measured")
+    if measured:
+        return {
+            "samples/s": rate_text(measured.get("samples_per_second")),
+            "peak": bytes_text(measured.get("peak_bytes")),
+            "activation": bytes_text(measured.get("activation_bytes")),
+        }
+    replanned = section(plan.metadata, "replanned")
+    if not replanned:
+        return {}
+
+    def predicted(text: str) -> str:
+        return f"{text} predicted" if text != "-" else text
+
+    return {
+        "samples/s": predicted(rate_text(replanned.get("predicted_samples_per_second"))),
+        "peak": predicted(bytes_text(replanned.get("predicted_peak_bytes"))),
+        "activation": predicted(bytes_text(replanned.get("predicted_activation_bytes"))),
+    }
+
+
 def _measured_figures(plan: Plan) -> dict[str, Any]:
     measured = section(plan.metadata, "measured")
     return {k: measured.get(k) for k in ("samples_per_second", "peak_bytes", "activation_bytes")}
@@ -152,13 +176,15 @@ def format_diff(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> st
             continue
         before, after = kv_text(section(a.metadata, key)), kv_text(section(b.metadata, key))
         lines.append(f"{key:<12} " + (f"same ({before})" if before == after else f"{before} -> {after}"))
-    ma, mb = section(a.metadata, "measured"), section(b.metadata, "measured")
-    if ma or mb:
+    fa, fb = _figures(a), _figures(b)
+    if fa or fb:
+        fa, fb = (f or dict.fromkeys(("samples/s", "peak", "activation"), "-") for f in (fa, fb))
         lines.append(
-            f"measured     samples/s {rate_text(ma.get('samples_per_second'))} -> {rate_text(mb.get('samples_per_second'))}, "
-            f"peak {bytes_text(ma.get('peak_bytes'))} -> {bytes_text(mb.get('peak_bytes'))}, "
-            f"activation {bytes_text(ma.get('activation_bytes'))} -> {bytes_text(mb.get('activation_bytes'))}"
+            f"measured     samples/s {fa['samples/s']} -> {fb['samples/s']}, peak {fa['peak']} -> {fb['peak']}, "
+            f"activation {fa['activation']} -> {fb['activation']}"
         )
+        if any("predicted" in text for text in (*fa.values(), *fb.values())):
+            lines.append("             (predicted: a re-planned plan's figures, from the profile; it ran no trial)")
     lines.append("")
     if comparison["differ"]:
         lines.append(f"the plans differ in: {', '.join(comparison['differ_in'])}")

@@ -112,6 +112,9 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
     """The search in words: what the totals include and what became of the plans, as far as the file says."""
     counts, pad = trial_counts(search), " " * 13
     settings = [str(search["sampler"])] if search.get("sampler") else []
+    if search.get("proposer") == "time_model":  # files before 0.5 name the sampler behind the time model (TPE)
+        behind = search.get("sampler") if search.get("sampler") not in (None, "TimeModelSampler") else "TPE"
+        settings = [f"the time model proposed the plans it could predict, {behind} the rest"]
     if search.get("seed") is not None:
         settings.append(f"seed {search['seed']}")
     how = f" ({', '.join(settings)})" if settings else ""
@@ -128,6 +131,7 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
             f"  search     {head}",
             f"{pad}they include the baselines and the plans ruled out without running (pruned);",
             f"{pad}{cap} caps only the plans measured. This file does not record how many of each there were.",
+            *_verdict_lines(search),
         ]
     by_status = counts["by_status"]
     outcomes = ", ".join(f"{n} {_STATUS_WORDS[s]}" for s in _STATUS_WORDS if (n := by_status.get(s.value, 0)))
@@ -139,10 +143,15 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
     if counts["confirmed"]:
         lines.append(f"{pad}{counts['confirmed']} of the measured re-timed side by side to confirm the choice")
     lines.append(f"{pad}{cap} caps the plans measured; pruned plans do not count towards it")
+    return lines + _verdict_lines(search)
+
+
+def _verdict_lines(search: Mapping[str, Any]) -> list[str]:
     verdict = Verdict.recorded(search)
-    if verdict is not None:
-        lines.append(f"  verdict    {verdict.describe()}: {verdict.outcome} ({verdict.explain()})")
-    return lines
+    if verdict is None:
+        return []
+    tuned = f"{verdict.candidate}: " if verdict.candidate else ""  # the tuned plan the verdict is about
+    return [f"  verdict    {tuned}{verdict.describe()}: {verdict.outcome} ({verdict.explain()})"]
 
 
 def _pruned_line(counts: Mapping[str, Any], pad: str) -> str:
