@@ -556,3 +556,27 @@ def test_a_name_the_report_package_used_to_export_still_resolves_with_a_warning(
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         report.nothing_here  # noqa: B018
     assert len(report.__all__) <= 15
+
+
+def test_the_pareto_figure_tells_the_time_models_prunes_from_the_memory_models(result):
+    # A plan the time model pruned is predicted to fit: drawn as a memory prune it sat inside the budget line.
+    by_time = trial(8, uniform(BlockPlan("full")), "full h.0-3 (again)", "pruned", pred=500, pruned_by="time")
+    fig = report.pareto_figure(dataclasses.replace(result, trials=(*result.trials, by_time)))
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "pruned by the memory model (at predicted memory)" in legend
+    assert "pruned by the time model (predicted slower; at predicted memory)" in legend
+    markers = {c.get_label(): c for c in fig.axes[0].collections}
+    assert len(markers["pruned by the time model (predicted slower; at predicted memory)"].get_offsets()) == 1
+    assert len(markers["pruned by the memory model (at predicted memory)"].get_offsets()) == 1
+
+
+def test_the_memory_breakdown_merges_blocks_that_read_the_same_and_shows_the_optimizer_state_the_step_made():
+    # Six blocks a few bytes apart printed six identical columns; AdamW's state, made by the first step, read 0.0.
+    blocks = [{"fqn": f"h.{i}", "saved_bytes": {"none": 10 * MiB + 8 * i, "full": MiB - i},
+               "recompute_transient_bytes": 2 * MiB + i} for i in range(6)]  # fmt: skip
+    breakdown = {"device": "cpu", "parameter_bytes": 4 * MiB, "optimizer_state_bytes": 0, "blocks": blocks}
+    plan = Plan(metadata={"optimizer_step": {"state_bytes_before": 0, "state_bytes_after": int(12.3 * MiB)}})
+    text = report.text.memory_markdown(breakdown, plan)
+    assert "| mode | `h.0-5` |" in text and "| none | 10.0 |" in text
+    assert "| optimizer state (made by the first step) | 12.3 |" in text and "| optimizer state | 0.0 |" not in text
+    assert "| optimizer state | 0.0 |" in report.text.memory_markdown(breakdown)  # no step recorded: the profile's

@@ -24,12 +24,19 @@ __all__ = ["figure_to_hwc", "pareto_figure", "pareto_front"]
 _STATUS_STYLE: dict[str, tuple[str, str, str]] = {
     "ok": ("tab:green", "o", "fits the budget"),
     "over_budget": ("tab:orange", "s", "over the budget"),
-    "pruned": ("tab:gray", "x", "pruned (at predicted memory)"),
+    "pruned": ("tab:gray", "x", "pruned by the memory model (at predicted memory)"),
+    # Predicted to fit but not to be faster: inside the budget line, so it must not read as a memory prune.
+    "pruned_by_time": ("tab:cyan", "|", "pruned by the time model (predicted slower; at predicted memory)"),
     "oom": ("tab:red", "X", "out of memory (at predicted memory)"),
     "invalid": ("tab:purple", "D", "invalid (at predicted memory)"),
     "error": ("tab:brown", "P", "error (at predicted memory)"),
     "conflict": ("tab:pink", "v", "conflicts with torch.compile"),
 }
+
+
+def _style(t: TrialRecord) -> str:
+    """The ``_STATUS_STYLE`` key of ``t``: its status, with the time model's prunes told from the memory model's."""
+    return "pruned_by_time" if t.status == "pruned" and t.pruned_by == "time" else str(t.status)
 
 
 def _measured(result: TuneResult) -> list[tuple[TrialRecord, int, float]]:
@@ -121,8 +128,8 @@ def _plot_trials(
 ) -> None:
     """Every trial by status: measured ones at their figures, never-run ones on a rug at predicted memory."""
     for status, (colour, marker, text) in _STATUS_STYLE.items():
-        px = [x / scale for t, x, _ in measured if t.status == status]
-        py = [y for t, _, y in measured if t.status == status]
+        px = [x / scale for t, x, _ in measured if _style(t) == status]
+        py = [y for t, _, y in measured if _style(t) == status]
         if px:
             if status == "ok" and budget.kind == "none":
                 text = "measured"
@@ -130,10 +137,10 @@ def _plot_trials(
     # Never-run trials: x in data coordinates, y pinned just above the axis.
     rug = blended_transform_factory(ax.transData, ax.transAxes)
     for status, (colour, marker, text) in _STATUS_STYLE.items():
-        px = [x / scale for t, x in unmeasured if t.status == status]
+        px = [x / scale for t, x in unmeasured if _style(t) == status]
         if px:
             ax.scatter(px, [0.03] * len(px), c=colour, marker=marker, s=45, label=text, transform=rug, zorder=3)
-    other = [x / scale for t, x in unmeasured if t.status not in _STATUS_STYLE]
+    other = [x / scale for t, x in unmeasured if _style(t) not in _STATUS_STYLE]
     if other:
         ax.scatter(other, [0.03] * len(other), c="black", marker="*", s=45, label="other (at predicted memory)")
 

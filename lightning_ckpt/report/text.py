@@ -409,16 +409,16 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
         return format_bytes(n, unit="MiB", suffix=False)
 
     parts = [
-        ("parameters", "parameter_bytes"),
-        ("gradients", "gradient_bytes"),
-        ("optimizer state", "optimizer_state_bytes"),
-        ("buffers", "buffer_bytes"),
-        ("activations outside the blocks", "other_activation_bytes"),
+        ("parameters", breakdown.get("parameter_bytes")),
+        ("gradients", breakdown.get("gradient_bytes")),
+        _optimizer_state(breakdown, plan),
+        ("buffers", breakdown.get("buffer_bytes")),
+        ("activations outside the blocks", breakdown.get("other_activation_bytes")),
     ]
     lines = [
         f"**Memory profile** on {breakdown.get('device', '?')} (MiB)",
         "",
-        markdown_table(["part", "MiB"], [[name, mib(breakdown.get(key))] for name, key in parts]),
+        markdown_table(["part", "MiB"], [[name, mib(n)] for name, n in parts]),
     ]
     blocks = list(breakdown.get("blocks") or [])
     if not blocks:
@@ -434,23 +434,36 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
     groups: dict[tuple[Any, ...], list[str]] = {}
     for b in blocks:
         saved = b.get("saved_bytes", {})
-        signature = (tuple(saved.get(k) for k in keys), b.get("recompute_transient_bytes"), mode_of(b["fqn"]))
+        # By the figures as printed: blocks a few bytes apart (the first and last of a stack) read the same.
+        figures = tuple(mib(saved.get(k)) for k in keys)
+        signature = (figures, mib(b.get("recompute_transient_bytes")), mode_of(b["fqn"]))
         groups.setdefault(signature, []).append(b["fqn"])
     all_fqns = [b["fqn"] for b in blocks]
     headers = [block_names(fqns, among=all_fqns) for fqns in groups.values()]
     lines += [
         "",
-        "Saved activations one block keeps from forward to backward under each mode (blocks with the same "
-        "figures share a column); *recompute*: the transient of a fully checkpointed block's backward."
+        "Saved activations one block keeps from forward to backward under each mode (blocks whose figures "
+        "read the same and that run the same mode share a column); *recompute*: the transient of a fully checkpointed block's backward."
         + (" Last row: the chosen plan." if in_plan else ""),
         "",
     ]
-    rows = [[k, *(mib(sig[0][i]) for sig in groups)] for i, k in enumerate(keys)]
-    rows.append(["*recompute*", *(mib(sig[1]) for sig in groups)])
+    rows = [[k, *(sig[0][i] for sig in groups)] for i, k in enumerate(keys)]
+    rows.append(["*recompute*", *(sig[1] for sig in groups)])
     if in_plan:
         rows.append(["**plan**", *(f"**{sig[2]}**" for sig in groups)])
     lines.append(markdown_table(["mode", *(f"`{h}`" for h in headers)], rows))
     return "\n".join(lines)
+
+
+def _optimizer_state(breakdown: Mapping[str, Any], plan: Plan | None) -> tuple[str, Any]:
+    """The optimizer state's row: the profile's, or, when the first step had yet to create it (AdamW's state is
+    made by its first ``step()``), what the measured optimizer step left, which the budget counts."""
+    profiled = breakdown.get("optimizer_state_bytes")
+    step = plan.metadata.get("optimizer_step") if plan is not None else None
+    after = step.get("state_bytes_after") if isinstance(step, Mapping) else None
+    if isinstance(after, (int, float)) and after > (profiled or 0):
+        return "optimizer state (made by the first step)", after
+    return "optimizer state", profiled
 
 
 def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
