@@ -60,6 +60,11 @@ def fit(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(fit):
     logdir, _ = fit
+    yield from tensorboard_at(logdir)
+
+
+def tensorboard_at(logdir: Path):
+    """A ``tensorboard --logdir`` server on a free port, started as a user starts it; yields its URL."""
     exe = shutil.which("tensorboard") or str(Path(sys.executable).with_name("tensorboard"))
     proc = subprocess.Popen(
         [exe, "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0", "--reload_interval", "0"],
@@ -190,3 +195,76 @@ def test_text_and_images_tabs_show_the_plan_summary_and_pareto_figure(server, fi
     assert len(images) == 1
     png = get(server, "/data/plugin/images/individualImage?" + images[0]["query"].lstrip("?"))
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+@pytest.fixture(scope="module")
+def reused(tmp_path_factory):
+    """The README's flow: a search writes the plan file, then a second fit reuses it (zero trials), both logging to
+    one TensorBoard directory, which the user then opens."""
+    root = tmp_path_factory.mktemp("tb_reuse")
+    plan_path = root / "plan.json"
+    space = {"modes": ["full"], "selections": ["all", "first:0.5"], "rest_modes": ["none"], "segments": False}
+    tuner = ActivationCheckpointTuner(
+        activation_budget=0.6,
+        plan_path=plan_path,
+        search=dict(n_trials=6, measure_steps=1, warmup_steps=1, search_space=space),
+    )
+    quiet_trainer(root, [tuner], steps=1, logger=True).fit(HParamsGPT(), token_loader(32))
+    again = ActivationCheckpointTuner(plan=plan_path)
+    quiet_trainer(root, [again], steps=1, logger=True).fit(HParamsGPT(), token_loader(32))
+    assert again.trials_run == 0
+    yield root / "lightning_logs", tensorboard_at(root / "lightning_logs")
+
+
+def experiment_records(logdir: Path) -> dict[str, list[str]]:
+    """Every run's HParams experiment record under ``logdir``: run -> its columns, in order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    records = {}
+    for events in sorted(logdir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        try:
+            content = acc.PluginTagToContent(metadata.PLUGIN_NAME).get(metadata.EXPERIMENT_TAG)
+        except KeyError:  # a run with no HParams data at all (the tuner's trial runs)
+            continue
+        if content is not None:
+            experiment = metadata.parse_experiment_plugin_data(content)
+            records[str(events.parent.relative_to(logdir))] = [h.name for h in experiment.hparam_infos]
+    return records
+
+
+def test_the_hparams_table_keeps_the_tuners_columns_after_a_reuse_run(reused):
+    # The reuse run wrote Lightning's own experiment record (lr, n_layer, hp_metric), and TensorBoard shows one record
+    # of a logdir, whichever it finds first (the order its directory walk finds runs in): every record must have ours.
+    logdir, servers = reused
+    ours = [report.hparam_name(k) for k, _, _ in report.HPARAM_COLUMNS]
+    records = experiment_records(logdir)
+    assert set(records) == {"version_0", "version_1"}, records
+    assert all(columns[: len(ours)] == ours for columns in records.values()), records
+    server = next(servers)
+    try:
+        _ask_the_server(server, ours)
+    finally:
+        servers.close()
+
+
+def _ask_the_server(reused: str, ours: list[str]) -> None:
+    experiment = until(
+        lambda: post(reused, "/data/plugin/hparams/experiment", {"experimentName": ""}),
+        lambda e: bool(e.get("hparamInfos")),
+    )
+    assert [h["name"] for h in experiment["hparamInfos"]][: len(ours)] == ours
+    metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
+    assert metrics == {tag for tag, _, _ in report.HPARAM_METRICS}
+    query = {
+        "experimentName": "",
+        "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
+        "colParams": [],
+        "startIndex": 0,
+        "sliceSize": 100,
+    }
+    groups = post(reused, "/data/plugin/hparams/session_groups", query)["sessionGroups"]
+    winners = [g for g in groups if g["hparams"].get(report.hparam_name("winner")) == report.WINNER_MARK]
+    assert len(winners) == 1, "the search's leaders and its winner are still listed"

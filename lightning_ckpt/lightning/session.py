@@ -160,11 +160,13 @@ class FitSession:
             # would run trials alone and hang the others' collectives.
             data = trainer.strategy.broadcast(plan.to_dict() if plan is not None else None, src=0)
             plan = Plan.from_dict(data, source="plan broadcast from rank 0") if data is not None else None
+        if trainer.is_global_zero:
+            # In every fit's run, reused or searched: TensorBoard shows one experiment record of a logdir, and a reuse
+            # run's own (Lightning's: lr, hp_metric) would hide the search's leaders and winner.
+            self.tb.declare_hparams_table(trainer, pl_module)
         if plan is not None and self._reuse(trainer, pl_module, plan, source):
             return
         check_tunable(pl_module)
-        if trainer.is_global_zero:
-            self.tb.declare_hparams_table(trainer, pl_module)
         if s.tune_micro_batch:
             result, self.tuned_batch = search_micro_batch(trainer, pl_module, s.batch_arg_name, self._request())
             self._searched(trainer, result, source="joint micro-batch search")
