@@ -13,6 +13,7 @@ the search out.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 import warnings
@@ -56,7 +57,9 @@ __all__ = [
     "SearchRequest",
     "check_micro_batch_tunable",
     "first_batch",
+    "LinesAboveTheBar",
     "lightning_bars_paused",
+    "write_above_the_bar",
     "report_search",
     "search_first_batch",
     "search_micro_batch",
@@ -77,6 +80,7 @@ class SearchRequest:
     table_lengths: tuple[int, ...] | None = None  # a plan table's bucket lengths (the last the tuned batch's)
     resize: Callable[[Any, int], Any] | None = None  # guard resize: a packed batch at a bucket's length
     shape_key: Callable[[Any], Any] | None = None  # guard shape_key: how long a packed batch is
+    lines: LinesAboveTheBar | None = None  # the fit's log lines, written above the bar drawn at the time
 
     def progress(self, trainer: pl.Trainer) -> Any:
         """One progress bar for the search on rank 0 (trial lines above it when verbose), and each trial's
@@ -99,7 +103,7 @@ def search_first_batch(
     plan table when ``request.table_lengths`` asks for one (``search.buckets``: one profile per shorter bucket, no
     trials); None when ``training_step`` skipped the batch (the search runs on the next one)."""
     batch = trainer.strategy.batch_to_device(batch) if needs_transfer(batch, pl_module.device) else batch
-    config, budget, progress = request.config, request.budget, request.progress(trainer)
+    config, budget = request.config, request.budget
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
     zero_grad = zero_grad_fn(trainer, pl_module, optimizer, batch_idx)
     forward = training_loss(pl_module, trainer.strategy.precision_plugin, batch, batch_idx, zero_grad=zero_grad)
@@ -108,7 +112,7 @@ def search_first_batch(
     result = table = None
     with (
         _handed_over(batch_idx),
-        lightning_bars_paused(trainer, progress),
+        lightning_bars_paused(trainer, request) as progress,
         sandbox(pl_module),
         warnings.catch_warnings(),
     ):
@@ -262,7 +266,7 @@ def search_micro_batch(
     batch = first_batch(trainer)
     precision = trainer.strategy.precision_plugin
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
-    config, budget, progress = request.config, request.budget, request.progress(trainer)
+    config, budget = request.config, request.budget
 
     def loss_fn_for(m: int) -> Any:
         # One micro-batch per step: the previous step's gradients live until after the forward.
@@ -270,7 +274,12 @@ def search_micro_batch(
         return training_loss(pl_module, precision, resize_batch(batch, base, m), 0, zero_grad=zero_grad)
 
     sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
-    with _sigterm_handed_over(), _sigterm_noted(trainer), lightning_bars_paused(trainer, progress), sandbox(pl_module):
+    with (
+        _sigterm_handed_over(),
+        _sigterm_noted(trainer),
+        lightning_bars_paused(trainer, request) as progress,
+        sandbox(pl_module),
+    ):
         fill_grads(pl_module)
         found = tune_micro_batch(
             request.view,
@@ -410,25 +419,41 @@ def set_micro_batch(
 
 
 @contextlib.contextmanager
-def lightning_bars_paused(trainer: pl.Trainer, progress: Any) -> Iterator[None]:
-    """Around the search: Lightning's own bar steps aside for the tuner's, and its clock leaves the search
-    out, so step 1 is not reported as taking the whole search (the result line reports the tuning time)."""
+def lightning_bars_paused(trainer: pl.Trainer, request: SearchRequest) -> Iterator[Any]:
+    """Around the search: Lightning's own bar steps aside for the tuner's (yielded; None off rank 0), and its clock
+    leaves the search out, so step 1 is not reported as taking the whole search (the result line reports the
+    tuning time).
+
+    The tuner's bar is made once Lightning's is stopped: a running Rich display replaces ``sys.stdout`` with a proxy
+    that prints each redraw of a bar as a line of its own. Lightning's tqdm bar is disabled meanwhile, as a line
+    written above the tuner's bar (``tqdm.write``) would otherwise redraw it too.
+    """
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     callback = trainer.progress_bar_callback
     tqdm_bar = getattr(callback, "_train_progress_bar", None) if isinstance(callback, TQDMProgressBar) else None
     rich = callback.progress if isinstance(callback, RichProgressBar) else None
-    if tqdm_bar is not None:
+    hidden = tqdm_bar is not None and not tqdm_bar.disable
+    if hidden:
         tqdm_bar.clear()
+        tqdm_bar.disable = True
     if rich is not None:
+        rich.live.transient = True  # stopped, its display is erased, not left frozen above the tuner's bar
         rich.stop()
+        rich.live.transient = False
     started = time.monotonic()
+    progress = request.progress(trainer)
+    if request.lines is not None:
+        request.lines.search_bar = progress
     try:
-        yield
+        yield progress
     finally:
+        if request.lines is not None:
+            request.lines.search_bar = None
         if progress is not None:
             progress.close()
-        if tqdm_bar is not None:
+        if hidden:
+            tqdm_bar.disable = False
             tqdm_bar.unpause()  # restarts tqdm's timer from its last print: rate and elapsed leave the search out
             tqdm_bar.refresh()
         if rich is not None:
@@ -437,3 +462,74 @@ def lightning_bars_paused(trainer: pl.Trainer, progress: Any) -> Iterator[None]:
                     task.start_time += time.monotonic() - started
                 task._progress.clear()  # the speed estimate's samples: none may span the search
             rich.start()
+
+
+class LinesAboveTheBar(logging.Handler):
+    """Every line logged during a fit (the tuner's and Lightning's own), written above whichever progress bar is
+    drawn then: the tuner's during the search, Lightning's tqdm or Rich bar after it.
+
+    A line written to the terminal while a bar is drawn lands after the bar's text, on its line (tqdm leaves the
+    cursor there; Rich redraws over it). Each bar has its own way to write above itself: tqdm's ``write``, Rich's
+    console while its live display runs. Installed on rank 0 for the fit in place of the console handlers of
+    Lightning's and the tuner's loggers (as tqdm's ``logging_redirect_tqdm`` does), and put back after.
+    """
+
+    LOGGERS = ("lightning.pytorch", "lightning_ckpt")
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+        self.search_bar: Any = None  # the tuner's SearchProgress while it is drawn
+        self._replaced: list[tuple[logging.Logger, list[logging.Handler]]] = []
+        self.stream: Any = sys.stderr
+
+    def install(self) -> None:
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            console = [h for h in logger.handlers if _is_console(h)]
+            if console:
+                self.setFormatter(console[0].formatter)
+                self.stream = console[0].stream
+            elif logger.hasHandlers():
+                continue  # the user's own handlers above it print its lines: left as they are
+            self._replaced.append((logger, list(logger.handlers)))
+            logger.handlers = [h for h in logger.handlers if h not in console] + [self]
+
+    def remove(self) -> None:
+        for logger, handlers in self._replaced:
+            logger.handlers = handlers
+        self._replaced = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write_above_the_bar(self.trainer, self.format(record), search_bar=self.search_bar, stream=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
+def write_above_the_bar(trainer: pl.Trainer, text: str, *, search_bar: Any = None, stream: Any = None) -> None:
+    """``text`` as a line of its own above the bar drawn now (the tuner's, or Lightning's tqdm or Rich bar), or on
+    ``stream`` (default stderr) when none is."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    if search_bar is not None:
+        search_bar.write(text)
+        return
+    callback = trainer.progress_bar_callback
+    if isinstance(callback, TQDMProgressBar):
+        bars = [getattr(callback, f"_{s}_progress_bar", None) for s in ("train", "val", "test", "predict")]
+        active = next((b for b in bars if b is not None and not b.disable), None)
+        if active is not None:
+            active.write(text, file=active.fp)
+            return
+    rich = callback.progress if isinstance(callback, RichProgressBar) else None
+    if rich is not None and rich.live.is_started:
+        rich.console.print(text, markup=False, highlight=False, soft_wrap=True)  # above its live display
+        return
+    stream = stream or sys.stderr
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def _is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)

@@ -45,6 +45,7 @@ from lightning_ckpt.lightning.reuse import (
     run_conditions,
 )
 from lightning_ckpt.lightning.searching import (
+    LinesAboveTheBar,
     SearchRequest,
     report_search,
     search_first_batch,
@@ -137,6 +138,7 @@ class FitSession:
         self.replan_check: ReplanCheck | None = None  # a re-planned plan's predictions, beside its first real steps
         self.table: PlanTable | None = None  # a plan per length bucket (``search.buckets``); the top one: found.plan
         self.running: Plan | None = None  # the plan applied now: found.plan, or a shorter bucket's
+        self.lines: LinesAboveTheBar | None = None  # rank 0 with a progress bar: log lines written above it
 
     @property
     def step_checks(self) -> list[StepCheck]:
@@ -147,6 +149,9 @@ class FitSession:
         """Reuse a saved plan (resumed checkpoint, ``plan=``, an earlier fit, the plan file), or search: the joint
         micro-batch search now (before the loop draws its first batch), the plan search on the first batch."""
         s = self.settings
+        if trainer.is_global_zero and trainer.progress_bar_callback is not None:
+            self.lines = LinesAboveTheBar(trainer)
+            self.lines.install()
         if s.plan_file is not None:
             s.plan_file.open_fit()
         sources = (
@@ -255,6 +260,9 @@ class FitSession:
     def close(self) -> None:
         self.end()
         self.tb.close()
+        if self.lines is not None:
+            self.lines.remove()
+            self.lines = None
 
     # -- reuse and search --------------------------------------------------------------------------
     def _reuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Plan, source: str) -> bool:
@@ -351,6 +359,7 @@ class FitSession:
             table_lengths,
             resize=s.guard.resize,
             shape_key=s.guard.shape_key,
+            lines=self.lines,
         )
 
     def _trials(self) -> tuple[Any, ...] | list[Any]:
