@@ -103,7 +103,7 @@ class TuneConfig:
     confirm_steps: int = 1
     confirm_rounds: int = 6
     confirm_max_rounds: int = 24
-    holdout_rounds: int = 8
+    holdout_rounds: int = 6  # the floor; the rounds go on until the claim is within ±3% (CLAIM_HALF_WIDTH)
     holdout_max_rounds: int = 32
     allow_graph_breaks: bool = False
     memory_pass: Literal["finalists", "every"] = "finalists"
