@@ -102,6 +102,18 @@ def post(url: str, path: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+def session_groups(url: str) -> list[dict]:
+    """The HParams table's rows, as its Table View asks for them (every status, the first 100)."""
+    query = {
+        "experimentName": "",
+        "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
+        "colParams": [],
+        "startIndex": 0,
+        "sliceSize": 100,
+    }
+    return post(url, "/data/plugin/hparams/session_groups", query)["sessionGroups"]
+
+
 def until(fetch, ready, timeout: float = 60.0):
     """TensorBoard loads the logs in the background: ask again until the answer is there."""
     deadline = time.monotonic() + timeout
@@ -130,14 +142,7 @@ def test_hparams_tab_lists_the_tuner_trials_with_the_winner_marked(server, fit):
     assert metrics == {tag: display for tag, display, _ in report.HPARAM_METRICS}
     assert "hp_metric" not in metrics
 
-    query = {
-        "experimentName": "",
-        "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
-        "colParams": [],
-        "startIndex": 0,
-        "sliceSize": 100,
-    }
-    groups = post(server, "/data/plugin/hparams/session_groups", query)["sessionGroups"]
+    groups = session_groups(server)
     col = report.hparam_name
     rows = [g for g in groups if col("plan") in g["hparams"]]
     result = tuner.result
@@ -213,7 +218,12 @@ def reused(tmp_path_factory):
     again = ActivationCheckpointTuner(plan=plan_path)
     quiet_trainer(root, [again], steps=1, logger=True).fit(HParamsGPT(), token_loader(32))
     assert again.trials_run == 0
-    yield root / "lightning_logs", tensorboard_at(root / "lightning_logs")
+    return root / "lightning_logs"
+
+
+@pytest.fixture(scope="module")
+def reused_server(reused):
+    yield from tensorboard_at(reused)
 
 
 def experiment_records(logdir: Path) -> dict[str, list[str]]:
@@ -235,36 +245,20 @@ def experiment_records(logdir: Path) -> dict[str, list[str]]:
     return records
 
 
-def test_the_hparams_table_keeps_the_tuners_columns_after_a_reuse_run(reused):
+def test_the_hparams_table_keeps_the_tuners_columns_after_a_reuse_run(reused, reused_server):
     # The reuse run wrote Lightning's own experiment record (lr, n_layer, hp_metric), and TensorBoard shows one record
     # of a logdir, whichever it finds first (the order its directory walk finds runs in): every record must have ours.
-    logdir, servers = reused
     ours = [report.hparam_name(k) for k, _, _ in report.HPARAM_COLUMNS]
-    records = experiment_records(logdir)
+    records = experiment_records(reused)
     assert set(records) == {"version_0", "version_1"}, records
     assert all(columns[: len(ours)] == ours for columns in records.values()), records
-    server = next(servers)
-    try:
-        _ask_the_server(server, ours)
-    finally:
-        servers.close()
-
-
-def _ask_the_server(reused: str, ours: list[str]) -> None:
     experiment = until(
-        lambda: post(reused, "/data/plugin/hparams/experiment", {"experimentName": ""}),
+        lambda: post(reused_server, "/data/plugin/hparams/experiment", {"experimentName": ""}),
         lambda e: bool(e.get("hparamInfos")),
     )
     assert [h["name"] for h in experiment["hparamInfos"]][: len(ours)] == ours
     metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
     assert metrics == {tag for tag, _, _ in report.HPARAM_METRICS}
-    query = {
-        "experimentName": "",
-        "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
-        "colParams": [],
-        "startIndex": 0,
-        "sliceSize": 100,
-    }
-    groups = post(reused, "/data/plugin/hparams/session_groups", query)["sessionGroups"]
+    groups = session_groups(reused_server)
     winners = [g for g in groups if g["hparams"].get(report.hparam_name("winner")) == report.WINNER_MARK]
     assert len(winners) == 1, "the search's leaders and its winner are still listed"

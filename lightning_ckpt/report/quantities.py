@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_ckpt.budget import Budget
+from lightning_ckpt.formatting import MIB  # the one definition; re-exported here for the report's modules
 from lightning_ckpt.search.records import TrialRecord, TuneResult
 
 __all__ = [
@@ -21,8 +22,6 @@ __all__ = [
     "memory_name",
     "predicted_constrained_bytes",
 ]
-
-MIB = float(2**20)
 
 
 def memory_name(budget: Budget) -> str:
