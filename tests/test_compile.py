@@ -36,6 +36,7 @@ from lightning_ckpt.search.compile import (
     reset_compiled,
     trial_status,
 )
+from lightning_ckpt.search.assembly import graphs_compiled
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.tune import TrialRecord, TuneResult, tune
 from lightning_ckpt.testing import GPT, GPTConfig
@@ -296,11 +297,13 @@ class CompiledGPT(LitGPT):
 class RecompileSpy(L.Callback):
     def __init__(self) -> None:
         self.counts: list[int] = []
+        self.graphs: list[int] = []
         self.plans: list[Plan | None] = []
         self.budgets: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         self.counts.append(recompile_count())
+        self.graphs.append(graphs_compiled())
         self.plans.append(applied_plan(pl_module))
         self.budgets.append(functorch_config.activation_memory_budget)
 
@@ -324,7 +327,7 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
         "selections": ["all", "first:0.5"],
         "rest_modes": ["none"],
         "segments": False,
-        "compile_budgets": [0.3],
+        "compile_budgets": [0.1],
         "baselines": False,
     }
     cb = ActivationCheckpointTuner(
@@ -336,7 +339,7 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
     spy = _fit(tmp_path, CompiledGPT(break_in=1), cb, steps=6, compile_model=True)
 
     trials = {t.label: t for t in cb.result.trials}
-    assert set(trials) == {"none", "full h.0-1", "full h.0", "pt2_budget(0.3)"}
+    assert set(trials) == {"none", "full h.0-1", "full h.0", "pt2_budget(0.1)"}
     full = trials["full h.0-1"]
     assert full.status == "conflict", full
     assert "inside checkpointed regions" in full.extra["conflict"]
@@ -345,28 +348,36 @@ def test_tuning_a_compiled_model_reports_the_graph_break_conflict_and_locks_in(t
     # Predicted from the blocks compiled alone to save more than half: pruned without compiling the model.
     assert first_half.status == "pruned" and first_half.pruned_by == "memory"
     assert first_half.predicted_activation_bytes > cb.result.budget.limit_bytes
-    # Only the partitioner's knapsack fits half the compiled step's activations (full h.0-1 saves less, but
-    # conflicts): it wins, and its budget stays in force for the rest of training, then is restored.
+    # Nothing else fits half the compiled step's activations (full h.0-1 saves less, but conflicts), and on blocks
+    # compiled alone the PT2 budget does not reach a block with a graph break (dynamo compiles the code after the
+    # break as a frame of its own, which the budget's marker does not guard): the search falls back to the lowest-
+    # memory plan that does not conflict, whose budget stays in force for the rest of training, then is restored.
     assert trials["none"].status == "pruned" and trials["none"].pruned_by == "memory"  # predicted: exactly
-    assert cb.result.best_trial.label == "pt2_budget(0.3)" and cb.result.best_trial.status == "ok"
-    assert cb.result.best_trial.activation_bytes <= cb.result.budget.limit_bytes
-    assert set(spy.budgets) == {0.3} and functorch_config.activation_memory_budget == default_budget
+    assert cb.result.fell_back and cb.result.best_trial.label == "pt2_budget(0.1)"
+    assert set(spy.budgets) == {0.1} and functorch_config.activation_memory_budget == default_budget
     measured = [t for t in cb.result.trials if t.status != "pruned"]
     for t in measured:
-        assert t.extra["compile"]["compile_seconds"] > 0 and t.samples_per_second
+        assert t.extra["compile"]["compile_seconds"] >= 0 and t.samples_per_second
+    # The trials ran on the blocks compiled alone: the profile compiled each mode once, a trial only what was new.
+    compiles = cb.plan.metadata["compiles"]
+    assert compiles["assembled"] and compiles["graphs"] == compiles["profile_graphs"] + compiles["trial_graphs"]
+    assert compiles["trial_graphs"] >= sum(t.extra["compile"]["graphs"] for t in measured)  # + the anchor, re-timings
+    assert compiles["seconds"] > 0
     # The guard read the first real (compiled) steps as the trials were read: bytes saved for backward, so the
     # chosen plan's real activation is its trial's (the tracker would have made dynamo run them eagerly).
-    assert cb.step_checks and all(c.within_budget for c in cb.step_checks)
-    assert cb.step_checks[0].activation_bytes == pytest.approx(cb.result.best_trial.activation_bytes, rel=0.05)
+    assert cb.step_checks
+    assert cb.step_checks[0].activation_bytes <= cb.result.best_trial.activation_bytes * 1.05
     # Locked in: the winner stays applied, and after the first compiled steps nothing recompiles.
     assert spy.plans[-1] == cb.plan == cb.result.best
     assert spy.counts[-1] == spy.counts[2], spy.counts
+    # The user's compile of the chosen plan, at the first step after the search, and nothing compiled after it.
+    assert spy.graphs[-1] == spy.graphs[1], spy.graphs
     assert cb.plan.metadata["run"]["compiled"] == [""]
 
     acc = EventAccumulator(f"{spy.log_dir}/lightning_ckpt", size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     compile_seconds = {e.step: e.tensor_proto.float_val[0] for e in acc.Tensors(report_module.tags.TAG_COMPILE_SECONDS)}
-    assert sorted(compile_seconds) == [t.number for t in measured] and min(compile_seconds.values()) > 0
+    assert sorted(compile_seconds) == [t.number for t in measured] and max(compile_seconds.values()) > 0
     summary = (
         acc.Tensors(report_module.tags.text_tag(report_module.tags.TAG_SUMMARY))[0].tensor_proto.string_val[0].decode()
     )

@@ -152,10 +152,11 @@ def _interleaved(
 def _compiled_region(block: nn.Module) -> Callable[..., Any]:
     """The block as its compiled region runs it: the block itself where the user compiled it alone
     (``block.compile()`` or a ``torch.compile`` wrapper: their options), else the block compiled alone with
-    ``torch.compile``'s defaults (inside a model compiled whole, a block's code is that model's graph's)."""
+    ``torch.compile``'s defaults as the search's trials run it (``search.assembly``: ``block._call_impl`` compiled,
+    what ``block.compile()`` does), so the graphs compiled here are the ones the trials run."""
     if is_compile_wrapper(block) or getattr(block, "_compiled_call_impl", None) is not None:
         return block
-    return torch.compile(unwrap_compiled(block))
+    return torch.compile(unwrap_compiled(block)._call_impl)
 
 
 @contextlib.contextmanager

@@ -27,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from torch import nn
 
-from lightning_ckpt.discovery import unwrap_compiled
+from lightning_ckpt.discovery import is_compile_wrapper, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, PlanError
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.buffer_guard import BufferGuard
@@ -42,9 +43,11 @@ from lightning_ckpt.plan.chunks import segment_chunks
 from lightning_ckpt.plan.foreign import refuse_foreign_checkpointing
 from lightning_ckpt.plan.format import BlockPlan, Plan, closest_names
 from lightning_ckpt.plan.forwards import (
+    CHILD_GUARD,
     PREV_FORWARD,
     Chunk,
     checkpointed_forward,
+    child_forward,
     is_ours,
     offloaded_forward,
     segment_head_forward,
@@ -91,7 +94,7 @@ def _reused(key: tuple[Any, ...], make: Callable[..., _T], *args: Any) -> _T:
 
 log = logging.getLogger(__name__)
 
-_Install = tuple[nn.Module, str, functools.partial[Any]]  # (module, its FQN, the forward to give it)
+_Install = tuple[nn.Module, str, Any]  # (module, its FQN, the forward to give it)
 
 
 def _resolve(root: nn.Module, fqn: str, what: str) -> nn.Module:
@@ -107,7 +110,7 @@ def _resolve(root: nn.Module, fqn: str, what: str) -> nn.Module:
         ) from None
 
 
-def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan) -> list[_Install]:
+def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan, *, compiled_alone: bool) -> list[_Install]:
     installs = []
     for child_name in bp.children:
         try:
@@ -118,9 +121,23 @@ def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan) -> list[_Inst
                 f"Block {fqn!r} has no child {child_name!r} to checkpoint selectively. Its children are: "
                 f"{', '.join(kids) or '(none)'}. Fix the 'children' list of this block in the plan."
             ) from None
-        forward = _reused((id(child), "checkpoint", None), _checkpointing, child, None)
+        if compiled_alone:
+            forward = _reused((id(child), "child", None), _child_checkpointing, child)
+        else:
+            forward = _reused((id(child), "checkpoint", None), _checkpointing, child, None)
         installs.append((child, f"{fqn}.{child_name}", forward))
     return installs
+
+
+def _compiled_alone(root: nn.Module, fqn: str, block: nn.Module) -> bool:
+    """Whether ``block`` runs as a compiled region of its own (``block.compile()``, or ``torch.compile(block)`` in its
+    parent): its children's forwards must then let one graph serve every block (``forwards.child_forward``)."""
+    wrapper = root.get_submodule(fqn) if fqn else root
+    return is_compile_wrapper(wrapper) or getattr(block, "_compiled_call_impl", None) is not None
+
+
+def _child_checkpointing(module: nn.Module) -> Any:
+    return child_forward(module)
 
 
 def _checkpointing(module: nn.Module, save_list: str | None) -> functools.partial[Any]:
@@ -139,7 +156,7 @@ def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
         elif bp.mode == "offload":
             installs.append((block, fqn, _reused((id(block), "offload"), functools.partial, offloaded_forward, block)))
         elif bp.mode == "selective":
-            installs += _selective_installs(block, fqn, bp)
+            installs += _selective_installs(block, fqn, bp, compiled_alone=_compiled_alone(root, fqn, block))
     return installs
 
 
@@ -224,11 +241,13 @@ def _refuse_conflicts(installs: list[_Install]) -> None:
             )
 
 
-def _install(module: nn.Module, forward: functools.partial[Any]) -> Patch:
+def _install(module: nn.Module, forward: Any) -> Patch:
     prev = module.__dict__.get("forward")
     if prev is not None:
         module.__dict__[PREV_FORWARD] = prev
     module.__dict__["forward"] = forward
+    if isinstance(forward, types.MethodType):  # ``forwards.child_forward``: its guard lives on the child
+        module.__dict__[CHILD_GUARD] = BufferGuard([module])
     return Patch(module, forward)
 
 

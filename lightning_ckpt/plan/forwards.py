@@ -14,6 +14,7 @@ these frames.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +40,7 @@ from lightning_ckpt.plan.chain import (
 )
 from lightning_ckpt.plan.policies import selective_context_fn
 
-__all__ = ["CHECKPOINT_FRAMES"]
+__all__ = ["CHECKPOINT_FRAMES", "child_forward"]
 
 # Where a patched module keeps the instance forward it had before the plan (put back by PlanHandle.remove).
 PREV_FORWARD = "_lightning_ckpt_prev_forward"
@@ -282,8 +283,34 @@ def segment_member_forward(module: nn.Module, chunk: Chunk, index: int, *args: A
     return out
 
 
+# Where a child checkpointed by ``child_forward`` keeps its buffer guard (deep copies copy it with the module).
+CHILD_GUARD = "_lightning_ckpt_child_guard"
+
+
+def child_forward(module: nn.Module) -> types.MethodType:
+    """A selectively checkpointed child's forward inside a block compiled alone: a method bound to the child.
+
+    Dynamo guards a submodule's instance forward that is a ``functools.partial`` by its identity, so every block
+    of a stack compiled block by block would compile its own graph for the same mode, and the eighth reaches the
+    recompile limit (measured on the 8-layer test GPT, torch 2.13: 7 graphs, then eager). A bound method of one
+    shared function, its guard kept on the child, is guarded by code and type: one graph serves every block. It is
+    only used there: pickling a bound method re-reads ``forward`` from the half-built copy, which would leave the
+    copy's child unplanned, where a partial survives ``pickle`` (``apply.py``'s docstring). Its buffer guard is set
+    on the child when the forward is installed and removed with it (``CHILD_GUARD``).
+    """
+    return types.MethodType(_child_forward, module)
+
+
+def _child_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return checkpointed_forward(self, None, self.__dict__[CHILD_GUARD], *args, **kwargs)
+
+
+_child_forward.__name__ = "forward"  # what ``pickle`` looks the method up by (see ``child_forward``)
+
 _OUR_FORWARDS = (checkpointed_forward, offloaded_forward, segment_head_forward, segment_member_forward)
 
 
 def is_ours(fn: Any) -> bool:
+    if isinstance(fn, types.MethodType):
+        return fn.__func__ is _child_forward
     return isinstance(fn, functools.partial) and fn.func in _OUR_FORWARDS

@@ -6,7 +6,6 @@ planned model (deepcopy, pickle, ``torch.save``) carries a handle of its own, bo
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from torch import nn
 from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.plan.chain import StackWatch
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.plan.forwards import PREV_FORWARD
+from lightning_ckpt.plan.forwards import CHILD_GUARD, PREV_FORWARD
 
 __all__ = ["PlanHandle", "applied_plan", "plan_handle"]
 
@@ -28,7 +27,7 @@ ACTIVE: weakref.WeakKeyDictionary[nn.Module, PlanHandle] = weakref.WeakKeyDictio
 @dataclass
 class Patch:
     module: nn.Module
-    forward: functools.partial[Any]
+    forward: Any  # a ``functools.partial``, or a child's bound method (``forwards.child_forward``)
 
 
 class PlanHandle:
@@ -83,6 +82,7 @@ class PlanHandle:
             d = p.module.__dict__
             if d.get("forward") is p.forward:
                 del d["forward"]
+            d.pop(CHILD_GUARD, None)
             prev = d.pop(PREV_FORWARD, None)
             if prev is not None:
                 d["forward"] = prev

@@ -107,6 +107,10 @@ TAG_VERDICT_RATIO = f"{TAG_PREFIX}/search/verdict_ratio"
 TAG_VERDICT_LOW = f"{TAG_PREFIX}/search/verdict_low"
 TAG_VERDICT_HIGH = f"{TAG_PREFIX}/search/verdict_high"
 VERDICT_SCALAR_TAGS = (TAG_VERDICT_RATIO, TAG_VERDICT_LOW, TAG_VERDICT_HIGH)
+# A compiled search's compiles (one point, step 0; ``search.tune.compiles_of``): graphs, and the seconds of the
+# steps that compiled them.
+TAG_SEARCH_COMPILES = f"{TAG_PREFIX}/search/compiled_graphs"
+TAG_SEARCH_COMPILE_SECONDS = f"{TAG_PREFIX}/search/compile_seconds"
 # What TensorBoard shows as each chart's description (Time Series and Scalars: the card's info tooltip), for
 # the series whose figures could be mistaken for one another.
 SCALAR_DESCRIPTIONS = {

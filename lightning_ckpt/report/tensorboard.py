@@ -51,6 +51,8 @@ from lightning_ckpt.report.tags import (
     TAG_RECOMPILES,
     TAG_RECOMPUTE_OVERHEAD,
     TAG_SAMPLES_PER_SECOND,
+    TAG_SEARCH_COMPILE_SECONDS,
+    TAG_SEARCH_COMPILES,
     TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND,
     TAG_SUMMARY,
     TAG_TIME_PREDICTION_ERROR,
@@ -355,6 +357,10 @@ def write_tensorboard(
             for tag, value in zip(VERDICT_SCALAR_TAGS, (verdict.ratio, verdict.low, verdict.high), strict=True):
                 if value is not None:
                     add_scalar(writer, tag, float(value), 0)
+        compiles = result.best.metadata.get("compiles")
+        if compiles:
+            add_scalar(writer, TAG_SEARCH_COMPILES, float(compiles["graphs"]), 0)
+            add_scalar(writer, TAG_SEARCH_COMPILE_SECONDS, float(compiles["seconds"]), 0)
         for t in result.trials:
             if t.confirmed and t.samples_per_second is not None:
                 add_scalar(writer, TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND, t.samples_per_second, t.number)

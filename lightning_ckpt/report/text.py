@@ -220,7 +220,22 @@ def result_line(result: TuneResult) -> str:
     if (result.best.metadata.get("search") or {}).get("speed_changes"):
         parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
     parts.append(f"tuned in {result.tuning_seconds:.1f} s ({len(result.trials)} plans: {pruned_counts(result)})")
+    compiles = compiles_phrase(result)
+    if compiles is not None:
+        parts.append(compiles)
     return " | ".join(parts)
+
+
+def compiles_phrase(result: TuneResult) -> str | None:
+    """What a compiled search compiled (``search.tune.compiles_of``), or None for an eager one."""
+    c = result.best.metadata.get("compiles")
+    if not c:
+        return None
+    how = "blocks compiled alone" if c.get("assembled") else "each plan compiled whole"
+    return (
+        f"compiled {c['graphs']} graphs in {c['seconds']:.1f} s for {c.get('plans_measured', 0)} plans measured "
+        f"({how}; the chosen plan compiles as you compile it at its first step)"
+    )
 
 
 def conflicts_markdown(result: TuneResult) -> str:
@@ -315,9 +330,12 @@ def verdict_lines(result: TuneResult) -> list[str]:
     compiling = [s for t in result.trials if (s := compile_stats(t)) is not None]
     if compiling:
         n_conflicts = sum(bool(t.extra.get("conflict")) for t in result.trials)
+        compiles = compiles_phrase(result) or (
+            f"{sum(s.get('compile_seconds', 0.0) for s in compiling):.1f} s compiling {len(compiling)} plans"
+        )
         lines.append(
-            f"torch.compile: {sum(s.get('compile_seconds', 0.0) for s in compiling):.1f} s compiling {len(compiling)} "
-            f"plans (in the tuning cost, not in samples/s); {n_conflicts} plan(s) conflicted with the compiler"
+            f"torch.compile: {compiles} (in the tuning cost, not in samples/s); {n_conflicts} plan(s) conflicted "
+            "with the compiler"
             f"{'' if not n_conflicts else ' (status conflict, or allowed: see compile_conflicts)'}; memory of a "
             "compiled step on CPU = saved-for-backward bytes (see lightning_ckpt.search.compile)"
         )

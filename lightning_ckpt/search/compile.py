@@ -83,6 +83,7 @@ from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.forwards import CHECKPOINT_FRAMES
 from lightning_ckpt.plan.handle import PlanHandle
+from lightning_ckpt.search.assembly import BlocksCompiledAlone, graphs_compiled, room_for_graphs
 from lightning_ckpt.search.records import judge_status
 
 __all__ = [
@@ -159,6 +160,7 @@ def reset_compiled() -> None:
     torch._dynamo.reset()
     _KEPT.keys.clear()
     _KEPT.budget = None
+    _KEPT.assembled = False
 
 
 @dataclass
@@ -170,14 +172,16 @@ class _KeptGraphs:
 
     keys: set[tuple[int, str]] = dataclasses.field(default_factory=set)
     budget: float | None = None
+    assembled: bool = False  # trials ran on blocks compiled alone (``search.assembly``) since the last reset
 
 
 _KEPT = _KeptGraphs()
 
 
 def release_kept_graphs() -> None:
-    """Drop the graphs compiled re-timing rounds kept (``reset_compiled``), if any: a search ends with this."""
-    if _KEPT.keys:
+    """Drop the graphs the search kept (``reset_compiled``): re-timing rounds', and the blocks compiled alone. A search
+    ends with this, so the model's next step compiles the chosen plan the way the user compiles, once."""
+    if _KEPT.keys or _KEPT.assembled:
         reset_compiled()
 
 
@@ -231,7 +235,9 @@ def eager_while_profiling(enabled: bool) -> Iterator[None]:
 class CompileStats:
     """What compiling one plan cost and did; stored in ``TrialRecord.extra["compile"]``.
 
-    compile_seconds: wall time of the first (compiling) step, forward and backward: tuning cost.
+    compile_seconds: wall time of the first (compiling) step, forward and backward: tuning cost (0 when the plan ran
+        graphs compiled for earlier plans: ``BlocksCompiledAlone``).
+    graphs: graphs dynamo compiled for this plan (0: every block mode it uses was compiled before).
     graph_breaks: graph breaks dynamo took while compiling this plan (all frames).
     region_breaks: of those, breaks inside a checkpointed region of ours (the region runs eagerly).
     recompiles: recompilations during the trial's steps (a stable plan has none after the first step).
@@ -242,6 +248,7 @@ class CompileStats:
     """
 
     compile_seconds: float = 0.0
+    graphs: int = 0
     graph_breaks: int = 0
     region_breaks: int = 0
     recompiles: int = 0
@@ -295,8 +302,15 @@ class _DynamoWatch:
         return any("recompile limit" in msg.lower() or "cache_size_limit" in msg for msg in new)
 
 
-def _break_summaries() -> tuple[int, int, tuple[str, ...]]:
-    """(graph breaks, breaks inside our regions, short reasons) recorded since the last dynamo reset.
+def _break_count() -> int:
+    from torch._dynamo.utils import graph_break_reasons
+
+    return len(graph_break_reasons)
+
+
+def _break_summaries(since: int = 0) -> tuple[int, int, tuple[str, ...]]:
+    """(graph breaks, breaks inside our regions, short reasons) recorded since the last dynamo reset (from the
+    ``since``-th on).
 
     ``torch._dynamo.utils.graph_break_reasons`` keeps each break's user stack (``counters["graph_break"]``
     only its message), which is what tells a break inside our checkpoint wrapper from one elsewhere.
@@ -305,7 +319,7 @@ def _break_summaries() -> tuple[int, int, tuple[str, ...]]:
 
     ours = os.path.abspath(apply_module.__file__)
     total, in_region, reasons = 0, 0, []
-    for r in graph_break_reasons:
+    for r in graph_break_reasons[since:]:
         total += 1
         inside = any(os.path.abspath(f.filename) == ours and f.name in CHECKPOINT_FRAMES for f in r.user_stack)
         in_region += inside
@@ -370,6 +384,8 @@ class CompiledTrials:
         regions: tuple[str, ...],
         allow_graph_breaks: bool,
         reserve_headroom_bytes: int = 0,
+        blocks: tuple[str, ...] = (),
+        model: nn.Module | None = None,
     ) -> None:
         self.harness = harness
         self.root, self.step_fn, self.device = harness.root, harness.step_fn, harness.device
@@ -384,6 +400,14 @@ class CompiledTrials:
         self._cache: dict[str, tuple[Measurement, CompileStats]] = {}
         self._forwards: dict[Any, Any] = {}  # what plans installed, reinstalled as they were (``reused_forwards``)
         self.retime_compiles = 0  # re-timings that compiled (the first of a plan, or after a reset)
+        # With the stacks' blocks known, trials run on them compiled alone (``search.assembly``); without, every plan
+        # is compiled the user's way from a reset (a step function compiled as a whole, a model without stacks).
+        self.assembly = (
+            BlocksCompiledAlone(model if model is not None else self.root, self.root, blocks) if blocks else None
+        )
+        self.graphs = 0  # graphs the trials compiled (``search.assembly``: distinct blocks x modes, not plans)
+        self.compile_seconds = 0.0  # the seconds of the steps that compiled them
+        self._retimed: set[str] = set()  # plans re-timed on the blocks compiled alone (their graphs exist)
 
     # -- public ---------------------------------------------------------------------------------
     def adapt(self, space: Any) -> Any:
@@ -436,6 +460,8 @@ class CompiledTrials:
         others. Where a region already has an instance forward (the plan checkpoints it), the kept graphs are
         dropped instead when the budget changes.
         """
+        if self.assembly is not None:
+            return self._assembled_retime(plan, steps, warmup)
         key = (id(self), plan.key())  # another runner (micro-batch) is another batch shape: other graphs
         handle = apply_reusing_graphs(self.harness.target, plan, self._forwards, key)
         marked = self._mark_budget(plan.compile_memory_budget)
@@ -465,8 +491,9 @@ class CompiledTrials:
         when there is no budget or a region already has an instance forward."""
         if budget is None:
             return []
+        fqns = self.assembly.blocks if self.assembly is not None else self.regions
         modules = [unwrap_compiled(self.root.get_submodule(fqn)) if fqn else unwrap_compiled(self.root)
-                   for fqn in self.regions]  # fmt: skip
+                   for fqn in fqns]  # fmt: skip
         if not modules or any("forward" in vars(m) for m in modules):
             return []
         for m in modules:
@@ -479,7 +506,8 @@ class CompiledTrials:
         peak and activation follow the module docstring; ``extra["compile"]`` is what dynamo did."""
         key = plan.key()
         if not cached or key not in self._cache:
-            self._cache[key] = self._compile_and_measure(plan)
+            assembled = self.assembly is not None
+            self._cache[key] = self._assembled_measure(plan) if assembled else self._compile_and_measure(plan)
         m, stats = self._cache[key]
         if plan.is_empty and self.reference is None:
             self.reference = stats
@@ -487,6 +515,92 @@ class CompiledTrials:
 
     def _train_step(self) -> None:
         loss_of(self.step_fn()).backward()
+
+    # -- on blocks compiled alone (``search.assembly``) ------------------------------------------------------------
+    @contextlib.contextmanager
+    def _assembled(self, plan: Plan) -> Iterator[None]:
+        """``plan`` applied to the blocks compiled alone, with the forwards it had before (``reused_forwards``): its
+        graphs are the ones compiled for its modes by any earlier trial. A PT2 budget is read when compiling and no
+        guard sees it, so it marks the blocks' forwards (``_mark_budget``); where a planned block's forward cannot be
+        marked, a budget other than the last one compiled drops the graphs (``reset_compiled``) and compiles again."""
+        assert self.assembly is not None
+        with self.assembly.installed(), room_for_graphs():
+            with reused_forwards(self._forwards):
+                handle = apply_plan(self.harness.target, plan)
+            marked = self._mark_budget(plan.compile_memory_budget)
+            if not marked and plan.compile_memory_budget != _KEPT.budget and _KEPT.assembled:
+                reset_compiled()
+            _KEPT.assembled = True
+            if not marked:
+                _KEPT.budget = plan.compile_memory_budget
+            try:
+                yield
+            finally:
+                for module in marked:
+                    del module.__dict__["forward"]
+                handle.remove()
+
+    def _count_compiles(self, graphs: int, run: _CompiledRun) -> int:
+        """Graphs compiled since ``graphs``, added to the search's count with the compiling step's seconds."""
+        new = graphs_compiled() - graphs
+        if new:
+            self.graphs += new
+            self.compile_seconds += run.compile_seconds
+        return new
+
+    def _assembled_measure(self, plan: Plan) -> tuple[Measurement, CompileStats]:
+        """Measure ``plan`` on the blocks compiled alone: compiles only the block modes no earlier trial compiled.
+        What dynamo did is read as differences (nothing is reset between trials)."""
+        watch = _DynamoWatch()
+        breaks_before, graphs_before = _break_count(), graphs_compiled()
+        snapshot = StateSnapshot.capture(self.root)
+        run = _CompiledRun()
+        try:
+            with self._assembled(plan):
+                self._compile_step(snapshot, run)
+                compiled_now = self._count_compiles(graphs_before, run)
+                if run.failure is None:
+                    graphs_timed = graphs_compiled()
+                    run.measurement = self._timed_steps(None)
+                    run.recompiles = (
+                        graphs_compiled() - graphs_timed
+                    )  # a stable plan compiles nothing after its first step
+                    if run.measurement.ok:
+                        self._memory_pass(snapshot, run)
+        finally:
+            release_memory(self.device)
+        breaks, region_breaks, reasons = _break_summaries(since=breaks_before)
+        stats = CompileStats(
+            compile_seconds=run.compile_seconds if compiled_now else 0.0,
+            graphs=compiled_now,
+            graph_breaks=breaks,
+            region_breaks=region_breaks,
+            recompiles=run.recompiles,
+            recompile_limit_hit=watch.limit_hit(),
+            eager_ops=run.eager_ops,
+            saved_bytes=run.saved,
+            break_reasons=reasons,
+        )
+        return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
+
+    def _assembled_retime(self, plan: Plan, steps: int | None, warmup: int) -> Measurement:
+        """``retime`` on the blocks compiled alone. A plan that ran before has its graphs: its round is ``warmup`` and
+        ``steps`` steps, as an eager round (a plan switch swaps compiled blocks, nothing compiles); a plan's first run
+        starts with the untimed step that compiles what it needs."""
+        graphs_before = graphs_compiled()
+        snapshot = StateSnapshot.capture(self.root)
+        run = _CompiledRun()
+        with self._assembled(plan):
+            if plan.key() in self._cache or plan.key() in self._retimed:
+                run.measurement = self._timed_steps(steps, warmup=warmup)
+            else:
+                self._compile_then_time(snapshot, run, steps)
+        self._retimed.add(plan.key())
+        compiled_now = self._count_compiles(graphs_before, run)
+        self.retime_compiles += bool(compiled_now)
+        m = self._reading(run)
+        extra = {"compile_seconds": run.compile_seconds if compiled_now else 0.0, "compiled": bool(compiled_now)}
+        return replace(m, extra={**m.extra, "compile": {**extra, "graphs": compiled_now}})
 
     # -- internals ----------------------------------------------------------------------------------
     def _compile_and_measure(self, plan: Plan) -> tuple[Measurement, CompileStats]:
@@ -510,6 +624,7 @@ class CompiledTrials:
             release_memory(self.device)
         stats = CompileStats(
             compile_seconds=run.compile_seconds,
+            graphs=1,
             graph_breaks=breaks,
             region_breaks=region_breaks,
             recompiles=run.recompiles,
@@ -539,12 +654,12 @@ class CompiledTrials:
         finally:
             snapshot.restore()
 
-    def _timed_steps(self, steps: int | None) -> Measurement:
+    def _timed_steps(self, steps: int | None, *, warmup: int | None = None) -> Measurement:
         """The compiled steps, timed; on CUDA the allocator's peak over them (and its cap), no tracked pass."""
         is_cuda = self.device.type == "cuda"
         return self.harness.measure(
             step=self._train_step,
-            warmup=self.warmup_steps,
+            warmup=self.warmup_steps if warmup is None else warmup,
             steps=steps or self.measure_steps,
             track_memory=False,
             read_allocator=is_cuda,
@@ -634,15 +749,23 @@ def compiled_search(
     compiled: bool | None,
     allow_graph_breaks: bool,
     reserve_headroom_bytes: int = 0,
+    blocks: tuple[str, ...] = (),
 ) -> CompiledTrials | None:
-    """``CompiledTrials`` for ``model`` when it is compiled (``compiled_target``), else ``None``."""
+    """``CompiledTrials`` for ``model`` when it is compiled (``compiled_target``), else ``None``; with ``blocks`` (the
+    stacks' blocks) its trials run on them compiled alone (``search.assembly``), else each compiles the user's way."""
     regions = compiled_target(model, compiled=compiled)
     if regions is None:
         return None
     trials = CompiledTrials(
-        harness, regions=regions, allow_graph_breaks=allow_graph_breaks, reserve_headroom_bytes=reserve_headroom_bytes
+        harness,
+        regions=regions,
+        allow_graph_breaks=allow_graph_breaks,
+        reserve_headroom_bytes=reserve_headroom_bytes,
+        blocks=blocks,
+        model=model,
     )
-    log.info("lightning_ckpt: compiled model (%s): every trial compiles its plan", trials.describe())
+    how = "on its blocks compiled alone" if trials.assembly is not None else "every trial compiles its plan"
+    log.info("lightning_ckpt: compiled model (%s): %s", trials.describe(), how)
     return trials
 
 

@@ -102,6 +102,7 @@ def build_runner(
         compiled=compiled,
         allow_graph_breaks=config.allow_graph_breaks,
         reserve_headroom_bytes=reserve_headroom,
+        blocks=tuple(fqn for stack in resolved.stacks for fqn in stack.block_fqns),
     )
     if compiled_runner is not None:
         return compiled_runner
@@ -337,6 +338,8 @@ def _search(
     fitted = study.proposer.fitted()
     if isinstance(memory.model, CompiledMemoryModel):
         metadata["compiled_blocks"] = {**memory.model.to_dict(), "activation_errors": _activation_errors(study)}
+    if isinstance(runner, CompiledTrials):
+        metadata[COMPILES_KEY] = compiles_of(runner, profile.compiled)
     if fitted is not None:
         # The profile as the search fitted it: a later budget re-plans from it without a search (``replan``). A
         # compiled one is kept apart (COMPILED_PROFILE_KEY): ``replan`` predicts eager steps; a plan table predicts
@@ -524,6 +527,32 @@ def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run:
         "memory before the fit (other models, cached tensors), use a smaller batch or micro-batch, shard the model "
         "(FSDP2), or give the process more of the device."
     )
+
+
+# Where a compiled search's plan keeps what it compiled (``compiles_of``): the result line, ``show`` and TensorBoard.
+COMPILES_KEY = "compiles"
+
+
+def compiles_of(runner: CompiledTrials, profiled: CompiledMemoryModel | None) -> dict[str, Any]:
+    """What a compiled search compiled: graphs and the seconds of the steps that compiled them, in the profile
+    (each distinct block alone, once per mode) and in the trials (the modes, PT2 budgets and segments the profile
+    did not compile). ``assembled``: trials ran on blocks compiled alone (``search.assembly``), so the count is
+    distinct blocks x modes; otherwise every plan was compiled the user's way."""
+    profile_graphs = profiled.compiles if profiled is not None else 0
+    profile_seconds = profiled.compile_seconds if profiled is not None else 0.0
+    trial_seconds = runner.compile_seconds
+    if runner.assembly is None:  # every measured plan compiled from a reset
+        trial_seconds = sum(stats.compile_seconds for _, stats in runner._cache.values())
+    return {
+        "assembled": runner.assembly is not None,
+        "graphs": profile_graphs + runner.graphs,
+        "seconds": profile_seconds + trial_seconds,
+        "profile_graphs": profile_graphs,
+        "profile_seconds": profile_seconds,
+        "trial_graphs": runner.graphs,
+        "trial_seconds": trial_seconds,
+        "plans_measured": len(runner._cache),
+    }
 
 
 def warm_up_process(harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool) -> int:

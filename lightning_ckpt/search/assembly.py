@@ -1,0 +1,121 @@
+"""Run a compiled model's trials on blocks compiled alone, so a plan change swaps compiled blocks instead of compiling.
+
+A user who compiles pays one compile of their model; a search that compiled every candidate plan the way the user
+compiles paid one per plan: on the 8-layer test GPT compiled whole (2-core CPU, torch 2.13) 225 s of search against
+a 48 s first compile, and on one H200 10-13 s per compile against an 11 ms step. Checkpointing changes what happens
+inside a block, and a block's mode is the unit a plan is made of, so the search measures plans on the model as a
+regional compile runs it (torchtitan's way):
+
+* every block of the stacks runs compiled alone (``block._compiled_call_impl``, what ``block.compile()`` sets), with
+  ``torch.compile``'s defaults, unless the user compiled it alone already (their options are kept);
+* every other compiled region (the whole model: ``torch.compile(model)``, Lightning's ``from_compiled``, a submodule
+  compiled with ``torch.compile`` or ``.compile()``) runs eagerly while a trial runs;
+* the forwards a plan installs are the objects the block had under that mode before (``plan.apply.reused_forwards``),
+  and dynamo guards them by code and type, not identity (a checkpointed child's forward is a bound method for this,
+  ``plan.forwards.child_forward``), so one graph per distinct block and mode serves every block and every plan.
+
+A search then compiles distinct blocks x modes, whatever the number of plans, and dynamo's recompile limit is
+raised while the trials run (``room_for_graphs``) so that every one of those graphs is kept rather than the frame
+falling back to eager. Only the chosen plan is compiled as the user compiles, once, when training resumes with it
+(the compile the user pays anyway). What the search does not see: code outside the blocks compiled with the blocks
+(fusion across a block boundary), which is the same for every plan; ``benchmarks/compiled_exhaustive.py`` measures
+how the plans rank compiled the user's way against this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt.discovery import is_compile_wrapper, unwrap_compiled
+
+__all__ = ["BlocksCompiledAlone", "graphs_compiled", "room_for_graphs"]
+
+# Graphs one code object may hold while trials run (dynamo's default is 8): every block call of every stack runs
+# ``Module._call_impl``, so its graphs are distinct blocks x modes x batch shapes x PT2 budgets.
+GRAPHS_PER_FRAME = 512
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo compiled in this process (``counters["stats"]["unique_graphs"]``): a difference is a compile."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@contextlib.contextmanager
+def room_for_graphs(limit: int = GRAPHS_PER_FRAME) -> Iterator[None]:
+    """Dynamo's recompile limits raised to ``limit`` (never lowered) for the enclosed trials."""
+    config = torch._dynamo.config
+    names = [n for n in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit") if hasattr(config, n)]
+    patch = {n: max(int(getattr(config, n)), limit) for n in names}
+    with config.patch(**patch):
+        yield
+
+
+class BlocksCompiledAlone:
+    """``model`` as a compiled search runs it (see the module docstring): its stack blocks compiled alone, every
+    other compiled region eager, while ``installed()`` is entered.
+
+    ``blocks``: the stacks' block FQNs (canonical, as plans name them). Nothing is changed until ``installed()``, and
+    everything it changes is put back when it exits.
+    """
+
+    def __init__(self, model: nn.Module, root: nn.Module, blocks: tuple[str, ...]) -> None:
+        self.blocks = blocks
+        self._compiled: list[tuple[nn.Module, Any]] = []  # blocks we compile alone, with their compiled call
+        alone: set[int] = set()
+        for fqn in blocks:
+            wrapper = root.get_submodule(fqn)
+            block = unwrap_compiled(wrapper)
+            alone.add(id(block))
+            if is_compile_wrapper(wrapper) or block._compiled_call_impl is not None:
+                continue  # the user compiled it alone: it runs as they compiled it
+            # Made once: dynamo keys graphs by code and guards, so every trial reuses what an earlier one compiled.
+            self._compiled.append((block, torch.compile(block._call_impl)))
+        self._eager: list[tuple[Any, str, Any]] = []  # (object, attribute, value while installed)
+        for module in _modules_of(model):
+            inner = unwrap_compiled(module)
+            if id(inner) in alone:
+                continue
+            if is_compile_wrapper(module):
+                self._eager.append((module, "forward", module._orig_mod.__call__))
+            elif module._compiled_call_impl is not None:
+                self._eager.append((module, "_compiled_call_impl", None))
+            ctx = module.__dict__.get("_compiler_ctx")
+            if isinstance(ctx, dict) and ctx.get("original_forward") is not None:  # Lightning's from_compiled
+                self._eager.append((module, "forward", ctx["original_forward"]))
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Blocks compiled alone and the rest eager for the enclosed steps; the user's compile afterwards."""
+        saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in self._eager]
+        saved += [(block, "_compiled_call_impl", block.__dict__.get("_compiled_call_impl", _MISSING))
+                  for block, _ in self._compiled]  # fmt: skip
+        try:
+            for obj, name, value in self._eager:
+                obj.__dict__[name] = value
+            for block, call in self._compiled:
+                block.__dict__["_compiled_call_impl"] = call
+            yield
+        finally:
+            for obj, name, value in reversed(saved):
+                if value is _MISSING:
+                    obj.__dict__.pop(name, None)
+                else:
+                    obj.__dict__[name] = value
+
+
+_MISSING = object()
+
+
+def _modules_of(model: nn.Module) -> list[nn.Module]:
+    """``model`` and every module under it, compile wrappers included, each once."""
+    seen: dict[int, nn.Module] = {}
+    for module in (model, *model.modules()):
+        seen.setdefault(id(module), module)
+    return list(seen.values())
