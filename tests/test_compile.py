@@ -26,6 +26,7 @@ from lightning_ckpt.model import compiled_regions, model_fingerprint
 from lightning_ckpt.plan.apply import reused_forwards
 from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.search import compile as compile_module
+from lightning_ckpt.search.assembly import graphs_compiled
 from lightning_ckpt.search.compile import (
     CompileStats,
     compiled_search,
@@ -36,7 +37,6 @@ from lightning_ckpt.search.compile import (
     reset_compiled,
     trial_status,
 )
-from lightning_ckpt.search.assembly import graphs_compiled
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.tune import TrialRecord, TuneResult, tune
 from lightning_ckpt.testing import GPT, GPTConfig
