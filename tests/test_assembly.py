@@ -141,3 +141,30 @@ def test_gradients_of_every_plan_on_blocks_compiled_alone_equal_eager():
                 handle.remove()
         for name, g in expected.items():
             torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5, msg=f"{plan.describe()}: {name}")
+
+
+def test_segments_on_blocks_compiled_alone_compile_one_block_graph_for_every_chunk_length_and_match_eager():
+    """A segment's head compiled alone traced its whole chunk into one graph per chunk length; on blocks compiled
+    alone the chunk's checkpoint runs eagerly around one compiled graph of the plain block."""
+    layers = 4
+    model, x = gpt(layers), tokens()
+    expected = _grads(model, lambda: model(x, x))
+    compiled = torch.compile(model)
+    harness = StepHarness(model, lambda: compiled(x, x), torch.device("cpu"), extra=(x,), batch_size=4,
+                          warmup_steps=0, measure_steps=1)  # fmt: skip
+    runner = compiled_search(compiled, harness, compiled=True, allow_graph_breaks=False, blocks=blocks(layers))
+    assert runner is not None and runner.assembly is not None
+    none = runner.measure(Plan(), None)
+    segments = [runner.measure(Plan(segments={"transformer.h": n}), None) for n in (2, 3)]
+    assert none.ok and all(m.ok for m in segments), [m.error for m in segments]
+    assert sum(m.extra["compile"]["graphs"] for m in segments) <= 1  # the plain block, for both chunk lengths
+    assert all(m.activation_bytes < none.activation_bytes for m in segments)
+    with runner.assembly.installed(), runner.assembly.segments_eager(model, ["transformer.h"]):
+        handle = apply_plan(model, Plan(segments={"transformer.h": 2}))
+        try:
+            got = _grads(model, lambda: compiled(x, x))
+        finally:
+            handle.remove()
+    assert all("_compiled_call_impl" not in b.__dict__ for b in model.transformer.h)
+    for name, g in expected.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5)

@@ -40,13 +40,14 @@ from lightning_ckpt.plan.chain import (
 )
 from lightning_ckpt.plan.policies import selective_context_fn
 
-__all__ = ["CHECKPOINT_FRAMES", "child_forward"]
+__all__ = ["CHECKPOINT_FRAMES", "CHUNK_BLOCKS", "child_forward", "original_forward"]
 
 # Where a patched module keeps the instance forward it had before the plan (put back by PlanHandle.remove).
 PREV_FORWARD = "_lightning_ckpt_prev_forward"
 
 
-def _original_forward(module: nn.Module) -> Callable[..., Any]:
+def original_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward ``module`` had before the plan: its instance forward then, or its class's."""
     prev = module.__dict__.get(PREV_FORWARD)
     # A partial, not ``type(module).forward.__get__(module)``: Dynamo before torch 2.7 cannot trace __get__.
     return prev if prev is not None else functools.partial(type(module).forward, module)
@@ -61,7 +62,7 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
 def checkpointed_forward(
     module: nn.Module, save_list: str | None, guard: BufferGuard, *args: Any, **kwargs: Any
 ) -> Any:
-    inner = _original_forward(module)
+    inner = original_forward(module)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     args, kwargs = without_cache_args(module, args, kwargs)
@@ -82,7 +83,7 @@ def _first_device(module: nn.Module, args: tuple[Any, ...]) -> torch.device | No
 
 
 def offloaded_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    inner = _original_forward(module)
+    inner = original_forward(module)
     device = _first_device(module, args)
     # On a CPU model the activations already live in host memory; save_on_cpu would only copy them.
     if not torch.is_grad_enabled() or device is None or device.type == "cpu":
@@ -117,6 +118,20 @@ def deviate(chunk: Chunk, start: int, reason: str) -> None:
         "per-block modes (e.g. 'full') instead.",
         stacklevel=4,
     )
+
+
+class ChunkBlocks:
+    """How a segment's chunk runs each of its blocks: ``call(block, *args, **kwargs)``, or (None) the block's forward.
+
+    A compiled search runs its trials on blocks compiled alone (``search.assembly``): there a chunk's checkpoint runs
+    eagerly around each block's own compiled graph, so a segment compiles nothing the per-block modes have not
+    (inlined in the head block's graph, each chunk length was a graph of its own: 50 s of a 32-layer search).
+    """
+
+    call: Callable[..., Any] | None = None
+
+
+CHUNK_BLOCKS = ChunkBlocks()
 
 
 class Chunk:
@@ -169,8 +184,9 @@ class Chunk:
         after_block: Callable[[], None] | None = None,
     ) -> tuple[Any, ...]:
         outputs = []
+        call = CHUNK_BLOCKS.call
         for m in self.modules:
-            out = _original_forward(m)(*args, **kwargs)
+            out = original_forward(m)(*args, **kwargs) if call is None else call(m, *args, **kwargs)
             outputs.append(out)
             if after_block is not None:
                 after_block()
@@ -227,11 +243,11 @@ def segment_head_forward(module: nn.Module, chunk: Chunk, *args: Any, **kwargs: 
     if chunk.next_index is not None:  # the last step left blocks of the chunk uncalled
         deviate(chunk, chunk.next_index, f"{chunk._rest()} never ran before {chunk.fqns[0]!r} ran again")
     if not torch.is_grad_enabled():
-        return _original_forward(module)(*args, **kwargs)
+        return original_forward(module)(*args, **kwargs)
     slot = hidden_slot(args, kwargs)
     if slot is None:
         deviate(chunk, len(chunk.modules), f"{chunk.fqns[0]!r} was called without a hidden state to hand on")
-        return _original_forward(module)(*args, **kwargs)
+        return original_forward(module)(*args, **kwargs)
     run_args, run_kwargs = without_cache_args(module, args, kwargs)
     if torch.compiler.is_compiling() and chunk.guard.eager_under_compile:
         outputs = eager_in_compiled(chunk.guard, functools.partial(chunk.run, slot), run_args, run_kwargs)
@@ -266,11 +282,11 @@ CHECKPOINT_FRAMES = frozenset(f.__name__ for f in _REGION_FUNCTIONS)
 
 def segment_member_forward(module: nn.Module, chunk: Chunk, index: int, *args: Any, **kwargs: Any) -> Any:
     if chunk.next_index is None and not torch.is_grad_enabled():
-        return _original_forward(module)(*args, **kwargs)
+        return original_forward(module)(*args, **kwargs)
     why = chunk.off_chain(index, args, kwargs)
     if why is not None:
         deviate(chunk, chunk.next_index if chunk.next_index is not None else len(chunk.modules), why)
-        return _original_forward(module)(*args, **kwargs)
+        return original_forward(module)(*args, **kwargs)
     out = chunk.outputs[index]
     if chunk.states is not None:
         set_rng_states(chunk.devices, chunk.states[index])

@@ -524,9 +524,11 @@ class CompiledTrials:
         guard sees it, so it marks the blocks' forwards (``_mark_budget``); where a planned block's forward cannot be
         marked, a budget other than the last one compiled drops the graphs (``reset_compiled``) and compiles again."""
         assert self.assembly is not None
-        with self.assembly.installed(), room_for_graphs():
+        with self.assembly.installed(), room_for_graphs(), contextlib.ExitStack() as stack:
             with reused_forwards(self._forwards):
                 handle = apply_plan(self.harness.target, plan)
+            stack.callback(handle.remove)
+            stack.enter_context(self.assembly.segments_eager(self.root, plan.segments))
             marked = self._mark_budget(plan.compile_memory_budget)
             if not marked and plan.compile_memory_budget != _KEPT.budget and _KEPT.assembled:
                 reset_compiled()
@@ -538,7 +540,6 @@ class CompiledTrials:
             finally:
                 for module in marked:
                     del module.__dict__["forward"]
-                handle.remove()
 
     def _count_compiles(self, graphs: int, run: _CompiledRun) -> int:
         """Graphs compiled since ``graphs``, added to the search's count with the compiling step's seconds."""
