@@ -158,6 +158,10 @@ def test_segments_on_blocks_compiled_alone_compile_one_block_graph_for_every_chu
     segments = [runner.measure(Plan(segments={"transformer.h": n}), None) for n in (2, 3)]
     assert none.ok and all(m.ok for m in segments), [m.error for m in segments]
     assert sum(m.extra["compile"]["graphs"] for m in segments) <= 1  # the plain block, for both chunk lengths
+    # Every block still runs compiled: the chunks' blocks each through its graph, the last (not checkpointed)
+    # segment's as without a plan; a block left eager would be a conflict (ops outside compiled graphs).
+    assert all(m.conflict is None for m in segments), [m.conflict for m in segments]
+    assert all(m.extra["compile"]["eager_ops"] == none.extra["compile"]["eager_ops"] for m in segments)
     assert all(m.activation_bytes < none.activation_bytes for m in segments)
     with runner.assembly.installed(), runner.assembly.segments_eager(model, ["transformer.h"]):
         handle = apply_plan(model, Plan(segments={"transformer.h": 2}))

@@ -25,6 +25,7 @@ how the plans rank compiled the user's way against this.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.discovery import is_compile_wrapper, unwrap_compiled
-from lightning_ckpt.plan.forwards import CHUNK_BLOCKS, original_forward
+from lightning_ckpt.plan.forwards import CHUNK_BLOCKS, original_forward, segment_head_forward, segment_member_forward
 
 __all__ = ["BlocksCompiledAlone", "graphs_compiled", "room_for_graphs"]
 
@@ -100,7 +101,8 @@ class BlocksCompiledAlone:
         Compiled alone, a segment's head block would trace its whole chunk into one graph, one per chunk length
         (two graphs and 50 s of the 32-layer test GPT's search, 2-core CPU). Here the chunk's checkpoint runs
         eagerly and each of its blocks runs ``original_forward`` compiled, one graph per distinct block, which is
-        the graph of the block without a plan (the FX graph cache serves it)."""
+        the graph of the block without a plan (the FX graph cache serves it). Only the chunks' blocks: the last
+        segment is not checkpointed (``plan.apply``), and its blocks run compiled alone as every other block."""
         prefixes = tuple(f"{s}." if s else "" for s in stacks)
         touched: list[tuple[nn.Module, str, Any]] = []
         for fqn in self.blocks:
@@ -108,6 +110,8 @@ class BlocksCompiledAlone:
                 continue
             wrapper = root.get_submodule(fqn)
             block = unwrap_compiled(wrapper)
+            if not _in_chunk(block):
+                continue
             if is_compile_wrapper(wrapper):
                 touched.append((wrapper, "forward", block.__call__))
             touched.append((block, "_compiled_call_impl", None))
@@ -148,6 +152,12 @@ def _put_back(saved: list[tuple[Any, str, Any]]) -> None:
             obj.__dict__.pop(name, None)
         else:
             obj.__dict__[name] = value
+
+
+def _in_chunk(block: nn.Module) -> bool:
+    """Whether the plan applied made ``block`` part of a segment's chunk (its head or a later member)."""
+    forward = block.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func in (segment_head_forward, segment_member_forward)
 
 
 def _chunk_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
