@@ -10,20 +10,23 @@ For the compiled GPT of ``compiled_retiming.py`` (width 128, batch 8 x 64 tokens
    0-5.5%; ``compiled_retiming.py``): the exhaustive measurement;
 3. the chosen plan and the three fastest fitting plans of step 2 re-timed side by side in interleaved rounds (each
    round switches plans every few steps; a plan's graph is compiled once and reused), 6 rounds and more until the
-   90% interval of the rounds' paired ratio (the fastest other contender over the chosen plan) is 3% wide or lies
-   wholly above or below 0.97 (24 rounds at most): the chosen plan's throughput over the fastest's, the issue's
-   ">= 0.97x";
+   90% interval of the rounds' paired ratio (the strongest other contender's seconds over the chosen plan's, within
+   each round: ``paired_ratio``) is 3% wide or lies wholly above or below 0.97 (24 rounds at most): the chosen
+   plan's throughput over the fastest's, the issue's ">= 0.97x";
 4. the compiled time model's error on every plan step 2 measured: the search's fitted model (blocks compiled
    alone, anchored on the steps it measured), and the same model with what the plans add scaled by one factor
    fitted on the compiled ``full`` step (``scaled``: how much of the error is one systematic factor).
 
 Every row also measures the user's own first compile (the first step of the plain model compiled their way, in the
-row's fresh process and empty cache): the search's yardstick. ``--search-only`` stops after step 1: the search's
-cost against that compile, the compiles it ran, the choice (``--out`` another file).
+row's fresh process and empty cache): the search's yardstick; a ``regional`` row also the whole model's first compile,
+alone in a fresh process. Each row keeps the search's trials (``search_trials``: measured on the blocks compiled
+alone, or pruned with their prediction). ``--search-only`` stops after step 1: the search's cost against that
+compile, the compiles it ran, the choice (``--out`` another file). ``--rescore`` recomputes the side-by-side figures
+of a result file from its recorded rounds.
 
-Run: ``python benchmarks/compiled_exhaustive.py --layers 8 32 --ways regional whole`` (2-core CPU: 3 to 10 minutes
-per row but the whole 32-layer one, about 40), or ``--rows 8:regional 8:whole 32:regional``; writes
-``benchmarks/results/compiled_exhaustive.json``.
+Run: ``python benchmarks/compiled_exhaustive.py --layers 8 32 --ways regional whole`` (2-core CPU, 2026-12-05: 2 to
+7 minutes a row but the whole 32-layer one, about 24), or ``--rows 8:regional 8:whole 32:regional``; writes
+``benchmarks/results/compiled_exhaustive.json`` after every row.
 """
 
 from __future__ import annotations
@@ -89,6 +92,20 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False) -> None:
         "compiles": chosen.metadata.get("compiles"),
         "chosen": chosen.describe(),
         "budget": budget.description,
+        # What the search measured, on the blocks compiled alone, and what it predicted for the plans it pruned.
+        "search_trials": [
+            {
+                "plan": t.label,
+                "status": str(t.status),
+                "pruned_by": t.pruned_by,
+                "median_seconds": t.median_seconds,
+                "predicted_seconds": t.predicted_seconds,
+                "side_by_side_seconds": list(t.confirmation_seconds),
+                "activation_bytes": t.activation_bytes,
+                "predicted_activation_bytes": t.predicted_activation_bytes,
+            }
+            for t in result.trials
+        ],
     }
     if search_only:
         out.write_text(json.dumps(cost, indent=2))
