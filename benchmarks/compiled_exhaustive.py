@@ -106,6 +106,12 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False) -> None:
             }
             for t in result.trials
         ],
+        # The time model the search pruned by: its base and the anchors it was fitted on (label, the seconds the
+        # plan adds by the blocks' timings, the step measured), and each distinct block's seconds per mode.
+        "time_model": {
+            k: (chosen.metadata.get(COMPILED_PROFILE_KEY) or {}).get("time", {}).get(k)
+            for k in ("calibration", "blocks")
+        },
     }
     if search_only:
         out.write_text(json.dumps(cost, indent=2))
