@@ -81,6 +81,7 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False) -> None:
                       extra_tensors=(x,))  # fmt: skip
     search_seconds = time.perf_counter() - t0
     budget, chosen = result.budget, result.best
+    saved = chosen.metadata.get(COMPILED_PROFILE_KEY) or {}
     cost = {
         "way": way,
         "layers": layers,
@@ -108,15 +109,11 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False) -> None:
         ],
         # The time model the search pruned by: its base and the anchors it was fitted on (label, the seconds the
         # plan adds by the blocks' timings, the step measured), and each distinct block's seconds per mode.
-        "time_model": {
-            k: (chosen.metadata.get(COMPILED_PROFILE_KEY) or {}).get("time", {}).get(k)
-            for k in ("calibration", "blocks")
-        },
+        "time_model": {k: (saved.get("time") or {}).get(k) for k in ("calibration", "blocks")},
     }
     if search_only:
         out.write_text(json.dumps(cost, indent=2))
         return
-    saved = chosen.metadata.get(COMPILED_PROFILE_KEY) or {}
     fitted = TimeModel.from_dict(saved["time"]) if saved.get("time") else None
 
     # 2. Every plan of the space the memory model does not rule out by more than the margin, measured compiled.
@@ -265,12 +262,8 @@ def rescore(path: Path) -> None:
         rounds = r.get("side_by_side_round_seconds")
         if not rounds:
             continue
-        chosen = r.get("chosen_side_by_side") or next(
-            k for k in rounds if k == "chosen" or k.removeprefix("baseline:") == _baseline_name(r["chosen"])
-        )
-        rival, paired, interval = paired_ratio(rounds, chosen)
+        rival, paired, interval = paired_ratio(rounds, r["chosen_side_by_side"])
         r.update(
-            chosen_side_by_side=chosen,
             strongest_rival_side_by_side=rival,
             chosen_over_fastest=min(1.0, paired),
             chosen_over_fastest_interval=list(interval),
@@ -278,11 +271,6 @@ def rescore(path: Path) -> None:
         print(f"{r['way']:>8} {r['layers']:>3} layers | {r['chosen_over_fastest']:.3f}x ({interval[0]:.3f}-"
               f"{interval[1]:.3f}) against {rival}")  # fmt: skip
     path.write_text(json.dumps(payload, indent=2))
-
-
-def _baseline_name(description: str) -> str:
-    """``pt2_budget(0.3)`` as the baseline's label names it (``pt2_budget_0.3``)."""
-    return description.replace("(", "_").removesuffix(")")
 
 
 def main() -> None:

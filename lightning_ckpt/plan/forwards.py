@@ -330,3 +330,8 @@ def is_ours(fn: Any) -> bool:
     if isinstance(fn, types.MethodType):
         return fn.__func__ is _child_forward
     return isinstance(fn, functools.partial) and fn.func in _OUR_FORWARDS
+
+
+def is_segment_forward(fn: Any) -> bool:
+    """Whether ``fn`` makes its module part of a segment's chunk (the head or a later member)."""
+    return isinstance(fn, functools.partial) and fn.func in (segment_head_forward, segment_member_forward)

@@ -28,7 +28,6 @@ PT2 budget of a 32-layer GPT compiled whole ran 0.959x the fastest selective pla
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.discovery import is_compile_wrapper, unwrap_compiled
-from lightning_ckpt.plan.forwards import CHUNK_BLOCKS, original_forward, segment_head_forward, segment_member_forward
+from lightning_ckpt.plan.forwards import CHUNK_BLOCKS, is_segment_forward, original_forward
 
 __all__ = ["BlocksCompiledAlone", "graphs_compiled", "room_for_graphs"]
 
@@ -113,7 +112,7 @@ class BlocksCompiledAlone:
                 continue
             wrapper = root.get_submodule(fqn)
             block = unwrap_compiled(wrapper)
-            if not _in_chunk(block):
+            if not is_segment_forward(block.__dict__.get("forward")):
                 continue
             if is_compile_wrapper(wrapper):
                 touched.append((wrapper, "forward", block.__call__))
@@ -155,12 +154,6 @@ def _put_back(saved: list[tuple[Any, str, Any]]) -> None:
             obj.__dict__.pop(name, None)
         else:
             obj.__dict__[name] = value
-
-
-def _in_chunk(block: nn.Module) -> bool:
-    """Whether the plan applied made ``block`` part of a segment's chunk (its head or a later member)."""
-    forward = block.__dict__.get("forward")
-    return isinstance(forward, functools.partial) and forward.func in (segment_head_forward, segment_member_forward)
 
 
 def _chunk_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
