@@ -22,7 +22,11 @@ row's fresh process and empty cache): the search's yardstick; a ``regional`` row
 alone in a fresh process. Each row keeps the search's trials (``search_trials``: measured on the blocks compiled
 alone, or pruned with their prediction). ``--search-only`` stops after step 1: the search's cost against that
 compile, the compiles it ran, the choice (``--out`` another file). ``--rescore`` recomputes the side-by-side figures
-of a result file from its recorded rounds.
+of a result file from its recorded rounds. Each full row also gives the lock-in compile (``lock_in_compile_seconds``:
+the chosen plan's first compile the user's way after the search, which training pays when it resumes) and the search
+with it over the user's compile. ``--check-whole-compile`` tunes with ``TuneConfig(check_whole_compile=True)``: a PT2
+budget chosen on the blocks compiled alone is compiled the user's way beside the fastest plan of ours and the faster
+kept (``search.whole_check``; ``whole_compile_check`` in the row says what it did).
 
 Run: ``python benchmarks/compiled_exhaustive.py --layers 8 32 --ways regional whole`` (2-core CPU, 2026-12-05: 2 to
 7 minutes a row but the whole 32-layer one, about 24), or ``--rows 8:regional 8:whole 32:regional``; writes
@@ -46,10 +50,11 @@ from pathlib import Path
 
 import torch
 
-from lightning_ckpt import Plan, tune
+from lightning_ckpt import Plan, TuneConfig, tune
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.search.compile import compiled_search, release_kept_graphs, reset_compiled
 from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY
+from lightning_ckpt.search.tune import WHOLE_CHECK_KEY
 from lightning_ckpt.timing.model import TimeModel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -63,7 +68,7 @@ TARGET = 0.97  # the chosen plan's throughput over the fastest's, at least
 MEMORY_MARGIN = 1.10  # step 2 skips plans predicted over 110% of the budget
 
 
-def worker(way: str, layers: int, out: Path, search_only: bool = False) -> None:
+def worker(way: str, layers: int, out: Path, search_only: bool = False, check_whole: bool = False) -> None:
     model, compiled, x = compiled_gpt(layers, regional=way == "regional")
 
     def step() -> torch.Tensor:
@@ -78,7 +83,7 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = tune(compiled, step, activation_budget=0.5, batch_size=BATCH, seq_len=SHAPE["block_size"],
-                      extra_tensors=(x,))  # fmt: skip
+                      extra_tensors=(x,), config=TuneConfig(check_whole_compile=check_whole))  # fmt: skip
     search_seconds = time.perf_counter() - t0
     budget, chosen = result.budget, result.best
     saved = chosen.metadata.get(COMPILED_PROFILE_KEY) or {}
@@ -91,6 +96,8 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False) -> None:
         "plain_compiled_step_seconds": plain,
         "plain_step_equivalents": search_seconds / plain,
         "compiles": chosen.metadata.get("compiles"),
+        "check_whole_compile": check_whole,
+        "whole_compile_check": chosen.metadata.get(WHOLE_CHECK_KEY),
         "chosen": chosen.describe(),
         "budget": budget.description,
         # What the search measured, on the blocks compiled alone, and what it predicted for the plans it pruned.
@@ -146,6 +153,9 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False) -> None:
         })  # fmt: skip
         print(f"  {label}: {m.status} {m.median_seconds}", flush=True)
     sweep_seconds = time.perf_counter() - t_sweep
+    # What training pays when it resumes with the chosen plan: its first compile the user's way after the search (the
+    # sweep's first compile of it, in this process and cache; served by the caches where the search compiled it so).
+    lock_in = next((r["compile_seconds"] for r in rows if r["_plan"].key() == chosen.key()), None)
     fitting = sorted((r for r in rows if r["fits"] and r["median_seconds"]), key=lambda r: r["median_seconds"])
 
     # 3. The chosen plan beside the three fastest fitting plans, interleaved rounds.
@@ -184,6 +194,10 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False) -> None:
     search = chosen.metadata.get("search", {})
     record = {
         **cost,
+        "lock_in_compile_seconds": lock_in,
+        "search_and_lock_in_over_users_first_compile": (search_seconds + lock_in) / users_first_compile
+        if lock_in is not None
+        else None,
         "plans_in_space": len({t.plan.key() for t in result.trials}),
         "plans_measured_exhaustively": len(rows),
         "exhaustive_seconds": sweep_seconds,
@@ -289,12 +303,18 @@ def main() -> None:
         action="store_true",
         help="recompute the side-by-side figures of the rows in --out from their recorded rounds (paired_ratio)",
     )
+    parser.add_argument(
+        "--check-whole-compile",
+        action="store_true",
+        help="tune with TuneConfig(check_whole_compile=True): a PT2 budget chosen on the blocks is checked compiled "
+        "your way (write it to another --out)",
+    )
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--first-compile-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         way, layers, out = args.worker
-        worker(way, int(layers), Path(out), args.search_only)
+        worker(way, int(layers), Path(out), args.search_only, args.check_whole_compile)
         return
     if args.first_compile_worker:
         layers, out = args.first_compile_worker
@@ -315,7 +335,8 @@ def main() -> None:
     }
     for layers, way in rows:
         t0 = time.perf_counter()
-        record = _fresh_process([sys.executable, __file__, "--worker", way, str(layers)], args.search_only)
+        flags = ["--check-whole-compile"] if args.check_whole_compile else []
+        record = _fresh_process([sys.executable, __file__, *flags, "--worker", way, str(layers)], args.search_only)
         if way == "regional":
             whole = _fresh_process([sys.executable, __file__, "--first-compile-worker", str(layers)], False)
             record["whole_first_compile_seconds"] = whole["seconds"]
@@ -341,7 +362,8 @@ def main() -> None:
             continue
         print(
             f"{way:>8} {layers:>3} layers | your first compile {r['users_first_compile_seconds']:.0f} s | search "
-            f"{r['search_seconds']:.0f} s = {r['search_over_users_first_compile']:.2f}x{whole_line} | chosen {r['chosen']} | "
+            f"{r['search_seconds']:.0f} s = {r['search_over_users_first_compile']:.2f}x{whole_line} | lock-in compile "
+            f"{r['lock_in_compile_seconds']:.1f} s | chosen {r['chosen']} | "
             f"{r['chosen_over_fastest']:.3f}x the fastest side by side (fastest other / chosen, 90%: "
             f"{r['chosen_over_fastest_interval'][0]:.3f}-{r['chosen_over_fastest_interval'][1]:.3f}, "
             f"{r['side_by_side_rounds']} rounds; fastest measured: {r['fastest_fitting_exhaustive']}) | time "

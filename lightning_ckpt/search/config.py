@@ -71,6 +71,12 @@ class TuneConfig:
     winner's curse); a plan the fresh rounds do not find faster is not kept. 0: the choosing rounds' verdict is
     shown.
     allow_graph_breaks: under ``torch.compile``, let plans that add graph breaks win on throughput.
+    check_whole_compile: under ``torch.compile`` of a region holding several blocks (the whole model), when the
+    choice made on the blocks compiled alone sets a PT2 budget, compile it and the fastest plan of ours that fits the
+    way you compile, re-time them side by side and keep the faster (``search.whole_check``: the budget's knapsack
+    over many blocks is not the one the trials ran). Off by default: it costs two more compiles of your model (the
+    search of an 8-layer GPT went from about 1.6x to 4x its first compile on a 2-core CPU), where the blocks' choice
+    ran within 4% of the fastest plan compiled whole.
     memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every
     benchmarked model), a trial's memory is its prediction and only the plans that can still be chosen
     (the confirmation round's, the winner) get the slow tracked pass and the FLOP count; ``"every"``:
@@ -106,6 +112,7 @@ class TuneConfig:
     holdout_rounds: int = 6  # the floor; the rounds go on until the claim is within ±3% (CLAIM_HALF_WIDTH)
     holdout_max_rounds: int = 32
     allow_graph_breaks: bool = False
+    check_whole_compile: bool = False
     memory_pass: Literal["finalists", "every"] = "finalists"
     predict_time: bool = True
     clock: Callable[[], float] = time.perf_counter

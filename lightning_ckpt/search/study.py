@@ -134,6 +134,9 @@ class Study:
         self.tie_tolerance = config.tie_tolerance
         self.side: SideBySide | None = None  # the confirmation's rounds (confirm()), which the verdicts come from
         self.held_out: Verdict | None = None  # the chosen tuned plan's verdict from fresh rounds (``_held_out``)
+        # Run on the choice before the result is made (the compiled search's check of a PT2 budget compiled the user's
+        # way, ``whole_check``): the plan it returns is the one kept.
+        self.after_choice: Callable[[TrialRecord], TrialRecord] | None = None
         self.speed_changes: list[str] = []  # what confirm() saw of the machine's speed changing (report, plan file)
         limit = (
             budget.limit_bytes if config.enforce_budget and budget.kind == "peak" and device_type == "cuda" else None
@@ -320,6 +323,15 @@ class Study:
             "sharding and pass the plan file with plan=..."
         )
 
+    def judge(self, trial: TrialRecord, out: Any) -> TrialRecord:
+        """``trial`` with the measurement ``out`` of its plan by another runner (``whole_check``), its memory taken to
+        the real step and judged against the budget; the study's records are not changed."""
+        return self._with_memory(trial, out)
+
+    def memory_limit(self, micro_batch: int | None) -> int | None:
+        """The allocator cap a trial of ``micro_batch`` runs under (None: uncapped)."""
+        return self.limits[micro_batch]
+
     def _with_memory(self, trial: TrialRecord, out: Any, *, keep_timing: bool = False) -> TrialRecord:
         """``trial`` with the measured memory (and speed, status, FLOPs) of ``out``, judged against the budget.
         ``keep_timing``: ``out`` is a memory pass whose one step says nothing about speed."""
@@ -422,6 +434,8 @@ class Study:
             best, fell_back, fallback_message = self.choose()
             if not fell_back:
                 best = Confirmation(self).held_out(best)
+            if not fell_back and self.after_choice is not None:
+                best = self.after_choice(best)
         except (InfeasibleBudgetError, TrialsFailedError):
             self.store.finish(self.by_key)  # the search is over: the record shows what was tried
             raise

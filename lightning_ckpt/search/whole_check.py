@@ -1,0 +1,204 @@
+"""A PT2 budget chosen on blocks compiled alone, checked compiled the user's way before it is kept.
+
+A compiled search measures plans on the model's blocks compiled alone (``search.assembly``): one graph per distinct
+block and mode, whatever the number of plans. For our plans that ranks as the user's compile runs them. For PT2's
+global ``activation_memory_budget`` it does not where the user compiles more than one block in one graph (the whole
+model, ``torch.compile(model)``): the partitioner then solves one knapsack over every block's ops where the trials
+solved one per block, and it chooses differently. Measured side by side on the 8- and 32-layer test GPT
+(``benchmarks/alone_vs_whole.py``), our plans ran 0.7-12% slower than ``pt2_budget(0.3)`` on the blocks alone and
+from 7% faster to 6% slower compiled whole; a search that chose the budget on the blocks ran 0.959x the fastest plan
+compiled whole (``benchmarks/compiled_exhaustive.py``).
+
+So when the choice sets a PT2 budget and a compiled region holds several blocks, the budget and the fastest fitting
+plan of ours are each compiled the user's way and measured (time, and the memory the compiled step saves, which a
+whole graph's knapsack also changes), then re-timed side by side in interleaved rounds until the ratio's 90%
+interval is within 3% either side (``holdout_rounds`` to ``holdout_max_rounds``), and the faster one that fits is
+kept. It costs two whole compiles (and the plain model's, which the caches serve: the user compiled it before the
+search, and it is what the plans' graph breaks are compared with); the plan kept is compiled a third time when training resumes, which the FX graph
+and AOTAutograd caches serve (0.6 s at 8 layers, 2.7 s at 32, against 9-17 s and 36-52 s for the first compile of a
+plan, 2-core CPU). ``TuneConfig(check_whole_compile=False)`` keeps the blocks' choice without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.confirm import CLAIM_HALF_WIDTH, ConfirmEntry, SideBySide, confirm_interleaved, retimer
+from lightning_ckpt.search.distributed import Sync
+from lightning_ckpt.search.records import TrialRecord, TrialStatus
+from lightning_ckpt.search.verdict import Verdict
+
+__all__ = ["WholeCheck", "check_whole_compile", "holds_several_blocks"]
+
+log = logging.getLogger(__name__)
+
+
+class CheckedStudy(Protocol):
+    """What the check reads of its study (``study.Study`` is one)."""
+
+    records: list[TrialRecord]
+    config: Any
+    sync: Sync
+    check_stop: Callable[[], None]
+
+    def judge(self, trial: TrialRecord, out: Any) -> TrialRecord:
+        """``trial`` with the measurement ``out``, its memory taken to the real step and judged against the budget."""
+        ...
+
+    def memory_limit(self, micro_batch: int | None) -> int | None: ...
+
+
+def holds_several_blocks(regions: Sequence[str], blocks: Sequence[str]) -> bool:
+    """Whether one compiled region of ``regions`` (canonical FQNs, ``""``: the whole model) holds more than one of
+    ``blocks``: one graph, so one PT2 knapsack, over several blocks."""
+    for region in regions:
+        prefix = f"{region}." if region else ""
+        if sum(1 for b in blocks if b.startswith(prefix)) > 1:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class WholeCheck:
+    """What the check did: the PT2 budget chosen on the blocks (``leader``) against the fastest fitting plan of ours
+    (``rival``), both compiled the user's way; whether each fits the budget so compiled; the rival's speed over the
+    leader's (``ratio``, paired by round, with its 90% interval, above 1: the rival is faster) over ``rounds`` rounds;
+    the plan ``kept``; and the compiles it ran (``graphs``, ``compile_seconds``)."""
+
+    leader: str
+    rival: str
+    leader_fits: bool
+    rival_fits: bool
+    ratio: float | None
+    low: float | None
+    high: float | None
+    rounds: int
+    kept: str
+    graphs: int
+    compile_seconds: float
+    seconds: float
+    compile_seconds_each: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the plain model's, the leader's, the rival's
+
+    def to_dict(self) -> dict[str, Any]:
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+    def describe(self) -> str:
+        speed = (
+            f"{self.rival} ran {self.ratio:.3f}x its speed ({self.low:.3f}-{self.high:.3f}, {self.rounds} rounds)"
+            if self.ratio is not None and self.low is not None and self.high is not None
+            else "they were not re-timed side by side"
+        )
+        fits = "" if self.leader_fits and self.rival_fits else (
+            f"; compiled your way {self.leader if not self.leader_fits else self.rival} is over budget"
+        )  # fmt: skip
+        return f"{self.leader}, compiled your way beside {self.rival}: {speed}{fits}; kept {self.kept}"
+
+
+def check_whole_compile(study: CheckedStudy, leader: TrialRecord, whole: Any) -> tuple[TrialRecord, WholeCheck | None]:
+    """``leader`` (the study's choice), or the fastest fitting plan of ours where, both compiled the user's way by
+    ``whole`` (a ``CompiledTrials`` without blocks: each plan compiled as the user compiles), that one fits and is
+    faster (see the module docstring); and what was done (None: nothing to check, the leader sets no PT2 budget or
+    no plan of ours fits)."""
+    if leader.plan.compile_memory_budget is None:
+        return leader, None
+    rival = _rival(study.records)
+    if rival is None:
+        return leader, None
+    t0 = time.perf_counter()
+    sync = study.sync
+    study.check_stop()
+    # The plain model compiled the user's way: what a plan's graph breaks and eager ops are compared with (the user
+    # compiled it before the search, so the FX graph and AOTAutograd caches serve it).
+    reference = whole.measure_compiled(Plan())
+    measured = []
+    for trial in (leader, rival):
+        out = whole.measure(trial.plan, study.memory_limit(trial.micro_batch))
+        judged = study.judge(trial, out)
+        fits = all(sync.all_gather(bool(judged.feasible)))  # every rank keeps the same plan
+        measured.append((fits, _compile_seconds(out)))
+    (leader_fits, leader_compile), (rival_fits, rival_compile) = measured
+    verdict = _side_by_side(study, leader, rival, whole) if leader_fits and rival_fits else None
+    ratio = verdict.ratio if verdict is not None else None
+    # Both fit: the faster by the rounds' paired ratio (a tie keeps the leader); else the one that fits, if one does.
+    both = leader_fits and rival_fits
+    keep_rival = (ratio is not None and ratio > 1.0) if both else (rival_fits and not leader_fits)
+    kept = rival if keep_rival else leader
+    check = WholeCheck(
+        leader=leader.label,
+        rival=rival.label,
+        leader_fits=leader_fits,
+        rival_fits=rival_fits,
+        ratio=ratio,
+        low=verdict.low if verdict is not None else None,
+        high=verdict.high if verdict is not None else None,
+        rounds=verdict.rounds if verdict is not None else 0,
+        kept=kept.label,
+        graphs=3,
+        compile_seconds=leader_compile + rival_compile + _compile_seconds(reference),
+        compile_seconds_each=(_compile_seconds(reference), leader_compile, rival_compile),
+        seconds=time.perf_counter() - t0,
+    )
+    (log.warning if keep_rival else log.info)("lightning_ckpt: %s", check.describe())
+    return kept, check
+
+
+def _rival(records: Sequence[TrialRecord]) -> TrialRecord | None:
+    """The fastest plan of ours (no PT2 budget, some checkpointing) that fits: measured, or pruned by the time model
+    with its memory predicted within budget, by its step seconds measured or predicted. Pruned ones count because
+    the time model prunes against the fastest measured plan, here a PT2 budget whose figure on the blocks alone
+    flatters it: the plan that beats it compiled whole may be one the search never ran."""
+    ours: list[tuple[float, int, TrialRecord]] = []
+    for t in records:
+        if t.plan.compile_memory_budget is not None or t.plan.is_empty:
+            continue
+        if t.feasible and t.median_seconds:
+            ours.append((t.median_seconds, t.number, t))
+        elif t.status == TrialStatus.PRUNED and t.pruned_by == "time" and t.predicted_seconds:
+            ours.append((t.predicted_seconds, t.number, t))
+    return min(ours, key=lambda x: (x[0], x[1]))[2] if ours else None
+
+
+def _compile_seconds(out: Any) -> float:
+    return float((out.extra.get("compile") or {}).get("compile_seconds") or 0.0)
+
+
+def _side_by_side(study: CheckedStudy, leader: TrialRecord, rival: TrialRecord, whole: Any) -> Verdict | None:
+    """Both plans re-timed compiled the user's way in interleaved rounds, the leader as the reference: at least
+    ``holdout_rounds``, then until the rival's ratio is within ``CLAIM_HALF_WIDTH`` either side or its interval lies
+    wholly on one side of 1, at most ``holdout_max_rounds``."""
+    config = study.config
+    steps = config.confirm_steps
+    # Entered as two plans, neither a baseline: the rounds' own rule would stop timing a baseline found slower than
+    # the fastest one, and these rounds compare exactly these two.
+    entries = [
+        ConfirmEntry(replace(t, baseline=None), retimer(whole, t.plan, steps), 1, steps, 1) for t in (leader, rival)
+    ]
+    labels: Mapping[int, str] = {leader.number: leader.label, rival.number: rival.label}
+
+    def verdict_of(side: SideBySide) -> Verdict | None:
+        return side.verdict(rival.number, labels, study.config.tie_tolerance, reference=leader.number)
+
+    def precise(side: SideBySide) -> bool:
+        v = verdict_of(side)
+        if v is None or v.low is None or v.high is None or v.low <= 0:
+            return False
+        # Decided (the interval lies on one side of 1) or precise: more rounds would not change which is kept.
+        return v.low > 1.0 or v.high < 1.0 or math.sqrt(v.high / v.low) <= 1 + CLAIM_HALF_WIDTH
+
+    rounds = max(1, config.holdout_rounds or config.confirm_rounds)
+    side = confirm_interleaved(
+        entries,
+        min_rounds=rounds,
+        max_rounds=max(rounds, config.holdout_max_rounds or rounds),
+        sync=study.sync,
+        until=precise,
+        check_stop=study.check_stop,
+    )
+    return verdict_of(side)

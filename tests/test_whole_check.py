@@ -1,0 +1,237 @@
+"""A PT2 budget chosen on blocks compiled alone, checked compiled the user's way (``search.whole_check``).
+
+The decision rules run against a scripted runner (which plan is faster or over budget compiled whole); the last test
+compiles the 2-layer test GPT whole for real (marked slow: three compiles).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_ckpt import Plan
+from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.measure.measurement import Measurement
+from lightning_ckpt.plan.format import BlockPlan
+from lightning_ckpt.search import tune as tune_module
+from lightning_ckpt.search.compile import CompiledTrials, release_kept_graphs, reset_compiled
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.distributed import LocalSync
+from lightning_ckpt.search.records import TrialRecord, TrialStatus
+from lightning_ckpt.search.whole_check import WholeCheck, check_whole_compile, holds_several_blocks
+from lightning_ckpt.testing import GPT, GPTConfig
+
+BLOCKS = ("transformer.h.0", "transformer.h.1")
+PT2 = Plan(compile_memory_budget=0.3)
+OURS = Plan({b: BlockPlan("selective", children=("mlp",)) for b in BLOCKS})
+FULL = Plan({b: BlockPlan("full") for b in BLOCKS})
+CONFIG = TuneConfig(holdout_rounds=4, holdout_max_rounds=12, confirm_steps=1, check_whole_compile=True)
+LIMIT = 1_000
+
+
+def record(number: int, plan: Plan, label: str, seconds: float | None, **kw: Any) -> TrialRecord:
+    figures = {"median_seconds": seconds, "samples_per_second": 1 / seconds} if seconds else {}
+    return TrialRecord(number=number, plan=plan, label=label, **{**figures, **kw})
+
+
+@dataclass
+class ScriptedWhole:
+    """The user's compile, scripted: each plan's step seconds (with 1% noise) and saved bytes compiled whole."""
+
+    seconds: dict[str, float]
+    saved: dict[str, int]
+    measured: list[str] = field(default_factory=list)
+    retimed: list[str] = field(default_factory=list)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def measure_compiled(self, plan: Plan) -> Measurement:
+        self.measured.append("plain")
+        return Measurement("ok", median_seconds=0.01, extra={"compile": {"compile_seconds": 0.5}})
+
+    def measure(self, plan: Plan, memory_limit: int | None) -> Measurement:
+        self.measured.append(plan.key())
+        return Measurement(
+            "ok",
+            median_seconds=self.seconds[plan.key()],
+            samples_per_second=1 / self.seconds[plan.key()],
+            peak_bytes=self.saved[plan.key()],
+            activation_bytes=self.saved[plan.key()],
+            extra={"compile": {"compile_seconds": 2.0}},
+        )
+
+    def retime(self, plan: Plan, steps: int | None = None, *, warmup: int = 1) -> Measurement:
+        self.retimed.append(plan.key())
+        s = self.seconds[plan.key()] * (1 + self.rng.uniform(-0.01, 0.01))
+        return Measurement("ok", median_seconds=s, samples_per_second=1 / s)
+
+
+@dataclass
+class ScriptedStudy:
+    """What the check reads of a study: its records, settings, and a judge that holds a step to ``LIMIT`` bytes."""
+
+    records: list[TrialRecord]
+    config: TuneConfig = CONFIG
+    sync: LocalSync = field(default_factory=LocalSync)
+
+    def check_stop(self) -> None:
+        return None
+
+    def judge(self, trial: TrialRecord, out: Measurement) -> TrialRecord:
+        fits = out.peak_bytes is not None and out.peak_bytes <= LIMIT
+        return replace(trial, peak_bytes=out.peak_bytes, status=TrialStatus.OK if fits else TrialStatus.OVER_BUDGET)
+
+    def memory_limit(self, micro_batch: int | None) -> int | None:
+        return None
+
+
+def leader_and_rival() -> tuple[TrialRecord, TrialRecord, list[TrialRecord]]:
+    leader = record(0, PT2, "baseline:pt2_budget_0.3", 0.010, baseline="pt2_budget_0.3")
+    rival = record(1, OURS, "selective(mlp) h.0-1", 0.0104)
+    slower = record(2, FULL, "baseline:full", 0.013, baseline="full")
+    return leader, rival, [leader, rival, slower]
+
+
+def test_holds_several_blocks_is_a_whole_or_partial_compile_not_one_block_each():
+    assert holds_several_blocks(("",), BLOCKS)
+    assert holds_several_blocks(("transformer",), BLOCKS)
+    assert not holds_several_blocks(BLOCKS, BLOCKS)  # block by block: each graph holds one block
+    assert not holds_several_blocks(("lm_head",), BLOCKS)
+
+
+def test_the_plan_of_ours_is_kept_where_it_runs_faster_compiled_whole():
+    leader, rival, records = leader_and_rival()
+    whole = ScriptedWhole({PT2.key(): 0.0110, OURS.key(): 0.0100}, {PT2.key(): 500, OURS.key(): 600})
+    kept, check = check_whole_compile(ScriptedStudy(records), leader, whole)
+    assert kept is rival
+    assert isinstance(check, WholeCheck)
+    assert check.kept == rival.label and check.leader_fits and check.rival_fits
+    assert check.ratio == pytest.approx(1.1, rel=0.03) and check.low > 1.0
+    assert CONFIG.holdout_rounds <= check.rounds <= CONFIG.holdout_max_rounds
+    # The plain model once (the reference for graph breaks), then each contender compiled the user's way once.
+    assert whole.measured == ["plain", PT2.key(), OURS.key()]
+    assert set(whole.retimed) == {PT2.key(), OURS.key()}
+    assert check.graphs == 3 and check.compile_seconds == pytest.approx(4.5)
+    assert check.to_dict()["compile_seconds_each"] == [0.5, 2.0, 2.0]
+
+
+def test_the_pt2_budget_is_kept_where_it_is_faster_compiled_whole():
+    leader, _, records = leader_and_rival()
+    whole = ScriptedWhole({PT2.key(): 0.0090, OURS.key(): 0.0100}, {PT2.key(): 500, OURS.key(): 600})
+    kept, check = check_whole_compile(ScriptedStudy(records), leader, whole)
+    assert kept is leader
+    assert check is not None and check.ratio < 1.0 and check.kept == leader.label
+
+
+def test_a_pt2_budget_over_budget_compiled_whole_gives_way_to_the_plan_of_ours_without_rounds():
+    """A whole graph's knapsack saves other tensors than the blocks' did: its memory is measured, not assumed."""
+    leader, rival, records = leader_and_rival()
+    whole = ScriptedWhole({PT2.key(): 0.0090, OURS.key(): 0.0100}, {PT2.key(): 2 * LIMIT, OURS.key(): 600})
+    kept, check = check_whole_compile(ScriptedStudy(records), leader, whole)
+    assert kept is rival
+    assert check is not None and not check.leader_fits and check.ratio is None and whole.retimed == []
+    assert "over budget" in check.describe()
+
+
+def test_nothing_is_compiled_when_the_choice_sets_no_pt2_budget():
+    _, rival, records = leader_and_rival()
+    whole = ScriptedWhole({}, {})
+    kept, check = check_whole_compile(ScriptedStudy(records), rival, whole)
+    assert kept is rival and check is None and whole.measured == []
+
+
+def test_the_rival_may_be_a_plan_the_time_model_pruned_against_the_budgets_flattering_figure():
+    leader, rival, records = leader_and_rival()
+    pruned = record(3, FULL, "full h.0-1", None, status=TrialStatus.PRUNED, pruned_by="time", predicted_seconds=0.0101)
+    over = record(4, Plan({BLOCKS[0]: BlockPlan("full")}), "full h.0", None, status=TrialStatus.PRUNED,
+                  pruned_by="memory", predicted_seconds=0.005)  # fmt: skip
+    other_budget = record(5, Plan(compile_memory_budget=0.1), "baseline:pt2_budget_0.1", 0.0095, baseline="pt2")
+    none = record(6, Plan(), "baseline:none", 0.008, baseline="none")
+    whole = ScriptedWhole({PT2.key(): 0.0110, FULL.key(): 0.0100}, {PT2.key(): 500, FULL.key(): 600})
+    study = ScriptedStudy([*records, pruned, over, other_budget, none])
+    kept, check = check_whole_compile(study, leader, whole)
+    assert check is not None and check.rival == "full h.0-1" and kept is pruned
+
+
+def _searched_metadata() -> dict[str, Any]:
+    return {tune_module.COMPILES_KEY: {"graphs": 11, "seconds": 20.0}}
+
+
+def _runner(regions: tuple[str, ...]) -> Any:
+    return SimpleNamespace(
+        assembly=SimpleNamespace(blocks=BLOCKS), regions=regions, reserve_headroom_bytes=0, allow_graph_breaks=False
+    )
+
+
+def _harness() -> Any:
+    return SimpleNamespace(
+        root=torch.nn.Linear(1, 1), step_fn=lambda: None, device=torch.device("cpu"), optimizer=None, extra=(),
+        warmup_steps=1, measure_steps=1, batch_size=1, seq_len=None, target=None,
+    )  # fmt: skip
+
+
+def test_the_search_records_the_check_and_counts_its_compiles(monkeypatch):
+    leader, rival, _ = leader_and_rival()
+    check = WholeCheck(leader.label, rival.label, True, True, 1.05, 1.01, 1.09, 8, rival.label, 3, 30.0, 41.0)
+    monkeypatch.setattr(tune_module, "check_whole_compile", lambda study, best, whole: (rival, check))
+    study, metadata = SimpleNamespace(after_choice=None), _searched_metadata()
+    tune_module.check_pt2_budget_compiled_whole(study, _runner(("",)), _harness(), CONFIG, metadata)
+    assert study.after_choice(leader) is rival
+    assert metadata[tune_module.WHOLE_CHECK_KEY]["kept"] == rival.label
+    assert metadata[tune_module.COMPILES_KEY] == {
+        "graphs": 14, "seconds": 50.0, "whole_graphs": 3, "whole_seconds": 30.0
+    }  # fmt: skip
+
+
+def test_without_the_check_a_pt2_choice_on_a_whole_compile_is_kept_with_a_warning(monkeypatch, caplog):
+    leader, rival, _ = leader_and_rival()
+    monkeypatch.setattr(tune_module, "check_whole_compile", lambda *a: pytest.fail("the check is off"))
+    study, metadata = SimpleNamespace(after_choice=None), _searched_metadata()
+    config = replace(CONFIG, check_whole_compile=False)
+    tune_module.check_pt2_budget_compiled_whole(study, _runner(("",)), _harness(), config, metadata)
+    with caplog.at_level(logging.WARNING, logger="lightning_ckpt.search.tune"):
+        assert study.after_choice(leader) is leader
+        assert study.after_choice(rival) is rival  # a plan of ours: nothing to say
+    assert [r.getMessage() for r in caplog.records if "check_whole_compile=True" in r.getMessage()]
+    assert len(caplog.records) == 1 and tune_module.WHOLE_CHECK_KEY not in metadata
+
+
+def test_a_model_compiled_block_by_block_gets_no_check():
+    study = SimpleNamespace(after_choice=None)
+    tune_module.check_pt2_budget_compiled_whole(study, _runner(BLOCKS), _harness(), CONFIG, _searched_metadata())
+    assert study.after_choice is None
+
+
+@pytest.mark.slow
+def test_the_check_compiles_both_plans_the_users_way_and_leaves_the_model_as_it_was():
+    reset_compiled()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_head=2, n_embd=32, vocab_size=48, block_size=16, n_layer=2, dropout=0.0))
+    x = torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    harness = StepHarness(model, lambda: compiled(x, x), torch.device("cpu"), extra=(x,), batch_size=4, seq_len=16,
+                          warmup_steps=1, measure_steps=2)  # fmt: skip
+    whole = CompiledTrials(harness, regions=("",), allow_graph_breaks=False)
+    leader, rival, records = leader_and_rival()
+
+    class Study(ScriptedStudy):
+        def judge(self, trial: TrialRecord, out: Measurement) -> TrialRecord:
+            return replace(trial, status=TrialStatus(out.status), activation_bytes=out.activation_bytes)
+
+    try:
+        kept, check = check_whole_compile(Study(records), leader, whole)
+    finally:
+        release_kept_graphs()
+    assert check is not None and check.leader_fits and check.rival_fits
+    assert kept in (leader, rival) and check.kept == kept.label
+    assert check.ratio is not None and check.rounds >= CONFIG.holdout_rounds
+    assert check.compile_seconds > 0 and all(s > 0 for s in check.compile_seconds_each)
+    # Nothing the check applied or compiled stays on the model: its parameters, and no instance forward.
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert not any("forward" in vars(m) for m in model.modules())
