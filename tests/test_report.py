@@ -368,6 +368,21 @@ def test_result_line_and_timing_warning(result):
     assert report.timing_warning(dataclasses.replace(result, trials=tuple(apart))) is None
 
 
+def test_the_result_line_says_what_a_compiled_search_compiled_and_what_the_whole_compile_check_kept(result):
+    compiles = {"assembled": True, "graphs": 14, "seconds": 50.0, "plans_measured": 7}
+    check = {"leader": "baseline:pt2_budget_0.3", "rival": "selective(mlp) h.0-3", "ratio": 1.043, "graphs": 3,
+             "kept": "selective(mlp) h.0-3"}  # fmt: skip
+    best = result.best.with_metadata(compiles=compiles)
+    line = report.result_line(dataclasses.replace(result, best=best))
+    assert "compiled 14 graphs in 50.0 s for 7 plans measured (blocks compiled alone;" in line
+    assert "your way" not in line
+    checked = report.result_line(dataclasses.replace(result, best=best.with_metadata(whole_compile_check=check)))
+    assert (
+        "3 of them your way, baseline:pt2_budget_0.3 beside selective(mlp) h.0-3, it ran 1.043x the budget's speed: "
+        "kept selective(mlp) h.0-3" in checked
+    )
+
+
 def test_search_progress_streams_and_announces(tmp_path, result, capsys):
     with SummaryWriter(log_dir=str(tmp_path)) as writer:
         progress = report.SearchProgress(4, writer=writer, verbose=True, enabled=False)

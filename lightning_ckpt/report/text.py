@@ -232,10 +232,19 @@ def compiles_phrase(result: TuneResult) -> str | None:
     if not c:
         return None
     how = "blocks compiled alone" if c.get("assembled") else "each plan compiled whole"
-    return (
+    phrase = (
         f"compiled {c['graphs']} graphs in {c['seconds']:.1f} s for {c.get('plans_measured', 0)} plans measured "
         f"({how}; the chosen plan compiles as you compile it at its first step)"
     )
+    check = result.best.metadata.get("whole_compile_check")  # ``search.whole_check``: a PT2 budget checked
+    if check:
+        ratio = check.get("ratio")
+        speed = f", it ran {ratio:.3f}x the budget's speed" if ratio is not None else ""
+        phrase += (
+            f"; {check['graphs']} of them your way, {check['leader']} beside {check['rival']}{speed}: kept "
+            f"{check['kept']}"
+        )
+    return phrase
 
 
 def conflicts_markdown(result: TuneResult) -> str:
