@@ -547,12 +547,6 @@ def check_pt2_budget_compiled_whole(
     the search's count. Without it, a warning says the choice was made on the blocks alone."""
     if runner.assembly is None or not holds_several_blocks(runner.regions, runner.assembly.blocks):
         return
-    whole = CompiledTrials(
-        harness,
-        regions=runner.regions,
-        allow_graph_breaks=config.allow_graph_breaks,
-        reserve_headroom_bytes=runner.reserve_headroom_bytes,
-    )
 
     def after_choice(best: TrialRecord) -> TrialRecord:
         if best.plan.compile_memory_budget is None:
@@ -566,6 +560,13 @@ def check_pt2_budget_compiled_whole(
                 best.label,
             )
             return best
+        # A runner without blocks: every plan it measures is compiled the way the user compiles.
+        whole = CompiledTrials(
+            harness,
+            regions=runner.regions,
+            allow_graph_breaks=config.allow_graph_breaks,
+            reserve_headroom_bytes=runner.reserve_headroom_bytes,
+        )
         kept, check = check_whole_compile(study, best, whole)
         if check is not None:
             metadata[WHOLE_CHECK_KEY] = check.to_dict()
