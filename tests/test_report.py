@@ -381,6 +381,13 @@ def test_the_result_line_says_what_a_compiled_search_compiled_and_what_the_whole
         "3 of them your way, baseline:pt2_budget_0.3 beside selective(mlp) h.0-3, it ran 1.043x the budget's speed: "
         "kept selective(mlp) h.0-3" in checked
     )
+    on_blocks = {**check, "graphs": 0, "compiled_whole": False, "margin": 0.08, "ratio": 0.97}
+    weighed = report.result_line(dataclasses.replace(result, best=best.with_metadata(whole_compile_check=on_blocks)))
+    assert (
+        "on the blocks (the budget needed a 8% lead), baseline:pt2_budget_0.3 beside selective(mlp) h.0-3, it ran "
+        "0.970x the budget's speed: kept selective(mlp) h.0-3" in weighed
+    )
+    assert "your way" not in weighed
 
 
 def test_search_progress_streams_and_announces(tmp_path, result, capsys):

@@ -1,12 +1,13 @@
-"""A PT2 budget chosen on blocks compiled alone, checked compiled the user's way (``search.whole_check``).
+"""A PT2 budget chosen on blocks compiled alone, weighed before it is kept (``search.whole_check``): against the
+fastest plan of ours on the blocks, where it must lead by a margin, or both compiled the user's way.
 
-The decision rules run against a scripted runner (which plan is faster or over budget compiled whole); the last test
-compiles the 2-layer test GPT whole for real (marked slow: three compiles).
+The decision rules run against a scripted runner (which plan is faster or over budget); the last tests run the real
+thing: a compiled search of the 2-layer test GPT compiled whole, and the check compiling it whole (marked slow: three
+compiles).
 """
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -20,11 +21,11 @@ from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.search import tune as tune_module
-from lightning_ckpt.search.compile import CompiledTrials, release_kept_graphs, reset_compiled
+from lightning_ckpt.search.compile import CompiledTrials, compiled_search, release_kept_graphs, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync
 from lightning_ckpt.search.records import TrialRecord, TrialStatus
-from lightning_ckpt.search.whole_check import WholeCheck, check_whole_compile, holds_several_blocks
+from lightning_ckpt.search.whole_check import WholeCheck, check_whole_compile, holds_several_blocks, weigh_on_blocks
 from lightning_ckpt.testing import GPT, GPTConfig
 
 BLOCKS = ("transformer.h.0", "transformer.h.1")
@@ -188,17 +189,74 @@ def test_the_search_records_the_check_and_counts_its_compiles(monkeypatch):
     }  # fmt: skip
 
 
-def test_without_the_check_a_pt2_choice_on_a_whole_compile_is_kept_with_a_warning(monkeypatch, caplog):
+def test_on_the_blocks_a_budget_leading_by_less_than_the_margin_gives_way_to_the_plan_of_ours():
+    """A 4% lead on the blocks is within what compiling whole took from the budget (up to 8%, measured)."""
+    leader, rival, records = leader_and_rival()
+    blocks = ScriptedWhole({PT2.key(): 0.0100, OURS.key(): 0.0104}, {PT2.key(): 500, OURS.key(): 600})
+    kept, check = weigh_on_blocks(ScriptedStudy(records), leader, blocks, 0.08)
+    assert kept is rival
+    assert check is not None and not check.compiled_whole and check.margin == 0.08
+    assert check.ratio == pytest.approx(1 / 1.04, rel=0.02) and check.ratio < 1.0  # slower, yet kept
+    assert blocks.measured == [PT2.key(), OURS.key()]  # no plain model: nothing is compiled the user's way
+    assert check.graphs == 0 and check.compile_seconds == 0.0
+    assert "on the blocks compiled alone" in check.describe() and "more than 8% faster" in check.describe()
+
+
+def test_on_the_blocks_a_budget_leading_by_more_than_the_margin_is_kept():
+    leader, _, records = leader_and_rival()
+    blocks = ScriptedWhole({PT2.key(): 0.0100, OURS.key(): 0.0120}, {PT2.key(): 500, OURS.key(): 600})
+    kept, check = weigh_on_blocks(ScriptedStudy(records), leader, blocks, 0.08)
+    assert kept is leader and check is not None and check.high < 1 / 1.08
+
+
+def test_with_no_margin_the_faster_on_the_blocks_is_kept_and_a_tie_keeps_the_budget():
+    leader, rival, records = leader_and_rival()
+    slower = ScriptedWhole({PT2.key(): 0.0100, OURS.key(): 0.0104}, {PT2.key(): 500, OURS.key(): 600})
+    assert weigh_on_blocks(ScriptedStudy(records), leader, slower, 0.0)[0] is leader
+    faster = ScriptedWhole({PT2.key(): 0.0104, OURS.key(): 0.0100}, {PT2.key(): 500, OURS.key(): 600})
+    assert weigh_on_blocks(ScriptedStudy(records), leader, faster, 0.0)[0] is rival
+
+
+def test_on_the_blocks_a_pruned_rival_is_measured_and_kept_with_its_measurement():
+    """The trial record of a plan the time model pruned has no figures; the one kept carries the blocks' own."""
+    leader, _, records = leader_and_rival()
+    pruned = record(3, FULL, "full h.0-1", None, status=TrialStatus.PRUNED, pruned_by="time", predicted_seconds=0.0101)
+    blocks = ScriptedWhole({PT2.key(): 0.0100, FULL.key(): 0.0101}, {PT2.key(): 500, FULL.key(): 600})
+    kept, check = weigh_on_blocks(ScriptedStudy([*records, pruned]), leader, blocks, 0.08)
+    assert check is not None and check.rival == "full h.0-1"
+    assert kept.number == pruned.number and kept.status == TrialStatus.OK and kept.peak_bytes == 600
+    over = ScriptedWhole({PT2.key(): 0.0100, FULL.key(): 0.0101}, {PT2.key(): 500, FULL.key(): 2 * LIMIT})
+    kept, check = weigh_on_blocks(ScriptedStudy([*records, pruned]), leader, over, 0.08)
+    assert kept is leader and check is not None and not check.rival_fits and over.retimed == []
+
+
+def test_without_the_check_a_pt2_choice_on_a_whole_compile_is_weighed_on_the_blocks(monkeypatch):
     leader, rival, _ = leader_and_rival()
     monkeypatch.setattr(tune_module, "check_whole_compile", lambda *a: pytest.fail("the check is off"))
-    study, metadata = SimpleNamespace(after_choice=None), _searched_metadata()
-    config = replace(CONFIG, check_whole_compile=False)
-    tune_module.check_pt2_budget_compiled_whole(study, _runner(("",)), _harness(), config, metadata)
-    with caplog.at_level(logging.WARNING, logger="lightning_ckpt.search.tune"):
-        assert study.after_choice(leader) is leader
-        assert study.after_choice(rival) is rival  # a plan of ours: nothing to say
-    assert [r.getMessage() for r in caplog.records if "check_whole_compile=True" in r.getMessage()]
-    assert len(caplog.records) == 1 and tune_module.WHOLE_CHECK_KEY not in metadata
+    weighed = []
+    check = WholeCheck(leader.label, rival.label, True, True, 0.97, 0.95, 0.99, 6, rival.label, 0, 0.0, 1.5,
+                       compiled_whole=False, margin=0.05)  # fmt: skip
+
+    def weigh(study, best, runner, margin):
+        weighed.append((runner, margin))
+        return rival, check
+
+    monkeypatch.setattr(tune_module, "weigh_on_blocks", weigh)
+    monkeypatch.setattr(tune_module, "compiles_of", lambda runner, profiled: {"graphs": 12, "seconds": 21.0})
+    study, metadata, runner = SimpleNamespace(after_choice=None), _searched_metadata(), _runner(("",))
+    config = replace(CONFIG, check_whole_compile=False, whole_compile_margin=0.05)
+    tune_module.check_pt2_budget_compiled_whole(study, runner, _harness(), config, metadata)
+    assert study.after_choice(leader) is rival
+    assert weighed == [(runner, 0.05)]  # the study's own runner: the blocks, no compile of the user's model
+    assert study.after_choice(rival) is rival and len(weighed) == 1  # a plan of ours: nothing to weigh
+    assert metadata[tune_module.WHOLE_CHECK_KEY]["compiled_whole"] is False
+    assert metadata[tune_module.COMPILES_KEY] == {"graphs": 12, "seconds": 21.0}  # counted again after the rounds
+
+
+def test_the_margin_is_a_fraction():
+    for bad in (-0.1, 1.0, "8%", True):
+        with pytest.raises(Exception, match="whole_compile_margin must be in"):
+            TuneConfig(whole_compile_margin=bad)
 
 
 def test_a_model_compiled_block_by_block_gets_no_check():
@@ -233,5 +291,41 @@ def test_the_check_compiles_both_plans_the_users_way_and_leaves_the_model_as_it_
     assert check.ratio is not None and check.rounds >= CONFIG.holdout_rounds
     assert check.compile_seconds > 0 and all(s > 0 for s in check.compile_seconds_each)
     # Nothing the check applied or compiled stays on the model: its parameters, and no instance forward.
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.slow
+def test_weighing_on_the_blocks_runs_the_blocks_compiled_alone_and_compiles_nothing_the_users_way():
+    reset_compiled()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_head=2, n_embd=32, vocab_size=48, block_size=16, n_layer=2, dropout=0.0))
+    x = torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    harness = StepHarness(model, lambda: compiled(x, x), torch.device("cpu"), extra=(x,), batch_size=4, seq_len=16,
+                          warmup_steps=1, measure_steps=2)  # fmt: skip
+    runner = compiled_search(compiled, harness, compiled=True, allow_graph_breaks=False, blocks=BLOCKS)
+    assert runner is not None and runner.assembly is not None
+    leader, rival, records = leader_and_rival()
+
+    class Study(ScriptedStudy):
+        def judge(self, trial: TrialRecord, out: Measurement) -> TrialRecord:
+            return replace(trial, status=TrialStatus(out.status), activation_bytes=out.activation_bytes)
+
+    try:
+        runner.measure(Plan(), None)  # the search's first trial: the blocks' reference
+        kept, check = weigh_on_blocks(Study(records), leader, runner, 0.08)
+        assert check is not None and check.leader_fits and check.rival_fits and not check.compiled_whole
+        assert kept in (leader, rival) and check.kept == kept.label
+        assert check.ratio is not None and check.rounds >= CONFIG.holdout_rounds
+        # Two block graphs (the budget's, selective(mlp)'s), each block compiled alone; none of the whole model.
+        assert check.graphs == 2 and check.compile_seconds > 0
+        graphs = runner.graphs
+        weigh_on_blocks(Study(records), leader, runner, 0.08)
+        assert runner.graphs == graphs  # again: the rounds swap graphs compiled already
+    finally:
+        release_kept_graphs()
+        reset_compiled()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert not any("forward" in vars(m) for m in model.modules())

@@ -240,10 +240,11 @@ def compiles_phrase(result: TuneResult) -> str | None:
     if check:
         ratio = check.get("ratio")
         speed = f", it ran {ratio:.3f}x the budget's speed" if ratio is not None else ""
-        phrase += (
-            f"; {check['graphs']} of them your way, {check['leader']} beside {check['rival']}{speed}: kept "
-            f"{check['kept']}"
-        )
+        if check.get("compiled_whole", True):
+            where = f"{check['graphs']} of them your way, "
+        else:  # weighed on the blocks, where the budget must lead by the margin (``whole_compile_margin``)
+            where = f"on the blocks (the budget needed a {check.get('margin', 0.0):.0%} lead), "
+        phrase += f"; {where}{check['leader']} beside {check['rival']}{speed}: kept {check['kept']}"
     return phrase
 
 

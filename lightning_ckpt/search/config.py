@@ -77,6 +77,12 @@ class TuneConfig:
     over many blocks is not the one the trials ran). Off by default: it costs two more compiles of your model (the
     search of an 8-layer GPT went from about 1.6x to 4x its first compile on a 2-core CPU), where the blocks' choice
     ran within 4% of the fastest plan compiled whole.
+    whole_compile_margin: under ``torch.compile`` of a region holding several blocks, without
+    ``check_whole_compile``: a PT2 budget chosen on the blocks compiled alone is kept only if, re-timed there side by
+    side, it runs more than ``1 + whole_compile_margin`` times the speed of the fastest fitting plan of ours; else
+    that plan is kept. The blocks' figure flatters the budget: compiled whole, our plans moved towards it by 0.5-8%
+    (``benchmarks/alone_vs_whole.py``, 8- and 32-layer GPT, 2-core CPU), so a lead within 8% is no lead there. 0:
+    the faster on the blocks.
     memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every
     benchmarked model), a trial's memory is its prediction and only the plans that can still be chosen
     (the confirmation round's, the winner) get the slow tracked pass and the FLOP count; ``"every"``:
@@ -113,6 +119,7 @@ class TuneConfig:
     holdout_max_rounds: int = 32
     allow_graph_breaks: bool = False
     check_whole_compile: bool = False
+    whole_compile_margin: float = 0.08
     memory_pass: Literal["finalists", "every"] = "finalists"
     predict_time: bool = True
     clock: Callable[[], float] = time.perf_counter
@@ -142,6 +149,9 @@ class TuneConfig:
             or not (0 <= self.tie_tolerance < 1)
         ):
             raise ConfigurationError(f"tie_tolerance must be in [0, 1) (e.g. 0.01), but got {self.tie_tolerance!r}.")
+        margin = self.whole_compile_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ConfigurationError(f"whole_compile_margin must be in [0, 1) (e.g. 0.08), but got {margin!r}.")
         for name, low in _LOWEST.items():
             value = getattr(self, name)
             if not _is_int(value) or value < low:

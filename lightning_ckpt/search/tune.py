@@ -57,7 +57,7 @@ from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY, prof
 from lightning_ckpt.search.runners import EagerRunner, TrialRunner, release_cached_memory
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
 from lightning_ckpt.search.study import SearchInterrupted, Study, Workload
-from lightning_ckpt.search.whole_check import check_whole_compile, holds_several_blocks
+from lightning_ckpt.search.whole_check import check_whole_compile, holds_several_blocks, weigh_on_blocks
 from lightning_ckpt.versions import require_torch
 
 __all__ = [
@@ -355,7 +355,7 @@ def _search(
             tie_tolerance=config.tie_tolerance,
         )
     if isinstance(runner, CompiledTrials):
-        check_pt2_budget_compiled_whole(study, runner, harness, config, metadata)
+        check_pt2_budget_compiled_whole(study, runner, harness, config, metadata, profile.compiled)
     return study.result(
         extra_steps=PROFILE_STEPS + WRITE_CHECK_STEPS + warm_steps,
         memory_table=memory_model.table(),
@@ -539,12 +539,18 @@ WHOLE_CHECK_KEY = "whole_compile_check"
 
 
 def check_pt2_budget_compiled_whole(
-    study: Study, runner: CompiledTrials, harness: StepHarness, config: TuneConfig, metadata: dict[str, Any]
+    study: Study,
+    runner: CompiledTrials,
+    harness: StepHarness,
+    config: TuneConfig,
+    metadata: dict[str, Any],
+    profiled: CompiledMemoryModel | None = None,
 ) -> None:
     """Where the trials ran on blocks compiled alone and the user compiles several blocks in one graph, a PT2 budget
-    the study chooses is checked compiled the user's way before it is kept (``whole_check``, with
-    ``check_whole_compile``): what the check did goes into ``metadata`` (``WHOLE_CHECK_KEY``) and its compiles into
-    the search's count. Without it, a warning says the choice was made on the blocks alone."""
+    the study chooses is weighed before it is kept (``whole_check``): by default against the fastest fitting plan of
+    ours on the blocks, where it must lead by ``whole_compile_margin`` (the blocks' figure flatters it); with
+    ``check_whole_compile``, both compiled the user's way. What was done goes into ``metadata`` (``WHOLE_CHECK_KEY``)
+    and its compiles into the search's count."""
     if runner.assembly is None or not holds_several_blocks(runner.regions, runner.assembly.blocks):
         return
 
@@ -552,14 +558,11 @@ def check_pt2_budget_compiled_whole(
         if best.plan.compile_memory_budget is None:
             return best
         if not config.check_whole_compile:
-            log.warning(
-                "lightning_ckpt: %s was chosen on the model's blocks compiled alone, where a PT2 budget measured up to "
-                "8%% faster beside our plans than it runs compiled whole (benchmarks/alone_vs_whole.py). "
-                "TuneConfig(check_whole_compile=True) compiles it and the fastest plan of ours the way you compile "
-                "and keeps the faster (about two more compiles of your model).",
-                best.label,
-            )
-            return best
+            kept, check = weigh_on_blocks(study, best, runner, config.whole_compile_margin)
+            if check is not None:
+                metadata[WHOLE_CHECK_KEY] = check.to_dict()
+                metadata[COMPILES_KEY] = compiles_of(runner, profiled)  # a pruned rival may have compiled a segment
+            return kept
         # A runner without blocks: every plan it measures is compiled the way the user compiles.
         whole = CompiledTrials(
             harness,

@@ -38,7 +38,7 @@ from lightning_ckpt.search.distributed import Sync
 from lightning_ckpt.search.records import TrialRecord, TrialStatus
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["WholeCheck", "check_whole_compile", "holds_several_blocks"]
+__all__ = ["WholeCheck", "check_whole_compile", "holds_several_blocks", "weigh_on_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,11 @@ def holds_several_blocks(regions: Sequence[str], blocks: Sequence[str]) -> bool:
 @dataclass(frozen=True)
 class WholeCheck:
     """What the check did: the PT2 budget chosen on the blocks (``leader``) against the fastest fitting plan of ours
-    (``rival``), both compiled the user's way; whether each fits the budget so compiled; the rival's speed over the
-    leader's (``ratio``, paired by round, with its 90% interval, above 1: the rival is faster) over ``rounds`` rounds;
-    the plan ``kept``; and the compiles it ran (``graphs``, ``compile_seconds``)."""
+    (``rival``), measured compiled the user's way (``compiled_whole``) or again on the blocks compiled alone; whether
+    each fits the budget so measured; the rival's speed over the leader's (``ratio``, paired by round, with its 90%
+    interval, above 1: the rival is faster) over ``rounds`` rounds; the lead the budget needed to be kept
+    (``margin``: it must run more than ``1 + margin`` times the rival's speed); the plan ``kept``; and the compiles it
+    ran (``graphs``, ``compile_seconds``)."""
 
     leader: str
     rival: str
@@ -88,6 +90,8 @@ class WholeCheck:
     compile_seconds: float
     seconds: float
     compile_seconds_each: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the plain model's, the leader's, the rival's
+    compiled_whole: bool = True
+    margin: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -99,10 +103,12 @@ class WholeCheck:
             if self.ratio is not None and self.low is not None and self.high is not None
             else "they were not re-timed side by side"
         )
+        where = "compiled your way" if self.compiled_whole else "on the blocks compiled alone"
         fits = "" if self.leader_fits and self.rival_fits else (
-            f"; compiled your way {self.leader if not self.leader_fits else self.rival} is over budget"
+            f"; {where} {self.leader if not self.leader_fits else self.rival} is over budget"
         )  # fmt: skip
-        return f"{self.leader}, compiled your way beside {self.rival}: {speed}{fits}; kept {self.kept}"
+        lead = f"; the budget is kept only more than {self.margin:.0%} faster" if self.margin else ""
+        return f"{self.leader}, {where} beside {self.rival}: {speed}{fits}{lead}; kept {self.kept}"
 
 
 def check_whole_compile(study: CheckedStudy, leader: TrialRecord, whole: Any) -> tuple[TrialRecord, WholeCheck | None]:
@@ -110,30 +116,60 @@ def check_whole_compile(study: CheckedStudy, leader: TrialRecord, whole: Any) ->
     ``whole`` (a ``CompiledTrials`` without blocks: each plan compiled as the user compiles), that one fits and is
     faster (see the module docstring); and what was done (None: nothing to check, the leader sets no PT2 budget or
     no plan of ours fits)."""
+    return _weigh(study, leader, whole, compiled_whole=True, margin=0.0)
+
+
+def weigh_on_blocks(
+    study: CheckedStudy, leader: TrialRecord, runner: Any, margin: float
+) -> tuple[TrialRecord, WholeCheck | None]:
+    """``leader`` (the study's choice), or the fastest fitting plan of ours unless the leader, a PT2 budget, runs
+    more than ``1 + margin`` times its speed: both re-timed side by side on the blocks compiled alone by the study's
+    own ``runner`` (no compile of the user's model). For a user who compiles several blocks in one graph, where the
+    blocks' figure flatters the budget (the module docstring); a plan of ours the time model pruned is measured
+    first, and is kept with that measurement."""
+    return _weigh(study, leader, runner, compiled_whole=False, margin=margin)
+
+
+def _weigh(
+    study: CheckedStudy, leader: TrialRecord, runner: Any, *, compiled_whole: bool, margin: float
+) -> tuple[TrialRecord, WholeCheck | None]:
     if leader.plan.compile_memory_budget is None:
         return leader, None
     rival = _rival(study.records)
     if rival is None:
         return leader, None
     t0 = time.perf_counter()
+    graphs0, seconds0 = getattr(runner, "graphs", 0), getattr(runner, "compile_seconds", 0.0)
     sync = study.sync
     study.check_stop()
     # The plain model compiled the user's way: what a plan's graph breaks and eager ops are compared with (the user
-    # compiled it before the search, so the FX graph and AOTAutograd caches serve it).
-    reference = whole.measure_compiled(Plan())
+    # compiled it before the search, so the FX graph and AOTAutograd caches serve it). On the blocks, the study's
+    # runner has its own.
+    reference = runner.measure_compiled(Plan()) if compiled_whole else None
     measured = []
     for trial in (leader, rival):
-        out = whole.measure(trial.plan, study.memory_limit(trial.micro_batch))
+        out = runner.measure(trial.plan, study.memory_limit(trial.micro_batch))
         judged = study.judge(trial, out)
         fits = all(sync.all_gather(bool(judged.feasible)))  # every rank keeps the same plan
-        measured.append((fits, _compile_seconds(out)))
-    (leader_fits, leader_compile), (rival_fits, rival_compile) = measured
-    verdict = _side_by_side(study, leader, rival, whole) if leader_fits and rival_fits else None
+        measured.append((fits, _compile_seconds(out), judged))
+    (leader_fits, leader_compile, _), (rival_fits, rival_compile, rival_judged) = measured
+    threshold = 1.0 / (1.0 + margin)  # the rival's speed over the leader's above which the rival is kept
+    verdict = _side_by_side(study, leader, rival, runner, threshold) if leader_fits and rival_fits else None
     ratio = verdict.ratio if verdict is not None else None
-    # Both fit: the faster by the rounds' paired ratio (a tie keeps the leader); else the one that fits, if one does.
+    # Both fit: the rival unless the leader leads by more than the margin (a tie keeps the leader where the margin is
+    # 0); else the one that fits, if one does.
     both = leader_fits and rival_fits
-    keep_rival = (ratio is not None and ratio > 1.0) if both else (rival_fits and not leader_fits)
-    kept = rival if keep_rival else leader
+    keep_rival = (ratio is not None and ratio > threshold) if both else (rival_fits and not leader_fits)
+    # Compiled whole, the measurement is of another graph than the trials': the rival keeps its search record. On the
+    # blocks it is the trials' kind, and a pruned rival has no other.
+    kept = (rival if compiled_whole or rival.feasible else rival_judged) if keep_rival else leader
+    if compiled_whole:
+        graphs, compile_seconds = 3, leader_compile + rival_compile + _compile_seconds(reference)
+        each = (_compile_seconds(reference), leader_compile, rival_compile)
+    else:  # only what the blocks had not compiled yet (a pruned rival's segment, say)
+        graphs = getattr(runner, "graphs", 0) - graphs0
+        compile_seconds = getattr(runner, "compile_seconds", 0.0) - seconds0
+        each = (0.0, 0.0, 0.0)
     check = WholeCheck(
         leader=leader.label,
         rival=rival.label,
@@ -144,12 +180,14 @@ def check_whole_compile(study: CheckedStudy, leader: TrialRecord, whole: Any) ->
         high=verdict.high if verdict is not None else None,
         rounds=verdict.rounds if verdict is not None else 0,
         kept=kept.label,
-        graphs=3,
-        compile_seconds=leader_compile + rival_compile + _compile_seconds(reference),
-        compile_seconds_each=(_compile_seconds(reference), leader_compile, rival_compile),
+        graphs=graphs,
+        compile_seconds=compile_seconds,
+        compile_seconds_each=each,
         seconds=time.perf_counter() - t0,
+        compiled_whole=compiled_whole,
+        margin=margin,
     )
-    (log.warning if keep_rival else log.info)("lightning_ckpt: %s", check.describe())
+    (log.warning if keep_rival and compiled_whole else log.info)("lightning_ckpt: %s", check.describe())
     return kept, check
 
 
@@ -173,16 +211,18 @@ def _compile_seconds(out: Any) -> float:
     return float((out.extra.get("compile") or {}).get("compile_seconds") or 0.0)
 
 
-def _side_by_side(study: CheckedStudy, leader: TrialRecord, rival: TrialRecord, whole: Any) -> Verdict | None:
-    """Both plans re-timed compiled the user's way in interleaved rounds, the leader as the reference: at least
+def _side_by_side(
+    study: CheckedStudy, leader: TrialRecord, rival: TrialRecord, runner: Any, threshold: float
+) -> Verdict | None:
+    """Both plans re-timed by ``runner`` in interleaved rounds, the leader as the reference: at least
     ``holdout_rounds``, then until the rival's ratio is within ``CLAIM_HALF_WIDTH`` either side or its interval lies
-    wholly on one side of 1, at most ``holdout_max_rounds``."""
+    wholly on one side of ``threshold`` (the ratio that decides), at most ``holdout_max_rounds``."""
     config = study.config
     steps = config.confirm_steps
     # Entered as two plans, neither a baseline: the rounds' own rule would stop timing a baseline found slower than
     # the fastest one, and these rounds compare exactly these two.
     entries = [
-        ConfirmEntry(replace(t, baseline=None), retimer(whole, t.plan, steps), 1, steps, 1) for t in (leader, rival)
+        ConfirmEntry(replace(t, baseline=None), retimer(runner, t.plan, steps), 1, steps, 1) for t in (leader, rival)
     ]
     labels: Mapping[int, str] = {leader.number: leader.label, rival.number: rival.label}
 
@@ -193,8 +233,9 @@ def _side_by_side(study: CheckedStudy, leader: TrialRecord, rival: TrialRecord, 
         v = verdict_of(side)
         if v is None or v.low is None or v.high is None or v.low <= 0:
             return False
-        # Decided (the interval lies on one side of 1) or precise: more rounds would not change which is kept.
-        return v.low > 1.0 or v.high < 1.0 or math.sqrt(v.high / v.low) <= 1 + CLAIM_HALF_WIDTH
+        # Decided (the interval lies on one side of the threshold) or precise: more rounds would not change which is
+        # kept.
+        return v.low > threshold or v.high < threshold or math.sqrt(v.high / v.low) <= 1 + CLAIM_HALF_WIDTH
 
     rounds = max(1, config.holdout_rounds or config.confirm_rounds)
     side = confirm_interleaved(
