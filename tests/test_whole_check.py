@@ -189,45 +189,75 @@ def test_the_search_records_the_check_and_counts_its_compiles(monkeypatch):
     }  # fmt: skip
 
 
+MIXED = Plan({BLOCKS[0]: BlockPlan("full"), BLOCKS[1]: BlockPlan("selective", children=("mlp",))})
+
+
+def on_blocks(pt2: float, ours: float, **more: tuple[float, int]) -> ScriptedWhole:
+    """The blocks compiled alone, scripted: the budget, ``OURS`` and ``FULL`` (1.3x the budget), and ``more``."""
+    seconds = {PT2.key(): pt2, OURS.key(): ours, FULL.key(): 1.3 * pt2}
+    saved = {PT2.key(): 500, OURS.key(): 600, FULL.key(): 400}
+    for plan, (s, b) in more.items():
+        seconds[plan], saved[plan] = s, b
+    return ScriptedWhole(seconds, saved)
+
+
 def test_on_the_blocks_a_budget_leading_by_less_than_the_margin_gives_way_to_the_plan_of_ours():
     """A 4% lead on the blocks is within what compiling whole took from the budget (up to 8%, measured)."""
     leader, rival, records = leader_and_rival()
-    blocks = ScriptedWhole({PT2.key(): 0.0100, OURS.key(): 0.0104}, {PT2.key(): 500, OURS.key(): 600})
+    blocks = on_blocks(0.0100, 0.0104)
     kept, check = weigh_on_blocks(ScriptedStudy(records), leader, blocks, 0.08)
     assert kept is rival
     assert check is not None and not check.compiled_whole and check.margin == 0.08
+    assert check.rivals == (rival.label, "baseline:full")  # every fitting plan of ours, fastest first
+    assert check.rival == rival.label  # the rounds' fastest against the budget
     assert check.ratio == pytest.approx(1 / 1.04, rel=0.02) and check.ratio < 1.0  # slower, yet kept
-    assert blocks.measured == [PT2.key(), OURS.key()]  # no plain model: nothing is compiled the user's way
+    assert blocks.measured == [PT2.key(), OURS.key(), FULL.key()]  # no plain model: nothing compiled your way
+    assert set(blocks.retimed) == {PT2.key(), OURS.key(), FULL.key()}
     assert check.graphs == 0 and check.compile_seconds == 0.0
     assert "on the blocks compiled alone" in check.describe() and "more than 8% faster" in check.describe()
 
 
 def test_on_the_blocks_a_budget_leading_by_more_than_the_margin_is_kept():
     leader, _, records = leader_and_rival()
-    blocks = ScriptedWhole({PT2.key(): 0.0100, OURS.key(): 0.0120}, {PT2.key(): 500, OURS.key(): 600})
-    kept, check = weigh_on_blocks(ScriptedStudy(records), leader, blocks, 0.08)
+    kept, check = weigh_on_blocks(ScriptedStudy(records), leader, on_blocks(0.0100, 0.0120), 0.08)
     assert kept is leader and check is not None and check.high < 1 / 1.08
 
 
 def test_with_no_margin_the_faster_on_the_blocks_is_kept_and_a_tie_keeps_the_budget():
     leader, rival, records = leader_and_rival()
-    slower = ScriptedWhole({PT2.key(): 0.0100, OURS.key(): 0.0104}, {PT2.key(): 500, OURS.key(): 600})
-    assert weigh_on_blocks(ScriptedStudy(records), leader, slower, 0.0)[0] is leader
-    faster = ScriptedWhole({PT2.key(): 0.0104, OURS.key(): 0.0100}, {PT2.key(): 500, OURS.key(): 600})
-    assert weigh_on_blocks(ScriptedStudy(records), leader, faster, 0.0)[0] is rival
+    assert weigh_on_blocks(ScriptedStudy(records), leader, on_blocks(0.0100, 0.0104), 0.0)[0] is leader
+    assert weigh_on_blocks(ScriptedStudy(records), leader, on_blocks(0.0104, 0.0100), 0.0)[0] is rival
 
 
 def test_on_the_blocks_a_pruned_rival_is_measured_and_kept_with_its_measurement():
     """The trial record of a plan the time model pruned has no figures; the one kept carries the blocks' own."""
-    leader, _, records = leader_and_rival()
-    pruned = record(3, FULL, "full h.0-1", None, status=TrialStatus.PRUNED, pruned_by="time", predicted_seconds=0.0101)
-    blocks = ScriptedWhole({PT2.key(): 0.0100, FULL.key(): 0.0101}, {PT2.key(): 500, FULL.key(): 600})
+    leader, rival, records = leader_and_rival()
+    pruned = record(3, MIXED, "full h.0, selective(mlp) h.1", None, status=TrialStatus.PRUNED, pruned_by="time",
+                    predicted_seconds=0.0101)  # fmt: skip
+    blocks = on_blocks(0.0100, 0.0104, **{MIXED.key(): (0.0098, 600)})
     kept, check = weigh_on_blocks(ScriptedStudy([*records, pruned]), leader, blocks, 0.08)
-    assert check is not None and check.rival == "full h.0-1"
+    assert check is not None and check.rival == pruned.label and check.rivals[0] == pruned.label
     assert kept.number == pruned.number and kept.status == TrialStatus.OK and kept.peak_bytes == 600
-    over = ScriptedWhole({PT2.key(): 0.0100, FULL.key(): 0.0101}, {PT2.key(): 500, FULL.key(): 2 * LIMIT})
+    over = on_blocks(0.0100, 0.0104, **{MIXED.key(): (0.0098, 2 * LIMIT)})
     kept, check = weigh_on_blocks(ScriptedStudy([*records, pruned]), leader, over, 0.08)
-    assert kept is leader and check is not None and not check.rival_fits and over.retimed == []
+    assert kept is rival and check is not None and check.rival == rival.label
+    assert MIXED.key() not in over.retimed  # over budget on the blocks: measured, never re-timed
+
+
+def test_pruned_plans_are_ranked_with_the_predictions_brought_to_the_measured_scale():
+    """The time model's base sits off the machine's figures: a plan measured at 10.4 ms was predicted at 14 ms, so a
+    pruned plan predicted at 13 ms is ranked at about 9.7 ms, ahead of it."""
+    leader, rival, records = leader_and_rival()
+    measured = replace(rival, predicted_seconds=0.0140)
+    pruned = record(3, MIXED, "full h.0, selective(mlp) h.1", None, status=TrialStatus.PRUNED, pruned_by="time",
+                    predicted_seconds=0.0130)  # fmt: skip
+    whole = ScriptedWhole({PT2.key(): 0.0110, MIXED.key(): 0.0100}, {PT2.key(): 500, MIXED.key(): 600})
+    kept, check = check_whole_compile(ScriptedStudy([leader, measured, records[2], pruned]), leader, whole)
+    assert check is not None and check.rivals == (pruned.label,) and kept is pruned  # compiled whole: one rival
+    unscaled = replace(measured, predicted_seconds=None)
+    whole = ScriptedWhole({PT2.key(): 0.0110, OURS.key(): 0.0100}, {PT2.key(): 500, OURS.key(): 600})
+    _, check = check_whole_compile(ScriptedStudy([leader, unscaled, records[2], pruned]), leader, whole)
+    assert check is not None and check.rivals == (rival.label,)  # no pair to scale by: as predicted
 
 
 def test_without_the_check_a_pt2_choice_on_a_whole_compile_is_weighed_on_the_blocks(monkeypatch):
@@ -317,10 +347,11 @@ def test_weighing_on_the_blocks_runs_the_blocks_compiled_alone_and_compiles_noth
         runner.measure(Plan(), None)  # the search's first trial: the blocks' reference
         kept, check = weigh_on_blocks(Study(records), leader, runner, 0.08)
         assert check is not None and check.leader_fits and check.rival_fits and not check.compiled_whole
-        assert kept in (leader, rival) and check.kept == kept.label
+        assert kept in records and check.kept == kept.label and check.rivals == (rival.label, "baseline:full")
         assert check.ratio is not None and check.rounds >= CONFIG.holdout_rounds
-        # Two block graphs (the budget's, selective(mlp)'s), each block compiled alone; none of the whole model.
-        assert check.graphs == 2 and check.compile_seconds > 0
+        # Three block graphs (the budget's, selective(mlp)'s, full's: the search had compiled none of them here),
+        # each block compiled alone; none of the whole model.
+        assert check.graphs == 3 and check.compile_seconds > 0
         graphs = runner.graphs
         weigh_on_blocks(Study(records), leader, runner, 0.08)
         assert runner.graphs == graphs  # again: the rounds swap graphs compiled already

@@ -75,8 +75,8 @@ class TuneConfig:
     choice made on the blocks compiled alone sets a PT2 budget, compile it and the fastest plan of ours that fits the
     way you compile, re-time them side by side and keep the faster (``search.whole_check``: the budget's knapsack
     over many blocks is not the one the trials ran). Off by default: it costs two more compiles of your model (the
-    search of an 8-layer GPT went from about 1.6x to 4x its first compile on a 2-core CPU), where the blocks' choice
-    ran within 4% of the fastest plan compiled whole.
+    search of an 8-layer GPT went from about 1.6x to 4x its first compile on a 2-core CPU); without it the budget is
+    weighed on the blocks with ``whole_compile_margin``.
     whole_compile_margin: under ``torch.compile`` of a region holding several blocks, without
     ``check_whole_compile``: a PT2 budget chosen on the blocks compiled alone is kept only if, re-timed there side by
     side, it runs more than ``1 + whole_compile_margin`` times the speed of the fastest fitting plan of ours; else

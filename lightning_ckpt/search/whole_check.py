@@ -9,24 +9,30 @@ solved one per block, and it chooses differently. Measured side by side on the 8
 from 7% faster to 6% slower compiled whole; a search that chose the budget on the blocks ran 0.959x the fastest plan
 compiled whole (``benchmarks/compiled_exhaustive.py``).
 
-So with ``TuneConfig(check_whole_compile=True)``, when the choice sets a PT2 budget and a compiled region holds
-several blocks, the budget and the fastest plan of ours that fits (measured, or pruned by the time model with its
-memory predicted within budget: it pruned against the budget's flattering figure) are each compiled the user's way
-and measured (time, and the memory the compiled step saves, which a whole graph's knapsack also changes), then
-re-timed side by side in interleaved rounds (``holdout_rounds`` to ``holdout_max_rounds``, until the ratio's 90%
-interval is within 3% either side or on one side of 1), and the faster one that fits is kept. It costs two compiles
-of the user's model (and the plain model's, which the caches serve, as the reference for graph breaks); the plan kept
-is compiled again when training resumes, from the FX graph and AOTAutograd caches. Measured
-(``compiled_exhaustive.py --check-whole-compile``, 2-core CPU): at 8 and 32 layers the check kept the plan of ours
-(1.12x and 1.07x the budget's speed compiled whole), the choice became the fastest compiled whole (1.000x), and the
-search cost 3.8x and 4.4x the user's first compile instead of 1.6x and 1.1x: 26 s and 76 s compiling the budget whole,
-18 s and 44 s the plan of ours, and the lock-in compile fell to 1.0 s and 3.7 s. Hence off by default.
+By default (``weigh_on_blocks``) such a budget is weighed where the search measured it: re-timed side by side on the
+blocks compiled alone against the fastest plan of ours that fits (measured, or pruned by the time model with its
+memory predicted within budget: it pruned against the budget's flattering figure, and is measured now), in
+interleaved rounds (``holdout_rounds`` to ``holdout_max_rounds``, until the ratio's 90% interval is within 3% either
+side or on one side of the threshold), and kept only if it runs more than ``1 + whole_compile_margin`` times that
+plan's speed (0.08: the largest shift measured). It compiles nothing of the user's model: the rounds swap blocks
+compiled already, and cost about 2 x 6 steps.
+
+With ``TuneConfig(check_whole_compile=True)`` the two are instead each compiled the user's way and measured (time,
+and the memory the compiled step saves, which a whole graph's knapsack also changes), re-timed side by side the same
+way with a threshold of 1, and the faster one that fits is kept. It costs two compiles of the user's model (and the
+plain model's, which the caches serve, as the reference for graph breaks); the plan kept is compiled again when
+training resumes, from the FX graph and AOTAutograd caches. Measured (``compiled_exhaustive.py
+--check-whole-compile``, 2-core CPU): at 8 and 32 layers the check kept the plan of ours (1.12x and 1.07x the
+budget's speed compiled whole), the choice became the fastest compiled whole (1.000x), and the search cost 3.8x and
+4.4x the user's first compile: 26 s and 76 s compiling the budget whole, 18 s and 44 s the plan of ours, and the
+lock-in compile fell to 1.0 s and 3.7 s. Hence not the default.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -92,6 +98,7 @@ class WholeCheck:
     compile_seconds_each: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the plain model's, the leader's, the rival's
     compiled_whole: bool = True
     margin: float = 0.0
+    rivals: tuple[str, ...] = ()  # every plan of ours weighed; ``rival``: the fastest of them against the leader
 
     def to_dict(self) -> dict[str, Any]:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -135,8 +142,9 @@ def _weigh(
 ) -> tuple[TrialRecord, WholeCheck | None]:
     if leader.plan.compile_memory_budget is None:
         return leader, None
-    rival = _rival(study.records)
-    if rival is None:
+    # Compiled whole each rival is a compile of the user's model: one. On the blocks a rival costs steps.
+    rivals = _rivals(study.records, 1 if compiled_whole else RIVALS_ON_BLOCKS)
+    if not rivals:
         return leader, None
     t0 = time.perf_counter()
     graphs0, seconds0 = getattr(runner, "graphs", 0), getattr(runner, "compile_seconds", 0.0)
@@ -146,26 +154,34 @@ def _weigh(
     # compiled it before the search, so the FX graph and AOTAutograd caches serve it). On the blocks, the study's
     # runner has its own.
     reference = runner.measure_compiled(Plan()) if compiled_whole else None
-    measured = []
-    for trial in (leader, rival):
+    fits: dict[int, bool] = {}
+    judged: dict[int, TrialRecord] = {}
+    compile_each: dict[int, float] = {}
+    for trial in (leader, *rivals):
+        study.check_stop()
         out = runner.measure(trial.plan, study.memory_limit(trial.micro_batch))
-        judged = study.judge(trial, out)
-        fits = all(sync.all_gather(bool(judged.feasible)))  # every rank keeps the same plan
-        measured.append((fits, _compile_seconds(out), judged))
-    (leader_fits, leader_compile, _), (rival_fits, rival_compile, rival_judged) = measured
+        judged[trial.number] = study.judge(trial, out)
+        fits[trial.number] = all(sync.all_gather(bool(judged[trial.number].feasible)))  # every rank keeps the same
+        compile_each[trial.number] = _compile_seconds(out)
+    fitting = [r for r in rivals if fits[r.number]]
     threshold = 1.0 / (1.0 + margin)  # the rival's speed over the leader's above which the rival is kept
-    verdict = _side_by_side(study, leader, rival, runner, threshold) if leader_fits and rival_fits else None
+    verdicts = _side_by_side(study, leader, fitting, runner, threshold) if fits[leader.number] and fitting else {}
+    # The rival: the one the rounds found fastest against the leader; without rounds, the first by rank that fits.
+    timed = [r for r in fitting if (v := verdicts.get(r.number)) is not None and v.ratio is not None]
+    rival = max(timed, key=lambda r: verdicts[r.number].ratio or 0.0) if timed else (fitting or rivals)[0]
+    verdict = verdicts.get(rival.number)
     ratio = verdict.ratio if verdict is not None else None
     # Both fit: the rival unless the leader leads by more than the margin (a tie keeps the leader where the margin is
     # 0); else the one that fits, if one does.
-    both = leader_fits and rival_fits
-    keep_rival = (ratio is not None and ratio > threshold) if both else (rival_fits and not leader_fits)
+    both = fits[leader.number] and fits[rival.number]
+    keep_rival = (ratio is not None and ratio > threshold) if both else (fits[rival.number] and not fits[leader.number])
     # Compiled whole, the measurement is of another graph than the trials': the rival keeps its search record. On the
     # blocks it is the trials' kind, and a pruned rival has no other.
-    kept = (rival if compiled_whole or rival.feasible else rival_judged) if keep_rival else leader
+    kept = (rival if compiled_whole or rival.feasible else judged[rival.number]) if keep_rival else leader
     if compiled_whole:
-        graphs, compile_seconds = 3, leader_compile + rival_compile + _compile_seconds(reference)
-        each = (_compile_seconds(reference), leader_compile, rival_compile)
+        plain = _compile_seconds(reference)
+        graphs, compile_seconds = 3, plain + sum(compile_each.values())
+        each = (plain, compile_each[leader.number], compile_each[rival.number])
     else:  # only what the blocks had not compiled yet (a pruned rival's segment, say)
         graphs = getattr(runner, "graphs", 0) - graphs0
         compile_seconds = getattr(runner, "compile_seconds", 0.0) - seconds0
@@ -173,8 +189,8 @@ def _weigh(
     check = WholeCheck(
         leader=leader.label,
         rival=rival.label,
-        leader_fits=leader_fits,
-        rival_fits=rival_fits,
+        leader_fits=fits[leader.number],
+        rival_fits=fits[rival.number],
         ratio=ratio,
         low=verdict.low if verdict is not None else None,
         high=verdict.high if verdict is not None else None,
@@ -186,16 +202,28 @@ def _weigh(
         seconds=time.perf_counter() - t0,
         compiled_whole=compiled_whole,
         margin=margin,
+        rivals=tuple(r.label for r in rivals),
     )
     (log.warning if keep_rival and compiled_whole else log.info)("lightning_ckpt: %s", check.describe())
     return kept, check
 
 
-def _rival(records: Sequence[TrialRecord]) -> TrialRecord | None:
-    """The fastest plan of ours (no PT2 budget, some checkpointing) that fits: measured, or pruned by the time model
-    with its memory predicted within budget, by its step seconds measured or predicted. Pruned ones count because
-    the time model prunes against the fastest measured plan, here a PT2 budget whose figure on the blocks alone
-    flatters it: the plan that beats it compiled whole may be one the search never ran."""
+# Plans of ours weighed against the budget on the blocks: the time model ranks them, the rounds choose.
+RIVALS_ON_BLOCKS = 3
+
+
+def _rivals(records: Sequence[TrialRecord], count: int) -> list[TrialRecord]:
+    """The ``count`` fastest plans of ours (no PT2 budget, some checkpointing) that fit: measured, or pruned by the
+    time model with their memory predicted within budget. Pruned ones count because the time model prunes against
+    the fastest measured plan, here a PT2 budget whose figure on the blocks alone flatters it: the plan that beats it
+    compiled whole may be one the search never ran.
+
+    They are ranked on one scale: measured seconds, and a pruned plan's prediction times the median measured over
+    predicted seconds of the plans that have both. The time model's base is fitted on the first measurements and may
+    sit well off the machine's later figures (the 32-layer GPT compiled whole: ``full`` predicted at 297 ms, measured
+    at 219 ms); ranked as they are, every pruned plan would fall behind every measured one."""
+    pairs = [t.median_seconds / t.predicted_seconds for t in records if t.median_seconds and t.predicted_seconds]
+    scale = statistics.median(pairs) if pairs else 1.0
     ours: list[tuple[float, int, TrialRecord]] = []
     for t in records:
         if t.plan.compile_memory_budget is not None or t.plan.is_empty:
@@ -203,35 +231,39 @@ def _rival(records: Sequence[TrialRecord]) -> TrialRecord | None:
         if t.feasible and t.median_seconds:
             ours.append((t.median_seconds, t.number, t))
         elif t.status == TrialStatus.PRUNED and t.pruned_by == "time" and t.predicted_seconds:
-            ours.append((t.predicted_seconds, t.number, t))
-    return min(ours, key=lambda x: (x[0], x[1]))[2] if ours else None
+            ours.append((t.predicted_seconds * scale, t.number, t))
+    return [t for _, _, t in sorted(ours, key=lambda x: (x[0], x[1]))[:count]]
 
 
 def _compile_seconds(out: Any) -> float:
-    return float((out.extra.get("compile") or {}).get("compile_seconds") or 0.0)
+    return float((out.extra.get("compile") or {}).get("compile_seconds") or 0.0) if out is not None else 0.0
 
 
 def _side_by_side(
-    study: CheckedStudy, leader: TrialRecord, rival: TrialRecord, runner: Any, threshold: float
-) -> Verdict | None:
-    """Both plans re-timed by ``runner`` in interleaved rounds, the leader as the reference: at least
-    ``holdout_rounds``, then until the rival's ratio is within ``CLAIM_HALF_WIDTH`` either side or its interval lies
-    wholly on one side of ``threshold`` (the ratio that decides), at most ``holdout_max_rounds``."""
+    study: CheckedStudy, leader: TrialRecord, rivals: Sequence[TrialRecord], runner: Any, threshold: float
+) -> dict[int, Verdict | None]:
+    """The leader and ``rivals`` re-timed by ``runner`` in interleaved rounds, each rival's verdict against the
+    leader: at least ``holdout_rounds``, then until the fastest rival's ratio is within ``CLAIM_HALF_WIDTH`` either
+    side or its interval lies wholly on one side of ``threshold`` (the ratio that decides), at most
+    ``holdout_max_rounds``."""
     config = study.config
     steps = config.confirm_steps
-    # Entered as two plans, neither a baseline: the rounds' own rule would stop timing a baseline found slower than
-    # the fastest one, and these rounds compare exactly these two.
+    # Entered as plans, none a baseline: the rounds' own rule would stop timing a baseline found slower than the
+    # fastest one, and these rounds compare exactly these plans.
     entries = [
-        ConfirmEntry(replace(t, baseline=None), retimer(runner, t.plan, steps), 1, steps, 1) for t in (leader, rival)
+        ConfirmEntry(replace(t, baseline=None), retimer(runner, t.plan, steps), 1, steps, 1) for t in (leader, *rivals)
     ]
-    labels: Mapping[int, str] = {leader.number: leader.label, rival.number: rival.label}
+    labels: Mapping[int, str] = {t.number: t.label for t in (leader, *rivals)}
 
-    def verdict_of(side: SideBySide) -> Verdict | None:
-        return side.verdict(rival.number, labels, study.config.tie_tolerance, reference=leader.number)
+    def verdicts_of(side: SideBySide) -> dict[int, Verdict | None]:
+        return {r.number: side.verdict(r.number, labels, config.tie_tolerance, reference=leader.number) for r in rivals}
 
     def precise(side: SideBySide) -> bool:
-        v = verdict_of(side)
-        if v is None or v.low is None or v.high is None or v.low <= 0:
+        found = [v for v in verdicts_of(side).values() if v is not None and v.ratio is not None]
+        if not found:
+            return False
+        v = max(found, key=lambda v: v.ratio or 0.0)
+        if v.low is None or v.high is None or v.low <= 0:
             return False
         # Decided (the interval lies on one side of the threshold) or precise: more rounds would not change which is
         # kept.
@@ -246,4 +278,4 @@ def _side_by_side(
         until=precise,
         check_stop=study.check_stop,
     )
-    return verdict_of(side)
+    return verdicts_of(side)
