@@ -28,8 +28,8 @@ with it over the user's compile. ``--check-whole-compile`` tunes with ``TuneConf
 budget chosen on the blocks compiled alone is compiled the user's way beside the fastest plan of ours and the faster
 kept (``search.whole_check``; ``whole_compile_check`` in the row says what it did).
 
-Run: ``python benchmarks/compiled_exhaustive.py --layers 8 32 --ways regional whole`` (2-core CPU, 2026-12-05: 2 to
-7 minutes a row but the whole 32-layer one, about 24), or ``--rows 8:regional 8:whole 32:regional``; writes
+Run: ``python benchmarks/compiled_exhaustive.py --layers 8 32 --ways regional whole`` (2-core CPU, 2026-12-06: 3 to
+9 minutes a row but the whole 32-layer one, about 26), or ``--rows 8:regional 8:whole 32:regional``; writes
 ``benchmarks/results/compiled_exhaustive.json`` after every row.
 """
 

@@ -7,7 +7,7 @@ model, ``torch.compile(model)``): the partitioner then solves one knapsack over 
 solved one per block, and it chooses differently. Measured side by side on the 8- and 32-layer test GPT
 (``benchmarks/alone_vs_whole.py``), our plans ran 0.7-12% slower than ``pt2_budget(0.3)`` on the blocks alone and
 from 7% faster to 6% slower compiled whole; a search that chose the budget on the blocks ran 0.959x the fastest plan
-compiled whole (``benchmarks/compiled_exhaustive.py``).
+compiled whole (``benchmarks/compiled_exhaustive.py``, 2026-12-05).
 
 By default (``weigh_on_blocks``) such a budget is weighed where the search measured it: re-timed side by side on the
 blocks compiled alone against the fastest plan of ours that fits (measured, or pruned by the time model with its
