@@ -79,8 +79,8 @@ class TuneConfig:
     weighed on the blocks with ``whole_compile_margin``.
     whole_compile_margin: under ``torch.compile`` of a region holding several blocks, without
     ``check_whole_compile``: a PT2 budget chosen on the blocks compiled alone is kept only if, re-timed there side by
-    side, it runs more than ``1 + whole_compile_margin`` times the speed of the fastest fitting plan of ours; else
-    that plan is kept. The blocks' figure flatters the budget: compiled whole, our plans moved towards it by 0.5-8%
+    side, it runs more than ``1 + whole_compile_margin`` times the speed of the fastest of the three fastest fitting
+    plans of ours (``whole_check.RIVALS_ON_BLOCKS``); else that plan is kept. The blocks' figure flatters the budget: compiled whole, our plans moved towards it by 0.5-8%
     (``benchmarks/alone_vs_whole.py``, 8- and 32-layer GPT, 2-core CPU), so a lead within 8% is no lead there. 0:
     the faster on the blocks.
     memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every

@@ -547,8 +547,8 @@ def check_pt2_budget_compiled_whole(
     profiled: CompiledMemoryModel | None = None,
 ) -> None:
     """Where the trials ran on blocks compiled alone and the user compiles several blocks in one graph, a PT2 budget
-    the study chooses is weighed before it is kept (``whole_check``): by default against the fastest fitting plan of
-    ours on the blocks, where it must lead by ``whole_compile_margin`` (the blocks' figure flatters it); with
+    the study chooses is weighed before it is kept (``whole_check``): by default against the three fastest fitting
+    plans of ours on the blocks, where it must lead by ``whole_compile_margin`` (the blocks' figure flatters it); with
     ``check_whole_compile``, both compiled the user's way. What was done goes into ``metadata`` (``WHOLE_CHECK_KEY``)
     and its compiles into the search's count."""
     if runner.assembly is None or not holds_several_blocks(runner.regions, runner.assembly.blocks):

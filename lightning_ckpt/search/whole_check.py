@@ -10,12 +10,13 @@ from 7% faster to 6% slower compiled whole; a search that chose the budget on th
 compiled whole (``benchmarks/compiled_exhaustive.py``, 2026-12-05).
 
 By default (``weigh_on_blocks``) such a budget is weighed where the search measured it: re-timed side by side on the
-blocks compiled alone against the fastest plan of ours that fits (measured, or pruned by the time model with its
+blocks compiled alone against the three fastest plans of ours that fit (measured, or pruned by the time model with its
 memory predicted within budget: it pruned against the budget's flattering figure, and is measured now), in
-interleaved rounds (``holdout_rounds`` to ``holdout_max_rounds``, until the ratio's 90% interval is within 3% either
-side or on one side of the threshold), and kept only if it runs more than ``1 + whole_compile_margin`` times that
-plan's speed (0.08: the largest shift measured). It compiles nothing of the user's model: the rounds swap blocks
-compiled already, and cost about 2 x 6 steps.
+interleaved rounds (``holdout_rounds`` to ``holdout_max_rounds``, until the fastest one's ratio to the budget has a
+90% interval within 3% either side or on one side of the threshold), and kept only if it runs more than
+``1 + whole_compile_margin`` times that plan's speed (0.08: the largest shift measured). It compiles nothing of the
+user's model: the rounds swap blocks compiled already, and cost at least 4 x 6 steps (3.8 s and 5.7 s at 8 and 32
+layers, ``compiled_exhaustive.py``, 2026-12-06).
 
 With ``TuneConfig(check_whole_compile=True)`` the two are instead each compiled the user's way and measured (time,
 and the memory the compiled step saves, which a whole graph's knapsack also changes), re-timed side by side the same
