@@ -295,25 +295,34 @@ def test_a_model_compiled_block_by_block_gets_no_check():
     assert study.after_choice is None
 
 
-@pytest.mark.slow
-def test_the_check_compiles_both_plans_the_users_way_and_leaves_the_model_as_it_was():
+def compiled_gpt() -> tuple[GPT, torch.nn.Module, StepHarness]:
+    """The 2-layer test GPT compiled whole, and the harness of its training step, from a fresh dynamo."""
     reset_compiled()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_head=2, n_embd=32, vocab_size=48, block_size=16, n_layer=2, dropout=0.0))
     x = torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
     harness = StepHarness(model, lambda: compiled(x, x), torch.device("cpu"), extra=(x,), batch_size=4, seq_len=16,
                           warmup_steps=1, measure_steps=2)  # fmt: skip
+    return model, compiled, harness
+
+
+class MeasuredStudy(ScriptedStudy):
+    """A scripted study that judges by the real measurement: its status and saved bytes, no budget."""
+
+    def judge(self, trial: TrialRecord, out: Measurement) -> TrialRecord:
+        return replace(trial, status=TrialStatus(out.status), activation_bytes=out.activation_bytes)
+
+
+@pytest.mark.slow
+def test_the_check_compiles_both_plans_the_users_way_and_leaves_the_model_as_it_was():
+    model, compiled, harness = compiled_gpt()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     whole = CompiledTrials(harness, regions=("",), allow_graph_breaks=False)
     leader, rival, records = leader_and_rival()
 
-    class Study(ScriptedStudy):
-        def judge(self, trial: TrialRecord, out: Measurement) -> TrialRecord:
-            return replace(trial, status=TrialStatus(out.status), activation_bytes=out.activation_bytes)
-
     try:
-        kept, check = check_whole_compile(Study(records), leader, whole)
+        kept, check = check_whole_compile(MeasuredStudy(records), leader, whole)
     finally:
         release_kept_graphs()
     assert check is not None and check.leader_fits and check.rival_fits
@@ -327,25 +336,15 @@ def test_the_check_compiles_both_plans_the_users_way_and_leaves_the_model_as_it_
 
 @pytest.mark.slow
 def test_weighing_on_the_blocks_runs_the_blocks_compiled_alone_and_compiles_nothing_the_users_way():
-    reset_compiled()
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_head=2, n_embd=32, vocab_size=48, block_size=16, n_layer=2, dropout=0.0))
-    x = torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(1))
-    compiled = torch.compile(model)
+    model, compiled, harness = compiled_gpt()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    harness = StepHarness(model, lambda: compiled(x, x), torch.device("cpu"), extra=(x,), batch_size=4, seq_len=16,
-                          warmup_steps=1, measure_steps=2)  # fmt: skip
     runner = compiled_search(compiled, harness, compiled=True, allow_graph_breaks=False, blocks=BLOCKS)
     assert runner is not None and runner.assembly is not None
     leader, rival, records = leader_and_rival()
 
-    class Study(ScriptedStudy):
-        def judge(self, trial: TrialRecord, out: Measurement) -> TrialRecord:
-            return replace(trial, status=TrialStatus(out.status), activation_bytes=out.activation_bytes)
-
     try:
         runner.measure(Plan(), None)  # the search's first trial: the blocks' reference
-        kept, check = weigh_on_blocks(Study(records), leader, runner, 0.08)
+        kept, check = weigh_on_blocks(MeasuredStudy(records), leader, runner, 0.08)
         assert check is not None and check.leader_fits and check.rival_fits and not check.compiled_whole
         assert kept in records and check.kept == kept.label and check.rivals == (rival.label, "baseline:full")
         assert check.ratio is not None and check.rounds >= CONFIG.holdout_rounds
@@ -353,7 +352,7 @@ def test_weighing_on_the_blocks_runs_the_blocks_compiled_alone_and_compiles_noth
         # each block compiled alone; none of the whole model.
         assert check.graphs == 3 and check.compile_seconds > 0
         graphs = runner.graphs
-        weigh_on_blocks(Study(records), leader, runner, 0.08)
+        weigh_on_blocks(MeasuredStudy(records), leader, runner, 0.08)
         assert runner.graphs == graphs  # again: the rounds swap graphs compiled already
     finally:
         release_kept_graphs()

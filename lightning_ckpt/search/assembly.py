@@ -24,9 +24,9 @@ one small knapsack per block, and measured side by side our plans run up to 8% f
 whole than on the blocks alone (``benchmarks/alone_vs_whole.py``; torch's per-region budget must cover a whole graph,
 so it cannot make a whole compile run the blocks' budgets). ``benchmarks/compiled_exhaustive.py`` measures how the
 plans rank compiled the user's way against this: the chosen PT2 budget of a 32-layer GPT compiled whole ran 0.959x
-the fastest selective plan before it was weighed (docs/compile.md). So such a choice is weighed before it is kept (``search.whole_check``):
-on the blocks against the fastest plan of ours, where it must lead by ``TuneConfig.whole_compile_margin``, or with
-``check_whole_compile=True`` both compiled the user's way.
+the fastest selective plan before it was weighed (docs/compile.md). So such a choice is weighed before it is kept
+(``search.whole_check``): on the blocks against the fastest plans of ours, where it must lead by
+``TuneConfig.whole_compile_margin``, or with ``check_whole_compile=True`` both compiled the user's way.
 """
 
 from __future__ import annotations

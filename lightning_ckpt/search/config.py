@@ -36,6 +36,9 @@ _LOWEST = {
     "holdout_max_rounds": 0,
 }
 
+# The settings that are fractions in [0, 1), each with a valid example.
+_FRACTIONS = {"tie_tolerance": "0.01", "whole_compile_margin": "0.08"}
+
 
 @dataclass(frozen=True)
 class TuneConfig:
@@ -80,9 +83,9 @@ class TuneConfig:
     whole_compile_margin: under ``torch.compile`` of a region holding several blocks, without
     ``check_whole_compile``: a PT2 budget chosen on the blocks compiled alone is kept only if, re-timed there side by
     side, it runs more than ``1 + whole_compile_margin`` times the speed of the fastest of the three fastest fitting
-    plans of ours (``whole_check.RIVALS_ON_BLOCKS``); else that plan is kept. The blocks' figure flatters the budget: compiled whole, our plans moved towards it by 0.5-8%
-    (``benchmarks/alone_vs_whole.py``, 8- and 32-layer GPT, 2-core CPU), so a lead within 8% is no lead there. 0:
-    the faster on the blocks.
+    plans of ours (``whole_check.RIVALS_ON_BLOCKS``); else that plan is kept. The blocks' figure flatters the budget:
+    compiled whole, our plans moved towards it by 0.5-8% (``benchmarks/alone_vs_whole.py``, 8- and 32-layer GPT,
+    2-core CPU), so a lead within 8% is no lead there. 0: the faster on the blocks.
     memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every
     benchmarked model), a trial's memory is its prediction and only the plans that can still be chosen
     (the confirmation round's, the winner) get the slow tracked pass and the FLOP count; ``"every"``:
@@ -143,15 +146,10 @@ class TuneConfig:
             )
         if self.on_infeasible not in ("fallback", "raise"):
             raise ConfigurationError(f"on_infeasible must be 'fallback' or 'raise', but got {self.on_infeasible!r}.")
-        if (
-            isinstance(self.tie_tolerance, bool)
-            or not isinstance(self.tie_tolerance, (int, float))
-            or not (0 <= self.tie_tolerance < 1)
-        ):
-            raise ConfigurationError(f"tie_tolerance must be in [0, 1) (e.g. 0.01), but got {self.tie_tolerance!r}.")
-        margin = self.whole_compile_margin
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise ConfigurationError(f"whole_compile_margin must be in [0, 1) (e.g. 0.08), but got {margin!r}.")
+        for name, example in _FRACTIONS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ConfigurationError(f"{name} must be in [0, 1) (e.g. {example}), but got {value!r}.")
         for name, low in _LOWEST.items():
             value = getattr(self, name)
             if not _is_int(value) or value < low:
