@@ -54,7 +54,7 @@ from lightning_ckpt import Plan, TuneConfig, tune
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.search.compile import compiled_search, release_kept_graphs, reset_compiled
 from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY
-from lightning_ckpt.search.tune import WHOLE_CHECK_KEY
+from lightning_ckpt.search.tune import PARTITIONED_KEY, WHOLE_CHECK_KEY
 from lightning_ckpt.timing.model import TimeModel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -98,6 +98,7 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False, check_wh
         "compiles": chosen.metadata.get("compiles"),
         "check_whole_compile": check_whole,
         "whole_compile_check": chosen.metadata.get(WHOLE_CHECK_KEY),
+        "pt2_partitioned_whole": chosen.metadata.get(PARTITIONED_KEY),
         "chosen": chosen.describe(),
         "budget": budget.description,
         # What the search measured, on the blocks compiled alone, and what it predicted for the plans it pruned.

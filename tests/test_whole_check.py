@@ -19,13 +19,23 @@ import torch
 from lightning_ckpt import Plan
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.measurement import Measurement
+from lightning_ckpt.memory.compiled import CompiledBlockMemory, CompiledMemoryModel
 from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.search import tune as tune_module
 from lightning_ckpt.search.compile import CompiledTrials, compiled_search, release_kept_graphs, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync
 from lightning_ckpt.search.records import TrialRecord, TrialStatus
-from lightning_ckpt.search.whole_check import WholeCheck, check_whole_compile, holds_several_blocks, weigh_on_blocks
+from lightning_ckpt.search.whole_check import (
+    PARTITIONS,
+    Partitioned,
+    WholeCheck,
+    check_whole_compile,
+    holds_several_blocks,
+    outside_blocks_bytes,
+    partition_pt2_budgets,
+    weigh_on_blocks,
+)
 from lightning_ckpt.testing import GPT, GPTConfig
 
 BLOCKS = ("transformer.h.0", "transformer.h.1")
@@ -47,8 +57,11 @@ class ScriptedWhole:
 
     seconds: dict[str, float]
     saved: dict[str, int]
+    seconds_default: float | None = None  # a plan not in ``seconds`` (``measure_partitioned``: the blocks' time)
+    whole: dict[str, int] = field(default_factory=dict)  # saved bytes partitioned whole (``measure_partitioned``)
     measured: list[str] = field(default_factory=list)
     retimed: list[str] = field(default_factory=list)
+    partitioned: list[str] = field(default_factory=list)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def measure_compiled(self, plan: Plan) -> Measurement:
@@ -57,14 +70,22 @@ class ScriptedWhole:
 
     def measure(self, plan: Plan, memory_limit: int | None) -> Measurement:
         self.measured.append(plan.key())
+        seconds = self.seconds.get(plan.key(), self.seconds_default)
+        assert seconds is not None, f"{plan.key()} was not scripted"
         return Measurement(
             "ok",
-            median_seconds=self.seconds[plan.key()],
-            samples_per_second=1 / self.seconds[plan.key()],
-            peak_bytes=self.saved[plan.key()],
-            activation_bytes=self.saved[plan.key()],
+            median_seconds=seconds,
+            samples_per_second=1 / seconds,
+            peak_bytes=self.saved.get(plan.key(), 0),
+            activation_bytes=self.saved.get(plan.key(), 0),
             extra={"compile": {"compile_seconds": 2.0}},
         )
+
+    def measure_partitioned(self, plan: Plan) -> Measurement:
+        self.partitioned.append(plan.key())
+        m = self.measure(plan, None)
+        self.measured.pop()
+        return replace(m, peak_bytes=self.whole[plan.key()], activation_bytes=self.whole[plan.key()])
 
     def retime(self, plan: Plan, steps: int | None = None, *, warmup: int = 1) -> Measurement:
         self.retimed.append(plan.key())
@@ -79,13 +100,15 @@ class ScriptedStudy:
     records: list[TrialRecord]
     config: TuneConfig = CONFIG
     sync: LocalSync = field(default_factory=LocalSync)
+    budget: Any = field(default_factory=lambda: SimpleNamespace(limit_bytes=LIMIT, value_of=lambda peak, act: peak))
 
     def check_stop(self) -> None:
         return None
 
     def judge(self, trial: TrialRecord, out: Measurement) -> TrialRecord:
         fits = out.peak_bytes is not None and out.peak_bytes <= LIMIT
-        return replace(trial, peak_bytes=out.peak_bytes, status=TrialStatus.OK if fits else TrialStatus.OVER_BUDGET)
+        return replace(trial, peak_bytes=out.peak_bytes, activation_bytes=out.activation_bytes,
+                       status=TrialStatus.OK if fits else TrialStatus.OVER_BUDGET)  # fmt: skip
 
     def memory_limit(self, micro_batch: int | None) -> int | None:
         return None
@@ -180,6 +203,7 @@ def test_the_search_records_the_check_and_counts_its_compiles(monkeypatch):
     leader, rival, _ = leader_and_rival()
     check = WholeCheck(leader.label, rival.label, True, True, 1.05, 1.01, 1.09, 8, rival.label, 3, 30.0, 41.0)
     monkeypatch.setattr(tune_module, "check_whole_compile", lambda study, best, whole: (rival, check))
+    monkeypatch.setattr(tune_module, "partition_pt2_budgets", lambda *a: (leader, ()))
     study, metadata = SimpleNamespace(after_choice=None), _searched_metadata()
     tune_module.check_pt2_budget_compiled_whole(study, _runner(("",)), _harness(), CONFIG, metadata)
     assert study.after_choice(leader) is rival
@@ -267,10 +291,11 @@ def test_without_the_check_a_pt2_choice_on_a_whole_compile_is_weighed_on_the_blo
     check = WholeCheck(leader.label, rival.label, True, True, 0.97, 0.95, 0.99, 6, rival.label, 0, 0.0, 1.5,
                        compiled_whole=False, margin=0.05)  # fmt: skip
 
-    def weigh(study, best, runner, margin):
+    def weigh(study, best, runner, margin, leader_fits):
         weighed.append((runner, margin))
         return rival, check
 
+    monkeypatch.setattr(tune_module, "partition_pt2_budgets", lambda study, best, runner, outside: (None, ()))
     monkeypatch.setattr(tune_module, "weigh_on_blocks", weigh)
     monkeypatch.setattr(tune_module, "compiles_of", lambda runner, profiled: {"graphs": 12, "seconds": 21.0})
     study, metadata, runner = SimpleNamespace(after_choice=None), _searched_metadata(), _runner(("",))
@@ -281,6 +306,136 @@ def test_without_the_check_a_pt2_choice_on_a_whole_compile_is_weighed_on_the_blo
     assert study.after_choice(rival) is rival and len(weighed) == 1  # a plan of ours: nothing to weigh
     assert metadata[tune_module.WHOLE_CHECK_KEY]["compiled_whole"] is False
     assert metadata[tune_module.COMPILES_KEY] == {"graphs": 12, "seconds": 21.0}  # counted again after the rounds
+
+
+PT2_05, PT2_07, PT2_01 = (Plan(compile_memory_budget=b) for b in (0.5, 0.7, 0.1))
+
+
+def budgets_over_on_the_blocks(leader_seconds: float = 0.010) -> tuple[TrialRecord, list[TrialRecord]]:
+    """A PT2 leader and, besides the plans of ours: ``pt2_budget(0.5)`` faster and a little over budget on the blocks,
+    ``pt2_budget(0.7)`` faster and far over, ``pt2_budget(0.1)`` slower and within."""
+    leader, rival, (_, _, slower) = leader_and_rival()
+    leader = replace(leader, median_seconds=leader_seconds, peak_bytes=500, status=TrialStatus.OK)
+    near = record(3, PT2_05, "baseline:pt2_budget_0.5", 0.008, peak_bytes=LIMIT + 50, status=TrialStatus.OVER_BUDGET)
+    far = record(4, PT2_07, "baseline:pt2_budget_0.7", 0.0075, peak_bytes=2 * LIMIT, status=TrialStatus.OVER_BUDGET)
+    slow = record(5, PT2_01, "baseline:pt2_budget_0.1", 0.012, peak_bytes=200, status=TrialStatus.OK)
+    return leader, [leader, rival, slower, near, far, slow]
+
+
+def partitioned_whole(**whole: int) -> ScriptedWhole:
+    keys = {"p03": PT2.key(), "p05": PT2_05.key(), "p07": PT2_07.key(), "p01": PT2_01.key()}
+    return ScriptedWhole({}, {}, whole={keys[k]: v for k, v in whole.items()},
+                         seconds_default=0.01)  # fmt: skip
+
+
+def test_a_budget_a_little_over_on_the_blocks_is_partitioned_whole_and_kept_where_it_fits_there():
+    """The 8-layer GPT compiled whole: ``pt2_budget(0.5)`` 1.8% over budget on the blocks, 0.9% under compiled whole."""
+    leader, records = budgets_over_on_the_blocks()
+    runner = partitioned_whole(p05=LIMIT - 50, p03=400, p07=1_900)
+    contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
+    assert contender is not None and contender.label == "baseline:pt2_budget_0.5"
+    assert contender.status == TrialStatus.OK and contender.peak_bytes == LIMIT - 50  # judged partitioned whole
+    assert contender.median_seconds == 0.008  # its speed is the blocks'
+    # Only the one a whole graph could bring within budget: 0.7 is over by more than the code outside the blocks
+    # saves, 0.1 is slower than the leader, and the first that fits ends it.
+    assert runner.partitioned == [PT2_05.key()]
+    assert [p.to_dict() for p in partitioned] == [
+        {"plan": "baseline:pt2_budget_0.5", "on_blocks": LIMIT + 50, "whole": LIMIT - 50, "fits": True,
+         "seconds": partitioned[0].seconds}
+    ]  # fmt: skip
+
+
+def test_the_leader_budget_is_partitioned_too_and_none_is_returned_where_no_budget_fits_whole():
+    leader, records = budgets_over_on_the_blocks()
+    runner = partitioned_whole(p05=LIMIT + 20, p03=400)
+    contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
+    assert runner.partitioned == [PT2_05.key(), PT2.key()]  # fastest first: each measured, none inferred
+    assert contender is not None and contender.number == leader.number and contender.peak_bytes == 400
+    assert [p.fits for p in partitioned] == [False, True]
+    runner = partitioned_whole(p05=LIMIT + 20, p03=LIMIT + 1)  # the leader's own budget is over, compiled whole
+    contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
+    assert contender is None and [p.fits for p in partitioned] == [False, False]
+
+
+def test_without_bytes_outside_the_blocks_only_the_leaders_budget_is_partitioned():
+    leader, records = budgets_over_on_the_blocks()
+    runner = partitioned_whole(p05=LIMIT - 50, p03=400)
+    contender, _ = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=0)
+    assert runner.partitioned == [PT2.key()] and contender is not None and contender.number == leader.number
+
+
+def test_a_plan_of_ours_leading_is_challenged_only_by_budgets_over_on_the_blocks_and_nothing_runs_without_one():
+    _, records = budgets_over_on_the_blocks()
+    ours = record(6, MIXED, "full h.0, selective(mlp) h.1", 0.009, peak_bytes=900, status=TrialStatus.OK)
+    runner = partitioned_whole(p05=LIMIT - 50)
+    contender, _ = partition_pt2_budgets(ScriptedStudy([*records, ours]), ours, runner, outside=100)
+    assert contender is not None and contender.label == "baseline:pt2_budget_0.5"
+    # 0.3 and 0.1 fit on the blocks and lost to the leader there: the search judged them; 0.7 is too far over.
+    assert runner.partitioned == [PT2_05.key()]
+    runner = partitioned_whole()
+    assert partition_pt2_budgets(ScriptedStudy([*records, ours]), ours, runner, outside=10) == (None, ())
+    assert runner.partitioned == []  # 50 bytes over, 10 outside the blocks: no budget to partition, no cost
+
+
+def test_the_largest_budgets_over_on_the_blocks_come_first_up_to_the_cap_then_the_leaders():
+    """Not the fastest in the blocks' one pass: a larger budget recomputes less (this order held compiled whole)."""
+    leader, records = budgets_over_on_the_blocks()
+    extra = [record(10 + i, Plan(compile_memory_budget=b), f"pt2_budget({b})", 0.007, peak_bytes=LIMIT + 10,
+                    status=TrialStatus.OVER_BUDGET) for i, b in enumerate((0.4, 0.6, 0.45))]  # fmt: skip
+    order = sorted([*extra, records[3]], key=lambda t: -(t.plan.compile_memory_budget or 0))
+    runner = ScriptedWhole({}, {}, whole={t.plan.key(): 2 * LIMIT for t in order} | {PT2.key(): 400},
+                           seconds_default=0.01)  # fmt: skip
+    contender, partitioned = partition_pt2_budgets(ScriptedStudy([*records, *extra]), leader, runner, outside=100)
+    assert runner.partitioned == [t.plan.key() for t in order[:PARTITIONS]] + [PT2.key()]
+    assert order[0].label == "pt2_budget(0.6)"
+    assert contender is not None and contender.number == leader.number and len(partitioned) == PARTITIONS + 1
+
+
+def test_a_leader_judged_elsewhere_is_not_measured_again_on_the_blocks():
+    leader, rival, records = leader_and_rival()
+    blocks = on_blocks(0.0100, 0.0104)
+    kept, check = weigh_on_blocks(ScriptedStudy(records), leader, blocks, 0.08, leader_fits=False)
+    assert kept is rival and check is not None and not check.leader_fits and check.ratio is None
+    assert PT2.key() not in blocks.measured and blocks.retimed == []  # over budget whole: no rounds
+    judged = replace(leader, peak_bytes=900)
+    kept, check = weigh_on_blocks(ScriptedStudy(records), judged, on_blocks(0.0100, 0.0120), 0.08, leader_fits=True)
+    assert kept is judged and check is not None and check.leader_fits  # kept with the memory it was judged by
+
+
+def test_the_search_weighs_the_budget_that_fits_partitioned_whole_and_records_every_partition(monkeypatch):
+    leader, rival, _ = leader_and_rival()
+    contender = record(3, PT2_05, "baseline:pt2_budget_0.5", 0.008, status=TrialStatus.OK)
+    tried = (Partitioned("baseline:pt2_budget_0.5", 1_050, 950, True, 4.0),)
+    weighed = []
+
+    def weigh(study, best, runner, margin, leader_fits):
+        weighed.append((best.label, leader_fits))
+        return best, None
+
+    monkeypatch.setattr(tune_module, "weigh_on_blocks", weigh)
+    monkeypatch.setattr(tune_module, "compiles_of", lambda runner, profiled: {"graphs": 13, "seconds": 25.0})
+    config = replace(CONFIG, check_whole_compile=False)
+    for best, found, expected in (
+        (rival, (contender, tried), [("baseline:pt2_budget_0.5", True)]),  # a plan of ours challenged and beaten
+        (leader, (None, tried), [(leader.label, False)]),  # the budget chosen does not fit whole: ours must be kept
+        (rival, (None, tried), []),  # no budget fits whole: the plan of ours stands, nothing weighed
+    ):
+        weighed.clear()
+        monkeypatch.setattr(tune_module, "partition_pt2_budgets", lambda *a, found=found: found)
+        study, metadata = SimpleNamespace(after_choice=None), _searched_metadata()
+        tune_module.check_pt2_budget_compiled_whole(study, _runner(("",)), _harness(), config, metadata)
+        kept = study.after_choice(best)
+        assert weighed == expected and (kept is best if not expected else True)
+        assert metadata[tune_module.PARTITIONED_KEY] == [tried[0].to_dict()]
+        assert metadata[tune_module.COMPILES_KEY] == {"graphs": 13, "seconds": 25.0}  # the partitions counted
+
+
+def test_the_bytes_outside_the_blocks_are_the_none_steps_less_every_blocks():
+    rows = tuple(CompiledBlockMemory(b, {"none": 300, "full": 10}) for b in BLOCKS)
+    model = CompiledMemoryModel(rows, {"transformer.h": BLOCKS}, none_activation_bytes=1_000)
+    assert outside_blocks_bytes(model) == 400
+    assert outside_blocks_bytes(replace(model, none_activation_bytes=None)) == 0  # not anchored: unknown
+    assert outside_blocks_bytes(None) == 0
 
 
 def test_the_margin_is_a_fraction():
@@ -359,3 +514,35 @@ def test_weighing_on_the_blocks_runs_the_blocks_compiled_alone_and_compiles_noth
         reset_compiled()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.slow
+def test_a_budget_partitioned_whole_saves_what_the_users_compile_saves_and_leaves_nothing_behind():
+    """The partition without kernels (``assembly.partition_only_backend``) against inductor's whole compile of the
+    same budget: the bytes saved for backward are the same, and the blocks' own figure is not."""
+    model, compiled, harness = compiled_gpt()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    runner = compiled_search(compiled, harness, compiled=True, allow_graph_breaks=False, blocks=BLOCKS)
+    assert runner is not None and runner.assembly is not None
+    whole = CompiledTrials(harness, regions=("",), allow_graph_breaks=False)
+    try:
+        runner.measure(Plan(), None)
+        on_blocks = runner.measure(PT2, None)
+        graphs = runner.graphs
+        partitioned = runner.measure_partitioned(PT2)
+        assert runner.graphs > graphs and runner.compile_seconds > 0  # counted among the search's compiles
+        assert partitioned.extra["partitioned"]["whole_bytes"] == partitioned.activation_bytes
+        assert partitioned.median_seconds == on_blocks.median_seconds  # the time stays the blocks'
+        assert (
+            partitioned.peak_bytes - on_blocks.peak_bytes == partitioned.activation_bytes - on_blocks.activation_bytes
+        )
+        release_kept_graphs()
+        reset_compiled()
+        users_way = whole.measure(PT2, None)  # inductor, kernels and all
+    finally:
+        release_kept_graphs()
+        reset_compiled()
+    assert users_way.ok and partitioned.ok
+    assert partitioned.activation_bytes == users_way.activation_bytes != on_blocks.activation_bytes
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert not any("forward" in vars(m) or vars(m).get("_compiled_call_impl") is not None for m in model.modules())

@@ -513,6 +513,44 @@ class CompiledTrials:
             self.reference = stats
         return m
 
+    def measure_partitioned(self, plan: Plan) -> Measurement:
+        """``plan`` (a PT2 budget) as measured on the blocks compiled alone, with the memory the user's compile of
+        several blocks in one graph saves for backward: each such region partitioned as inductor partitions it, its
+        kernels not generated (``assembly.partition_only_backend``), one step to partition and one to read the saved
+        bytes. The budget is one knapsack over every block's ops there and one per block here, and the code outside
+        the blocks runs eagerly here: ``benchmarks/compiled_exhaustive.py`` measured ``pt2_budget(0.5)`` of the
+        8-layer GPT over budget on the blocks (17,502,724 bytes) and within it compiled whole (17,039,360).
+
+        The time stays the blocks' (a partitioned graph runs unfused). The peak moves by what the saved bytes moved:
+        on CPU it is resting bytes plus saved bytes, and on CUDA the allocator's peak on the blocks shifted by the
+        same amount. The steps that partitioned count among the search's compiles (``graphs``)."""
+        assert self.assembly is not None, "partitioning whole needs the blocks a compiled search ran alone"
+        on_blocks = self.measure_compiled(plan)
+        graphs_before = graphs_compiled()
+        snapshot = StateSnapshot.capture(self.root)
+        run = _CompiledRun()
+        try:
+            with self.assembly.partitioned(), room_for_graphs():
+                handle = apply_plan(self.harness.target, plan)
+                try:
+                    self._compile_step(snapshot, run)
+                    if run.failure is None:
+                        self._memory_pass(snapshot, run)
+                finally:
+                    handle.remove()
+        finally:
+            release_memory(self.device)
+        graphs = self._count_compiles(graphs_before, run)
+        partition = {"graphs": graphs, "seconds": run.compile_seconds, "on_blocks_bytes": on_blocks.activation_bytes}
+        if run.failure is not None or run.saved is None or on_blocks.activation_bytes is None:
+            status, message = run.failure or ("error", "no saved bytes were read on the blocks or partitioned whole")
+            return Measurement(status, error=message, device=str(self.device), extra={"partitioned": partition})
+        shift = run.saved - on_blocks.activation_bytes
+        peak = on_blocks.peak_bytes + shift if on_blocks.peak_bytes is not None else None
+        partition["whole_bytes"] = run.saved
+        return replace(on_blocks, activation_bytes=run.saved, peak_bytes=peak,
+                       extra={**on_blocks.extra, "partitioned": partition})  # fmt: skip
+
     def _train_step(self) -> None:
         loss_of(self.step_fn()).backward()
 

@@ -57,7 +57,13 @@ from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY, prof
 from lightning_ckpt.search.runners import EagerRunner, TrialRunner, release_cached_memory
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
 from lightning_ckpt.search.study import SearchInterrupted, Study, Workload
-from lightning_ckpt.search.whole_check import check_whole_compile, holds_several_blocks, weigh_on_blocks
+from lightning_ckpt.search.whole_check import (
+    check_whole_compile,
+    holds_several_blocks,
+    outside_blocks_bytes,
+    partition_pt2_budgets,
+    weigh_on_blocks,
+)
 from lightning_ckpt.versions import require_torch
 
 __all__ = [
@@ -310,8 +316,10 @@ def _search(
     memory = RealStepMemory(memory_model, optimizer_step)
     sync = sync or LocalSync()
     budget = sync.broadcast(_resolve_budget(requested, memory, runner, resolved, sync))
+    profiled = profile.compiled  # anchored on the compiled ``none`` step below, where that step ran
     if is_compiled and profile.compiled is not None:
         memory = _compiled_memory(runner, profile.compiled, optimizer_step, resolved)
+        profiled = memory.model if isinstance(memory.model, CompiledMemoryModel) else profile.compiled
     proposer = proposer_for(
         profile.time,
         predicts_time=getattr(runner, "predicts_time", False),
@@ -355,7 +363,7 @@ def _search(
             tie_tolerance=config.tie_tolerance,
         )
     if isinstance(runner, CompiledTrials):
-        check_pt2_budget_compiled_whole(study, runner, harness, config, metadata, profile.compiled)
+        check_pt2_budget_compiled_whole(study, runner, harness, config, metadata, profiled)
     return study.result(
         extra_steps=PROFILE_STEPS + WRITE_CHECK_STEPS + warm_steps,
         memory_table=memory_model.table(),
@@ -536,6 +544,8 @@ def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run:
 COMPILES_KEY = "compiles"
 # A PT2 budget chosen on blocks compiled alone, checked compiled the user's way (``whole_check.WholeCheck``).
 WHOLE_CHECK_KEY = "whole_compile_check"
+# PT2 budgets partitioned as the user's compile partitions them (``whole_check.Partitioned``).
+PARTITIONED_KEY = "pt2_partitioned_whole"
 
 
 def check_pt2_budget_compiled_whole(
@@ -555,10 +565,23 @@ def check_pt2_budget_compiled_whole(
         return
 
     def after_choice(best: TrialRecord) -> TrialRecord:
-        if best.plan.compile_memory_budget is None:
+        # PT2 budgets partitioned whole, fastest first, until one fits: the leader's if it sets one, and faster ones
+        # the blocks put a little over budget (``whole_check.partition_pt2_budgets``).
+        contender, partitioned = partition_pt2_budgets(study, best, runner, outside_blocks_bytes(profiled))
+        if partitioned:
+            metadata[PARTITIONED_KEY] = [p.to_dict() for p in partitioned]
+            metadata[COMPILES_KEY] = compiles_of(runner, profiled)
+        if contender is None and best.plan.compile_memory_budget is None:
             return best
+        leader = contender or best  # no budget fits whole: the leader's is weighed as over budget
         if not config.check_whole_compile:
-            kept, check = weigh_on_blocks(study, best, runner, config.whole_compile_margin)
+            kept, check = weigh_on_blocks(
+                study,
+                leader,
+                runner,
+                config.whole_compile_margin,
+                leader_fits=None if not partitioned else bool(contender),
+            )
             if check is not None:
                 metadata[WHOLE_CHECK_KEY] = check.to_dict()
                 metadata[COMPILES_KEY] = compiles_of(runner, profiled)  # a pruned rival may have compiled a segment
@@ -570,7 +593,7 @@ def check_pt2_budget_compiled_whole(
             allow_graph_breaks=config.allow_graph_breaks,
             reserve_headroom_bytes=runner.reserve_headroom_bytes,
         )
-        kept, check = check_whole_compile(study, best, whole)
+        kept, check = check_whole_compile(study, leader, whole)
         if check is not None:
             metadata[WHOLE_CHECK_KEY] = check.to_dict()
             compiles = dict(metadata.get(COMPILES_KEY) or {})
