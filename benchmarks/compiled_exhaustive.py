@@ -310,6 +310,11 @@ def main() -> None:
         help="tune with TuneConfig(check_whole_compile=True): a PT2 budget chosen on the blocks is checked compiled "
         "your way (write it to another --out)",
     )
+    parser.add_argument(
+        "--keep-other-rows",
+        action="store_true",
+        help="keep the rows of --out that this run does not measure (each row records the command that measured it)",
+    )
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--first-compile-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -328,12 +333,12 @@ def main() -> None:
     rows = [(layers, way) for layers in args.layers for way in args.ways]
     if args.rows:
         rows = [(int(r.split(":")[0]), r.split(":")[1]) for r in args.rows]
-    payload = {
-        "command": "python benchmarks/compiled_exhaustive.py " + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
-        "shape": {**SHAPE, "batch": BATCH},
-        "rows": records,
-    }
+    command = "python benchmarks/compiled_exhaustive.py " + " ".join(sys.argv[1:])
+    payload = {"command": command, "torch": torch.__version__, "shape": {**SHAPE, "batch": BATCH}, "rows": records}
+    kept: list[dict] = []
+    if args.keep_other_rows and args.out.exists():
+        before = json.loads(args.out.read_text())
+        kept = [{"command": before.get("command"), **r} for r in before.get("rows", [])]
     for layers, way in rows:
         t0 = time.perf_counter()
         flags = ["--check-whole-compile"] if args.check_whole_compile else []
@@ -343,7 +348,13 @@ def main() -> None:
             record["whole_first_compile_seconds"] = whole["seconds"]
             record["search_over_whole_first_compile"] = record["search_seconds"] / whole["seconds"]
         record["row_seconds"] = time.perf_counter() - t0
+        record["command"] = command
         records.append(record)
+        if kept:  # the rows measured before, in their order, this run's in place of theirs
+            fresh = {(r["layers"], r["way"]): r for r in records}
+            old = {(r["layers"], r["way"]) for r in kept}
+            payload["rows"] = [fresh.get((r["layers"], r["way"]), r) for r in kept]
+            payload["rows"] += [r for key, r in fresh.items() if key not in old]
         # Written after every row: a long run stopped part way keeps the rows it finished.
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(payload, indent=2))

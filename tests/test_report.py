@@ -388,6 +388,15 @@ def test_the_result_line_says_what_a_compiled_search_compiled_and_what_the_whole
         "0.970x the budget's speed: kept selective(mlp) h.0-3" in weighed
     )
     assert "your way" not in weighed
+    partitioned = [
+        {"plan": "baseline:pt2_budget_0.5", "on_blocks": 17_502_724, "whole": 17_039_360, "fits": True, "seconds": 4.1},
+        {"plan": "baseline:pt2_budget_0.7", "on_blocks": 21_828_100, "whole": None, "fits": False, "seconds": 0.2},
+    ]
+    line = report.result_line(dataclasses.replace(result, best=best.with_metadata(pt2_partitioned_whole=partitioned)))
+    assert (
+        "partitioned as you compile it (no kernels): baseline:pt2_budget_0.5 saves 16.2 MiB (fits), "
+        "baseline:pt2_budget_0.7 failed to partition" in line
+    )
 
 
 def test_search_progress_streams_and_announces(tmp_path, result, capsys):

@@ -311,11 +311,13 @@ def test_without_the_check_a_pt2_choice_on_a_whole_compile_is_weighed_on_the_blo
 PT2_05, PT2_07, PT2_01 = (Plan(compile_memory_budget=b) for b in (0.5, 0.7, 0.1))
 
 
-def budgets_over_on_the_blocks(leader_seconds: float = 0.010) -> tuple[TrialRecord, list[TrialRecord]]:
+def budgets_over_on_the_blocks(
+    leader_seconds: float = 0.010, leader_bytes: int = 500
+) -> tuple[TrialRecord, list[TrialRecord]]:
     """A PT2 leader and, besides the plans of ours: ``pt2_budget(0.5)`` faster and a little over budget on the blocks,
     ``pt2_budget(0.7)`` faster and far over, ``pt2_budget(0.1)`` slower and within."""
     leader, rival, (_, _, slower) = leader_and_rival()
-    leader = replace(leader, median_seconds=leader_seconds, peak_bytes=500, status=TrialStatus.OK)
+    leader = replace(leader, median_seconds=leader_seconds, peak_bytes=leader_bytes, status=TrialStatus.OK)
     near = record(3, PT2_05, "baseline:pt2_budget_0.5", 0.008, peak_bytes=LIMIT + 50, status=TrialStatus.OVER_BUDGET)
     far = record(4, PT2_07, "baseline:pt2_budget_0.7", 0.0075, peak_bytes=2 * LIMIT, status=TrialStatus.OVER_BUDGET)
     slow = record(5, PT2_01, "baseline:pt2_budget_0.1", 0.012, peak_bytes=200, status=TrialStatus.OK)
@@ -339,6 +341,7 @@ def test_a_budget_a_little_over_on_the_blocks_is_partitioned_whole_and_kept_wher
     # Only the one a whole graph could bring within budget: 0.7 is over by more than the code outside the blocks
     # saves, 0.1 is slower than the leader, and the first that fits ends it.
     assert runner.partitioned == [PT2_05.key()]
+    assert "within the budget" in partitioned[0].describe()
     assert [p.to_dict() for p in partitioned] == [
         {"plan": "baseline:pt2_budget_0.5", "on_blocks": LIMIT + 50, "whole": LIMIT - 50, "fits": True,
          "seconds": partitioned[0].seconds}
@@ -346,7 +349,7 @@ def test_a_budget_a_little_over_on_the_blocks_is_partitioned_whole_and_kept_wher
 
 
 def test_the_leader_budget_is_partitioned_too_and_none_is_returned_where_no_budget_fits_whole():
-    leader, records = budgets_over_on_the_blocks()
+    leader, records = budgets_over_on_the_blocks(leader_bytes=LIMIT - 50)  # within 100 bytes of the budget
     runner = partitioned_whole(p05=LIMIT + 20, p03=400)
     contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
     assert runner.partitioned == [PT2_05.key(), PT2.key()]  # fastest first: each measured, none inferred
@@ -355,6 +358,25 @@ def test_the_leader_budget_is_partitioned_too_and_none_is_returned_where_no_budg
     runner = partitioned_whole(p05=LIMIT + 20, p03=LIMIT + 1)  # the leader's own budget is over, compiled whole
     contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
     assert contender is None and [p.fits for p in partitioned] == [False, False]
+
+
+def test_a_leader_budget_with_room_for_the_code_outside_the_blocks_is_kept_without_a_partition():
+    """The 32-layer GPT compiled whole: ``pt2_budget(0.3)`` 37% under budget on the blocks; its partition took 19.6 s."""
+    leader, records = budgets_over_on_the_blocks()  # 500 bytes on the blocks: 100 outside them leave it far within
+    runner = partitioned_whole(p05=LIMIT + 20, p03=LIMIT + 1)
+    contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
+    assert runner.partitioned == [PT2_05.key()]  # the budget over on the blocks is still tried; the leader is not
+    assert [p.fits for p in partitioned] == [False]
+    assert contender is leader  # kept as the blocks judged it, not re-measured
+    runner = partitioned_whole(p03=LIMIT + 1)
+    records = [t for t in records if t.plan != PT2_05]
+    assert partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100) == (leader, ())
+    assert runner.partitioned == []
+    # Within the budget but without room for what the code outside the blocks saves: partitioned, and refused there.
+    leader = replace(leader, peak_bytes=LIMIT - 99)
+    records = [leader if t.number == leader.number else t for t in records]
+    assert partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)[0] is None
+    assert runner.partitioned == [PT2.key()]
 
 
 def test_without_bytes_outside_the_blocks_only_the_leaders_budget_is_partitioned():
@@ -379,7 +401,7 @@ def test_a_plan_of_ours_leading_is_challenged_only_by_budgets_over_on_the_blocks
 
 def test_the_largest_budgets_over_on_the_blocks_come_first_up_to_the_cap_then_the_leaders():
     """Not the fastest in the blocks' one pass: a larger budget recomputes less (this order held compiled whole)."""
-    leader, records = budgets_over_on_the_blocks()
+    leader, records = budgets_over_on_the_blocks(leader_bytes=LIMIT - 50)
     extra = [record(10 + i, Plan(compile_memory_budget=b), f"pt2_budget({b})", 0.007, peak_bytes=LIMIT + 10,
                     status=TrialStatus.OVER_BUDGET) for i, b in enumerate((0.4, 0.6, 0.45))]  # fmt: skip
     order = sorted([*extra, records[3]], key=lambda t: -(t.plan.compile_memory_budget or 0))

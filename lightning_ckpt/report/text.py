@@ -245,6 +245,15 @@ def compiles_phrase(result: TuneResult) -> str | None:
         else:  # weighed on the blocks, where the budget must lead by the margin (``whole_compile_margin``)
             where = f"on the blocks (the budget needed a {check.get('margin', 0.0):.0%} lead), "
         phrase += f"; {where}{check['leader']} beside {check['rival']}{speed}: kept {check['kept']}"
+    partitioned = result.best.metadata.get("pt2_partitioned_whole")  # ``search.whole_check.Partitioned``
+    if partitioned:
+        said = ", ".join(
+            f"{p['plan']} saves {format_bytes(p['whole'])} ({'fits' if p['fits'] else 'over budget'})"
+            if p.get("whole") is not None
+            else f"{p['plan']} failed to partition"
+            for p in partitioned
+        )
+        phrase += f"; partitioned as you compile it (no kernels): {said}"
     return phrase
 
 

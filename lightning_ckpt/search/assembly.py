@@ -26,7 +26,9 @@ so it cannot make a whole compile run the blocks' budgets). ``benchmarks/compile
 plans rank compiled the user's way against this: the chosen PT2 budget of a 32-layer GPT compiled whole ran 0.959x
 the fastest selective plan before it was weighed (docs/compile.md). So such a choice is weighed before it is kept
 (``search.whole_check``): on the blocks against the fastest plans of ours, where it must lead by
-``TuneConfig.whole_compile_margin``, or with ``check_whole_compile=True`` both compiled the user's way.
+``TuneConfig.whole_compile_margin``, or with ``check_whole_compile=True`` both compiled the user's way. What a PT2
+budget saves compiled whole is measured without compiling kernels: the user's compiled regions partitioned by
+inductor and run as partitioned (``partitioned``, ``partition_only_backend``).
 """
 
 from __future__ import annotations
