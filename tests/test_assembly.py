@@ -10,9 +10,10 @@ import torch
 
 from lightning_ckpt import Plan, apply_plan
 from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.plan.apply import reused_forwards
 from lightning_ckpt.plan.format import BlockPlan
-from lightning_ckpt.search.assembly import BlocksCompiledAlone, graphs_compiled
+from lightning_ckpt.search.assembly import BlocksCompiledAlone, graphs_compiled, partition_only_backend
 from lightning_ckpt.search.compile import compiled_search, reset_compiled
 from lightning_ckpt.testing import GPT, GPTConfig
 
@@ -172,3 +173,25 @@ def test_segments_on_blocks_compiled_alone_compile_one_block_graph_for_every_chu
     assert all("_compiled_call_impl" not in b.__dict__ for b in model.transformer.h)
     for name, g in expected.items():
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5)
+
+
+def test_partitioned_without_kernels_a_model_keeps_its_gradients_and_saves_what_its_budget_asks():
+    """The backend that reads what a whole compile saves (``partition_only_backend``) runs inductor's partition on every
+    torch a leg tests, so a change in inductor's internals it calls fails here, not in a user's search (where it would
+    only drop the budget it was reading). Its bytes equal inductor's: ``tests/test_whole_check.py`` (slow)."""
+    layers = 2
+    model, x = gpt(layers), tokens()
+    expected = _grads(model, lambda: model(x, x))
+    saved = {}
+    for budget in (0.05, 1.0):
+        reset_compiled()
+        compiled = torch.compile(model, backend=partition_only_backend())
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            got = _grads(model, lambda c=compiled: c(x, x))  # the step that partitions
+            with SavedForBackward(model, extra=[x]) as counted:
+                loss = compiled(x, x)
+            saved[budget] = counted.saved_bytes
+            loss.backward()
+        for name, g in expected.items():
+            torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5, msg=f"budget {budget}: {name}")
+    assert 0 < saved[0.05] < saved[1.0]  # the partitioner recomputed to meet the small budget
