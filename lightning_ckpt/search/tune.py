@@ -565,8 +565,8 @@ def check_pt2_budget_compiled_whole(
         return
 
     def after_choice(best: TrialRecord) -> TrialRecord:
-        # PT2 budgets partitioned whole, fastest first, until one fits: the leader's if it sets one, and faster ones
-        # the blocks put a little over budget (``whole_check.partition_pt2_budgets``).
+        # PT2 budgets partitioned whole until one fits: the largest the blocks put a little over budget, then the
+        # leader's unless it has room for the code outside the blocks (``whole_check.partition_pt2_budgets``).
         contender, partitioned = partition_pt2_budgets(study, best, runner, outside_blocks_bytes(profiled))
         if partitioned:
             metadata[PARTITIONED_KEY] = [p.to_dict() for p in partitioned]
