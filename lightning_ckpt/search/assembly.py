@@ -59,19 +59,19 @@ def graphs_compiled() -> int:
 
 def partition_only_backend() -> Any:
     """A ``torch.compile`` backend that runs inductor up to and including its partition (decompositions, joint-graph
-        passes, the min-cut partitioner under ``activation_memory_budget``) and returns the partitioned graphs to run as
-        they are, without generating kernels: the tensors a whole compile saves for backward, at a fraction of its cost.
+    passes, the min-cut partitioner under ``activation_memory_budget``) and returns the partitioned graphs to run as
+    they are, without generating kernels: the tensors a whole compile saves for backward, at a fraction of its cost.
 
-        Measured on the 8- and 32-layer test GPT compiled whole (torch 2.13, 2-core CPU): the saved bytes equal inductor's
-        own to the byte under budgets 0.3 and 0.5 (``aot_eager_decomp_partition``, without inductor's joint-graph passes,
-        saved 6% more at 0.5), and it cost 4.1 s and 12.7 s where inductor's compile cost 29 s and 63 s; the same held for
+    Measured on the 8- and 32-layer test GPT compiled whole (torch 2.13, 2-core CPU): the saved bytes equal inductor's
+    own to the byte under budgets 0.3 and 0.5 (``aot_eager_decomp_partition``, without inductor's joint-graph passes,
+    saved 6% more at 0.5), and it cost 4.1 s and 12.7 s where inductor's compile cost 29 s and 63 s; the same held for
     gpt2, llama, bert and t5 from ``transformers`` configs (budgets 0.3 and 0.5). Not for convolutions: inductor's
-    layout optimization, which runs after the partition, saves channels-last copies of a convolution's input and weight
-    (the zoo's ViT patch embedding: 49,152 bytes more, two copies of 24,576), which this backend does not see; the
-    guard reads the real steps after lock-in. A new backend
-        object per call: dynamo guards a frame's graphs on their backend, and a budget is read only when partitioning,
-        so a fresh backend makes each budget partition its own graph rather than reuse another's. Nothing it produces is
-        cached (AOTAutograd caches only inductor's compiled graphs), so the user's compile never receives it."""
+    layout optimization, which runs after the partition, saves channels-last copies of a convolution's input and
+    weight (the zoo's ViT patch embedding: 49,152 bytes more, two copies of 24,576), which this backend does not see;
+    the guard reads the real steps after lock-in. A new backend object per call: dynamo guards a frame's graphs on
+    their backend, and a budget is read only when partitioning, so a fresh backend makes each budget partition its
+    own graph rather than reuse another's. Nothing it produces is cached (AOTAutograd caches only inductor's compiled
+    graphs), so the user's compile never receives it."""
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
 
