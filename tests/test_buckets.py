@@ -361,7 +361,9 @@ def test_a_compiled_model_switches_buckets_without_compiling_again_after_each_bu
     # the length marked dynamic, so later lengths of the bucket and every switch back run the graphs compiled then.
     lengths = [8, 32, 6, 24, 4, 16, 8, 32]
     module = LitGPT(n_layer=2, n_embd=64, vocab_size=64, block_size=32, dropout=0.0, optimizer=torch.optim.SGD)
-    space = {**SPACE, "modes": ["full"], "compile_budgets": [], "baselines": False}  # switching, not PT2's choice
+    # Switching, not PT2's choice. The baselines stay: the short bucket's prediction weighs its plans against the
+    # none baseline, so a tiny recompute hidden in a step a busy machine slowed is no reason to checkpoint there.
+    space = {**SPACE, "modes": ["full"], "compile_budgets": []}
     cb = ActivationCheckpointTuner(
         activation_budget=0.5,
         max_shape=(8, 32),

@@ -53,6 +53,20 @@ def test_the_fit_puts_the_plain_step_under_the_measured_plans_and_one_slow_step_
     assert [a[0] for a in three.calibration.anchors] == ["a", "b", "c"]
 
 
+def test_a_plain_step_fitted_below_zero_is_taken_as_its_blocks_own_seconds():
+    # The blocks were timed in a busy moment (full adds 0.5 s each), the step in a quiet one: 1.2 s under full on
+    # four blocks would put the plain step at -0.8 s and every prediction at the 1e-9 s clamp. The plain step runs
+    # at least its blocks' own forward and backward (4 x 1.0 s).
+    model = _model()
+    full = Plan({f: BlockPlan("full") for f in FQNS})
+    fitted = model.calibrated([(full, "full", 1.2)])
+    assert fitted.calibration.base_seconds == pytest.approx(-0.8), "the fit is kept as measured"
+    assert fitted.predict_seconds(Plan()) == pytest.approx(4.0) == model.plain_block_seconds()
+    assert fitted.predict_seconds(full) == pytest.approx(6.0), "plans keep what their modes add"
+    assert TimeModel.from_dict(fitted.to_dict()).predict_seconds(Plan()) == pytest.approx(4.0), "a file's fit too"
+    assert model.calibrated([(full, "full", 3.0)]).predict_seconds(Plan()) == pytest.approx(1.0), "a positive fit stays"
+
+
 def test_the_time_model_survives_its_file_form_with_shared_rows_written_once():
     model = _model(calibrated=True)
     data = model.to_dict()

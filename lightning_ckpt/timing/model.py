@@ -99,11 +99,21 @@ class TimeModel:
         return total
 
     def predict_seconds(self, plan: Plan) -> float | None:
-        """``plan``'s predicted step seconds; None before calibration or when ``added_seconds`` is None."""
+        """``plan``'s predicted step seconds; None before calibration or when ``added_seconds`` is None.
+
+        A plain step fitted at or below zero is taken as its blocks' own forward and backward: blocks timed in a busy
+        moment and steps measured in a quiet one can fit one (a plan file can keep it), and every plan would then be
+        predicted at the clamp, the plan with least memory winning every tie. A positive fit is kept even below the
+        blocks' sum: a card's step overlaps what the blocks, each synchronized alone, cannot."""
         added = self.added_seconds(plan)
         if added is None or self.calibration is None:
             return None
-        return max(1e-9, self.calibration.base_seconds + added)
+        base = self.calibration.base_seconds
+        return max(1e-9, (base if base > 0 else self.plain_block_seconds()) + added)
+
+    def plain_block_seconds(self) -> float:
+        """Every block call's forward+backward under ``none``, as timed alone (what a plain step runs at least)."""
+        return sum(row.seconds.get("none", 0.0) for row in self.blocks)
 
     def calibrated(self, measured: Iterable[tuple[Plan, str, float]]) -> TimeModel:
         """This model fitted to ``measured`` (plan, label, measured step seconds); unchanged without any."""
