@@ -31,7 +31,7 @@ from lightning_ckpt.memory.compiled import CompiledMemoryModel
 from lightning_ckpt.memory.profile import Profile, profile_step
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.caches import without_kv_cache
-from lightning_ckpt.plan.format import BlockPlan, Plan, mode_key
+from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.skipping import full_depth
 from lightning_ckpt.plan.table import Bucket, PlanTable
 from lightning_ckpt.search.compile import eager_while_profiling
@@ -52,9 +52,7 @@ def rescaled_time(time_at: TimeModel, searched: TimeModel) -> TimeModel:
     only sets how much a plan's recompute weighs against the step (the tie tolerance)."""
     if searched.calibration is None:
         raise PlanError("the search's time model is not calibrated (it measured no plan): no table can be predicted")
-    plain = mode_key(BlockPlan("none"))
-    here = sum(b.seconds.get(plain, 0.0) for b in time_at.blocks)
-    there = sum(b.seconds.get(plain, 0.0) for b in searched.blocks)
+    here, there = time_at.plain_block_seconds(), searched.plain_block_seconds()
     ratio = here / there if here > 0 and there > 0 else 1.0
     base = searched.calibration.base_seconds * ratio
     return replace(time_at, calibration=Calibration(base_seconds=base))

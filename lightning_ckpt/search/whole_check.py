@@ -22,8 +22,9 @@ The memory a budget saves differs the same way, and it decides whether the budge
 GPT's ``pt2_budget(0.5)`` saves 17,502,724 bytes on the blocks, 1.8% over the budget, and 17,039,360 compiled whole,
 0.9% under it (the fastest plan compiled whole). So before anything is weighed (``partition_pt2_budgets``), a budget
 over budget on the blocks by no more than the code outside them saves (the largest first), and the budget chosen
-unless it has room on the blocks for all that code saves, are partitioned as the user's compile partitions them: inductor's decompositions, joint-graph passes and
-partitioner, no kernels generated (``CompiledTrials.measure_partitioned``). That saves inductor's bytes to the byte
+unless it has room on the blocks for all that code saves, are partitioned as the user's compile partitions them:
+inductor's decompositions, joint-graph passes and partitioner, no kernels generated
+(``CompiledTrials.measure_partitioned``). That saves inductor's bytes to the byte
 (the 8- and 32-layer GPT, budgets 0.3 and 0.5) for 4-13 s where inductor's compile takes 29-63 s. The budget weighed
 is the first that fits so; none fitting, the plans of ours are weighed without it.
 
@@ -194,8 +195,8 @@ def partition_pt2_budgets(
     while the search's one pass over the budgets on the blocks put 0.5 behind 0.3 (41.5 and 36.7 ms) in one run and
     ahead (59.4 and 78.2 ms) in another; the weighing that follows times it side by side. The leader's own budget
     is kept only where its fit compiled whole was measured, or where it fits on the blocks with room for all that the
-    code outside them saves. Each is measured, none inferred: a budget's bytes are not
-    monotonic in the budget (pytorch#197838). A budget that fits on the blocks and was not chosen lost to the leader
+    code outside them saves. Each is measured, none inferred: a budget's bytes are not monotonic in the budget
+    (pytorch#197838). A budget that fits on the blocks and was not chosen lost to the leader
     there, and compiled whole the plans of ours gain on a budget (``alone_vs_whole.py``): it is not partitioned."""
     budget = study.budget
     limit = getattr(budget, "limit_bytes", None)
