@@ -244,3 +244,89 @@ def test_replan_show_and_diff_run_without_torch(tuned, tmp_path):
     assert "re-planned   PREDICTED, 0 trials" in cli("show", str(out)).stdout
     assert cli("diff", str(tuned), str(out)).returncode == 0
     assert json.loads(cli("replan", str(tuned), "--max-memory", "64MiB", "--json").stdout)["predicted"] is True
+
+
+def _saved_gpt_profile(edit_seconds, anchors, *, metadata=None) -> tuple[Plan, dict]:
+    """A plan file keeping a small GPT's real profile, its block timings edited by ``edit_seconds(row_seconds)`` and
+    its time model fitted to ``anchors`` ((candidate label, measured step seconds)); and the candidates by label."""
+    from dataclasses import replace as replaced
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.0))
+    x = torch.randint(0, 48, (BATCH, 16))
+    profiled = profile_step(model, lambda: model(x, x))
+    time = profiled.time
+    time = replaced(time, blocks=tuple(replaced(b, seconds=edit_seconds(dict(b.seconds))) for b in time.blocks))
+    stacks = discover_blocks(model)
+    space = SearchSpace().for_device("cpu")
+    stacks, candidates = offered_candidates(space, stacks, profiled.memory.fingerprint, profiled.memory)
+    by_label = {c.label: c for c in candidates}
+    time = time.calibrated([(by_label[label].plan, label, seconds) for label, seconds in anchors])
+    profile = profile_metadata(profiled.with_time(time), OptimizerStepMemory.absent(), stacks, space, batch_size=BATCH,
+                               seq_len=16, tie_tolerance=0.01)  # fmt: skip
+    saved = Plan(
+        fingerprint=profiled.memory.fingerprint,
+        metadata={PROFILE_KEY: json.loads(json.dumps(profile)), **(metadata or {})},
+    )
+    return saved, by_label
+
+
+def _attention_recompute_timed_faster(seconds: dict) -> dict:
+    # The main job's file on a loaded machine: recomputing attention timed below the block without checkpointing.
+    seconds["selective:attn"] = 0.3 * seconds["none"]
+    return seconds
+
+
+ATTN = "selective(attn) h.0-3"
+SLOW_MODEL = {"search": {"time_model": {"median_abs_error": 0.50, "predicted_and_measured": 6}}}
+
+
+def test_a_replan_where_every_plan_fits_keeps_no_checkpointing_and_predicts_nothing_below_the_plain_step():
+    # Issue #64: `replan --max-memory 40GiB` chose `selective(attn)`, predicted 2.4x faster than the plain step,
+    # because the saved timings gave recomputing attention a negative cost. Recompute never makes a step faster.
+    saved, by_label = _saved_gpt_profile(_attention_recompute_timed_faster, [("baseline:full", 0.08), (ATTN, 0.06)])
+    profile = SavedProfile.of_plan(saved)
+    none_seconds = profile.time.predict_seconds(Plan())
+    for label, cand in by_label.items():
+        assert profile.time.predict_seconds(cand.plan) >= none_seconds, label
+    got = replan(saved, max_memory="40GiB")
+    assert got.plan.is_empty, got.describe()
+    assert got.fitting == got.considered
+    # The attention plan was measured one plan at a time at 60 ms, faster than the plain step is predicted (its fit
+    # puts it at the median of the two): a figure timed alone is no evidence against a baseline's prediction.
+    assert got.predicted_seconds == pytest.approx(none_seconds)
+
+
+def test_a_plan_the_file_measured_keeps_its_measured_time_and_a_side_by_side_verdict_still_wins():
+    saved, by_label = _saved_gpt_profile(lambda s: s, [("baseline:none", 0.050), ("baseline:full", 0.090)])
+    got = replan(saved, max_memory="40GiB")
+    assert got.plan.is_empty and got.time_measured
+    assert got.predicted_seconds == pytest.approx(0.050), "the file measured the plain step: its figure, not the fit's"
+    assert "measured 160.00 samples/s (50.0 ms/step) when it was tuned" in got.describe()
+    # A tuned plan the file's side-by-side rounds found faster than no checkpointing stays chosen for a larger budget.
+    mlp = "selective(attn,mlp) h.0-3"
+    verdict = {"reference": "baseline:none", "candidate": mlp, "ratio": 1.08, "low": 1.04, "high": 1.12, "rounds": 8,
+               "threshold": 1.01}  # fmt: skip
+    saved, _ = _saved_gpt_profile(
+        lambda s: s,
+        [("baseline:none", 0.050), ("baseline:full", 0.090), (mlp, 0.046)],
+        metadata={"search": {"verdict": verdict}},
+    )
+    got = replan(saved, max_memory="40GiB")
+    assert got.plan.describe() == mlp and got.time_measured
+
+
+def test_replan_says_when_the_saved_time_model_predicted_badly(tmp_path, capsys):
+    saved, _ = _saved_gpt_profile(lambda s: s, [("baseline:none", 0.05), ("baseline:full", 0.09)], metadata=SLOW_MODEL)
+    got = replan(saved, max_memory="40GiB")
+    assert len(got.notes) == 1 and "predictions were off by 50%" in got.notes[0]
+    path = tmp_path / "slow.json"
+    saved.save(path)
+    assert main(["replan", str(path), "--max-memory", "40GiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("re-planned (predicted, 0 trials) for 40.0 GiB")
+    assert lines[1].startswith("note: the saved time model's predictions were off by 50% (median of the plans the "
+                               "search predicted and then measured")  # fmt: skip
+    quiet = {"search": {"time_model": {"median_abs_error": 0.03}}}
+    saved, _ = _saved_gpt_profile(lambda s: s, [("baseline:none", 0.05), ("baseline:full", 0.09)], metadata=quiet)
+    assert replan(saved, max_memory="40GiB").notes == ()

@@ -98,3 +98,16 @@ def test_the_profile_times_a_real_block_under_every_mode_and_leaves_the_model_as
     assert "timing" not in memory.to_dict() and TimeModel.from_dict(timing.to_dict()) == timing
     assert profile_step(model, lambda: model(x, x), time_blocks=False).time is None
     assert profile_memory(model, lambda: model(x, x)) == memory
+
+
+def test_a_mode_timed_below_the_plain_block_adds_nothing_rather_than_making_the_step_faster():
+    # Issue #64: a busy machine timed recomputing attention 1.35 s below the block without checkpointing, and every
+    # plan recomputing it was predicted faster than the plain step. Recompute and offload copies only add time.
+    seconds = {**SECONDS, "selective:attn": 0.4, "selective:mlp": 0.9, "offload": 0.95}
+    rows = tuple(BlockTime(f, seconds) for f in FQNS)
+    model = TimeModel(rows, {"h": FQNS}).calibrated([(Plan(), "none", 10.0)])
+    for mode in (BlockPlan("selective", ("attn",)), BlockPlan("selective", ("attn", "mlp")), BlockPlan("offload")):
+        plan = Plan({f: mode for f in FQNS})
+        assert model.added_seconds(plan) == 0.0, mode
+        assert model.predict_seconds(plan) == pytest.approx(10.0), mode
+    assert model.predict_seconds(Plan({"h.0": BlockPlan("full")})) == pytest.approx(10.5)

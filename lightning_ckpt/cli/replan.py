@@ -49,6 +49,8 @@ def run_replan(args: argparse.Namespace) -> int:
                     "predicted_activation_bytes": result.predicted_activation_bytes,
                     "plans_scored": result.considered,
                     "plans_fitting": result.fitting,
+                    "time_measured": result.time_measured,
+                    "notes": list(result.notes),
                     "plan_table": table.describe() if (table := PlanTable.of_plan(result.plan)) else None,
                     "written": args.output,
                 },
@@ -57,6 +59,8 @@ def run_replan(args: argparse.Namespace) -> int:
         )
     else:
         print(result.describe())
+        for note in result.notes:
+            print(f"note: {note}")
         table = PlanTable.of_plan(result.plan)
         if table is not None:
             print(table_line(table, result.budget) + " (each bucket re-planned from the profile it keeps)")

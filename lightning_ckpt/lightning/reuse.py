@@ -203,10 +203,13 @@ def replan_for_budget(
     if plan.fingerprint is not None and plan.fingerprint != model.fingerprint:
         return None
     try:
-        return replan(plan, **wanted.arguments(), device=model.device, source=f"the plan from {source}").plan
+        replanned = replan(plan, **wanted.arguments(), device=model.device, source=f"the plan from {source}")
     except (PlanError, InfeasibleBudgetError, ConfigurationError) as err:
         rank_zero_warn(f"lightning_ckpt: could not re-plan the plan from {source} for {wanted.describe()}: {err}")
         return None
+    for note in replanned.notes:
+        rank_zero_warn(f"lightning_ckpt: re-planning the plan from {source}: {note}")
+    return replanned.plan
 
 
 def retune_for_batch(plan: Plan, conditions: RunConditions, *, budget: RequestedBudget, on_stale_plan: str) -> bool:

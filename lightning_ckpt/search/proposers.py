@@ -35,7 +35,7 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.records import TrialRecord, TrialStatus
 from lightning_ckpt.search.space import Candidate, SearchSpace
 from lightning_ckpt.search.store import TrialStore
-from lightning_ckpt.timing.model import TimeModel
+from lightning_ckpt.timing.model import WELL_PREDICTED_ERROR, TimeModel
 
 __all__ = [
     "Proposal",
@@ -62,7 +62,7 @@ _MAX_REDRAWS = 2
 # The noise margin a plan's predicted step time must clear to be measured (``TimeModelSampler._can_win``): the
 # time model's own measured error (1.25x its median out-of-sample error), within these bounds, and never below the
 # median error itself (a model off by 21% must not prune with 8%); before any error is known, the default.
-_MARGIN_BOUNDS = (0.03, 0.08)
+_MARGIN_BOUNDS = (0.03, WELL_PREDICTED_ERROR)
 _DEFAULT_MARGIN = 0.05
 # The tuned plans confirmed beside the predicted-fastest one: those measured within twice the noise margin (at
 # least this share) of the fastest.

@@ -10,11 +10,19 @@ the budget guard checks the first real steps of a run that applies it, as for an
 
 ``--batch-size`` scales what depends on the batch linearly from the batch the profile was taken at:
 activation bytes and step time (parameters, gradients and optimizer state do not change).
+
+A plan the search measured keeps its measured step time (the time model's calibration anchors, the chosen plan's
+``measured`` figures) rather than a prediction: a figure is better than a guess at it. But a figure timed one plan at
+a time is not side by side with a baseline's prediction, so a tuned plan beats a baseline only where the file's
+verdict says it did, or where both are compared on the same footing (predicted against predicted). No prediction is
+below the plain step plus what the plan adds (``timing.model``: recompute never makes a step faster), so when every
+plan fits, no checkpointing is chosen. When the saved time model predicted the measured steps badly, a note says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -26,10 +34,11 @@ from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import TABLE_KEY, Bucket, PlanTable
-from lightning_ckpt.search.records import TrialRecord, TrialStatus, choose_best
+from lightning_ckpt.search.records import BeatsFn, TrialRecord, TrialStatus, choose_best
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
+from lightning_ckpt.search.verdict import Verdict
 from lightning_ckpt.stacks import LayerStack
-from lightning_ckpt.timing.model import TimeModel
+from lightning_ckpt.timing.model import WELL_PREDICTED_ERROR, TimeModel
 
 if TYPE_CHECKING:
     import torch
@@ -178,14 +187,20 @@ class Replanned:
     considered: int
     fitting: int
     batch_size: int
+    # The chosen plan's step time is the one the file measured for it (scaled to ``batch_size``), not a prediction.
+    time_measured: bool = False
+    notes: tuple[str, ...] = ()  # what a user should know about the figures (a time model that predicted badly)
 
     def describe(self) -> str:
-        """One line for people: the plan, marked predicted, with its predicted figures."""
+        """One line for people: the plan, marked predicted, with its figures (the step time marked measured where the
+        file measured that plan)."""
+        speed = f"{self.predicted_samples_per_second:.2f} samples/s ({1000 * self.predicted_seconds:.1f} ms/step)"
+        speed = f"measured {speed} when it was tuned" if self.time_measured else f"predicted {speed}"
+        fit = f"{self.fitting} of {self.considered} plan{'s' * (self.considered != 1)} predicted to fit"
         return (
-            f"re-planned (predicted, 0 trials) for {self.budget.description}: {self.plan.describe()}; predicted "
-            f"{self.predicted_samples_per_second:.2f} samples/s ({1000 * self.predicted_seconds:.1f} ms/step), peak "
-            f"{format_bytes(self.predicted_peak_bytes)}, activations {format_bytes(self.predicted_activation_bytes)}"
-            f"; {self.fitting} of {self.considered} plans predicted to fit"
+            f"re-planned (predicted, 0 trials) for {self.budget.description}: {self.plan.describe()}; {speed}, "
+            f"predicted peak {format_bytes(self.predicted_peak_bytes)}, activations "
+            f"{format_bytes(self.predicted_activation_bytes)}; {fit}"
         )
 
 
@@ -252,7 +267,9 @@ def _replan(
         device=dev, none_activation_bytes=memory_model.predict_activation(Plan()), capacity_bytes=capacity
     )
     records = predicted_records(profile, memory, profile.time, budget, device=dev, ratio=ratio, batch=batch)
-    best = choose_best(records, budget, tie_tolerance=profile.tie_tolerance)
+    records, measured = _with_measured_times(records, _measured_seconds(plan, profile), ratio, batch)
+    beats = _beats(Verdict.recorded(plan.metadata.get("search")), measured, profile.tie_tolerance)
+    best = choose_best(records, budget, tie_tolerance=profile.tie_tolerance, beats=beats)
     if best is None:
         lowest = min(records, key=lambda r: r.memory(budget), default=None)
         found = f"; the lowest predicted is {lowest.label} at {format_bytes(lowest.memory(budget))}" if lowest else ""
@@ -274,6 +291,86 @@ def _replan(
         considered=len(records),
         fitting=sum(r.feasible for r in records),
         batch_size=batch,
+        time_measured=best.number in measured,
+        notes=tuple(n for n in (_time_model_note(plan, profile, len(measured)),) if n),
+    )
+
+
+# The saved time model's median error past which a re-plan says its predicted speeds may rank plans wrongly.
+_LARGE_TIME_ERROR = WELL_PREDICTED_ERROR
+
+
+def _measured_seconds(plan: Plan, profile: SavedProfile) -> dict[str, float]:
+    """Step seconds the file measured, by trial label, at the profiled batch: the time model's anchors (every plan the
+    search timed; the median where one was timed twice), the chosen plan's own ``measured`` figure over its anchor."""
+    timed: dict[str, list[float]] = {}
+    calibration = profile.time.calibration
+    for label, _, seconds in calibration.anchors if calibration is not None else ():
+        if seconds > 0:
+            timed.setdefault(label, []).append(seconds)
+    out = {label: statistics.median(values) for label, values in timed.items()}
+    chosen = plan.metadata.get("measured")
+    if isinstance(chosen, Mapping) and isinstance(chosen.get("label"), str):
+        seconds = chosen.get("median_seconds")
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0:
+            out[chosen["label"]] = float(seconds)
+    return out
+
+
+def _with_measured_times(
+    records: list[TrialRecord], measured: Mapping[str, float], ratio: float, batch: int
+) -> tuple[list[TrialRecord], set[int]]:
+    """``records`` with the step time the file measured where it measured that plan (``predicted_seconds`` keeps the
+    prediction), and the numbers of those records."""
+    out, numbers = [], set()
+    for r in records:
+        seconds = measured.get(r.label)
+        if seconds is None:
+            out.append(r)
+            continue
+        seconds *= ratio
+        out.append(replace(r, median_seconds=seconds, samples_per_second=batch / seconds))
+        numbers.add(r.number)
+    return out, numbers
+
+
+def _beats(verdict: Verdict | None, measured: set[int], tie_tolerance: float) -> BeatsFn:
+    """Whether a tuned record beats the reference baseline: the file's side-by-side verdict for that pair; else, where
+    one figure was measured and the other predicted, their predictions (a step timed alone in a quiet moment is no
+    evidence against a prediction fitted to many); else None, and their figures decide (``choose_best``)."""
+
+    def beats(t: TrialRecord, reference: TrialRecord) -> bool | None:
+        if verdict is not None and verdict.candidate == t.label and verdict.reference == reference.label:
+            return verdict.wins
+        if (t.number in measured) == (reference.number in measured):
+            return None
+        if t.predicted_seconds is None or reference.predicted_seconds is None:
+            return False
+        return reference.predicted_seconds > t.predicted_seconds * (1 + tie_tolerance)
+
+    return beats
+
+
+def _time_model_note(plan: Plan, profile: SavedProfile, n_measured: int) -> str | None:
+    """A line when the saved time model predicted the steps the search measured badly (its median error, as the
+    search recorded it, else its fit's own residuals): its predicted speeds may then rank plans wrongly."""
+    summary = (plan.metadata.get("search") or {}).get("time_model")
+    error = summary.get("median_abs_error") if isinstance(summary, Mapping) else None
+    where = "of the plans the search predicted and then measured"
+    if not isinstance(error, (int, float)) or isinstance(error, bool):
+        calibration = profile.time.calibration
+        anchors = calibration.anchors if calibration is not None else ()
+        residuals = [abs((calibration.base_seconds + a) / m - 1) for _, a, m in anchors if m > 0] if anchors else []
+        if not residuals:
+            return None
+        error, where = statistics.median(residuals), "of the plans its fit rests on"
+    if error <= _LARGE_TIME_ERROR:
+        return None
+    return (
+        f"the saved time model's predictions were off by {error:.0%} (median {where}; more than the "
+        f"{_LARGE_TIME_ERROR:.0%} it predicts within on a steady machine), so predicted speeds may rank plans wrongly: "
+        f"the {n_measured} plan{'s' * (n_measured != 1)} the file measured keep{'s' * (n_measured == 1)} their "
+        "measured step times. Re-tune on a quieter machine before trusting a predicted speed-up."
     )
 
 
