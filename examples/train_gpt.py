@@ -17,6 +17,10 @@ Reuse a plan:  python examples/train_gpt.py --reuse        (zero trials)
 Re-plan:       python examples/train_gpt.py --reuse --activation-budget 0.3   (writes plans/gpt-0.3.json)
                (another budget, from the profile the plan file keeps: zero trials, the first steps checked)
 Quick check:   python examples/train_gpt.py --fast
+
+On a shared machine the CPU run takes the cores that are free: it reads the load average when it starts and runs
+torch on that many threads (``--threads`` sets them), since a thread on a core another job holds makes every step
+wait for it. ``--accelerator gpu`` needs a CUDA build of torch (the README's "On a GPU" says how to install one).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -102,6 +108,53 @@ def trainer_device(accelerator: str) -> dict[str, object]:
     return {"accelerator": "gpu", "devices": 1, "precision": precision}
 
 
+def free_cores(cores: int, load: float) -> int:
+    """The cores no other job holds: ``cores`` this process may run on less the load average (the running jobs),
+    at least one. torch starts a thread per core; on a 2-core machine with one core taken, its second thread waits for
+    that core at every parallel op, and the README's 3-minute run took 18."""
+    return max(1, cores - round(load))
+
+
+def cpu_threads(requested: int | None) -> tuple[int, str]:
+    """How many threads torch runs on and the line that says why: ``--threads`` when given, else ``free_cores``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if requested is not None:
+        return requested, f"torch runs on {requested} of {cores} CPU cores (--threads)"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = min(torch.get_num_threads(), free_cores(cores, load))
+    return (
+        threads,
+        f"torch runs on {threads} of {cores} CPU cores: the load average says {load:.1f} are busy (--threads N to choose)",
+    )
+
+
+def check_accelerator(parser: argparse.ArgumentParser, accelerator: str) -> None:
+    """``--accelerator gpu`` on a torch without CUDA ends with what to do, not in Lightning's
+    ``MisconfigurationException`` from deep inside the Trainer."""
+    if accelerator == "gpu" and not torch.cuda.is_available():
+        build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        parser.error(
+            f"--accelerator gpu needs a CUDA GPU, but torch {torch.__version__} is {build} and sees no GPU. Install "
+            "a CUDA build (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126; the "
+            "README's 'On a GPU' section), check nvidia-smi, or run on the CPU with --accelerator cpu."
+        )
+
+
+def make_trainer(accelerator: str, steps: int, callbacks: list[L.Callback], logs: Path) -> L.Trainer:
+    """The Trainer: ``steps`` steps within one epoch (the corpus holds tens of thousands of batches). ``max_epochs=1``
+    rather than Lightning's default for a ``max_steps`` run (-1), which Rich's bar drew as ``Epoch 0/-2``."""
+    return L.Trainer(
+        **trainer_device(accelerator),
+        max_steps=steps,
+        max_epochs=1,
+        callbacks=callbacks,
+        logger=TensorBoardLogger(logs, name="gpt"),
+        enable_checkpointing=False,
+        log_every_n_steps=5,
+        enable_model_summary=False,
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help="tiny model and a handful of steps (used by tests)")
@@ -117,10 +170,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--plan", type=Path, default=Path("plans/gpt.json"))
     parser.add_argument("--logs", type=Path, default=Path("runs"))
     parser.add_argument("--storage", default=None, help="Optuna storage for the search, e.g. sqlite:///runs/ckpt.db")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: the free cores)")
     args = parser.parse_args(argv)
+    check_accelerator(parser, args.accelerator)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, but got {args.threads}.")
 
     L.seed_everything(0, verbose=False)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if not on_cuda(args.accelerator):
+        threads, line = cpu_threads(args.threads)
+        torch.set_num_threads(threads)
+        print(line, file=sys.stderr)
     text = stdlib_corpus()
     vocab = sorted(set(text))
     if args.fast:
@@ -149,15 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             plan_path=args.plan,
             search=dict(n_trials=trials, measure_steps=2, storage=args.storage),
         )
-    trainer = L.Trainer(
-        **trainer_device(args.accelerator),
-        max_steps=steps,
-        callbacks=[tuner],
-        logger=TensorBoardLogger(args.logs, name="gpt"),
-        enable_checkpointing=False,
-        log_every_n_steps=5,
-        enable_model_summary=False,
-    )
+    trainer = make_trainer(args.accelerator, steps, [tuner], args.logs)
     trainer.fit(CharGPT(config), loader)
     final_loss = float(trainer.callback_metrics["train_loss"])
     # Where to view the search is said once, by the tuner's own line (a reused plan ran none).

@@ -17,8 +17,10 @@ _EXPORTS: dict[str, str] = {
     "discover_blocks": "lightning_ckpt.discovery",
     "ConfigurationError": "lightning_ckpt.errors",
     "LightningCkptError": "lightning_ckpt.errors",
+    "LightningCkptWarning": "lightning_ckpt.errors",
     "PlanError": "lightning_ckpt.errors",
     "StalePlanError": "lightning_ckpt.errors",
+    "StalePlanWarning": "lightning_ckpt.errors",
     "apply_plan": "lightning_ckpt.plan.apply",
     "plan_applied": "lightning_ckpt.plan.apply",
     "baselines": "lightning_ckpt.plan.baselines",
@@ -36,7 +38,14 @@ _EXPORTS: dict[str, str] = {
 
 if TYPE_CHECKING:  # what type checkers, IDEs and the API docs read; at run time __getattr__ imports them
     from lightning_ckpt.discovery import discover_blocks
-    from lightning_ckpt.errors import ConfigurationError, LightningCkptError, PlanError, StalePlanError
+    from lightning_ckpt.errors import (
+        ConfigurationError,
+        LightningCkptError,
+        LightningCkptWarning,
+        PlanError,
+        StalePlanError,
+        StalePlanWarning,
+    )
     from lightning_ckpt.lightning.callback import ActivationCheckpointTuner
     from lightning_ckpt.lightning.guard import GuardConfig
     from lightning_ckpt.plan.apply import apply_plan, plan_applied
@@ -69,9 +78,11 @@ __all__ = [
     "ConfigurationError",
     "GuardConfig",
     "LightningCkptError",
+    "LightningCkptWarning",
     "Plan",
     "PlanError",
     "StalePlanError",
+    "StalePlanWarning",
     "TuneConfig",
     "TuneResult",
     "__version__",

@@ -27,6 +27,10 @@ _UNITS = {
 }  # fmt: skip
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
+# A size string without a unit below this is taken for a forgotten unit ("2" for "2GiB") and refused; bytes given as a
+# number are taken as written (a test of the fallback asks for 1024 bytes on purpose).
+_LEAST_UNITLESS_BYTES = 2**20
+
 # Without a budget on CUDA we leave this share of the device free: the caching allocator's
 # fragmentation and other processes' contexts make the last few percent unusable in practice.
 CUDA_SAFETY_MARGIN = 0.10
@@ -46,6 +50,12 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
                 "bytes. Use e.g. 0.8 (80% of the GPU) or '20GiB'."
             )
     elif isinstance(value, str):
+        if value != value.strip():
+            # Refused rather than stripped: a size with stray spaces comes from a template or a config line that
+            # was cut wrong (``"20GB "``, ``"20GB # per GPU"`` minus the comment), and the file would record it.
+            raise ConfigurationError(
+                f"{what}={value!r} has spaces around the size. Write it without them, e.g. {value.strip()!r}."
+            )
         m = _PATTERN.match(value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigurationError(
@@ -60,6 +70,12 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
                 f"{what}={value!r} is a string without a unit, read as bytes, but is not a whole number of bytes. "
                 "A fraction of device memory is a number, not a string (max_memory=0.8); a size has a unit, e.g. "
                 "'1.5GiB'."
+            )
+        if not m.group(2) and n < _LEAST_UNITLESS_BYTES:
+            # "2" is 2 bytes: no step fits, and the user meant a unit (a search ran and fell back on it).
+            raise ConfigurationError(
+                f"{what}={value!r} has no unit, so it reads as {value} bytes, which no training step fits in. "
+                f"Give the unit, e.g. '{value}GiB' or '{value}GB'; a fraction of device memory is a number (0.8)."
             )
     else:
         raise ConfigurationError(f"{what} must be bytes, a size string or a fraction, but got {type(value).__name__}.")

@@ -1,4 +1,4 @@
-"""One exception family for everything lightning_ckpt refuses.
+"""One exception family for everything lightning_ckpt refuses, and one warning family for what it goes on after.
 
 Every message says what was wrong, what was found, and how to fix it, so a user can act on it
 without reading our source. Subclasses let callers (the tuner, the CLI) tell a bad plan from a
@@ -47,7 +47,13 @@ class ConfigurationError(LightningCkptError, ValueError):
 class InfeasibleBudgetError(LightningCkptError):
     """No plan can fit: none fits the memory budget and the caller asked to raise rather than fall back, or a pass
     that needs no more memory than the lowest-memory plan (the memory profile, the optimizer step) ran out of memory,
-    so every training step would too. The message names what was allocated and what the device allows."""
+    so every training step would too. The message names what was allocated and what the device allows; ``allocator``
+    holds the allocator's figures when a pass was refused (retries, OOMs, inactive split bytes, its largest segments).
+    """
+
+    def __init__(self, message: str, *, allocator: dict | None = None) -> None:
+        super().__init__(message)
+        self.allocator = dict(allocator or {})
 
 
 class UnsupportedVersionError(LightningCkptError, RuntimeError):
@@ -56,3 +62,13 @@ class UnsupportedVersionError(LightningCkptError, RuntimeError):
 
 class TrialsFailedError(LightningCkptError):
     """Every trial that ran failed with an error: no plan was ever seen to work, so none is applied or saved."""
+
+
+class LightningCkptWarning(UserWarning):
+    """Base class of the warnings lightning_ckpt gives and goes on (``warnings.filterwarnings("ignore",
+    category=LightningCkptWarning)`` silences them all)."""
+
+
+class StalePlanWarning(LightningCkptWarning):
+    """A plan (a file, or ``plan=``) no longer fits this model or run, and the search runs again instead
+    (``on_stale_plan='retune'``). Filter it by this category, or pass ``on_stale_plan='raise'`` to make it an error."""

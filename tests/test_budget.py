@@ -88,8 +88,11 @@ def test_tune_refuses_a_bad_budget_before_running_any_step(gpt, tokens):
         # A unitless string above one: once silently a 1-byte budget (the float 1.5 and "0.8" were refused).
         ({"max_memory": "1.5"}, r"'1\.5' is a string without a unit, read as bytes, but is not a whole number"),
         ({"max_memory": "2.5 B"}, r"not a whole number of bytes"),
+        # Issue #64: "2" was a budget of 2 bytes (a search ran and fell back), "20GB " was taken with its space.
+        ({"max_memory": "2"}, r"'2' has no unit, so it reads as 2 bytes.*e\.g\. '2GiB' or '2GB'"),
+        ({"max_memory": "20GB "}, r"'20GB ' has spaces around the size\. Write it without them, e\.g\. '20GB'"),
     ],
-    ids=["percent", "string-fraction", "units", "string-above-one", "fractional-bytes"],
+    ids=["percent", "string-fraction", "units", "string-above-one", "fractional-bytes", "no-unit", "trailing-space"],
 )
 def test_budget_mistakes_get_the_fix_in_the_message(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):

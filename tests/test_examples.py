@@ -129,3 +129,37 @@ def test_quadrant_images_are_deterministic_and_labelled_by_the_bright_square():
         [brightness[:, :16, :16], brightness[:, :16, 16:], brightness[:, 16:, :16], brightness[:, 16:, 16:]], 1
     ).mean((2, 3))
     assert torch.equal(quadrants.argmax(1), labels)
+
+
+def test_train_gpt_takes_the_free_cores_says_so_and_refuses_a_gpu_it_does_not_have(monkeypatch, capsys):
+    # Issue #64: on a 2-core machine with one core taken the example kept torch's two threads, and its 3-minute run
+    # took 18; `--accelerator gpu` without CUDA ended in Lightning's MisconfigurationException.
+    train_gpt = _load("train_gpt")
+    assert (
+        train_gpt.free_cores(2, 1.02) == 1 and train_gpt.free_cores(2, 0.1) == 2 and train_gpt.free_cores(2, 3.5) == 1
+    )
+    monkeypatch.setattr("os.getloadavg", lambda: (1.0, 1.0, 1.0))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    threads, line = train_gpt.cpu_threads(None)
+    assert (
+        threads == 1
+        and line == "torch runs on 1 of 2 CPU cores: the load average says 1.0 are busy (--threads N to choose)"
+    )
+    assert train_gpt.cpu_threads(2)[0] == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        train_gpt.main(["--accelerator", "gpu"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--accelerator gpu needs a CUDA GPU" in err and "--index-url https://download.pytorch.org/whl/cu" in err
+    assert "--accelerator cpu" in err
+
+
+def test_train_gpt_names_its_one_epoch_so_richs_bar_reads_epoch_0_of_0(tmp_path):
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    train_gpt = _load("train_gpt")
+    bar = RichProgressBar()
+    trainer = train_gpt.make_trainer("cpu", 3, [bar], tmp_path)
+    bar._trainer = trainer  # what Lightning's setup sets
+    assert bar._get_train_description(0).strip() == "Epoch 0/0", "Lightning's default for max_steps drew Epoch 0/-2"

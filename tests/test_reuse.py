@@ -12,6 +12,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import lightning as L
 import pytest
@@ -19,7 +20,7 @@ from lit import quiet_trainer, token_loader
 from test_conditions import CONDITIONS, SPACE, net  # the same tiny GPT module as the reuse-conditions tests
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan
-from lightning_ckpt.errors import ConfigurationError, StalePlanError
+from lightning_ckpt.errors import ConfigurationError, StalePlanError, StalePlanWarning
 from lightning_ckpt.model import model_fingerprint
 
 GIB = 2**30
@@ -127,9 +128,19 @@ def test_a_stale_plan_argument_is_retuned_for_a_budget_the_warning_names(tmp_pat
 def test_a_stale_plan_file_is_retuned_for_its_own_budget(tmp_path):
     path = write(tmp_path / "plan.json", saved_plan(HALF_ACTIVATION, fingerprint="0" * 16))
     cb = tuner(plan_path=path)
-    with pytest.warns(UserWarning, match=r"another model.*Re-tuning for activation_budget=0\.5"):
+    with pytest.warns(StalePlanWarning, match=r"another model.*Re-tuning for activation_budget=0\.5") as seen:
         trainer(tmp_path, cb).fit(net(), token_loader(32))
     assert cb.result.budget.kind == "activation" and cb.result.budget.fraction == 0.5
+    # Issue #64: it was a UserWarning from lightning_ckpt/lightning/reuse.py's own line; now a category a user can
+    # filter, pointing at the user's line that started the fit.
+    stale = [w for w in seen if issubclass(w.category, StalePlanWarning)]
+    assert stale and all(w.filename == __file__ for w in stale), [(w.filename, w.lineno) for w in stale]
+    write(path, saved_plan(HALF_ACTIVATION, fingerprint="0" * 16))
+    with warnings.catch_warnings(record=True) as filtered:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=StalePlanWarning)
+        trainer(tmp_path, tuner(plan_path=path)).fit(net(), token_loader(32))
+    assert not [w for w in filtered if "another model" in str(w.message)], "the user's filter silences it"
 
 
 def test_without_a_budget_the_plan_argument_is_guarded_by_its_own(tmp_path):

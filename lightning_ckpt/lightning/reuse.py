@@ -23,6 +23,7 @@ still try, and the first that works says so.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -31,15 +32,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
 from lightning_ckpt.errors import (
     ConfigurationError,
     InfeasibleBudgetError,
+    LightningCkptWarning,
     PlanError,
     PlanFileChangedError,
     StalePlanError,
+    StalePlanWarning,
 )
 from lightning_ckpt.lightning.shapes import batch_dims
 from lightning_ckpt.measure.tracker import normalise_device
@@ -151,7 +154,9 @@ def plan_to_reuse(
     except StalePlanError as err:
         if on_stale_plan == "raise":
             raise StalePlanError(f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune'.") from None
-        rank_zero_warn(f"{err} Re-tuning instead (on_stale_plan='retune'); the search's plan replaces the file.")
+        warn_user(
+            f"{err} Re-tuning instead (on_stale_plan='retune'); the search's plan replaces the file.", StalePlanWarning
+        )
         return None, source
 
 
@@ -180,7 +185,7 @@ def reusable(
             raise StalePlanError(
                 f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
             ) from None
-        rank_zero_warn(f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').")
+        warn_user(f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').", StalePlanWarning)
         return wanted, None
     if (plan.metadata.get("search") or {}).get("fell_back"):
         tuned_for = (plan.metadata.get("budget") or {}).get("description", "unknown")
@@ -205,10 +210,10 @@ def replan_for_budget(
     try:
         replanned = replan(plan, **wanted.arguments(), device=model.device, source=f"the plan from {source}")
     except (PlanError, InfeasibleBudgetError, ConfigurationError) as err:
-        rank_zero_warn(f"lightning_ckpt: could not re-plan the plan from {source} for {wanted.describe()}: {err}")
+        warn_user(f"lightning_ckpt: could not re-plan the plan from {source} for {wanted.describe()}: {err}")
         return None
     for note in replanned.notes:
-        rank_zero_warn(f"lightning_ckpt: re-planning the plan from {source}: {note}")
+        warn_user(f"lightning_ckpt: re-planning the plan from {source}: {note}")
     return replanned.plan
 
 
@@ -221,8 +226,9 @@ def retune_for_batch(plan: Plan, conditions: RunConditions, *, budget: Requested
     message = f"The applied plan was tuned for other batches: {'; '.join(changes)}."
     if on_stale_plan == "raise":
         raise StalePlanError(message + " Re-tune (on_stale_plan='retune') or delete the plan file.")
-    rank_zero_warn(
-        f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (on_stale_plan='retune')."
+    warn_user(
+        f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (on_stale_plan='retune').",
+        StalePlanWarning,
     )
     return True
 
@@ -322,17 +328,38 @@ class PlanFile:
             self.failed = f"{type(err).__name__}: {err.strerror or err}"
             return False
         if self.failed is not None:
-            rank_zero_warn(f"lightning_ckpt: the plan file {self.path} was written after all ({plan.describe()}).")
+            warn_user(f"lightning_ckpt: the plan file {self.path} was written after all ({plan.describe()}).")
             self.failed = None
         self._version = plan.file_version()
         return True
 
 
-def warn_each_fit(message: str) -> None:
-    """``rank_zero_warn`` shown on every fit, not once per process: entering ``catch_warnings`` resets the
+def warn_each_fit(message: str, category: type[Warning] = LightningCkptWarning) -> None:
+    """``warn_user`` shown on every fit, not once per process: entering ``catch_warnings`` resets the
     'already shown' registry, while the user's own filters (e.g. ``ignore``) still apply."""
     with warnings.catch_warnings():
-        rank_zero_warn(message)
+        warn_user(message, category)
+
+
+# Frames inside these packages (and Lightning's rank-zero wrapper) are not where a user's code called: a warning names
+# the first frame outside them.
+_INTERNAL = tuple(
+    str(Path(m.__file__).parent) + os.sep
+    for m in (sys.modules["lightning_ckpt"], sys.modules["lightning"], sys.modules["lightning_utilities"], torch)
+    if m.__file__
+)
+
+
+@rank_zero_only
+def warn_user(message: str, category: type[Warning] = LightningCkptWarning) -> None:
+    """Warn once per process on rank 0, under ``category`` (a ``LightningCkptWarning``: a user filters ours by class,
+    e.g. ``warnings.filterwarnings("ignore", category=StalePlanWarning)``), attributed to the user's line that
+    started the work (``trainer.fit(...)``) rather than to this package's file and line, which said nothing to a
+    user and could not be filtered by module."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 
 
 def _check_writable(path: Path) -> None:

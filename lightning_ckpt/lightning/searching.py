@@ -23,13 +23,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.lightning.guard import StrategySync
-from lightning_ckpt.lightning.reuse import PlanFile, warn_each_fit
+from lightning_ckpt.lightning.reuse import PlanFile, warn_each_fit, warn_user
 from lightning_ckpt.lightning.shapes import (
     SkippedBatch,
     batch_at_length,
@@ -355,7 +355,7 @@ def check_micro_batch_tunable(trainer: pl.Trainer, pl_module: pl.LightningModule
             "also set. Remove one of them."
         )
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
-        rank_zero_warn(
+        warn_user(
             "tune_micro_batch=True: this model has BatchNorm layers, whose statistics depend on the micro-batch; "
             "gradient accumulation is then not exactly equivalent to the original batch."
         )
@@ -387,7 +387,7 @@ def set_micro_batch(
     old_size = lightning_getattr(pl_module, batch_arg_name)
     old_accumulation = trainer.accumulate_grad_batches
     if old_size * old_accumulation != spec["global"]:
-        rank_zero_warn(
+        warn_user(
             f"lightning_ckpt: the plan's micro-batch was tuned for a global batch of {spec['global']}, but this run "
             f"has {old_size} x {old_accumulation}; keeping this run's batch settings."
         )

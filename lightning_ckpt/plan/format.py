@@ -18,6 +18,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -457,8 +458,15 @@ def _check_against_own_profile(plan: Plan, source: str) -> None:
 
 
 def closest_names(name: str, candidates: list[str], n: int = 3) -> str:
+    """The ``n`` names closest to ``name`` (else the first ``n``), in the model's order as a person reads it
+    (``'h.1', 'h.10', 'h.11'``): difflib ranks by similarity, which listed them as ``'h.10', 'h.1', 'h.11'``."""
     close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.4)
-    return ", ".join(repr(c) for c in (close or candidates[:n]))
+    return ", ".join(repr(c) for c in sorted(close or sorted(candidates, key=natural_order)[:n], key=natural_order))
+
+
+def natural_order(name: str) -> tuple[tuple[int, int | str], ...]:
+    """A sort key that orders the numbers inside names by value: ``h.2`` before ``h.10``."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part)
 
 
 def _json_default(obj: Any) -> Any:

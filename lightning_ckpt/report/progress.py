@@ -12,6 +12,7 @@ from typing import Any
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_ckpt.budget import Budget
+from lightning_ckpt.formatting import count
 from lightning_ckpt.report.tensorboard import log_trial
 from lightning_ckpt.report.text import trial_line
 from lightning_ckpt.search.records import TrialRecord
@@ -78,7 +79,7 @@ class SearchProgress:
             self.bar.refresh()
         self.bar.set_description_str("lightning_ckpt: confirming")
         self.write(
-            f"lightning_ckpt: confirming {len(trials)} leading plans side by side in interleaved rounds; their "
+            f"lightning_ckpt: confirming {count(len(trials), 'leading plan')} side by side in interleaved rounds; their "
             "samples/s will replace the figures streamed so far, which were timed one plan at a time."
         )
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.formatting import format_bytes, markdown_table, table
+from lightning_ckpt.formatting import count, format_bytes, markdown_table, table
 from lightning_ckpt.plan.format import Plan, block_names
 from lightning_ckpt.report.quantities import (
     best_feasible_baseline,
@@ -88,10 +88,14 @@ def time_model_line(result: TuneResult) -> str | None:
         summary.get("median_abs_error"),
         summary.get("max_abs_error"),
     )
-    errors = f"median error {median:.1%} (max {worst:.1%}) over {n} plans predicted, then measured" if n else "no plan"
+    errors = (
+        f"median error {median:.1%} (max {worst:.1%}) over {count(n, 'plan')} predicted, then measured"
+        if n
+        else "no plan"
+    )
     return (
         f"time model: {errors}; noise margin {summary.get('noise_margin', 0.0):.1%}; "
-        f"{summary.get('pruned_by_time', 0)} plans pruned as unable to beat the best measured one"
+        f"{count(summary.get('pruned_by_time', 0), 'plan')} pruned as unable to beat the best measured one"
     )
 
 
@@ -219,7 +223,9 @@ def result_line(result: TuneResult) -> str:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
     if (result.best.metadata.get("search") or {}).get("speed_changes"):
         parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
-    parts.append(f"tuned in {result.tuning_seconds:.1f} s ({len(result.trials)} plans: {pruned_counts(result)})")
+    parts.append(
+        f"tuned in {result.tuning_seconds:.1f} s ({count(len(result.trials), 'plan')}: {pruned_counts(result)})"
+    )
     compiles = compiles_phrase(result)
     if compiles is not None:
         parts.append(compiles)
@@ -233,7 +239,7 @@ def compiles_phrase(result: TuneResult) -> str | None:
         return None
     how = "blocks compiled alone" if c.get("assembled") else "each plan compiled whole"
     phrase = (
-        f"compiled {c['graphs']} graphs in {c['seconds']:.1f} s for {c.get('plans_measured', 0)} plans measured "
+        f"compiled {count(c['graphs'], 'graph')} in {c['seconds']:.1f} s for {count(c.get('plans_measured', 0), 'plan')} measured "
         f"({how}; the chosen plan compiles as you compile it at its first step)"
     )
     check = result.best.metadata.get("whole_compile_check")  # ``search.whole_check``: a PT2 budget checked
@@ -350,7 +356,7 @@ def verdict_lines(result: TuneResult) -> list[str]:
     if compiling:
         n_conflicts = sum(bool(t.extra.get("conflict")) for t in result.trials)
         compiles = compiles_phrase(result) or (
-            f"{sum(s.get('compile_seconds', 0.0) for s in compiling):.1f} s compiling {len(compiling)} plans"
+            f"{sum(s.get('compile_seconds', 0.0) for s in compiling):.1f} s compiling {count(len(compiling), 'plan')}"
         )
         lines.append(
             f"torch.compile: {compiles} (in the tuning cost, not in samples/s); {n_conflicts} plan(s) conflicted "

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import optuna
 from optuna.samplers import BaseSampler
 
+from lightning_ckpt.formatting import count
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.records import TrialRecord, TrialStatus
 from lightning_ckpt.search.space import Candidate, SearchSpace
@@ -349,11 +350,11 @@ class TimeModelSampler(BaseSampler):
             if not self._warned:
                 self._warned = True
                 log.warning(
-                    "lightning_ckpt: the time model's predictions were off by %.1f%% (median, %d plans) on this "
+                    "lightning_ckpt: the time model's predictions were off by %.1f%% (median, %s) on this "
                     "machine, more than the %.0f%% margin it prunes with when it predicts well: it now prunes only "
                     "plans predicted slower than the best measured one by more than that, so more plans are measured.",
                     100 * median,
-                    len(self._errors()),
+                    count(len(self._errors()), "plan"),
                     100 * _MARGIN_BOUNDS[1],
                 )
             return median

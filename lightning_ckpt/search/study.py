@@ -24,6 +24,7 @@ from lightning_ckpt.errors import (
     LightningCkptError,
     TrialsFailedError,
 )
+from lightning_ckpt.formatting import count
 from lightning_ckpt.memory.optimizer_step import RealStepMemory
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.config import TuneConfig
@@ -415,7 +416,7 @@ class Study:
     def _nothing_fits(self, records: Sequence[TrialRecord]) -> str:
         summary = ", ".join(f"{t.label}={t.status}" for t in records[:8])
         return (
-            f"No checkpointing plan fits the budget ({self.budget.description}). Tried {len(records)} plans "
+            f"No checkpointing plan fits the budget ({self.budget.description}). Tried {count(len(records), 'plan')} "
             f"({summary}). Raise max_memory/activation_budget, reduce the batch size, or widen the search space."
         )
 
