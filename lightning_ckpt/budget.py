@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_ckpt.errors import ConfigurationError
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
 
     from lightning_ckpt.plan.format import Plan
 
-__all__ = ["Budget", "RequestedBudget", "parse_bytes", "resolve_budget", "format_bytes"]
+__all__ = ["Budget", "RequestedBudget", "format_bytes", "host_memory", "parse_bytes", "resolve_budget", "within_host"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -313,6 +316,45 @@ def _is_device_fraction(max_memory: object) -> bool:
 def device_type(device: torch.device | str) -> str:
     """``"cuda"`` for ``torch.device("cuda:1")`` and for ``"cuda:1"`` alike."""
     return device.type if not isinstance(device, str) else device.partition(":")[0]
+
+
+# Where a container's memory limit is (cgroup v2, then v1): a process there cannot use the host's whole memory.
+_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def host_memory() -> tuple[int, str] | None:
+    """The memory a process on this machine can have, and where that figure comes from: the host's physical memory
+    (``/proc/meminfo``'s MemTotal, read through ``sysconf``), or the container's limit (cgroup) when that is lower.
+    None where neither can be read. What a CPU budget above it is clamped to: a peak no process here can reach
+    constrains nothing, and a search for it measures plans only to choose no checkpointing."""
+    total: tuple[int, str] | None = None
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        total = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory")
+    for path in _CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and (total is None or int(text) < total[0]):
+            total = (int(text), f"this container's memory limit ({path})")
+        break
+    return total
+
+
+def within_host(budget: Budget) -> tuple[Budget, str | None]:
+    """``budget`` on the CPU, its peak clamped to ``host_memory`` (with the line that says so) where it asks for more:
+    ``max_memory="500GiB"`` on a 23 GB machine searched 5 plans for 63 s to choose no checkpointing, and said
+    nothing. Kept as it is where it is within the host's memory, or that cannot be read."""
+    host = host_memory()
+    if host is None or budget.kind != "peak" or budget.limit_bytes is None or budget.limit_bytes <= host[0]:
+        return budget, None
+    cap, where = host
+    description = f"{format_bytes(cap)} peak, clamped from {budget.description} to {where}"
+    note = (
+        f"lightning_ckpt: max_memory ({format_bytes(budget.limit_bytes)}) is above {where} ({format_bytes(cap)}), "
+        f"which no step on this CPU can exceed; the budget is clamped to {format_bytes(cap)}"
+    )
+    return Budget("peak", cap, budget.fraction, description), note
 
 
 def cuda_available_bytes(device: torch.device | str) -> int:

@@ -106,3 +106,61 @@ def test_an_activation_budget_line_names_the_budget_and_the_memory_it_is_a_share
     )
     assert budget.limit_bytes == int(123.25 * 2**20)
     assert budget.description == "123.2 MiB of activation memory, 50% of the 246.5 MiB without checkpointing"
+
+
+# A fit as a user runs it, its stdout and stderr in one pipe (as `python train.py 2>&1 | tee log`), so the test reads
+# the lines in the order a user reads them.
+_FIT = """
+import sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+from lit import LitGPT, token_loader
+from lightning_ckpt import ActivationCheckpointTuner
+
+tuner = ActivationCheckpointTuner(max_memory={budget!r}, search={search!r})
+trainer = L.Trainer(accelerator="cpu", max_steps=2, callbacks=[tuner], logger=False, enable_checkpointing=False,
+                    enable_model_summary=False, default_root_dir={root!r})
+trainer.fit(LitGPT(n_layer=2, dropout=0.0), token_loader(32))
+print("TRIALS", tuner.trials_run, "PLAN", tuner.plan.describe())
+"""
+
+
+def _fit_lines(tmp_path, budget, search) -> list[str]:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _FIT.format(tests=str(Path(__file__).parent), budget=budget, search=search, root=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return [line for line in done.stdout.replace("\r", "\n").splitlines() if line.strip()]
+
+
+def test_a_budget_above_the_hosts_memory_is_clamped_and_no_checkpointing_is_chosen_without_a_search(tmp_path):
+    # Issue #64: max_memory="500GiB" on a 23 GB machine searched 5 plans for 63 s, chose none and said nothing.
+    from lightning_ckpt.budget import format_bytes, host_memory
+
+    host, where = host_memory()
+    lines = _fit_lines(tmp_path, "500GiB", {"n_trials": 6})
+    ours = [
+        line for line in lines if line.startswith("lightning_ckpt:") and not line.startswith("lightning_ckpt: tuning")
+    ]
+    clamp = f"lightning_ckpt: max_memory (500.0 GiB) is above {where} ({format_bytes(host)}), which no step on this CPU"
+    assert ours[0].startswith(clamp), "\n".join(lines)
+    assert ours[0].endswith(f"the budget is clamped to {format_bytes(host)}")
+    assert ours[1].startswith("lightning_ckpt: chose none | ") and f"of {format_bytes(host)} |" in ours[1], ours[1]
+    assert "| the memory model predicts no checkpointing fits the budget, so nothing else was searched" in ours[1]
+    assert "search={'search_when_none_fits': True} searches anyway" in ours[1] and "(1 plan: 1 run" in ours[1]
+    assert not any("confirming" in line for line in lines)
+    assert lines[-1] == "TRIALS 1 PLAN none", lines[-1]
+
+
+def test_a_search_runs_when_no_checkpointing_fits_if_asked_for(tmp_path):
+    lines = _fit_lines(tmp_path, "20GiB", {"n_trials": 4, "search_when_none_fits": True})
+    assert not any("predicts that no checkpointing fits" in line for line in lines)
+    trials = int(lines[-1].split()[1])
+    assert trials > 1, lines[-1]
+    with pytest.raises(ConfigurationError, match="search_when_none_fits must be True or False"):
+        from lightning_ckpt import TuneConfig
+
+        TuneConfig(search_when_none_fits="yes")

@@ -87,7 +87,7 @@ class SearchProgress:
         if self.enabled:
             self.bar.write(text, file=self.bar.fp)
         else:
-            print(text)
+            print(text, flush=True)  # in order with the log lines on stderr when both go to one file
 
     def close(self) -> None:
         self.bar.close()

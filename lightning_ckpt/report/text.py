@@ -211,7 +211,12 @@ def result_line(result: TuneResult) -> str:
         parts.append(f"{_fmt_rate(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
         base = best_feasible_baseline(result)
         verdict = verdict_of(result)
-        if verdict is not None:
+        if (result.best.metadata.get("search") or {}).get("none_fits"):
+            parts.append(
+                "the memory model predicts no checkpointing fits the budget, so nothing else was searched (it could "
+                "only add recompute; search={'search_when_none_fits': True} searches anyway)"
+            )
+        elif verdict is not None:
             parts.append(_verdict_phrase(verdict))
         elif base is not None and base[1].number != winner.number:
             parts.append(

@@ -95,6 +95,10 @@ class TuneConfig:
     beat the best measured one by the noise margin; the rest are pruned. False measures candidates as the
     sampler proposes them, up to ``n_trials`` (every distinct plan when the space is that small), as an
     exhaustive reference does. Compiled trials always do (their step time is the compiler's).
+    search_when_none_fits: when the memory model predicts that the step without checkpointing fits the budget, that
+    plan is measured once and chosen, with one line that says so, and nothing else runs: checkpointing only adds
+    recompute, so a search could only confirm it (``max_memory="500GiB"`` once searched 63 s to choose it). True
+    searches anyway, e.g. to see what each plan costs on the Pareto figure.
     clock: what every trial, re-timing and confirmation round times its steps with (``time.perf_counter``); a test
     that gives the search a machine which slows down part-way passes a clock that runs faster instead of sleeping.
     """
@@ -125,6 +129,7 @@ class TuneConfig:
     whole_compile_margin: float = 0.08
     memory_pass: Literal["finalists", "every"] = "finalists"
     predict_time: bool = True
+    search_when_none_fits: bool = False
     clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
@@ -132,6 +137,9 @@ class TuneConfig:
             raise ConfigurationError(
                 f"clock must be a function returning seconds, e.g. time.perf_counter, got {self.clock!r}."
             )
+        for name in ("search_when_none_fits", "predict_time", "count_flops", "enforce_budget"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"{name} must be True or False, but got {getattr(self, name)!r}.")
         if self.memory_pass not in ("finalists", "every"):
             raise ConfigurationError(f"memory_pass must be 'finalists' or 'every', but got {self.memory_pass!r}.")
         object.__setattr__(self, "search_space", SearchSpace.from_config(self.search_space))

@@ -33,6 +33,7 @@ class SearchFacts:
     speed_changes: tuple[str, ...] = ()
     proposer_summary: dict[str, Any] | None = None
     verdict: Verdict | None = None
+    none_fits: bool = False  # no checkpointing was predicted to fit and chosen without a search (``Study._none_fits``)
 
 
 def evidence(
@@ -55,6 +56,8 @@ def evidence(
         "fell_back": fell_back,
         "speed_changes": list(facts.speed_changes),
     }
+    if facts.none_fits:
+        search["none_fits"] = True
     if facts.proposer_summary is not None:
         search["time_model"] = facts.proposer_summary
     if facts.verdict is not None:

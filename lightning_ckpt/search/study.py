@@ -24,7 +24,7 @@ from lightning_ckpt.errors import (
     LightningCkptError,
     TrialsFailedError,
 )
-from lightning_ckpt.formatting import count
+from lightning_ckpt.formatting import count, format_bytes
 from lightning_ckpt.memory.optimizer_step import RealStepMemory
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.config import TuneConfig
@@ -138,6 +138,7 @@ class Study:
         # Run on the choice before the result is made (the compiled search's check of a PT2 budget compiled the user's
         # way, ``whole_check``): the plan it returns is the one kept.
         self.after_choice: Callable[[TrialRecord], TrialRecord] | None = None
+        self.none_fits = False  # no checkpointing was predicted to fit and chosen without a search (``_none_fits``)
         self.speed_changes: list[str] = []  # what confirm() saw of the machine's speed changing (report, plan file)
         limit = (
             budget.limit_bytes if config.enforce_budget and budget.kind == "peak" and device_type == "cuda" else None
@@ -170,8 +171,11 @@ class Study:
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> list[TrialRecord]:
-        """Resume, then baselines, then the rest of the space or the sampler's proposals, in lockstep."""
+        """Resume, then baselines, then the rest of the space or the sampler's proposals, in lockstep; or, where the
+        memory model predicts that no checkpointing fits, that plan alone (``_none_fits``)."""
         self._resume()
+        if self._none_fits():
+            return self.records
         proposals = self.proposer.proposals(self) if self.sync.is_leader else None
         proposal = next(proposals, None) if proposals is not None else None
         while True:
@@ -190,6 +194,38 @@ class Study:
             proposal = _send(proposals, trial) if proposals is not None else None
         self.check_stop()
         return self.records
+
+    def _none_fits(self) -> bool:
+        """Measure the plan without checkpointing alone, and True when it fits, where the memory model predicts it does
+        (rank 0's prediction decides, for every rank): no plan can then be faster (recompute and offload only add
+        time), so a search would measure plans to confirm it. Not with ``search_when_none_fits``, without a budget
+        (the fastest plan is asked for), in the joint micro-batch search, nor where memory is not predicted. A plan
+        measured over the budget after all (the allocator's reserve on a card) goes on to the search, saying so."""
+        if self.config.search_when_none_fits or self.budget.kind == "none" or len(self.workloads) != 1:
+            return False
+        none = next((c for c in self.candidates if c.baseline == "none"), None)
+        w = next(iter(self.workloads.values()))
+        predicted = (
+            w.memory.predict(none.plan)
+            if none is not None and w.memory is not None and w.runner.predicts_memory
+            else None
+        )
+        fits = self.sync.broadcast(predicted is not None and self.budget.fits(*predicted))
+        if not fits or none is None:
+            return False
+        trial = self.measure(none.params, none.plan, none.label, none.baseline, prune=None)
+        if trial.feasible:
+            self.none_fits = True  # the result line says so (``report.text.result_line``)
+            return True
+        measured = format_bytes(self.budget.value_of(trial.peak_bytes, trial.activation_bytes))
+        log.warning(
+            "lightning_ckpt: no checkpointing did not fit after all (%s: %s, budget %s), though the memory model "
+            "predicted it would: searching the plans that use less memory",
+            trial.status.value,
+            measured,
+            self.budget.description,
+        )
+        return False
 
     def measure(
         self, params: Mapping[str, Any], plan: Plan, label: str, baseline: str | None, *, prune: str | None
@@ -233,6 +269,7 @@ class Study:
                 speed_changes=tuple(self.speed_changes),
                 proposer_summary=self.proposer.summary(self.records),
                 verdict=self.final_verdict(best),
+                none_fits=self.none_fits,
             ),
             fell_back,
         )

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
+from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes, within_host
 from lightning_ckpt.errors import InfeasibleBudgetError
 from lightning_ckpt.measure.device_memory import (
     allocator_type,
@@ -494,11 +494,16 @@ def _resolve_budget(
 
 def resolve_on_device(requested: RequestedBudget, device: torch.device, none_activation: int | None) -> Budget:
     """The requested budget on ``device``, its peak clamped (with one line that says so) to what the device's
-    allocator lets this process have: the card, or the user's own ``set_per_process_memory_fraction`` of it."""
+    allocator lets this process have: the card, or the user's own ``set_per_process_memory_fraction`` of it; on the
+    CPU, to the host's memory (``budget.within_host``)."""
     budget = requested.resolve(device=device, none_activation_bytes=none_activation)
     memory = device_memory(device)
     if memory is not None and budget.kind in ("peak", "none"):
         budget, clamped = budget.within(memory.cap_bytes(), str(device))
+        if clamped is not None:
+            log.warning(clamped)
+    elif memory is None and device.type == "cpu":
+        budget, clamped = within_host(budget)  # the host's memory (or the container's limit)
         if clamped is not None:
             log.warning(clamped)
     return budget
