@@ -1,5 +1,5 @@
 """A small fit with the tuner under Lightning's tqdm or Rich progress bar: what ``test_terminal.py`` runs in a
-pseudo-terminal. Usage: ``python tests/terminal_fit.py tqdm|rich``."""
+pseudo-terminal. Usage: ``python tests/terminal_fit.py tqdm|rich DIR [confirm]``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ from lightning_ckpt import ActivationCheckpointTuner  # noqa: E402
 
 warnings.filterwarnings("ignore")  # Python's warnings are not log lines: this checks the tuner's and Lightning's
 bar = RichProgressBar() if sys.argv[1] == "rich" else TQDMProgressBar()
-tuner = ActivationCheckpointTuner(activation_budget=0.6, search={"n_trials": 4, "measure_steps": 1})
+search = {"n_trials": 4, "measure_steps": 1}
+if sys.argv[3:] == ["confirm"]:  # side-by-side rounds the bar must move through (test_terminal's moving-bar test)
+    search.update(n_trials=6, confirm_rounds=4, confirm_max_rounds=4, holdout_rounds=0)
+tuner = ActivationCheckpointTuner(activation_budget=0.6, search=search)
 trainer = L.Trainer(
     accelerator="cpu",
     max_steps=4,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import re
 import select
 import struct
 import subprocess
@@ -22,14 +23,25 @@ pyte = pytest.importorskip("pyte")
 SCRIPT = Path(__file__).parent / "terminal_fit.py"
 
 
-def screen_of(bar: str, columns: int, tmp_path: Path) -> list[str]:
+def screen_of(bar: str, columns: int, tmp_path: Path, *extra: str) -> list[str]:
     """The lines on a ``columns``-wide terminal once the fit under ``bar`` ended (trailing blank lines cut)."""
+    out = output_of(bar, columns, tmp_path, *extra)
+    screen = pyte.Screen(columns, 500)
+    pyte.ByteStream(screen).feed(out)
+    lines = [line.rstrip() for line in screen.display]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def output_of(bar: str, columns: int, tmp_path: Path, *extra: str) -> bytes:
+    """Every byte the fit under ``bar`` wrote to a ``columns``-wide pseudo-terminal."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 500, columns, 0, 0))
     env = {**os.environ, "COLUMNS": str(columns), "LINES": "500", "TERM": "xterm-256color"}
     env.pop("NO_COLOR", None)
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), bar, str(tmp_path)], stdin=slave, stdout=slave, stderr=slave, env=env
+        [sys.executable, str(SCRIPT), bar, str(tmp_path), *extra], stdin=slave, stdout=slave, stderr=slave, env=env
     )
     os.close(slave)
     out, deadline = b"", time.monotonic() + 240
@@ -47,12 +59,7 @@ def screen_of(bar: str, columns: int, tmp_path: Path) -> list[str]:
             break
     os.close(master)
     assert proc.wait(timeout=30) == 0, out.decode(errors="replace")[-3000:]
-    screen = pyte.Screen(columns, 500)
-    pyte.ByteStream(screen).feed(out)
-    lines = [line.rstrip() for line in screen.display]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
+    return out
 
 
 @pytest.mark.parametrize(("bar", "columns"), [("tqdm", 100), ("rich", 150)])
@@ -71,3 +78,18 @@ def test_every_line_of_the_tuner_starts_on_its_own_line_and_the_bars_redraw_in_p
     assert any(line.startswith("`Trainer.fit` stopped") for line in lines), shown
     chose = next(i for i, line in enumerate(lines) if line.startswith("lightning_ckpt: chose "))
     assert chose < lines.index(epochs[0]), "the result line comes before the bar's last frame, not inside it"
+
+
+def test_the_bar_moves_with_every_round_of_the_confirmation(tmp_path):
+    # Issue #64: the last frame `confirming: 6plan [02:53, 16.50s/plan, ...]` was drawn twice and did not move for the
+    # 8.6 minutes the rounds took: the run looked hung. Every frame the terminal was sent, in order.
+    out = output_of("tqdm", 200, tmp_path, "confirm").decode(errors="replace")
+    frames = [
+        f for f in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", out)) if "lightning_ckpt: confirming:" in f
+    ]
+    rounds = [m.group(1, 2, 3) for f in frames if (m := re.search(r"round (\d+) of at most (\d+): (\d+)/\d+ plans", f))]
+    assert len(rounds) >= 6, frames
+    assert {r for r, _, _ in rounds} >= {"1", "2", "3", "4"} and {m for _, m, _ in rounds} == {"4"}, rounds
+    assert len({t for _, _, t in rounds}) >= 2, "the line moves within a round, with each plan timed"
+    assert any("; leader " in f and " vs " in f for f in frames), frames[-3:]
+    assert len(set(frames)) == len(frames) or len(set(frames)) >= 6, "each redraw shows something new"

@@ -48,6 +48,7 @@ class SearchProgress:
         self.best: float | None = None
         self.pruned = 0  # by the memory model
         self.pruned_by_time = 0
+        self._phase: str | None = None  # the side-by-side rounds being drawn (``rounds``), None while trials run
         desc = "lightning_ckpt: tuning"
         self.bar = tqdm(
             total=total, desc=desc, unit="plan", disable=not enabled, leave=False, file=file, dynamic_ncols=True
@@ -60,7 +61,9 @@ class SearchProgress:
             log_trial(self.writer, trial, best_samples_per_second=self.best)
         if self.verbose:
             self.write(trial_line(trial, budget))
-        if trial.status == "pruned" and trial.pruned_by == "time":
+        if self._phase is not None:
+            pass  # a plan verified after the rounds (its memory measured): the rounds' line stays as it is
+        elif trial.status == "pruned" and trial.pruned_by == "time":
             self.pruned_by_time += 1  # as below
         elif trial.status == "pruned":
             self.pruned += 1  # costs no step and does not count towards n_trials: not a step of the bar
@@ -68,6 +71,8 @@ class SearchProgress:
             if self.bar.total is not None and self.bar.n >= self.bar.total:
                 self.bar.total = self.bar.n + 1
             self.bar.update(1)
+        if self._phase is not None:
+            return
         postfix = [f"best {self.best:.1f} samples/s"] if self.best is not None else []
         postfix += [f"{self.pruned} ruled out by the memory model"] if self.pruned else []
         postfix += [f"{self.pruned_by_time} by the time model"] if self.pruned_by_time else []
@@ -77,11 +82,28 @@ class SearchProgress:
         if self.bar.total is not None and self.bar.n < self.bar.total:
             self.bar.total = self.bar.n  # the search measured fewer than its cap: the measuring is done
             self.bar.refresh()
-        self.bar.set_description_str("lightning_ckpt: confirming")
+        # The rounds draw the line from their first step on (``rounds``); what an earlier phase left on it goes now.
+        self.bar.set_postfix_str("", refresh=False)
+        self.bar.set_description_str("lightning_ckpt: confirming", refresh=False)
         self.write(
             f"lightning_ckpt: confirming {count(len(trials), 'leading plan')} side by side in interleaved rounds; their "
             "samples/s will replace the figures streamed so far, which were timed one plan at a time."
         )
+
+    def rounds(
+        self, phase: str, round_number: int, max_rounds: int, timed: int, to_time: int, leader: str | None
+    ) -> None:
+        """Move the line during side-by-side rounds (``phase``: confirming, re-ranking, fresh rounds), with every plan
+        timed: the rounds done (the bar's count, its clock restarted at the phase's first round), where this round is
+        and the current leader's interval. A confirmation's single frame, drawn once, sat unchanged for 8.6 minutes."""
+        if self._phase != phase:
+            self._phase = phase
+            self.bar.reset(total=None)
+            self.bar.unit = "round"
+            self.bar.set_description_str(f"lightning_ckpt: {phase}", refresh=False)
+        self.bar.n = round_number - (timed < to_time)
+        status = f"round {round_number} of at most {max_rounds}: {timed}/{to_time} plans timed"
+        self.bar.set_postfix_str(status + (f"; leader {leader}" if leader else ""))
 
     def write(self, text: str) -> None:
         if self.enabled:

@@ -10,12 +10,14 @@ the study's records and its ``side``, ``held_out`` and ``speed_changes``, which 
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
 from lightning_ckpt.search.confirm import (
     ConfirmEntry,
+    RoundProgress,
     SideBySide,
     apply_confirmation,
     confirm_interleaved,
@@ -102,6 +104,7 @@ class Confirmation:
             sync=self.study.sync,
             until=(lambda s: s.choice_decided(tol)) if config.holdout_rounds > 0 else None,
             check_stop=self.study.check_stop,
+            on_step=self._on_step("confirming", chosen),
         )
         if side.speed_changed:
             self.study.speed_changes.append(
@@ -160,7 +163,12 @@ class Confirmation:
         as confirmed."""
         entries = self._entries(fastest_fitting(self.study.records)[:_MAX_RERANKED], steps)
         side = confirm_interleaved(
-            entries, min_rounds=1, max_rounds=1, sync=self.study.sync, check_stop=self.study.check_stop
+            entries,
+            min_rounds=1,
+            max_rounds=1,
+            sync=self.study.sync,
+            check_stop=self.study.check_stop,
+            on_step=self._on_step("re-ranking", [e.trial for e in entries]),
         )
         for i, t in enumerate(self.study.records):
             times = side.per_sample.get(t.number)
@@ -173,6 +181,21 @@ class Confirmation:
                     first_samples_per_second=t.first_samples_per_second or t.samples_per_second,
                 )
                 self.study.update(self.study.records[i])
+
+    def _on_step(self, phase: str, trials: Sequence[TrialRecord]) -> RoundProgress | None:
+        """What moves the progress line during ``phase``'s rounds, where the study's progress listens (a reporter with
+        a ``rounds`` method, ``report.SearchProgress``): the round, the plans timed in it, and the current leader with
+        its interval against the reference, from the rounds so far."""
+        report = getattr(self.study.progress, "rounds", None)
+        if report is None:
+            return None
+        labels = {t.number: t.label for t in trials}
+        tol = self.study.tie_tolerance
+
+        def on_step(done: int, max_rounds: int, timed: int, to_time: int, side: SideBySide) -> None:
+            report(phase, done, max_rounds, timed, to_time, leader_of(side, labels, tol))
+
+        return on_step
 
     def _entries(self, trials: Sequence[TrialRecord], steps: int, *, warm: bool = True) -> list[ConfirmEntry]:
         """``trials`` to re-time side by side, ``steps`` timed steps a round each (and, ``warm``, one warm-up in the
@@ -200,6 +223,7 @@ class Confirmation:
             tie_tolerance=self.study.tie_tolerance,
             sync=self.study.sync,
             check_stop=self.study.check_stop,
+            on_step=self._on_step("fresh rounds", self.study.records),
         )
         if reference is None:
             return best
@@ -222,3 +246,19 @@ class Confirmation:
             verdict.describe() if verdict is not None else "it did not run",
         )
         return kept
+
+
+def leader_of(side: SideBySide, labels: Mapping[int, str], tie_tolerance: float) -> str | None:
+    """The leading tuned plan of the rounds so far and its verdict against the reference (``full h.0-3: 1.04x [0.99,
+    1.08] vs none, 3 rounds``); the fastest plan by its median where no tuned plan has a verdict; None before any
+    round ended."""
+    verdicts = [(n, v) for n in side.tuned() if (v := side.verdict(n, labels, tie_tolerance)) is not None]
+    verdicts = [(n, v) for n, v in verdicts if v.ratio is not None]
+    if verdicts:
+        n, v = max(verdicts, key=lambda nv: nv[1].ratio or 0.0)
+        return f"{labels.get(n, n)}: {v.describe()}"
+    timed = {n: statistics.median(x) for n, x in side.per_sample.items() if x}
+    if not timed:
+        return None
+    fastest = min(timed, key=timed.__getitem__)
+    return f"{labels.get(fastest, fastest)} fastest so far"
