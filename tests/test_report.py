@@ -482,7 +482,7 @@ def test_pareto_figure_contents(result):
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
     assert ax.get_xlabel() == "measured peak memory (MiB)"
-    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    legend = [" ".join(t.get_text().split()) for t in fig.legends[0].get_texts()]  # long entries wrap
     assert {"fits the budget", "over the budget", "Pareto front"} <= set(legend)
     assert f"winner: [trial 4] {WINNER_PLAN.describe()}" in legend
     assert any(s.startswith("budget: 600.0 MiB") for s in legend)
@@ -593,10 +593,10 @@ def test_the_pareto_figure_tells_the_time_models_prunes_from_the_memory_models(r
     # A plan the time model pruned is predicted to fit: drawn as a memory prune it sat inside the budget line.
     by_time = trial(8, uniform(BlockPlan("full")), "full h.0-3 (again)", "pruned", pred=500, pruned_by="time")
     fig = report.pareto_figure(dataclasses.replace(result, trials=(*result.trials, by_time)))
-    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    legend = [" ".join(t.get_text().split()) for t in fig.legends[0].get_texts()]
     assert "pruned by the memory model (at predicted memory)" in legend
     assert "pruned by the time model (predicted slower; at predicted memory)" in legend
-    markers = {c.get_label(): c for c in fig.axes[0].collections}
+    markers = {" ".join(c.get_label().split()): c for c in fig.axes[0].collections}
     assert len(markers["pruned by the time model (predicted slower; at predicted memory)"].get_offsets()) == 1
     assert len(markers["pruned by the memory model (at predicted memory)"].get_offsets()) == 1
 
@@ -611,3 +611,77 @@ def test_the_memory_breakdown_merges_blocks_that_read_the_same_and_shows_the_opt
     assert "| mode | `h.0-5` |" in text and "| none | 10.0 |" in text
     assert "| optimizer state (made by the first step) | 12.3 |" in text and "| optimizer state | 0.0 |" not in text
     assert "| optimizer state | 0.0 |" in report.text.memory_markdown(breakdown)  # no step recorded: the profile's
+
+
+def _long_winner(result: TuneResult, *, confirmed: tuple[int, ...] = ()) -> TuneResult:
+    """``result`` won by a plan whose label is as long as the main job's, every status drawn, ``confirmed`` re-timed."""
+    fqns = [f"transformer.h.{i}" for i in range(12)]
+    plan = Plan({f: BlockPlan("full") if i % 3 == 0 else BlockPlan("selective", ("mlp",)) for i, f in enumerate(fqns)})
+    extra = (
+        trial(8, uniform(BlockPlan("full")), "full h.0-3 (again)", "pruned", pred=500, pruned_by="time"),
+        trial(9, plan, plan.describe(), "ok", peak=470, act=170, pred=470, sps=95.0),
+    )
+    trials = tuple(
+        dataclasses.replace(t, confirmation_seconds=(0.1, 0.1)) if t.number in confirmed else t
+        for t in (*result.trials, *extra)
+    )
+    return dataclasses.replace(result, trials=trials, best_trial=next(t for t in trials if t.number == 9))
+
+
+def test_the_whole_legend_is_inside_the_rendered_figure(result, tmp_path):
+    # Issue #64: the legend below the axes ran past both edges of pareto.png ("e budget", "baseline:sqr").
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    fig = report.pareto_figure(_long_winner(result, confirmed=(1, 2, 9)))
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    width, height = fig.bbox.width, fig.bbox.height
+    (legend,) = fig.legends
+    texts = legend.get_texts()
+    assert any("winner: [trial 9] full h.0,3,6,9" in t.get_text() for t in texts)
+    for artist in (legend, *texts):
+        box = artist.get_window_extent(renderer)
+        assert box.x0 >= 0 and box.x1 <= width and box.y0 >= 0 and box.y1 <= height, (artist, box, width, height)
+    # And in the file the run writes: the legend's frame is drawn on the image's rows, its edges inside the columns.
+    path = tmp_path / "pareto.png"
+    fig.savefig(path, dpi=110)
+    image = Image.open(path)
+    box = legend.get_window_extent(renderer)
+    assert image.width == round(width * 110 / fig.dpi) and box.x1 * 110 / fig.dpi < image.width
+
+
+def test_the_figure_and_the_table_mark_what_was_timed_one_plan_at_a_time(result, tmp_path):
+    # Issue #64: a plan timed alone in a quiet moment sat above the winner, and its row read faster than the winner's.
+    confirmed = _long_winner(result, confirmed=(1, 2, 9))
+    fig = report.pareto_figure(confirmed)
+    labels = [" ".join(t.get_text().split()) for t in fig.legends[0].get_texts()]
+    assert any(label.startswith("hollow: timed one plan at a time") for label in labels), labels
+    fits = [c for c in fig.axes[0].collections if c.get_label() == "fits the budget"]
+    assert len(fits) == 1 and len(fits[0].get_offsets()) == 3, "the three plans re-timed side by side are filled"
+    hollow = {tuple(p) for c in fig.axes[0].collections if len(c.get_facecolors()) == 0 for p in c.get_offsets()}
+    alone = [t for t in confirmed.trials if t.samples_per_second is not None and not t.confirmed]
+    assert alone and all((t.peak_bytes / MiB, t.samples_per_second) in hollow for t in alone), (alone, hollow)
+    # Without a confirmation every figure was timed alone: nothing to tell apart, no hollow points.
+    plain = report.pareto_figure(_long_winner(result))
+    assert not any("hollow" in t.get_text() for t in plain.legends[0].get_texts())
+
+    logdir = tmp_path / "tb"
+    report.write_tensorboard(logdir, confirmed)
+    rows = sorted((logdir / report.tags.HPARAM_RUN_DIR).iterdir())
+    seen = {}
+    for row in rows:
+        acc = ea.EventAccumulator(str(row), size_guidance=SIZE_GUIDANCE)
+        acc.Reload()
+        content = acc.PluginTagToContent(hp_metadata.PLUGIN_NAME)
+        hp = hp_metadata.parse_session_start_info_plugin_data(content[hp_metadata.SESSION_START_INFO_TAG]).hparams
+        vs = report.tags.HPARAM_VS_REFERENCE
+        ratio = acc.Tensors(vs)[0].tensor_proto.float_val[0] if vs in acc.Tags()["tensors"] else None
+        seen[hp[report.tags.hparam_name("trial")].string_value] = (
+            hp[report.tags.hparam_name("timing")].string_value,
+            ratio,
+        )
+    assert seen["9"][0] == "side by side" and seen["9"][1] == pytest.approx(95.0 / 85.0)
+    assert seen["2"] == ("side by side", pytest.approx(1.0))
+    assert seen["6"] == ("one at a time", None), seen

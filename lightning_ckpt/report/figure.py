@@ -7,6 +7,7 @@ global backend state and works headless.
 from __future__ import annotations
 
 import math
+import textwrap
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -115,7 +116,7 @@ def pareto_figure(result: TuneResult) -> Figure:
     if wxy is not None and winner is not None:
         _mark_winner(ax, winner, wxy)
     _frame(ax, result, unit, scale, (x_span, y_span))
-    fig.legend(loc="outside lower center", ncols=3, fontsize=8)
+    fig.legend(loc="outside lower center", ncols=_LEGEND_COLUMNS, fontsize=8)
     return fig
 
 
@@ -126,23 +127,53 @@ def _plot_trials(
     scale: float,
     budget: Budget,
 ) -> None:
-    """Every trial by status: measured ones at their figures, never-run ones on a rug at predicted memory."""
+    """Every trial by status: measured ones at their figures, never-run ones on a rug at predicted memory.
+
+    Where a confirmation ran, the plans re-timed side by side with the winner are filled, those timed one plan at a
+    time (at another moment of the machine) hollow: a hollow point above the winner was timed in a quieter moment,
+    not faster than it (issue #64: the top point, not circled, read as a wrong choice)."""
+    side_by_side = any(t.confirmed for t, _, _ in measured)
     for status, (colour, marker, text) in _STATUS_STYLE.items():
-        px = [x / scale for t, x, _ in measured if _style(t) == status]
-        py = [y for t, _, y in measured if _style(t) == status]
-        if px:
-            if status == "ok" and budget.kind == "none":
-                text = "measured"
-            ax.scatter(px, py, c=colour, marker=marker, s=50, label=text, zorder=3, edgecolors="black", linewidths=0.5)
+        if status == "ok" and budget.kind == "none":
+            text = "measured"
+        group = [(t, x, y) for t, x, y in measured if _style(t) == status]
+        filled = [(x, y) for t, x, y in group if t.confirmed or not side_by_side]
+        hollow = [(x, y) for t, x, y in group if side_by_side and not t.confirmed]
+        if filled:
+            ax.scatter(*_xy(filled, scale), c=colour, marker=marker, s=50, label=_wrapped(text), zorder=3,
+                       edgecolors="black", linewidths=0.5)  # fmt: skip
+        if hollow:
+            ax.scatter(*_xy(hollow, scale), marker=marker, s=50, label=None if filled else _wrapped(text), zorder=3,
+                       facecolors="none", edgecolors=colour, linewidths=1.2)  # fmt: skip
+    if side_by_side and any(not t.confirmed for t, _, _ in measured):
+        ax.scatter([], [], marker="o", s=50, facecolors="none", edgecolors="black", linewidths=1.2, label=_HOLLOW)
     # Never-run trials: x in data coordinates, y pinned just above the axis.
     rug = blended_transform_factory(ax.transData, ax.transAxes)
     for status, (colour, marker, text) in _STATUS_STYLE.items():
         px = [x / scale for t, x in unmeasured if _style(t) == status]
         if px:
-            ax.scatter(px, [0.03] * len(px), c=colour, marker=marker, s=45, label=text, transform=rug, zorder=3)
+            ax.scatter(
+                px, [0.03] * len(px), c=colour, marker=marker, s=45, label=_wrapped(text), transform=rug, zorder=3
+            )
     other = [x / scale for t, x in unmeasured if _style(t) not in _STATUS_STYLE]
     if other:
         ax.scatter(other, [0.03] * len(other), c="black", marker="*", s=45, label="other (at predicted memory)")
+
+
+# The legend's note on hollow points (``_plot_trials``).
+_HOLLOW = "hollow: timed one plan at a time, not beside the winner (filled: side by side with it)"
+# Legend entries wrap at this many characters: the legend sits below the axes in ``_LEGEND_COLUMNS`` columns, and a
+# winner's label (its plan, one block range after another) ran past both edges of the image.
+_LEGEND_WIDTH = 52
+_LEGEND_COLUMNS = 2
+
+
+def _wrapped(text: str) -> str:
+    return "\n".join(textwrap.wrap(text, _LEGEND_WIDTH, break_long_words=True, subsequent_indent="  "))
+
+
+def _xy(points: list[tuple[int, float]], scale: float) -> tuple[list[float], list[float]]:
+    return [x / scale for x, _ in points], [y for _, y in points]
 
 
 def _label_baselines(
@@ -185,7 +216,7 @@ def _mark_winner(ax: Axes, winner: TrialRecord, wxy: tuple[float, float]) -> Non
         facecolors="none",
         edgecolors="black",
         linewidths=2,
-        label=f"winner: [trial {winner.number}] {winner.label}",
+        label=_wrapped(f"winner: [trial {winner.number}] {winner.label}"),
         zorder=4,
     )
     # Named on the plot too, with an arrow from the side away from the crowded front (up and to the left).
@@ -212,7 +243,9 @@ def _frame(ax: Axes, result: TuneResult, unit: str, scale: float, span: tuple[fl
     x_max = x_span
     if budget.kind != "none" and budget.limit_bytes is not None:
         lim = budget.limit_bytes / scale
-        ax.axvline(lim, color="tab:red", ls="--", lw=1.5, label=f"budget: {format_bytes(budget.limit_bytes)} {mem}")
+        ax.axvline(
+            lim, color="tab:red", ls="--", lw=1.5, label=_wrapped(f"budget: {format_bytes(budget.limit_bytes)} {mem}")
+        )
         ax.axvspan(lim, x_max, color="tab:red", alpha=0.06, lw=0)
     ax.set_xlim(0, x_max)
     ax.set_ylim(0, y_span)

@@ -48,6 +48,7 @@ __all__ = [
     "HPARAM_PREDICTED_PEAK_MIB",
     "HPARAM_RECOMPUTE_PERCENT",
     "HPARAM_ROWS",
+    "HPARAM_VS_REFERENCE",
     "HPARAM_RUN_DIR",
     "HPARAM_SAMPLES_PER_SECOND",
     "PARETO_PNG",
@@ -162,6 +163,13 @@ HPARAM_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("winner", "winner", "\u2605 marks the plan that was locked in"),
     ("plan", "plan", "which blocks are checkpointed, and how"),
     ("status", "status", "ok = measured within the budget"),
+    (
+        "timing",
+        "timed",
+        "side by side = re-timed with the winner in the confirmation's interleaved rounds (comparable with its "
+        "figure); one at a time = measured alone while the search ran, at another moment (not comparable: a quiet "
+        "moment made such a plan look faster than the winner)",
+    ),
     ("trial", "trial", "trial number (the x axis of the per-trial scalars)"),
     ("mode", "mode", "search dimension: how the selected blocks are checkpointed"),
     ("selection", "blocks", "search dimension: which blocks the mode applies to"),
@@ -184,8 +192,19 @@ HPARAM_PEAK_MIB = f"{TAG_PREFIX}/table/peak_memory_mib"
 HPARAM_ACTIVATION_MIB = f"{TAG_PREFIX}/table/activation_memory_mib"
 HPARAM_PREDICTED_PEAK_MIB = f"{TAG_PREFIX}/table/predicted_peak_memory_mib"
 HPARAM_RECOMPUTE_PERCENT = f"{TAG_PREFIX}/table/recompute_percent"
+HPARAM_VS_REFERENCE = f"{TAG_PREFIX}/table/vs_reference"
 HPARAM_METRICS: tuple[tuple[str, str, str], ...] = (
-    (HPARAM_SAMPLES_PER_SECOND, "samples/s", "median-step throughput (confirmed side by side for the leaders)"),
+    (
+        HPARAM_SAMPLES_PER_SECOND,
+        "samples/s",
+        "median-step throughput: side by side with the winner where 'timed' says so, else measured alone",
+    ),
+    (
+        HPARAM_VS_REFERENCE,
+        "vs reference",
+        "speed over the fastest fitting baseline, both from the same side-by-side rounds (empty for plans timed one "
+        "at a time): what the choice compared",
+    ),
     (HPARAM_PEAK_MIB, "peak MiB", "peak memory of the training step"),
     (HPARAM_ACTIVATION_MIB, "activation MiB", "activation memory (peak above the resting state)"),
     (HPARAM_PREDICTED_PEAK_MIB, "predicted peak MiB", "the memory model's prediction"),
