@@ -685,3 +685,7 @@ def test_the_figure_and_the_table_mark_what_was_timed_one_plan_at_a_time(result,
     assert seen["9"][0] == "side by side" and seen["9"][1] == pytest.approx(95.0 / 85.0)
     assert seen["2"] == ("side by side", pytest.approx(1.0))
     assert seen["6"] == ("one at a time", None), seen
+    # The summary table says the same of each row's samples/s.
+    rows = {line.split()[1] if line.startswith("*") else line.split()[0]: line for line in
+            report.summary_table(confirmed).splitlines() if line.strip() and line.strip()[0] in "*0123456789"}  # fmt: skip
+    assert " side " in rows["9"] and " alone " in rows["6"], rows

@@ -382,6 +382,7 @@ _SUMMARY_COLUMNS = (
     "peak",
     "activation",
     "samples/s",
+    "timed",
     "pred step",
     "time err",
     "recompute",
@@ -396,6 +397,7 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
     if compiled:
         header += ("compile s",)
     rows = [header]
+    side_by_side = any(t.confirmed for t in result.trials)
     for t in _by_throughput(result):
         stats = compile_stats(t)
         compile_cell = (f"{stats.get('compile_seconds', 0.0):.1f}" if stats else "-",) if compiled else ()
@@ -409,6 +411,7 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
                 _memory_cell(t, t.peak_bytes),
                 _memory_cell(t, t.activation_bytes),
                 _fmt_rate(t.samples_per_second),
+                _timed(t, side_by_side),
                 _fmt_ms(t.predicted_seconds),
                 _fmt_error(t.prediction_error),
                 _fmt_overhead(t.recompute_overhead),
@@ -417,6 +420,14 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
             )
         )
     return rows
+
+
+def _timed(trial: TrialRecord, side_by_side: bool) -> str:
+    """How a row's samples/s was taken: ``side`` (re-timed with the winner in interleaved rounds: comparable with its
+    figure) or ``alone`` (one plan at a time, at another moment: a quiet one can put it above the winner)."""
+    if trial.samples_per_second is None:
+        return "-"
+    return "side" if trial.confirmed and side_by_side else "alone"
 
 
 def summary_table(result: TuneResult) -> str:
@@ -436,7 +447,12 @@ def summary_markdown(result: TuneResult) -> str:
         row = [_escape(c) if i == 1 else c for i, c in enumerate(r[1:])]
         cells.append([f"**{c}**" if r[0] == "*" and c else c for c in row])
     out += ["", markdown_table(rows[0][1:], cells)]
-    out += ["", "Bold: the winner. `~`: memory predicted by the memory model (the trial was timed only)."]
+    out += [
+        "",
+        "Bold: the winner. `~`: memory predicted by the memory model (the trial was timed only). timed: `side` = "
+        "re-timed side by side with the winner (comparable with its samples/s), `alone` = timed one plan at a time "
+        "while the search ran (not comparable: a quiet moment can put it above the winner).",
+    ]
     return "\n".join(out)
 
 
