@@ -8,20 +8,18 @@ through ``device_memory(device)``, so the suite can run the CUDA path's failures
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import re
-from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+
+from lightning_ckpt.measure.allocator_options import AllocatorOptions, configured_options, parse_options
 
 __all__ = [
     "DeviceMemory",
     "allocator_type",
     "device_memory",
-    "expandable_segments",
     "refused_although_it_fits",
     "install_card",
     "requested_bytes",
@@ -42,6 +40,26 @@ class DeviceMemory(Protocol):
     def get_fraction(self) -> float: ...
     def set_fraction(self, fraction: float) -> None: ...
     def cap_bytes(self) -> int: ...
+    def max_reserved(self) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def segments(self) -> list[dict[str, Any]]: ...
+    def allocator_options(self) -> AllocatorOptions: ...
+    def set_allocator_options(self, options: AllocatorOptions) -> None: ...
+    def expandable_in_effect(self) -> bool: ...
+
+
+# The figures of ``torch.cuda.memory_stats`` that say what the allocator went through (a refusal's evidence).
+STAT_KEYS = (
+    "allocated_bytes.all.current",
+    "allocated_bytes.all.peak",
+    "reserved_bytes.all.current",
+    "reserved_bytes.all.peak",
+    "inactive_split_bytes.all.current",
+    "num_alloc_retries",
+    "num_ooms",
+    "segment.all.current",
+)
+_PROBE_BYTES = 64 * 2**20
 
 
 class CudaMemory:
@@ -78,6 +96,52 @@ class CudaMemory:
     def cap_bytes(self) -> int:
         return int(self.get_fraction() * self.total_bytes)
 
+    def max_reserved(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+    def stats(self) -> dict[str, int]:
+        stats = torch.cuda.memory_stats(self.device)
+        return {k: int(stats[k]) for k in STAT_KEYS if k in stats}
+
+    def segments(self) -> list[dict[str, Any]]:
+        return [s for s in torch.cuda.memory_snapshot() if s.get("device", self.device.index) == self.device.index]
+
+    def allocator_options(self) -> AllocatorOptions:
+        """The options in force: what torch last parsed (2.9+ keeps it), else the environment it started from."""
+        getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+        text = getter() if getter is not None else ""
+        return parse_options(text) if text else configured_options(os.environ)
+
+    def set_allocator_options(self, options: AllocatorOptions) -> None:
+        """All options at once (the setter takes the string as the whole configuration): the non-deprecated setter
+        where torch has it (2.9+), else ``torch.cuda.memory._set_allocator_settings``."""
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is None:
+            setter = torch.cuda.memory._set_allocator_settings
+        if options.max_split_bytes is not None:  # CUDA refuses max_split_size_mb at or below its 20 MiB large buffer
+            options = options.with_max_split(max(options.max_split_bytes, 21 * 2**20))
+        text = options.text()
+        if options.expandable_segments is None:
+            text = ",".join(filter(None, [text, "expandable_segments:False"]))  # the default, said explicitly
+        setter(text)
+
+    def expandable_in_effect(self) -> bool:
+        """Whether a new segment is expandable, read off a real one: a probe larger than every cached free block (so
+        it cannot be served from the cache) is allocated and its segment looked up in ``memory_snapshot()``."""
+        largest_free = max(
+            (b["size"] for s in self.segments() for b in s.get("blocks", ()) if b.get("state") == "inactive"),
+            default=0,
+        )
+        probe = torch.empty(max(_PROBE_BYTES, largest_free + 2 * 2**20), dtype=torch.uint8, device=self.device)
+        try:
+            address = probe.data_ptr()
+            for segment in self.segments():
+                if segment["address"] <= address < segment["address"] + segment["total_size"]:
+                    return bool(segment.get("is_expandable", False))
+            return False
+        finally:
+            del probe
+
 
 _CARDS: dict[str, Any] = {}
 
@@ -111,40 +175,6 @@ def allocator_type(device: torch.device | str) -> str:
     device's type: what decides whether trials read the allocator and run under a cap, as on a GPU."""
     device = torch.device(device)
     return "cuda" if device_memory(device) is not None else device.type
-
-
-log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def expandable_segments(device: torch.device | str) -> Iterator[bool]:
-    """CUDA's allocator with ``expandable_segments`` for the search, put back as it was afterwards; yields whether it
-    was turned on.
-
-    The per-process cap limits *reserved* memory. A search runs steps of many shapes one after another, and the
-    cached blocks they leave can be too small for the next large request: on one H200 made 21.8 GiB, the memory
-    profile was refused 6.14 GiB with 11.17 GiB allocated and 4.73 GiB reserved but free. Expandable segments grow one
-    segment instead of caching fixed blocks, so what is reserved stays close to what is allocated, which is what the
-    budget, the memory model and the guard speak of. Left alone when the user configured the allocator themselves
-    (``PYTORCH_CUDA_ALLOC_CONF``), or where torch cannot change it at run time."""
-    device = torch.device(device)
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-    if device.type != "cuda" or "expandable_segments" in conf or setter is None:
-        yield False
-        return
-    try:
-        setter("expandable_segments:True")
-    except Exception as err:  # an allocator that refuses (a custom one, an older torch)
-        log.debug("lightning_ckpt: expandable segments not available: %s", err)
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        setter("expandable_segments:False")
 
 
 def refused_although_it_fits(exc: BaseException, memory: DeviceMemory | None, limit: int | None) -> str | None:

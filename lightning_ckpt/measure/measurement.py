@@ -39,7 +39,13 @@ from torch import nn
 
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
 from lightning_ckpt.formatting import format_bytes
-from lightning_ckpt.measure.device_memory import DeviceMemory, device_memory, refused_although_it_fits
+from lightning_ckpt.measure.allocator import allocator_figures, split_resistant
+from lightning_ckpt.measure.device_memory import (
+    DeviceMemory,
+    device_memory,
+    refused_although_it_fits,
+    requested_bytes,
+)
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.status import TrialStatus
 from lightning_ckpt.measure.tracker import new_live_tracker, normalise_device, removing_grad_hooks
@@ -207,6 +213,61 @@ def release_memory(device: torch.device) -> None:
         memory.empty_cache()
 
 
+class PassOutOfMemory(Exception):
+    """A pass that ``run_pass`` ran was refused memory, also on its retry: which pass, the refusal's message and
+    the allocator's figures when it was refused. Raised once the pass's memory is released, holding no tensor."""
+
+    def __init__(self, what: str, message: str, figures: dict[str, Any], retry: str | None) -> None:
+        super().__init__(f"{what} ran out of memory: {message}")
+        self.what, self.message, self.figures, self.retry = what, message, figures, retry
+
+    def allocator_note(self) -> str:
+        """The allocator's figures in a few words, for the error a user reads."""
+        stats = self.figures.get("stats", {})
+        if not stats:
+            return ""
+        parts = [
+            f"{format_bytes(stats.get('allocated_bytes.all.current', 0))} allocated",
+            f"{format_bytes(stats.get('reserved_bytes.all.current', 0))} reserved",
+            f"{format_bytes(stats.get('inactive_split_bytes.all.current', 0))} free in split blocks",
+            f"{stats.get('num_alloc_retries', 0)} allocator retries",
+            f"reserved peak {format_bytes(stats.get('reserved_bytes.all.peak', 0))}",
+        ]
+        retry = f"; retried from an emptied cache with {self.retry}" if self.retry else "; not retried"
+        return f"; the allocator had {', '.join(parts)}{retry}"
+
+
+def run_pass(what: str, device: torch.device, run: Callable[[], Any], restore: Callable[[], None] | None = None) -> Any:
+    """``run()``, a pass that needs step-sized buffers, from an emptied cache; once more when the allocator refused a
+    request that the allocated bytes fit (its cache was fragmented), this time split-resistant
+    (``allocator.split_resistant``; nothing to change with expandable segments, so no retry). ``restore`` puts the
+    model back between the two. A refusal that stays raises ``PassOutOfMemory``; other errors pass through."""
+    memory = device_memory(device)
+    if memory is None:
+        return run()
+    retry: str | None = None
+    request = 0
+    for attempt in (1, 2):
+        memory.empty_cache()
+        try:
+            with split_resistant(memory, request) if attempt == 2 else contextlib.nullcontext() as retry:
+                return run()
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            message = f"{type(exc).__name__}: {str(exc)[:_MAX_ERROR_CHARS]}"
+            figures = allocator_figures(memory)
+            fits = refused_although_it_fits(exc, memory, None)
+            request = requested_bytes(str(exc)) or 0
+        release_memory(device)  # outside the ``except``: the failed pass's frames are gone
+        if restore is not None:
+            restore()
+        if attempt == 2 or fits is None or memory.allocator_options().expandable_segments:
+            break
+        log.info("lightning_ckpt: %s was refused memory (%s); once more, split-resistant", what, fits)
+    raise PassOutOfMemory(what, message, figures, retry)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The measurement
 # ---------------------------------------------------------------------------------------------------
@@ -311,6 +372,8 @@ def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reser
     The budget itself is still judged on ``max_memory_allocated``. A smaller cap the user set is kept.
     """
     if limit is None or memory is None:
+        if memory is not None:
+            memory.empty_cache()  # step-sized buffers from a cold cache, not from what the last plan's steps split
         yield False
         return
     previous = memory.get_fraction()
@@ -629,14 +692,17 @@ def measure_step(
     cap_limit = memory_limit_bytes
     notes: dict[str, Any] = {}
     retried = False
+    request = 0  # what the allocator refused, on the retry
     while True:
         started = memory.allocated() if memory is not None else None
         passes = _Passes(step_fn, snapshot, device, memory_limit_bytes)
         failure: tuple[str, ...] | None = None
         over_budget: str | None = None
         refused_but_fits: str | None = None
+        split: str | None = None
         try:
-            with _enforced_memory_limit(memory, cap_limit, reserve_headroom_bytes) as capped:
+            resist = split_resistant(memory, request) if retried and memory is not None else contextlib.nullcontext()
+            with _enforced_memory_limit(memory, cap_limit, reserve_headroom_bytes) as capped, resist as split:
                 if track_memory:
                     passes.tracked(model, optimizer, extra)
                 passes.timed(warmup, steps, limit_steps, target_rel_spread, clock, read_allocator)
@@ -649,6 +715,7 @@ def measure_step(
             if failure[0] == "oom" and not retried:
                 # Under the search's cap: judged against the budget; under the device's own: against the device.
                 refused_but_fits = refused_although_it_fits(exc, memory, memory_limit_bytes if capped else None)
+                request = requested_bytes(str(exc)) or 0
         finally:
             if failure is not None:
                 # A failed step's frames (held by the traceback) can hold its tensors in reference cycles.
@@ -669,10 +736,14 @@ def measure_step(
                 )
         if refused_but_fits is not None and "leaked_bytes" not in notes:  # a step that leaked would only fail again
             # The allocator's cap counts reserved bytes: run once more from an emptied cache, under the user's own cap
-            # only, and judge the budget on the allocated peak, as the memory model and the guard do.
+            # only and split-resistant (without expandable segments the same sequence of requests would split the
+            # cache the same way again), and judge the budget on the allocated peak, as the memory model and the
+            # guard do.
             notes["cap_refused"] = refused_but_fits
             cap_limit, retried = None, True
             continue
+        if retried and split:
+            notes["retried_with"] = split
         break
     _refuse_changed_parameters(snapshot)
     return passes.outcome(warmup, failure, over_budget, batch_size, seq_len, notes)

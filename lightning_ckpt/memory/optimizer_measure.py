@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.errors import InfeasibleBudgetError
+from lightning_ckpt.measure.device_memory import device_memory
 from lightning_ckpt.measure.measurement import is_out_of_memory, release_memory
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.tracker import new_live_tracker, tensor_bytes
@@ -81,7 +81,8 @@ def measure_optimizer_step(
 
     Gradients missing at this point (none exist before the first backward) are filled with zeros for
     the step: a real optimizer step sees every trainable parameter's gradient. Parameters, gradients,
-    optimizer state, hyper-parameters and RNG are restored afterwards, exactly.
+    optimizer state, hyper-parameters and RNG are restored afterwards, exactly. Out of memory, it raises
+    ``torch.OutOfMemoryError`` once all that is done (``tune`` runs it through ``lowest_memory_pass``).
     """
     device = torch.device(device)
     before = _state_bytes(optimizer)
@@ -93,13 +94,16 @@ def measure_optimizer_step(
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
                 filled.append(p)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        memory = device_memory(device)
+        if memory is not None:  # CUDA, or a simulated card: the allocator's peak
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             gc.collect()
-            torch.cuda.reset_peak_memory_stats(device)
+            memory.reset_peak()
             optimizer.step()
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            peak = memory.max_allocated()
         else:
             tracker = new_live_tracker(device, model, optimizer)
             tracker.track_external(model, optimizer, *extra)
@@ -108,25 +112,24 @@ def measure_optimizer_step(
                 optimizer.step()
             peak = tracker.total_peak
         after = _state_bytes(optimizer)
-        oom = None
+        refused = None
     except Exception as err:
-        if is_out_of_memory(err):
-            # Not "unmeasured": the step alone, with no activation held, does not fit. Every real step would
-            # run out of memory whatever the plan, so no plan may be chosen (and none is: tune() stops here).
-            oom = InfeasibleBudgetError(
-                f"optimizer.step() of {type(optimizer).__name__} ran out of memory on its own, with no activation "
-                f"held ({type(err).__name__}: {str(err)[:300]}), so every training step would too, whatever the "
-                "checkpointing plan. Make room for the optimizer: shard it (FSDP2), use a lighter optimizer "
-                "(e.g. 8-bit or SGD), or keep its state off the device."
-            )
-        else:  # e.g. LBFGS: step() needs a closure. Nothing to predict; the guard checks real steps.
+        if not is_out_of_memory(err):  # e.g. LBFGS: step() needs a closure. Nothing to predict; the guard checks.
             return OptimizerStepMemory(before, before, 0, measured=False, note=f"{type(err).__name__}: {err}")
+        refused = f"{type(err).__name__}: {err}"
     finally:
         for p in filled:
             p.grad = None
         saved.restore()
         snapshot.restore()
-    if oom is not None:  # raised here, after the ``except``: the failed step's tensors are free by now
+    if refused is not None:
+        # Not "unmeasured": the step alone, with no activation held, does not fit, so every real step would run out of
+        # memory whatever the plan. Raised here, after the ``except`` (the failed step's tensors are free by now), as
+        # an out-of-memory error the caller's ``run_pass`` retries once split-resistant and then makes infeasible.
         release_memory(device)
-        raise oom
+        raise torch.OutOfMemoryError(
+            f"optimizer.step() of {type(optimizer).__name__} ran out of memory on its own, with no activation held, so "
+            "every training step would too, whatever the checkpointing plan (make room for the optimizer: shard it "
+            f"with FSDP2, use a lighter optimizer such as 8-bit or SGD, or keep its state off the device). {refused}"
+        )
     return OptimizerStepMemory(before, after, peak, note=f"{type(optimizer).__name__} step measured")

@@ -23,7 +23,6 @@ How a plan is predicted from these is ``memory.model``'s part.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +33,8 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, LightningCkptError
-from lightning_ckpt.measure.device_memory import device_memory
 from lightning_ckpt.measure.harness import loss_of
+from lightning_ckpt.measure.measurement import PassOutOfMemory, run_pass
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.tracker import (
     local_tensor,
@@ -412,22 +411,37 @@ def _run_profile(
     snapshot = StateSnapshot.capture(root)
     try:
         stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
-        order, reps, rep_of, unchained = capture_calls(root, forward_fn, blocks, share, stack_of)
+        order, reps, rep_of, unchained = run_pass(
+            "the memory profile's capture (a forward without gradients)",
+            dev,
+            lambda: capture_calls(root, forward_fn, blocks, share, stack_of),
+            snapshot.restore,
+        )
         # FSDP2 all-gathers a sharded block's parameters in its own forward hooks, which a segment's recompute
         # of several blocks as one function does not run: no segments over sharded blocks.
         unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
         unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
         snapshot.restore()
-        # A cold cache, as under a trial's cap: the capture's forward left blocks cached (its fp32 logits among them)
-        # that the anchor step splits, and on a card capped near the budget the anchor's own logits then found no
-        # room (an H200 capped at 21.8 GiB refused 6.14 GiB with 11.17 allocated and 4.74 reserved but free).
-        _cold_cache(dev)
-        tracker, resting, end_of_forward, calls = _anchor(root, forward_fn, order, externals, dev)
+        # Each sub-pass from a cold cache (``run_pass``), as under a trial's cap: the capture's forward left blocks
+        # cached (its fp32 logits among them) that the anchor step split, and on a card capped near the budget the
+        # anchor's own logits then found no room (an H200 capped at 21.8 GiB refused 6.14 GiB with 11.17 allocated
+        # and 4.74 reserved but free).
+        tracker, resting, end_of_forward, calls = run_pass(
+            "the memory profile's anchor step (every block fully checkpointed)",
+            dev,
+            lambda: _anchor(root, forward_fn, order, externals, dev),
+            snapshot.restore,
+        )
         snapshot.restore()
         call_rep, profiled = _calls_to_profile(rep_of, reps, calls)
         overhead = reserve = 0
         if dev.type == "cuda":
-            allocator_peak, resting, reserve = _cuda_allocator_anchor(root, forward_fn, order, dev)
+            allocator_peak, resting, reserve = run_pass(
+                "the memory profile's allocator reading of the anchor step",
+                dev,
+                lambda: _cuda_allocator_anchor(root, forward_fn, order, dev),
+                snapshot.restore,
+            )
             overhead = allocator_peak - tracker.total_peak
             snapshot.restore()
 
@@ -597,12 +611,17 @@ def _run_blocks(
     which the others are measured against."""
     wanted = None if isinstance(modes, bool) else {"none", *modes}
     return {
-        key: run(
-            root,
-            cap,
-            {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
-            device=dev,
-            restore=snapshot.restore,
+        key: run_pass(
+            f"the memory profile's timing of {cap.fqn} alone",
+            dev,
+            lambda cap=cap, key=key: run(
+                root,
+                cap,
+                {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
+                device=dev,
+                restore=snapshot.restore,
+            ),
+            snapshot.restore,
         )
         for key, cap in reps.items()
     }
@@ -626,8 +645,13 @@ def _profile_blocks(
         profiles[fqn], failed[fqn] = {}, {}
         for key in keys:
             try:
-                profiles[fqn][key], in_bytes[fqn] = _run_block(root, cap, _block_plan_of(key), externals, dev)
-            except torch.OutOfMemoryError:
+                profiles[fqn][key], in_bytes[fqn] = run_pass(
+                    f"the memory profile's run of {cap.fqn} alone under {key}",
+                    dev,
+                    lambda cap=cap, key=key: _run_block(root, cap, _block_plan_of(key), externals, dev),
+                    snapshot.restore,
+                )
+            except (torch.OutOfMemoryError, PassOutOfMemory):
                 raise
             except Exception as err:
                 # A mode this block cannot run under (e.g. an op save-list that does not apply) is
@@ -638,13 +662,6 @@ def _profile_blocks(
             finally:
                 snapshot.restore()
     return profiles, failed, in_bytes
-
-
-def _cold_cache(device: torch.device) -> None:
-    memory = device_memory(device)
-    if memory is not None:
-        gc.collect()
-        memory.empty_cache()
 
 
 def _cuda_allocator_anchor(

@@ -21,14 +21,10 @@ from torch import nn
 
 from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes, within_host
 from lightning_ckpt.errors import InfeasibleBudgetError
-from lightning_ckpt.measure.device_memory import (
-    allocator_type,
-    device_memory,
-    expandable_segments,
-    refused_although_it_fits,
-)
+from lightning_ckpt.measure.allocator import AllocatorRegime, search_allocator, start_expandable_segments
+from lightning_ckpt.measure.device_memory import allocator_type, device_memory
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.measure.measurement import is_out_of_memory, release_memory
+from lightning_ckpt.measure.measurement import PassOutOfMemory, run_pass
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
 from lightning_ckpt.memory.compiled import CompiledMemoryModel
@@ -180,6 +176,7 @@ def tune(
     """
     config = settings_into_config(config, settings, "tune")
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
+    start_expandable_segments()  # only while CUDA has not started (a model still on the host): see measure.allocator
     resolved = ModelView.of(model, config.block_types)
     with search_session(resolved) as session:
         step_fn = session.restoring(step_fn)
@@ -210,6 +207,7 @@ def tune(
             sync=sync,
             should_stop=should_stop,
             began=session.began,
+            allocator=session.allocator,
         )
 
 
@@ -219,12 +217,13 @@ class SearchSession:
 
     Set up: every block runs (LayerDrop and kin at full depth: the budget must hold for the deepest step), the
     modules' Python attributes are captured so each step starts from them, the allocator runs with expandable
-    segments on CUDA. Undone: cached device blocks and offload trials' pinned host memory released, the allocator,
+    segments on CUDA where they can be verified on (``measure.allocator``; kept for the training after). Undone: cached device blocks and offload trials' pinned host memory released, the allocator,
     kept compiled graphs, parameters the forward writes, Python attributes (with a warning for what could not be
     restored)."""
 
-    def __init__(self, resolved: ModelView) -> None:
+    def __init__(self, resolved: ModelView, allocator: AllocatorRegime | None = None) -> None:
         self.resolved = resolved
+        self.allocator = allocator  # what the search runs under, recorded in the plan file
         self.began = allocated_bytes(resolved.device)  # what the device held before the search: named if none fits
         self.python_state = PythonState.capture(resolved.root)
 
@@ -255,10 +254,10 @@ def search_session(resolved: ModelView) -> Iterator[SearchSession]:
     """A ``SearchSession`` for the duration of one search (see there)."""
     # Entered before the Python attributes are captured, which would otherwise put LayerDrop's rates back after
     # every step.
-    with full_depth(resolved.root, resolved.stacks) as deepened, expandable_segments(resolved.device):
+    with full_depth(resolved.root, resolved.stacks) as deepened, search_allocator(resolved.device) as allocator:
         if deepened:
             log.info("lightning_ckpt: searching at full depth (every block runs): %s", deepened)
-        session = SearchSession(resolved)
+        session = SearchSession(resolved, allocator)
         try:
             yield session
         finally:
@@ -276,9 +275,10 @@ def _search(
     sync: Sync | None,
     should_stop: Callable[[], bool] | None,
     began: int | None,
+    allocator: AllocatorRegime | None = None,
 ) -> TuneResult:
     """Profile, resolve the budget, then run, confirm and choose the study. ``began``: what the device held before
-    the search (``SearchSession.began``), named if no plan can fit."""
+    the search (``SearchSession.began``), named if no plan can fit; ``allocator``: the regime it runs under."""
     device, optimizer, seq_len = resolved.device, harness.optimizer, harness.seq_len
     space = config.search_space.for_device(device.type)
     if is_compiled:
@@ -309,7 +309,12 @@ def _search(
         resolved, harness, config, compiled=is_compiled, reserve_headroom=memory_model.reserve_overhead_bytes
     )
     optimizer_step = (
-        measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)  # an OOM: infeasible
+        lowest_memory_pass(
+            "the optimizer-step measurement",
+            began,
+            resolved,
+            lambda: measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra),
+        )
         if optimizer is not None
         else OptimizerStepMemory.absent()
     )
@@ -344,6 +349,8 @@ def _search(
     compiled = list(runner.regions) if is_compiled else None
     run = {"device": str(device), "batch_size": harness.batch_size, "seq_len": seq_len, "compiled": compiled}
     metadata: dict[str, Any] = {"optimizer_step": memory.optimizer.to_dict(), "run": run}
+    if allocator is not None:
+        metadata[ALLOCATOR_KEY] = allocator.to_dict()
     fitted = study.proposer.fitted()
     if isinstance(memory.model, CompiledMemoryModel):
         metadata["compiled_blocks"] = {**memory.model.to_dict(), "activation_errors": _activation_errors(study)}
@@ -517,34 +524,32 @@ def allocated_bytes(device: torch.device) -> int | None:
 
 def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run: Callable[[], Any]) -> Any:
     """``run()``, a pass that needs no more memory than the lowest-memory plan (the parameter-write check, the memory
-    profile): an out-of-memory error there means no plan can fit, so it becomes ``InfeasibleBudgetError`` naming the
-    pass, what was allocated when the search began and what the device lets this process have. The pass restores the
-    model's state itself; the error is raised outside the ``except``, once the failed pass's memory is released, and
-    does not chain the OOM (whose traceback would keep the pass's tensors alive)."""
+    profile and its sub-passes, the optimizer-step measurement), through ``measurement.run_pass``: from an emptied
+    cache, retried once split-resistant when the allocator refused what the allocated bytes fit. An out-of-memory
+    error that survives means no plan can fit, so it becomes ``InfeasibleBudgetError`` naming the sub-pass that
+    failed, the allocator's figures, what was allocated when the search began and what the device lets this process
+    have. The pass restores the model's state itself; the error is raised once the failed pass's memory is
+    released, and does not chain the OOM (whose traceback would keep the pass's tensors alive)."""
+    try:
+        return run_pass(what, resolved.device, run)
+    except PassOutOfMemory as failed:
+        failure = failed.with_traceback(None)  # its frames hold the profile's captured inputs
     memory = device_memory(resolved.device)
-    for attempt in (1, 2):
-        try:
-            return run()
-        except Exception as exc:
-            if not is_out_of_memory(exc):
-                raise
-            message = f"{type(exc).__name__}: {str(exc)[:400]}"
-            fragments = refused_although_it_fits(exc, memory, None) if attempt == 1 else None
-        release_memory(resolved.device)  # outside the ``except``: the failed pass's frames are gone; cache emptied
-        if fragments is None:
-            break
-        log.info("lightning_ckpt: %s was refused memory (%s); once more from an emptied cache", what, fragments)
     facts = [f"{format_bytes(started)} was already allocated when the search began"] if started is not None else []
     if memory is not None:
         facts.append(f"this process may allocate {format_bytes(memory.cap_bytes())} there")
-    raise InfeasibleBudgetError(
-        f"{what} ran out of memory on {resolved.device} ({message}). It needs no more memory than the lowest-memory "
-        f"plan (every block fully checkpointed), so no plan fits{': ' + '; '.join(facts) if facts else ''}. Free "
-        "memory before the fit (other models, cached tensors), use a smaller batch or micro-batch, shard the model "
-        "(FSDP2), or give the process more of the device."
+    error = InfeasibleBudgetError(
+        f"{failure.what} ran out of memory on {resolved.device} ({failure.message}){failure.allocator_note()}. It "
+        "needs no more memory than the lowest-memory plan (every block fully checkpointed), so no plan fits"
+        f"{': ' + '; '.join(facts) if facts else ''}. Free memory before the fit (other models, cached tensors), use a "
+        "smaller batch or micro-batch, shard the model (FSDP2), or give the process more of the device.",
+        allocator=failure.figures,
     )
+    raise error from None
 
 
+# Where the search's allocator regime is recorded in the plan file (``measure.allocator.AllocatorRegime``).
+ALLOCATOR_KEY = "allocator"
 # Where a compiled search's plan keeps what it compiled (``compiles_of``): the result line, ``show`` and TensorBoard.
 COMPILES_KEY = "compiles"
 # A PT2 budget chosen on blocks compiled alone, checked compiled the user's way (``whole_check.WholeCheck``).

@@ -14,6 +14,14 @@ failures run on CPU:
 * **a cache that grew**: reserved bytes keep their high-water mark until ``empty_cache()``;
 * **a leak**: anything a failed step leaves alive stays counted, so every later step starts higher.
 
+With ``segments`` (``AllocatorSizes``: CUDA's thresholds, scaled for tiny models) the card is a caching allocator
+(``testing.allocator``): storages are served from cached segments, best fit, split and merged; a request the cache
+cannot serve gets a new segment within the cap, or every free segment is released and it is tried again, or it is
+refused in CUDA's words, "X is reserved by PyTorch but unallocated" included. So fragmentation fails a step here as
+it does on a card. ``expandable`` is expandable segments as configured when the card starts (None: read from
+``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` on entering, as CUDA reads them when it starts);
+``runtime_switch=False`` makes the run-time switch do nothing, as on torch 2.11.
+
 Host copies are not counted: a storage on another device than the card's (``device``) is not the card's.
 
     card = SimulatedCard(total_bytes=40 * 2**20, resident=(model, optimizer))
@@ -24,6 +32,7 @@ Host copies are not counted: a storage on another device than the card's (``devi
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -34,6 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.measure import device_memory
+from lightning_ckpt.measure.allocator_options import AllocatorOptions, configured_options
+from lightning_ckpt.testing.allocator import AllocatorOutOfMemory, AllocatorSizes, Block, CachingAllocator
 
 __all__ = ["SimulatedCard"]
 
@@ -67,6 +78,9 @@ class SimulatedCard(TorchDispatchMode):
         resident: Iterable[Any] = (),
         reserve_factor: float = 1.0,
         device: torch.device | str = "cpu",
+        segments: AllocatorSizes | None = None,
+        expandable: bool | None = False,
+        runtime_switch: bool = True,
     ) -> None:
         super().__init__()
         if total_bytes < 1 or reserve_factor < 1.0:
@@ -84,6 +98,17 @@ class SimulatedCard(TorchDispatchMode):
         self.peak_bytes = 0
         self.cached_bytes = 0  # reserved high-water mark since the last ``empty_cache``
         self.refusals: list[str] = []  # the message of every OOM the card raised
+        self._expandable_at_start = expandable
+        self.allocator = (
+            CachingAllocator(
+                self.cap_bytes, sizes=segments, runtime_switch=runtime_switch, total=lambda: self.total_bytes
+            )
+            if segments is not None
+            else None
+        )
+        self._blocks: dict[int, Block] = {}  # id of a counted storage -> its block (``segments``)
+        self.options = AllocatorOptions()
+        self.probe_bytes = 64 * _MIB // (AllocatorSizes().large_buffer // segments.large_buffer) if segments else _MIB
 
     # -- the allocator's readings, as torch.cuda gives them --------------------------------------------------
     def allocated(self) -> int:
@@ -93,13 +118,64 @@ class SimulatedCard(TorchDispatchMode):
         return self.peak_bytes
 
     def reset_peak(self) -> None:
+        """Both peaks, as ``torch.cuda.reset_peak_memory_stats`` resets them."""
         self.peak_bytes = self.allocated_bytes
+        if self.allocator is not None:
+            self.allocator.peak_reserved = self.allocator.reserved
 
     def reserved(self) -> int:
+        if self.allocator is not None:
+            return self.allocator.reserved
         return max(self.cached_bytes, self._reserved_for(self.allocated_bytes))
 
+    def max_reserved(self) -> int:
+        if self.allocator is not None:
+            return self.allocator.peak_reserved
+        return self.cached_bytes
+
     def empty_cache(self) -> None:
+        if self.allocator is not None:
+            self.allocator.empty_cache()
         self.cached_bytes = self._reserved_for(self.allocated_bytes)
+
+    def stats(self) -> dict[str, int]:
+        if self.allocator is not None:
+            return self.allocator.stats()
+        return {
+            "allocated_bytes.all.current": self.allocated_bytes,
+            "allocated_bytes.all.peak": self.peak_bytes,
+            "reserved_bytes.all.current": self.reserved(),
+            "reserved_bytes.all.peak": self.cached_bytes,
+            "num_ooms": len(self.refusals),
+        }
+
+    def segments(self) -> list[dict[str, Any]]:
+        return self.allocator.snapshot() if self.allocator is not None else []
+
+    # -- the allocator's options (CUDA: PYTORCH_ALLOC_CONF and the run-time setter) ---------------------------------
+    def allocator_options(self) -> AllocatorOptions:
+        return self.options
+
+    def set_allocator_options(self, options: AllocatorOptions) -> None:
+        self.options = options
+        if self.allocator is not None:
+            self.allocator.set_expandable(bool(options.expandable_segments))
+            self.allocator.max_split_size = options.max_split_bytes
+
+    def expandable_in_effect(self) -> bool:
+        """Whether a new large segment is expandable: a probe of ``probe_bytes`` (64 MiB, scaled) is allocated and
+        its segment read, as ``torch.cuda.memory_snapshot()`` is read on a card."""
+        if self.allocator is None:  # nothing to fragment: the switch is only remembered
+            return bool(self.options.expandable_segments)
+        largest_free = max(
+            (b["size"] for seg in self.segments() for b in seg["blocks"] if b["state"] == "inactive"), default=0
+        )
+        size = max(self.probe_bytes, largest_free + self.allocator.sizes.large_buffer)
+        probe = torch.empty(size, dtype=torch.uint8, device=self.device)
+        block = self._blocks.get(id(probe.untyped_storage()))
+        expandable = block is not None and block.segment.expandable
+        del probe
+        return expandable
 
     def get_fraction(self) -> float:
         return self.fraction
@@ -116,11 +192,15 @@ class SimulatedCard(TorchDispatchMode):
     def _reserved_for(self, allocated: int) -> int:
         return int(allocated * self.reserve_factor)
 
-    def _count(self, storage: torch.UntypedStorage) -> None:
+    def _count(self, storage: torch.UntypedStorage, block: Block | None = None) -> None:
         key = id(storage)
         if key in self._live and self._refs[key]() is storage:
             return
-        nbytes = storage.nbytes()
+        if block is None and self.allocator is not None and storage.nbytes():
+            block = self.allocator.malloc(storage.nbytes())  # a resident tensor: the card had room for it
+        if block is not None:
+            self._blocks[key] = block
+        nbytes = block.size if block is not None else storage.nbytes()
         self._live[key] = nbytes
         self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._free(key))
         self.allocated_bytes += nbytes
@@ -131,6 +211,9 @@ class SimulatedCard(TorchDispatchMode):
         nbytes = self._live.pop(key, 0)
         self._refs.pop(key, None)
         self.allocated_bytes -= nbytes
+        block = self._blocks.pop(key, None)
+        if block is not None and self.allocator is not None:
+            self.allocator.free(block)
 
     def _resident_tensors(self) -> list[torch.Tensor]:
         tensors: list[torch.Tensor] = []
@@ -149,6 +232,13 @@ class SimulatedCard(TorchDispatchMode):
         return tensors
 
     def __enter__(self) -> SimulatedCard:
+        if self.allocator is not None:
+            # The card "starts" here, and reads its configuration as CUDA does when it starts.
+            configured = configured_options(os.environ)
+            self.options = configured
+            expandable = self._expandable_at_start
+            self.allocator.expandable = bool(configured.expandable_segments if expandable is None else expandable)
+            self.allocator.max_split_size = configured.max_split_bytes
         for st in _storages(self._resident_tensors()):
             if st.device == self.device:
                 self._count(st)
@@ -166,7 +256,9 @@ class SimulatedCard(TorchDispatchMode):
         new = [s for s in _storages(tree_flatten(out)[0]) if s.device == self.device and id(s) not in inputs]
         fresh = [s for s in new if not (id(s) in self._live and self._refs[id(s)]() is s)]
         request = sum(s.nbytes() for s in fresh)
-        if request:
+        if request and self.allocator is not None:
+            self._serve(fresh, out)
+        elif request:
             after = self.allocated_bytes + request
             cap = self.cap_bytes()
             if after > self.total_bytes or self._reserved_for(after) > cap:
@@ -182,3 +274,23 @@ class SimulatedCard(TorchDispatchMode):
             for s in fresh:
                 self._count(s)
         return out
+
+    def _serve(self, fresh: list[torch.UntypedStorage], out: Any) -> None:
+        """Each new storage from the caching allocator, one request at a time as CUDA serves them; a refusal
+        gives back what this op was already given and raises CUDA's out-of-memory error."""
+        given: list[Block] = []
+        for s in fresh:
+            if not s.nbytes():
+                continue
+            try:
+                given.append(self.allocator.malloc(s.nbytes()))
+            except AllocatorOutOfMemory as err:
+                for block in given:
+                    self.allocator.free(block)
+                del out, fresh
+                self.refusals.append(str(err))
+                raise torch.OutOfMemoryError(str(err)) from None
+        blocks = iter(given)
+        for s in fresh:
+            if s.nbytes():
+                self._count(s, next(blocks))

@@ -1,0 +1,193 @@
+"""The allocator regime a search and the training after it run under: expandable segments really on (verified on a
+real segment), or a clear word that they are not; and the split-resistant setting a refused pass is retried with.
+
+Why expandable segments: the per-process cap limits *reserved* memory, and a search runs steps of many shapes one
+after another. Cached blocks that smaller tensors split cannot serve a large request: on one H200 capped at 21.8
+GiB, the memory profile was refused 6.14 GiB with 11.17 GiB allocated and 4.74 GiB "reserved by PyTorch but
+unallocated". With expandable segments the allocator unmaps free pages before it refuses, so what is reserved
+follows what is allocated, which is what the budget, the memory model and the guard speak of.
+
+How they are turned on, in order of what works:
+
+1. before CUDA starts (``start_expandable_segments``, called when the callback is created and when ``tune`` is
+   entered): the allocator reads ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` when it starts, on every torch;
+2. at run time (``search_allocator``): the setter, given the user's whole configuration with
+   ``expandable_segments:True`` (it parses its string as the complete configuration). On torch 2.11 the switch,
+   called after CUDA had started, did nothing, and nothing checked: so a 64 MiB probe's segment is read
+   (``is_expandable`` in ``torch.cuda.memory_snapshot()``) before and after, and a switch that did not take is put
+   back and said once (``AllocatorWarning``), with what the user can set.
+
+The training after the search keeps the regime the search verified (expandable segments are not switched off
+again): a plan chosen under one regime is not trained under another that fragments. A user's own
+``expandable_segments`` setting, either way, is never changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from lightning_ckpt.measure.allocator_options import ENV_VARS, configured_options
+from lightning_ckpt.measure.device_memory import DeviceMemory, device_memory
+
+__all__ = [
+    "AllocatorRegime",
+    "AllocatorWarning",
+    "allocator_figures",
+    "search_allocator",
+    "split_resistant",
+    "start_expandable_segments",
+]
+
+log = logging.getLogger(__name__)
+_MIB = 2**20
+
+
+class AllocatorWarning(UserWarning):
+    """The allocator could not be put in the regime the search wants (filter it with ``warnings.filterwarnings``)."""
+
+
+@dataclass(frozen=True)
+class AllocatorRegime:
+    """What the search ran under, read off the allocator: recorded in the result and the plan file.
+
+    ``expandable_segments``: verified on a new segment. ``how``: ``"configured before the device started"``,
+    ``"run-time switch"``, ``"off by your configuration"`` or ``"off: ..."`` (why). ``settings``: the allocator's
+    options as in force (``PYTORCH_ALLOC_CONF`` syntax)."""
+
+    expandable_segments: bool
+    how: str
+    settings: str
+    torch: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AllocatorRegime:
+        return cls(
+            bool(data["expandable_segments"]),
+            str(data["how"]),
+            str(data.get("settings", "")),
+            str(data.get("torch", "")),
+        )
+
+    def describe(self) -> str:
+        state = "on" if self.expandable_segments else "off"
+        return f"expandable segments {state} ({self.how})"
+
+
+def start_expandable_segments(environ: dict[str, str] | None = None) -> str | None:
+    """Put ``expandable_segments:True`` into the allocator's configuration while CUDA has not started yet, keeping
+    every other option the user wrote; returns the variable set, or None (no GPU, CUDA already started, or the user
+    chose either way). The setting stays for the whole process: the training after the search runs in the regime
+    the search measured."""
+    environ = os.environ if environ is None else environ
+    if not torch.cuda.is_available() or torch.cuda.is_initialized():
+        return None
+    configured = configured_options(environ)
+    if configured.expandable_segments is not None:
+        return None
+    torch_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    name = next((n for n in ENV_VARS if environ.get(n)), ENV_VARS[0] if torch_minor >= (2, 9) else ENV_VARS[1])
+    environ[name] = configured.with_expandable(True).text()
+    log.info("lightning_ckpt: %s=%s set before CUDA starts (expandable segments)", name, environ[name])
+    return name
+
+
+def _regime(memory: DeviceMemory) -> AllocatorRegime:
+    version = torch.__version__.split("+")[0]
+    options = memory.allocator_options()
+    memory.empty_cache()  # a probe served from the cache would read an old segment, not a new one
+    expandable = memory.expandable_in_effect()
+    memory.empty_cache()  # and the probe's own segment is not left cached for the search's first pass
+    if expandable:
+        how = "configured before the device started" if options.expandable_segments else "already on"
+        return AllocatorRegime(True, how, options.text(), version)
+    if options.expandable_segments is False:
+        return AllocatorRegime(False, "off by your configuration (expandable_segments:False)", options.text(), version)
+    try:
+        memory.set_allocator_options(options.with_expandable(True))
+    except Exception as err:  # a custom allocator, a platform without them
+        return AllocatorRegime(
+            False, f"off: the allocator refused the switch ({type(err).__name__}: {err})", options.text(), version
+        )
+    memory.empty_cache()
+    expandable = memory.expandable_in_effect()
+    memory.empty_cache()
+    if expandable:
+        return AllocatorRegime(True, "run-time switch", memory.allocator_options().text(), version)
+    memory.set_allocator_options(options)  # the user's configuration, exactly as it was
+    warnings.warn(
+        f"lightning_ckpt: expandable segments could not be turned on for the search: torch {version}'s run-time "
+        "switch had no effect once CUDA had started (a new segment is not expandable). Without them a card near its "
+        "limit can refuse a request that the allocated bytes fit (fragmentation); refused passes are retried with a "
+        "split-resistant max_split_size_mb. To have them, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "before the process starts, or create ActivationCheckpointTuner before anything uses CUDA.",
+        AllocatorWarning,
+        stacklevel=2,
+    )
+    return AllocatorRegime(False, "off: the run-time switch had no effect", options.text(), version)
+
+
+@contextlib.contextmanager
+def search_allocator(device: torch.device | str) -> Iterator[AllocatorRegime | None]:
+    """The allocator regime of one search (None on a device without one): expandable segments verified on, or said
+    to be off and why. Nothing is put back on exit: the regime the search measured is the one training runs in."""
+    memory = device_memory(device)
+    if memory is None:
+        yield None
+        return
+    regime = _regime(memory)
+    log.info("lightning_ckpt: allocator for the search: %s [%s]", regime.describe(), regime.settings or "defaults")
+    yield regime
+
+
+@contextlib.contextmanager
+def split_resistant(memory: DeviceMemory, request: int) -> Iterator[str | None]:
+    """For one retried pass: blocks of half the refused request and more are not split for smaller requests
+    (``max_split_size_mb``), so the cache cannot scatter the room a request of that size needs. Yields the option
+    set (None when the allocator has expandable segments, which need none, or refuses it); the user's options are
+    put back exactly afterwards."""
+    options = memory.allocator_options()
+    if options.expandable_segments:
+        yield None
+        return
+    split = options.with_max_split(max(1, request // 2))
+    try:
+        memory.set_allocator_options(split)
+    except Exception as err:
+        log.info("lightning_ckpt: the allocator refused max_split_size_mb (%s): retried as it was", err)
+        yield None
+        return
+    try:
+        yield f"max_split_size_mb:{-(-(split.max_split_bytes or 0) // _MIB)}"
+    finally:
+        memory.set_allocator_options(options)
+
+
+def allocator_figures(memory: DeviceMemory | None, *, segments: int = 12) -> dict[str, Any]:
+    """What the allocator went through, for an error and the GPU check's JSON: ``memory_stats`` figures (retries,
+    OOMs, inactive split bytes, reserved peak) and the ``segments`` largest segments, each as its size, what is
+    allocated in it, whether it is expandable and its free blocks."""
+    if memory is None:
+        return {}
+    listed = sorted(memory.segments(), key=lambda s: -int(s.get("total_size", 0)))
+    compact = [
+        {
+            "size": int(s.get("total_size", 0)),
+            "allocated": int(s.get("allocated_size", 0)),
+            "expandable": bool(s.get("is_expandable", False)),
+            "pool": s.get("segment_type", ""),
+            "free_blocks": [int(b["size"]) for b in s.get("blocks", ()) if b.get("state") == "inactive"][:8],
+        }
+        for s in listed[:segments]
+    ]
+    return {"stats": memory.stats(), "segments": compact, "segment_count": len(listed)}

@@ -1,0 +1,85 @@
+"""The CUDA caching allocator's options as one value: read from the environment or the allocator, changed one at a
+time, written back whole.
+
+Why whole: torch's run-time setter (``torch._C._accelerator_setAllocatorSettings``, before 2.9
+``torch.cuda.memory._set_allocator_settings``) parses the string it is given as the complete configuration, so
+setting ``expandable_segments:True`` alone reset a user's ``max_split_size_mb``, ``roundup_power2_divisions`` and
+``garbage_collection_threshold``. Every change here keeps the other options exactly as the user wrote them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+__all__ = ["AllocatorOptions", "ENV_VARS", "configured_options", "parse_options"]
+
+# Read by torch when CUDA starts: PYTORCH_ALLOC_CONF from 2.9 on (the older name is still read), before it only
+# PYTORCH_CUDA_ALLOC_CONF.
+ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+_MB = 2**20
+
+
+@dataclass(frozen=True)
+class AllocatorOptions:
+    """``expandable_segments`` (None: not named, the allocator's default, off), ``max_split_size_mb`` in bytes
+    (None: unlimited) and every other option verbatim, in the order written."""
+
+    expandable_segments: bool | None = None
+    max_split_bytes: int | None = None
+    other: tuple[str, ...] = ()
+
+    def with_expandable(self, on: bool) -> AllocatorOptions:
+        return replace(self, expandable_segments=on)
+
+    def with_max_split(self, nbytes: int | None) -> AllocatorOptions:
+        return replace(self, max_split_bytes=nbytes)
+
+    def text(self) -> str:
+        """The configuration string CUDA reads (``PYTORCH_ALLOC_CONF`` syntax)."""
+        parts = list(self.other)
+        if self.max_split_bytes is not None:
+            parts.append(f"max_split_size_mb:{max(1, -(-self.max_split_bytes // _MB))}")
+        if self.expandable_segments is not None:
+            parts.append(f"expandable_segments:{self.expandable_segments}")
+        return ",".join(parts)
+
+
+def _split_options(text: str) -> list[str]:
+    """``a:1,b:[x:1,y:2],c:3`` into its options: commas inside brackets (``roundup_power2_divisions``) stay."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_options(text: str) -> AllocatorOptions:
+    """An ``AllocatorOptions`` from a configuration string (``PYTORCH_ALLOC_CONF`` syntax)."""
+    expandable: bool | None = None
+    max_split: int | None = None
+    other: list[str] = []
+    for option in _split_options(text):
+        key, _, value = option.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "expandable_segments":
+            expandable = value.lower() == "true"
+        elif key == "max_split_size_mb" and re.fullmatch(r"\d+", value):
+            max_split = int(value) * _MB
+        else:
+            other.append(option)
+    return AllocatorOptions(expandable, max_split, tuple(other))
+
+
+def configured_options(environ: Mapping[str, str]) -> AllocatorOptions:
+    """What the environment configures (the first of ``ENV_VARS`` set), as CUDA reads it when it starts."""
+    for name in ENV_VARS:
+        if environ.get(name):
+            return parse_options(environ[name])
+    return AllocatorOptions()
