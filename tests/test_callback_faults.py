@@ -143,11 +143,20 @@ def test_when_every_trial_errors_the_error_is_surfaced_and_nothing_is_written_or
     assert_model_intact(net, before)
 
 
-def test_without_a_logger_nothing_is_written_into_the_working_directory(tmp_path, monkeypatch):
+def test_without_a_logger_nothing_is_written_into_the_working_directory(tmp_path, monkeypatch, caplog):
+    # Issue #64: with logger=False the search still wrote TensorBoard files under lightning_logs/lightning_ckpt in
+    # the working directory. Only what was asked for is written: the plan file.
     monkeypatch.chdir(tmp_path)
-    trainer(tmp_path, tuner(), default_root_dir=None).fit(Net(), token_loader(32))
-    assert not (tmp_path / "lightning_ckpt").exists(), "would shadow the package on the next import"
-    assert any((tmp_path / "lightning_logs" / "lightning_ckpt").iterdir())
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, tuner(plan_path="plan.json"), default_root_dir=None).fit(Net(), token_loader(32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"], sorted(tmp_path.rglob("*"))
+    assert "no TensorBoard files (Trainer(logger=False); the tuner's log_dir=... writes them)" in caplog.text
+    assert "view it: tensorboard" not in caplog.text
+    # The tuner's own log_dir still asks for them, logger or not; never <cwd>/lightning_ckpt (it would shadow the
+    # package on the next import).
+    trainer(tmp_path, tuner(log_dir="tb"), default_root_dir=None).fit(Net(), token_loader(32))
+    assert any((tmp_path / "tb").rglob("events.out.tfevents.*")) and (tmp_path / "tb" / "pareto.png").exists()
+    assert not (tmp_path / "lightning_ckpt").exists() and not (tmp_path / "lightning_logs").exists()
 
 
 @pytest.mark.skipif(os.name == "nt", reason="SIGTERM")

@@ -80,7 +80,8 @@ class ActivationCheckpointTuner(Callback):
         on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a reused plan (resumed
             checkpoint, ``plan=``, plan file) was tuned for another model, budget or run conditions. Budgets
             are compared by value (``"20GiB"`` is ``21474836480``); without a budget argument, the plan's own counts.
-        log_dir: TensorBoard directory when the Trainer has no TensorBoardLogger.
+        log_dir: TensorBoard directory when the Trainer has no TensorBoardLogger. With ``Trainer(logger=False)`` and
+            no ``log_dir`` the search writes no TensorBoard files (the plan file only).
         verbose: print a line per trial and the full trial table (always in TensorBoard); otherwise one
             progress bar and a one-line result.
 

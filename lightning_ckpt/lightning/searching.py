@@ -307,11 +307,13 @@ def report_search(
     from lightning_ckpt import report
 
     writer = tb.writer(trainer)
-    other = logged_hparams(trainer, trainer.lightning_module)
-    summary = not tb.declared_in_logger
-    log_dir = report.write_tensorboard(
-        writer, result, log_trials=False, write_experiment_summary=summary, other_hparams=other
-    )
+    log_dir = None
+    if writer is not None:
+        other = logged_hparams(trainer, trainer.lightning_module)
+        summary = not tb.declared_in_logger
+        log_dir = report.write_tensorboard(
+            writer, result, log_trials=False, write_experiment_summary=summary, other_hparams=other
+        )
     tb.close()
     warning = report.timing_warning(result)
     if warning:
@@ -329,7 +331,10 @@ def report_search(
             where.append(f"plan NOT saved: {plan_file.path} could not be written ({plan_file.failed})")
         else:
             where.append(f"plan not saved: {plan_file.path} holds another run's plan")
-    where.append(f"view it: tensorboard --logdir {tb.view_dir(trainer, log_dir)}")
+    if log_dir is not None:
+        where.append(f"view it: tensorboard --logdir {tb.view_dir(trainer, log_dir)}")
+    else:
+        where.append("no TensorBoard files (Trainer(logger=False); the tuner's log_dir=... writes them)")
     if result.study_name is not None:
         where.append(f"Optuna study {result.study_name!r} ({storage_for_display(result.storage)})")
     rank_zero_info(report.result_line(result) + "\nlightning_ckpt: " + "; ".join(where))

@@ -40,9 +40,18 @@ class TunerRun:
         write_experiment(tb.experiment, logged_hparams(trainer, pl_module))
         self.declared_in_logger = True
 
+    def enabled(self, trainer: pl.Trainer) -> bool:
+        """Whether the search writes TensorBoard files: into ``log_dir`` when given, else beside the Trainer's
+        loggers; not with ``Trainer(logger=False)``, which asks for no log files (the plan file is still written).
+        It wrote ``lightning_logs/lightning_ckpt`` into the working directory all the same."""
+        return self.log_dir is not None or bool(trainer.loggers)
+
     def writer(self, trainer: pl.Trainer) -> Any:
+        """The search's ``SummaryWriter`` (opened once), None where ``enabled`` says no files are written."""
         if self._writer is not None:
             return self._writer
+        if not self.enabled(trainer):
+            return None
         from lightning_ckpt.report.tensorboard import open_writer
 
         # A run of its own under the Trainer's (a child run: the HParams rows live under it, see report.py).
