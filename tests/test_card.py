@@ -281,22 +281,3 @@ def test_the_profile_starts_its_anchor_step_from_an_emptied_cache(small_card) ->
     assert emptied, "the profile emptied the cache before its anchor step"
 
 
-def test_the_search_runs_cuda_with_expandable_segments_and_puts_the_allocator_back(monkeypatch) -> None:
-    from lightning_ckpt.measure.device_memory import expandable_segments
-
-    settings: list[str] = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append, raising=False)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    with expandable_segments(torch.device("cuda", 0)) as on:
-        assert on and settings == ["expandable_segments:True"]
-    assert settings == ["expandable_segments:True", "expandable_segments:False"]
-    settings.clear()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's own choice is kept
-    with expandable_segments(torch.device("cuda", 0)) as on:
-        assert not on
-    with expandable_segments(torch.device("cpu")) as on:
-        assert not on
-    assert settings == []
