@@ -447,3 +447,41 @@ def test_a_skipped_step_does_not_use_up_a_guard_reading(tmp_path):
     # step holding AdamW's state was never read.
     assert [c.step for c in cb.step_checks] == [1, 3]
     assert all(c.peak_bytes > 0 for c in cb.step_checks)
+
+
+def test_a_step_the_allocator_served_only_by_releasing_its_cache_moves_down_the_frontier(caplog):
+    # A step within the budget that needed the allocator to release its cache is one fragmented cache away from a
+    # refusal on the card: the guard moves to the next plan down before the next step (or warns, if told to).
+    from lightning_ckpt.budget import Budget
+    from lightning_ckpt.lightning.guard import BudgetGuard, GuardConfig, RealStepReader, StepCheck
+    from lightning_ckpt.model import ModelView
+    from lightning_ckpt.testing import SimulatedCard
+    from lightning_ckpt.testing.allocator import AllocatorSizes
+
+    net = Net()
+    view = ModelView.of(net)
+    none, full_plan = Plan(), full(net)
+    half = Plan({"model.transformer.h.0": BlockPlan("full"), "model.transformer.h.1": BlockPlan("full")})
+    trials = [_rec(none, "none", 100, 10.0), _rec(half, "half", 70, 8.0), _rec(full_plan, "full", 40, 6.0)]
+    # The reader reads the retries off the card: a step that fragments its cache and asks for the large size again.
+    card = SimulatedCard(8 * 2**20, segments=AllocatorSizes.scaled(256))
+    reader = RealStepReader(torch.device("cpu"))
+    with card:
+        reader.start(torch.nn.Linear(2, 2), [], activation=False)
+        first, other = torch.empty(4 * 2**20, dtype=torch.uint8), torch.empty(2**20, dtype=torch.uint8)
+        del first
+        kept = [torch.empty(64 * 2**10, dtype=torch.uint8) for _ in range(8)]  # split the cached 4 MiB
+        del other  # a segment of its own, fully free: released so that the next request fits
+        again = torch.empty(4 * 2**20, dtype=torch.uint8)
+        reading = reader.stop()
+        del kept, again
+    assert reading is not None and reading.alloc_retries >= 1
+    check = StepCheck(3, 90, 90, (8, 32), none.describe(), True, alloc_retries=reading.alloc_retries)
+    assert check.to_dict()["alloc_retries"] == reading.alloc_retries
+    guard = BudgetGuard(GuardConfig(), torch.device("cpu"), Budget("peak", 95))
+    lower = guard.near_refusal(check, none, trials, view)
+    assert lower is not None and lower.key() == half.key()
+    assert guard.near_refusal(StepCheck(4, 60, 60, (8, 32), half.describe(), True), half, trials, view) is None
+    warn = BudgetGuard(GuardConfig(on_budget_exceeded="warn"), torch.device("cpu"), Budget("peak", 95))
+    with pytest.warns(UserWarning, match="near refusing"):
+        assert warn.near_refusal(check, none, trials, view) is None

@@ -24,6 +24,7 @@ from torch import nn
 from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.lightning.shapes import BatchSize, ShapeScaling, batch_dims, batch_size_of, batch_tensors
+from lightning_ckpt.measure.device_memory import device_memory
 from lightning_ckpt.measure.measurement import MemoryReading
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.measure.tracker import new_live_tracker
@@ -63,6 +64,30 @@ class RealStepReader:
         self._tracker: Any = None
         self._saved: SavedForBackward | None = None
         self._resting = 0
+        self._retries = 0
+
+    def _allocator(self) -> Any:
+        """The device's allocator (CUDA, or a simulated card), or None; a CPU build has none to read."""
+        try:
+            return device_memory(self.device)
+        except (AssertionError, RuntimeError):  # torch built without CUDA
+            return None
+
+    def _alloc_retries(self) -> int:
+        memory = self._allocator()
+        try:
+            return int(memory.stats().get("num_alloc_retries", 0)) if memory is not None else 0
+        except (AssertionError, RuntimeError):
+            return 0
+
+    def _reserved_peak(self) -> int | None:
+        memory = self._allocator()
+        if memory is None or self.device.type != "cuda":  # a simulated card's peaks are the test's, not reset here
+            return None
+        try:
+            return memory.max_reserved()
+        except (AssertionError, RuntimeError):
+            return None
 
     @property
     def active(self) -> bool:
@@ -81,6 +106,7 @@ class RealStepReader:
     ) -> None:
         """Start reading a step. ``compiled``: the step runs compiled code, read as compiled trials are:
         activation = bytes saved for backward, peak = the allocator's (CUDA) or resting + activation (CPU)."""
+        self._retries = self._alloc_retries()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._resting = max(1, torch.cuda.memory_allocated(self.device))
@@ -122,13 +148,17 @@ class RealStepReader:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             resting, self._resting = self._resting, 0
-            return MemoryReading(peak, activation, resting, str(self.device))
+            return MemoryReading(peak, activation, resting, str(self.device), *self._pressure())
         resting, self._resting = self._resting, 0
         if saved is not None:
-            return MemoryReading(resting + saved.saved_bytes, activation, resting, str(self.device))
+            return MemoryReading(resting + saved.saved_bytes, activation, resting, str(self.device), *self._pressure())
         if tracker is None:
             return None
-        return MemoryReading(tracker.total_peak, activation, resting, str(self.device))
+        return MemoryReading(tracker.total_peak, activation, resting, str(self.device), *self._pressure())
+
+    def _pressure(self) -> tuple[int | None, int]:
+        """(reserved peak, allocator retries) of the step read."""
+        return self._reserved_peak(), self._alloc_retries() - self._retries
 
     def abandon(self) -> None:
         """Stop reading without a result (the step raised, or the fit ends)."""
@@ -152,6 +182,8 @@ class StepCheck:
     plan: str
     within_budget: bool
     size: str | None = None  # ``rows x length`` as the guard measures batches (``lightning.shapes``)
+    reserved_peak_bytes: int | None = None  # CUDA: the allocator's reserved peak over the step
+    alloc_retries: int = 0  # times the allocator released its cache to serve the step: the card near refusing it
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -163,6 +195,8 @@ class StepCheck:
             "plan": self.plan,
             "within_budget": self.within_budget,
             "size": self.size,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "alloc_retries": self.alloc_retries,
         }
 
 
@@ -470,8 +504,19 @@ class BudgetGuard:
         self._left -= 1
         if size is not None:
             self._learn(plan, size, peak, act, trials)
+        retries = reading.alloc_retries
+        if sync is not None:
+            retries = max(sync.all_gather(retries))
         check = StepCheck(
-            trainer.global_step, peak, act, dims, plan.describe(), budget.fits(peak, act), str(size) if size else None
+            trainer.global_step,
+            peak,
+            act,
+            dims,
+            plan.describe(),
+            budget.fits(peak, act),
+            str(size) if size else None,
+            reading.reserved_peak_bytes,
+            retries,
         )
         self.checks.append(check)
         return check
@@ -528,6 +573,31 @@ class BudgetGuard:
                 else None
             ),
         )
+
+    def near_refusal(self, check: StepCheck, plan: Plan, trials: Sequence[Any], view: ModelView) -> Plan | None:
+        """A step within the budget that the allocator served only by releasing its cache (``alloc_retries``): the
+        card is one fragmented cache away from refusing a step whose allocated bytes fit. Acted on before that step:
+        the next plan down the frontier (``on_budget_exceeded="switch"``, said in one line), else a warning."""
+        if not check.alloc_retries:
+            return None
+        reserved = f", reserved peak {format_bytes(check.reserved_peak_bytes)}" if check.reserved_peak_bytes else ""
+        message = (
+            f"lightning_ckpt: a real training step (step {check.step}) fitted the budget, but the allocator had to "
+            f"release its cache {check.alloc_retries} time(s) to find room{reserved}: the card is near refusing a step "
+            f"whose allocated bytes fit (fragmentation) under plan {plan.describe()}."
+        )
+        if self.config.on_budget_exceeded != "switch":
+            rank_zero_warn(
+                f"{message} Continuing with this one (on_budget_exceeded={self.config.on_budget_exceeded!r})."
+            )
+            return None
+        self._left_behind.add(plan.key())
+        lower = lower_plan(plan, trials, self.budget, view.stacks, excess=self._excess, exclude=self._left_behind)
+        if lower is None:
+            rank_zero_warn(f"{message} No plan using less memory is left; continuing with this one.")
+            return None
+        rank_zero_warn(f"{message} Switching to {lower.describe()} before the next step (on_budget_exceeded='switch').")
+        return lower
 
     def _act(
         self,

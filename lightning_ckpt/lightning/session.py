@@ -238,6 +238,10 @@ class FitSession:
                     rank_zero_info(self.replan_check.line())
                     self.replan_check = None
                 self._guard_switched(lower, trainer)
+        elif check.alloc_retries:  # within the budget, but the card was near refusing it: acted on before the next
+            lower = guard.near_refusal(check, running, trials, self.view)
+            if lower is not None:
+                self._guard_switched(lower, trainer)
         plan = self.found.plan
         if (guard.done or not check.within_budget) and trainer.is_global_zero and plan is not None:
             self.found.plan = plan.with_metadata(real_steps=[c.to_dict() for c in guard.checks])

@@ -106,6 +106,10 @@ class MemoryReading:
     activation_bytes: int | None  # None only from the guard's reader when activation was not asked for
     resting_bytes: int  # live bytes when the step started (parameters, existing grads, optimizer state)
     device: str
+    # The allocator's, where there is one (the guard's real steps): its reserved peak, and how many times it had to
+    # release its cache to serve a request (``num_alloc_retries``): a card near refusing what allocated bytes fit.
+    reserved_peak_bytes: int | None = None
+    alloc_retries: int = 0
 
 
 def track_step_memory(
