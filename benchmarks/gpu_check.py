@@ -5,6 +5,9 @@ CI has no GPU; this is what a session that is lent one runs (about 5 minutes on 
 on the public API (``from lightning_ckpt import ...``); the one internal it touches is named in ``no_pruning``.
 Parts, in the order they run (the ones that verify OOM fixes first):
 
+  c0 the allocator switch (a few seconds): does ``expandable_segments`` take effect on this torch, set before CUDA
+     starts (a subprocess with ``PYTORCH_CUDA_ALLOC_CONF``) and by the run-time setter (another), each read off a
+     64 MiB probe's segment (``is_expandable`` in ``torch.cuda.memory_snapshot()``).
   c  OOM survival: the card made small (``set_per_process_memory_fraction``) so that no checkpointing does not
      fit: ``tune`` must record the real OOM, go on, leak nothing and keep the user's cap; whether the tuner's cap
      overrides a smaller user cap; and the tuner's own cap enforcing a budget for real (nothing pruned).
@@ -19,6 +22,10 @@ Parts, in the order they run (the ones that verify OOM fixes first):
   f  ``ActivationCheckpointTuner(tune_micro_batch=True)``: plan and micro-batch tuned together at a fixed global
      batch, vs no checkpointing at the largest micro-batch that fits, side by side; real step peaks vs budget.
   e  ``torch.compile`` (inductor): compile seconds per trial, step time, graph breaks, recompiles.
+
+The package's INFO log goes to this script's output (what the allocator ran under, each refused pass and its retry).
+A part that ends in an error keeps the whole message and, where an allocator exists, its ``memory_stats`` figures
+(retries, OOMs, inactive split bytes, reserved peak) and its largest segments.
 
 Each part is timed and isolated (its own try/except; the allocator cap and memory are reset after it). A part
 whose estimate would end past ``--time-budget`` seconds (counted from the start of the process) is skipped, and an
@@ -42,9 +49,11 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +70,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
 # part -> (name, estimated seconds on an H200). Run in the order of --parts; the default puts the parts that verify
 # the OOM fixes first (c must pass; b reports oom trials whose allocated peak fits), then the rest by importance.
 PARTS: dict[str, tuple[str, float]] = {
+    "c0": ("allocator_switch", 10),
     "c": ("oom_survival", 40),
     "b": ("tuner_vs_baselines_budget", 70),
     "a": ("memory_model_vs_allocator", 45),
@@ -148,15 +158,24 @@ try:
 
     import lightning_ckpt
     from lightning_ckpt import ActivationCheckpointTuner, Plan, TuneConfig, baselines, plan_applied, tune
+    from lightning_ckpt.measure.allocator import allocator_figures, search_allocator
+    from lightning_ckpt.measure.device_memory import device_memory
     from lightning_ckpt.plan.policies import SAVE_LISTS  # documented in the API reference
     from lightning_ckpt.testing import GPT, GPTConfig, SimulatedCard
+    from lightning_ckpt.testing.allocator import AllocatorSizes
 except ImportError as exc:
     fatal(
         f"lightning_ckpt not importable ({exc}): run from the repository root after `pip install -e .` (or with it on "
         "PYTHONPATH); on a torch outside the tested range set LIGHTNING_CKPT_ALLOW_UNTESTED_TORCH=1"
     )
 
+_handler = logging.StreamHandler(sys.stdout)
+_handler.setFormatter(logging.Formatter("[log] %(message)s"))
+logging.getLogger("lightning_ckpt").addHandler(_handler)
+logging.getLogger("lightning_ckpt").setLevel(logging.INFO)
 CUDA = not ARGS.dry_run
+# The dry run's card: CUDA's caching allocator (segments, splits, refusals) with its thresholds scaled to a tiny model.
+DRY_SEGMENTS = AllocatorSizes.scaled(1024)
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if CUDA else torch.device("cpu")
 if not CUDA:
     torch.set_num_threads(1)
@@ -583,23 +602,34 @@ def part_c() -> dict[str, Any]:
     fwd = make_fwd(model, x, y)
     step = lambda: fwd().backward()  # noqa: E731
     if CUDA:
-        peaks, card = ensure_peaks(), CudaCard()
+        peaks, card = dict(ensure_peaks()), CudaCard()
+        free()  # the cold reserved peak of full: what the card must hold beside the allocated peak
+        cold = run_config(model, baselines(model)["full"], step, 1)
+        peaks["full_reserved"] = cold.get("reserved_peak")
     else:
         peaks = {}
         for name in ("none", "full"):
-            with SimulatedCard(2**40, resident=(model, x, y)) as big:
+            with SimulatedCard(2**40, resident=(model, x, y), segments=DRY_SEGMENTS) as big:
+                big.empty_cache()
+                big.reset_peak()
                 run_config(model, baselines(model)[name], step, 1)
-                peaks[name] = big.max_allocated()
-        card = SimulatedCard(4 * peaks["none"], resident=(model, x, y))
+                peaks[name], peaks[f"{name}_reserved"] = big.max_allocated(), big.max_reserved()
+        # As the H200 on torch 2.11 was: a run-time switch of expandable segments that does nothing.
+        card = SimulatedCard(4 * peaks["none"], resident=(model, x, y), segments=DRY_SEGMENTS, runtime_switch=False)
     small = int(peaks["full"] + 0.5 * (peaks["none"] - peaks["full"]))
     space = {"modes": ["full", "selective:mlp"], "selections": ["all"], "segments": True}
     warm = 0 if ARGS.dry_run else 1  # the simulated card's dispatch mode makes every CPU step slow; no timing matters
     settings = dict(search_space=space, confirm_top=0, holdout_rounds=0, warmup_steps=warm, measure_steps=1,
                     count_flops=False, process_warmup_steps=warm, extra_tensors=(x, y))  # fmt: skip
+    full_reserved = peaks.get("full_reserved")
     out: dict[str, Any] = {
         "card_gib": gib(small),
         "none_peak_gib": gib(peaks["none"]),
         "full_peak_gib": gib(peaks["full"]),
+        # From a cold cache, as every pass of the search starts: what full checkpointing reserves beside what it
+        # allocates, and the room the card leaves the search above that (negative: full alone would be refused).
+        "full_reserved_peak_gib": gib(full_reserved),
+        "headroom_gib": gib(small - full_reserved) if full_reserved is not None else None,
     }
     if not CUDA:
         out["simulated"] = f"SimulatedCard on CPU ({NEEDS_CUDA} for the real allocator)"
@@ -612,6 +642,8 @@ def part_c() -> dict[str, Any]:
             # c1: the search as a user runs it on the small card (no budget: the card's own).
             res = tune(model, fwd, n_trials=4, timeout=remaining(60), progress=progress_printer("(c1)"), **settings)
             out["c1_small_card"] = on_card(card, res, model, step, alloc0)
+            out["allocator_regime"] = res.best.metadata.get("allocator")
+            out["allocator_after_c1"] = allocator_figures(device_memory(DEVICE))
             # c2: the same with nothing pruned, so plans that do not fit the card run and run out of memory for real;
             # the tuner's cap must not lift the user's ('none' is not ok), and the search must go on.
             with no_pruning():
@@ -632,6 +664,53 @@ def part_c() -> dict[str, Any]:
         finally:
             card.set_fraction(prev)
             free()
+    return out
+
+
+_PROBE = """
+import json, os, sys, torch
+runtime = sys.argv[1] == "runtime"
+if runtime:
+    torch.empty(1, device="cuda")  # CUDA has started, as in a fit by the time the search runs
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+probe = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+ptr = probe.data_ptr()
+seg = next((s for s in torch.cuda.memory_snapshot() if s["address"] <= ptr < s["address"] + s["total_size"]), {})
+print(json.dumps({"is_expandable": seg.get("is_expandable"), "segment_bytes": seg.get("total_size")}))
+"""
+
+
+def part_c0() -> dict[str, Any]:
+    """Whether ``expandable_segments`` takes effect on this torch, both ways of setting it, read off a probe's segment:
+    set in the environment before CUDA starts, and by the run-time setter after it started (on torch 2.11 the setter
+    did nothing, and nothing checked). Each in a fresh process, so this process's allocator stays as the user's."""
+    out: dict[str, Any] = {}
+    if CUDA:
+        for way, env in (("environment", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}), ("runtime", {})):
+            child_env = {
+                k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+            }
+            done = subprocess.run([sys.executable, "-c", _PROBE, way], env={**child_env, **env}, capture_output=True,
+                                  text=True, timeout=60)  # fmt: skip
+            lines = done.stdout.strip().splitlines()
+            out[way] = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-600:]}
+        out["this_process"] = {
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+        }
+    else:  # the simulated card: configured when it starts, and a run-time switch that does nothing (as on torch 2.11)
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        try:
+            with SimulatedCard(2**30, segments=DRY_SEGMENTS, expandable=None) as card:
+                out["environment"] = {"is_expandable": card.expandable_in_effect()}
+        finally:
+            del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+        with SimulatedCard(2**30, segments=DRY_SEGMENTS, runtime_switch=False), search_allocator(DEVICE) as regime:
+            out["runtime"] = {"is_expandable": regime.expandable_segments, "how": regime.how}
+        out["needs_cuda"] = {"allocator": f"{NEEDS_CUDA}: the simulated card's allocator stands in for CUDA's"}
+    out["environment_takes_effect"] = bool(out["environment"].get("is_expandable"))
+    out["runtime_switch_takes_effect"] = bool(out["runtime"].get("is_expandable"))
+    log(f"(c0) expandable segments: environment {out['environment']}, run-time switch {out['runtime']}")
     return out
 
 
@@ -889,7 +968,7 @@ def part_e() -> dict[str, Any]:
 
 
 PART_FNS: dict[str, Callable[[], dict[str, Any]]] = {
-    "a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g,
+    "a": part_a, "b": part_b, "c0": part_c0, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g,
 }  # fmt: skip
 
 
@@ -956,6 +1035,10 @@ def verdicts() -> dict[str, Any]:
         "b_best_fitting_baseline": b.get("best_fitting_baseline"), "b_tuned_over_full": b.get("tuned_over_full"),
         "b_pruned_but_fit": b.get("pruned_but_fit"), "b_oom_but_allocated_fits": b.get("oom_but_allocated_fits"),
         "b_train_step_over_budget": b.get("train_step_over_budget"),
+        "c0_environment_takes_effect": result("c0").get("environment_takes_effect"),
+        "c0_runtime_switch_takes_effect": result("c0").get("runtime_switch_takes_effect"),
+        "c_full_reserved_peak_gib": c.get("full_reserved_peak_gib"), "c_headroom_gib": c.get("headroom_gib"),
+        "c_allocator": (c.get("allocator_regime") or {}).get("how"),
         "c1_chosen_on_small_card": c1.get("chosen"), "c1_statuses": c1.get("statuses"),
         "c1_leak_mib": c1.get("alloc_delta_mib"),
         "c2_real_oom_recorded_and_search_continued": bool(c2.get("real_oom_recorded") and c2.get("search_continued")) if c2 else None,
@@ -982,6 +1065,8 @@ def headline(key: str) -> str:
     if key == "b":
         return (f"chose {r.get('chosen')}: {r.get('tuned_over_best_fitting_baseline')}x {r.get('best_fitting_baseline')}, "
                 f"{r.get('tuned_over_full')}x full; violations {r.get('violations')}; oom but fits {r.get('oom_but_allocated_fits')}")  # fmt: skip
+    if key == "c0":
+        return f"expandable segments: set before CUDA starts {r.get('environment_takes_effect')}, run-time switch {r.get('runtime_switch_takes_effect')}"
     if key == "c":
         c1, c2 = r.get("c1_small_card") or {}, r.get("c2_small_card_unpruned") or {}
         return (f"{r.get('card_gib')} GiB card: chose {c1.get('chosen')} ({c1.get('statuses')}), leak "
@@ -1063,6 +1148,11 @@ def run_part(key: str) -> dict[str, Any]:
         entry.update(status="deadline", error=str(exc))
     except Exception as exc:  # a failing part must not stop the others
         entry.update(status="error", error=short_err(exc), trace=traceback.format_exc().strip().splitlines()[-8:])
+        entry["error_message"] = str(exc)  # whole: a refusal's figures are at its end
+        figures = getattr(exc, "allocator", None) or {}
+        with contextlib.suppress(Exception):
+            figures = figures or allocator_figures(device_memory(DEVICE))
+        entry["allocator"] = figures
     finally:
         entry["seconds"] = round(time.perf_counter() - t0, 1)
         if CUDA:

@@ -3,7 +3,8 @@
 The check runs when a GPU is lent, which CI never is; its copy beside the project once drifted from the API (three
 of seven parts failed before they could run). Its dry run drives the same code on a tiny model, so a renamed
 argument or result field fails here. Parts b, c and g use the most of the API: ``tune`` under a budget and its
-result, the OOM path and the one internal the check patches, and the callback in a Trainer.
+result, the OOM path and the one internal the check patches, and the callback in a Trainer; c0 asks whether the
+allocator's expandable segments take effect, and part c records what the allocator ran under and went through.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-PARTS = ("b", "c", "g")
+PARTS = ("c0", "b", "c", "g")
 
 
 def test_the_gpu_checks_dry_run_passes_its_parts_on_cpu(tmp_path):
@@ -40,5 +41,18 @@ def test_the_gpu_checks_dry_run_passes_its_parts_on_cpu(tmp_path):
     assert c["c1_small_card"]["chosen_step_on_card"] == "ok"
     assert c["c2_small_card_unpruned"]["real_oom_recorded"] and c["c2_small_card_unpruned"]["search_continued"]
     assert summary["parts"]["b"]["result"]["violations"] == 0
+    # c0: whether expandable segments take effect, both ways (the simulated card: set when it starts, yes; a run-time
+    # switch that does nothing, as on torch 2.11, no); part c keeps what the allocator ran under and went through.
+    c0 = summary["parts"]["c0"]["result"]
+    assert c0["environment_takes_effect"] is True and c0["runtime_switch_takes_effect"] is False
+    assert c["full_reserved_peak_gib"] >= c["full_peak_gib"]
+    assert abs(c["headroom_gib"] - (c["card_gib"] - c["full_reserved_peak_gib"])) < 1e-5
+    assert c["allocator_regime"]["expandable_segments"] is False and "no effect" in c["allocator_regime"]["how"]
+    stats = c["allocator_after_c1"]["stats"]
+    assert {"num_alloc_retries", "num_ooms", "inactive_split_bytes.all.current", "reserved_bytes.all.peak"} <= set(
+        stats
+    )
+    assert c["allocator_after_c1"]["segments"], "a compact segment list"
+    assert "[log] lightning_ckpt: allocator for the search" in done.stdout, "the package's INFO log is in the check's"
     assert summary["verdicts"]["parts_status"] == {key: "ok" for key in PARTS}
     assert "=== gpu_check:" in done.stdout  # the table
