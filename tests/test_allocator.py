@@ -5,6 +5,7 @@ split-resistant, expandable segments are verified on a real segment, and the use
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -265,3 +266,14 @@ def test_cudas_setter_is_given_the_whole_configuration(monkeypatch) -> None:
         "garbage_collection_threshold:0.6,max_split_size_mb:21,expandable_segments:False",
         "garbage_collection_threshold:0.6,max_split_size_mb:128,expandable_segments:False",
     ]
+
+
+def test_the_callback_created_before_cuda_starts_configures_expandable_segments(monkeypatch) -> None:
+    from lightning_ckpt import ActivationCheckpointTuner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    ActivationCheckpointTuner(max_memory="1GiB")
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256,expandable_segments:True"

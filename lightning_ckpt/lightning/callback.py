@@ -32,6 +32,7 @@ from lightning_ckpt.lightning.guard import GuardConfig, StepCheck
 from lightning_ckpt.lightning.reuse import PlanFile
 from lightning_ckpt.lightning.session import FitSession, Found, Settings
 from lightning_ckpt.lightning.shapes import BatchSize, probe_request
+from lightning_ckpt.measure.allocator import start_expandable_segments
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.config import TuneConfig
@@ -139,6 +140,9 @@ class ActivationCheckpointTuner(Callback):
         self._found = Found(max_shape=declared)  # what the fits found, kept across them
         self._resumed_plan: Plan | None = None  # from a Lightning checkpoint (load_state_dict)
         self._session: FitSession | None = None  # the current (or last) fit's
+        # Created before anything starts CUDA (the model still on the host), the allocator then starts with expandable
+        # segments: the regime the search verifies and the training after it runs in (``measure.allocator``).
+        start_expandable_segments()
 
     # -- what the fits found -----------------------------------------------------------------------
     @property
