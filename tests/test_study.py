@@ -104,7 +104,9 @@ class FakeRunner:
 
 
 def study(runner: FakeRunner, budget: Budget, *, samples_per_step: int = 1, should_stop=None, **config) -> Study:
-    config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, **config})
+    # The fake machine's speeds are whatever a test sets (a checkpointed plan may run faster than none), so its
+    # searches run in full even where no checkpointing fits (``search_when_none_fits``; see the test of that below).
+    config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, "search_when_none_fits": True, **config})
     return Study(candidates=CANDIDATES, space=SPACE, stacks=STACKS, runner=runner, budget=budget,
                  memory=RealStepMemory(FakeMemory(), OptimizerStepMemory.absent()), config=config, fingerprint=None,
                  device_type="cpu", samples_per_step=samples_per_step, should_stop=should_stop)  # fmt: skip
@@ -499,7 +501,7 @@ class TimedMemory(FakeMemory):
 
 def _timed_study(runner: FakeRunner, budget: Budget, **config) -> Study:
     runner.predicts_time = True
-    config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, **config})
+    config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, "search_when_none_fits": True, **config})
     memory = TimedMemory()
     proposer = TimeModelSampler(memory.timing, tie_tolerance=config.tie_tolerance)
     return Study(candidates=CANDIDATES, space=SPACE, stacks=STACKS, runner=runner, budget=budget, proposer=proposer,
@@ -794,3 +796,20 @@ def test_a_plan_the_fresh_rounds_find_slower_is_not_kept(caplog):
     assert f"{TuneConfig().holdout_rounds} fresh rounds after the" in verdict.describe()
     # the figures the plan file shows for both come from the fresh rounds
     assert result.best_trial.samples_per_second > s.by_key[fast.key()].samples_per_second
+
+
+def test_where_no_checkpointing_is_predicted_to_fit_it_alone_is_measured_and_chosen():
+    # Issue #64: a budget no plan can exceed searched 5 plans for 63 s to choose no checkpointing.
+    runner = FakeRunner()
+    s = study(runner, Budget("peak", 10_000), search_when_none_fits=False)
+    s.run()
+    assert runner.measured == ["none"] and [t.label for t in s.records] == ["baseline:none"]
+    s.confirm()
+    result = s.result(extra_steps=0)
+    assert result.best.is_empty and result.best.metadata["search"]["none_fits"] is True
+    # Measured over the budget after all (the memory model was off): the search goes on.
+    runner = FakeRunner(memory_error=0.5)
+    runner.memory_exact = False  # its memory is read with every trial, as on a card
+    s = study(runner, Budget("peak", 1_200), search_when_none_fits=False)
+    s.run()
+    assert len(runner.measured) > 1 and not s.none_fits
