@@ -135,8 +135,8 @@ def check_accelerator(parser: argparse.ArgumentParser, accelerator: str) -> None
         build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
         parser.error(
             f"--accelerator gpu needs a CUDA GPU, but torch {torch.__version__} is {build} and sees no GPU. Install "
-            "a CUDA build (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126; the "
-            "README's 'On a GPU' section), check nvidia-smi, or run on the CPU with --accelerator cpu."
+            "a CUDA build (pip install torch --index-url https://download.pytorch.org/whl/cu130, the CUDA version "
+            "your driver supports: the README's 'On a GPU'), check nvidia-smi, or run on the CPU with --accelerator cpu."
         )
 
 
