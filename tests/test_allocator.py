@@ -277,3 +277,23 @@ def test_the_callback_created_before_cuda_starts_configures_expandable_segments(
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     ActivationCheckpointTuner(max_memory="1GiB")
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256,expandable_segments:True"
+
+
+def test_the_optimizer_step_measurement_is_retried_split_resistant_and_reads_the_card() -> None:
+    from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
+
+    fragment = _fragmenting()
+
+    class FragmentingSGD(torch.optim.SGD):
+        def step(self, closure=None):  # a foreach implementation's temporaries, scattered over the cache
+            fragment()
+            return super().step(closure)
+
+    model = torch.nn.Linear(4, 4)
+    weights = [p.detach().clone() for p in model.parameters()]
+    card = SimulatedCard(6 * MIB, resident=(model,), segments=SIZES)
+    with card:
+        measured = measure_optimizer_step(model, FragmentingSGD(model.parameters(), lr=0.1), device="cpu")
+    assert measured.measured and measured.step_peak_bytes >= 4 * MIB, "the card's allocated peak"
+    assert card.allocator.num_ooms == 1, "refused once, then retried split-resistant"
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters(), strict=True))

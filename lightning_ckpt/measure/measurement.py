@@ -247,14 +247,14 @@ def run_pass(what: str, device: torch.device, run: Callable[[], Any], restore: C
     (``allocator.split_resistant``; nothing to change with expandable segments, so no retry). ``restore`` puts the
     model back between the two. A refusal that stays raises ``PassOutOfMemory``; other errors pass through."""
     memory = device_memory(device)
-    if memory is None:
-        return run()
     retry: str | None = None
     request = 0
     for attempt in (1, 2):
-        memory.empty_cache()
+        if memory is not None:
+            memory.empty_cache()
         try:
-            with split_resistant(memory, request) if attempt == 2 else contextlib.nullcontext() as retry:
+            resist = split_resistant(memory, request) if attempt == 2 and memory is not None else None
+            with resist or contextlib.nullcontext() as retry:
                 return run()
         except Exception as exc:
             if not is_out_of_memory(exc):
@@ -266,7 +266,7 @@ def run_pass(what: str, device: torch.device, run: Callable[[], Any], restore: C
         release_memory(device)  # outside the ``except``: the failed pass's frames are gone
         if restore is not None:
             restore()
-        if attempt == 2 or fits is None or memory.allocator_options().expandable_segments:
+        if attempt == 2 or fits is None or memory is None or memory.allocator_options().expandable_segments:
             break
         log.info("lightning_ckpt: %s was refused memory (%s); once more, split-resistant", what, fits)
     raise PassOutOfMemory(what, message, figures, retry)

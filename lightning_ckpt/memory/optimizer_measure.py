@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ckpt.errors import InfeasibleBudgetError
 from lightning_ckpt.measure.device_memory import device_memory
-from lightning_ckpt.measure.measurement import is_out_of_memory, release_memory
+from lightning_ckpt.measure.measurement import PassOutOfMemory, is_out_of_memory, release_memory, run_pass
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.tracker import new_live_tracker, tensor_bytes
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory
@@ -81,9 +82,35 @@ def measure_optimizer_step(
 
     Gradients missing at this point (none exist before the first backward) are filled with zeros for
     the step: a real optimizer step sees every trainable parameter's gradient. Parameters, gradients,
-    optimizer state, hyper-parameters and RNG are restored afterwards, exactly. Out of memory, it raises
-    ``torch.OutOfMemoryError`` once all that is done (``tune`` runs it through ``lowest_memory_pass``).
+    optimizer state, hyper-parameters and RNG are restored afterwards, exactly. It runs from an emptied cache and,
+    refused memory that allocated bytes fit, once more split-resistant (``measurement.run_pass``); a refusal that
+    stays is not "unmeasured": the step alone, with no activation held, does not fit, so every real step would run out
+    of memory whatever the plan, and ``InfeasibleBudgetError`` says so with the allocator's figures.
     """
+    device = torch.device(device)
+    try:
+        return run_pass(
+            "the optimizer-step measurement", device, lambda: _step_once(model, optimizer, device=device, extra=extra)
+        )
+    except PassOutOfMemory as failed:
+        failure = failed.with_traceback(None)
+    raise InfeasibleBudgetError(
+        f"optimizer.step() of {type(optimizer).__name__} ran out of memory on its own, with no activation held "
+        f"({failure.message[:300]}){failure.allocator_note()}, so every training step would too, whatever the "
+        "checkpointing plan. Make room for the optimizer: shard it (FSDP2), use a lighter optimizer (e.g. 8-bit or "
+        "SGD), or keep its state off the device.",
+        allocator=failure.figures,
+    )
+
+
+def _step_once(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    device: torch.device | str,
+    extra: tuple[Any, ...] = (),
+) -> OptimizerStepMemory:
+    """One ``optimizer.step()``, read and undone; out of memory, ``torch.OutOfMemoryError`` once all is restored."""
     device = torch.device(device)
     before = _state_bytes(optimizer)
     snapshot = StateSnapshot.capture(model)
@@ -123,13 +150,7 @@ def measure_optimizer_step(
         saved.restore()
         snapshot.restore()
     if refused is not None:
-        # Not "unmeasured": the step alone, with no activation held, does not fit, so every real step would run out of
-        # memory whatever the plan. Raised here, after the ``except`` (the failed step's tensors are free by now), as
-        # an out-of-memory error the caller's ``run_pass`` retries once split-resistant and then makes infeasible.
+        # Raised here, after the ``except`` (the failed step's tensors are free by now), for ``run_pass``.
         release_memory(device)
-        raise torch.OutOfMemoryError(
-            f"optimizer.step() of {type(optimizer).__name__} ran out of memory on its own, with no activation held, so "
-            "every training step would too, whatever the checkpointing plan (make room for the optimizer: shard it "
-            f"with FSDP2, use a lighter optimizer such as 8-bit or SGD, or keep its state off the device). {refused}"
-        )
+        raise torch.OutOfMemoryError(refused)
     return OptimizerStepMemory(before, after, peak, note=f"{type(optimizer).__name__} step measured")

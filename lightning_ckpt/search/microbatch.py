@@ -25,7 +25,6 @@ from torch.utils._pytree import tree_map
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.measure.measurement import run_pass
 from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_memory
@@ -325,11 +324,7 @@ def _scaled_profiles(
         for size in sorted({base_micro_batch, small_size})
     }
     opt_mem = (
-        run_pass(
-            "the optimizer-step measurement",
-            resolved.device,
-            lambda: measure_optimizer_step(root, optimizer, device=resolved.device, extra=extra_for(base_micro_batch)),
-        )
+        measure_optimizer_step(root, optimizer, device=resolved.device, extra=extra_for(base_micro_batch))
         if optimizer is not None
         else OptimizerStepMemory.absent()
     )
