@@ -297,3 +297,14 @@ def test_the_optimizer_step_measurement_is_retried_split_resistant_and_reads_the
     assert measured.measured and measured.step_peak_bytes >= 4 * MIB, "the card's allocated peak"
     assert card.allocator.num_ooms == 1, "refused once, then retried split-resistant"
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters(), strict=True))
+
+
+def test_show_says_what_the_allocator_ran_the_search_under(tmp_path, capsys) -> None:
+    from lightning_ckpt.cli.main import main
+    from lightning_ckpt.plan.format import Plan
+
+    regime = {"expandable_segments": False, "how": "the run-time switch had no effect", "settings": ""}
+    path = tmp_path / "plan.json"
+    Plan(metadata={"allocator": regime, "budget": {"kind": "peak", "limit_bytes": 2**30}}).save(path)
+    assert main(["show", str(path)]) == 0
+    assert "allocator  expandable segments off (the run-time switch had no effect)" in capsys.readouterr().out

@@ -184,6 +184,10 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
         lines.append(f"  run        {kv_text(run)}")
         lines.append(f"  budget     {budget_text(budget)}")
         lines.append(f"  versions   {versions_text(versions)}")
+        allocator = section(md, "allocator")
+        if allocator:  # what the search ran under, verified on a segment (measure.allocator)
+            state = "on" if allocator.get("expandable_segments") else "off"
+            lines.append(f"  allocator  expandable segments {state} ({allocator.get('how')})")
         if search:
             lines += _search_lines(search)
         if search.get("fell_back"):
@@ -200,6 +204,7 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
     known.add(TABLE_KEY)
     known.add(COMPILED_PROFILE_KEY)  # what a compiled plan table was predicted from; not re-planned from
     known.add("replanned")
+    known.add("allocator")
     other = {k: v for k, v in md.items() if k not in known}
     if other:
         lines += ["", "other metadata"]

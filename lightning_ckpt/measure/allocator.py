@@ -59,7 +59,7 @@ class AllocatorRegime:
     """What the search ran under, read off the allocator: recorded in the result and the plan file.
 
     ``expandable_segments``: verified on a new segment. ``how``: ``"configured before the device started"``,
-    ``"run-time switch"``, ``"off by your configuration"`` or ``"off: ..."`` (why). ``settings``: the allocator's
+    ``"run-time switch"``; when off, why (``"by your configuration ..."``, ``"the run-time switch had no effect"``). ``settings``: the allocator's
     options as in force (``PYTORCH_ALLOC_CONF`` syntax)."""
 
     expandable_segments: bool
@@ -112,12 +112,12 @@ def _regime(memory: DeviceMemory) -> AllocatorRegime:
         how = "configured before the device started" if options.expandable_segments else "already on"
         return AllocatorRegime(True, how, options.text(), version)
     if options.expandable_segments is False:
-        return AllocatorRegime(False, "off by your configuration (expandable_segments:False)", options.text(), version)
+        return AllocatorRegime(False, "by your configuration (expandable_segments:False)", options.text(), version)
     try:
         memory.set_allocator_options(options.with_expandable(True))
     except Exception as err:  # a custom allocator, a platform without them
         return AllocatorRegime(
-            False, f"off: the allocator refused the switch ({type(err).__name__}: {err})", options.text(), version
+            False, f"the allocator refused the switch ({type(err).__name__}: {err})", options.text(), version
         )
     memory.empty_cache()
     expandable = memory.expandable_in_effect()
@@ -134,7 +134,7 @@ def _regime(memory: DeviceMemory) -> AllocatorRegime:
         AllocatorWarning,
         stacklevel=2,
     )
-    return AllocatorRegime(False, "off: the run-time switch had no effect", options.text(), version)
+    return AllocatorRegime(False, "the run-time switch had no effect", options.text(), version)
 
 
 @contextlib.contextmanager
