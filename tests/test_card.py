@@ -213,6 +213,7 @@ def test_the_joint_micro_batch_search_on_a_small_card(small_card) -> None:
         )
     assert found.result.budget.limit_bytes == card_bytes
     assert found.result.best_trial.peak_bytes <= card_bytes
+    assert found.result.best.metadata["allocator"]["how"], "what the allocator ran the joint search under"
 
 
 class _Lit(LitGPT):

@@ -211,6 +211,8 @@ def tune_micro_batch(
     spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch,
             "tie_tolerance": config.tie_tolerance}  # fmt: skip
     run = {**result.best.metadata.get("run", {}), "batch_size": m}  # the step the plan runs: the chosen micro-batch
+    if session.allocator is not None:  # what the search ran under, as tune records it
+        result = replace(result, best=result.best.with_metadata(allocator=session.allocator.to_dict()))
     result = replace(
         result,
         best=result.best.with_metadata(micro_batch=spec, run=run),
