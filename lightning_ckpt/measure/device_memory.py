@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_ckpt.cards import installed_card
 from lightning_ckpt.measure.allocator_options import AllocatorOptions, configured_options, parse_options
 
 __all__ = [
@@ -21,9 +22,7 @@ __all__ = [
     "allocator_type",
     "device_memory",
     "refused_although_it_fits",
-    "install_card",
     "requested_bytes",
-    "uninstall_card",
 ]
 
 
@@ -143,24 +142,11 @@ class CudaMemory:
             del probe
 
 
-_CARDS: dict[str, Any] = {}
-
-
-def install_card(device_type: str, card: Any) -> None:
-    """Make ``card`` the allocator of ``device_type`` (``SimulatedCard.__enter__`` calls this)."""
-    _CARDS[device_type] = card
-
-
-def uninstall_card(device_type: str, card: Any) -> None:
-    if _CARDS.get(device_type) is card:
-        del _CARDS[device_type]
-
-
 def device_memory(device: torch.device | str) -> DeviceMemory | None:
     """The allocator of ``device``: a simulated card if one is installed for its type, CUDA's on a GPU, else None
     (CPU: no allocator counter; the live-tensor tracker reads memory there)."""
     device = torch.device(device)
-    card = _CARDS.get(device.type)
+    card = installed_card(device.type)
     if card is not None:
         return card
     if device.type == "cuda":

@@ -62,6 +62,7 @@ from lightning_ckpt.plan.handle import (
     installed_by,
     set_compile_memory_budget,
 )
+from lightning_ckpt.plan.offload import OffloadPool
 
 __all__ = ["apply_plan", "plan_applied", "reused_forwards"]
 
@@ -147,6 +148,7 @@ def _checkpointing(module: nn.Module, save_list: str | None) -> functools.partia
 def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
     """What the plan's per-block modes install, in the plan's block order."""
     installs: list[_Install] = []
+    pool: OffloadPool | None = None  # one per plan: every offloaded block's saved tensors, fetched a block ahead
     for fqn, bp in plan.blocks.items():
         block = _resolve(root, fqn, "Block")
         if bp.mode in ("full", "ops"):
@@ -154,7 +156,9 @@ def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
             forward = _reused((id(block), "checkpoint", save_list), _checkpointing, block, save_list)
             installs.append((block, fqn, forward))
         elif bp.mode == "offload":
-            installs.append((block, fqn, _reused((id(block), "offload"), functools.partial, offloaded_forward, block)))
+            pool = pool or _reused((id(root), "offload pool"), OffloadPool)
+            forward = _reused((id(block), "offload", id(pool)), functools.partial, offloaded_forward, block, pool)
+            installs.append((block, fqn, forward))
         elif bp.mode == "selective":
             installs += _selective_installs(block, fqn, bp, compiled_alone=_compiled_alone(root, fqn, block))
     return installs
@@ -284,7 +288,8 @@ def apply_plan(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: b
     if plan.compile_memory_budget is not None:
         previous_budget = set_compile_memory_budget(plan.compile_memory_budget)
     patches = [_install(module, forward) for module, _fqn, forward in installs]
-    handle = PlanHandle(root, plan, patches, previous_budget, watches)
+    pools = {id(f.args[1]): f.args[1] for _m, _f, f in installs if getattr(f, "func", None) is offloaded_forward}
+    handle = PlanHandle(root, plan, patches, previous_budget, watches, offload_pool=next(iter(pools.values()), None))
     ACTIVE[root] = handle
     # Held by the model itself so that a copy of it (deepcopy, pickle, torch.save) carries its own handle.
     root.__dict__[HANDLE_ATTR] = handle

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ckpt.cards import installed_card
 from lightning_ckpt.plan.buffer_guard import BufferGuard, Update, eager_in_compiled
 from lightning_ckpt.plan.caches import without_cache_args
 from lightning_ckpt.plan.chain import (
@@ -38,6 +39,7 @@ from lightning_ckpt.plan.chain import (
     tensor_devices,
     with_hidden,
 )
+from lightning_ckpt.plan.offload import OffloadPool
 from lightning_ckpt.plan.policies import selective_context_fn
 
 __all__ = ["CHECKPOINT_FRAMES", "CHUNK_BLOCKS", "child_forward", "original_forward"]
@@ -82,13 +84,15 @@ def _first_device(module: nn.Module, args: tuple[Any, ...]) -> torch.device | No
     return p.device if p is not None else None
 
 
-def offloaded_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def offloaded_forward(module: nn.Module, pool: OffloadPool, *args: Any, **kwargs: Any) -> Any:
+    """The block's forward with its saved tensors in ``pool`` (host memory; ``plan.offload``)."""
     inner = original_forward(module)
     device = _first_device(module, args)
-    # On a CPU model the activations already live in host memory; save_on_cpu would only copy them.
-    if not torch.is_grad_enabled() or device is None or device.type == "cpu":
+    # On a CPU model the activations already live in host memory: nothing to offload them from (a simulated card on
+    # CPU is a device of its own, whose memory offloading frees).
+    if not torch.is_grad_enabled() or device is None or (device.type == "cpu" and installed_card("cpu") is None):
         return inner(*args, **kwargs)
-    with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+    with pool.offloading(device):
         return inner(*args, **kwargs)
 
 

@@ -46,8 +46,13 @@ class PlanHandle:
         patches: list[Patch],
         previous_budget: float | None = None,
         watches: Sequence[StackWatch] = (),
+        *,
+        offload_pool: Any = None,
     ) -> None:
         self.plan = plan
+        # The host pool of the plan's offloaded blocks (``plan.offload.OffloadPool``), None without any: its figures
+        # are the trial's, and its memory goes back when the plan is removed.
+        self.offload_pool = offload_pool
         # None only for a handle pickled without its model (it is then removed already).
         self._model_ref: Callable[[], nn.Module | None] = weakref.ref(model) if model is not None else _no_model
         self._patches = patches
@@ -88,6 +93,8 @@ class PlanHandle:
                 d["forward"] = prev
         if self._previous_budget is not None:
             set_compile_memory_budget(self._previous_budget)
+        if self.offload_pool is not None:
+            self.offload_pool.release()
         self._removed = True
         model = self._model_ref()
         if model is not None and ACTIVE.get(model) is self:

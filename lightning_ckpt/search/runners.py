@@ -76,9 +76,6 @@ class EagerRunner:
         self, plan: Plan, memory_limit: int | None, *, warmup: int, steps: int, memory: bool, flops: bool
     ) -> Measurement:
         h = self.harness
-        offload = h.device.type == "cuda" and any(bp.mode == "offload" for bp in plan.blocks.values())
-        if offload:
-            _reset_pinned_peak()
         with plan_applied(h.target, plan) as handle, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"lightning_ckpt: segments\[")  # reported as the trial's error
             m = h.measure(
@@ -89,8 +86,10 @@ class EagerRunner:
                 memory_limit_bytes=memory_limit,
                 reserve_headroom_bytes=self.reserve_headroom_bytes,
             )
-        if offload:  # offload trades device memory for pinned host memory: report it
-            m = replace(m, extra={**m.extra, "pinned_host_peak_bytes": _pinned_peak()})
+            pool = handle.offload_pool.stats() if handle.offload_pool is not None else None
+        if pool is not None and pool.offloaded_tensors:  # offload trades device memory for host memory: report it
+            extra = {"offload_host_pool_bytes": pool.capacity_bytes, "offload_host_peak_bytes": pool.peak_bytes}
+            m = replace(m, extra={**m.extra, **extra})
         return _with_deviations(m, handle.deviations)
 
     def retime(self, plan: Plan, steps: int, *, warmup: int = 1) -> Measurement:
@@ -114,21 +113,9 @@ def _with_deviations(outcome: Measurement, deviations: Mapping[str, str]) -> Mea
     return replace(outcome, status=TrialStatus.INVALID.value, error=error, extra=extra)
 
 
-def _reset_pinned_peak() -> None:
-    reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
-    if reset is not None:
-        reset()
-
-
-def _pinned_peak() -> int | None:
-    # active, not allocated: the host caching allocator counts blocks cached from earlier trials as allocated.
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    return int(stats().get("active_bytes.peak", 0)) if stats is not None else None
-
-
 def release_cached_memory(device: torch.device) -> None:
-    """Give back what trials left cached: device blocks, and the pinned host blocks of offload trials
-    (torch's host caching allocator keeps them after ``save_on_cpu(pin_memory=True)`` is done)."""
+    """Give back what trials left cached: device blocks, and the pinned host blocks of offload trials (a plan's
+    offload pool goes back to torch's host caching allocator when the plan is removed, which keeps them)."""
     release_memory(device)
     if device.type != "cuda":
         return

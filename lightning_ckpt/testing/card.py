@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.measure import device_memory
+from lightning_ckpt.cards import install_card, uninstall_card
 from lightning_ckpt.measure.allocator_options import AllocatorOptions, configured_options
 from lightning_ckpt.testing.allocator import AllocatorOutOfMemory, AllocatorSizes, Block, CachingAllocator
 
@@ -243,11 +243,11 @@ class SimulatedCard(TorchDispatchMode):
             if st.device == self.device:
                 self._count(st)
         self.reset_peak()
-        device_memory.install_card(self.device.type, self)
+        install_card(self.device.type, self)
         return super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
-        device_memory.uninstall_card(self.device.type, self)
+        uninstall_card(self.device.type, self)
         super().__exit__(*args)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -1,0 +1,145 @@
+"""Offload through one host pool (``lightning_ckpt.plan.offload``), on the lab's card: saved tensors leave the card's
+memory for the pool and come back a block ahead, exactly; the pool is sized by the first step and reused; a step that
+fails gives everything back. (The copy and fetch streams run on CUDA only; the stream-free path here is the same pool
+and the same accounting.)"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from lightning_ckpt import BlockPlan, Plan, plan_applied
+from lightning_ckpt.model import ModelView
+from lightning_ckpt.plan.baselines import uniform_plan
+from lightning_ckpt.plan.offload import SMALLEST_OFFLOADED, OffloadPool
+from lightning_ckpt.testing import GPT, GPTConfig, SimulatedCard
+
+MIB = 2**20
+
+
+def _gpt(dropout: float = 0.1) -> tuple[GPT, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=64, vocab_size=128, dropout=dropout))
+    return model, torch.randint(0, 128, (8, 64))
+
+
+def _offload(model: GPT) -> Plan:
+    return uniform_plan(ModelView.of(model).stacks, BlockPlan("offload"))
+
+
+def _pool(model: GPT) -> OffloadPool:
+    pools = {
+        id(p): p
+        for m in model.modules()
+        for p in getattr(getattr(m, "forward", None), "args", ())
+        if isinstance(p, OffloadPool)
+    }
+    assert len(pools) == 1, "one pool per plan"
+    return next(iter(pools.values()))
+
+
+def _step(model: GPT, tokens: torch.Tensor, seed: int = 1) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model(tokens, tokens).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_offloaded_gradients_equal_the_plain_ones_bit_for_bit_with_dropout() -> None:
+    model, tokens = _gpt()
+    plain = _step(model, tokens)
+    with SimulatedCard(2**40, resident=(model,)), plan_applied(model, _offload(model)):
+        offloaded = _step(model, tokens)
+        again = _step(model, tokens)  # the pool reused: the second step is exact too
+        pool = _pool(model)
+    for name, grad in plain.items():
+        assert torch.equal(grad, offloaded[name]) and torch.equal(grad, again[name]), name
+    assert pool.stats().offloaded_tensors > 0, "the card's saved tensors went to the pool"
+
+
+def test_the_card_counts_offloaded_tensors_apart_and_the_pool_is_sized_once() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=8, n_head=2, n_embd=64, block_size=64, vocab_size=128, dropout=0.0))
+    tokens = torch.randint(0, 128, (8, 64))
+    peaks = {}
+    for name, plan in (("none", Plan()), ("offload", _offload(model))):
+        card = SimulatedCard(2**40, resident=(model,))
+        with card, plan_applied(model, plan):
+            _step(model, tokens)
+            card.reset_peak()
+            _step(model, tokens)
+            peaks[name] = card.max_allocated() - card.allocated()
+            if name == "offload":
+                pool = _pool(model)
+                stats = pool.stats()
+                _step(model, tokens)
+                assert pool.stats().chunks == stats.chunks and pool.capacity_bytes == stats.capacity_bytes, (
+                    "no allocation after the first step"
+                )
+                assert pool._in_use == 0, "rewound once the step's tensors were dropped"
+    saved = stats.peak_bytes
+    assert saved > MIB and stats.capacity_bytes >= saved
+    assert all(c & (c - 1) == 0 for c in (ch.numel() for ch in pool._chunks)), "chunks of a power of two"
+    # What stays on the card is the block backward is in and the one fetched ahead of it (2 of 8): the step's memory
+    # above rest falls by more than half; the pool holds at least what left.
+    assert peaks["offload"] < peaks["none"] / 2 and saved >= peaks["none"] - peaks["offload"]
+    assert stats.prefetched_tensors > 0, "each block's tensors were fetched before backward reached it"
+
+
+def test_a_step_that_fails_gives_the_pool_and_the_card_back() -> None:
+    model, tokens = _gpt(dropout=0.0)
+
+    def fail(*_):
+        raise torch.OutOfMemoryError("Tried to allocate 1.00 GiB (injected in the third block's forward)")
+
+    card = SimulatedCard(2**40, resident=(model,))
+    with card, plan_applied(model, _offload(model)):
+        _step(model, tokens)
+        pool = _pool(model)
+        capacity, start = pool.capacity_bytes, card.allocated()
+        hook = model.transformer.h[2].register_forward_pre_hook(fail)
+        with pytest.raises(torch.OutOfMemoryError):
+            model(tokens, tokens)
+        hook.remove()
+        gc.collect()  # what measure_step does after a failed step: the failed graph's frames are gone
+        assert pool._in_use == 0 and not pool._groups and pool._live == 0, "abandoned: nothing packed is kept"
+        assert card.allocated() == start, "the failed step's device tensors are gone"
+        grads = _step(model, tokens)
+        assert pool.capacity_bytes == capacity, "the next step reuses the pool; nothing leaked into it"
+    plain = _step(model, tokens)
+    assert all(torch.equal(g, plain[n]) for n, g in grads.items())
+
+
+def test_small_tensors_and_parameters_stay_and_a_large_tensor_gets_a_chunk_of_its_own() -> None:
+    pool = OffloadPool(chunk_bytes=MIB)
+    weight = torch.nn.Parameter(torch.randn(512, 512))
+    x = torch.randn(4, 512, requires_grad=True)
+    big = torch.randn(3 * MIB // 4, requires_grad=True)  # 3 MiB of float32: a 4 MiB chunk
+    with SimulatedCard(2**40), pool.offloading(torch.device("cpu")):
+        y = (x @ weight).relu().sum() + (big * big).sum()
+    assert x.nbytes < SMALLEST_OFFLOADED
+    assert sorted(c.numel() for c in pool._chunks) == [4 * MIB], "only the large tensor left; one chunk, exact"
+    y.backward()
+    assert torch.equal(big.grad, 2 * big) and x.grad is not None
+    with pytest.raises(ValueError, match="power of two"):
+        OffloadPool(chunk_bytes=3 * MIB)
+
+
+def test_an_offload_trial_reports_its_host_pool_and_gives_it_back() -> None:
+    from lightning_ckpt.measure.harness import StepHarness
+    from lightning_ckpt.search.runners import EagerRunner
+
+    model, tokens = _gpt(dropout=0.0)
+    plan = _offload(model)
+    harness = StepHarness(model, lambda: model(tokens, tokens), torch.device("cpu"), warmup_steps=0, measure_steps=1)
+    with SimulatedCard(2**40, resident=(model,)):
+        m = EagerRunner(harness).measure(plan, None)
+    assert m.ok and m.extra["offload_host_peak_bytes"] > MIB
+    assert m.extra["offload_host_pool_bytes"] >= m.extra["offload_host_peak_bytes"]
+    with plan_applied(model, plan) as handle:
+        pool = handle.offload_pool
+        _step(model, tokens)  # plain CPU: activations already live in host memory, nothing is copied
+    assert pool.stats().offloaded_tensors == 0 and pool.capacity_bytes == 0
