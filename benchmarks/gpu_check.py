@@ -11,6 +11,8 @@ Parts, in the order they run (the ones that verify OOM fixes first):
   c  OOM survival: the card made small (``set_per_process_memory_fraction``) so that no checkpointing does not
      fit: ``tune`` must record the real OOM, go on, leak nothing and keep the user's cap; whether the tuner's cap
      overrides a smaller user cap; and the tuner's own cap enforcing a budget for real (nothing pruned).
+  d  offload vs none at the full batch: device memory, step time, the plan's host pool, the link measured each way
+     and its bound (the pool's bytes at that rate against the step), pinned host memory kept afterwards.
   b  ``tune`` under a ``max_memory`` halfway between the full and none peaks, then the chosen plan and every
      baseline timed side by side (CUDA events, interleaved); budget violations, plans pruned although they fit,
      ``oom`` trials whose allocated peak fits (the cap limits reserved memory), the real step with AdamW state.
@@ -18,7 +20,6 @@ Parts, in the order they run (the ones that verify OOM fixes first):
      ``torch.cuda.max_memory_allocated`` read here, outside the package; plus an fp32 control.
   g  a ``Trainer(precision="bf16-mixed")`` fit with ``ActivationCheckpointTuner`` and AdamW under the budget of (b)
      plus AdamW's state: real step peaks after lock-in vs the budget.
-  d  offload vs none: device activation memory, step time, pinned host memory kept afterwards.
   f  ``ActivationCheckpointTuner(tune_micro_batch=True)``: plan and micro-batch tuned together at a fixed global
      batch, vs no checkpointing at the largest micro-batch that fits, side by side; real step peaks vs budget.
   e  ``torch.compile`` (inductor): compile seconds per trial, step time, graph breaks, recompiles.
@@ -72,10 +73,10 @@ RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
 PARTS: dict[str, tuple[str, float]] = {
     "c0": ("allocator_switch", 10),
     "c": ("oom_survival", 40),
+    "d": ("offload", 20),
     "b": ("tuner_vs_baselines_budget", 70),
     "a": ("memory_model_vs_allocator", 45),
     "g": ("lightning_callback_e2e", 55),
-    "d": ("offload", 12),
     "f": ("micro_batch_joint", 60),
     "e": ("compile", 50),
 }
@@ -160,6 +161,7 @@ try:
     from lightning_ckpt import ActivationCheckpointTuner, Plan, TuneConfig, baselines, plan_applied, tune
     from lightning_ckpt.measure.allocator import allocator_figures, search_allocator
     from lightning_ckpt.measure.device_memory import device_memory
+    from lightning_ckpt.measure.link import measure_link
     from lightning_ckpt.plan.policies import SAVE_LISTS  # documented in the API reference
     from lightning_ckpt.testing import GPT, GPTConfig, SimulatedCard
     from lightning_ckpt.testing.allocator import AllocatorSizes
@@ -715,13 +717,16 @@ def part_c0() -> dict[str, Any]:
 
 
 def part_d() -> dict[str, Any]:
+    """Offload against none on the part-c model at its full batch: device memory, step time, the host pool (one per
+    plan, reused every step), the link measured each way with pinned copies, and the link's bound: how long the bytes
+    the pool took would take to move at that rate, against the step's own time. In the dry run the same pool runs
+    stream-free on a simulated card (the card's memory, not the link)."""
     ensure_model()
-    model = SHARED.model
-    bd = max(1, SHARED.x.shape[0] // 4)
-    xd, yd = SHARED.x[:bd], SHARED.y[:bd]
-    fwd = make_fwd(model, xd, yd)
+    model, x, y = SHARED.model, SHARED.x, SHARED.y
+    fwd = make_fwd(model, x, y)
+    step = lambda: fwd().backward()  # noqa: E731
     base = baselines(model)
-    out: dict[str, Any] = {"batch": bd}
+    out: dict[str, Any] = {"batch": x.shape[0]}
 
     def host() -> dict[str, Any]:
         if not CUDA:
@@ -730,15 +735,39 @@ def part_d() -> dict[str, Any]:
         return {"pinned_gib": gib(s.get("allocated_bytes.current", 0)),
                 "pinned_active_gib": gib(s.get("active_bytes.current", 0))}  # fmt: skip
 
+    link = measure_link(DEVICE)
+    out["link_gb_s"] = (
+        {"to_host": round(link.to_host / 1e9, 2), "to_device": round(link.to_device / 1e9, 2)} if link else None
+    )
     out["host_before"] = host()
-    for name in ("none", "offload"):
-        free()
-        r = run_config(model, base[name], lambda: fwd().backward(), 2)
-        # What the step adds to the device above the resting state: activations, gradients, temporaries.
-        added = r["peak"] - r["resting"] if CUDA and r["status"] == "ok" else None
-        out[name] = {"status": r["status"], "peak_gib": gib(r.get("peak")), "step_memory_gib": gib(added),
-                     "ms": round(statistics.median(r["ms"]), 1) if r.get("ms") else None}  # fmt: skip
-        log(f"(d) {name}: {out[name]}")
+    card = contextlib.nullcontext() if CUDA else SimulatedCard(2**40, resident=(model, x, y))
+    with card:
+        for name in ("none", "offload"):
+            free()
+            r = run_config(model, base[name], step, 2)
+            # What the step adds to the device above the resting state: activations, gradients, temporaries.
+            added = r["peak"] - r["resting"] if CUDA and r["status"] == "ok" else None
+            out[name] = {"status": r["status"], "peak_gib": gib(r.get("peak")), "step_memory_gib": gib(added),
+                         "ms": round(statistics.median(r["ms"]), 1) if r.get("ms") else None}  # fmt: skip
+            log(f"(d) {name}: {out[name]}")
+        with plan_applied(model, base["offload"], check_fingerprint=False) as handle:
+            if (
+                not CUDA and handle.offload_pool is not None
+            ):  # the dry run's tensors are all smaller than a copy's worth
+                handle.offload_pool.min_bytes = 1024
+            zero_grads(model)
+            step()  # one more step, read through the plan's pool
+            zero_grads(model)
+            pool = handle.offload_pool.stats() if handle.offload_pool is not None else None
+    if pool is not None:
+        out["pool"] = {"capacity_gib": gib(pool.capacity_bytes), "offloaded_gib_per_step": gib(pool.peak_bytes),
+                       "tensors": pool.offloaded_tensors, "prefetched": pool.prefetched_tensors, "chunks": pool.chunks}  # fmt: skip
+    if link is not None and pool is not None and out["none"]["ms"]:
+        # The link's bound: each way, the pool's bytes at the measured rate, against the plain step's time.
+        out_ms, back_ms = (1000 * link.seconds(pool.peak_bytes, to_host=way) for way in (True, False))
+        out["link_bound"] = {"to_host_ms": round(out_ms, 1), "to_device_ms": round(back_ms, 1),
+                             "none_step_ms": out["none"]["ms"],
+                             "transfer_over_step": round((out_ms + back_ms) / out["none"]["ms"], 2)}  # fmt: skip
     if out["none"]["step_memory_gib"] and out["offload"]["step_memory_gib"] is not None:
         out["offload_step_memory_ratio"] = round(out["offload"]["step_memory_gib"] / out["none"]["step_memory_gib"], 3)
     if out["none"]["ms"] and out["offload"]["ms"]:
@@ -751,7 +780,9 @@ def part_d() -> dict[str, Any]:
     out["host_after_search_release"] = host()  # target: pinned back to 0 (issue 48 item 5)
     out["space_has_offload"] = "offload" in TuneConfig().search_space.for_device(DEVICE.type).modes
     if not CUDA:
-        out["needs_cuda"] = {"memory": f"{NEEDS_CUDA}: device and pinned host memory; step times only"}
+        out["needs_cuda"] = {
+            "memory": f"{NEEDS_CUDA}: the link, device and pinned host memory; the pool on a simulated card"
+        }
     return out
 
 
@@ -1045,7 +1076,8 @@ def verdicts() -> dict[str, Any]:
         "c2_none_status_under_user_cap": c2.get("none_status"),
         "c3_over_budget_not_ok": c.get("c3_over_budget_not_ok"),
         "d_offload_step_memory_ratio": d.get("offload_step_memory_ratio"), "d_offload_time_ratio": d.get("offload_time_ratio"),
-        "d_pinned_gib_after_release": (d.get("host_after_release") or {}).get("pinned_gib"),
+        "d_pinned_gib_after_release": (d.get("host_after_search_release") or {}).get("pinned_gib"),
+        "d_link_gb_s": d.get("link_gb_s"), "d_link_bound": d.get("link_bound"), "d_pool": d.get("pool"),
         "e_compile_s_total": e.get("compile_s_total"), "e_tuning_s": e.get("tuning_s"),
         "f_chosen": f.get("chosen"), "f_chosen_micro_batch": f.get("chosen_micro_batch"),
         "f_ratio_tuned_vs_none": f.get("ratio_tuned_vs_none"), "f_none_pruned_but_fits": f.get("none_pruned_but_fits"),

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-PARTS = ("c0", "b", "c", "g")
+PARTS = ("c0", "b", "c", "d", "g")
 
 
 def test_the_gpu_checks_dry_run_passes_its_parts_on_cpu(tmp_path):
@@ -54,5 +54,8 @@ def test_the_gpu_checks_dry_run_passes_its_parts_on_cpu(tmp_path):
     )
     assert c["allocator_after_c1"]["segments"], "a compact segment list"
     assert "[log] lightning_ckpt: allocator for the search" in done.stdout, "the package's INFO log is in the check's"
+    # d: offload through the plan's host pool (stream-free on the simulated card; the link needs a card).
+    pool = summary["parts"]["d"]["result"]["pool"]
+    assert pool["tensors"] > 0 and pool["prefetched"] > 0 and pool["capacity_gib"] >= pool["offloaded_gib_per_step"] > 0
     assert summary["verdicts"]["parts_status"] == {key: "ok" for key in PARTS}
     assert "=== gpu_check:" in done.stdout  # the table

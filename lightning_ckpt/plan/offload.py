@@ -68,14 +68,17 @@ class OffloadPool:
 
     ``chunk_bytes``: the size of each host chunk (a power of two); a saved tensor larger than a chunk gets a chunk
     of the next power of two of its own. ``pinned``: page-locked chunks (the default on CUDA), which copies need to
-    run asynchronously.
+    run asynchronously. ``min_bytes``: saved tensors smaller than this stay on the device.
     """
 
-    def __init__(self, *, chunk_bytes: int = 64 * _MIB, pinned: bool | None = None) -> None:
+    def __init__(
+        self, *, chunk_bytes: int = 64 * _MIB, pinned: bool | None = None, min_bytes: int = SMALLEST_OFFLOADED
+    ) -> None:
         if chunk_bytes < 1 or chunk_bytes & (chunk_bytes - 1):
             raise ValueError(f"OffloadPool needs chunk_bytes to be a power of two, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.pinned = pinned
+        self.min_bytes = min_bytes  # smaller saved tensors stay on the device
         self._chunks: list[torch.Tensor] = []
         self._at = (0, 0)  # (chunk, offset) of the next free byte
         self._live = 0  # packed tensors autograd still holds (of this generation)
@@ -165,7 +168,7 @@ class OffloadPool:
 
     # -- the hooks -------------------------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor, device: torch.device, group: int) -> Any:
-        if t.device != device or t.nbytes < SMALLEST_OFFLOADED or isinstance(t, torch.nn.Parameter) or t.is_sparse:
+        if t.device != device or t.nbytes < self.min_bytes or isinstance(t, torch.nn.Parameter) or t.is_sparse:
             return t  # parameters and small tensors stay: nothing to win
         if self._last is not None and self._last[0]() is t:  # ``x * x`` saves x twice
             return self._last[1]

@@ -1,0 +1,60 @@
+"""The host link, measured: how fast pinned memory moves between the card and the host, each way.
+
+Offload can only hide behind compute what the link moves in that time: an H200's PCIe Gen5 link is about 64 GB/s
+each way at line rate, pinned copies reach tens of GB/s, pageable ones a few. So the figure is measured on the
+machine, not assumed, with pinned buffers as the offload pool uses, timed on the device's own clock (CUDA events).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["LinkBandwidth", "measure_link"]
+
+
+@dataclass(frozen=True)
+class LinkBandwidth:
+    """Bytes per second of pinned copies to the host (``to_host``) and back (``to_device``), over ``nbytes``."""
+
+    to_host: float
+    to_device: float
+    nbytes: int
+
+    def seconds(self, nbytes: int, *, to_host: bool) -> float:
+        """How long ``nbytes`` take one way at the measured rate."""
+        return nbytes / (self.to_host if to_host else self.to_device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_link(device: torch.device | str, *, nbytes: int = 256 * 2**20, repeats: int = 5) -> LinkBandwidth | None:
+    """The median of ``repeats`` pinned copies of ``nbytes`` each way on ``device`` (None where there is no link to
+    measure: a CPU). The buffers are released afterwards."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    card = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        card.copy_(host, non_blocking=True)  # first copies set up the mappings: not timed
+        host.copy_(card, non_blocking=True)
+        for _ in range(repeats):
+            for to_host in (True, False):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                if to_host:
+                    host.copy_(card, non_blocking=True)
+                else:
+                    card.copy_(host, non_blocking=True)
+                end.record()
+                end.synchronize()
+                rates[to_host].append(nbytes / (start.elapsed_time(end) / 1000))
+    finally:
+        del host, card
+    return LinkBandwidth(statistics.median(rates[True]), statistics.median(rates[False]), nbytes)
