@@ -141,12 +141,14 @@ def check_accelerator(parser: argparse.ArgumentParser, accelerator: str) -> None
 
 
 def make_trainer(accelerator: str, steps: int, callbacks: list[L.Callback], logs: Path) -> L.Trainer:
-    """The Trainer: ``steps`` steps within one epoch (the corpus holds tens of thousands of batches). ``max_epochs=1``
-    rather than Lightning's default for a ``max_steps`` run (-1), which Rich's bar drew as ``Epoch 0/-2``."""
+    """The Trainer: one epoch of ``steps`` batches (the corpus holds tens of thousands). ``max_epochs=1`` rather than
+    Lightning's default for a ``max_steps`` run (-1), which Rich's bar drew as ``Epoch 0/-2``; the epoch cut to
+    ``steps`` batches, or the bar would count towards the corpus's 20600 with an ETA of hours."""
     return L.Trainer(
         **trainer_device(accelerator),
         max_steps=steps,
         max_epochs=1,
+        limit_train_batches=steps,
         callbacks=callbacks,
         logger=TensorBoardLogger(logs, name="gpt"),
         enable_checkpointing=False,

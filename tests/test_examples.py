@@ -163,3 +163,4 @@ def test_train_gpt_names_its_one_epoch_so_richs_bar_reads_epoch_0_of_0(tmp_path)
     trainer = train_gpt.make_trainer("cpu", 3, [bar], tmp_path)
     bar._trainer = trainer  # what Lightning's setup sets
     assert bar._get_train_description(0).strip() == "Epoch 0/0", "Lightning's default for max_steps drew Epoch 0/-2"
+    assert trainer.limit_train_batches == 3, "the bar counts the run's steps, not the corpus's 20600 batches"

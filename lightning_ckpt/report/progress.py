@@ -96,14 +96,17 @@ class SearchProgress:
         """Move the line during side-by-side rounds (``phase``: confirming, re-ranking, fresh rounds), with every plan
         timed: the rounds done (the bar's count, its clock restarted at the phase's first round), where this round is
         and the current leader's interval. A confirmation's single frame, drawn once, sat unchanged for 8.6 minutes."""
-        if self._phase != phase:
+        status = f"round {round_number} of at most {max_rounds}: {timed}/{to_time} plans timed"
+        status += f"; leader {leader}" if leader else ""
+        if self._phase != phase:  # a new phase: its own clock and count, drawn once set (``reset`` redraws)
             self._phase = phase
-            self.bar.reset(total=None)
             self.bar.unit = "round"
             self.bar.set_description_str(f"lightning_ckpt: {phase}", refresh=False)
+            self.bar.set_postfix_str(status, refresh=False)
+            self.bar.reset(total=None)
+            return
         self.bar.n = round_number - (timed < to_time)
-        status = f"round {round_number} of at most {max_rounds}: {timed}/{to_time} plans timed"
-        self.bar.set_postfix_str(status + (f"; leader {leader}" if leader else ""))
+        self.bar.set_postfix_str(status)
 
     def write(self, text: str) -> None:
         if self.enabled:

@@ -249,14 +249,14 @@ class Confirmation:
 
 
 def leader_of(side: SideBySide, labels: Mapping[int, str], tie_tolerance: float) -> str | None:
-    """The leading tuned plan of the rounds so far and its verdict against the reference (``full h.0-3: 1.04x [0.99,
-    1.08] vs none, 3 rounds``); the fastest plan by its median where no tuned plan has a verdict; None before any
-    round ended."""
+    """The leading tuned plan of the rounds so far and its verdict against the reference, the verdict first (a
+    terminal cuts a long line at its right edge): ``1.04x [0.99, 1.08] vs none, 3 rounds: full h.0-3``; the fastest
+    plan by its median where no tuned plan has a verdict; None before any round ended."""
     verdicts = [(n, v) for n in side.tuned() if (v := side.verdict(n, labels, tie_tolerance)) is not None]
     verdicts = [(n, v) for n, v in verdicts if v.ratio is not None]
     if verdicts:
         n, v = max(verdicts, key=lambda nv: nv[1].ratio or 0.0)
-        return f"{labels.get(n, n)}: {v.describe()}"
+        return f"{v.describe()}: {labels.get(n, n)}"
     timed = {n: statistics.median(x) for n, x in side.per_sample.items() if x}
     if not timed:
         return None
