@@ -63,7 +63,8 @@ class BlockMemory:
 
     saved_bytes: mode key (see ``mode_key``) -> activation bytes the block keeps from its forward to
     its backward (its input included when saved, its output excluded). ``offload`` counts device
-    bytes only (on CPU offloading is a no-op, so it equals ``none``).
+    bytes only (on CPU offloading is a no-op, so it equals ``none``); the block fetched ahead of backward is added
+    where it is held (``MemoryModel._prefetch_deltas``).
     recompute_transient_bytes: extra memory while the block is recomputed and run backward under
     ``full`` (its recomputed internals plus backward temporaries, gradients excluded).
     shared_with: FQN of the identical block whose profile this row reuses (None: measured itself).
@@ -182,7 +183,11 @@ class MemoryModel:
                 d_total = d_act = keep_prefix[n]
             else:  # bw / bw_gap: earlier blocks still hold their activations
                 held = keep_prefix[i] + chunk_adjust[i]
-                own = (st.bw_delta[i], st.bw_act_delta[i]) if ph.kind == "bw" else (0, 0)
+                own = (
+                    (st.bw_delta[i] + st.prefetch[i], st.bw_act_delta[i] + st.prefetch[i])
+                    if ph.kind == "bw"
+                    else (0, 0)
+                )
                 d_total, d_act = held + own[0], held + own[1]
             total = ph.peak_bytes + d_total
             if total > best_total:
@@ -364,7 +369,27 @@ class MemoryModel:
                 self._chunk_member_deltas(st, i, chunk_pos[i], full, none)
             else:
                 self._mode_deltas(st, i, self._profile(b, keys[i]), full)
+        self._prefetch_deltas(st, keys)
         return st
+
+    def _prefetch_deltas(self, st: _PlanState, keys: Sequence[str]) -> None:
+        """Offloaded blocks come back one ahead of backward (``plan.offload``): from the first backward use of an
+        offloaded block's tensors until the previous offloaded block's own backward, that block's offloaded bytes
+        (what ``none`` saves beyond what ``offload`` keeps) are on the device again, beside what the block-alone
+        profile saw."""
+        previous = None
+        for i, key in enumerate(keys):
+            if key != "offload" or self.blocks[i].profiles.get("full") is None:
+                continue
+            if previous is not None:
+                j = previous
+                back = (
+                    self._profile(self.blocks[j], "none").keep_bytes
+                    - self._profile(self.blocks[j], "offload").keep_bytes
+                )
+                for k in range(j + 1, i + 1):
+                    st.prefetch[k] += max(0, back)
+            previous = i
 
     def _mode_keys_of(self, plan: Plan, rows_of: Mapping[str, list[int]], index: Mapping[str, int]) -> list[str]:
         """Each row's mode key under ``plan``'s per-block modes (``none`` where it names none)."""
@@ -502,6 +527,7 @@ class _PlanState:
         self.bw_delta = [0] * n  # own backward peak, vs full
         self.bw_act_delta = [0] * n
         self.recompute_delta = [0] * n  # held once its chunk was recomputed (none-mode), vs full
+        self.prefetch = [0] * n  # during its backward: an earlier offloaded block's tensors, fetched ahead
         self.chunk_of = chunk_of
 
     @property

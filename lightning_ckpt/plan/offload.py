@@ -174,7 +174,8 @@ class OffloadPool:
             return self._last[1]
         if self.pinned is None:
             self.pinned = device.type == "cuda"
-        host = self._take(t.nbytes).view(t.dtype)[: t.numel()].view(t.shape)
+        with _disable_current_modes():  # a view of a host chunk: no tracker or card may count the chunk
+            host = self._take(t.nbytes).view(t.dtype)[: t.numel()].view(t.shape)
         streams = self._stream_pair(device)
         if streams is None:
             with _disable_current_modes():
@@ -211,7 +212,9 @@ class OffloadPool:
             self._fetch(packed.group, ahead=False)
             self._fetch(packed.group - 1, ahead=True)  # the block backward reaches next
         if packed.fetched is None:  # a second unpack (retain_graph), or its group forgotten: this one alone
-            packed.fetched = packed.host.to(packed.device, non_blocking=packed.device.type == "cuda")
+            packed.fetched = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+            with _disable_current_modes():
+                packed.fetched.copy_(packed.host, non_blocking=packed.device.type == "cuda")
         out = packed.fetched
         if packed.event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
@@ -227,7 +230,9 @@ class OffloadPool:
         streams = self._stream_pair(todo[0].device)
         if streams is None:  # synchronous, but in the same order: a block's tensors are back before it is reached
             for p in todo:
-                p.fetched = p.host.to(p.device, copy=True)
+                p.fetched = torch.empty(p.shape, dtype=p.dtype, device=p.device)  # the device's: counted there
+                with _disable_current_modes():
+                    p.fetched.copy_(p.host)
             self.prefetched += len(todo) if ahead else 0
             return
         if not ahead:
