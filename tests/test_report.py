@@ -621,8 +621,16 @@ def _long_winner(result: TuneResult, *, confirmed: tuple[int, ...] = ()) -> Tune
         trial(8, uniform(BlockPlan("full")), "full h.0-3 (again)", "pruned", pred=500, pruned_by="time"),
         trial(9, plan, plan.describe(), "ok", peak=470, act=170, pred=470, sps=95.0),
     )
+    # Re-timed beside the reference (selective_mlp): trial 1 at 70/85 of it, the winner 1.12x in its fresh rounds.
+    ratios = {1: 70 / 85, 2: 1.0, 9: 1.12}
     trials = tuple(
-        dataclasses.replace(t, confirmation_seconds=(0.1, 0.1)) if t.number in confirmed else t
+        dataclasses.replace(
+            t,
+            confirmation_seconds=(0.1, 0.1),
+            extra={"vs_reference": {"reference": "baseline:selective_mlp", "ratio": ratios.get(t.number, 1.0)}},
+        )
+        if t.number in confirmed
+        else t
         for t in (*result.trials, *extra)
     )
     return dataclasses.replace(result, trials=trials, best_trial=next(t for t in trials if t.number == 9))
@@ -682,10 +690,13 @@ def test_the_figure_and_the_table_mark_what_was_timed_one_plan_at_a_time(result,
             hp[report.tags.hparam_name("timing")].string_value,
             ratio,
         )
-    assert seen["9"][0] == "side by side" and seen["9"][1] == pytest.approx(95.0 / 85.0)
+    assert seen["9"][0] == "side by side" and seen["9"][1] == pytest.approx(1.12)
     assert seen["2"] == ("side by side", pytest.approx(1.0))
     assert seen["6"] == ("one at a time", None), seen
     # The summary table says the same of each row's samples/s.
     rows = {line.split()[1] if line.startswith("*") else line.split()[0]: line for line in
             report.summary_table(confirmed).splitlines() if line.strip() and line.strip()[0] in "*0123456789"}  # fmt: skip
-    assert " side " in rows["9"] and " alone " in rows["6"], rows
+    assert " side " in rows["9"] and " 1.12x " in rows["9"] and " alone " in rows["6"], rows
+    # Side-by-side points sit on one scale: the reference's figure times each plan's ratio to it.
+    assert report.figure.comparable_speeds(confirmed) == pytest.approx({1: 70.0, 2: 85.0, 9: 85.0 * 1.12})
+    assert fig.axes[0].get_ylabel().startswith("samples / s (filled: the reference's x its paired ratio")

@@ -813,3 +813,22 @@ def test_where_no_checkpointing_is_predicted_to_fit_it_alone_is_measured_and_cho
     s = study(runner, Budget("peak", 1_200), search_when_none_fits=False)
     s.run()
     assert len(runner.measured) > 1 and not s.none_fits
+
+
+def test_every_re_timed_trial_keeps_its_speed_over_the_reference_from_the_rounds_it_ran_in():
+    # Issue #64: the leaders' samples/s come from the rounds that chose the winner, the winner's and the reference's
+    # from fresh rounds minutes later; a leader read faster than the winner. Each keeps its ratio to the reference.
+    fast = next(c.plan for c in CANDIDATES if _checkpointed(c.plan) == 0.5 and not c.baseline)
+    speed = {c.plan.key(): 2.0 for c in CANDIDATES} | {fast.key(): 1.0}
+    s = study(FakeRunner(speed=speed, noise=0.01), Budget("peak", 900), holdout_rounds=3, holdout_max_rounds=3)
+    s.run()
+    s.confirm()
+    result = s.result(extra_steps=0)
+    assert result.best.key() == fast.key() and s.held_out is not None
+    notes = {t.label: t.extra["vs_reference"] for t in result.trials if t.confirmed}
+    reference = s.held_out.reference
+    assert notes[reference]["ratio"] == 1.0 and notes[reference]["reference"] == reference
+    winner = notes[result.best_trial.label]
+    assert winner["fresh"] and winner["ratio"] == pytest.approx(s.held_out.ratio) and winner["ratio"] > 1.5
+    others = [n for label, n in notes.items() if label not in (reference, result.best_trial.label)]
+    assert others and all(n["reference"] == reference and not n["fresh"] and n["ratio"] <= 1.05 for n in others)

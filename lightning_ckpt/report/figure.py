@@ -17,9 +17,9 @@ from matplotlib.transforms import blended_transform_factory
 
 from lightning_ckpt.budget import Budget, format_bytes
 from lightning_ckpt.report.quantities import constrained_bytes, memory_name, predicted_constrained_bytes
-from lightning_ckpt.search.records import TrialRecord, TuneResult
+from lightning_ckpt.search.records import VS_REFERENCE, TrialRecord, TuneResult, vs_reference
 
-__all__ = ["figure_to_hwc", "pareto_figure", "pareto_front"]
+__all__ = ["comparable_speeds", "figure_to_hwc", "pareto_figure", "pareto_front"]
 
 # Figure style per status: (colour, marker, legend text).
 _STATUS_STYLE: dict[str, tuple[str, str, str]] = {
@@ -41,11 +41,28 @@ def _style(t: TrialRecord) -> str:
 
 
 def _measured(result: TuneResult) -> list[tuple[TrialRecord, int, float]]:
+    speeds = comparable_speeds(result)
     out = []
     for t in result.trials:
         x = constrained_bytes(t, result.budget)
         if x is not None and t.samples_per_second is not None:
-            out.append((t, x, t.samples_per_second))
+            out.append((t, x, speeds.get(t.number, t.samples_per_second)))
+    return out
+
+
+def comparable_speeds(result: TuneResult) -> dict[int, float]:
+    """Samples/s of every trial re-timed beside the reference, on one scale: the reference's figure times the trial's
+    paired ratio to it (``records.vs_reference``). The winner and the reference are timed last, in fresh rounds, the
+    other leaders in the rounds that chose it, minutes apart on a shared machine: their own figures put a leader at
+    32.6 samples/s above a winner at 26.6 that the rounds found faster than it."""
+    by_label = {t.label: t for t in result.trials}
+    out = {}
+    for t in result.trials:
+        note = t.extra.get(VS_REFERENCE)
+        ratio = vs_reference(t)
+        reference = by_label.get(note.get("reference")) if isinstance(note, dict) else None
+        if ratio is not None and reference is not None and reference.samples_per_second:
+            out[t.number] = reference.samples_per_second * ratio
     return out
 
 
@@ -103,13 +120,15 @@ def pareto_figure(result: TuneResult) -> Figure:
     front = pareto_front(result)
     if len(front) >= 2:  # one point draws no line, and the legend would name a front that is not there
         fx = [constrained_bytes(t, budget) / scale for t in front]  # type: ignore[operator]
-        fy = [t.samples_per_second for t in front]
+        speeds = {t.number: y for t, _, y in measured}
+        fy = [speeds[t.number] for t in front]
         ax.step(fx, fy, where="post", color="tab:blue", lw=1.5, alpha=0.7, label="Pareto front", zorder=2)
 
     winner = result.best_trial
     wxy = None
     if winner is not None and constrained_bytes(winner, budget) is not None and winner.samples_per_second is not None:
-        wxy = (constrained_bytes(winner, budget) / scale, winner.samples_per_second)  # type: ignore[operator]
+        wy = next((y for t, _, y in measured if t.number == winner.number), winner.samples_per_second)
+        wxy = (constrained_bytes(winner, budget) / scale, wy)  # type: ignore[operator]
     x_span = max(xs_all, default=1.0) / scale * 1.1
     y_span = max((y for _, _, y in measured), default=1.0) * 1.15
     _label_baselines(ax, measured, winner, wxy, scale, (x_span, y_span))
@@ -250,7 +269,8 @@ def _frame(ax: Axes, result: TuneResult, unit: str, scale: float, span: tuple[fl
     ax.set_xlim(0, x_max)
     ax.set_ylim(0, y_span)
     ax.set_xlabel(f"measured {mem} memory ({unit})")
-    ax.set_ylabel("samples / s (median step)")
+    scaled = bool(comparable_speeds(result))
+    ax.set_ylabel("samples / s (filled: the reference's x its paired ratio)" if scaled else "samples / s (median step)")
     title = f"Activation checkpointing trials: throughput vs {mem} memory"
     if result.fell_back:
         title += " (nothing fit: fell back to the lowest-memory plan)"

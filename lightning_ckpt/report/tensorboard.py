@@ -69,7 +69,7 @@ from lightning_ckpt.report.text import (
     summary_markdown,
     verdict_of,
 )
-from lightning_ckpt.search.records import TrialRecord, TuneResult
+from lightning_ckpt.search.records import TrialRecord, TuneResult, vs_reference
 
 __all__ = [
     "best_so_far",
@@ -283,20 +283,6 @@ def table_trials(result: TuneResult, limit: int = HPARAM_ROWS) -> list[TrialReco
     return chosen
 
 
-def side_by_side_reference(result: TuneResult) -> TrialRecord | None:
-    """The fastest fitting baseline re-timed side by side: what every confirmed plan's speed is compared with."""
-    confirmed = [t for t in result.trials if t.baseline is not None and t.feasible and t.confirmed]
-    return max(confirmed, key=lambda t: t.samples_per_second or 0.0, default=None)
-
-
-def vs_reference(trial: TrialRecord, reference: TrialRecord | None) -> float | None:
-    """``trial``'s speed over ``reference``'s, where both were re-timed side by side (None otherwise: a figure timed
-    alone at another moment compared with one from the rounds would be the comparison that misled)."""
-    if reference is None or not trial.confirmed or not trial.samples_per_second or not reference.samples_per_second:
-        return None
-    return trial.samples_per_second / reference.samples_per_second
-
-
 def _row_run_name(rank: int, trial: TrialRecord, winner: TrialRecord | None) -> str:
     tag = "winner_" if winner is not None and trial.number == winner.number else ""
     return f"{HPARAM_RUN_DIR}/{rank:02d}_{tag}trial_{trial.number:03d}"
@@ -306,7 +292,6 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
     """One HParams session (a run under ``writer``'s directory) per leader; returns their run names."""
     winner = result.best_trial
     names = []
-    reference = side_by_side_reference(result)
     for rank, t in enumerate(table_trials(result, limit), start=1):
         is_winner = winner is not None and t.number == winner.number
         values: dict[str, Any] = {
@@ -326,7 +311,7 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
             HPARAM_ACTIVATION_MIB: scalars.get(TAG_ACTIVATION_MIB),
             HPARAM_PREDICTED_PEAK_MIB: scalars.get(TAG_PREDICTED_PEAK_MIB),
             HPARAM_RECOMPUTE_PERCENT: None if t.recompute_overhead is None else 100.0 * t.recompute_overhead,
-            HPARAM_VS_REFERENCE: vs_reference(t, reference),
+            HPARAM_VS_REFERENCE: vs_reference(t),
         }
         name = _row_run_name(rank, t, winner)
         with SummaryWriter(log_dir=os.path.join(writer.get_logdir(), name)) as run:

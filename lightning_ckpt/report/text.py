@@ -21,7 +21,7 @@ from lightning_ckpt.report.quantities import (
     memory_name,
     predicted_constrained_bytes,
 )
-from lightning_ckpt.search.records import CHOICE_RULE, TrialRecord, TuneResult
+from lightning_ckpt.search.records import CHOICE_RULE, TrialRecord, TuneResult, vs_reference
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
@@ -383,6 +383,7 @@ _SUMMARY_COLUMNS = (
     "activation",
     "samples/s",
     "timed",
+    "vs ref",
     "pred step",
     "time err",
     "recompute",
@@ -412,6 +413,7 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
                 _memory_cell(t, t.activation_bytes),
                 _fmt_rate(t.samples_per_second),
                 _timed(t, side_by_side),
+                f"{ratio:.2f}x" if (ratio := vs_reference(t)) is not None else "-",
                 _fmt_ms(t.predicted_seconds),
                 _fmt_error(t.prediction_error),
                 _fmt_overhead(t.recompute_overhead),
@@ -450,8 +452,9 @@ def summary_markdown(result: TuneResult) -> str:
     out += [
         "",
         "Bold: the winner. `~`: memory predicted by the memory model (the trial was timed only). timed: `side` = "
-        "re-timed side by side with the winner (comparable with its samples/s), `alone` = timed one plan at a time "
-        "while the search ran (not comparable: a quiet moment can put it above the winner).",
+        "re-timed side by side in the confirmation's rounds, `alone` = timed one plan at a time while the search ran "
+        "(a quiet moment can put it above the winner). vs ref: the speed over the fastest fitting baseline from the "
+        "rounds both ran in, what the choice compared (samples/s of rounds minutes apart are not comparable).",
     ]
     return "\n".join(out)
 

@@ -27,10 +27,10 @@ from lightning_ckpt.search.confirm import (
 )
 from lightning_ckpt.search.distributed import Sync
 from lightning_ckpt.search.proposers import Proposer, fastest_fitting
-from lightning_ckpt.search.records import ProgressFn, TrialRecord, announce_confirmation
+from lightning_ckpt.search.records import VS_REFERENCE, ProgressFn, TrialRecord, announce_confirmation
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["Confirmation", "ConfirmedStudy"]
+__all__ = ["Confirmation", "ConfirmedStudy", "leader_of", "vs_reference_note"]
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,24 @@ class Confirmation:
                 "round's speed"
             )
         self.study.records = apply_confirmation(self.study.records, entries, side.per_sample)
+        self._note_vs_reference(side, {t.number: t.label for t in chosen})
         for t in self.study.records:
             if t.number in side.per_sample:
                 self.study.update(t)
         self.study.side = side
+
+    def _note_vs_reference(self, side: SideBySide, labels: Mapping[int, str]) -> None:
+        """Each re-timed trial's speed over the reference from the rounds both ran in (``extra[VS_REFERENCE]``): the
+        figure a report can set beside the winner's. Their samples/s are not: the rounds run for minutes on a shared
+        machine, and a leader timed in a fast stretch read 3.62 samples/s beside a winner at 2.7 (issue #64)."""
+        ref = side.reference
+        for i, t in enumerate(self.study.records):
+            if t.number not in side.per_sample or ref is None:
+                continue
+            verdict = side.verdict(t.number, labels, self.study.tie_tolerance) if t.number != ref else None
+            note = vs_reference_note(verdict, labels.get(ref, str(ref)), len(side.by_round(ref)))
+            if note is not None:
+                self.study.records[i] = replace(t, extra={**t.extra, VS_REFERENCE: note})
 
     def _leaders(self, top: int) -> list[TrialRecord]:
         """What the confirmation re-times: the proposer's leaders among the tuned plans, and every fitting baseline
@@ -227,10 +241,16 @@ class Confirmation:
         )
         if reference is None:
             return best
+        verdict = self.study.held_out
+        fresh = {reference.number: vs_reference_note(None, reference.label, verdict.rounds if verdict else 0)}
+        if verdict is not None:
+            fresh[best.number] = vs_reference_note(verdict, reference.label, verdict.rounds)
+        for i, t in enumerate(self.study.records):
+            if t.number in fresh and fresh[t.number] is not None:  # the fresh rounds' figures replaced both
+                self.study.records[i] = replace(t, extra={**t.extra, VS_REFERENCE: fresh[t.number]})
         for t in self.study.records:
             if t.confirmed:
                 self.study.update(t)
-        verdict = self.study.held_out
         if verdict is not None and verdict.wins:
             return self.study.by_key[best.key()]
         self.study.verify([self.study.by_key[reference.key()]])
@@ -262,3 +282,20 @@ def leader_of(side: SideBySide, labels: Mapping[int, str], tie_tolerance: float)
         return None
     fastest = min(timed, key=timed.__getitem__)
     return f"{labels.get(fastest, fastest)} fastest so far"
+
+
+def vs_reference_note(verdict: Verdict | None, reference: str, rounds: int) -> dict[str, Any] | None:
+    """What ``extra[VS_REFERENCE]`` holds: ``verdict``'s ratio and interval against ``reference`` (None: the trial is the
+    reference itself, at 1.0), or None where the verdict has no ratio."""
+    if verdict is None:
+        return {"reference": reference, "ratio": 1.0, "low": None, "high": None, "rounds": rounds, "fresh": False}
+    if verdict.ratio is None:
+        return None
+    return {
+        "reference": verdict.reference,
+        "ratio": verdict.ratio,
+        "low": verdict.low,
+        "high": verdict.high,
+        "rounds": verdict.rounds,
+        "fresh": bool(verdict.chosen_after),
+    }

@@ -34,6 +34,8 @@ __all__ = [
     "judge_status",
     "lowest_memory",
     "trial_key",
+    "VS_REFERENCE",
+    "vs_reference",
 ]
 
 
@@ -160,6 +162,19 @@ class TrialRecord:
 
 
 ProgressFn = Callable[[TrialRecord, Budget], None]
+
+# ``TrialRecord.extra`` key: a re-timed trial's speed over the reference baseline, from the rounds both ran in
+# (``search.confirmation``): ``{"reference", "ratio", "low", "high", "rounds", "fresh"}``. Its samples/s is not
+# comparable with another trial's timed in other rounds; this ratio is.
+VS_REFERENCE = "vs_reference"
+
+
+def vs_reference(trial: TrialRecord) -> float | None:
+    """``trial``'s speed over the reference baseline from the side-by-side rounds both ran in (1.0 for the reference
+    itself), None where it was not re-timed beside it."""
+    note = trial.extra.get(VS_REFERENCE)
+    ratio = note.get("ratio") if isinstance(note, Mapping) else None
+    return float(ratio) if isinstance(ratio, (int, float)) else None
 
 
 def announce_confirmation(progress: ProgressFn | None, trials: Sequence[TrialRecord]) -> None:
