@@ -697,6 +697,7 @@ def test_the_figure_and_the_table_mark_what_was_timed_one_plan_at_a_time(result,
     rows = {line.split()[1] if line.startswith("*") else line.split()[0]: line for line in
             report.summary_table(confirmed).splitlines() if line.strip() and line.strip()[0] in "*0123456789"}  # fmt: skip
     assert " side " in rows["9"] and " 1.12x " in rows["9"] and " alone " in rows["6"], rows
+    assert " 95.2 " in rows["9"], "a side-by-side row's samples/s: the reference's 85.0 x its 1.12"
     # Side-by-side points sit on one scale: the reference's figure times each plan's ratio to it.
     assert report.figure.comparable_speeds(confirmed) == pytest.approx({1: 70.0, 2: 85.0, 9: 85.0 * 1.12})
     assert fig.axes[0].get_ylabel().startswith("samples / s (filled: the reference's x its paired ratio")

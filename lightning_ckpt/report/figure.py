@@ -16,10 +16,15 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
 from lightning_ckpt.budget import Budget, format_bytes
-from lightning_ckpt.report.quantities import constrained_bytes, memory_name, predicted_constrained_bytes
-from lightning_ckpt.search.records import VS_REFERENCE, TrialRecord, TuneResult, vs_reference
+from lightning_ckpt.report.quantities import (
+    comparable_speeds,
+    constrained_bytes,
+    memory_name,
+    predicted_constrained_bytes,
+)
+from lightning_ckpt.search.records import TrialRecord, TuneResult
 
-__all__ = ["comparable_speeds", "figure_to_hwc", "pareto_figure", "pareto_front"]
+__all__ = ["figure_to_hwc", "pareto_figure", "pareto_front"]
 
 # Figure style per status: (colour, marker, legend text).
 _STATUS_STYLE: dict[str, tuple[str, str, str]] = {
@@ -47,22 +52,6 @@ def _measured(result: TuneResult) -> list[tuple[TrialRecord, int, float]]:
         x = constrained_bytes(t, result.budget)
         if x is not None and t.samples_per_second is not None:
             out.append((t, x, speeds.get(t.number, t.samples_per_second)))
-    return out
-
-
-def comparable_speeds(result: TuneResult) -> dict[int, float]:
-    """Samples/s of every trial re-timed beside the reference, on one scale: the reference's figure times the trial's
-    paired ratio to it (``records.vs_reference``). The winner and the reference are timed last, in fresh rounds, the
-    other leaders in the rounds that chose it, minutes apart on a shared machine: their own figures put a leader at
-    32.6 samples/s above a winner at 26.6 that the rounds found faster than it."""
-    by_label = {t.label: t for t in result.trials}
-    out = {}
-    for t in result.trials:
-        note = t.extra.get(VS_REFERENCE)
-        ratio = vs_reference(t)
-        reference = by_label.get(note.get("reference")) if isinstance(note, dict) else None
-        if ratio is not None and reference is not None and reference.samples_per_second:
-            out[t.number] = reference.samples_per_second * ratio
     return out
 
 

@@ -12,9 +12,10 @@ from typing import Any
 
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.formatting import MIB  # the one definition; re-exported here for the report's modules
-from lightning_ckpt.search.records import TrialRecord, TuneResult
+from lightning_ckpt.search.records import VS_REFERENCE, TrialRecord, TuneResult, vs_reference
 
 __all__ = [
+    "comparable_speeds",
     "MIB",
     "best_feasible_baseline",
     "compile_stats",
@@ -57,3 +58,19 @@ def best_feasible_baseline(result: TuneResult) -> tuple[str, TrialRecord] | None
         if t.feasible and t.samples_per_second is not None and faster:
             best = (name, t)
     return best
+
+
+def comparable_speeds(result: TuneResult) -> dict[int, float]:
+    """Samples/s of every trial re-timed beside the reference, on one scale: the reference's figure times the trial's
+    paired ratio to it (``records.vs_reference``). The winner and the reference are timed last, in fresh rounds, the
+    other leaders in the rounds that chose it, minutes apart on a shared machine: their own figures put a leader at
+    32.6 samples/s above a winner at 26.6 that the rounds found faster than it."""
+    by_label = {t.label: t for t in result.trials}
+    out = {}
+    for t in result.trials:
+        note = t.extra.get(VS_REFERENCE)
+        ratio = vs_reference(t)
+        reference = by_label.get(note.get("reference")) if isinstance(note, dict) else None
+        if ratio is not None and reference is not None and reference.samples_per_second:
+            out[t.number] = reference.samples_per_second * ratio
+    return out

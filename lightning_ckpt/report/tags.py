@@ -197,7 +197,8 @@ HPARAM_METRICS: tuple[tuple[str, str, str], ...] = (
     (
         HPARAM_SAMPLES_PER_SECOND,
         "samples/s",
-        "median-step throughput: side by side with the winner where 'timed' says so, else measured alone",
+        "median-step throughput; rows timed side by side: the reference's figure x the row's paired ratio to it (one "
+        "scale with the winner's), rows timed one at a time: as measured alone",
     ),
     (
         HPARAM_VS_REFERENCE,

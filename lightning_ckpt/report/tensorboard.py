@@ -23,7 +23,7 @@ from tensorboard.plugins.scalar.plugin_data_pb2 import ScalarPluginData
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_ckpt.report.figure import figure_to_hwc, pareto_figure
-from lightning_ckpt.report.quantities import MIB, best_feasible_baseline, compile_stats
+from lightning_ckpt.report.quantities import MIB, best_feasible_baseline, comparable_speeds, compile_stats
 from lightning_ckpt.report.tags import (
     HPARAM_ACTIVATION_MIB,
     HPARAM_COLUMNS,
@@ -267,13 +267,14 @@ def table_trials(result: TuneResult, limit: int = HPARAM_ROWS) -> list[TrialReco
     """The HParams table's rows: the winner, then measured trials fastest first (those that fit before
     those that do not), with the best feasible baseline kept in for comparison; at most ``limit``."""
     winner = result.best_trial
+    speeds = comparable_speeds(result)
     rest = sorted(
         (
             t
             for t in result.trials
             if t.samples_per_second is not None and (winner is None or t.number != winner.number)
         ),
-        key=lambda t: (not t.feasible, -(t.samples_per_second or 0.0), t.number),
+        key=lambda t: (not t.feasible, -speeds.get(t.number, t.samples_per_second or 0.0), t.number),
     )
     rows = ([winner] if winner is not None else []) + rest
     chosen = rows[:limit]
@@ -292,6 +293,7 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
     """One HParams session (a run under ``writer``'s directory) per leader; returns their run names."""
     winner = result.best_trial
     names = []
+    speeds = comparable_speeds(result)  # side-by-side rows on one scale with the winner's
     for rank, t in enumerate(table_trials(result, limit), start=1):
         is_winner = winner is not None and t.number == winner.number
         values: dict[str, Any] = {
@@ -306,7 +308,7 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
         hparams = {hparam_name(k): v if k in _NUMERIC_COLUMNS else str(v) for k, v in values.items()}
         scalars = _trial_scalars(t)  # the same figures as the trial's own series, under the table's names
         metrics = {
-            HPARAM_SAMPLES_PER_SECOND: t.samples_per_second,  # side by side where the leaders were confirmed
+            HPARAM_SAMPLES_PER_SECOND: speeds.get(t.number, t.samples_per_second),
             HPARAM_PEAK_MIB: scalars.get(TAG_PEAK_MIB),
             HPARAM_ACTIVATION_MIB: scalars.get(TAG_ACTIVATION_MIB),
             HPARAM_PREDICTED_PEAK_MIB: scalars.get(TAG_PREDICTED_PEAK_MIB),

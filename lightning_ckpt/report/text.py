@@ -16,6 +16,7 @@ from lightning_ckpt.formatting import count, format_bytes, markdown_table, table
 from lightning_ckpt.plan.format import Plan, block_names
 from lightning_ckpt.report.quantities import (
     best_feasible_baseline,
+    comparable_speeds,
     compile_stats,
     constrained_bytes,
     memory_name,
@@ -290,8 +291,12 @@ def _ratio(a: float | None, b: float | None) -> str:
 def _by_throughput(result: TuneResult) -> list[TrialRecord]:
     """The winner, then measured trials fastest first, then the rest in trial order: the order people read in."""
     winner = result.best_trial
+    speeds = comparable_speeds(result)
     others = [t for t in result.trials if winner is None or t.number != winner.number]
-    measured = sorted((t for t in others if t.samples_per_second is not None), key=lambda t: -t.samples_per_second)
+    measured = sorted(
+        (t for t in others if t.samples_per_second is not None),
+        key=lambda t: -speeds.get(t.number, t.samples_per_second or 0.0),
+    )
     rest = [t for t in others if t.samples_per_second is None]
     return ([winner] if winner is not None else []) + measured + rest
 
@@ -399,6 +404,9 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
         header += ("compile s",)
     rows = [header]
     side_by_side = any(t.confirmed for t in result.trials)
+    speeds = comparable_speeds(
+        result
+    )  # a side-by-side row on one scale with the winner's (its 'vs ref' x the reference)
     for t in _by_throughput(result):
         stats = compile_stats(t)
         compile_cell = (f"{stats.get('compile_seconds', 0.0):.1f}" if stats else "-",) if compiled else ()
@@ -411,7 +419,7 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
                 format_bytes(t.predicted_peak_bytes),
                 _memory_cell(t, t.peak_bytes),
                 _memory_cell(t, t.activation_bytes),
-                _fmt_rate(t.samples_per_second),
+                _fmt_rate(speeds.get(t.number, t.samples_per_second)),
                 _timed(t, side_by_side),
                 f"{ratio:.2f}x" if (ratio := vs_reference(t)) is not None else "-",
                 _fmt_ms(t.predicted_seconds),
