@@ -68,3 +68,15 @@ def test_the_readme_stays_short_enough_to_read_and_links_the_rest():
     text = README.read_text()
     assert len(text.splitlines()) <= 300, f"README.md has {len(text.splitlines())} lines; move detail to docs/"
     assert "docs/benchmarks.md#" in text
+
+
+def test_the_quick_start_says_its_times_are_for_an_idle_machine_and_how_to_install_a_cuda_build():
+    # Issue #64: the main job took 18m27s instead of "about 3 minutes" with one of two cores taken, and the README
+    # said nothing of it; the Quick start pinned the CPU wheel and never said how to get a CUDA build.
+    text = README.read_text()
+    quick = text[text.index("## Quick start") : text.index("<!-- test-command -->")]
+    assert "idle" in quick and "--threads N" in quick, quick
+    cuda = re.search(r"pip install torch --index-url (https://download\.pytorch\.org/whl/cu\d+)", quick)
+    assert cuda and "--accelerator gpu" in quick, quick
+    example = (README.parent / "examples" / "train_gpt.py").read_text()
+    assert cuda.group(1) in example, "the example's refusal of --accelerator gpu names the README's command"
