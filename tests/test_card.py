@@ -280,5 +280,3 @@ def test_the_profile_starts_its_anchor_step_from_an_emptied_cache(small_card) ->
     with Counting(2**40, resident=(model,)):
         profile_memory(model, lambda: model(tokens, tokens))
     assert emptied, "the profile emptied the cache before its anchor step"
-
-
