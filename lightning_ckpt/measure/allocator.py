@@ -28,7 +28,7 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,15 +69,6 @@ class AllocatorRegime:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> AllocatorRegime:
-        return cls(
-            bool(data["expandable_segments"]),
-            str(data["how"]),
-            str(data.get("settings", "")),
-            str(data.get("torch", "")),
-        )
 
     def describe(self) -> str:
         state = "on" if self.expandable_segments else "off"

@@ -241,16 +241,24 @@ class PassOutOfMemory(Exception):
         return f"; the allocator had {', '.join(parts)}{retry}"
 
 
-def run_pass(what: str, device: torch.device, run: Callable[[], Any], restore: Callable[[], None] | None = None) -> Any:
-    """``run()``, a pass that needs step-sized buffers, from an emptied cache; once more when the allocator refused a
-    request that the allocated bytes fit (its cache was fragmented), this time split-resistant
-    (``allocator.split_resistant``; nothing to change with expandable segments, so no retry). ``restore`` puts the
-    model back between the two. A refusal that stays raises ``PassOutOfMemory``; other errors pass through."""
+def run_pass(
+    what: str,
+    device: torch.device,
+    run: Callable[[], Any],
+    restore: Callable[[], None] | None = None,
+    *,
+    cold: bool = True,
+) -> Any:
+    """``run()``, from an emptied cache when it needs step-sized buffers (``cold``; a block run alone does not, and
+    emptying a CUDA cache synchronises); once more, from an emptied cache, when the allocator refused a request that
+    the allocated bytes fit (its cache was fragmented), this time split-resistant (``allocator.split_resistant``;
+    nothing to change with expandable segments, so no retry). ``restore`` puts the model back between the two. A
+    refusal that stays raises ``PassOutOfMemory``; other errors pass through."""
     memory = device_memory(device)
     retry: str | None = None
     request = 0
     for attempt in (1, 2):
-        if memory is not None:
+        if memory is not None and cold and attempt == 1:  # the retry's cache was emptied by ``release_memory``
             memory.empty_cache()
         try:
             resist = split_resistant(memory, request) if attempt == 2 and memory is not None else None

@@ -622,6 +622,7 @@ def _run_blocks(
                 restore=snapshot.restore,
             ),
             snapshot.restore,
+            cold=False,  # one block's buffers, not a step's: no sync and emptied cache per block
         )
         for key, cap in reps.items()
     }
@@ -650,6 +651,7 @@ def _profile_blocks(
                     dev,
                     lambda cap=cap, key=key: _run_block(root, cap, _block_plan_of(key), externals, dev),
                     snapshot.restore,
+                    cold=False,  # one block's buffers, not a step's
                 )
             except (torch.OutOfMemoryError, PassOutOfMemory):
                 raise
@@ -672,8 +674,7 @@ def _cuda_allocator_anchor(
     plan = Plan({f: BlockPlan("full") for f in order})
     handle = apply_plan(root, plan)
     try:
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # a cold cache, as under a trial's cap: the reserve this step itself needs
+        torch.cuda.synchronize(device)  # the cache is cold already (``run_pass``): the reserve this step itself needs
         resting = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         loss = loss_of(forward_fn())

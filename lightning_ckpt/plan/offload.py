@@ -62,6 +62,14 @@ class _Packed:
         self.fetched: torch.Tensor | None = None
         self.event: Any = None
 
+    def to_device(self) -> torch.Tensor:
+        """A device copy of the host bytes, on the current stream: the device's memory (a tracker or a simulated card
+        counts it), the host chunk unseen."""
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        with _disable_current_modes():
+            out.copy_(self.host, non_blocking=self.device.type == "cuda")
+        return out
+
 
 class OffloadPool:
     """The host memory and streams of one plan's offloaded blocks (see the module docstring).
@@ -212,9 +220,7 @@ class OffloadPool:
             self._fetch(packed.group, ahead=False)
             self._fetch(packed.group - 1, ahead=True)  # the block backward reaches next
         if packed.fetched is None:  # a second unpack (retain_graph), or its group forgotten: this one alone
-            packed.fetched = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-            with _disable_current_modes():
-                packed.fetched.copy_(packed.host, non_blocking=packed.device.type == "cuda")
+            packed.fetched = packed.to_device()
         out = packed.fetched
         if packed.event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
@@ -228,22 +234,16 @@ class OffloadPool:
         if not todo:
             return
         streams = self._stream_pair(todo[0].device)
-        if streams is None:  # synchronous, but in the same order: a block's tensors are back before it is reached
+        if streams is None or not ahead:  # on the current stream (synchronous without streams), in backward's order
             for p in todo:
-                p.fetched = torch.empty(p.shape, dtype=p.dtype, device=p.device)  # the device's: counted there
-                with _disable_current_modes():
-                    p.fetched.copy_(p.host)
+                p.fetched = p.to_device()
             self.prefetched += len(todo) if ahead else 0
-            return
-        if not ahead:
-            for p in todo:
-                p.fetched = p.host.to(p.device, non_blocking=True)
             return
         fetch_stream = streams[1]
         fetch_stream.wait_stream(torch.cuda.current_stream(todo[0].device))
         with torch.cuda.stream(fetch_stream):
             for p in todo:
-                p.fetched = p.host.to(p.device, non_blocking=True)
+                p.fetched = p.to_device()
                 p.event = torch.cuda.Event()
                 p.event.record(fetch_stream)
         self.prefetched += len(todo)

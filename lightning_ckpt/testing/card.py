@@ -257,7 +257,7 @@ class SimulatedCard(TorchDispatchMode):
         fresh = [s for s in new if not (id(s) in self._live and self._refs[id(s)]() is s)]
         request = sum(s.nbytes() for s in fresh)
         if request and self.allocator is not None:
-            self._serve(fresh, out)
+            self._serve(fresh)
         elif request:
             after = self.allocated_bytes + request
             cap = self.cap_bytes()
@@ -275,7 +275,7 @@ class SimulatedCard(TorchDispatchMode):
                 self._count(s)
         return out
 
-    def _serve(self, fresh: list[torch.UntypedStorage], out: Any) -> None:
+    def _serve(self, fresh: list[torch.UntypedStorage]) -> None:
         """Each new storage from the caching allocator, one request at a time as CUDA serves them; a refusal
         gives back what this op was already given and raises CUDA's out-of-memory error."""
         given: list[Block] = []
@@ -287,7 +287,6 @@ class SimulatedCard(TorchDispatchMode):
             except AllocatorOutOfMemory as err:
                 for block in given:
                     self.allocator.free(block)
-                del out, fresh
                 self.refusals.append(str(err))
                 raise torch.OutOfMemoryError(str(err)) from None
         blocks = iter(given)
