@@ -5,6 +5,7 @@ and the same accounting.)"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -161,3 +162,26 @@ def test_the_memory_model_predicts_an_offload_plan_with_the_block_fetched_ahead(
             with plan_applied(model, plan):
                 measured = measure_step(lambda: model(tokens, tokens).backward(), model=model, warmup=1, steps=1)
             assert abs(memory.predict_peak(plan) / measured.peak_bytes - 1) < 0.05, plan.describe()
+
+
+def test_a_channels_last_tensor_comes_back_in_its_layout_and_the_convolutions_gradients_are_exact() -> None:
+    # A contiguous copy (what save_on_cpu made) changed ConvNeXt's depthwise-convolution gradients in the zoo:
+    # backward computes in the layout it is given.
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(64, 64, 7, padding=3, groups=64)
+    x = torch.randn(4, 64, 32, 32).to(memory_format=torch.channels_last).requires_grad_()
+
+    def grads(pool: OffloadPool | None) -> list[torch.Tensor]:
+        conv.zero_grad(set_to_none=True)
+        x.grad = None
+        with pool.offloading(torch.device("cpu")) if pool is not None else contextlib.nullcontext():
+            y = conv(x * 1.0)
+        y.square().sum().backward()
+        return [conv.weight.grad.clone(), conv.bias.grad.clone(), x.grad.clone()]
+
+    plain = grads(None)
+    pool = OffloadPool(chunk_bytes=MIB)
+    with SimulatedCard(2**40):
+        offloaded = grads(pool)
+    assert pool.stats().offloaded_tensors >= 1
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded, strict=True))

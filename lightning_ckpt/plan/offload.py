@@ -13,8 +13,9 @@ checkpointing, and kept 3.8 GiB of pinned memory after a trial. Here, per plan:
   compute stream waiting;
 * **copies back one block ahead**: when backward first reaches a block's saved tensors, the block that ran before
   it in the forward is fetched on a second stream, and its tensors are waited for (an event) only when used;
-* **exact**: what comes back is the saved tensor's values, dtype and shape (a contiguous copy, as ``save_on_cpu``
-  gave), so gradients equal those of the plan without offload bit for bit;
+* **exact**: what comes back is the saved tensor's values, dtype, shape and layout (``save_on_cpu`` gave a
+  contiguous copy, which changed a channels-last convolution's gradients), so gradients equal those of the plan
+  without offload bit for bit;
 * **released on error**: a step that fails (an OOM included) waits for both streams, then forgets every packed
   tensor and rewinds the pool (``OffloadPool.abandon``), so nothing of it outlives the step.
 
@@ -55,17 +56,17 @@ class OffloadStats:
 class _Packed:
     """One saved tensor in host memory: where it lies, what it was, and (once fetched) its device copy."""
 
-    __slots__ = ("__weakref__", "device", "dtype", "event", "fetched", "group", "host", "shape")
+    __slots__ = ("__weakref__", "device", "event", "fetched", "group", "host")
 
-    def __init__(self, host: torch.Tensor, shape: torch.Size, dtype: torch.dtype, device: torch.device, group: int):
-        self.host, self.shape, self.dtype, self.device, self.group = host, shape, dtype, device, group
+    def __init__(self, host: torch.Tensor, device: torch.device, group: int):
+        self.host, self.device, self.group = host, device, group
         self.fetched: torch.Tensor | None = None
         self.event: Any = None
 
     def to_device(self) -> torch.Tensor:
         """A device copy of the host bytes, on the current stream: the device's memory (a tracker or a simulated card
         counts it), the host chunk unseen."""
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        out = torch.empty_strided(self.host.shape, self.host.stride(), dtype=self.host.dtype, device=self.device)
         with _disable_current_modes():
             out.copy_(self.host, non_blocking=self.device.type == "cuda")
         return out
@@ -183,7 +184,10 @@ class OffloadPool:
         if self.pinned is None:
             self.pinned = device.type == "cuda"
         with _disable_current_modes():  # a view of a host chunk: no tracker or card may count the chunk
-            host = self._take(t.nbytes).view(t.dtype)[: t.numel()].view(t.shape)
+            # The saved tensor's layout kept (what ``empty_like`` keeps: channels-last and other dense permutations):
+            # backward computes in the layout it was given, and a contiguous copy changed ConvNeXt's gradients.
+            stride = torch.empty_like(t, device="meta").stride()
+            host = self._take(t.nbytes).view(t.dtype)[: t.numel()].as_strided(t.shape, stride)
         streams = self._stream_pair(device)
         if streams is None:
             with _disable_current_modes():
@@ -194,7 +198,7 @@ class OffloadPool:
             with torch.cuda.stream(out_stream):
                 host.copy_(t, non_blocking=True)
             t.record_stream(out_stream)  # its memory is reused only after this copy, with no wait on compute
-        packed = _Packed(host, t.shape, t.dtype, device, group)
+        packed = _Packed(host, device, group)
         self._groups.setdefault(group, []).append(weakref.ref(packed))
         self._last = (weakref.ref(t), packed)
         self._live += 1
