@@ -40,6 +40,7 @@ import torch
 from lightning_ckpt import Plan, baselines, tune
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.search.compile import CompiledTrials, compiled_search, reset_compiled
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.testing import GPT, GPTConfig
 
 PRESETS = {
@@ -134,10 +135,7 @@ def main() -> None:
     for budget in args.budgets:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result = tune(
-                compiled, loss, activation_budget=budget, n_trials=args.trials, search_space=SPACE,
-                measure_steps=args.steps, batch_size=batch, seq_len=seq, extra_tensors=(x, y),
-            )  # fmt: skip
+            result = tune(compiled, loss, activation_budget=budget, batch_size=batch, seq_len=seq, extra_tensors=(x, y), config=TuneConfig(n_trials=args.trials, search_space=SPACE, measure_steps=args.steps))  # fmt: skip
         tuned = result.best
         tuned_act = result.best_trial.activation_bytes if result.best_trial else None
         fitting = [b for b, a in sweep.items() if tuned_act is not None and a is not None and a <= tuned_act]

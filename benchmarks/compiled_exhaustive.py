@@ -54,7 +54,7 @@ from lightning_ckpt import Plan, TuneConfig, tune
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.search.compile import compiled_search, release_kept_graphs, reset_compiled
 from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY
-from lightning_ckpt.search.tune import PARTITIONED_KEY, WHOLE_CHECK_KEY
+from lightning_ckpt.search.whole_check import PARTITIONED_KEY, WHOLE_CHECK_KEY
 from lightning_ckpt.timing.model import TimeModel
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -40,6 +40,7 @@ import torch
 
 from lightning_ckpt import tune
 from lightning_ckpt.search import compile as compile_module
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.testing import GPT, GPTConfig
 
 SHAPE = dict(n_layer=8, n_head=4, n_embd=128, block_size=64, vocab_size=96)
@@ -122,8 +123,7 @@ def worker(variant: str, out: Path, threads: int | None, default_space: bool, la
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         space = {} if default_space else {"search_space": SPACE}
-        result = tune(compiled, step, activation_budget=0.5, batch_size=BATCH, seq_len=SHAPE["block_size"],
-                      extra_tensors=(x,), **space)  # fmt: skip
+        result = tune(compiled, step, activation_budget=0.5, batch_size=BATCH, seq_len=SHAPE["block_size"], extra_tensors=(x,), config=TuneConfig(**space))  # fmt: skip
     seconds = time.perf_counter() - t0
     trials = [t for t in result.trials if t.status != "pruned"]
     search = result.best.metadata.get("search", {})

@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.pipeline import SearchHooks
+
 MiB = 1024 * 1024
 
 
@@ -92,8 +95,7 @@ def _rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
     model.zero_grad(set_to_none=True)
     sync = _DistSync()
     t0 = time.perf_counter()
-    tuned = tune(model, lambda: model(x, x), activation_budget=args.budget, n_trials=args.trials, batch_size=args.batch,
-                 seq_len=args.seq, extra_tensors=(x,), sync=sync, measure_steps=2)  # fmt: skip
+    tuned = tune(model, lambda: model(x, x), activation_budget=args.budget, batch_size=args.batch, seq_len=args.seq, extra_tensors=(x,), config=TuneConfig(n_trials=args.trials, measure_steps=2), hooks=SearchHooks(sync=sync))  # fmt: skip
     result["tuning_seconds"] = time.perf_counter() - t0
     result["tuned"] = tuned.best.describe()
     fitting = {name: t.plan for name, t in tuned.baselines.items() if t.status == "ok"}

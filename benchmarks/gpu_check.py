@@ -158,7 +158,7 @@ try:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     import lightning_ckpt
-    from lightning_ckpt import ActivationCheckpointTuner, Plan, TuneConfig, baselines, plan_applied, tune
+    from lightning_ckpt import ActivationCheckpointTuner, Plan, SearchHooks, TuneConfig, baselines, plan_applied, tune
     from lightning_ckpt.measure.allocator import allocator_figures, search_allocator
     from lightning_ckpt.measure.device_memory import device_memory
     from lightning_ckpt.measure.link import measure_link
@@ -369,10 +369,7 @@ def baseline_search(model: torch.nn.Module, fwd: Callable[[], Any], x: Any, y: A
     sqrt = named.get("sqrt_segments")
     space = {"modes": ["full", "offload"], "selections": ["all"], "rest_modes": [], "segments": sqrt is not None,
              "chunks": sorted(set(sqrt.segments.values())) if sqrt is not None else []}  # fmt: skip
-    res = tune(model, fwd, n_trials=len(named) + 2, search_space=space, predict_time=False, confirm_top=0,
-               holdout_rounds=0, warmup_steps=1, measure_steps=2, count_flops=False, memory_pass="every",
-               process_warmup_steps=1, batch_size=x.shape[0], seq_len=x.shape[1], extra_tensors=(x, y),
-               timeout=remaining(60))  # fmt: skip
+    res = tune(model, fwd, batch_size=x.shape[0], seq_len=x.shape[1], extra_tensors=(x, y), config=TuneConfig(n_trials=len(named) + 2, search_space=space, predict_time=False, confirm_top=0, holdout_rounds=0, warmup_steps=1, measure_steps=2, count_flops=False, memory_pass="every", process_warmup_steps=1, timeout=remaining(60)))  # fmt: skip
     by_key = {t.plan.key(): t for t in res.trials}
     return {name: by_key[plan.key()] for name, plan in named.items() if plan.key() in by_key}
 
@@ -460,9 +457,7 @@ def part_b() -> dict[str, Any]:
     out: dict[str, Any] = {"budget_gib": gib(budget), "none_peak_gib": gib(none_peak), "full_peak_gib": gib(full_peak),
                            "resting_gib": gib(peaks["resting"])}  # fmt: skip
     log(f"(b) budget {gib(budget)} GiB (none peak {gib(none_peak)}, full peak {gib(full_peak)})")
-    res = tune(model, fwd, max_memory=budget, n_trials=ARGS.trials, warmup_steps=1, measure_steps=2, batch_size=b,
-               seq_len=t, count_flops=False, confirm_top=2, timeout=min(120.0, remaining(150)), extra_tensors=(x, y),
-               process_warmup_steps=1, progress=progress_printer("(b)"))  # fmt: skip
+    res = tune(model, fwd, max_memory=budget, batch_size=b, seq_len=t, extra_tensors=(x, y), config=TuneConfig(n_trials=ARGS.trials, warmup_steps=1, measure_steps=2, count_flops=False, confirm_top=2, timeout=min(120.0, remaining(150)), process_warmup_steps=1), hooks=SearchHooks(progress=progress_printer("(b)")))  # fmt: skip
     tuned = res.best
     out.update(chosen=tuned.describe(), fell_back=res.fell_back, tuning_s=round(res.tuning_seconds, 1),
                budget=res.budget.description, statuses=statuses(res.trials),
@@ -642,22 +637,31 @@ def part_c() -> dict[str, Any]:
             alloc0 = card.allocated()
             card.set_fraction(small / card.total_bytes)
             # c1: the search as a user runs it on the small card (no budget: the card's own).
-            res = tune(model, fwd, n_trials=4, timeout=remaining(60), progress=progress_printer("(c1)"), **settings)
+            res = tune(
+                model,
+                fwd,
+                config=TuneConfig(n_trials=4, timeout=remaining(60), **settings),
+                hooks=SearchHooks(progress=progress_printer("(c1)")),
+            )
             out["c1_small_card"] = on_card(card, res, model, step, alloc0)
             out["allocator_regime"] = res.best.metadata.get("allocator")
             out["allocator_after_c1"] = allocator_figures(device_memory(DEVICE))
             # c2: the same with nothing pruned, so plans that do not fit the card run and run out of memory for real;
             # the tuner's cap must not lift the user's ('none' is not ok), and the search must go on.
             with no_pruning():
-                res = tune(model, fwd, n_trials=3, timeout=remaining(50), progress=progress_printer("(c2)"), **settings)
+                res = tune(
+                    model,
+                    fwd,
+                    config=TuneConfig(n_trials=3, timeout=remaining(50), **settings),
+                    hooks=SearchHooks(progress=progress_printer("(c2)")),
+                )
             out["c2_small_card_unpruned"] = on_card(card, res, model, step, alloc0)
             out["c2_fraction_kept"] = abs(card.get_fraction() - small / card.total_bytes) < 1e-9
             # c3: the user's cap back; the tuner's own cap enforces the budget for real (nothing pruned).
             card.set_fraction(prev)
             free()
             with no_pruning():
-                res = tune(model, fwd, max_memory=small, n_trials=3, timeout=remaining(40),
-                           progress=progress_printer("(c3)"), **settings)  # fmt: skip
+                res = tune(model, fwd, max_memory=small, config=TuneConfig(n_trials=3, timeout=remaining(40), **settings), hooks=SearchHooks(progress=progress_printer("(c3)")))  # fmt: skip
             out["c3_tuner_cap"] = on_card(card, res, model, step, alloc0)
             out["c3_over_budget_not_ok"] = not any(
                 tr.status == "ok" and (tr.peak_bytes or 0) > small for tr in res.trials
@@ -982,9 +986,7 @@ def part_e() -> dict[str, Any]:
     out["eager_none_ms"] = round(statistics.median(eager["ms"]), 2) if eager.get("ms") else eager["status"]
     compiled = torch.compile(model, backend=backend)
     space = {"modes": ["full"], "selections": ["all"], "segments": False, "baselines": False, "compile_budgets": [0.5]}
-    res = tune(compiled, make_fwd(compiled, xc, yc), n_trials=3, search_space=space, confirm_top=0, warmup_steps=1,
-               measure_steps=3, batch_size=bc, seq_len=t, count_flops=False, process_warmup_steps=1,
-               extra_tensors=(xc, yc), timeout=remaining(30), progress=progress_printer("(e)"))  # fmt: skip
+    res = tune(compiled, make_fwd(compiled, xc, yc), batch_size=bc, seq_len=t, extra_tensors=(xc, yc), config=TuneConfig(n_trials=3, search_space=space, confirm_top=0, warmup_steps=1, measure_steps=3, count_flops=False, process_warmup_steps=1, timeout=remaining(30)), hooks=SearchHooks(progress=progress_printer("(e)")))  # fmt: skip
     rows = []
     for tr in res.trials:
         c = tr.extra.get("compile", {})

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, tune
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.search.compile import compiled_search, reset_compiled
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5"], "rest_modes": ["none"]}
@@ -122,8 +123,7 @@ def part_compiled(s: dict[str, int], device: torch.device) -> dict[str, Any]:
     none_peak = trials.measure_compiled(Plan()).peak_bytes  # the compiled step without checkpointing
     assert none_peak is not None
     limit = int(0.8 * none_peak)
-    result = tune(compiled, step, max_memory=limit, n_trials=8, search_space=SPACE, measure_steps=2,
-                  batch_size=s["batch"])  # fmt: skip
+    result = tune(compiled, step, max_memory=limit, batch_size=s["batch"], config=TuneConfig(n_trials=8, search_space=SPACE, measure_steps=2))  # fmt: skip
     handle = apply_plan(model, result.best)
     reset_compiled()
     if device.type == "cuda":

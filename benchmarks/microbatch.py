@@ -27,6 +27,7 @@ import torch
 
 from lightning_ckpt import Plan, plan_applied
 from lightning_ckpt.measure.measurement import measure_step
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.microbatch import divisors, resize_batch, tune_micro_batch
 from lightning_ckpt.testing import GPT, GPTConfig
 
@@ -38,11 +39,7 @@ def run_budget(args: argparse.Namespace, model: GPT, batch: Any, fraction: float
         x = batch(m)
         return lambda: model(x, x)
 
-    found = tune_micro_batch(
-        model, loss_for, base_micro_batch=args.micro_batch, global_batch=args.global_batch,
-        activation_budget=fraction, n_trials=args.trials, measure_steps=args.search_steps,
-        extra_for=lambda m: (batch(m),),
-    )  # fmt: skip
+    found = tune_micro_batch(model, loss_for, base_micro_batch=args.micro_batch, global_batch=args.global_batch, activation_budget=fraction, extra_for=lambda m: (batch(m),), config=TuneConfig(n_trials=args.trials, measure_steps=args.search_steps))  # fmt: skip
     limit = found.result.budget.limit_bytes
     # The no-checkpointing configuration: the largest micro-batch whose none plan fits the budget.
     trials = found.result.trials  # one search over every (plan, micro-batch)

@@ -42,6 +42,7 @@ import torch
 from lightning_ckpt import Plan, baselines, discover_blocks, plan_applied, tune
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.testing import GPT, GPTConfig
 
@@ -145,7 +146,7 @@ def load_mid_search(model: GPT, loss_fn: Any, tokens: torch.Tensor, args: argpar
     common = dict(activation_budget=args.load_budget, search_space=SPACE, measure_steps=args.steps, seed=0,
                   batch_size=args.batch, extra_tensors=(tokens,), n_trials=args.trials)  # fmt: skip
     t0 = time.perf_counter()
-    quiet = tune(model, loss_fn, **common)
+    quiet = tune(model, loss_fn, config=TuneConfig(**common))
     quiet_seconds = time.perf_counter() - t0
     searches: dict[str, dict] = {}
     chosen: dict[str, Plan] = {}
@@ -173,7 +174,7 @@ def load_mid_search(model: GPT, loss_fn: Any, tokens: torch.Tensor, args: argpar
         for t in timers:
             t.start()
         try:
-            loaded = tune(model, loss_fn, **common)
+            loaded = tune(model, loss_fn, config=TuneConfig(**common))
         finally:
             for t in timers:
                 t.cancel()
@@ -257,10 +258,10 @@ def main() -> None:
         common = dict(activation_budget=fraction, search_space=SPACE, measure_steps=args.steps, seed=0,
                       batch_size=args.batch, extra_tensors=(tokens,))  # fmt: skip
         t0 = time.perf_counter()
-        tuned = tune(model, loss_fn, n_trials=args.trials, **common)
+        tuned = tune(model, loss_fn, config=TuneConfig(n_trials=args.trials, **common))
         tuned_seconds = time.perf_counter() - t0
         # Every plan measured: the time model must not decide what the reference measures.
-        exhaustive = tune(model, loss_fn, n_trials=space_size, predict_time=False, **common)
+        exhaustive = tune(model, loss_fn, config=TuneConfig(n_trials=space_size, predict_time=False, **common))
         fitting = {
             name: plan
             for name, plan in baselines(model).items()

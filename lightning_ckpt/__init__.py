@@ -29,7 +29,8 @@ _EXPORTS: dict[str, str] = {
     "applied_plan": "lightning_ckpt.plan.handle",
     "plan_handle": "lightning_ckpt.plan.handle",
     "TuneConfig": "lightning_ckpt.search.config",
-    "TuneResult": "lightning_ckpt.search.tune",
+    "SearchHooks": "lightning_ckpt.search.pipeline",
+    "TuneResult": "lightning_ckpt.search.result",
     "tune": "lightning_ckpt.search.tune",
     # The callback imports Lightning.
     "ActivationCheckpointTuner": "lightning_ckpt.lightning.callback",
@@ -53,7 +54,9 @@ if TYPE_CHECKING:  # what type checkers, IDEs and the API docs read; at run time
     from lightning_ckpt.plan.format import BlockPlan, Plan
     from lightning_ckpt.plan.handle import applied_plan, plan_handle
     from lightning_ckpt.search.config import TuneConfig
-    from lightning_ckpt.search.tune import TuneResult, tune
+    from lightning_ckpt.search.pipeline import SearchHooks
+    from lightning_ckpt.search.result import TuneResult
+    from lightning_ckpt.search.tune import tune
 
 
 def __getattr__(name: str) -> object:
@@ -83,6 +86,7 @@ __all__ = [
     "PlanError",
     "StalePlanError",
     "StalePlanWarning",
+    "SearchHooks",
     "TuneConfig",
     "TuneResult",
     "__version__",

@@ -18,7 +18,7 @@ from lightning_ckpt.measure.allocator_options import AllocatorOptions, parse_opt
 from lightning_ckpt.measure.device_memory import CudaMemory
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.model import ModelView
-from lightning_ckpt.search.tune import lowest_memory_pass
+from lightning_ckpt.search.setup import lowest_memory_pass
 from lightning_ckpt.testing import GPT, GPTConfig, SimulatedCard
 from lightning_ckpt.testing.allocator import AllocatorOutOfMemory, AllocatorSizes, CachingAllocator
 

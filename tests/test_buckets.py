@@ -22,6 +22,7 @@ from lightning_ckpt.memory.profile import Profile
 from lightning_ckpt.plan.handle import applied_plan
 from lightning_ckpt.plan.table import TABLE_KEY, PlanTable, bucket_edges
 from lightning_ckpt.search.buckets import compiled_at
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.replan import replan
 
 
@@ -296,8 +297,7 @@ def test_each_buckets_prediction_matches_the_true_step_at_its_length():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=64, dropout=0.0))
     ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
-    result = tune(model, lambda: model(ids, ids), activation_budget=0.4, n_trials=4, measure_steps=1,
-                  search_space=SPACE, batch_size=4, seq_len=64)  # fmt: skip
+    result = tune(model, lambda: model(ids, ids), activation_budget=0.4, batch_size=4, seq_len=64, config=TuneConfig(n_trials=4, measure_steps=1, search_space=SPACE))  # fmt: skip
     view, space = ModelView.of(model), SavedProfile.of_plan(result.best).space
 
     def profile_at(length: int):

@@ -5,6 +5,7 @@ import torch
 
 from lightning_ckpt.budget import Budget, RequestedBudget, parse_bytes, resolve_budget, validate_budget_args
 from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.search.config import TuneConfig
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_tune_refuses_a_bad_budget_before_running_any_step(gpt, tokens):
         return gpt(tokens, tokens)
 
     with pytest.raises(ConfigurationError, match="not a memory size"):
-        tune(gpt, step, max_memory="20 gigs", n_trials=2)
+        tune(gpt, step, max_memory="20 gigs", config=TuneConfig(n_trials=2))
     assert calls == []
 
 

@@ -19,6 +19,7 @@ from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.search.microbatch import resize_batch, tune_micro_batch
+from lightning_ckpt.search.pipeline import SearchHooks
 from lightning_ckpt.testing import GPT, GPTConfig, SimulatedCard
 
 # Small, so the searches under the card's dispatch mode (a Python call per op) stay a few seconds each.
@@ -205,11 +206,9 @@ def test_the_joint_micro_batch_search_on_a_small_card(small_card) -> None:
             loss_for,
             base_micro_batch=8,
             global_batch=8,
-            micro_batches=[4, 8],
             max_memory=4 * none,
             extra_for=lambda m: (resize_batch(tokens, 8, m),),
-            memory_pass="every",
-            **SEARCH,
+            config=TuneConfig(micro_batches=[4, 8], memory_pass="every", **SEARCH),
         )
     assert found.result.budget.limit_bytes == card_bytes
     assert found.result.best_trial.peak_bytes <= card_bytes
@@ -252,15 +251,20 @@ def test_a_fit_a_plan_table_and_a_reused_plan_on_a_small_card(tmp_path) -> None:
 
 
 def test_cached_and_pinned_memory_is_released_however_the_search_ends(monkeypatch) -> None:
-    from lightning_ckpt.search import tune as tune_module
-    from lightning_ckpt.search.study import SearchInterrupted
+    from lightning_ckpt.search import setup as tune_module
+    from lightning_ckpt.search.trials import SearchInterrupted
 
     released: list[torch.device] = []
     original = tune_module.release_cached_memory
     monkeypatch.setattr(tune_module, "release_cached_memory", lambda d: (released.append(d), original(d)))
     model, tokens = _gpt(layers=2)
     with pytest.raises(SearchInterrupted):
-        tune(model, lambda: model(tokens, tokens), should_stop=lambda: True, config=TuneConfig(**SEARCH))
+        tune(
+            model,
+            lambda: model(tokens, tokens),
+            config=TuneConfig(**SEARCH),
+            hooks=SearchHooks(should_stop=lambda: True),
+        )
     assert released, "offload trials' pinned host memory is returned when a search is interrupted too"
 
 

@@ -19,6 +19,7 @@ from lightning_ckpt import BlockPlan, Plan, __version__, tune
 from lightning_ckpt.budget import format_bytes
 from lightning_ckpt.cli.main import main
 from lightning_ckpt.model import model_fingerprint
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.testing import GPT, GPTConfig
 
 MODELS_PY = """
@@ -57,8 +58,7 @@ def work(tmp_path_factory) -> Path:
     model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=48, block_size=16, dropout=0.1))
     tokens = torch.randint(0, 48, (2, 16), generator=torch.Generator().manual_seed(1))
     space = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False}
-    result = tune(model, lambda: model(tokens, tokens), activation_budget=0.6, n_trials=2, search_space=space,
-                  measure_steps=1, warmup_steps=0, batch_size=2, seq_len=16)  # fmt: skip
+    result = tune(model, lambda: model(tokens, tokens), activation_budget=0.6, batch_size=2, seq_len=16, config=TuneConfig(n_trials=2, search_space=space, measure_steps=1, warmup_steps=0))  # fmt: skip
     result.best.save(root / "tuned.json")
     result.best.with_metadata(memory_breakdown=result.memory_breakdown).save(root / "with_memory.json")
     # A hand-written rival for diff: other modes, segments, another budget, same model.

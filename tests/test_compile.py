@@ -37,8 +37,11 @@ from lightning_ckpt.search.compile import (
     reset_compiled,
     trial_status,
 )
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.ledger import TrialRecord
+from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.space import SearchSpace
-from lightning_ckpt.search.tune import TrialRecord, TuneResult, tune
+from lightning_ckpt.search.tune import tune
 from lightning_ckpt.testing import GPT, GPTConfig
 from lightning_ckpt.testing.nanogpt import Block
 
@@ -423,12 +426,9 @@ def test_tune_without_lightning_compares_with_the_partitioner_at_equal_memory():
         compiled,
         lambda: compiled(x, x),
         activation_budget=0.5,
-        n_trials=6,
-        search_space=space,
-        measure_steps=1,
         batch_size=4,
         seq_len=16,
-        confirm_rounds=1,
+        config=TuneConfig(n_trials=6, search_space=space, measure_steps=1, confirm_rounds=1),
     )
     by_label = {t.label: t for t in result.trials}
     assert not [t.error for t in result.trials if t.status == "error"]
@@ -500,8 +500,7 @@ def test_a_compiled_search_is_pruned_by_compiled_predictions_and_reports_their_e
         "segments": False,
         "compile_budgets": [0.3],
     }
-    result = tune(compiled, lambda: compiled(x, x), activation_budget=0.5, search_space=space, measure_steps=1,
-                  batch_size=4, seq_len=16, confirm_rounds=1)  # fmt: skip
+    result = tune(compiled, lambda: compiled(x, x), activation_budget=0.5, batch_size=4, seq_len=16, config=TuneConfig(search_space=space, measure_steps=1, confirm_rounds=1))  # fmt: skip
     search, blocks = result.best.metadata["search"], result.best.metadata["compiled_blocks"]
     assert search["proposer"] == "time_model"
     assert blocks["compiles"] == 3, "one compile per distinct block and mode (none, full, selective:mlp)"
@@ -680,11 +679,8 @@ def test_compiled_trials_cap_the_allocator_with_the_profiles_reserve_headroom(mo
     tune(
         compiled,
         lambda: compiled(x, x),
-        n_trials=2,
-        search_space=space,
-        measure_steps=1,
         batch_size=4,
-        confirm_rounds=1,
+        config=TuneConfig(n_trials=2, search_space=space, measure_steps=1, confirm_rounds=1),
     )
     assert seen and set(seen) == {4096}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.search.confirm import speed_change
+from lightning_ckpt.search.rounds import speed_change
 
 
 def test_a_change_beyond_15_percent_is_a_speed_change_and_same_moment_noise_is_not():
@@ -32,8 +32,8 @@ def test_a_change_within_three_spreads_of_a_noisy_first_figure_is_noise_either_w
 
 def _entries(seconds: dict[str, list[float]], baselines: set[str], log: list[str]):
     """Entries whose r-th round takes ``seconds[name][r]`` (per sample); ``log`` records the order they ran."""
-    from lightning_ckpt.search.confirm import ConfirmEntry
-    from lightning_ckpt.search.records import TrialRecord
+    from lightning_ckpt.search.ledger import TrialRecord
+    from lightning_ckpt.search.rounds import ConfirmEntry
 
     out = []
     for number, (name, times) in enumerate(seconds.items()):
@@ -49,7 +49,7 @@ def _entries(seconds: dict[str, list[float]], baselines: set[str], log: list[str
 
 
 def test_a_plan_that_can_win_is_timed_for_every_round_and_settled_plans_stop_being_timed():
-    from lightning_ckpt.search.confirm import confirm_interleaved
+    from lightning_ckpt.search.rounds import confirm_interleaved
 
     log: list[str] = []
     rng = __import__("random").Random(1)
@@ -82,7 +82,7 @@ def test_a_plan_that_can_win_is_timed_for_every_round_and_settled_plans_stop_bei
 
 
 def test_round_order_rotates_and_alternates():
-    from lightning_ckpt.search.confirm import confirm_interleaved
+    from lightning_ckpt.search.rounds import confirm_interleaved
 
     log: list[str] = []
     seconds = {name: [1.0] * 3 for name in "abc"}

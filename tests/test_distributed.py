@@ -14,7 +14,8 @@ from ranks import run_ranks
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.distributed import LocalSync, combine_trials
-from lightning_ckpt.search.tune import TrialRecord, _resolve_budget
+from lightning_ckpt.search.ledger import TrialRecord
+from lightning_ckpt.search.setup import _resolve_budget
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -111,7 +112,7 @@ def test_a_soft_overrun_on_one_rank_is_an_over_budget_trial_for_all_and_does_not
     # One rank's step completed above the limit (CUDA: between the limit and the cap). It must not be an OOM,
     # which ends a sharded search on that rank alone while the others wait in an all-gather.
     from lightning_ckpt.measure.measurement import Measurement
-    from lightning_ckpt.search.records import TrialStatus
+    from lightning_ckpt.search.ledger import TrialStatus
 
     over = Measurement("over_budget", peak_bytes=1500, activation_bytes=900, error="peak exceeds memory_limit_bytes")
     assert not TrialStatus(over.status).failed and TrialStatus(over.status).ran

@@ -172,7 +172,7 @@ def test_a_larger_later_batch_is_checked_against_the_budget(tmp_path):
 
 def test_lower_memory_trial_picks_the_fastest_plan_expected_to_fit():
     from lightning_ckpt.budget import Budget
-    from lightning_ckpt.search.tune import TrialRecord
+    from lightning_ckpt.search.ledger import TrialRecord
 
     def rec(name: str, peak: int, sps: float, status: str = "ok") -> TrialRecord:
         plan = Plan({"h.0": BlockPlan("full")}, name=name) if name != "none" else Plan()
@@ -190,7 +190,7 @@ def test_lower_memory_trial_picks_the_fastest_plan_expected_to_fit():
 
 
 def _rec(plan: Plan, label: str, peak: int, sps: float | None, status: str = "ok"):
-    from lightning_ckpt.search.tune import TrialRecord
+    from lightning_ckpt.search.ledger import TrialRecord
 
     if status == "pruned":  # a plan the search predicted and never ran
         return TrialRecord(0, plan, label, {}, status, predicted_peak_bytes=peak, predicted_activation_bytes=peak)

@@ -11,7 +11,7 @@ from lightning_ckpt.errors import PlanError
 from lightning_ckpt.formatting import count
 from lightning_ckpt.plan.format import closest_names
 from lightning_ckpt.report.text import time_model_line
-from lightning_ckpt.search.records import TuneResult
+from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.testing import GPT, GPTConfig
 
 

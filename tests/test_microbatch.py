@@ -13,7 +13,9 @@ from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, baseline
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure.measurement import track_step_memory
 from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.microbatch import ScaledMemoryModel, divisors, resize_batch, tune_micro_batch
+from lightning_ckpt.search.pipeline import SearchHooks
 from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
@@ -141,14 +143,13 @@ def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
     common = dict(
         base_micro_batch=4,
         global_batch=8,
-        micro_batches=[2, 4],
         activation_budget=1.0,
-        n_trials=4,
-        search_space=SPACE,
-        measure_steps=1,
         extra_for=lambda m: (resize_batch(tokens, 4, m),),
     )
-    found = tune_micro_batch(model, loss_for, confirm_top=2, confirm_rounds=2, confirm_max_rounds=2, **common)
+    search = dict(micro_batches=[2, 4], n_trials=4, search_space=SPACE, measure_steps=1)
+    found = tune_micro_batch(
+        model, loss_for, config=TuneConfig(confirm_top=2, confirm_rounds=2, confirm_max_rounds=2, **search), **common
+    )
     trials = found.result.trials
     # One engine: one numbering, one record per (plan, micro-batch), every micro-batch's baselines measured first.
     assert [t.number for t in trials] == list(range(len(trials)))
@@ -179,7 +180,7 @@ def test_micro_batches_are_chosen_from_an_interleaved_confirmation_round():
     assert set(metadata["measured"]) >= {"label", "samples_per_second", "peak_bytes", "activation_bytes", "status"}
     assert metadata["micro_batch"]["size"] == found.micro_batch and metadata["micro_batch"]["original_size"] == 4
     # Without confirmation, the search figures decide and nothing is re-timed.
-    plain = tune_micro_batch(model, loss_for, confirm_top=0, **common)
+    plain = tune_micro_batch(model, loss_for, config=TuneConfig(confirm_top=0, **search), **common)
     assert not any(t.confirmed for t in plain.result.trials)
 
 
@@ -189,9 +190,7 @@ def test_the_sampler_proposes_the_micro_batch_as_one_more_dimension():
     model, tokens, loss_for = _tiny_gpt()
 
     space = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5", "every:2"], "rest_modes": ["none"]}
-    found = tune_micro_batch(model, loss_for, base_micro_batch=4, global_batch=8, activation_budget=0.8,
-                             micro_batches=[2, 4], n_trials=14, search_space=space, measure_steps=1, confirm_top=0,
-                             extra_for=lambda m: (resize_batch(tokens, 4, m),))  # fmt: skip
+    found = tune_micro_batch(model, loss_for, base_micro_batch=4, global_batch=8, activation_budget=0.8, extra_for=lambda m: (resize_batch(tokens, 4, m),), config=TuneConfig(micro_batches=[2, 4], n_trials=14, search_space=space, measure_steps=1, confirm_top=0))  # fmt: skip
     trials = found.result.trials
     assert not found.result.best.metadata["search"]["exhaustive"], "the sampler's path, not the whole space"
     measured = [t for t in trials if t.status != "pruned"]
@@ -224,7 +223,7 @@ def test_sigterm_stops_the_joint_search_as_it_stops_the_plan_search(tmp_path):
 
 
 def test_the_joint_search_polls_should_stop_and_leaves_the_model_as_it_was():
-    from lightning_ckpt.search.study import SearchInterrupted
+    from lightning_ckpt.search.trials import SearchInterrupted
 
     model, tokens, loss_for = _tiny_gpt()
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -235,9 +234,7 @@ def test_the_joint_search_polls_should_stop_and_leaves_the_model_as_it_was():
         return len(polls) > 2
 
     with pytest.raises(SearchInterrupted):
-        tune_micro_batch(model, loss_for, base_micro_batch=4, global_batch=8, activation_budget=0.8,
-                         micro_batches=[2, 4], n_trials=14, search_space=SPACE, measure_steps=1,
-                         extra_for=lambda m: (resize_batch(tokens, 4, m),), should_stop=stop)  # fmt: skip
+        tune_micro_batch(model, loss_for, base_micro_batch=4, global_batch=8, activation_budget=0.8, extra_for=lambda m: (resize_batch(tokens, 4, m),), config=TuneConfig(micro_batches=[2, 4], n_trials=14, search_space=SPACE, measure_steps=1), hooks=SearchHooks(should_stop=stop))  # fmt: skip
     assert len(polls) == 3, "polled between trials, stopped at the first True"
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]), k

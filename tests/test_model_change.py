@@ -12,6 +12,7 @@ from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, tune
 from lightning_ckpt.errors import StalePlanError
 from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.plan.model_change import describe_model_change, model_changes
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full"], "selections": ["all"], "rest_modes": ["none"], "segments": False}
@@ -27,7 +28,12 @@ def tuned() -> Plan:
     """A plan from a real (small) search on a 4-layer GPT: it keeps the profile of the stacks it was tuned on."""
     model = gpt()
     x = torch.randint(0, 48, (2, 16), generator=torch.Generator().manual_seed(1))
-    result = tune(model, lambda: model(x, x), activation_budget=0.9, n_trials=2, search_space=SPACE, measure_steps=1)
+    result = tune(
+        model,
+        lambda: model(x, x),
+        activation_budget=0.9,
+        config=TuneConfig(n_trials=2, search_space=SPACE, measure_steps=1),
+    )
     assert "stacks" in result.best.metadata["profile"]
     return result.best
 

@@ -8,8 +8,15 @@ import optuna
 import torch
 
 from lightning_ckpt import Plan, tune
-from lightning_ckpt.search.records import TrialStatus, TuneResult
-from lightning_ckpt.search.store import FAILED_CONSTRAINT, METRIC_NAMES, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.ledger import (
+    FAILED_CONSTRAINT,
+    METRIC_NAMES,
+    OVER_BUDGET_CONSTRAINT,
+    TRIAL_ATTRS,
+    TrialStatus,
+)
+from lightning_ckpt.search.result import TuneResult
 
 # Larger than n_trials, so the sampler proposes plans (and redraws known ones) after the baselines.
 SPACE = {"modes": ["full", "selective:mlp", "ops:save_matmuls", "selective:attention"],
@@ -20,9 +27,7 @@ def _tune(gpt: torch.nn.Module, tokens: torch.Tensor, storage: str, n_trials: in
     # 0.7 of the no-checkpointing activations: 3 of the 9 plans fit (full, full h.0-1, selective(attn)), so a
     # search of 2 leaves one for the resumed search of 3; the rest are pruned, which costs nothing. Measured as
     # proposed, n_trials at a time (predict_time=False); the time model's pruned trials: test_study.py.
-    return tune(gpt, lambda: gpt(tokens, tokens), activation_budget=0.7, search_space=SPACE, storage=storage,
-                n_trials=n_trials, measure_steps=1, warmup_steps=0, process_warmup_steps=0, count_flops=False,
-                confirm_rounds=1, confirm_max_rounds=1, predict_time=False)  # fmt: skip
+    return tune(gpt, lambda: gpt(tokens, tokens), activation_budget=0.7, config=TuneConfig(search_space=SPACE, storage=storage, n_trials=n_trials, measure_steps=1, warmup_steps=0, process_warmup_steps=0, count_flops=False, confirm_rounds=1, confirm_max_rounds=1, predict_time=False))  # fmt: skip
 
 
 def _by_plan(study: optuna.Study) -> dict[str, optuna.trial.FrozenTrial]:

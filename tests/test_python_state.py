@@ -16,6 +16,7 @@ from torch import nn
 from lightning_ckpt import ActivationCheckpointTuner, apply_plan, tune
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import WRITTEN_IN_FORWARD, find_parameters_written_in_forward
+from lightning_ckpt.search.config import TuneConfig
 
 
 class Curriculum:
@@ -139,6 +140,6 @@ def test_profile_and_trials_see_the_batch_of_the_first_call():
         seen.append(module.shapes[-1])
         return out
 
-    tune(module, step, n_trials=4, measure_steps=1, warmup_steps=1, batch_size=8)
+    tune(module, step, batch_size=8, config=TuneConfig(n_trials=4, measure_steps=1, warmup_steps=1))
     assert module.calls == 0 and module.shapes == []
     assert set(seen) == {(8, 4)}, "every step of the search sees what the first real call sees"

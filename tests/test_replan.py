@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 from lit import LitGPT, quiet_trainer, token_loader
+from search_driver import Study
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan
 from lightning_ckpt.budget import Budget
@@ -23,7 +24,6 @@ from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.replan import PROFILE_KEY, SavedProfile, profile_metadata, replan
 from lightning_ckpt.search.space import SearchSpace, offered_candidates
-from lightning_ckpt.search.study import Study
 from lightning_ckpt.testing import GPT, GPTConfig
 
 BATCH = 8

@@ -27,7 +27,8 @@ from lightning_ckpt.report.tags import (
     TAG_TRIAL_SECONDS,
     TRIAL_SCALAR_TAGS,
 )
-from lightning_ckpt.search.records import TrialRecord, TuneResult
+from lightning_ckpt.search.ledger import TrialRecord
+from lightning_ckpt.search.result import TuneResult
 
 MiB = 2**20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_ckpt import BlockPlan, Plan, applied_plan, apply_plan, baselines, plan_applied, plan_handle, tune
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.search.config import TuneConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,8 +283,7 @@ def test_the_tuner_drops_segments_over_a_stack_seen_skipping_during_trials():
     space = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": True, "chunks": [2, 3],
              "baselines": False}  # fmt: skip
     # predict_time=False: the segments must run to be seen skipping (the time model would measure `none` only).
-    result = tune(model, lambda: loss_fn(0), n_trials=6, search_space=space, measure_steps=1, warmup_steps=0,
-                  confirm_top=0, seed=0, predict_time=False)  # fmt: skip
+    result = tune(model, lambda: loss_fn(0), config=TuneConfig(n_trials=6, search_space=space, measure_steps=1, warmup_steps=0, confirm_top=0, seed=0, predict_time=False))  # fmt: skip
     segment_trials = [t for t in result.trials if t.plan.segments]
     assert len(segment_trials) == 1, [t.label for t in result.trials]  # the first one shows it; no more are offered
     assert segment_trials[0].status == "invalid"

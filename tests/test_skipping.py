@@ -11,6 +11,7 @@ from lightning_ckpt.discovery import discover_blocks
 from lightning_ckpt.measure.measurement import measure_step
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.skipping import full_depth, skipping_stacks
+from lightning_ckpt.search.config import TuneConfig
 
 
 class Block(nn.Module):
@@ -80,7 +81,7 @@ def test_a_layerdrop_model_is_tuned_for_its_full_depth_steps_whatever_the_profil
     none, full = _full_depth_peak(model, x, None), _full_depth_peak(model, x, baselines(model)["full"])
     assert full < none
     limit = (none + full) // 2
-    result = tune(model, lambda: model(x), max_memory=limit, measure_steps=1, seed=0)
+    result = tune(model, lambda: model(x), max_memory=limit, config=TuneConfig(measure_steps=1, seed=0))
     assert model.config.layerdrop == 0.8, "the rate is the user's again after the search"
     assert result.best.blocks, "a full-depth step needs checkpointing at this budget"
     assert _full_depth_peak(model, x, result.best) <= limit

@@ -13,6 +13,7 @@ import warnings
 import optuna
 import pytest
 import torch
+from search_driver import Study
 
 from lightning_ckpt import discover_blocks
 from lightning_ckpt.budget import Budget
@@ -21,12 +22,19 @@ from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.config import TuneConfig
-from lightning_ckpt.search.confirm import CLAIM_HALF_WIDTH
-from lightning_ckpt.search.proposers import TimeModelSampler
-from lightning_ckpt.search.records import TrialRecord, TrialStatus
+from lightning_ckpt.search.distributed import LocalSync
+from lightning_ckpt.search.ledger import (
+    FAILED_CONSTRAINT,
+    OVER_BUDGET_CONSTRAINT,
+    TRIAL_ATTRS,
+    Ledger,
+    TrialRecord,
+    TrialStatus,
+)
+from lightning_ckpt.search.rounds import CLAIM_HALF_WIDTH
+from lightning_ckpt.search.sampler import TimeModelSampler
 from lightning_ckpt.search.space import SearchSpace
-from lightning_ckpt.search.store import FAILED_CONSTRAINT, OVER_BUDGET_CONSTRAINT, TRIAL_ATTRS
-from lightning_ckpt.search.study import SearchInterrupted, Study
+from lightning_ckpt.search.trials import SearchInterrupted
 from lightning_ckpt.search.verdict import Verdict
 from lightning_ckpt.testing import GPT, GPTConfig
 from lightning_ckpt.timing.model import BlockTime, TimeModel
@@ -254,8 +262,7 @@ def test_study_works_for_a_real_model_end_to_end_through_tune():
 
     torch.manual_seed(0)
     x = torch.randint(0, 32, (2, 8))
-    result = tune(MODEL, lambda: MODEL(x, x), activation_budget=0.6, n_trials=4, measure_steps=1,
-                  search_space={"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False})  # fmt: skip
+    result = tune(MODEL, lambda: MODEL(x, x), activation_budget=0.6, config=TuneConfig(n_trials=4, measure_steps=1, search_space={"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False}))  # fmt: skip
     assert result.best_trial.confirmed or len([t for t in result.trials if t.feasible]) < 2
     assert all(isinstance(t.status, TrialStatus) for t in result.trials)
 
@@ -503,8 +510,7 @@ def _timed_study(runner: FakeRunner, budget: Budget, **config) -> Study:
     runner.predicts_time = True
     config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, "search_when_none_fits": True, **config})
     memory = TimedMemory()
-    proposer = TimeModelSampler(memory.timing, tie_tolerance=config.tie_tolerance)
-    return Study(candidates=CANDIDATES, space=SPACE, stacks=STACKS, runner=runner, budget=budget, proposer=proposer,
+    return Study(candidates=CANDIDATES, space=SPACE, stacks=STACKS, runner=runner, budget=budget, timing=memory.timing,
                  memory=RealStepMemory(memory, OptimizerStepMemory.absent()), config=config,
                  fingerprint=None, device_type="cpu")  # fmt: skip
 
@@ -605,13 +611,13 @@ def test_the_time_model_sampler_hands_a_plan_it_cannot_predict_to_its_fallback()
 
 
 def test_a_users_sampler_replaces_the_time_model_on_an_eager_model():
-    from lightning_ckpt.search.proposers import SamplerProposer, proposer_for
+    from lightning_ckpt.search.sampler import sampler_for
 
     timing = TimedMemory().timing
     mine = optuna.samplers.RandomSampler(seed=3)
-    chosen = proposer_for(timing, predicts_time=True, predict_time=True, tie_tolerance=0.01, seed=0, sampler=mine)
-    assert isinstance(chosen, SamplerProposer) and chosen.sampler is mine
-    default = proposer_for(timing, predicts_time=True, predict_time=True, tie_tolerance=0.01, seed=0)
+    chosen = sampler_for(timing, None, list, TuneConfig(sampler=mine), predicts_time=True)
+    assert chosen is mine
+    default = sampler_for(timing, None, list, TuneConfig(), predicts_time=True)
     assert isinstance(default, TimeModelSampler)
     assert isinstance(default.fallback, optuna.samplers.TPESampler)
     s = study(FakeRunner(), Budget("peak", 850), n_trials=len(CANDIDATES) - 2, confirm_top=0, sampler=mine)
@@ -624,18 +630,20 @@ def test_a_users_sampler_replaces_the_time_model_on_an_eager_model():
 def test_the_time_models_margin_is_never_below_the_error_it_has_shown(off_by, margin, caplog):
     # 1.25x the median error within 3-8%, but a model whose predictions are off by 21% prunes with 21%, not 8%, and
     # says so once (the terminal, and the plan file's summary).
-    sampler = TimeModelSampler(TimedMemory().timing, tie_tolerance=0.01)
     plans = [c.plan for c in CANDIDATES[:5]]
     records = [TrialRecord(number=i, plan=p, label=str(i), params={}, status=TrialStatus.OK, predicted_seconds=1.0,
                            median_seconds=1.0 / (1 + off_by * (-1) ** i), samples_per_second=1.0)
                for i, p in enumerate(plans)]  # fmt: skip
-    sampler._records = records
+    ledger = Ledger(config=TuneConfig(), run_info={}, budget=Budget("none", None), distributions={}, sync=LocalSync())
+    for r in records:
+        ledger.put(r)
+    sampler = TimeModelSampler(TimedMemory().timing, ledger, list, tie_tolerance=0.01)
     with caplog.at_level("WARNING"):
         assert sampler.noise_margin() == pytest.approx(margin, rel=0.02)
         sampler.noise_margin()
     follows = off_by > 0.08
     assert caplog.text.count("predictions were off by") == (1 if follows else 0)
-    assert sampler.summary(records)["margin_follows_error"] is follows
+    assert sampler.summary()["margin_follows_error"] is follows
 
 
 def _segments_baseline() -> Plan:
@@ -766,7 +774,7 @@ def test_with_a_hold_out_the_choosing_rounds_stop_once_the_choice_is_decided_and
     # The rounds that choose stop as soon as no tuned plan can win or the leader's verdict is decided; the claim
     # comes from the fresh rounds either way. Against timing every plan that can win for all rounds (the rule
     # before), the same searches cost far fewer steps and claim as truly.
-    from lightning_ckpt.search.confirm import SideBySide
+    from lightning_ckpt.search.rounds import SideBySide
 
     seeds = range(16)
     sequential = [_search_claims(seed, 0.03) for seed in seeds]

@@ -11,7 +11,10 @@ from lightning_ckpt import Plan, tune
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.plan.format import BlockPlan
-from lightning_ckpt.search.tune import TrialRecord, choose_best
+from lightning_ckpt.search.choice import choose_best
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.ledger import TrialRecord
+from lightning_ckpt.search.pipeline import SearchHooks
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
 
@@ -48,8 +51,7 @@ def test_choose_best_among_re_timed_trials_only():
 def test_tune_returns_model_untouched_and_a_plan_within_budget(gpt, tokens):
     before = {k: v.clone() for k, v in gpt.state_dict().items()}
     rng = torch.get_rng_state()
-    result = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.6, n_trials=10, search_space=SPACE,
-                  measure_steps=1, seed=0)  # fmt: skip
+    result = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.6, config=TuneConfig(n_trials=10, search_space=SPACE, measure_steps=1, seed=0))  # fmt: skip
     assert all(torch.equal(v, before[k]) for k, v in gpt.state_dict().items())
     assert all(p.grad is None for p in gpt.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
@@ -62,10 +64,14 @@ def test_tune_returns_model_untouched_and_a_plan_within_budget(gpt, tokens):
 
 def test_infeasible_budget_raises_or_falls_back(gpt, tokens):
     with pytest.raises(InfeasibleBudgetError, match="No checkpointing plan fits the budget"):
-        tune(gpt, _loss_fn(gpt, tokens), max_memory=1024, n_trials=4, search_space=SPACE, measure_steps=1,
-             on_infeasible="raise")  # fmt: skip
+        tune(gpt, _loss_fn(gpt, tokens), max_memory=1024, config=TuneConfig(n_trials=4, search_space=SPACE, measure_steps=1, on_infeasible="raise"))  # fmt: skip
     with pytest.warns(UserWarning, match="Falling back to the lowest-memory plan"):
-        result = tune(gpt, _loss_fn(gpt, tokens), max_memory=1024, n_trials=4, search_space=SPACE, measure_steps=1)
+        result = tune(
+            gpt,
+            _loss_fn(gpt, tokens),
+            max_memory=1024,
+            config=TuneConfig(n_trials=4, search_space=SPACE, measure_steps=1),
+        )
     assert result.fell_back and [bp.mode for bp in result.best.blocks.values()] == ["full"] * 4
 
 
@@ -75,8 +81,8 @@ def test_persisted_study_resumes_without_measuring_again(gpt, tokens, tmp_path):
              "selections": ["all", "first:0.5"], "rest_modes": ["none"], "segments": False}  # fmt: skip
     # confirm_top=0: the confirmation re-times; predict_time=False: measured as proposed, n_trials at a time.
     common = dict(search_space=space, storage=storage, measure_steps=1, confirm_top=0, predict_time=False)
-    first = tune(gpt, _loss_fn(gpt, tokens), n_trials=3, **common)
-    second = tune(gpt, _loss_fn(gpt, tokens), n_trials=5, **common)
+    first = tune(gpt, _loss_fn(gpt, tokens), config=TuneConfig(n_trials=3, **common))
+    second = tune(gpt, _loss_fn(gpt, tokens), config=TuneConfig(n_trials=5, **common))
     resumed = [t for t in second.trials if t.resumed]
     assert [t.plan for t in resumed] == [t.plan for t in first.trials]
     assert [t.samples_per_second for t in resumed] == [t.samples_per_second for t in first.trials]
@@ -88,9 +94,9 @@ def test_a_time_model_search_resumes_its_measured_plans_as_anchors_without_measu
     space = {"modes": ["full", "selective:mlp", "ops:save_matmuls", "selective:attention"],
              "selections": ["all", "first:0.5"], "rest_modes": ["none"], "segments": False}  # fmt: skip
     common = dict(search_space=space, storage=storage, measure_steps=1, confirm_top=0)
-    first = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.9, **common)
+    first = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.9, config=TuneConfig(**common))
     assert any(t.pruned_by == "time" for t in first.trials)
-    second = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.9, **common)
+    second = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.9, config=TuneConfig(**common))
     ran = {t.plan.key(): t for t in first.trials if t.status != "pruned"}
     resumed = {t.plan.key(): t for t in second.trials if t.resumed and t.status != "pruned"}
     assert resumed.keys() == ran.keys()
@@ -101,9 +107,9 @@ def test_a_time_model_search_resumes_its_measured_plans_as_anchors_without_measu
 
 def test_bad_tune_arguments(gpt, tokens):
     with pytest.raises(ConfigurationError, match="n_trials"):
-        tune(gpt, _loss_fn(gpt, tokens), n_trials=0)
+        tune(gpt, _loss_fn(gpt, tokens), config=TuneConfig(n_trials=0))
     with pytest.raises(ConfigurationError, match="must return the loss"):
-        tune(gpt, lambda: None, n_trials=2, search_space=SPACE)
+        tune(gpt, lambda: None, config=TuneConfig(n_trials=2, search_space=SPACE))
 
 
 @pytest.mark.parametrize("predict_time, budget", [(False, None), (True, 0.9)], ids=["sampler", "time-model"])
@@ -140,9 +146,9 @@ def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side
     # With the time model and no budget only `none` would run (nothing can beat it): a budget and a space that
     # make plans compete, so that the slowdown falls between the search and its confirmation.
     space = SPACE if not predict_time else {**SPACE, "selections": ["all", "first:0.5"], "rest_modes": ["none"]}
-    settings = dict(n_trials=6, search_space=space, measure_steps=2, seed=0, batch_size=tokens.shape[0],
-                    predict_time=predict_time, activation_budget=budget, clock=clock)  # fmt: skip
-    result = tune(gpt, step, progress=progress, **settings)
+    settings = dict(n_trials=6, search_space=space, measure_steps=2, seed=0, predict_time=predict_time, clock=clock)
+    result = tune(gpt, step, batch_size=tokens.shape[0], activation_budget=budget, config=TuneConfig(**settings),
+                  hooks=SearchHooks(progress=progress))  # fmt: skip
     assert result.best.metadata["search"]["speed_changes"], "the slowdown is seen"
     fitting = [t for t in result.trials if t.feasible]
     baselines = [t for t in fitting if t.baseline is not None]
@@ -166,7 +172,7 @@ def test_a_real_search_whose_machine_slows_down_part_way_chooses_on_side_by_side
 def test_a_stop_request_during_the_confirmation_stops_the_search_as_between_trials(gpt, tokens):
     # It used to be polled only between trials: a SIGTERM in the last passes let the search finish, write its plan
     # and run a real step. Now the confirmation's rounds poll it too.
-    from lightning_ckpt.search.tune import SearchInterrupted
+    from lightning_ckpt.search.trials import SearchInterrupted
 
     stop = []
 
@@ -181,8 +187,7 @@ def test_a_stop_request_during_the_confirmation_stops_the_search_as_between_tria
     with pytest.raises(SearchInterrupted, match="asked to stop"):
         space = {**SPACE, "rest_modes": ["none"], "selections": ["all", "first:0.5"]}  # several plans fit: confirmed
         # At 100% of the activations no checkpointing fits: searched anyway, so there is a confirmation to stop.
-        tune(gpt, _loss_fn(gpt, tokens), activation_budget=1.0, n_trials=6, search_space=space, measure_steps=1,
-             search_when_none_fits=True, progress=Progress(), should_stop=lambda: bool(stop))  # fmt: skip
+        tune(gpt, _loss_fn(gpt, tokens), activation_budget=1.0, config=TuneConfig(n_trials=6, search_space=space, measure_steps=1, search_when_none_fits=True), hooks=SearchHooks(progress=Progress(), should_stop=lambda: bool(stop)))  # fmt: skip
     assert stop, "the confirmation was reached"
     assert all(torch.equal(before[k], v) for k, v in gpt.state_dict().items())
     assert not any("forward" in vars(m) for m in gpt.modules()), "no plan left applied"
@@ -199,5 +204,9 @@ def test_keyword_settings_still_work_with_a_deprecation_warning_naming_the_confi
     with pytest.warns(
         DeprecationWarning, match=r"is deprecated: pass config=TuneConfig\(confirm_top=\.\.\., measure_steps"
     ):
-        result = tune(model, lambda: model(x, x), n_trials=2, search_space=space, confirm_top=0, measure_steps=1)
+        result = tune(
+            model,
+            lambda: model(x, x),
+            config=TuneConfig(n_trials=2, search_space=space, confirm_top=0, measure_steps=1),
+        )
     assert result.best.metadata["search"]["n_trials"] == 2

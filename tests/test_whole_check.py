@@ -21,11 +21,11 @@ from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.memory.compiled import CompiledBlockMemory, CompiledMemoryModel
 from lightning_ckpt.plan.format import BlockPlan
-from lightning_ckpt.search import tune as tune_module
+from lightning_ckpt.search import whole_check
 from lightning_ckpt.search.compile import CompiledTrials, compiled_search, release_kept_graphs, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync
-from lightning_ckpt.search.records import TrialRecord, TrialStatus
+from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
 from lightning_ckpt.search.whole_check import (
     PARTITIONS,
     Partitioned,
@@ -131,7 +131,7 @@ def test_holds_several_blocks_is_a_whole_or_partial_compile_not_one_block_each()
 def test_the_plan_of_ours_is_kept_where_it_runs_faster_compiled_whole():
     leader, rival, records = leader_and_rival()
     whole = ScriptedWhole({PT2.key(): 0.0110, OURS.key(): 0.0100}, {PT2.key(): 500, OURS.key(): 600})
-    kept, check = check_whole_compile(ScriptedStudy(records), leader, whole)
+    kept, check = check_whole_compile(records, ScriptedStudy(records), leader, whole)
     assert kept is rival
     assert isinstance(check, WholeCheck)
     assert check.kept == rival.label and check.leader_fits and check.rival_fits
@@ -147,7 +147,7 @@ def test_the_plan_of_ours_is_kept_where_it_runs_faster_compiled_whole():
 def test_the_pt2_budget_is_kept_where_it_is_faster_compiled_whole():
     leader, _, records = leader_and_rival()
     whole = ScriptedWhole({PT2.key(): 0.0090, OURS.key(): 0.0100}, {PT2.key(): 500, OURS.key(): 600})
-    kept, check = check_whole_compile(ScriptedStudy(records), leader, whole)
+    kept, check = check_whole_compile(records, ScriptedStudy(records), leader, whole)
     assert kept is leader
     assert check is not None and check.ratio < 1.0 and check.kept == leader.label
 
@@ -156,7 +156,7 @@ def test_a_pt2_budget_over_budget_compiled_whole_gives_way_to_the_plan_of_ours_w
     """A whole graph's knapsack saves other tensors than the blocks' did: its memory is measured, not assumed."""
     leader, rival, records = leader_and_rival()
     whole = ScriptedWhole({PT2.key(): 0.0090, OURS.key(): 0.0100}, {PT2.key(): 2 * LIMIT, OURS.key(): 600})
-    kept, check = check_whole_compile(ScriptedStudy(records), leader, whole)
+    kept, check = check_whole_compile(records, ScriptedStudy(records), leader, whole)
     assert kept is rival
     assert check is not None and not check.leader_fits and check.ratio is None and whole.retimed == []
     assert "over budget" in check.describe()
@@ -165,7 +165,7 @@ def test_a_pt2_budget_over_budget_compiled_whole_gives_way_to_the_plan_of_ours_w
 def test_nothing_is_compiled_when_the_choice_sets_no_pt2_budget():
     _, rival, records = leader_and_rival()
     whole = ScriptedWhole({}, {})
-    kept, check = check_whole_compile(ScriptedStudy(records), rival, whole)
+    kept, check = check_whole_compile(records, ScriptedStudy(records), rival, whole)
     assert kept is rival and check is None and whole.measured == []
 
 
@@ -178,12 +178,12 @@ def test_the_rival_may_be_a_plan_the_time_model_pruned_against_the_budgets_flatt
     none = record(6, Plan(), "baseline:none", 0.008, baseline="none")
     whole = ScriptedWhole({PT2.key(): 0.0110, FULL.key(): 0.0100}, {PT2.key(): 500, FULL.key(): 600})
     study = ScriptedStudy([*records, pruned, over, other_budget, none])
-    kept, check = check_whole_compile(study, leader, whole)
+    kept, check = check_whole_compile(study.records, study, leader, whole)
     assert check is not None and check.rival == "full h.0-1" and kept is pruned
 
 
 def _searched_metadata() -> dict[str, Any]:
-    return {tune_module.COMPILES_KEY: {"graphs": 11, "seconds": 20.0}}
+    return {whole_check.COMPILES_KEY: {"graphs": 11, "seconds": 20.0}}
 
 
 def _runner(regions: tuple[str, ...]) -> Any:
@@ -202,13 +202,13 @@ def _harness() -> Any:
 def test_the_search_records_the_check_and_counts_its_compiles(monkeypatch):
     leader, rival, _ = leader_and_rival()
     check = WholeCheck(leader.label, rival.label, True, True, 1.05, 1.01, 1.09, 8, rival.label, 3, 30.0, 41.0)
-    monkeypatch.setattr(tune_module, "check_whole_compile", lambda study, best, whole: (rival, check))
-    monkeypatch.setattr(tune_module, "partition_pt2_budgets", lambda *a: (leader, ()))
-    study, metadata = SimpleNamespace(after_choice=None), _searched_metadata()
-    tune_module.check_pt2_budget_compiled_whole(study, _runner(("",)), _harness(), CONFIG, metadata)
-    assert study.after_choice(leader) is rival
-    assert metadata[tune_module.WHOLE_CHECK_KEY]["kept"] == rival.label
-    assert metadata[tune_module.COMPILES_KEY] == {
+    monkeypatch.setattr(whole_check, "check_whole_compile", lambda records, trials, best, whole: (rival, check))
+    monkeypatch.setattr(whole_check, "partition_pt2_budgets", lambda *a: (leader, ()))
+    search, metadata = SimpleNamespace(records=(), trials=None), _searched_metadata()
+    after_choice = whole_check.pt2_budget_check(search, _runner(("",)), _harness(), CONFIG, metadata)
+    assert after_choice(leader) is rival
+    assert metadata[whole_check.WHOLE_CHECK_KEY]["kept"] == rival.label
+    assert metadata[whole_check.COMPILES_KEY] == {
         "graphs": 14, "seconds": 50.0, "whole_graphs": 3, "whole_seconds": 30.0
     }  # fmt: skip
 
@@ -229,7 +229,7 @@ def test_on_the_blocks_a_budget_leading_by_less_than_the_margin_gives_way_to_the
     """A 4% lead on the blocks is within what compiling whole took from the budget (up to 8%, measured)."""
     leader, rival, records = leader_and_rival()
     blocks = on_blocks(0.0100, 0.0104)
-    kept, check = weigh_on_blocks(ScriptedStudy(records), leader, blocks, 0.08)
+    kept, check = weigh_on_blocks(records, ScriptedStudy(records), leader, blocks, 0.08)
     assert kept is rival
     assert check is not None and not check.compiled_whole and check.margin == 0.08
     assert check.rivals == (rival.label, "baseline:full")  # every fitting plan of ours, fastest first
@@ -243,14 +243,14 @@ def test_on_the_blocks_a_budget_leading_by_less_than_the_margin_gives_way_to_the
 
 def test_on_the_blocks_a_budget_leading_by_more_than_the_margin_is_kept():
     leader, _, records = leader_and_rival()
-    kept, check = weigh_on_blocks(ScriptedStudy(records), leader, on_blocks(0.0100, 0.0120), 0.08)
+    kept, check = weigh_on_blocks(records, ScriptedStudy(records), leader, on_blocks(0.0100, 0.0120), 0.08)
     assert kept is leader and check is not None and check.high < 1 / 1.08
 
 
 def test_with_no_margin_the_faster_on_the_blocks_is_kept_and_a_tie_keeps_the_budget():
     leader, rival, records = leader_and_rival()
-    assert weigh_on_blocks(ScriptedStudy(records), leader, on_blocks(0.0100, 0.0104), 0.0)[0] is leader
-    assert weigh_on_blocks(ScriptedStudy(records), leader, on_blocks(0.0104, 0.0100), 0.0)[0] is rival
+    assert weigh_on_blocks(records, ScriptedStudy(records), leader, on_blocks(0.0100, 0.0104), 0.0)[0] is leader
+    assert weigh_on_blocks(records, ScriptedStudy(records), leader, on_blocks(0.0104, 0.0100), 0.0)[0] is rival
 
 
 def test_on_the_blocks_a_pruned_rival_is_measured_and_kept_with_its_measurement():
@@ -259,11 +259,11 @@ def test_on_the_blocks_a_pruned_rival_is_measured_and_kept_with_its_measurement(
     pruned = record(3, MIXED, "full h.0, selective(mlp) h.1", None, status=TrialStatus.PRUNED, pruned_by="time",
                     predicted_seconds=0.0101)  # fmt: skip
     blocks = on_blocks(0.0100, 0.0104, **{MIXED.key(): (0.0098, 600)})
-    kept, check = weigh_on_blocks(ScriptedStudy([*records, pruned]), leader, blocks, 0.08)
+    kept, check = weigh_on_blocks([*records, pruned], ScriptedStudy([*records, pruned]), leader, blocks, 0.08)
     assert check is not None and check.rival == pruned.label and check.rivals[0] == pruned.label
     assert kept.number == pruned.number and kept.status == TrialStatus.OK and kept.peak_bytes == 600
     over = on_blocks(0.0100, 0.0104, **{MIXED.key(): (0.0098, 2 * LIMIT)})
-    kept, check = weigh_on_blocks(ScriptedStudy([*records, pruned]), leader, over, 0.08)
+    kept, check = weigh_on_blocks([*records, pruned], ScriptedStudy([*records, pruned]), leader, over, 0.08)
     assert kept is rival and check is not None and check.rival == rival.label
     assert MIXED.key() not in over.retimed  # over budget on the blocks: measured, never re-timed
 
@@ -276,36 +276,36 @@ def test_pruned_plans_are_ranked_with_the_predictions_brought_to_the_measured_sc
     pruned = record(3, MIXED, "full h.0, selective(mlp) h.1", None, status=TrialStatus.PRUNED, pruned_by="time",
                     predicted_seconds=0.0130)  # fmt: skip
     whole = ScriptedWhole({PT2.key(): 0.0110, MIXED.key(): 0.0100}, {PT2.key(): 500, MIXED.key(): 600})
-    kept, check = check_whole_compile(ScriptedStudy([leader, measured, records[2], pruned]), leader, whole)
+    kept, check = check_whole_compile([leader, measured, records[2], pruned], ScriptedStudy([]), leader, whole)
     assert check is not None and check.rivals == (pruned.label,) and kept is pruned  # compiled whole: one rival
     unscaled = replace(measured, predicted_seconds=None)
     whole = ScriptedWhole({PT2.key(): 0.0110, OURS.key(): 0.0100}, {PT2.key(): 500, OURS.key(): 600})
-    _, check = check_whole_compile(ScriptedStudy([leader, unscaled, records[2], pruned]), leader, whole)
+    _, check = check_whole_compile([leader, unscaled, records[2], pruned], ScriptedStudy([]), leader, whole)
     assert check is not None and check.rivals == (rival.label,)  # no pair to scale by: as predicted
 
 
 def test_without_the_check_a_pt2_choice_on_a_whole_compile_is_weighed_on_the_blocks(monkeypatch):
     leader, rival, _ = leader_and_rival()
-    monkeypatch.setattr(tune_module, "check_whole_compile", lambda *a: pytest.fail("the check is off"))
+    monkeypatch.setattr(whole_check, "check_whole_compile", lambda *a: pytest.fail("the check is off"))
     weighed = []
     check = WholeCheck(leader.label, rival.label, True, True, 0.97, 0.95, 0.99, 6, rival.label, 0, 0.0, 1.5,
                        compiled_whole=False, margin=0.05)  # fmt: skip
 
-    def weigh(study, best, runner, margin, leader_fits):
+    def weigh(records, trials, best, runner, margin, leader_fits):
         weighed.append((runner, margin))
         return rival, check
 
-    monkeypatch.setattr(tune_module, "partition_pt2_budgets", lambda study, best, runner, outside: (None, ()))
-    monkeypatch.setattr(tune_module, "weigh_on_blocks", weigh)
-    monkeypatch.setattr(tune_module, "compiles_of", lambda runner, profiled: {"graphs": 12, "seconds": 21.0})
-    study, metadata, runner = SimpleNamespace(after_choice=None), _searched_metadata(), _runner(("",))
+    monkeypatch.setattr(whole_check, "partition_pt2_budgets", lambda records, trials, best, runner, outside: (None, ()))
+    monkeypatch.setattr(whole_check, "weigh_on_blocks", weigh)
+    monkeypatch.setattr(whole_check, "compiles_of", lambda runner, profiled: {"graphs": 12, "seconds": 21.0})
+    search, metadata, runner = SimpleNamespace(records=(), trials=None), _searched_metadata(), _runner(("",))
     config = replace(CONFIG, check_whole_compile=False, whole_compile_margin=0.05)
-    tune_module.check_pt2_budget_compiled_whole(study, runner, _harness(), config, metadata)
-    assert study.after_choice(leader) is rival
+    after_choice = whole_check.pt2_budget_check(search, runner, _harness(), config, metadata)
+    assert after_choice(leader) is rival
     assert weighed == [(runner, 0.05)]  # the study's own runner: the blocks, no compile of the user's model
-    assert study.after_choice(rival) is rival and len(weighed) == 1  # a plan of ours: nothing to weigh
-    assert metadata[tune_module.WHOLE_CHECK_KEY]["compiled_whole"] is False
-    assert metadata[tune_module.COMPILES_KEY] == {"graphs": 12, "seconds": 21.0}  # counted again after the rounds
+    assert after_choice(rival) is rival and len(weighed) == 1  # a plan of ours: nothing to weigh
+    assert metadata[whole_check.WHOLE_CHECK_KEY]["compiled_whole"] is False
+    assert metadata[whole_check.COMPILES_KEY] == {"graphs": 12, "seconds": 21.0}  # counted again after the rounds
 
 
 PT2_05, PT2_07, PT2_01 = (Plan(compile_memory_budget=b) for b in (0.5, 0.7, 0.1))
@@ -334,7 +334,7 @@ def test_a_budget_a_little_over_on_the_blocks_is_partitioned_whole_and_kept_wher
     """The 8-layer GPT compiled whole: ``pt2_budget(0.5)`` 1.8% over budget on the blocks, 0.9% under compiled whole."""
     leader, records = budgets_over_on_the_blocks()
     runner = partitioned_whole(p05=LIMIT - 50, p03=400, p07=1_900)
-    contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
+    contender, partitioned = partition_pt2_budgets(records, ScriptedStudy(records), leader, runner, outside=100)
     assert contender is not None and contender.label == "baseline:pt2_budget_0.5"
     assert contender.status == TrialStatus.OK and contender.peak_bytes == LIMIT - 50  # judged partitioned whole
     assert contender.median_seconds == 0.008  # its speed is the blocks'
@@ -351,12 +351,12 @@ def test_a_budget_a_little_over_on_the_blocks_is_partitioned_whole_and_kept_wher
 def test_the_leader_budget_is_partitioned_too_and_none_is_returned_where_no_budget_fits_whole():
     leader, records = budgets_over_on_the_blocks(leader_bytes=LIMIT - 50)  # within 100 bytes of the budget
     runner = partitioned_whole(p05=LIMIT + 20, p03=400)
-    contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
+    contender, partitioned = partition_pt2_budgets(records, ScriptedStudy(records), leader, runner, outside=100)
     assert runner.partitioned == [PT2_05.key(), PT2.key()]  # fastest first: each measured, none inferred
     assert contender is not None and contender.number == leader.number and contender.peak_bytes == 400
     assert [p.fits for p in partitioned] == [False, True]
     runner = partitioned_whole(p05=LIMIT + 20, p03=LIMIT + 1)  # the leader's own budget is over, compiled whole
-    contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
+    contender, partitioned = partition_pt2_budgets(records, ScriptedStudy(records), leader, runner, outside=100)
     assert contender is None and [p.fits for p in partitioned] == [False, False]
 
 
@@ -364,25 +364,25 @@ def test_a_leader_budget_with_room_for_the_code_outside_the_blocks_is_kept_witho
     """The 32-layer GPT compiled whole: ``pt2_budget(0.3)`` 37% under budget on the blocks; its partition took 19.6 s."""
     leader, records = budgets_over_on_the_blocks()  # 500 bytes on the blocks: 100 outside them leave it far within
     runner = partitioned_whole(p05=LIMIT + 20, p03=LIMIT + 1)
-    contender, partitioned = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)
+    contender, partitioned = partition_pt2_budgets(records, ScriptedStudy(records), leader, runner, outside=100)
     assert runner.partitioned == [PT2_05.key()]  # the budget over on the blocks is still tried; the leader is not
     assert [p.fits for p in partitioned] == [False]
     assert contender is leader  # kept as the blocks judged it, not re-measured
     runner = partitioned_whole(p03=LIMIT + 1)
     records = [t for t in records if t.plan != PT2_05]
-    assert partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100) == (leader, ())
+    assert partition_pt2_budgets(records, ScriptedStudy(records), leader, runner, outside=100) == (leader, ())
     assert runner.partitioned == []
     # Within the budget but without room for what the code outside the blocks saves: partitioned, and refused there.
     leader = replace(leader, peak_bytes=LIMIT - 99)
     records = [leader if t.number == leader.number else t for t in records]
-    assert partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=100)[0] is None
+    assert partition_pt2_budgets(records, ScriptedStudy(records), leader, runner, outside=100)[0] is None
     assert runner.partitioned == [PT2.key()]
 
 
 def test_without_bytes_outside_the_blocks_only_the_leaders_budget_is_partitioned():
     leader, records = budgets_over_on_the_blocks()
     runner = partitioned_whole(p05=LIMIT - 50, p03=400)
-    contender, _ = partition_pt2_budgets(ScriptedStudy(records), leader, runner, outside=0)
+    contender, _ = partition_pt2_budgets(records, ScriptedStudy(records), leader, runner, outside=0)
     assert runner.partitioned == [PT2.key()] and contender is not None and contender.number == leader.number
 
 
@@ -390,12 +390,15 @@ def test_a_plan_of_ours_leading_is_challenged_only_by_budgets_over_on_the_blocks
     _, records = budgets_over_on_the_blocks()
     ours = record(6, MIXED, "full h.0, selective(mlp) h.1", 0.009, peak_bytes=900, status=TrialStatus.OK)
     runner = partitioned_whole(p05=LIMIT - 50)
-    contender, _ = partition_pt2_budgets(ScriptedStudy([*records, ours]), ours, runner, outside=100)
+    contender, _ = partition_pt2_budgets([*records, ours], ScriptedStudy([*records, ours]), ours, runner, outside=100)
     assert contender is not None and contender.label == "baseline:pt2_budget_0.5"
     # 0.3 and 0.1 fit on the blocks and lost to the leader there: the search judged them; 0.7 is too far over.
     assert runner.partitioned == [PT2_05.key()]
     runner = partitioned_whole()
-    assert partition_pt2_budgets(ScriptedStudy([*records, ours]), ours, runner, outside=10) == (None, ())
+    assert partition_pt2_budgets([*records, ours], ScriptedStudy([*records, ours]), ours, runner, outside=10) == (
+        None,
+        (),
+    )
     assert runner.partitioned == []  # 50 bytes over, 10 outside the blocks: no budget to partition, no cost
 
 
@@ -407,7 +410,9 @@ def test_the_largest_budgets_over_on_the_blocks_come_first_up_to_the_cap_then_th
     order = sorted([*extra, records[3]], key=lambda t: -(t.plan.compile_memory_budget or 0))
     runner = ScriptedWhole({}, {}, whole={t.plan.key(): 2 * LIMIT for t in order} | {PT2.key(): 400},
                            seconds_default=0.01)  # fmt: skip
-    contender, partitioned = partition_pt2_budgets(ScriptedStudy([*records, *extra]), leader, runner, outside=100)
+    contender, partitioned = partition_pt2_budgets(
+        [*records, *extra], ScriptedStudy([*records, *extra]), leader, runner, outside=100
+    )
     assert runner.partitioned == [t.plan.key() for t in order[:PARTITIONS]] + [PT2.key()]
     assert order[0].label == "pt2_budget(0.6)"
     assert contender is not None and contender.number == leader.number and len(partitioned) == PARTITIONS + 1
@@ -416,11 +421,13 @@ def test_the_largest_budgets_over_on_the_blocks_come_first_up_to_the_cap_then_th
 def test_a_leader_judged_elsewhere_is_not_measured_again_on_the_blocks():
     leader, rival, records = leader_and_rival()
     blocks = on_blocks(0.0100, 0.0104)
-    kept, check = weigh_on_blocks(ScriptedStudy(records), leader, blocks, 0.08, leader_fits=False)
+    kept, check = weigh_on_blocks(records, ScriptedStudy(records), leader, blocks, 0.08, leader_fits=False)
     assert kept is rival and check is not None and not check.leader_fits and check.ratio is None
     assert PT2.key() not in blocks.measured and blocks.retimed == []  # over budget whole: no rounds
     judged = replace(leader, peak_bytes=900)
-    kept, check = weigh_on_blocks(ScriptedStudy(records), judged, on_blocks(0.0100, 0.0120), 0.08, leader_fits=True)
+    kept, check = weigh_on_blocks(
+        records, ScriptedStudy(records), judged, on_blocks(0.0100, 0.0120), 0.08, leader_fits=True
+    )
     assert kept is judged and check is not None and check.leader_fits  # kept with the memory it was judged by
 
 
@@ -430,12 +437,12 @@ def test_the_search_weighs_the_budget_that_fits_partitioned_whole_and_records_ev
     tried = (Partitioned("baseline:pt2_budget_0.5", 1_050, 950, True, 4.0),)
     weighed = []
 
-    def weigh(study, best, runner, margin, leader_fits):
+    def weigh(records, trials, best, runner, margin, leader_fits):
         weighed.append((best.label, leader_fits))
         return best, None
 
-    monkeypatch.setattr(tune_module, "weigh_on_blocks", weigh)
-    monkeypatch.setattr(tune_module, "compiles_of", lambda runner, profiled: {"graphs": 13, "seconds": 25.0})
+    monkeypatch.setattr(whole_check, "weigh_on_blocks", weigh)
+    monkeypatch.setattr(whole_check, "compiles_of", lambda runner, profiled: {"graphs": 13, "seconds": 25.0})
     config = replace(CONFIG, check_whole_compile=False)
     for best, found, expected in (
         (rival, (contender, tried), [("baseline:pt2_budget_0.5", True)]),  # a plan of ours challenged and beaten
@@ -443,13 +450,13 @@ def test_the_search_weighs_the_budget_that_fits_partitioned_whole_and_records_ev
         (rival, (None, tried), []),  # no budget fits whole: the plan of ours stands, nothing weighed
     ):
         weighed.clear()
-        monkeypatch.setattr(tune_module, "partition_pt2_budgets", lambda *a, found=found: found)
-        study, metadata = SimpleNamespace(after_choice=None), _searched_metadata()
-        tune_module.check_pt2_budget_compiled_whole(study, _runner(("",)), _harness(), config, metadata)
-        kept = study.after_choice(best)
+        monkeypatch.setattr(whole_check, "partition_pt2_budgets", lambda *a, found=found: found)
+        search, metadata = SimpleNamespace(records=(), trials=None), _searched_metadata()
+        after_choice = whole_check.pt2_budget_check(search, _runner(("",)), _harness(), config, metadata)
+        kept = after_choice(best)
         assert weighed == expected and (kept is best if not expected else True)
-        assert metadata[tune_module.PARTITIONED_KEY] == [tried[0].to_dict()]
-        assert metadata[tune_module.COMPILES_KEY] == {"graphs": 13, "seconds": 25.0}  # the partitions counted
+        assert metadata[whole_check.PARTITIONED_KEY] == [tried[0].to_dict()]
+        assert metadata[whole_check.COMPILES_KEY] == {"graphs": 13, "seconds": 25.0}  # the partitions counted
 
 
 def test_the_bytes_outside_the_blocks_are_the_none_steps_less_every_blocks():
@@ -467,9 +474,9 @@ def test_the_margin_is_a_fraction():
 
 
 def test_a_model_compiled_block_by_block_gets_no_check():
-    study = SimpleNamespace(after_choice=None)
-    tune_module.check_pt2_budget_compiled_whole(study, _runner(BLOCKS), _harness(), CONFIG, _searched_metadata())
-    assert study.after_choice is None
+    search = SimpleNamespace(records=(), trials=None)
+    after_choice = whole_check.pt2_budget_check(search, _runner(BLOCKS), _harness(), CONFIG, _searched_metadata())
+    assert after_choice is None
 
 
 def compiled_gpt() -> tuple[GPT, torch.nn.Module, StepHarness]:
@@ -499,7 +506,7 @@ def test_the_check_compiles_both_plans_the_users_way_and_leaves_the_model_as_it_
     leader, rival, records = leader_and_rival()
 
     try:
-        kept, check = check_whole_compile(MeasuredStudy(records), leader, whole)
+        kept, check = check_whole_compile(records, MeasuredStudy(records), leader, whole)
     finally:
         release_kept_graphs()
     assert check is not None and check.leader_fits and check.rival_fits
@@ -521,7 +528,7 @@ def test_weighing_on_the_blocks_runs_the_blocks_compiled_alone_and_compiles_noth
 
     try:
         runner.measure(Plan(), None)  # the search's first trial: the blocks' reference
-        kept, check = weigh_on_blocks(MeasuredStudy(records), leader, runner, 0.08)
+        kept, check = weigh_on_blocks(records, MeasuredStudy(records), leader, runner, 0.08)
         assert check is not None and check.leader_fits and check.rival_fits and not check.compiled_whole
         assert kept in records and check.kept == kept.label and check.rivals == (rival.label, "baseline:full")
         assert check.ratio is not None and check.rounds >= CONFIG.holdout_rounds
@@ -529,7 +536,7 @@ def test_weighing_on_the_blocks_runs_the_blocks_compiled_alone_and_compiles_noth
         # each block compiled alone; none of the whole model.
         assert check.graphs == 3 and check.compile_seconds > 0
         graphs = runner.graphs
-        weigh_on_blocks(MeasuredStudy(records), leader, runner, 0.08)
+        weigh_on_blocks(records, MeasuredStudy(records), leader, runner, 0.08)
         assert runner.graphs == graphs  # again: the rounds swap graphs compiled already
     finally:
         release_kept_graphs()

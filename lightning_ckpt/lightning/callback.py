@@ -36,7 +36,7 @@ from lightning_ckpt.measure.allocator import start_expandable_segments
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.config import TuneConfig
-from lightning_ckpt.search.records import TuneResult
+from lightning_ckpt.search.result import TuneResult
 
 __all__ = ["ActivationCheckpointTuner"]
 

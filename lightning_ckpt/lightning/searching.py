@@ -47,11 +47,13 @@ from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.buckets import bucket_profile, plan_table
 from lightning_ckpt.search.config import TuneConfig
-from lightning_ckpt.search.records import TuneResult
+from lightning_ckpt.search.ledger import storage_for_display
+from lightning_ckpt.search.pipeline import SearchHooks
 from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY
+from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.space import SearchSpace
-from lightning_ckpt.search.store import storage_for_display
-from lightning_ckpt.search.tune import SearchInterrupted, tune
+from lightning_ckpt.search.trials import SearchInterrupted
+from lightning_ckpt.search.tune import tune
 
 __all__ = [
     "SearchRequest",
@@ -123,14 +125,12 @@ def search_first_batch(
             request.view,
             forward,
             optimizer=optimizer,
-            max_memory=budget,  # parsed once, by the callback
-            config=config,
+            max_memory=budget,
             batch_size=batch_size,
             seq_len=seq_len,
-            progress=progress,
             extra_tensors=tuple(batch_tensors(batch)),
-            should_stop=_sigterm_received(trainer),
-            sync=sync,
+            config=config,
+            hooks=SearchHooks(progress=progress, should_stop=_sigterm_received(trainer), sync=sync),
         )
         if request.table_lengths is not None and not result.fell_back:
             table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
@@ -286,13 +286,11 @@ def search_micro_batch(
             loss_fn_for,
             base_micro_batch=base,
             global_batch=global_batch,
-            max_memory=budget,  # parsed once, by the callback
-            progress=progress,
+            max_memory=budget,
             extra_for=lambda m: tuple(batch_tensors(resize_batch(batch, base, m))),
             optimizer=optimizer,
             config=config,
-            should_stop=_sigterm_received(trainer),  # as the plan search: one behaviour on SIGTERM
-            sync=sync,
+            hooks=SearchHooks(progress=progress, should_stop=_sigterm_received(trainer), sync=sync),
         )
         if _sigterm_received(trainer)():  # after the last round: the search stops and nothing is applied
             raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")

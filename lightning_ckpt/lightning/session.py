@@ -70,7 +70,7 @@ from lightning_ckpt.plan.handle import PlanHandle
 from lightning_ckpt.plan.table import TABLE_KEY, PlanTable, bucket_edges, table_line
 from lightning_ckpt.search.compile import apply_reusing_graphs, count_kept, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
-from lightning_ckpt.search.records import TuneResult
+from lightning_ckpt.search.result import TuneResult
 
 __all__ = ["AppliedPlan", "FitSession", "Found", "ReplanCheck", "Settings", "Stage"]
 

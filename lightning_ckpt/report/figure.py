@@ -22,7 +22,8 @@ from lightning_ckpt.report.quantities import (
     memory_name,
     predicted_constrained_bytes,
 )
-from lightning_ckpt.search.records import TrialRecord, TuneResult
+from lightning_ckpt.search.ledger import TrialRecord
+from lightning_ckpt.search.result import TuneResult
 
 __all__ = ["figure_to_hwc", "pareto_figure", "pareto_front"]
 

@@ -15,7 +15,7 @@ from lightning_ckpt.budget import Budget
 from lightning_ckpt.formatting import count
 from lightning_ckpt.report.tensorboard import log_trial
 from lightning_ckpt.report.text import trial_line
-from lightning_ckpt.search.records import TrialRecord
+from lightning_ckpt.search.ledger import TrialRecord
 
 __all__ = ["SearchProgress"]
 

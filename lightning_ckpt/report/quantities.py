@@ -12,7 +12,8 @@ from typing import Any
 
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.formatting import MIB  # the one definition; re-exported here for the report's modules
-from lightning_ckpt.search.records import VS_REFERENCE, TrialRecord, TuneResult, vs_reference
+from lightning_ckpt.search.ledger import VS_REFERENCE, TrialRecord, vs_reference
+from lightning_ckpt.search.result import TuneResult
 
 __all__ = [
     "comparable_speeds",

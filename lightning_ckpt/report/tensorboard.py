@@ -69,7 +69,8 @@ from lightning_ckpt.report.text import (
     summary_markdown,
     verdict_of,
 )
-from lightning_ckpt.search.records import TrialRecord, TuneResult, vs_reference
+from lightning_ckpt.search.ledger import TrialRecord, vs_reference
+from lightning_ckpt.search.result import TuneResult
 
 __all__ = [
     "best_so_far",

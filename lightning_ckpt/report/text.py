@@ -22,7 +22,9 @@ from lightning_ckpt.report.quantities import (
     memory_name,
     predicted_constrained_bytes,
 )
-from lightning_ckpt.search.records import CHOICE_RULE, TrialRecord, TuneResult, vs_reference
+from lightning_ckpt.search.choice import CHOICE_RULE
+from lightning_ckpt.search.ledger import TrialRecord, vs_reference
+from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [

@@ -84,7 +84,7 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.forwards import CHECKPOINT_FRAMES
 from lightning_ckpt.plan.handle import PlanHandle
 from lightning_ckpt.search.assembly import BlocksCompiledAlone, graphs_compiled, room_for_graphs
-from lightning_ckpt.search.records import judge_status
+from lightning_ckpt.search.choice import judge_status
 
 __all__ = [
     "CompileStats",

@@ -99,6 +99,8 @@ class TuneConfig:
     plan is measured once and chosen, with one line that says so, and nothing else runs: checkpointing only adds
     recompute, so a search could only confirm it (``max_memory="500GiB"`` once searched 63 s to choose it). True
     searches anyway, e.g. to see what each plan costs on the Pareto figure.
+    compiled: whether every trial compiles its plan (None: detected from the model).
+    micro_batches: the sizes the joint micro-batch search tries (None: every divisor of the global batch).
     clock: what every trial, re-timing and confirmation round times its steps with (``time.perf_counter``); a test
     that gives the search a machine which slows down part-way passes a clock that runs faster instead of sleeping.
     """
@@ -130,6 +132,8 @@ class TuneConfig:
     memory_pass: Literal["finalists", "every"] = "finalists"
     predict_time: bool = True
     search_when_none_fits: bool = False
+    compiled: bool | None = None
+    micro_batches: tuple[int, ...] | None = None
     clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:

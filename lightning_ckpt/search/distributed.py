@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.search.records import TrialRecord, TrialStatus
+from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
 
 __all__ = ["LocalSync", "Sync", "combine_trials"]
 

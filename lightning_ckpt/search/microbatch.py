@@ -33,21 +33,13 @@ from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.compile import CompiledTrials
-from lightning_ckpt.search.config import TuneConfig, settings_into_config
-from lightning_ckpt.search.distributed import LocalSync, Sync
-from lightning_ckpt.search.proposers import SamplerProposer
-from lightning_ckpt.search.records import ProgressFn, TuneResult
-from lightning_ckpt.search.study import Workload
-from lightning_ckpt.search.tune import (
-    PROFILE_STEPS,
-    WRITE_CHECK_STEPS,
-    SearchHooks,
-    build_runner,
-    lowest_memory_pass,
-    resolve_on_device,
-    run_study,
-    search_session,
-)
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.distributed import LocalSync
+from lightning_ckpt.search.pipeline import SearchHooks, conclude, run_search
+from lightning_ckpt.search.result import TuneResult
+from lightning_ckpt.search.setup import lowest_memory_pass, resolve_on_device, search_session
+from lightning_ckpt.search.trials import Workload
+from lightning_ckpt.search.tune import PROFILE_STEPS, WRITE_CHECK_STEPS, build_runner
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
 
@@ -144,35 +136,31 @@ def tune_micro_batch(
     *,
     base_micro_batch: int,
     global_batch: int,
-    micro_batches: Sequence[int] | None = None,
     max_memory: int | float | str | RequestedBudget | None = None,
     activation_budget: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    progress: ProgressFn | None = None,
     extra_for: Callable[[int], tuple[Any, ...]] = lambda m: (),
     config: TuneConfig | None = None,
-    sync: Sync | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    **settings: Any,
+    hooks: SearchHooks | None = None,
 ) -> MicroBatchResult:
     """Search (plan, micro-batch) for the most samples/s within the budget at a fixed global batch.
 
     ``loss_fn_for(m)`` returns a zero-argument function running the forward on a batch of ``m``
     samples and returning the loss. The budget is resolved at ``base_micro_batch`` (the user's), so
     ``activation_budget`` means a fraction of *the user's* no-checkpointing activation memory.
-    ``config``/``settings`` as for ``tune``; ``n_trials`` bounds the whole search. ``sync`` and ``should_stop`` as
-    for ``tune``: ranks agree on the budget and every trial, and the search ends with ``SearchInterrupted`` when
-    ``should_stop()`` (the callback passes Lightning's SIGTERM flag), the model as it was.
+    ``config`` and ``hooks`` as for ``tune``; ``n_trials`` bounds the whole search, ``config.micro_batches`` names the
+    sizes tried (None: every divisor of ``global_batch``). Ranks agree on the budget and every trial, and the search
+    ends with ``SearchInterrupted`` when ``hooks.should_stop()``, the model as it was.
 
-    It is the same engine as ``tune``'s, over a larger space: one ``Study`` whose candidates are (plan,
+    It is the same engine as ``tune``'s (``pipeline``), over a larger space: candidates that are (plan,
     micro-batch) pairs, each run through its micro-batch's ``Workload`` (runner, scaled memory model, samples
     per step), figures compared per sample. Every micro-batch's baselines are measured first; one confirmation
     re-times the leaders beside the fastest fitting baselines (across micro-batches) in interleaved rounds, one
     verdict chooses, and the result's plan carries its micro-batch in ``metadata["micro_batch"]``.
     """
-    config = settings_into_config(config, settings, "tune_micro_batch")
+    config, hooks = config or TuneConfig(), hooks or SearchHooks()
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
-    sizes = _checked_micro_batches(micro_batches, global_batch)
+    sizes = _checked_micro_batches(config.micro_batches, global_batch)
     started = time.perf_counter()
     resolved = ModelView.of(model, config.block_types)
     with search_session(resolved) as session:  # the set-up and tear-down ``tune`` has, the same code
@@ -188,8 +176,8 @@ def tune_micro_batch(
             lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch),
         )
         none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
-        sync = sync or LocalSync()
-        budget = sync.broadcast(resolve_on_device(requested, resolved.device, none_at_base))
+        hooks = replace(hooks, sync=hooks.sync or LocalSync())
+        budget = hooks.sync.broadcast(resolve_on_device(requested, resolved.device, none_at_base))
         feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
         workloads, harnesses = _workloads(
             resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
@@ -203,9 +191,7 @@ def tune_micro_batch(
             budget,
             config,
             base_micro_batch,
-            progress=progress,
-            sync=sync,
-            should_stop=should_stop,
+            hooks,
         )
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch,
@@ -267,33 +253,32 @@ def _search(
     budget: Budget,
     config: TuneConfig,
     base_micro_batch: int,
-    *,
-    progress: ProgressFn | None,
-    sync: Sync,
-    should_stop: Callable[[], bool] | None,
+    hooks: SearchHooks,
 ) -> TuneResult:
-    """The one Study over every (plan, micro-batch) candidate: run, confirm, choose."""
-    device = resolved.device
+    """The one search over every (plan, micro-batch) candidate (``pipeline``), by the sampler: its profiles are
+    memory-only (two micro-batches), so no time model predicts a candidate's step."""
     is_compiled = isinstance(workloads[0].runner, CompiledTrials)
-    space = config.search_space.for_device(device.type)
+    space = config.search_space.for_device(resolved.device.type)
     if is_compiled:
         space = workloads[0].runner.adapt(space)
     sizes = sorted(w.micro_batch for w in workloads if w.micro_batch is not None)
-    study, warm_steps, _ = run_study(
+    run = {"device": resolved.device.type, "compiled": is_compiled, "micro_batches": sizes}
+    search = run_search(
         resolved,
         workloads,
-        harness=harness,
-        space=space,
-        budget=budget,
-        config=config,
-        proposer=SamplerProposer(config.seed, config.sampler, n_trials=config.n_trials),
+        harness,
+        space,
+        budget,
+        config,
+        timing=None,
         memory_model=scaled.at(base_micro_batch),
-        hooks=SearchHooks(progress, sync, should_stop),
-        run={"device": device.type, "compiled": is_compiled, "micro_batches": sizes},
+        hooks=hooks,
+        run=run,
     )
-    run = {"device": str(device), "micro_batches": sizes, "compiled": is_compiled}
-    return study.result(
-        extra_steps=2 * PROFILE_STEPS + WRITE_CHECK_STEPS + warm_steps,
+    run = {"device": str(resolved.device), "micro_batches": sizes, "compiled": is_compiled}
+    return conclude(
+        search,
+        extra_steps=2 * PROFILE_STEPS + WRITE_CHECK_STEPS + search.warm_steps,
         metadata={"optimizer_step": opt_mem.to_dict(), "run": run},
     )
 

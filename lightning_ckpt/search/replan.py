@@ -34,7 +34,8 @@ from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import TABLE_KEY, Bucket, PlanTable
-from lightning_ckpt.search.records import BeatsFn, TrialRecord, TrialStatus, choose_best
+from lightning_ckpt.search.choice import BeatsFn, choose_best
+from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
 from lightning_ckpt.search.verdict import Verdict
 from lightning_ckpt.stacks import LayerStack

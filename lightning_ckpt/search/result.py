@@ -1,21 +1,49 @@
-"""What a chosen plan's metadata says of how it was found: a pure function of the search's records and facts.
+"""The outcome of a search, built by one pure function of the ledger's snapshot, the chosen record and the facts.
 
-``Study.result`` chooses; this builds the evidence the plan file, ``lightning-ckpt show`` and the reports read
-(the plan's own measured figures, every baseline's, what the search did), from values, not from the study.
+``pipeline.conclude`` chooses; ``build_result`` makes the ``TuneResult`` and the evidence the plan file, ``lightning-ckpt
+show`` and the reports read (the plan's own measured figures, every baseline's, what the search did), from values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.plan.format import library_versions
-from lightning_ckpt.search.records import TrialRecord, TrialStatus
+from lightning_ckpt.plan.format import Plan, library_versions
+from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["SearchFacts", "evidence"]
+__all__ = ["SearchFacts", "TuneResult", "build_result", "evidence"]
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The outcome of a search: the plan to use and the evidence for it."""
+
+    best: Plan  # the chosen plan, with metadata (budget, measured figures, baselines, settings)
+    best_trial: TrialRecord | None
+    trials: tuple[TrialRecord, ...]
+    budget: Budget
+    tuning_seconds: float
+    tuning_steps: int
+    fell_back: bool = False  # nothing fit the budget; the lowest-memory plan was chosen
+    fallback_message: str = ""  # the warning that said so (the callback repeats it on every fit)
+    memory_table: str = ""  # the memory model's per-block breakdown, printable
+    memory_breakdown: Mapping[str, Any] = field(default_factory=dict)  # the same as data
+    # The Optuna study holding one trial per plan (``optuna.load_study(study_name=..., storage=...)`` when
+    # ``storage`` is set; in memory, and gone with the process, when it is None). See ``ledger.py``.
+    study_name: str | None = None
+    storage: str | None = None
+
+    @property
+    def baselines(self) -> dict[str, TrialRecord]:
+        return {t.baseline: t for t in self.trials if t.baseline is not None}
+
+    @property
+    def n_measured(self) -> int:
+        return sum(t.status != TrialStatus.PRUNED for t in self.trials)
 
 
 @dataclass(frozen=True)
@@ -33,7 +61,9 @@ class SearchFacts:
     speed_changes: tuple[str, ...] = ()
     proposer_summary: dict[str, Any] | None = None
     verdict: Verdict | None = None
-    none_fits: bool = False  # no checkpointing was predicted to fit and chosen without a search (``Study._none_fits``)
+    none_fits: bool = False  # no checkpointing was predicted to fit and chosen without a search (``loop._none_fits``)
+    fingerprint: str | None = None
+    storage: str | None = None
 
 
 def evidence(
@@ -95,3 +125,41 @@ def _baseline_figures(trial: TrialRecord) -> dict[str, Any]:
         "peak_bytes": trial.peak_bytes,
         "activation_bytes": trial.activation_bytes,
     }
+
+
+def build_result(
+    best: TrialRecord,
+    records: Sequence[TrialRecord],
+    budget: Budget,
+    facts: SearchFacts,
+    *,
+    fell_back: bool,
+    fallback_message: str,
+    tuning_seconds: float,
+    tuning_steps: int,
+    metadata: Mapping[str, Any] | None = None,
+    memory_table: str = "",
+    memory_breakdown: Mapping[str, Any] | None = None,
+) -> TuneResult:
+    """The ``TuneResult``: the chosen plan named, fingerprinted and carrying its evidence (and the search's
+    ``metadata``) as metadata, beside the ledger's snapshot ``records``."""
+    chosen = replace(
+        best.plan,
+        name=best.plan.name or "tuned",
+        fingerprint=facts.fingerprint,
+        metadata={**best.plan.metadata, **evidence(best, records, budget, facts, fell_back), **(metadata or {})},
+    )
+    return TuneResult(
+        best=chosen,
+        best_trial=best,
+        trials=tuple(records),
+        budget=budget,
+        tuning_seconds=tuning_seconds,
+        tuning_steps=tuning_steps,
+        fell_back=fell_back,
+        fallback_message=fallback_message,
+        memory_table=memory_table,
+        memory_breakdown=dict(memory_breakdown or {}),
+        study_name=facts.study_name,
+        storage=facts.storage,
+    )

@@ -20,7 +20,7 @@ from lightning_ckpt.measure.measurement import Measurement, release_memory
 from lightning_ckpt.measure.tracker import fsdp_root
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.search.records import TrialStatus
+from lightning_ckpt.search.ledger import TrialStatus
 
 __all__ = ["EagerRunner", "TrialRunner"]
 

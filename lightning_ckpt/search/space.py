@@ -26,7 +26,7 @@ from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.plan.chunks import sqrt_chunks, sqrt_segments
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.save_list_names import SAVE_LIST_NAMES
-from lightning_ckpt.search.records import trial_key
+from lightning_ckpt.search.ledger import trial_key
 from lightning_ckpt.stacks import Block, LayerStack
 
 __all__ = ["SearchSpace", "Candidate", "DIMENSIONS", "offered_candidates"]

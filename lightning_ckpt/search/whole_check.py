@@ -47,42 +47,35 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 from lightning_ckpt.formatting import format_bytes
+from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.memory.compiled import CompiledMemoryModel
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.search.confirm import CLAIM_HALF_WIDTH, ConfirmEntry, SideBySide, confirm_interleaved, retimer
-from lightning_ckpt.search.distributed import Sync
-from lightning_ckpt.search.records import TrialRecord, TrialStatus
+from lightning_ckpt.search.compile import CompiledTrials
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
+from lightning_ckpt.search.rounds import CLAIM_HALF_WIDTH, ConfirmEntry, SideBySide, confirm_interleaved, retimer
+from lightning_ckpt.search.trials import Trials
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
+    "COMPILES_KEY",
+    "PARTITIONED_KEY",
+    "WHOLE_CHECK_KEY",
     "Partitioned",
     "WholeCheck",
     "check_whole_compile",
     "holds_several_blocks",
     "outside_blocks_bytes",
     "partition_pt2_budgets",
+    "pt2_budget_check",
+    "compiles_of",
     "weigh_on_blocks",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class CheckedStudy(Protocol):
-    """What the check reads of its study (``study.Study`` is one)."""
-
-    records: list[TrialRecord]
-    config: Any
-    sync: Sync
-    budget: Any
-    check_stop: Callable[[], None]
-
-    def judge(self, trial: TrialRecord, out: Any) -> TrialRecord:
-        """``trial`` with the measurement ``out``, its memory taken to the real step and judged against the budget."""
-        ...
-
-    def memory_limit(self, micro_batch: int | None) -> int | None: ...
 
 
 def holds_several_blocks(regions: Sequence[str], blocks: Sequence[str]) -> bool:
@@ -181,7 +174,7 @@ def outside_blocks_bytes(profiled: Any) -> int:
 
 
 def partition_pt2_budgets(
-    study: CheckedStudy, leader: TrialRecord, runner: Any, outside: int
+    records: Sequence[TrialRecord], trials: Trials, leader: TrialRecord, runner: Any, outside: int
 ) -> tuple[TrialRecord | None, tuple[Partitioned, ...]]:
     """The PT2 budget to weigh against the plans of ours: the first here that fits partitioned as the user's compile
     of several blocks in one graph partitions it (judged with that memory; None: none did), and what was partitioned.
@@ -198,7 +191,7 @@ def partition_pt2_budgets(
     code outside them saves. Each is measured, none inferred: a budget's bytes are not monotonic in the budget
     (pytorch#197838). A budget that fits on the blocks and was not chosen lost to the leader
     there, and compiled whole the plans of ours gain on a budget (``alone_vs_whole.py``): it is not partitioned."""
-    budget = study.budget
+    budget = trials.budget
     limit = getattr(budget, "limit_bytes", None)
 
     def excess(t: TrialRecord) -> int | None:  # bytes over the budget on the blocks (negative: room), None unknown
@@ -206,7 +199,7 @@ def partition_pt2_budgets(
         return None if limit is None or value is None else value - limit
 
     over: list[TrialRecord] = []
-    for t in study.records:
+    for t in records:
         if t.plan.compile_memory_budget is None or t.status != TrialStatus.OVER_BUDGET or t.number == leader.number:
             continue
         if t.micro_batch == leader.micro_batch and (e := excess(t)) is not None and e <= outside:
@@ -225,10 +218,10 @@ def partition_pt2_budgets(
             chosen.append(leader)
     found: list[Partitioned] = []
     for trial in chosen:
-        study.check_stop()
+        trials.check_stop()
         t0 = time.perf_counter()
-        judged = study.judge(trial, runner.measure_partitioned(trial.plan))
-        fits = all(study.sync.all_gather(bool(judged.feasible)))  # every rank keeps the same
+        judged = trials.judge(trial, runner.measure_partitioned(trial.plan))
+        fits = all(trials.sync.all_gather(bool(judged.feasible)))  # every rank keeps the same
         found.append(
             Partitioned(
                 plan=trial.label,
@@ -244,29 +237,38 @@ def partition_pt2_budgets(
     return leader_free, tuple(found)
 
 
-def check_whole_compile(study: CheckedStudy, leader: TrialRecord, whole: Any) -> tuple[TrialRecord, WholeCheck | None]:
-    """``leader`` (the study's choice), or the fastest fitting plan of ours where, both compiled the user's way by
+def check_whole_compile(
+    records: Sequence[TrialRecord], trials: Trials, leader: TrialRecord, whole: Any
+) -> tuple[TrialRecord, WholeCheck | None]:
+    """``leader`` (the search's choice), or the fastest fitting plan of ours where, both compiled the user's way by
     ``whole`` (a ``CompiledTrials`` without blocks: each plan compiled as the user compiles), that one fits and is
     faster (see the module docstring); and what was done (None: nothing to check, the leader sets no PT2 budget or
     no plan of ours fits)."""
-    return _weigh(study, leader, whole, compiled_whole=True, margin=0.0)
+    return _weigh(records, trials, leader, whole, compiled_whole=True, margin=0.0)
 
 
 def weigh_on_blocks(
-    study: CheckedStudy, leader: TrialRecord, runner: Any, margin: float, *, leader_fits: bool | None = None
+    records: Sequence[TrialRecord],
+    trials: Trials,
+    leader: TrialRecord,
+    runner: Any,
+    margin: float,
+    *,
+    leader_fits: bool | None = None,
 ) -> tuple[TrialRecord, WholeCheck | None]:
-    """``leader`` (the study's choice), or the fastest fitting plan of ours unless the leader, a PT2 budget, runs
-    more than ``1 + margin`` times its speed: both re-timed side by side on the blocks compiled alone by the study's
+    """``leader`` (the search's choice), or the fastest fitting plan of ours unless the leader, a PT2 budget, runs
+    more than ``1 + margin`` times its speed: both re-timed side by side on the blocks compiled alone by the search's
     own ``runner`` (no compile of the user's model). For a user who compiles several blocks in one graph, where the
     blocks' figure flatters the budget (the module docstring); a plan of ours the time model pruned is measured
     first, and is kept with that measurement. ``leader_fits``: whether the leader fits as judged by another
     measurement (``partition_pt2_budgets``: partitioned whole), which then stands for its fit on the blocks, and
     ``leader`` is kept as given."""
-    return _weigh(study, leader, runner, compiled_whole=False, margin=margin, leader_fits=leader_fits)
+    return _weigh(records, trials, leader, runner, compiled_whole=False, margin=margin, leader_fits=leader_fits)
 
 
 def _weigh(
-    study: CheckedStudy,
+    records: Sequence[TrialRecord],
+    trials: Trials,
     leader: TrialRecord,
     runner: Any,
     *,
@@ -277,15 +279,15 @@ def _weigh(
     if leader.plan.compile_memory_budget is None:
         return leader, None
     # Compiled whole each rival is a compile of the user's model: one. On the blocks a rival costs steps.
-    rivals = _rivals(study.records, 1 if compiled_whole else RIVALS_ON_BLOCKS)
+    rivals = _rivals(records, 1 if compiled_whole else RIVALS_ON_BLOCKS)
     if not rivals:
         return leader, None
     t0 = time.perf_counter()
     graphs0, seconds0 = getattr(runner, "graphs", 0), getattr(runner, "compile_seconds", 0.0)
-    sync = study.sync
-    study.check_stop()
+    sync = trials.sync
+    trials.check_stop()
     # The plain model compiled the user's way: what a plan's graph breaks and eager ops are compared with (the user
-    # compiled it before the search, so the FX graph and AOTAutograd caches serve it). On the blocks, the study's
+    # compiled it before the search, so the FX graph and AOTAutograd caches serve it). On the blocks, the search's
     # runner has its own.
     reference = runner.measure_compiled(Plan()) if compiled_whole else None
     fits: dict[int, bool] = {}
@@ -296,14 +298,14 @@ def _weigh(
     for trial in (leader, *rivals):
         if trial.number in judged:
             continue
-        study.check_stop()
-        out = runner.measure(trial.plan, study.memory_limit(trial.micro_batch))
-        judged[trial.number] = study.judge(trial, out)
+        trials.check_stop()
+        out = runner.measure(trial.plan, trials.memory_limit(trial.micro_batch))
+        judged[trial.number] = trials.judge(trial, out)
         fits[trial.number] = all(sync.all_gather(bool(judged[trial.number].feasible)))  # every rank keeps the same
         compile_each[trial.number] = _compile_seconds(out)
     fitting = [r for r in rivals if fits[r.number]]
     threshold = 1.0 / (1.0 + margin)  # the rival's speed over the leader's above which the rival is kept
-    verdicts = _side_by_side(study, leader, fitting, runner, threshold) if fits[leader.number] and fitting else {}
+    verdicts = _side_by_side(trials, leader, fitting, runner, threshold) if fits[leader.number] and fitting else {}
     # The rival: the one the rounds found fastest against the leader; without rounds, the first by rank that fits.
     timed = [r for r in fitting if (v := verdicts.get(r.number)) is not None and v.ratio is not None]
     rival = max(timed, key=lambda r: verdicts[r.number].ratio or 0.0) if timed else (fitting or rivals)[0]
@@ -378,13 +380,17 @@ def _compile_seconds(out: Any) -> float:
 
 
 def _side_by_side(
-    study: CheckedStudy, leader: TrialRecord, rivals: Sequence[TrialRecord], runner: Any, threshold: float
+    trials: Trials,
+    leader: TrialRecord,
+    rivals: Sequence[TrialRecord],
+    runner: Any,
+    threshold: float,
 ) -> dict[int, Verdict | None]:
     """The leader and ``rivals`` re-timed by ``runner`` in interleaved rounds, each rival's verdict against the
     leader: at least ``holdout_rounds``, then until the fastest rival's ratio is within ``CLAIM_HALF_WIDTH`` either
     side or its interval lies wholly on one side of ``threshold`` (the ratio that decides), at most
     ``holdout_max_rounds``."""
-    config = study.config
+    config = trials.config
     steps = config.confirm_steps
     # Entered as plans, none a baseline: the rounds' own rule would stop timing a baseline found slower than the
     # fastest one, and these rounds compare exactly these plans.
@@ -412,8 +418,100 @@ def _side_by_side(
         entries,
         min_rounds=rounds,
         max_rounds=max(rounds, config.holdout_max_rounds or rounds),
-        sync=study.sync,
+        sync=trials.sync,
         until=precise,
-        check_stop=study.check_stop,
+        check_stop=trials.check_stop,
     )
     return verdicts_of(side)
+
+
+# Where a compiled search's plan keeps what it compiled (``compiles_of``): the result line, ``show`` and TensorBoard.
+COMPILES_KEY = "compiles"
+# A PT2 budget chosen on blocks compiled alone, checked compiled the user's way (``whole_check.WholeCheck``).
+WHOLE_CHECK_KEY = "whole_compile_check"
+# PT2 budgets partitioned as the user's compile partitions them (``whole_check.Partitioned``).
+PARTITIONED_KEY = "pt2_partitioned_whole"
+
+
+def pt2_budget_check(
+    search: Any,
+    runner: CompiledTrials,
+    harness: StepHarness,
+    config: TuneConfig,
+    metadata: dict[str, Any],
+    profiled: CompiledMemoryModel | None = None,
+) -> Callable[[TrialRecord], TrialRecord] | None:
+    """Where the trials ran on blocks compiled alone and the user compiles several blocks in one graph, a PT2 budget
+    the search chooses is weighed before it is kept (``whole_check``): by default against the three fastest fitting
+    plans of ours on the blocks, where it must lead by ``whole_compile_margin`` (the blocks' figure flatters it); with
+    ``check_whole_compile``, both compiled the user's way. What was done goes into ``metadata`` (``WHOLE_CHECK_KEY``)
+    and its compiles into the search's count. Returns the check to run on the choice (``pipeline.conclude``'s
+    ``after_choice``), None where there is nothing to check. ``search``: the ``pipeline.Search``."""
+    if runner.assembly is None or not holds_several_blocks(runner.regions, runner.assembly.blocks):
+        return None
+
+    def after_choice(best: TrialRecord) -> TrialRecord:
+        # PT2 budgets partitioned whole until one fits: the largest the blocks put a little over budget, then the
+        # leader's unless it has room for the code outside the blocks (``whole_check.partition_pt2_budgets``).
+        contender, partitioned = partition_pt2_budgets(
+            search.records, search.trials, best, runner, outside_blocks_bytes(profiled)
+        )
+        if partitioned:
+            metadata[PARTITIONED_KEY] = [p.to_dict() for p in partitioned]
+            metadata[COMPILES_KEY] = compiles_of(runner, profiled)
+        if contender is None and best.plan.compile_memory_budget is None:
+            return best
+        leader = contender or best  # no budget fits whole: the leader's is weighed as over budget
+        if not config.check_whole_compile:
+            kept, check = weigh_on_blocks(
+                search.records,
+                search.trials,
+                leader,
+                runner,
+                config.whole_compile_margin,
+                leader_fits=None if not partitioned else bool(contender),
+            )
+            if check is not None:
+                metadata[WHOLE_CHECK_KEY] = check.to_dict()
+                metadata[COMPILES_KEY] = compiles_of(runner, profiled)  # a pruned rival may have compiled a segment
+            return kept
+        # A runner without blocks: every plan it measures is compiled the way the user compiles.
+        whole = CompiledTrials(
+            harness,
+            regions=runner.regions,
+            allow_graph_breaks=config.allow_graph_breaks,
+            reserve_headroom_bytes=runner.reserve_headroom_bytes,
+        )
+        kept, check = check_whole_compile(search.records, search.trials, leader, whole)
+        if check is not None:
+            metadata[WHOLE_CHECK_KEY] = check.to_dict()
+            compiles = dict(metadata.get(COMPILES_KEY) or {})
+            compiles["graphs"] = compiles.get("graphs", 0) + check.graphs
+            compiles["seconds"] = compiles.get("seconds", 0.0) + check.compile_seconds
+            compiles.update(whole_graphs=check.graphs, whole_seconds=check.compile_seconds)
+            metadata[COMPILES_KEY] = compiles
+        return kept
+
+    return after_choice
+
+
+def compiles_of(runner: CompiledTrials, profiled: CompiledMemoryModel | None) -> dict[str, Any]:
+    """What a compiled search compiled: graphs and the seconds of the steps that compiled them, in the profile
+    (each distinct block alone, once per mode) and in the trials (the modes, PT2 budgets and segments the profile
+    did not compile). ``assembled``: trials ran on blocks compiled alone (``search.assembly``), so the count is
+    distinct blocks x modes; otherwise every plan was compiled the user's way."""
+    profile_graphs = profiled.compiles if profiled is not None else 0
+    profile_seconds = profiled.compile_seconds if profiled is not None else 0.0
+    trial_seconds = runner.compile_seconds
+    if runner.assembly is None:  # every measured plan compiled from a reset
+        trial_seconds = sum(stats.compile_seconds for _, stats in runner._cache.values())
+    return {
+        "assembled": runner.assembly is not None,
+        "graphs": profile_graphs + runner.graphs,
+        "seconds": profile_seconds + trial_seconds,
+        "profile_graphs": profile_graphs,
+        "profile_seconds": profile_seconds,
+        "trial_graphs": runner.graphs,
+        "trial_seconds": trial_seconds,
+        "plans_measured": len(runner._cache),
+    }

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ckpt.search.config import TuneConfig
+
 __all__ = ["ZOO", "ZooCase", "build", "exactness", "memory_errors", "tune_at_half_activation"]
 
 VOCAB = 64
@@ -413,5 +415,10 @@ def tune_at_half_activation(name: str, **settings: Any) -> Any:
         confirm_top=2,
     )
     return tune(
-        case.model, forward, activation_budget=0.5, extra_tensors=extra, batch_size=BATCH, **{**defaults, **settings}
+        case.model,
+        forward,
+        activation_budget=0.5,
+        extra_tensors=extra,
+        batch_size=BATCH,
+        config=TuneConfig(**{**defaults, **settings}),
     )

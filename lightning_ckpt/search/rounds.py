@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from lightning_ckpt.measure.measurement import median_and_spread
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.distributed import LocalSync, Sync
-from lightning_ckpt.search.records import TrialRecord
+from lightning_ckpt.search.ledger import TrialRecord
 from lightning_ckpt.search.runners import TrialRunner
 from lightning_ckpt.search.verdict import Verdict, paired_interval
 

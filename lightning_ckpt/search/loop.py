@@ -1,0 +1,199 @@
+"""The search loop: ask the sampler, prune what cannot fit or cannot win, measure the rest, tell, put into the ledger.
+
+Ranks move in lockstep: rank 0 proposes (``_Proposals``), every rank measures, records are combined identically
+(``Trials.run``). The order is the same whatever the sampler: the plans a resumed study stored, then, with the time
+model, every plan predicted over budget (pruned, free); then every baseline that can run (the references a tuned
+plan must beat, measured whatever ``n_trials``); then every plan when the space is no larger than ``n_trials``, else
+the sampler's proposals until ``n_trials`` plans ran, ``timeout`` passed, or the time model's
+``nothing_left_can_win`` holds (the rest are pruned, each with its prediction).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from optuna.samplers import BaseSampler
+
+from lightning_ckpt.formatting import format_bytes
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.ledger import Ledger, ProgressFn, TrialRecord
+from lightning_ckpt.search.sampler import TimeModelSampler
+from lightning_ckpt.search.space import Candidate, SearchSpace
+from lightning_ckpt.search.trials import Trials
+
+__all__ = ["measure", "run_trials"]
+
+log = logging.getLogger(__name__)
+
+# Consecutive proposals of already-known plans after which the loop takes an unseen plan itself: a sampler that has
+# seen most of a space redraws known points, and every redraw costs a suggest call whose cost grows with the study
+# (54 of 105 s of a 16-layer search went there before this bound).
+_MAX_REDRAWS = 2
+
+
+def run_trials(
+    ledger: Ledger,
+    trials: Trials,
+    sampler: BaseSampler,
+    candidates: Sequence[Candidate],
+    space: SearchSpace,
+    stacks: Sequence[Any],
+    *,
+    progress: ProgressFn | None = None,
+) -> bool:
+    """Fill ``ledger`` (see the module docstring). True when no checkpointing was predicted to fit and, measured
+    alone, fitted: no plan can then be faster, so nothing else was measured."""
+    accumulation = {m: w.accumulation for m, w in trials.workloads.items()}
+    ledger.open(sampler, trials.predicted_over_budget, accumulation)
+    if _none_fits(ledger, trials, sampler, candidates, progress):
+        return True
+    proposals = _Proposals(ledger, trials, sampler, candidates, space, stacks) if trials.sync.is_leader else None
+    while True:
+        trials.check_stop()
+        proposal = proposals.next() if proposals is not None else None
+        message = None
+        if proposal is not None:
+            cand, _, prune = proposal
+            prune = "memory" if trials.predicted_over_budget(cand.plan, cand.micro_batch) else prune
+            message = (dict(cand.params), cand.plan.to_dict(), cand.label, cand.baseline, prune)
+        message = trials.sync.broadcast(message)
+        if message is None:
+            break
+        params, plan, label, baseline, prune = message
+        if proposal is None:
+            cand = Candidate(params, Plan.from_dict(plan, source="candidate from rank 0"), label, baseline)
+        record = measure(ledger, trials, sampler, cand, prune=prune, progress=progress)
+        if proposal is not None:
+            ledger.tell(proposal[1], record)
+    trials.check_stop()
+    return False
+
+
+def measure(
+    ledger: Ledger,
+    trials: Trials,
+    sampler: BaseSampler,
+    cand: Candidate,
+    *,
+    prune: str | None = None,
+    progress: ProgressFn | None = None,
+) -> TrialRecord:
+    """Prune or run ``cand`` on every rank, with the time model's prediction, and put its record into the ledger."""
+    predicted = sampler.predict_seconds(cand.plan) if isinstance(sampler, TimeModelSampler) else None
+    record = ledger.put(trials.run(cand, prune=prune, predicted_seconds=predicted))
+    if progress is not None:
+        progress(record, trials.budget)
+    return record
+
+
+def _none_fits(
+    ledger: Ledger, trials: Trials, sampler: BaseSampler, candidates: Sequence[Candidate], progress: ProgressFn | None
+) -> bool:
+    """Measure the plan without checkpointing alone, and True when it fits, where the memory model predicts it does
+    (rank 0's prediction decides, for every rank): recompute and offload only add time, so a search would measure
+    plans to confirm it. Not with ``search_when_none_fits``, without a budget (the fastest plan is asked for), in the
+    joint micro-batch search, nor where memory is not predicted. A plan measured over the budget after all (the
+    allocator's reserve on a card) goes on to the search, saying so."""
+    budget = trials.budget
+    if trials.config.search_when_none_fits or budget.kind == "none" or len(trials.workloads) != 1:
+        return False
+    none = next((c for c in candidates if c.baseline == "none"), None)
+    predicted = trials.predicted(none.plan) if none is not None else None
+    if not trials.sync.broadcast(predicted is not None and budget.fits(*predicted)) or none is None:
+        return False
+    trial = measure(ledger, trials, sampler, none, progress=progress)
+    if trial.feasible:
+        return True
+    log.warning(
+        "lightning_ckpt: no checkpointing did not fit after all (%s: %s, budget %s), though the memory model "
+        "predicted it would: searching the plans that use less memory",
+        trial.status.value,
+        format_bytes(budget.value_of(trial.peak_bytes, trial.activation_bytes)),
+        budget.description,
+    )
+    return False
+
+
+class _Proposals:
+    """Rank 0's next candidate, each with the sampler's asked trial it is told to (see the module docstring)."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        trials: Trials,
+        sampler: BaseSampler,
+        candidates: Sequence[Candidate],
+        space: SearchSpace,
+        stacks: Sequence[Any],
+    ) -> None:
+        self.ledger, self.trials, self.sampler, self.candidates = ledger, trials, sampler, candidates
+        self.space, self.stacks = space, stacks
+        self.timed = sampler if isinstance(sampler, TimeModelSampler) else None
+        self.exhaustive = len(candidates) <= trials.config.n_trials
+        self.rng = random.Random(trials.config.seed)
+        self.baselines: list[Candidate] | None = None  # in the order they are measured, fixed at the first call
+        self.pruning_rest = False  # the time model found that nothing left can win
+
+    def unseen(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.key() not in self.ledger and self.trials.offered(c.plan)]
+
+    def done(self) -> bool:
+        """``n_trials`` plans measured (pruned ones are free), or out of time."""
+        self.trials.check_stop()
+        return self.ledger.measured >= self.trials.config.n_trials or self.trials.out_of_time()
+
+    def next(self) -> tuple[Candidate, Any, str | None] | None:
+        unseen = self.unseen()
+        if self.timed is not None:
+            over = [c for c in unseen if self.trials.predicted_over_budget(c.plan, c.micro_batch)]
+            if over:
+                return self._enqueued(over[0], "memory")
+        if self.baselines is None:
+            order = self.timed.ranked(unseen) if self.timed is not None else self.candidates
+            self.baselines = [c for c in order if c.baseline is not None]
+        baseline = next((c for c in self.baselines if c.key() not in self.ledger and self.trials.offered(c.plan)), None)
+        if baseline is not None and not self.trials.out_of_time():
+            return self._enqueued(baseline)
+        self.baselines = []
+        if self.pruning_rest:
+            rest = self.timed.ranked(unseen) if self.timed is not None else []
+            return self._enqueued(rest[0], "time") if rest else None
+        if self.done() or not unseen:
+            return None
+        if self.exhaustive and self.timed is None:
+            return self._enqueued(unseen[0])
+        if self.timed is not None and self.timed.nothing_left_can_win():
+            self.pruning_rest = True
+            return self.next()
+        return self._sampled(unseen)
+
+    def _sampled(self, unseen: Sequence[Candidate]) -> tuple[Candidate, Any, str | None]:
+        """The sampler's proposal; a known, unrunnable (or, by the time model, unable to win) plan is told ``FAIL``
+        and asked again, and after ``_MAX_REDRAWS`` in a row an unseen plan is taken at random (one the time model
+        cannot predict first: its fallback keeps drawing plans it can)."""
+        for _ in range(_MAX_REDRAWS):
+            asked = self.ledger.ask()
+            cand = self._suggested(asked)
+            new = cand.key() not in self.ledger and self.trials.offered(cand.plan)
+            if new and (self.timed is None or self.timed.can_win(cand.plan)):
+                return cand, asked, None
+            self.ledger.tell(asked, None)
+        unpredictable = [c for c in unseen if self.timed is not None and not self.timed.predictable(c.plan)]
+        pool = unpredictable or list(unseen)
+        return self._enqueued(pool[self.rng.randrange(len(pool))])
+
+    def _suggested(self, asked: Any) -> Candidate:
+        """The candidate an Optuna trial proposes: the space's point, and the micro-batch where the search has one."""
+        params = dict(self.space.suggest(asked, self.stacks))
+        sizes = sorted(m for m in self.trials.workloads if m is not None)
+        if sizes:
+            params["micro_batch"] = asked.suggest_categorical("micro_batch", sizes)
+        plan = self.space.plan_for(params, self.stacks, fingerprint=self.ledger.run_info.get("fingerprint"))
+        label = self.trials.workload(params.get("micro_batch")).labelled(plan.describe())
+        return Candidate(params, plan, label)
+
+    def _enqueued(self, cand: Candidate, prune: str | None = None) -> tuple[Candidate, Any, str | None]:
+        return cand, self.ledger.ask(cand.params), prune

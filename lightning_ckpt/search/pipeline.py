@@ -1,0 +1,219 @@
+"""One search, from the space's candidates to a ``TuneResult``, the same for ``tune`` and the joint micro-batch search.
+
+``run_search``: warm the process up, open a ledger, run the loop (``loop.run_trials``), confirm the leaders side by
+side (``confirmation.confirm``). ``conclude``: choose (``choice.choose_plan``), hold the winner out, let the caller
+check it (the compiled search's whole-compile check), finish the Optuna record and build the result
+(``result.build_result``). Between the two the caller reads the ledger for what the plan file records.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from optuna.samplers import BaseSampler
+
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.errors import ApplyError, InfeasibleBudgetError, TrialsFailedError
+from lightning_ckpt.formatting import count
+from lightning_ckpt.measure.device_memory import allocator_type
+from lightning_ckpt.measure.harness import StepHarness
+from lightning_ckpt.model import ModelView
+from lightning_ckpt.plan.apply import plan_applied
+from lightning_ckpt.plan.baselines import uniform_plan
+from lightning_ckpt.plan.format import BlockPlan
+from lightning_ckpt.search.choice import choose_plan
+from lightning_ckpt.search.compile import CompiledTrials, eager_while_profiling
+from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.confirmation import Confirmed, confirm, hold_out
+from lightning_ckpt.search.distributed import LocalSync, Sync
+from lightning_ckpt.search.ledger import Ledger, ProgressFn, TrialRecord
+from lightning_ckpt.search.loop import measure, run_trials
+from lightning_ckpt.search.result import SearchFacts, TuneResult, build_result
+from lightning_ckpt.search.rounds import beats_by, reported_verdict
+from lightning_ckpt.search.runners import release_cached_memory
+from lightning_ckpt.search.sampler import TimeModelSampler, sampler_for, sampler_summary
+from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
+from lightning_ckpt.search.trials import Trials, Workload, resized, run_info
+from lightning_ckpt.timing.model import TimeModel
+
+__all__ = ["Search", "SearchHooks", "conclude", "run_search", "warm_up_process"]
+
+
+@dataclass(frozen=True)
+class SearchHooks:
+    """The run-time hooks every search takes from its caller: how it reports (``progress``), how ranks agree
+    (``sync``), when it must stop (``should_stop``, polled between trials: the callback passes Lightning's SIGTERM
+    flag)."""
+
+    progress: ProgressFn | None = None
+    sync: Sync | None = None
+    should_stop: Callable[[], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Search:
+    """A search that has run and confirmed: its ledger (the records), how it measured (``trials``), the sampler,
+    what the confirmation found, and what ``conclude`` needs besides."""
+
+    ledger: Ledger
+    trials: Trials
+    sampler: BaseSampler
+    candidates: tuple[Candidate, ...]
+    stacks: tuple[Any, ...]
+    confirmed: Confirmed
+    none_fits: bool
+    warm_steps: int
+    progress: ProgressFn | None = None
+
+    @property
+    def records(self) -> tuple[TrialRecord, ...]:
+        return self.ledger.snapshot()
+
+
+def run_search(
+    resolved: ModelView,
+    workloads: Sequence[Workload],
+    harness: StepHarness,
+    space: SearchSpace,
+    budget: Budget,
+    config: TuneConfig,
+    *,
+    timing: TimeModel | None,
+    memory_model: Any,
+    hooks: SearchHooks,
+    run: Mapping[str, Any],
+) -> Search:
+    """Warm up, then the loop and the confirmation over the space's candidates (one per plan, or one per plan and
+    workload: the joint search's micro-batches); what the trials cached is given back. ``timing``: the profile's
+    time model, for the time model's sampler where the runner's steps are the ones it timed."""
+    runner = workloads[0].runner
+    warm_steps = warm_up_process(harness, resolved, config, isinstance(runner, CompiledTrials))
+    stacks, plain = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
+    candidates = resized(plain, workloads)
+    sync = hooks.sync or LocalSync()
+    trials = Trials(
+        workloads, budget, config, device_type=allocator_type(resolved.device), sync=sync, should_stop=hooks.should_stop
+    )
+    distributions = dict(space.distributions(stacks))
+    sizes = sorted(w.micro_batch for w in workloads if w.micro_batch is not None)
+    if sizes:  # the joint search: the micro-batch is one more dimension for the sampler
+        import optuna
+
+        distributions["micro_batch"] = optuna.distributions.CategoricalDistribution(sizes)
+    info = run_info(resolved.fingerprint, workloads[0].samples_per_step, sync.world_size, run)
+    ledger = Ledger(config=config, run_info=info, budget=budget, distributions=distributions, sync=sync)
+
+    def unseen() -> list[Candidate]:
+        return [c for c in candidates if c.key() not in ledger and trials.offered(c.plan)]
+
+    predicts = getattr(runner, "predicts_time", False)
+    sampler = sampler_for(timing, ledger, unseen, config, predicts_time=predicts)
+    none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
+    confirmed = confirm(ledger, trials, sampler, hooks.progress)
+    release_cached_memory(resolved.device)
+    return Search(
+        ledger, trials, sampler, tuple(candidates), tuple(stacks), confirmed, none_fits, warm_steps, hooks.progress
+    )
+
+
+def conclude(
+    search: Search,
+    *,
+    extra_steps: int,
+    metadata: Mapping[str, Any] | None = None,
+    memory_table: str = "",
+    memory_breakdown: Mapping[str, Any] | None = None,
+    after_choice: Callable[[TrialRecord], TrialRecord] | None = None,
+) -> TuneResult:
+    """Choose by the confirmation's verdicts (a tuned plan beats the fastest fitting baseline only by its verdict;
+    never on predicted memory, ``Trials.verify``; the fallback measured if it was pruned), hold the winner out, run
+    ``after_choice`` on it (the plan it returns is kept), finish the Optuna record and build the result."""
+    ledger, trials, config = search.ledger, search.trials, search.trials.config
+    tol = config.tie_tolerance
+    verdict = None
+    try:
+        best, fell_back, message = choose_plan(
+            ledger.snapshot,
+            trials.budget,
+            tie_tolerance=tol,
+            on_infeasible=config.on_infeasible,
+            nothing_fits=lambda records: _nothing_fits(trials.budget, records),
+            verify=lambda t: ledger.put(trials.verify(t)),
+            measure=lambda t: measure(
+                ledger,
+                trials,
+                search.sampler,
+                Candidate(t.params, t.plan, t.label, t.baseline),
+                progress=search.progress,
+            ),
+            beats=beats_by(search.confirmed.side, tol),
+        )
+        if not fell_back:
+            best, verdict = hold_out(best, ledger, trials, search.confirmed, search.progress)
+            if after_choice is not None:
+                best = after_choice(best)
+    except (InfeasibleBudgetError, TrialsFailedError):
+        ledger.finish()  # the search is over: the record shows what was tried
+        raise
+    ledger.finish(best)
+    if fell_back:
+        warnings.warn(message, stacklevel=3)
+    records = ledger.snapshot()
+    facts = SearchFacts(
+        n_trials=config.n_trials,
+        exhaustive=len(search.candidates) <= config.n_trials,
+        space_size=len(search.candidates),
+        seed=config.seed,
+        sampler=ledger.sampler_name,
+        proposer=TimeModelSampler.name if isinstance(search.sampler, TimeModelSampler) else "sampler",
+        study_name=ledger.study_name,
+        tie_tolerance=tol,
+        speed_changes=search.confirmed.speed_changes,
+        proposer_summary=sampler_summary(search.sampler),
+        verdict=verdict if verdict is not None else reported_verdict(search.confirmed.side, records, best, tol),
+        none_fits=search.none_fits,
+        fingerprint=ledger.run_info.get("fingerprint"),
+        storage=config.storage,
+    )
+    result = build_result(
+        best,
+        records,
+        trials.budget,
+        facts,
+        fell_back=fell_back,
+        fallback_message=message,
+        tuning_seconds=time.perf_counter() - trials.started,
+        tuning_steps=sum(t.steps for t in records) + extra_steps,
+        metadata=metadata,
+        memory_table=memory_table,
+        memory_breakdown=memory_breakdown,
+    )
+    digest = trials.sync.broadcast(result.best.digest())
+    if digest != result.best.digest():
+        raise ApplyError(
+            f"Ranks disagree on the tuned plan: rank 0 chose {digest}, this rank {result.best.digest()} "
+            f"({result.best.describe()}). Trials must be combined identically on every rank; please report this."
+        )
+    return result
+
+
+def _nothing_fits(budget: Budget, records: Sequence[TrialRecord]) -> str:
+    summary = ", ".join(f"{t.label}={t.status}" for t in records[:8])
+    return (
+        f"No checkpointing plan fits the budget ({budget.description}). Tried {count(len(records), 'plan')} "
+        f"({summary}). Raise max_memory/activation_budget, reduce the batch size, or widen the search space."
+    )
+
+
+def warm_up_process(harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool) -> int:
+    """Untimed steps before the first trial: the first steps of a process are slow (thread pools, oneDNN/cuBLAS
+    handles, allocator growth) and would handicap whichever plan is measured first. Run under the lowest-memory plan
+    so they cannot run out of memory; ``measure_step`` restores all state. Returns the steps it ran."""
+    full = uniform_plan(resolved.stacks, BlockPlan("full"))
+    with plan_applied(resolved, full), eager_while_profiling(compiled):
+        warm = harness.measure(warmup=config.process_warmup_steps, steps=1, track_memory=False, count_flops=False)
+    return warm.warmup_steps + len(warm.step_seconds)

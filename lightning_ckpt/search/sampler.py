@@ -1,0 +1,251 @@
+"""Who picks the next plan: an Optuna sampler. The time model's own, or any other (the user's, seeded TPE).
+
+- ``TimeModelSampler`` (eager models, the default): an ``optuna.samplers.BaseSampler`` whose relative sample is the
+  plan the profile's time model (``timing.model``), refitted to the ledger's timed plans, predicts fastest among
+  those not measured yet. Its rule "nothing left can beat the best measured plan by the model's own error"
+  (``nothing_left_can_win``) is a predicate the search loop polls; what it cannot predict (a mode its block could
+  not be timed under) its fallback sampler, seeded TPE, draws.
+- Any other sampler as it is (``default_sampler``: seeded TPE). Used where a plan's step time cannot be predicted
+  (``torch.compile``: the compiler's), with ``predict_time=False`` (an exhaustive reference), and whenever the user
+  hands the search a sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optuna
+from optuna.samplers import BaseSampler
+
+from lightning_ckpt.formatting import count
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.ledger import Ledger, TrialRecord, TrialStatus
+from lightning_ckpt.search.space import Candidate
+from lightning_ckpt.timing.model import WELL_PREDICTED_ERROR, TimeModel
+
+__all__ = ["TimeModelSampler", "default_sampler", "fitted", "leaders", "sampler_for", "sampler_summary"]
+
+log = logging.getLogger(__name__)
+
+# The noise margin a plan's predicted step time must clear to be measured (``TimeModelSampler.can_win``): the
+# time model's own measured error (1.25x its median out-of-sample error), within these bounds, and never below the
+# median error itself (a model off by 21% must not prune with 8%); before any error is known, the default.
+_MARGIN_BOUNDS = (0.03, WELL_PREDICTED_ERROR)
+_DEFAULT_MARGIN = 0.05
+# The tuned plans confirmed beside the predicted-fastest one: those measured within twice the noise margin (at
+# least this share) of the fastest.
+_CONFIRM_WINDOW = 0.05
+
+
+def default_sampler(seed: int, n_trials: int) -> BaseSampler:
+    """Seeded TPE. It reads each trial's constraints itself (Optuna 5 deprecated ``constraints_func`` for
+    ``Trial.set_constraint``, which is how trials get them here), so infeasible plans inform it too."""
+    startup = min(10, max(1, n_trials // 3))
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup)
+
+
+class TimeModelSampler(BaseSampler):
+    """The time model as an Optuna sampler over the plans ``unseen()`` gives (those the ledger has no record of and
+    that can run), refitted to the ledger's timed plans."""
+
+    name = "time_model"
+
+    def __init__(
+        self,
+        time_model: TimeModel,
+        ledger: Ledger,
+        unseen: Callable[[], Sequence[Candidate]],
+        *,
+        tie_tolerance: float,
+        fallback: BaseSampler | None = None,
+    ) -> None:
+        self._model, self.ledger, self.unseen = time_model, ledger, unseen
+        self.tie_tolerance = tie_tolerance
+        self.fallback = fallback if fallback is not None else default_sampler(0, 40)
+        self._fitted_to = -1  # the ledger's length when the model was last fitted
+        self._warned = False  # the margin followed the model's error (``noise_margin``): said once
+
+    @property
+    def time_model(self) -> TimeModel:
+        """The model calibrated to every plan the ledger has timed (within budget or not: speed does not depend on
+        it), refitted when a plan was added: the search's own figures, not the confirmation's re-timings of them."""
+        if len(self.ledger) != self._fitted_to:
+            records = self.ledger.snapshot()
+            timed = [
+                (t.plan, t.label, _searched_seconds(t))
+                for t in records
+                if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds
+            ]
+            self._model, self._fitted_to = self._model.calibrated(timed), len(records)
+        return self._model
+
+    def predict_seconds(self, plan: Plan) -> float | None:
+        return self.time_model.predict_seconds(plan)
+
+    def ranked(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """``candidates`` the model can rank, predicted-fastest first."""
+        ranked = [(s, i, c) for i, c in enumerate(candidates) if (s := self._rank_seconds(c.plan)) is not None]
+        return [c for _, _, c in sorted(ranked, key=lambda x: (x[0], x[1]))]
+
+    def choice(self, remaining: Sequence[Candidate]) -> Candidate | None:
+        """The predicted-fastest of ``remaining``; None while one of them cannot be predicted (the fallback's)."""
+        if not remaining or any(self._rank_seconds(c.plan) is None for c in remaining):
+            return None
+        return self.ranked(remaining)[0]
+
+    def predictable(self, plan: Plan) -> bool:
+        return self._rank_seconds(plan) is not None
+
+    def can_win(self, plan: Plan) -> bool:
+        """Whether ``plan`` could beat the best plan measured within budget: it could unless it is predicted slower
+        even after the noise margin is taken off its time."""
+        predicted = self.time_model.predict_seconds(plan)
+        best = self.ledger.fastest_fitting()
+        if predicted is None or not best or not best[0].median_seconds:
+            return True
+        return predicted * (1.0 - self.noise_margin()) < best[0].median_seconds
+
+    def nothing_left_can_win(self) -> bool:
+        """The loop's stopping rule: the predicted-fastest plan left cannot beat the best measured one."""
+        choice = self.choice(self.unseen())
+        return choice is not None and not self.can_win(choice.plan)
+
+    def leaders(self, tuned: Sequence[TrialRecord], top: int) -> list[TrialRecord]:
+        """The one predicted fastest first (a plan timed in a slow moment of the machine still gets its
+        side-by-side figure), then the fastest measured within the window (twice the noise margin, at least
+        ``_CONFIRM_WINDOW``)."""
+        if not tuned:
+            return []
+        window = max(_CONFIRM_WINDOW, 2 * self.noise_margin())
+        floor = (tuned[0].samples_per_second or 0.0) * (1.0 - window)
+        by_prediction = sorted((t for t in tuned if t.predicted_seconds is not None), key=lambda t: t.predicted_seconds)
+        by_measurement = [t for t in tuned if (t.samples_per_second or 0.0) >= floor]
+        return list({t.number: t for t in (*by_prediction[:1], *by_measurement)}.values())[:top]
+
+    def summary(self) -> dict[str, Any]:
+        """What the time model did: its fit, its measured errors, the margin, and what it pruned."""
+        records = self.ledger.snapshot()
+        errors = [e for t in records if (e := t.prediction_error) is not None]
+        calibration = self.time_model.calibration
+        return {
+            "calibration": calibration.to_dict() if calibration is not None else None,
+            "noise_margin": self.noise_margin(),
+            "predicted_and_measured": len(errors),
+            "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
+            "max_abs_error": max((abs(e) for e in errors), default=None),
+            "pruned_by_time": sum(t.pruned_by == "time" for t in records),
+            "margin_follows_error": self._warned,
+        }
+
+    def noise_margin(self) -> float:
+        """How far the time model's predictions may be off: 1.25x the median of its errors so far (each taken
+        before the plan was measured), within ``_MARGIN_BOUNDS``, never below the tie tolerance, and never below the
+        median error itself: on a machine where the model predicts badly it prunes only what is predicted slower by
+        more than it has shown itself to be off (``margin_follows_error`` in the summary; a warning says so)."""
+        errors = [abs(e) for t in self.ledger.snapshot() if (e := t.prediction_error) is not None]
+        median = statistics.median(errors) if errors else None
+        observed = 1.25 * median if median is not None else _DEFAULT_MARGIN
+        margin = min(_MARGIN_BOUNDS[1], max(_MARGIN_BOUNDS[0], self.tie_tolerance, observed))
+        if median is None or median <= margin:
+            return margin
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "lightning_ckpt: the time model's predictions were off by %.1f%% (median, %s) on this machine, more "
+                "than the %.0f%% margin it prunes with when it predicts well: it now prunes only plans predicted "
+                "slower than the best measured one by more than that, so more plans are measured.",
+                100 * median,
+                count(len(errors), "plan"),
+                100 * _MARGIN_BOUNDS[1],
+            )
+        return median
+
+    def _rank_seconds(self, plan: Plan) -> float | None:
+        """What orders the plans: the predicted step, or before any anchor what the plan's modes add to one."""
+        model = self.time_model
+        predicted = model.predict_seconds(plan)
+        return predicted if predicted is not None else model.added_seconds(plan)
+
+    # -- the Optuna sampler ---------------------------------------------------------------------------
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial
+    ) -> dict[str, optuna.distributions.BaseDistribution]:
+        return dict(self.ledger.distributions)
+
+    def sample_relative(
+        self,
+        study: optuna.Study,
+        trial: optuna.trial.FrozenTrial,
+        search_space: dict[str, optuna.distributions.BaseDistribution],
+    ) -> dict[str, Any]:
+        """The params of the plan predicted fastest among those not measured; nothing (the fallback then draws
+        each dimension) while some plan left cannot be predicted."""
+        choice = self.choice(self.unseen()) if search_space else None
+        return {k: v for k, v in choice.params.items() if k in search_space} if choice is not None else {}
+
+    def sample_independent(
+        self,
+        study: optuna.Study,
+        trial: optuna.trial.FrozenTrial,
+        param_name: str,
+        param_distribution: optuna.distributions.BaseDistribution,
+    ) -> Any:
+        return self.fallback.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        self.fallback.before_trial(study, trial)
+
+    def after_trial(
+        self,
+        study: optuna.Study,
+        trial: optuna.trial.FrozenTrial,
+        state: optuna.trial.TrialState,
+        values: Sequence[float] | None,
+    ) -> None:
+        self.fallback.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self.fallback.reseed_rng()
+
+
+def _searched_seconds(t: TrialRecord) -> float | None:
+    """The step seconds the search measured ``t`` at, before side-by-side rounds re-timed it at the machine's speed
+    of that moment: the model is fitted to the search's own figures, whenever it is read."""
+    if t.median_seconds and t.first_samples_per_second and t.samples_per_second:
+        return t.median_seconds * t.samples_per_second / t.first_samples_per_second
+    return t.median_seconds
+
+
+def fitted(sampler: BaseSampler) -> TimeModel | None:
+    """The time model as the search fitted it, for re-planning from the plan file (None: no time model)."""
+    return sampler.time_model if isinstance(sampler, TimeModelSampler) else None
+
+
+def sampler_for(
+    timing: TimeModel | None,
+    ledger: Ledger,
+    unseen: Callable[[], Sequence[Candidate]],
+    config: Any,
+    *,
+    predicts_time: bool,
+) -> BaseSampler:
+    """The time model's sampler where the profile timed the blocks, the runner's steps are the ones it timed (eager:
+    a compiled step's time is the compiler's), and the user neither turned it off nor handed a ``sampler``; else the
+    user's sampler, or seeded TPE."""
+    if timing is not None and predicts_time and config.predict_time and config.sampler is None:
+        fallback = default_sampler(config.seed, config.n_trials)
+        return TimeModelSampler(timing, ledger, unseen, tie_tolerance=config.tie_tolerance, fallback=fallback)
+    return config.sampler if config.sampler is not None else default_sampler(config.seed, config.n_trials)
+
+
+def leaders(sampler: BaseSampler, tuned: Sequence[TrialRecord], top: int) -> list[TrialRecord]:
+    """The tuned plans worth confirming (``tuned``: the fitting ones, fastest first)."""
+    return sampler.leaders(tuned, top) if isinstance(sampler, TimeModelSampler) else list(tuned[:top])
+
+
+def sampler_summary(sampler: BaseSampler) -> dict[str, Any] | None:
+    """What the sampler did, for the plan file's ``metadata.search.time_model`` (None: nothing to say)."""
+    return sampler.summary() if isinstance(sampler, TimeModelSampler) else None

@@ -1,0 +1,171 @@
+"""What every search (``tune``, the joint micro-batch search) sets up before its first step and undoes after its
+last, the budget it resolves on the device, and the passes that need no more memory than the lowest-memory plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from lightning_ckpt.budget import Budget, RequestedBudget, within_host
+from lightning_ckpt.errors import InfeasibleBudgetError
+from lightning_ckpt.formatting import format_bytes
+from lightning_ckpt.measure.allocator import AllocatorRegime, search_allocator
+from lightning_ckpt.measure.device_memory import device_memory
+from lightning_ckpt.measure.measurement import PassOutOfMemory, run_pass
+from lightning_ckpt.measure.python_state import PythonState
+from lightning_ckpt.measure.snapshot import find_parameters_written_in_forward, forget_parameters_written_in_forward
+from lightning_ckpt.memory.optimizer_step import RealStepMemory
+from lightning_ckpt.model import ModelView
+from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.plan.skipping import full_depth
+from lightning_ckpt.search.compile import CompiledTrials, release_kept_graphs
+from lightning_ckpt.search.distributed import Sync
+from lightning_ckpt.search.runners import TrialRunner, release_cached_memory
+
+__all__ = [
+    "SearchSession",
+    "allocated_bytes",
+    "lowest_memory_pass",
+    "resolve_budget",
+    "resolve_on_device",
+    "search_session",
+]
+
+log = logging.getLogger(__name__)
+
+
+class SearchSession:
+    """What every search (``tune``, and the joint micro-batch search) sets up before its first step and undoes
+    after its last, however it ends: one place, so the two cannot drift apart.
+
+    Set up: every block runs (LayerDrop and kin at full depth: the budget must hold for the deepest step), the
+    modules' Python attributes are captured so each step starts from them, the allocator runs with expandable
+    segments on CUDA where they can be verified on (``measure.allocator``; kept for the training after). Undone: cached device blocks and offload trials' pinned host memory released, the allocator,
+    kept compiled graphs, parameters the forward writes, Python attributes (with a warning for what could not be
+    restored)."""
+
+    def __init__(self, resolved: ModelView, allocator: AllocatorRegime | None = None) -> None:
+        self.resolved = resolved
+        self.allocator = allocator  # what the search runs under, recorded in the plan file
+        self.began = allocated_bytes(resolved.device)  # what the device held before the search: named if none fits
+        self.python_state = PythonState.capture(resolved.root)
+
+    def restoring(self, step_fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``step_fn`` starting from the Python attributes as they were (a counter-driven curriculum sees call 1
+        each time, and so does the first real step)."""
+        return self.python_state.restoring(step_fn)
+
+    def check_parameter_writes(self, step_fn: Callable[[], Any]) -> None:
+        """Find the parameters the forward itself writes (``Embedding(max_norm=...)``), to put back after each step."""
+        lowest_memory_pass(
+            "the parameter-write check",
+            self.began,
+            self.resolved,
+            lambda: find_parameters_written_in_forward(self.resolved.root, step_fn),
+        )
+
+    def close(self) -> None:
+        release_cached_memory(self.resolved.device)
+        release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive it
+        forget_parameters_written_in_forward(self.resolved.root)
+        self.python_state.restore()
+        self.python_state.warn_unrestorable()
+
+
+@contextlib.contextmanager
+def search_session(resolved: ModelView) -> Iterator[SearchSession]:
+    """A ``SearchSession`` for the duration of one search (see there)."""
+    # Entered before the Python attributes are captured, which would otherwise put LayerDrop's rates back after
+    # every step.
+    with full_depth(resolved.root, resolved.stacks) as deepened, search_allocator(resolved.device) as allocator:
+        if deepened:
+            log.info("lightning_ckpt: searching at full depth (every block runs): %s", deepened)
+        session = SearchSession(resolved, allocator)
+        try:
+            yield session
+        finally:
+            session.close()
+
+
+def resolve_budget(
+    requested: RequestedBudget,
+    memory: RealStepMemory,
+    runner: TrialRunner,
+    resolved: ModelView,
+    sync: Sync,
+) -> Budget:
+    none_activation = memory.model.predict_activation(Plan())
+    if isinstance(runner, CompiledTrials):  # an activation budget is a fraction of the *compiled* step's activations
+        none_activation = runner.none_activation_bytes(Plan(fingerprint=resolved.fingerprint)) or none_activation
+    if sync.world_size > 1:
+        # The largest rank's: trials are judged by the most any rank used, so the share must be of the step that
+        # needs the most (the ranks' first batches can differ in length), not rank 0's own.
+        none_activation = max((n for n in sync.all_gather(none_activation) if n is not None), default=None)
+    budget = resolve_on_device(requested, resolved.device, none_activation)
+    predicted = format_bytes(none_activation)
+    log.info(
+        "lightning_ckpt: budget %s; no-checkpointing activation memory predicted %s", budget.description, predicted
+    )
+    step_peak = memory.optimizer.step_peak_bytes
+    if budget.kind == "peak" and budget.limit_bytes is not None and step_peak > budget.limit_bytes:
+        log.warning(
+            "lightning_ckpt: the optimizer step alone peaks at %s (%s), over the budget (%s): no plan can fit",
+            format_bytes(step_peak),
+            memory.optimizer.note,
+            budget.description,
+        )
+    return budget
+
+
+def resolve_on_device(requested: RequestedBudget, device: torch.device, none_activation: int | None) -> Budget:
+    """The requested budget on ``device``, its peak clamped (with one line that says so) to what the device's
+    allocator lets this process have: the card, or the user's own ``set_per_process_memory_fraction`` of it; on the
+    CPU, to the host's memory (``budget.within_host``)."""
+    budget = requested.resolve(device=device, none_activation_bytes=none_activation)
+    memory = device_memory(device)
+    if memory is not None and budget.kind in ("peak", "none"):
+        budget, clamped = budget.within(memory.cap_bytes(), str(device))
+        if clamped is not None:
+            log.warning(clamped)
+    elif memory is None and device.type == "cpu":
+        budget, clamped = within_host(budget)  # the host's memory (or the container's limit)
+        if clamped is not None:
+            log.warning(clamped)
+    return budget
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """What the device's allocator holds now (None without one): what an infeasible search reports it began with."""
+    memory = device_memory(device)
+    return memory.allocated() if memory is not None else None
+
+
+def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run: Callable[[], Any]) -> Any:
+    """``run()``, a pass that needs no more memory than the lowest-memory plan (the parameter-write check, the memory
+    profile and its sub-passes, the optimizer-step measurement), through ``measurement.run_pass``: from an emptied
+    cache, retried once split-resistant when the allocator refused what the allocated bytes fit. An out-of-memory
+    error that survives means no plan can fit, so it becomes ``InfeasibleBudgetError`` naming the sub-pass that
+    failed, the allocator's figures, what was allocated when the search began and what the device lets this process
+    have. The pass restores the model's state itself; the error is raised once the failed pass's memory is
+    released, and does not chain the OOM (whose traceback would keep the pass's tensors alive)."""
+    try:
+        return run_pass(what, resolved.device, run)
+    except PassOutOfMemory as failed:
+        failure = failed.with_traceback(None)  # its frames hold the profile's captured inputs
+    memory = device_memory(resolved.device)
+    facts = [f"{format_bytes(started)} was already allocated when the search began"] if started is not None else []
+    if memory is not None:
+        facts.append(f"this process may allocate {format_bytes(memory.cap_bytes())} there")
+    error = InfeasibleBudgetError(
+        f"{failure.what} ran out of memory on {resolved.device} ({failure.message}){failure.allocator_note()}. It "
+        "needs no more memory than the lowest-memory plan (every block fully checkpointed), so no plan fits"
+        f"{': ' + '; '.join(facts) if facts else ''}. Free memory before the fit (other models, cached tensors), use a "
+        "smaller batch or micro-batch, shard the model (FSDP2), or give the process more of the device.",
+        allocator=failure.figures,
+    )
+    raise error from None
