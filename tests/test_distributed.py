@@ -15,7 +15,7 @@ from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.distributed import LocalSync, combine_trials
 from lightning_ckpt.search.ledger import TrialRecord
-from lightning_ckpt.search.setup import _resolve_budget
+from lightning_ckpt.search.setup import resolve_budget
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -139,5 +139,5 @@ def test_an_activation_budget_is_a_share_of_the_largest_ranks_step():
     )
     view = SimpleNamespace(device=torch.device("cpu"))
     requested = RequestedBudget.parse(activation_budget=0.5)
-    assert _resolve_budget(requested, memory, object(), view, TwoRanks()).limit_bytes == 1500
-    assert _resolve_budget(requested, memory, object(), view, LocalSync()).limit_bytes == 500
+    assert resolve_budget(requested, memory, object(), view, TwoRanks()).limit_bytes == 1500
+    assert resolve_budget(requested, memory, object(), view, LocalSync()).limit_bytes == 500

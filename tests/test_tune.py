@@ -191,22 +191,3 @@ def test_a_stop_request_during_the_confirmation_stops_the_search_as_between_tria
     assert stop, "the confirmation was reached"
     assert all(torch.equal(before[k], v) for k, v in gpt.state_dict().items())
     assert not any("forward" in vars(m) for m in gpt.modules()), "no plan left applied"
-
-
-def test_keyword_settings_still_work_with_a_deprecation_warning_naming_the_config_to_pass():
-    # One place holds a search's settings (the TuneConfig); the older keywords keep working, and say so.
-    from lightning_ckpt.testing import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=0.0))
-    x = torch.randint(0, 32, (2, 8))
-    space = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False}
-    with pytest.warns(
-        DeprecationWarning, match=r"is deprecated: pass config=TuneConfig\(confirm_top=\.\.\., measure_steps"
-    ):
-        result = tune(
-            model,
-            lambda: model(x, x),
-            config=TuneConfig(n_trials=2, search_space=space, confirm_top=0, measure_steps=1),
-        )
-    assert result.best.metadata["search"]["n_trials"] == 2

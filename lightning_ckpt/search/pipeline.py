@@ -125,13 +125,13 @@ def conclude(
     *,
     extra_steps: int,
     metadata: Mapping[str, Any] | None = None,
-    memory_table: str = "",
-    memory_breakdown: Mapping[str, Any] | None = None,
+    memory: Any = None,
     after_choice: Callable[[TrialRecord], TrialRecord] | None = None,
 ) -> TuneResult:
     """Choose by the confirmation's verdicts (a tuned plan beats the fastest fitting baseline only by its verdict;
     never on predicted memory, ``Trials.verify``; the fallback measured if it was pruned), hold the winner out, run
-    ``after_choice`` on it (the plan it returns is kept), finish the Optuna record and build the result."""
+    ``after_choice`` on it (the plan it returns is kept), finish the Optuna record and build the result (``memory``:
+    the memory model whose table the result shows)."""
     ledger, trials, config = search.ledger, search.trials, search.trials.config
     tol = config.tie_tolerance
     verdict = None
@@ -189,8 +189,7 @@ def conclude(
         tuning_seconds=time.perf_counter() - trials.started,
         tuning_steps=sum(t.steps for t in records) + extra_steps,
         metadata=metadata,
-        memory_table=memory_table,
-        memory_breakdown=memory_breakdown,
+        memory=memory,
     )
     digest = trials.sync.broadcast(result.best.digest())
     if digest != result.best.digest():

@@ -138,11 +138,11 @@ def build_result(
     tuning_seconds: float,
     tuning_steps: int,
     metadata: Mapping[str, Any] | None = None,
-    memory_table: str = "",
-    memory_breakdown: Mapping[str, Any] | None = None,
+    memory: Any = None,
 ) -> TuneResult:
     """The ``TuneResult``: the chosen plan named, fingerprinted and carrying its evidence (and the search's
-    ``metadata``) as metadata, beside the ledger's snapshot ``records``."""
+    ``metadata``) as metadata, beside the ledger's snapshot ``records``; ``memory``: the memory model, whose
+    per-block table and breakdown the result shows."""
     chosen = replace(
         best.plan,
         name=best.plan.name or "tuned",
@@ -158,8 +158,8 @@ def build_result(
         tuning_steps=tuning_steps,
         fell_back=fell_back,
         fallback_message=fallback_message,
-        memory_table=memory_table,
-        memory_breakdown=dict(memory_breakdown or {}),
+        memory_table=memory.table() if memory is not None else "",
+        memory_breakdown=memory.to_dict() if memory is not None else {},
         study_name=facts.study_name,
         storage=facts.storage,
     )

@@ -232,8 +232,7 @@ def _search(
         search,
         extra_steps=PROFILE_STEPS + WRITE_CHECK_STEPS + search.warm_steps,
         metadata=metadata,
-        memory_table=memory_model.table(),
-        memory_breakdown=memory_model.to_dict(),
+        memory=memory_model,
         after_choice=after_choice,
     )
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -186,8 +186,3 @@ class Verdict:
             return cls.from_dict(data)
         except (KeyError, TypeError):
             return None
-
-
-def speeds_by_round(per_round: Sequence[float | None]) -> dict[int, float]:
-    """A plan's per-round figures (None where it was not timed that round) keyed by round index."""
-    return {r: s for r, s in enumerate(per_round) if s is not None}
