@@ -35,6 +35,7 @@ from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.compile import CompiledTrials
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync
+from lightning_ckpt.search.phases import Phases
 from lightning_ckpt.search.pipeline import SearchHooks, conclude, run_search
 from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.setup import lowest_memory_pass, resolve_on_device, search_session
@@ -169,12 +170,13 @@ def tune_micro_batch(
             return session.restoring(loss_fn_for(m))
 
         session.check_parameter_writes(step_for(base_micro_batch))
-        scaled, opt_mem = lowest_memory_pass(
-            "the memory profile",
-            session.began,
-            resolved,
-            lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch),
-        )
+        with session.phases.timing("profile"):
+            scaled, opt_mem = lowest_memory_pass(
+                "the memory profile",
+                session.began,
+                resolved,
+                lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch),
+            )
         none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
         hooks = replace(hooks, sync=hooks.sync or LocalSync())
         budget = hooks.sync.broadcast(resolve_on_device(requested, resolved.device, none_at_base))
@@ -192,6 +194,7 @@ def tune_micro_batch(
             config,
             base_micro_batch,
             hooks,
+            session.phases,
         )
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch,
@@ -254,6 +257,7 @@ def _search(
     config: TuneConfig,
     base_micro_batch: int,
     hooks: SearchHooks,
+    phases: Phases,
 ) -> TuneResult:
     """The one search over every (plan, micro-batch) candidate (``pipeline``), by the sampler: its profiles are
     memory-only (two micro-batches), so no time model predicts a candidate's step."""
@@ -274,6 +278,7 @@ def _search(
         memory_model=scaled.at(base_micro_batch),
         hooks=hooks,
         run=run,
+        phases=phases,
     )
     run = {"device": str(resolved.device), "micro_batches": sizes, "compiled": is_compiled}
     return conclude(

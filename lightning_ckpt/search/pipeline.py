@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from optuna.samplers import BaseSampler
@@ -24,7 +24,7 @@ from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.baselines import uniform_plan
-from lightning_ckpt.plan.format import BlockPlan
+from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.choice import choose_plan
 from lightning_ckpt.search.compile import CompiledTrials, eager_while_profiling
 from lightning_ckpt.search.config import TuneConfig
@@ -32,10 +32,11 @@ from lightning_ckpt.search.confirmation import Confirmed, confirm, hold_out
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.ledger import Ledger, ProgressFn, TrialRecord
 from lightning_ckpt.search.loop import measure, run_trials
+from lightning_ckpt.search.phases import Phases, plain_step_seconds
 from lightning_ckpt.search.result import SearchFacts, TuneResult, build_result
 from lightning_ckpt.search.rounds import beats_by, reported_verdict
 from lightning_ckpt.search.runners import release_cached_memory
-from lightning_ckpt.search.sampler import TimeModelSampler, sampler_for, sampler_summary
+from lightning_ckpt.search.sampler import TimeModelSampler, fitted, sampler_for, sampler_summary
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
 from lightning_ckpt.search.trials import Trials, Workload, resized, run_info
 from lightning_ckpt.timing.model import TimeModel
@@ -68,6 +69,7 @@ class Search:
     none_fits: bool
     warm_steps: int
     progress: ProgressFn | None = None
+    phases: Phases = field(default_factory=Phases)
 
     @property
     def records(self) -> tuple[TrialRecord, ...]:
@@ -86,12 +88,14 @@ def run_search(
     memory_model: Any,
     hooks: SearchHooks,
     run: Mapping[str, Any],
+    phases: Phases | None = None,
 ) -> Search:
     """Warm up, then the loop and the confirmation over the space's candidates (one per plan, or one per plan and
     workload: the joint search's micro-batches); what the trials cached is given back. ``timing``: the profile's
     time model, for the time model's sampler where the runner's steps are the ones it timed."""
-    runner = workloads[0].runner
-    warm_steps = warm_up_process(harness, resolved, config, isinstance(runner, CompiledTrials))
+    runner, phases = workloads[0].runner, phases or Phases()
+    with phases.timing("warm_up"):
+        warm_steps = warm_up_process(harness, resolved, config, isinstance(runner, CompiledTrials))
     stacks, plain = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
     candidates = resized(plain, workloads)
     sync = hooks.sync or LocalSync()
@@ -112,12 +116,13 @@ def run_search(
 
     predicts = getattr(runner, "predicts_time", False)
     sampler = sampler_for(timing, ledger, unseen, config, predicts_time=predicts)
-    none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
-    confirmed = confirm(ledger, trials, sampler, hooks.progress)
+    with phases.timing("trials"):
+        none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
+    with phases.timing("confirmation"):
+        confirmed = confirm(ledger, trials, sampler, hooks.progress)
     release_cached_memory(resolved.device)
-    return Search(
-        ledger, trials, sampler, tuple(candidates), tuple(stacks), confirmed, none_fits, warm_steps, hooks.progress
-    )
+    found = (tuple(candidates), tuple(stacks), confirmed, none_fits, warm_steps, hooks.progress, phases)
+    return Search(ledger, trials, sampler, *found)
 
 
 def conclude(
@@ -153,9 +158,11 @@ def conclude(
             beats=beats_by(search.confirmed.side, tol),
         )
         if not fell_back:
-            best, verdict = hold_out(best, ledger, trials, search.confirmed, search.progress)
+            with search.phases.timing("hold_out"):
+                best, verdict = hold_out(best, ledger, trials, search.confirmed, search.progress)
             if after_choice is not None:
-                best = after_choice(best)
+                with search.phases.timing("whole_check"):
+                    best = after_choice(best)
     except (InfeasibleBudgetError, TrialsFailedError):
         ledger.finish()  # the search is over: the record shows what was tried
         raise
@@ -163,6 +170,8 @@ def conclude(
     if fell_back:
         warnings.warn(message, stacklevel=3)
     records = ledger.snapshot()
+    timed = fitted(search.sampler)
+    plain = plain_step_seconds(records, timed.predict_seconds(Plan()) if timed is not None else None)
     facts = SearchFacts(
         n_trials=config.n_trials,
         exhaustive=len(search.candidates) <= config.n_trials,
@@ -178,6 +187,7 @@ def conclude(
         none_fits=search.none_fits,
         fingerprint=ledger.run_info.get("fingerprint"),
         storage=config.storage,
+        cost=search.phases.cost(plain),
     )
     result = build_result(
         best,

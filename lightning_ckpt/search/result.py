@@ -13,6 +13,7 @@ from typing import Any
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.plan.format import Plan, library_versions
 from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
+from lightning_ckpt.search.phases import SearchCost
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = ["SearchFacts", "TuneResult", "build_result", "evidence"]
@@ -36,6 +37,7 @@ class TuneResult:
     # ``storage`` is set; in memory, and gone with the process, when it is None). See ``ledger.py``.
     study_name: str | None = None
     storage: str | None = None
+    cost: SearchCost | None = None  # the search's wall time by phase, and in plain steps (``phases.SearchCost``)
 
     @property
     def baselines(self) -> dict[str, TrialRecord]:
@@ -64,6 +66,7 @@ class SearchFacts:
     none_fits: bool = False  # no checkpointing was predicted to fit and chosen without a search (``loop._none_fits``)
     fingerprint: str | None = None
     storage: str | None = None
+    cost: SearchCost | None = None  # where the search's time went (``phases``)
 
 
 def evidence(
@@ -92,6 +95,8 @@ def evidence(
         search["time_model"] = facts.proposer_summary
     if facts.verdict is not None:
         search["verdict"] = facts.verdict.to_dict()
+    if facts.cost is not None:
+        search["cost"] = facts.cost.to_dict()
     return {
         "versions": library_versions(),
         "budget": budget.to_dict(),
@@ -162,4 +167,5 @@ def build_result(
         memory_breakdown=memory.to_dict() if memory is not None else {},
         study_name=facts.study_name,
         storage=facts.storage,
+        cost=facts.cost,
     )

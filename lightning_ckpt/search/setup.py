@@ -25,6 +25,7 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.skipping import full_depth
 from lightning_ckpt.search.compile import CompiledTrials, release_kept_graphs
 from lightning_ckpt.search.distributed import Sync
+from lightning_ckpt.search.phases import Phases
 from lightning_ckpt.search.runners import TrialRunner, release_cached_memory
 
 __all__ = [
@@ -54,6 +55,7 @@ class SearchSession:
         self.allocator = allocator  # what the search runs under, recorded in the plan file
         self.began = allocated_bytes(resolved.device)  # what the device held before the search: named if none fits
         self.python_state = PythonState.capture(resolved.root)
+        self.phases = Phases()  # where the search's time goes (``result.cost``)
 
     def restoring(self, step_fn: Callable[[], Any]) -> Callable[[], Any]:
         """``step_fn`` starting from the Python attributes as they were (a counter-driven curriculum sees call 1
@@ -62,12 +64,13 @@ class SearchSession:
 
     def check_parameter_writes(self, step_fn: Callable[[], Any]) -> None:
         """Find the parameters the forward itself writes (``Embedding(max_norm=...)``), to put back after each step."""
-        lowest_memory_pass(
-            "the parameter-write check",
-            self.began,
-            self.resolved,
-            lambda: find_parameters_written_in_forward(self.resolved.root, step_fn),
-        )
+        with self.phases.timing("write_check"):
+            lowest_memory_pass(
+                "the parameter-write check",
+                self.began,
+                self.resolved,
+                lambda: find_parameters_written_in_forward(self.resolved.root, step_fn),
+            )
 
     def close(self) -> None:
         release_cached_memory(self.resolved.device)

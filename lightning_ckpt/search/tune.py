@@ -193,17 +193,20 @@ def _search(
     space = config.search_space.for_device(device.type)
     if is_compiled:
         space = compiled_space(space, resolved.root)
-    profile = _profile(resolved, harness, space, is_compiled, session.began)
+    phases = session.phases
+    with phases.timing("profile"):
+        profile = _profile(resolved, harness, space, is_compiled, session.began)
     memory_model = profile.memory
     # Built complete from the profile: the CUDA cap's headroom for the allocator's reserve, eager and compiled alike.
     runner = build_runner(
         resolved, harness, config, compiled=is_compiled, reserve_headroom=memory_model.reserve_overhead_bytes
     )
-    optimizer_step = (
-        measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)  # an OOM: infeasible
-        if optimizer is not None
-        else OptimizerStepMemory.absent()
-    )
+    with phases.timing("optimizer_step"):
+        optimizer_step = (
+            measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)  # an OOM: infeasible
+            if optimizer is not None
+            else OptimizerStepMemory.absent()
+        )
     memory = RealStepMemory(memory_model, optimizer_step)
     sync = hooks.sync or LocalSync()
     budget = sync.broadcast(resolve_budget(requested, memory, runner, resolved, sync))
@@ -223,6 +226,7 @@ def _search(
         memory_model=memory_model,
         hooks=replace(hooks, sync=sync),
         run=run,
+        phases=phases,
     )
     metadata = _metadata(search, profile, memory, runner, harness, space, session)
     after_choice = None
@@ -289,7 +293,9 @@ def _metadata(
             "activation_errors": _activation_errors(search.records),
         }
     if is_compiled:
-        metadata[COMPILES_KEY] = compiles_of(runner, profile.compiled)
+        metadata[COMPILES_KEY] = compiles = compiles_of(runner, profile.compiled)
+        session.phases.moved(compiles["profile_seconds"], "profile", "compile")
+        session.phases.moved(compiles["trial_seconds"], "trials", "compile")
     time_model = fitted(search.sampler)
     if time_model is not None:
         metadata[COMPILED_PROFILE_KEY if is_compiled else PROFILE_KEY] = profile_metadata(

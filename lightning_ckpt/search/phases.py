@@ -1,0 +1,111 @@
+"""Where a search's time went: seconds by phase, and the same in plain training steps.
+
+A search is worth its cost only against the steps it makes faster, and a user reading "the search took 38 s" cannot
+tell whether the trials or a fixed cost (the first compile, the write check, the hold-out rounds) took it. Each phase
+is timed where it runs (``Phases.timing``); what no phase claims is ``other`` (Python between phases, collection,
+synchronisation), so the phases always add up to the search's wall time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PHASES", "Phases", "SearchCost", "plain_step_seconds"]
+
+# The phases in the order a search runs them (a compiled search's compiles are taken out of the phase they ran in).
+PHASES = (
+    "write_check",
+    "profile",
+    "optimizer_step",
+    "warm_up",
+    "trials",
+    "confirmation",
+    "hold_out",
+    "whole_check",
+    "compile",
+    "re_planning",
+    "other",
+)
+
+
+class Phases:
+    """A running account of one search's phases (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - t0)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def moved(self, seconds: float, source: str, to: str) -> None:
+        """``seconds`` of ``source`` were really ``to``'s (a compile inside the trials)."""
+        seconds = min(seconds, self.seconds.get(source, 0.0))
+        if seconds > 0:
+            self.add(source, -seconds)
+            self.add(to, seconds)
+
+    def cost(self, plain_step: float | None) -> SearchCost:
+        """The account so far, ``other`` being what no phase claimed."""
+        total = time.perf_counter() - self.started
+        seconds = {p: s for p in PHASES if (s := self.seconds.get(p, 0.0)) > 0}
+        seconds["other"] = max(0.0, total - sum(v for k, v in seconds.items() if k != "other"))
+        return SearchCost(total_seconds=total, seconds=seconds, plain_step_seconds=plain_step)
+
+
+@dataclass(frozen=True)
+class SearchCost:
+    """A search's wall time by phase (``seconds``, which add up to ``total_seconds``) and, where the plain training
+    step is known, in plain steps: how many steps without checkpointing the same time would have trained."""
+
+    total_seconds: float
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    plain_step_seconds: float | None = None
+
+    @property
+    def plain_steps(self) -> float | None:
+        return self.total_seconds / self.plain_step_seconds if self.plain_step_seconds else None
+
+    def steps(self, phase: str) -> float | None:
+        seconds = self.seconds.get(phase)
+        return seconds / self.plain_step_seconds if self.plain_step_seconds and seconds is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total_seconds": self.total_seconds,
+            "seconds": dict(self.seconds),
+            "plain_step_seconds": self.plain_step_seconds,
+            "plain_steps": self.plain_steps,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SearchCost:
+        return cls(
+            total_seconds=float(data.get("total_seconds") or 0.0),
+            seconds={str(k): float(v) for k, v in (data.get("seconds") or {}).items()},
+            plain_step_seconds=data.get("plain_step_seconds"),
+        )
+
+
+def plain_step_seconds(records: Sequence[Any], predicted: float | None = None) -> float | None:
+    """The training step without checkpointing: the ``none`` baseline's search figure (per step, within budget or
+    not), else ``predicted`` (the time model's), else None."""
+    for t in records:
+        if t.baseline == "none" and t.median_seconds and t.status.ran:
+            seconds = t.median_seconds
+            if t.first_samples_per_second and t.samples_per_second:
+                seconds *= t.samples_per_second / t.first_samples_per_second
+            return float(seconds)
+    return predicted
