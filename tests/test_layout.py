@@ -77,3 +77,22 @@ def test_the_lazy_package_root_names_each_export_once_where_it_lives():
     assert set(lightning_ckpt.__all__) == {*lightning_ckpt._EXPORTS, "__version__"}
     for name, module in lightning_ckpt._EXPORTS.items():
         assert getattr(lightning_ckpt, name) is getattr(importlib.import_module(module), name), name
+
+
+# Inside ``search/``, the same one-way flow: the record and its ledger first, the loop and the phases after it, the
+# entry points (``tune``, the joint micro-batch search) last.
+SEARCH_ORDER = ("ledger", "space", "config", "distributed", "choice", "verdict", "runners", "rounds", "assembly",
+                "compile", "trials", "sampler", "loop", "confirmation", "phases", "result", "whole_check", "pipeline",
+                "setup", "replan", "tune", "buckets", "microbatch")  # fmt: skip
+
+
+def test_the_search_modules_import_only_earlier_ones():
+    found = {p.stem for p in (PACKAGE / "search").glob("*.py")} - {"__init__"}
+    assert found == set(SEARCH_ORDER), "every search module has its place in SEARCH_ORDER"
+    for name in SEARCH_ORDER:
+        for module, line in _imports(PACKAGE / "search" / f"{name}.py"):
+            parts = module.split(".")
+            if parts[:2] == ["lightning_ckpt", "search"] and len(parts) > 2:
+                assert SEARCH_ORDER.index(parts[2]) < SEARCH_ORDER.index(name), (
+                    f"search/{name}.py:{line} imports {module}"
+                )
