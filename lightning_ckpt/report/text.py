@@ -116,7 +116,7 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     else:
         parts.append("not run" if trial.status == "pruned" else "no measurement")
     memory = []
-    if not trial.memory_measured:  # timed only; its memory is the model's prediction (study.Study.verify)
+    if not trial.memory_measured:  # timed only; its memory is the model's prediction (trials.Trials.verify)
         if budget.kind == "activation":
             memory.append(f"activation {format_bytes(trial.activation_bytes)} predicted")
         memory.append(f"peak {format_bytes(trial.peak_bytes)} predicted")

@@ -285,7 +285,7 @@ def conflict_reason(stats: CompileStats, reference: CompileStats | None) -> str 
     return "; ".join(reasons) or None
 
 
-trial_status = judge_status  # the rule lives with the status vocabulary (records.py)
+trial_status = judge_status  # the rule lives with the choice (choice.py)
 
 
 class _DynamoWatch:

@@ -49,8 +49,8 @@ class TuneConfig:
     seed: Optuna settings (seeded TPE, in memory, by default). ``storage`` (e.g. ``"sqlite:///ac.db"``)
     keeps the study, one trial per plan, and resumes an interrupted search; ``study_name`` defaults to
     ``lightning_ckpt-<model fingerprint>-<run digest>`` (one study per model, batch size, device...).
-    ``sampler`` proposes plans from an in-memory copy of the study (``store.py``); given, it replaces the time
-    model's sampler (``proposers.TimeModelSampler``), which otherwise decides what is measured.
+    ``sampler`` proposes plans from an in-memory copy of the study (``ledger.py``); given, it replaces the time
+    model's sampler (``sampler.TimeModelSampler``), which otherwise decides what is measured.
     warmup_steps / measure_steps: steps per trial left out of / used for timing.
     block_types: override block discovery. on_infeasible: ``"fallback"`` or ``"raise"`` when nothing fits.
     tie_tolerance: plans this close in throughput count as tied (``records.CHOICE_RULE``: a baseline is kept

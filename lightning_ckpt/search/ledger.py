@@ -89,10 +89,10 @@ class TrialRecord:
     traceback: str | None = None  # status ``error``: where the step failed (shown when nothing could run)
     forward_backward_peak_bytes: int | None = None  # the trial's own peak that peak_bytes was derived from
     baseline: str | None = None  # the baseline's name ("full", ...) when the candidate is one
-    confirmation_seconds: tuple[float, ...] = ()  # step times re-measured side by side (study.confirm)
+    confirmation_seconds: tuple[float, ...] = ()  # step times re-measured side by side (confirmation.confirm)
     first_samples_per_second: float | None = None  # the figure before confirmation replaced it
     resumed: bool = False  # taken from a persisted study, not measured in this process
-    memory_measured: bool = True  # False: peak/activation are the memory model's prediction (see Study.verify)
+    memory_measured: bool = True  # False: peak/activation are the memory model's prediction (see Trials.verify)
     micro_batch: int | None = None  # joint micro-batch search: this trial's micro-batch and accumulation
     accumulation: int | None = None
     # The time model's step seconds for this plan when the search proposed it (fitted to the plans measured

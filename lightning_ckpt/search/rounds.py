@@ -1,7 +1,7 @@
 """The side-by-side confirmation: re-time the leaders in interleaved rounds, so the choice compares figures
 taken at the same moments of a shared machine, never a trial measured in a slow moment against one that was not.
 
-``Study.confirm`` (every search, the joint micro-batch one included) uses ``confirm_interleaved``, which times the
+``confirmation.confirm`` (every search, the joint micro-batch one included) uses ``confirm_interleaved``, which times the
 entries until ``SideBySide`` can give every tuned plan a decided ``verdict.Verdict`` against the fastest baseline;
 ``holdout`` re-times the winner in fresh rounds for the claim; ``apply_confirmation`` puts the figures into the
 records.
@@ -93,7 +93,7 @@ def confirm_interleaved(
     agree). Without a baseline among the entries (no baseline fits), until the leader's median separates from the
     runner-up's beyond their spreads.
 
-    ``check_stop`` runs before each round and raises to stop the search (``Study.check_stop``).
+    ``check_stop`` runs before each round and raises to stop the search (``Trials.check_stop``).
 
     When the rounds' common speed differs by more than ``_SPEED_CHANGE``, each figure is divided by its round's
     speed for display (``per_sample``); the verdict's paired ratios need no such correction.
