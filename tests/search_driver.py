@@ -14,6 +14,7 @@ from lightning_ckpt.search.choice import choose_plan
 from lightning_ckpt.search.confirmation import Confirmed, confirm
 from lightning_ckpt.search.distributed import LocalSync
 from lightning_ckpt.search.ledger import Ledger, TrialRecord
+from lightning_ckpt.search.phases import Phases
 from lightning_ckpt.search.loop import run_trials
 from lightning_ckpt.search.pipeline import Search, conclude
 from lightning_ckpt.search.rounds import beats_by
@@ -44,7 +45,7 @@ class Study:
         self.ledger = Ledger(config=config, run_info=info, budget=budget, distributions=distributions, sync=sync)
         self.proposer = sampler_for(timing, self.ledger, self._unseen, config, predicts_time=timing is not None)
         self.exhaustive = len(self.candidates) <= config.n_trials
-        self.none_fits, self.confirmed, self.held_out = False, Confirmed(), None
+        self.none_fits, self.confirmed, self.held_out, self.phases = False, Confirmed(), None, Phases()
 
     def _unseen(self) -> list[Candidate]:
         return [c for c in self.candidates if c.key() not in self.ledger and self.trials.offered(c.plan)]
@@ -80,11 +81,11 @@ class Study:
         return self.records
 
     def confirm(self) -> None:
-        self.confirmed = confirm(self.ledger, self.trials, self.proposer, self.progress)
+        self.confirmed = confirm(self.ledger, self.trials, self.proposer, self.progress, self._search().spent)
 
     def _search(self) -> Search:
         return Search(self.ledger, self.trials, self.proposer, tuple(self.candidates), tuple(self.stacks),
-                      self.confirmed, self.none_fits, 0, self.progress)  # fmt: skip
+                      self.confirmed, self.none_fits, 0, self.progress, self.phases)  # fmt: skip
 
     def choose(self) -> tuple[TrialRecord, bool, str]:
         ledger, trials = self.ledger, self.trials

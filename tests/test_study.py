@@ -31,6 +31,7 @@ from lightning_ckpt.search.ledger import (
     TrialRecord,
     TrialStatus,
 )
+from lightning_ckpt.search.phases import PHASES
 from lightning_ckpt.search.rounds import CLAIM_HALF_WIDTH
 from lightning_ckpt.search.sampler import TimeModelSampler
 from lightning_ckpt.search.space import SearchSpace
@@ -744,6 +745,31 @@ def test_fresh_rounds_go_on_until_the_claim_is_precise(noise, fewest):
     assert verdict.rounds == (4 if fewest else 20)
     assert (math.sqrt(verdict.high / verdict.low) <= 1 + CLAIM_HALF_WIDTH) == fewest
     assert abs(verdict.ratio / 1.3 - 1) <= CLAIM_HALF_WIDTH  # the claim is as close to the truth as promised
+
+
+def test_the_searchs_allowance_ends_the_rounds_at_their_floor_and_says_what_it_left_undecided():
+    # The noisy machine above, where fresh rounds go on to 20: with an allowance already spent (the plain step is
+    # the fake one, 1 s, so any real time is a few thousandths of a step) every round stops at its floor, the
+    # figures taken are kept, and the plan file says which rounds stopped before a verdict.
+    fast = CANDIDATES[-1].plan
+    speed = {c.plan.key(): 1.0 for c in CANDIDATES} | {fast.key(): 1 / 1.3}
+    runner = FakeRunner(noise=0.2, speed=speed, seed=3)
+    s = study(runner, Budget("peak", 10_000), holdout_rounds=4, holdout_max_rounds=20, search_steps=1e-9)
+    s.run()
+    s.confirm()
+    assert len(s.side.rounds) == 6, "the confirmation stops at confirm_rounds"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = s.result(extra_steps=0)
+    search = result.best.metadata["search"]
+    verdict = Verdict.recorded(search)
+    assert verdict.chosen_after and verdict.rounds == 4, "the fresh rounds stop at holdout_rounds"
+    assert search["allowance"]["plain_steps"] == 1e-9
+    assert any("fresh rounds" in stopped for stopped in search["allowance"]["stopped"])
+    assert result.cost.plain_step_seconds == pytest.approx(1.0, rel=0.5) and result.cost.plain_steps > 1e-9
+    assert set(result.cost.seconds) <= set(PHASES) and sum(result.cost.seconds.values()) == pytest.approx(
+        result.cost.total_seconds
+    )
 
 
 def _varied_speeds(seed: int) -> dict[str, float]:

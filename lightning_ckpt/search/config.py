@@ -99,6 +99,10 @@ class TuneConfig:
     plan is measured once and chosen, with one line that says so, and nothing else runs: checkpointing only adds
     recompute, so a search could only confirm it (``max_memory="500GiB"`` once searched 63 s to choose it). True
     searches anyway, e.g. to see what each plan costs on the Pareto figure.
+    search_steps: the search's allowance in plain training steps (the step without checkpointing, as the search
+    measured it): side-by-side rounds beyond their floors (``confirm_rounds``, ``holdout_rounds``) stop once the
+    search has cost this much, and the result says which verdict that left undecided (the figures it has are kept).
+    Rounds that go on "until settled" on a noisy machine otherwise run to ``confirm_max_rounds``. None: no allowance.
     compiled: whether every trial compiles its plan (None: detected from the model).
     micro_batches: the sizes the joint micro-batch search tries (None: every divisor of the global batch).
     clock: what every trial, re-timing and confirmation round times its steps with (``time.perf_counter``); a test
@@ -132,6 +136,7 @@ class TuneConfig:
     memory_pass: Literal["finalists", "every"] = "finalists"
     predict_time: bool = True
     search_when_none_fits: bool = False
+    search_steps: float | None = 150.0
     compiled: bool | None = None
     micro_batches: tuple[int, ...] | None = None
     clock: Callable[[], float] = time.perf_counter
@@ -155,6 +160,11 @@ class TuneConfig:
         ):
             raise ConfigurationError(
                 f"timeout must be a positive number of seconds or None (e.g. timeout=600), but got {timeout!r}."
+            )
+        steps = self.search_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, float)) or not steps > 0):
+            raise ConfigurationError(
+                f"search_steps must be a positive number of plain steps or None (e.g. 150), but got {steps!r}."
             )
         if self.on_infeasible not in ("fallback", "raise"):
             raise ConfigurationError(f"on_infeasible must be 'fallback' or 'raise', but got {self.on_infeasible!r}.")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,9 +50,16 @@ class Confirmed:
 
     side: SideBySide | None = None
     speed_changes: tuple[str, ...] = ()
+    stopped: tuple[str, ...] = ()  # rounds the search's allowance ended before every verdict was decided
 
 
-def confirm(ledger: Ledger, trials: Trials, sampler: BaseSampler, progress: ProgressFn | None = None) -> Confirmed:
+def confirm(
+    ledger: Ledger,
+    trials: Trials,
+    sampler: BaseSampler,
+    progress: ProgressFn | None = None,
+    spent: Callable[[], bool] | None = None,
+) -> Confirmed:
     """Re-time the sampler's leaders and every fitting baseline side by side, in interleaved rounds, until each
     leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``.
 
@@ -60,7 +67,8 @@ def confirm(ledger: Ledger, trials: Trials, sampler: BaseSampler, progress: Prog
     moment. The machine's speed may also change between the search and the confirmation (another job starts, clocks
     throttle): the reference (the fastest fitting baseline) is re-timed first and compared with its search figure;
     when its speed changed, the search's figures were taken at different speeds and cannot pick the leaders, so
-    every fitting trial is re-ranked in one interleaved round first.
+    every fitting trial is re-ranked in one interleaved round first. ``spent()``: the search's allowance is used up
+    (``TuneConfig.search_steps``): no round beyond ``confirm_rounds``.
     """
     config = trials.config
     if config.confirm_top <= 0:
@@ -89,6 +97,7 @@ def confirm(ledger: Ledger, trials: Trials, sampler: BaseSampler, progress: Prog
         until=(lambda s: s.choice_decided(tol)) if config.holdout_rounds > 0 else None,
         check_stop=trials.check_stop,
         on_step=_on_step(progress, "confirming", chosen, tol),
+        spent=spent,
     )
     if side.speed_changed:
         changes.append(
@@ -100,7 +109,10 @@ def confirm(ledger: Ledger, trials: Trials, sampler: BaseSampler, progress: Prog
     for t in apply_confirmation(ledger.snapshot(), entries, side.per_sample):
         if t.number in side.per_sample:
             ledger.put(_with_note(t, side, labels, tol))
-    return Confirmed(side, tuple(changes))
+    stopped = ()
+    if side.stopped_by_allowance and not side.decided(tol):
+        stopped = (f"the confirmation after {len(side.rounds)} rounds, before every verdict was decided",)
+    return Confirmed(side, tuple(changes), stopped)
 
 
 def _with_note(t: TrialRecord, side: SideBySide, labels: Mapping[int, str], tie_tolerance: float) -> TrialRecord:
@@ -205,13 +217,18 @@ def _entries(trials: Trials, records: Sequence[TrialRecord], steps: int, *, warm
 
 
 def hold_out(
-    best: TrialRecord, ledger: Ledger, trials: Trials, confirmed: Confirmed, progress: ProgressFn | None = None
-) -> tuple[TrialRecord, Verdict | None]:
-    """(the plan kept, the held-out verdict): ``best``, or the reference where fresh rounds (``rounds.holdout``,
+    best: TrialRecord,
+    ledger: Ledger,
+    trials: Trials,
+    confirmed: Confirmed,
+    progress: ProgressFn | None = None,
+    spent: Callable[[], bool] | None = None,
+) -> tuple[TrialRecord, Verdict | None, bool]:
+    """(the plan kept, the held-out verdict, whether the allowance ``spent`` ended its rounds): ``best``, or the reference where fresh rounds (``rounds.holdout``,
     ``holdout_rounds``) do not find the tuned plan the confirmation chose faster than it. Their figures replace both
     plans' confirmation figures, so the plan file's throughput and its verdict say the same."""
     config = trials.config
-    records, reference, verdict = holdout(
+    records, reference, verdict, stopped = holdout(
         best,
         ledger.snapshot(),
         confirmed.side,
@@ -223,9 +240,10 @@ def hold_out(
         sync=trials.sync,
         check_stop=trials.check_stop,
         on_step=_on_step(progress, "fresh rounds", ledger.snapshot(), config.tie_tolerance),
+        spent=spent,
     )
     if reference is None:
-        return best, None
+        return best, None, False
     fresh = {reference.number: vs_reference_note(None, reference.label, verdict.rounds if verdict else 0)}
     if verdict is not None:
         fresh[best.number] = vs_reference_note(verdict, reference.label, verdict.rounds)
@@ -235,10 +253,10 @@ def hold_out(
         if t.confirmed:
             ledger.put(t)
     if verdict is not None and verdict.wins:
-        return ledger.get(best.key()), verdict
+        return ledger.get(best.key()), verdict, stopped
     kept = ledger.put(trials.verify(ledger.get(reference.key())))
     if not kept.feasible:  # its measured memory is over budget after all: the tuned plan stays
-        return ledger.get(best.key()), None
+        return ledger.get(best.key()), None, stopped
     log.warning(
         "lightning_ckpt: %s was chosen by the confirmation but fresh rounds do not find it faster than %s (%s): "
         "the baseline is kept.",
@@ -246,7 +264,7 @@ def hold_out(
         reference.label,
         verdict.describe() if verdict is not None else "it did not run",
     )
-    return kept, verdict
+    return kept, verdict, stopped
 
 
 def leader_of(side: SideBySide, labels: Mapping[int, str], tie_tolerance: float) -> str | None:

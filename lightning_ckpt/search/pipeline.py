@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from optuna.samplers import BaseSampler
@@ -32,7 +32,7 @@ from lightning_ckpt.search.confirmation import Confirmed, confirm, hold_out
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.ledger import Ledger, ProgressFn, TrialRecord
 from lightning_ckpt.search.loop import measure, run_trials
-from lightning_ckpt.search.phases import Phases, plain_step_seconds
+from lightning_ckpt.search.phases import Phases, SearchCost, plain_step_seconds
 from lightning_ckpt.search.result import SearchFacts, TuneResult, build_result
 from lightning_ckpt.search.rounds import beats_by, reported_verdict
 from lightning_ckpt.search.runners import release_cached_memory
@@ -74,6 +74,19 @@ class Search:
     @property
     def records(self) -> tuple[TrialRecord, ...]:
         return self.ledger.snapshot()
+
+    def cost(self) -> SearchCost:
+        """What the search has cost so far, by phase and in plain steps (the time model's plain step where the
+        ``none`` baseline did not run)."""
+        timed = fitted(self.sampler)
+        predicted = timed.predict_seconds(Plan()) if timed is not None else None
+        return self.phases.cost(plain_step_seconds(self.records, predicted))
+
+    def spent(self) -> bool:
+        """Whether the search has used its allowance (``TuneConfig.search_steps``) of plain steps."""
+        allowance = self.trials.config.search_steps
+        steps = self.cost().plain_steps if allowance is not None else None
+        return steps is not None and steps >= allowance
 
 
 def run_search(
@@ -118,11 +131,12 @@ def run_search(
     sampler = sampler_for(timing, ledger, unseen, config, predicts_time=predicts)
     with phases.timing("trials"):
         none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
+    found = (tuple(candidates), tuple(stacks), Confirmed(), none_fits, warm_steps, hooks.progress, phases)
+    search = Search(ledger, trials, sampler, *found)
     with phases.timing("confirmation"):
-        confirmed = confirm(ledger, trials, sampler, hooks.progress)
+        confirmed = confirm(ledger, trials, sampler, hooks.progress, search.spent)
     release_cached_memory(resolved.device)
-    found = (tuple(candidates), tuple(stacks), confirmed, none_fits, warm_steps, hooks.progress, phases)
-    return Search(ledger, trials, sampler, *found)
+    return replace(search, confirmed=confirmed)
 
 
 def conclude(
@@ -139,7 +153,7 @@ def conclude(
     the memory model whose table the result shows)."""
     ledger, trials, config = search.ledger, search.trials, search.trials.config
     tol = config.tie_tolerance
-    verdict = None
+    verdict, stopped = None, list(search.confirmed.stopped)
     try:
         best, fell_back, message = choose_plan(
             ledger.snapshot,
@@ -159,7 +173,11 @@ def conclude(
         )
         if not fell_back:
             with search.phases.timing("hold_out"):
-                best, verdict = hold_out(best, ledger, trials, search.confirmed, search.progress)
+                best, verdict, held_stopped = hold_out(
+                    best, ledger, trials, search.confirmed, search.progress, search.spent
+                )
+            if held_stopped:
+                stopped.append("the fresh rounds that hold the winner out, before its claim was within ±3%")
             if after_choice is not None:
                 with search.phases.timing("whole_check"):
                     best = after_choice(best)
@@ -170,8 +188,6 @@ def conclude(
     if fell_back:
         warnings.warn(message, stacklevel=3)
     records = ledger.snapshot()
-    timed = fitted(search.sampler)
-    plain = plain_step_seconds(records, timed.predict_seconds(Plan()) if timed is not None else None)
     facts = SearchFacts(
         n_trials=config.n_trials,
         exhaustive=len(search.candidates) <= config.n_trials,
@@ -187,7 +203,8 @@ def conclude(
         none_fits=search.none_fits,
         fingerprint=ledger.run_info.get("fingerprint"),
         storage=config.storage,
-        cost=search.phases.cost(plain),
+        cost=search.cost(),
+        allowance={"plain_steps": config.search_steps, "stopped": stopped},
     )
     result = build_result(
         best,

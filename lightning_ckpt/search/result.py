@@ -67,6 +67,7 @@ class SearchFacts:
     fingerprint: str | None = None
     storage: str | None = None
     cost: SearchCost | None = None  # where the search's time went (``phases``)
+    allowance: dict[str, Any] | None = None  # ``search_steps``, and what it stopped before a verdict
 
 
 def evidence(
@@ -97,6 +98,8 @@ def evidence(
         search["verdict"] = facts.verdict.to_dict()
     if facts.cost is not None:
         search["cost"] = facts.cost.to_dict()
+    if facts.allowance is not None:
+        search["allowance"] = dict(facts.allowance)
     return {
         "versions": library_versions(),
         "budget": budget.to_dict(),

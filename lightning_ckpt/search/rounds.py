@@ -75,9 +75,11 @@ def confirm_interleaved(
     until: Callable[[SideBySide], bool] | None = None,
     check_stop: Callable[[], None] | None = None,
     on_step: RoundProgress | None = None,
+    spent: Callable[[], bool] | None = None,
 ) -> SideBySide:
     """Re-time ``entries`` in interleaved rounds until the verdict is decided (or ``until`` says the figures are
-    enough), or ``max_rounds``.
+    enough), or ``max_rounds``, or, after ``min_rounds``, ``spent()`` (the search's allowance is used up:
+    ``stopped_by_allowance``).
 
     ``on_step(round, max_rounds, timed, to_time, side)`` is called after each plan timed, with the figures of the
     rounds so far: a round of six plans took 90 s on a loaded 2-core machine, and a progress line that moved only
@@ -126,6 +128,8 @@ def confirm_interleaved(
             continue
         if until(result) if until is not None else result.decided(tie_tolerance):
             break
+        if done < max_rounds and spent is not None and spent():
+            return replace(result, stopped_by_allowance=True)
         settled = result.settled(tie_tolerance)
         active = [e for e in active if e.trial.number not in settled]
     return result
@@ -141,6 +145,7 @@ class SideBySide:
     round_speeds: tuple[float, ...]
     rounds: tuple[dict[int, float], ...] = ()
     baselines: frozenset[int] = frozenset()
+    stopped_by_allowance: bool = False  # the search's allowance ended the rounds (``confirm_interleaved``'s ``spent``)
 
     @property
     def speed_changed(self) -> bool:
@@ -261,8 +266,9 @@ def holdout(
     sync: Sync | None = None,
     check_stop: Callable[[], None] | None = None,
     on_step: RoundProgress | None = None,
-) -> tuple[list[TrialRecord], TrialRecord | None, Verdict | None]:
-    """(records, reference, verdict): the chosen tuned plan ``best`` timed again in fresh interleaved rounds (at
+    spent: Callable[[], bool] | None = None,
+) -> tuple[list[TrialRecord], TrialRecord | None, Verdict | None, bool]:
+    """(records, reference, verdict, stopped by the allowance ``spent``): the chosen tuned plan ``best`` timed again in fresh interleaved rounds (at
     least ``rounds``, then until its ratio's interval is within ``CLAIM_HALF_WIDTH`` or it cannot win, at most
     ``max_rounds``) beside the reference the choosing rounds found fastest, ``records`` with those two figures, that
     reference, and ``best``'s verdict against it from those rounds alone (``Verdict.chosen_after``: the rounds of
@@ -277,7 +283,7 @@ def holdout(
     chosen_after = len(side.by_round(best.number)) if side is not None else 0
     confirmed = [t for t in records if t.baseline is not None and t.feasible and t.confirmed]
     if side is None or rounds <= 0 or best.baseline is not None or not chosen_after or not confirmed:
-        return list(records), None, None
+        return list(records), None, None, False
     # The reference is the one the choosing rounds found fastest (the rule ``choose_best`` keeps it by), timed again
     # beside ``best``: choosing it again from the fresh rounds, the luckiest of near-equal baselines there, would make
     # it look faster than it is and the claim smaller (the simulated machine: -2% on average, tied baselines).
@@ -303,12 +309,13 @@ def holdout(
         until=precise,
         check_stop=check_stop,
         on_step=on_step,
+        spent=spent,
     )
     if not fresh.per_sample.get(reference.number):  # the reference did not run in the fresh rounds
-        return list(records), None, None
+        return list(records), None, None, False
     verdict = fresh.verdict(best.number, labels, tie_tolerance, reference=reference.number)
     verdict = replace(verdict, chosen_after=chosen_after) if verdict is not None else None
-    return apply_confirmation(records, entries, fresh.per_sample), reference, verdict
+    return apply_confirmation(records, entries, fresh.per_sample), reference, verdict, fresh.stopped_by_allowance
 
 
 def _round_order(entries: Sequence[ConfirmEntry], round_number: int) -> list[ConfirmEntry]:
