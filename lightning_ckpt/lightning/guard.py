@@ -21,8 +21,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_ckpt.budget import Budget, format_bytes
+from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.lightning.shapes import BatchSize, ShapeScaling, batch_dims, batch_size_of, batch_tensors
 from lightning_ckpt.measure.device_memory import device_memory
 from lightning_ckpt.measure.measurement import MemoryReading

@@ -32,8 +32,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
+from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ApplyError
+from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.lightning.checks import check_tunable, refuse_existing_checkpointing
 from lightning_ckpt.lightning.guard import BudgetGuard, GuardConfig, StepCheck, StrategySync, largest_size
 from lightning_ckpt.lightning.reuse import (
@@ -81,12 +82,11 @@ _SEARCHES = ("search", "joint micro-batch search")  # lock-in sources whose sear
 class Stage(enum.Enum):
     """Where a fit is; each hook acts by it."""
 
-    STARTING = "on_fit_start has not decided yet between reuse and search"
+    IDLE = "before on_fit_start decides between reuse and search, or after the fit: the hooks do nothing"
     SEARCH_PENDING = "the search runs on the next training batch"
     CHECKING_REUSED = "a reused plan is applied; the first batch is compared with the batches it was tuned on"
     LOCKED_IN = "a plan is applied and the guard reads real steps"
     FOLLOWING_TABLE = "locked in with a plan table: each batch's bucket plan is applied before its forward"
-    ENDED = "the fit ended or failed: no plan is applied"
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class FitSession:
         refuse_existing_checkpointing(self.view.root)
         self.settings, self.found = settings, found
         self.device = normalise_device(pl_module.device)
-        self.stage = Stage.STARTING
+        self.stage = Stage.IDLE
         self.tb = TunerRun(settings.log_dir)  # this fit's logger run has no tuner HParams columns yet
         self.applied = AppliedPlan()
         self.guard: BudgetGuard | None = None  # built at lock-in, with the budget the plan was chosen for
@@ -259,7 +259,7 @@ class FitSession:
         """The model leaves the fit as the user gave it (no instance forwards, HF cache setting back); the plan stays
         in ``found``, so a new fit (or a resumed one) re-applies it without searching."""
         self._unlock()
-        self.stage = Stage.ENDED
+        self.stage = Stage.IDLE
 
     def close(self) -> None:
         self.end()
