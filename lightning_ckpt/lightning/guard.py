@@ -26,8 +26,8 @@ from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.lightning.shapes import BatchSize, ShapeScaling, batch_dims, batch_size_of, batch_tensors
 from lightning_ckpt.measure.device_memory import device_memory
-from lightning_ckpt.measure.measurement import MemoryReading
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
+from lightning_ckpt.measure.step import MemoryReading
 from lightning_ckpt.measure.tracker import new_live_tracker
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan

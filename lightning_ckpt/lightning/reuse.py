@@ -59,11 +59,13 @@ __all__ = [
     "condition_changes",
     "plan_to_reuse",
     "replan_for_budget",
+    "retune_for_batch",
     "reusable",
     "reused_budget",
     "run_conditions",
     "wanted_budget",
     "warn_each_fit",
+    "warn_user",
 ]
 
 

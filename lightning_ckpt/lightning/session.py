@@ -69,7 +69,7 @@ from lightning_ckpt.plan.caches import disable_kv_cache
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.handle import PlanHandle
 from lightning_ckpt.plan.table import TABLE_KEY, PlanTable, bucket_edges, table_line
-from lightning_ckpt.search.compile import apply_reusing_graphs, count_kept, reset_compiled
+from lightning_ckpt.search.compile import KeptGraphs, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.records import TuneResult
 
@@ -539,6 +539,7 @@ class AppliedPlan:
         self._restore_cache: Any = None
         self._forwards: dict[Any, Any] = {}  # what plans installed while graphs are kept (``keep_graphs``)
         self._keeping = False  # graphs are kept since the last fresh start
+        self._kept = KeptGraphs()  # the graphs of the table's plans
 
     def apply(self, view: ModelView, plan: Plan, trainer: pl.Trainer, *, keep_graphs: bool = False) -> None:
         """Apply ``plan`` in place of the one applied now; every rank must have applied the same plan.
@@ -555,8 +556,8 @@ class AppliedPlan:
                 reset_compiled()
                 self._keeping = True
             key = (id(self), plan.key())
-            self._handle = apply_reusing_graphs(view, plan, self._forwards, key)
-            count_kept(key)
+            self._handle = self._kept.apply_reusing(view, plan, self._forwards, key)
+            self._kept.keys.add(key)
         else:
             self._forwards.clear()
             self._keeping = False

@@ -57,13 +57,11 @@ that really is compiled (e.g. a ``torch.compile``-d function the model detection
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
-import os
 import time
 import warnings
-from collections import Counter
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -71,144 +69,106 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
+from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure.harness import StepHarness, loss_of
 from lightning_ckpt.measure.measurement import Measurement, classify_failure, release_memory
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.model import ModelView, compiled_regions
-from lightning_ckpt.plan import forwards as apply_module
 from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.plan.forwards import CHECKPOINT_FRAMES
 from lightning_ckpt.plan.handle import PlanHandle
 from lightning_ckpt.search.assembly import BlocksCompiledAlone, graphs_compiled, room_for_graphs
-from lightning_ckpt.search.records import judge_status
+from lightning_ckpt.search.dynamo import (
+    CompileStats,
+    DynamoWatch,
+    break_count,
+    break_summaries,
+    conflict_reason,
+    eager_ops,
+    is_dynamo_refusal,
+    random_ops,
+    recompile_count,
+    recompile_limit,
+    uses_cuda_graphs,
+)
 
 __all__ = [
-    "CompileStats",
     "CompiledTrials",
+    "KeptGraphs",
     "compiled_search",
     "compiled_space",
     "compiled_target",
-    "apply_reusing_graphs",
-    "conflict_reason",
     "eager_while_profiling",
-    "count_kept",
-    "random_ops",
-    "recompile_count",
     "release_kept_graphs",
     "reset_compiled",
-    "trial_status",
 ]
 
 log = logging.getLogger(__name__)
-
-_COMPILED_NODE = "CompiledFunctionBackward"  # autograd node of an AOTAutograd-compiled graph
-_MAX_REASONS = 5
-
-
-# ---------------------------------------------------------------------------------------------------
-# Detection
-# ---------------------------------------------------------------------------------------------------
-def random_ops(model: nn.Module) -> str | None:
-    """The first module of ``model`` that draws random numbers in training (dropout with p > 0), if any.
-
-    Dropout modules are found by type; attention modules that pass a ``dropout``/``dropout_p``/
-    ``attention_dropout`` float to SDPA (nanoGPT, HF) by that attribute. Functional dropout called
-    with a literal probability cannot be seen from the module tree.
-    """
-    for fqn, module in unwrap_compiled(model).named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return canonical_fqn(fqn) or type(module).__name__
-        for name in ("dropout", "dropout_p", "attention_dropout"):
-            value = module.__dict__.get(name)
-            if isinstance(value, float) and value > 0:
-                return f"{canonical_fqn(fqn)}.{name}"
-    return None
-
-
-def uses_cuda_graphs(model: nn.Module) -> bool:
-    """Whether a ``torch.compile`` wrapper in ``model`` was made with CUDA graphs (``mode="reduce-overhead"``).
-
-    Read from the wrapper's backend chain (Dynamo's frame converter wraps inductor's, which holds the mode's
-    options as ``config``): found in torch 2.13; a torch that keeps it elsewhere reads as False.
-    """
-    for module in [model, *unwrap_compiled(model).modules()]:
-        if not is_compile_wrapper(module):
-            continue
-        backend = getattr(getattr(module, "dynamo_ctx", None) or getattr(module, "_dynamo_ctx", None), "callback", None)
-        for _ in range(8):
-            config = getattr(backend, "config", None)
-            if isinstance(config, dict) and config.get("triton.cudagraphs"):
-                return True
-            backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(
-                backend, "_torchdynamo_orig_callable", None
-            )
-            if backend is None:
-                break
-    return False
 
 
 def reset_compiled() -> None:
     """Forget every compiled graph, so the next call compiles what is applied now.
 
-    ``torch._dynamo.reset()`` is process-wide: other compiled functions recompile once too. It is
-    what keeps plan changes from accumulating recompiles towards the recompile limit (pytorch#135458).
+    ``torch._dynamo.reset()`` is process-wide: other compiled functions recompile once too, and every search's
+    ``KeptGraphs`` is emptied. It is what keeps plan changes from accumulating recompiles towards the recompile
+    limit (pytorch#135458).
     """
     torch._dynamo.reset()
-    _KEPT.keys.clear()
-    _KEPT.budget = None
-    _KEPT.assembled = False
+    for graphs in list(_LIVE):
+        graphs.forget()
 
 
-@dataclass
-class _KeptGraphs:
-    """The plans whose graphs dynamo holds since the last reset (re-timing rounds keep them), and the PT2 budget the
-    unmarked ones were compiled under (a plan re-timed with a budget marker, ``_budget_forward``, has graphs of its
-    own). Process-wide, as dynamo's cache is: the runners of a joint micro-batch search share it.
+class KeptGraphs:
+    """The graphs dynamo holds for one search since the last reset: the plans re-timing rounds kept (``keys``: the
+    plan's key with its owner, since another batch shape has other graphs), the PT2 budget the unmarked ones were
+    compiled under (a plan re-timed with a budget marker has graphs of its own), and whether trials ran on blocks
+    compiled alone (``search.assembly``). A runner owns one; the runners of one search should share it (a joint
+    micro-batch search's runners compile the same frames, whose graphs count together towards the recompile limit),
+    and a fit's plan table has its own.
     """
 
-    keys: set[tuple[int, str]] = dataclasses.field(default_factory=set)
-    budget: float | None = None
-    assembled: bool = False  # trials ran on blocks compiled alone (``search.assembly``) since the last reset
+    def __init__(self) -> None:
+        self.keys: set[tuple[int, str]] = set()
+        self.budget: float | None = None
+        self.assembled = False
+        _LIVE.add(self)
+
+    def forget(self) -> None:
+        """Dynamo was reset: nothing is kept."""
+        self.keys.clear()
+        self.budget = None
+        self.assembled = False
+
+    def release(self) -> None:
+        """Drop what was kept (re-timing rounds' graphs, the blocks compiled alone), if anything: a search ends with
+        this, so the model's next step compiles the chosen plan the way the user compiles, once."""
+        if self.keys or self.assembled:
+            reset_compiled()
+
+    def apply_reusing(
+        self, target: nn.Module | ModelView, plan: Plan, forwards: dict[Any, Any], key: tuple[int, str]
+    ) -> PlanHandle:
+        """Apply ``plan`` with the forward objects it had when it was applied before under ``forwards``
+        (``reused_forwards``), so dynamo's guards match the graph compiled for it then and nothing compiles again.
+        The graphs kept are dropped first when one more plan would reach dynamo's recompile limit, which would run
+        the model eagerly from then on."""
+        if self.keys and key not in self.keys and len(self.keys) + 1 >= recompile_limit():
+            self.release()
+        with reused_forwards(forwards):
+            return apply_plan(target, plan)
 
 
-_KEPT = _KeptGraphs()
+# Every KeptGraphs alive: a reset empties them all (dynamo's cache is process-wide), and ``release_kept_graphs`` (how
+# the search core ends a search today, until it releases its runner's own ``kept``) releases them.
+_LIVE: weakref.WeakSet[KeptGraphs] = weakref.WeakSet()
 
 
 def release_kept_graphs() -> None:
-    """Drop the graphs the search kept (``reset_compiled``): re-timing rounds', and the blocks compiled alone. A search
-    ends with this, so the model's next step compiles the chosen plan the way the user compiles, once."""
-    if _KEPT.keys or _KEPT.assembled:
-        reset_compiled()
-
-
-def apply_reusing_graphs(
-    target: nn.Module | ModelView, plan: Plan, forwards: dict[Any, Any], key: tuple[int, str]
-) -> PlanHandle:
-    """Apply ``plan`` with the forward objects it had when it was applied before under ``forwards``
-    (``reused_forwards``), so dynamo's guards match the graph compiled for it then and nothing compiles again. The
-    graphs kept (``count_kept``) are dropped first when one more plan would reach dynamo's recompile limit, which
-    would run the model eagerly from then on. ``key``: the plan's, with its owner (another batch shape, other
-    graphs)."""
-    if _KEPT.keys and key not in _KEPT.keys and len(_KEPT.keys) + 1 >= _recompile_limit():
-        release_kept_graphs()
-    with reused_forwards(forwards):
-        return apply_plan(target, plan)
-
-
-def count_kept(key: tuple[int, str]) -> None:
-    """Count ``key``'s graphs among those kept since the last reset (``apply_reusing_graphs``)."""
-    _KEPT.keys.add(key)
-
-
-def recompile_count() -> int:
-    """Recompilations since the last ``reset_compiled()``: guard failures dynamo recorded, all frames."""
-    from torch._dynamo.utils import guard_failures
-
-    return sum(len(reasons) for reasons in guard_failures.values())
+    """``KeptGraphs.release`` of every search's graphs."""
+    for graphs in list(_LIVE):
+        graphs.release()
 
 
 @contextlib.contextmanager
@@ -228,127 +188,13 @@ def eager_while_profiling(enabled: bool) -> Iterator[None]:
         yield
 
 
-# ---------------------------------------------------------------------------------------------------
-# What dynamo did during one trial
-# ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CompileStats:
-    """What compiling one plan cost and did; stored in ``TrialRecord.extra["compile"]``.
-
-    compile_seconds: wall time of the first (compiling) step, forward and backward: tuning cost (0 when the plan ran
-        graphs compiled for earlier plans: ``BlocksCompiledAlone``).
-    graphs: graphs dynamo compiled for this plan (0: every block mode it uses was compiled before).
-    graph_breaks: graph breaks dynamo took while compiling this plan (all frames).
-    region_breaks: of those, breaks inside a checkpointed region of ours (the region runs eagerly).
-    recompiles: recompilations during the trial's steps (a stable plan has none after the first step).
-    recompile_limit_hit: a frame reached ``torch._dynamo.config.recompile_limit`` and now runs eagerly.
-    eager_ops: autograd ops of the forward recorded outside compiled graphs (an op that ran eagerly).
-    saved_bytes: distinct storages saved for backward, state excluded (see the module docstring).
-    break_reasons: short descriptions of the graph breaks (``reason (file:line)``), at most five.
-    """
-
-    compile_seconds: float = 0.0
-    graphs: int = 0
-    graph_breaks: int = 0
-    region_breaks: int = 0
-    recompiles: int = 0
-    recompile_limit_hit: bool = False
-    eager_ops: int | None = None
-    saved_bytes: int | None = None
-    break_reasons: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["break_reasons"] = list(self.break_reasons)
-        return d
-
-
-def conflict_reason(stats: CompileStats, reference: CompileStats | None) -> str | None:
-    """Why ``stats`` shows a plan fighting the compiler, compared with the no-checkpointing reference."""
-    ref = reference or CompileStats()
-    reasons = []
-    if stats.region_breaks:
-        where = next((r for r in stats.break_reasons if "[in checkpointed region]" in r), "")
-        reasons.append(
-            f"{stats.region_breaks} graph break(s) inside checkpointed regions, which then run eagerly "
-            f"(pytorch#135816){': ' + where if where else ''}"
-        )
-    if stats.graph_breaks > ref.graph_breaks and not stats.region_breaks:
-        reasons.append(f"{stats.graph_breaks} graph breaks where the uncheckpointed model has {ref.graph_breaks}")
-    if stats.recompile_limit_hit and not ref.recompile_limit_hit:
-        reasons.append("hit torch._dynamo.config.recompile_limit, so a frame runs eagerly from now on (pytorch#135458)")
-    if stats.eager_ops is not None and ref.eager_ops is not None and stats.eager_ops > ref.eager_ops:
-        reasons.append(
-            f"{stats.eager_ops - ref.eager_ops} more forward op(s) run outside compiled graphs than without "
-            "checkpointing"
-        )
-    return "; ".join(reasons) or None
-
-
-trial_status = judge_status  # the rule lives with the status vocabulary (records.py)
-
-
-class _DynamoWatch:
-    """Dynamo's process-wide failure counters (``torch._dynamo.utils.counters``), read as a difference."""
-
-    def __init__(self) -> None:
-        from torch._dynamo.utils import counters
-
-        self._counters = counters
-        self._unimplemented = Counter(counters["unimplemented"])
-
-    def limit_hit(self) -> bool:
-        new = Counter(self._counters["unimplemented"]) - self._unimplemented
-        return any("recompile limit" in msg.lower() or "cache_size_limit" in msg for msg in new)
-
-
-def _break_count() -> int:
-    from torch._dynamo.utils import graph_break_reasons
-
-    return len(graph_break_reasons)
-
-
-def _break_summaries(since: int = 0) -> tuple[int, int, tuple[str, ...]]:
-    """(graph breaks, breaks inside our regions, short reasons) recorded since the last dynamo reset (from the
-    ``since``-th on).
-
-    ``torch._dynamo.utils.graph_break_reasons`` keeps each break's user stack (``counters["graph_break"]``
-    only its message), which is what tells a break inside our checkpoint wrapper from one elsewhere.
-    """
-    from torch._dynamo.utils import graph_break_reasons
-
-    ours = os.path.abspath(apply_module.__file__)
-    total, in_region, reasons = 0, 0, []
-    for r in graph_break_reasons[since:]:
-        total += 1
-        inside = any(os.path.abspath(f.filename) == ours and f.name in CHECKPOINT_FRAMES for f in r.user_stack)
-        in_region += inside
-        first = (r.reason or "").strip().splitlines()[0] if (r.reason or "").strip() else "graph break"
-        frame = r.user_stack[-1] if r.user_stack else None
-        where = f" ({os.path.basename(frame.filename)}:{frame.lineno})" if frame is not None else ""
-        text = f"{first[:120]}{where}{' [in checkpointed region]' if inside else ''}"
-        if text not in reasons and len(reasons) < _MAX_REASONS:
-            reasons.append(text)
-    # Region breaks first: they are the ones a user must see.
-    reasons.sort(key=lambda t: "[in checkpointed region]" not in t)
-    return total, in_region, tuple(reasons)
-
-
-def _eager_ops(loss: torch.Tensor) -> int:
-    """Autograd nodes of the step's graph outside compiled graphs (each an op that ran eagerly)."""
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    count = 0
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        name = type(node).__name__
-        if name != _COMPILED_NODE and name != "AccumulateGrad":
-            count += 1
-        stack.extend(fn for fn, _ in node.next_functions)
-    return count
+def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -> Any:
+    """A compiled region's forward while a plan with a PT2 budget is re-timed: the class's forward, after reading
+    ``budget`` so that dynamo guards on it. A string, not the float: dynamo makes a float that changed between
+    compiles dynamic, and one graph would then serve every budget."""
+    if budget == "":
+        raise ValueError("a PT2 budget marker needs the budget")
+    return type(module).forward(module, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -373,8 +219,8 @@ class CompiledTrials:
 
     Every trial starts and ends with ``reset_compiled()``, so a trial compiles exactly its own plan and
     no trial's recompiles count towards the next one's limit. Re-timing rounds keep the graphs they compile
-    (``retime``); ``release_kept_graphs()`` drops them when the search ends, so the caller gets a dynamo state
-    with nothing cached from the search.
+    (``retime``) in ``kept``, which the search releases when it ends, so the caller gets a dynamo state with nothing
+    cached from the search.
     """
 
     def __init__(
@@ -386,8 +232,10 @@ class CompiledTrials:
         reserve_headroom_bytes: int = 0,
         blocks: tuple[str, ...] = (),
         model: nn.Module | None = None,
+        kept: KeptGraphs | None = None,
     ) -> None:
         self.harness = harness
+        self.kept = kept if kept is not None else KeptGraphs()  # shared by the runners of one search
         self.root, self.step_fn, self.device = harness.root, harness.step_fn, harness.device
         self.optimizer, self.extra = harness.optimizer, harness.extra
         self.warmup_steps, self.measure_steps = harness.warmup_steps, harness.measure_steps
@@ -463,11 +311,11 @@ class CompiledTrials:
         if self.assembly is not None:
             return self._assembled_retime(plan, steps, warmup)
         key = (id(self), plan.key())  # another runner (micro-batch) is another batch shape: other graphs
-        handle = apply_reusing_graphs(self.harness.target, plan, self._forwards, key)
+        handle = self.kept.apply_reusing(self.harness.target, plan, self._forwards, key)
         marked = self._mark_budget(plan.compile_memory_budget)
-        if not marked and _KEPT.keys and plan.compile_memory_budget != _KEPT.budget:
-            release_kept_graphs()  # the unmarked graphs kept were compiled under another budget
-        compiles = key not in _KEPT.keys
+        if not marked and self.kept.keys and plan.compile_memory_budget != self.kept.budget:
+            self.kept.release()  # the unmarked graphs kept were compiled under another budget
+        compiles = key not in self.kept.keys
         snapshot = StateSnapshot.capture(self.root)
         run = _CompiledRun()
         try:
@@ -479,9 +327,9 @@ class CompiledTrials:
         if run.failure is not None or not run.measurement.ok:
             reset_compiled()  # whatever the failed step left compiled is not kept
         else:
-            count_kept(key)
+            self.kept.keys.add(key)
             if not marked:
-                _KEPT.budget = plan.compile_memory_budget
+                self.kept.budget = plan.compile_memory_budget
             self.retime_compiles += compiles
         m = self._reading(run)
         return replace(m, extra={**m.extra, "compile": {"compile_seconds": run.compile_seconds, "compiled": compiles}})
@@ -568,11 +416,11 @@ class CompiledTrials:
             stack.callback(handle.remove)
             stack.enter_context(self.assembly.segments_eager(self.root, plan.segments))
             marked = self._mark_budget(plan.compile_memory_budget)
-            if not marked and plan.compile_memory_budget != _KEPT.budget and _KEPT.assembled:
+            if not marked and plan.compile_memory_budget != self.kept.budget and self.kept.assembled:
                 reset_compiled()
-            _KEPT.assembled = True
+            self.kept.assembled = True
             if not marked:
-                _KEPT.budget = plan.compile_memory_budget
+                self.kept.budget = plan.compile_memory_budget
             try:
                 yield
             finally:
@@ -590,8 +438,8 @@ class CompiledTrials:
     def _assembled_measure(self, plan: Plan) -> tuple[Measurement, CompileStats]:
         """Measure ``plan`` on the blocks compiled alone: compiles only the block modes no earlier trial compiled.
         What dynamo did is read as differences (nothing is reset between trials)."""
-        watch = _DynamoWatch()
-        breaks_before, graphs_before = _break_count(), graphs_compiled()
+        watch = DynamoWatch()
+        breaks_before, graphs_before = break_count(), graphs_compiled()
         snapshot = StateSnapshot.capture(self.root)
         run = _CompiledRun()
         try:
@@ -608,7 +456,7 @@ class CompiledTrials:
                         self._memory_pass(snapshot, run)
         finally:
             release_memory(self.device)
-        breaks, region_breaks, reasons = _break_summaries(since=breaks_before)
+        breaks, region_breaks, reasons = break_summaries(since=breaks_before)
         stats = CompileStats(
             compile_seconds=run.compile_seconds if compiled_now else 0.0,
             graphs=compiled_now,
@@ -646,7 +494,7 @@ class CompiledTrials:
         with reused_forwards(self._forwards):
             handle = apply_plan(self.harness.target, plan)
         reset_compiled()
-        watch = _DynamoWatch()
+        watch = DynamoWatch()
         snapshot = StateSnapshot.capture(self.root)
         run = _CompiledRun()
         try:
@@ -657,7 +505,7 @@ class CompiledTrials:
                     self._memory_pass(snapshot, run)
         finally:
             handle.remove()
-            breaks, region_breaks, reasons = _break_summaries()
+            breaks, region_breaks, reasons = break_summaries()
             limit_hit = watch.limit_hit()
             reset_compiled()
             release_memory(self.device)
@@ -689,7 +537,7 @@ class CompiledTrials:
             run.compile_seconds = time.perf_counter() - t0
         except Exception as exc:  # the compiler refused or failed on this plan
             run.failure = classify_failure(exc)
-            run.conflict = _is_dynamo_refusal(exc)
+            run.conflict = is_dynamo_refusal(exc)
         finally:
             snapshot.restore()
 
@@ -732,25 +580,9 @@ class CompiledTrials:
         snapshot.reset_grads()
         with SavedForBackward(self.root, [self.optimizer], self.extra) as saved:
             loss = loss_of(self.step_fn())
-        eager = _eager_ops(loss)
+        eager = eager_ops(loss)
         loss.backward()
         return saved.saved_bytes, eager, saved.resting_bytes
-
-
-def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -> Any:
-    """A compiled region's forward while a plan with a PT2 budget is re-timed: the class's forward, after reading
-    ``budget`` so that dynamo guards on it. A string, not the float: dynamo makes a float that changed between
-    compiles dynamic, and one graph would then serve every budget."""
-    if budget == "":
-        raise ValueError("a PT2 budget marker needs the budget")
-    return type(module).forward(module, *args, **kwargs)
-
-
-def _recompile_limit() -> int:
-    """Dynamo's limit on the graphs one frame may hold (``recompile_limit``; ``cache_size_limit`` before torch 2.6)."""
-    config = torch._dynamo.config
-    limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8)
-    return int(limit)
 
 
 def compiled_space(space: Any, root: nn.Module) -> Any:
@@ -771,7 +603,7 @@ def compiled_space(space: Any, root: nn.Module) -> Any:
                 "pytorch#190758). Set search_space={'compile_budgets': [...]} to try them anyway.",
                 rng,
             )
-            return dataclasses.replace(adapted, compile_budgets=())
+            return replace(adapted, compile_budgets=())
         warnings.warn(
             f"lightning_ckpt: search_space['compile_budgets'] asks for PT2 memory budgets, but the model uses "
             f"dropout ({rng}); torch's memory-budget partitioner may then compute wrong gradients "
@@ -827,15 +659,3 @@ def compiled_target(model: nn.Module, *, compiled: bool | None) -> tuple[str, ..
             "mode='max-autotune-no-cudagraphs', then reuse the plan file (plan=...) with the mode you train with."
         )
     return regions
-
-
-def _is_dynamo_refusal(exc: BaseException) -> bool:
-    """A graph break or recompile limit that dynamo turned into an error (``fullgraph=True``)."""
-    from torch._dynamo import exc as dynamo_exc
-
-    refusals = tuple(
-        cls
-        for cls in (getattr(dynamo_exc, n, None) for n in ("Unsupported", "FailOnRecompileLimitHit"))
-        if isinstance(cls, type)
-    )
-    return isinstance(exc, refusals)
