@@ -1,57 +1,36 @@
-"""torch.compile: find what is compiled, run every trial compiled from scratch, and flag plans that fight the compiler.
+"""torch.compile: run every trial compiled, and flag plans that fight the compiler.
 
-Checkpointing and the compiler interact in ways that make a compiled step silently *slower*:
+Checkpointing and the compiler interact in ways that make a compiled step silently *slower*: a graph break inside
+a checkpointed region runs the whole region eagerly (pytorch#135816, pytorch#139989), selective checkpointing can
+quietly defeat compile (pytorch#161889), and every plan change recompiles (dynamo guards on the instance
+``forward`` that ``apply_plan`` installs) until a frame reaches ``recompile_limit`` and runs eagerly for the rest
+of training (pytorch#135458). So a compiled trial compiles its plan in one untimed step (tuning cost, never
+throughput), times the compiled steps, reads the memory they hold, and compares what dynamo did with the
+no-checkpointing reference (``dynamo.conflict_reason``): a plan that adds graph breaks, breaks a graph inside one
+of our regions, runs more autograd ops outside compiled graphs or reaches the recompile limit is a **conflict**,
+never chosen unless ``allow_graph_breaks=True``.
 
-* a graph break inside a checkpointed region makes the whole region run eagerly (pytorch#135816,
-  pytorch#139989), and selective checkpointing can quietly defeat compile (pytorch#161889);
-* every plan change recompiles (dynamo guards on the instance ``forward`` that ``apply_plan``
-  installs), and a frame that reaches ``torch._dynamo.config.recompile_limit`` runs eagerly for the
-  rest of training (pytorch#135458).
+**Memory of a compiled step.** The live-tensor tracker is a ``TorchDispatchMode``, and dynamo runs compiled
+frames *eagerly* while one is active (torch 2.13: the tracker's reading of a compiled step equals the eager
+step's). ``saved_tensors_hooks`` still see every tensor a compiled graph saves for backward (also under PT2's
+``activation_memory_budget``), so **activation bytes** are the distinct storages saved for backward during the
+forward (deduplicated by storage: q/k/v views of one projection share one; state and batch excluded): what
+checkpointing and the partitioner change, a lower bound of the eager definition (no fused-kernel temporaries or
+backward transients), compared only with other compiled trials; an activation budget is a fraction of the
+*compiled* no-checkpointing step's. **Peak bytes**: on CPU resting bytes + activation bytes (the memory held when
+the forward ends, a lower bound of the true peak); on CUDA ``max_memory_allocated`` over the compiled timed steps,
+with the budget enforced by the allocator cap and no tracker pass. The guard reads real compiled steps the same
+way (``saved_for_backward.SavedForBackward``).
 
-So a compiled trial (``CompiledTrials.measure``) resets dynamo, compiles the plan in one untimed step
-(the compile time is reported as tuning cost, never as throughput), times the compiled steps, reads
-the memory the compiled step holds, resets dynamo again, and compares what dynamo did with the
-no-checkpointing reference. A plan that adds graph breaks, breaks a graph inside one of our
-checkpointed regions, runs more autograd ops outside compiled graphs, or reaches the recompile limit
-is a **conflict**: recorded with the reason and never chosen unless ``allow_graph_breaks=True``.
+The eager memory model predicts a different quantity (on the 2-layer test GPT, batch 4: ``full`` has an eager
+activation peak of 200 KiB, mostly logits and one block's recompute, while its compiled step saves 29 KiB), and
+knows nothing of the partitioner. So a compiled search predicts from the blocks compiled alone
+(``memory.compiled.CompiledMemoryModel``), anchored on the compiled no-checkpointing step it measures first, and
+times from the same blocks; until that anchor is measured (or when it fails) every candidate is compiled and
+measured. PT2's budgets are never predicted, only measured.
 
-**Memory of a compiled step on CPU.** The live-tensor tracker of ``lightning_ckpt.measure.measurement`` is a
-``TorchDispatchMode``, and dynamo runs compiled frames *eagerly* while a dispatch mode is active
-(checked with torch 2.13: the tracker's reading of a compiled step equals the eager step's), so it
-cannot measure what compiled code holds. ``torch.autograd.graph.saved_tensors_hooks`` still sees every
-tensor a compiled graph saves for backward (also under PT2's ``activation_memory_budget``). So on CPU
-a compiled trial reports:
-
-* **activation bytes** = the bytes of the distinct storages saved for backward during the forward
-  (deduplicated by storage, since q/k/v views of one projection share one; parameters, buffers,
-  gradients, optimizer state and the batch excluded). This is what checkpointing and the
-  partitioner change. It leaves out temporaries inside fused kernels and backward transients, so it
-  is a lower bound of the eager definition in ``measure`` and is only compared with other compiled
-  trials: an activation budget is a fraction of the *compiled* no-checkpointing step's saved bytes.
-* **peak bytes** = resting bytes (parameters, buffers, gradients, optimizer state, batch) + activation
-  bytes: the memory held when the forward ends, a lower bound of the step's true peak.
-
-On CUDA the allocator counters see compiled kernels like any other, so a compiled trial's **peak
-bytes** are ``torch.cuda.max_memory_allocated`` over the compiled timed steps (and a peak budget is
-enforced for real by the allocator cap), with no tracker pass: under the tracker's dispatch mode
-dynamo would run the frame eagerly and the reading would be the eager step's. **Activation bytes**
-are the saved-for-backward bytes, as on CPU, so an activation budget means the same on both devices
-and the guard reads real compiled steps the same way (``saved_for_backward.SavedForBackward``).
-
-The eager memory model predicts the *eager* step's activation peak, saved tensors plus recompute and
-backward transients, a different quantity (on the 2-layer test GPT, batch 4: ``full`` has an eager
-activation peak of 200 KiB, mostly logits and one block's recompute, while its compiled step saves
-29 KiB for backward), and it knows nothing of the partitioner's choices (PT2 budgets). So a compiled
-search predicts from the blocks compiled alone instead (``memory.compiled.CompiledMemoryModel``: what each
-block's graph saves under each mode), anchored on the compiled no-checkpointing step it measures first, and
-its time model from the same blocks timed compiled alone: ``tune`` then marks the runner as predicting memory
-and time (``predicts_memory``/``predicts_time``) and prunes as an eager search does. Until that anchor is
-measured (or when it fails) a ``CompiledTrials`` predicts nothing and every candidate is compiled and
-measured; PT2's budgets are never predicted, only measured.
-
-``compiled=True`` on an eager step function undercounts: saved-tensor hooks cannot see inside an
-*eager* checkpointed region (the checkpoint installs its own hooks), so force it only for a step
-that really is compiled (e.g. a ``torch.compile``-d function the model detection cannot see).
+``compiled=True`` on an eager step function undercounts: saved-tensor hooks cannot see inside an *eager*
+checkpointed region (the checkpoint installs its own hooks), so force it only for a step that really is compiled.
 """
 
 from __future__ import annotations
@@ -121,12 +100,10 @@ def reset_compiled() -> None:
 
 
 class KeptGraphs:
-    """The graphs dynamo holds for one search since the last reset: the plans re-timing rounds kept (``keys``: the
-    plan's key with its owner, since another batch shape has other graphs), the PT2 budget the unmarked ones were
-    compiled under (a plan re-timed with a budget marker has graphs of its own), and whether trials ran on blocks
-    compiled alone (``search.assembly``). A runner owns one; the runners of one search should share it (a joint
-    micro-batch search's runners compile the same frames, whose graphs count together towards the recompile limit),
-    and a fit's plan table has its own.
+    """The graphs dynamo holds for one search since the last reset: the plans re-timing rounds kept (``keys``: plan
+    key and owner: another batch shape has other graphs), the PT2 budget the unmarked ones were compiled under, and
+    whether trials ran on blocks compiled alone. The runners of one search share one (a joint micro-batch search's
+    compile the same frames, whose graphs count together towards the recompile limit); a fit's plan table has its own.
     """
 
     def __init__(self) -> None:
@@ -173,11 +150,8 @@ def release_kept_graphs() -> None:
 
 @contextlib.contextmanager
 def eager_while_profiling(enabled: bool) -> Iterator[None]:
-    """Run the enclosed passes eagerly (``torch.compiler.set_stance("force_eager")``) when ``enabled``.
-
-    The memory profile and the process warm-up describe the eager step and would otherwise pay a
-    compile each (tens of seconds on CPU) for graphs that every trial throws away.
-    """
+    """Run the enclosed passes eagerly (``set_stance("force_eager")``) when ``enabled``: the memory profile and the
+    process warm-up describe the eager step and would otherwise pay a compile each (tens of seconds on CPU)."""
     if not enabled:
         yield
         return
@@ -197,9 +171,6 @@ def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -
     return type(module).forward(module, *args, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Trials
-# ---------------------------------------------------------------------------------------------------
 @dataclass
 class _CompiledRun:
     """What one compiled trial found so far, filled in pass by pass (compile, timed steps, memory)."""
@@ -236,10 +207,7 @@ class CompiledTrials:
     ) -> None:
         self.harness = harness
         self.kept = kept if kept is not None else KeptGraphs()  # shared by the runners of one search
-        self.root, self.step_fn, self.device = harness.root, harness.step_fn, harness.device
-        self.optimizer, self.extra = harness.optimizer, harness.extra
-        self.warmup_steps, self.measure_steps = harness.warmup_steps, harness.measure_steps
-        self.batch_size, self.seq_len = harness.batch_size, harness.seq_len
+        self.root, self.step_fn, self.device, self.extra = harness.root, harness.step_fn, harness.device, harness.extra
         self.regions = regions
         self.allow_graph_breaks = allow_graph_breaks
         self.memory_limit_bytes: int | None = None
@@ -257,7 +225,6 @@ class CompiledTrials:
         self.compile_seconds = 0.0  # the seconds of the steps that compiled them
         self._retimed: set[str] = set()  # plans re-timed on the blocks compiled alone (their graphs exist)
 
-    # -- public ---------------------------------------------------------------------------------
     def adapt(self, space: Any) -> Any:
         """The search space for this compiled model (``compiled_space``)."""
         return compiled_space(space, self.root)
@@ -293,20 +260,15 @@ class CompiledTrials:
         return replace(m, steps=steps, conflict=reason, extra=extra)
 
     def retime(self, plan: Plan, steps: int | None = None, *, warmup: int = 1) -> Measurement:
-        """Time ``plan`` again (a ``Measurement``, no memory pass): an untimed first step, which compiles the plan or
-        runs the graph compiled for it earlier in these rounds, then the timed steps (``warmup`` is not used: that
-        first step is every round's warm-up).
+        """Time ``plan`` again, no memory pass: an untimed first step (it compiles the plan, or runs the graph compiled
+        for it earlier in these rounds: every round's warm-up, so ``warmup`` is unused), then the timed steps.
 
-        Re-timing rounds switch back and forth between a handful of plans. Each is applied with the forward objects
-        it had the first time (``reused_forwards``), so dynamo's guards match the graph compiled for it and a round
-        after its first costs steps, not a compile (about 0.8 s saved per plan per round on the 4-layer test GPT
-        with every cache warm, the FX graph cache included; tens of seconds on a cold cache). The graphs kept are
-        dropped (``reset_compiled``) before one more plan would reach dynamo's recompile limit, which would run the
-        model eagerly from then on. A PT2 budget is read when compiling and no guard sees it, so a plan that only
-        sets one would run the previous plan's graph: while it runs, each compiled region gets a forward that reads
-        the budget as a string (``_budget_forward``), which dynamo guards on, and its graph is kept beside the
-        others. Where a region already has an instance forward (the plan checkpoints it), the kept graphs are
-        dropped instead when the budget changes.
+        Each plan is applied with the forward objects it had the first time (``KeptGraphs.apply_reusing``), so a round
+        after its first costs steps, not a compile (about 0.8 s per plan per round on the 4-layer test GPT with every
+        cache warm; tens of seconds cold). A PT2 budget is read when compiling and no guard sees it, so while a plan
+        with one runs each compiled region gets a forward that reads the budget as a string (``_budget_forward``),
+        which dynamo guards on; where a region already has an instance forward, a budget change drops the kept
+        graphs instead.
         """
         if self.assembly is not None:
             return self._assembled_retime(plan, steps, warmup)
@@ -340,8 +302,7 @@ class CompiledTrials:
         if budget is None:
             return []
         fqns = self.assembly.blocks if self.assembly is not None else self.regions
-        modules = [unwrap_compiled(self.root.get_submodule(fqn)) if fqn else unwrap_compiled(self.root)
-                   for fqn in fqns]  # fmt: skip
+        modules = [unwrap_compiled(self.root.get_submodule(fqn)) if fqn else self.root for fqn in fqns]
         if not modules or any("forward" in vars(m) for m in modules):
             return []
         for m in modules:
@@ -362,16 +323,12 @@ class CompiledTrials:
         return m
 
     def measure_partitioned(self, plan: Plan) -> Measurement:
-        """``plan`` (a PT2 budget) as measured on the blocks compiled alone, with the memory the user's compile of
-        several blocks in one graph saves for backward: each such region partitioned as inductor partitions it, its
-        kernels not generated (``assembly.partition_only_backend``), one step to partition and one to read the saved
-        bytes. The budget is one knapsack over every block's ops there and one per block here, and the code outside
-        the blocks runs eagerly here: ``benchmarks/compiled_exhaustive.py`` measured ``pt2_budget(0.5)`` of the
-        8-layer GPT over budget on the blocks (17,502,724 bytes) and within it compiled whole (17,039,360).
-
-        The time stays the blocks' (a partitioned graph runs unfused). The peak moves by what the saved bytes moved:
-        on CPU it is resting bytes plus saved bytes, and on CUDA the allocator's peak on the blocks shifted by the
-        same amount. The steps that partitioned count among the search's compiles (``graphs``)."""
+        """``plan`` (a PT2 budget) as measured on the blocks compiled alone, with the bytes the user's compile of
+        several blocks in one graph saves for backward: each region partitioned as inductor partitions it, kernels not
+        generated (``assembly.partition_only_backend``). The budget is one knapsack over every block's ops there and
+        one per block here: ``benchmarks/compiled_exhaustive.py`` measured ``pt2_budget(0.5)`` of the 8-layer GPT
+        over budget on the blocks (17,502,724 bytes) and within it compiled whole (17,039,360). The time stays the
+        blocks'; the peak moves by what the saved bytes moved; the partitioning steps count among ``graphs``."""
         assert self.assembly is not None, "partitioning whole needs the blocks a compiled search ran alone"
         on_blocks = self.measure_compiled(plan)
         graphs_before = graphs_compiled()
@@ -398,9 +355,6 @@ class CompiledTrials:
         partition["whole_bytes"] = run.saved
         return replace(on_blocks, activation_bytes=run.saved, peak_bytes=peak,
                        extra={**on_blocks.extra, "partitioned": partition})  # fmt: skip
-
-    def _train_step(self) -> None:
-        loss_of(self.step_fn()).backward()
 
     # -- on blocks compiled alone (``search.assembly``) ------------------------------------------------------------
     @contextlib.contextmanager
@@ -449,26 +403,13 @@ class CompiledTrials:
                 if run.failure is None:
                     graphs_timed = graphs_compiled()
                     run.measurement = self._timed_steps(None)
-                    run.recompiles = (
-                        graphs_compiled() - graphs_timed
-                    )  # a stable plan compiles nothing after its first step
+                    run.recompiles = graphs_compiled() - graphs_timed  # a stable plan: nothing after its first step
                     if run.measurement.ok:
                         self._memory_pass(snapshot, run)
         finally:
             release_memory(self.device)
-        breaks, region_breaks, reasons = break_summaries(since=breaks_before)
-        stats = CompileStats(
-            compile_seconds=run.compile_seconds if compiled_now else 0.0,
-            graphs=compiled_now,
-            graph_breaks=breaks,
-            region_breaks=region_breaks,
-            recompiles=run.recompiles,
-            recompile_limit_hit=watch.limit_hit(),
-            eager_ops=run.eager_ops,
-            saved_bytes=run.saved,
-            break_reasons=reasons,
-        )
-        return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
+        seconds = run.compile_seconds if compiled_now else 0.0
+        return self._with_stats(run, seconds, compiled_now, break_summaries(since=breaks_before), watch.limit_hit())
 
     def _assembled_retime(self, plan: Plan, steps: int | None, warmup: int) -> Measurement:
         """``retime`` on the blocks compiled alone. A plan that ran before has its graphs: its round is ``warmup`` and
@@ -489,7 +430,6 @@ class CompiledTrials:
         extra = {"compile_seconds": run.compile_seconds if compiled_now else 0.0, "compiled": bool(compiled_now)}
         return replace(m, extra={**m.extra, "compile": {**extra, "graphs": compiled_now}})
 
-    # -- internals ----------------------------------------------------------------------------------
     def _compile_and_measure(self, plan: Plan) -> tuple[Measurement, CompileStats]:
         with reused_forwards(self._forwards):
             handle = apply_plan(self.harness.target, plan)
@@ -505,21 +445,18 @@ class CompiledTrials:
                     self._memory_pass(snapshot, run)
         finally:
             handle.remove()
-            breaks, region_breaks, reasons = break_summaries()
-            limit_hit = watch.limit_hit()
+            breaks, limit_hit = break_summaries(), watch.limit_hit()
             reset_compiled()
             release_memory(self.device)
-        stats = CompileStats(
-            compile_seconds=run.compile_seconds,
-            graphs=1,
-            graph_breaks=breaks,
-            region_breaks=region_breaks,
-            recompiles=run.recompiles,
-            recompile_limit_hit=limit_hit,
-            eager_ops=run.eager_ops,
-            saved_bytes=run.saved,
-            break_reasons=reasons,
-        )
+        return self._with_stats(run, run.compile_seconds, 1, breaks, limit_hit)
+
+    def _with_stats(
+        self, run: _CompiledRun, seconds: float, graphs: int, breaks: tuple[int, int, tuple[str, ...]], limit_hit: bool
+    ) -> tuple[Measurement, CompileStats]:
+        """The trial's reading with what dynamo did (``breaks``: ``dynamo.break_summaries``) in its extra."""
+        total, in_regions, reasons = breaks
+        stats = CompileStats(seconds, graphs, total, in_regions, run.recompiles, limit_hit, run.eager_ops, run.saved,
+                             reasons)  # fmt: skip
         return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
 
     def _compile_then_time(self, snapshot: StateSnapshot, run: _CompiledRun, steps: int | None) -> None:
@@ -533,7 +470,7 @@ class CompiledTrials:
         try:
             snapshot.reset_grads()
             t0 = time.perf_counter()
-            self._train_step()
+            self.harness.train_step()
             run.compile_seconds = time.perf_counter() - t0
         except Exception as exc:  # the compiler refused or failed on this plan
             run.failure = classify_failure(exc)
@@ -545,9 +482,9 @@ class CompiledTrials:
         """The compiled steps, timed; on CUDA the allocator's peak over them (and its cap), no tracked pass."""
         is_cuda = self.device.type == "cuda"
         return self.harness.measure(
-            step=self._train_step,
-            warmup=self.warmup_steps if warmup is None else warmup,
-            steps=steps or self.measure_steps,
+            step=self.harness.train_step,
+            warmup=self.harness.warmup_steps if warmup is None else warmup,
+            steps=steps or self.harness.measure_steps,
             track_memory=False,
             read_allocator=is_cuda,
             count_flops=False,
@@ -578,7 +515,7 @@ class CompiledTrials:
     def _saved_bytes(self, snapshot: Any) -> tuple[int, int, int]:
         """(saved activation bytes, eager ops, resting bytes) of one compiled step; see the module docstring."""
         snapshot.reset_grads()
-        with SavedForBackward(self.root, [self.optimizer], self.extra) as saved:
+        with SavedForBackward(self.root, [self.harness.optimizer], self.extra) as saved:
             loss = loss_of(self.step_fn())
         eager = eager_ops(loss)
         loss.backward()
@@ -621,9 +558,11 @@ def compiled_search(
     allow_graph_breaks: bool,
     reserve_headroom_bytes: int = 0,
     blocks: tuple[str, ...] = (),
+    kept: KeptGraphs | None = None,
 ) -> CompiledTrials | None:
     """``CompiledTrials`` for ``model`` when it is compiled (``compiled_target``), else ``None``; with ``blocks`` (the
-    stacks' blocks) its trials run on them compiled alone (``search.assembly``), else each compiles the user's way."""
+    stacks' blocks) its trials run on them compiled alone (``search.assembly``), else each compiles the user's way.
+    ``kept``: the search's ``KeptGraphs``, shared by its runners."""
     regions = compiled_target(model, compiled=compiled)
     if regions is None:
         return None
@@ -634,6 +573,7 @@ def compiled_search(
         reserve_headroom_bytes=reserve_headroom_bytes,
         blocks=blocks,
         model=model,
+        kept=kept,
     )
     how = "on its blocks compiled alone" if trials.assembly is not None else "every trial compiles its plan"
     log.info("lightning_ckpt: compiled model (%s): %s", trials.describe(), how)
@@ -641,11 +581,8 @@ def compiled_search(
 
 
 def compiled_target(model: nn.Module, *, compiled: bool | None) -> tuple[str, ...] | None:
-    """The compiled regions of ``model`` when it is compiled (``compiled=None``: detect; ``True``: compiled even where
-    none is found), else ``None``; a model compiled with CUDA graphs is refused.
-
-    ``None`` costs one walk over the modules, so the eager search pays nothing for compile support.
-    """
+    """The compiled regions of ``model`` when it is compiled (``compiled=None``: detect, one walk over the modules;
+    ``True``: compiled even where none is found), else ``None``; a model compiled with CUDA graphs is refused."""
     if compiled is False:
         return None
     regions = compiled_regions(model)
