@@ -17,7 +17,7 @@ from torch import nn
 from lightning_ckpt.errors import DiscoveryError
 from lightning_ckpt.stacks import Block, Child, LayerStack
 
-__all__ = ["Block", "Child", "LayerStack", "canonical_fqn", "discover_blocks", "is_compile_wrapper", "unwrap_compiled"]
+__all__ = ["canonical_fqn", "discover_blocks", "is_compile_wrapper", "unwrap_compiled"]
 
 # Stacks holding less than this share of the largest stack's parameters are ignored by default:
 # encoder-decoder models have two large stacks, while small helper lists (e.g. a ModuleList of

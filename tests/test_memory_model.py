@@ -14,8 +14,9 @@ from lightning_ckpt import BlockPlan, Plan, applied_plan, apply_plan, baselines,
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError, StalePlanError
 from lightning_ckpt.measure.step import StepSettings, measure_step, track_step_memory
 from lightning_ckpt.measure.tracker import new_live_tracker
-from lightning_ckpt.memory.model import MemoryModel, mode_key
+from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.plan.format import mode_key
 from lightning_ckpt.testing import GPT, GPTConfig
 
 # The issue asks for 10% on every baseline; the model is exact up to known effects in apply.py

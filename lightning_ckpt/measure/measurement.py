@@ -1,4 +1,5 @@
-"""Measure one training step honestly: time, peak and activation memory, recompute FLOPs, OOM capture.
+"""What measuring one training step finds (``Measurement``: time, peak and activation memory, recompute FLOPs), and
+how a failed pass is told apart and survived (OOM classification, ``run_pass``). ``measure.step`` runs the step.
 
 Definitions used everywhere in lightning_ckpt (budgets, predictions, tests):
 

@@ -256,14 +256,9 @@ def _flop_counter() -> Any:
 
 @dataclass
 class _Passes:
-    """One ``measure_step``'s passes over ``step_fn``, and what they read.
-
-    In order: (``tracked``) one step under the live-tensor tracker, first because it is the cheapest way
-    to learn that a candidate does not fit, and the reading of activation bytes; (``timed``) the untimed
-    warm-up steps (compile and allocator warm-up are not throughput), then the timed steps (CUDA:
-    synchronised, with peak stats reset first and ``max_memory_allocated`` read after); then
-    (``counted``) one step under ``FlopCounterMode``. Each step starts from the captured gradients.
-    """
+    """One ``measure_step``'s passes over ``step_fn``, and what they read. The tracked step comes first, the cheapest
+    way to learn that a candidate does not fit; timed steps are synchronised (CUDA: ``max_memory_allocated`` read
+    after them); the FLOP count last. Each step starts from the captured gradients."""
 
     step_fn: Callable[[], Any]
     snapshot: StateSnapshot

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
+from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, LightningCkptError
 from lightning_ckpt.measure.measurement import PassOutOfMemory, run_pass
 from lightning_ckpt.measure.snapshot import StateSnapshot
@@ -57,6 +57,7 @@ from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.handle import applied_plan
 from lightning_ckpt.plan.policies import SAVE_LISTS
 from lightning_ckpt.plan.skipping import skipping_stacks
+from lightning_ckpt.stacks import LayerStack
 from lightning_ckpt.timing.model import BlockTime, TimeModel
 
 __all__ = ["Profile", "profile_memory", "profile_step"]

@@ -36,14 +36,14 @@ _COMPILED_NODE = "CompiledFunctionBackward"  # autograd node of an AOTAutograd-c
 _MAX_REASONS = 5
 
 
-def random_ops(model: nn.Module) -> str | None:
-    """The first module of ``model`` that draws random numbers in training (dropout with p > 0), if any.
+def random_ops(root: nn.Module) -> str | None:
+    """The first module of ``root`` (the uncompiled model) that draws random numbers in training (dropout), if any.
 
     Dropout modules are found by type; attention modules that pass a ``dropout``/``dropout_p``/
     ``attention_dropout`` float to SDPA (nanoGPT, HF) by that attribute. Functional dropout called
     with a literal probability cannot be seen from the module tree.
     """
-    for fqn, module in unwrap_compiled(model).named_modules():
+    for fqn, module in root.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             return canonical_fqn(fqn) or type(module).__name__
         for name in ("dropout", "dropout_p", "attention_dropout"):
