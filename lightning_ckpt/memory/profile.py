@@ -204,9 +204,10 @@ def profile_step(
     """
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
-    if applied_plan(root) is not None:
+    current = applied_plan(root)
+    if current is not None:
         raise ApplyError(
-            f"profiling needs the model without checkpointing, but plan {applied_plan(root).describe()!r} "
+            f"profiling needs the model without checkpointing, but plan {current.describe()!r} "
             "is applied. Call handle.remove() first; the profile covers every plan, the applied one included."
         )
     if stacks is None and view is not None:
