@@ -290,9 +290,9 @@ def _run_profile(
     4.74 reserved but free)."""
     snapshot = StateSnapshot.capture(root)
 
-    def profile_pass(what: str, run: Callable[[], Any], cold: bool = True) -> Any:
+    def profile_pass(what: str, run: Callable[[], Any]) -> Any:
         try:
-            return run_pass(f"the memory profile's {what}", dev, run, snapshot.restore, cold=cold)
+            return run_pass(f"the memory profile's {what}", dev, run, snapshot.restore)
         finally:
             snapshot.restore()
 
