@@ -102,7 +102,11 @@ def _rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
     for _ in range(args.rounds):
         for name, plan in plans.items():
             with plan_applied(model, plan, check_fingerprint=False):
-                m = measure_step(lambda: model(x, x).backward(), StepSettings(warmup=1, steps=args.steps, track_memory=False), model=model)  # fmt: skip
+                m = measure_step(
+                    lambda: model(x, x).backward(),
+                    StepSettings(warmup=1, steps=args.steps, track_memory=False),
+                    model=model,
+                )
             slowest = max(sync.all_gather(m.median_seconds or float("inf")))  # ranks step together
             times[name].append(slowest)
     result["side_by_side"] = {k: 2 * args.batch / statistics.median(v) for k, v in times.items()}

@@ -65,7 +65,13 @@ def run_budget(args: argparse.Namespace, model: GPT, batch: Any, fraction: float
             x = batch(m)
             with plan_applied(model, plan, check_fingerprint=False):
                 # One global batch per round: every configuration is timed on the same samples.
-                meas = measure_step(lambda x=x: model(x, x).backward(), StepSettings(warmup=1, steps=args.global_batch // m, track_memory=r == 0), model=model, batch_size=m, extra=(x,))  # fmt: skip
+                meas = measure_step(
+                    lambda x=x: model(x, x).backward(),
+                    StepSettings(warmup=1, steps=args.global_batch // m, track_memory=r == 0),
+                    model=model,
+                    batch_size=m,
+                    extra=(x,),
+                )
             seconds[name].append(meas.median_seconds * (args.global_batch // m))
             if r == 0:
                 memory[name] = meas.activation_bytes

@@ -318,7 +318,13 @@ def worker_retime(job: dict[str, Any]) -> dict[str, Any]:
         orders.append(this_round)
         for name in this_round:
             with plan_applied(case.model, distinct[name], check_fingerprint=False):
-                m = measure_step(step, StepSettings(warmup=1 if r == 0 else 0, steps=job["steps"], track_memory=False), model=case.model, batch_size=case.batch_size, extra=case.extra)  # fmt: skip
+                m = measure_step(
+                    step,
+                    StepSettings(warmup=1 if r == 0 else 0, steps=job["steps"], track_memory=False),
+                    model=case.model,
+                    batch_size=case.batch_size,
+                    extra=case.extra,
+                )
             if m.status != "ok":
                 raise RuntimeError(f"re-timing {name}: {m.status} {m.error}")
             seconds[name].append(m.median_seconds)
