@@ -70,7 +70,7 @@ def _rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
     from lightning_ckpt import baselines, plan_applied, tune
-    from lightning_ckpt.measure.measurement import measure_step, track_step_memory
+    from lightning_ckpt.measure.step import StepSettings, measure_step, track_step_memory
     from lightning_ckpt.memory.profile import profile_memory
 
     x = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
@@ -104,8 +104,11 @@ def _rank_main(rank: int, args: argparse.Namespace, out: str) -> None:
     for _ in range(args.rounds):
         for name, plan in plans.items():
             with plan_applied(model, plan, check_fingerprint=False):
-                m = measure_step(lambda: model(x, x).backward(), model=model, warmup=1, steps=args.steps,
-                                 track_memory=False)  # fmt: skip
+                m = measure_step(
+                    lambda: model(x, x).backward(),
+                    StepSettings(warmup=1, steps=args.steps, track_memory=False),
+                    model=model,
+                )
             slowest = max(sync.all_gather(m.median_seconds or float("inf")))  # ranks step together
             times[name].append(slowest)
     result["side_by_side"] = {k: 2 * args.batch / statistics.median(v) for k, v in times.items()}

@@ -10,7 +10,7 @@ Two parts, each recorded in ``$OUT/gpu_paths.json`` (or ``--out``) and printed a
 * **guard**: a ``Trainer`` fit under ``activation_budget=0.5`` with AdamW. The guard's step records (the first
   real steps after lock-in, from the plan file) are printed beside the chosen plan's trial figures. On the
   first step the allocator's ``peak - resting`` also holds the new gradients and AdamW's state; the guard's
-  activation figure must not (``guard.RealStepReader``), so it stays within a few percent of the trial's and
+  activation figure must not (``step_reader.RealStepReader``), so it stays within a few percent of the trial's and
   no switch happens.
 * **compiled**: ``tune`` on a ``torch.compile``-d GPT under a ``max_memory`` that the compiled no-checkpointing
   step does not fit. Each trial's peak is the allocator's over the compiled steps (no tracked eager pass), so the

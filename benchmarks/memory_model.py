@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt import baselines, plan_applied
-from lightning_ckpt.measure.measurement import track_step_memory
+from lightning_ckpt.measure.step import track_step_memory
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.plan.caches import kv_cache_disabled
 from lightning_ckpt.testing import GPT, GPTConfig

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt import Plan, plan_applied
-from lightning_ckpt.measure.measurement import measure_step
+from lightning_ckpt.measure.step import StepSettings, measure_step
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.microbatch import divisors, resize_batch, tune_micro_batch
 from lightning_ckpt.testing import GPT, GPTConfig
@@ -62,8 +62,13 @@ def run_budget(args: argparse.Namespace, model: GPT, batch: Any, fraction: float
             x = batch(m)
             with plan_applied(model, plan, check_fingerprint=False):
                 # One global batch per round: every configuration is timed on the same samples.
-                meas = measure_step(lambda x=x: model(x, x).backward(), model=model, warmup=1,
-                                    steps=args.global_batch // m, batch_size=m, track_memory=r == 0, extra=(x,))  # fmt: skip
+                meas = measure_step(
+                    lambda x=x: model(x, x).backward(),
+                    StepSettings(warmup=1, steps=args.global_batch // m, track_memory=r == 0),
+                    model=model,
+                    batch_size=m,
+                    extra=(x,),
+                )
             seconds[name].append(meas.median_seconds * (args.global_batch // m))
             if r == 0:
                 memory[name] = meas.activation_bytes

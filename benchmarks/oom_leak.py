@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt.measure import tracker
-from lightning_ckpt.measure.measurement import measure_step
+from lightning_ckpt.measure.step import StepSettings, measure_step
 from lightning_ckpt.testing import GPT, GPTConfig, SimulatedCard
 
 OUT = Path(__file__).resolve().parent / "results" / "oom_leak.json"
@@ -54,7 +54,7 @@ def left_alive(track: bool, dropout: float) -> tuple[float, str]:
     card = SimulatedCard(2**40, resident=(model,))
     with card:
         start = card.allocated()
-        m = measure_step(step, model=model, warmup=0, steps=1, track_memory=track)
+        m = measure_step(step, StepSettings(warmup=0, steps=1, track_memory=track), model=model)
         gc.collect()
         return (card.allocated() - start) / 2**20, m.status
 

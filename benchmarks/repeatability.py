@@ -283,7 +283,7 @@ def worker_search(job: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 def worker_retime(job: dict[str, Any]) -> dict[str, Any]:
     from lightning_ckpt import Plan, baselines, plan_applied
-    from lightning_ckpt.measure.measurement import measure_step
+    from lightning_ckpt.measure.step import StepSettings, measure_step
     from lightning_ckpt.memory.profile import profile_memory
 
     case = BUILDERS[job["case"]](job["tiny"])
@@ -309,7 +309,7 @@ def worker_retime(job: dict[str, Any]) -> dict[str, Any]:
 
     # Untimed steps first: a process's first steps are slow (thread pools, allocator growth), as tune's warm-up.
     with plan_applied(case.model, baselines(case.model)["full"], check_fingerprint=False):
-        measure_step(step, model=case.model, warmup=2, steps=1, track_memory=False, extra=case.extra)
+        measure_step(step, StepSettings(warmup=2, steps=1, track_memory=False), model=case.model, extra=case.extra)
     seconds: dict[str, list[float]] = {name: [] for name in order}
     orders = []
     for r in range(job["rounds"]):
@@ -318,8 +318,13 @@ def worker_retime(job: dict[str, Any]) -> dict[str, Any]:
         orders.append(this_round)
         for name in this_round:
             with plan_applied(case.model, distinct[name], check_fingerprint=False):
-                m = measure_step(step, model=case.model, warmup=1 if r == 0 else 0, steps=job["steps"], batch_size=case.batch_size,
-                                 track_memory=False, extra=case.extra)  # fmt: skip
+                m = measure_step(
+                    step,
+                    StepSettings(warmup=1 if r == 0 else 0, steps=job["steps"], track_memory=False),
+                    model=case.model,
+                    batch_size=case.batch_size,
+                    extra=case.extra,
+                )
             if m.status != "ok":
                 raise RuntimeError(f"re-timing {name}: {m.status} {m.error}")
             seconds[name].append(m.median_seconds)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt import BlockPlan, Plan, baselines, plan_applied
-from lightning_ckpt.measure.measurement import track_step_memory
+from lightning_ckpt.measure.step import track_step_memory
 from lightning_ckpt.testing import GPT, GPTConfig
 
 # What the seed documents (shared/seeds) claim, quoted next to what we measure.

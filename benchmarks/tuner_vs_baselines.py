@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt import Plan, baselines, discover_blocks, plan_applied, tune
-from lightning_ckpt.measure.measurement import measure_step
+from lightning_ckpt.measure.step import StepSettings, measure_step
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.space import SearchSpace
@@ -77,7 +77,9 @@ def side_by_side(model: GPT, loss_fn: Any, plans: dict[str, Plan], *, rounds: in
     for r in range(rounds):
         for name, plan in distinct.items():
             with plan_applied(model, plan, check_fingerprint=False):
-                m = measure_step(step, model=model, warmup=1, steps=steps, batch_size=batch, track_memory=r == 0)
+                m = measure_step(
+                    step, StepSettings(warmup=1, steps=steps, track_memory=r == 0), model=model, batch_size=batch
+                )
             if m.status != "ok":
                 raise RuntimeError(f"{name}: {m.status} {m.error}")
             times[name].append(m.median_seconds)

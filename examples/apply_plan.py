@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from lightning_ckpt import baselines, discover_blocks, plan_applied
-from lightning_ckpt.measure.measurement import track_step_memory
+from lightning_ckpt.measure.step import track_step_memory
 from lightning_ckpt.testing import GPT, GPTConfig
 
 

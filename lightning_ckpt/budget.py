@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from lightning_ckpt.plan.format import Plan
 
-__all__ = ["Budget", "RequestedBudget", "format_bytes", "host_memory", "parse_bytes", "resolve_budget", "within_host"]
+__all__ = ["Budget", "RequestedBudget", "device_type", "host_memory", "parse_bytes", "resolve_budget", "within_host"]
 
 _UNITS = {
     "": 1, "b": 1,

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_ckpt.errors import DiscoveryError
 from lightning_ckpt.stacks import Block, Child, LayerStack
 
-__all__ = ["Block", "Child", "LayerStack", "canonical_fqn", "discover_blocks", "is_compile_wrapper", "unwrap_compiled"]
+__all__ = ["canonical_fqn", "discover_blocks", "is_compile_wrapper", "unwrap_compiled"]
 
 # Stacks holding less than this share of the largest stack's parameters are ignored by default:
 # encoder-decoder models have two large stacks, while small helper lists (e.g. a ModuleList of
@@ -262,12 +262,7 @@ def discover_blocks(model: nn.Module, *, block_types: Iterable[type | str] | Non
             f"No repeated layer stack found in {type(root).__name__}: no nn.ModuleList or nn.Sequential of "
             "same-class modules with parameters. Name the blocks explicitly, e.g. "
             "discover_blocks(model, block_types=[MyBlock]) or block_types=['backbone.stages.*'] "
-            "(ActivationCheckpointTuner(block_types=...) takes the same values); a block the forward calls "
+            "(ActivationCheckpointTuner(search={'block_types': [...]}) takes the same values); a block the forward calls "
             "several times (weights shared across depth) is named the same way."
         )
     return stacks
-
-
-def all_blocks(stacks: Sequence[LayerStack]) -> list[Block]:
-    """Every block of every stack, in stack order."""
-    return [b for s in stacks for b in s.blocks]

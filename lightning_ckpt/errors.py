@@ -7,6 +7,21 @@ bad argument without parsing strings.
 
 from __future__ import annotations
 
+__all__ = [
+    "ApplyError",
+    "ConfigurationError",
+    "DiscoveryError",
+    "InfeasibleBudgetError",
+    "LightningCkptError",
+    "LightningCkptWarning",
+    "PlanError",
+    "PlanFileChangedError",
+    "StalePlanError",
+    "StalePlanWarning",
+    "TrialsFailedError",
+    "UnsupportedVersionError",
+]
+
 
 class LightningCkptError(Exception):
     """Base class of every error raised by lightning_ckpt."""

@@ -21,13 +21,8 @@ from torch import nn
 # Every module that works on a model imports this one, and so the version check (a warning, once, for a torch
 # outside the tested range) runs before any of them touches torch internals, however the package is entered.
 from lightning_ckpt import versions  # noqa: F401
-from lightning_ckpt.discovery import (
-    LayerStack,
-    canonical_fqn,
-    discover_blocks,
-    is_compile_wrapper,
-    unwrap_compiled,
-)
+from lightning_ckpt.discovery import canonical_fqn, discover_blocks, is_compile_wrapper, unwrap_compiled
+from lightning_ckpt.stacks import LayerStack
 
 __all__ = ["ModelView", "compiled_regions", "is_sharded", "model_device", "model_fingerprint"]
 

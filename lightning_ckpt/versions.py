@@ -18,6 +18,16 @@ import torch
 
 from lightning_ckpt.errors import UnsupportedVersionError
 
+__all__ = [
+    "QUIET_ENV",
+    "TORCH_NEWEST_TESTED",
+    "TORCH_NEXT_MAJOR",
+    "TORCH_OLDEST",
+    "require_torch",
+    "torch_version",
+    "warn_if_untested",
+]
+
 # Keep in step with the torch requirement in pyproject.toml and the CI legs (tests check both).
 TORCH_OLDEST = (2, 6)  # inclusive; the oldest CI leg
 TORCH_NEWEST_TESTED = (2, 15)  # the newest CI leg; newer minors warn once at import

@@ -28,7 +28,7 @@ def measure(rank: int, out: str, reshard: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from lightning_ckpt import baselines, plan_applied
-    from lightning_ckpt.measure.measurement import track_step_memory
+    from lightning_ckpt.measure.step import track_step_memory
     from lightning_ckpt.memory.profile import profile_memory
     from lightning_ckpt.testing import GPT, GPTConfig
 

@@ -14,8 +14,8 @@ from lightning_ckpt.search.choice import choose_plan
 from lightning_ckpt.search.confirmation import Confirmed, confirm
 from lightning_ckpt.search.distributed import LocalSync
 from lightning_ckpt.search.ledger import Ledger, TrialRecord
-from lightning_ckpt.search.phases import Phases
 from lightning_ckpt.search.loop import run_trials
+from lightning_ckpt.search.phases import Phases
 from lightning_ckpt.search.pipeline import Search, conclude
 from lightning_ckpt.search.rounds import beats_by
 from lightning_ckpt.search.sampler import sampler_for

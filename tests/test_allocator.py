@@ -16,7 +16,7 @@ from lightning_ckpt.errors import InfeasibleBudgetError
 from lightning_ckpt.measure.allocator import AllocatorWarning, search_allocator, start_expandable_segments
 from lightning_ckpt.measure.allocator_options import AllocatorOptions, parse_options
 from lightning_ckpt.measure.device_memory import CudaMemory
-from lightning_ckpt.measure.measurement import measure_step
+from lightning_ckpt.measure.step import StepSettings, measure_step
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.search.setup import lowest_memory_pass
 from lightning_ckpt.testing import GPT, GPTConfig, SimulatedCard
@@ -137,7 +137,7 @@ def test_a_trial_refused_by_fragments_is_retried_split_resistant() -> None:
 
     card = SimulatedCard(6 * MIB, segments=SIZES)
     with card:
-        m = measure_step(step, model=model, warmup=0, steps=1)
+        m = measure_step(step, StepSettings(warmup=0, steps=1), model=model)
     assert m.ok, m.error
     assert "cap_refused" in m.extra and m.extra["retried_with"].startswith("max_split_size_mb")
 
@@ -200,7 +200,7 @@ def test_tune_on_a_segmented_card_between_the_full_and_none_peaks_locks_in_a_pla
         warnings.simplefilter("always")
         result = tune(model, lambda: model(tokens, tokens), config=TuneConfig(**search))
         with plan_applied(model, result.best):
-            real = measure_step(lambda: model(tokens, tokens).backward(), model=model, warmup=0, steps=1)
+            real = measure_step(lambda: model(tokens, tokens).backward(), StepSettings(warmup=0, steps=1), model=model)
     assert not result.best.is_empty and real.ok and real.peak_bytes <= card_bytes
     assert card.max_reserved() <= card_bytes
     recorded = result.best.metadata["allocator"]

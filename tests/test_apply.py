@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt import BlockPlan, Plan, PlanError, applied_plan, apply_plan, baselines, plan_applied
 from lightning_ckpt.errors import ApplyError
-from lightning_ckpt.measure.measurement import track_step_memory
+from lightning_ckpt.measure.step import track_step_memory
 from lightning_ckpt.testing import GPT, GPTConfig
 
 MODES = [

@@ -287,7 +287,7 @@ def test_each_buckets_prediction_matches_the_true_step_at_its_length():
     # The core, without Lightning: a search at 64 tokens, then the table down to 8. Each bucket's plan is predicted
     # from a profile at its own length (no scaling rule), so its activation memory must match a real step there.
     from lightning_ckpt import tune
-    from lightning_ckpt.measure.measurement import track_step_memory
+    from lightning_ckpt.measure.step import track_step_memory
     from lightning_ckpt.model import ModelView
     from lightning_ckpt.plan.apply import plan_applied
     from lightning_ckpt.search.buckets import bucket_profile, plan_table

@@ -139,7 +139,8 @@ def _fit_lines(tmp_path, budget, search) -> list[str]:
 
 def test_a_budget_above_the_hosts_memory_is_clamped_and_no_checkpointing_is_chosen_without_a_search(tmp_path):
     # Issue #64: max_memory="500GiB" on a 23 GB machine searched 5 plans for 63 s, chose none and said nothing.
-    from lightning_ckpt.budget import format_bytes, host_memory
+    from lightning_ckpt.budget import host_memory
+    from lightning_ckpt.formatting import format_bytes
 
     host, where = host_memory()
     lines = _fit_lines(tmp_path, "500GiB", {"n_trials": 6})

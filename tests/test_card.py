@@ -15,7 +15,7 @@ from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner, BlockPlan, Plan, TuneConfig, plan_applied, tune
 from lightning_ckpt.errors import InfeasibleBudgetError
-from lightning_ckpt.measure.measurement import measure_step
+from lightning_ckpt.measure.step import StepSettings, measure_step
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.search.microbatch import resize_batch, tune_micro_batch
@@ -50,7 +50,7 @@ def _full(model: torch.nn.Module) -> Plan:
 def _peak_on_card(model: GPT, tokens: torch.Tensor, plan: Plan) -> int:
     card = SimulatedCard(2**40, resident=(model,))
     with card, plan_applied(model, plan):
-        assert measure_step(lambda: model(tokens, tokens).backward(), model=model, warmup=0, steps=1).ok
+        assert measure_step(lambda: model(tokens, tokens).backward(), StepSettings(warmup=0, steps=1), model=model).ok
     return card.max_allocated()
 
 
@@ -91,13 +91,13 @@ def test_a_step_that_runs_out_of_memory_frees_everything_it_allocated(track, whe
     card = SimulatedCard(2**40, resident=(model,))
     with card:
         start = card.allocated()
-        m = measure_step(step, model=model, warmup=0, steps=1, track_memory=track, count_flops=True)
+        m = measure_step(step, StepSettings(warmup=0, steps=1, track_memory=track, count_flops=True), model=model)
         assert m.status == "oom"
         assert card.allocated() == start, f"{(card.allocated() - start) / 2**20:.1f} MiB left alive"
         assert "leaked_bytes" not in m.extra
         # Nothing left behind: the next step has the whole card again.
         model.transformer.h[0]._backward_pre_hooks.clear()
-        assert measure_step(lambda: model(tokens, tokens).backward(), model=model, warmup=0, steps=1).ok
+        assert measure_step(lambda: model(tokens, tokens).backward(), StepSettings(warmup=0, steps=1), model=model).ok
 
 
 @pytest.mark.parametrize("card", [True, False], ids=["allocator", "tracker"])
@@ -112,7 +112,7 @@ def test_a_failed_step_that_leaves_tensors_alive_is_reported(card, caplog) -> No
 
     simulated = SimulatedCard(2**40, resident=(model,))
     with caplog.at_level(logging.WARNING), simulated if card else contextlib.nullcontext():
-        m = measure_step(step, model=model, warmup=0, steps=1, track_memory=True)
+        m = measure_step(step, StepSettings(warmup=0, steps=1, track_memory=True), model=model)
     assert m.status == "oom" and m.extra["leaked_bytes"] > 2**20
     assert "left" in caplog.text and "MiB allocated above where it started" in caplog.text
 
@@ -124,7 +124,9 @@ def test_counting_flops_keeps_no_recomputed_activation(small_card) -> None:
     model, tokens = _gpt()
     card = SimulatedCard(card_bytes, resident=(model,))
     with card, plan_applied(model, _full(model)):
-        m = measure_step(lambda: model(tokens, tokens).backward(), model=model, warmup=0, steps=1, count_flops=True)
+        m = measure_step(
+            lambda: model(tokens, tokens).backward(), StepSettings(warmup=0, steps=1, count_flops=True), model=model
+        )
     assert m.ok and m.recompute_flops and m.recompute_flops > 0
     assert card.max_allocated() == full
 
@@ -140,8 +142,8 @@ def test_a_step_the_cap_refuses_although_its_allocated_bytes_fit_is_run_again_an
     step = lambda: model(tokens, tokens).backward()  # noqa: E731
     with card:
         with plan_applied(model, _full(model)):
-            fits = measure_step(step, model=model, warmup=0, steps=1, memory_limit_bytes=limit)
-        over = measure_step(step, model=model, warmup=0, steps=1, memory_limit_bytes=limit)
+            fits = measure_step(step, StepSettings(warmup=0, steps=1, memory_limit_bytes=limit), model=model)
+        over = measure_step(step, StepSettings(warmup=0, steps=1, memory_limit_bytes=limit), model=model)
     assert card.refusals, "the cap did refuse"
     assert fits.ok and fits.peak_bytes <= limit and "cap_refused" in fits.extra
     assert over.status in ("oom", "over_budget"), "a plan over the budget in allocated bytes still fails"
@@ -156,14 +158,14 @@ def test_tune_on_a_small_card_after_an_oom_step_records_the_ooms_and_chooses_a_p
     card = SimulatedCard(card_bytes, resident=(model,))
     with card, caplog.at_level(logging.WARNING):
         start = card.allocated()
-        plain = measure_step(lambda: model(tokens, tokens).backward(), model=model, warmup=0, steps=1)
+        plain = measure_step(lambda: model(tokens, tokens).backward(), StepSettings(warmup=0, steps=1), model=model)
         assert plain.status == "oom", "the model does not fit this card without checkpointing"
         result = tune(
             model, lambda: model(tokens, tokens), max_memory=4 * none, config=TuneConfig(memory_pass="every", **SEARCH)
         )
         assert card.allocated() == start, "the search left nothing on the card"
         with plan_applied(model, result.best):
-            again = measure_step(lambda: model(tokens, tokens).backward(), model=model, warmup=0, steps=1)
+            again = measure_step(lambda: model(tokens, tokens).backward(), StepSettings(warmup=0, steps=1), model=model)
     assert result.budget.limit_bytes == card_bytes, "max_memory above the card is clamped to it"
     assert "clamped" in caplog.text
     assert not result.best.is_empty and result.best_trial.peak_bytes <= card_bytes
@@ -200,7 +202,10 @@ def test_the_joint_micro_batch_search_on_a_small_card(small_card) -> None:
         return lambda: model(batch, batch)
 
     with card:
-        assert measure_step(lambda: model(tokens, tokens).backward(), model=model, warmup=0, steps=1).status == "oom"
+        assert (
+            measure_step(lambda: model(tokens, tokens).backward(), StepSettings(warmup=0, steps=1), model=model).status
+            == "oom"
+        )
         found = tune_micro_batch(
             model,
             loss_for,

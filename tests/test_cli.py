@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lightning_ckpt import BlockPlan, Plan, __version__, tune
-from lightning_ckpt.budget import format_bytes
 from lightning_ckpt.cli.main import main
+from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.model import model_fingerprint
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.testing import GPT, GPTConfig

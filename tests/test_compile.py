@@ -27,17 +27,10 @@ from lightning_ckpt.plan.apply import reused_forwards
 from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.search import compile as compile_module
 from lightning_ckpt.search.assembly import graphs_compiled
-from lightning_ckpt.search.compile import (
-    CompileStats,
-    compiled_search,
-    conflict_reason,
-    eager_while_profiling,
-    random_ops,
-    recompile_count,
-    reset_compiled,
-    trial_status,
-)
+from lightning_ckpt.search.choice import judge_status as trial_status
+from lightning_ckpt.search.compile import compiled_search, eager_while_profiling, reset_compiled
 from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.dynamo import CompileStats, DynamoWatch, conflict_reason, random_ops, recompile_count
 from lightning_ckpt.search.ledger import TrialRecord
 from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.space import SearchSpace
@@ -449,7 +442,9 @@ def test_tune_without_lightning_compares_with_the_partitioner_at_equal_memory():
     full = by_label["full h.0-1"]
     assert abs(full.predicted_activation_bytes - full.activation_bytes) <= 0.05 * none_bytes
     assert not any("forward" in vars(m) for m in model.modules()), "no plan left applied"
-    assert not compile_module._KEPT.keys, "the graphs the re-timing rounds kept are dropped when tune returns"
+    assert not any(g.keys for g in compile_module._LIVE), (
+        "the graphs the re-timing rounds kept are dropped when tune returns"
+    )
 
 
 def _unique_graphs() -> int:
@@ -576,7 +571,7 @@ def test_re_timing_rounds_compile_each_plan_once_and_never_reach_the_recompile_l
     assert not trials.retime(plans["none"], 1).extra["compile"]["compiled"]
     # With a limit of 3 graphs a frame, four plans in rotation drop the kept graphs before the limit is reached.
     reset_compiled()
-    watch = compile_module._DynamoWatch()
+    watch = DynamoWatch()
     name_of_limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     with torch._dynamo.config.patch(**{name_of_limit: 3}):  # cache_size_limit before torch 2.7
         for _ in range(2):
@@ -584,7 +579,7 @@ def test_re_timing_rounds_compile_each_plan_once_and_never_reach_the_recompile_l
                 assert trials.retime(plans[name], 1).ok
     assert not watch.limit_hit(), "the recompile limit is never reached"
     compile_module.release_kept_graphs()
-    assert not compile_module._KEPT.keys
+    assert not trials.kept.keys
 
 
 @pytest.mark.slow
@@ -626,7 +621,8 @@ def test_re_timed_pt2_budgets_keep_a_graph_each_and_each_runs_its_own():
 @pytest.mark.parametrize("where", ["model", "submodule"])
 def test_cuda_graphs_are_refused_before_any_trial_with_the_modes_that_work(where):
     from lightning_ckpt.errors import ConfigurationError
-    from lightning_ckpt.search.compile import compiled_search, uses_cuda_graphs
+    from lightning_ckpt.search.compile import compiled_search
+    from lightning_ckpt.search.dynamo import uses_cuda_graphs
 
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
     if where == "model":
@@ -647,14 +643,12 @@ def test_compiled_trials_cap_the_allocator_with_the_profiles_reserve_headroom(mo
 
     tune_module = importlib.import_module("lightning_ckpt.search.tune")
     seen = []
-    from lightning_ckpt.measure import measurement
+    real_measure, real_profile = StepHarness.measure, tune_module.profile_step
 
-    real_measure, real_profile = measurement.measure_step, tune_module.profile_step
-
-    def measure(*args, **kwargs):
+    def measure(self, *args, **kwargs):
         if "read_allocator" in kwargs:  # a compiled trial's timed steps (not the untimed process warm-up)
             seen.append(kwargs.get("reserve_headroom_bytes"))
-        return real_measure(*args, **kwargs)
+        return real_measure(self, *args, **kwargs)
 
     class WithReserve:
         reserve_overhead_bytes = 4096
@@ -665,7 +659,7 @@ def test_compiled_trials_cap_the_allocator_with_the_profiles_reserve_headroom(mo
         def __getattr__(self, name):
             return getattr(self._model, name)
 
-    monkeypatch.setattr(measurement, "measure_step", measure)  # what every harness measures with
+    monkeypatch.setattr(StepHarness, "measure", measure)  # what every harness measures with
 
     def profile(*args, **kwargs):
         real = real_profile(*args, **kwargs)
@@ -707,7 +701,7 @@ def test_on_cuda_a_compiled_trial_reads_the_allocator_over_compiled_steps_not_an
     # Under the tracker's dispatch mode dynamo runs the frame eagerly: a tracked pass reads (and budgets) the eager
     # step. On CUDA the trial's peak is the allocator's over the compiled steps and its activation the bytes saved
     # for backward, as on CPU, so an activation budget means the same on both devices.
-    from lightning_ckpt.measure import measurement as measure
+    from lightning_ckpt.measure import step as measure
     from lightning_ckpt.search.compile import CompiledTrials
 
     model = tiny_gpt()
@@ -741,13 +735,9 @@ def test_on_cuda_a_compiled_trial_reads_the_allocator_over_compiled_steps_not_an
     step = lambda: compiled(x, x).backward()  # noqa: E731
     over = measure.measure_step(
         step,
+        measure.StepSettings(warmup=0, steps=1, track_memory=False, memory_limit_bytes=50000, read_allocator=True),
         model=model,
-        warmup=0,
-        steps=1,
         device="cuda:0",
-        track_memory=False,
-        read_allocator=True,
-        memory_limit_bytes=50000,
     )
     assert over.status == "over_budget" and over.peak_bytes == 54321 and not tracked
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ckpt.budget import format_bytes as budget_format_bytes
-from lightning_ckpt.cli.metadata import table as cli_table
 from lightning_ckpt.formatting import MIB, format_bytes, markdown_table, table
 
 
@@ -24,10 +22,6 @@ def test_a_column_of_one_unit_has_bare_figures():
     assert format_bytes(12, unit="B") == "12 B"
     with pytest.raises(ValueError, match="unit 'MB' is none of"):
         format_bytes(1, unit="MB")
-
-
-def test_the_budget_and_the_cli_share_the_one_formatter_and_renderer():
-    assert budget_format_bytes is format_bytes and cli_table is table
 
 
 def test_numbers_align_right_text_left_and_nothing_trails():

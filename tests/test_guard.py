@@ -359,14 +359,14 @@ def test_under_an_activation_budget_a_later_batch_4x_longer_is_caught(tmp_path):
 def test_on_cuda_an_activation_reading_leaves_out_gradients_and_optimizer_state(monkeypatch):
     # The allocator's peak - resting of a first real step also holds the new gradients (1x params) and AdamW's
     # state (2x): a fake allocator reports exactly that, and the reading must still be the tracker's activation.
-    from lightning_ckpt.lightning import guard
+    from lightning_ckpt.lightning import step_reader
 
     counters = {"allocated": 0, "peak": 0}
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counters["allocated"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["peak"])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(guard, "new_live_tracker", lambda device, model, opt: new_live_tracker("cpu", model, opt))
+    monkeypatch.setattr(step_reader, "new_live_tracker", lambda device, model, opt: new_live_tracker("cpu", model, opt))
     net = Net()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     params = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -379,9 +379,9 @@ def test_on_cuda_an_activation_reading_leaves_out_gradients_and_optimizer_state(
         counters["peak"] = params * 4 + 1000  # params + grads + AdamW's two moments + temporaries
         return reader.stop()
 
-    cpu_reading = step(guard.RealStepReader(torch.device("cpu")))  # the same step, read as on CPU
+    cpu_reading = step(step_reader.RealStepReader(torch.device("cpu")))  # the same step, read as on CPU
     optimizer.zero_grad(set_to_none=True)
-    reader = guard.RealStepReader(torch.device("cuda", 0))
+    reader = step_reader.RealStepReader(torch.device("cuda", 0))
     reading = step(reader)
     assert reading.peak_bytes == params * 4 + 1000  # the peak is the allocator's
     assert reading.activation_bytes == cpu_reading.activation_bytes > 0  # activation is the tracker's
@@ -393,7 +393,7 @@ def test_on_cuda_an_activation_reading_leaves_out_gradients_and_optimizer_state(
 def test_a_compiled_real_step_is_read_as_compiled_trials_are_on_cuda_and_cpu(monkeypatch):
     # The tracker's dispatch mode would make dynamo run the step eagerly: a compiled step's activation is the bytes
     # it saves for backward (compile.SavedForBackward), its CUDA peak the allocator's, with no tracker at all.
-    from lightning_ckpt.lightning import guard
+    from lightning_ckpt.lightning import step_reader
     from lightning_ckpt.measure.saved_for_backward import SavedForBackward
     from lightning_ckpt.search.compile import reset_compiled
 
@@ -412,8 +412,8 @@ def test_a_compiled_real_step_is_read_as_compiled_trials_are_on_cuda_and_cpu(mon
         optimizer.zero_grad(set_to_none=True)
         return reader.stop()
 
-    monkeypatch.setattr(guard, "new_live_tracker", lambda *a: pytest.fail("a compiled step must not be tracked"))
-    on_cpu = step(guard.RealStepReader(torch.device("cpu")))
+    monkeypatch.setattr(step_reader, "new_live_tracker", lambda *a: pytest.fail("a compiled step must not be tracked"))
+    on_cpu = step(step_reader.RealStepReader(torch.device("cpu")))
     assert on_cpu.activation_bytes == expected.saved_bytes > 0
     assert on_cpu.peak_bytes == on_cpu.resting_bytes + on_cpu.activation_bytes  # as a compiled CPU trial's
     counters = {"allocated": 0, "peak": 0}
@@ -422,7 +422,7 @@ def test_a_compiled_real_step_is_read_as_compiled_trials_are_on_cuda_and_cpu(mon
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["peak"])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     counters.update(allocated=5000, peak=99999)
-    on_cuda = step(guard.RealStepReader(torch.device("cuda", 0)))
+    on_cuda = step(step_reader.RealStepReader(torch.device("cuda", 0)))
     assert on_cuda.peak_bytes == 99999 and on_cuda.activation_bytes == expected.saved_bytes
     reset_compiled()
 
@@ -453,7 +453,8 @@ def test_a_step_the_allocator_served_only_by_releasing_its_cache_moves_down_the_
     # A step within the budget that needed the allocator to release its cache is one fragmented cache away from a
     # refusal on the card: the guard moves to the next plan down before the next step (or warns, if told to).
     from lightning_ckpt.budget import Budget
-    from lightning_ckpt.lightning.guard import BudgetGuard, GuardConfig, RealStepReader, StepCheck
+    from lightning_ckpt.lightning.guard import BudgetGuard, GuardConfig, StepCheck
+    from lightning_ckpt.lightning.step_reader import RealStepReader
     from lightning_ckpt.model import ModelView
     from lightning_ckpt.testing import SimulatedCard
     from lightning_ckpt.testing.allocator import AllocatorSizes

@@ -15,8 +15,9 @@ from torch.utils.checkpoint import CheckpointError
 
 from lightning_ckpt import BlockPlan, Plan, plan_applied
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
-from lightning_ckpt.measure.measurement import Measurement, measure_step, median_and_spread, track_step_memory
+from lightning_ckpt.measure.measurement import Measurement, median_and_spread
 from lightning_ckpt.measure.snapshot import StateSnapshot
+from lightning_ckpt.measure.step import StepSettings, measure_step, track_step_memory
 from lightning_ckpt.testing import GPT
 
 
@@ -46,7 +47,9 @@ def test_warmup_is_excluded_and_median_taken() -> None:
     model = nn.Linear(2, 2)
     # Two warm-up steps that are slow (compile, allocator warm-up), then three timed steps.
     step = timed_steps(clock, [100.0, 50.0, 0.3, 0.1, 0.2])
-    m = measure_step(step, model=model, warmup=2, steps=3, clock=clock, track_memory=False, batch_size=8, seq_len=16)
+    m = measure_step(
+        step, StepSettings(warmup=2, steps=3, track_memory=False, clock=clock), model=model, batch_size=8, seq_len=16
+    )
     assert m.status == "ok"
     assert m.warmup_steps == 2
     assert m.step_seconds == pytest.approx((0.3, 0.1, 0.2))
@@ -60,7 +63,7 @@ def test_warmup_is_excluded_and_median_taken() -> None:
 def test_median_is_robust_to_one_slow_step() -> None:
     clock = FakeClock()
     step = timed_steps(clock, [1.0, 1.0, 9.0, 1.0, 1.0])
-    m = measure_step(step, model=nn.Linear(2, 2), warmup=0, steps=5, clock=clock, track_memory=False)
+    m = measure_step(step, StepSettings(warmup=0, steps=5, track_memory=False, clock=clock), model=nn.Linear(2, 2))
     assert m.median_seconds == pytest.approx(1.0)
     assert m.spread_seconds == pytest.approx(0.0)
     assert m.samples_per_second is None and m.tokens_per_second is None
@@ -70,8 +73,11 @@ def test_adaptive_steps_stop_when_spread_is_small() -> None:
     clock = FakeClock()
     # Noisy at first, then stable: timing continues until MAD/median <= 5%.
     step = timed_steps(clock, [1.0, 2.0, 3.0, 2.0, 2.0, 2.0, 2.0, 2.0] + [2.0] * 20)
-    m = measure_step(step, model=nn.Linear(2, 2), warmup=0, steps=3, clock=clock, track_memory=False,
-                     target_rel_spread=0.05, max_steps=20)  # fmt: skip
+    m = measure_step(
+        step,
+        StepSettings(warmup=0, steps=3, track_memory=False, max_steps=20, target_rel_spread=0.05, clock=clock),
+        model=nn.Linear(2, 2),
+    )
     assert 3 < len(m.step_seconds) < 20
     med, spread = median_and_spread(m.step_seconds)
     assert spread / med <= 0.05
@@ -81,8 +87,11 @@ def test_adaptive_steps_stop_when_spread_is_small() -> None:
 def test_adaptive_steps_respect_max_steps() -> None:
     clock = FakeClock()
     step = timed_steps(clock, [1.0, 2.0, 3.0] * 10)  # MAD/median stays >= 1/3
-    m = measure_step(step, model=nn.Linear(2, 2), warmup=0, steps=2, clock=clock, track_memory=False,
-                     target_rel_spread=0.01, max_steps=6)  # fmt: skip
+    m = measure_step(
+        step,
+        StepSettings(warmup=0, steps=2, track_memory=False, max_steps=6, target_rel_spread=0.01, clock=clock),
+        model=nn.Linear(2, 2),
+    )
     assert len(m.step_seconds) == 6
 
 
@@ -99,7 +108,8 @@ def test_adaptive_steps_respect_max_steps() -> None:
 )
 def test_bad_arguments_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):
-        measure_step(lambda: None, model=nn.Linear(2, 2), **kwargs)
+        shape = {k: kwargs.pop(k) for k in ("batch_size", "seq_len") if k in kwargs}
+        measure_step(lambda: None, StepSettings(**kwargs), model=nn.Linear(2, 2), **shape)
 
 
 def test_measurement_refuses_unknown_status() -> None:
@@ -142,7 +152,7 @@ def test_oom_on_nth_step_is_captured_and_frees_the_step(
         loss.backward()
 
     try:
-        m = measure_step(step, model=gpt, warmup=1, steps=3, track_memory=False)
+        m = measure_step(step, StepSettings(warmup=1, steps=3, track_memory=False), model=gpt)
     finally:
         for h in handles:
             h.remove()
@@ -191,7 +201,7 @@ def test_keyboard_interrupt_propagates_after_restoring_state(gpt: GPT, tokens: t
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        measure_step(step, model=gpt, track_memory=False)
+        measure_step(step, StepSettings(track_memory=False), model=gpt)
     assert all(p.grad is None for p in gpt.parameters())
 
 
@@ -199,13 +209,17 @@ def test_budget_on_cpu_is_enforced_from_the_tracked_peak(gpt: GPT, tokens: torch
     def step() -> None:
         gpt(tokens, tokens).backward()
 
-    ran = measure_step(step, model=gpt, warmup=0, steps=1, extra=(tokens,))
+    ran = measure_step(step, StepSettings(warmup=0, steps=1), model=gpt, extra=(tokens,))
     assert ran.ok and ran.peak_bytes is not None
-    over = measure_step(step, model=gpt, warmup=0, steps=1, extra=(tokens,), memory_limit_bytes=ran.peak_bytes - 1)
+    over = measure_step(
+        step, StepSettings(warmup=0, steps=1, memory_limit_bytes=ran.peak_bytes - 1), model=gpt, extra=(tokens,)
+    )
     # A step that completes above the limit is a measured verdict, not an OOM: over_budget, with its figures.
     assert over.status == "over_budget" and "memory_limit_bytes" in (over.error or "")
     assert over.peak_bytes == ran.peak_bytes and over.activation_bytes == ran.activation_bytes
-    fits = measure_step(step, model=gpt, warmup=0, steps=1, extra=(tokens,), memory_limit_bytes=ran.peak_bytes)
+    fits = measure_step(
+        step, StepSettings(warmup=0, steps=1, memory_limit_bytes=ran.peak_bytes), model=gpt, extra=(tokens,)
+    )
     assert fits.ok
 
 
@@ -217,7 +231,7 @@ def test_optimizer_step_inside_step_fn_is_refused(gpt: GPT, tokens: torch.Tensor
         opt.step()
 
     with pytest.raises(ConfigurationError, match="optimizer.step"):
-        measure_step(step, model=gpt, warmup=0, steps=1, track_memory=False)
+        measure_step(step, StepSettings(warmup=0, steps=1, track_memory=False), model=gpt)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,7 +241,7 @@ def test_cpu_memory_matches_the_tracker_and_full_checkpointing_saves(gpt: GPT, t
     def step() -> None:
         gpt(tokens, tokens).backward()
 
-    none = measure_step(step, model=gpt, warmup=0, steps=1, extra=(tokens,))
+    none = measure_step(step, StepSettings(warmup=0, steps=1), model=gpt, extra=(tokens,))
     reading = track_step_memory(step, model=gpt, extra=(tokens,))
     gpt.zero_grad(set_to_none=True)
     assert (none.peak_bytes, none.activation_bytes, none.resting_bytes) == (
@@ -235,7 +249,7 @@ def test_cpu_memory_matches_the_tracker_and_full_checkpointing_saves(gpt: GPT, t
     )  # fmt: skip
     full_plan = Plan({f"transformer.h.{i}": BlockPlan("full") for i in range(4)})
     with plan_applied(gpt, full_plan):
-        full = measure_step(step, model=gpt, warmup=0, steps=1, extra=(tokens,))
+        full = measure_step(step, StepSettings(warmup=0, steps=1), model=gpt, extra=(tokens,))
     assert full.activation_bytes < none.activation_bytes
     assert full.resting_bytes == none.resting_bytes
 
@@ -244,17 +258,17 @@ def test_recompute_flops_are_exactly_the_extra_flops(gpt: GPT, tokens: torch.Ten
     def step() -> None:
         gpt(tokens, tokens).backward()
 
-    none = measure_step(step, model=gpt, warmup=0, steps=1, track_memory=False, count_flops=True)
+    none = measure_step(step, StepSettings(warmup=0, steps=1, track_memory=False, count_flops=True), model=gpt)
     assert none.recompute_flops == 0 and none.step_flops and none.step_flops > 0
     full_plan = Plan({f"transformer.h.{i}": BlockPlan("full") for i in range(4)})
     with plan_applied(gpt, full_plan):
-        full = measure_step(step, model=gpt, warmup=0, steps=1, track_memory=False, count_flops=True)
+        full = measure_step(step, StepSettings(warmup=0, steps=1, track_memory=False, count_flops=True), model=gpt)
     assert full.recompute_flops and full.recompute_flops > 0
     # Full checkpointing adds exactly one forward of every block, and the counter sees exactly that.
     assert full.step_flops - none.step_flops == full.recompute_flops
     half = Plan({f"transformer.h.{i}": BlockPlan("full") for i in range(2)})
     with plan_applied(gpt, half):
-        m = measure_step(step, model=gpt, warmup=0, steps=1, track_memory=False, count_flops=True)
+        m = measure_step(step, StepSettings(warmup=0, steps=1, track_memory=False, count_flops=True), model=gpt)
     assert m.recompute_flops * 2 == full.recompute_flops
 
 
@@ -321,7 +335,7 @@ def test_measuring_leaves_parameters_buffers_grads_and_rng_untouched(existing_gr
         np.random.rand()
         model(x).backward()
 
-    m = measure_step(step, model=model, warmup=1, steps=2, count_flops=True, extra=(x,))
+    m = measure_step(step, StepSettings(warmup=1, steps=2, count_flops=True), model=model, extra=(x,))
     assert m.ok and m.peak_bytes and m.recompute_flops == 0
     _assert_same(before, _state(model))
 
@@ -330,7 +344,9 @@ def test_measuring_a_plan_leaves_the_model_untouched(gpt: GPT, tokens: torch.Ten
     before = _state(gpt)
     plan = Plan({"transformer.h.0": BlockPlan("full"), "transformer.h.2": BlockPlan("ops", save_list="save_matmuls")})
     with plan_applied(gpt, plan):
-        m = measure_step(lambda: gpt(tokens, tokens).backward(), model=gpt, count_flops=True, extra=(tokens,))
+        m = measure_step(
+            lambda: gpt(tokens, tokens).backward(), StepSettings(count_flops=True), model=gpt, extra=(tokens,)
+        )
     assert m.ok
     _assert_same(before, _state(gpt))
 
@@ -363,13 +379,13 @@ def test_cuda_budget_is_enforced_for_real_and_the_cap_restored() -> None:
     def step() -> None:
         model(x, x).backward()
 
-    ok = measure_step(step, model=model, warmup=1, steps=2)
+    ok = measure_step(step, StepSettings(warmup=1, steps=2), model=model)
     assert ok.ok and ok.peak_bytes and ok.median_seconds
     limit = torch.cuda.memory_allocated() + 1024 * 1024  # far below the step's peak
-    over = measure_step(step, model=model, warmup=0, steps=1, memory_limit_bytes=limit)
+    over = measure_step(step, StepSettings(warmup=0, steps=1, memory_limit_bytes=limit), model=model)
     assert over.status == "oom", over
     assert torch.cuda.get_per_process_memory_fraction() == fraction_before
-    again = measure_step(step, model=model, warmup=0, steps=1)  # the process carries on
+    again = measure_step(step, StepSettings(warmup=0, steps=1), model=model)  # the process carries on
     assert again.ok and again.peak_bytes == pytest.approx(ok.peak_bytes, rel=0.05)
 
 
@@ -378,7 +394,7 @@ def test_cuda_cap_keeps_a_smaller_user_cap_and_adds_the_reserve_headroom(monkeyp
     from types import SimpleNamespace
 
     from lightning_ckpt.measure.device_memory import CudaMemory
-    from lightning_ckpt.measure.measurement import _enforced_memory_limit
+    from lightning_ckpt.measure.step import _enforced_memory_limit
 
     total = 100 * 2**30
     calls: list[float] = []

@@ -11,7 +11,7 @@ from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, baselines, plan_applied
 from lightning_ckpt.errors import ConfigurationError
-from lightning_ckpt.measure.measurement import track_step_memory
+from lightning_ckpt.measure.step import track_step_memory
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.microbatch import ScaledMemoryModel, divisors, resize_batch, tune_micro_batch

@@ -149,7 +149,7 @@ def test_an_offload_trial_reports_its_host_pool_and_gives_it_back() -> None:
 def test_the_memory_model_predicts_an_offload_plan_with_the_block_fetched_ahead() -> None:
     # The block-alone profile sees a block's own tensors come back; during its backward the previous offloaded
     # block's are back too (fetched ahead): without them, the all-offload plan was predicted 26% low.
-    from lightning_ckpt.measure.measurement import measure_step
+    from lightning_ckpt.measure.step import StepSettings, measure_step
     from lightning_ckpt.memory.profile import profile_memory
 
     torch.manual_seed(0)
@@ -160,7 +160,9 @@ def test_the_memory_model_predicts_an_offload_plan_with_the_block_fetched_ahead(
         memory = profile_memory(model, lambda: model(tokens, tokens))
         for plan in (_offload(model), half):
             with plan_applied(model, plan):
-                measured = measure_step(lambda: model(tokens, tokens).backward(), model=model, warmup=1, steps=1)
+                measured = measure_step(
+                    lambda: model(tokens, tokens).backward(), StepSettings(warmup=1, steps=1), model=model
+                )
             assert abs(memory.predict_peak(plan) / measured.peak_bytes - 1) < 0.05, plan.describe()
 
 

@@ -30,8 +30,8 @@ from lightning_ckpt import ActivationCheckpointTuner, Plan
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.cli.main import main
 from lightning_ckpt.errors import LightningCkptError, PlanError
+from lightning_ckpt.lightning.applied import ReplanCheck
 from lightning_ckpt.lightning.reuse import RunConditions, condition_changes, reusable
-from lightning_ckpt.lightning.session import ReplanCheck
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.table import PlanTable, table_line
 from lightning_ckpt.search.replan import replan

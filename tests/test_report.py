@@ -580,11 +580,7 @@ def test_time_series_keeps_the_alone_and_the_side_by_side_figures_apart_and_says
     assert "alone" in TAG_SAMPLES_PER_SECOND and "alone" in TAG_BEST_SAMPLES_PER_SECOND
 
 
-def test_a_name_the_report_package_used_to_export_still_resolves_with_a_warning():
-    with pytest.warns(DeprecationWarning, match=r"lightning_ckpt\.report\.tags\.HPARAM_COLUMNS"):
-        assert report.HPARAM_COLUMNS is report.tags.HPARAM_COLUMNS
-    with pytest.warns(DeprecationWarning, match=r"report\.text\.plan_markdown"):
-        assert report.plan_markdown is report.text.plan_markdown
+def test_the_report_package_exports_only_the_names_callers_use():
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         report.nothing_here  # noqa: B018
     assert len(report.__all__) <= 15

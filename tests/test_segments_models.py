@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt import BlockPlan, Plan, applied_plan, apply_plan, baselines, plan_applied, plan_handle, tune
-from lightning_ckpt.measure.measurement import measure_step
+from lightning_ckpt.measure.step import StepSettings, measure_step
 from lightning_ckpt.memory.profile import profile_memory
 from lightning_ckpt.search.config import TuneConfig
 
@@ -353,7 +353,7 @@ def test_keyword_only_segments_are_offered_and_save_the_memory_predicted():
 
     def measured(plan: Plan) -> int:
         with plan_applied(model, plan):
-            m = measure_step(loss, model=model, warmup=0, steps=1, track_memory=True, count_flops=False)
+            m = measure_step(loss, StepSettings(warmup=0, steps=1, track_memory=True, count_flops=False), model=model)
         return m.activation_bytes
 
     none, segments = measured(Plan()), measured(offered["sqrt_segments"])

@@ -55,7 +55,7 @@ def test_the_predicted_growth_covers_true_activations_at_several_lengths(plan_na
     # 8-token step, the worst case is never below the truth; once the 16-token step is read, the rest is predicted
     # within 10%.
     from lightning_ckpt import baselines
-    from lightning_ckpt.measure.measurement import measure_step
+    from lightning_ckpt.measure.step import StepSettings, measure_step
     from lightning_ckpt.plan.apply import plan_applied
     from lightning_ckpt.testing import GPT, GPTConfig
 
@@ -66,7 +66,9 @@ def test_the_predicted_growth_covers_true_activations_at_several_lengths(plan_na
     for length in (8, 16, 32, 64, 128):
         x = torch.randint(0, 64, (4, length))
         with plan_applied(gpt, plan) if plan is not None else _nothing():
-            truth[length] = measure_step(lambda x=x: gpt(x, x), model=gpt, warmup=0, steps=1).activation_bytes
+            truth[length] = measure_step(
+                lambda x=x: gpt(x, x), StepSettings(warmup=0, steps=1), model=gpt
+            ).activation_bytes
     ref = BatchSize(4, 8)
     scaling = ShapeScaling()
     for length in (16, 32, 64, 128):

@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_ckpt import Plan, baselines, tune
 from lightning_ckpt.discovery import discover_blocks
-from lightning_ckpt.measure.measurement import measure_step
+from lightning_ckpt.measure.step import StepSettings, measure_step
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.skipping import full_depth, skipping_stacks
 from lightning_ckpt.search.config import TuneConfig
@@ -71,7 +71,7 @@ def test_full_depth_runs_every_block_and_restores_the_rate_while_the_stack_still
 
 def _full_depth_peak(model: nn.Module, x: torch.Tensor, plan: Plan | None) -> int:
     with full_depth(model, discover_blocks(model)), plan_applied(model, plan or Plan(), check_fingerprint=False):
-        return measure_step(lambda: model(x), model=model, warmup=0, steps=1).peak_bytes
+        return measure_step(lambda: model(x), StepSettings(warmup=0, steps=1), model=model).peak_bytes
 
 
 def test_a_layerdrop_model_is_tuned_for_its_full_depth_steps_whatever_the_profiled_step_skipped():

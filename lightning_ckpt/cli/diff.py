@@ -21,9 +21,9 @@ from lightning_ckpt.cli.metadata import (
     pt2_budget,
     rate_text,
     section,
-    table,
 )
 from lightning_ckpt.cli.usage import EXIT_DIFFERENT, EXIT_OK, load_plan
+from lightning_ckpt.formatting import table
 from lightning_ckpt.plan.format import BlockPlan, Plan
 
 __all__ = ["DIFF_JSON_HELP", "compare_plans", "format_diff", "run_diff"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.errors import LightningCkptError
-from lightning_ckpt.formatting import format_bytes, table
+from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.plan.format import Plan, library_versions
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "rate_text",
     "ratio_text",
     "section",
-    "table",
     "versions_text",
 ]
 

@@ -22,11 +22,11 @@ from lightning_ckpt.cli.metadata import (
     rate_text,
     ratio_text,
     section,
-    table,
     versions_text,
 )
 from lightning_ckpt.cli.usage import EXIT_OK, load_plan
 from lightning_ckpt.errors import PlanError
+from lightning_ckpt.formatting import table
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import TABLE_KEY, PlanTable
 from lightning_ckpt.search.ledger import TrialStatus

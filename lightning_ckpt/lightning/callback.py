@@ -12,7 +12,6 @@ happened - except that it is checkpointed. The callback checks its arguments and
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -53,7 +52,6 @@ class ActivationCheckpointTuner(Callback):
         plan_path: where to write the chosen plan (atomically; rank 0). If the file exists and was
             tuned for this model and budget, it is reused without searching. A file another run wrote
             while this one tuned is kept, with a warning naming its plan.
-        block_types: deprecated: ``search={"block_types": [...]}`` (classes, class names or FQN patterns).
         search: the search's settings, a ``TuneConfig`` or a dict of its fields, e.g. ``{"n_trials": 20,
             "measure_steps": 2, "search_space": {"modes": ["full"], "segments": False}, "storage":
             "sqlite:///ckpt.db"}`` (trials, timeout, space, Optuna sampler/storage/study, seed, steps per
@@ -101,7 +99,6 @@ class ActivationCheckpointTuner(Callback):
         activation_budget: float | None = None,
         plan: str | os.PathLike | Plan | None = None,  # not PathLike[str]: jsonargparse then reads the file
         plan_path: str | os.PathLike[str] | None = None,
-        block_types: list[Any] | None = None,
         search: TuneConfig | Mapping[str, Any] | None = None,
         guard: GuardConfig | Mapping[str, Any] | None = None,
         max_shape: int | tuple[int, int] | str | None = None,
@@ -114,14 +111,7 @@ class ActivationCheckpointTuner(Callback):
         # Parsed once: every reuse decision compares this by value ("20GiB" is 21474836480).
         self._requested = RequestedBudget.parse(max_memory, activation_budget)
         check_types(plan=plan, plan_path=plan_path, tune_micro_batch=tune_micro_batch)
-        if block_types is not None:
-            warnings.warn(
-                "ActivationCheckpointTuner(block_types=...) is deprecated: pass search={'block_types': [...]} (the "
-                "search's TuneConfig.block_types). The argument will be removed in a later release.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        self.config = search_config(search, block_types)
+        self.config = search_config(search)
         self.guard = GuardConfig.of(guard)
         self.max_memory, self.activation_budget = max_memory, activation_budget
         self.max_shape, self.buckets = max_shape, buckets

@@ -45,18 +45,16 @@ def check_buckets(buckets: Any, max_shape: Any) -> tuple[int, ...] | None:
     return tuple(sorted(set(buckets)))
 
 
-def search_config(search: TuneConfig | Mapping[str, Any] | None, block_types: Any) -> TuneConfig:
-    """``search=`` as a ``TuneConfig`` (validated once, so a bad value fails at construction), with ``block_types``."""
+def search_config(search: TuneConfig | Mapping[str, Any] | None) -> TuneConfig:
+    """``search=`` as a ``TuneConfig`` (validated once, so a bad value fails at construction)."""
     if search is None or isinstance(search, TuneConfig):
-        config = search or TuneConfig()
-    elif isinstance(search, Mapping):
-        config = TuneConfig().with_overrides(search)
-    else:
-        raise ConfigurationError(
-            f"search must be a TuneConfig or a dict of its settings, e.g. search={{'n_trials': 20}}, but got "
-            f"{type(search).__name__} {search!r}."
-        )
-    return config.with_overrides({"block_types": block_types}) if block_types is not None else config
+        return search or TuneConfig()
+    if isinstance(search, Mapping):
+        return TuneConfig().with_overrides(search)
+    raise ConfigurationError(
+        f"search must be a TuneConfig or a dict of its settings, e.g. search={{'n_trials': 20}}, but got "
+        f"{type(search).__name__} {search!r}."
+    )
 
 
 def check_types(**values: Any) -> None:

@@ -5,10 +5,7 @@ they cannot see (an optimizer whose state appears late, a batch larger than the 
 ``training_step`` keeps across steps) shows up only in real steps. So the first real steps after
 lock-in, and any step on a batch larger than every one checked so far, are read whole: CUDA from the
 allocator's peak, CPU with the live-tensor tracker (several times slower, so only those steps).
-A compiled model's steps are read as its trials were (``compile.SavedForBackward``): the tracker's
-dispatch mode would make dynamo run them eagerly and read the eager step.
-
-The search's ``Sync`` (``lightning_ckpt.search.distributed``) over a Lightning strategy's process group.
+How a step is read is ``step_reader``'s part.
 """
 
 from __future__ import annotations
@@ -21,13 +18,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_ckpt.budget import Budget, format_bytes
+from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.formatting import format_bytes
+from lightning_ckpt.lightning.ranks import max_over_ranks
 from lightning_ckpt.lightning.shapes import BatchSize, ShapeScaling, batch_dims, batch_size_of, batch_tensors
-from lightning_ckpt.measure.device_memory import device_memory
-from lightning_ckpt.measure.measurement import MemoryReading
-from lightning_ckpt.measure.saved_for_backward import SavedForBackward
-from lightning_ckpt.measure.tracker import new_live_tracker
+from lightning_ckpt.lightning.step_reader import RealStepReader
+from lightning_ckpt.measure.step import MemoryReading
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
@@ -36,139 +33,12 @@ from lightning_ckpt.stacks import LayerStack
 __all__ = [
     "BudgetGuard",
     "GuardConfig",
-    "RealStepReader",
     "StepCheck",
-    "StrategySync",
     "largest_size",
     "lower_memory_trial",
     "lower_plan",
-    "max_over_ranks",
     "trial_figures",
 ]
-
-
-class RealStepReader:
-    """Reads one real training step, started and stopped from two hooks (batch start, batch end).
-
-    Peak memory: CUDA from the allocator (what an OOM is decided on), CPU from the live-tensor tracker.
-    Activation memory means what it means in trials (``measure``): bytes the step creates other than
-    gradients and optimizer state, read by the live-tensor tracker on every device. On CUDA the
-    allocator's ``peak - resting`` would also count the new gradients, the optimizer state the first
-    step creates and its foreach temporaries, so an activation budget would see a step several times
-    its trial. The tracker runs only when activation is asked for (it slows the step) and only on the
-    few steps the guard reads.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._tracker: Any = None
-        self._saved: SavedForBackward | None = None
-        self._resting = 0
-        self._retries = 0
-
-    def _allocator(self) -> Any:
-        """The device's allocator (CUDA, or a simulated card), or None; a CPU build has none to read."""
-        try:
-            return device_memory(self.device)
-        except (AssertionError, RuntimeError):  # torch built without CUDA
-            return None
-
-    def _alloc_retries(self) -> int:
-        memory = self._allocator()
-        try:
-            return int(memory.stats().get("num_alloc_retries", 0)) if memory is not None else 0
-        except (AssertionError, RuntimeError):
-            return 0
-
-    def _reserved_peak(self) -> int | None:
-        memory = self._allocator()
-        if memory is None or self.device.type != "cuda":  # a simulated card's peaks are the test's, not reset here
-            return None
-        try:
-            return memory.max_reserved()
-        except (AssertionError, RuntimeError):
-            return None
-
-    @property
-    def active(self) -> bool:
-        return (
-            self._tracker is not None or self._saved is not None or (self.device.type == "cuda" and self._resting > 0)
-        )
-
-    def start(
-        self,
-        model: nn.Module,
-        optimizers: Sequence[Any],
-        extra: tuple[Any, ...] = (),
-        *,
-        activation: bool = True,
-        compiled: bool = False,
-    ) -> None:
-        """Start reading a step. ``compiled``: the step runs compiled code, read as compiled trials are:
-        activation = bytes saved for backward, peak = the allocator's (CUDA) or resting + activation (CPU)."""
-        self._retries = self._alloc_retries()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._resting = max(1, torch.cuda.memory_allocated(self.device))
-            torch.cuda.reset_peak_memory_stats(self.device)
-            if not activation:
-                return
-        if compiled:
-            self._saved = SavedForBackward(model, optimizers, extra).__enter__()
-            if self.device.type != "cuda":
-                self._resting = self._saved.resting_bytes
-            return
-        tracker = new_live_tracker(self.device, model, optimizers[0] if optimizers else None)
-        tracker.track_external(model, *optimizers, *extra)
-        tracker.closure_in_step = True
-        if self.device.type != "cuda":
-            self._resting = tracker.now()[0]
-        tracker.total_peak = tracker.now()[0]
-        tracker.__enter__()
-        self._tracker = tracker
-
-    def optimizer_update_starts(self) -> None:
-        """Called between the closure (forward and backward) and the optimizer's update of a real step."""
-        if self._tracker is not None:
-            self._tracker.optimizer_update_starts()
-
-    def stop(self) -> MemoryReading | None:
-        """The step's reading, or None when no step was being read. Activation is None when it was not read."""
-        tracker, self._tracker = self._tracker, None
-        saved, self._saved = self._saved, None
-        if tracker is not None:
-            tracker.__exit__(None, None, None)
-        activation = tracker.activation_peak if tracker is not None else None
-        if saved is not None:
-            saved.__exit__(None, None, None)
-            activation = saved.saved_bytes
-        if self.device.type == "cuda":
-            if self._resting == 0:
-                return None
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            resting, self._resting = self._resting, 0
-            return MemoryReading(peak, activation, resting, str(self.device), *self._pressure())
-        resting, self._resting = self._resting, 0
-        if saved is not None:
-            return MemoryReading(resting + saved.saved_bytes, activation, resting, str(self.device), *self._pressure())
-        if tracker is None:
-            return None
-        return MemoryReading(tracker.total_peak, activation, resting, str(self.device), *self._pressure())
-
-    def _pressure(self) -> tuple[int | None, int]:
-        """(reserved peak, allocator retries) of the step read."""
-        return self._reserved_peak(), self._alloc_retries() - self._retries
-
-    def abandon(self) -> None:
-        """Stop reading without a result (the step raised, or the fit ends)."""
-        if self._tracker is not None:
-            tracker, self._tracker = self._tracker, None
-            tracker.__exit__(None, None, None)
-        if self._saved is not None:
-            saved, self._saved = self._saved, None
-            saved.__exit__(None, None, None)
-        self._resting = 0
 
 
 @dataclass(frozen=True)
@@ -631,43 +501,3 @@ class BudgetGuard:
             return None
         rank_zero_warn(f"{message} Switching to {lower.describe()} {switching}(on_budget_exceeded='switch').")
         return lower
-
-
-class StrategySync:
-    """``lightning_ckpt.search.distributed.Sync`` over a Lightning strategy's process group."""
-
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
-
-    @property
-    def is_leader(self) -> bool:
-        return self.strategy.global_rank == 0
-
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size
-
-    def broadcast(self, obj: Any) -> Any:
-        return self.strategy.broadcast(obj, src=0)
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-
-def max_over_ranks(strategy: Any, values: Sequence[int]) -> list[int]:
-    """Each of ``values`` at its largest over the ranks, on every rank: one all-reduce of a few integers (on the
-    strategy's device, as NCCL needs; there it waits for the previous step's kernels, one host sync per step). It is
-    what lets every rank judge a step by the same batch size when their batches differ (ragged lengths): the same
-    plan table bucket, the same before-forward verdict, the same steps read."""
-    import torch
-
-    if strategy.world_size <= 1:
-        return list(values)
-    reduced = strategy.reduce(torch.tensor(list(values), device=strategy.root_device), reduce_op="max")
-    return [int(v) for v in reduced.tolist()]

@@ -34,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_ckpt.budget import Budget, RequestedBudget, format_bytes
+from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import (
     ConfigurationError,
     InfeasibleBudgetError,
@@ -44,6 +44,7 @@ from lightning_ckpt.errors import (
     StalePlanError,
     StalePlanWarning,
 )
+from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.lightning.shapes import batch_dims
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
@@ -58,11 +59,13 @@ __all__ = [
     "condition_changes",
     "plan_to_reuse",
     "replan_for_budget",
+    "retune_for_batch",
     "reusable",
     "reused_budget",
     "run_conditions",
     "wanted_budget",
     "warn_each_fit",
+    "warn_user",
 ]
 
 

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.errors import ConfigurationError
-from lightning_ckpt.lightning.guard import StrategySync
+from lightning_ckpt.lightning.ranks import StrategySync
 from lightning_ckpt.lightning.reuse import PlanFile, warn_each_fit, warn_user
 from lightning_ckpt.lightning.shapes import (
     SkippedBatch,

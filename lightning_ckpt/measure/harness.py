@@ -78,21 +78,18 @@ class StepHarness:
         loss_of(self.step_fn()).backward()
 
     def measure(self, *, warmup: int, steps: int, step: Callable[[], Any] | None = None, **passes: Any) -> Measurement:
-        """``measurement.measure_step`` of this harness's step (``step``: another one over the same model and batch,
-        a compiled step), with its model, optimizer, device, shape and resting tensors: every caller measures
-        the same way. ``passes``: the pass options (``track_memory``, ``count_flops``, ``memory_limit_bytes``...)."""
-        from lightning_ckpt.measure.measurement import measure_step
+        """``step.measure_step`` of this harness's step (``step``: another one over the same model and batch, a
+        compiled step), with its model, optimizer, device, shape, clock and resting tensors: every caller measures
+        the same way. ``passes``: the other ``StepSettings`` (``track_memory``, ``count_flops``...)."""
+        from lightning_ckpt.measure.step import StepSettings, measure_step
 
         return measure_step(
             step or self.train_step,
+            StepSettings(warmup=warmup, steps=steps, clock=self.clock, **passes),
             model=self.root,
             optimizer=self.optimizer,
-            warmup=warmup,
-            steps=steps,
             device=self.device,
             batch_size=self.batch_size,
             seq_len=self.seq_len,
             extra=self.extra,
-            clock=self.clock,
-            **passes,
         )

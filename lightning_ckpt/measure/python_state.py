@@ -35,8 +35,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.plan.buffer_guard import version_counter
-from lightning_ckpt.plan.forwards import CHILD_GUARD, PREV_FORWARD
-from lightning_ckpt.plan.handle import HANDLE_ATTR
+from lightning_ckpt.plan.handle import plan_attributes
 
 __all__ = ["PythonState"]
 
@@ -44,7 +43,7 @@ _ATOMS = (bool, int, float, complex, str, bytes, type(None))
 # nn.Module's own internals (tensors, submodules, hook tables: restored elsewhere or never changed by a step;
 # ``training`` is kept), the forwards (and the model's plan handle) that plans install while trials run, and the
 # compiled call a compiled search gives each block (``search.assembly``; a class attribute until a module compiles).
-_PLAN_ATTRIBUTES = {"forward", PREV_FORWARD, HANDLE_ATTR, CHILD_GUARD, "_compiled_call_impl"}
+_PLAN_ATTRIBUTES = plan_attributes() | {"_compiled_call_impl"}
 _SKIP = frozenset(set(nn.Module().__dict__) - {"training"}) | _PLAN_ATTRIBUTES
 # Objects of these libraries are machinery, not user state: a LightningModule holds its Trainer, whose flags
 # (a SIGTERM received during the search, say) must never be rolled back.

@@ -23,6 +23,17 @@ from torch.utils._pytree import tree_flatten
 from lightning_ckpt.plan.caches import CACHE_ARGS, forward_params
 from lightning_ckpt.plan.chain import hidden_slot, rng_equal, rng_states, tensor_devices
 
+__all__ = [
+    "Captured",
+    "autocast_as",
+    "backward_leaves",
+    "called_with",
+    "capture_calls",
+    "hidden_index",
+    "hidden_of",
+    "hidden_tensor",
+]
+
 
 def hidden_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, Any] | None:
     """Where the block's hidden state is, by segments' own rule (``chain.hidden_slot``): a call without a

@@ -31,7 +31,7 @@ from lightning_ckpt.plan.chunks import segment_chunks
 from lightning_ckpt.plan.format import Plan, closest_names, mode_key
 from lightning_ckpt.stacks import LayerStack
 
-__all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction", "mode_key"]
+__all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction"]
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,8 @@ How the profile is built, and why it never needs the no-checkpointing peak:
 1. **Capture** (``torch.no_grad`` forward, ``memory.capture``): forward pre-hooks record each block's
    call order and keep the inputs of one representative per group of identical blocks (same class,
    parameter shapes and input shapes). A no-grad forward holds one block's internals at a time.
-2. **Anchor** (one forward+backward with *every* block fully checkpointed, the cheapest plan):
-   a live-tensor tracker records the maximum of live bytes in each *phase* of the step (before
-   the stack, each block's forward, the head's forward, the head's backward, each block's backward,
-   after the stack), delimited by module hooks and gradient hooks on the blocks' hidden states.
-   This captures exactly what per-block arithmetic gets wrong: gradients accumulating during
-   backward, the logits and loss temporaries, the embedding backward.
+2. **Anchor** (``memory.anchor``): one forward+backward with every block fully checkpointed, its live bytes'
+   maximum recorded per phase of the step.
 3. **Per-block profiles**: each representative block runs alone (forward+backward, its captured
    inputs) under every mode (``none``, ``full``, ``offload``, each op save-list, selective children)
    via ``apply_plan`` on that one FQN, under the tracker. Per mode we keep what the block holds after
@@ -31,9 +27,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
+from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, LightningCkptError
-from lightning_ckpt.measure.harness import loss_of
 from lightning_ckpt.measure.measurement import PassOutOfMemory, run_pass
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.tracker import (
@@ -42,6 +37,7 @@ from lightning_ckpt.measure.tracker import (
     normalise_device,
     tensor_bytes,
 )
+from lightning_ckpt.memory.anchor import Calls, anchor_step, cuda_allocator_anchor, phase_rank
 from lightning_ckpt.memory.block_times import compiled_block_modes, time_block_modes
 from lightning_ckpt.memory.capture import (
     Captured,
@@ -61,6 +57,7 @@ from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.handle import applied_plan
 from lightning_ckpt.plan.policies import SAVE_LISTS
 from lightning_ckpt.plan.skipping import skipping_stacks
+from lightning_ckpt.stacks import LayerStack
 from lightning_ckpt.timing.model import BlockTime, TimeModel
 
 __all__ = ["Profile", "profile_memory", "profile_step"]
@@ -73,127 +70,6 @@ def _block_plan_of(key: str) -> BlockPlan:
     if kind == "selective":
         return BlockPlan("selective", tuple(rest.split(",")))
     return BlockPlan(kind)
-
-
-def _phase_rank(label: tuple[Any, ...], n: int) -> int:
-    kind = label[0]
-    if kind == "pre":
-        return 0
-    if kind == "fwd":
-        return 1 + 2 * label[1]
-    if kind == "fwd_gap":
-        return 2 + 2 * label[1]
-    if kind == "bw_head":
-        return 1 + 2 * n
-    if kind == "bw":
-        return 2 + 2 * n + 2 * (n - 1 - label[1])
-    return 3 + 2 * n + 2 * (n - 1 - label[1])  # bw_gap
-
-
-@dataclass
-class _Calls:
-    """How the anchor step called each block (one entry per call), read with every block ``full``:
-    checkpointing changes neither whether a tensor needs a gradient nor which outputs receive one."""
-
-    input_grad: list[bool]  # the hidden input needed a gradient
-    output_grad: list[bool]  # some output needed a gradient (False: no gradient flows through the call)
-    grad_leaves: list[set[int]]  # positions (``tree_flatten``) of the output leaves that received one
-
-
-class _AnchorPhases:
-    """The anchor step's phase markers: module hooks on the blocks and gradient hooks on their hidden states
-    move the tracker from phase to phase (see ``PhasePeak``), and record how each call was made (``_Calls``)."""
-
-    def __init__(self, root: nn.Module, order: list[str], tracker: Any) -> None:
-        self.n = n = len(order)
-        self.tracker = tracker
-        self.positions: dict[str, list[int]] = {}
-        for i, fqn in enumerate(order):
-            self.positions.setdefault(fqn, []).append(i)
-        self.seen: dict[str, int] = {}
-        self.running: dict[int, int] = {}  # id(module) -> the call index of its call in progress
-        self.calls = _Calls([False] * n, [False] * n, [set() for _ in range(n)])
-        self.current: tuple[Any, ...] = ("pre",)
-        self.fqn_of = {id(root.get_submodule(f)): f for f in order}
-
-    def enter(self, label: tuple[Any, ...]) -> None:
-        # Hooks can fire out of phase order (one tensor is both a block's output and the next block's
-        # input); a phase never goes back, so the later one wins.
-        if _phase_rank(label, self.n) > _phase_rank(self.current, self.n):
-            self.current = label
-            self.tracker.enter_phase(label)
-
-    def grad_marker(self, label: tuple[Any, ...]) -> Callable[[torch.Tensor], None]:
-        def hook(_grad: torch.Tensor) -> None:
-            self.enter(label)
-
-        return hook
-
-    def leaf_marker(self, i: int, leaf: int) -> Callable[[torch.Tensor], None]:
-        def hook(_grad: torch.Tensor) -> None:
-            self.calls.grad_leaves[i].add(leaf)
-            self.enter(("bw", i))
-
-        return hook
-
-    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        fqn = self.fqn_of[id(module)]
-        k = self.seen[fqn] = self.seen.get(fqn, -1) + 1
-        calls_of = self.positions[fqn]
-        i = self.running[id(module)] = calls_of[min(k, len(calls_of) - 1)]  # a shared block: its k-th call
-        self.enter(("fwd", i))
-        where = hidden_index(args, kwargs)
-        if where is not None:
-            t = args[where[1]] if where[0] == "arg" else kwargs[where[1]]
-            self.calls.input_grad[i] = t.requires_grad
-            if t.requires_grad:
-                t.register_hook(self.grad_marker(("bw_gap", i)))
-
-    def post_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        i = self.running[id(module)]
-        self.enter(("fwd_gap", i))
-        # Every output that needs a gradient starts the block's backward, not only the hidden state: an
-        # auxiliary loss (an MoE router's) reaches the block first when it is computed from the block's output,
-        # and under ``full`` its gradient recomputes the block right then.
-        for leaf, t in enumerate(tree_flatten(out)[0]):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                self.calls.output_grad[i] = True
-                t.register_hook(self.leaf_marker(i, leaf))
-
-
-def _anchor(
-    root: nn.Module, forward_fn: Callable[[], Any], order: list[str], externals: list[Any], device: torch.device
-) -> tuple[Any, int, tuple[int, int], _Calls]:
-    """Forward+backward with every block ``full``, phase maxima recorded.
-
-    Returns the tracker, the resting level, the (total, activation) level when the forward returned, and
-    how each block was called (``_Calls``).
-    """
-    tracker = new_live_tracker(device, root)
-    tracker.track_external(*externals)
-    phases = _AnchorPhases(root, order, tracker)
-    plan = Plan({f: BlockPlan("full") for f in order})
-    handle = apply_plan(root, plan)
-    handles = []
-    try:
-        for f in phases.positions:
-            m = root.get_submodule(f)
-            handles.append(m.register_forward_pre_hook(phases.pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(phases.post_hook, with_kwargs=True))
-        resting = tracker.now()[0]
-        tracker.total_peak = resting
-        with tracker:
-            tracker.enter_phase(("pre",))
-            loss = loss_of(forward_fn())
-            end_of_forward = tracker.now()
-            phases.enter(("bw_head",))
-            loss.backward()
-            del loss
-    finally:
-        for h in handles:
-            h.remove()
-        handle.remove()
-    return tracker, resting, end_of_forward, phases.calls
 
 
 def _run_block(
@@ -298,7 +174,6 @@ def profile_step(
     device: torch.device | str | None = None,
     selective_sets: Mapping[str, Iterable[Iterable[str]]] | Iterable[Iterable[str]] | None = None,
     share_identical_blocks: bool = True,
-    block_types: Iterable[type | str] | None = None,
     time_blocks: bool | Collection[str] = True,
     compiled_blocks: bool = False,
 ) -> Profile:
@@ -329,14 +204,15 @@ def profile_step(
     """
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
-    if applied_plan(root) is not None:
+    current = applied_plan(root)
+    if current is not None:
         raise ApplyError(
-            f"profiling needs the model without checkpointing, but plan {applied_plan(root).describe()!r} "
+            f"profiling needs the model without checkpointing, but plan {current.describe()!r} "
             "is applied. Call handle.remove() first; the profile covers every plan, the applied one included."
         )
     if stacks is None and view is not None:
         stacks = view.stacks
-    stacks = list(stacks) if stacks is not None else discover_blocks(root, block_types=block_types)
+    stacks = list(stacks) if stacks is not None else discover_blocks(root)
     dev = normalise_device(torch.device(device) if device is not None else model_device(root))
     blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
     sets = _selective_sets(stacks, selective_sets)
@@ -380,13 +256,14 @@ class _Runs:
     tracker: Any  # the anchor step's
     resting: int
     end_of_forward: tuple[int, int]
-    calls: _Calls
+    calls: Calls
     call_rep: list[str]  # per call: its key in ``profiled``
     profiled: dict[str, Captured]
-    profiles: dict[str, dict[str, ModeProfile]]
-    failed: dict[str, dict[str, str]]
-    in_bytes: dict[str, int]
-    timings: dict[str, dict[str, float]]  # per representative key: median seconds per mode (memory.block_times)
+    profiles: dict[str, dict[str, ModeProfile]] = dataclasses.field(default_factory=dict)
+    failed: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    in_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # per representative key: median seconds per mode (memory.block_times)
+    timings: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     compiled_saved: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # compiled alone, per mode
     compile_seconds: float = 0.0  # the blocks' compiles (compiled_blocks)
     compiles: int = 0
@@ -407,76 +284,49 @@ def _run_profile(
     compiled: bool = False,
 ) -> _Runs:
     """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the
-    state the model was in."""
+    state the model was in. Each pass from a cold cache (``run_pass``), as under a trial's cap: the capture's forward
+    left blocks cached (its fp32 logits among them) that the anchor step split, and on a card capped near the budget
+    the anchor's own logits then found no room (an H200 capped at 21.8 GiB refused 6.14 GiB with 11.17 allocated and
+    4.74 reserved but free)."""
     snapshot = StateSnapshot.capture(root)
+
+    def profile_pass(what: str, run: Callable[[], Any]) -> Any:
+        try:
+            return run_pass(f"the memory profile's {what}", dev, run, snapshot.restore)
+        finally:
+            snapshot.restore()
+
     try:
         stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
-        order, reps, rep_of, unchained = run_pass(
-            "the memory profile's capture (a forward without gradients)",
-            dev,
-            lambda: capture_calls(root, forward_fn, blocks, share, stack_of),
-            snapshot.restore,
-        )
+        capture = lambda: capture_calls(root, forward_fn, blocks, share, stack_of)  # noqa: E731
+        order, reps, rep_of, unchained = profile_pass("capture (a forward without gradients)", capture)
         # FSDP2 all-gathers a sharded block's parameters in its own forward hooks, which a segment's recompute
         # of several blocks as one function does not run: no segments over sharded blocks.
         unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
         unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
-        snapshot.restore()
-        # Each sub-pass from a cold cache (``run_pass``), as under a trial's cap: the capture's forward left blocks
-        # cached (its fp32 logits among them) that the anchor step split, and on a card capped near the budget the
-        # anchor's own logits then found no room (an H200 capped at 21.8 GiB refused 6.14 GiB with 11.17 allocated
-        # and 4.74 reserved but free).
-        tracker, resting, end_of_forward, calls = run_pass(
-            "the memory profile's anchor step (every block fully checkpointed)",
-            dev,
-            lambda: _anchor(root, forward_fn, order, externals, dev),
-            snapshot.restore,
-        )
-        snapshot.restore()
-        call_rep, profiled = _calls_to_profile(rep_of, reps, calls)
-        overhead = reserve = 0
+        anchor = lambda: anchor_step(root, forward_fn, order, externals, dev)  # noqa: E731
+        tracker, resting, end_of_forward, calls = profile_pass("anchor step (every block fully checkpointed)", anchor)
+        runs = _Runs(order, unchained, tracker, resting, end_of_forward, calls, *_calls_to_profile(rep_of, reps, calls))
         if dev.type == "cuda":
-            allocator_peak, resting, reserve = run_pass(
-                "the memory profile's allocator reading of the anchor step",
-                dev,
-                lambda: _cuda_allocator_anchor(root, forward_fn, order, dev),
-                snapshot.restore,
-            )
-            overhead = allocator_peak - tracker.total_peak
-            snapshot.restore()
-
-        profiles, failed, in_bytes = _profile_blocks(root, profiled, sets, externals, dev, snapshot)
-        compiled_runs = {}
+            twin = lambda: cuda_allocator_anchor(root, forward_fn, order, dev)  # noqa: E731
+            allocator_peak, runs.resting, runs.reserve = profile_pass("allocator reading of the anchor step", twin)
+            runs.overhead = allocator_peak - tracker.total_peak
+        runs.profiles, runs.failed, runs.in_bytes = _profile_blocks(root, runs.profiled, sets, externals, dev, snapshot)
         if timed and compiled:
-            compiled_runs = _run_blocks(compiled_block_modes, root, profiled, profiles, dev, snapshot, timed)
-            timings = {k: r.seconds for k, r in compiled_runs.items()}
-        else:
-            timings = _run_blocks(time_block_modes, root, profiled, profiles, dev, snapshot, timed) if timed else {}
+            compiled_runs = _run_blocks(compiled_block_modes, root, runs.profiled, runs.profiles, dev, snapshot, timed)
+            runs.timings = {k: r.seconds for k, r in compiled_runs.items()}
+            runs.compiled_saved = {k: r.saved_bytes for k, r in compiled_runs.items()}
+            runs.compile_seconds = sum(r.compile_seconds for r in compiled_runs.values())
+            runs.compiles = sum(r.compiles for r in compiled_runs.values())
+        elif timed:
+            runs.timings = _run_blocks(time_block_modes, root, runs.profiled, runs.profiles, dev, snapshot, timed)
     finally:
         snapshot.restore()
-    return _Runs(
-        order=order,
-        unchained=unchained,
-        tracker=tracker,
-        resting=resting,
-        end_of_forward=end_of_forward,
-        calls=calls,
-        call_rep=call_rep,
-        profiled=profiled,
-        profiles=profiles,
-        failed=failed,
-        in_bytes=in_bytes,
-        timings=timings,
-        compiled_saved={k: r.saved_bytes for k, r in compiled_runs.items()},
-        compile_seconds=sum(r.compile_seconds for r in compiled_runs.values()),
-        compiles=sum(r.compiles for r in compiled_runs.values()),
-        overhead=overhead,
-        reserve=reserve,
-    )
+    return runs
 
 
 def _calls_to_profile(
-    rep_of: list[str], reps: Mapping[str, Captured], calls: _Calls
+    rep_of: list[str], reps: Mapping[str, Captured], calls: Calls
 ) -> tuple[list[str], dict[str, Captured]]:
     """Per call, the key of the run that profiles it; and per key, the captured call to run.
 
@@ -532,7 +382,7 @@ def _memory_model(
     phases = []
     for label, (total, act) in tracker.phase_peaks.items():
         phases.append(PhasePeak(label[0], label[1] if len(label) > 1 else None, total, act))
-    phases.sort(key=lambda p: _phase_rank((p.kind,) if p.block is None else (p.kind, p.block), n))
+    phases.sort(key=lambda p: phase_rank((p.kind,) if p.block is None else (p.kind, p.block), n))
     # Blocks' saved bytes include their inputs, so what is left at the end of the forward is the
     # embeddings', head's and loss's (the last block's output included).
     other = max(0, runs.end_of_forward[1] - sum(r.saved_bytes["full"] for r in rows))
@@ -664,24 +514,3 @@ def _profile_blocks(
             finally:
                 snapshot.restore()
     return profiles, failed, in_bytes
-
-
-def _cuda_allocator_anchor(
-    root: nn.Module, forward_fn: Callable[[], Any], order: list[str], device: torch.device
-) -> tuple[int, int, int]:
-    """(max_memory_allocated, memory_allocated before, reserved-above-allocated peak) of the anchor step:
-    the tracker-to-allocator offset, and the headroom a cap on reserved memory needs."""
-    plan = Plan({f: BlockPlan("full") for f in order})
-    handle = apply_plan(root, plan)
-    try:
-        torch.cuda.synchronize(device)  # the cache is cold already (``run_pass``): the reserve this step itself needs
-        resting = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        loss = loss_of(forward_fn())
-        loss.backward()
-        del loss
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        return peak, resting, torch.cuda.max_memory_reserved(device) - peak
-    finally:
-        handle.remove()

@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lightning_ckpt.discovery import LayerStack, discover_blocks, unwrap_compiled
+from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.model import model_fingerprint
 from lightning_ckpt.plan.chunks import sqrt_segments
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.skipping import skipping_stacks
+from lightning_ckpt.stacks import LayerStack
 
 if TYPE_CHECKING:  # memory_model imports the plan machinery; baselines must stay importable without it
     from lightning_ckpt.memory.model import MemoryModel

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ckpt.versions import torch_version
 
-__all__ = ["COMPILED_BUFFER_UPDATES_EXACT", "version_counter"]
+__all__ = ["BufferGuard", "COMPILED_BUFFER_UPDATES_EXACT", "Update", "eager_in_compiled", "version_counter"]
 
 # Traps: BatchNorm updates its running statistics without bumping their version counters, so updates are
 # found by comparing values; and an op-save-list recompute runs under a dispatch mode that refuses any op

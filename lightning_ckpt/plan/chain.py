@@ -16,7 +16,19 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__: list[str] = []  # the forwards (plan.forwards) and apply use the helpers here
+__all__ = [
+    "HiddenAt",
+    "StackWatch",
+    "hidden_of",
+    "hidden_slot",
+    "in_slot",
+    "rng_equal",
+    "rng_states",
+    "same_value",
+    "set_rng_states",
+    "tensor_devices",
+    "with_hidden",
+]
 
 
 def hidden_of(output: Any) -> Any:

@@ -15,7 +15,7 @@ from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.errors import ApplyError
 from lightning_ckpt.plan.format import Plan
 
-__all__ = ["existing_checkpointing"]
+__all__ = ["existing_checkpointing", "refuse_foreign_checkpointing"]
 
 # Attributes that, when True, mean the model checkpoints itself.
 _CHECKPOINT_FLAGS = {

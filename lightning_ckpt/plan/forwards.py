@@ -42,7 +42,21 @@ from lightning_ckpt.plan.chain import (
 from lightning_ckpt.plan.offload import OffloadPool
 from lightning_ckpt.plan.policies import selective_context_fn
 
-__all__ = ["CHECKPOINT_FRAMES", "CHUNK_BLOCKS", "child_forward", "original_forward"]
+__all__ = [
+    "CHECKPOINT_FRAMES",
+    "CHILD_GUARD",
+    "CHUNK_BLOCKS",
+    "Chunk",
+    "PREV_FORWARD",
+    "checkpointed_forward",
+    "child_forward",
+    "is_ours",
+    "is_segment_forward",
+    "offloaded_forward",
+    "original_forward",
+    "segment_head_forward",
+    "segment_member_forward",
+]
 
 # Where a patched module keeps the instance forward it had before the plan (put back by PlanHandle.remove).
 PREV_FORWARD = "_lightning_ckpt_prev_forward"

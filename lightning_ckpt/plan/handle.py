@@ -18,9 +18,27 @@ from lightning_ckpt.plan.chain import StackWatch
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.forwards import CHILD_GUARD, PREV_FORWARD
 
-__all__ = ["PlanHandle", "applied_plan", "plan_handle"]
+__all__ = [
+    "ACTIVE",
+    "HANDLE_ATTR",
+    "Patch",
+    "PlanHandle",
+    "applied_plan",
+    "installed_by",
+    "plan_attributes",
+    "plan_handle",
+    "set_compile_memory_budget",
+]
 
 HANDLE_ATTR = "_lightning_ckpt_plan_handle"
+
+
+def plan_attributes() -> frozenset[str]:
+    """The instance attributes an applied plan puts on modules (their forwards, the model's handle, a checkpointed
+    child's buffer guard): not the user's state, so a snapshot of a module's Python attributes leaves them out."""
+    return frozenset({"forward", PREV_FORWARD, HANDLE_ATTR, CHILD_GUARD})
+
+
 ACTIVE: weakref.WeakKeyDictionary[nn.Module, PlanHandle] = weakref.WeakKeyDictionary()
 
 

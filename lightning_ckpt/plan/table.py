@@ -10,8 +10,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_ckpt.budget import Budget, format_bytes
+from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import ConfigurationError, PlanError
+from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.plan.format import Plan
 
 __all__ = ["MAX_BUCKETS", "TABLE_KEY", "Bucket", "PlanTable", "bucket_edges", "table_line"]

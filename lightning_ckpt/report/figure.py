@@ -15,7 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
-from lightning_ckpt.budget import Budget, format_bytes
+from lightning_ckpt.budget import Budget
+from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.report.quantities import (
     comparable_speeds,
     constrained_bytes,

@@ -11,13 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.formatting import MIB  # the one definition; re-exported here for the report's modules
 from lightning_ckpt.search.ledger import VS_REFERENCE, TrialRecord, vs_reference
 from lightning_ckpt.search.result import TuneResult
 
 __all__ = [
     "comparable_speeds",
-    "MIB",
     "best_feasible_baseline",
     "compile_stats",
     "constrained_bytes",

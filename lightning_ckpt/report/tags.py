@@ -83,6 +83,8 @@ __all__ = [
     "WINNER_MARK",
     "hparam_name",
     "text_tag",
+    "TAG_SEARCH_COMPILES",
+    "TAG_SEARCH_COMPILE_SECONDS",
 ]
 
 TAG_PREFIX = "lightning_ckpt"

@@ -22,8 +22,9 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.scalar.plugin_data_pb2 import ScalarPluginData
 from torch.utils.tensorboard import SummaryWriter
 
+from lightning_ckpt.formatting import MIB
 from lightning_ckpt.report.figure import figure_to_hwc, pareto_figure
-from lightning_ckpt.report.quantities import MIB, best_feasible_baseline, comparable_speeds, compile_stats
+from lightning_ckpt.report.quantities import best_feasible_baseline, comparable_speeds, compile_stats
 from lightning_ckpt.report.tags import (
     HPARAM_ACTIVATION_MIB,
     HPARAM_COLUMNS,

@@ -1,69 +1,46 @@
-"""torch.compile: find what is compiled, run every trial compiled from scratch, and flag plans that fight the compiler.
+"""torch.compile: run every trial compiled, and flag plans that fight the compiler.
 
-Checkpointing and the compiler interact in ways that make a compiled step silently *slower*:
+Checkpointing and the compiler interact in ways that make a compiled step silently *slower*: a graph break inside
+a checkpointed region runs the whole region eagerly (pytorch#135816, pytorch#139989), selective checkpointing can
+quietly defeat compile (pytorch#161889), and every plan change recompiles (dynamo guards on the instance
+``forward`` that ``apply_plan`` installs) until a frame reaches ``recompile_limit`` and runs eagerly for the rest
+of training (pytorch#135458). So a compiled trial compiles its plan in one untimed step (tuning cost, never
+throughput), times the compiled steps, reads the memory they hold, and compares what dynamo did with the
+no-checkpointing reference (``dynamo.conflict_reason``): a plan that adds graph breaks, breaks a graph inside one
+of our regions, runs more autograd ops outside compiled graphs or reaches the recompile limit is a **conflict**,
+never chosen unless ``allow_graph_breaks=True``.
 
-* a graph break inside a checkpointed region makes the whole region run eagerly (pytorch#135816,
-  pytorch#139989), and selective checkpointing can quietly defeat compile (pytorch#161889);
-* every plan change recompiles (dynamo guards on the instance ``forward`` that ``apply_plan``
-  installs), and a frame that reaches ``torch._dynamo.config.recompile_limit`` runs eagerly for the
-  rest of training (pytorch#135458).
+**Memory of a compiled step.** The live-tensor tracker is a ``TorchDispatchMode``, and dynamo runs compiled
+frames *eagerly* while one is active (torch 2.13: the tracker's reading of a compiled step equals the eager
+step's). ``saved_tensors_hooks`` still see every tensor a compiled graph saves for backward (also under PT2's
+``activation_memory_budget``), so **activation bytes** are the distinct storages saved for backward during the
+forward (deduplicated by storage: q/k/v views of one projection share one; state and batch excluded): what
+checkpointing and the partitioner change, a lower bound of the eager definition (no fused-kernel temporaries or
+backward transients), compared only with other compiled trials; an activation budget is a fraction of the
+*compiled* no-checkpointing step's. **Peak bytes**: on CPU resting bytes + activation bytes (the memory held when
+the forward ends, a lower bound of the true peak); on CUDA ``max_memory_allocated`` over the compiled timed steps,
+with the budget enforced by the allocator cap and no tracker pass. The guard reads real compiled steps the same
+way (``saved_for_backward.SavedForBackward``).
 
-So a compiled trial (``CompiledTrials.measure``) resets dynamo, compiles the plan in one untimed step
-(the compile time is reported as tuning cost, never as throughput), times the compiled steps, reads
-the memory the compiled step holds, resets dynamo again, and compares what dynamo did with the
-no-checkpointing reference. A plan that adds graph breaks, breaks a graph inside one of our
-checkpointed regions, runs more autograd ops outside compiled graphs, or reaches the recompile limit
-is a **conflict**: recorded with the reason and never chosen unless ``allow_graph_breaks=True``.
+The eager memory model predicts a different quantity (on the 2-layer test GPT, batch 4: ``full`` has an eager
+activation peak of 200 KiB, mostly logits and one block's recompute, while its compiled step saves 29 KiB), and
+knows nothing of the partitioner. So a compiled search predicts from the blocks compiled alone
+(``memory.compiled.CompiledMemoryModel``), anchored on the compiled no-checkpointing step it measures first, and
+times from the same blocks; until that anchor is measured (or when it fails) every candidate is compiled and
+measured. PT2's budgets are never predicted, only measured.
 
-**Memory of a compiled step on CPU.** The live-tensor tracker of ``lightning_ckpt.measure.measurement`` is a
-``TorchDispatchMode``, and dynamo runs compiled frames *eagerly* while a dispatch mode is active
-(checked with torch 2.13: the tracker's reading of a compiled step equals the eager step's), so it
-cannot measure what compiled code holds. ``torch.autograd.graph.saved_tensors_hooks`` still sees every
-tensor a compiled graph saves for backward (also under PT2's ``activation_memory_budget``). So on CPU
-a compiled trial reports:
-
-* **activation bytes** = the bytes of the distinct storages saved for backward during the forward
-  (deduplicated by storage, since q/k/v views of one projection share one; parameters, buffers,
-  gradients, optimizer state and the batch excluded). This is what checkpointing and the
-  partitioner change. It leaves out temporaries inside fused kernels and backward transients, so it
-  is a lower bound of the eager definition in ``measure`` and is only compared with other compiled
-  trials: an activation budget is a fraction of the *compiled* no-checkpointing step's saved bytes.
-* **peak bytes** = resting bytes (parameters, buffers, gradients, optimizer state, batch) + activation
-  bytes: the memory held when the forward ends, a lower bound of the step's true peak.
-
-On CUDA the allocator counters see compiled kernels like any other, so a compiled trial's **peak
-bytes** are ``torch.cuda.max_memory_allocated`` over the compiled timed steps (and a peak budget is
-enforced for real by the allocator cap), with no tracker pass: under the tracker's dispatch mode
-dynamo would run the frame eagerly and the reading would be the eager step's. **Activation bytes**
-are the saved-for-backward bytes, as on CPU, so an activation budget means the same on both devices
-and the guard reads real compiled steps the same way (``saved_for_backward.SavedForBackward``).
-
-The eager memory model predicts the *eager* step's activation peak, saved tensors plus recompute and
-backward transients, a different quantity (on the 2-layer test GPT, batch 4: ``full`` has an eager
-activation peak of 200 KiB, mostly logits and one block's recompute, while its compiled step saves
-29 KiB for backward), and it knows nothing of the partitioner's choices (PT2 budgets). So a compiled
-search predicts from the blocks compiled alone instead (``memory.compiled.CompiledMemoryModel``: what each
-block's graph saves under each mode), anchored on the compiled no-checkpointing step it measures first, and
-its time model from the same blocks timed compiled alone: ``tune`` then marks the runner as predicting memory
-and time (``predicts_memory``/``predicts_time``) and prunes as an eager search does. Until that anchor is
-measured (or when it fails) a ``CompiledTrials`` predicts nothing and every candidate is compiled and
-measured; PT2's budgets are never predicted, only measured.
-
-``compiled=True`` on an eager step function undercounts: saved-tensor hooks cannot see inside an
-*eager* checkpointed region (the checkpoint installs its own hooks), so force it only for a step
-that really is compiled (e.g. a ``torch.compile``-d function the model detection cannot see).
+``compiled=True`` on an eager step function undercounts: saved-tensor hooks cannot see inside an *eager*
+checkpointed region (the checkpoint installs its own hooks), so force it only for a step that really is compiled.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
-import os
 import time
 import warnings
-from collections import Counter
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -71,153 +48,110 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.discovery import canonical_fqn, is_compile_wrapper, unwrap_compiled
+from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure.harness import StepHarness, loss_of
 from lightning_ckpt.measure.measurement import Measurement, classify_failure, release_memory
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.model import ModelView, compiled_regions
-from lightning_ckpt.plan import forwards as apply_module
 from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.plan.forwards import CHECKPOINT_FRAMES
 from lightning_ckpt.plan.handle import PlanHandle
 from lightning_ckpt.search.assembly import BlocksCompiledAlone, graphs_compiled, room_for_graphs
-from lightning_ckpt.search.choice import judge_status
+from lightning_ckpt.search.dynamo import (
+    CompileStats,
+    DynamoWatch,
+    break_count,
+    break_summaries,
+    conflict_reason,
+    eager_ops,
+    is_dynamo_refusal,
+    random_ops,
+    recompile_count,
+    recompile_limit,
+    uses_cuda_graphs,
+)
 
 __all__ = [
-    "CompileStats",
     "CompiledTrials",
+    "KeptGraphs",
     "compiled_search",
     "compiled_space",
     "compiled_target",
-    "apply_reusing_graphs",
-    "conflict_reason",
     "eager_while_profiling",
-    "count_kept",
-    "random_ops",
-    "recompile_count",
     "release_kept_graphs",
     "reset_compiled",
-    "trial_status",
 ]
 
 log = logging.getLogger(__name__)
-
-_COMPILED_NODE = "CompiledFunctionBackward"  # autograd node of an AOTAutograd-compiled graph
-_MAX_REASONS = 5
-
-
-# ---------------------------------------------------------------------------------------------------
-# Detection
-# ---------------------------------------------------------------------------------------------------
-def random_ops(model: nn.Module) -> str | None:
-    """The first module of ``model`` that draws random numbers in training (dropout with p > 0), if any.
-
-    Dropout modules are found by type; attention modules that pass a ``dropout``/``dropout_p``/
-    ``attention_dropout`` float to SDPA (nanoGPT, HF) by that attribute. Functional dropout called
-    with a literal probability cannot be seen from the module tree.
-    """
-    for fqn, module in unwrap_compiled(model).named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return canonical_fqn(fqn) or type(module).__name__
-        for name in ("dropout", "dropout_p", "attention_dropout"):
-            value = module.__dict__.get(name)
-            if isinstance(value, float) and value > 0:
-                return f"{canonical_fqn(fqn)}.{name}"
-    return None
-
-
-def uses_cuda_graphs(model: nn.Module) -> bool:
-    """Whether a ``torch.compile`` wrapper in ``model`` was made with CUDA graphs (``mode="reduce-overhead"``).
-
-    Read from the wrapper's backend chain (Dynamo's frame converter wraps inductor's, which holds the mode's
-    options as ``config``): found in torch 2.13; a torch that keeps it elsewhere reads as False.
-    """
-    for module in [model, *unwrap_compiled(model).modules()]:
-        if not is_compile_wrapper(module):
-            continue
-        backend = getattr(getattr(module, "dynamo_ctx", None) or getattr(module, "_dynamo_ctx", None), "callback", None)
-        for _ in range(8):
-            config = getattr(backend, "config", None)
-            if isinstance(config, dict) and config.get("triton.cudagraphs"):
-                return True
-            backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(
-                backend, "_torchdynamo_orig_callable", None
-            )
-            if backend is None:
-                break
-    return False
 
 
 def reset_compiled() -> None:
     """Forget every compiled graph, so the next call compiles what is applied now.
 
-    ``torch._dynamo.reset()`` is process-wide: other compiled functions recompile once too. It is
-    what keeps plan changes from accumulating recompiles towards the recompile limit (pytorch#135458).
+    ``torch._dynamo.reset()`` is process-wide: other compiled functions recompile once too, and every search's
+    ``KeptGraphs`` is emptied. It is what keeps plan changes from accumulating recompiles towards the recompile
+    limit (pytorch#135458).
     """
     torch._dynamo.reset()
-    _KEPT.keys.clear()
-    _KEPT.budget = None
-    _KEPT.assembled = False
+    for graphs in list(_LIVE):
+        graphs.forget()
 
 
-@dataclass
-class _KeptGraphs:
-    """The plans whose graphs dynamo holds since the last reset (re-timing rounds keep them), and the PT2 budget the
-    unmarked ones were compiled under (a plan re-timed with a budget marker, ``_budget_forward``, has graphs of its
-    own). Process-wide, as dynamo's cache is: the runners of a joint micro-batch search share it.
+class KeptGraphs:
+    """The graphs dynamo holds for one search since the last reset: the plans re-timing rounds kept (``keys``: plan
+    key and owner: another batch shape has other graphs), the PT2 budget the unmarked ones were compiled under, and
+    whether trials ran on blocks compiled alone. The runners of one search share one (a joint micro-batch search's
+    compile the same frames, whose graphs count together towards the recompile limit); a fit's plan table has its own.
     """
 
-    keys: set[tuple[int, str]] = dataclasses.field(default_factory=set)
-    budget: float | None = None
-    assembled: bool = False  # trials ran on blocks compiled alone (``search.assembly``) since the last reset
+    def __init__(self) -> None:
+        self.keys: set[tuple[int, str]] = set()
+        self.budget: float | None = None
+        self.assembled = False
+        _LIVE.add(self)
+
+    def forget(self) -> None:
+        """Dynamo was reset: nothing is kept."""
+        self.keys.clear()
+        self.budget = None
+        self.assembled = False
+
+    def release(self) -> None:
+        """Drop what was kept (re-timing rounds' graphs, the blocks compiled alone), if anything: a search ends with
+        this, so the model's next step compiles the chosen plan the way the user compiles, once."""
+        if self.keys or self.assembled:
+            reset_compiled()
+
+    def apply_reusing(
+        self, target: nn.Module | ModelView, plan: Plan, forwards: dict[Any, Any], key: tuple[int, str]
+    ) -> PlanHandle:
+        """Apply ``plan`` with the forward objects it had when it was applied before under ``forwards``
+        (``reused_forwards``), so dynamo's guards match the graph compiled for it then and nothing compiles again.
+        The graphs kept are dropped first when one more plan would reach dynamo's recompile limit, which would run
+        the model eagerly from then on."""
+        if self.keys and key not in self.keys and len(self.keys) + 1 >= recompile_limit():
+            self.release()
+        with reused_forwards(forwards):
+            return apply_plan(target, plan)
 
 
-_KEPT = _KeptGraphs()
+# Every KeptGraphs alive: a reset empties them all (dynamo's cache is process-wide), and ``release_kept_graphs`` (how
+# the search core ends a search today, until it releases its runner's own ``kept``) releases them.
+_LIVE: weakref.WeakSet[KeptGraphs] = weakref.WeakSet()
 
 
 def release_kept_graphs() -> None:
-    """Drop the graphs the search kept (``reset_compiled``): re-timing rounds', and the blocks compiled alone. A search
-    ends with this, so the model's next step compiles the chosen plan the way the user compiles, once."""
-    if _KEPT.keys or _KEPT.assembled:
-        reset_compiled()
-
-
-def apply_reusing_graphs(
-    target: nn.Module | ModelView, plan: Plan, forwards: dict[Any, Any], key: tuple[int, str]
-) -> PlanHandle:
-    """Apply ``plan`` with the forward objects it had when it was applied before under ``forwards``
-    (``reused_forwards``), so dynamo's guards match the graph compiled for it then and nothing compiles again. The
-    graphs kept (``count_kept``) are dropped first when one more plan would reach dynamo's recompile limit, which
-    would run the model eagerly from then on. ``key``: the plan's, with its owner (another batch shape, other
-    graphs)."""
-    if _KEPT.keys and key not in _KEPT.keys and len(_KEPT.keys) + 1 >= _recompile_limit():
-        release_kept_graphs()
-    with reused_forwards(forwards):
-        return apply_plan(target, plan)
-
-
-def count_kept(key: tuple[int, str]) -> None:
-    """Count ``key``'s graphs among those kept since the last reset (``apply_reusing_graphs``)."""
-    _KEPT.keys.add(key)
-
-
-def recompile_count() -> int:
-    """Recompilations since the last ``reset_compiled()``: guard failures dynamo recorded, all frames."""
-    from torch._dynamo.utils import guard_failures
-
-    return sum(len(reasons) for reasons in guard_failures.values())
+    """``KeptGraphs.release`` of every search's graphs."""
+    for graphs in list(_LIVE):
+        graphs.release()
 
 
 @contextlib.contextmanager
 def eager_while_profiling(enabled: bool) -> Iterator[None]:
-    """Run the enclosed passes eagerly (``torch.compiler.set_stance("force_eager")``) when ``enabled``.
-
-    The memory profile and the process warm-up describe the eager step and would otherwise pay a
-    compile each (tens of seconds on CPU) for graphs that every trial throws away.
-    """
+    """Run the enclosed passes eagerly (``set_stance("force_eager")``) when ``enabled``: the memory profile and the
+    process warm-up describe the eager step and would otherwise pay a compile each (tens of seconds on CPU)."""
     if not enabled:
         yield
         return
@@ -228,132 +162,15 @@ def eager_while_profiling(enabled: bool) -> Iterator[None]:
         yield
 
 
-# ---------------------------------------------------------------------------------------------------
-# What dynamo did during one trial
-# ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CompileStats:
-    """What compiling one plan cost and did; stored in ``TrialRecord.extra["compile"]``.
-
-    compile_seconds: wall time of the first (compiling) step, forward and backward: tuning cost (0 when the plan ran
-        graphs compiled for earlier plans: ``BlocksCompiledAlone``).
-    graphs: graphs dynamo compiled for this plan (0: every block mode it uses was compiled before).
-    graph_breaks: graph breaks dynamo took while compiling this plan (all frames).
-    region_breaks: of those, breaks inside a checkpointed region of ours (the region runs eagerly).
-    recompiles: recompilations during the trial's steps (a stable plan has none after the first step).
-    recompile_limit_hit: a frame reached ``torch._dynamo.config.recompile_limit`` and now runs eagerly.
-    eager_ops: autograd ops of the forward recorded outside compiled graphs (an op that ran eagerly).
-    saved_bytes: distinct storages saved for backward, state excluded (see the module docstring).
-    break_reasons: short descriptions of the graph breaks (``reason (file:line)``), at most five.
-    """
-
-    compile_seconds: float = 0.0
-    graphs: int = 0
-    graph_breaks: int = 0
-    region_breaks: int = 0
-    recompiles: int = 0
-    recompile_limit_hit: bool = False
-    eager_ops: int | None = None
-    saved_bytes: int | None = None
-    break_reasons: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["break_reasons"] = list(self.break_reasons)
-        return d
+def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -> Any:
+    """A compiled region's forward while a plan with a PT2 budget is re-timed: the class's forward, after reading
+    ``budget`` so that dynamo guards on it. A string, not the float: dynamo makes a float that changed between
+    compiles dynamic, and one graph would then serve every budget."""
+    if budget == "":
+        raise ValueError("a PT2 budget marker needs the budget")
+    return type(module).forward(module, *args, **kwargs)
 
 
-def conflict_reason(stats: CompileStats, reference: CompileStats | None) -> str | None:
-    """Why ``stats`` shows a plan fighting the compiler, compared with the no-checkpointing reference."""
-    ref = reference or CompileStats()
-    reasons = []
-    if stats.region_breaks:
-        where = next((r for r in stats.break_reasons if "[in checkpointed region]" in r), "")
-        reasons.append(
-            f"{stats.region_breaks} graph break(s) inside checkpointed regions, which then run eagerly "
-            f"(pytorch#135816){': ' + where if where else ''}"
-        )
-    if stats.graph_breaks > ref.graph_breaks and not stats.region_breaks:
-        reasons.append(f"{stats.graph_breaks} graph breaks where the uncheckpointed model has {ref.graph_breaks}")
-    if stats.recompile_limit_hit and not ref.recompile_limit_hit:
-        reasons.append("hit torch._dynamo.config.recompile_limit, so a frame runs eagerly from now on (pytorch#135458)")
-    if stats.eager_ops is not None and ref.eager_ops is not None and stats.eager_ops > ref.eager_ops:
-        reasons.append(
-            f"{stats.eager_ops - ref.eager_ops} more forward op(s) run outside compiled graphs than without "
-            "checkpointing"
-        )
-    return "; ".join(reasons) or None
-
-
-trial_status = judge_status  # the rule lives with the choice (choice.py)
-
-
-class _DynamoWatch:
-    """Dynamo's process-wide failure counters (``torch._dynamo.utils.counters``), read as a difference."""
-
-    def __init__(self) -> None:
-        from torch._dynamo.utils import counters
-
-        self._counters = counters
-        self._unimplemented = Counter(counters["unimplemented"])
-
-    def limit_hit(self) -> bool:
-        new = Counter(self._counters["unimplemented"]) - self._unimplemented
-        return any("recompile limit" in msg.lower() or "cache_size_limit" in msg for msg in new)
-
-
-def _break_count() -> int:
-    from torch._dynamo.utils import graph_break_reasons
-
-    return len(graph_break_reasons)
-
-
-def _break_summaries(since: int = 0) -> tuple[int, int, tuple[str, ...]]:
-    """(graph breaks, breaks inside our regions, short reasons) recorded since the last dynamo reset (from the
-    ``since``-th on).
-
-    ``torch._dynamo.utils.graph_break_reasons`` keeps each break's user stack (``counters["graph_break"]``
-    only its message), which is what tells a break inside our checkpoint wrapper from one elsewhere.
-    """
-    from torch._dynamo.utils import graph_break_reasons
-
-    ours = os.path.abspath(apply_module.__file__)
-    total, in_region, reasons = 0, 0, []
-    for r in graph_break_reasons[since:]:
-        total += 1
-        inside = any(os.path.abspath(f.filename) == ours and f.name in CHECKPOINT_FRAMES for f in r.user_stack)
-        in_region += inside
-        first = (r.reason or "").strip().splitlines()[0] if (r.reason or "").strip() else "graph break"
-        frame = r.user_stack[-1] if r.user_stack else None
-        where = f" ({os.path.basename(frame.filename)}:{frame.lineno})" if frame is not None else ""
-        text = f"{first[:120]}{where}{' [in checkpointed region]' if inside else ''}"
-        if text not in reasons and len(reasons) < _MAX_REASONS:
-            reasons.append(text)
-    # Region breaks first: they are the ones a user must see.
-    reasons.sort(key=lambda t: "[in checkpointed region]" not in t)
-    return total, in_region, tuple(reasons)
-
-
-def _eager_ops(loss: torch.Tensor) -> int:
-    """Autograd nodes of the step's graph outside compiled graphs (each an op that ran eagerly)."""
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    count = 0
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        name = type(node).__name__
-        if name != _COMPILED_NODE and name != "AccumulateGrad":
-            count += 1
-        stack.extend(fn for fn, _ in node.next_functions)
-    return count
-
-
-# ---------------------------------------------------------------------------------------------------
-# Trials
-# ---------------------------------------------------------------------------------------------------
 @dataclass
 class _CompiledRun:
     """What one compiled trial found so far, filled in pass by pass (compile, timed steps, memory)."""
@@ -373,8 +190,8 @@ class CompiledTrials:
 
     Every trial starts and ends with ``reset_compiled()``, so a trial compiles exactly its own plan and
     no trial's recompiles count towards the next one's limit. Re-timing rounds keep the graphs they compile
-    (``retime``); ``release_kept_graphs()`` drops them when the search ends, so the caller gets a dynamo state
-    with nothing cached from the search.
+    (``retime``) in ``kept``, which the search releases when it ends, so the caller gets a dynamo state with nothing
+    cached from the search.
     """
 
     def __init__(
@@ -386,12 +203,11 @@ class CompiledTrials:
         reserve_headroom_bytes: int = 0,
         blocks: tuple[str, ...] = (),
         model: nn.Module | None = None,
+        kept: KeptGraphs | None = None,
     ) -> None:
         self.harness = harness
-        self.root, self.step_fn, self.device = harness.root, harness.step_fn, harness.device
-        self.optimizer, self.extra = harness.optimizer, harness.extra
-        self.warmup_steps, self.measure_steps = harness.warmup_steps, harness.measure_steps
-        self.batch_size, self.seq_len = harness.batch_size, harness.seq_len
+        self.kept = kept if kept is not None else KeptGraphs()  # shared by the runners of one search
+        self.root, self.step_fn, self.device, self.extra = harness.root, harness.step_fn, harness.device, harness.extra
         self.regions = regions
         self.allow_graph_breaks = allow_graph_breaks
         self.memory_limit_bytes: int | None = None
@@ -409,7 +225,6 @@ class CompiledTrials:
         self.compile_seconds = 0.0  # the seconds of the steps that compiled them
         self._retimed: set[str] = set()  # plans re-timed on the blocks compiled alone (their graphs exist)
 
-    # -- public ---------------------------------------------------------------------------------
     def adapt(self, space: Any) -> Any:
         """The search space for this compiled model (``compiled_space``)."""
         return compiled_space(space, self.root)
@@ -445,29 +260,24 @@ class CompiledTrials:
         return replace(m, steps=steps, conflict=reason, extra=extra)
 
     def retime(self, plan: Plan, steps: int | None = None, *, warmup: int = 1) -> Measurement:
-        """Time ``plan`` again (a ``Measurement``, no memory pass): an untimed first step, which compiles the plan or
-        runs the graph compiled for it earlier in these rounds, then the timed steps (``warmup`` is not used: that
-        first step is every round's warm-up).
+        """Time ``plan`` again, no memory pass: an untimed first step (it compiles the plan, or runs the graph compiled
+        for it earlier in these rounds: every round's warm-up, so ``warmup`` is unused), then the timed steps.
 
-        Re-timing rounds switch back and forth between a handful of plans. Each is applied with the forward objects
-        it had the first time (``reused_forwards``), so dynamo's guards match the graph compiled for it and a round
-        after its first costs steps, not a compile (about 0.8 s saved per plan per round on the 4-layer test GPT
-        with every cache warm, the FX graph cache included; tens of seconds on a cold cache). The graphs kept are
-        dropped (``reset_compiled``) before one more plan would reach dynamo's recompile limit, which would run the
-        model eagerly from then on. A PT2 budget is read when compiling and no guard sees it, so a plan that only
-        sets one would run the previous plan's graph: while it runs, each compiled region gets a forward that reads
-        the budget as a string (``_budget_forward``), which dynamo guards on, and its graph is kept beside the
-        others. Where a region already has an instance forward (the plan checkpoints it), the kept graphs are
-        dropped instead when the budget changes.
+        Each plan is applied with the forward objects it had the first time (``KeptGraphs.apply_reusing``), so a round
+        after its first costs steps, not a compile (about 0.8 s per plan per round on the 4-layer test GPT with every
+        cache warm; tens of seconds cold). A PT2 budget is read when compiling and no guard sees it, so while a plan
+        with one runs each compiled region gets a forward that reads the budget as a string (``_budget_forward``),
+        which dynamo guards on; where a region already has an instance forward, a budget change drops the kept
+        graphs instead.
         """
         if self.assembly is not None:
             return self._assembled_retime(plan, steps, warmup)
         key = (id(self), plan.key())  # another runner (micro-batch) is another batch shape: other graphs
-        handle = apply_reusing_graphs(self.harness.target, plan, self._forwards, key)
+        handle = self.kept.apply_reusing(self.harness.target, plan, self._forwards, key)
         marked = self._mark_budget(plan.compile_memory_budget)
-        if not marked and _KEPT.keys and plan.compile_memory_budget != _KEPT.budget:
-            release_kept_graphs()  # the unmarked graphs kept were compiled under another budget
-        compiles = key not in _KEPT.keys
+        if not marked and self.kept.keys and plan.compile_memory_budget != self.kept.budget:
+            self.kept.release()  # the unmarked graphs kept were compiled under another budget
+        compiles = key not in self.kept.keys
         snapshot = StateSnapshot.capture(self.root)
         run = _CompiledRun()
         try:
@@ -479,9 +289,9 @@ class CompiledTrials:
         if run.failure is not None or not run.measurement.ok:
             reset_compiled()  # whatever the failed step left compiled is not kept
         else:
-            count_kept(key)
+            self.kept.keys.add(key)
             if not marked:
-                _KEPT.budget = plan.compile_memory_budget
+                self.kept.budget = plan.compile_memory_budget
             self.retime_compiles += compiles
         m = self._reading(run)
         return replace(m, extra={**m.extra, "compile": {"compile_seconds": run.compile_seconds, "compiled": compiles}})
@@ -492,8 +302,7 @@ class CompiledTrials:
         if budget is None:
             return []
         fqns = self.assembly.blocks if self.assembly is not None else self.regions
-        modules = [unwrap_compiled(self.root.get_submodule(fqn)) if fqn else unwrap_compiled(self.root)
-                   for fqn in fqns]  # fmt: skip
+        modules = [unwrap_compiled(self.root.get_submodule(fqn)) if fqn else self.root for fqn in fqns]
         if not modules or any("forward" in vars(m) for m in modules):
             return []
         for m in modules:
@@ -514,16 +323,12 @@ class CompiledTrials:
         return m
 
     def measure_partitioned(self, plan: Plan) -> Measurement:
-        """``plan`` (a PT2 budget) as measured on the blocks compiled alone, with the memory the user's compile of
-        several blocks in one graph saves for backward: each such region partitioned as inductor partitions it, its
-        kernels not generated (``assembly.partition_only_backend``), one step to partition and one to read the saved
-        bytes. The budget is one knapsack over every block's ops there and one per block here, and the code outside
-        the blocks runs eagerly here: ``benchmarks/compiled_exhaustive.py`` measured ``pt2_budget(0.5)`` of the
-        8-layer GPT over budget on the blocks (17,502,724 bytes) and within it compiled whole (17,039,360).
-
-        The time stays the blocks' (a partitioned graph runs unfused). The peak moves by what the saved bytes moved:
-        on CPU it is resting bytes plus saved bytes, and on CUDA the allocator's peak on the blocks shifted by the
-        same amount. The steps that partitioned count among the search's compiles (``graphs``)."""
+        """``plan`` (a PT2 budget) as measured on the blocks compiled alone, with the bytes the user's compile of
+        several blocks in one graph saves for backward: each region partitioned as inductor partitions it, kernels not
+        generated (``assembly.partition_only_backend``). The budget is one knapsack over every block's ops there and
+        one per block here: ``benchmarks/compiled_exhaustive.py`` measured ``pt2_budget(0.5)`` of the 8-layer GPT
+        over budget on the blocks (17,502,724 bytes) and within it compiled whole (17,039,360). The time stays the
+        blocks'; the peak moves by what the saved bytes moved; the partitioning steps count among ``graphs``."""
         assert self.assembly is not None, "partitioning whole needs the blocks a compiled search ran alone"
         on_blocks = self.measure_compiled(plan)
         graphs_before = graphs_compiled()
@@ -551,9 +356,6 @@ class CompiledTrials:
         return replace(on_blocks, activation_bytes=run.saved, peak_bytes=peak,
                        extra={**on_blocks.extra, "partitioned": partition})  # fmt: skip
 
-    def _train_step(self) -> None:
-        loss_of(self.step_fn()).backward()
-
     # -- on blocks compiled alone (``search.assembly``) ------------------------------------------------------------
     @contextlib.contextmanager
     def _assembled(self, plan: Plan) -> Iterator[None]:
@@ -568,11 +370,11 @@ class CompiledTrials:
             stack.callback(handle.remove)
             stack.enter_context(self.assembly.segments_eager(self.root, plan.segments))
             marked = self._mark_budget(plan.compile_memory_budget)
-            if not marked and plan.compile_memory_budget != _KEPT.budget and _KEPT.assembled:
+            if not marked and plan.compile_memory_budget != self.kept.budget and self.kept.assembled:
                 reset_compiled()
-            _KEPT.assembled = True
+            self.kept.assembled = True
             if not marked:
-                _KEPT.budget = plan.compile_memory_budget
+                self.kept.budget = plan.compile_memory_budget
             try:
                 yield
             finally:
@@ -590,8 +392,8 @@ class CompiledTrials:
     def _assembled_measure(self, plan: Plan) -> tuple[Measurement, CompileStats]:
         """Measure ``plan`` on the blocks compiled alone: compiles only the block modes no earlier trial compiled.
         What dynamo did is read as differences (nothing is reset between trials)."""
-        watch = _DynamoWatch()
-        breaks_before, graphs_before = _break_count(), graphs_compiled()
+        watch = DynamoWatch()
+        breaks_before, graphs_before = break_count(), graphs_compiled()
         snapshot = StateSnapshot.capture(self.root)
         run = _CompiledRun()
         try:
@@ -601,26 +403,13 @@ class CompiledTrials:
                 if run.failure is None:
                     graphs_timed = graphs_compiled()
                     run.measurement = self._timed_steps(None)
-                    run.recompiles = (
-                        graphs_compiled() - graphs_timed
-                    )  # a stable plan compiles nothing after its first step
+                    run.recompiles = graphs_compiled() - graphs_timed  # a stable plan: nothing after its first step
                     if run.measurement.ok:
                         self._memory_pass(snapshot, run)
         finally:
             release_memory(self.device)
-        breaks, region_breaks, reasons = _break_summaries(since=breaks_before)
-        stats = CompileStats(
-            compile_seconds=run.compile_seconds if compiled_now else 0.0,
-            graphs=compiled_now,
-            graph_breaks=breaks,
-            region_breaks=region_breaks,
-            recompiles=run.recompiles,
-            recompile_limit_hit=watch.limit_hit(),
-            eager_ops=run.eager_ops,
-            saved_bytes=run.saved,
-            break_reasons=reasons,
-        )
-        return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
+        seconds = run.compile_seconds if compiled_now else 0.0
+        return self._with_stats(run, seconds, compiled_now, break_summaries(since=breaks_before), watch.limit_hit())
 
     def _assembled_retime(self, plan: Plan, steps: int | None, warmup: int) -> Measurement:
         """``retime`` on the blocks compiled alone. A plan that ran before has its graphs: its round is ``warmup`` and
@@ -641,12 +430,11 @@ class CompiledTrials:
         extra = {"compile_seconds": run.compile_seconds if compiled_now else 0.0, "compiled": bool(compiled_now)}
         return replace(m, extra={**m.extra, "compile": {**extra, "graphs": compiled_now}})
 
-    # -- internals ----------------------------------------------------------------------------------
     def _compile_and_measure(self, plan: Plan) -> tuple[Measurement, CompileStats]:
         with reused_forwards(self._forwards):
             handle = apply_plan(self.harness.target, plan)
         reset_compiled()
-        watch = _DynamoWatch()
+        watch = DynamoWatch()
         snapshot = StateSnapshot.capture(self.root)
         run = _CompiledRun()
         try:
@@ -657,21 +445,18 @@ class CompiledTrials:
                     self._memory_pass(snapshot, run)
         finally:
             handle.remove()
-            breaks, region_breaks, reasons = _break_summaries()
-            limit_hit = watch.limit_hit()
+            breaks, limit_hit = break_summaries(), watch.limit_hit()
             reset_compiled()
             release_memory(self.device)
-        stats = CompileStats(
-            compile_seconds=run.compile_seconds,
-            graphs=1,
-            graph_breaks=breaks,
-            region_breaks=region_breaks,
-            recompiles=run.recompiles,
-            recompile_limit_hit=limit_hit,
-            eager_ops=run.eager_ops,
-            saved_bytes=run.saved,
-            break_reasons=reasons,
-        )
+        return self._with_stats(run, run.compile_seconds, 1, breaks, limit_hit)
+
+    def _with_stats(
+        self, run: _CompiledRun, seconds: float, graphs: int, breaks: tuple[int, int, tuple[str, ...]], limit_hit: bool
+    ) -> tuple[Measurement, CompileStats]:
+        """The trial's reading with what dynamo did (``breaks``: ``dynamo.break_summaries``) in its extra."""
+        total, in_regions, reasons = breaks
+        stats = CompileStats(seconds, graphs, total, in_regions, run.recompiles, limit_hit, run.eager_ops, run.saved,
+                             reasons)  # fmt: skip
         return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
 
     def _compile_then_time(self, snapshot: StateSnapshot, run: _CompiledRun, steps: int | None) -> None:
@@ -685,11 +470,11 @@ class CompiledTrials:
         try:
             snapshot.reset_grads()
             t0 = time.perf_counter()
-            self._train_step()
+            self.harness.train_step()
             run.compile_seconds = time.perf_counter() - t0
         except Exception as exc:  # the compiler refused or failed on this plan
             run.failure = classify_failure(exc)
-            run.conflict = _is_dynamo_refusal(exc)
+            run.conflict = is_dynamo_refusal(exc)
         finally:
             snapshot.restore()
 
@@ -697,9 +482,9 @@ class CompiledTrials:
         """The compiled steps, timed; on CUDA the allocator's peak over them (and its cap), no tracked pass."""
         is_cuda = self.device.type == "cuda"
         return self.harness.measure(
-            step=self._train_step,
-            warmup=self.warmup_steps if warmup is None else warmup,
-            steps=steps or self.measure_steps,
+            step=self.harness.train_step,
+            warmup=self.harness.warmup_steps if warmup is None else warmup,
+            steps=steps or self.harness.measure_steps,
             track_memory=False,
             read_allocator=is_cuda,
             count_flops=False,
@@ -730,27 +515,11 @@ class CompiledTrials:
     def _saved_bytes(self, snapshot: Any) -> tuple[int, int, int]:
         """(saved activation bytes, eager ops, resting bytes) of one compiled step; see the module docstring."""
         snapshot.reset_grads()
-        with SavedForBackward(self.root, [self.optimizer], self.extra) as saved:
+        with SavedForBackward(self.root, [self.harness.optimizer], self.extra) as saved:
             loss = loss_of(self.step_fn())
-        eager = _eager_ops(loss)
+        eager = eager_ops(loss)
         loss.backward()
         return saved.saved_bytes, eager, saved.resting_bytes
-
-
-def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -> Any:
-    """A compiled region's forward while a plan with a PT2 budget is re-timed: the class's forward, after reading
-    ``budget`` so that dynamo guards on it. A string, not the float: dynamo makes a float that changed between
-    compiles dynamic, and one graph would then serve every budget."""
-    if budget == "":
-        raise ValueError("a PT2 budget marker needs the budget")
-    return type(module).forward(module, *args, **kwargs)
-
-
-def _recompile_limit() -> int:
-    """Dynamo's limit on the graphs one frame may hold (``recompile_limit``; ``cache_size_limit`` before torch 2.6)."""
-    config = torch._dynamo.config
-    limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8)
-    return int(limit)
 
 
 def compiled_space(space: Any, root: nn.Module) -> Any:
@@ -771,7 +540,7 @@ def compiled_space(space: Any, root: nn.Module) -> Any:
                 "pytorch#190758). Set search_space={'compile_budgets': [...]} to try them anyway.",
                 rng,
             )
-            return dataclasses.replace(adapted, compile_budgets=())
+            return replace(adapted, compile_budgets=())
         warnings.warn(
             f"lightning_ckpt: search_space['compile_budgets'] asks for PT2 memory budgets, but the model uses "
             f"dropout ({rng}); torch's memory-budget partitioner may then compute wrong gradients "
@@ -789,9 +558,11 @@ def compiled_search(
     allow_graph_breaks: bool,
     reserve_headroom_bytes: int = 0,
     blocks: tuple[str, ...] = (),
+    kept: KeptGraphs | None = None,
 ) -> CompiledTrials | None:
     """``CompiledTrials`` for ``model`` when it is compiled (``compiled_target``), else ``None``; with ``blocks`` (the
-    stacks' blocks) its trials run on them compiled alone (``search.assembly``), else each compiles the user's way."""
+    stacks' blocks) its trials run on them compiled alone (``search.assembly``), else each compiles the user's way.
+    ``kept``: the search's ``KeptGraphs``, shared by its runners."""
     regions = compiled_target(model, compiled=compiled)
     if regions is None:
         return None
@@ -802,6 +573,7 @@ def compiled_search(
         reserve_headroom_bytes=reserve_headroom_bytes,
         blocks=blocks,
         model=model,
+        kept=kept,
     )
     how = "on its blocks compiled alone" if trials.assembly is not None else "every trial compiles its plan"
     log.info("lightning_ckpt: compiled model (%s): %s", trials.describe(), how)
@@ -809,11 +581,8 @@ def compiled_search(
 
 
 def compiled_target(model: nn.Module, *, compiled: bool | None) -> tuple[str, ...] | None:
-    """The compiled regions of ``model`` when it is compiled (``compiled=None``: detect; ``True``: compiled even where
-    none is found), else ``None``; a model compiled with CUDA graphs is refused.
-
-    ``None`` costs one walk over the modules, so the eager search pays nothing for compile support.
-    """
+    """The compiled regions of ``model`` when it is compiled (``compiled=None``: detect, one walk over the modules;
+    ``True``: compiled even where none is found), else ``None``; a model compiled with CUDA graphs is refused."""
     if compiled is False:
         return None
     regions = compiled_regions(model)
@@ -827,15 +596,3 @@ def compiled_target(model: nn.Module, *, compiled: bool | None) -> tuple[str, ..
             "mode='max-autotune-no-cudagraphs', then reuse the plan file (plan=...) with the mode you train with."
         )
     return regions
-
-
-def _is_dynamo_refusal(exc: BaseException) -> bool:
-    """A graph break or recompile limit that dynamo turned into an error (``fullgraph=True``)."""
-    from torch._dynamo import exc as dynamo_exc
-
-    refusals = tuple(
-        cls
-        for cls in (getattr(dynamo_exc, n, None) for n in ("Unsupported", "FailOnRecompileLimitHit"))
-        if isinstance(cls, type)
-    )
-    return isinstance(exc, refusals)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -16,7 +15,7 @@ from typing import Any, Literal
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.search.space import SearchSpace
 
-__all__ = ["TuneConfig", "settings_into_config"]
+__all__ = ["TuneConfig"]
 
 
 def _is_int(value: Any) -> bool:
@@ -202,19 +201,3 @@ class TuneConfig:
         if unknown:
             raise ConfigurationError(f"Unknown tune settings {unknown}. Known settings: {', '.join(sorted(known))}.")
         return replace(self, **overrides) if overrides else self
-
-
-def settings_into_config(config: TuneConfig | None, settings: Mapping[str, Any], caller: str) -> TuneConfig:
-    """``config`` with keyword ``settings`` applied, the older way to pass them (``tune(..., n_trials=12)``), which
-    still works but warns: one place holds a search's settings, the ``TuneConfig``."""
-    config = config or TuneConfig()
-    if not settings:
-        return config
-    names = ", ".join(f"{k}=..." for k in sorted(settings))
-    warnings.warn(
-        f"{caller}(..., {names}) is deprecated: pass config=TuneConfig({names}) (or replace an existing config with "
-        "dataclasses.replace(config, ...)). Keyword settings will be removed in a later release.",
-        DeprecationWarning,
-        stacklevel=4,  # the caller of tune (through without_kv_cache)
-    )
-    return config.with_overrides(settings)

@@ -27,8 +27,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from lightning_ckpt.budget import Budget, RequestedBudget, device_type, format_bytes
+from lightning_ckpt.budget import Budget, RequestedBudget, device_type
 from lightning_ckpt.errors import InfeasibleBudgetError, LightningCkptError, PlanError
+from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.memory.compiled import CompiledMemoryModel
 from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory

@@ -24,6 +24,7 @@ from lightning_ckpt.search.verdict import Verdict, paired_interval
 __all__ = [
     "CLAIM_HALF_WIDTH",
     "ConfirmEntry",
+    "RoundProgress",
     "SideBySide",
     "apply_confirmation",
     "beats_by",

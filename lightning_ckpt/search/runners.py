@@ -22,7 +22,7 @@ from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.ledger import TrialStatus
 
-__all__ = ["EagerRunner", "TrialRunner"]
+__all__ = ["EagerRunner", "TrialRunner", "release_cached_memory"]
 
 
 class TrialRunner(Protocol):

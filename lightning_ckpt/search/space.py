@@ -29,11 +29,9 @@ from lightning_ckpt.plan.save_list_names import SAVE_LIST_NAMES
 from lightning_ckpt.search.ledger import trial_key
 from lightning_ckpt.stacks import Block, LayerStack
 
-__all__ = ["SearchSpace", "Candidate", "DIMENSIONS", "offered_candidates"]
+__all__ = ["Candidate", "SearchSpace", "offered_candidates"]
 
 log = logging.getLogger(__name__)
-
-DIMENSIONS = ("structure", "selection", "mode", "rest_mode", "chunks", "compile_budget")
 
 _DEFAULT_MODES = (
     "full",

@@ -26,7 +26,7 @@ from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
 from lightning_ckpt.search.runners import TrialRunner
 from lightning_ckpt.search.space import Candidate
 
-__all__ = ["CollectiveTrialError", "SearchInterrupted", "Trials", "Workload"]
+__all__ = ["CollectiveTrialError", "SearchInterrupted", "Trials", "Workload", "resized", "run_info"]
 
 
 @dataclass(frozen=True)

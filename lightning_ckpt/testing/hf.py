@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+__all__ = ["image_batch", "lm_batch", "tiny_gpt2", "tiny_llama", "tiny_vit"]
+
 
 def tiny_llama(*, layers: int = 4, hidden: int = 64, vocab: int = 128, dropout: float = 0.0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM

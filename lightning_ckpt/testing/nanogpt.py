@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["GPT", "GPTConfig"]
+
 
 @dataclass
 class GPTConfig:

@@ -382,7 +382,7 @@ def _forward(case: ZooCase) -> tuple[Callable[[], torch.Tensor], tuple[torch.Ten
 def memory_errors(name: str) -> dict[str, tuple[int, int]]:
     """Per baseline, (predicted, measured) activation bytes: the profile's prediction against the live-tensor
     tracker's reading of a real step under that plan."""
-    from lightning_ckpt.measure.measurement import track_step_memory
+    from lightning_ckpt.measure.step import track_step_memory
     from lightning_ckpt.memory.profile import profile_memory
     from lightning_ckpt.plan.apply import plan_applied
     from lightning_ckpt.plan.baselines import baselines

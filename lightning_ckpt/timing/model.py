@@ -27,7 +27,7 @@ from typing import Any
 from lightning_ckpt.plan.chunks import segment_chunks
 from lightning_ckpt.plan.format import Plan, mode_key
 
-__all__ = ["WELL_PREDICTED_ERROR", "BlockTime", "Calibration", "TimeModel", "relative_error"]
+__all__ = ["WELL_PREDICTED_ERROR", "BlockTime", "Calibration", "TimeModel"]
 
 # How far (median relative error of a step's prediction against its measurement) the model predicts on a steady
 # machine; more is worth a line: the search's pruning margin follows the error past it, and a re-plan says its
@@ -189,10 +189,3 @@ def _added(row: BlockTime, key: str) -> float | None:
 def _fit(points: Sequence[tuple[str, float, float]]) -> Calibration:
     """The plain step as the median of the measured steps less what each plan adds (robust to one slow step)."""
     return Calibration(base_seconds=statistics.median(m - a for _, a, m in points), anchors=tuple(points))
-
-
-def relative_error(predicted: float | None, measured: float | None) -> float | None:
-    """``predicted / measured - 1`` (step seconds), None when either is unknown."""
-    if predicted is None or not measured:
-        return None
-    return predicted / measured - 1.0

@@ -1,0 +1,144 @@
+"""Reading a real training step's memory after lock-in: CUDA from the allocator's peak, CPU with the live-tensor
+tracker (several times slower, so only the steps the guard reads). A compiled model's steps are read as its trials
+were (``compile.SavedForBackward``): the tracker's dispatch mode would make dynamo run them eagerly and read the
+eager step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt.measure.device_memory import device_memory
+from lightning_ckpt.measure.saved_for_backward import SavedForBackward
+from lightning_ckpt.measure.step import MemoryReading
+from lightning_ckpt.measure.tracker import new_live_tracker
+
+__all__ = ["RealStepReader"]
+
+
+class RealStepReader:
+    """Reads one real training step, started and stopped from two hooks (batch start, batch end).
+
+    Peak memory: CUDA from the allocator (what an OOM is decided on), CPU from the live-tensor tracker.
+    Activation memory means what it means in trials (``measure``): bytes the step creates other than
+    gradients and optimizer state, read by the live-tensor tracker on every device. On CUDA the
+    allocator's ``peak - resting`` would also count the new gradients, the optimizer state the first
+    step creates and its foreach temporaries, so an activation budget would see a step several times
+    its trial. The tracker runs only when activation is asked for (it slows the step) and only on the
+    few steps the guard reads.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._tracker: Any = None
+        self._saved: SavedForBackward | None = None
+        self._resting = 0
+        self._retries = 0
+
+    def _allocator(self) -> Any:
+        """The device's allocator (CUDA, or a simulated card), or None; a CPU build has none to read."""
+        try:
+            return device_memory(self.device)
+        except (AssertionError, RuntimeError):  # torch built without CUDA
+            return None
+
+    def _alloc_retries(self) -> int:
+        memory = self._allocator()
+        try:
+            return int(memory.stats().get("num_alloc_retries", 0)) if memory is not None else 0
+        except (AssertionError, RuntimeError):
+            return 0
+
+    def _reserved_peak(self) -> int | None:
+        memory = self._allocator()
+        if memory is None or self.device.type != "cuda":  # a simulated card's peaks are the test's, not reset here
+            return None
+        try:
+            return memory.max_reserved()
+        except (AssertionError, RuntimeError):
+            return None
+
+    @property
+    def active(self) -> bool:
+        return (
+            self._tracker is not None or self._saved is not None or (self.device.type == "cuda" and self._resting > 0)
+        )
+
+    def start(
+        self,
+        model: nn.Module,
+        optimizers: Sequence[Any],
+        extra: tuple[Any, ...] = (),
+        *,
+        activation: bool = True,
+        compiled: bool = False,
+    ) -> None:
+        """Start reading a step. ``compiled``: the step runs compiled code, read as compiled trials are:
+        activation = bytes saved for backward, peak = the allocator's (CUDA) or resting + activation (CPU)."""
+        self._retries = self._alloc_retries()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._resting = max(1, torch.cuda.memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            if not activation:
+                return
+        if compiled:
+            self._saved = SavedForBackward(model, optimizers, extra).__enter__()
+            if self.device.type != "cuda":
+                self._resting = self._saved.resting_bytes
+            return
+        tracker = new_live_tracker(self.device, model, optimizers[0] if optimizers else None)
+        tracker.track_external(model, *optimizers, *extra)
+        tracker.closure_in_step = True
+        if self.device.type != "cuda":
+            self._resting = tracker.now()[0]
+        tracker.total_peak = tracker.now()[0]
+        tracker.__enter__()
+        self._tracker = tracker
+
+    def optimizer_update_starts(self) -> None:
+        """Called between the closure (forward and backward) and the optimizer's update of a real step."""
+        if self._tracker is not None:
+            self._tracker.optimizer_update_starts()
+
+    def stop(self) -> MemoryReading | None:
+        """The step's reading, or None when no step was being read. Activation is None when it was not read."""
+        tracker, self._tracker = self._tracker, None
+        saved, self._saved = self._saved, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+        activation = tracker.activation_peak if tracker is not None else None
+        if saved is not None:
+            saved.__exit__(None, None, None)
+            activation = saved.saved_bytes
+        if self.device.type == "cuda":
+            if self._resting == 0:
+                return None
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            resting, self._resting = self._resting, 0
+            return MemoryReading(peak, activation, resting, str(self.device), *self._pressure())
+        resting, self._resting = self._resting, 0
+        if saved is not None:
+            return MemoryReading(resting + saved.saved_bytes, activation, resting, str(self.device), *self._pressure())
+        if tracker is None:
+            return None
+        return MemoryReading(tracker.total_peak, activation, resting, str(self.device), *self._pressure())
+
+    def _pressure(self) -> tuple[int | None, int]:
+        """(reserved peak, allocator retries) of the step read."""
+        return self._reserved_peak(), self._alloc_retries() - self._retries
+
+    def abandon(self) -> None:
+        """Stop reading without a result (the step raised, or the fit ends)."""
+        if self._tracker is not None:
+            tracker, self._tracker = self._tracker, None
+            tracker.__exit__(None, None, None)
+        if self._saved is not None:
+            saved, self._saved = self._saved, None
+            saved.__exit__(None, None, None)
+        self._resting = 0

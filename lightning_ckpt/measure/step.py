@@ -1,0 +1,493 @@
+"""``measure_step``: one training step timed and its memory read honestly, never raising for an OOM. The figures
+it reads are defined once, in ``measure.measurement``'s docstring; ``StepSettings`` says which passes run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.formatting import format_bytes
+from lightning_ckpt.measure.allocator import split_resistant
+from lightning_ckpt.measure.device_memory import (
+    DeviceMemory,
+    device_memory,
+    refused_although_it_fits,
+    requested_bytes,
+)
+from lightning_ckpt.measure.measurement import Measurement, classify_failure, median_and_spread, release_memory
+from lightning_ckpt.measure.snapshot import StateSnapshot
+from lightning_ckpt.measure.status import TrialStatus
+from lightning_ckpt.measure.tracker import new_live_tracker, normalise_device, removing_grad_hooks
+from lightning_ckpt.model import model_device
+
+__all__ = ["MemoryReading", "StepSettings", "measure_step", "track_step_memory"]
+
+# A failed step that leaves more than this allocated above where it started is reported (allocator rounding and
+# cached workspaces stay below it).
+LEAK_TOLERANCE_BYTES = 1 << 20
+_MAX_TRACE_CHARS = 8000
+
+log = logging.getLogger(__name__)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """Which passes ``measure_step`` runs and how many steps it times; checked when built.
+
+    warmup: untimed steps first (compile and allocator warm-up are not throughput). steps: timed steps; with
+    ``target_rel_spread``, timing goes on until MAD/median falls below it or ``max_steps`` (default ``4 * steps``)
+    were timed. track_memory: one step under the live-tensor tracker first. count_flops: one step under
+    ``FlopCounterMode`` last. memory_limit_bytes / reserve_headroom_bytes: the budget enforced (see
+    ``measure_step``). read_allocator: CUDA without the tracker: the allocator's peak over the timed steps.
+    clock: what steps are timed with.
+    """
+
+    warmup: int = 1
+    steps: int = 3
+    track_memory: bool = True
+    count_flops: bool = False
+    memory_limit_bytes: int | None = None
+    reserve_headroom_bytes: int = 0
+    read_allocator: bool = False
+    max_steps: int | None = None
+    target_rel_spread: float | None = None
+    clock: Callable[[], float] = time.perf_counter
+
+    def __post_init__(self) -> None:
+        warmup, steps, max_steps, spread = self.warmup, self.steps, self.max_steps, self.target_rel_spread
+        if not _is_int(warmup) or warmup < 0:
+            raise ConfigurationError(f"`warmup >= 0` must hold, but got warmup={warmup!r}.")
+        if not _is_int(steps) or steps < 1:
+            raise ConfigurationError(f"`steps >= 1` must hold, but got steps={steps!r}.")
+        if max_steps is not None and (not _is_int(max_steps) or max_steps < steps):
+            raise ConfigurationError(
+                f"`max_steps >= steps` must hold, but got (steps={steps!r}, max_steps={max_steps!r}). "
+                "Leave max_steps=None to time exactly `steps` steps."
+            )
+        if spread is not None and not (isinstance(spread, (int, float)) and spread > 0):
+            raise ConfigurationError(f"`target_rel_spread > 0` must hold, but got {spread!r}.")
+        limit = self.memory_limit_bytes
+        if limit is not None and (not _is_int(limit) or limit < 1):
+            raise ConfigurationError(f"`memory_limit_bytes >= 1` must hold, but got {limit!r}.")
+
+    @property
+    def limit_steps(self) -> int:
+        return self.steps if self.target_rel_spread is None else (self.max_steps or 4 * self.steps)
+
+
+def _check_shape(batch_size: int | None, seq_len: int | None) -> None:
+    if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
+        raise ConfigurationError(f"`batch_size >= 1` must hold, but got batch_size={batch_size!r}.")
+    if seq_len is not None and (not _is_int(seq_len) or seq_len < 1):
+        raise ConfigurationError(f"`seq_len >= 1` must hold, but got seq_len={seq_len!r}.")
+    if seq_len is not None and batch_size is None:
+        raise ConfigurationError(
+            "tokens/s needs the number of sequences per step: pass batch_size together with seq_len."
+        )
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """Memory of one step; see the module docstring for the definitions."""
+
+    peak_bytes: int
+    activation_bytes: int | None  # None only from the guard's reader when activation was not asked for
+    resting_bytes: int  # live bytes when the step started (parameters, existing grads, optimizer state)
+    device: str
+    # The allocator's, where there is one (the guard's real steps): its reserved peak, and how many times it had to
+    # release its cache to serve a request (``num_alloc_retries``): a card near refusing what allocated bytes fit.
+    reserved_peak_bytes: int | None = None
+    alloc_retries: int = 0
+
+
+def track_step_memory(
+    step_fn: Callable[[], Any],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: torch.device | str | None = None,
+    extra: tuple[Any, ...] = (),
+) -> MemoryReading:
+    """Run ``step_fn`` once and read its peak and activation memory.
+
+    On CPU this runs under a dispatch-mode tracker, which slows the step several-fold: never time
+    a step and track its memory in the same pass. ``extra`` are tensors created outside the step
+    (e.g. the batch) that should count as resting state.
+    """
+    device = normalise_device(torch.device(device) if device is not None else model_device(model))
+    return _tracked_step(step_fn, _step_tracker(device, model, optimizer, extra), device)
+
+
+def _step_tracker(
+    device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: tuple[Any, ...]
+) -> Any:
+    """A live-tensor tracker counting ``model``, ``optimizer`` and ``extra`` as resting state, its peak at rest."""
+    tracker = new_live_tracker(device, model, optimizer)
+    externals = [model, *extra] + ([optimizer] if optimizer is not None else [])
+    tracker.track_external(*externals)
+    tracker.resting_bytes = tracker.total_peak = tracker.now()[0]
+    return tracker
+
+
+def _tracked_step(step_fn: Callable[[], Any], tracker: Any, device: torch.device) -> MemoryReading:
+    memory = device_memory(device)
+    if memory is not None:
+        # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, whose
+        # categories tell them from gradients, as on CPU.
+        _synchronize(device)
+        gc.collect()
+        resting = memory.allocated()
+        memory.reset_peak()
+        with tracker:
+            step_fn()
+        _synchronize(device)
+        return MemoryReading(memory.max_allocated(), tracker.activation_peak, resting, str(device))
+    resting = tracker.total_peak
+    with tracker:
+        step_fn()
+    return MemoryReading(tracker.total_peak, tracker.activation_peak, resting, str(device))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _BudgetExceeded(Exception):
+    """The step completed above ``memory_limit_bytes`` where no allocator cap enforces it (CPU, or on CUDA
+    between the limit and the cap).
+
+    A measured verdict, not an OOM: as an OOM it would end a sharded (FSDP2) search on this rank alone while
+    the other ranks wait in a collective; as ``over_budget`` every rank records the trial and the ranks' worst
+    status is the trial's.
+    """
+
+
+@contextlib.contextmanager
+def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reserve_headroom: int = 0) -> Iterator[bool]:
+    """Cap this process's allocator near ``limit`` bytes, restoring the previous cap afterwards; yields whether
+    the cap set is tighter than the one before (the user's own fraction, or the whole card).
+
+    The cap (``set_per_process_memory_fraction``) counts *reserved* memory, while budgets count
+    allocated bytes: ``reserve_headroom`` (the allocator's reserve above allocated, measured on the
+    profile's step) is added so a plan that fits in allocated bytes is rarely failed by block rounding, and
+    ``measure_step`` re-runs once without it a step the cap refused although its allocated bytes fitted.
+    The budget itself is still judged on ``max_memory_allocated``. A smaller cap the user set is kept.
+    """
+    if limit is None or memory is None:
+        if memory is not None:
+            memory.empty_cache()  # step-sized buffers from a cold cache, not from what the last plan's steps split
+        yield False
+        return
+    previous = memory.get_fraction()
+    # Cached free blocks are handed out without checking the cap, so empty the cache first or a
+    # plan over budget could pass by reusing memory an earlier candidate left reserved.
+    gc.collect()
+    memory.empty_cache()
+    fraction = min(previous, (limit + max(0, reserve_headroom)) / memory.total_bytes)
+    memory.set_fraction(fraction)
+    try:
+        yield fraction < previous
+    finally:
+        memory.set_fraction(previous)
+
+
+def _in_recompute() -> bool:
+    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+
+
+_FLOP_COUNTER_CLASS: type | None = None
+
+
+class _GlobalModuleOnly:
+    """Stands in for ``FlopCounterMode``'s module tracker: every op is the step's ("Global"), no hook registered."""
+
+    parents = frozenset({"Global"})
+    is_bw = False
+
+    def __enter__(self) -> _GlobalModuleOnly:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+def _flop_counter() -> Any:
+    global _FLOP_COUNTER_CLASS
+    if _FLOP_COUNTER_CLASS is None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        class _RecomputeFlopCounter(FlopCounterMode):
+            """FlopCounterMode that also sums the FLOPs of ops run by checkpoint recomputation."""
+
+            def __init__(self) -> None:
+                super().__init__(display=False)
+                self.recompute_flops = 0
+                # Only the step's total is read, so no per-module attribution: torch's module tracker registers a
+                # multi-grad hook on every module's outputs, recomputed ones included, and a recomputed graph whose
+                # backward never runs stays alive in a hook cycle until the pass ends: a fully checkpointed step
+                # counted with it peaked as high as no checkpointing, enough to fail a plan on a card it fits.
+                if hasattr(self, "mod_tracker"):
+                    self.mod_tracker = _GlobalModuleOnly()
+
+            def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+                if func_packet in self.flop_registry and _in_recompute():
+                    self.recompute_flops += self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+                return super()._count_flops(func_packet, out, args, kwargs)
+
+        _FLOP_COUNTER_CLASS = _RecomputeFlopCounter
+    return _FLOP_COUNTER_CLASS()
+
+
+@dataclass
+class _Passes:
+    """One ``measure_step``'s passes over ``step_fn``, and what they read. The tracked step comes first, the cheapest
+    way to learn that a candidate does not fit; timed steps are synchronised (CUDA: ``max_memory_allocated`` read
+    after them); the FLOP count last. Each step starts from the captured gradients."""
+
+    step_fn: Callable[[], Any]
+    snapshot: StateSnapshot
+    device: torch.device
+    settings: StepSettings
+    times: list[float] = field(default_factory=list)
+    reading: MemoryReading | None = None
+    flops: tuple[int, int] | None = None
+    tracker: Any = None  # the tracked pass's: on CPU, what tells whether a failed step freed what it allocated
+
+    def run(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: tuple[Any, ...]) -> None:
+        if self.settings.track_memory:
+            self.snapshot.reset_grads()
+            self.tracker = _step_tracker(self.device, model, optimizer, extra)
+            self.reading = _tracked_step(self.step_fn, self.tracker, self.device)
+            self._judge(self.reading.peak_bytes, "tracked peak")
+        self.timed()
+        if self.settings.count_flops:
+            self.snapshot.reset_grads()
+            counter = _flop_counter()
+            with removing_grad_hooks(), counter:  # FlopCounterMode's module tracker hooks every module, as MemTracker's
+                self.step_fn()
+            self.flops = (counter.recompute_flops, counter.get_total_flops())
+
+    def _judge(self, peak: int, what: str) -> None:
+        limit = self.settings.memory_limit_bytes
+        if limit is not None and peak > limit:
+            raise _BudgetExceeded(f"{what} of {peak} bytes exceeds memory_limit_bytes={limit}")
+
+    def timed(self) -> None:
+        s = self.settings
+        for _ in range(s.warmup):
+            self.snapshot.reset_grads()
+            self.step_fn()
+        self.snapshot.reset_grads()
+        memory = device_memory(self.device)
+        if memory is not None:
+            _synchronize(self.device)
+            gc.collect()
+            resting = memory.allocated()
+            memory.reset_peak()
+        while True:  # ``steps`` times, then more until MAD/median reaches ``target_rel_spread`` or ``limit_steps``
+            self.snapshot.reset_grads()
+            _synchronize(self.device)
+            start = s.clock()
+            self.step_fn()
+            _synchronize(self.device)
+            self.times.append(s.clock() - start)
+            if len(self.times) < s.steps:
+                continue
+            if len(self.times) >= s.limit_steps:
+                break
+            med, spread = median_and_spread(self.times)
+            if med > 0 and spread / med <= float(s.target_rel_spread or 0):
+                break
+        if memory is not None and (self.reading is not None or s.read_allocator):
+            peak = memory.max_allocated()
+            if self.reading is not None:
+                peak = max(peak, self.reading.peak_bytes)
+            activation = self.reading.activation_bytes if self.reading else None
+            self.reading = MemoryReading(peak, activation, resting, str(self.device))
+            self._judge(peak, "peak")
+
+    def outcome(
+        self,
+        failure: tuple[str, ...] | None,
+        over_budget: str | None,
+        batch_size: int | None,
+        seq_len: int | None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Measurement:
+        """The ``Measurement`` of these passes: failed, over budget, or timed (with their memory and FLOPs)."""
+        device, reading, flops, extra = str(self.device), self.reading, self.flops, dict(extra or {})
+        warmup = self.settings.warmup
+        if failure is not None:
+            trace = failure[2] if len(failure) > 2 else None
+            return Measurement(
+                failure[0], error=failure[1], warmup_steps=warmup, device=device, traceback=trace, extra=extra
+            )
+        if over_budget is not None and reading is not None:
+            return Measurement(
+                TrialStatus.OVER_BUDGET.value,
+                peak_bytes=reading.peak_bytes,
+                activation_bytes=reading.activation_bytes,
+                resting_bytes=reading.resting_bytes,
+                error=over_budget,
+                warmup_steps=warmup,
+                device=device,
+                extra=extra,
+            )
+        med, spread = median_and_spread(self.times)
+        samples = batch_size / med if batch_size is not None and med > 0 else None
+        tokens = samples * seq_len if samples is not None and seq_len is not None else None
+        return Measurement(
+            "ok",
+            step_seconds=tuple(self.times),
+            median_seconds=med,
+            spread_seconds=spread,
+            samples_per_second=samples,
+            tokens_per_second=tokens,
+            peak_bytes=reading.peak_bytes if reading else None,
+            activation_bytes=reading.activation_bytes if reading else None,
+            recompute_flops=flops[0] if flops else None,
+            warmup_steps=warmup,
+            step_flops=flops[1] if flops else None,
+            resting_bytes=reading.resting_bytes if reading else None,
+            device=device,
+            extra=extra,
+        )
+
+
+def _failure_of(exc: Exception) -> tuple[str, ...]:
+    """(status, message) for a failed step; a bug (``error``, not a verdict on the plan) also keeps where it
+    happened, for the user."""
+    failure = classify_failure(exc)
+    if failure[0] == "error":
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return (failure[0], failure[1], trace[-_MAX_TRACE_CHARS:])
+    return failure
+
+
+def _refuse_changed_parameters(snapshot: StateSnapshot) -> None:
+    changed = snapshot.changed_parameters()
+    if changed:
+        raise ConfigurationError(
+            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
+            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
+            "outside measure_step."
+        )
+
+
+def measure_step(
+    step_fn: Callable[[], Any],
+    settings: StepSettings | None = None,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: torch.device | str | None = None,
+    extra: tuple[Any, ...] = (),
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+) -> Measurement:
+    """Time ``step_fn`` (forward + backward of one batch) and read its memory, never raising for OOM.
+
+    ``step_fn`` takes no arguments and must *not* step the optimizer: measuring must leave training untouched, so
+    every ``.grad``, buffer and global RNG stream is restored afterwards, ``.grad`` is reset before every step (each
+    step allocates its gradients as a real step does), and a parameter modified in place raises
+    ``ConfigurationError``. ``optimizer`` and ``extra`` (the batch) only count as resting memory;
+    ``batch_size``/``seq_len`` turn step times into samples/s and tokens/s.
+
+    ``settings.read_allocator`` (CUDA, without ``track_memory``) reads the peak off the allocator over the timed
+    steps: under the tracker's dispatch mode dynamo runs a compiled frame eagerly, so a tracked pass would read
+    (and budget) the eager step; the activation figure is then the caller's (``compile.SavedForBackward``).
+
+    ``memory_limit_bytes`` is enforced on CUDA for real, by capping the allocator
+    (``set_per_process_memory_fraction``, never above a cap already set, plus ``reserve_headroom_bytes`` for its
+    reserve), so a plan over budget fails as ``oom`` instead of passing by luck; a step that completes above the
+    limit (CPU: the tracked peak, or CUDA between limit and cap) is ``over_budget``. Failures never escape
+    (``BaseException``s are re-raised after restoring state), and a failed step's memory is released outside the
+    ``except``, so the caller can go on to the next plan.
+    """
+    settings = settings or StepSettings()
+    _check_shape(batch_size, seq_len)
+    device = normalise_device(torch.device(device) if device is not None else model_device(model))
+    memory = device_memory(device)
+    snapshot = StateSnapshot.capture(model)
+    cap_limit = settings.memory_limit_bytes
+    notes: dict[str, Any] = {}
+    request: int | None = None  # what the allocator refused, once it is retried
+    while True:
+        started = memory.allocated() if memory is not None else None
+        passes = _Passes(step_fn, snapshot, device, settings)
+        failure = over_budget = refused_but_fits = split = None
+        try:
+            resist = split_resistant(memory, request) if request is not None and memory is not None else None
+            cap = _enforced_memory_limit(memory, cap_limit, settings.reserve_headroom_bytes)
+            with cap as capped, resist or contextlib.nullcontext() as split:
+                passes.run(model, optimizer, extra)
+        except _BudgetExceeded as exc:
+            over_budget = str(exc)
+        except Exception as exc:  # BaseException (KeyboardInterrupt, SystemExit) propagates, state restored below
+            failure = _failure_of(exc)
+            if failure[0] == "oom" and request is None:
+                # Under the search's cap: judged against the budget; under the device's own: against the device.
+                limit = settings.memory_limit_bytes if capped else None
+                refused_but_fits = refused_although_it_fits(exc, memory, limit)
+                retry_request = requested_bytes(str(exc)) or 0
+        finally:
+            if failure is not None:
+                # A failed step's frames (held by the traceback) can hold its tensors in reference cycles.
+                # After a step that ran, refcounting has freed everything: a full collection would only cost
+                # time (~0.2 s on a 32-layer model, paid by every trial and every re-timing).
+                release_memory(device)
+            snapshot.restore()
+        if failure is not None:
+            _note_leak(notes, failure[0], _left_allocated(memory, started, passes.tracker))
+        if refused_but_fits is not None and "leaked_bytes" not in notes:  # a step that leaked would only fail again
+            # The allocator's cap counts reserved bytes: run once more from an emptied cache, under the user's own cap
+            # only and split-resistant (without expandable segments the same sequence of requests would split the
+            # cache the same way again), and judge the budget on the allocated peak, as the memory model and the
+            # guard do.
+            notes["cap_refused"] = refused_but_fits
+            cap_limit, request = None, retry_request
+            continue
+        if request is not None and split:
+            notes["retried_with"] = split
+        break
+    _refuse_changed_parameters(snapshot)
+    return passes.outcome(failure, over_budget, batch_size, seq_len, notes)
+
+
+def _note_leak(notes: dict[str, Any], status: str, leaked: int | None) -> None:
+    if leaked is None or leaked <= LEAK_TOLERANCE_BYTES:
+        return
+    notes["leaked_bytes"] = leaked
+    log.warning(
+        "lightning_ckpt: a step that failed (%s) left %s allocated above where it started; every later step starts "
+        "that much higher. Something outside the step holds its tensors (a hook whose handle was dropped, a global, "
+        "a logged tensor): release them in the step's own code.",
+        status,
+        format_bytes(leaked),
+    )
+
+
+def _left_allocated(memory: DeviceMemory | None, started: int | None, tracker: Any) -> int | None:
+    """Bytes a failed step left allocated above where it started: the allocator's (CUDA, a simulated card), else the
+    tracker's live bytes when the tracked pass ran (CPU). None when nothing can tell."""
+    if memory is not None and started is not None:
+        return memory.allocated() - started
+    if tracker is not None:
+        return tracker.now()[0] - tracker.resting_bytes
+    return None

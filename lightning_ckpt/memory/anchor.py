@@ -1,0 +1,166 @@
+"""The memory profile's anchor step: one forward+backward with *every* block fully checkpointed (the cheapest plan),
+a live-tensor tracker recording the maximum of live bytes in each *phase* of the step (before the stack, each
+block's forward, the head's forward, the head's backward, each block's backward, after the stack), delimited by
+module hooks and gradient hooks on the blocks' hidden states. It catches what per-block arithmetic gets wrong:
+gradients accumulating during backward, the logits and loss temporaries, the embedding backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_ckpt.measure.harness import loss_of
+from lightning_ckpt.measure.tracker import new_live_tracker
+from lightning_ckpt.memory.capture import hidden_index
+from lightning_ckpt.plan.apply import apply_plan
+from lightning_ckpt.plan.format import BlockPlan, Plan
+
+__all__ = ["Calls", "anchor_step", "cuda_allocator_anchor", "phase_rank"]
+
+
+def phase_rank(label: tuple[Any, ...], n: int) -> int:
+    kind = label[0]
+    if kind == "pre":
+        return 0
+    if kind == "fwd":
+        return 1 + 2 * label[1]
+    if kind == "fwd_gap":
+        return 2 + 2 * label[1]
+    if kind == "bw_head":
+        return 1 + 2 * n
+    if kind == "bw":
+        return 2 + 2 * n + 2 * (n - 1 - label[1])
+    return 3 + 2 * n + 2 * (n - 1 - label[1])  # bw_gap
+
+
+@dataclass
+class Calls:
+    """How the anchor step called each block (one entry per call), read with every block ``full``:
+    checkpointing changes neither whether a tensor needs a gradient nor which outputs receive one."""
+
+    input_grad: list[bool]  # the hidden input needed a gradient
+    output_grad: list[bool]  # some output needed a gradient (False: no gradient flows through the call)
+    grad_leaves: list[set[int]]  # positions (``tree_flatten``) of the output leaves that received one
+
+
+class _AnchorPhases:
+    """The anchor step's phase markers: module hooks on the blocks and gradient hooks on their hidden states
+    move the tracker from phase to phase (see ``PhasePeak``), and record how each call was made (``Calls``)."""
+
+    def __init__(self, root: nn.Module, order: list[str], tracker: Any) -> None:
+        self.n = n = len(order)
+        self.tracker = tracker
+        self.positions: dict[str, list[int]] = {}
+        for i, fqn in enumerate(order):
+            self.positions.setdefault(fqn, []).append(i)
+        self.seen: dict[str, int] = {}
+        self.running: dict[int, int] = {}  # id(module) -> the call index of its call in progress
+        self.calls = Calls([False] * n, [False] * n, [set() for _ in range(n)])
+        self.current: tuple[Any, ...] = ("pre",)
+        self.fqn_of = {id(root.get_submodule(f)): f for f in order}
+
+    def enter(self, label: tuple[Any, ...]) -> None:
+        # Hooks can fire out of phase order (one tensor is both a block's output and the next block's
+        # input); a phase never goes back, so the later one wins.
+        if phase_rank(label, self.n) > phase_rank(self.current, self.n):
+            self.current = label
+            self.tracker.enter_phase(label)
+
+    def grad_marker(self, label: tuple[Any, ...]) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            self.enter(label)
+
+        return hook
+
+    def leaf_marker(self, i: int, leaf: int) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            self.calls.grad_leaves[i].add(leaf)
+            self.enter(("bw", i))
+
+        return hook
+
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        fqn = self.fqn_of[id(module)]
+        k = self.seen[fqn] = self.seen.get(fqn, -1) + 1
+        calls_of = self.positions[fqn]
+        i = self.running[id(module)] = calls_of[min(k, len(calls_of) - 1)]  # a shared block: its k-th call
+        self.enter(("fwd", i))
+        where = hidden_index(args, kwargs)
+        if where is not None:
+            t = args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+            self.calls.input_grad[i] = t.requires_grad
+            if t.requires_grad:
+                t.register_hook(self.grad_marker(("bw_gap", i)))
+
+    def post_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        i = self.running[id(module)]
+        self.enter(("fwd_gap", i))
+        # Every output that needs a gradient starts the block's backward, not only the hidden state: an
+        # auxiliary loss (an MoE router's) reaches the block first when it is computed from the block's output,
+        # and under ``full`` its gradient recomputes the block right then.
+        for leaf, t in enumerate(tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self.calls.output_grad[i] = True
+                t.register_hook(self.leaf_marker(i, leaf))
+
+
+def anchor_step(
+    root: nn.Module, forward_fn: Callable[[], Any], order: list[str], externals: list[Any], device: torch.device
+) -> tuple[Any, int, tuple[int, int], Calls]:
+    """Forward+backward with every block ``full``, phase maxima recorded.
+
+    Returns the tracker, the resting level, the (total, activation) level when the forward returned, and
+    how each block was called (``Calls``).
+    """
+    tracker = new_live_tracker(device, root)
+    tracker.track_external(*externals)
+    phases = _AnchorPhases(root, order, tracker)
+    plan = Plan({f: BlockPlan("full") for f in order})
+    handle = apply_plan(root, plan)
+    handles = []
+    try:
+        for f in phases.positions:
+            m = root.get_submodule(f)
+            handles.append(m.register_forward_pre_hook(phases.pre_hook, with_kwargs=True))
+            handles.append(m.register_forward_hook(phases.post_hook, with_kwargs=True))
+        resting = tracker.now()[0]
+        tracker.total_peak = resting
+        with tracker:
+            tracker.enter_phase(("pre",))
+            loss = loss_of(forward_fn())
+            end_of_forward = tracker.now()
+            phases.enter(("bw_head",))
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+        handle.remove()
+    return tracker, resting, end_of_forward, phases.calls
+
+
+def cuda_allocator_anchor(
+    root: nn.Module, forward_fn: Callable[[], Any], order: list[str], device: torch.device
+) -> tuple[int, int, int]:
+    """(max_memory_allocated, memory_allocated before, reserved-above-allocated peak) of the anchor step:
+    the tracker-to-allocator offset, and the headroom a cap on reserved memory needs."""
+    plan = Plan({f: BlockPlan("full") for f in order})
+    handle = apply_plan(root, plan)
+    try:
+        torch.cuda.synchronize(device)  # the cache is cold already (``run_pass``): the reserve this step itself needs
+        resting = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = loss_of(forward_fn())
+        loss.backward()
+        del loss
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        return peak, resting, torch.cuda.max_memory_reserved(device) - peak
+    finally:
+        handle.remove()
