@@ -127,8 +127,7 @@ def run_search(
     def unseen() -> list[Candidate]:
         return [c for c in candidates if c.key() not in ledger and trials.offered(c.plan)]
 
-    predicts = getattr(runner, "predicts_time", False)
-    sampler = sampler_for(timing, ledger, unseen, config, predicts_time=predicts)
+    sampler = sampler_for(timing, ledger, unseen, config, predicts_time=workloads[0].predicts_time)
     with phases.timing("trials"):
         none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
     found = (tuple(candidates), tuple(stacks), Confirmed(), none_fits, warm_steps, hooks.progress, phases)

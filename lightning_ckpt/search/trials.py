@@ -40,6 +40,17 @@ class Workload:
     samples_per_step: int = 1
     micro_batch: int | None = None
     accumulation: int | None = None
+    # Whether the memory and time models' predictions hold for this workload's steps; None: the runner's own (a
+    # compiled runner's hold once its blocks' saved bytes are anchored on its compiled ``none`` step).
+    predicts: bool | None = None
+
+    @property
+    def predicts_memory(self) -> bool:
+        return self.runner.predicts_memory if self.predicts is None else self.predicts
+
+    @property
+    def predicts_time(self) -> bool:
+        return self.runner.predicts_time if self.predicts is None else self.predicts
 
     def labelled(self, label: str) -> str:
         """A candidate's label, with its micro-batch in the joint search: ``full [micro-batch 4 x2]``."""
@@ -74,7 +85,7 @@ class Trials:
         self.lazy_memory = (
             config.memory_pass == "finalists"
             and device_type == "cpu"
-            and all(w.memory is not None and w.runner.predicts_memory and w.runner.memory_exact for w in workloads)
+            and all(w.memory is not None and w.predicts_memory and w.runner.memory_exact for w in workloads)
         )
         cuda_cap = config.enforce_budget and budget.kind == "peak" and device_type == "cuda"
         limit = budget.limit_bytes if cuda_cap else None
@@ -101,7 +112,7 @@ class Trials:
     def predicted(self, plan: Plan, micro_batch: int | None = None) -> tuple[int, int] | None:
         """(peak, activation bytes) the memory model predicts for ``plan``, None where it does not predict."""
         w = self.workload(micro_batch)
-        return w.memory.predict(plan) if w.memory is not None and w.runner.predicts_memory else None
+        return w.memory.predict(plan) if w.memory is not None and w.predicts_memory else None
 
     def predicted_over_budget(self, plan: Plan, micro_batch: int | None = None) -> bool:
         predicted = self.predicted(plan, micro_batch)

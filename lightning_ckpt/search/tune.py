@@ -211,13 +211,15 @@ def _search(
     sync = hooks.sync or LocalSync()
     budget = sync.broadcast(resolve_budget(requested, memory, runner, resolved, sync))
     profiled = profile.compiled  # anchored on the compiled ``none`` step below, where that step ran
+    predicts = None  # the runner's own
     if is_compiled and profile.compiled is not None:
         memory = _compiled_memory(runner, profile.compiled, optimizer_step, resolved)
-        profiled = memory.model if isinstance(memory.model, CompiledMemoryModel) else profile.compiled
+        predicts = isinstance(memory.model, CompiledMemoryModel)
+        profiled = memory.model if predicts else profile.compiled
     run = {"seq_len": harness.seq_len, "device": _device_name(device), "compiled": is_compiled}
     search = run_search(
         resolved,
-        [Workload(runner, memory, harness.batch_size)],
+        [Workload(runner, memory, harness.batch_size, predicts=predicts)],
         harness,
         space,
         budget,
@@ -330,11 +332,10 @@ def _compiled_memory(
 ) -> RealStepMemory:
     """What the compiled search prunes by: the blocks' compiled saved bytes anchored on the compiled ``none`` step
     (measured already: an activation budget is a fraction of it). The runner's steps are then predicted, memory
-    and time; without that step (it failed) nothing is, as before."""
+    and time (the workload says so); without that step (it failed) nothing is, as before."""
     none = runner.measure_compiled(Plan(fingerprint=resolved.fingerprint))
     if not none.ok or none.activation_bytes is None:
         return RealStepMemory(compiled.eager, optimizer_step)
-    runner.predicts_memory = runner.predicts_time = True
     return RealStepMemory(compiled.anchored(none.activation_bytes, none.peak_bytes), optimizer_step)
 
 
