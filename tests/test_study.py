@@ -770,6 +770,14 @@ def test_the_searchs_allowance_ends_the_rounds_at_their_floor_and_says_what_it_l
     assert set(result.cost.seconds) <= set(PHASES) and sum(result.cost.seconds.values()) == pytest.approx(
         result.cost.total_seconds
     )
+    # What users see: the result line, ``lightning-ckpt show`` (from the plan file's metadata alone).
+    from lightning_ckpt.cli.show import format_plan
+    from lightning_ckpt.report.text import result_line
+
+    line = result_line(result)
+    assert "plain steps (" in line and "the allowance of 1e-09 plain steps stopped the fresh rounds" in line
+    shown = format_plan(Plan.from_dict(result.best.to_dict(), source="test"))
+    assert "  cost " in shown and "plain steps" in shown and "stopped the fresh rounds" in shown
 
 
 def _varied_speeds(seed: int) -> dict[str, float]:

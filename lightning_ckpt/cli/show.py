@@ -143,7 +143,25 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
     if counts["confirmed"]:
         lines.append(f"{pad}{counts['confirmed']} of the measured re-timed side by side to confirm the choice")
     lines.append(f"{pad}{cap} caps the plans measured; pruned plans do not count towards it")
-    return lines + _verdict_lines(search)
+    return lines + _verdict_lines(search) + _cost_lines(search)
+
+
+def _cost_lines(search: Mapping[str, Any]) -> list[str]:
+    """Where the search's time went, by phase, in seconds and in plain training steps (``search.phases``)."""
+    cost = search.get("cost")
+    if not cost or not cost.get("seconds"):
+        return []
+    plain = cost.get("plain_step_seconds")
+    total = f"{cost['total_seconds']:.1f} s" + (f" = {cost['plain_steps']:.0f} plain steps" if plain else "")
+    lines = [f"  cost       {total}" + (f" (a plain step: {1000 * plain:.1f} ms)" if plain else "")]
+    for phase, seconds in sorted(cost["seconds"].items(), key=lambda kv: -kv[1]):
+        steps = f" = {seconds / plain:6.1f} plain steps" if plain else ""
+        lines.append(f"{' ' * 13}{phase.replace('_', ' '):15s}{seconds:7.1f} s{steps}")
+    stopped = (search.get("allowance") or {}).get("stopped") or []
+    if stopped:
+        allowance = search["allowance"].get("plain_steps")
+        lines.append(f"{' ' * 13}the allowance of {allowance:g} plain steps stopped {' and '.join(stopped)}")
+    return lines
 
 
 def _verdict_lines(search: Mapping[str, Any]) -> list[str]:

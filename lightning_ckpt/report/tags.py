@@ -85,6 +85,8 @@ __all__ = [
     "text_tag",
     "TAG_SEARCH_COMPILES",
     "TAG_SEARCH_COMPILE_SECONDS",
+    "TAG_SEARCH_PHASE_SECONDS",
+    "TAG_SEARCH_PLAIN_STEPS",
 ]
 
 TAG_PREFIX = "lightning_ckpt"
@@ -114,6 +116,10 @@ VERDICT_SCALAR_TAGS = (TAG_VERDICT_RATIO, TAG_VERDICT_LOW, TAG_VERDICT_HIGH)
 # steps that compiled them.
 TAG_SEARCH_COMPILES = f"{TAG_PREFIX}/search/compiled_graphs"
 TAG_SEARCH_COMPILE_SECONDS = f"{TAG_PREFIX}/search/compile_seconds"
+# Where the search's time went (one point each, step 0; ``search.phases``): its wall time in plain training steps,
+# and each phase's seconds under ``search/phase_seconds/<phase>``.
+TAG_SEARCH_PLAIN_STEPS = f"{TAG_PREFIX}/search/plain_steps"
+TAG_SEARCH_PHASE_SECONDS = f"{TAG_PREFIX}/search/phase_seconds"
 # What TensorBoard shows as each chart's description (Time Series and Scalars: the card's info tooltip), for
 # the series whose figures could be mistaken for one another.
 SCALAR_DESCRIPTIONS = {

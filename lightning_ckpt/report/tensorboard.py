@@ -55,6 +55,8 @@ from lightning_ckpt.report.tags import (
     TAG_SAMPLES_PER_SECOND,
     TAG_SEARCH_COMPILE_SECONDS,
     TAG_SEARCH_COMPILES,
+    TAG_SEARCH_PHASE_SECONDS,
+    TAG_SEARCH_PLAIN_STEPS,
     TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND,
     TAG_SUMMARY,
     TAG_TIME_PREDICTION_ERROR,
@@ -368,6 +370,11 @@ def write_tensorboard(
         if compiles:
             add_scalar(writer, TAG_SEARCH_COMPILES, float(compiles["graphs"]), 0)
             add_scalar(writer, TAG_SEARCH_COMPILE_SECONDS, float(compiles["seconds"]), 0)
+        if result.cost is not None:
+            for phase, seconds in result.cost.seconds.items():
+                add_scalar(writer, f"{TAG_SEARCH_PHASE_SECONDS}/{phase}", float(seconds), 0)
+            if result.cost.plain_steps is not None:
+                add_scalar(writer, TAG_SEARCH_PLAIN_STEPS, float(result.cost.plain_steps), 0)
         for t in result.trials:
             if t.confirmed and t.samples_per_second is not None:
                 add_scalar(writer, TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND, t.samples_per_second, t.number)

@@ -30,6 +30,7 @@ from lightning_ckpt.search.verdict import Verdict
 __all__ = [
     "NOISY_SPREAD",
     "conflicts_markdown",
+    "cost_phrase",
     "memory_markdown",
     "plan_markdown",
     "pruned_counts",
@@ -237,7 +238,28 @@ def result_line(result: TuneResult) -> str:
     compiles = compiles_phrase(result)
     if compiles is not None:
         parts.append(compiles)
+    cost = cost_phrase(result.best.metadata.get("search") or {})
+    if cost is not None:
+        parts.append(cost)
     return " | ".join(parts)
+
+
+def cost_phrase(search: Mapping[str, Any]) -> str | None:
+    """What the search cost in plain training steps and where most of it went (``search.phases``), and the rounds its
+    allowance (``search_steps``) stopped before a verdict: ``cost 142 plain steps (confirmation 41%, profile 22%)``."""
+    cost = search.get("cost")
+    if not cost or not cost.get("total_seconds"):
+        return None
+    total, seconds = cost["total_seconds"], cost.get("seconds") or {}
+    largest = sorted(seconds.items(), key=lambda kv: -kv[1])[:2]
+    shares = ", ".join(f"{phase.replace('_', ' ')} {value / total:.0%}" for phase, value in largest)
+    steps = cost.get("plain_steps")
+    phrase = f"cost {steps:.0f} plain steps ({shares})" if steps else f"cost {total:.1f} s ({shares})"
+    stopped = (search.get("allowance") or {}).get("stopped") or []
+    if stopped:
+        allowance = search["allowance"].get("plain_steps")
+        phrase += f"; the allowance of {allowance:g} plain steps stopped {' and '.join(stopped)}"
+    return phrase
 
 
 def compiles_phrase(result: TuneResult) -> str | None:

@@ -39,6 +39,7 @@ from lightning_ckpt.search.runners import release_cached_memory
 from lightning_ckpt.search.sampler import TimeModelSampler, fitted, sampler_for, sampler_summary
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
 from lightning_ckpt.search.trials import Trials, Workload, resized, run_info
+from lightning_ckpt.search.verdict import Verdict
 from lightning_ckpt.timing.model import TimeModel
 
 __all__ = ["Search", "SearchHooks", "conclude", "run_search", "warm_up_process"]
@@ -187,24 +188,9 @@ def conclude(
     if fell_back:
         warnings.warn(message, stacklevel=3)
     records = ledger.snapshot()
-    facts = SearchFacts(
-        n_trials=config.n_trials,
-        exhaustive=len(search.candidates) <= config.n_trials,
-        space_size=len(search.candidates),
-        seed=config.seed,
-        sampler=ledger.sampler_name,
-        proposer=TimeModelSampler.name if isinstance(search.sampler, TimeModelSampler) else "sampler",
-        study_name=ledger.study_name,
-        tie_tolerance=tol,
-        speed_changes=search.confirmed.speed_changes,
-        proposer_summary=sampler_summary(search.sampler),
-        verdict=verdict if verdict is not None else reported_verdict(search.confirmed.side, records, best, tol),
-        none_fits=search.none_fits,
-        fingerprint=ledger.run_info.get("fingerprint"),
-        storage=config.storage,
-        cost=search.cost(),
-        allowance={"plain_steps": config.search_steps, "stopped": stopped},
-    )
+    if verdict is None:
+        verdict = reported_verdict(search.confirmed.side, records, best, config.tie_tolerance)
+    facts = _facts(search, verdict, stopped)
     result = build_result(
         best,
         records,
@@ -224,6 +210,29 @@ def conclude(
             f"({result.best.describe()}). Trials must be combined identically on every rank; please report this."
         )
     return result
+
+
+def _facts(search: Search, verdict: Verdict | None, stopped: Sequence[str]) -> SearchFacts:
+    """What the search was and did beside its records, for the chosen plan's evidence."""
+    ledger, config = search.ledger, search.trials.config
+    return SearchFacts(
+        n_trials=config.n_trials,
+        exhaustive=len(search.candidates) <= config.n_trials,
+        space_size=len(search.candidates),
+        seed=config.seed,
+        sampler=ledger.sampler_name,
+        proposer=TimeModelSampler.name if isinstance(search.sampler, TimeModelSampler) else "sampler",
+        study_name=ledger.study_name,
+        tie_tolerance=config.tie_tolerance,
+        speed_changes=search.confirmed.speed_changes,
+        proposer_summary=sampler_summary(search.sampler),
+        verdict=verdict,
+        none_fits=search.none_fits,
+        fingerprint=ledger.run_info.get("fingerprint"),
+        storage=config.storage,
+        cost=search.cost(),
+        allowance={"plain_steps": config.search_steps, "stopped": list(stopped)},
+    )
 
 
 def _nothing_fits(budget: Budget, records: Sequence[TrialRecord]) -> str:
