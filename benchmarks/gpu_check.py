@@ -617,7 +617,7 @@ def part_c() -> dict[str, Any]:
     space = {"modes": ["full", "selective:mlp"], "selections": ["all"], "segments": True}
     warm = 0 if ARGS.dry_run else 1  # the simulated card's dispatch mode makes every CPU step slow; no timing matters
     settings = dict(search_space=space, confirm_top=0, holdout_rounds=0, warmup_steps=warm, measure_steps=1,
-                    count_flops=False, process_warmup_steps=warm, extra_tensors=(x, y))  # fmt: skip
+                    count_flops=False, process_warmup_steps=warm)  # fmt: skip
     full_reserved = peaks.get("full_reserved")
     out: dict[str, Any] = {
         "card_gib": gib(small),
@@ -640,6 +640,7 @@ def part_c() -> dict[str, Any]:
             res = tune(
                 model,
                 fwd,
+                extra_tensors=(x, y),
                 config=TuneConfig(n_trials=4, timeout=remaining(60), **settings),
                 hooks=SearchHooks(progress=progress_printer("(c1)")),
             )
@@ -652,6 +653,7 @@ def part_c() -> dict[str, Any]:
                 res = tune(
                     model,
                     fwd,
+                    extra_tensors=(x, y),
                     config=TuneConfig(n_trials=3, timeout=remaining(50), **settings),
                     hooks=SearchHooks(progress=progress_printer("(c2)")),
                 )
@@ -661,7 +663,7 @@ def part_c() -> dict[str, Any]:
             card.set_fraction(prev)
             free()
             with no_pruning():
-                res = tune(model, fwd, max_memory=small, config=TuneConfig(n_trials=3, timeout=remaining(40), **settings), hooks=SearchHooks(progress=progress_printer("(c3)")))  # fmt: skip
+                res = tune(model, fwd, max_memory=small, extra_tensors=(x, y), config=TuneConfig(n_trials=3, timeout=remaining(40), **settings), hooks=SearchHooks(progress=progress_printer("(c3)")))  # fmt: skip
             out["c3_tuner_cap"] = on_card(card, res, model, step, alloc0)
             out["c3_over_budget_not_ok"] = not any(
                 tr.status == "ok" and (tr.peak_bytes or 0) > small for tr in res.trials

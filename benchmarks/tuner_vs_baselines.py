@@ -145,10 +145,10 @@ LOAD_WINDOWS = {"middle half": (0.25, 0.75), "from a quarter to the end": (0.25,
 def load_mid_search(model: GPT, loss_fn: Any, tokens: torch.Tensor, args: argparse.Namespace) -> dict:
     """Tune while busy processes hold every core for part of the search (``LOAD_WINDOWS``, fractions of the
     quiet search's duration; None: until the search ends), then judge each choice on the quiet machine."""
-    common = dict(activation_budget=args.load_budget, search_space=SPACE, measure_steps=args.steps, seed=0,
-                  batch_size=args.batch, extra_tensors=(tokens,), n_trials=args.trials)  # fmt: skip
+    common = dict(activation_budget=args.load_budget, batch_size=args.batch, extra_tensors=(tokens,),
+                  config=TuneConfig(search_space=SPACE, measure_steps=args.steps, seed=0, n_trials=args.trials))  # fmt: skip
     t0 = time.perf_counter()
-    quiet = tune(model, loss_fn, config=TuneConfig(**common))
+    quiet = tune(model, loss_fn, **common)
     quiet_seconds = time.perf_counter() - t0
     searches: dict[str, dict] = {}
     chosen: dict[str, Plan] = {}
@@ -176,7 +176,7 @@ def load_mid_search(model: GPT, loss_fn: Any, tokens: torch.Tensor, args: argpar
         for t in timers:
             t.start()
         try:
-            loaded = tune(model, loss_fn, config=TuneConfig(**common))
+            loaded = tune(model, loss_fn, **common)
         finally:
             for t in timers:
                 t.cancel()
@@ -257,13 +257,13 @@ def main() -> None:
     rows = []
     for fraction in args.budgets:
         limit = int(fraction * none_activation)
-        common = dict(activation_budget=fraction, search_space=SPACE, measure_steps=args.steps, seed=0,
-                      batch_size=args.batch, extra_tensors=(tokens,))  # fmt: skip
+        common = dict(activation_budget=fraction, batch_size=args.batch, extra_tensors=(tokens,))
+        search = dict(search_space=SPACE, measure_steps=args.steps, seed=0)
         t0 = time.perf_counter()
-        tuned = tune(model, loss_fn, config=TuneConfig(n_trials=args.trials, **common))
+        tuned = tune(model, loss_fn, config=TuneConfig(n_trials=args.trials, **search), **common)
         tuned_seconds = time.perf_counter() - t0
         # Every plan measured: the time model must not decide what the reference measures.
-        exhaustive = tune(model, loss_fn, config=TuneConfig(n_trials=space_size, predict_time=False, **common))
+        exhaustive = tune(model, loss_fn, config=TuneConfig(n_trials=space_size, predict_time=False, **search), **common)
         fitting = {
             name: plan
             for name, plan in baselines(model).items()

@@ -28,6 +28,7 @@ from lightning_ckpt.measure.step import MemoryReading
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.format import BlockPlan, Plan
+from lightning_ckpt.search.ledger import TrialRecord, record_of
 from lightning_ckpt.stacks import LayerStack
 
 __all__ = [
@@ -70,7 +71,7 @@ class StepCheck:
         }
 
 
-def trial_figures(t: Any) -> tuple[int | None, int | None]:
+def trial_figures(t: TrialRecord) -> tuple[int | None, int | None]:
     """(peak, activation) bytes of a trial at the tuned batch: measured where it ran, predicted where it was pruned."""
     if t.status in ("ok", "over_budget"):
         return t.peak_bytes, t.activation_bytes
@@ -78,14 +79,14 @@ def trial_figures(t: Any) -> tuple[int | None, int | None]:
 
 
 def lower_memory_trial(
-    trials: Sequence[Any],
+    trials: Sequence[TrialRecord],
     current_key: str,
     budget: Budget,
     excess: int,
     *,
     exclude: Collection[str] = (),
     predict: Callable[[str, int | None, int | None], int | None] | None = None,
-) -> Any | None:
+) -> TrialRecord | None:
     """The fastest measured trial that should fit once the real step's ``excess`` over its trial is added.
 
     ``excess`` (real peak minus the current plan's predicted one) is what trials did not see; it is assumed
@@ -96,7 +97,7 @@ def lower_memory_trial(
     current one was pruned) are considered, and none in ``exclude`` (plans that already went over): each switch
     goes down, so the guard cannot oscillate. Returns None when none qualifies.
     """
-    current = next((t for t in trials if t.plan.key() == current_key), None)
+    current = record_of(trials, current_key)
     current_value = budget.value_of(*trial_figures(current)) if current is not None else None
     if current_value is None:
         return None  # a plan the search never saw: nothing is known to need less
@@ -117,7 +118,7 @@ def lower_memory_trial(
 
 def lower_plan(
     plan: Plan,
-    trials: Sequence[Any],
+    trials: Sequence[TrialRecord],
     budget: Budget,
     stacks: Sequence[LayerStack],
     *,
@@ -294,10 +295,10 @@ class BudgetGuard:
         extra = tuple(batch_tensors(batch))
         self.reader.start(pl_module, list(trainer.optimizers), extra, activation=activation, compiled=compiled)
 
-    def predicted_value(self, plan_key: str, trials: Sequence[Any], size: BatchSize) -> int | None:
+    def predicted_value(self, plan_key: str, trials: Sequence[TrialRecord], size: BatchSize) -> int | None:
         """The budget's value for plan ``plan_key`` on a batch of ``size``: from its trial at the tuned batch, else
         from a real step read under it; None when neither exists."""
-        trial = next((t for t in trials if t.plan.key() == plan_key), None)
+        trial = record_of(trials, plan_key)
         if trial is not None and self.reference is not None:
             value = self._scaled(plan_key, *trial_figures(trial), at=size, reference=self.reference)
         elif plan_key in self._read_plans:
@@ -319,7 +320,7 @@ class BudgetGuard:
         return int(peak - act + act * factor) if act is not None else int(peak * factor)
 
     def before_forward(
-        self, trainer: Any, batch: Any, plan: Plan, trials: Sequence[Any], view: ModelView
+        self, trainer: Any, batch: Any, plan: Plan, trials: Sequence[TrialRecord], view: ModelView
     ) -> Plan | None:
         """Act on a batch larger than any read so far before it runs: predict the current plan's memory at its size
         and, over the budget, move (``"switch"``) to a plan predicted to fit (the plan to switch to), raise, or
@@ -359,7 +360,13 @@ class BudgetGuard:
         )
 
     def judge(
-        self, trainer: Any, reading: MemoryReading, batch: Any, plan: Plan, sync: Any, trials: Sequence[Any] = ()
+        self,
+        trainer: Any,
+        reading: MemoryReading,
+        batch: Any,
+        plan: Plan,
+        sync: Any,
+        trials: Sequence[TrialRecord] = (),
     ) -> StepCheck:
         """Record one read step against the budget (the worst rank's figures under several ranks); ``trials``: the
         search's, which the reading is compared with."""
@@ -391,11 +398,11 @@ class BudgetGuard:
         self.checks.append(check)
         return check
 
-    def _learn(self, plan: Plan, size: BatchSize, peak: int, act: int | None, trials: Sequence[Any]) -> None:
+    def _learn(self, plan: Plan, size: BatchSize, peak: int, act: int | None, trials: Sequence[TrialRecord]) -> None:
         """What a read step says: how memory grows with length (against the same plan's trial or earlier reading),
         what real steps use beyond their prediction, and the largest size covered."""
         reference = self._read_plans.get(plan.key())
-        trial = next((t for t in trials if t.plan.key() == plan.key()), None)
+        trial = record_of(trials, plan.key())
         if act is not None and trial is not None and self.reference is not None and trial.activation_bytes:
             self.scaling.observe(plan.key(), act, size, trial.activation_bytes, self.reference)
         elif act is not None and reference is not None and reference[1]:
@@ -418,7 +425,7 @@ class BudgetGuard:
         """The steps after lock-in are all read (later, only larger batches and the periodic ones are)."""
         return self._left <= 0
 
-    def over_budget(self, check: StepCheck, plan: Plan, trials: Sequence[Any], view: ModelView) -> Plan | None:
+    def over_budget(self, check: StepCheck, plan: Plan, trials: Sequence[TrialRecord], view: ModelView) -> Plan | None:
         """Act on a step over the budget as ``on_budget_exceeded`` says: the plan to switch to, or None to go on."""
         budget = self.budget
         value = budget.value_of(check.peak_bytes, check.activation_bytes) or 0
@@ -444,7 +451,7 @@ class BudgetGuard:
             ),
         )
 
-    def near_refusal(self, check: StepCheck, plan: Plan, trials: Sequence[Any], view: ModelView) -> Plan | None:
+    def near_refusal(self, check: StepCheck, plan: Plan, trials: Sequence[TrialRecord], view: ModelView) -> Plan | None:
         """A step within the budget that the allocator served only by releasing its cache (``alloc_retries``): the
         card is one fragmented cache away from refusing a step whose allocated bytes fit. Acted on before that step:
         the next plan down the frontier (``on_budget_exceeded="switch"``, said in one line), else a warning."""
@@ -473,7 +480,7 @@ class BudgetGuard:
         self,
         message: str,
         plan: Plan,
-        trials: Sequence[Any],
+        trials: Sequence[TrialRecord],
         view: ModelView,
         *,
         fix: str,

@@ -51,6 +51,8 @@ __all__ = [
     "TrialRecord",
     "TrialStatus",
     "announce_confirmation",
+    "fastest_fitting",
+    "record_of",
     "storage_for_display",
     "trial_key",
     "vs_reference",
@@ -493,6 +495,11 @@ class Ledger:
             stored.running = False
         if chosen is not None and chosen.key() in self._stored:
             self._record.set_user_attr("chosen_trial", self._stored[chosen.key()].number)
+
+
+def record_of(records: Sequence[TrialRecord], plan_key: str) -> TrialRecord | None:
+    """The record of the plan keyed ``plan_key`` (at any micro-batch), None where the search has none."""
+    return next((t for t in records if t.plan.key() == plan_key), None)
 
 
 def fastest_fitting(records: Sequence[TrialRecord]) -> list[TrialRecord]:
