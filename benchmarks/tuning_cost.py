@@ -16,7 +16,7 @@ the ``--depths`` runs above profile the model before they time ``tune()``. The p
 search, in the same process and on the same model (``tune`` leaves the model as it was), so the process is as warm
 as the user's training is after a search; timing it first would warm the process the search is meant to find cold.
 The table gives the plain step, the search's wall time (the tuner's defaults, a 50% activation budget), their
-ratio in plain steps and, where the result has them (``result.phases``), each phase's seconds and share; the JSON
+ratio in plain steps and, where the result has them (``result.cost.seconds``), each phase's seconds and share; the JSON
 (``benchmarks/results/tuning_cost_shapes.json``) every run, the torch version, the date, the cores and the
 command. ``--shapes --plain-only`` times only the plain steps (a few each, in this process): run it first, on the
 quiet machine, to see that they span about 10-500 ms there. ``--shapes --quick`` is a smoke run: the smallest shape,
@@ -185,7 +185,7 @@ def search_one(shape: Mapping[str, Any], *, quick: bool = False) -> dict[str, An
         model, x, warmup=2 if quick else 3, least=5 if quick else 10, seconds=0.5 if quick else 3.0
     )
     step = statistics.median(times)
-    phases = getattr(result, "phases", None)  # phase name -> seconds, where the tuner reports them
+    phases = result.cost.seconds if getattr(result, "cost", None) is not None else None  # phase -> seconds
     if isinstance(phases, Mapping):
         phases = {
             str(k): float(v) for k, v in phases.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
