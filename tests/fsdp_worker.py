@@ -22,6 +22,13 @@ from lightning_ckpt.testing import GPT, GPTConfig
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
 
+# The process group's timeout bounds two waits: the ranks meeting at start-up, and every collective after it. A test
+# of a rank that fails inside a sharded step wants the second short (the other rank waits that long in its
+# all-gather), but rank 1 first starts Python, imports torch and Lightning and builds the model while rank 0 waits
+# for it: over 20 s on a busy 2-core machine. So the strategy gets at least this for the meeting, and each rank sets
+# ``--timeout`` for the collectives once the group is up (``ShardedGPT.configure_model``).
+RENDEZVOUS_SECONDS = 300.0
+
 
 def make_model() -> GPT:
     torch.manual_seed(0)
@@ -29,17 +36,21 @@ def make_model() -> GPT:
 
 
 class ShardedGPT(LitGPT):
-    def __init__(self, fail_rank: int = -1, fail_on: str = "") -> None:
+    def __init__(self, fail_rank: int = -1, fail_on: str = "", collective_timeout: float | None = None) -> None:
         # SGD, not Adam: Adam's first step is lr x sign(grad), which turns float-level differences in
         # near-zero gradients (two ranks' average vs one mean) into +-lr, hiding whether training matches.
         super().__init__(model=make_model(), optimizer=torch.optim.SGD, lr=0.1)
         self.plans_seen: list[str | None] = []
         self.fail_rank, self.fail_on = fail_rank, fail_on
+        self.collective_timeout = collective_timeout
         self.batches: dict[int, list] = {}
 
     def configure_model(self) -> None:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
         from torch.distributed.fsdp import fully_shard
 
+        if self.collective_timeout is not None:  # the group is up: the collectives' own timeout (RENDEZVOUS_SECONDS)
+            _set_pg_timeout(timedelta(seconds=self.collective_timeout))
         for block in self.model.transformer.h:
             fully_shard(block)
         fully_shard(self.model)
@@ -56,7 +67,7 @@ class ShardedGPT(LitGPT):
 def fit(out: Path, args: argparse.Namespace, *, tuner: bool, prefix: str = "") -> dict:
     """One FSDP2 fit writing to ``out``: with the tuner (searching, or reusing ``out/plan.json`` when it exists),
     or FSDP2 alone. Rank 0 saves the trained weights to ``out/<prefix>weights.pt``; the report is what this rank saw."""
-    module = ShardedGPT(args.fail_rank, args.fail_on)
+    module = ShardedGPT(args.fail_rank, args.fail_on, collective_timeout=args.timeout)
     cb = ActivationCheckpointTuner(
         activation_budget=0.9,
         verbose=False,
@@ -64,7 +75,7 @@ def fit(out: Path, args: argparse.Namespace, *, tuner: bool, prefix: str = "") -
         search=dict(n_trials=4, measure_steps=1, search_space=SPACE, predict_time=not args.fail_on),
     )
     strategy = ModelParallelStrategy(
-        data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=args.timeout)
+        data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=max(args.timeout, RENDEZVOUS_SECONDS))
     )
     trainer = quiet_trainer(out, [cb] if tuner else [], steps=args.steps, devices=2, strategy=strategy)
     trainer.fit(module, token_loader(32, batch_size=4))
@@ -91,7 +102,7 @@ def table_fit(out: Path, args: argparse.Namespace) -> dict:
     so no rank waits on a gather another never issues."""
     from ddp_worker import TABLE_LENGTHS, RankBatches
 
-    module = ShardedGPT()
+    module = ShardedGPT(collective_timeout=args.timeout)
     cb = ActivationCheckpointTuner(
         activation_budget=0.7,
         max_shape=16,
@@ -100,7 +111,7 @@ def table_fit(out: Path, args: argparse.Namespace) -> dict:
         search=dict(n_trials=4, measure_steps=1, search_space=SPACE),
     )
     strategy = ModelParallelStrategy(
-        data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=args.timeout)
+        data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=max(args.timeout, RENDEZVOUS_SECONDS))
     )
     trainer = quiet_trainer(out, [cb], steps=len(TABLE_LENGTHS[0]), devices=2, strategy=strategy)
     trainer.fit(module, RankBatches())
@@ -126,7 +137,7 @@ def main() -> None:
     )
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-on", default="")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="process group timeout, seconds")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="the collectives' timeout, seconds")
     args = parser.parse_args()
     for name in args.fits.split(","):
         if name == "table":
