@@ -775,7 +775,7 @@ def test_the_searchs_allowance_ends_the_rounds_at_their_floor_and_says_what_it_l
     from lightning_ckpt.report.text import result_line
 
     line = result_line(result)
-    assert "plain steps (" in line and "the allowance of 1e-09 plain steps stopped the fresh rounds" in line
+    assert " plain steps (" in line and "the allowance of 1e-09 plain steps stopped the fresh rounds" in line
     shown = format_plan(Plan.from_dict(result.best.to_dict(), source="test"))
     assert "  cost " in shown and "plain steps" in shown and "stopped the fresh rounds" in shown
 

@@ -30,7 +30,6 @@ from lightning_ckpt.search.verdict import Verdict
 __all__ = [
     "NOISY_SPREAD",
     "conflicts_markdown",
-    "cost_phrase",
     "memory_markdown",
     "plan_markdown",
     "pruned_counts",
@@ -232,34 +231,21 @@ def result_line(result: TuneResult) -> str:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
     if (result.best.metadata.get("search") or {}).get("speed_changes"):
         parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
+    search = result.best.metadata.get("search") or {}
+    stopped = (search.get("allowance") or {}).get("stopped") or []
+    if stopped:
+        parts.append(
+            f"the allowance of {search['allowance'].get('plain_steps'):g} plain steps stopped {' and '.join(stopped)}"
+        )
+    steps = (search.get("cost") or {}).get("plain_steps")
+    in_steps = f" = {steps:.0f} plain steps" if steps else ""  # ``lightning-ckpt show`` has every phase
     parts.append(
-        f"tuned in {result.tuning_seconds:.1f} s ({count(len(result.trials), 'plan')}: {pruned_counts(result)})"
+        f"tuned in {result.tuning_seconds:.1f} s{in_steps} ({count(len(result.trials), 'plan')}: {pruned_counts(result)})"
     )
     compiles = compiles_phrase(result)
     if compiles is not None:
         parts.append(compiles)
-    cost = cost_phrase(result.best.metadata.get("search") or {})
-    if cost is not None:
-        parts.append(cost)
     return " | ".join(parts)
-
-
-def cost_phrase(search: Mapping[str, Any]) -> str | None:
-    """What the search cost in plain training steps and where most of it went (``search.phases``), and the rounds its
-    allowance (``search_steps``) stopped before a verdict: ``cost 142 plain steps (confirmation 41%, profile 22%)``."""
-    cost = search.get("cost")
-    if not cost or not cost.get("total_seconds"):
-        return None
-    total, seconds = cost["total_seconds"], cost.get("seconds") or {}
-    largest = sorted(seconds.items(), key=lambda kv: -kv[1])[:2]
-    shares = ", ".join(f"{phase.replace('_', ' ')} {value / total:.0%}" for phase, value in largest)
-    steps = cost.get("plain_steps")
-    phrase = f"cost {steps:.0f} plain steps ({shares})" if steps else f"cost {total:.1f} s ({shares})"
-    stopped = (search.get("allowance") or {}).get("stopped") or []
-    if stopped:
-        allowance = search["allowance"].get("plain_steps")
-        phrase += f"; the allowance of {allowance:g} plain steps stopped {' and '.join(stopped)}"
-    return phrase
 
 
 def compiles_phrase(result: TuneResult) -> str | None:

@@ -198,7 +198,7 @@ def conclude(
         facts,
         fell_back=fell_back,
         fallback_message=message,
-        tuning_seconds=time.perf_counter() - trials.started,
+        tuning_seconds=facts.cost.total_seconds if facts.cost is not None else time.perf_counter() - trials.started,
         tuning_steps=sum(t.steps for t in records) + extra_steps,
         metadata=metadata,
         memory=memory,
