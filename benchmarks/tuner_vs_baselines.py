@@ -263,7 +263,9 @@ def main() -> None:
         tuned = tune(model, loss_fn, config=TuneConfig(n_trials=args.trials, **search), **common)
         tuned_seconds = time.perf_counter() - t0
         # Every plan measured: the time model must not decide what the reference measures.
-        exhaustive = tune(model, loss_fn, config=TuneConfig(n_trials=space_size, predict_time=False, **search), **common)
+        exhaustive = tune(
+            model, loss_fn, config=TuneConfig(n_trials=space_size, predict_time=False, **search), **common
+        )
         fitting = {
             name: plan
             for name, plan in baselines(model).items()
