@@ -133,14 +133,11 @@ class TrialRecord:
     def with_measurement(
         self, out: Measurement, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True
     ) -> TrialRecord:
-        """This record with what running its plan gave (``out``, the runner's ``Measurement``): the one place a
-        trial's figures enter a record, so a new figure is copied here only. The status is left to the study
-        to judge against the budget.
-
-        ``memory``: ``out`` read the memory, and ``real_peak_bytes`` is the real step's peak derived from its
-        forward+backward peak (``memory=False``: the record keeps its predicted memory). ``timed``: ``out``'s
-        timing replaces the record's (False for a memory pass, whose one step says nothing about speed).
-        """
+        """This record with what running its plan gave (``out``): the one place a trial's figures enter a record, so
+        a new figure is copied here only; ``Trials.judge`` judges the status. ``memory``: ``out`` read the memory, and
+        ``real_peak_bytes`` is the real step's peak derived from its forward+backward peak (``memory=False``: the
+        record keeps its predicted memory). ``timed``: ``out``'s timing replaces the record's (False for a memory
+        pass, whose one step says nothing about speed)."""
         figures: dict[str, Any] = {}
         if timed and out.samples_per_second is not None:
             figures.update(
@@ -222,7 +219,7 @@ _UNSET = object()
 
 class Ledger:
     """The search's records by plan key, in the order they were first put, and rank 0's Optuna studies (opened by
-    ``resume``; before that, and on other ranks, every Optuna write is a no-op, so every rank calls it alike)."""
+    ``open``; before that, and on other ranks, every Optuna write is a no-op, so every rank calls it alike)."""
 
     def __init__(
         self,
@@ -277,13 +274,11 @@ class Ledger:
 
     @property
     def record(self) -> Any:
-        """The Optuna record study (None before ``open``, and on ranks other than 0): what ``optuna.load_study``
-        shows."""
+        """The Optuna record study, what ``optuna.load_study`` shows (None before ``open``, and off rank 0)."""
         return self._record
 
     @property
-    def sampler_study(self) -> Any:
-        """The sampler's working study in memory (None before ``open``, and on ranks other than 0)."""
+    def sampler_study(self) -> Any:  # the sampler's working study in memory (None before ``open``, and off rank 0)
         return self._sampler
 
     @property
