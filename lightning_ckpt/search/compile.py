@@ -302,7 +302,8 @@ class CompiledTrials:
         if budget is None:
             return []
         fqns = self.assembly.blocks if self.assembly is not None else self.regions
-        modules = [unwrap_compiled(self.root.get_submodule(fqn)) if fqn else self.root for fqn in fqns]
+        # The root may be the compiled wrapper itself (``torch.compile(model)``), whose ``forward`` is an instance one.
+        modules = [unwrap_compiled(self.root.get_submodule(fqn) if fqn else self.root) for fqn in fqns]
         if not modules or any("forward" in vars(m) for m in modules):
             return []
         for m in modules:
