@@ -93,3 +93,24 @@ def test_round_order_rotates_and_alternates():
     log.clear()
     confirm_interleaved(_entries({"a": [1.0] * 4, "b": [1.0] * 4}, {"a"}, log), min_rounds=4, max_rounds=4)
     assert log == ["a", "b", "b", "a", "b", "a", "a", "b"]
+
+
+def test_rank_0s_clock_decides_when_the_allowance_ends_the_rounds():
+    # Each rank reads its own wall clock: rank 0 may find the allowance spent while this rank does not, and ranks
+    # that stopped at different rounds would pair mismatched collectives. The rounds follow rank 0's answer.
+    from lightning_ckpt.search.distributed import LocalSync
+    from lightning_ckpt.search.rounds import confirm_interleaved
+
+    class Rank1(LocalSync):  # rank 0 broadcast that the allowance is spent
+        def broadcast(self, obj):
+            return True if isinstance(obj, bool) else obj
+
+    log: list[str] = []
+    seconds = {"full": [1.0, 1.2] * 10, "tuned": [0.99, 1.21] * 10}  # a noisy tie: undecided for many rounds
+    entries = _entries(seconds, {"full"}, log)
+    side = confirm_interleaved(entries, min_rounds=2, max_rounds=20, tie_tolerance=0.01, sync=Rank1(),
+                               spent=lambda: False)  # fmt: skip
+    assert side.stopped_by_allowance and len(side.rounds) == 2
+    alone = confirm_interleaved(_entries(seconds, {"full"}, []), min_rounds=2, max_rounds=20, tie_tolerance=0.01,
+                                sync=LocalSync(), spent=lambda: False)  # fmt: skip
+    assert not alone.stopped_by_allowance and len(alone.rounds) > 2

@@ -129,7 +129,8 @@ def confirm_interleaved(
             continue
         if until(result) if until is not None else result.decided(tie_tolerance):
             break
-        if done < max_rounds and spent is not None and spent():
+        # Rank 0's clock decides, for every rank: each rank's own would stop the ranks' collectives at different rounds.
+        if done < max_rounds and spent is not None and sync.broadcast(bool(spent())):
             return replace(result, stopped_by_allowance=True)
         settled = result.settled(tie_tolerance)
         active = [e for e in active if e.trial.number not in settled]
