@@ -53,8 +53,6 @@ import torch
 from lightning_ckpt import Plan, TuneConfig, tune
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.search.compile import compiled_search, release_kept_graphs, reset_compiled
-from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY
-from lightning_ckpt.search.whole_check import PARTITIONED_KEY, WHOLE_CHECK_KEY
 from lightning_ckpt.timing.model import TimeModel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -86,7 +84,7 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False, check_wh
                       extra_tensors=(x,), config=TuneConfig(check_whole_compile=check_whole))  # fmt: skip
     search_seconds = time.perf_counter() - t0
     budget, chosen = result.budget, result.best
-    saved = chosen.metadata.get(COMPILED_PROFILE_KEY) or {}
+    saved = chosen.provenance.compiled_profile
     cost = {
         "way": way,
         "layers": layers,
@@ -97,8 +95,8 @@ def worker(way: str, layers: int, out: Path, search_only: bool = False, check_wh
         "plain_step_equivalents": search_seconds / plain,
         "compiles": chosen.metadata.get("compiles"),
         "check_whole_compile": check_whole,
-        "whole_compile_check": chosen.metadata.get(WHOLE_CHECK_KEY),
-        "pt2_partitioned_whole": chosen.metadata.get(PARTITIONED_KEY),
+        "whole_compile_check": dict(chosen.provenance.whole_compile_check) or None,
+        "pt2_partitioned_whole": [dict(p) for p in chosen.provenance.pt2_partitioned_whole] or None,
         "chosen": chosen.describe(),
         "budget": budget.description,
         # What the search measured, on the blocks compiled alone, and what it predicted for the plans it pruned.

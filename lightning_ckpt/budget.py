@@ -190,13 +190,13 @@ class RequestedBudget:
 
     @classmethod
     def of_plan(cls, plan: Plan) -> RequestedBudget | None:
-        """What ``plan`` was tuned for, from its ``metadata["budget"]``; None when it records no budget (a
+        """What ``plan`` was tuned for, from its ``provenance.budget``; None when it records no budget (a
         hand-written plan), which is then not compared."""
-        return cls.from_saved(plan.metadata.get("budget"))
+        return cls.from_saved(plan.provenance.budget)
 
     @classmethod
     def from_saved(cls, saved: Mapping[str, Any] | None) -> RequestedBudget | None:
-        """The request a saved ``metadata["budget"]`` (``Budget.to_dict()`` plus the callback's ``requested``)
+        """The request a saved ``provenance.budget`` (``Budget.to_dict()`` plus the callback's ``requested``)
         stands for; None when there is none or not even its kind can be read."""
         if not saved:
             return None
@@ -229,7 +229,7 @@ class RequestedBudget:
 
     @property
     def requested_max_memory(self) -> int | float | str | None:
-        """``max_memory`` as written, which plan files record as ``metadata["budget"]["requested"]``."""
+        """``max_memory`` as written, which plan files record as ``provenance.budget["requested"]``."""
         return self._as_written() if self.kind in ("peak", "device_fraction") else None
 
     def arguments(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from lightning_ckpt.lightning.shapes import batch_at_length
 from lightning_ckpt.memory.compiled import CompiledBlockMemory, CompiledMemoryModel
 from lightning_ckpt.memory.profile import Profile
 from lightning_ckpt.plan.handle import applied_plan
-from lightning_ckpt.plan.table import TABLE_KEY, PlanTable, bucket_edges
+from lightning_ckpt.plan.table import PlanTable, bucket_edges
 from lightning_ckpt.search.buckets import compiled_at
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.replan import replan
@@ -137,7 +137,7 @@ def test_without_buckets_every_batch_runs_the_plan_tuned_for_the_longest(tmp_pat
     net = _Recording()
     cb = _tuner(budget, buckets=False)
     fit(tmp_path, [cb], net, steps=3, data=_Batches(CURRICULUM[:3]))
-    assert cb.plan_table is None and TABLE_KEY not in cb.plan.metadata
+    assert cb.plan_table is None and "plan_table" not in cb.plan.metadata
     assert {key for _, key in net.ran} == {cb.plan.key()}
 
 
@@ -154,7 +154,7 @@ def test_a_packed_batch_gets_no_table_without_resize_and_says_why(tmp_path, capl
     )
     with caplog.at_level("INFO"):
         fit(tmp_path, [cb], _PackedNet(), steps=3, data=data)
-    assert cb.plan_table is None and TABLE_KEY not in cb.plan.metadata
+    assert cb.plan_table is None and "plan_table" not in cb.plan.metadata
     assert "no plan table with batches sized by guard's shape_key and no guard resize" in caplog.text
 
 
@@ -269,18 +269,18 @@ def test_a_malformed_table_is_refused_naming_the_field(tmp_path):
             {"max_length": 32, "plan": top.to_dict(), "source": "search"},
         ],
     }
-    plan = top.with_metadata(**{TABLE_KEY: good})
+    plan = top.with_provenance(plan_table=good)
     assert [b.max_length for b in PlanTable.of_plan(plan).buckets] == [8, 32]
     bad_length = json.loads(json.dumps(good))
     bad_length["buckets"][0]["max_length"] = "8"
     with pytest.raises(PlanError, match=r"plan_table.*max_length must be an integer"):
-        PlanTable.of_plan(top.with_metadata(**{TABLE_KEY: bad_length}))
+        PlanTable.of_plan(top.with_provenance(plan_table=bad_length))
     unordered = json.loads(json.dumps(good))
     unordered["buckets"].reverse()
     with pytest.raises(PlanError, match="ascending"):
-        PlanTable.of_plan(top.with_metadata(**{TABLE_KEY: unordered}))
+        PlanTable.of_plan(top.with_provenance(plan_table=unordered))
     with pytest.raises(PlanError, match="top bucket runs"):
-        PlanTable.of_plan(Plan(name="other", segments={"h": 2}).with_metadata(**{TABLE_KEY: good}))
+        PlanTable.of_plan(Plan(name="other", segments={"h": 2}).with_provenance(plan_table=good))
 
 
 def test_each_buckets_prediction_matches_the_true_step_at_its_length():

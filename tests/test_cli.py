@@ -60,7 +60,7 @@ def work(tmp_path_factory) -> Path:
     space = {"modes": ["full"], "selections": ["all"], "rest_modes": [], "segments": False}
     result = tune(model, lambda: model(tokens, tokens), activation_budget=0.6, batch_size=2, seq_len=16, config=TuneConfig(n_trials=2, search_space=space, measure_steps=1, warmup_steps=0))  # fmt: skip
     result.best.save(root / "tuned.json")
-    result.best.with_metadata(memory_breakdown=result.memory_breakdown).save(root / "with_memory.json")
+    result.best.with_provenance(memory_breakdown=result.memory_breakdown).save(root / "with_memory.json")
     # A hand-written rival for diff: other modes, segments, another budget, same model.
     blocks = {"transformer.h.0": BlockPlan("full"), "transformer.h.1": BlockPlan("selective", ("mlp",))}
     budget = {"kind": "peak", "limit_bytes": 2**20, "fraction": None, "description": "1.0 MiB peak"}

@@ -23,7 +23,7 @@ from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMe
 from lightning_ckpt.memory.profile import profile_step
 from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.search.config import TuneConfig
-from lightning_ckpt.search.replan import PROFILE_KEY, SavedProfile, profile_metadata, replan
+from lightning_ckpt.search.replan import SavedProfile, profile_metadata, replan
 from lightning_ckpt.search.space import SearchSpace, offered_candidates
 from lightning_ckpt.testing import GPT, GPTConfig
 
@@ -78,7 +78,7 @@ def test_a_replanned_plan_is_the_plan_a_full_search_picks_on_the_same_profile_wh
     searched = study.result(extra_steps=0).best
     profile = profile_metadata(profiled, OptimizerStepMemory.absent(), stacks, space, batch_size=BATCH, seq_len=16,
                                tie_tolerance=config.tie_tolerance)  # fmt: skip
-    saved = Plan(fingerprint=memory.fingerprint, metadata={PROFILE_KEY: json.loads(json.dumps(profile))})
+    saved = Plan(fingerprint=memory.fingerprint, metadata={"profile": json.loads(json.dumps(profile))})
     replanned = replan(saved, activation_budget=share)
     assert replanned.plan.key() == searched.key(), (replanned.plan.describe(), searched.describe())
     assert replanned.plan.metadata["replanned"]["predicted"] is True
@@ -88,7 +88,7 @@ def test_a_replanned_plan_is_the_plan_a_full_search_picks_on_the_same_profile_wh
     assert profile["time"] is not None and "timing" not in profile["memory"]
     older = json.loads(json.dumps(profile))
     older["memory"]["timing"] = older.pop("time")
-    again = replan(Plan(fingerprint=memory.fingerprint, metadata={PROFILE_KEY: older}), activation_budget=share)
+    again = replan(Plan(fingerprint=memory.fingerprint, metadata={"profile": older}), activation_budget=share)
     assert again.plan.key() == replanned.plan.key()
 
 
@@ -144,11 +144,11 @@ def test_a_new_budget_re_plans_from_the_saved_profile_with_zero_trials_and_repor
 
 def _lying(plan: Plan) -> Plan:
     """``plan`` with a profile that says no-checkpointing saves no more than full checkpointing."""
-    data = json.loads(json.dumps(plan.metadata[PROFILE_KEY]))
+    data = json.loads(json.dumps(plan.metadata["profile"]))
     for block in data["memory"]["blocks"]:
         block["profiles"]["none"] = block["profiles"]["full"]
         block["saved_bytes"]["none"] = block["saved_bytes"]["full"]
-    return plan.with_metadata(**{PROFILE_KEY: data})
+    return plan.with_provenance(profile=data)
 
 
 def test_the_budget_guard_catches_a_plan_replanned_from_a_wrong_profile(tuned, tmp_path):
@@ -184,7 +184,7 @@ def test_replan_scales_with_the_batch_and_refuses_what_it_cannot_do(tuned):
 def test_a_gpu_plan_is_replanned_for_a_share_of_its_recorded_gpu_on_a_machine_without_one(tuned):
     # On a CPU machine `replan --max-memory 0.8` of a GPU plan raised "Torch not compiled with CUDA enabled".
     data = Plan.load(tuned).to_dict()
-    data["metadata"][PROFILE_KEY]["memory"]["device"] = "cuda:0"
+    data["metadata"]["profile"]["memory"]["device"] = "cuda:0"
     data["metadata"]["conditions"] = {**(data["metadata"].get("conditions") or {}), "device_type": "cuda",
                                       "device_capacity_bytes": 80 * 2**30}  # fmt: skip
     gpu_plan = Plan.from_dict(data)
@@ -278,7 +278,7 @@ def _saved_gpt_profile(edit_seconds, anchors, *, metadata=None) -> tuple[Plan, d
                                seq_len=16, tie_tolerance=0.01)  # fmt: skip
     saved = Plan(
         fingerprint=profiled.memory.fingerprint,
-        metadata={PROFILE_KEY: json.loads(json.dumps(profile)), **(metadata or {})},
+        metadata={"profile": json.loads(json.dumps(profile)), **(metadata or {})},
     )
     return saved, by_label
 

@@ -373,17 +373,17 @@ def test_the_result_line_says_what_a_compiled_search_compiled_and_what_the_whole
     compiles = {"assembled": True, "graphs": 14, "seconds": 50.0, "plans_measured": 7}
     check = {"leader": "baseline:pt2_budget_0.3", "rival": "selective(mlp) h.0-3", "ratio": 1.043, "graphs": 3,
              "kept": "selective(mlp) h.0-3"}  # fmt: skip
-    best = result.best.with_metadata(compiles=compiles)
+    best = result.best.with_provenance(compiles=compiles)
     line = report.result_line(dataclasses.replace(result, best=best))
     assert "compiled 14 graphs in 50.0 s for 7 plans measured (blocks compiled alone;" in line
     assert "your way" not in line
-    checked = report.result_line(dataclasses.replace(result, best=best.with_metadata(whole_compile_check=check)))
+    checked = report.result_line(dataclasses.replace(result, best=best.with_provenance(whole_compile_check=check)))
     assert (
         "3 of them your way, baseline:pt2_budget_0.3 beside selective(mlp) h.0-3, it ran 1.043x the budget's speed: "
         "kept selective(mlp) h.0-3" in checked
     )
     on_blocks = {**check, "graphs": 0, "compiled_whole": False, "margin": 0.08, "ratio": 0.97}
-    weighed = report.result_line(dataclasses.replace(result, best=best.with_metadata(whole_compile_check=on_blocks)))
+    weighed = report.result_line(dataclasses.replace(result, best=best.with_provenance(whole_compile_check=on_blocks)))
     assert (
         "on the blocks (the budget needed a 8% lead), baseline:pt2_budget_0.3 beside selective(mlp) h.0-3, it ran "
         "0.970x the budget's speed: kept selective(mlp) h.0-3" in weighed
@@ -393,7 +393,7 @@ def test_the_result_line_says_what_a_compiled_search_compiled_and_what_the_whole
         {"plan": "baseline:pt2_budget_0.5", "on_blocks": 17_502_724, "whole": 17_039_360, "fits": True, "seconds": 4.1},
         {"plan": "baseline:pt2_budget_0.7", "on_blocks": 21_828_100, "whole": None, "fits": False, "seconds": 0.2},
     ]
-    line = report.result_line(dataclasses.replace(result, best=best.with_metadata(pt2_partitioned_whole=partitioned)))
+    line = report.result_line(dataclasses.replace(result, best=best.with_provenance(pt2_partitioned_whole=partitioned)))
     assert (
         "partitioned as you compile it (no kernels): baseline:pt2_budget_0.5 saves 16.2 MiB (fits), "
         "baseline:pt2_budget_0.7 failed to partition" in line
@@ -526,7 +526,7 @@ def test_report_imports_neither_lightning_nor_pyplot(tmp_path):
 
 def _with_verdict(result, verdict):
     search = {**result.best.metadata.get("search", {}), "verdict": verdict.to_dict()}
-    return dataclasses.replace(result, best=result.best.with_metadata(search=search))
+    return dataclasses.replace(result, best=result.best.with_provenance(search=search))
 
 
 def test_the_result_line_summary_and_warning_show_the_verdict_with_its_interval(result, tmp_path):

@@ -183,7 +183,7 @@ def test_the_rival_may_be_a_plan_the_time_model_pruned_against_the_budgets_flatt
 
 
 def _searched_metadata() -> dict[str, Any]:
-    return {whole_check.COMPILES_KEY: {"graphs": 11, "seconds": 20.0}}
+    return {"compiles": {"graphs": 11, "seconds": 20.0}}
 
 
 def _runner(regions: tuple[str, ...]) -> Any:
@@ -207,8 +207,8 @@ def test_the_search_records_the_check_and_counts_its_compiles(monkeypatch):
     search, metadata = SimpleNamespace(records=(), trials=None), _searched_metadata()
     after_choice = whole_check.pt2_budget_check(search, _runner(("",)), _harness(), CONFIG, metadata)
     assert after_choice(leader) is rival
-    assert metadata[whole_check.WHOLE_CHECK_KEY]["kept"] == rival.label
-    assert metadata[whole_check.COMPILES_KEY] == {
+    assert metadata["whole_compile_check"]["kept"] == rival.label
+    assert metadata["compiles"] == {
         "graphs": 14, "seconds": 50.0, "whole_graphs": 3, "whole_seconds": 30.0
     }  # fmt: skip
 
@@ -304,8 +304,8 @@ def test_without_the_check_a_pt2_choice_on_a_whole_compile_is_weighed_on_the_blo
     assert after_choice(leader) is rival
     assert weighed == [(runner, 0.05)]  # the study's own runner: the blocks, no compile of the user's model
     assert after_choice(rival) is rival and len(weighed) == 1  # a plan of ours: nothing to weigh
-    assert metadata[whole_check.WHOLE_CHECK_KEY]["compiled_whole"] is False
-    assert metadata[whole_check.COMPILES_KEY] == {"graphs": 12, "seconds": 21.0}  # counted again after the rounds
+    assert metadata["whole_compile_check"]["compiled_whole"] is False
+    assert metadata["compiles"] == {"graphs": 12, "seconds": 21.0}  # counted again after the rounds
 
 
 PT2_05, PT2_07, PT2_01 = (Plan(compile_memory_budget=b) for b in (0.5, 0.7, 0.1))
@@ -455,8 +455,8 @@ def test_the_search_weighs_the_budget_that_fits_partitioned_whole_and_records_ev
         after_choice = whole_check.pt2_budget_check(search, _runner(("",)), _harness(), config, metadata)
         kept = after_choice(best)
         assert weighed == expected and (kept is best if not expected else True)
-        assert metadata[whole_check.PARTITIONED_KEY] == [tried[0].to_dict()]
-        assert metadata[whole_check.COMPILES_KEY] == {"graphs": 13, "seconds": 25.0}  # the partitions counted
+        assert metadata["pt2_partitioned_whole"] == [tried[0].to_dict()]
+        assert metadata["compiles"] == {"graphs": 13, "seconds": 25.0}  # the partitions counted
 
 
 def test_the_bytes_outside_the_blocks_are_the_none_steps_less_every_blocks():

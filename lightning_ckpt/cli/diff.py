@@ -20,7 +20,6 @@ from lightning_ckpt.cli.metadata import (
     kv_text,
     pt2_budget,
     rate_text,
-    section,
 )
 from lightning_ckpt.cli.usage import EXIT_DIFFERENT, EXIT_OK, load_plan
 from lightning_ckpt.formatting import table
@@ -36,14 +35,14 @@ def _change(in_a: bool, in_b: bool) -> str:
 def _figures(plan: Plan) -> dict[str, str]:
     """The figures ``diff`` prints for ``plan``: measured while tuning, else (a re-planned plan, which ran no trial)
     the predictions it was chosen on, marked; empty where the file records neither."""
-    measured = section(plan.metadata, "measured")
+    measured = plan.provenance.measured
     if measured:
         return {
             "samples/s": rate_text(measured.get("samples_per_second")),
             "peak": bytes_text(measured.get("peak_bytes")),
             "activation": bytes_text(measured.get("activation_bytes")),
         }
-    replanned = section(plan.metadata, "replanned")
+    replanned = plan.provenance.replanned
     if not replanned:
         return {}
 
@@ -58,7 +57,7 @@ def _figures(plan: Plan) -> dict[str, str]:
 
 
 def _measured_figures(plan: Plan) -> dict[str, Any]:
-    measured = section(plan.metadata, "measured")
+    measured = plan.provenance.measured
     return {k: measured.get(k) for k in ("samples_per_second", "peak_bytes", "activation_bytes")}
 
 
@@ -85,7 +84,7 @@ def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> 
     if pt2_a != pt2_b:  # a setting, not something checkpointed: always "changed" (None is PT2's default)
         changes.append({"change": "changed", "what": "compile_memory_budget", "name": None, "a": pt2_a, "b": pt2_b})
 
-    budget_a, budget_b = budget_values(section(a.metadata, "budget")), budget_values(section(b.metadata, "budget"))
+    budget_a, budget_b = budget_values(a.provenance.budget), budget_values(b.provenance.budget)
     same = {
         "checkpointing": not changes,
         "fingerprint": a.fingerprint == b.fingerprint,
@@ -94,7 +93,7 @@ def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> 
     differ_in = [what for what, is_same in same.items() if not is_same]
 
     def side(key: str) -> dict[str, Any]:
-        before, after = dict(section(a.metadata, key)), dict(section(b.metadata, key))
+        before, after = dict(getattr(a.provenance, key)), dict(getattr(b.provenance, key))
         return {"same": before == after, "a": before or None, "b": after or None}
 
     return {
@@ -172,9 +171,9 @@ def format_diff(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> st
         before, after = budget_value_text(budget["a"]), budget_value_text(budget["b"])
         lines.append("budget       " + (f"same ({before})" if budget["same"] else f"{before} -> {after}"))
     for key in ("run", "versions"):
-        if not (section(a.metadata, key) or section(b.metadata, key)):
+        if not (getattr(a.provenance, key) or getattr(b.provenance, key)):
             continue
-        before, after = kv_text(section(a.metadata, key)), kv_text(section(b.metadata, key))
+        before, after = kv_text(getattr(a.provenance, key)), kv_text(getattr(b.provenance, key))
         lines.append(f"{key:<12} " + (f"same ({before})" if before == after else f"{before} -> {after}"))
     fa, fb = _figures(a), _figures(b)
     if fa or fb:

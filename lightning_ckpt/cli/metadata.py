@@ -1,6 +1,7 @@
 """Reading a plan file's metadata and laying out what ``show`` and ``diff`` print about it.
 
-Plan metadata is free-form JSON, so every reader here tolerates absent or mistyped keys. The budget is read
+A plan's provenance reads a mistyped section as absent; inside a section, every reader here tolerates absent or
+mistyped keys. The budget is read
 into fixed keys once (``budget_values``), so ``show --json``, ``diff --json`` and ``diff --exit-code`` agree
 on what a budget is and when two are the same.
 """
@@ -27,18 +28,11 @@ __all__ = [
     "pt2_budget",
     "rate_text",
     "ratio_text",
-    "section",
     "versions_text",
 ]
 
 # The version of the ``show --json`` / ``diff --json`` objects: bumped when a key changes meaning or goes.
 JSON_FORMAT = 1
-
-
-def section(metadata: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    """``metadata[key]`` when it is a mapping, else empty: hand-edited files may hold anything there."""
-    value = metadata.get(key)
-    return value if isinstance(value, Mapping) else {}
 
 
 # Cells: "-" where the file records nothing, or something that is not a number.

@@ -21,24 +21,20 @@ from lightning_ckpt.cli.metadata import (
     pt2_budget,
     rate_text,
     ratio_text,
-    section,
     versions_text,
 )
 from lightning_ckpt.cli.usage import EXIT_OK, load_plan
 from lightning_ckpt.errors import PlanError
 from lightning_ckpt.formatting import table
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.plan.table import TABLE_KEY, PlanTable
+from lightning_ckpt.plan.provenance import Provenance
+from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.ledger import TrialStatus
-from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = ["SHOW_JSON_HELP", "format_plan", "plan_summary", "run_show", "trial_counts"]
 
-# Where ``show`` looks for the memory model's per-block breakdown (``MemoryModel.to_dict()``, the same
-# data as ``TuneResult.memory_breakdown``). Plans written without it simply show no memory columns.
-MEMORY_BREAKDOWN_KEY = "memory_breakdown"
-# Where ``show`` looks, inside ``metadata["search"]``, for how many trials ended in each ``TrialStatus``
+# Where ``show`` looks, inside ``provenance.search``, for how many trials ended in each ``TrialStatus``
 # ({"ok": 3, "pruned": 11, ...}) and how many were re-timed side by side. Plans written without them
 # show only the total, with what it includes.
 STATUS_COUNTS_KEY, CONFIRMED_KEY = "status_counts", "confirmed"
@@ -46,7 +42,8 @@ STATUS_COUNTS_KEY, CONFIRMED_KEY = "status_counts", "confirmed"
 
 def _block_memory(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
     """Per block: predicted bytes kept for backward under this plan, and without checkpointing."""
-    data = plan.metadata.get(MEMORY_BREAKDOWN_KEY) or (plan.metadata.get(PROFILE_KEY) or {}).get("memory")
+    # The memory model's breakdown (``TuneResult.memory_breakdown``), else the profile's; none: no memory columns.
+    data = plan.provenance.memory_breakdown or plan.provenance.profile.get("memory")
     if not isinstance(data, Mapping):
         return None
     from lightning_ckpt.memory.model import MemoryModel
@@ -188,7 +185,7 @@ def _or_unknown(x: Any) -> str:
 
 def format_plan(plan: Plan, *, source: str = "") -> str:
     """The text ``lightning-ckpt show`` prints: identity, the run it was tuned for, blocks, evidence."""
-    md = plan.metadata
+    md, p = plan.metadata, plan.provenance
     lines = [
         f"file         {source or '-'}",
         f"name         {plan.name or '(unnamed)'}  [{plan.describe()}]  digest {plan.digest()}",
@@ -196,13 +193,13 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
     ]
     if pt2_budget(plan) is not None:
         lines.append(f"compile      torch.compile activation_memory_budget={pt2_budget(plan):g}")
-    run, budget, versions, search = (section(md, k) for k in ("run", "budget", "versions", "search"))
+    run, budget, versions, search = p.run, p.budget, p.versions, p.search
     if run or budget or versions or search:
         lines += ["", "tuned for"]
         lines.append(f"  run        {kv_text(run)}")
         lines.append(f"  budget     {budget_text(budget)}")
         lines.append(f"  versions   {versions_text(versions)}")
-        allocator = section(md, "allocator")
+        allocator = p.allocator
         if allocator:  # what the search ran under, verified on a segment (measure.allocator)
             state = "on" if allocator.get("expandable_segments") else "off"
             lines.append(f"  allocator  expandable segments {state} ({allocator.get('how')})")
@@ -212,18 +209,16 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
             lines.append("  WARNING    no plan fit the budget; this is the lowest-memory plan measured")
 
     lines += _block_lines(plan)
-    measured, baselines = section(md, "measured"), section(md, "baselines")
+    measured, baselines = p.measured, p.baselines
     if measured or baselines:
         lines += _evidence_lines(plan, measured, baselines)
 
     lines += _table_lines(plan)
-    lines += _profile_lines(md)
-    known = {"run", "budget", "versions", "search", "measured", "baselines", MEMORY_BREAKDOWN_KEY, PROFILE_KEY}
-    known.add(TABLE_KEY)
-    known.add(COMPILED_PROFILE_KEY)  # what a compiled plan table was predicted from; not re-planned from
-    known.add("replanned")
-    known.add("allocator")
-    other = {k: v for k, v in md.items() if k not in known}
+    lines += _profile_lines(p)
+    # The sections shown above (a compiled plan table's profile is not re-planned from); the rest as written.
+    shown = ("run", "budget", "versions", "search", "measured", "baselines", "memory_breakdown", "profile")
+    shown += ("plan_table", "compiled_profile", "replanned", "allocator")
+    other = {k: v for k, v in md.items() if k not in shown}
     if other:
         lines += ["", "other metadata"]
         lines += [f"  {k}: {_cut(json.dumps(v, default=str))}" for k, v in other.items()]
@@ -270,10 +265,10 @@ def _cut(text: str, limit: int = 200) -> str:
     return f"{text[:cut]} ... ({len(text) - cut} more characters: lightning-ckpt show --json prints them all)"
 
 
-def _profile_lines(md: Mapping[str, Any]) -> list[str]:
+def _profile_lines(provenance: Provenance) -> list[str]:
     """Whether the plan keeps a profile to re-plan from, and whether it was itself re-planned (predicted)."""
     lines = []
-    profile = section(md, PROFILE_KEY)
+    profile = provenance.profile
     if profile:
         # Files of 0.3-0.4 kept the time model inside the memory model's ``timing``, as ``SavedProfile`` reads them.
         timing = profile.get("time") or (profile.get("memory") or {}).get("timing") or {}
@@ -281,7 +276,7 @@ def _profile_lines(md: Mapping[str, Any]) -> list[str]:
         fitted = f"; plain step fitted at {1000 * base:.1f} ms" if base else ""
         lines += ["", f"profile      kept: {len(timing.get('blocks') or ())} block calls timed per mode{fitted}"]
         lines.append("             (lightning-ckpt replan FILE --max-memory ... predicts the plan for another budget)")
-    replanned = section(md, "replanned")
+    replanned = provenance.replanned
     if replanned:
         first = replanned.get("first_measured") or {}
         predicted = replanned.get("predicted_seconds")
@@ -329,7 +324,7 @@ def _block_lines(plan: Plan) -> list[str]:
     return lines
 
 
-# The memory figures of ``metadata["measured"]``, in the order ``show`` prints them and ``show --json`` lists them.
+# The memory figures of ``provenance.measured``, in the order ``show`` prints them and ``show --json`` lists them.
 _MEMORY_FIGURES = ("peak_bytes", "activation_bytes", "predicted_peak_bytes")
 
 
@@ -369,11 +364,10 @@ _WINNER_FIGURES = ("label", "status", "samples_per_second", *_MEMORY_FIGURES, "r
 def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
     """The object ``lightning-ckpt show --json`` prints: the plan's own dict under ``plan``, beside fields derived
     from it with fixed keys (``None`` where the file does not record them). The keys are listed in SHOW_JSON_HELP."""
-    md = plan.metadata
     by_mode: dict[str, list[str]] = {}
     for fqn, bp in plan.blocks.items():
         by_mode.setdefault(bp.describe(), []).append(fqn)
-    measured, baselines, search = (section(md, k) for k in ("measured", "baselines", "search"))
+    measured, baselines, search = plan.provenance.measured, plan.provenance.baselines, plan.provenance.search
     win = measured.get("samples_per_second")
     winner = None
     if measured:
@@ -398,7 +392,7 @@ def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
         "blocks_by_mode": by_mode,
         "segments": dict(plan.segments),
         "compile_memory_budget": pt2_budget(plan),
-        "budget": budget_values(section(md, "budget")),
+        "budget": budget_values(plan.provenance.budget),
         "winner": winner,
         "baselines": {name: dict(b) for name, b in baselines.items() if isinstance(b, Mapping)},
         "trials": trial_counts(search) if search else None,

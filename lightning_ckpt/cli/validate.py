@@ -177,13 +177,13 @@ def run_validate(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)  # the schema, names and budget: an unreadable or malformed file is refused here
     PlanTable.of_plan(plan, source=str(args.plan))  # as the callback reads it: a malformed table is a PlanError
     if args.model is None:
-        profile = plan.metadata.get("profile")
-        if isinstance(profile, dict):
+        profile = plan.provenance.profile
+        if profile:
             from lightning_ckpt.search.replan import SavedProfile
 
             # As replan reads it: a profile that cannot be re-planned from is a PlanError (exit 2, as a bad file).
             SavedProfile.of_plan(plan, source=str(args.plan))
-        kept = "a profile to re-plan from" if isinstance(profile, dict) else "no profile"
+        kept = "a profile to re-plan from" if profile else "no profile"
         print(
             f"OK: {args.plan} is a well-formed plan file ({plan.describe()}; {kept}); give --model "
             "MODULE:CALLABLE to check it against the model too"

@@ -8,7 +8,7 @@ so its figures are predictions, and the first real steps are put beside them. Th
 steps' memory as it does for any plan (on CPU under the live-tensor tracker, which slows those steps; the most of
 those readings is kept); the first step after them is timed, forward and backward, as trials time a step. When both
 are in, one line gives the predicted and the measured figures side by side, and the plan's
-``metadata["replanned"]["first_measured"]`` keeps the measured ones.
+``provenance.replanned["first_measured"]`` keeps the measured ones.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class AppliedPlan:
 class ReplanCheck:
     """The predicted figures of a re-planned plan and the first measured ones, filled in as the fit goes."""
 
-    predicted: Mapping[str, Any]  # the plan's ``metadata["replanned"]``
+    predicted: Mapping[str, Any]  # the plan's ``provenance.replanned``
     device: torch.device
     peak_bytes: int | None = None
     activation_bytes: int | None = None
@@ -108,8 +108,8 @@ class ReplanCheck:
 
     @classmethod
     def of(cls, plan: Plan, device: torch.device) -> ReplanCheck | None:
-        predicted = plan.metadata.get("replanned")
-        return cls(dict(predicted), device) if isinstance(predicted, Mapping) else None
+        predicted = plan.provenance.replanned
+        return cls(dict(predicted), device) if predicted else None
 
     def memory_read(self, peak_bytes: int, activation_bytes: int | None) -> None:
         """A guard reading of a real step: the most of them is kept (the prediction is for a step that holds the
@@ -154,11 +154,11 @@ class ReplanCheck:
         )
 
     def report(self, plan: Plan) -> Plan:
-        """Log the side-by-side line once and return ``plan`` with the measured figures in its metadata."""
+        """Log the side-by-side line once and return ``plan`` with the measured figures in its provenance."""
         self.reported = True
         rank_zero_info(self.line())
         first = {"peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes, "seconds": self.seconds}
-        return plan.with_metadata(replanned={**self.predicted, "first_measured": first})
+        return plan.with_provenance(replanned={**self.predicted, "first_measured": first})
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

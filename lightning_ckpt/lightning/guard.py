@@ -138,12 +138,8 @@ def lower_plan(
         current, floor = known.get(plan.key()), known.get(lower.key())
         if lower.key() in (plan.key(), *exclude) or (current is not None and floor is not None and floor >= current):
             return None
-    return replace(
-        lower,
-        name="guarded",
-        fingerprint=plan.fingerprint,
-        metadata={**plan.metadata, "switched_from": plan.describe()},
-    )
+    guarded = replace(lower, name="guarded", fingerprint=plan.fingerprint, metadata=plan.metadata)
+    return guarded.with_provenance(switched_from=plan.describe())
 
 
 @dataclass(frozen=True)

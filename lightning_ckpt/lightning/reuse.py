@@ -50,7 +50,7 @@ from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.file import plan_file_version
 from lightning_ckpt.plan.format import Plan, closest_names
-from lightning_ckpt.search.replan import PROFILE_KEY, replan
+from lightning_ckpt.search.replan import replan
 
 __all__ = [
     "PlanFile",
@@ -87,8 +87,8 @@ def run_conditions(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
 
 def condition_changes(plan: Plan, now: RunConditions, *, batch_known: bool) -> list[str]:
     """What differs from the conditions ``plan`` was tuned under (batch shape only once a batch is known)."""
-    saved = dict(plan.metadata.get("conditions") or {})
-    if plan.metadata.get("micro_batch"):
+    saved = dict(plan.provenance.conditions)
+    if plan.provenance.micro_batch is not None:
         # The plan sets micro-batch and accumulation itself; the callback checks the global batch.
         saved.pop("accumulation", None)
         if not batch_known:
@@ -134,7 +134,7 @@ def reused_budget(plan: Plan, wanted: RequestedBudget, device: torch.device) -> 
     """The budget a reused plan is guarded against: ``wanted``, resolved for this device. A share of activation
     memory needs the no-checkpointing figure, known only from the plan's own record of that budget."""
     if wanted.kind == "activation":
-        saved = plan.metadata.get("budget") or {}
+        saved = plan.provenance.budget
         limit = saved.get("limit_bytes") if RequestedBudget.of_plan(plan) == wanted else None
         return Budget("activation", limit, wanted.value, saved.get("description", "")) if limit else None
     return wanted.resolve(device=normalise_device(device))
@@ -190,8 +190,8 @@ def reusable(
             ) from None
         warn_user(f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').", StalePlanWarning)
         return wanted, None
-    if (plan.metadata.get("search") or {}).get("fell_back"):
-        tuned_for = (plan.metadata.get("budget") or {}).get("description", "unknown")
+    if plan.provenance.search.get("fell_back"):
+        tuned_for = plan.provenance.budget.get("description", "unknown")
         warn_each_fit(
             f"lightning_ckpt: the plan from {source} was a fallback: when it was tuned no plan fitted the "
             f"budget ({tuned_for}), so it may not fit now either. Delete the plan file to search again, or raise "
@@ -206,7 +206,7 @@ def replan_for_budget(
     """``plan`` re-planned for ``wanted`` from the profile it keeps (``search.replan``), when the budget is all that
     differs: same model, same run conditions. None when something else differs, the plan keeps no profile, or
     no plan is predicted to fit (warned: the caller searches)."""
-    if changes or PROFILE_KEY not in plan.metadata or not wanted.recorded:
+    if changes or not plan.provenance.profile or not wanted.recorded:
         return None
     if plan.fingerprint is not None and plan.fingerprint != model.fingerprint:
         return None
@@ -264,7 +264,7 @@ class RunConditions:
         return asdict(self)
 
     def changes_from(self, saved: Mapping[str, Any] | None, *, include_batch: bool = True) -> list[str]:
-        """Human-readable differences from ``saved`` (a plan's ``metadata["conditions"]``); empty if it
+        """Human-readable differences from ``saved`` (a plan's ``provenance.conditions``); empty if it
         matches. Conditions the saved plan does not record (older files) are not compared."""
         if not saved:
             return []

@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,12 +44,12 @@ from lightning_ckpt.lightning.shapes import (
 )
 from lightning_ckpt.lightning.tensorboard import TunerRun, logged_hparams
 from lightning_ckpt.model import ModelView
+from lightning_ckpt.plan.provenance import MicroBatch
 from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.buckets import bucket_profile, plan_table
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.ledger import storage_for_display
 from lightning_ckpt.search.pipeline import SearchHooks
-from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY
 from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.trials import SearchInterrupted
@@ -160,7 +160,9 @@ def _table(
     under several ranks, rank 0's. None, said once, where the search kept no profile to predict from (its time model
     was not fitted: it measured no plan)."""
     compiled = bool(request.view.compiled)
-    if (COMPILED_PROFILE_KEY if compiled else PROFILE_KEY) not in result.best.metadata:
+    provenance = result.best.provenance
+    saved = provenance.compiled_profile if compiled else provenance.profile
+    if not saved:
         rank_zero_info(
             "lightning_ckpt: no plan table: the search kept no profile to predict shorter buckets from (it measured "
             "no plan, so its time model was not fitted); every batch runs the plan tuned for max_shape."
@@ -178,7 +180,6 @@ def _table(
     rows = size.rows if size is not None else 1
     precision = pl_module.trainer.strategy.precision_plugin
     # The space the search ran (for a compiled model, as its runner adapted it): the modes each bucket profiles.
-    saved = result.best.metadata[COMPILED_PROFILE_KEY if compiled else PROFILE_KEY]
     space = SearchSpace.from_config(saved["search_space"])
 
     def profile_at(length: int) -> Any:
@@ -255,7 +256,7 @@ def search_micro_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, attribute: str, request: SearchRequest
 ) -> tuple[TuneResult, Any]:
     """The joint search of plan and micro-batch (same global batch), before the loop draws its first batch:
-    the result (its plan's metadata holds the micro-batch), and the batch tuned on."""
+    the result (its plan's ``provenance.micro_batch``), and the batch tuned on."""
     from lightning.pytorch.utilities.parsing import lightning_getattr
 
     from lightning_ckpt.search.microbatch import resize_batch, tune_micro_batch
@@ -376,7 +377,7 @@ def first_batch(trainer: pl.Trainer) -> Any:
 
 
 def set_micro_batch(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batch_arg_name: str, spec: Mapping[str, int], *, verbose: bool
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch_arg_name: str, spec: MicroBatch, *, verbose: bool
 ) -> bool:
     """Switch to ``spec``'s micro-batch and accumulation (True), or keep this run's when its global batch differs
     (False, with a warning); restore both if the switch fails."""
@@ -384,27 +385,27 @@ def set_micro_batch(
 
     if not lightning_hasattr(pl_module, batch_arg_name):
         raise ConfigurationError(
-            f"The plan sets micro-batch {spec['size']} x {spec['accumulation']} accumulation, but the model has "
+            f"The plan sets micro-batch {spec.size} x {spec.accumulation} accumulation, but the model has "
             f"no '{batch_arg_name}' attribute to set. Add it, or re-tune without tune_micro_batch."
         )
     old_size = lightning_getattr(pl_module, batch_arg_name)
     old_accumulation = trainer.accumulate_grad_batches
-    if old_size * old_accumulation != spec["global"]:
+    if old_size * old_accumulation != spec.global_batch:
         warn_user(
-            f"lightning_ckpt: the plan's micro-batch was tuned for a global batch of {spec['global']}, but this run "
+            f"lightning_ckpt: the plan's micro-batch was tuned for a global batch of {spec.global_batch}, but this run "
             f"has {old_size} x {old_accumulation}; keeping this run's batch settings."
         )
         return False
     try:
-        lightning_setattr(pl_module, batch_arg_name, int(spec["size"]))
-        trainer.accumulate_grad_batches = int(spec["accumulation"])
+        lightning_setattr(pl_module, batch_arg_name, spec.size)
+        trainer.accumulate_grad_batches = spec.accumulation
         trainer.fit_loop._combined_loader = None  # force a reload, as Lightning's batch-size tuner does
         trainer.fit_loop.setup_data()
         loader = trainer.train_dataloader
-        actual = getattr(loader, "batch_size", spec["size"])
-        if actual != spec["size"]:
+        actual = getattr(loader, "batch_size", spec.size)
+        if actual != spec.size:
             raise ConfigurationError(
-                f"Set {batch_arg_name}={spec['size']} but the reloaded train DataLoader still has batch_size "
+                f"Set {batch_arg_name}={spec.size} but the reloaded train DataLoader still has batch_size "
                 f"{actual}: train_dataloader() must build its DataLoader from self.{batch_arg_name}."
             )
     except BaseException:

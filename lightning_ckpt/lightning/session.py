@@ -11,7 +11,6 @@ The plan applied, and the check of a re-planned one, are ``applied``'s.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -53,7 +52,8 @@ from lightning_ckpt.lightning.tensorboard import TunerRun
 from lightning_ckpt.measure.tracker import normalise_device
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.plan.table import TABLE_KEY, PlanTable, bucket_edges, table_line
+from lightning_ckpt.plan.provenance import MicroBatch
+from lightning_ckpt.plan.table import PlanTable, bucket_edges, table_line
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.result import TuneResult
 
@@ -159,7 +159,7 @@ class FitSession:
         if s.tune_micro_batch:
             result, self.tuned_batch = search_micro_batch(trainer, pl_module, s.batch_arg_name, self._request())
             self._searched(trainer, result, source="joint micro-batch search")
-            self._set_micro_batch(trainer, pl_module, result.best.metadata["micro_batch"])
+            self._set_micro_batch(trainer, pl_module, result.best.provenance.micro_batch)
             return
         self.stage = Stage.SEARCH_PENDING
 
@@ -228,7 +228,7 @@ class FitSession:
                 self._guard_switched(lower, trainer)
         plan = self.found.plan
         if (guard.done or not check.within_budget) and trainer.is_global_zero and plan is not None:
-            self.found.plan = plan.with_metadata(real_steps=[c.to_dict() for c in guard.checks])
+            self.found.plan = plan.with_provenance(real_steps=tuple(c.to_dict() for c in guard.checks))
             if self.settings.plan_file is not None:
                 self.settings.plan_file.save(self.found.plan)
 
@@ -276,8 +276,8 @@ class FitSession:
         self.guard = BudgetGuard(s.guard, self.device, budget or Budget("none"))
         self._lock_in(plan, source=source, trainer=trainer)
         self.stage = Stage.CHECKING_REUSED  # its batch shape is compared with the first batch's
-        if plan.metadata.get("micro_batch"):
-            self._set_micro_batch(trainer, pl_module, plan.metadata["micro_batch"])
+        if plan.provenance.micro_batch is not None:
+            self._set_micro_batch(trainer, pl_module, plan.provenance.micro_batch)
         return True
 
     def _check_reused(self, trainer: pl.Trainer, pl_module: pl.LightningModule, tuning_batch: Any) -> None:
@@ -324,12 +324,12 @@ class FitSession:
         self.table = table
         self._lock_in(result.best, source=source, trainer=trainer)
         if table is not None:
-            found.plan = result.best.with_metadata(**{TABLE_KEY: table.to_dict()})
+            found.plan = result.best.with_provenance(plan_table=table.to_dict())
         if not trainer.is_global_zero:
             return
         conditions = run_conditions(trainer, trainer.lightning_module, self.tuned_batch).to_dict()
         budget = {**result.budget.to_dict(), "requested": self.search_budget.requested_max_memory}
-        found.plan = (found.plan or result.best).with_metadata(budget=budget, conditions=conditions)
+        found.plan = (found.plan or result.best).with_provenance(budget=budget, conditions=conditions)
         if s.plan_file is not None:
             s.plan_file.wrote = s.plan_file.save(found.plan)
         report_search(trainer, result, plan_file=s.plan_file, tb=self.tb, verbose=s.verbose)
@@ -475,18 +475,18 @@ class FitSession:
                 f"({table.longest}): the table grows a bucket <= {length} running {lower.describe()}."
             )
             self._lock_in(
-                lower.with_metadata(**{TABLE_KEY: self.table.to_dict()}), source="the budget guard", trainer=trainer
+                lower.with_provenance(plan_table=self.table.to_dict()), source="the budget guard", trainer=trainer
             )
             return
         if table is None or running is None or plan is None or running.key() == plan.key():
             if table is not None:
                 self.table = table.with_top(replace(lower, metadata={}))
-                lower = lower.with_metadata(**{TABLE_KEY: self.table.to_dict()})
+                lower = lower.with_provenance(plan_table=self.table.to_dict())
             self._lock_in(lower, source="the budget guard", trainer=trainer)
             return
         index = next(i for i, b in enumerate(table.buckets) if b.plan.key() == running.key())
         self.table = table.with_plan(index, replace(lower, metadata={}, name=running.name), "guard")
-        self.found.plan = plan.with_metadata(**{TABLE_KEY: self.table.to_dict()})
+        self.found.plan = plan.with_provenance(plan_table=self.table.to_dict())
         self.applied.apply(self.view, self.table.buckets[index].plan, trainer, keep_graphs=self._keeps_graphs())
         self.running = self.table.buckets[index].plan
         rank_zero_info(f"lightning_ckpt: bucket <= {table.buckets[index].max_length} now runs {lower.describe()}")
@@ -503,10 +503,10 @@ class FitSession:
             if self.settings.plan_file is not None:
                 self.settings.plan_file.save(self.found.plan)
 
-    def _set_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Mapping[str, int]) -> None:
+    def _set_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spec: MicroBatch | None) -> None:
         s = self.settings
-        if set_micro_batch(trainer, pl_module, s.batch_arg_name, spec, verbose=s.verbose):
-            self.found.micro_batch = dict(spec)
+        if spec is not None and set_micro_batch(trainer, pl_module, s.batch_arg_name, spec, verbose=s.verbose):
+            self.found.micro_batch = spec.to_dict()
 
     def _unlock(self) -> None:
         if self.guard is not None:

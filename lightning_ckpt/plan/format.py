@@ -15,6 +15,7 @@ with one ``PlanError`` that names the file, the field, what was found and what i
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.errors import PlanError, PlanFileChangedError, StalePlanError
 from lightning_ckpt.plan.file import bytes_version, directory_lock, plan_file_version, read_json, replace_atomically
+from lightning_ckpt.plan.provenance import Provenance
 from lightning_ckpt.plan.save_list_names import check_save_list_name
 from lightning_ckpt.plan.schema import SCHEMA_VERSION, field_path, validate
 
@@ -115,7 +117,7 @@ class Plan:
     blocks: block FQN -> BlockPlan (absent means ``none``).
     segments: stack FQN -> chunk count; each chunk stores only its input and is recomputed as one.
     fingerprint: ``model_fingerprint`` of the model the plan was made for (None: not checked).
-    metadata: free-form JSON data: library versions, run description, budget, measured figures.
+    metadata: the plan file's record beyond the plan, as JSON; read it as ``provenance`` (typed sections).
     compile_memory_budget: PT2's ``torch._functorch.config.activation_memory_budget`` (0..1) to compile
         the model with: the min-cut partitioner then chooses what to recompute so that saved
         activations stay under that fraction of its default choice. Only meaningful for a model run
@@ -200,8 +202,15 @@ class Plan:
     def is_empty(self) -> bool:
         return not self.blocks and not self.segments and self.compile_memory_budget is None
 
-    def with_metadata(self, **updates: Any) -> Plan:
-        return replace(self, metadata={**self.metadata, **updates})
+    @functools.cached_property
+    def provenance(self) -> Provenance:
+        """``metadata`` read as typed sections: what every stage reads of a plan beyond the plan itself."""
+        return Provenance.of(self.metadata)
+
+    def with_provenance(self, **sections: Any) -> Plan:
+        """This plan with ``sections`` of its provenance written (``None`` drops one); an unknown name is refused."""
+        metadata = {**self.metadata, **Provenance.sections(**sections)}
+        return replace(self, metadata={k: v for k, v in metadata.items() if v is not None})
 
     def describe(self) -> str:
         """A one-line human summary that names the blocks, e.g. ``full h.0-3, selective(mlp) h.4-7``.
@@ -332,7 +341,7 @@ class Plan:
 
         root = model.root
         changes = model_changes(
-            self.metadata.get("profile"),
+            self.provenance.profile,
             [s.to_dict() for s in model.stacks],
             parameter_bytes=sum(p.numel() * p.element_size() for p in root.parameters()),
             plan_blocks=tuple(self.blocks),
@@ -424,8 +433,8 @@ def _check_against_own_profile(plan: Plan, source: str) -> None:
     one pieced together from two runs. Without a model to check against (``show``, ``validate`` without
     ``--model``, ``replan``, ``diff``) the profile is the file's own record of the model, and its figures would
     be quoted for a plan they were not measured for. A file without a readable profile is not checked here."""
-    profile = plan.metadata.get("profile")
-    stacks = profile.get("stacks") if isinstance(profile, Mapping) else None
+    profile = plan.provenance.profile
+    stacks = profile.get("stacks")
     if not isinstance(stacks, list) or not all(isinstance(s, Mapping) for s in stacks):
         return
     stack_names = [s.get("fqn") for s in stacks]

@@ -1,4 +1,4 @@
-"""A plan table as data: one plan per range of batch lengths, as the plan file keeps it (``metadata["plan_table"]``).
+"""A plan table as data: one plan per range of batch lengths, as the plan file keeps it (``provenance.plan_table``).
 
 The table is built by ``search.buckets`` and followed by the callback (``lightning.callback``), which runs each
 batch under its bucket's plan; ``lightning-ckpt show`` prints it without importing torch.
@@ -15,9 +15,8 @@ from lightning_ckpt.errors import ConfigurationError, PlanError
 from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.plan.format import Plan
 
-__all__ = ["MAX_BUCKETS", "TABLE_KEY", "Bucket", "PlanTable", "bucket_edges", "table_line"]
+__all__ = ["MAX_BUCKETS", "Bucket", "PlanTable", "bucket_edges", "table_line"]
 
-TABLE_KEY = "plan_table"
 MAX_BUCKETS = 8  # every bucket is a profile before training and a plan to switch to (and, compiled, a graph)
 
 
@@ -111,12 +110,12 @@ class PlanTable:
 
     @classmethod
     def of_plan(cls, plan: Plan, *, source: str = "the plan") -> PlanTable | None:
-        """The table ``plan`` keeps in its metadata (the top bucket runs ``plan`` itself), None when it keeps none;
-        ``PlanError`` naming the field when it is malformed."""
-        data = plan.metadata.get(TABLE_KEY)
-        if data is None:
+        """The table ``plan`` keeps (``provenance.plan_table``; the top bucket runs ``plan`` itself), None when it
+        keeps none; ``PlanError`` naming the field when it is malformed."""
+        data = plan.provenance.plan_table or plan.provenance.other.get("plan_table")
+        if not data:
             return None
-        where = f"{source}'s metadata['{TABLE_KEY}']"
+        where = f"{source}'s metadata['plan_table']"
         try:
             if not isinstance(data, Mapping) or data.get("key") != "length":
                 raise TypeError("expected an object with key 'length'")

@@ -366,7 +366,7 @@ def write_tensorboard(
             for tag, value in zip(VERDICT_SCALAR_TAGS, (verdict.ratio, verdict.low, verdict.high), strict=True):
                 if value is not None:
                     add_scalar(writer, tag, float(value), 0)
-        compiles = result.best.metadata.get("compiles")
+        compiles = result.best.provenance.compiles
         if compiles:
             add_scalar(writer, TAG_SEARCH_COMPILES, float(compiles["graphs"]), 0)
             add_scalar(writer, TAG_SEARCH_COMPILE_SECONDS, float(compiles["seconds"]), 0)

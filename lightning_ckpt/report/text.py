@@ -83,7 +83,7 @@ def pruned_counts(result: TuneResult, verb: str = "ruled out") -> str:
 
 def time_model_line(result: TuneResult) -> str | None:
     """How well the time model predicted the plans it let run (each prediction made before the plan ran)."""
-    summary = (result.best.metadata.get("search") or {}).get("time_model")
+    summary = result.best.provenance.search.get("time_model")
     if not summary:
         return None
     n, median, worst = (
@@ -148,8 +148,8 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
 
 
 def verdict_of(result: TuneResult) -> Verdict | None:
-    """The confirmation's verdict the chosen plan's metadata holds (``metadata.search.verdict``), if any."""
-    return Verdict.recorded(result.best.metadata.get("search"))
+    """The confirmation's verdict the chosen plan's provenance holds (``search.verdict``), if any."""
+    return Verdict.recorded(result.best.provenance.search)
 
 
 def _verdict_phrase(verdict: Verdict) -> str:
@@ -214,7 +214,7 @@ def result_line(result: TuneResult) -> str:
         parts.append(f"{_fmt_rate(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
         base = best_feasible_baseline(result)
         verdict = verdict_of(result)
-        if (result.best.metadata.get("search") or {}).get("none_fits"):
+        if result.best.provenance.search.get("none_fits"):
             parts.append(
                 "the memory model predicts no checkpointing fits the budget, so nothing else was searched (it could "
                 "only add recompute; search={'search_when_none_fits': True} searches anyway)"
@@ -229,9 +229,9 @@ def result_line(result: TuneResult) -> str:
             parts.append(f"the baseline {base[0]}: no tuned plan beat it")
     if result.fell_back:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
-    if (result.best.metadata.get("search") or {}).get("speed_changes"):
+    if result.best.provenance.search.get("speed_changes"):
         parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
-    search = result.best.metadata.get("search") or {}
+    search = result.best.provenance.search
     stopped = (search.get("allowance") or {}).get("stopped") or []
     if stopped:
         parts.append(
@@ -250,7 +250,7 @@ def result_line(result: TuneResult) -> str:
 
 def compiles_phrase(result: TuneResult) -> str | None:
     """What a compiled search compiled (``search.tune.compiles_of``), or None for an eager one."""
-    c = result.best.metadata.get("compiles")
+    c = result.best.provenance.compiles
     if not c:
         return None
     how = "blocks compiled alone" if c.get("assembled") else "each plan compiled whole"
@@ -258,7 +258,7 @@ def compiles_phrase(result: TuneResult) -> str | None:
         f"compiled {count(c['graphs'], 'graph')} in {c['seconds']:.1f} s for {count(c.get('plans_measured', 0), 'plan')} measured "
         f"({how}; the chosen plan compiles as you compile it at its first step)"
     )
-    check = result.best.metadata.get("whole_compile_check")  # ``search.whole_check``: a PT2 budget checked
+    check = result.best.provenance.whole_compile_check  # ``search.whole_check``: a PT2 budget checked
     if check:
         ratio = check.get("ratio")
         speed = f", it ran {ratio:.3f}x the budget's speed" if ratio is not None else ""
@@ -267,7 +267,7 @@ def compiles_phrase(result: TuneResult) -> str | None:
         else:  # weighed on the blocks, where the budget must lead by the margin (``whole_compile_margin``)
             where = f"on the blocks (the budget needed a {check.get('margin', 0.0):.0%} lead), "
         phrase += f"; {where}{check['leader']} beside {check['rival']}{speed}: kept {check['kept']}"
-    partitioned = result.best.metadata.get("pt2_partitioned_whole")  # ``search.whole_check.Partitioned``
+    partitioned = result.best.provenance.pt2_partitioned_whole  # ``search.whole_check.Partitioned``
     if partitioned:
         said = ", ".join(
             f"{p['plan']} saves {format_bytes(p['whole'])} ({'fits' if p['fits'] else 'over budget'})"
@@ -356,7 +356,7 @@ def verdict_lines(result: TuneResult) -> list[str]:
             f"NOTHING FIT THE BUDGET: no plan measured within {budget.description or budget.kind}; fell back to the "
             f"lowest-memory plan{chosen}. Raise the budget or reduce the batch size."
         )
-    search = result.best.metadata.get("search") or {}
+    search = result.best.provenance.search
     if search.get("tie_tolerance") is not None:
         lines.append(f"rule: {CHOICE_RULE} (tie tolerance {search['tie_tolerance']:.1%})")
     lines += [f"machine speed changed {change}" for change in search.get("speed_changes") or ()]
@@ -544,8 +544,7 @@ def _optimizer_state(breakdown: Mapping[str, Any], plan: Plan | None) -> tuple[s
     """The optimizer state's row: the profile's, or, when the first step had yet to create it (AdamW's state is
     made by its first ``step()``), what the measured optimizer step left, which the budget counts."""
     profiled = breakdown.get("optimizer_state_bytes")
-    step = plan.metadata.get("optimizer_step") if plan is not None else None
-    after = step.get("state_bytes_after") if isinstance(step, Mapping) else None
+    after = plan.provenance.optimizer_step.get("state_bytes_after") if plan is not None else None
     if isinstance(after, (int, float)) and after > (profiled or 0):
         return "optimizer state (made by the first step)", after
     return "optimizer state", profiled
@@ -586,7 +585,7 @@ def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
             rows.append(["step time (median)", f"{trial.median_seconds:.4f} s{spread}"])
         lines.append(markdown_table(["quantity", "value"], rows))
     else:
-        measured = plan.metadata.get("measured")
-        if isinstance(measured, Mapping) and measured:
+        measured = plan.provenance.measured
+        if measured:
             lines += ["", "**Measured:**", "", markdown_table(["quantity", "value"], list(measured.items()))]
     return "\n".join(lines)

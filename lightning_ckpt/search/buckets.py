@@ -35,7 +35,7 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.skipping import full_depth
 from lightning_ckpt.plan.table import Bucket, PlanTable
 from lightning_ckpt.search.compile import eager_while_profiling
-from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY, SavedProfile, table_bucket
+from lightning_ckpt.search.replan import SavedProfile, table_bucket
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.tune import space_modes
 from lightning_ckpt.timing.model import Calibration, TimeModel
@@ -112,9 +112,8 @@ def plan_table(
     choice and keeps the search's saved profile (``replan.SavedProfile``); ``profile_at(length)`` profiles the
     model on the tuned batch at that length (a ``memory.profile.Profile`` with block times; for a compiled search,
     with its blocks compiled alone: see ``compiled_at``)."""
-    compiled = COMPILED_PROFILE_KEY in top.metadata
-    key = COMPILED_PROFILE_KEY if compiled else PROFILE_KEY
-    searched = SavedProfile.of_plan(top, source="the search's plan", key=key)
+    compiled = bool(top.provenance.compiled_profile)
+    searched = SavedProfile.of_plan(top, source="the search's plan", compiled=compiled)
     top_bucket = Bucket(
         max_length=edges[-1],
         plan=top,
@@ -144,8 +143,7 @@ def compiled_at(top: Plan, profile: Profile, length_ratio: float) -> CompiledMem
     compile per bucket; the guard reads the first step under each bucket's plan, as it reads any."""
     if profile.compiled is None:
         raise PlanError("the bucket's profile compiled no block alone: its compiled memory cannot be predicted")
-    kept = top.metadata.get("compiled_blocks")
-    kept = kept if isinstance(kept, Mapping) else {}
+    kept = top.provenance.compiled_blocks
     none_act, none_peak = kept.get("none_activation_bytes"), kept.get("none_peak_bytes")
     if not isinstance(none_act, int) or not isinstance(none_peak, int):
         raise PlanError("the compiled search measured no compiled none step: no bucket's memory can be predicted")
@@ -167,5 +165,4 @@ def _blocks_none(rows: Any) -> int | None:
 
 
 def _measured(plan: Plan, key: str) -> Any:
-    measured = plan.metadata.get("measured")
-    return measured.get(key) if isinstance(measured, Mapping) else None
+    return plan.provenance.measured.get(key)

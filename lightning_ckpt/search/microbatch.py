@@ -32,6 +32,7 @@ from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
 from lightning_ckpt.plan.format import BlockPlan, Plan
+from lightning_ckpt.plan.provenance import MicroBatch
 from lightning_ckpt.search.compile import CompiledTrials
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync
@@ -123,7 +124,7 @@ class ScaledMemoryModel:
 class MicroBatchResult:
     """The chosen (plan, micro-batch, accumulation) and every trial that led there (one search: ``result``)."""
 
-    result: TuneResult  # every (plan, micro-batch) trial; result.best carries the micro_batch metadata
+    result: TuneResult  # every (plan, micro-batch) trial; result.best.provenance.micro_batch
     micro_batch: int
     accumulation: int
     global_batch: int
@@ -157,7 +158,7 @@ def tune_micro_batch(
     micro-batch) pairs, each run through its micro-batch's ``Workload`` (runner, scaled memory model, samples
     per step), figures compared per sample. Every micro-batch's baselines are measured first; one confirmation
     re-times the leaders beside the fastest fitting baselines (across micro-batches) in interleaved rounds, one
-    verdict chooses, and the result's plan carries its micro-batch in ``metadata["micro_batch"]``.
+    verdict chooses, and the result's plan carries its micro-batch in ``provenance.micro_batch``.
     """
     config, hooks = config or TuneConfig(), hooks or SearchHooks()
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
@@ -197,14 +198,13 @@ def tune_micro_batch(
             session.phases,
         )
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
-    spec = {"size": m, "accumulation": global_batch // m, "global": global_batch, "original_size": base_micro_batch,
-            "tie_tolerance": config.tie_tolerance}  # fmt: skip
-    run = {**result.best.metadata.get("run", {}), "batch_size": m}  # the step the plan runs: the chosen micro-batch
+    spec = MicroBatch(m, global_batch // m, global_batch, base_micro_batch, config.tie_tolerance)
+    run = {**result.best.provenance.run, "batch_size": m}  # the step the plan runs: the chosen micro-batch
     if session.allocator is not None:  # what the search ran under, as tune records it
-        result = replace(result, best=result.best.with_metadata(allocator=session.allocator.to_dict()))
+        result = replace(result, best=result.best.with_provenance(allocator=session.allocator.to_dict()))
     result = replace(
         result,
-        best=result.best.with_metadata(micro_batch=spec, run=run),
+        best=result.best.with_provenance(micro_batch=spec, run=run),
         tuning_seconds=time.perf_counter() - started,
         memory_table=scaled.at(m).table(),
         memory_breakdown=scaled.at(m).to_dict(),
@@ -284,7 +284,7 @@ def _search(
     return conclude(
         search,
         extra_steps=2 * PROFILE_STEPS + WRITE_CHECK_STEPS + search.warm_steps,
-        metadata={"optimizer_step": opt_mem.to_dict(), "run": run},
+        sections={"optimizer_step": opt_mem.to_dict(), "run": run},
     )
 
 

@@ -143,13 +143,14 @@ def conclude(
     search: Search,
     *,
     extra_steps: int,
-    metadata: Mapping[str, Any] | None = None,
+    sections: Mapping[str, Any] | None = None,
     memory: Any = None,
     after_choice: Callable[[TrialRecord], TrialRecord] | None = None,
 ) -> TuneResult:
     """Choose by the confirmation's verdicts (a tuned plan beats the fastest fitting baseline only by its verdict;
     never on predicted memory, ``Trials.verify``; the fallback measured if it was pruned), hold the winner out, run
-    ``after_choice`` on it (the plan it returns is kept), finish the Optuna record and build the result (``memory``:
+    ``after_choice`` on it (the plan it returns is kept), finish the Optuna record and build the result with the
+    provenance ``sections`` (``memory``:
     the memory model whose table the result shows)."""
     ledger, trials, config = search.ledger, search.trials, search.trials.config
     tol = config.tie_tolerance
@@ -200,7 +201,7 @@ def conclude(
         fallback_message=message,
         tuning_seconds=facts.cost.total_seconds if facts.cost is not None else time.perf_counter() - trials.started,
         tuning_steps=sum(t.steps for t in records) + extra_steps,
-        metadata=metadata,
+        sections=sections,
         memory=memory,
     )
     digest = trials.sync.broadcast(result.best.digest())

@@ -1,11 +1,11 @@
 """Re-plan for a new budget from the profile a plan file keeps: no model, no step, zero trials.
 
-A search leaves in its plan's ``metadata["profile"]`` what it predicted every plan from: the memory model
+A search leaves in its plan's ``provenance.profile`` what it predicted every plan from: the memory model
 (each block's bytes under every mode, the anchor step's timeline), the time model fitted to the plans it
 measured (``timing.model``), the optimizer step's memory, the stacks and the space it searched. With
 those, any budget's best plan is a prediction: every plan of the space is scored, those predicted to fit
 are kept, and the search's own choice rule (``records.choose_best``) picks among their predicted figures.
-What comes out is marked ``predicted`` (``metadata["replanned"]``): nothing about it was measured, and
+What comes out is marked ``predicted`` (``provenance.replanned``): nothing about it was measured, and
 the budget guard checks the first real steps of a run that applies it, as for any plan.
 
 ``--batch-size`` scales what depends on the batch linearly from the batch the profile was taken at:
@@ -34,7 +34,7 @@ from lightning_ckpt.memory.compiled import CompiledMemoryModel
 from lightning_ckpt.memory.model import MemoryModel
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.plan.table import TABLE_KEY, Bucket, PlanTable
+from lightning_ckpt.plan.table import Bucket, PlanTable
 from lightning_ckpt.search.choice import BeatsFn, choose_best
 from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     from lightning_ckpt.memory.profile import Profile
 
 __all__ = [
-    "COMPILED_PROFILE_KEY",
-    "PROFILE_KEY",
     "Replanned",
     "SavedProfile",
     "predicted_records",
@@ -59,11 +57,9 @@ __all__ = [
     "table_bucket",
 ]
 
-PROFILE_KEY = "profile"
-# A compiled search's profile (blocks compiled alone, its time model fitted to compiled steps), kept apart from
-# PROFILE_KEY: ``replan`` and a reused plan's re-plan predict eager steps, and would misread it. Only the plan table
-# (``search.buckets``) predicts from it, with the compiled memory model (``metadata.compiled_blocks``).
-COMPILED_PROFILE_KEY = "compiled_profile"
+# A compiled search's profile (blocks compiled alone, its time model fitted to compiled steps) is kept apart, as
+# ``provenance.compiled_profile``: ``replan`` and a reused plan's re-plan predict eager steps, and would misread it.
+# Only the plan table (``search.buckets``) predicts from it, with the compiled memory model (``compiled_blocks``).
 # What a re-planned plan drops from the plan it came from: figures measured for that plan, not this one, and its
 # plan table (``search.buckets``: its buckets' plans were chosen for the old budget; ``replan_table`` re-plans them).
 _MEASURED_KEYS = ("measured", "baselines", "real_steps", "search", "switched_from", "plan_table")
@@ -79,7 +75,7 @@ def profile_metadata(
     seq_len: int | None,
     tie_tolerance: float,
 ) -> dict[str, Any]:
-    """What a plan file keeps to re-plan without the model (``metadata["profile"]``): the memory and the time model
+    """What a plan file keeps to re-plan without the model (``provenance.profile``): the memory and the time model
     side by side, as the profile measured and the search fitted them."""
     return {
         "memory": profile.memory.to_dict(),
@@ -107,11 +103,11 @@ class SavedProfile:
     tie_tolerance: float
 
     @classmethod
-    def of_plan(cls, plan: Plan, *, source: str = "the plan", key: str = PROFILE_KEY) -> SavedProfile:
-        """The profile ``plan`` keeps (under ``key``); ``PlanError`` saying what is missing when it cannot be
-        re-planned from."""
-        data = plan.metadata.get(key)
-        if not isinstance(data, Mapping):
+    def of_plan(cls, plan: Plan, *, source: str = "the plan", compiled: bool = False) -> SavedProfile:
+        """The profile ``plan`` keeps (its compiled search's with ``compiled``); ``PlanError`` saying what is missing
+        when it cannot be re-planned from."""
+        data = plan.provenance.compiled_profile if compiled else plan.provenance.profile
+        if not data:
             raise PlanError(
                 f"{source} keeps no profile (metadata['profile']), so it cannot be re-planned without a search. "
                 "Plans written by lightning_ckpt 0.3 or later keep one; re-tune once with this version."
@@ -260,8 +256,7 @@ def _replan(
     memory_model: Any = profile.memory if ratio == 1 else _BatchScaled(profile.memory, ratio)
     memory = RealStepMemory(memory_model, profile.optimizer)
     dev = device if device is not None else profile.memory.device  # a string: no torch needed for a CPU budget
-    conditions = plan.metadata.get("conditions")
-    capacity = conditions.get("device_capacity_bytes") if isinstance(conditions, Mapping) else None
+    capacity = plan.provenance.conditions.get("device_capacity_bytes")
     capacity = capacity if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0 else None
     if device is not None and device_type(device) != device_type(profile.memory.device):
         capacity = None  # another device than the one tuned on: its own capacity, not the recorded one
@@ -270,7 +265,7 @@ def _replan(
     )
     records = predicted_records(profile, memory, profile.time, budget, device=dev, ratio=ratio, batch=batch)
     records, measured = _with_measured_times(records, _measured_seconds(plan, profile), ratio, batch)
-    beats = _beats(Verdict.recorded(plan.metadata.get("search")), measured, profile.tie_tolerance)
+    beats = _beats(Verdict.recorded(plan.provenance.search), measured, profile.tie_tolerance)
     best = choose_best(records, budget, tie_tolerance=profile.tie_tolerance, beats=beats)
     if best is None:
         lowest = min(records, key=lambda r: r.memory(budget), default=None)
@@ -282,7 +277,7 @@ def _replan(
     replanned = _replanned_plan(plan, best, budget, requested, profile, batch, len(records))
     table = replanned_table(plan, replanned, budget, profile) if ratio == 1 else None
     if table is not None:
-        replanned = replanned.with_metadata(**{TABLE_KEY: table.to_dict()})
+        replanned = replanned.with_provenance(plan_table=table.to_dict())
     return Replanned(
         plan=replanned,
         budget=budget,
@@ -311,8 +306,8 @@ def _measured_seconds(plan: Plan, profile: SavedProfile) -> dict[str, float]:
         if seconds > 0:
             timed.setdefault(label, []).append(seconds)
     out = {label: statistics.median(values) for label, values in timed.items()}
-    chosen = plan.metadata.get("measured")
-    if isinstance(chosen, Mapping) and isinstance(chosen.get("label"), str):
+    chosen = plan.provenance.measured
+    if isinstance(chosen.get("label"), str):
         seconds = chosen.get("median_seconds")
         if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0:
             out[chosen["label"]] = float(seconds)
@@ -356,7 +351,7 @@ def _beats(verdict: Verdict | None, measured: set[int], tie_tolerance: float) ->
 def _time_model_note(plan: Plan, profile: SavedProfile, n_measured: int) -> str | None:
     """A line when the saved time model predicted the steps the search measured badly (its median error, as the
     search recorded it, else its fit's own residuals): its predicted speeds may then rank plans wrongly."""
-    summary = (plan.metadata.get("search") or {}).get("time_model")
+    summary = plan.provenance.search.get("time_model")
     error = summary.get("median_abs_error") if isinstance(summary, Mapping) else None
     where = "of the plans the search predicted and then measured"
     if not isinstance(error, (int, float)) or isinstance(error, bool):
@@ -453,7 +448,7 @@ def replanned_table(original: Plan, top: Plan, budget: Budget, profile: SavedPro
                 "re-tune to write a new one."
             ) from None
         buckets.append(table_bucket(b.max_length, memory, time, profile, budget, table.rows, top))
-    replanned = top.metadata.get("replanned") or {}
+    replanned = top.provenance.replanned
     head = Bucket(
         table.longest,
         top,
@@ -511,13 +506,23 @@ def _replanned_plan(
     considered: int,
 ) -> Plan:
     """``best``'s plan carrying what it was chosen on: marked predicted, the new budget, the same profile."""
-    metadata = {k: v for k, v in plan.metadata.items() if k not in _MEASURED_KEYS}
-    was = plan.metadata.get("budget") or {}
-    metadata["budget"] = {**budget.to_dict(), "requested": requested.requested_max_memory}
-    metadata["replanned"] = {
+    kept = replace(best.plan, name="replanned", fingerprint=profile.memory.fingerprint, metadata=plan.metadata)
+    conditions = dict(plan.provenance.conditions)
+    if batch != profile.batch_size and conditions:
+        conditions["batch_size"] = batch
+    return kept.with_provenance(
+        **dict.fromkeys(_MEASURED_KEYS),
+        budget={**budget.to_dict(), "requested": requested.requested_max_memory},
+        conditions=conditions or None,
+        replanned=_replanned_figures(plan, best, profile, batch, considered),
+    )
+
+
+def _replanned_figures(plan: Plan, best: TrialRecord, profile: SavedProfile, batch: int, considered: int) -> dict:
+    return {
         "predicted": True,
         "from_plan": plan.describe(),
-        "from_budget": was.get("description"),
+        "from_budget": plan.provenance.budget.get("description"),
         "batch_size": batch,
         "profiled_batch_size": profile.batch_size,
         "predicted_seconds": best.median_seconds,
@@ -526,6 +531,3 @@ def _replanned_plan(
         "predicted_activation_bytes": best.activation_bytes,
         "plans_scored": considered,
     }
-    if batch != profile.batch_size and isinstance(metadata.get("conditions"), Mapping):
-        metadata["conditions"] = {**metadata["conditions"], "batch_size": batch}
-    return replace(best.plan, name="replanned", fingerprint=profile.memory.fingerprint, metadata=metadata)

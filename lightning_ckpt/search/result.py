@@ -73,7 +73,7 @@ class SearchFacts:
 def evidence(
     best: TrialRecord, records: Sequence[TrialRecord], budget: Budget, facts: SearchFacts, fell_back: bool
 ) -> dict[str, Any]:
-    """The chosen plan's metadata: the library versions, the budget, its measured figures, the baselines' (at its
+    """The chosen plan's provenance sections: the library versions, the budget, its measured figures, the baselines' (at its
     micro-batch) and the search's own account."""
     search: dict[str, Any] = {
         "n_trials": facts.n_trials,
@@ -145,17 +145,14 @@ def build_result(
     fallback_message: str,
     tuning_seconds: float,
     tuning_steps: int,
-    metadata: Mapping[str, Any] | None = None,
+    sections: Mapping[str, Any] | None = None,
     memory: Any = None,
 ) -> TuneResult:
     """The ``TuneResult``: the chosen plan named, fingerprinted and carrying its evidence (and the search's
-    ``metadata``) as metadata, beside the ledger's snapshot ``records``; ``memory``: the memory model, whose
+    provenance ``sections``), beside the ledger's snapshot ``records``; ``memory``: the memory model, whose
     per-block table and breakdown the result shows."""
-    chosen = replace(
-        best.plan,
-        name=best.plan.name or "tuned",
-        fingerprint=facts.fingerprint,
-        metadata={**best.plan.metadata, **evidence(best, records, budget, facts, fell_back), **(metadata or {})},
+    chosen = replace(best.plan, name=best.plan.name or "tuned", fingerprint=facts.fingerprint).with_provenance(
+        **{**evidence(best, records, budget, facts, fell_back), **(sections or {})}
     )
     return TuneResult(
         best=chosen,

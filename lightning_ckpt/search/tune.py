@@ -39,18 +39,17 @@ from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync
 from lightning_ckpt.search.ledger import TrialRecord
 from lightning_ckpt.search.pipeline import Search, SearchHooks, conclude, run_search
-from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY, profile_metadata
+from lightning_ckpt.search.replan import profile_metadata
 from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.runners import EagerRunner, TrialRunner
 from lightning_ckpt.search.sampler import fitted
 from lightning_ckpt.search.setup import SearchSession, lowest_memory_pass, resolve_budget, search_session
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.trials import Workload
-from lightning_ckpt.search.whole_check import COMPILES_KEY, compiles_of, pt2_budget_check
+from lightning_ckpt.search.whole_check import compiles_of, pt2_budget_check
 from lightning_ckpt.versions import require_torch
 
 __all__ = [
-    "ALLOCATOR_KEY",
     "FSDP2_TUNING_VERIFIED",
     "PROFILE_STEPS",
     "WRITE_CHECK_STEPS",
@@ -67,8 +66,6 @@ log = logging.getLogger(__name__)
 PROFILE_STEPS = 2
 # ``find_parameters_written_in_forward``: one forward without grad, under a dispatch mode.
 WRITE_CHECK_STEPS = 1
-# Where the search's allocator regime is recorded in the plan file (``measure.allocator.AllocatorRegime``).
-ALLOCATOR_KEY = "allocator"
 
 
 def build_runner(
@@ -230,14 +227,14 @@ def _search(
         run=run,
         phases=phases,
     )
-    metadata = _metadata(search, profile, memory, runner, harness, space, session)
+    sections = _sections(search, profile, memory, runner, harness, space, session)
     after_choice = None
     if isinstance(runner, CompiledTrials):
-        after_choice = pt2_budget_check(search, runner, harness, config, metadata, profiled)
+        after_choice = pt2_budget_check(search, runner, harness, config, sections, profiled)
     return conclude(
         search,
         extra_steps=PROFILE_STEPS + WRITE_CHECK_STEPS + search.warm_steps,
-        metadata=metadata,
+        sections=sections,
         memory=memory_model,
         after_choice=after_choice,
     )
@@ -270,7 +267,7 @@ def _profile(
     return profile.with_time(replace(profile.time, measured_at={**profile.time.measured_at, **shape}))
 
 
-def _metadata(
+def _sections(
     search: Search,
     profile: Any,
     memory: RealStepMemory,
@@ -279,28 +276,28 @@ def _metadata(
     space: SearchSpace,
     session: SearchSession,
 ) -> dict[str, Any]:
-    """What the plan file records of the search beyond the chosen plan's evidence: the run, the optimizer step, the
+    """The provenance sections the plan file records of the search beyond the chosen plan's evidence: the run, the optimizer step, the
     allocator, what a compiled search compiled and its memory model's errors, and the profile as the search fitted
     it (a later budget re-plans from it without a search: ``replan``; a compiled one is kept apart, as ``replan``
     predicts eager steps and a plan table its shorter buckets from it, ``search.buckets``)."""
     is_compiled = isinstance(runner, CompiledTrials)
     regions = list(runner.regions) if is_compiled else None
     run = {"device": str(harness.device), "batch_size": harness.batch_size, "seq_len": harness.seq_len}
-    metadata: dict[str, Any] = {"optimizer_step": memory.optimizer.to_dict(), "run": {**run, "compiled": regions}}
+    sections: dict[str, Any] = {"optimizer_step": memory.optimizer.to_dict(), "run": {**run, "compiled": regions}}
     if session.allocator is not None:
-        metadata[ALLOCATOR_KEY] = session.allocator.to_dict()
+        sections["allocator"] = session.allocator.to_dict()
     if isinstance(memory.model, CompiledMemoryModel):
-        metadata["compiled_blocks"] = {
+        sections["compiled_blocks"] = {
             **memory.model.to_dict(),
             "activation_errors": _activation_errors(search.records),
         }
     if is_compiled:
-        metadata[COMPILES_KEY] = compiles = compiles_of(runner, profile.compiled)
+        sections["compiles"] = compiles = compiles_of(runner, profile.compiled)
         session.phases.moved(compiles["profile_seconds"], "profile", "compile")
         session.phases.moved(compiles["trial_seconds"], "trials", "compile")
     time_model = fitted(search.sampler)
     if time_model is not None:
-        metadata[COMPILED_PROFILE_KEY if is_compiled else PROFILE_KEY] = profile_metadata(
+        sections["compiled_profile" if is_compiled else "profile"] = profile_metadata(
             profile.with_time(time_model),
             memory.optimizer,
             search.stacks,
@@ -309,7 +306,7 @@ def _metadata(
             seq_len=harness.seq_len,
             tie_tolerance=search.trials.config.tie_tolerance,
         )
-    return metadata
+    return sections
 
 
 def _activation_errors(records: Sequence[TrialRecord]) -> dict[str, Any]:

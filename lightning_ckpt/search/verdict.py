@@ -177,7 +177,7 @@ class Verdict:
 
     @classmethod
     def recorded(cls, search: Mapping[str, Any] | None) -> Verdict | None:
-        """The verdict a plan file's ``metadata.search`` records, None where it records none (or a malformed one):
+        """The verdict a plan's ``provenance.search`` records, None where it records none (or a malformed one):
         what the reports and ``lightning-ckpt show`` read."""
         data = search.get("verdict") if isinstance(search, Mapping) else None
         if not isinstance(data, Mapping):

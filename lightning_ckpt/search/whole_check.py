@@ -61,9 +61,6 @@ from lightning_ckpt.search.trials import Trials
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
-    "COMPILES_KEY",
-    "PARTITIONED_KEY",
-    "WHOLE_CHECK_KEY",
     "Partitioned",
     "WholeCheck",
     "check_whole_compile",
@@ -425,27 +422,19 @@ def _side_by_side(
     return verdicts_of(side)
 
 
-# Where a compiled search's plan keeps what it compiled (``compiles_of``): the result line, ``show`` and TensorBoard.
-COMPILES_KEY = "compiles"
-# A PT2 budget chosen on blocks compiled alone, checked compiled the user's way (``whole_check.WholeCheck``).
-WHOLE_CHECK_KEY = "whole_compile_check"
-# PT2 budgets partitioned as the user's compile partitions them (``whole_check.Partitioned``).
-PARTITIONED_KEY = "pt2_partitioned_whole"
-
-
 def pt2_budget_check(
     search: Any,
     runner: CompiledTrials,
     harness: StepHarness,
     config: TuneConfig,
-    metadata: dict[str, Any],
+    sections: dict[str, Any],
     profiled: CompiledMemoryModel | None = None,
 ) -> Callable[[TrialRecord], TrialRecord] | None:
     """Where the trials ran on blocks compiled alone and the user compiles several blocks in one graph, a PT2 budget
     the search chooses is weighed before it is kept (``whole_check``): by default against the three fastest fitting
     plans of ours on the blocks, where it must lead by ``whole_compile_margin`` (the blocks' figure flatters it); with
-    ``check_whole_compile``, both compiled the user's way. What was done goes into ``metadata`` (``WHOLE_CHECK_KEY``)
-    and its compiles into the search's count. Returns the check to run on the choice (``pipeline.conclude``'s
+    ``check_whole_compile``, both compiled the user's way. What was done goes into the provenance ``sections``
+    (``whole_compile_check``, ``pt2_partitioned_whole``) and its compiles into the search's count. Returns the check to run on the choice (``pipeline.conclude``'s
     ``after_choice``), None where there is nothing to check. ``search``: the ``pipeline.Search``."""
     if runner.assembly is None or not holds_several_blocks(runner.regions, runner.assembly.blocks):
         return None
@@ -457,8 +446,8 @@ def pt2_budget_check(
             search.records, search.trials, best, runner, outside_blocks_bytes(profiled)
         )
         if partitioned:
-            metadata[PARTITIONED_KEY] = [p.to_dict() for p in partitioned]
-            metadata[COMPILES_KEY] = compiles_of(runner, profiled)
+            sections["pt2_partitioned_whole"] = [p.to_dict() for p in partitioned]
+            sections["compiles"] = compiles_of(runner, profiled)
         if contender is None and best.plan.compile_memory_budget is None:
             return best
         leader = contender or best  # no budget fits whole: the leader's is weighed as over budget
@@ -472,8 +461,8 @@ def pt2_budget_check(
                 leader_fits=None if not partitioned else bool(contender),
             )
             if check is not None:
-                metadata[WHOLE_CHECK_KEY] = check.to_dict()
-                metadata[COMPILES_KEY] = compiles_of(runner, profiled)  # a pruned rival may have compiled a segment
+                sections["whole_compile_check"] = check.to_dict()
+                sections["compiles"] = compiles_of(runner, profiled)  # a pruned rival may have compiled a segment
             return kept
         # A runner without blocks: every plan it measures is compiled the way the user compiles.
         whole = CompiledTrials(
@@ -484,12 +473,12 @@ def pt2_budget_check(
         )
         kept, check = check_whole_compile(search.records, search.trials, leader, whole)
         if check is not None:
-            metadata[WHOLE_CHECK_KEY] = check.to_dict()
-            compiles = dict(metadata.get(COMPILES_KEY) or {})
+            sections["whole_compile_check"] = check.to_dict()
+            compiles = dict(sections.get("compiles") or {})
             compiles["graphs"] = compiles.get("graphs", 0) + check.graphs
             compiles["seconds"] = compiles.get("seconds", 0.0) + check.compile_seconds
             compiles.update(whole_graphs=check.graphs, whole_seconds=check.compile_seconds)
-            metadata[COMPILES_KEY] = compiles
+            sections["compiles"] = compiles
         return kept
 
     return after_choice
