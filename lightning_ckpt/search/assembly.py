@@ -1,34 +1,15 @@
 """Run a compiled model's trials on blocks compiled alone, so a plan change swaps compiled blocks instead of compiling.
 
-A user who compiles pays one compile of their model; a search that compiled every candidate plan the way the user
-compiles paid one per plan: on the 8-layer test GPT compiled whole (2-core CPU, torch 2.13) 225 s of search against
-a 48 s first compile, and on one H200 10-13 s per compile against an 11 ms step. Checkpointing changes what happens
-inside a block, and a block's mode is the unit a plan is made of, so the search measures plans on the model as a
-regional compile runs it (torchtitan's way):
-
-* every block of the stacks runs compiled alone (``block._compiled_call_impl``, what ``block.compile()`` sets), with
-  ``torch.compile``'s defaults, unless the user compiled it alone already (their options are kept);
-* every other compiled region (the whole model: ``torch.compile(model)``, Lightning's ``from_compiled``, a submodule
-  compiled with ``torch.compile`` or ``.compile()``) runs eagerly while a trial runs;
-* the forwards a plan installs are the objects the block had under that mode before (``plan.apply.reused_forwards``),
-  and dynamo guards them by code and type, not identity (a checkpointed child's forward is a bound method for this,
-  ``plan.forwards.child_forward``), so one graph per distinct block and mode serves every block and every plan.
-
-A search then compiles distinct blocks x modes, whatever the number of plans, and dynamo's recompile limit is
-raised while the trials run (``room_for_graphs``) so that every one of those graphs is kept rather than the frame
-falling back to eager. Only the chosen plan is compiled as the user compiles, once, when training resumes with it
-(the compile the user pays anyway). What the search does not see: code outside the blocks compiled with the blocks
-(fusion across a block boundary), which is the same for every plan, and the partitioner's choices over a whole graph:
-compiled whole, a PT2 budget is one knapsack over every block's ops at once, where on a block compiled alone it is
-one small knapsack per block, and measured side by side our plans run up to 8% faster against a PT2 budget compiled
-whole than on the blocks alone (``benchmarks/alone_vs_whole.py``; torch's per-region budget must cover a whole graph,
-so it cannot make a whole compile run the blocks' budgets). ``benchmarks/compiled_exhaustive.py`` measures how the
-plans rank compiled the user's way against this: the chosen PT2 budget of a 32-layer GPT compiled whole ran 0.959x
-the fastest selective plan before it was weighed (docs/compile.md). So such a choice is weighed before it is kept
-(``search.whole_check``): on the blocks against the fastest plans of ours, where it must lead by
-``TuneConfig.whole_compile_margin``, or with ``check_whole_compile=True`` both compiled the user's way. What a PT2
-budget saves compiled whole is measured without compiling kernels: the user's compiled regions partitioned by
-inductor and run as partitioned (``partitioned``, ``partition_only_backend``).
+A search that compiled every plan the way the user compiles paid one compile per plan (the 8-layer test GPT compiled
+whole: 225 s of search against a 48 s first compile; on an H200 10-13 s per compile against an 11 ms step). A block's
+mode is the unit a plan is made of, so the trials run the model as a regional compile does (torchtitan's way): every
+block of the stacks compiled alone (as ``block.compile()`` sets it, or as the user compiled it), every other compiled
+region eagerly, and a plan's forwards the objects the block had under that mode before (``reused_forwards``), which
+dynamo guards by code and type: one graph per distinct block and mode serves every plan, and ``room_for_graphs``
+keeps them all. Only the chosen plan compiles the user's way, once, at the first training step. What this does not
+see (fusion across blocks, a PT2 budget's one knapsack over a whole graph) and how a PT2 choice is weighed because of
+it (``search.whole_check``): docs/compile.md, "What a compiled search costs" and "Is the compiled choice the fastest
+plan that fits?".
 """
 
 from __future__ import annotations

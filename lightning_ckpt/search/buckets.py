@@ -9,7 +9,7 @@ bucket before its forward (``lightning.callback``).
 The search itself runs once, at the longest length (``max_shape``): its plan is the top bucket's, measured and
 confirmed like any search's choice. Every shorter bucket costs one profile at its own longest length (each distinct
 block once per mode: seconds, not trials) and zero trials: its plan is chosen by the search's own rule
-(``records.choose_best``) from the profile's predictions, with the plain step's time taken from the search's
+(``choice.choose_best``) from the profile's predictions, with the plain step's time taken from the search's
 calibrated one, scaled by the blocks' plain seconds at the two lengths (``rescaled_time``). The budget is the
 search's, in bytes: an activation budget was resolved at the longest length, as the user's share of what that step
 needs. Switching between the table's plans is exact (every plan leaves gradients bit-equal to no plan) and cheap

@@ -1,36 +1,20 @@
-"""torch.compile: run every trial compiled, and flag plans that fight the compiler.
+"""torch.compile: run every trial compiled, and flag plans that fight the compiler (docs/compile.md).
 
-Checkpointing and the compiler interact in ways that make a compiled step silently *slower*: a graph break inside
-a checkpointed region runs the whole region eagerly (pytorch#135816, pytorch#139989), selective checkpointing can
-quietly defeat compile (pytorch#161889), and every plan change recompiles (dynamo guards on the instance
-``forward`` that ``apply_plan`` installs) until a frame reaches ``recompile_limit`` and runs eagerly for the rest
-of training (pytorch#135458). So a compiled trial compiles its plan in one untimed step (tuning cost, never
-throughput), times the compiled steps, reads the memory they hold, and compares what dynamo did with the
-no-checkpointing reference (``dynamo.conflict_reason``): a plan that adds graph breaks, breaks a graph inside one
-of our regions, runs more autograd ops outside compiled graphs or reaches the recompile limit is a **conflict**,
-never chosen unless ``allow_graph_breaks=True``.
+A compiled step can be silently *slower* under a plan: a graph break inside a checkpointed region runs the region
+eagerly (pytorch#135816, pytorch#139989), selective checkpointing can defeat compile (pytorch#161889), and every plan
+change recompiles until a frame reaches ``recompile_limit`` and runs eagerly for good (pytorch#135458). So a compiled
+trial compiles its plan in one untimed step (tuning cost), times the compiled steps, reads their memory, and compares
+what dynamo did with the no-checkpointing reference (``dynamo.conflict_reason``): added graph breaks, a break inside
+one of our regions, more eager autograd ops or the recompile limit make a **conflict**, never chosen unless
+``allow_graph_breaks=True``.
 
-**Memory of a compiled step.** The live-tensor tracker is a ``TorchDispatchMode``, and dynamo runs compiled
-frames *eagerly* while one is active (torch 2.13: the tracker's reading of a compiled step equals the eager
-step's). ``saved_tensors_hooks`` still see every tensor a compiled graph saves for backward (also under PT2's
-``activation_memory_budget``), so **activation bytes** are the distinct storages saved for backward during the
-forward (deduplicated by storage: q/k/v views of one projection share one; state and batch excluded): what
-checkpointing and the partitioner change, a lower bound of the eager definition (no fused-kernel temporaries or
-backward transients), compared only with other compiled trials; an activation budget is a fraction of the
-*compiled* no-checkpointing step's. **Peak bytes**: on CPU resting bytes + activation bytes (the memory held when
-the forward ends, a lower bound of the true peak); on CUDA ``max_memory_allocated`` over the compiled timed steps,
-with the budget enforced by the allocator cap and no tracker pass. The guard reads real compiled steps the same
-way (``saved_for_backward.SavedForBackward``).
-
-The eager memory model predicts a different quantity (on the 2-layer test GPT, batch 4: ``full`` has an eager
-activation peak of 200 KiB, mostly logits and one block's recompute, while its compiled step saves 29 KiB), and
-knows nothing of the partitioner. So a compiled search predicts from the blocks compiled alone
-(``memory.compiled.CompiledMemoryModel``), anchored on the compiled no-checkpointing step it measures first, and
-times from the same blocks; until that anchor is measured (or when it fails) every candidate is compiled and
-measured. PT2's budgets are never predicted, only measured.
-
-``compiled=True`` on an eager step function undercounts: saved-tensor hooks cannot see inside an *eager*
-checkpointed region (the checkpoint installs its own hooks), so force it only for a step that really is compiled.
+**Memory.** The live-tensor tracker is a ``TorchDispatchMode``, under which dynamo runs compiled frames eagerly, so a
+compiled step's **activation bytes** are the distinct storages saved for backward during the forward, read by
+``saved_tensors_hooks`` (which compiled graphs honour): what checkpointing and the partitioner change, a lower bound
+of the eager definition, compared only with other compiled trials. **Peak**: resting + activation bytes on CPU;
+``max_memory_allocated`` on CUDA, with the budget enforced by the allocator cap. A compiled search predicts from the
+blocks compiled alone (``memory.compiled``); PT2's budgets are only measured. ``compiled=True`` on an eager step
+undercounts: saved-tensor hooks cannot see inside an eager checkpointed region.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A search leaves in its plan's ``provenance.profile`` what it predicted every pla
 (each block's bytes under every mode, the anchor step's timeline), the time model fitted to the plans it
 measured (``timing.model``), the optimizer step's memory, the stacks and the space it searched. With
 those, any budget's best plan is a prediction: every plan of the space is scored, those predicted to fit
-are kept, and the search's own choice rule (``records.choose_best``) picks among their predicted figures.
+are kept, and the search's own choice rule (``choice.choose_best``) picks among their predicted figures.
 What comes out is marked ``predicted`` (``provenance.replanned``): nothing about it was measured, and
 the budget guard checks the first real steps of a run that applies it, as for any plan.
 

@@ -7,15 +7,15 @@ throttled clocks). The verdict is over those paired ratios: their geometric mean
 log ratios (90% by default). A t interval, not a bootstrap, because confirmations have 3-8 rounds: a bootstrap
 over so few rounds gives an interval no wider than the rounds' range, overconfident exactly when it matters.
 
-The rule (``records.CHOICE_RULE``): a tuned plan wins only when the lower bound clears ``1 + tie_tolerance``;
+The rule (``choice.CHOICE_RULE``): a tuned plan wins only when the lower bound clears ``1 + tie_tolerance``;
 a plan whose upper bound stays below it cannot win; anything in between is undecided, and more rounds are run
-(``confirm.confirm_interleaved``) until it is decided or the cap is reached, where the baseline is kept and the
+(``rounds.confirm_interleaved``) until it is decided or the cap is reached, where the baseline is kept and the
 result says the machine could not separate them.
 
 The rounds that choose a plan cannot also say how fast it is: among several leaders, the one chosen is the one
 whose rounds happened to favour it most (measured: claims 5-17% above an outside re-timing of the same plan, every
 error in the same direction). So the chosen plan and the reference are timed again in fresh rounds
-(``confirm.holdout``) and the reported verdict is theirs (``chosen_after``: the rounds that chose it); a plan the
+(``rounds.holdout``) and the reported verdict is theirs (``chosen_after``: the rounds that chose it); a plan the
 fresh rounds do not find faster is not kept.
 
 Pure Python (no torch): a plan file's verdict is read by ``lightning-ckpt show`` without importing torch.

@@ -1,42 +1,20 @@
 """A PT2 budget chosen on blocks compiled alone, checked compiled the user's way before it is kept.
 
-A compiled search measures plans on the model's blocks compiled alone (``search.assembly``): one graph per distinct
-block and mode, whatever the number of plans. For our plans that ranks as the user's compile runs them. For PT2's
-global ``activation_memory_budget`` it does not where the user compiles more than one block in one graph (the whole
-model, ``torch.compile(model)``): the partitioner then solves one knapsack over every block's ops where the trials
-solved one per block, and it chooses differently. Measured side by side on the 8- and 32-layer test GPT
-(``benchmarks/alone_vs_whole.py``), our plans ran 0.7-12% slower than ``pt2_budget(0.3)`` on the blocks alone and
-from 7% faster to 6% slower compiled whole; a search that chose the budget on the blocks ran 0.959x the fastest plan
-compiled whole (``benchmarks/compiled_exhaustive.py``, 2026-12-05).
+On blocks compiled alone (``search.assembly``) our plans rank as the user's compile runs them, but PT2's global
+``activation_memory_budget`` does not where the user compiles several blocks in one graph: the partitioner solves one
+knapsack over every block's ops, not one per block (side by side, ``benchmarks/alone_vs_whole.py``: our plans ran
+0.7-12% slower than ``pt2_budget(0.3)`` on the blocks and from 7% faster to 6% slower compiled whole). So:
 
-By default (``weigh_on_blocks``) such a budget is weighed where the search measured it: re-timed side by side on the
-blocks compiled alone against the three fastest plans of ours that fit (measured, or pruned by the time model with its
-memory predicted within budget: it pruned against the budget's flattering figure, and is measured now), in
-interleaved rounds (``holdout_rounds`` to ``holdout_max_rounds``, until the fastest one's ratio to the budget has a
-90% interval within 3% either side or on one side of the threshold), and kept only if it runs more than
-``1 + whole_compile_margin`` times that plan's speed (0.08: the largest shift measured). It compiles nothing of the
-user's model: the rounds swap blocks compiled already, and cost at least 4 x 6 steps (3.8 s and 5.7 s at 8 and 32
-layers, ``compiled_exhaustive.py``, 2026-12-06).
+* a budget over budget on the blocks by no more than what the code outside them saves, and a chosen budget without
+  that much room, is partitioned as the user's compile partitions it, no kernels (``partition_pt2_budgets``: the
+  8-layer GPT's ``pt2_budget(0.5)`` is 1.8% over on the blocks, 0.9% under whole, and the fastest plan there);
+* by default (``weigh_on_blocks``) the budget is re-timed side by side on the blocks against the three fastest plans
+  of ours that fit, and kept only if it runs more than ``1 + whole_compile_margin`` times their speed (0.08: the
+  largest shift measured); it compiles nothing of the user's model (3.8 s and 5.7 s at 8 and 32 layers);
+* with ``check_whole_compile=True`` both are compiled the user's way and the faster that fits is kept: exact, at
+  3.8x and 4.4x the user's first compile (``compiled_exhaustive.py --check-whole-compile``), hence not the default.
 
-The memory a budget saves differs the same way, and it decides whether the budget may be chosen at all: the 8-layer
-GPT's ``pt2_budget(0.5)`` saves 17,502,724 bytes on the blocks, 1.8% over the budget, and 17,039,360 compiled whole,
-0.9% under it (the fastest plan compiled whole). So before anything is weighed (``partition_pt2_budgets``), a budget
-over budget on the blocks by no more than the code outside them saves (the largest first), and the budget chosen
-unless it has room on the blocks for all that code saves, are partitioned as the user's compile partitions them:
-inductor's decompositions, joint-graph passes and partitioner, no kernels generated
-(``CompiledTrials.measure_partitioned``). That saves inductor's bytes to the byte
-(the 8- and 32-layer GPT, budgets 0.3 and 0.5) for 4-13 s where inductor's compile takes 29-63 s. The budget weighed
-is the first that fits so; none fitting, the plans of ours are weighed without it.
-
-With ``TuneConfig(check_whole_compile=True)`` the two are instead each compiled the user's way and measured (time,
-and the memory the compiled step saves, which a whole graph's knapsack also changes), re-timed side by side the same
-way with a threshold of 1, and the faster one that fits is kept. It costs two compiles of the user's model (and the
-plain model's, which the caches serve, as the reference for graph breaks); the plan kept is compiled again when
-training resumes, from the FX graph and AOTAutograd caches. Measured (``compiled_exhaustive.py
---check-whole-compile``, 2-core CPU): at 8 and 32 layers the check kept the plan of ours (1.12x and 1.07x the
-budget's speed compiled whole), the choice became the fastest compiled whole (1.000x), and the search cost 3.8x and
-4.4x the user's first compile: 26 s and 76 s compiling the budget whole, 18 s and 44 s the plan of ours, and the
-lock-in compile fell to 1.0 s and 3.7 s. Hence not the default.
+Measurements and dates: docs/compile.md, "Is the compiled choice the fastest plan that fits?".
 """
 
 from __future__ import annotations
