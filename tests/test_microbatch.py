@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from faults import assert_model_intact, sigterm_on_call, snapshot_model
+from linear_clock import LinearClock
 from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, baselines, plan_applied
@@ -190,7 +191,7 @@ def test_the_sampler_proposes_the_micro_batch_as_one_more_dimension():
     model, tokens, loss_for = _tiny_gpt()
 
     space = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5", "every:2"], "rest_modes": ["none"]}
-    found = tune_micro_batch(model, loss_for, base_micro_batch=4, global_batch=8, activation_budget=0.8, extra_for=lambda m: (resize_batch(tokens, 4, m),), config=TuneConfig(micro_batches=[2, 4], n_trials=14, search_space=space, measure_steps=1, confirm_top=0))  # fmt: skip
+    found = tune_micro_batch(model, loss_for, base_micro_batch=4, global_batch=8, activation_budget=0.8, extra_for=lambda m: (resize_batch(tokens, 4, m),), config=TuneConfig(micro_batches=[2, 4], n_trials=14, search_space=space, measure_steps=1, confirm_top=0, predict_time=False))  # fmt: skip
     trials = found.result.trials
     assert not found.result.best.metadata["search"]["exhaustive"], "the sampler's path, not the whole space"
     measured = [t for t in trials if t.status != "pruned"]
@@ -200,6 +201,31 @@ def test_the_sampler_proposes_the_micro_batch_as_one_more_dimension():
     assert all(t.params["micro_batch"] in (2, 4) for t in tuned)
     assert all(t.label.endswith(f"[micro-batch {t.micro_batch} x{8 // t.micro_batch}]") for t in trials)
     assert len({(t.plan.key(), t.micro_batch) for t in trials}) == len(trials)
+
+
+def test_the_joint_search_predicts_each_micro_batch_with_its_own_time_model():
+    """The time model measures only the (plan, micro-batch) pairs that can still win per sample, each predicted by its
+    micro-batch's model (two profiles' block timings, affine in the micro-batch, fitted to that micro-batch's steps),
+    and chooses what measuring every pair chooses. On the Linear clock a step's time is its Linear calls, whatever the
+    micro-batch: the predictions are exact, and a larger micro-batch is faster per sample."""
+    model, tokens, loss_for = _tiny_gpt()
+    space = {"modes": ["full", "selective:mlp"], "selections": ["all", "first:0.5", "every:2"], "rest_modes": ["none"]}
+    common = dict(base_micro_batch=4, global_batch=8, activation_budget=0.8, extra_for=lambda m: (resize_batch(tokens, 4, m),))  # fmt: skip
+    clock = LinearClock()
+    settings = dict(
+        micro_batches=[2, 4], search_space=space, measure_steps=1, warmup_steps=0, confirm_top=0, clock=clock
+    )
+    with clock.installed():
+        found = tune_micro_batch(model, loss_for, config=TuneConfig(n_trials=14, **settings), **common)
+        everything = tune_micro_batch(model, loss_for, config=TuneConfig(n_trials=99, predict_time=False, **settings), **common)  # fmt: skip
+    trials = found.result.trials
+    summary = found.result.best.metadata["search"]["time_model"]
+    assert set(summary["calibration_by_micro_batch"]) == {"2", "4"}
+    predicted = [t for t in trials if t.status == "ok" and t.predicted_seconds is not None]
+    assert predicted and all(t.predicted_seconds == pytest.approx(t.median_seconds) for t in predicted)
+    assert any(t.pruned_by == "time" for t in trials), "pairs that cannot win are not measured"
+    assert len([t for t in trials if t.status == "ok"]) < len([t for t in everything.result.trials if t.status == "ok"])
+    assert (found.result.best.key(), found.micro_batch) == (everything.result.best.key(), everything.micro_batch)
 
 
 @pytest.mark.skipif(os.name == "nt", reason="SIGTERM")

@@ -89,3 +89,14 @@ def test_a_holdout_verdict_needs_only_the_direction_and_says_which_rounds_it_com
         chosen_after=6,
     )
     assert slower.ratio < 1 and not slower.wins and slower.outcome == "baseline" and "fresh rounds" in slower.explain()
+
+
+def test_an_interval_wider_than_the_files_range_is_written_at_its_bound_and_the_file_reads_back(tmp_path):
+    """Two rounds far apart: a t interval with one degree of freedom passes 10**6, which the plan file refused."""
+    from lightning_ckpt import Plan
+
+    wide = Verdict("baseline:full", "full h.0", 3.0, 0.5, 2.2e6, 2, 1.01, 0.9)
+    data = wide.to_dict()
+    assert data["high"] == 1e6 and data["low"] == 0.5 and data["ratio"] == 3.0
+    path = Plan(metadata={"search": {"verdict": data}}).save(tmp_path / "plan.json")
+    assert Verdict.recorded(Plan.load(path).provenance.search).high == 1e6

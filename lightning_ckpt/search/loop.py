@@ -82,7 +82,7 @@ def measure(
     progress: ProgressFn | None = None,
 ) -> TrialRecord:
     """Prune or run ``cand`` on every rank, with the time model's prediction, and put its record into the ledger."""
-    predicted = sampler.predict_seconds(cand.plan) if isinstance(sampler, TimeModelSampler) else None
+    predicted = sampler.predict_seconds(cand) if isinstance(sampler, TimeModelSampler) else None
     record = ledger.put(trials.run(cand, prune=prune, predicted_seconds=predicted))
     if progress is not None:
         progress(record, trials.budget)
@@ -178,10 +178,10 @@ class _Proposals:
             asked = self.ledger.ask()
             cand = self._suggested(asked)
             new = cand.key() not in self.ledger and self.trials.offered(cand.plan)
-            if new and (self.timed is None or self.timed.can_win(cand.plan)):
+            if new and (self.timed is None or self.timed.can_win(cand)):
                 return cand, asked, None
             self.ledger.tell(asked, None)
-        unpredictable = [c for c in unseen if self.timed is not None and not self.timed.predictable(c.plan)]
+        unpredictable = [c for c in unseen if self.timed is not None and not self.timed.predictable(c)]
         pool = unpredictable or list(unseen)
         return self._enqueued(pool[self.rng.randrange(len(pool))])
 

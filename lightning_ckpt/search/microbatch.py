@@ -8,7 +8,9 @@ is a divisor of it, and for each micro-batch the best plan is searched as usual.
 Memory is predicted, never discovered by crashing: activations grow linearly with the micro-batch
 while parameters, gradients and optimizer state do not, so two memory-safe profiles (at the user's
 micro-batch and at half of it) give an affine model per plan that prunes every (plan, micro-batch)
-combination predicted over budget before anything runs.
+combination predicted over budget before anything runs. The same two profiles time each block under each mode,
+and a block's seconds are affine in the micro-batch too, so each micro-batch gets a time model, fitted to its own
+measured steps, and the search measures only the (plan, micro-batch) candidates that can still win per sample.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
-from lightning_ckpt.memory.profile import profile_memory
+from lightning_ckpt.memory.profile import profile_step
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.baselines import uniform_plan
 from lightning_ckpt.plan.caches import without_kv_cache
@@ -41,9 +43,10 @@ from lightning_ckpt.search.pipeline import SearchHooks, conclude, run_search
 from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.setup import lowest_memory_pass, resolve_on_device, search_session
 from lightning_ckpt.search.trials import Workload
-from lightning_ckpt.search.tune import PROFILE_STEPS, WRITE_CHECK_STEPS, build_runner
+from lightning_ckpt.search.tune import PROFILE_STEPS, WRITE_CHECK_STEPS, build_runner, space_modes
+from lightning_ckpt.timing.model import BlockTime, TimeModel
 
-__all__ = ["MicroBatchResult", "ScaledMemoryModel", "divisors", "resize_batch", "tune_micro_batch"]
+__all__ = ["MicroBatchResult", "ScaledMemoryModel", "ScaledTimeModel", "divisors", "resize_batch", "tune_micro_batch"]
 
 
 def divisors(n: int) -> list[int]:
@@ -171,12 +174,15 @@ def tune_micro_batch(
             return session.restoring(loss_fn_for(m))
 
         session.check_parameter_writes(step_for(base_micro_batch))
+        space = config.search_space.for_device(resolved.device.type)
+        timed = config.predict_time and config.sampler is None and not (resolved.compiled or config.compiled)
+        time_modes = space_modes(space, resolved) if timed else None
         with session.phases.timing("profile"):
-            scaled, opt_mem = lowest_memory_pass(
+            scaled, times, opt_mem = lowest_memory_pass(
                 "the memory profile",
                 session.began,
                 resolved,
-                lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch),
+                lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch, time_modes),
             )
         none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
         hooks = replace(hooks, sync=hooks.sync or LocalSync())
@@ -185,17 +191,9 @@ def tune_micro_batch(
         workloads, harnesses = _workloads(
             resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
         )
+        timing = {w.micro_batch: times.at(w.micro_batch) for w in workloads} if times is not None else None
         result = _search(
-            resolved,
-            workloads,
-            harnesses[0],
-            scaled,
-            opt_mem,
-            budget,
-            config,
-            base_micro_batch,
-            hooks,
-            session.phases,
+            resolved, workloads, harnesses[0], scaled, opt_mem, budget, config, timing, hooks, session.phases
         )
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = MicroBatch(m, global_batch // m, global_batch, base_micro_batch, config.tie_tolerance)
@@ -255,12 +253,12 @@ def _search(
     opt_mem: OptimizerStepMemory,
     budget: Budget,
     config: TuneConfig,
-    base_micro_batch: int,
+    timing: Mapping[int, TimeModel] | None,
     hooks: SearchHooks,
     phases: Phases,
 ) -> TuneResult:
-    """The one search over every (plan, micro-batch) candidate (``pipeline``), by the sampler: its profiles are
-    memory-only (two micro-batches), so no time model predicts a candidate's step."""
+    """The one search over every (plan, micro-batch) candidate (``pipeline``), by the time model of each micro-batch
+    (``timing``; None: the sampler's draws, as for a compiled model)."""
     is_compiled = isinstance(workloads[0].runner, CompiledTrials)
     space = config.search_space.for_device(resolved.device.type)
     if is_compiled:
@@ -274,8 +272,8 @@ def _search(
         space,
         budget,
         config,
-        timing=None,
-        memory_model=scaled.at(base_micro_batch),
+        timing=timing,
+        memory_model=scaled.at(scaled.size),
         hooks=hooks,
         run=run,
         phases=phases,
@@ -306,22 +304,56 @@ def _scaled_profiles(
     extra_for: Callable[[int], tuple[Any, ...]],
     optimizer: torch.optim.Optimizer | None,
     base_micro_batch: int,
-) -> tuple[ScaledMemoryModel, OptimizerStepMemory]:
-    """Two memory-safe profiles (the user's micro-batch and half of it) as one model scaled to any micro-batch,
-    and the optimizer step's memory, which does not grow with the micro-batch: measured once, shared by all."""
+    time_modes: set[str] | None,
+) -> tuple[ScaledMemoryModel, ScaledTimeModel | None, OptimizerStepMemory]:
+    """Two memory-safe profiles (the user's micro-batch and half of it) as one memory model scaled to any
+    micro-batch (and, with ``time_modes``, one time model likewise), and the optimizer step's memory, which does not
+    grow with the micro-batch: measured once, shared by all."""
     root, stacks = resolved.root, resolved.stacks
     small_size = max(1, base_micro_batch // 2) if base_micro_batch > 1 else 2
-    profile = {
-        size: profile_memory(root, loss_fn_for(size), stacks=stacks, optimizer=optimizer, extra=extra_for(size))
+    profiles = {
+        size: profile_step(
+            root,
+            loss_fn_for(size),
+            stacks=stacks,
+            optimizer=optimizer,
+            extra=extra_for(size),
+            time_blocks=time_modes if time_modes is not None else False,
+        )
         for size in sorted({base_micro_batch, small_size})
     }
+    profile = {size: p.memory for size, p in profiles.items()}
     opt_mem = (
         measure_optimizer_step(root, optimizer, device=resolved.device, extra=extra_for(base_micro_batch))
         if optimizer is not None
         else OptimizerStepMemory.absent()
     )
     lo, hi = min(profile), max(profile)
-    return ScaledMemoryModel(profile[lo], profile[hi], lo, hi, base_micro_batch), opt_mem
+    small_time, large_time = profiles[lo].time, profiles[hi].time
+    times = ScaledTimeModel(small_time, large_time, lo, hi) if small_time is not None and large_time else None
+    return ScaledMemoryModel(profile[lo], profile[hi], lo, hi, base_micro_batch), times, opt_mem
+
+
+@dataclass(frozen=True)
+class ScaledTimeModel:
+    """Each block's seconds under each mode at any micro-batch, affine between two profiles' timings (``small`` <
+    ``large`` samples, clamped at zero): a block's forward and backward grow with its samples, and what a mode adds
+    with them. Each micro-batch's model is calibrated by the search to its own measured steps."""
+
+    small: TimeModel
+    large: TimeModel
+    small_size: int
+    large_size: int
+
+    def at(self, size: int) -> TimeModel:
+        t = (size - self.large_size) / (self.large_size - self.small_size)
+        rows = []
+        for a, b in zip(self.small.blocks, self.large.blocks, strict=True):
+            keys = a.seconds.keys() & b.seconds.keys()
+            seconds = {k: max(0.0, b.seconds[k] + t * (b.seconds[k] - a.seconds[k])) for k in keys}
+            rows.append(BlockTime(b.fqn, seconds, b.shared_with))
+        measured_at = {**self.large.measured_at, "batch_size": size}
+        return TimeModel(tuple(rows), self.large.stacks, measured_at)
 
 
 def _feasible_micro_batches(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -48,70 +48,90 @@ def default_sampler(seed: int, n_trials: int) -> BaseSampler:
 
 
 class TimeModelSampler(BaseSampler):
-    """The time model as an Optuna sampler over the plans ``unseen()`` gives (those the ledger has no record of and
-    that can run), refitted to the ledger's timed plans."""
+    """The time model as an Optuna sampler over the candidates ``unseen()`` gives (those the ledger has no record of
+    and that can run), refitted to the ledger's timed plans.
+
+    ``time_model``: the profile's model, or in the joint micro-batch search one model per micro-batch, each fitted
+    to its own micro-batch's records; candidates of different micro-batches are then compared per sample (a step of
+    ``m`` samples against one of ``m'``), as the search compares their measurements."""
 
     name = "time_model"
 
     def __init__(
         self,
-        time_model: TimeModel,
+        time_model: TimeModel | Mapping[int, TimeModel],
         ledger: Ledger,
         unseen: Callable[[], Sequence[Candidate]],
         *,
         tie_tolerance: float,
         fallback: BaseSampler | None = None,
     ) -> None:
-        self._model, self.ledger, self.unseen = time_model, ledger, unseen
-        self.tie_tolerance = tie_tolerance
+        models = dict(time_model) if isinstance(time_model, Mapping) else {None: time_model}
+        self._models: dict[int | None, TimeModel] = models
+        self.ledger, self.unseen, self.tie_tolerance = ledger, unseen, tie_tolerance
         self.fallback = fallback if fallback is not None else default_sampler(0, 40)
-        self._fitted_to = -1  # the ledger's length when the model was last fitted
+        self._fitted_to = -1  # the ledger's length when the models were last fitted
         self._warned = False  # the margin followed the model's error (``noise_margin``): said once
+
+    def model_for(self, micro_batch: int | None = None) -> TimeModel:
+        """The model of ``micro_batch``'s steps calibrated to every plan the ledger has timed at it (within budget
+        or not: speed does not depend on it), refitted when a plan was added: the search's own figures, not the
+        confirmation's re-timings of them."""
+        if len(self.ledger) != self._fitted_to:
+            records = self.ledger.snapshot()
+            timed = [t for t in records if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds]
+            for m, model in self._models.items():
+                mine = [(t.plan, t.label, _searched_seconds(t)) for t in timed if t.micro_batch == m]
+                self._models[m] = model.calibrated(mine)
+            self._fitted_to = len(records)
+        return self._models[micro_batch]
 
     @property
     def time_model(self) -> TimeModel:
-        """The model calibrated to every plan the ledger has timed (within budget or not: speed does not depend on
-        it), refitted when a plan was added: the search's own figures, not the confirmation's re-timings of them."""
-        if len(self.ledger) != self._fitted_to:
-            records = self.ledger.snapshot()
-            timed = [
-                (t.plan, t.label, _searched_seconds(t))
-                for t in records
-                if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds
-            ]
-            self._model, self._fitted_to = self._model.calibrated(timed), len(records)
-        return self._model
+        """The model of a search of one shape (the joint search's: its first micro-batch's)."""
+        return self.model_for(None if None in self._models else min(self._models))
 
-    def predict_seconds(self, plan: Plan) -> float | None:
-        return self.time_model.predict_seconds(plan)
+    @property
+    def joint(self) -> bool:
+        return None not in self._models
+
+    def predict_seconds(self, cand: Candidate | Plan) -> float | None:
+        """The predicted step seconds of a candidate (a plan: in a search of one shape)."""
+        if isinstance(cand, Plan):
+            return self.model_for(None).predict_seconds(cand)
+        return self.model_for(cand.micro_batch).predict_seconds(cand.plan)
 
     def ranked(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        """``candidates`` the model can rank, predicted-fastest first."""
-        ranked = [(s, i, c) for i, c in enumerate(candidates) if (s := self._rank_seconds(c.plan)) is not None]
+        """``candidates`` the model can rank, predicted-fastest (per sample) first."""
+        ranked = [(s, i, c) for i, c in enumerate(candidates) if (s := self._rank_seconds(c)) is not None]
         return [c for _, _, c in sorted(ranked, key=lambda x: (x[0], x[1]))]
 
     def choice(self, remaining: Sequence[Candidate]) -> Candidate | None:
         """The predicted-fastest of ``remaining``; None while one of them cannot be predicted (the fallback's)."""
-        if not remaining or any(self._rank_seconds(c.plan) is None for c in remaining):
+        if not remaining or any(self._rank_seconds(c) is None for c in remaining):
             return None
         return self.ranked(remaining)[0]
 
-    def predictable(self, plan: Plan) -> bool:
-        return self._rank_seconds(plan) is not None
+    def predictable(self, cand: Candidate) -> bool:
+        return self._rank_seconds(cand) is not None
 
-    def can_win(self, plan: Plan) -> bool:
-        """Whether ``plan`` could beat the best plan measured within budget: it could unless it is predicted slower
-        even after the noise margin is taken off its time."""
-        predicted = self.time_model.predict_seconds(plan)
+    def can_win(self, cand: Candidate) -> bool:
+        """Whether ``cand`` could beat the best plan measured within budget: it could unless it is predicted slower
+        (per sample) even after the noise margin is taken off its time."""
+        predicted = self.predict_seconds(cand)
         best = self.ledger.fastest_fitting()
         if predicted is None or not best or not best[0].median_seconds:
             return True
-        return predicted * (1.0 - self.noise_margin()) < best[0].median_seconds
+        mine, theirs = (
+            _per_sample(predicted, cand.micro_batch),
+            _per_sample(best[0].median_seconds, best[0].micro_batch),
+        )
+        return mine * (1.0 - self.noise_margin()) < theirs
 
     def nothing_left_can_win(self) -> bool:
         """The loop's stopping rule: the predicted-fastest plan left cannot beat the best measured one."""
         choice = self.choice(self.unseen())
-        return choice is not None and not self.can_win(choice.plan)
+        return choice is not None and not self.can_win(choice)
 
     def leaders(self, tuned: Sequence[TrialRecord], top: int) -> list[TrialRecord]:
         """The one predicted fastest first (a plan timed in a slow moment of the machine still gets its
@@ -129,9 +149,11 @@ class TimeModelSampler(BaseSampler):
         """What the time model did: its fit, its measured errors, the margin, and what it pruned."""
         records = self.ledger.snapshot()
         errors = [e for t in records if (e := t.prediction_error) is not None]
-        calibration = self.time_model.calibration
+        calibrations = {m: self.model_for(m).calibration for m in self._models}
+        calibrated = {str(m): c.to_dict() for m, c in calibrations.items() if c is not None}
         return {
-            "calibration": calibration.to_dict() if calibration is not None else None,
+            "calibration": calibrated.get("None") if not self.joint else None,
+            **({"calibration_by_micro_batch": calibrated} if self.joint else {}),
             "noise_margin": self.noise_margin(),
             "predicted_and_measured": len(errors),
             "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
@@ -163,11 +185,14 @@ class TimeModelSampler(BaseSampler):
             )
         return median
 
-    def _rank_seconds(self, plan: Plan) -> float | None:
-        """What orders the plans: the predicted step, or before any anchor what the plan's modes add to one."""
-        model = self.time_model
-        predicted = model.predict_seconds(plan)
-        return predicted if predicted is not None else model.added_seconds(plan)
+    def _rank_seconds(self, cand: Candidate) -> float | None:
+        """What orders the candidates: the predicted step per sample, or before its model's first anchor what the
+        plan's modes add to one (every micro-batch's baselines are measured first, which anchors each model)."""
+        model = self.model_for(cand.micro_batch)
+        predicted = model.predict_seconds(cand.plan)
+        if predicted is None:
+            predicted = model.added_seconds(cand.plan)
+        return _per_sample(predicted, cand.micro_batch) if predicted is not None else None
 
     # -- the Optuna sampler ---------------------------------------------------------------------------
     def infer_relative_search_space(
@@ -219,13 +244,18 @@ def _searched_seconds(t: TrialRecord) -> float | None:
     return t.median_seconds
 
 
+def _per_sample(seconds: float, micro_batch: int | None) -> float:
+    return seconds / micro_batch if micro_batch else seconds
+
+
 def fitted(sampler: BaseSampler) -> TimeModel | None:
-    """The time model as the search fitted it, for re-planning from the plan file (None: no time model)."""
-    return sampler.time_model if isinstance(sampler, TimeModelSampler) else None
+    """The time model as the search of one shape fitted it, for re-planning from the plan file (None: no time model,
+    or the joint micro-batch search's, which the plan file does not keep)."""
+    return sampler.time_model if isinstance(sampler, TimeModelSampler) and not sampler.joint else None
 
 
 def sampler_for(
-    timing: TimeModel | None,
+    timing: TimeModel | Mapping[int, TimeModel] | None,
     ledger: Ledger,
     unseen: Callable[[], Sequence[Candidate]],
     config: Any,

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["CONFIDENCE", "Verdict", "paired_interval", "t_quantile"]
+__all__ = ["CONFIDENCE", "RATIO_BOUND", "Verdict", "paired_interval", "t_quantile"]
 
 # The interval's coverage: a tuned plan is chosen when it is faster than the baseline with this confidence.
 CONFIDENCE = 0.90
@@ -43,6 +43,10 @@ _T95 = (
 _Z95 = 1.645
 
 Outcome = Literal["tuned", "baseline", "undecided"]
+
+
+# The largest speed ratio a plan file holds (``plan_schema.json``'s verdict ratios).
+RATIO_BOUND = 1e6
 
 
 def t_quantile(df: int) -> float:
@@ -168,7 +172,14 @@ class Verdict:
         return f"the machine could not separate them ({pct} interval)"
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "outcome": self.outcome}
+        """The verdict as the plan file keeps it. A bound past the file's range of speed ratios (``RATIO_BOUND``) is
+        written at it: two rounds give a t interval with one degree of freedom, whose upper bound can pass 10**6
+        (2.2e6 was written once, and the file was then refused on reading)."""
+        data = {**asdict(self), "outcome": self.outcome}
+        for key in ("ratio", "low", "high"):
+            if data[key] is not None:
+                data[key] = min(max(float(data[key]), 0.0), RATIO_BOUND)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
