@@ -238,13 +238,15 @@ class OffloadPool:
         if not todo:
             return
         streams = self._stream_pair(todo[0].device)
+        if streams is not None:  # the host copies must be complete before they are read back (the copy stream's)
+            (streams[1] if ahead else torch.cuda.current_stream(todo[0].device)).wait_stream(streams[0])
         if streams is None or not ahead:  # on the current stream (synchronous without streams), in backward's order
             for p in todo:
                 p.fetched = p.to_device()
             self.prefetched += len(todo) if ahead else 0
             return
         fetch_stream = streams[1]
-        fetch_stream.wait_stream(torch.cuda.current_stream(todo[0].device))
+        fetch_stream.wait_stream(torch.cuda.current_stream(todo[0].device))  # ahead: issued after backward reached it
         with torch.cuda.stream(fetch_stream):
             for p in todo:
                 p.fetched = p.to_device()
