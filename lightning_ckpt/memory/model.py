@@ -33,6 +33,9 @@ from lightning_ckpt.stacks import LayerStack
 
 __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction"]
 
+# What an offloading mode would keep on the card without the pool: its bytes moved are that less what it keeps.
+_KEPT_ON_CARD = {"offload": "none", "offload_input": "full"}
+
 
 @dataclass(frozen=True)
 class ModeProfile:
@@ -77,6 +80,14 @@ class BlockMemory:
     shared_with: str | None = None
     profiles: Mapping[str, ModeProfile] = field(default_factory=dict, repr=False)
     failed: Mapping[str, str] = field(default_factory=dict, repr=False)  # mode key -> why it could not run
+
+    def offloaded_bytes(self, key: str) -> int:
+        """Under offloading mode ``key``: the bytes its saved tensors put in host memory (what it would keep on the
+        card without the pool, less what it keeps); 0 under any other mode, or where nothing moves (a CPU model)."""
+        kept = _KEPT_ON_CARD.get(key)
+        if kept not in self.saved_bytes or key not in self.saved_bytes:
+            return 0
+        return max(0, self.saved_bytes[kept] - self.saved_bytes[key])
 
 
 @dataclass(frozen=True)
@@ -375,21 +386,21 @@ class MemoryModel:
     def _prefetch_deltas(self, st: _PlanState, keys: Sequence[str]) -> None:
         """Offloaded blocks come back one ahead of backward (``plan.offload``): from the first backward use of an
         offloaded block's tensors until the previous offloaded block's own backward, that block's offloaded bytes
-        (what ``none`` saves beyond what ``offload`` keeps) are on the device again, beside what the block-alone
-        profile saw."""
+        are on the device again, beside what the block-alone profile saw."""
         previous = None
         for i, key in enumerate(keys):
-            if key != "offload" or self.blocks[i].profiles.get("full") is None:
+            if not key.startswith("offload") or self.blocks[i].profiles.get("full") is None:
                 continue
             if previous is not None:
-                j = previous
-                back = (
-                    self._profile(self.blocks[j], "none").keep_bytes
-                    - self._profile(self.blocks[j], "offload").keep_bytes
-                )
-                for k in range(j + 1, i + 1):
-                    st.prefetch[k] += max(0, back)
+                for k in range(previous + 1, i + 1):
+                    st.prefetch[k] += st.moved[previous]
+            st.moved[i] = self.blocks[i].offloaded_bytes(key)
             previous = i
+
+    def host_bytes(self, plan: Plan) -> int:
+        """The host memory ``plan``'s offloaded blocks hold at once (the pool's peak): what each offloaded block keeps
+        beside it on the card without offload (``none``'s saved tensors, or ``full``'s input), over all blocks."""
+        return sum(self._resolve(plan).moved)
 
     def _mode_keys_of(self, plan: Plan, rows_of: Mapping[str, list[int]], index: Mapping[str, int]) -> list[str]:
         """Each row's mode key under ``plan``'s per-block modes (``none`` where it names none)."""
@@ -528,6 +539,7 @@ class _PlanState:
         self.bw_act_delta = [0] * n
         self.recompute_delta = [0] * n  # held once its chunk was recomputed (none-mode), vs full
         self.prefetch = [0] * n  # during its backward: an earlier offloaded block's tensors, fetched ahead
+        self.moved = [0] * n  # offloaded: the bytes its saved tensors put in host memory
         self.chunk_of = chunk_of
 
     @property

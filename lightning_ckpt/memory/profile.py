@@ -8,7 +8,7 @@ How the profile is built, and why it never needs the no-checkpointing peak:
 2. **Anchor** (``memory.anchor``): one forward+backward with every block fully checkpointed, its live bytes'
    maximum recorded per phase of the step.
 3. **Per-block profiles**: each representative block runs alone (forward+backward, its captured
-   inputs) under every mode (``none``, ``full``, ``offload``, each op save-list, selective children)
+   inputs) under every mode (``none``, ``full``, ``offload(_input)``, each op save-list, selective children)
    via ``apply_plan`` on that one FQN, under the tracker. Per mode we keep what the block holds after
    its forward (its saved activations), its forward peak and its backward peak, relative to the same
    starting level. Constant offsets (the input, the incoming gradient) cancel in the differences.
@@ -491,7 +491,7 @@ def _profile_blocks(
     failed: dict[str, dict[str, str]] = {}
     in_bytes: dict[str, int] = {}
     for fqn, cap in reps.items():
-        keys = ["none", "full", "offload", *(f"ops:{name}" for name in SAVE_LISTS)]
+        keys = ["none", "full", "offload", "offload_input", *(f"ops:{name}" for name in SAVE_LISTS)]
         keys += ["selective:" + ",".join(c) for c in sets.get(cap.fqn, [])]
         profiles[fqn], failed[fqn] = {}, {}
         for key in keys:

@@ -95,6 +95,7 @@ class OffloadPool:
         # Per block call of this step, in forward order; weak, so that autograd alone decides when one is dropped.
         self._groups: dict[int, list[weakref.ref[_Packed]]] = {}
         self._next_group = 0
+        self._reached: set[int] = set()  # groups backward reached (and fetched the one before ahead of)
         self._last: tuple[weakref.ref[torch.Tensor], _Packed] | None = None  # one tensor saved twice is copied once
         self._streams: tuple[Any, Any] | None = None
         self._in_use = 0
@@ -150,6 +151,7 @@ class OffloadPool:
 
     def _rewind(self) -> None:
         self._at = (0, 0)
+        self._reached.clear()
         self._in_use = 0
 
     # -- host memory ------------------------------------------------------------------------------------------------
@@ -222,7 +224,9 @@ class OffloadPool:
             return packed
         if packed.fetched is None:
             self._fetch(packed.group, ahead=False)
-            self._fetch(packed.group - 1, ahead=True)  # the block backward reaches next
+        if packed.group not in self._reached:  # the block backward reaches next, once per group: also when this
+            self._reached.add(packed.group)  # group came ahead (only every other block was fetched ahead before)
+            self._fetch(packed.group - 1, ahead=True)
         if packed.fetched is None:  # a second unpack (retain_graph), or its group forgotten: this one alone
             packed.fetched = packed.to_device()
         out = packed.fetched
