@@ -66,7 +66,9 @@ def time_block_modes(
     forwards: list[float] = []  # ``none``'s forward alone: the window an offloaded block's copies hide behind
 
     def once(key: str, r: int) -> float:
-        return _time_once(root, cap, where, modes[key], device, cap.module, forwards=forwards if key == "none" else None)
+        return _time_once(
+            root, cap, where, modes[key], device, cap.module, forwards=forwards if key == "none" else None
+        )
 
     try:
         seconds = _interleaved(modes, rounds + 1, once, timed_from=1)

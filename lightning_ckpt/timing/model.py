@@ -136,7 +136,7 @@ class TimeModel:
             if i in moved:
                 copied = max(copied, clock) + moved[i] / link["to_host"]
         fetching, ready, exposed = copied, {}, 0.0
-        before = dict(zip(offloaded[1:], offloaded[:-1]))
+        before = dict(zip(offloaded[1:], offloaded[:-1], strict=True))
         for i in reversed(range(len(self.blocks))):
             if i in moved:
                 back = ready.pop(i, max(clock, copied) + moved[i] / link["to_device"])
@@ -223,7 +223,9 @@ class TimeModel:
         blocks = []
         for r in data["blocks"]:
             source = r.get("shared_with") if "seconds" not in r else r["fqn"]
-            blocks.append(BlockTime(r["fqn"], timed.get(source, {}), r.get("shared_with"), r.get("offloaded_bytes", {})))
+            blocks.append(
+                BlockTime(r["fqn"], timed.get(source, {}), r.get("shared_with"), r.get("offloaded_bytes", {}))
+            )
         calibration = data.get("calibration")
         return cls(
             blocks=tuple(blocks),
