@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from lightning_ckpt.budget import parse_bytes
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.search.space import SearchSpace
 
@@ -104,6 +105,9 @@ class TuneConfig:
     Rounds that go on "until settled" on a noisy machine otherwise run to ``confirm_max_rounds``. None: no allowance.
     compiled: whether every trial compiles its plan (None: detected from the model).
     micro_batches: the sizes the joint micro-batch search tries (None: every divisor of the global batch).
+    max_host_memory: the host memory the offloading modes' pool may pin (bytes or e.g. ``"64GiB"``): a plan whose
+    offloaded bytes exceed it is pruned as over budget. None: half of what the machine has free when the search
+    starts (pinned pages cannot be swapped out: pinning most of them starves the data loader and the system).
     clock: what every trial, re-timing and confirmation round times its steps with (``time.perf_counter``); a test
     that gives the search a machine which slows down part-way passes a clock that runs faster instead of sleeping.
     """
@@ -139,6 +143,7 @@ class TuneConfig:
     compiled: bool | None = None
     micro_batches: tuple[int, ...] | None = None
     clock: Callable[[], float] = time.perf_counter
+    max_host_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.clock):
@@ -148,6 +153,8 @@ class TuneConfig:
         for name in ("search_when_none_fits", "predict_time", "count_flops", "enforce_budget"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be True or False, but got {getattr(self, name)!r}.")
+        if self.max_host_memory is not None:
+            object.__setattr__(self, "max_host_memory", parse_bytes(self.max_host_memory, what="max_host_memory"))
         if self.memory_pass not in ("finalists", "every"):
             raise ConfigurationError(f"memory_pass must be 'finalists' or 'every', but got {self.memory_pass!r}.")
         object.__setattr__(self, "search_space", SearchSpace.from_config(self.search_space))

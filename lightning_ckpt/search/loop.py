@@ -2,10 +2,11 @@
 
 Ranks move in lockstep: rank 0 proposes (``_Proposals``), every rank measures, records are combined identically
 (``Trials.run``). The order is the same whatever the sampler: the plans a resumed study stored, then, with the time
-model, every plan predicted over budget (pruned, free); then every baseline that can run (the references a tuned
-plan must beat, measured whatever ``n_trials``); then every plan when the space is no larger than ``n_trials``, else
-the sampler's proposals until ``n_trials`` plans ran, ``timeout`` passed, or the time model's
-``nothing_left_can_win`` holds (the rest are pruned, each with its prediction).
+model, every plan predicted over budget (or over ``max_host_memory``) and every offload plan predicted to wait
+longer for its transfer than it saves in recompute (``TimeModelSampler.offload_loses``; pruned, free); then every
+baseline that can run (the references a tuned plan must beat, measured whatever ``n_trials``); then every plan when
+the space is no larger than ``n_trials``, else the sampler's proposals until ``n_trials`` plans ran, ``timeout``
+passed, or the time model's ``nothing_left_can_win`` holds (the rest are pruned, each with its prediction).
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ class _Proposals:
             over = [c for c in unseen if self.trials.predicted_over_budget(c.plan, c.micro_batch)]
             if over:
                 return self._enqueued(over[0], "memory")
+            losing = next((c for c in unseen if self.timed.offload_loses(c.plan)), None)
+            if losing is not None:
+                return self._enqueued(losing, "time")
         if self.baselines is None:
             order = self.timed.ranked(unseen) if self.timed is not None else self.candidates
             self.baselines = [c for c in order if c.baseline is not None]

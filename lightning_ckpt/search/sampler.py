@@ -108,6 +108,14 @@ class TimeModelSampler(BaseSampler):
             return True
         return predicted * (1.0 - self.noise_margin()) < best[0].median_seconds
 
+    def offload_loses(self, plan: Plan) -> bool:
+        """Whether ``plan`` offloads at a loss: the transfer backward is predicted to wait for exceeds the recompute
+        checkpointing its offloaded blocks would cost instead (``TimeModel.transfer``) by more than the noise margin
+        of its step, so a plan that recomputes does better with the same memory."""
+        moves, predicted = self.time_model.transfer(plan), self.time_model.predict_seconds(plan)
+        slack = self.noise_margin() * (predicted or 0.0)
+        return moves is not None and moves.exposed_seconds - moves.recompute_seconds > slack
+
     def nothing_left_can_win(self) -> bool:
         """The loop's stopping rule: the predicted-fastest plan left cannot beat the best measured one."""
         choice = self.choice(self.unseen())

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_ckpt.budget import Budget
+from lightning_ckpt.budget import Budget, host_pool_limit
 from lightning_ckpt.errors import LightningCkptError
 from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.memory.optimizer_step import RealStepMemory
@@ -94,6 +94,7 @@ class Trials:
         # segments over them are offered no more (see runners._with_deviations).
         self.unchained: set[str] = set()
         self.started = time.perf_counter()
+        self.host_limit = host_pool_limit(config.max_host_memory)  # what offloaded blocks may pin
 
     def workload(self, micro_batch: int | None) -> Workload:
         return self.workloads[micro_batch]
@@ -115,7 +116,15 @@ class Trials:
         return w.memory.predict(plan) if w.memory is not None and w.predicts_memory else None
 
     def predicted_over_budget(self, plan: Plan, micro_batch: int | None = None) -> bool:
-        predicted = self.predicted(plan, micro_batch)
+        """Over the budget on the card, or over ``max_host_memory`` in the host memory its offloaded blocks pin."""
+        predicted, memory = self.predicted(plan, micro_batch), self.workload(micro_batch).memory
+        host = (
+            getattr(memory, "host_bytes", None)
+            if any(b.mode.startswith("offload") for b in plan.blocks.values())
+            else None
+        )
+        if host is not None and self.host_limit is not None and host(plan) > self.host_limit:
+            return True
         return predicted is not None and not self.budget.fits(*predicted)
 
     def offered(self, plan: Plan) -> bool:
