@@ -29,6 +29,7 @@ from lightning_ckpt.errors import PlanError
 from lightning_ckpt.formatting import table
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import TABLE_KEY, PlanTable
+from lightning_ckpt.report.text import offload_phrase
 from lightning_ckpt.search.ledger import TrialStatus
 from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY
 from lightning_ckpt.search.verdict import Verdict
@@ -360,6 +361,8 @@ def _evidence_lines(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[
     lines.append("  (*) the winner; speed-up: the winner's samples/s over that plan's")
     if isinstance(measured.get("recompute_overhead"), (int, float)):
         lines.append(f"  the winner's recompute costs {measured['recompute_overhead']:+.1%} FLOPs per step")
+    if isinstance(measured.get("offload"), Mapping):
+        lines.append(f"  the winner {offload_phrase(measured['offload'])}")
     return lines
 
 

@@ -44,6 +44,9 @@ from lightning_ckpt.report.tags import (
     TAG_CONFLICTS,
     TAG_GRAPH_BREAKS,
     TAG_MEMORY_BREAKDOWN,
+    TAG_OFFLOAD_EXPOSED_MEASURED_MS,
+    TAG_OFFLOAD_EXPOSED_PREDICTED_MS,
+    TAG_OFFLOAD_POOL_MIB,
     TAG_PARETO,
     TAG_PEAK_MIB,
     TAG_PLAN,
@@ -73,7 +76,7 @@ from lightning_ckpt.report.text import (
     verdict_of,
 )
 from lightning_ckpt.search.ledger import TrialRecord, vs_reference
-from lightning_ckpt.search.result import TuneResult
+from lightning_ckpt.search.result import TuneResult, offload_figures
 
 __all__ = [
     "best_so_far",
@@ -207,6 +210,13 @@ def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
         TAG_PREDICTED_STEP_MS: None if trial.predicted_seconds is None else 1000 * trial.predicted_seconds,
         TAG_TIME_PREDICTION_ERROR: trial.prediction_error,
     }
+    offload = offload_figures(trial) or {}
+    for tag, key, scale in (
+        (TAG_OFFLOAD_POOL_MIB, "host_pool_bytes", 1 / MIB),
+        (TAG_OFFLOAD_EXPOSED_PREDICTED_MS, "exposed_predicted_seconds", 1000),
+        (TAG_OFFLOAD_EXPOSED_MEASURED_MS, "exposed_measured_seconds", 1000),
+    ):
+        scalars[tag] = None if offload.get(key) is None else scale * offload[key]
     stats = compile_stats(trial)
     if stats is not None:
         scalars.update(

@@ -24,13 +24,14 @@ from lightning_ckpt.report.quantities import (
 )
 from lightning_ckpt.search.choice import CHOICE_RULE
 from lightning_ckpt.search.ledger import TrialRecord, vs_reference
-from lightning_ckpt.search.result import TuneResult
+from lightning_ckpt.search.result import TuneResult, offload_figures
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
     "NOISY_SPREAD",
     "conflicts_markdown",
     "memory_markdown",
+    "offload_phrase",
     "plan_markdown",
     "pruned_counts",
     "result_line",
@@ -102,6 +103,19 @@ def time_model_line(result: TuneResult) -> str | None:
     )
 
 
+def offload_phrase(figures: Mapping[str, Any]) -> str:
+    """``offload_figures`` in words: what the offloaded blocks held in host memory, and the transfer they exposed."""
+    exposed = [
+        f"{_fmt_ms(figures.get(k))} {w}"
+        for k, w in (("exposed_predicted_seconds", "predicted"), ("exposed_measured_seconds", "measured"))
+        if figures.get(k) is not None
+    ]
+    return (
+        f"offloads {format_bytes(figures.get('offloaded_bytes'))} to a {format_bytes(figures.get('host_pool_bytes'))} "
+        f"pinned host pool, exposed transfer {', '.join(exposed) or 'not predicted'}"
+    )
+
+
 def trial_line(trial: TrialRecord, budget: Budget) -> str:
     """One line per finished trial, so a user watching the log sees what each candidate cost.
 
@@ -127,6 +141,9 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
             )
         memory.append(f"peak {format_bytes(trial.peak_bytes)} (pred {format_bytes(trial.predicted_peak_bytes)})")
     parts.append(", ".join(memory))
+    offload = offload_figures(trial)
+    if offload is not None:
+        parts.append(offload_phrase(offload))
     stats = compile_stats(trial)
     if stats is not None:
         parts.append(f"compile {stats.get('compile_seconds', 0.0):.1f} s, {stats.get('graph_breaks', 0)} graph breaks")
@@ -212,6 +229,9 @@ def result_line(result: TuneResult) -> str:
         used = constrained_bytes(winner, budget)
         limit = f" of {format_bytes(budget.limit_bytes)}" if budget.limit_bytes is not None else ""
         parts.append(f"{_fmt_rate(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
+        offload = offload_figures(winner)
+        if offload is not None:
+            parts.append(offload_phrase(offload))
         base = best_feasible_baseline(result)
         verdict = verdict_of(result)
         if (result.best.metadata.get("search") or {}).get("none_fits"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from optuna.samplers import BaseSampler
@@ -83,8 +84,13 @@ def measure(
     progress: ProgressFn | None = None,
 ) -> TrialRecord:
     """Prune or run ``cand`` on every rank, with the time model's prediction, and put its record into the ledger."""
-    predicted = sampler.predict_seconds(cand.plan) if isinstance(sampler, TimeModelSampler) else None
-    record = ledger.put(trials.run(cand, prune=prune, predicted_seconds=predicted))
+    timed = sampler if isinstance(sampler, TimeModelSampler) else None
+    predicted = timed.predict_seconds(cand.plan) if timed is not None else None
+    moves = timed.time_model.transfer(cand.plan) if timed is not None else None
+    record = trials.run(cand, prune=prune, predicted_seconds=predicted)
+    if moves is not None:  # what ``offload_figures`` reports beside the transfer measured
+        record = replace(record, extra={**record.extra, "offload_exposed_seconds": moves.exposed_seconds})
+    record = ledger.put(record)
     if progress is not None:
         progress(record, trials.budget)
     return record
