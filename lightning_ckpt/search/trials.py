@@ -118,12 +118,13 @@ class Trials:
     def predicted_over_budget(self, plan: Plan, micro_batch: int | None = None) -> bool:
         """Over the budget on the card, or over ``max_host_memory`` in the host memory its offloaded blocks pin."""
         predicted, memory = self.predicted(plan, micro_batch), self.workload(micro_batch).memory
-        host = (
-            getattr(memory, "host_bytes", None)
-            if any(b.mode.startswith("offload") for b in plan.blocks.values())
-            else None
-        )
-        if host is not None and self.host_limit is not None and host(plan) > self.host_limit:
+        offloads = any(b.mode.startswith("offload") for b in plan.blocks.values())
+        if (
+            offloads
+            and memory is not None
+            and self.host_limit is not None
+            and memory.host_bytes(plan) > self.host_limit
+        ):
             return True
         return predicted is not None and not self.budget.fits(*predicted)
 
