@@ -111,9 +111,11 @@ class TimeModelSampler(BaseSampler):
     def offload_loses(self, plan: Plan) -> bool:
         """Whether ``plan`` offloads at a loss: the transfer backward is predicted to wait for exceeds the recompute
         checkpointing its offloaded blocks would cost instead (``TimeModel.transfer``) by more than the noise margin
-        of its step, so a plan that recomputes does better with the same memory."""
-        moves, predicted = self.time_model.transfer(plan), self.time_model.predict_seconds(plan)
-        slack = self.noise_margin() * (predicted or 0.0)
+        of its step (before any plan was timed: of its blocks' own forward and backward), so a plan that recomputes
+        does better with the same memory."""
+        model = self.time_model
+        moves, predicted = model.transfer(plan), model.predict_seconds(plan)
+        slack = self.noise_margin() * (predicted if predicted is not None else model.plain_block_seconds())
         return moves is not None and moves.exposed_seconds - moves.recompute_seconds > slack
 
     def nothing_left_can_win(self) -> bool:
