@@ -20,16 +20,7 @@ if TYPE_CHECKING:
 
     from lightning_ckpt.plan.format import Plan
 
-__all__ = [
-    "Budget",
-    "RequestedBudget",
-    "device_type",
-    "host_memory",
-    "host_pool_limit",
-    "parse_bytes",
-    "resolve_budget",
-    "within_host",
-]
+__all__ = ["Budget", "RequestedBudget", "device_type", "host_memory", "parse_bytes", "resolve_budget", "within_host"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -348,23 +339,6 @@ def host_memory() -> tuple[int, str] | None:
             total = (int(text), f"this container's memory limit ({path})")
         break
     return total
-
-
-def host_pool_limit(max_host_memory: int | None) -> int | None:
-    """The host memory the offloading modes' pool may pin: ``max_host_memory``, or half of what this machine has free
-    now (``/proc/meminfo``'s MemAvailable, else its free pages), within ``host_memory``; pinned pages cannot be swapped
-    out, so pinning most of them starves the data loader's workers and the system. None where nothing can be read."""
-    if max_host_memory is not None:
-        return max_host_memory
-    free: int | None = None
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        lines = Path("/proc/meminfo").read_text().splitlines()
-        free = 1024 * next(int(line.split()[1]) for line in lines if line.startswith("MemAvailable:"))
-    if free is None:
-        with contextlib.suppress(AttributeError, ValueError, OSError):
-            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    host = host_memory()
-    return None if free is None else min(free, host[0] if host is not None else free) // 2
 
 
 def within_host(budget: Budget) -> tuple[Budget, str | None]:

@@ -932,7 +932,7 @@ def test_the_search_mixes_offload_in_and_prunes_offload_whose_transfer_costs_mor
 
 
 def test_max_host_memory_prunes_plans_whose_pool_would_pin_more():
-    from lightning_ckpt.budget import host_memory, host_pool_limit
+    from lightning_ckpt.budget import host_memory
 
     s, _ = _offload_study(1e10, max_host_memory="250B")
     assert s.trials.config.max_host_memory == 250
@@ -940,7 +940,9 @@ def test_max_host_memory_prunes_plans_whose_pool_would_pin_more():
     over = {t.plan.key() for t in s.records if HostMemory().host_bytes(t.plan) > 250}
     assert over and all(s.by_key[k].pruned_by == "memory" for k in over), "pruned as over budget, never run"
     assert HostMemory().host_bytes(s.result(extra_steps=0).best) <= 250
-    free = host_pool_limit(None)  # the default: half of what the machine has free
-    assert free is not None and 0 < free <= host_memory()[0] // 2 and host_pool_limit(123) == 123
+    free = TuneConfig().host_limit()  # the default: half of what the machine has free
+    assert (
+        free is not None and 0 < free <= host_memory()[0] // 2 and TuneConfig(max_host_memory=123).host_limit() == 123
+    )
     with pytest.raises(ConfigurationError, match="max_host_memory"):
         TuneConfig(max_host_memory="lots")

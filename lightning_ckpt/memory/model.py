@@ -35,6 +35,7 @@ __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction
 
 # What an offloading mode would keep on the card without the pool: its bytes moved are that less what it keeps.
 _KEPT_ON_CARD = {"offload": "none", "offload_input": "full"}
+_STRUCTURED = ("blocks", "stacks", "phases")  # MemoryModel's fields ``to_dict`` writes apart
 
 
 @dataclass(frozen=True)
@@ -278,23 +279,9 @@ class MemoryModel:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (``from_dict`` reads it back)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _STRUCTURED}
         return {
-            "fixed_bytes": self.fixed_bytes,
-            "other_activation_bytes": self.other_activation_bytes,
-            "resting_bytes": self.resting_bytes,
-            "parameter_bytes": self.parameter_bytes,
-            "gradient_bytes": self.gradient_bytes,
-            "optimizer_state_bytes": self.optimizer_state_bytes,
-            "buffer_bytes": self.buffer_bytes,
-            "device": self.device,
-            "device_overhead_bytes": self.device_overhead_bytes,
-            "anchor_peak_bytes": self.anchor_peak_bytes,
-            "anchor_activation_bytes": self.anchor_activation_bytes,
-            "fingerprint": self.fingerprint,
-            "idle_blocks": list(self.idle_blocks),
-            "unchained_stacks": list(self.unchained_stacks),
-            "reserve_overhead_bytes": self.reserve_overhead_bytes,
-            "inert_blocks": list(self.inert_blocks),
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in data.items()},
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
@@ -313,6 +300,7 @@ class MemoryModel:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
+        """The model ``to_dict`` wrote; fields a file from an older version lacks take their defaults."""
         blocks = tuple(
             BlockMemory(
                 fqn=b["fqn"],
@@ -325,27 +313,10 @@ class MemoryModel:
             )
             for b in data["blocks"]
         )
-        return cls(
-            fixed_bytes=data["fixed_bytes"],
-            other_activation_bytes=data["other_activation_bytes"],
-            blocks=blocks,
-            stacks={k: tuple(v) for k, v in data["stacks"].items()},
-            phases=tuple(PhasePeak(*p) for p in data["phases"]),
-            resting_bytes=data["resting_bytes"],
-            parameter_bytes=data["parameter_bytes"],
-            gradient_bytes=data["gradient_bytes"],
-            optimizer_state_bytes=data["optimizer_state_bytes"],
-            buffer_bytes=data["buffer_bytes"],
-            device=data["device"],
-            device_overhead_bytes=data.get("device_overhead_bytes", 0),
-            anchor_peak_bytes=data.get("anchor_peak_bytes", 0),
-            anchor_activation_bytes=data.get("anchor_activation_bytes", 0),
-            fingerprint=data.get("fingerprint"),
-            idle_blocks=tuple(data.get("idle_blocks", ())),
-            unchained_stacks=tuple(data.get("unchained_stacks", ())),
-            reserve_overhead_bytes=data.get("reserve_overhead_bytes", 0),
-            inert_blocks=tuple(data.get("inert_blocks", ())),
-        )
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _STRUCTURED and f.name in data}
+        values = {k: tuple(data[k]) if f.type.startswith("tuple") else data[k] for k, f in fields.items()}
+        stacks = {k: tuple(v) for k, v in data["stacks"].items()}
+        return cls(**values, blocks=blocks, stacks=stacks, phases=tuple(PhasePeak(*p) for p in data["phases"]))
 
     # -- internals ------------------------------------------------------------------------------------
     def _mode_keys(self) -> list[str]:
@@ -515,14 +486,7 @@ class MemoryModel:
         # add up. Peaks are approximated the same way (exact combinations: profile_memory(selective_sets=)).
         none = self._profile(block, "none")
         parts = [self._profile(block, f"selective:{c}") for c in key.partition(":")[2].split(",")]
-        fields = (
-            "keep_bytes",
-            "keep_with_input_bytes",
-            "forward_peak_bytes",
-            "backward_peak_bytes",
-            "backward_peak_activation_bytes",
-            "autocast_cache_bytes",
-        )
+        fields = [f.name for f in dataclasses.fields(ModeProfile) if f.name != "output_bytes"]
         values = {f: getattr(none, f) + sum(getattr(p, f) - getattr(none, f) for p in parts) for f in fields}
         return ModeProfile(**values, output_bytes=none.output_bytes)
 

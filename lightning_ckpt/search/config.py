@@ -6,13 +6,16 @@ one place so a bad value fails at construction, naming the setting and a valid e
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
-from lightning_ckpt.budget import parse_bytes
+from lightning_ckpt.budget import host_memory, parse_bytes
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.search.space import SearchSpace
 
@@ -200,6 +203,20 @@ class TuneConfig:
                 raise ConfigurationError(
                     f"{name} must be a string, e.g. {example}, but got {type(value).__name__} {value!r}."
                 )
+
+    def host_limit(self) -> int | None:
+        """``max_host_memory``, or half of what the machine has free now (``/proc/meminfo``'s MemAvailable, else its
+        free pages) within ``host_memory``; None where nothing can be read."""
+        if self.max_host_memory is not None:
+            return int(self.max_host_memory)
+        free = None
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            lines = Path("/proc/meminfo").read_text().splitlines()
+            free = 1024 * next(int(line.split()[1]) for line in lines if line.startswith("MemAvailable:"))
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            free = free or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        host = host_memory()
+        return None if free is None else min(free, host[0] if host is not None else free) // 2
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> TuneConfig:
         """This config with ``overrides`` (keyword arguments of ``tune``) applied; unknown names are refused."""

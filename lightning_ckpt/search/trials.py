@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_ckpt.budget import Budget, host_pool_limit
+from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import LightningCkptError
 from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.memory.optimizer_step import RealStepMemory
@@ -94,7 +94,7 @@ class Trials:
         # segments over them are offered no more (see runners._with_deviations).
         self.unchained: set[str] = set()
         self.started = time.perf_counter()
-        self.host_limit = host_pool_limit(config.max_host_memory)  # what offloaded blocks may pin
+        self.host_limit = config.host_limit()  # what offloaded blocks may pin
 
     def workload(self, micro_batch: int | None) -> Workload:
         return self.workloads[micro_batch]
