@@ -796,7 +796,8 @@ def part_d() -> dict[str, Any]:
     out.update(offload_search(model, fwd, x, y, step))
     if not CUDA:
         out["needs_cuda"] = {
-            "memory": f"{NEEDS_CUDA}: the link, device and pinned host memory; the pool on a simulated card"
+            "memory": f"{NEEDS_CUDA}: the link, device and pinned host memory; the pool on a simulated card",
+            "exposed": f"{NEEDS_CUDA}: no link to measure, so no transfer to predict",
         }
     return out
 
@@ -826,8 +827,6 @@ def offload_prediction(model: Any, fwd: Any, x: Any, y: Any, base: dict[str, Pla
                                 "link_ms": round(1000 * moves.link_seconds, 1), "recompute_saved_ms": round(1000 * moves.recompute_seconds, 1),
                                 "within_20pct": abs(moves.exposed_seconds - seen) <= 0.2 * max(seen, 1e-3)}  # fmt: skip
         log(f"(d) {name}: exposed transfer {out['exposed'][name]}")
-    if not CUDA:
-        out["needs_cuda"] = {"exposed": f"{NEEDS_CUDA}: no link to measure, so no transfer to predict"}
     return out
 
 

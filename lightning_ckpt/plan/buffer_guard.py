@@ -175,16 +175,13 @@ class BufferGuard:
         if not self.saves_inputs:
             return checkpoint(recompute, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
         leaves, spec = tree_flatten((args, kwargs))
-        at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        tensors = [leaves[i] for i in at]
-        for i in at:
-            leaves[i] = None  # held by checkpoint alone (as saved tensors), not by this closure
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        slot = object()  # where a tensor goes: held by checkpoint alone (saved), not by this closure
+        rest = [slot if isinstance(x, torch.Tensor) else x for x in leaves]
 
-        def run(*tensors: torch.Tensor) -> Any:
-            given = list(leaves)
-            for i, t in zip(at, tensors, strict=True):
-                given[i] = t
-            return recompute(*tree_unflatten(given, spec))
+        def run(*given: torch.Tensor) -> Any:
+            it = iter(given)
+            return recompute(*tree_unflatten([next(it) if x is slot else x for x in rest], spec))
 
         return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
 

@@ -63,9 +63,8 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Transfer:
-    """A plan's offload over the host link in one step (``TimeModel.transfer``): bytes each way, their time at the
-    measured bandwidth, the part of it backward waits for, and the recompute checkpointing its ``offload`` blocks
-    instead would cost (offload is worth it only where it exposes less)."""
+    """A plan's offload in one step (``TimeModel.transfer``): bytes each way, their time on the link, the part
+    backward waits for, and the recompute that checkpointing its ``offload`` blocks instead would cost."""
 
     bytes: int
     link_seconds: float
@@ -92,8 +91,8 @@ class TimeModel:
         """What ``plan``'s modes add to a step, by the blocks' own timings; None when a block the plan
         checkpoints was not timed under its mode (it failed there, or the profile has no such mode), and for a
         plan that sets PT2's memory budget (its recompute is the partitioner's choice: measured, not predicted).
-        Offloaded blocks add, where the host link was measured, their recompute (``offload_input``'s) and the
-        transfer backward waits for (``transfer``); else what they added timed alone."""
+        Offloaded blocks add their recompute and the transfer backward waits for (``transfer``) where the link was
+        measured, else what they added timed alone."""
         keys = self._keys(plan)
         if keys is None:
             return None
@@ -109,14 +108,11 @@ class TimeModel:
         return total
 
     def transfer(self, plan: Plan) -> Transfer | None:
-        """What ``plan``'s offloaded blocks move over the host link and what of it backward waits for; None without
-        an offloaded block, a measured link (``measured_at["link"]``: bytes/s each way) or a block's forward timed.
-
-        The step as the pool runs it: each offloaded block's copies out queue on the copy stream behind its forward,
-        never waited for by compute; in backward a block's tensors are fetched when backward reaches it (on the
-        compute stream, after the copies out) unless they came ahead, fetched on the fetch stream when backward
-        reached the offloaded block after it. Backward waits for what is not back when it needs it: the exposed
-        transfer. Windows are each block's forward and backward alone (``none``'s, plus its mode's recompute)."""
+        """What ``plan``'s offloaded blocks move over the host link, and what of it backward waits for (None without
+        an offloaded block, a measured link: ``measured_at["link"]``, bytes/s each way, or a block's forward timed).
+        The step as the pool runs it, in each block's windows alone (``none``'s, its recompute in backward): copies
+        out queue behind each offloaded block's forward; a block comes back when backward reaches the offloaded block
+        after it (after the copies out; the last one when backward reaches it) and backward waits for what is late."""
         keys, link = self._keys(plan), self.measured_at.get("link")
         offloaded = [i for i, k in enumerate(keys or ()) if k is not None and k.startswith("offload")]
         if keys is None or not offloaded or not link:
@@ -152,8 +148,8 @@ class TimeModel:
         return Transfer(total, seconds, exposed, recompute)
 
     def _keys(self, plan: Plan) -> list[str | None] | None:
-        """Each block row's mode key under ``plan`` (None: nothing added), a segment's blocks but its last chunk's
-        ``full``; None for a plan of PT2's memory budget or segments the stacks cannot have."""
+        """Each row's mode key under ``plan`` (None: none; a segment's blocks but the last chunk's: ``full``); None for
+        a PT2 memory budget or segments the stacks cannot have."""
         if plan.compile_memory_budget is not None:
             return None
         chunked: set[str] = set()
