@@ -90,14 +90,15 @@ def test_the_card_counts_offloaded_tensors_apart_and_the_pool_is_sized_once() ->
     assert stats.prefetched_tensors > 0, "each block's tensors were fetched before backward reached it"
 
 
-def test_a_step_that_fails_gives_the_pool_and_the_card_back() -> None:
+@pytest.mark.parametrize("mode", ["offload", "offload_input"])
+def test_a_step_that_fails_gives_the_pool_and_the_card_back(mode: str) -> None:
     model, tokens = _gpt(dropout=0.0)
 
     def fail(*_):
         raise torch.OutOfMemoryError("Tried to allocate 1.00 GiB (injected in the third block's forward)")
 
     card = SimulatedCard(2**40, resident=(model,))
-    with card, plan_applied(model, _offload(model)):
+    with card, plan_applied(model, uniform_plan(ModelView.of(model).stacks, BlockPlan(mode))):
         _step(model, tokens)
         pool = _pool(model)
         capacity, start = pool.capacity_bytes, card.allocated()

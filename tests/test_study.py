@@ -876,10 +876,6 @@ def test_every_re_timed_trial_keeps_its_speed_over_the_reference_from_the_rounds
     assert others and all(n["reference"] == reference and not n["fresh"] and n["ratio"] <= 1.05 for n in others)
 
 
-OFFLOAD_SPACE = SearchSpace.from_config({"modes": ["full", "offload", "offload_input"], "selections": ["all", "first:0.5"],
-                                         "rest_modes": ["none", "offload_input"], "segments": False})  # fmt: skip
-
-
 class HostMemory(FakeMemory):
     """FakeMemory whose offloaded blocks pin 100 bytes of host memory each (``offload``), 1 (``offload_input``)."""
 
@@ -890,17 +886,19 @@ class HostMemory(FakeMemory):
 def _offload_study(link: float, **config) -> tuple[Study, TimeModel]:
     """A search over the offloading modes beside full, on a machine whose steps take what the time model predicts:
     blocks of 0.1 s forward and 0.1 s backward (0.075 s recompute), 1 GB moved per offloaded block, 10 MB per input."""
+    space = SearchSpace.from_config({"modes": ["full", "offload", "offload_input"], "selections": ["all", "first:0.5"],
+                                     "rest_modes": ["none", "offload_input"], "segments": False})  # fmt: skip
     fqns = STACKS[0].block_fqns
     seconds = {"none": 0.2, "forward": 0.1, "full": 0.275, "selective:mlp": 0.25, "ops:save_matmuls": 0.25}
     rows = tuple(BlockTime(f, seconds, None, {"offload": 10**9, "offload_input": 10**7}) for f in fqns)
     timing = TimeModel(rows, {STACKS[0].fqn: fqns}, {"link": {"to_host": link, "to_device": link}})
-    candidates = OFFLOAD_SPACE.enumerate(STACKS, fingerprint=None)
+    candidates = space.enumerate(STACKS, fingerprint=None)
     plain = TimeModel(rows, timing.stacks, timing.measured_at, timing.calibrated([(Plan(), "none", 1.0)]).calibration)
     runner = FakeRunner(speed={c.plan.key(): plain.predict_seconds(c.plan) for c in candidates})
     runner.predicts_time = True
     config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, **config})
     memory = RealStepMemory(HostMemory(), OptimizerStepMemory.absent())
-    s = Study(candidates=candidates, space=OFFLOAD_SPACE, stacks=STACKS, runner=runner, budget=Budget("peak", 400),
+    s = Study(candidates=candidates, space=space, stacks=STACKS, runner=runner, budget=Budget("peak", 400),
               timing=timing, memory=memory, config=config, fingerprint=None, device_type="cuda")  # fmt: skip
     return s, plain
 
