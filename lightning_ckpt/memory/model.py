@@ -285,15 +285,7 @@ class MemoryModel:
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
-                {
-                    "fqn": b.fqn,
-                    "saved_bytes": dict(b.saved_bytes),
-                    "recompute_transient_bytes": b.recompute_transient_bytes,
-                    "input_bytes": b.input_bytes,
-                    "shared_with": b.shared_with,
-                    "profiles": {k: list(_profile_tuple(p)) for k, p in b.profiles.items()},
-                    "failed": dict(b.failed),
-                }
+                {**dataclasses.asdict(b), "profiles": {k: list(_profile_tuple(p)) for k, p in b.profiles.items()}}
                 for b in self.blocks
             ],
         }
@@ -302,15 +294,7 @@ class MemoryModel:
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
         """The model ``to_dict`` wrote; fields a file from an older version lacks take their defaults."""
         blocks = tuple(
-            BlockMemory(
-                fqn=b["fqn"],
-                saved_bytes=dict(b["saved_bytes"]),
-                recompute_transient_bytes=b["recompute_transient_bytes"],
-                input_bytes=b.get("input_bytes", 0),
-                shared_with=b.get("shared_with"),
-                profiles={k: ModeProfile(*v) for k, v in b.get("profiles", {}).items()},
-                failed=dict(b.get("failed", {})),
-            )
+            BlockMemory(**{**b, "profiles": {k: ModeProfile(*v) for k, v in b.get("profiles", {}).items()}})
             for b in data["blocks"]
         )
         fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _STRUCTURED and f.name in data}
