@@ -26,10 +26,9 @@ from lightning_ckpt.cli.metadata import (
 )
 from lightning_ckpt.cli.usage import EXIT_OK, load_plan
 from lightning_ckpt.errors import PlanError
-from lightning_ckpt.formatting import table
+from lightning_ckpt.formatting import offload_phrase, table
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import TABLE_KEY, PlanTable
-from lightning_ckpt.report.text import offload_phrase
 from lightning_ckpt.search.ledger import TrialStatus
 from lightning_ckpt.search.replan import COMPILED_PROFILE_KEY, PROFILE_KEY
 from lightning_ckpt.search.verdict import Verdict

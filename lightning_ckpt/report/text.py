@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.formatting import count, format_bytes, markdown_table, table
+from lightning_ckpt.formatting import count, format_bytes, markdown_table, offload_phrase, table
 from lightning_ckpt.plan.format import Plan, block_names
 from lightning_ckpt.report.quantities import (
     best_feasible_baseline,
@@ -31,7 +31,6 @@ __all__ = [
     "NOISY_SPREAD",
     "conflicts_markdown",
     "memory_markdown",
-    "offload_phrase",
     "plan_markdown",
     "pruned_counts",
     "result_line",
@@ -100,19 +99,6 @@ def time_model_line(result: TuneResult) -> str | None:
     return (
         f"time model: {errors}; noise margin {summary.get('noise_margin', 0.0):.1%}; "
         f"{count(summary.get('pruned_by_time', 0), 'plan')} pruned as unable to beat the best measured one"
-    )
-
-
-def offload_phrase(figures: Mapping[str, Any]) -> str:
-    """``offload_figures`` in words: what the offloaded blocks held in host memory, and the transfer they exposed."""
-    exposed = [
-        f"{_fmt_ms(figures.get(k))} {w}"
-        for k, w in (("exposed_predicted_seconds", "predicted"), ("exposed_measured_seconds", "measured"))
-        if figures.get(k) is not None
-    ]
-    return (
-        f"offloads {format_bytes(figures.get('offloaded_bytes'))} to a {format_bytes(figures.get('host_pool_bytes'))} "
-        f"pinned host pool, exposed transfer {', '.join(exposed) or 'not predicted'}"
     )
 
 
