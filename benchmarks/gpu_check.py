@@ -12,7 +12,11 @@ Parts, in the order they run (the ones that verify OOM fixes first):
      fit: ``tune`` must record the real OOM, go on, leak nothing and keep the user's cap; whether the tuner's cap
      overrides a smaller user cap; and the tuner's own cap enforcing a budget for real (nothing pruned).
   d  offload vs none at the full batch: device memory, step time, the plan's host pool, the link measured each way
-     and its bound (the pool's bytes at that rate against the step), pinned host memory kept afterwards.
+     and its bound (the pool's bytes at that rate against the step), pinned host memory kept afterwards; the time
+     model's exposed transfer of ``offload`` and ``offload_input`` (predicted from the profile's link and windows)
+     against the measured one (the step less the predicted compute: within 20%); and ``tune`` at 21.8 GiB (the
+     midpoint of none and full in the dry run), the plan it chose side by side with none (target: 0.93x or faster),
+     with each block's forward window beside the time its bytes take on the link.
   b  ``tune`` under a ``max_memory`` halfway between the full and none peaks, then the chosen plan and every
      baseline timed side by side (CUDA events, interleaved); budget violations, plans pruned although they fit,
      ``oom`` trials whose allocated peak fits (the cap limits reserved memory), the real step with AdamW state.
@@ -73,7 +77,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
 PARTS: dict[str, tuple[str, float]] = {
     "c0": ("allocator_switch", 10),
     "c": ("oom_survival", 40),
-    "d": ("offload", 20),
+    "d": ("offload", 150),
     "b": ("tuner_vs_baselines_budget", 70),
     "a": ("memory_model_vs_allocator", 45),
     "g": ("lightning_callback_e2e", 55),
@@ -162,6 +166,8 @@ try:
     from lightning_ckpt.measure.allocator import allocator_figures, search_allocator
     from lightning_ckpt.measure.device_memory import device_memory
     from lightning_ckpt.measure.link import measure_link
+    from lightning_ckpt.memory.profile import profile_step
+    from lightning_ckpt.plan.format import BlockPlan
     from lightning_ckpt.plan.policies import SAVE_LISTS  # documented in the API reference
     from lightning_ckpt.testing import GPT, GPTConfig, SimulatedCard
     from lightning_ckpt.testing.allocator import AllocatorSizes
@@ -747,8 +753,9 @@ def part_d() -> dict[str, Any]:
     )
     out["host_before"] = host()
     card = contextlib.nullcontext() if CUDA else SimulatedCard(2**40, resident=(model, x, y))
+    base["offload_input"] = Plan({fqn: BlockPlan("offload_input") for fqn in base["full"].blocks})
     with card:
-        for name in ("none", "offload"):
+        for name in ("none", "offload", "offload_input"):
             free()
             r = run_config(model, base[name], step, 2)
             # What the step adds to the device above the resting state: activations, gradients, temporaries.
@@ -785,10 +792,58 @@ def part_d() -> dict[str, Any]:
     release_cached_memory(DEVICE)
     out["host_after_search_release"] = host()  # target: pinned back to 0 (issue 48 item 5)
     out["space_has_offload"] = "offload" in TuneConfig().search_space.for_device(DEVICE.type).modes
+    out.update(offload_prediction(model, fwd, x, y, base, out))
+    out.update(offload_search(model, fwd, x, y, step))
     if not CUDA:
         out["needs_cuda"] = {
-            "memory": f"{NEEDS_CUDA}: the link, device and pinned host memory; the pool on a simulated card"
+            "memory": f"{NEEDS_CUDA}: the link, device and pinned host memory; the pool on a simulated card",
+            "exposed": f"{NEEDS_CUDA}: no link to measure, so no transfer to predict",
         }
+    return out
+
+
+def offload_prediction(model: Any, fwd: Any, x: Any, y: Any, base: dict[str, Plan], d: dict[str, Any]) -> dict:
+    """The time model's exposed transfer (``TimeModel.transfer``: the profile's link and each block's windows) of the
+    offloading baselines, against the measured one: each plan's measured step less its predicted compute (the plain
+    step fitted to none's measured time, plus the recompute). Per block: its forward window and what it moves."""
+    card = contextlib.nullcontext() if CUDA else SimulatedCard(2**40, resident=(model, x, y))
+    with card:
+        timing = profile_step(model, fwd, extra=(x, y), time_blocks={"full", "offload", "offload_input"}).time
+    if timing is None or not d["none"]["ms"]:
+        return {"exposed": None}
+    timing = timing.calibrated([(Plan(), "none", d["none"]["ms"] / 1000)])
+    row = timing.blocks[0]
+    out: dict[str, Any] = {"link_measured": timing.measured_at.get("link"), "block_window_ms": {
+        "forward": round(1000 * row.seconds.get("forward", 0.0), 2),
+        "backward": round(1000 * (row.seconds["none"] - row.seconds.get("forward", 0.0)), 2)},
+        "block_moves_gib": {k: gib(v) for k, v in row.offloaded_bytes.items()}, "exposed": {}}  # fmt: skip
+    for name in ("offload", "offload_input"):
+        moves, predicted, measured = timing.transfer(base[name]), timing.predict_seconds(base[name]), d[name]["ms"]
+        if moves is None or predicted is None or not measured:
+            out["exposed"][name] = None  # no link (the dry run), or the plan did not run
+            continue
+        seen = measured / 1000 - (predicted - moves.exposed_seconds)
+        out["exposed"][name] = {"predicted_ms": round(1000 * moves.exposed_seconds, 1), "measured_ms": round(1000 * seen, 1),
+                                "link_ms": round(1000 * moves.link_seconds, 1), "recompute_saved_ms": round(1000 * moves.recompute_seconds, 1),
+                                "within_20pct": abs(moves.exposed_seconds - seen) <= 0.2 * max(seen, 1e-3)}  # fmt: skip
+        log(f"(d) {name}: exposed transfer {out['exposed'][name]}")
+    return out
+
+
+def offload_search(model: Any, fwd: Any, x: Any, y: Any, step: Any) -> dict[str, Any]:
+    """``tune`` at 21.8 GiB (the issue's budget on the H200; in the dry run the midpoint of none and full), the
+    offloading modes in its space, then the chosen plan side by side with none: its speed over no checkpointing."""
+    peaks = ensure_peaks()
+    budget = int(21.8 * GIB) if CUDA else int((peaks["none"] + peaks["full"]) / 2)
+    b, t = batch_dims()
+    res = tune(model, fwd, max_memory=budget, batch_size=b, seq_len=t, extra_tensors=(x, y), config=TuneConfig(n_trials=ARGS.trials, warmup_steps=1, measure_steps=2, count_flops=False, confirm_top=2, timeout=min(120.0, remaining(60)), process_warmup_steps=1), hooks=SearchHooks(progress=progress_printer("(d)")))  # fmt: skip
+    sbs = side_by_side(model, {"none": (Plan(), step, 2, b), "tuned": (res.best, step, 2, b)})
+    out: dict[str, Any] = {"tune_budget_gib": gib(budget), "tuned": res.best.describe(), "tuned_statuses": statuses(res.trials),
+                           "offload_trials": [[t.label[:48], str(t.status), t.pruned_by] for t in res.trials if "offload" in t.label],
+                           "tuned_offload": res.best.metadata.get("measured", {}).get("offload")}  # fmt: skip
+    if sbs["none"].get("sps") and sbs["tuned"].get("sps"):
+        out["tuned_over_none"] = round(sbs["tuned"]["sps"] / sbs["none"]["sps"], 3)
+    log(f"(d) tune at {gib(budget)} GiB chose {out['tuned']}: {out.get('tuned_over_none')}x none")
     return out
 
 
@@ -1109,8 +1164,11 @@ def headline(key: str) -> str:
                 f"{c1.get('alloc_delta_mib')} MiB; unpruned: OOM recorded {c2.get('real_oom_recorded')}, went on "
                 f"{c2.get('search_continued')}, none {c2.get('none_status')}")  # fmt: skip
     if key == "d":
+        bound = (r.get("link_bound") or {}).get("transfer_over_step")
         return (f"offload's step adds {r.get('offload_step_memory_ratio')} of none's memory at {r.get('offload_time_ratio')}x "
-                f"the step time; pinned after the search's release {(r.get('host_after_search_release') or {}).get('pinned_gib')} GiB")  # fmt: skip
+                f"the step time (link bound {bound}x the step); exposed {r.get('exposed')}; tune at "
+                f"{r.get('tune_budget_gib')} GiB chose {r.get('tuned')}: {r.get('tuned_over_none')}x none; pinned after "
+                f"the search's release {(r.get('host_after_search_release') or {}).get('pinned_gib')} GiB")  # fmt: skip
     if key == "e":
         return f"compile {r.get('compile_s_total')} s over {len(r.get('trials', []))} trials; eager none {r.get('eager_none_ms')} ms; tuned in {r.get('tuning_s')} s"
     if key == "f":
@@ -1162,6 +1220,11 @@ def missed_targets(key: str, r: dict[str, Any]) -> list[str]:
         for k in ("c2_fraction_kept", "c3_over_budget_not_ok", "c3_fraction_restored"):
             if r.get(k) is False:
                 missed.append(f"{k} is False")
+    if key == "d" and CUDA:
+        missed += [f"{n}: exposed transfer predicted more than 20% off" for n, e in (r.get("exposed") or {}).items()
+                   if e is not None and not e["within_20pct"]]  # fmt: skip
+        if (r.get("tuned_over_none") or 0) < 0.93:
+            missed.append(f"tune at 21.8 GiB chose a plan at {r.get('tuned_over_none')}x none (target 0.93x)")
     if key in ("f", "g") and r.get("train_step_over_budget"):
         missed.append("a real training step after lock-in went over the budget")
     return missed

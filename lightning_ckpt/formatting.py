@@ -8,12 +8,12 @@ between pipes: markdown needs no widths, and unpadded rows keep the logged text 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tabulate import tabulate
 
-__all__ = ["MIB", "count", "format_bytes", "markdown_table", "table"]
+__all__ = ["MIB", "count", "format_bytes", "markdown_table", "offload_phrase", "table"]
 
 MIB = 1024 * 1024
 _UNITS = {"B": 1, "KiB": 1024, "MiB": MIB, "GiB": 1024**3, "TiB": 1024**4}
@@ -68,3 +68,16 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def offload_phrase(figures: Mapping[str, Any]) -> str:
+    """``offload_figures`` in words: what the offloaded blocks held in host memory, and the transfer they exposed."""
+    exposed = [
+        f"{1000 * figures[k]:.1f} ms {w}"
+        for k, w in (("exposed_predicted_seconds", "predicted"), ("exposed_measured_seconds", "measured"))
+        if figures.get(k) is not None
+    ]
+    return (
+        f"offloads {format_bytes(figures.get('offloaded_bytes'))} to a {format_bytes(figures.get('host_pool_bytes'))} "
+        f"pinned host pool, exposed transfer {', '.join(exposed) or 'not predicted'}"
+    )

@@ -90,14 +90,15 @@ def test_the_card_counts_offloaded_tensors_apart_and_the_pool_is_sized_once() ->
     assert stats.prefetched_tensors > 0, "each block's tensors were fetched before backward reached it"
 
 
-def test_a_step_that_fails_gives_the_pool_and_the_card_back() -> None:
+@pytest.mark.parametrize("mode", ["offload", "offload_input"])
+def test_a_step_that_fails_gives_the_pool_and_the_card_back(mode: str) -> None:
     model, tokens = _gpt(dropout=0.0)
 
     def fail(*_):
         raise torch.OutOfMemoryError("Tried to allocate 1.00 GiB (injected in the third block's forward)")
 
     card = SimulatedCard(2**40, resident=(model,))
-    with card, plan_applied(model, _offload(model)):
+    with card, plan_applied(model, uniform_plan(ModelView.of(model).stacks, BlockPlan(mode))):
         _step(model, tokens)
         pool = _pool(model)
         capacity, start = pool.capacity_bytes, card.allocated()
@@ -187,3 +188,103 @@ def test_a_channels_last_tensor_comes_back_in_its_layout_and_the_convolutions_gr
         offloaded = grads(pool)
     assert pool.stats().offloaded_tensors >= 1
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded, strict=True))
+
+
+def test_offload_input_keeps_only_each_blocks_input_in_the_pool_and_its_gradients_are_exact() -> None:
+    # ``offload_input``: the block is checkpointed whole and the one input its checkpoint keeps goes to the pool.
+    model, tokens = _gpt()
+    plain = _step(model, tokens)
+    plan = uniform_plan(ModelView.of(model).stacks, BlockPlan("offload_input"))
+    held = {}
+    for name, p in (("full", uniform_plan(ModelView.of(model).stacks, BlockPlan("full"))), ("offload_input", plan)):
+        card = SimulatedCard(2**40, resident=(model,))
+        with card, plan_applied(model, p) as handle:
+            grads = [_step(model, tokens), _step(model, tokens)]
+            start = card.allocated()
+            loss = model(tokens, tokens)
+            held[name] = card.allocated() - start
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            pool = handle.offload_pool
+        assert all(torch.equal(g[n], plain[n]) for g in grads for n in plain), name
+    inputs = 4 * tokens.numel() * 64 * 4  # four blocks' float32 hidden states (8 x 64 x 64)
+    assert pool.stats().peak_bytes == inputs, "the pool holds the blocks' inputs and nothing else"
+    assert held["full"] - held["offload_input"] == inputs, "the card no longer holds them"
+
+
+def test_every_offloaded_block_is_fetched_ahead_of_backward() -> None:
+    # Backward reaching a block fetches the block before it; a block whose tensors had come ahead used to fetch
+    # nothing, so only every other block was fetched ahead (and the rest waited on the link).
+    model, tokens = _gpt(dropout=0.0)
+    with SimulatedCard(2**40, resident=(model,)), plan_applied(model, _offload(model)) as handle:
+        _step(model, tokens)
+        stats = handle.offload_pool.stats()
+    per_block = stats.offloaded_tensors // 4
+    assert stats.prefetched_tensors == stats.offloaded_tensors - per_block, "all but the last block came ahead"
+
+
+def test_the_memory_model_predicts_offload_input_and_mixed_plans_and_the_host_memory_they_pin() -> None:
+    from lightning_ckpt.measure.step import StepSettings, measure_step
+    from lightning_ckpt.memory.profile import profile_memory
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=8, n_head=2, n_embd=64, block_size=64, vocab_size=128, dropout=0.0))
+    tokens = torch.randint(0, 128, (8, 64))
+    stacks = ModelView.of(model).stacks
+    mixed = Plan({f"transformer.h.{i}": BlockPlan("offload" if i % 2 else "offload_input") for i in range(8)})
+    with SimulatedCard(2**40, resident=(model,)):
+        memory = profile_memory(model, lambda: model(tokens, tokens))
+        for plan in (uniform_plan(stacks, BlockPlan("offload_input")), mixed, _offload(model)):
+            with plan_applied(model, plan) as handle:
+                measured = measure_step(
+                    lambda: model(tokens, tokens).backward(), StepSettings(warmup=1, steps=1), model=model
+                )
+                pinned = handle.offload_pool.stats().peak_bytes
+            assert abs(memory.predict_peak(plan) / measured.peak_bytes - 1) < 0.05, plan.describe()
+            # What leaves the card; the pool can hold a little more (a storage saved twice is copied twice).
+            assert memory.host_bytes(plan) <= pinned <= 1.2 * memory.host_bytes(plan), plan.describe()
+    assert memory.host_bytes(uniform_plan(stacks, BlockPlan("offload_input"))) == 8 * tokens.numel() * 64 * 4
+    assert memory.host_bytes(uniform_plan(stacks, BlockPlan("full"))) == 0
+
+
+def _timed(link: float | None, *, n: int = 4, moved: float = 1e9):
+    """A time model of ``n`` blocks of 0.1 s forward and 0.1 s backward (recompute 0.075 s), each offloaded block
+    moving ``moved`` bytes (``offload``) or a hundredth of it (``offload_input``) over a link of ``link`` bytes/s;
+    timed alone, ``offload`` added a whole second (the copies, unhidden)."""
+    from lightning_ckpt.timing.model import BlockTime, Calibration, TimeModel
+
+    seconds = {"none": 0.2, "forward": 0.1, "full": 0.275, "offload": 1.2, "offload_input": 1.2}
+    fqns = tuple(f"transformer.h.{i}" for i in range(n))
+    rows = tuple(BlockTime(f, seconds, None, {"offload": int(moved), "offload_input": int(moved / 100)}) for f in fqns)
+    at = {"link": {"to_host": link, "to_device": link}} if link is not None else {}
+    return TimeModel(rows, {"transformer.h": fqns}, at, Calibration(1.0))
+
+
+def test_the_time_model_predicts_the_transfer_compute_hides_and_the_part_it_exposes() -> None:
+    from lightning_ckpt.timing.model import TimeModel
+
+    fqns = [f"transformer.h.{i}" for i in range(4)]
+    offload = Plan(dict.fromkeys(fqns, BlockPlan("offload")))
+    # 0.1 s each way per block: every copy out hides behind the next block's forward but the last one's, which
+    # backward waits for, then for its copy back (0.2 s); each earlier block comes back during the later one's
+    # backward. Less than the 4 x 0.075 s of recompute that checkpointing them would cost.
+    fast = _timed(1e10).transfer(offload)
+    assert fast.exposed_seconds == pytest.approx(0.2) and fast.recompute_seconds == pytest.approx(0.3)
+    assert fast.bytes == 4 * 10**9 and fast.link_seconds == pytest.approx(0.8)
+    assert _timed(1e10).predict_seconds(offload) == pytest.approx(1.2), "the plain step and what backward waits"
+    # At 0.2 s a copy the copies out queue (done at 0.9 s, forward ends at 0.4 s): backward waits 0.7 s for the last
+    # block, then 0.1 s for each earlier one, whose copy back (0.2 s) outlasts the later block's backward (0.1 s).
+    assert _timed(5e9).transfer(offload).exposed_seconds == pytest.approx(0.7 + 3 * 0.1)
+    assert _timed(1e18).transfer(offload).exposed_seconds == pytest.approx(0.0, abs=1e-6)
+    # offload_input recomputes as full does, and moves its input (0.001 s a copy, the last one's exposed).
+    inputs = Plan(dict.fromkeys(fqns, BlockPlan("offload_input")))
+    assert _timed(1e10).predict_seconds(inputs) == pytest.approx(1.0 + 4 * 0.075 + 0.002)
+    # Mixed with other modes: the last offloaded block (2) comes back when backward reaches it (0.1 s), block 1's
+    # backward (full, with its recompute) hides block 0's copy back.
+    half = Plan({fqns[0]: BlockPlan("offload"), fqns[1]: BlockPlan("full"), fqns[2]: BlockPlan("offload")})
+    assert _timed(1e10).added_seconds(half) == pytest.approx(0.075 + 0.1)
+    # Without a measured link (a CPU, an older plan file): what the blocks added timed alone, as before.
+    assert _timed(None).transfer(offload) is None
+    assert _timed(None).added_seconds(offload) == pytest.approx(4 * 1.0)
+    again = TimeModel.from_dict(_timed(1e10).to_dict())
+    assert again.transfer(offload) == fast, "the plan file keeps the bytes each block moves and the link"

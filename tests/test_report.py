@@ -698,3 +698,26 @@ def test_the_figure_and_the_table_mark_what_was_timed_one_plan_at_a_time(result,
     # Side-by-side points sit on one scale: the reference's figure times each plan's ratio to it.
     assert report.figure.comparable_speeds(confirmed) == pytest.approx({1: 70.0, 2: 85.0, 9: 85.0 * 1.12})
     assert fig.axes[0].get_ylabel().startswith("samples / s (filled: the reference's x its paired ratio")
+
+
+def test_what_an_offloading_plan_did_is_in_its_trial_line_the_result_line_show_and_tensorboard(tmp_path, result):
+    # The pool held 1 GiB in 1.5 GiB of chunks; backward was predicted to wait 200 ms for the link, and the step ran
+    # 100 ms slower than predicted: 300 ms measured.
+    from lightning_ckpt.cli.show import format_plan
+    from lightning_ckpt.report.tags import TAG_OFFLOAD_EXPOSED_MEASURED_MS, TAG_OFFLOAD_POOL_MIB
+    from lightning_ckpt.search.result import _measured_figures
+
+    pool = {"offload_host_peak_bytes": 2**30, "offload_host_pool_bytes": 3 * 2**29, "offload_exposed_seconds": 0.2}
+    plan = uniform(BlockPlan("offload"))
+    winner = trial(8, plan, "offload h.0-3", "ok", peak=450, act=150, pred=460, sps=8 / 1.3, predicted_seconds=1.2,
+                   extra=pool)  # fmt: skip
+    said = "offloads 1.0 GiB to a 1.5 GiB pinned host pool, exposed transfer 200.0 ms predicted, 300.0 ms measured"
+    assert said in report.trial_line(winner, result.budget)
+    offloaded = dataclasses.replace(result, best=plan, best_trial=winner, trials=(*result.trials, winner))
+    assert said in report.result_line(offloaded)
+    saved = Plan.from_dict(dataclasses.replace(plan, metadata={"measured": _measured_figures(winner)}).to_dict())
+    assert f"the winner {said}" in format_plan(saved), "the plan file keeps it (its schema takes it) and show says it"
+    acc = read(report.write_tensorboard(tmp_path / "tb", offloaded))
+    assert scalars(acc, TAG_OFFLOAD_POOL_MIB) == pytest.approx({8: 1536.0})
+    assert scalars(acc, TAG_OFFLOAD_EXPOSED_MEASURED_MS) == pytest.approx({8: 300.0})
+    assert "offloads" not in report.trial_line(result.trials[4], result.budget), "nothing said where nothing moved"

@@ -89,3 +89,16 @@ def test_restricted_space_is_small_enough_to_enumerate(gpt):
 def test_bad_search_spaces(config, match):
     with pytest.raises(ConfigurationError, match=match):
         SearchSpace.from_config(config)
+
+
+def test_the_offloading_modes_mix_in_per_block_on_a_card_and_stay_out_of_a_cpu_search(gpt):
+    # Per block: offload its saved tensors, or checkpoint it and offload its input, beside the other modes.
+    stacks = discover_blocks(gpt)
+    cuda, cpu = SearchSpace().for_device("cuda"), SearchSpace().for_device("cpu")
+    assert {"offload", "offload_input"} <= set(cuda.modes) & set(cuda.rest_modes)
+    assert not any(m.startswith("offload") for m in (*cpu.modes, *cpu.rest_modes)), "nothing to offload from"
+    mixes = {frozenset(bp.mode for bp in c.plan.blocks.values()) for c in cuda.enumerate(stacks, fingerprint=None)}
+    assert {frozenset({"full", "offload_input"}), frozenset({"selective", "offload"})} <= mixes
+    assert SearchSpace.from_config({"modes": ["offload_input"]}).modes == ("offload_input",)
+    with pytest.raises(ConfigurationError, match="'offload_input'"):
+        SearchSpace.from_config({"modes": ["offload_everything"]})

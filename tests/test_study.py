@@ -874,3 +874,73 @@ def test_every_re_timed_trial_keeps_its_speed_over_the_reference_from_the_rounds
     assert winner["fresh"] and winner["ratio"] == pytest.approx(s.held_out.ratio) and winner["ratio"] > 1.5
     others = [n for label, n in notes.items() if label not in (reference, result.best_trial.label)]
     assert others and all(n["reference"] == reference and not n["fresh"] and n["ratio"] <= 1.05 for n in others)
+
+
+class HostMemory(FakeMemory):
+    """FakeMemory whose offloaded blocks pin 100 bytes of host memory each (``offload``), 1 (``offload_input``)."""
+
+    def host_bytes(self, plan: Plan) -> int:
+        return sum({"offload": 100, "offload_input": 1}.get(bp.mode, 0) for bp in plan.blocks.values())
+
+
+def _offload_study(link: float, **config) -> tuple[Study, TimeModel]:
+    """A search over the offloading modes beside full, on a machine whose steps take what the time model predicts:
+    blocks of 0.1 s forward and 0.1 s backward (0.075 s recompute), 1 GB moved per offloaded block, 10 MB per input."""
+    space = SearchSpace.from_config({"modes": ["full", "offload", "offload_input"], "selections": ["all", "first:0.5"],
+                                     "rest_modes": ["none", "offload_input"], "segments": False})  # fmt: skip
+    fqns = STACKS[0].block_fqns
+    seconds = {"none": 0.2, "forward": 0.1, "full": 0.275, "selective:mlp": 0.25, "ops:save_matmuls": 0.25}
+    rows = tuple(BlockTime(f, seconds, None, {"offload": 10**9, "offload_input": 10**7}) for f in fqns)
+    timing = TimeModel(rows, {STACKS[0].fqn: fqns}, {"link": {"to_host": link, "to_device": link}})
+    candidates = space.enumerate(STACKS, fingerprint=None)
+    plain = TimeModel(rows, timing.stacks, timing.measured_at, timing.calibrated([(Plan(), "none", 1.0)]).calibration)
+    runner = FakeRunner(speed={c.plan.key(): plain.predict_seconds(c.plan) for c in candidates})
+    runner.predicts_time = True
+    config = TuneConfig(**{"n_trials": 100, "confirm_top": 3, **config})
+    memory = RealStepMemory(HostMemory(), OptimizerStepMemory.absent())
+    s = Study(candidates=candidates, space=space, stacks=STACKS, runner=runner, budget=Budget("peak", 400),
+              timing=timing, memory=memory, config=config, fingerprint=None, device_type="cuda")  # fmt: skip
+    return s, plain
+
+
+@pytest.mark.parametrize("link", [1e10, 5e9], ids=["hides", "exposes"])
+def test_the_search_mixes_offload_in_and_prunes_offload_whose_transfer_costs_more_than_recompute(link):
+    # Only plans that free every block fit (full, offload, offload_input, and their mixes). At 10 GB/s offloading a
+    # block exposes less than its recompute: the all-offload plan is the fastest and chosen. At 5 GB/s each offload
+    # plan exposes more than it saves: pruned by the time model before it runs, and a plan that recomputes is chosen.
+    s, plain = _offload_study(link)
+    mixed = [c for c in s.candidates if {bp.mode for bp in c.plan.blocks.values()} == {"full", "offload_input"}]
+    assert mixed, "the space mixes the offloading modes in per block"
+    s.run()
+    s.confirm()
+    best = s.result(extra_steps=0).best
+    offloads = {t.plan.key() for t in s.records if any(bp.mode == "offload" for bp in t.plan.blocks.values())}
+    measured = {t.plan.key() for t in s.records if t.status != TrialStatus.PRUNED}
+    fastest = min((c.plan for c in s.candidates if _checkpointed(c.plan) == 1), key=plain.predict_seconds)
+    if link == 1e10:
+        assert (
+            offloads & measured
+            and best.key() == fastest.key()
+            and best.mode_of(STACKS[0].block_fqns[0]).mode == "offload"
+        )
+    else:
+        fitting = {k for k in offloads if s.by_key[k].pruned_by != "memory"}
+        assert fitting and all(s.by_key[k].pruned_by == "time" for k in fitting) and not offloads & measured
+        assert not any(bp.mode == "offload" for bp in best.blocks.values())
+
+
+def test_max_host_memory_prunes_plans_whose_pool_would_pin_more():
+    from lightning_ckpt.budget import host_memory
+
+    s, _ = _offload_study(1e10, max_host_memory="250B")
+    assert s.trials.config.max_host_memory == 250
+    s.run()
+    over = {t.plan.key() for t in s.records if HostMemory().host_bytes(t.plan) > 250}
+    assert over and all(s.by_key[k].pruned_by == "memory" for k in over), "pruned as over budget, never run"
+    assert HostMemory().host_bytes(s.result(extra_steps=0).best) <= 250
+    free = TuneConfig().host_limit()  # the default: half of what the machine has free
+    assert (
+        free is not None and 0 < free <= host_memory()[0] // 2 and TuneConfig(max_host_memory=123).host_limit() == 123
+    )
+    with pytest.raises(ConfigurationError, match="max_host_memory"):
+        TuneConfig(max_host_memory="lots")

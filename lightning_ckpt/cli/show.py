@@ -25,7 +25,7 @@ from lightning_ckpt.cli.metadata import (
 )
 from lightning_ckpt.cli.usage import EXIT_OK, load_plan
 from lightning_ckpt.errors import PlanError
-from lightning_ckpt.formatting import table
+from lightning_ckpt.formatting import offload_phrase, table
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.provenance import Provenance
 from lightning_ckpt.plan.table import PlanTable
@@ -355,6 +355,8 @@ def _evidence_lines(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[
     lines.append("  (*) the winner; speed-up: the winner's samples/s over that plan's")
     if isinstance(measured.get("recompute_overhead"), (int, float)):
         lines.append(f"  the winner's recompute costs {measured['recompute_overhead']:+.1%} FLOPs per step")
+    if isinstance(measured.get("offload"), Mapping):
+        lines.append(f"  the winner {offload_phrase(measured['offload'])}")
     return lines
 
 

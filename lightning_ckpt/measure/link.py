@@ -8,8 +8,7 @@ machine, not assumed, with pinned buffers as the offload pool uses, timed on the
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -27,9 +26,6 @@ class LinkBandwidth:
     def seconds(self, nbytes: int, *, to_host: bool) -> float:
         """How long ``nbytes`` take one way at the measured rate."""
         return nbytes / (self.to_host if to_host else self.to_device)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def measure_link(device: torch.device | str, *, nbytes: int = 256 * 2**20, repeats: int = 5) -> LinkBandwidth | None:

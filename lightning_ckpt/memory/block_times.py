@@ -63,11 +63,16 @@ def time_block_modes(
     if where is None:
         return {}
 
+    forwards: list[float] = []  # ``none``'s forward alone: the window an offloaded block's copies hide behind
+
     def once(key: str, r: int) -> float:
-        return _time_once(root, cap, where, modes[key], device, cap.module)
+        return _time_once(
+            root, cap, where, modes[key], device, cap.module, forwards=forwards if key == "none" else None
+        )
 
     try:
-        return _interleaved(modes, rounds + 1, once, timed_from=1)
+        seconds = _interleaved(modes, rounds + 1, once, timed_from=1)
+        return {**seconds, "forward": statistics.median(forwards[1:] or forwards)} if "none" in seconds else seconds
     finally:
         if restore is not None:
             restore()
@@ -184,6 +189,8 @@ def _time_once(
     device: torch.device,
     call: Callable[..., Any],
     memo: dict[tuple[Any, ...], Any] | None = None,
+    *,
+    forwards: list[float] | None = None,
 ) -> float:
     """One forward+backward of the block under ``bp`` through ``call`` (the block, or its compiled region); inside
     ``reused_forwards(memo)`` when a memo is given, so a compiled mode runs its graph again."""
@@ -201,6 +208,9 @@ def _time_once(
         with autocast_as(cap.autocast):
             out = call(*args, **kwargs)
             leaves = backward_leaves(out, cap.grad_leaves)
+        if forwards is not None:
+            _synchronize(device)
+            forwards.append(time.perf_counter() - t0)
         if leaves:
             torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
         _synchronize(device)

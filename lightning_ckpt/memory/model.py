@@ -33,6 +33,10 @@ from lightning_ckpt.stacks import LayerStack
 
 __all__ = ["BlockMemory", "MemoryModel", "ModeProfile", "PhasePeak", "Prediction"]
 
+# What an offloading mode would keep on the card without the pool: its bytes moved are that less what it keeps.
+_KEPT_ON_CARD = {"offload": "none", "offload_input": "full"}
+_STRUCTURED = ("blocks", "stacks", "phases")  # MemoryModel's fields ``to_dict`` writes apart
+
 
 @dataclass(frozen=True)
 class ModeProfile:
@@ -77,6 +81,14 @@ class BlockMemory:
     shared_with: str | None = None
     profiles: Mapping[str, ModeProfile] = field(default_factory=dict, repr=False)
     failed: Mapping[str, str] = field(default_factory=dict, repr=False)  # mode key -> why it could not run
+
+    def offloaded_bytes(self, key: str) -> int:
+        """Under offloading mode ``key``: the bytes its saved tensors put in host memory (what it would keep on the
+        card without the pool, less what it keeps); 0 under any other mode, or where nothing moves (a CPU model)."""
+        kept = _KEPT_ON_CARD.get(key)
+        if kept not in self.saved_bytes or key not in self.saved_bytes:
+            return 0
+        return max(0, self.saved_bytes[kept] - self.saved_bytes[key])
 
 
 @dataclass(frozen=True)
@@ -267,74 +279,28 @@ class MemoryModel:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (``from_dict`` reads it back)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _STRUCTURED}
         return {
-            "fixed_bytes": self.fixed_bytes,
-            "other_activation_bytes": self.other_activation_bytes,
-            "resting_bytes": self.resting_bytes,
-            "parameter_bytes": self.parameter_bytes,
-            "gradient_bytes": self.gradient_bytes,
-            "optimizer_state_bytes": self.optimizer_state_bytes,
-            "buffer_bytes": self.buffer_bytes,
-            "device": self.device,
-            "device_overhead_bytes": self.device_overhead_bytes,
-            "anchor_peak_bytes": self.anchor_peak_bytes,
-            "anchor_activation_bytes": self.anchor_activation_bytes,
-            "fingerprint": self.fingerprint,
-            "idle_blocks": list(self.idle_blocks),
-            "unchained_stacks": list(self.unchained_stacks),
-            "reserve_overhead_bytes": self.reserve_overhead_bytes,
-            "inert_blocks": list(self.inert_blocks),
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in data.items()},
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
-                {
-                    "fqn": b.fqn,
-                    "saved_bytes": dict(b.saved_bytes),
-                    "recompute_transient_bytes": b.recompute_transient_bytes,
-                    "input_bytes": b.input_bytes,
-                    "shared_with": b.shared_with,
-                    "profiles": {k: list(_profile_tuple(p)) for k, p in b.profiles.items()},
-                    "failed": dict(b.failed),
-                }
+                {**dataclasses.asdict(b), "profiles": {k: list(_profile_tuple(p)) for k, p in b.profiles.items()}}
                 for b in self.blocks
             ],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryModel:
+        """The model ``to_dict`` wrote; fields a file from an older version lacks take their defaults."""
         blocks = tuple(
-            BlockMemory(
-                fqn=b["fqn"],
-                saved_bytes=dict(b["saved_bytes"]),
-                recompute_transient_bytes=b["recompute_transient_bytes"],
-                input_bytes=b.get("input_bytes", 0),
-                shared_with=b.get("shared_with"),
-                profiles={k: ModeProfile(*v) for k, v in b.get("profiles", {}).items()},
-                failed=dict(b.get("failed", {})),
-            )
+            BlockMemory(**{**b, "profiles": {k: ModeProfile(*v) for k, v in b.get("profiles", {}).items()}})
             for b in data["blocks"]
         )
-        return cls(
-            fixed_bytes=data["fixed_bytes"],
-            other_activation_bytes=data["other_activation_bytes"],
-            blocks=blocks,
-            stacks={k: tuple(v) for k, v in data["stacks"].items()},
-            phases=tuple(PhasePeak(*p) for p in data["phases"]),
-            resting_bytes=data["resting_bytes"],
-            parameter_bytes=data["parameter_bytes"],
-            gradient_bytes=data["gradient_bytes"],
-            optimizer_state_bytes=data["optimizer_state_bytes"],
-            buffer_bytes=data["buffer_bytes"],
-            device=data["device"],
-            device_overhead_bytes=data.get("device_overhead_bytes", 0),
-            anchor_peak_bytes=data.get("anchor_peak_bytes", 0),
-            anchor_activation_bytes=data.get("anchor_activation_bytes", 0),
-            fingerprint=data.get("fingerprint"),
-            idle_blocks=tuple(data.get("idle_blocks", ())),
-            unchained_stacks=tuple(data.get("unchained_stacks", ())),
-            reserve_overhead_bytes=data.get("reserve_overhead_bytes", 0),
-            inert_blocks=tuple(data.get("inert_blocks", ())),
-        )
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _STRUCTURED and f.name in data}
+        values = {k: tuple(data[k]) if f.type.startswith("tuple") else data[k] for k, f in fields.items()}
+        stacks = {k: tuple(v) for k, v in data["stacks"].items()}
+        return cls(**values, blocks=blocks, stacks=stacks, phases=tuple(PhasePeak(*p) for p in data["phases"]))
 
     # -- internals ------------------------------------------------------------------------------------
     def _mode_keys(self) -> list[str]:
@@ -375,21 +341,21 @@ class MemoryModel:
     def _prefetch_deltas(self, st: _PlanState, keys: Sequence[str]) -> None:
         """Offloaded blocks come back one ahead of backward (``plan.offload``): from the first backward use of an
         offloaded block's tensors until the previous offloaded block's own backward, that block's offloaded bytes
-        (what ``none`` saves beyond what ``offload`` keeps) are on the device again, beside what the block-alone
-        profile saw."""
+        are on the device again, beside what the block-alone profile saw."""
         previous = None
         for i, key in enumerate(keys):
-            if key != "offload" or self.blocks[i].profiles.get("full") is None:
+            if not key.startswith("offload") or self.blocks[i].profiles.get("full") is None:
                 continue
             if previous is not None:
-                j = previous
-                back = (
-                    self._profile(self.blocks[j], "none").keep_bytes
-                    - self._profile(self.blocks[j], "offload").keep_bytes
-                )
-                for k in range(j + 1, i + 1):
-                    st.prefetch[k] += max(0, back)
+                for k in range(previous + 1, i + 1):
+                    st.prefetch[k] += st.moved[previous]
+            st.moved[i] = self.blocks[i].offloaded_bytes(key)
             previous = i
+
+    def host_bytes(self, plan: Plan) -> int:
+        """The host memory ``plan``'s offloaded blocks hold at once (the pool's peak): what each offloaded block keeps
+        beside it on the card without offload (``none``'s saved tensors, or ``full``'s input), over all blocks."""
+        return sum(self._resolve(plan).moved)
 
     def _mode_keys_of(self, plan: Plan, rows_of: Mapping[str, list[int]], index: Mapping[str, int]) -> list[str]:
         """Each row's mode key under ``plan``'s per-block modes (``none`` where it names none)."""
@@ -504,14 +470,7 @@ class MemoryModel:
         # add up. Peaks are approximated the same way (exact combinations: profile_memory(selective_sets=)).
         none = self._profile(block, "none")
         parts = [self._profile(block, f"selective:{c}") for c in key.partition(":")[2].split(",")]
-        fields = (
-            "keep_bytes",
-            "keep_with_input_bytes",
-            "forward_peak_bytes",
-            "backward_peak_bytes",
-            "backward_peak_activation_bytes",
-            "autocast_cache_bytes",
-        )
+        fields = [f.name for f in dataclasses.fields(ModeProfile) if f.name != "output_bytes"]
         values = {f: getattr(none, f) + sum(getattr(p, f) - getattr(none, f) for p in parts) for f in fields}
         return ModeProfile(**values, output_bytes=none.output_bytes)
 
@@ -528,6 +487,7 @@ class _PlanState:
         self.bw_act_delta = [0] * n
         self.recompute_delta = [0] * n  # held once its chunk was recomputed (none-mode), vs full
         self.prefetch = [0] * n  # during its backward: an earlier offloaded block's tensors, fetched ahead
+        self.moved = [0] * n  # offloaded: the bytes its saved tensors put in host memory
         self.chunk_of = chunk_of
 
     @property

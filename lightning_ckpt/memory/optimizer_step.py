@@ -78,6 +78,11 @@ class RealStepMemory:
     def can_run(self, plan: Any) -> str | None:
         return self.model.can_run(plan)
 
+    def host_bytes(self, plan: Any) -> int:
+        """The host memory ``plan``'s offloaded blocks pin (``MemoryModel.host_bytes``; 0 where the model has none)."""
+        host = getattr(self.model, "host_bytes", None)
+        return host(plan) if host is not None else 0
+
     def real_peak(self, forward_backward_peak: int | None) -> int | None:
         return self.optimizer.real_peak(forward_backward_peak)
 

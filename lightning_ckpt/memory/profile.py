@@ -8,7 +8,7 @@ How the profile is built, and why it never needs the no-checkpointing peak:
 2. **Anchor** (``memory.anchor``): one forward+backward with every block fully checkpointed, its live bytes'
    maximum recorded per phase of the step.
 3. **Per-block profiles**: each representative block runs alone (forward+backward, its captured
-   inputs) under every mode (``none``, ``full``, ``offload``, each op save-list, selective children)
+   inputs) under every mode (``none``, ``full``, ``offload(_input)``, each op save-list, selective children)
    via ``apply_plan`` on that one FQN, under the tracker. Per mode we keep what the block holds after
    its forward (its saved activations), its forward peak and its backward peak, relative to the same
    starting level. Constant offsets (the input, the incoming gradient) cancel in the differences.
@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, LightningCkptError
+from lightning_ckpt.measure.link import measure_link
 from lightning_ckpt.measure.measurement import PassOutOfMemory, run_pass
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.tracker import (
@@ -222,7 +223,7 @@ def profile_step(
     )
     fingerprint = view.fingerprint if view is not None else model_fingerprint(root)
     memory = _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
-    time_model = _time_model(runs, memory.stacks, dev) if runs.timings else None
+    time_model = _time_model(runs, memory, dev) if runs.timings else None
     return Profile(memory, time_model, _compiled_model(runs, memory) if compiled_blocks and runs.timings else None)
 
 
@@ -415,12 +416,14 @@ def _memory_model(
     )
 
 
-def _time_model(runs: _Runs, stacks: Mapping[str, tuple[str, ...]], dev: torch.device) -> TimeModel:
-    """The ``TimeModel`` of the runs' timings: one row per block call, as the memory model's."""
+def _time_model(runs: _Runs, memory: MemoryModel, dev: torch.device) -> TimeModel:
+    """The ``TimeModel`` of the runs' timings: one row per block call, as the memory model's, with the bytes each
+    offloading mode moves; and where they move any, the host link measured (``measure.link``)."""
     rows = []
-    for fqn, key in zip(runs.order, runs.call_rep, strict=True):
+    for fqn, key, mem in zip(runs.order, runs.call_rep, memory.blocks, strict=True):
         rep = runs.profiled[key].fqn
-        rows.append(BlockTime(fqn, dict(runs.timings.get(key, {})), rep if rep != fqn else None))
+        moved = {k: n for k in ("offload", "offload_input") if (n := mem.offloaded_bytes(k))}
+        rows.append(BlockTime(fqn, dict(runs.timings.get(key, {})), rep if rep != fqn else None, moved))
     autocast = [[d, str(t).removeprefix("torch."), c] for d, t, c in next(iter(runs.profiled.values())).autocast]
     measured_at = {
         "device": str(dev),
@@ -428,7 +431,10 @@ def _time_model(runs: _Runs, stacks: Mapping[str, tuple[str, ...]], dev: torch.d
         "torch": torch.__version__.split("+")[0],
         "autocast": autocast,
     }
-    return TimeModel(blocks=tuple(rows), stacks=stacks, measured_at=measured_at)
+    link = measure_link(dev, nbytes=64 * 2**20) if any(r.offloaded_bytes for r in rows) else None
+    if link is not None:
+        measured_at["link"] = {"to_host": link.to_host, "to_device": link.to_device}
+    return TimeModel(blocks=tuple(rows), stacks=memory.stacks, measured_at=measured_at)
 
 
 def _compiled_model(runs: _Runs, memory: MemoryModel) -> CompiledMemoryModel:
@@ -491,7 +497,7 @@ def _profile_blocks(
     failed: dict[str, dict[str, str]] = {}
     in_bytes: dict[str, int] = {}
     for fqn, cap in reps.items():
-        keys = ["none", "full", "offload", *(f"ops:{name}" for name in SAVE_LISTS)]
+        keys = ["none", "full", "offload", "offload_input", *(f"ops:{name}" for name in SAVE_LISTS)]
         keys += ["selective:" + ",".join(c) for c in sets.get(cap.fqn, [])]
         profiles[fqn], failed[fqn] = {}, {}
         for key in keys:

@@ -141,8 +141,8 @@ def _child_checkpointing(module: nn.Module) -> Any:
     return child_forward(module)
 
 
-def _checkpointing(module: nn.Module, save_list: str | None) -> functools.partial[Any]:
-    return functools.partial(checkpointed_forward, module, save_list, BufferGuard([module]))
+def _checkpointing(module: nn.Module, save_list: str | None, saves_inputs: bool = False) -> functools.partial[Any]:
+    return functools.partial(checkpointed_forward, module, save_list, BufferGuard([module], saves_inputs=saves_inputs))
 
 
 def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
@@ -151,15 +151,20 @@ def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
     pool: OffloadPool | None = None  # one per plan: every offloaded block's saved tensors, fetched a block ahead
     for fqn, bp in plan.blocks.items():
         block = _resolve(root, fqn, "Block")
-        if bp.mode in ("full", "ops"):
+        if bp.mode in ("full", "ops", "offload_input"):
             save_list = bp.save_list if bp.mode == "ops" else None
-            forward = _reused((id(block), "checkpoint", save_list), _checkpointing, block, save_list)
-            installs.append((block, fqn, forward))
-        elif bp.mode == "offload":
+            offloaded = bp.mode == "offload_input"
+            forward = _reused(
+                (id(block), "checkpoint", save_list, offloaded), _checkpointing, block, save_list, offloaded
+            )
+        if bp.mode.startswith("offload"):  # ``offload_input``: the checkpoint's one saved input goes to the pool
             pool = pool or _reused((id(root), "offload pool"), OffloadPool)
-            forward = _reused((id(block), "offload", id(pool)), functools.partial, offloaded_forward, block, pool)
+            inner = forward if bp.mode == "offload_input" else None
+            key = (id(block), bp.mode, id(pool))
+            forward = _reused(key, functools.partial, offloaded_forward, block, pool, inner)
+        if bp.mode != "selective":
             installs.append((block, fqn, forward))
-        elif bp.mode == "selective":
+        else:
             installs += _selective_installs(block, fqn, bp, compiled_alone=_compiled_alone(root, fqn, block))
     return installs
 

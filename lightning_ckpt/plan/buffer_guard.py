@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ckpt.versions import torch_version
@@ -120,8 +121,11 @@ class BufferGuard:
     so a planned model still deep-copies and pickles.
     """
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], *, saves_inputs: bool = False) -> None:
         self.modules = modules
+        # Hand checkpoint the input tensors one by one, which it saves as autograd saves tensors: under the hooks
+        # around it (``offload_input``: the offload pool's), where a tuple of them is kept as it is.
+        self.saves_inputs = saves_inputs
         self.updated: dict[tuple[bool, ...], set[_BufferKey]] = {}  # train/eval flags -> updated buffers
         self.eager_under_compile = _compiled_recompute_updates_twice(modules)
 
@@ -138,12 +142,12 @@ class BufferGuard:
         recompute = _Recompute(fn, copy_in_backward="context_fn" not in extra)
         slots = _buffer_slots(self.modules)
         if not slots:
-            return checkpoint(recompute, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
+            return self._checkpoint(recompute, args, kwargs, extra)
         flags = tuple(m.training for region in self.modules for m in region.modules())
         known = self.updated.get(flags)
         versions = {k: version_counter(buf) for k, (_, _, buf) in slots.items()}
         before = _copies({k: slots[k][2] for k in (slots.keys() if known is None else known & slots.keys())})
-        out = checkpoint(recompute, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
+        out = self._checkpoint(recompute, args, kwargs, extra)
         # Values are compared (torch.equal: a host sync on CUDA) only on the first call in a configuration; later
         # calls take the known set as updated and check the rest by version counter and identity alone, so real
         # training after lock-in pays no sync per region and step.
@@ -166,6 +170,20 @@ class BufferGuard:
                 if k in before and now is not None:
                     updates.append((k[0], now, before[k]))
         return out
+
+    def _checkpoint(self, recompute: _Recompute, args: tuple[Any, ...], kwargs: dict[str, Any], extra: Any) -> Any:
+        if not self.saves_inputs:
+            return checkpoint(recompute, args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra)
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        slot = object()  # where a tensor goes: held by checkpoint alone (saved), not by this closure
+        rest = [slot if isinstance(x, torch.Tensor) else x for x in leaves]
+
+        def run(*given: torch.Tensor) -> Any:
+            it = iter(given)
+            return recompute(*tree_unflatten([next(it) if x is slot else x for x in rest], spec))
+
+        return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
 # Before torch 2.9 a *compiled* checkpointed region applies its buffer updates again in the recompute (seen

@@ -43,7 +43,7 @@ __all__ = ["MODES", "BlockPlan", "Plan", "block_names", "closest_names", "librar
 
 _ANY_VERSION = object()  # Plan.save without unchanged_since: write whatever the file holds
 
-MODES = ("none", "full", "selective", "ops", "offload")
+MODES = ("none", "full", "selective", "ops", "offload", "offload_input")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ class BlockPlan:
     """How one block is checkpointed.
 
     mode: ``none`` | ``full`` (whole block) | ``selective`` (only ``children``) | ``ops`` (whole block
-    with op save-list ``save_list``) | ``offload`` (saved activations kept in host memory).
+    with op save-list ``save_list``) | ``offload`` (saved activations kept in host memory) | ``offload_input``
+    (checkpointed whole, the one input it keeps held in host memory).
     """
 
     mode: str = "none"
@@ -101,7 +102,7 @@ class BlockPlan:
 
 
 def mode_key(block_plan: BlockPlan) -> str:
-    """A block plan as the profile keys its runs: ``none``, ``full``, ``offload``, ``ops:<save_list>`` or
+    """A block plan as the profile keys its runs: ``none``, ``full``, ``offload(_input)``, ``ops:<save_list>`` or
     ``selective:<child>[,<child>...]`` (children sorted)."""
     if block_plan.mode == "ops":
         return f"ops:{block_plan.save_list}"

@@ -98,9 +98,13 @@ def _first_device(module: nn.Module, args: tuple[Any, ...]) -> torch.device | No
     return p.device if p is not None else None
 
 
-def offloaded_forward(module: nn.Module, pool: OffloadPool, *args: Any, **kwargs: Any) -> Any:
-    """The block's forward with its saved tensors in ``pool`` (host memory; ``plan.offload``)."""
-    inner = original_forward(module)
+def offloaded_forward(
+    module: nn.Module, pool: OffloadPool, checkpointed: Callable[..., Any] | None, *args: Any, **kwargs: Any
+) -> Any:
+    """The block's forward with its saved tensors in ``pool`` (host memory; ``plan.offload``): every one, or with
+    ``checkpointed`` (``offload_input``) the block's input alone, which the checkpoint saves as autograd does (torch
+    saves a non-reentrant checkpoint's inputs under the hooks around it), the rest recomputed."""
+    inner = checkpointed or original_forward(module)
     device = _first_device(module, args)
     # On a CPU model the activations already live in host memory: nothing to offload them from (a simulated card on
     # CPU is a device of its own, whose memory offloading frees).

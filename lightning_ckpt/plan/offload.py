@@ -1,27 +1,19 @@
 """Offload that hides behind compute: saved activations copied to host memory on their own stream, into one pool,
-and copied back a block ahead of backward.
+and back a block ahead of backward. (``save_on_cpu(pin_memory=True)`` copied each saved tensor to a new pinned
+buffer on the compute stream and back on first use: 6.5x the step time of no checkpointing on an H200.) Per plan:
 
-``torch.autograd.graph.save_on_cpu(pin_memory=True)`` copied every saved tensor to a new pinned buffer, on the
-compute stream, and back on first use in backward: on an H200 an offloaded step ran at 6.5x the step time of no
-checkpointing, and kept 3.8 GiB of pinned memory after a trial. Here, per plan:
+* **one pool** of power-of-two host chunks (torch rounds pinned allocations up to one), bump-allocated, grown in the
+  first step and reused by every step after: no allocation per tensor;
+* **copies out on a copy stream** after the compute stream's work; ``record_stream`` frees the device tensor once
+  its transfer is done, with no wait on compute;
+* **copies back one block ahead**: backward reaching an offloaded block fetches the block before it on a second
+  stream (after the copies out), waited for (an event) only when used;
+* **exact**: the saved tensor's values, dtype, shape and layout come back (a contiguous copy changed a channels-last
+  convolution's gradients); **released on error**: a failed step (an OOM included) waits for both streams, forgets
+  what it packed and rewinds the pool (``OffloadPool.abandon``).
 
-* **one pool** (``OffloadPool``) of host chunks, bump-allocated and reused every step: no allocation per tensor,
-  and chunks of a power-of-two size, so torch's pinned allocator (which rounds each allocation up to a power of
-  two) wastes nothing; the pool grows during the first step and is then the size of a step's offloaded bytes;
-* **copies out on a copy stream** after the compute stream's work (``wait_stream``); the device tensor is marked
-  used on that stream (``record_stream``), so its memory is freed only once its transfer is done, without the
-  compute stream waiting;
-* **copies back one block ahead**: when backward first reaches a block's saved tensors, the block that ran before
-  it in the forward is fetched on a second stream, and its tensors are waited for (an event) only when used;
-* **exact**: what comes back is the saved tensor's values, dtype, shape and layout (``save_on_cpu`` gave a
-  contiguous copy, which changed a channels-last convolution's gradients), so gradients equal those of the plan
-  without offload bit for bit;
-* **released on error**: a step that fails (an OOM included) waits for both streams, then forgets every packed
-  tensor and rewinds the pool (``OffloadPool.abandon``), so nothing of it outlives the step.
-
-On a device without streams (CPU, or a ``SimulatedCard``, the lab's card) the same pool and accounting run with
-synchronous copies, and the pool's chunks are allocated outside any dispatch mode: the simulated card counts host
-copies apart from its own memory, as a GPU's allocator does.
+On a device without streams (CPU, the lab's ``SimulatedCard``) the same pool and accounting run with synchronous
+copies, the chunks allocated outside any dispatch mode: the simulated card counts host copies apart, as CUDA does.
 """
 
 from __future__ import annotations
@@ -95,6 +87,7 @@ class OffloadPool:
         # Per block call of this step, in forward order; weak, so that autograd alone decides when one is dropped.
         self._groups: dict[int, list[weakref.ref[_Packed]]] = {}
         self._next_group = 0
+        self._reached: set[int] = set()  # groups backward reached (and fetched the one before ahead of)
         self._last: tuple[weakref.ref[torch.Tensor], _Packed] | None = None  # one tensor saved twice is copied once
         self._streams: tuple[Any, Any] | None = None
         self._in_use = 0
@@ -150,6 +143,7 @@ class OffloadPool:
 
     def _rewind(self) -> None:
         self._at = (0, 0)
+        self._reached.clear()
         self._in_use = 0
 
     # -- host memory ------------------------------------------------------------------------------------------------
@@ -222,7 +216,9 @@ class OffloadPool:
             return packed
         if packed.fetched is None:
             self._fetch(packed.group, ahead=False)
-            self._fetch(packed.group - 1, ahead=True)  # the block backward reaches next
+        if packed.group not in self._reached:  # the block backward reaches next, once per group: also when this
+            self._reached.add(packed.group)  # group came ahead (only every other block was fetched ahead before)
+            self._fetch(packed.group - 1, ahead=True)
         if packed.fetched is None:  # a second unpack (retain_graph), or its group forgotten: this one alone
             packed.fetched = packed.to_device()
         out = packed.fetched
@@ -238,13 +234,15 @@ class OffloadPool:
         if not todo:
             return
         streams = self._stream_pair(todo[0].device)
+        if streams is not None:  # the host copies must be complete before they are read back (the copy stream's)
+            (streams[1] if ahead else torch.cuda.current_stream(todo[0].device)).wait_stream(streams[0])
         if streams is None or not ahead:  # on the current stream (synchronous without streams), in backward's order
             for p in todo:
                 p.fetched = p.to_device()
             self.prefetched += len(todo) if ahead else 0
             return
         fetch_stream = streams[1]
-        fetch_stream.wait_stream(torch.cuda.current_stream(todo[0].device))
+        fetch_stream.wait_stream(torch.cuda.current_stream(todo[0].device))  # ahead: issued after backward reached it
         with torch.cuda.stream(fetch_stream):
             for p in todo:
                 p.fetched = p.to_device()

@@ -26,7 +26,8 @@ TensorBoard layout, under a Lightning ``TensorBoardLogger`` (``version_N`` is th
     * torch's ``add_text`` stores text under ``<tag>/text_summary``; ``text_tag(TAG_PLAN)`` gives that name.
 
 A search the time model drove adds ``TIME_SCALAR_TAGS`` per trial: the step time predicted before the
-trial ran, and for a trial that ran, the prediction's error.
+trial ran, and for a trial that ran, the prediction's error. A trial that offloaded adds ``TAG_OFFLOAD_*``: its host
+pool and the transfer backward waited for, predicted and measured.
 
 Compiled trials (``torch.compile``, see ``lightning_ckpt.search.compile``) add ``COMPILE_SCALAR_TAGS`` per
 trial (compile seconds, graph breaks, recompiles) and a ``lightning_ckpt/4_compile_conflicts`` text
@@ -78,6 +79,9 @@ __all__ = [
     "TAG_PREDICTED_STEP_MS",
     "TAG_TIME_PREDICTION_ERROR",
     "TIME_SCALAR_TAGS",
+    "TAG_OFFLOAD_POOL_MIB",
+    "TAG_OFFLOAD_EXPOSED_PREDICTED_MS",
+    "TAG_OFFLOAD_EXPOSED_MEASURED_MS",
     "TEXT_TAG_SUFFIX",
     "TRIAL_SCALAR_TAGS",
     "WINNER_MARK",
@@ -147,6 +151,10 @@ COMPILE_SCALAR_TAGS = (TAG_COMPILE_SECONDS, TAG_GRAPH_BREAKS, TAG_RECOMPILES)
 TAG_PREDICTED_STEP_MS = f"{TAG_PREFIX}/trial/predicted_step_ms"
 TAG_TIME_PREDICTION_ERROR = f"{TAG_PREFIX}/trial/time_prediction_error"
 TIME_SCALAR_TAGS = (TAG_PREDICTED_STEP_MS, TAG_TIME_PREDICTION_ERROR)
+# Trials that offloaded (``search.result.offload_figures``): the host pool, and the transfer backward waited for.
+TAG_OFFLOAD_POOL_MIB = f"{TAG_PREFIX}/trial/offload_host_pool_mib"
+TAG_OFFLOAD_EXPOSED_PREDICTED_MS = f"{TAG_PREFIX}/trial/offload_exposed_predicted_ms"
+TAG_OFFLOAD_EXPOSED_MEASURED_MS = f"{TAG_PREFIX}/trial/offload_exposed_measured_ms"
 TRIAL_SCALAR_TAGS = (
     TAG_SAMPLES_PER_SECOND,
     TAG_PEAK_MIB,

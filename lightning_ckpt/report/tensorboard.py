@@ -44,6 +44,9 @@ from lightning_ckpt.report.tags import (
     TAG_CONFLICTS,
     TAG_GRAPH_BREAKS,
     TAG_MEMORY_BREAKDOWN,
+    TAG_OFFLOAD_EXPOSED_MEASURED_MS,
+    TAG_OFFLOAD_EXPOSED_PREDICTED_MS,
+    TAG_OFFLOAD_POOL_MIB,
     TAG_PARETO,
     TAG_PEAK_MIB,
     TAG_PLAN,
@@ -73,7 +76,7 @@ from lightning_ckpt.report.text import (
     verdict_of,
 )
 from lightning_ckpt.search.ledger import TrialRecord, vs_reference
-from lightning_ckpt.search.result import TuneResult
+from lightning_ckpt.search.result import TuneResult, offload_figures
 
 __all__ = [
     "best_so_far",
@@ -194,28 +197,27 @@ def write_experiment(writer: SummaryWriter, other_hparams: Mapping[str, Any] | N
 
 
 def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
+    def scaled(value: float | None, scale: float) -> float | None:
+        return None if value is None else scale * value
+
+    offload, stats = offload_figures(trial) or {}, compile_stats(trial) or {}
     scalars = {
         TAG_SAMPLES_PER_SECOND: alone_samples_per_second(trial),
-        TAG_PEAK_MIB: None if trial.peak_bytes is None else trial.peak_bytes / MIB,
-        TAG_PREDICTED_PEAK_MIB: None if trial.predicted_peak_bytes is None else trial.predicted_peak_bytes / MIB,
-        TAG_ACTIVATION_MIB: None if trial.activation_bytes is None else trial.activation_bytes / MIB,
-        TAG_PREDICTED_ACTIVATION_MIB: (
-            None if trial.predicted_activation_bytes is None else trial.predicted_activation_bytes / MIB
-        ),
+        TAG_PEAK_MIB: scaled(trial.peak_bytes, 1 / MIB),
+        TAG_PREDICTED_PEAK_MIB: scaled(trial.predicted_peak_bytes, 1 / MIB),
+        TAG_ACTIVATION_MIB: scaled(trial.activation_bytes, 1 / MIB),
+        TAG_PREDICTED_ACTIVATION_MIB: scaled(trial.predicted_activation_bytes, 1 / MIB),
         TAG_RECOMPUTE_OVERHEAD: trial.recompute_overhead,
         TAG_TRIAL_SECONDS: trial.seconds,
-        TAG_PREDICTED_STEP_MS: None if trial.predicted_seconds is None else 1000 * trial.predicted_seconds,
+        TAG_PREDICTED_STEP_MS: scaled(trial.predicted_seconds, 1000),
         TAG_TIME_PREDICTION_ERROR: trial.prediction_error,
+        TAG_OFFLOAD_POOL_MIB: scaled(offload.get("host_pool_bytes"), 1 / MIB),
+        TAG_OFFLOAD_EXPOSED_PREDICTED_MS: scaled(offload.get("exposed_predicted_seconds"), 1000),
+        TAG_OFFLOAD_EXPOSED_MEASURED_MS: scaled(offload.get("exposed_measured_seconds"), 1000),
+        TAG_COMPILE_SECONDS: stats.get("compile_seconds"),
+        TAG_GRAPH_BREAKS: stats.get("graph_breaks"),
+        TAG_RECOMPILES: stats.get("recompiles"),
     }
-    stats = compile_stats(trial)
-    if stats is not None:
-        scalars.update(
-            {
-                TAG_COMPILE_SECONDS: stats.get("compile_seconds"),
-                TAG_GRAPH_BREAKS: stats.get("graph_breaks"),
-                TAG_RECOMPILES: stats.get("recompiles"),
-            }
-        )
     return {tag: float(v) for tag, v in scalars.items() if v is not None}
 
 

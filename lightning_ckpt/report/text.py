@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_ckpt.budget import Budget
-from lightning_ckpt.formatting import count, format_bytes, markdown_table, table
+from lightning_ckpt.formatting import count, format_bytes, markdown_table, offload_phrase, table
 from lightning_ckpt.plan.format import Plan, block_names
 from lightning_ckpt.report.quantities import (
     best_feasible_baseline,
@@ -24,7 +24,7 @@ from lightning_ckpt.report.quantities import (
 )
 from lightning_ckpt.search.choice import CHOICE_RULE
 from lightning_ckpt.search.ledger import TrialRecord, vs_reference
-from lightning_ckpt.search.result import TuneResult
+from lightning_ckpt.search.result import TuneResult, offload_figures
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
@@ -127,6 +127,9 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
             )
         memory.append(f"peak {format_bytes(trial.peak_bytes)} (pred {format_bytes(trial.predicted_peak_bytes)})")
     parts.append(", ".join(memory))
+    offload = offload_figures(trial)
+    if offload is not None:
+        parts.append(offload_phrase(offload))
     stats = compile_stats(trial)
     if stats is not None:
         parts.append(f"compile {stats.get('compile_seconds', 0.0):.1f} s, {stats.get('graph_breaks', 0)} graph breaks")
@@ -212,6 +215,9 @@ def result_line(result: TuneResult) -> str:
         used = constrained_bytes(winner, budget)
         limit = f" of {format_bytes(budget.limit_bytes)}" if budget.limit_bytes is not None else ""
         parts.append(f"{_fmt_rate(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
+        offload = offload_figures(winner)
+        if offload is not None:
+            parts.append(offload_phrase(offload))
         base = best_feasible_baseline(result)
         verdict = verdict_of(result)
         if result.best.provenance.search.get("none_fits"):

@@ -6,12 +6,16 @@ one place so a bad value fails at construction, naming the setting and a valid e
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
+from lightning_ckpt.budget import host_memory, parse_bytes
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.search.space import SearchSpace
 
@@ -104,6 +108,9 @@ class TuneConfig:
     Rounds that go on "until settled" on a noisy machine otherwise run to ``confirm_max_rounds``. None: no allowance.
     compiled: whether every trial compiles its plan (None: detected from the model).
     micro_batches: the sizes the joint micro-batch search tries (None: every divisor of the global batch).
+    max_host_memory: the host memory the offloading modes' pool may pin (bytes or e.g. ``"64GiB"``): a plan whose
+    offloaded bytes exceed it is pruned as over budget. None: half of what the machine has free when the search
+    starts (pinned pages cannot be swapped out: pinning most of them starves the data loader and the system).
     clock: what every trial, re-timing and confirmation round times its steps with (``time.perf_counter``); a test
     that gives the search a machine which slows down part-way passes a clock that runs faster instead of sleeping.
     """
@@ -139,6 +146,7 @@ class TuneConfig:
     compiled: bool | None = None
     micro_batches: tuple[int, ...] | None = None
     clock: Callable[[], float] = time.perf_counter
+    max_host_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.clock):
@@ -148,6 +156,8 @@ class TuneConfig:
         for name in ("search_when_none_fits", "predict_time", "count_flops", "enforce_budget"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be True or False, but got {getattr(self, name)!r}.")
+        if self.max_host_memory is not None:
+            object.__setattr__(self, "max_host_memory", parse_bytes(self.max_host_memory, what="max_host_memory"))
         if self.memory_pass not in ("finalists", "every"):
             raise ConfigurationError(f"memory_pass must be 'finalists' or 'every', but got {self.memory_pass!r}.")
         object.__setattr__(self, "search_space", SearchSpace.from_config(self.search_space))
@@ -193,6 +203,20 @@ class TuneConfig:
                 raise ConfigurationError(
                     f"{name} must be a string, e.g. {example}, but got {type(value).__name__} {value!r}."
                 )
+
+    def host_limit(self) -> int | None:
+        """``max_host_memory``, or half of what the machine has free now (``/proc/meminfo``'s MemAvailable, else its
+        free pages) within ``host_memory``; None where nothing can be read."""
+        if self.max_host_memory is not None:
+            return int(self.max_host_memory)
+        free = None
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            lines = Path("/proc/meminfo").read_text().splitlines()
+            free = 1024 * next(int(line.split()[1]) for line in lines if line.startswith("MemAvailable:"))
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            free = free or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        host = host_memory()
+        return None if free is None else min(free, host[0] if host is not None else free) // 2
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> TuneConfig:
         """This config with ``overrides`` (keyword arguments of ``tune``) applied; unknown names are refused."""

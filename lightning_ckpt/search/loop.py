@@ -2,10 +2,11 @@
 
 Ranks move in lockstep: rank 0 proposes (``_Proposals``), every rank measures, records are combined identically
 (``Trials.run``). The order is the same whatever the sampler: the plans a resumed study stored, then, with the time
-model, every plan predicted over budget (pruned, free); then every baseline that can run (the references a tuned
-plan must beat, measured whatever ``n_trials``); then every plan when the space is no larger than ``n_trials``, else
-the sampler's proposals until ``n_trials`` plans ran, ``timeout`` passed, or the time model's
-``nothing_left_can_win`` holds (the rest are pruned, each with its prediction).
+model, every plan predicted over budget (or over ``max_host_memory``) and every offload plan predicted to wait
+longer for its transfer than it saves in recompute (``TimeModelSampler.offload_loses``; pruned, free); then every
+baseline that can run (the references a tuned plan must beat, measured whatever ``n_trials``); then every plan when
+the space is no larger than ``n_trials``, else the sampler's proposals until ``n_trials`` plans ran, ``timeout``
+passed, or the time model's ``nothing_left_can_win`` holds (the rest are pruned, each with its prediction).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from optuna.samplers import BaseSampler
@@ -82,8 +84,13 @@ def measure(
     progress: ProgressFn | None = None,
 ) -> TrialRecord:
     """Prune or run ``cand`` on every rank, with the time model's prediction, and put its record into the ledger."""
-    predicted = sampler.predict_seconds(cand) if isinstance(sampler, TimeModelSampler) else None
-    record = ledger.put(trials.run(cand, prune=prune, predicted_seconds=predicted))
+    timed = sampler if isinstance(sampler, TimeModelSampler) else None
+    predicted = timed.predict_seconds(cand) if timed is not None else None
+    moves = timed.model_for(cand.micro_batch).transfer(cand.plan) if timed is not None else None
+    record = trials.run(cand, prune=prune, predicted_seconds=predicted)
+    if moves is not None:  # what ``offload_figures`` reports beside the transfer measured
+        record = replace(record, extra={**record.extra, "offload_exposed_seconds": moves.exposed_seconds})
+    record = ledger.put(record)
     if progress is not None:
         progress(record, trials.budget)
     return record
@@ -151,6 +158,9 @@ class _Proposals:
             over = [c for c in unseen if self.trials.predicted_over_budget(c.plan, c.micro_batch)]
             if over:
                 return self._enqueued(over[0], "memory")
+            losing = next((c for c in unseen if self.timed.offload_loses(c)), None)
+            if losing is not None:
+                return self._enqueued(losing, "time")
         if self.baselines is None:
             order = self.timed.ranked(unseen) if self.timed is not None else self.candidates
             self.baselines = [c for c in order if c.baseline is not None]

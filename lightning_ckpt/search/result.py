@@ -16,7 +16,7 @@ from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
 from lightning_ckpt.search.phases import SearchCost
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["SearchFacts", "TuneResult", "build_result", "evidence"]
+__all__ = ["SearchFacts", "TuneResult", "build_result", "evidence", "offload_figures"]
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,28 @@ def evidence(
     }
 
 
-def _measured_figures(best: TrialRecord) -> dict[str, Any]:
+def offload_figures(trial: TrialRecord) -> dict[str, Any] | None:
+    """What a trial's offloaded blocks did (None where none ran): the bytes they held in host memory, the host pool's
+    size, and the transfer backward waited for, predicted (``TimeModel.transfer``) and measured: the trial's own step
+    less the time model's prediction of it without that wait (where the model predicted it)."""
+    extra = trial.extra
+    if not extra.get("offload_host_pool_bytes") and extra.get("offload_exposed_seconds") is None:
+        return None
+    predicted, error, measured = extra.get("offload_exposed_seconds"), trial.prediction_error, None
+    if predicted is not None and error is not None and trial.predicted_seconds is not None:
+        measured = max(0.0, trial.predicted_seconds / (1.0 + error) - (trial.predicted_seconds - predicted))
     return {
+        "offloaded_bytes": extra.get("offload_host_peak_bytes"),
+        "host_pool_bytes": extra.get("offload_host_pool_bytes"),
+        "exposed_predicted_seconds": predicted,
+        "exposed_measured_seconds": measured,
+    }
+
+
+def _measured_figures(best: TrialRecord) -> dict[str, Any]:
+    offload = offload_figures(best)
+    return {
+        **({"offload": offload} if offload is not None else {}),
         "label": best.label,
         "status": best.status.value,
         "samples_per_second": best.samples_per_second,

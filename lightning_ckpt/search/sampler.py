@@ -128,6 +128,16 @@ class TimeModelSampler(BaseSampler):
         )
         return mine * (1.0 - self.noise_margin()) < theirs
 
+    def offload_loses(self, cand: Candidate) -> bool:
+        """Whether ``cand``'s plan offloads at a loss: the transfer backward is predicted to wait for exceeds the recompute
+        checkpointing its offloaded blocks would cost instead (``TimeModel.transfer``) by more than the noise margin
+        of its step (before any plan was timed: of its blocks' own forward and backward), so a plan that recomputes
+        does better with the same memory."""
+        model, plan = self.model_for(cand.micro_batch), cand.plan
+        moves, predicted = model.transfer(plan), model.predict_seconds(plan)
+        slack = self.noise_margin() * (predicted if predicted is not None else model.plain_block_seconds())
+        return moves is not None and moves.exposed_seconds - moves.recompute_seconds > slack
+
     def nothing_left_can_win(self) -> bool:
         """The loop's stopping rule: the predicted-fastest plan left cannot beat the best measured one."""
         choice = self.choice(self.unseen())

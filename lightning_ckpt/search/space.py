@@ -4,7 +4,8 @@ Dimensions (each switchable):
 
 * ``structure``: ``none`` | ``blocks`` (per-block modes) | ``segments`` (sqrt(N)-style chunks);
 * ``selection``: which blocks of each stack get ``mode`` - ``all``, ``first:<fraction>``, ``every:<n>``;
-* ``mode``: ``full`` | ``selective:<kind>`` (children of that kind, e.g. ``mlp``) | ``ops:<save_list>`` | ``offload``;
+* ``mode``: ``full`` | ``selective:<kind>`` (children of that kind, e.g. ``mlp``) | ``ops:<save_list>`` | ``offload``
+  (saved tensors to host memory) | ``offload_input`` (checkpointed, its input to host memory);
 * ``rest_mode``: the mode of the blocks the selection leaves out (``none`` or a cheaper mode);
 * ``chunks``: segment count per stack when ``structure == segments``;
 * ``compile_budget``: PT2's ``activation_memory_budget`` when ``structure == pt2_budget`` (compiled
@@ -41,9 +42,10 @@ _DEFAULT_MODES = (
     "ops:save_matmuls",
     "ops:save_matmuls_alternate",
     "offload",
+    "offload_input",
 )
 _DEFAULT_SELECTIONS = ("all", "first:0.25", "first:0.5", "first:0.75", "every:2", "every:3")
-_DEFAULT_REST_MODES = ("none", "selective:mlp", "ops:save_matmuls")
+_DEFAULT_REST_MODES = ("none", "selective:mlp", "ops:save_matmuls", "offload", "offload_input")
 # PT2 activation memory budgets tried for compiled models (fractions of what the partitioner saves by default).
 _DEFAULT_COMPILE_BUDGETS = (0.7, 0.5, 0.3, 0.1)
 # Modes the compiler already does by itself, dropped for compiled models. AOTAutograd's min-cut
@@ -78,7 +80,7 @@ def _mode_plan(block: Block, mode: str) -> BlockPlan | None:
     """The BlockPlan for ``mode`` on ``block``; None when the block has nothing that mode can act on."""
     if mode == "none":
         return BlockPlan()
-    if mode in ("full", "offload"):
+    if mode in ("full", "offload", "offload_input"):
         return BlockPlan(mode)
     kind, _, arg = mode.partition(":")
     if kind == "ops":
@@ -128,7 +130,7 @@ class SearchSpace:
     """Which dimensions are searched and with which values; ``None``/empty switches a dimension off.
 
     ``modes``/``rest_modes``/``selections``/``chunks`` restrict values; ``segments=False`` drops the
-    segments structure, ``offload`` is dropped automatically for models that are not on CUDA.
+    segments structure, the offloading modes are dropped automatically for models that are not on CUDA.
     ``compile_budgets`` are the PT2 memory budgets tried for compiled models (``None``: the defaults,
     ``()``: none); ``for_compile()`` switches them on and drops what the partitioner already covers.
     """
@@ -156,9 +158,11 @@ class SearchSpace:
                 raise ConfigurationError(
                     f"Unknown op save-list {arg!r} in search space mode {mode!r}. Known: {', '.join(sorted(SAVE_LIST_NAMES))}."
                 )
-            if kind not in ("none", "full", "offload", "ops", "selective") or (kind == "selective" and not arg):
+            if kind not in ("none", "full", "offload", "offload_input", "ops", "selective") or (
+                kind == "selective" and not arg
+            ):
                 raise ConfigurationError(
-                    f"Unknown search space mode {mode!r}. Use 'full', 'offload', 'ops:<save_list>' or "
+                    f"Unknown search space mode {mode!r}. Use 'full', 'offload', 'offload_input', 'ops:<save_list>' or "
                     "'selective:<kind>[+<kind>]' with kinds mlp, attention, norm, other."
                 )
         for sel in self.selections:
@@ -221,8 +225,8 @@ class SearchSpace:
         # On a CPU model activations already live in host memory: offload cannot save anything.
         return replace(
             self,
-            modes=tuple(m for m in self.modes if m != "offload"),
-            rest_modes=tuple(m for m in self.rest_modes if m != "offload"),
+            modes=tuple(m for m in self.modes if not m.startswith("offload")),
+            rest_modes=tuple(m for m in self.rest_modes if not m.startswith("offload")),
         )
 
     def for_compile(self) -> SearchSpace:

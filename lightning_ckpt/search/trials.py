@@ -94,6 +94,7 @@ class Trials:
         # segments over them are offered no more (see runners._with_deviations).
         self.unchained: set[str] = set()
         self.started = time.perf_counter()
+        self.host_limit = config.host_limit()  # what offloaded blocks may pin
 
     def workload(self, micro_batch: int | None) -> Workload:
         return self.workloads[micro_batch]
@@ -115,7 +116,16 @@ class Trials:
         return w.memory.predict(plan) if w.memory is not None and w.predicts_memory else None
 
     def predicted_over_budget(self, plan: Plan, micro_batch: int | None = None) -> bool:
-        predicted = self.predicted(plan, micro_batch)
+        """Over the budget on the card, or over ``max_host_memory`` in the host memory its offloaded blocks pin."""
+        predicted, memory = self.predicted(plan, micro_batch), self.workload(micro_batch).memory
+        offloads = any(b.mode.startswith("offload") for b in plan.blocks.values())
+        if (
+            offloads
+            and memory is not None
+            and self.host_limit is not None
+            and memory.host_bytes(plan) > self.host_limit
+        ):
+            return True
         return predicted is not None and not self.budget.fits(*predicted)
 
     def offered(self, plan: Plan) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 from lightning_ckpt.plan.chunks import segment_chunks
 from lightning_ckpt.plan.format import Plan, mode_key
 
-__all__ = ["WELL_PREDICTED_ERROR", "BlockTime", "Calibration", "TimeModel"]
+__all__ = ["WELL_PREDICTED_ERROR", "BlockTime", "Calibration", "TimeModel", "Transfer"]
 
 # How far (median relative error of a step's prediction against its measurement) the model predicts on a steady
 # machine; more is worth a line: the search's pruning margin follows the error past it, and a re-plan says its
@@ -40,8 +40,9 @@ class BlockTime:
     """One block call: the median seconds of its forward+backward alone, per mode key (``mode_key``)."""
 
     fqn: str
-    seconds: Mapping[str, float]
+    seconds: Mapping[str, float]  # and ``forward``: the forward alone under ``none``
     shared_with: str | None = None  # the identical block whose timing this row reuses
+    offloaded_bytes: Mapping[str, int] = field(default_factory=dict)  # offloading mode key -> bytes it moves
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,17 @@ class Calibration:
     def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
         anchors = tuple((str(a[0]), float(a[1]), float(a[2])) for a in data.get("anchors", ()))
         return cls(float(data["base_seconds"]), anchors)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A plan's offload in one step (``TimeModel.transfer``): bytes each way, their time on the link, the part
+    backward waits for, and the recompute that checkpointing its ``offload`` blocks instead would cost."""
+
+    bytes: int
+    link_seconds: float
+    exposed_seconds: float
+    recompute_seconds: float
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,66 @@ class TimeModel:
     def added_seconds(self, plan: Plan) -> float | None:
         """What ``plan``'s modes add to a step, by the blocks' own timings; None when a block the plan
         checkpoints was not timed under its mode (it failed there, or the profile has no such mode), and for a
-        plan that sets PT2's memory budget (its recompute is the partitioner's choice: measured, not predicted)."""
+        plan that sets PT2's memory budget (its recompute is the partitioner's choice: measured, not predicted).
+        Offloaded blocks add their recompute and the transfer backward waits for (``transfer``) where the link was
+        measured, else what they added timed alone."""
+        keys = self._keys(plan)
+        if keys is None:
+            return None
+        moves = self.transfer(plan)
+        total = moves.exposed_seconds if moves is not None else 0.0
+        for row, key in zip(self.blocks, keys, strict=True):
+            if key is not None and moves is not None and key.startswith("offload"):
+                key = "full" if key == "offload_input" else None
+            added = _added(row, key) if key is not None else 0.0
+            if added is None:
+                return None
+            total += added
+        return total
+
+    def transfer(self, plan: Plan) -> Transfer | None:
+        """What ``plan``'s offloaded blocks move over the host link, and what of it backward waits for (None without
+        an offloaded block, a measured link: ``measured_at["link"]``, bytes/s each way, or a block's forward timed).
+        The step as the pool runs it, in each block's windows alone (``none``'s, its recompute in backward): copies
+        out queue behind each offloaded block's forward; a block comes back when backward reaches the offloaded block
+        after it (after the copies out; the last one when backward reaches it) and backward waits for what is late."""
+        keys, link = self._keys(plan), self.measured_at.get("link")
+        offloaded = [i for i, k in enumerate(keys or ()) if k is not None and k.startswith("offload")]
+        if keys is None or not offloaded or not link:
+            return None
+        forward, backward = [], []
+        for row, key in zip(self.blocks, keys, strict=True):
+            own = row.seconds.get("forward")
+            extra = _added(row, "full" if key == "offload_input" else key) if key not in (None, "offload") else 0.0
+            if own is None or extra is None or "none" not in row.seconds:
+                return None
+            forward.append(own)
+            backward.append(max(0.0, row.seconds["none"] - own) + extra)
+        moved = {i: self.blocks[i].offloaded_bytes.get(keys[i], 0) for i in offloaded}
+        clock = copied = 0.0
+        for i, seconds in enumerate(forward):
+            clock += seconds
+            if i in moved:
+                copied = max(copied, clock) + moved[i] / link["to_host"]
+        fetching, ready, exposed = copied, {}, 0.0
+        before = dict(zip(offloaded[1:], offloaded[:-1], strict=True))
+        for i in reversed(range(len(self.blocks))):
+            if i in moved:
+                back = ready.pop(i, max(clock, copied) + moved[i] / link["to_device"])
+                exposed += max(0.0, back - clock)
+                clock = max(clock, back)
+                if i in before:
+                    fetching = max(clock, fetching) + moved[before[i]] / link["to_device"]
+                    ready[before[i]] = fetching
+            clock += backward[i]
+        recompute = sum(_added(self.blocks[i], "full") or 0.0 for i in offloaded if keys[i] == "offload")
+        total = sum(moved.values())
+        seconds = total / link["to_host"] + total / link["to_device"]
+        return Transfer(total, seconds, exposed, recompute)
+
+    def _keys(self, plan: Plan) -> list[str | None] | None:
+        """Each row's mode key under ``plan`` (None: none; a segment's blocks but the last chunk's: ``full``); None for
+        a PT2 memory budget or segments the stacks cannot have."""
         if plan.compile_memory_budget is not None:
             return None
         chunked: set[str] = set()
@@ -88,20 +159,11 @@ class TimeModel:
                 return None
             for start, end in segment_chunks(len(fqns), n_chunks)[:-1]:
                 chunked.update(fqns[start:end])
-        total = 0.0
+        keys: list[str | None] = []
         for row in self.blocks:
-            if row.fqn in chunked:
-                key = "full"
-            else:
-                bp = plan.blocks.get(row.fqn)
-                if bp is None or bp.mode == "none":
-                    continue
-                key = mode_key(bp)
-            added = _added(row, key)
-            if added is None:
-                return None
-            total += added
-        return total
+            bp = plan.blocks.get(row.fqn)
+            keys.append("full" if row.fqn in chunked else None if bp is None else mode_key(bp))
+        return keys
 
     def predict_seconds(self, plan: Plan) -> float | None:
         """``plan``'s predicted step seconds; None before calibration or when ``added_seconds`` is None.
@@ -141,6 +203,8 @@ class TimeModel:
                 row["shared_with"] = b.shared_with
             if b.shared_with is None or b.fqn == b.shared_with:
                 row["seconds"] = dict(b.seconds)
+            if b.offloaded_bytes:
+                row["offloaded_bytes"] = dict(b.offloaded_bytes)
             rows.append(row)
         return {
             "blocks": rows,
@@ -155,7 +219,9 @@ class TimeModel:
         blocks = []
         for r in data["blocks"]:
             source = r.get("shared_with") if "seconds" not in r else r["fqn"]
-            blocks.append(BlockTime(r["fqn"], timed.get(source, {}), r.get("shared_with")))
+            blocks.append(
+                BlockTime(r["fqn"], timed.get(source, {}), r.get("shared_with"), r.get("offloaded_bytes", {}))
+            )
         calibration = data.get("calibration")
         return cls(
             blocks=tuple(blocks),
