@@ -17,6 +17,7 @@ from typing import Any
 
 from optuna.samplers import BaseSampler
 
+from lightning_ckpt.formatting import count
 from lightning_ckpt.search.ledger import VS_REFERENCE, Ledger, ProgressFn, TrialRecord, announce_confirmation
 from lightning_ckpt.search.rounds import (
     ConfirmEntry,
@@ -58,7 +59,7 @@ def confirm(
     trials: Trials,
     sampler: BaseSampler,
     progress: ProgressFn | None = None,
-    spent: Callable[[], bool] | None = None,
+    left: Callable[[], float | None] | None = None,
 ) -> Confirmed:
     """Re-time the sampler's leaders and every fitting baseline side by side, in interleaved rounds, until each
     leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``.
@@ -67,8 +68,9 @@ def confirm(
     moment. The machine's speed may also change between the search and the confirmation (another job starts, clocks
     throttle): the reference (the fastest fitting baseline) is re-timed first and compared with its search figure;
     when its speed changed, the search's figures were taken at different speeds and cannot pick the leaders, so
-    every fitting trial is re-ranked in one interleaved round first. ``spent()``: the search's allowance is used up
-    (``TuneConfig.search_steps``): no round beyond ``confirm_rounds``.
+    every fitting trial is re-ranked in one interleaved round first. ``left()``: the seconds the search's allowance
+    (``TuneConfig.search_steps``) has left; the rounds stop where the next one, and the fresh rounds' floor after
+    them, would not fit (``rounds.confirm_interleaved``).
     """
     config = trials.config
     if config.confirm_top <= 0:
@@ -80,7 +82,7 @@ def confirm(
     changed = _speed_changed_since_search(trials, chosen, config.measure_steps)
     if changed is not None:
         changes.append(changed)
-        _rerank(ledger, trials, progress, config.confirm_steps)
+        _rerank(ledger, trials, progress, config.confirm_steps, left)
         chosen = _leaders(ledger, sampler, config.confirm_top)
     announce_confirmation(progress, chosen)
     entries = _entries(trials, chosen, config.confirm_steps)
@@ -97,7 +99,8 @@ def confirm(
         until=(lambda s: s.choice_decided(tol)) if config.holdout_rounds > 0 else None,
         check_stop=trials.check_stop,
         on_step=_on_step(progress, "confirming", chosen, tol),
-        spent=spent,
+        left=left,
+        reserve_steps=2 * config.holdout_rounds * config.confirm_steps,  # the fresh rounds' floor, two plans
     )
     if side.speed_changed:
         changes.append(
@@ -110,8 +113,8 @@ def confirm(
         if t.number in side.per_sample:
             ledger.put(_with_note(t, side, labels, tol))
     stopped = ()
-    if side.stopped_by_allowance and not side.decided(tol):
-        stopped = (f"the confirmation after {len(side.rounds)} rounds, before every verdict was decided",)
+    if side.stopped_by_allowance and not (side.rounds and side.decided(tol)):
+        stopped = (f"the confirmation after {count(len(side.rounds), 'round')}, before every verdict was decided",)
     return Confirmed(side, tuple(changes), stopped)
 
 
@@ -160,10 +163,13 @@ def _speed_changed_since_search(trials: Trials, leaders: Sequence[TrialRecord], 
     )
 
 
-def _rerank(ledger: Ledger, trials: Trials, progress: ProgressFn | None, steps: int) -> None:
+def _rerank(
+    ledger: Ledger, trials: Trials, progress: ProgressFn | None, steps: int, left: Callable[[], float | None] | None
+) -> None:
     """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``), ``steps`` timed steps each (steps
     back to back share the machine's moment, so one round is enough to rank at one speed): figures taken side by side
-    replace the search's, so the leaders are picked at one speed. They do not count as confirmed."""
+    replace the search's, so the leaders are picked at one speed. They do not count as confirmed. Not where the
+    allowance ``left`` cannot pay for it and the confirmation's floor."""
     entries = _entries(trials, ledger.fastest_fitting()[:_MAX_RERANKED], steps)
     side = confirm_interleaved(
         entries,
@@ -172,6 +178,8 @@ def _rerank(ledger: Ledger, trials: Trials, progress: ProgressFn | None, steps: 
         sync=trials.sync,
         check_stop=trials.check_stop,
         on_step=_on_step(progress, "re-ranking", [e.trial for e in entries], trials.config.tie_tolerance),
+        left=left,
+        reserve_steps=2 * trials.config.confirm_rounds * trials.config.confirm_steps,
     )
     for t in ledger.snapshot():
         times = side.per_sample.get(t.number)
@@ -222,9 +230,9 @@ def hold_out(
     trials: Trials,
     confirmed: Confirmed,
     progress: ProgressFn | None = None,
-    spent: Callable[[], bool] | None = None,
+    left: Callable[[], float | None] | None = None,
 ) -> tuple[TrialRecord, Verdict | None, bool]:
-    """(the plan kept, the held-out verdict, whether the allowance ``spent`` ended its rounds): ``best``, or the reference where fresh rounds (``rounds.holdout``,
+    """(the plan kept, the held-out verdict, whether the allowance ``left`` ended its rounds): ``best``, or the reference where fresh rounds (``rounds.holdout``,
     ``holdout_rounds``) do not find the tuned plan the confirmation chose faster than it. Their figures replace both
     plans' confirmation figures, so the plan file's throughput and its verdict say the same."""
     config = trials.config
@@ -240,10 +248,10 @@ def hold_out(
         sync=trials.sync,
         check_stop=trials.check_stop,
         on_step=_on_step(progress, "fresh rounds", ledger.snapshot(), config.tie_tolerance),
-        spent=spent,
+        left=left,
     )
-    if reference is None:
-        return best, None, False
+    if reference is None:  # none ran (the allowance may have stopped them first): the choosing rounds' verdict stands
+        return best, None, stopped
     fresh = {reference.number: vs_reference_note(None, reference.label, verdict.rounds if verdict else 0)}
     if verdict is not None:
         fresh[best.number] = vs_reference_note(verdict, reference.label, verdict.rounds)

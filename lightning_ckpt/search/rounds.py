@@ -76,11 +76,17 @@ def confirm_interleaved(
     until: Callable[[SideBySide], bool] | None = None,
     check_stop: Callable[[], None] | None = None,
     on_step: RoundProgress | None = None,
-    spent: Callable[[], bool] | None = None,
+    left: Callable[[], float | None] | None = None,
+    reserve_steps: int = 0,
 ) -> SideBySide:
     """Re-time ``entries`` in interleaved rounds until the verdict is decided (or ``until`` says the figures are
-    enough), or ``max_rounds``, or, after ``min_rounds``, ``spent()`` (the search's allowance is used up:
-    ``stopped_by_allowance``).
+    enough), or ``max_rounds``, or the search's allowance cannot pay for the next round (``stopped_by_allowance``).
+
+    ``left()``: the seconds the search's allowance has left (None: unbounded). Before each round, the floor's
+    included, its cost is predicted (the last round's seconds per step timed, before any round the entries' search
+    figures) and the rounds stop where it, plus ``reserve_steps`` such steps kept for what follows (the fresh
+    rounds' floor), does not fit: so a search stays within its allowance on any model, the figures taken are kept
+    and the verdicts they leave undecided keep the reference. Rank 0's prediction decides for every rank.
 
     ``on_step(round, max_rounds, timed, to_time, side)`` is called after each plan timed, with the figures of the
     rounds so far: a round of six plans took 90 s on a loaded 2-core machine, and a progress line that moved only
@@ -107,10 +113,17 @@ def confirm_interleaved(
     baselines = {e.trial.number for e in entries if e.trial.baseline is not None}
     active = list(entries)
     result = SideBySide.of(rounds, numbers, baselines)
+    # Seconds per step timed: from the search's figures until a round measured it (overhead included).
+    per_step = statistics.fmean([e.trial.median_seconds or 0.0 for e in entries]) if entries else 0.0
     for done in range(1, max_rounds + 1):
         if check_stop is not None:
             check_stop()  # a stop request (SIGTERM) ends the search between rounds as between trials
         order = _round_order(active, done)
+        steps = sum(e.steps_per_round + (e.warmup_steps if done == 1 else 0) for e in order)
+        before = left() if left is not None else None
+        # Rank 0's clock decides, for every rank: each rank's own would stop the ranks' collectives at different rounds.
+        if left is not None and sync.broadcast(before is not None and before < per_step * (steps + reserve_steps)):
+            return replace(result, stopped_by_allowance=True)
         row: dict[int, float] = {}
         if on_step is not None:
             on_step(done, max_rounds, 0, len(order), result)
@@ -122,6 +135,9 @@ def confirm_interleaved(
             if on_step is not None and i < len(order):
                 on_step(done, max_rounds, i, len(order), result)
         rounds.append(row)
+        after = left() if before is not None and left is not None else None
+        if before is not None and after is not None and steps:
+            per_step = max(0.0, before - after) / steps
         result = SideBySide.of(rounds, numbers, baselines)
         if on_step is not None:
             on_step(done, max_rounds, len(order), len(order), result)
@@ -129,9 +145,6 @@ def confirm_interleaved(
             continue
         if until(result) if until is not None else result.decided(tie_tolerance):
             break
-        # Rank 0's clock decides, for every rank: each rank's own would stop the ranks' collectives at different rounds.
-        if done < max_rounds and spent is not None and sync.broadcast(bool(spent())):
-            return replace(result, stopped_by_allowance=True)
         settled = result.settled(tie_tolerance)
         active = [e for e in active if e.trial.number not in settled]
     return result
@@ -147,7 +160,7 @@ class SideBySide:
     round_speeds: tuple[float, ...]
     rounds: tuple[dict[int, float], ...] = ()
     baselines: frozenset[int] = frozenset()
-    stopped_by_allowance: bool = False  # the search's allowance ended the rounds (``confirm_interleaved``'s ``spent``)
+    stopped_by_allowance: bool = False  # the search's allowance ended the rounds (``confirm_interleaved``'s ``left``)
 
     @property
     def speed_changed(self) -> bool:
@@ -268,9 +281,9 @@ def holdout(
     sync: Sync | None = None,
     check_stop: Callable[[], None] | None = None,
     on_step: RoundProgress | None = None,
-    spent: Callable[[], bool] | None = None,
+    left: Callable[[], float | None] | None = None,
 ) -> tuple[list[TrialRecord], TrialRecord | None, Verdict | None, bool]:
-    """(records, reference, verdict, stopped by the allowance ``spent``): the chosen tuned plan ``best`` timed again in fresh interleaved rounds (at
+    """(records, reference, verdict, stopped by the allowance ``left``, as ``confirm_interleaved``): the chosen tuned plan ``best`` timed again in fresh interleaved rounds (at
     least ``rounds``, then until its ratio's interval is within ``CLAIM_HALF_WIDTH`` or it cannot win, at most
     ``max_rounds``) beside the reference the choosing rounds found fastest, ``records`` with those two figures, that
     reference, and ``best``'s verdict against it from those rounds alone (``Verdict.chosen_after``: the rounds of
@@ -311,10 +324,10 @@ def holdout(
         until=precise,
         check_stop=check_stop,
         on_step=on_step,
-        spent=spent,
+        left=left,
     )
     if not fresh.per_sample.get(reference.number):  # the reference did not run in the fresh rounds
-        return list(records), None, None, False
+        return list(records), None, None, fresh.stopped_by_allowance
     verdict = fresh.verdict(best.number, labels, tie_tolerance, reference=reference.number)
     verdict = replace(verdict, chosen_after=chosen_after) if verdict is not None else None
     return apply_confirmation(records, entries, fresh.per_sample), reference, verdict, fresh.stopped_by_allowance
@@ -415,10 +428,14 @@ def reported_verdict(
 
 def beats_by(side: SideBySide | None, tie_tolerance: float) -> Callable[[TrialRecord, TrialRecord], bool | None]:
     """``records.choose_best``'s ``beats`` from the confirmation ``side``: a tuned plan's verdict against the
-    reference decides whether it wins; None (the figures decide) for a pair not re-timed side by side."""
+    reference decides whether it wins; None (the figures decide) for a pair not re-timed side by side, but False
+    where the allowance ended the rounds before they re-timed it: a plan the rounds could not confirm is undecided,
+    and an undecided plan keeps the reference."""
 
     def beats(trial: TrialRecord, reference: TrialRecord) -> bool | None:
         verdict = verdict_between(side, trial, reference, tie_tolerance)
+        if verdict is None and side is not None and side.stopped_by_allowance:
+            return False
         return verdict.wins if verdict is not None else None
 
     return beats

@@ -157,7 +157,7 @@ def tune(
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     start_expandable_segments()  # only while CUDA has not started (a model still on the host): see measure.allocator
     resolved = ModelView.of(model, config.block_types)
-    with search_session(resolved) as session:
+    with search_session(resolved, config.clock) as session:
         step_fn = session.restoring(step_fn)
         shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
         steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
