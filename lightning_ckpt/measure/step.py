@@ -5,7 +5,6 @@ it reads are defined once, in ``measure.measurement``'s docstring; ``StepSetting
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 import traceback
@@ -150,8 +149,7 @@ def _tracked_step(step_fn: Callable[[], Any], tracker: Any, device: torch.device
         # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, whose
         # categories tell them from gradients, as on CPU.
         _synchronize(device)
-        gc.collect()
-        resting = memory.allocated()
+        resting = memory.allocated()  # no collection: see ``_enforced_memory_limit``
         memory.reset_peak()
         with tracker:
             step_fn()
@@ -196,8 +194,9 @@ def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reser
         return
     previous = memory.get_fraction()
     # Cached free blocks are handed out without checking the cap, so empty the cache first or a
-    # plan over budget could pass by reusing memory an earlier candidate left reserved.
-    gc.collect()
+    # plan over budget could pass by reusing memory an earlier candidate left reserved. No collection: a step that
+    # ran freed all it allocated by reference counting, and a failed one was collected when it failed
+    # (``measure_step``); a full collection cost ~0.2 s, several times per trial, on a GPU step of milliseconds.
     memory.empty_cache()
     fraction = min(previous, (limit + max(0, reserve_headroom)) / memory.total_bytes)
     memory.set_fraction(fraction)
@@ -297,7 +296,6 @@ class _Passes:
         memory = device_memory(self.device)
         if memory is not None:
             _synchronize(self.device)
-            gc.collect()
             resting = memory.allocated()
             memory.reset_peak()
         while True:  # ``steps`` times, then more until MAD/median reaches ``target_rel_spread`` or ``limit_steps``

@@ -94,6 +94,9 @@ class Trials:
         # segments over them are offered no more (see runners._with_deviations).
         self.unchained: set[str] = set()
         self.started = time.perf_counter()
+        # The memory model's answers by plan key: the loop asks them for every unseen candidate at every proposal.
+        self._predicted: dict[tuple[str, int | None], tuple[int, int] | None] = {}
+        self._runnable: dict[str, bool] = {}
 
     def workload(self, micro_batch: int | None) -> Workload:
         return self.workloads[micro_batch]
@@ -111,8 +114,11 @@ class Trials:
 
     def predicted(self, plan: Plan, micro_batch: int | None = None) -> tuple[int, int] | None:
         """(peak, activation bytes) the memory model predicts for ``plan``, None where it does not predict."""
-        w = self.workload(micro_batch)
-        return w.memory.predict(plan) if w.memory is not None and w.predicts_memory else None
+        key = (plan.key(), micro_batch)
+        if key not in self._predicted:
+            w = self.workload(micro_batch)
+            self._predicted[key] = w.memory.predict(plan) if w.memory is not None and w.predicts_memory else None
+        return self._predicted[key]
 
     def predicted_over_budget(self, plan: Plan, micro_batch: int | None = None) -> bool:
         predicted = self.predicted(plan, micro_batch)
@@ -122,8 +128,10 @@ class Trials:
         """Whether ``plan`` can run: the profile allows it, and no trial saw its segments leave the chain."""
         if plan.segments.keys() & self.unchained:
             return False
-        memory = next(iter(self.workloads.values())).memory
-        return memory is None or memory.can_run(plan) is None
+        if plan.key() not in self._runnable:
+            memory = next(iter(self.workloads.values())).memory
+            self._runnable[plan.key()] = memory is None or memory.can_run(plan) is None
+        return self._runnable[plan.key()]
 
     def run(self, cand: Candidate, *, prune: str | None, predicted_seconds: float | None = None) -> TrialRecord:
         """``cand`` pruned (``prune``: by the ``"memory"`` or the ``"time"`` model) or run on every rank, combined."""
