@@ -41,11 +41,23 @@ from lightning_ckpt.memory.capture import (
 from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import BlockPlan, Plan
 
-__all__ = ["TIMING_ROUNDS", "CompiledBlockRuns", "compiled_block_modes", "time_block_modes"]
+__all__ = [
+    "MIN_TIMING_ROUNDS",
+    "TIMING_ROUNDS",
+    "TIMING_STEPS",
+    "CompiledBlockRuns",
+    "compiled_block_modes",
+    "time_block_modes",
+]
 
 # Rounds per mode after one untimed warm-up round: the median of 5 is steady to a few percent on a busy
-# 2-core machine, and a round costs one block's forward+backward per mode (a small share of one step).
+# 2-core machine. A round costs one block's forward+backward per mode, a small share of a deep model's step but more
+# than a whole step of a shallow fast one (seven modes, each applied and removed): there the rounds are as many as
+# ``TIMING_STEPS`` of the block's share of the step pay for (the warm-up round's seconds tell), at least
+# ``MIN_TIMING_ROUNDS``.
 TIMING_ROUNDS = 5
+MIN_TIMING_ROUNDS = 3
+TIMING_STEPS = 4
 
 
 def time_block_modes(
@@ -55,10 +67,12 @@ def time_block_modes(
     *,
     device: torch.device,
     rounds: int = TIMING_ROUNDS,
+    calls: int | None = None,
     restore: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes`` (key -> block
-    plan); a mode that fails here is left out. ``restore`` puts the model's state back (gradients, RNG)."""
+    plan); a mode that fails here is left out. ``calls``: the block calls of the step this block stands for, which
+    size the rounds (``TIMING_STEPS``; None: ``rounds``). ``restore`` puts the model's state back (gradients, RNG)."""
     where = hidden_index(cap.args, cap.kwargs)
     if where is None:
         return {}
@@ -67,7 +81,13 @@ def time_block_modes(
         return _time_once(root, cap, where, modes[key], device, cap.module)
 
     try:
-        return _interleaved(modes, rounds + 1, once, timed_from=1)
+        t0 = time.perf_counter()
+        warm = _interleaved(modes, 1, once, timed_from=0)
+        seconds = time.perf_counter() - t0
+        if calls is not None and warm.get("none") and seconds > 0:
+            paid = int(TIMING_STEPS * calls * warm["none"] / seconds)
+            rounds = max(min(rounds, MIN_TIMING_ROUNDS), min(rounds, paid))
+        return _interleaved({k: modes[k] for k in warm}, rounds, once, timed_from=0)
     finally:
         if restore is not None:
             restore()

@@ -319,7 +319,10 @@ def _run_profile(
             runs.compile_seconds = sum(r.compile_seconds for r in compiled_runs.values())
             runs.compiles = sum(r.compiles for r in compiled_runs.values())
         elif timed:
-            runs.timings = _run_blocks(time_block_modes, root, runs.profiled, runs.profiles, dev, snapshot, timed)
+            calls = {key: runs.call_rep.count(key) for key in runs.profiled}  # what each one's rounds are sized by
+            runs.timings = _run_blocks(
+                time_block_modes, root, runs.profiled, runs.profiles, dev, snapshot, timed, calls
+            )
     finally:
         snapshot.restore()
     return runs
@@ -455,11 +458,13 @@ def _run_blocks(
     dev: torch.device,
     snapshot: StateSnapshot,
     modes: bool | Collection[str],
+    calls: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """``run`` (``memory.block_times``: ``time_block_modes``, or ``compiled_block_modes`` for a compiled model) on
     each representative alone under every mode its memory profile ran, or only ``modes``, and always ``none``,
-    which the others are measured against."""
+    which the others are measured against; ``calls``: each one's block calls, which size its rounds."""
     wanted = None if isinstance(modes, bool) else {"none", *modes}
+    sized = (lambda key: {"calls": calls[key]}) if calls is not None else (lambda key: {})  # noqa: E731
     return {
         key: run_pass(
             f"the memory profile's timing of {cap.fqn} alone",
@@ -470,6 +475,7 @@ def _run_blocks(
                 {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
                 device=dev,
                 restore=snapshot.restore,
+                **sized(key),
             ),
             snapshot.restore,
             cold=False,  # one block's buffers, not a step's: no sync and emptied cache per block
