@@ -178,15 +178,11 @@ class _BudgetExceeded(Exception):
 
 @contextlib.contextmanager
 def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reserve_headroom: int = 0) -> Iterator[bool]:
-    """Cap this process's allocator near ``limit`` bytes, restoring the previous cap afterwards; yields whether
-    the cap set is tighter than the one before (the user's own fraction, or the whole card).
-
-    The cap (``set_per_process_memory_fraction``) counts *reserved* memory, while budgets count
-    allocated bytes: ``reserve_headroom`` (the allocator's reserve above allocated, measured on the
-    profile's step) is added so a plan that fits in allocated bytes is rarely failed by block rounding, and
-    ``measure_step`` re-runs once without it a step the cap refused although its allocated bytes fitted.
-    The budget itself is still judged on ``max_memory_allocated``. A smaller cap the user set is kept.
-    """
+    """Cap this process's allocator near ``limit`` bytes (``set_per_process_memory_fraction``), restoring the previous
+    cap afterwards; yields whether it is tighter than the one before (the user's own, or the whole card). The cap
+    counts *reserved* memory and budgets allocated bytes: ``reserve_headroom`` (the allocator's reserve above
+    allocated, measured on the profile's step) is added, and ``measure_step`` re-runs once without the cap a step it
+    refused although its allocated bytes fitted. The budget is still judged on ``max_memory_allocated``."""
     if limit is None or memory is None:
         if memory is not None:
             memory.empty_cache()  # step-sized buffers from a cold cache, not from what the last plan's steps split
@@ -401,22 +397,17 @@ def measure_step(
 ) -> Measurement:
     """Time ``step_fn`` (forward + backward of one batch) and read its memory, never raising for OOM.
 
-    ``step_fn`` takes no arguments and must *not* step the optimizer: measuring must leave training untouched, so
-    every ``.grad``, buffer and global RNG stream is restored afterwards, ``.grad`` is reset before every step (each
-    step allocates its gradients as a real step does), and a parameter modified in place raises
-    ``ConfigurationError``. ``optimizer`` and ``extra`` (the batch) only count as resting memory;
-    ``batch_size``/``seq_len`` turn step times into samples/s and tokens/s.
+    ``step_fn`` takes no arguments and must *not* step the optimizer: every ``.grad``, buffer and global RNG stream is
+    restored afterwards, ``.grad`` is reset before every step, and a parameter modified in place raises
+    ``ConfigurationError``. ``optimizer`` and ``extra`` (the batch) count as resting memory; ``batch_size``/``seq_len``
+    turn step times into samples/s and tokens/s. ``settings.read_allocator`` (CUDA, without ``track_memory``) reads
+    the peak off the allocator over the timed steps: under the tracker's dispatch mode dynamo runs a compiled frame
+    eagerly (the activation figure is then the caller's, ``compile.SavedForBackward``).
 
-    ``settings.read_allocator`` (CUDA, without ``track_memory``) reads the peak off the allocator over the timed
-    steps: under the tracker's dispatch mode dynamo runs a compiled frame eagerly, so a tracked pass would read
-    (and budget) the eager step; the activation figure is then the caller's (``compile.SavedForBackward``).
-
-    ``memory_limit_bytes`` is enforced on CUDA for real, by capping the allocator
-    (``set_per_process_memory_fraction``, never above a cap already set, plus ``reserve_headroom_bytes`` for its
-    reserve), so a plan over budget fails as ``oom`` instead of passing by luck; a step that completes above the
-    limit (CPU: the tracked peak, or CUDA between limit and cap) is ``over_budget``. Failures never escape
-    (``BaseException``s are re-raised after restoring state), and a failed step's memory is released outside the
-    ``except``, so the caller can go on to the next plan.
+    ``memory_limit_bytes`` is enforced on CUDA by capping the allocator (never above a cap already set, plus
+    ``reserve_headroom_bytes``), so a plan over budget fails as ``oom`` instead of passing by luck; a step that
+    completes above the limit is ``over_budget``. Failures never escape (``BaseException``s are re-raised after
+    restoring state), and a failed step's memory is collected outside the ``except``, so the next plan can run.
     """
     settings = settings or StepSettings()
     _check_shape(batch_size, seq_len)

@@ -180,27 +180,20 @@ def profile_step(
     """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time
     model (``time_blocks``) its step time.
 
-    ``forward_fn`` takes no arguments, runs the forward on the batch and returns the loss (a scalar
-    tensor, a dict with ``"loss"``, or an object with ``.loss``); the profile calls ``backward`` on it,
-    as the measured step will. Profile in the state you will measure in: same batch, same gradients
-    (``None`` or not), same optimizer state; ``extra`` are tensors created outside the step (e.g. the
-    batch) to count as resting memory, as in ``measure_step``. HF models should run with
-    ``use_cache=False`` (a KV cache filled during a training forward is memory no plan can remove).
+    ``forward_fn`` takes no arguments, runs the forward and returns the loss (a scalar tensor, a dict with
+    ``"loss"``, or an object with ``.loss``); the profile calls ``backward`` on it as the measured step will. Profile
+    in the state you will measure in (batch, gradients, optimizer state); ``extra`` are tensors made outside the step
+    (the batch) that count as resting memory. HF models should run with ``use_cache=False``.
 
-    Memory-safe: the most memory any pass needs is one step with every block fully checkpointed
-    (the lowest-memory plan) or one block's forward+backward without checkpointing. Model state
-    (gradients, buffers, RNG) is left as it was. The model must not have a plan applied.
-
-    ``selective_sets``: child sets to profile exactly for ``selective`` mode (every single child and
-    each block's attention, MLP and attention+MLP children are profiled by default); a mapping from
-    block FQN, or one list for all blocks. Other sets are predicted by adding single-child effects.
-    ``share_identical_blocks``: blocks with the same class, parameter shapes and input shapes share
-    one profile (run once instead of once per block). ``time_blocks``: time each representative under every
-    mode as well, without the tracker, for ``Profile.time``; a collection of mode keys (``plan.format.mode_key``)
-    times only those (``tune`` passes its space's); False: ``Profile.time`` is None. ``compiled_blocks``: time
-    each representative *compiled alone* instead (``memory.block_times.compiled_block_modes``: one compile per
-    distinct block and mode), for a model that trains compiled; ``Profile.compiled`` then holds what each mode's
-    compiled graph saves for backward, which ``CompiledMemoryModel`` predicts a compiled step's memory from.
+    Memory-safe: no pass needs more than one step with every block fully checkpointed or one block's forward and
+    backward without checkpointing; model state (gradients, buffers, RNG) is left as it was, and no plan may be
+    applied. ``selective_sets``: child sets to profile exactly (by default every single child and each block's
+    attention, MLP and attention+MLP children), a mapping from block FQN or one list for all blocks; other sets add
+    single-child effects. ``share_identical_blocks``: blocks with the same class, parameter and input shapes share
+    one profile. ``time_blocks``: time each representative under every mode (a collection of mode keys: only those;
+    False: ``Profile.time`` is None). ``compiled_blocks``: time them *compiled alone* instead
+    (``memory.block_times.compiled_block_modes``), and ``Profile.compiled`` holds what each mode's compiled graph
+    saves for backward, which ``CompiledMemoryModel`` predicts a compiled step's memory from.
     """
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
@@ -283,11 +276,9 @@ def _run_profile(
     timed: bool | Collection[str],
     compiled: bool = False,
 ) -> _Runs:
-    """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the
-    state the model was in. Each pass from a cold cache (``run_pass``), as under a trial's cap: the capture's forward
-    left blocks cached (its fp32 logits among them) that the anchor step split, and on a card capped near the budget
-    the anchor's own logits then found no room (an H200 capped at 21.8 GiB refused 6.14 GiB with 11.17 allocated and
-    4.74 reserved but free)."""
+    """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the state the
+    model was in and from a cold cache (``run_pass``), as under a trial's cap: the capture's forward left blocks cached
+    that the anchor step split, and on an H200 capped near the budget the anchor's logits then found no room."""
     snapshot = StateSnapshot.capture(root)
 
     def profile_pass(what: str, run: Callable[[], Any]) -> Any:

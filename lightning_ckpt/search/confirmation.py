@@ -62,15 +62,10 @@ def confirm(
     left: Callable[[], float | None] | None = None,
 ) -> Confirmed:
     """Re-time the sampler's leaders and every fitting baseline side by side, in interleaved rounds, until each
-    leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``.
-
-    The choice then rests on figures taken side by side, paired by round, never on one trial measured in a slow
-    moment. The machine's speed may also change between the search and the confirmation (another job starts, clocks
-    throttle): the reference (the fastest fitting baseline) is re-timed first and compared with its search figure;
-    when its speed changed, the search's figures were taken at different speeds and cannot pick the leaders, so
-    every fitting trial is re-ranked in one interleaved round first. ``left()``: the seconds the search's allowance
-    (``TuneConfig.search_steps``) has left; the rounds stop where the next one, and the fresh rounds' floor after
-    them, would not fit (``rounds.confirm_interleaved``).
+    leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``: the choice
+    rests on figures paired by round. When the reference, re-timed first, shows that the machine's speed changed since
+    the search, every fitting trial is re-ranked in one interleaved round first. ``left()``: the seconds the search's
+    allowance (``TuneConfig.search_steps``) has left; a round starts only where it and the fresh rounds' floor fit.
     """
     config = trials.config
     if config.confirm_top <= 0:
@@ -119,9 +114,8 @@ def confirm(
 
 
 def _with_note(t: TrialRecord, side: SideBySide, labels: Mapping[int, str], tie_tolerance: float) -> TrialRecord:
-    """``t`` with its speed over the reference from the rounds both ran in (``extra[VS_REFERENCE]``): the figure a
-    report can set beside the winner's. Their samples/s are not: the rounds run for minutes on a shared machine, and
-    a leader timed in a fast stretch read 3.62 samples/s beside a winner at 2.7 (issue #64)."""
+    """``t`` with its speed over the reference from the rounds both ran in (``extra[VS_REFERENCE]``), the figure a
+    report sets beside the winner's: samples/s from rounds minutes apart are not (issue #64)."""
     ref = side.reference
     if ref is None:
         return t
@@ -131,10 +125,9 @@ def _with_note(t: TrialRecord, side: SideBySide, labels: Mapping[int, str], tie_
 
 
 def _leaders(ledger: Ledger, sampler: BaseSampler, top: int) -> list[TrialRecord]:
-    """What the confirmation re-times: the sampler's leaders among the tuned plans, and every fitting baseline (at
-    most a handful: the fastest of them is the reference a tuned plan must beat, whatever its first figure). Their
-    memory stays predicted where the model is exact (CPU) until one is chosen: the choice verifies the winner, and
-    chooses again if it does not fit."""
+    """What the confirmation re-times: the sampler's leaders among the tuned plans and every fitting baseline (the
+    fastest is the reference a tuned plan must beat). Their memory stays predicted where the model is exact (CPU)
+    until one is chosen: the choice verifies it."""
     feasible = ledger.fastest_fitting()
     tuned = [t for t in feasible if t.baseline is None]
     references = [t for t in feasible if t.baseline is not None][:_MAX_REFERENCES]
@@ -232,9 +225,9 @@ def hold_out(
     progress: ProgressFn | None = None,
     left: Callable[[], float | None] | None = None,
 ) -> tuple[TrialRecord, Verdict | None, bool]:
-    """(the plan kept, the held-out verdict, whether the allowance ``left`` ended its rounds): ``best``, or the reference where fresh rounds (``rounds.holdout``,
-    ``holdout_rounds``) do not find the tuned plan the confirmation chose faster than it. Their figures replace both
-    plans' confirmation figures, so the plan file's throughput and its verdict say the same."""
+    """(the plan kept, the held-out verdict, whether the allowance ``left`` ended its rounds): ``best``, or the
+    reference where fresh rounds (``rounds.holdout``) do not find ``best`` faster. Their figures replace both plans'
+    confirmation figures, so the plan file's throughput and its verdict say the same."""
     config = trials.config
     records, reference, verdict, stopped = holdout(
         best,

@@ -1,9 +1,6 @@
-"""Where a search's time went: seconds by phase, and the same in plain training steps.
-
-A search is worth its cost only against the steps it makes faster, and a user reading "the search took 38 s" cannot
-tell whether the trials or a fixed cost (the first compile, the write check, the hold-out rounds) took it. Each phase
-is timed where it runs (``Phases.timing``); what no phase claims is ``other`` (Python between phases, collection,
-synchronisation), so the phases always add up to the search's wall time.
+"""Where a search's time went: seconds by phase, and the same in plain training steps (a search is worth its cost
+only against the steps it makes faster). Each phase is timed where it runs (``Phases.timing``); what no phase claims
+is ``other`` (Python between phases, collection, synchronisation), so the phases add up to the search's wall time.
 """
 
 from __future__ import annotations

@@ -45,8 +45,7 @@ from lightning_ckpt.timing.model import TimeModel
 __all__ = ["TAIL_STEPS", "Search", "SearchHooks", "conclude", "run_search", "warm_up_process"]
 
 # Plain steps the allowance keeps for what follows the side-by-side rounds: the winner's (and a kept reference's)
-# tracked memory pass and FLOP count, the result. A tracked step costs about 3.5 plain ones on CPU, more on a step of
-# a few milliseconds (the tracker's cost is per op).
+# tracked memory pass and FLOP count (3.5 and 2 plain steps on CPU, more on a fast step: the tracker's cost is per op).
 TAIL_STEPS = 10
 
 

@@ -1,10 +1,7 @@
-"""The side-by-side confirmation: re-time the leaders in interleaved rounds, so the choice compares figures
-taken at the same moments of a shared machine, never a trial measured in a slow moment against one that was not.
-
-``confirmation.confirm`` (every search, the joint micro-batch one included) uses ``confirm_interleaved``, which times the
-entries until ``SideBySide`` can give every tuned plan a decided ``verdict.Verdict`` against the fastest baseline;
-``holdout`` re-times the winner in fresh rounds for the claim; ``apply_confirmation`` puts the figures into the
-records.
+"""The side-by-side confirmation: leaders re-timed in interleaved rounds, so the choice compares figures taken at the
+same moments of a shared machine. ``confirm_interleaved`` times entries until ``SideBySide`` decides every tuned
+plan's ``verdict.Verdict`` against the fastest baseline; ``holdout`` re-times the winner in fresh rounds for the
+claim; ``apply_confirmation`` puts the figures into the records.
 """
 
 from __future__ import annotations
@@ -80,32 +77,23 @@ def confirm_interleaved(
     reserve_steps: int = 0,
 ) -> SideBySide:
     """Re-time ``entries`` in interleaved rounds until the verdict is decided (or ``until`` says the figures are
-    enough), or ``max_rounds``, or the search's allowance cannot pay for the next round (``stopped_by_allowance``).
+    enough), or ``max_rounds``, or the allowance cannot pay for the next round (``stopped_by_allowance``).
 
-    ``left()``: the seconds the search's allowance has left (None: unbounded). Before each round, the floor's
-    included, its cost is predicted (the last round's seconds per step timed, before any round the entries' search
-    figures) and the rounds stop where it, plus ``reserve_steps`` such steps kept for what follows (the fresh
-    rounds' floor), does not fit: so a search stays within its allowance on any model, the figures taken are kept
-    and the verdicts they leave undecided keep the reference. Rank 0's prediction decides for every rank.
+    Interleaving puts every candidate through the same slow and fast moments of a shared machine; the order rotates
+    and reverses (``_round_order``). After ``min_rounds`` a settled entry stops being timed (a tuned plan that cannot
+    win against the fastest baseline, a baseline the reference is clearly faster than). A tuned plan that can win is
+    timed for all ``max_rounds``: stopping as its interval cleared the threshold reported the noise's luckiest moment
+    (claims 8-12% above an outside re-timing). Without a baseline, until the leader's median separates from the
+    runner-up's beyond their spreads. Figures are divided by their round's speed for display where that changed by
+    more than ``_SPEED_CHANGE`` (the paired verdicts need no correction).
 
-    ``on_step(round, max_rounds, timed, to_time, side)`` is called after each plan timed, with the figures of the
-    rounds so far: a round of six plans took 90 s on a loaded 2-core machine, and a progress line that moved only
-    between rounds (or not at all) looked hung for the 8.6 minutes the confirmation took.
-
-    Interleaving puts every candidate through the same slow and fast moments of a shared machine; the order
-    rotates and reverses (``_round_order``) so no plan always runs first or next to the same neighbour. After
-    ``min_rounds``, each entry that is settled stops being timed: a tuned plan that cannot win against the fastest
-    baseline (``verdict.Verdict``: its interval's upper bound is below ``1 + tie_tolerance``), a baseline the
-    reference is clearly faster than. The rounds end early only when no tuned plan can win; one that can is timed
-    for all ``max_rounds``: stopping as soon as its interval cleared the threshold would report the ratio at the
-    moment the noise favoured it most (measured: claims 8-12% above an outside re-timing, where the full rounds
-    agree). Without a baseline among the entries (no baseline fits), until the leader's median separates from the
-    runner-up's beyond their spreads.
-
-    ``check_stop`` runs before each round and raises to stop the search (``Trials.check_stop``).
-
-    When the rounds' common speed differs by more than ``_SPEED_CHANGE``, each figure is divided by its round's
-    speed for display (``per_sample``); the verdict's paired ratios need no such correction.
+    ``left()``: the seconds the search's allowance has left (None: unbounded). Each round, the floor's too, starts
+    only where it and ``reserve_steps`` more steps (the fresh rounds' floor) fit, at the seconds per step the last
+    round cost (before one, the entries' search figures): a search stays within its allowance on any model, and the
+    verdicts left undecided keep the reference. Rank 0's answer decides for every rank. ``check_stop`` runs before
+    each round and raises to stop the search. ``on_step(round, max_rounds, timed, to_time, side)``: after each plan
+    timed (a round of six plans took 90 s on a loaded 2-core machine; a line that moved only between rounds looked
+    hung).
     """
     sync = sync or LocalSync()
     rounds: list[dict[int, float]] = []
@@ -135,8 +123,7 @@ def confirm_interleaved(
             if on_step is not None and i < len(order):
                 on_step(done, max_rounds, i, len(order), result)
         rounds.append(row)
-        after = left() if before is not None and left is not None else None
-        if before is not None and after is not None and steps:
+        if before is not None and left is not None and (after := left()) is not None and steps:
             per_step = max(0.0, before - after) / steps
         result = SideBySide.of(rounds, numbers, baselines)
         if on_step is not None:
@@ -228,12 +215,9 @@ class SideBySide:
         return others <= self.settled(tie_tolerance)
 
     def choice_decided(self, tie_tolerance: float) -> bool:
-        """The choice these rounds make is settled, where a hold-out (``holdout``) gives the claim: no tuned plan can
-        win any more and the reference is settled (``decided``), or a tuned plan wins against every baseline that
-        could still be the reference (near-equal baselines need not be told apart then: whichever it is, it is
-        beaten) and the leading tuned plan (by median) is decided either way. The sequential test's stop: more
-        rounds could change only the claim, which the fresh rounds give without these rounds' selection.
-        """
+        """The choice these rounds make is settled, where a hold-out gives the claim: ``decided``, or a tuned plan
+        wins against every baseline that could still be the reference (whichever it is, it is beaten) and the leading
+        tuned plan is decided either way. More rounds could change only the claim, which the fresh rounds give."""
         if self.decided(tie_tolerance):
             return True
         ref = self.reference
@@ -283,18 +267,16 @@ def holdout(
     on_step: RoundProgress | None = None,
     left: Callable[[], float | None] | None = None,
 ) -> tuple[list[TrialRecord], TrialRecord | None, Verdict | None, bool]:
-    """(records, reference, verdict, stopped by the allowance ``left``, as ``confirm_interleaved``): the chosen tuned plan ``best`` timed again in fresh interleaved rounds (at
-    least ``rounds``, then until its ratio's interval is within ``CLAIM_HALF_WIDTH`` or it cannot win, at most
-    ``max_rounds``) beside the reference the choosing rounds found fastest, ``records`` with those two figures, that
-    reference, and ``best``'s verdict against it from those rounds alone (``Verdict.chosen_after``: the rounds of
-    ``side`` that chose it). ``reference`` is None, and nothing is timed, where there is nothing to hold out
-    (``rounds`` 0, a baseline chosen, ``best`` not confirmed, no baseline).
+    """(records, reference, verdict, stopped by the allowance ``left``, as ``confirm_interleaved``): ``best`` timed
+    again in fresh interleaved rounds (at least ``rounds``, then until its ratio's interval is within
+    ``CLAIM_HALF_WIDTH`` or it cannot win, at most ``max_rounds``) beside the reference the choosing rounds found
+    fastest, ``records`` with both figures, that reference and ``best``'s verdict from these rounds alone
+    (``chosen_after``: the rounds of ``side`` that chose it). Nothing is timed (reference None) where there is
+    nothing to hold out: ``rounds`` 0, a baseline chosen, ``best`` not confirmed, no baseline.
 
-    The rounds that chose a plan among several leaders are biased towards it: the leader chosen is the one whose
-    rounds the noise favoured (measured on the repeatability benchmark: claims 5-17% above an outside re-timing,
-    never below, for every tuned plan chosen). Fresh rounds are independent of that selection, so their ratio is
-    an honest estimate; the caller keeps the reference where they do not find ``best`` faster (``Verdict.wins``).
-    The other baselines keep the confirmation's figures."""
+    The rounds that chose a plan among several leaders favour it (claims 5-17% above an outside re-timing, never
+    below); fresh rounds are independent of that selection, and the caller keeps the reference where they do not
+    find ``best`` faster. The other baselines keep the confirmation's figures."""
     chosen_after = len(side.by_round(best.number)) if side is not None else 0
     confirmed = [t for t in records if t.baseline is not None and t.feasible and t.confirmed]
     if side is None or rounds <= 0 or best.baseline is not None or not chosen_after or not confirmed:

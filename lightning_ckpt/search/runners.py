@@ -1,9 +1,6 @@
-"""Trial runners: how one candidate plan is measured. The study decides what to run; a runner runs it.
-
-A runner measures a plan (``measure``), times it again side by side with others (``retime``) and
-says whether the memory model's predictions apply to it (``predicts_memory``). ``EagerRunner`` applies
-the plan and calls ``measure_step``; ``compile.CompiledTrials`` compiles each plan from a reset
-first; a runner for sharded models plugs in the same way.
+"""Trial runners: how one candidate plan is measured (``measure``), re-timed side by side (``retime``), and whether
+the memory model's predictions hold for it (``predicts_memory``). ``EagerRunner`` applies the plan and calls
+``measure_step``; ``compile.CompiledTrials`` compiles each plan; a runner for sharded models plugs in the same way.
 """
 
 from __future__ import annotations

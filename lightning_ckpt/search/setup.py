@@ -42,14 +42,12 @@ log = logging.getLogger(__name__)
 
 
 class SearchSession:
-    """What every search (``tune``, and the joint micro-batch search) sets up before its first step and undoes
-    after its last, however it ends: one place, so the two cannot drift apart.
-
-    Set up: every block runs (LayerDrop and kin at full depth: the budget must hold for the deepest step), the
-    modules' Python attributes are captured so each step starts from them, the allocator runs with expandable
-    segments on CUDA where they can be verified on (``measure.allocator``; kept for the training after). Undone: cached device blocks and offload trials' pinned host memory released, the allocator,
-    kept compiled graphs, parameters the forward writes, Python attributes (with a warning for what could not be
-    restored)."""
+    """What every search (``tune``, the joint micro-batch search) sets up before its first step and undoes after its
+    last, however it ends, in one place. Set up: every block runs (LayerDrop at full depth: the budget must hold for
+    the deepest step), the modules' Python attributes captured so each step starts from them, expandable segments on
+    CUDA where they can be verified (``measure.allocator``; kept for training). Undone: cached device blocks and
+    offload trials' pinned host memory, the allocator, kept compiled graphs, parameters the forward writes, Python
+    attributes (with a warning for what could not be restored)."""
 
     def __init__(
         self,

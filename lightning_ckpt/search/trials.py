@@ -1,10 +1,7 @@
 """How a candidate becomes a record: measured on every rank through its workload's runner, combined, and judged
-against the budget.
-
-``Trials`` is what every phase that measures shares (the loop, the confirmation's memory passes, the fallback, the
-whole-compile check): the workloads, the budget, the allocator caps, and on CPU the lazy memory pass (trials are
-timed only, the memory model being exact, and the plans that can still be chosen get the slow tracked pass). It
-keeps no records: what it returns goes into the ledger.
+against the budget. ``Trials`` is what every phase that measures shares: the workloads, the budget, the allocator
+caps, and on CPU the lazy memory pass (trials timed only, the memory model being exact; the plans that can still be
+chosen get the tracked pass). It keeps no records: what it returns goes into the ledger.
 """
 
 from __future__ import annotations
