@@ -131,13 +131,44 @@ def test_the_allowance_bounds_the_rounds_before_their_floor_too(reserve, rounds)
 
     clock = [0.0]
 
-    def step() -> float:
-        clock[0] += 1.0
-        return 1.0
+    def noisy(times: list[float]):  # a noisy tie, undecided for many rounds; each step takes 1 s of the clock
+        calls = iter(times * 10)
+
+        def step() -> float:
+            clock[0] += 1.0
+            return next(calls)
+
+        return step
 
     entries = [ConfirmEntry(TrialRecord(n, Plan(), name, baseline=name if n == 0 else None, median_seconds=1.0),
-                            step, 1) for n, name in enumerate(["full", "tuned"])]  # fmt: skip
+                            noisy(times), 1) for n, (name, times) in enumerate([("full", [1.0, 1.2]),
+                                                                                 ("tuned", [0.99, 1.21])])]  # fmt: skip
     side = confirm_interleaved(entries, min_rounds=6, max_rounds=20, tie_tolerance=0.01, left=lambda: 10.0 - clock[0],
                                reserve_steps=reserve)  # fmt: skip
     assert side.stopped_by_allowance and len(side.rounds) == rounds
     assert clock[0] <= 10.0 - reserve
+
+
+def test_where_the_allowance_cannot_pay_for_the_floor_a_decided_choice_ends_the_rounds_before_it():
+    # A tuned plan clearly slower than the reference: two rounds decide that it cannot win. With the floor's six rounds
+    # out of the allowance's reach, the rounds end there, decided, instead of running until the allowance cuts them.
+    from lightning_ckpt.search.ledger import TrialRecord
+    from lightning_ckpt.search.rounds import ConfirmEntry, confirm_interleaved
+
+    clock = [0.0]
+
+    def step(seconds: float):
+        def run() -> float:
+            clock[0] += seconds
+            return seconds
+
+        return run
+
+    def entries():
+        return [ConfirmEntry(TrialRecord(0, Plan(), "full", baseline="full", median_seconds=1.0), step(1.0), 1),
+                ConfirmEntry(TrialRecord(1, Plan(), "tuned", median_seconds=1.5), step(1.5), 1)]  # fmt: skip
+
+    side = confirm_interleaved(entries(), min_rounds=6, max_rounds=20, tie_tolerance=0.01, left=lambda: 8.0 - clock[0])
+    assert len(side.rounds) == 2 and not side.stopped_by_allowance and side.decided(0.01)
+    roomy = confirm_interleaved(entries(), min_rounds=6, max_rounds=20, tie_tolerance=0.01, left=lambda: 1e9)
+    assert len(roomy.rounds) == 6, "with room for the floor, the floor holds"

@@ -77,10 +77,8 @@ def time_block_modes(
     try:
         t0 = time.perf_counter()
         warm = _interleaved(modes, 1, once, timed_from=0)
-        seconds = time.perf_counter() - t0
-        if calls is not None and warm.get("none") and seconds > 0:
-            paid = int(TIMING_STEPS * calls * warm["none"] / seconds)
-            rounds = max(min(rounds, MIN_TIMING_ROUNDS), min(rounds, paid))
+        if calls is not None and warm.get("none") and (took := time.perf_counter() - t0) > 0:
+            rounds = max(min(rounds, MIN_TIMING_ROUNDS), min(rounds, int(TIMING_STEPS * calls * warm["none"] / took)))
         return _interleaved({k: modes[k] for k in warm}, rounds, once, timed_from=0)
     finally:
         if restore is not None:

@@ -455,7 +455,6 @@ def _run_blocks(
     each representative alone under every mode its memory profile ran, or only ``modes``, and always ``none``,
     which the others are measured against; ``calls``: each one's block calls, which size its rounds."""
     wanted = None if isinstance(modes, bool) else {"none", *modes}
-    sized = (lambda key: {"calls": calls[key]}) if calls is not None else (lambda key: {})  # noqa: E731
     return {
         key: run_pass(
             f"the memory profile's timing of {cap.fqn} alone",
@@ -466,7 +465,7 @@ def _run_blocks(
                 {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
                 device=dev,
                 restore=snapshot.restore,
-                **sized(key),
+                **({"calls": calls[key]} if calls is not None else {}),
             ),
             snapshot.restore,
             cold=False,  # one block's buffers, not a step's: no sync and emptied cache per block

@@ -123,12 +123,16 @@ def confirm_interleaved(
             if on_step is not None and i < len(order):
                 on_step(done, max_rounds, i, len(order), result)
         rounds.append(row)
-        if before is not None and left is not None and (after := left()) is not None and steps:
+        after = left() if before is not None and left is not None else None
+        if after is not None and steps:
             per_step = max(0.0, before - after) / steps
         result = SideBySide.of(rounds, numbers, baselines)
         if on_step is not None:
             on_step(done, max_rounds, len(order), len(order), result)
-        if done < min_rounds:
+        # Where the allowance cannot pay for the floor, the rounds after it start from the second (the first with an
+        # interval): settled plans stop being timed, and a decided choice ends them, rather than a cut left undecided.
+        floor = (min_rounds - done) * sum(e.steps_per_round for e in active) + reserve_steps
+        if done < min_rounds and not (done >= 2 and after is not None and after < per_step * floor):
             continue
         if until(result) if until is not None else result.decided(tie_tolerance):
             break
@@ -409,10 +413,9 @@ def reported_verdict(
 
 
 def beats_by(side: SideBySide | None, tie_tolerance: float) -> Callable[[TrialRecord, TrialRecord], bool | None]:
-    """``records.choose_best``'s ``beats`` from the confirmation ``side``: a tuned plan's verdict against the
-    reference decides whether it wins; None (the figures decide) for a pair not re-timed side by side, but False
-    where the allowance ended the rounds before they re-timed it: a plan the rounds could not confirm is undecided,
-    and an undecided plan keeps the reference."""
+    """``choice.choose_best``'s ``beats`` from the confirmation ``side``: a tuned plan's verdict against the reference
+    decides whether it wins; for a pair not re-timed side by side, None (the figures decide), or False where the
+    allowance ended the rounds first (undecided: the reference is kept)."""
 
     def beats(trial: TrialRecord, reference: TrialRecord) -> bool | None:
         verdict = verdict_between(side, trial, reference, tie_tolerance)

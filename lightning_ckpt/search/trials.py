@@ -91,7 +91,7 @@ class Trials:
         # segments over them are offered no more (see runners._with_deviations).
         self.unchained: set[str] = set()
         self.started = time.perf_counter()
-        # The memory model's answers by plan key: the loop asks them for every unseen candidate at every proposal.
+        # The memory model's answers by plan key (the loop asks them of every unseen candidate at every proposal).
         self._predicted: dict[tuple[str, int | None], tuple[int, int] | None] = {}
         self._runnable: dict[str, bool] = {}
 
