@@ -45,7 +45,7 @@ class Study:
         self.ledger = Ledger(config=config, run_info=info, budget=budget, distributions=distributions, sync=sync)
         self.proposer = sampler_for(timing, self.ledger, self._unseen, config, predicts_time=timing is not None)
         self.exhaustive = len(self.candidates) <= config.n_trials
-        self.none_fits, self.confirmed, self.held_out, self.phases = False, Confirmed(), None, Phases()
+        self.none_fits, self.confirmed, self.held_out, self.phases = False, Confirmed(), None, Phases(config.clock)
 
     def _unseen(self) -> list[Candidate]:
         return [c for c in self.candidates if c.key() not in self.ledger and self.trials.offered(c.plan)]
@@ -81,7 +81,7 @@ class Study:
         return self.records
 
     def confirm(self) -> None:
-        self.confirmed = confirm(self.ledger, self.trials, self.proposer, self.progress, self._search().spent)
+        self.confirmed = confirm(self.ledger, self.trials, self.proposer, self.progress, self._search().left)
 
     def _search(self) -> Search:
         return Search(self.ledger, self.trials, self.proposer, tuple(self.candidates), tuple(self.stacks),

@@ -101,16 +101,74 @@ def test_rank_0s_clock_decides_when_the_allowance_ends_the_rounds():
     from lightning_ckpt.search.distributed import LocalSync
     from lightning_ckpt.search.rounds import confirm_interleaved
 
-    class Rank1(LocalSync):  # rank 0 broadcast that the allowance is spent
+    class Rank1(LocalSync):  # rank 0 broadcast that the allowance is spent before the third round
+        asked = 0
+
         def broadcast(self, obj):
-            return True if isinstance(obj, bool) else obj
+            if isinstance(obj, bool):
+                self.asked += 1
+                return self.asked > 2
+            return obj
 
     log: list[str] = []
     seconds = {"full": [1.0, 1.2] * 10, "tuned": [0.99, 1.21] * 10}  # a noisy tie: undecided for many rounds
     entries = _entries(seconds, {"full"}, log)
-    side = confirm_interleaved(entries, min_rounds=2, max_rounds=20, tie_tolerance=0.01, sync=Rank1(),
-                               spent=lambda: False)  # fmt: skip
+    # This rank's own clock finds plenty left.
+    side = confirm_interleaved(entries, min_rounds=2, max_rounds=20, tie_tolerance=0.01, sync=Rank1(), left=lambda: 1e9)
     assert side.stopped_by_allowance and len(side.rounds) == 2
     alone = confirm_interleaved(_entries(seconds, {"full"}, []), min_rounds=2, max_rounds=20, tie_tolerance=0.01,
-                                sync=LocalSync(), spent=lambda: False)  # fmt: skip
+                                sync=LocalSync(), left=lambda: 1e9)  # fmt: skip
     assert not alone.stopped_by_allowance and len(alone.rounds) > 2
+
+
+@pytest.mark.parametrize(("reserve", "rounds"), [(0, 5), (4, 3)])
+def test_the_allowance_bounds_the_rounds_before_their_floor_too(reserve, rounds):
+    # A machine where a step takes 1 s and the allowance has 10 s left: rounds of two plans (2 s) fit five times.
+    # Before, the floor (6 rounds) ran whatever the allowance (12 s); now no round starts that the allowance, less the
+    # ``reserve`` steps kept for what follows (the fresh rounds' floor), cannot pay for.
+    from lightning_ckpt.search.ledger import TrialRecord
+    from lightning_ckpt.search.rounds import ConfirmEntry, confirm_interleaved
+
+    clock = [0.0]
+
+    def noisy(times: list[float]):  # a noisy tie, undecided for many rounds; each step takes 1 s of the clock
+        calls = iter(times * 10)
+
+        def step() -> float:
+            clock[0] += 1.0
+            return next(calls)
+
+        return step
+
+    entries = [ConfirmEntry(TrialRecord(n, Plan(), name, baseline=name if n == 0 else None, median_seconds=1.0),
+                            noisy(times), 1) for n, (name, times) in enumerate([("full", [1.0, 1.2]),
+                                                                                 ("tuned", [0.99, 1.21])])]  # fmt: skip
+    side = confirm_interleaved(entries, min_rounds=6, max_rounds=20, tie_tolerance=0.01, left=lambda: 10.0 - clock[0],
+                               reserve_steps=reserve)  # fmt: skip
+    assert side.stopped_by_allowance and len(side.rounds) == rounds
+    assert clock[0] <= 10.0 - reserve
+
+
+def test_where_the_allowance_cannot_pay_for_the_floor_a_decided_choice_ends_the_rounds_before_it():
+    # A tuned plan clearly slower than the reference: two rounds decide that it cannot win. With the floor's six rounds
+    # out of the allowance's reach, the rounds end there, decided, instead of running until the allowance cuts them.
+    from lightning_ckpt.search.ledger import TrialRecord
+    from lightning_ckpt.search.rounds import ConfirmEntry, confirm_interleaved
+
+    clock = [0.0]
+
+    def step(seconds: float):
+        def run() -> float:
+            clock[0] += seconds
+            return seconds
+
+        return run
+
+    def entries():
+        return [ConfirmEntry(TrialRecord(0, Plan(), "full", baseline="full", median_seconds=1.0), step(1.0), 1),
+                ConfirmEntry(TrialRecord(1, Plan(), "tuned", median_seconds=1.5), step(1.5), 1)]  # fmt: skip
+
+    side = confirm_interleaved(entries(), min_rounds=6, max_rounds=20, tie_tolerance=0.01, left=lambda: 8.0 - clock[0])
+    assert len(side.rounds) == 2 and not side.stopped_by_allowance and side.decided(0.01)
+    roomy = confirm_interleaved(entries(), min_rounds=6, max_rounds=20, tie_tolerance=0.01, left=lambda: 1e9)
+    assert len(roomy.rounds) == 6, "with room for the floor, the floor holds"

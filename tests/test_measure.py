@@ -474,3 +474,25 @@ def test_gradients_marked_zero_are_restored_without_a_host_copy():
     assert model[1].weight.grad is None
     again = StateSnapshot.capture(model)  # still known to be zeros after the reset
     assert next(c for p, _, c in again._grads if p is w) is _ZERO
+
+
+def test_a_step_that_ran_is_not_collected_on_a_card_and_a_failed_one_is(gpt: GPT, tokens: torch.Tensor, monkeypatch):
+    # A full collection costs ~0.2 s; on a card it ran before the tracked step, under the cap and before the timed
+    # steps: three times per trial, against a GPU step of milliseconds. A step that ran freed all it allocated by
+    # reference counting, so only a failed step (whose frames may hold its tensors in cycles) is collected.
+    from lightning_ckpt.testing import SimulatedCard
+
+    collected: list[int] = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(1) or collect(*args))
+    settings = StepSettings(warmup=1, steps=2, memory_limit_bytes=2**30)
+    with SimulatedCard(2**32, resident=(gpt, tokens)):
+        ok = measure_step(lambda: gpt(tokens, tokens).backward(), settings, model=gpt, extra=(tokens,))
+        assert ok.status == "ok" and ok.peak_bytes and not collected
+
+        def failing() -> None:
+            gpt(tokens, tokens)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+        failed = measure_step(failing, settings, model=gpt, extra=(tokens,))
+    assert failed.status == "oom" and collected

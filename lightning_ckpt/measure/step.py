@@ -5,7 +5,6 @@ it reads are defined once, in ``measure.measurement``'s docstring; ``StepSetting
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 import traceback
@@ -150,8 +149,7 @@ def _tracked_step(step_fn: Callable[[], Any], tracker: Any, device: torch.device
         # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, whose
         # categories tell them from gradients, as on CPU.
         _synchronize(device)
-        gc.collect()
-        resting = memory.allocated()
+        resting = memory.allocated()  # no collection: see ``_enforced_memory_limit``
         memory.reset_peak()
         with tracker:
             step_fn()
@@ -180,15 +178,11 @@ class _BudgetExceeded(Exception):
 
 @contextlib.contextmanager
 def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reserve_headroom: int = 0) -> Iterator[bool]:
-    """Cap this process's allocator near ``limit`` bytes, restoring the previous cap afterwards; yields whether
-    the cap set is tighter than the one before (the user's own fraction, or the whole card).
-
-    The cap (``set_per_process_memory_fraction``) counts *reserved* memory, while budgets count
-    allocated bytes: ``reserve_headroom`` (the allocator's reserve above allocated, measured on the
-    profile's step) is added so a plan that fits in allocated bytes is rarely failed by block rounding, and
-    ``measure_step`` re-runs once without it a step the cap refused although its allocated bytes fitted.
-    The budget itself is still judged on ``max_memory_allocated``. A smaller cap the user set is kept.
-    """
+    """Cap this process's allocator near ``limit`` bytes (``set_per_process_memory_fraction``), restoring the previous
+    cap afterwards; yields whether it is tighter than the one before (the user's own, or the whole card). The cap
+    counts *reserved* memory and budgets allocated bytes: ``reserve_headroom`` (the allocator's reserve above
+    allocated, measured on the profile's step) is added, and ``measure_step`` re-runs once without the cap a step it
+    refused although its allocated bytes fitted. The budget is still judged on ``max_memory_allocated``."""
     if limit is None or memory is None:
         if memory is not None:
             memory.empty_cache()  # step-sized buffers from a cold cache, not from what the last plan's steps split
@@ -196,8 +190,9 @@ def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reser
         return
     previous = memory.get_fraction()
     # Cached free blocks are handed out without checking the cap, so empty the cache first or a
-    # plan over budget could pass by reusing memory an earlier candidate left reserved.
-    gc.collect()
+    # plan over budget could pass by reusing memory an earlier candidate left reserved. No collection: a step that
+    # ran freed all it allocated by reference counting, and a failed one was collected when it failed
+    # (``measure_step``); a full collection cost ~0.2 s, several times per trial, on a GPU step of milliseconds.
     memory.empty_cache()
     fraction = min(previous, (limit + max(0, reserve_headroom)) / memory.total_bytes)
     memory.set_fraction(fraction)
@@ -297,7 +292,6 @@ class _Passes:
         memory = device_memory(self.device)
         if memory is not None:
             _synchronize(self.device)
-            gc.collect()
             resting = memory.allocated()
             memory.reset_peak()
         while True:  # ``steps`` times, then more until MAD/median reaches ``target_rel_spread`` or ``limit_steps``
@@ -403,22 +397,17 @@ def measure_step(
 ) -> Measurement:
     """Time ``step_fn`` (forward + backward of one batch) and read its memory, never raising for OOM.
 
-    ``step_fn`` takes no arguments and must *not* step the optimizer: measuring must leave training untouched, so
-    every ``.grad``, buffer and global RNG stream is restored afterwards, ``.grad`` is reset before every step (each
-    step allocates its gradients as a real step does), and a parameter modified in place raises
-    ``ConfigurationError``. ``optimizer`` and ``extra`` (the batch) only count as resting memory;
-    ``batch_size``/``seq_len`` turn step times into samples/s and tokens/s.
+    ``step_fn`` takes no arguments and must *not* step the optimizer: every ``.grad``, buffer and global RNG stream is
+    restored afterwards, ``.grad`` is reset before every step, and a parameter modified in place raises
+    ``ConfigurationError``. ``optimizer`` and ``extra`` (the batch) count as resting memory; ``batch_size``/``seq_len``
+    turn step times into samples/s and tokens/s. ``settings.read_allocator`` (CUDA, without ``track_memory``) reads
+    the peak off the allocator over the timed steps: under the tracker's dispatch mode dynamo runs a compiled frame
+    eagerly (the activation figure is then the caller's, ``compile.SavedForBackward``).
 
-    ``settings.read_allocator`` (CUDA, without ``track_memory``) reads the peak off the allocator over the timed
-    steps: under the tracker's dispatch mode dynamo runs a compiled frame eagerly, so a tracked pass would read
-    (and budget) the eager step; the activation figure is then the caller's (``compile.SavedForBackward``).
-
-    ``memory_limit_bytes`` is enforced on CUDA for real, by capping the allocator
-    (``set_per_process_memory_fraction``, never above a cap already set, plus ``reserve_headroom_bytes`` for its
-    reserve), so a plan over budget fails as ``oom`` instead of passing by luck; a step that completes above the
-    limit (CPU: the tracked peak, or CUDA between limit and cap) is ``over_budget``. Failures never escape
-    (``BaseException``s are re-raised after restoring state), and a failed step's memory is released outside the
-    ``except``, so the caller can go on to the next plan.
+    ``memory_limit_bytes`` is enforced on CUDA by capping the allocator (never above a cap already set, plus
+    ``reserve_headroom_bytes``), so a plan over budget fails as ``oom`` instead of passing by luck; a step that
+    completes above the limit is ``over_budget``. Failures never escape (``BaseException``s are re-raised after
+    restoring state), and a failed step's memory is collected outside the ``except``, so the next plan can run.
     """
     settings = settings or StepSettings()
     _check_shape(batch_size, seq_len)

@@ -1,19 +1,15 @@
 """Time each distinct block alone under every mode, during the profile: what ``timing.model.TimeModel`` predicts from.
 
-The memory profile has already captured one call of each distinct block (its inputs, its autocast, how
-the step's gradient reaches it) and run it under every mode under the live-tensor tracker. Timing those
-runs under the tracker would time the tracker, so the same call runs again here without it:
-forward and backward of the block alone, under the step's autocast, its mode applied with
-``apply_plan`` as a trial would. The modes are interleaved round by round (a machine that slows
-part-way slows every mode alike) and each mode's median is kept. The incoming gradient is ones, as in
-the memory profile; only differences between modes are used, so its cost cancels.
+The memory profile captured one call of each distinct block (inputs, autocast, how the step's gradient reaches it)
+and ran it under every mode under the live-tensor tracker, whose cost would be timed too: the same call runs again
+here without it, forward and backward, its mode applied with ``apply_plan`` as a trial would. The modes are
+interleaved round by round (a machine that slows part-way slows every mode alike) and each mode's median is kept;
+the incoming gradient is ones, whose cost cancels in the differences used.
 
-For a compiled model (``compiled_block_modes``) each distinct block runs *compiled alone* instead: regional
-compilation, one compile per distinct block and mode, however many plans the space holds. The modes are
-applied inside ``plan.apply.reused_forwards``, so a mode's second round runs the graph its first round compiled
-(dynamo guards on the forward objects a plan installs). One untimed round compiles, one reads what each mode's
-compiled graph saves for backward (``measure.saved_for_backward``: the compiled step's activation memory, which a
-dispatch-mode tracker cannot see), then the timed rounds.
+A compiled model's blocks run *compiled alone* (``compiled_block_modes``): one compile per distinct block and mode,
+the modes applied inside ``plan.apply.reused_forwards`` so a second round runs the graph the first compiled. One
+untimed round compiles, one reads what each mode's graph saves for backward (``measure.saved_for_backward``, which
+a dispatch-mode tracker cannot see), then the timed rounds.
 """
 
 from __future__ import annotations
@@ -41,11 +37,21 @@ from lightning_ckpt.memory.capture import (
 from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import BlockPlan, Plan
 
-__all__ = ["TIMING_ROUNDS", "CompiledBlockRuns", "compiled_block_modes", "time_block_modes"]
+__all__ = [
+    "MIN_TIMING_ROUNDS",
+    "TIMING_ROUNDS",
+    "TIMING_STEPS",
+    "CompiledBlockRuns",
+    "compiled_block_modes",
+    "time_block_modes",
+]
 
-# Rounds per mode after one untimed warm-up round: the median of 5 is steady to a few percent on a busy
-# 2-core machine, and a round costs one block's forward+backward per mode (a small share of one step).
+# Rounds per mode after one untimed warm-up round: the median of 5 is steady to a few percent on a busy 2-core
+# machine. A round (each mode applied, run, removed) is a small share of a deep model's step but more than a whole
+# step of a shallow fast one: as many rounds as ``TIMING_STEPS`` of the block's share of the step pay for, at least 3.
 TIMING_ROUNDS = 5
+MIN_TIMING_ROUNDS = 3
+TIMING_STEPS = 4
 
 
 def time_block_modes(
@@ -55,10 +61,12 @@ def time_block_modes(
     *,
     device: torch.device,
     rounds: int = TIMING_ROUNDS,
+    calls: int | None = None,
     restore: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes`` (key -> block
-    plan); a mode that fails here is left out. ``restore`` puts the model's state back (gradients, RNG)."""
+    plan); a mode that fails here is left out. ``calls``: the block calls of the step this block stands for, which
+    size the rounds (``TIMING_STEPS``; None: ``rounds``). ``restore`` puts the model's state back (gradients, RNG)."""
     where = hidden_index(cap.args, cap.kwargs)
     if where is None:
         return {}
@@ -71,7 +79,11 @@ def time_block_modes(
         )
 
     try:
-        seconds = _interleaved(modes, rounds + 1, once, timed_from=1)
+        t0 = time.perf_counter()
+        warm = _interleaved(modes, 1, once, timed_from=0)
+        if calls is not None and warm.get("none") and (took := time.perf_counter() - t0) > 0:
+            rounds = max(min(rounds, MIN_TIMING_ROUNDS), min(rounds, int(TIMING_STEPS * calls * warm["none"] / took)))
+        seconds = _interleaved({k: modes[k] for k in warm}, rounds, once, timed_from=0)
         return {**seconds, "forward": statistics.median(forwards[1:] or forwards)} if "none" in seconds else seconds
     finally:
         if restore is not None:

@@ -181,27 +181,20 @@ def profile_step(
     """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time
     model (``time_blocks``) its step time.
 
-    ``forward_fn`` takes no arguments, runs the forward on the batch and returns the loss (a scalar
-    tensor, a dict with ``"loss"``, or an object with ``.loss``); the profile calls ``backward`` on it,
-    as the measured step will. Profile in the state you will measure in: same batch, same gradients
-    (``None`` or not), same optimizer state; ``extra`` are tensors created outside the step (e.g. the
-    batch) to count as resting memory, as in ``measure_step``. HF models should run with
-    ``use_cache=False`` (a KV cache filled during a training forward is memory no plan can remove).
+    ``forward_fn`` takes no arguments, runs the forward and returns the loss (a scalar tensor, a dict with
+    ``"loss"``, or an object with ``.loss``); the profile calls ``backward`` on it as the measured step will. Profile
+    in the state you will measure in (batch, gradients, optimizer state); ``extra`` are tensors made outside the step
+    (the batch) that count as resting memory. HF models should run with ``use_cache=False``.
 
-    Memory-safe: the most memory any pass needs is one step with every block fully checkpointed
-    (the lowest-memory plan) or one block's forward+backward without checkpointing. Model state
-    (gradients, buffers, RNG) is left as it was. The model must not have a plan applied.
-
-    ``selective_sets``: child sets to profile exactly for ``selective`` mode (every single child and
-    each block's attention, MLP and attention+MLP children are profiled by default); a mapping from
-    block FQN, or one list for all blocks. Other sets are predicted by adding single-child effects.
-    ``share_identical_blocks``: blocks with the same class, parameter shapes and input shapes share
-    one profile (run once instead of once per block). ``time_blocks``: time each representative under every
-    mode as well, without the tracker, for ``Profile.time``; a collection of mode keys (``plan.format.mode_key``)
-    times only those (``tune`` passes its space's); False: ``Profile.time`` is None. ``compiled_blocks``: time
-    each representative *compiled alone* instead (``memory.block_times.compiled_block_modes``: one compile per
-    distinct block and mode), for a model that trains compiled; ``Profile.compiled`` then holds what each mode's
-    compiled graph saves for backward, which ``CompiledMemoryModel`` predicts a compiled step's memory from.
+    Memory-safe: no pass needs more than one step with every block fully checkpointed or one block's forward and
+    backward without checkpointing; model state (gradients, buffers, RNG) is left as it was, and no plan may be
+    applied. ``selective_sets``: child sets to profile exactly (by default every single child and each block's
+    attention, MLP and attention+MLP children), a mapping from block FQN or one list for all blocks; other sets add
+    single-child effects. ``share_identical_blocks``: blocks with the same class, parameter and input shapes share
+    one profile. ``time_blocks``: time each representative under every mode (a collection of mode keys: only those;
+    False: ``Profile.time`` is None). ``compiled_blocks``: time them *compiled alone* instead
+    (``memory.block_times.compiled_block_modes``), and ``Profile.compiled`` holds what each mode's compiled graph
+    saves for backward, which ``CompiledMemoryModel`` predicts a compiled step's memory from.
     """
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
@@ -284,11 +277,9 @@ def _run_profile(
     timed: bool | Collection[str],
     compiled: bool = False,
 ) -> _Runs:
-    """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the
-    state the model was in. Each pass from a cold cache (``run_pass``), as under a trial's cap: the capture's forward
-    left blocks cached (its fp32 logits among them) that the anchor step split, and on a card capped near the budget
-    the anchor's own logits then found no room (an H200 capped at 21.8 GiB refused 6.14 GiB with 11.17 allocated and
-    4.74 reserved but free)."""
+    """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the state the
+    model was in and from a cold cache (``run_pass``), as under a trial's cap: the capture's forward left blocks cached
+    that the anchor step split, and on an H200 capped near the budget the anchor's logits then found no room."""
     snapshot = StateSnapshot.capture(root)
 
     def profile_pass(what: str, run: Callable[[], Any]) -> Any:
@@ -320,7 +311,10 @@ def _run_profile(
             runs.compile_seconds = sum(r.compile_seconds for r in compiled_runs.values())
             runs.compiles = sum(r.compiles for r in compiled_runs.values())
         elif timed:
-            runs.timings = _run_blocks(time_block_modes, root, runs.profiled, runs.profiles, dev, snapshot, timed)
+            calls = {key: runs.call_rep.count(key) for key in runs.profiled}  # what each one's rounds are sized by
+            runs.timings = _run_blocks(
+                time_block_modes, root, runs.profiled, runs.profiles, dev, snapshot, timed, calls
+            )
     finally:
         snapshot.restore()
     return runs
@@ -461,10 +455,11 @@ def _run_blocks(
     dev: torch.device,
     snapshot: StateSnapshot,
     modes: bool | Collection[str],
+    calls: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """``run`` (``memory.block_times``: ``time_block_modes``, or ``compiled_block_modes`` for a compiled model) on
     each representative alone under every mode its memory profile ran, or only ``modes``, and always ``none``,
-    which the others are measured against."""
+    which the others are measured against; ``calls``: each one's block calls, which size its rounds."""
     wanted = None if isinstance(modes, bool) else {"none", *modes}
     return {
         key: run_pass(
@@ -476,6 +471,7 @@ def _run_blocks(
                 {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
                 device=dev,
                 restore=snapshot.restore,
+                **({"calls": calls[key]} if calls is not None else {}),
             ),
             snapshot.restore,
             cold=False,  # one block's buffers, not a step's: no sync and emptied cache per block

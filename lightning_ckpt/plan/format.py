@@ -159,11 +159,19 @@ class Plan:
 
     # -- identity -------------------------------------------------------------------------------
     def key(self) -> str:
-        """A canonical string of what the plan *does* (not its name or metadata): equal plans, equal keys."""
-        data: dict[str, Any] = {"blocks": {k: v.to_dict() for k, v in self.blocks.items()}, "segments": self.segments}
-        if self.compile_memory_budget is not None:  # absent otherwise, so keys of older plans are unchanged
-            data["compile_memory_budget"] = self.compile_memory_budget
-        return json.dumps(data, sort_keys=True)
+        """A canonical string of what the plan *does* (not its name or metadata): equal plans, equal keys. Made once
+        per plan: a search asks for keys thousands of times (every candidate's, at every proposal)."""
+        key = self.__dict__.get("_key")
+        if key is None:
+            data: dict[str, Any] = {
+                "blocks": {k: v.to_dict() for k, v in self.blocks.items()},
+                "segments": self.segments,
+            }
+            if self.compile_memory_budget is not None:  # absent otherwise, so keys of older plans are unchanged
+                data["compile_memory_budget"] = self.compile_memory_budget
+            key = json.dumps(data, sort_keys=True)
+            object.__setattr__(self, "_key", key)
+        return key
 
     def digest(self) -> str:
         return hashlib.sha256(self.key().encode()).hexdigest()[:16]

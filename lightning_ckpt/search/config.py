@@ -48,71 +48,56 @@ class TuneConfig:
     """Settings of one search.
 
     n_trials: most candidates measured (pruned ones are free); timeout: most seconds to search.
-    search_space: the space (a ``SearchSpace`` or a dict of overrides). sampler, storage, study_name,
-    seed: Optuna settings (seeded TPE, in memory, by default). ``storage`` (e.g. ``"sqlite:///ac.db"``)
-    keeps the study, one trial per plan, and resumes an interrupted search; ``study_name`` defaults to
-    ``lightning_ckpt-<model fingerprint>-<run digest>`` (one study per model, batch size, device...).
-    ``sampler`` proposes plans from an in-memory copy of the study (``ledger.py``); given, it replaces the time
-    model's sampler (``sampler.TimeModelSampler``), which otherwise decides what is measured.
-    warmup_steps / measure_steps: steps per trial left out of / used for timing.
-    block_types: override block discovery. on_infeasible: ``"fallback"`` or ``"raise"`` when nothing fits.
-    tie_tolerance: plans this close in throughput count as tied (``records.CHOICE_RULE``: a baseline is kept
-    in a tie with a tuned plan; between tuned plans, the tie goes to lower memory).
-    count_flops: count recompute FLOPs per trial. enforce_budget: cap the CUDA allocator during trials.
+    search_space: a ``SearchSpace`` or a dict of overrides. sampler, storage, study_name, seed: Optuna's (seeded TPE
+    in memory by default). ``storage`` (e.g. ``"sqlite:///ac.db"``) keeps the study, one trial per plan, and resumes an
+    interrupted search; ``study_name`` defaults to ``lightning_ckpt-<model fingerprint>-<run digest>``. ``sampler``
+    proposes plans from an in-memory copy of the study (``ledger.py``) in place of the time model's sampler.
+    warmup_steps / measure_steps: steps per trial left out of / used for timing. block_types: override block
+    discovery. on_infeasible: ``"fallback"`` or ``"raise"`` when nothing fits. tie_tolerance: plans this close in
+    throughput are tied (``choice.CHOICE_RULE``: a baseline keeps a tie with a tuned plan; between tuned plans, the
+    lower memory wins). count_flops: count recompute FLOPs. enforce_budget: cap the CUDA allocator during trials.
     process_warmup_steps: untimed steps before the first trial (thread pools, allocator growth).
     confirm_top / confirm_rounds / confirm_max_rounds: the tuned leaders re-timed side by side with every fitting
-    baseline in interleaved rounds: after ``confirm_rounds`` the plans that are settled (a tuned plan whose 90%
-    interval against the fastest baseline lies below ``1 + tie_tolerance``, a baseline clearly slower than it) stop
-    being timed; the rounds stop once the choice is decided (no tuned plan can win, or the leading one's verdict is
-    decided, and the reference settled: ``confirm.SideBySide.choice_decided``), at most ``confirm_max_rounds``. With
-    ``holdout_rounds=0`` (no fresh rounds give the claim) a tuned plan that can still win is timed for all of them
-    (``verdict.py``, ``confirm.confirm_interleaved``).
-    confirm_steps: timed steps each plan gets per round (its first round adds one warm-up step). One, so the plans
-    alternate step by step: two steps taken back to back share the machine's moment, so their ratio is what the
-    verdict pairs; rounds of one warm-up and three timed steps gave 2.5x the interval's width for the same steps
-    on a 2-core CPU (``benchmarks/step_alternation.py``).
-    holdout_rounds / holdout_max_rounds: when a tuned plan wins, it and the reference are timed again in fresh rounds,
-    at least ``holdout_rounds`` and until the 90% interval of its ratio is within ±3% (``confirm.CLAIM_HALF_WIDTH``)
-    or ``holdout_max_rounds``; the verdict shown is theirs: the rounds that chose a plan among several favour it (a
-    winner's curse); a plan the fresh rounds do not find faster is not kept. 0: the choosing rounds' verdict is
-    shown.
+    baseline in interleaved rounds; after ``confirm_rounds`` settled plans stop being timed (a tuned plan whose 90%
+    interval against the fastest baseline lies below ``1 + tie_tolerance``, a baseline clearly slower than it), and
+    the rounds stop once the choice is decided (``rounds.SideBySide.choice_decided``), at most
+    ``confirm_max_rounds``; with ``holdout_rounds=0`` a tuned plan that can still win is timed for all of them.
+    confirm_steps: timed steps per plan per round (the first round adds a warm-up). One, so the plans alternate step
+    by step: rounds of one warm-up and three timed steps gave 2.5x the interval's width for the same steps on a 2-core
+    CPU (``benchmarks/step_alternation.py``).
+    holdout_rounds / holdout_max_rounds: a winning tuned plan and the reference are timed again in fresh rounds, at
+    least ``holdout_rounds`` and until the claim's 90% interval is within ±3% (``rounds.CLAIM_HALF_WIDTH``) or
+    ``holdout_max_rounds``: the rounds that chose a plan favour it (a winner's curse), and a plan the fresh rounds do
+    not find faster is not kept. 0: the choosing rounds' verdict is shown.
     allow_graph_breaks: under ``torch.compile``, let plans that add graph breaks win on throughput.
-    check_whole_compile: under ``torch.compile`` of a region holding several blocks (the whole model), when the
-    choice made on the blocks compiled alone sets a PT2 budget, compile it and the fastest plan of ours that fits the
-    way you compile, re-time them side by side and keep the faster (``search.whole_check``: the budget's knapsack
-    over many blocks is not the one the trials ran). Off by default: it costs two more compiles of your model (the
-    search of an 8-layer GPT went from about 1.6x to 4x its first compile on a 2-core CPU); without it the budget is
-    weighed on the blocks with ``whole_compile_margin``.
-    whole_compile_margin: under ``torch.compile`` of a region holding several blocks, without
-    ``check_whole_compile``: a PT2 budget chosen on the blocks compiled alone is kept only if, re-timed there side by
-    side, it runs more than ``1 + whole_compile_margin`` times the speed of the fastest of the three fastest fitting
-    plans of ours (``whole_check.RIVALS_ON_BLOCKS``); else that plan is kept. The blocks' figure flatters the budget:
-    compiled whole, our plans moved towards it by 0.5-8% (``benchmarks/alone_vs_whole.py``, 8- and 32-layer GPT,
-    2-core CPU), so a lead within 8% is no lead there. 0: the faster on the blocks.
-    memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every
-    benchmarked model), a trial's memory is its prediction and only the plans that can still be chosen
-    (the confirmation round's, the winner) get the slow tracked pass and the FLOP count; ``"every"``:
-    every trial gets them (the tracked pass costs ~3.5 steps, the FLOP count ~2).
-    predict_time: the time model (``timing.model``, from the profile's block timings, fitted to the plans
-    measured) decides what is measured: after the baselines, the predicted-fastest plans, until none left can
-    beat the best measured one by the noise margin; the rest are pruned. False measures candidates as the
-    sampler proposes them, up to ``n_trials`` (every distinct plan when the space is that small), as an
-    exhaustive reference does. Compiled trials always do (their step time is the compiler's).
-    search_when_none_fits: when the memory model predicts that the step without checkpointing fits the budget, that
-    plan is measured once and chosen, with one line that says so, and nothing else runs: checkpointing only adds
-    recompute, so a search could only confirm it (``max_memory="500GiB"`` once searched 63 s to choose it). True
-    searches anyway, e.g. to see what each plan costs on the Pareto figure.
+    check_whole_compile: under ``torch.compile`` of a region holding several blocks, when the choice made on the
+    blocks compiled alone sets a PT2 budget, compile it and our fastest fitting plan your way, re-time them side by
+    side and keep the faster (``search.whole_check``). Off by default: two more compiles of your model (an 8-layer
+    GPT's search went from 1.6x to 4x its first compile); without it the budget is weighed with
+    ``whole_compile_margin``: kept only if, re-timed on the blocks, it runs more than ``1 + whole_compile_margin``
+    times the fastest of our three fastest fitting plans (``whole_check.RIVALS_ON_BLOCKS``), since compiled whole our
+    plans moved towards it by 0.5-8% (``benchmarks/alone_vs_whole.py``). 0: the faster on the blocks.
+    memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every benchmarked
+    model), a trial's memory is its prediction and only the plans that can still be chosen get the tracked pass and
+    the FLOP count; ``"every"``: every trial gets them (~3.5 and ~2 steps).
+    predict_time: the time model (``timing.model``: the profile's block timings fitted to the plans measured)
+    decides what is measured: after the baselines, the predicted-fastest plans until none left can beat the best
+    measured one by the noise margin. False measures what the sampler proposes, up to ``n_trials``. Compiled trials
+    always do.
+    search_when_none_fits: when the memory model predicts that no checkpointing fits, it is measured once and
+    chosen, and nothing else runs (checkpointing only adds recompute: ``max_memory="500GiB"`` once searched 63 s to
+    choose it). True searches anyway, e.g. for the Pareto figure.
     search_steps: the search's allowance in plain training steps (the step without checkpointing, as the search
-    measured it): side-by-side rounds beyond their floors (``confirm_rounds``, ``holdout_rounds``) stop once the
-    search has cost this much, and the result says which verdict that left undecided (the figures it has are kept).
-    Rounds that go on "until settled" on a noisy machine otherwise run to ``confirm_max_rounds``. None: no allowance.
-    compiled: whether every trial compiles its plan (None: detected from the model).
-    micro_batches: the sizes the joint micro-batch search tries (None: every divisor of the global batch).
+    measured it): a bound on the side-by-side rounds, each of which (the floors' too) starts only where the allowance
+    can pay for it and for what follows (``rounds.confirm_interleaved``); the result says which verdict that left
+    undecided, and a tuned plan the rounds could not confirm keeps the reference. None: no allowance.
+    compiled: whether every trial compiles its plan (None: detected). micro_batches: the sizes the joint micro-batch
+    search tries (None: every divisor of the global batch). clock: what the trials and rounds time their steps with,
+    and the allowance counts by (``time.perf_counter``); a test that gives the search a machine which slows down
+    part-way passes a clock that runs faster instead of sleeping.
     max_host_memory: the host memory the offloading modes' pool may pin (bytes or e.g. ``"64GiB"``): a plan whose
     offloaded bytes exceed it is pruned as over budget. None: half of what the machine has free when the search
     starts (pinned pages cannot be swapped out: pinning most of them starves the data loader and the system).
-    clock: what every trial, re-timing and confirmation round times its steps with (``time.perf_counter``); a test
-    that gives the search a machine which slows down part-way passes a clock that runs faster instead of sleeping.
     """
 
     n_trials: int = 40

@@ -17,6 +17,7 @@ from typing import Any
 
 from optuna.samplers import BaseSampler
 
+from lightning_ckpt.formatting import count
 from lightning_ckpt.search.ledger import VS_REFERENCE, Ledger, ProgressFn, TrialRecord, announce_confirmation
 from lightning_ckpt.search.rounds import (
     ConfirmEntry,
@@ -58,17 +59,13 @@ def confirm(
     trials: Trials,
     sampler: BaseSampler,
     progress: ProgressFn | None = None,
-    spent: Callable[[], bool] | None = None,
+    left: Callable[[], float | None] | None = None,
 ) -> Confirmed:
     """Re-time the sampler's leaders and every fitting baseline side by side, in interleaved rounds, until each
-    leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``.
-
-    The choice then rests on figures taken side by side, paired by round, never on one trial measured in a slow
-    moment. The machine's speed may also change between the search and the confirmation (another job starts, clocks
-    throttle): the reference (the fastest fitting baseline) is re-timed first and compared with its search figure;
-    when its speed changed, the search's figures were taken at different speeds and cannot pick the leaders, so
-    every fitting trial is re-ranked in one interleaved round first. ``spent()``: the search's allowance is used up
-    (``TuneConfig.search_steps``): no round beyond ``confirm_rounds``.
+    leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``: the choice
+    rests on figures paired by round. When the reference, re-timed first, shows that the machine's speed changed since
+    the search, every fitting trial is re-ranked in one interleaved round first. ``left()``: the seconds the search's
+    allowance (``TuneConfig.search_steps``) has left; a round starts only where it and the fresh rounds' floor fit.
     """
     config = trials.config
     if config.confirm_top <= 0:
@@ -80,7 +77,7 @@ def confirm(
     changed = _speed_changed_since_search(trials, chosen, config.measure_steps)
     if changed is not None:
         changes.append(changed)
-        _rerank(ledger, trials, progress, config.confirm_steps)
+        _rerank(ledger, trials, progress, config.confirm_steps, left)
         chosen = _leaders(ledger, sampler, config.confirm_top)
     announce_confirmation(progress, chosen)
     entries = _entries(trials, chosen, config.confirm_steps)
@@ -97,7 +94,8 @@ def confirm(
         until=(lambda s: s.choice_decided(tol)) if config.holdout_rounds > 0 else None,
         check_stop=trials.check_stop,
         on_step=_on_step(progress, "confirming", chosen, tol),
-        spent=spent,
+        left=left,
+        reserve_steps=2 * config.holdout_rounds * config.confirm_steps,  # the fresh rounds' floor, two plans
     )
     if side.speed_changed:
         changes.append(
@@ -110,15 +108,14 @@ def confirm(
         if t.number in side.per_sample:
             ledger.put(_with_note(t, side, labels, tol))
     stopped = ()
-    if side.stopped_by_allowance and not side.decided(tol):
-        stopped = (f"the confirmation after {len(side.rounds)} rounds, before every verdict was decided",)
+    if side.stopped_by_allowance and not (side.rounds and side.decided(tol)):
+        stopped = (f"the confirmation after {count(len(side.rounds), 'round')}, before every verdict was decided",)
     return Confirmed(side, tuple(changes), stopped)
 
 
 def _with_note(t: TrialRecord, side: SideBySide, labels: Mapping[int, str], tie_tolerance: float) -> TrialRecord:
-    """``t`` with its speed over the reference from the rounds both ran in (``extra[VS_REFERENCE]``): the figure a
-    report can set beside the winner's. Their samples/s are not: the rounds run for minutes on a shared machine, and
-    a leader timed in a fast stretch read 3.62 samples/s beside a winner at 2.7 (issue #64)."""
+    """``t`` with its speed over the reference from the rounds both ran in (``extra[VS_REFERENCE]``), the figure a
+    report sets beside the winner's: samples/s from rounds minutes apart are not (issue #64)."""
     ref = side.reference
     if ref is None:
         return t
@@ -128,10 +125,9 @@ def _with_note(t: TrialRecord, side: SideBySide, labels: Mapping[int, str], tie_
 
 
 def _leaders(ledger: Ledger, sampler: BaseSampler, top: int) -> list[TrialRecord]:
-    """What the confirmation re-times: the sampler's leaders among the tuned plans, and every fitting baseline (at
-    most a handful: the fastest of them is the reference a tuned plan must beat, whatever its first figure). Their
-    memory stays predicted where the model is exact (CPU) until one is chosen: the choice verifies the winner, and
-    chooses again if it does not fit."""
+    """What the confirmation re-times: the sampler's leaders among the tuned plans and every fitting baseline (the
+    fastest is the reference a tuned plan must beat). Their memory stays predicted where the model is exact (CPU)
+    until one is chosen: the choice verifies it."""
     feasible = ledger.fastest_fitting()
     tuned = [t for t in feasible if t.baseline is None]
     references = [t for t in feasible if t.baseline is not None][:_MAX_REFERENCES]
@@ -160,10 +156,13 @@ def _speed_changed_since_search(trials: Trials, leaders: Sequence[TrialRecord], 
     )
 
 
-def _rerank(ledger: Ledger, trials: Trials, progress: ProgressFn | None, steps: int) -> None:
+def _rerank(
+    ledger: Ledger, trials: Trials, progress: ProgressFn | None, steps: int, left: Callable[[], float | None] | None
+) -> None:
     """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``), ``steps`` timed steps each (steps
     back to back share the machine's moment, so one round is enough to rank at one speed): figures taken side by side
-    replace the search's, so the leaders are picked at one speed. They do not count as confirmed."""
+    replace the search's, so the leaders are picked at one speed. They do not count as confirmed. Not where the
+    allowance ``left`` cannot pay for it and the confirmation's floor."""
     entries = _entries(trials, ledger.fastest_fitting()[:_MAX_RERANKED], steps)
     side = confirm_interleaved(
         entries,
@@ -172,6 +171,8 @@ def _rerank(ledger: Ledger, trials: Trials, progress: ProgressFn | None, steps: 
         sync=trials.sync,
         check_stop=trials.check_stop,
         on_step=_on_step(progress, "re-ranking", [e.trial for e in entries], trials.config.tie_tolerance),
+        left=left,
+        reserve_steps=2 * trials.config.confirm_rounds * trials.config.confirm_steps,
     )
     for t in ledger.snapshot():
         times = side.per_sample.get(t.number)
@@ -222,11 +223,11 @@ def hold_out(
     trials: Trials,
     confirmed: Confirmed,
     progress: ProgressFn | None = None,
-    spent: Callable[[], bool] | None = None,
+    left: Callable[[], float | None] | None = None,
 ) -> tuple[TrialRecord, Verdict | None, bool]:
-    """(the plan kept, the held-out verdict, whether the allowance ``spent`` ended its rounds): ``best``, or the reference where fresh rounds (``rounds.holdout``,
-    ``holdout_rounds``) do not find the tuned plan the confirmation chose faster than it. Their figures replace both
-    plans' confirmation figures, so the plan file's throughput and its verdict say the same."""
+    """(the plan kept, the held-out verdict, whether the allowance ``left`` ended its rounds): ``best``, or the
+    reference where fresh rounds (``rounds.holdout``) do not find ``best`` faster. Their figures replace both plans'
+    confirmation figures, so the plan file's throughput and its verdict say the same."""
     config = trials.config
     records, reference, verdict, stopped = holdout(
         best,
@@ -240,10 +241,10 @@ def hold_out(
         sync=trials.sync,
         check_stop=trials.check_stop,
         on_step=_on_step(progress, "fresh rounds", ledger.snapshot(), config.tie_tolerance),
-        spent=spent,
+        left=left,
     )
-    if reference is None:
-        return best, None, False
+    if reference is None:  # none ran (the allowance may have stopped them first): the choosing rounds' verdict stands
+        return best, None, stopped
     fresh = {reference.number: vs_reference_note(None, reference.label, verdict.rounds if verdict else 0)}
     if verdict is not None:
         fresh[best.number] = vs_reference_note(verdict, reference.label, verdict.rounds)

@@ -1,12 +1,12 @@
 """The search loop: ask the sampler, prune what cannot fit or cannot win, measure the rest, tell, put into the ledger.
 
 Ranks move in lockstep: rank 0 proposes (``_Proposals``), every rank measures, records are combined identically
-(``Trials.run``). The order is the same whatever the sampler: the plans a resumed study stored, then, with the time
-model, every plan predicted over budget (or over ``max_host_memory``) and every offload plan predicted to wait
-longer for its transfer than it saves in recompute (``TimeModelSampler.offload_loses``; pruned, free); then every
-baseline that can run (the references a tuned plan must beat, measured whatever ``n_trials``); then every plan when
-the space is no larger than ``n_trials``, else the sampler's proposals until ``n_trials`` plans ran, ``timeout``
-passed, or the time model's ``nothing_left_can_win`` holds (the rest are pruned, each with its prediction).
+(``Trials.run``). The order, whatever the sampler: the plans a resumed study stored; with the time model, every plan
+predicted over budget (or over ``max_host_memory``) and every offload plan predicted to wait longer for its transfer
+than it saves in recompute (``TimeModelSampler.offload_loses``; pruned, free); every baseline that can run (the
+references, measured whatever ``n_trials``); then every plan when the space is no larger than ``n_trials``, else the
+sampler's proposals until ``n_trials`` ran, ``timeout`` passed, or the time model's ``nothing_left_can_win`` holds
+(the rest pruned, each with its prediction).
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def tune_micro_batch(
     sizes = _checked_micro_batches(config.micro_batches, global_batch)
     started = time.perf_counter()
     resolved = ModelView.of(model, config.block_types)
-    with search_session(resolved) as session:  # the set-up and tear-down ``tune`` has, the same code
+    with search_session(resolved, config.clock) as session:  # the set-up and tear-down ``tune`` has, the same code
 
         def step_for(m: int) -> Callable[[], Any]:
             return session.restoring(loss_fn_for(m))

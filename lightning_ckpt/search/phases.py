@@ -1,16 +1,13 @@
-"""Where a search's time went: seconds by phase, and the same in plain training steps.
-
-A search is worth its cost only against the steps it makes faster, and a user reading "the search took 38 s" cannot
-tell whether the trials or a fixed cost (the first compile, the write check, the hold-out rounds) took it. Each phase
-is timed where it runs (``Phases.timing``); what no phase claims is ``other`` (Python between phases, collection,
-synchronisation), so the phases always add up to the search's wall time.
+"""Where a search's time went: seconds by phase, and the same in plain training steps (a search is worth its cost
+only against the steps it makes faster). Each phase is timed where it runs (``Phases.timing``); what no phase claims
+is ``other`` (Python between phases, collection, synchronisation), so the phases add up to the search's wall time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,19 +30,21 @@ PHASES = (
 
 
 class Phases:
-    """A running account of one search's phases (see the module docstring)."""
+    """A running account of one search's phases (see the module docstring), by ``clock`` (``TuneConfig.clock``: a
+    test that sets the machine's speed sets what the allowance counts)."""
 
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.started = clock()
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
     def timing(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             yield
         finally:
-            self.add(phase, time.perf_counter() - t0)
+            self.add(phase, self.clock() - t0)
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -59,7 +58,7 @@ class Phases:
 
     def cost(self, plain_step: float | None) -> SearchCost:
         """The account so far, ``other`` being what no phase claimed."""
-        total = time.perf_counter() - self.started
+        total = self.clock() - self.started
         seconds = {p: s for p in PHASES if (s := self.seconds.get(p, 0.0)) > 0}
         seconds["other"] = max(0.0, total - sum(v for k, v in seconds.items() if k != "other"))
         return SearchCost(total_seconds=total, seconds=seconds, plain_step_seconds=plain_step)

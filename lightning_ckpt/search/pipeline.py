@@ -42,7 +42,11 @@ from lightning_ckpt.search.trials import Trials, Workload, resized, run_info
 from lightning_ckpt.search.verdict import Verdict
 from lightning_ckpt.timing.model import TimeModel
 
-__all__ = ["Search", "SearchHooks", "conclude", "run_search", "warm_up_process"]
+__all__ = ["TAIL_STEPS", "Search", "SearchHooks", "conclude", "run_search", "warm_up_process"]
+
+# Plain steps the allowance keeps for what follows the side-by-side rounds: the winner's (and a kept reference's)
+# tracked memory pass and FLOP count (3.5 and 2 plain steps on CPU, more on a fast step: the tracker's cost is per op).
+TAIL_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,14 @@ class Search:
         predicted = timed.predict_seconds(Plan()) if timed is not None else None
         return self.phases.cost(plain_step_seconds(self.records, predicted))
 
-    def spent(self) -> bool:
-        """Whether the search has used its allowance (``TuneConfig.search_steps``) of plain steps."""
+    def left(self) -> float | None:
+        """Seconds of the search's allowance (``TuneConfig.search_steps`` plain steps) left for its rounds, less
+        ``TAIL_STEPS`` for what follows them; None without an allowance or a plain step."""
         allowance = self.trials.config.search_steps
-        steps = self.cost().plain_steps if allowance is not None else None
-        return steps is not None and steps >= allowance
+        cost = self.cost() if allowance is not None else None
+        if cost is None or not cost.plain_step_seconds:
+            return None
+        return (allowance - TAIL_STEPS) * cost.plain_step_seconds - cost.total_seconds
 
 
 def run_search(
@@ -134,7 +141,7 @@ def run_search(
     found = (tuple(candidates), tuple(stacks), Confirmed(), none_fits, warm_steps, hooks.progress, phases)
     search = Search(ledger, trials, sampler, *found)
     with phases.timing("confirmation"):
-        confirmed = confirm(ledger, trials, sampler, hooks.progress, search.spent)
+        confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
     release_cached_memory(resolved.device)
     return replace(search, confirmed=confirmed)
 
@@ -175,7 +182,7 @@ def conclude(
         if not fell_back:
             with search.phases.timing("hold_out"):
                 best, verdict, held_stopped = hold_out(
-                    best, ledger, trials, search.confirmed, search.progress, search.spent
+                    best, ledger, trials, search.confirmed, search.progress, search.left
                 )
             if held_stopped:
                 stopped.append("the fresh rounds that hold the winner out, before its claim was within ±3%")

@@ -1,10 +1,7 @@
-"""The side-by-side confirmation: re-time the leaders in interleaved rounds, so the choice compares figures
-taken at the same moments of a shared machine, never a trial measured in a slow moment against one that was not.
-
-``confirmation.confirm`` (every search, the joint micro-batch one included) uses ``confirm_interleaved``, which times the
-entries until ``SideBySide`` can give every tuned plan a decided ``verdict.Verdict`` against the fastest baseline;
-``holdout`` re-times the winner in fresh rounds for the claim; ``apply_confirmation`` puts the figures into the
-records.
+"""The side-by-side confirmation: leaders re-timed in interleaved rounds, so the choice compares figures taken at the
+same moments of a shared machine. ``confirm_interleaved`` times entries until ``SideBySide`` decides every tuned
+plan's ``verdict.Verdict`` against the fastest baseline; ``holdout`` re-times the winner in fresh rounds for the
+claim; ``apply_confirmation`` puts the figures into the records.
 """
 
 from __future__ import annotations
@@ -76,30 +73,27 @@ def confirm_interleaved(
     until: Callable[[SideBySide], bool] | None = None,
     check_stop: Callable[[], None] | None = None,
     on_step: RoundProgress | None = None,
-    spent: Callable[[], bool] | None = None,
+    left: Callable[[], float | None] | None = None,
+    reserve_steps: int = 0,
 ) -> SideBySide:
     """Re-time ``entries`` in interleaved rounds until the verdict is decided (or ``until`` says the figures are
-    enough), or ``max_rounds``, or, after ``min_rounds``, ``spent()`` (the search's allowance is used up:
-    ``stopped_by_allowance``).
+    enough), or ``max_rounds``, or the allowance cannot pay for the next round (``stopped_by_allowance``).
 
-    ``on_step(round, max_rounds, timed, to_time, side)`` is called after each plan timed, with the figures of the
-    rounds so far: a round of six plans took 90 s on a loaded 2-core machine, and a progress line that moved only
-    between rounds (or not at all) looked hung for the 8.6 minutes the confirmation took.
+    Interleaving puts every candidate through the same slow and fast moments of a shared machine; the order rotates
+    and reverses (``_round_order``). After ``min_rounds`` a settled entry stops being timed (a tuned plan that cannot
+    win against the fastest baseline, a baseline the reference is clearly faster than). A tuned plan that can win is
+    timed for all ``max_rounds``: stopping as its interval cleared the threshold reported the noise's luckiest moment
+    (claims 8-12% above an outside re-timing). Without a baseline, until the leader's median separates from the
+    runner-up's beyond their spreads. Figures are divided by their round's speed for display where that changed by
+    more than ``_SPEED_CHANGE`` (the paired verdicts need no correction).
 
-    Interleaving puts every candidate through the same slow and fast moments of a shared machine; the order
-    rotates and reverses (``_round_order``) so no plan always runs first or next to the same neighbour. After
-    ``min_rounds``, each entry that is settled stops being timed: a tuned plan that cannot win against the fastest
-    baseline (``verdict.Verdict``: its interval's upper bound is below ``1 + tie_tolerance``), a baseline the
-    reference is clearly faster than. The rounds end early only when no tuned plan can win; one that can is timed
-    for all ``max_rounds``: stopping as soon as its interval cleared the threshold would report the ratio at the
-    moment the noise favoured it most (measured: claims 8-12% above an outside re-timing, where the full rounds
-    agree). Without a baseline among the entries (no baseline fits), until the leader's median separates from the
-    runner-up's beyond their spreads.
-
-    ``check_stop`` runs before each round and raises to stop the search (``Trials.check_stop``).
-
-    When the rounds' common speed differs by more than ``_SPEED_CHANGE``, each figure is divided by its round's
-    speed for display (``per_sample``); the verdict's paired ratios need no such correction.
+    ``left()``: the seconds the search's allowance has left (None: unbounded). Each round, the floor's too, starts
+    only where it and ``reserve_steps`` more steps (the fresh rounds' floor) fit, at the seconds per step the last
+    round cost (before one, the entries' search figures): a search stays within its allowance on any model, and the
+    verdicts left undecided keep the reference. Rank 0's answer decides for every rank. ``check_stop`` runs before
+    each round and raises to stop the search. ``on_step(round, max_rounds, timed, to_time, side)``: after each plan
+    timed (a round of six plans took 90 s on a loaded 2-core machine; a line that moved only between rounds looked
+    hung).
     """
     sync = sync or LocalSync()
     rounds: list[dict[int, float]] = []
@@ -107,10 +101,17 @@ def confirm_interleaved(
     baselines = {e.trial.number for e in entries if e.trial.baseline is not None}
     active = list(entries)
     result = SideBySide.of(rounds, numbers, baselines)
+    # Seconds per step timed: from the search's figures until a round measured it (overhead included).
+    per_step = statistics.fmean([e.trial.median_seconds or 0.0 for e in entries]) if entries else 0.0
     for done in range(1, max_rounds + 1):
         if check_stop is not None:
             check_stop()  # a stop request (SIGTERM) ends the search between rounds as between trials
         order = _round_order(active, done)
+        steps = sum(e.steps_per_round + (e.warmup_steps if done == 1 else 0) for e in order)
+        before = left() if left is not None else None
+        # Rank 0's clock decides, for every rank: each rank's own would stop the ranks' collectives at different rounds.
+        if left is not None and sync.broadcast(before is not None and before < per_step * (steps + reserve_steps)):
+            return replace(result, stopped_by_allowance=True)
         row: dict[int, float] = {}
         if on_step is not None:
             on_step(done, max_rounds, 0, len(order), result)
@@ -122,16 +123,19 @@ def confirm_interleaved(
             if on_step is not None and i < len(order):
                 on_step(done, max_rounds, i, len(order), result)
         rounds.append(row)
+        after = left() if before is not None and left is not None else None
+        if after is not None and steps:
+            per_step = max(0.0, before - after) / steps
         result = SideBySide.of(rounds, numbers, baselines)
         if on_step is not None:
             on_step(done, max_rounds, len(order), len(order), result)
-        if done < min_rounds:
+        # Where the allowance cannot pay for the floor, the rounds after it start from the second (the first with an
+        # interval): settled plans stop being timed, and a decided choice ends them, rather than a cut left undecided.
+        floor = (min_rounds - done) * sum(e.steps_per_round for e in active) + reserve_steps
+        if done < min_rounds and not (done >= 2 and after is not None and after < per_step * floor):
             continue
         if until(result) if until is not None else result.decided(tie_tolerance):
             break
-        # Rank 0's clock decides, for every rank: each rank's own would stop the ranks' collectives at different rounds.
-        if done < max_rounds and spent is not None and sync.broadcast(bool(spent())):
-            return replace(result, stopped_by_allowance=True)
         settled = result.settled(tie_tolerance)
         active = [e for e in active if e.trial.number not in settled]
     return result
@@ -147,7 +151,7 @@ class SideBySide:
     round_speeds: tuple[float, ...]
     rounds: tuple[dict[int, float], ...] = ()
     baselines: frozenset[int] = frozenset()
-    stopped_by_allowance: bool = False  # the search's allowance ended the rounds (``confirm_interleaved``'s ``spent``)
+    stopped_by_allowance: bool = False  # the search's allowance ended the rounds (``confirm_interleaved``'s ``left``)
 
     @property
     def speed_changed(self) -> bool:
@@ -215,12 +219,9 @@ class SideBySide:
         return others <= self.settled(tie_tolerance)
 
     def choice_decided(self, tie_tolerance: float) -> bool:
-        """The choice these rounds make is settled, where a hold-out (``holdout``) gives the claim: no tuned plan can
-        win any more and the reference is settled (``decided``), or a tuned plan wins against every baseline that
-        could still be the reference (near-equal baselines need not be told apart then: whichever it is, it is
-        beaten) and the leading tuned plan (by median) is decided either way. The sequential test's stop: more
-        rounds could change only the claim, which the fresh rounds give without these rounds' selection.
-        """
+        """The choice these rounds make is settled, where a hold-out gives the claim: ``decided``, or a tuned plan
+        wins against every baseline that could still be the reference (whichever it is, it is beaten) and the leading
+        tuned plan is decided either way. More rounds could change only the claim, which the fresh rounds give."""
         if self.decided(tie_tolerance):
             return True
         ref = self.reference
@@ -268,20 +269,18 @@ def holdout(
     sync: Sync | None = None,
     check_stop: Callable[[], None] | None = None,
     on_step: RoundProgress | None = None,
-    spent: Callable[[], bool] | None = None,
+    left: Callable[[], float | None] | None = None,
 ) -> tuple[list[TrialRecord], TrialRecord | None, Verdict | None, bool]:
-    """(records, reference, verdict, stopped by the allowance ``spent``): the chosen tuned plan ``best`` timed again in fresh interleaved rounds (at
-    least ``rounds``, then until its ratio's interval is within ``CLAIM_HALF_WIDTH`` or it cannot win, at most
-    ``max_rounds``) beside the reference the choosing rounds found fastest, ``records`` with those two figures, that
-    reference, and ``best``'s verdict against it from those rounds alone (``Verdict.chosen_after``: the rounds of
-    ``side`` that chose it). ``reference`` is None, and nothing is timed, where there is nothing to hold out
-    (``rounds`` 0, a baseline chosen, ``best`` not confirmed, no baseline).
+    """(records, reference, verdict, stopped by the allowance ``left``, as ``confirm_interleaved``): ``best`` timed
+    again in fresh interleaved rounds (at least ``rounds``, then until its ratio's interval is within
+    ``CLAIM_HALF_WIDTH`` or it cannot win, at most ``max_rounds``) beside the reference the choosing rounds found
+    fastest, ``records`` with both figures, that reference and ``best``'s verdict from these rounds alone
+    (``chosen_after``: the rounds of ``side`` that chose it). Nothing is timed (reference None) where there is
+    nothing to hold out: ``rounds`` 0, a baseline chosen, ``best`` not confirmed, no baseline.
 
-    The rounds that chose a plan among several leaders are biased towards it: the leader chosen is the one whose
-    rounds the noise favoured (measured on the repeatability benchmark: claims 5-17% above an outside re-timing,
-    never below, for every tuned plan chosen). Fresh rounds are independent of that selection, so their ratio is
-    an honest estimate; the caller keeps the reference where they do not find ``best`` faster (``Verdict.wins``).
-    The other baselines keep the confirmation's figures."""
+    The rounds that chose a plan among several leaders favour it (claims 5-17% above an outside re-timing, never
+    below); fresh rounds are independent of that selection, and the caller keeps the reference where they do not
+    find ``best`` faster. The other baselines keep the confirmation's figures."""
     chosen_after = len(side.by_round(best.number)) if side is not None else 0
     confirmed = [t for t in records if t.baseline is not None and t.feasible and t.confirmed]
     if side is None or rounds <= 0 or best.baseline is not None or not chosen_after or not confirmed:
@@ -311,10 +310,10 @@ def holdout(
         until=precise,
         check_stop=check_stop,
         on_step=on_step,
-        spent=spent,
+        left=left,
     )
     if not fresh.per_sample.get(reference.number):  # the reference did not run in the fresh rounds
-        return list(records), None, None, False
+        return list(records), None, None, fresh.stopped_by_allowance
     verdict = fresh.verdict(best.number, labels, tie_tolerance, reference=reference.number)
     verdict = replace(verdict, chosen_after=chosen_after) if verdict is not None else None
     return apply_confirmation(records, entries, fresh.per_sample), reference, verdict, fresh.stopped_by_allowance
@@ -414,11 +413,14 @@ def reported_verdict(
 
 
 def beats_by(side: SideBySide | None, tie_tolerance: float) -> Callable[[TrialRecord, TrialRecord], bool | None]:
-    """``records.choose_best``'s ``beats`` from the confirmation ``side``: a tuned plan's verdict against the
-    reference decides whether it wins; None (the figures decide) for a pair not re-timed side by side."""
+    """``choice.choose_best``'s ``beats`` from the confirmation ``side``: a tuned plan's verdict against the reference
+    decides whether it wins; for a pair not re-timed side by side, None (the figures decide), or False where the
+    allowance ended the rounds first (undecided: the reference is kept)."""
 
     def beats(trial: TrialRecord, reference: TrialRecord) -> bool | None:
         verdict = verdict_between(side, trial, reference, tie_tolerance)
+        if verdict is None and side is not None and side.stopped_by_allowance:
+            return False
         return verdict.wins if verdict is not None else None
 
     return beats

@@ -1,9 +1,6 @@
-"""Trial runners: how one candidate plan is measured. The study decides what to run; a runner runs it.
-
-A runner measures a plan (``measure``), times it again side by side with others (``retime``) and
-says whether the memory model's predictions apply to it (``predicts_memory``). ``EagerRunner`` applies
-the plan and calls ``measure_step``; ``compile.CompiledTrials`` compiles each plan from a reset
-first; a runner for sharded models plugs in the same way.
+"""Trial runners: how one candidate plan is measured (``measure``), re-timed side by side (``retime``), and whether
+the memory model's predictions hold for it (``predicts_memory``). ``EagerRunner`` applies the plan and calls
+``measure_step``; ``compile.CompiledTrials`` compiles each plan; a runner for sharded models plugs in the same way.
 """
 
 from __future__ import annotations
@@ -15,8 +12,9 @@ from typing import Protocol
 
 import torch
 
+from lightning_ckpt.measure.device_memory import device_memory
 from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.measure.measurement import Measurement, release_memory
+from lightning_ckpt.measure.measurement import Measurement
 from lightning_ckpt.measure.tracker import fsdp_root
 from lightning_ckpt.plan.apply import plan_applied
 from lightning_ckpt.plan.format import Plan
@@ -115,8 +113,12 @@ def _with_deviations(outcome: Measurement, deviations: Mapping[str, str]) -> Mea
 
 def release_cached_memory(device: torch.device) -> None:
     """Give back what trials left cached: device blocks, and the pinned host blocks of offload trials (a plan's
-    offload pool goes back to torch's host caching allocator when the plan is removed, which keeps them)."""
-    release_memory(device)
+    offload pool goes back to torch's host caching allocator when the plan is removed, which keeps them). No
+    collection: a failed step's memory was collected when it failed (``measure_step``), and a full collection cost
+    more than ten plain steps of a 10 ms model, twice per search."""
+    memory = device_memory(device)
+    if memory is not None:
+        memory.empty_cache()
     if device.type != "cuda":
         return
     # torch 2.13 added the accelerator-generic name; the CUDA one is older.

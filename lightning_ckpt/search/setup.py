@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,21 +42,24 @@ log = logging.getLogger(__name__)
 
 
 class SearchSession:
-    """What every search (``tune``, and the joint micro-batch search) sets up before its first step and undoes
-    after its last, however it ends: one place, so the two cannot drift apart.
+    """What every search (``tune``, the joint micro-batch search) sets up before its first step and undoes after its
+    last, however it ends, in one place. Set up: every block runs (LayerDrop at full depth: the budget must hold for
+    the deepest step), the modules' Python attributes captured so each step starts from them, expandable segments on
+    CUDA where they can be verified (``measure.allocator``; kept for training). Undone: cached device blocks and
+    offload trials' pinned host memory, the allocator, kept compiled graphs, parameters the forward writes, Python
+    attributes (with a warning for what could not be restored)."""
 
-    Set up: every block runs (LayerDrop and kin at full depth: the budget must hold for the deepest step), the
-    modules' Python attributes are captured so each step starts from them, the allocator runs with expandable
-    segments on CUDA where they can be verified on (``measure.allocator``; kept for the training after). Undone: cached device blocks and offload trials' pinned host memory released, the allocator,
-    kept compiled graphs, parameters the forward writes, Python attributes (with a warning for what could not be
-    restored)."""
-
-    def __init__(self, resolved: ModelView, allocator: AllocatorRegime | None = None) -> None:
+    def __init__(
+        self,
+        resolved: ModelView,
+        allocator: AllocatorRegime | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.resolved = resolved
         self.allocator = allocator  # what the search runs under, recorded in the plan file
         self.began = allocated_bytes(resolved.device)  # what the device held before the search: named if none fits
         self.python_state = PythonState.capture(resolved.root)
-        self.phases = Phases()  # where the search's time goes (``result.cost``)
+        self.phases = Phases(clock)  # where the search's time goes (``result.cost``)
 
     def restoring(self, step_fn: Callable[[], Any]) -> Callable[[], Any]:
         """``step_fn`` starting from the Python attributes as they were (a counter-driven curriculum sees call 1
@@ -81,14 +85,14 @@ class SearchSession:
 
 
 @contextlib.contextmanager
-def search_session(resolved: ModelView) -> Iterator[SearchSession]:
-    """A ``SearchSession`` for the duration of one search (see there)."""
+def search_session(resolved: ModelView, clock: Callable[[], float] = time.perf_counter) -> Iterator[SearchSession]:
+    """A ``SearchSession`` for the duration of one search (see there), its phases timed by ``clock``."""
     # Entered before the Python attributes are captured, which would otherwise put LayerDrop's rates back after
     # every step.
     with full_depth(resolved.root, resolved.stacks) as deepened, search_allocator(resolved.device) as allocator:
         if deepened:
             log.info("lightning_ckpt: searching at full depth (every block runs): %s", deepened)
-        session = SearchSession(resolved, allocator)
+        session = SearchSession(resolved, allocator, clock)
         try:
             yield session
         finally:

@@ -1,10 +1,7 @@
 """How a candidate becomes a record: measured on every rank through its workload's runner, combined, and judged
-against the budget.
-
-``Trials`` is what every phase that measures shares (the loop, the confirmation's memory passes, the fallback, the
-whole-compile check): the workloads, the budget, the allocator caps, and on CPU the lazy memory pass (trials are
-timed only, the memory model being exact, and the plans that can still be chosen get the slow tracked pass). It
-keeps no records: what it returns goes into the ledger.
+against the budget. ``Trials`` is what every phase that measures shares: the workloads, the budget, the allocator
+caps, and on CPU the lazy memory pass (trials timed only, the memory model being exact; the plans that can still be
+chosen get the tracked pass). It keeps no records: what it returns goes into the ledger.
 """
 
 from __future__ import annotations
@@ -95,6 +92,9 @@ class Trials:
         self.unchained: set[str] = set()
         self.started = time.perf_counter()
         self.host_limit = config.host_limit()  # what offloaded blocks may pin
+        # The memory model's answers by plan key (the loop asks them of every unseen candidate at every proposal).
+        self._predicted: dict[tuple[str, int | None], tuple[int, int] | None] = {}
+        self._runnable: dict[str, bool] = {}
 
     def workload(self, micro_batch: int | None) -> Workload:
         return self.workloads[micro_batch]
@@ -112,8 +112,11 @@ class Trials:
 
     def predicted(self, plan: Plan, micro_batch: int | None = None) -> tuple[int, int] | None:
         """(peak, activation bytes) the memory model predicts for ``plan``, None where it does not predict."""
-        w = self.workload(micro_batch)
-        return w.memory.predict(plan) if w.memory is not None and w.predicts_memory else None
+        key = (plan.key(), micro_batch)
+        if key not in self._predicted:
+            w = self.workload(micro_batch)
+            self._predicted[key] = w.memory.predict(plan) if w.memory is not None and w.predicts_memory else None
+        return self._predicted[key]
 
     def predicted_over_budget(self, plan: Plan, micro_batch: int | None = None) -> bool:
         """Over the budget on the card, or over ``max_host_memory`` in the host memory its offloaded blocks pin."""
@@ -132,8 +135,10 @@ class Trials:
         """Whether ``plan`` can run: the profile allows it, and no trial saw its segments leave the chain."""
         if plan.segments.keys() & self.unchained:
             return False
-        memory = next(iter(self.workloads.values())).memory
-        return memory is None or memory.can_run(plan) is None
+        if plan.key() not in self._runnable:
+            memory = next(iter(self.workloads.values())).memory
+            self._runnable[plan.key()] = memory is None or memory.can_run(plan) is None
+        return self._runnable[plan.key()]
 
     def run(self, cand: Candidate, *, prune: str | None, predicted_seconds: float | None = None) -> TrialRecord:
         """``cand`` pruned (``prune``: by the ``"memory"`` or the ``"time"`` model) or run on every rank, combined."""

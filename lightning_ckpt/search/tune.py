@@ -125,36 +125,32 @@ def tune(
 ) -> TuneResult:
     """Search checkpointing plans for the highest measured throughput within a memory budget.
 
-    ``step_fn`` runs the forward of one training step on a fixed batch and returns the loss; tune
-    calls ``backward`` on it (and never steps an optimizer), both for the memory-safe profile and for
-    every measured trial. The model is left exactly as it was: the caller applies ``result.best``.
-    ``config`` (a ``TuneConfig``) holds the search settings. ``max_memory`` may be a
-    ``budget.RequestedBudget`` the caller already parsed (the callback does, once, at construction). On a GPU it is
-    clamped to what the process may allocate there, and the search never lets an out-of-memory error out: a trial
-    records it, and a pass that needs no more than the lowest-memory plan ends in ``InfeasibleBudgetError``.
+    ``step_fn`` runs the forward of one training step on a fixed batch and returns the loss; tune calls ``backward``
+    on it (never an optimizer step), for the profile and every trial, and leaves the model exactly as it was: the
+    caller applies ``result.best``. ``config`` (a ``TuneConfig``): the search's settings. ``max_memory`` may be a
+    ``budget.RequestedBudget`` parsed already; on a GPU it is clamped to what the process may allocate, and no
+    out-of-memory error gets out: a trial records it, and a pass that needs no more than the lowest-memory plan ends
+    in ``InfeasibleBudgetError``.
 
-    The budget covers the training step as it will run after lock-in, not just the trial: with an
-    ``optimizer``, one ``optimizer.step()`` is measured (and undone, see ``optimizer_measure.py``) and every
-    trial's peak becomes ``max(forward+backward peak + the state the first step creates, the optimizer
-    step's peak)``.
-    HF KV caches are turned off for the search (``caches.py``).
+    The budget covers the step as it runs after lock-in: with an ``optimizer``, one ``optimizer.step()`` is measured
+    (and undone, ``optimizer_measure.py``) and a trial's peak is ``max(forward+backward peak + the state the first
+    step creates, the optimizer step's peak)``. HF KV caches are off for the search (``caches.py``).
 
-    ``hooks`` (``SearchHooks``): ``progress`` reports each trial; ``sync`` (a ``distributed.Sync``) runs the search
-    on several ranks in lockstep; ``should_stop`` is polled between trials (the callback passes Lightning's SIGTERM
-    flag), and when it returns True the search ends with ``SearchInterrupted`` and the model is left as it was.
-    ``TuneConfig.compiled`` (default: detected) makes every trial compile its plan; plans that add graph breaks
-    are ``conflict`` trials.
+    ``hooks`` (``SearchHooks``): ``progress`` reports each trial; ``sync`` runs the search on several ranks in
+    lockstep; ``should_stop`` is polled between trials and rounds (Lightning's SIGTERM flag): True ends the search
+    with ``SearchInterrupted``, the model as it was. ``TuneConfig.compiled`` (default: detected): every trial compiles
+    its plan, and plans that add graph breaks are ``conflict`` trials.
 
-    The search is an Optuna study named ``result.study_name``, with one trial per plan tried (objective
-    ``samples_per_second``, the budget as a constraint, figures in user attributes; see ``ledger.py``). With
-    ``storage=`` it persists: ``optuna.load_study(study_name=result.study_name, storage=result.storage)``,
-    and a search started again on the same model and run resumes it instead of measuring again.
+    The search is an Optuna study named ``result.study_name``, one trial per plan (objective ``samples_per_second``,
+    the budget as a constraint, figures in user attributes; ``ledger.py``). With ``storage=`` it persists
+    (``optuna.load_study(study_name=result.study_name, storage=result.storage)``), and a search started again on the
+    same model and run resumes it instead of measuring again.
     """
     config = config or TuneConfig()
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     start_expandable_segments()  # only while CUDA has not started (a model still on the host): see measure.allocator
     resolved = ModelView.of(model, config.block_types)
-    with search_session(resolved) as session:
+    with search_session(resolved, config.clock) as session:
         step_fn = session.restoring(step_fn)
         shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
         steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}

@@ -1,22 +1,16 @@
 """The verdict of a side-by-side confirmation: how much faster a tuned plan is than the fastest fitting baseline,
 with the interval the rounds support, and whether that is enough to choose it.
 
-A tuned plan's figure and the baseline's are paired by round: both were timed within the same interleaved round,
-at the same moment of a shared machine, so their ratio cancels whatever the machine's speed was then (another job,
-throttled clocks). The verdict is over those paired ratios: their geometric mean and a Student-t interval on the
-log ratios (90% by default). A t interval, not a bootstrap, because confirmations have 3-8 rounds: a bootstrap
-over so few rounds gives an interval no wider than the rounds' range, overconfident exactly when it matters.
+A tuned plan's figure and the baseline's are paired by round (timed at the same moment of a shared machine, so their
+ratio cancels its speed then). The verdict is their geometric mean and a Student-t interval on the log ratios (90%):
+a t interval, not a bootstrap, since over 3-8 rounds a bootstrap is no wider than their range, overconfident exactly
+when it matters. The rule (``choice.CHOICE_RULE``): a tuned plan wins only when the lower bound clears
+``1 + tie_tolerance``; one whose upper bound stays below cannot win; in between it is undecided, more rounds run
+(``rounds.confirm_interleaved``) until it is decided or capped, and then the baseline is kept.
 
-The rule (``choice.CHOICE_RULE``): a tuned plan wins only when the lower bound clears ``1 + tie_tolerance``;
-a plan whose upper bound stays below it cannot win; anything in between is undecided, and more rounds are run
-(``rounds.confirm_interleaved``) until it is decided or the cap is reached, where the baseline is kept and the
-result says the machine could not separate them.
-
-The rounds that choose a plan cannot also say how fast it is: among several leaders, the one chosen is the one
-whose rounds happened to favour it most (measured: claims 5-17% above an outside re-timing of the same plan, every
-error in the same direction). So the chosen plan and the reference are timed again in fresh rounds
-(``rounds.holdout``) and the reported verdict is theirs (``chosen_after``: the rounds that chose it); a plan the
-fresh rounds do not find faster is not kept.
+The rounds that choose a plan cannot also say how fast it is: the leader chosen is the one the noise favoured (claims
+5-17% above an outside re-timing, every error the same way). So it and the reference are timed again in fresh rounds
+(``rounds.holdout``) and the verdict reported is theirs (``chosen_after``: the rounds that chose it).
 
 Pure Python (no torch): a plan file's verdict is read by ``lightning-ckpt show`` without importing torch.
 """
