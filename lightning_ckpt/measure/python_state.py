@@ -33,8 +33,7 @@ __all__ = ["PythonState"]
 _ATOMS = (bool, int, float, complex, str, bytes, type(None))
 # nn.Module's internals (restored elsewhere or never changed by a step; ``training`` is kept), the forwards and plan
 # handle that plans install, and the compiled call a compiled search gives each block (``search.assembly``).
-_PLAN_ATTRIBUTES = plan_attributes() | {"_compiled_call_impl"}
-_SKIP = frozenset(set(nn.Module().__dict__) - {"training"}) | _PLAN_ATTRIBUTES
+_SKIP = frozenset(set(nn.Module().__dict__) - {"training"}) | plan_attributes() | {"_compiled_call_impl"}
 # Objects of these libraries are machinery, not user state: a LightningModule holds its Trainer, whose flags
 # (a SIGTERM received during the search, say) must never be rolled back.
 _MACHINERY = ("lightning", "pytorch_lightning", "torch", "torchmetrics", "optuna", "lightning_ckpt")
@@ -55,9 +54,12 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
 
 def _holder_fields(value: Any) -> dict[str, Any] | None:
     """The plain attributes of a user object held by a module (not a module, tensor or container)."""
-    if isinstance(value, (nn.Module, torch.Tensor, type, dict, list, tuple, set, frozenset)) or callable(value):
-        return None
-    if type(value).__module__.split(".")[0] in _MACHINERY:
+    machinery = type(value).__module__.split(".")[0] in _MACHINERY
+    if (
+        machinery
+        or isinstance(value, (nn.Module, torch.Tensor, type, dict, list, tuple, set, frozenset))
+        or callable(value)
+    ):
         return None
     fields = getattr(value, "__dict__", None)
     if not isinstance(fields, dict):

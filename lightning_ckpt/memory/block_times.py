@@ -34,8 +34,7 @@ from lightning_ckpt.plan.format import BlockPlan, Plan
 
 __all__ = ["TIMING_ROUNDS", "CompiledBlockRuns", "compiled_block_modes", "time_block_modes"]
 
-# Rounds per mode after one untimed warm-up round: the median of 5 is steady to a few percent on a busy
-# 2-core machine, and a round costs one block's forward+backward per mode (a small share of one step).
+# Rounds per mode after an untimed warm-up: the median of 5 is steady to a few percent on a busy 2-core machine.
 TIMING_ROUNDS = 5
 
 
@@ -62,8 +61,8 @@ def time_block_modes(
 
 @dataclass
 class CompiledBlockRuns:
-    """What one distinct block did compiled alone: per mode key, median forward+backward seconds and the bytes its
-    compiled graph saved for backward; and what compiling cost (tuning cost, never a block's time)."""
+    """One distinct block compiled alone, per mode key: median seconds and bytes saved for backward; and what
+    compiling cost (tuning cost, never a block's time)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     saved_bytes: dict[str, int] = field(default_factory=dict)

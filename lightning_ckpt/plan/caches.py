@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.model import ModelView
 
 __all__ = [
@@ -117,10 +118,7 @@ def without_kv_cache(fn: Callable[..., R]) -> Callable[..., R]:
 
     @functools.wraps(fn)
     def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> R:
-        root = model.root if isinstance(model, ModelView) else model
-        while isinstance(getattr(root, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
-            root = root._orig_mod
-        with kv_cache_disabled(root):
+        with kv_cache_disabled(unwrap_compiled(model.root if isinstance(model, ModelView) else model)):
             return fn(model, *args, **kwargs)
 
     return wrapper
