@@ -54,12 +54,9 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
 
 def _holder_fields(value: Any) -> dict[str, Any] | None:
     """The plain attributes of a user object held by a module (not a module, tensor or container)."""
-    machinery = type(value).__module__.split(".")[0] in _MACHINERY
-    if (
-        machinery
-        or isinstance(value, (nn.Module, torch.Tensor, type, dict, list, tuple, set, frozenset))
-        or callable(value)
-    ):
+    if isinstance(value, (nn.Module, torch.Tensor, type, dict, list, tuple, set, frozenset)) or callable(value):
+        return None
+    if type(value).__module__.split(".")[0] in _MACHINERY:
         return None
     fields = getattr(value, "__dict__", None)
     if not isinstance(fields, dict):

@@ -16,7 +16,7 @@ def segment_chunks(n_blocks: int, segments: int) -> list[tuple[int, int]]:
     """[start, end) index ranges of ``segments`` near-equal chunks (first chunks get the remainder)."""
     base, extra = divmod(n_blocks, segments)
     ends = [(i + 1) * base + min(i + 1, extra) for i in range(segments)]
-    return list(zip([0, *ends[:-1]], ends))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def sqrt_chunks(n_blocks: int) -> int:
