@@ -60,17 +60,11 @@ def removing_grad_hooks() -> Iterator[list[Any]]:
         handles.clear()
 
 
-class _IdSet:
+class _IdSet(WeakIdKeyDictionary):
     """The part of a WeakSet ModTracker uses (add, in), by identity and without keeping modules alive."""
 
-    def __init__(self) -> None:
-        self._items = WeakIdKeyDictionary()
-
     def add(self, item: Any) -> None:
-        self._items[item] = True
-
-    def __contains__(self, item: Any) -> bool:
-        return item in self._items
+        self[item] = True
 
 
 class _LiveTracking:

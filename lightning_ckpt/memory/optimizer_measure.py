@@ -54,14 +54,10 @@ class _OptimizerSnapshot:
                 if p not in self.state:
                     del self.optimizer.state[p]
             for p, entries in self.state.items():
-                restored = {}
-                for k, (original, saved) in entries.items():
+                for original, saved in entries.values():
                     if isinstance(original, torch.Tensor):
                         original.copy_(saved)
-                        restored[k] = original
-                    else:
-                        restored[k] = saved
-                self.optimizer.state[p] = restored
+                self.optimizer.state[p] = {k: o if isinstance(o, torch.Tensor) else s for k, (o, s) in entries.items()}
         for group, saved in zip(self.optimizer.param_groups, self.groups, strict=True):
             group.update(saved)
 
