@@ -221,8 +221,8 @@ def capture_calls(
     finally:
         for h in handles:
             h.remove()
-    # A block called several times (weights shared across depth) is one FQN in a plan: its mode applies to
-    # every call, and each call is a row of its own in the model. One checkpoint cannot span several calls.
+    # A block called several times (weights shared across depth) is one FQN in a plan, its mode applying to every
+    # call (each a row of its own in the model): one checkpoint cannot span several calls.
     shared = {f for f, calls in collections.Counter(order).items() if calls > 1}
     unchained = chain.unchained | {stack_of[f] for f in shared if f in stack_of}
     return order, {c.fqn: c for c in reps.values()}, rep_of, unchained

@@ -161,8 +161,8 @@ def _plot_trials(
 
 # The legend's note on hollow points (``_plot_trials``).
 _HOLLOW = "hollow: timed one plan at a time, not beside the winner (filled: side by side with it)"
-# Legend entries wrap at this many characters: the legend sits below the axes in ``_LEGEND_COLUMNS`` columns, and a
-# winner's label (its plan, one block range after another) ran past both edges of the image.
+# Legend entries wrap at this many characters: in ``_LEGEND_COLUMNS`` columns below the axes, a winner's label (its
+# plan, block range after block range) ran past both edges of the image.
 _LEGEND_WIDTH = 52
 _LEGEND_COLUMNS = 2
 
@@ -241,8 +241,7 @@ def _frame(ax: Axes, result: TuneResult, unit: str, scale: float, span: tuple[fl
 
 
 def figure_to_hwc(fig: Figure) -> np.ndarray:
-    # SummaryWriter.add_figure does this too, but imports pyplot to close the figure; the
-    # Agg canvas alone gives the same image without touching pyplot's global state.
+    # SummaryWriter.add_figure imports pyplot to close the figure; the Agg canvas alone leaves pyplot's state alone.
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[:, :, :3].copy()
