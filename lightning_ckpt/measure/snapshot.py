@@ -92,7 +92,8 @@ class StateSnapshot:
             if g is None:  # freed by the step: a fresh tensor with the captured values
                 p.grad = copy.to(device=p.device)
                 continue
-            p.grad = g
+            if p.grad is not g:
+                p.grad = g
             # Always copy: not every in-place update bumps the version counter (BatchNorm's running statistics).
             with torch.no_grad():
                 g.copy_(copy)
