@@ -189,9 +189,8 @@ def capture_calls(
     share: bool,
     stack_of: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, Captured], list[str], set[str]]:
-    """No-grad forward: block execution order (a block shared across depth, like ALBERT's one layer, once
-    per call), one captured input per group, each call's representative, and the stacks whose blocks do not
-    run as a chain (see ``_ChainCheck``; a stack with a shared block is never one)."""
+    """No-grad forward: block call order (a block shared across depth, like ALBERT's layer, once per call), one input
+    per group, each call's representative, and the stacks that are no chain (``_ChainCheck``; nor one sharing a block)."""
     order: list[str] = []
     reps: dict[Any, Captured] = {}
     rep_of: list[str] = []

@@ -246,9 +246,8 @@ def validate(data: Any, source: str) -> None:
         import jsonschema
 
         field_, problem = _describe_error(jsonschema.exceptions.best_match(errors), root)
-        more = (
-            f" ({len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in this plan)" if len(errors) > 1 else ""
-        )
+        extra = len(errors) - 1
+        more = f" ({extra} more problem{'s' if extra > 1 else ''} in this plan)" if extra else ""
         raise PlanError(
             f"{source}: field {field_}: {problem}.{more} Fix the field (the format is lightning_ckpt/plan/{SCHEMA_FILE}), "
             "or delete the file and re-tune."
