@@ -190,7 +190,7 @@ def capture_calls(
     stack_of: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, Captured], list[str], set[str]]:
     """No-grad forward: block call order (a block shared across depth, like ALBERT's layer, once per call), one input
-    per group, each call's representative, and the stacks that are no chain (``_ChainCheck``; nor one sharing a block)."""
+    per group, each call's representative, and the stacks that are no chain (``_ChainCheck``, or sharing a block)."""
     order: list[str] = []
     reps: dict[Any, Captured] = {}
     rep_of: list[str] = []
