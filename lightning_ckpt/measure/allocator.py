@@ -1,25 +1,18 @@
 """The allocator regime a search and the training after it run under: expandable segments really on (verified on a
 real segment), or a clear word that they are not; and the split-resistant setting a refused pass is retried with.
 
-Why expandable segments: the per-process cap limits *reserved* memory, and a search runs steps of many shapes one
-after another. Cached blocks that smaller tensors split cannot serve a large request: on one H200 capped at 21.8
-GiB, the memory profile was refused 6.14 GiB with 11.17 GiB allocated and 4.74 GiB "reserved by PyTorch but
-unallocated". With expandable segments the allocator unmaps free pages before it refuses, so what is reserved
-follows what is allocated, which is what the budget, the memory model and the guard speak of.
+Why expandable segments: the cap limits *reserved* memory, and a search runs steps of many shapes in turn, whose
+split cached blocks cannot serve a large request (one H200 capped at 21.8 GiB refused the memory profile 6.14 GiB
+with 11.17 GiB allocated and 4.74 GiB "reserved by PyTorch but unallocated"). Expandable segments unmap free pages
+before refusing, so reserved follows allocated, which is what the budget, the memory model and the guard speak of.
 
-How they are turned on, in order of what works:
-
-1. before CUDA starts (``start_expandable_segments``, called when the callback is created and when ``tune`` is
-   entered): the allocator reads ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` when it starts, on every torch;
-2. at run time (``search_allocator``): the setter, given the user's whole configuration with
-   ``expandable_segments:True`` (it parses its string as the complete configuration). On torch 2.11 the switch,
-   called after CUDA had started, did nothing, and nothing checked: so a 64 MiB probe's segment is read
-   (``is_expandable`` in ``torch.cuda.memory_snapshot()``) before and after, and a switch that did not take is put
-   back and said once (``AllocatorWarning``), with what the user can set.
-
-The training after the search keeps the regime the search verified (expandable segments are not switched off
-again): a plan chosen under one regime is not trained under another that fragments. A user's own
-``expandable_segments`` setting, either way, is never changed.
+They are turned on before CUDA starts (``start_expandable_segments``, when the callback is created and ``tune``
+entered: the allocator reads ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` when it starts), else at run time
+(``search_allocator``: the setter, given the user's whole configuration, which it parses as complete). On torch
+2.11 the run-time switch did nothing, unchecked: so a probe's segment is read (``is_expandable`` in
+``memory_snapshot()``) before and after, and a switch that did not take is put back and said once
+(``AllocatorWarning``). Training keeps the regime the search verified (a plan is not trained under another that
+fragments); a user's own ``expandable_segments`` setting is never changed.
 """
 
 from __future__ import annotations
@@ -56,11 +49,9 @@ class AllocatorWarning(UserWarning):
 
 @dataclass(frozen=True)
 class AllocatorRegime:
-    """What the search ran under, read off the allocator: recorded in the result and the plan file.
-
-    ``expandable_segments``: verified on a new segment. ``how``: ``"configured before the device started"``,
-    ``"run-time switch"``; when off, why (``"by your configuration ..."``, ``"the run-time switch had no effect"``). ``settings``: the allocator's
-    options as in force (``PYTORCH_ALLOC_CONF`` syntax)."""
+    """What the search ran under, read off the allocator (recorded in the result and the plan file):
+    ``expandable_segments`` verified on a new segment; ``how`` they came on, or why they are off; ``settings``, the
+    options in force (``PYTORCH_ALLOC_CONF`` syntax)."""
 
     expandable_segments: bool
     how: str
@@ -76,10 +67,9 @@ class AllocatorRegime:
 
 
 def start_expandable_segments(environ: dict[str, str] | None = None) -> str | None:
-    """Put ``expandable_segments:True`` into the allocator's configuration while CUDA has not started yet, keeping
-    every other option the user wrote; returns the variable set, or None (no GPU, CUDA already started, or the user
-    chose either way). The setting stays for the whole process: the training after the search runs in the regime
-    the search measured."""
+    """Put ``expandable_segments:True`` into the allocator's configuration before CUDA starts, keeping the user's
+    other options; returns the variable set, or None (no GPU, CUDA started, or the user chose either way). It stays
+    for the whole process: training runs in the regime the search measured."""
     environ = os.environ if environ is None else environ
     if not torch.cuda.is_available() or torch.cuda.is_initialized():
         return None
@@ -130,8 +120,7 @@ def _regime(memory: DeviceMemory) -> AllocatorRegime:
 
 @contextlib.contextmanager
 def search_allocator(device: torch.device | str) -> Iterator[AllocatorRegime | None]:
-    """The allocator regime of one search (None on a device without one): expandable segments verified on, or said
-    to be off and why. Nothing is put back on exit: the regime the search measured is the one training runs in."""
+    """The allocator regime of one search (None without an allocator); nothing is put back on exit (see above)."""
     memory = device_memory(device)
     if memory is None:
         yield None
@@ -143,10 +132,9 @@ def search_allocator(device: torch.device | str) -> Iterator[AllocatorRegime | N
 
 @contextlib.contextmanager
 def split_resistant(memory: DeviceMemory, request: int) -> Iterator[str | None]:
-    """For one retried pass: blocks of half the refused request and more are not split for smaller requests
-    (``max_split_size_mb``), so the cache cannot scatter the room a request of that size needs. Yields the option
-    set (None when the allocator has expandable segments, which need none, or refuses it); the user's options are
-    put back exactly afterwards."""
+    """For one retried pass, ``max_split_size_mb`` at half the refused request, so the cache cannot split the room
+    such a request needs. Yields the option set (None with expandable segments, which need none, or when refused);
+    the user's options are put back exactly."""
     options = memory.allocator_options()
     if options.expandable_segments:
         yield None
@@ -165,9 +153,8 @@ def split_resistant(memory: DeviceMemory, request: int) -> Iterator[str | None]:
 
 
 def allocator_figures(memory: DeviceMemory | None, *, segments: int = 12) -> dict[str, Any]:
-    """What the allocator went through, for an error and the GPU check's JSON: ``memory_stats`` figures (retries,
-    OOMs, inactive split bytes, reserved peak) and the ``segments`` largest segments, each as its size, what is
-    allocated in it, whether it is expandable and its free blocks."""
+    """What the allocator went through, for an error and the GPU check's JSON: ``memory_stats`` figures and the
+    ``segments`` largest segments (size, allocated, expandable, free blocks)."""
     if memory is None:
         return {}
     listed = sorted(memory.segments(), key=lambda s: -int(s.get("total_size", 0)))

@@ -1,9 +1,6 @@
 """The CUDA caching allocator's options as one value: read from the environment or the allocator, changed one at a
-time, written back whole.
-
-Why whole: torch's run-time setter (``torch._C._accelerator_setAllocatorSettings``, before 2.9
-``torch.cuda.memory._set_allocator_settings``) parses the string it is given as the complete configuration, so
-setting ``expandable_segments:True`` alone reset a user's ``max_split_size_mb``, ``roundup_power2_divisions`` and
+time, written back whole: torch's run-time setter parses its string as the complete configuration, so setting
+``expandable_segments:True`` alone reset a user's ``max_split_size_mb``, ``roundup_power2_divisions`` and
 ``garbage_collection_threshold``. Every change here keeps the other options exactly as the user wrote them.
 """
 
@@ -61,7 +58,6 @@ def _split_options(text: str) -> list[str]:
 
 
 def parse_options(text: str) -> AllocatorOptions:
-    """An ``AllocatorOptions`` from a configuration string (``PYTORCH_ALLOC_CONF`` syntax)."""
     expandable: bool | None = None
     max_split: int | None = None
     other: list[str] = []

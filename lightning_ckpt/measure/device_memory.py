@@ -1,9 +1,8 @@
 """The device's allocator, read one way: CUDA's caching allocator, or a simulated card installed by the tests.
 
-Budgets are judged on *allocated* bytes (what the memory model and the guard speak of); the allocator's cap
-(``set_per_process_memory_fraction``) limits *reserved* bytes. Everything that reads or caps device memory goes
-through ``device_memory(device)``, so the suite can run the CUDA path's failures on CPU with
-``lightning_ckpt.testing.SimulatedCard`` (a small card, an allocator that refuses, a cache that grew).
+Budgets are judged on *allocated* bytes; the cap (``set_per_process_memory_fraction``) limits *reserved* bytes.
+Everything that reads or caps device memory goes through ``device_memory(device)``, so the suite runs the CUDA
+path's failures on CPU with ``lightning_ckpt.testing.SimulatedCard`` (a small card, a refusing allocator).
 """
 
 from __future__ import annotations
@@ -17,13 +16,7 @@ import torch
 from lightning_ckpt.cards import installed_card
 from lightning_ckpt.measure.allocator_options import AllocatorOptions, configured_options, parse_options
 
-__all__ = [
-    "DeviceMemory",
-    "allocator_type",
-    "device_memory",
-    "refused_although_it_fits",
-    "requested_bytes",
-]
+__all__ = ["DeviceMemory", "allocator_type", "device_memory", "refused_although_it_fits", "requested_bytes"]
 
 
 class DeviceMemory(Protocol):
@@ -112,8 +105,8 @@ class CudaMemory:
         return parse_options(text) if text else configured_options(os.environ)
 
     def set_allocator_options(self, options: AllocatorOptions) -> None:
-        """All options at once (the setter takes the string as the whole configuration): the non-deprecated setter
-        where torch has it (2.9+), else ``torch.cuda.memory._set_allocator_settings``."""
+        """All options at once (the setter takes the string as the whole configuration); 2.9+'s setter, else
+        ``torch.cuda.memory._set_allocator_settings``."""
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
         if setter is None:
             setter = torch.cuda.memory._set_allocator_settings
@@ -125,8 +118,8 @@ class CudaMemory:
         setter(text)
 
     def expandable_in_effect(self) -> bool:
-        """Whether a new segment is expandable, read off a real one: a probe larger than every cached free block (so
-        it cannot be served from the cache) is allocated and its segment looked up in ``memory_snapshot()``."""
+        """Whether a new segment is expandable, read off a probe larger than every cached free block (so not served
+        from the cache), looked up in ``memory_snapshot()``."""
         largest_free = max(
             (b["size"] for s in self.segments() for b in s.get("blocks", ()) if b.get("state") == "inactive"),
             default=0,
@@ -143,8 +136,7 @@ class CudaMemory:
 
 
 def device_memory(device: torch.device | str) -> DeviceMemory | None:
-    """The allocator of ``device``: a simulated card if one is installed for its type, CUDA's on a GPU, else None
-    (CPU: no allocator counter; the live-tensor tracker reads memory there)."""
+    """A simulated card installed for ``device``'s type, CUDA's allocator on a GPU, else None (CPU: the tracker)."""
     device = torch.device(device)
     card = installed_card(device.type)
     if card is not None:
@@ -157,21 +149,17 @@ def device_memory(device: torch.device | str) -> DeviceMemory | None:
 
 
 def allocator_type(device: torch.device | str) -> str:
-    """``"cuda"`` where an allocator caps and counts the device's memory (a GPU, or a simulated card), else the
-    device's type: what decides whether trials read the allocator and run under a cap, as on a GPU."""
-    device = torch.device(device)
-    return "cuda" if device_memory(device) is not None else device.type
+    """``"cuda"`` where an allocator caps and counts the device's memory (a GPU, a simulated card), else the device's
+    type: whether trials read the allocator and run under a cap."""
+    return "cuda" if device_memory(device) is not None else torch.device(device).type
 
 
 def refused_although_it_fits(exc: BaseException, memory: DeviceMemory | None, limit: int | None) -> str | None:
     """Why an out-of-memory error deserves one more try: the bytes allocated when it was raised plus the request fit
-    ``limit`` (default: what the device lets this process have), so the refusal came from the allocator's cache (its
-    reserve, its fragments), not from the step. None otherwise. Read inside the ``except``: the failed pass's tensors
-    are still alive, so ``allocated`` is where it stopped."""
-    if memory is None:
-        return None
-    request = requested_bytes(str(exc))
-    if request is None:
+    ``limit`` (default: the device's cap), so the refusal came from the allocator's cache, not the step; else None.
+    Read inside the ``except``, while the failed pass's tensors are alive (``allocated`` is where it stopped)."""
+    request = None if memory is None else requested_bytes(str(exc))
+    if memory is None or request is None:
         return None
     limit = memory.cap_bytes() if limit is None else limit
     allocated = memory.allocated()

@@ -1,26 +1,17 @@
 """The plain Python attributes of a model's modules: captured before a search, put back after every step.
 
-A ``training_step`` may keep Python state next to its tensors: a step counter that drives a
-curriculum, a warm-up flag, a list of lengths seen. The search runs that step dozens of times, so
-without this the first real step would see the counter advanced by the number of trials (a
-curriculum skipped, different batches, different weights), and the profile and the trials would see
-different batches. Putting the attributes back after *every* step makes each trial see what the
-first did, and the first real step what it would have seen with no search.
+A ``training_step`` may keep Python state next to its tensors (a step counter driving a curriculum, a warm-up
+flag). The search runs that step dozens of times: without this the first real step would see the counter advanced
+by the number of trials (a curriculum skipped, other batches), and the profile and trials would see different
+batches. Restored after *every* step (tensors have ``measure.snapshot.StateSnapshot``):
 
-Tensors are not handled here: parameters, buffers and gradients have their own snapshot
-(``measure.snapshot.StateSnapshot``). What can be restored:
+* plain values (numbers, strings, None, bytes, and containers of them), put back in place for a mutated list,
+  dict or set (other references see the restored contents);
+* any attribute rebound, added or deleted: the original reference is put back (a new one removed);
+* the plain attributes of an object a module holds (``self.curriculum = Curriculum()``), one level deep.
 
-* plain values (numbers, strings, bools, None, bytes) and lists, tuples, sets and dicts of them:
-  compared with the captured copy and put back (in place for a mutated list, dict or set, so other
-  references to it see the restored contents);
-* any attribute rebound to another object, added, or deleted: the original reference is put back
-  (a new attribute is removed);
-* the plain attributes of an object held by a module (``self.curriculum = Curriculum()``), one level
-  deep.
-
-What cannot: a tensor attribute that is not a registered buffer, modified in place, and deeper
-mutations of non-plain objects. The first kind is detected (its version counter moved) and named in
-a warning; register such tensors with ``register_buffer`` so they are restored with the buffers.
+Not restorable: a tensor attribute that is not a registered buffer, modified in place (detected by its version
+counter and named in a warning: register it with ``register_buffer``), and deeper mutations of non-plain objects.
 """
 
 from __future__ import annotations
@@ -40,11 +31,9 @@ from lightning_ckpt.plan.handle import plan_attributes
 __all__ = ["PythonState"]
 
 _ATOMS = (bool, int, float, complex, str, bytes, type(None))
-# nn.Module's own internals (tensors, submodules, hook tables: restored elsewhere or never changed by a step;
-# ``training`` is kept), the forwards (and the model's plan handle) that plans install while trials run, and the
-# compiled call a compiled search gives each block (``search.assembly``; a class attribute until a module compiles).
-_PLAN_ATTRIBUTES = plan_attributes() | {"_compiled_call_impl"}
-_SKIP = frozenset(set(nn.Module().__dict__) - {"training"}) | _PLAN_ATTRIBUTES
+# nn.Module's internals (restored elsewhere or never changed by a step; ``training`` is kept), the forwards and plan
+# handle that plans install, and the compiled call a compiled search gives each block (``search.assembly``).
+_SKIP = frozenset(set(nn.Module().__dict__) - {"training"}) | plan_attributes() | {"_compiled_call_impl"}
 # Objects of these libraries are machinery, not user state: a LightningModule holds its Trainer, whose flags
 # (a SIGTERM received during the search, say) must never be rolled back.
 _MACHINERY = ("lightning", "pytorch_lightning", "torch", "torchmetrics", "optuna", "lightning_ckpt")

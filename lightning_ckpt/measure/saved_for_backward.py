@@ -8,7 +8,7 @@ with ``SavedForBackward``, so the two compare like with like.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,15 +18,10 @@ __all__ = ["SavedForBackward"]
 
 
 class SavedForBackward:
-    """Counts the distinct storages a step saves for backward, other than the model's state (a context manager).
-
-    This is a compiled step's activation (``compile.py``'s module docstring): what checkpointing and the partitioner change,
-    seen through ``saved_tensors_hooks``, which compiled graphs honour (a dispatch-mode tracker instead makes
-    dynamo run the frame eagerly and reads the eager step). Compiled trials and the guard's reading of a
-    real compiled step both use it, so the two compare like with like. ``resting_bytes`` is the state's
-    size when entered: parameters, buffers, gradients, optimizer state and ``extra`` (the batch).
-    Entering it changes no dynamo guard (no recompile; checked with torch 2.13).
-    """
+    """Counts the distinct storages a step saves for backward, other than the model's state (a context manager):
+    what checkpointing and the partitioner change. ``resting_bytes`` is the state's size when entered: parameters,
+    buffers, gradients, optimizer state and ``extra`` (the batch). Entering it changes no dynamo guard (no
+    recompile; checked with torch 2.13)."""
 
     def __init__(self, root: nn.Module, optimizers: Sequence[Any] = (), extra: Sequence[Any] = ()) -> None:
         self._root, self._optimizers, self._extra = root, tuple(o for o in optimizers if o is not None), extra
@@ -36,11 +31,11 @@ class SavedForBackward:
 
     @property
     def saved_bytes(self) -> int:
-        return _bytes_of(self._saved)
+        return sum(self._saved.values())
 
     @property
     def resting_bytes(self) -> int:
-        return _bytes_of(self._state)
+        return sum(self._state.values())
 
     def __enter__(self) -> SavedForBackward:
         self._state, self._saved = {}, {}
@@ -50,9 +45,8 @@ class SavedForBackward:
                 self._state[key[0]] = key[1]
         state, saved = self._state, self._saved
 
-        # Called by autograd for tensors saved by eager ops too, i.e. from inside frames dynamo is
-        # compiling: without disable() dynamo would trace the hook itself, graph-break on
-        # untyped_storage() and recompile it per dtype until the recompile limit.
+        # Called for tensors saved by eager ops too, inside frames dynamo compiles: without disable() dynamo would
+        # trace the hook, graph-break on untyped_storage() and recompile it per dtype until the recompile limit.
         @torch.compiler.disable
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = _storage_key(t)
@@ -92,7 +86,3 @@ def _state_tensors(root: nn.Module, optimizers: Sequence[Any], extra: Sequence[A
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     tensors += [t for t in extra if isinstance(t, torch.Tensor)]
     return tensors
-
-
-def _bytes_of(keys: Mapping[int, int]) -> int:
-    return sum(keys.values())

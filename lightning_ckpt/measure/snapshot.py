@@ -1,8 +1,6 @@
-"""Leaving no trace: what measuring a step may disturb (RNG streams, buffers, gradients, the parameters a
-forward writes in place), captured so it can be put back exactly.
-
-The search runs a training step dozens of times before training starts; every one of those steps must
-leave the model as the first real step would find it with no search at all.
+"""Leaving no trace: what measuring a step may disturb (RNG streams, buffers, gradients, the parameters a forward
+writes in place), captured so it can be put back exactly: the search's dozens of steps must leave the model as the
+first real step would find it with no search at all.
 """
 
 from __future__ import annotations
@@ -32,17 +30,10 @@ __all__ = [
 
 
 class StateSnapshot:
-    """What measuring a step may disturb, captured so it can be put back exactly.
-
-    Covers the global RNG streams (torch CPU and CUDA, Python ``random``, NumPy), every buffer
-    (BatchNorm statistics change in a training-mode forward) and every parameter's ``.grad``
-    (backward creates or accumulates them). Copies live in host memory so they do not count
-    against the device memory being measured. Parameters are *not* copied (that would double
-    the model's memory), except the few that the model's own forward writes in place
-    (``nn.Embedding(max_norm=...)``, a clamp or renorm in forward), which
-    ``find_parameters_written_in_forward`` marks: those are copied and put back before every step
-    and at ``restore()``. ``changed_parameters()`` detects other in-place updates via version
-    counters, which is how an optimizer step inside ``step_fn`` is caught.
+    """The global RNG streams, every buffer (BatchNorm statistics) and every ``.grad``, copied to host memory (not
+    counted against the device measured). Parameters are not copied (that would double the model's memory), but
+    for those the forward writes in place (``find_parameters_written_in_forward``), put back before every step and
+    at ``restore()``; ``changed_parameters()`` catches other in-place updates (an optimizer step) by version counter.
     """
 
     def __init__(self) -> None:
@@ -56,9 +47,8 @@ class StateSnapshot:
 
     @classmethod
     def capture(cls, model: nn.Module) -> StateSnapshot:
-        """Copies of what a step may change; gradients marked by ``mark_zero_grad`` (and unchanged since) are
-        recorded as zeros instead of copied (the callback's trials start from such gradients: on a 7B model a
-        host copy of them is tens of GB per rank and seconds per trial)."""
+        """Gradients marked by ``mark_zero_grad`` (and unchanged since) are recorded as zeros, not copied (the
+        callback's trials start from such gradients: on a 7B model a host copy is tens of GB per rank)."""
         snap = cls()
         snap._rng = rng_state()
         seen: set[int] = set()
@@ -104,37 +94,29 @@ class StateSnapshot:
                 continue
             if p.grad is not g:
                 p.grad = g
-            # Always copy: version counters are not bumped by every in-place update (BatchNorm's
-            # running statistics, for one), so they cannot tell us what was left untouched.
+            # Always copy: not every in-place update bumps the version counter (BatchNorm's running statistics).
             with torch.no_grad():
                 g.copy_(copy)
 
-    def restore_rng(self) -> None:
-        set_rng_state(self._rng)
-
     def restore(self) -> None:
-        """Gradients, buffers and RNG streams back to the captured state."""
         self.reset_grads()
         for module, name, b, copy in self._buffers:
-            if module._buffers.get(name) is not b:
-                module._buffers[name] = b
+            module._buffers[name] = b
             with torch.no_grad():
                 b.copy_(copy)
-        self.restore_rng()
+        set_rng_state(self._rng)
 
     def changed_parameters(self) -> list[str]:
-        """Names of parameters modified in place since the snapshot (e.g. by an optimizer step)."""
         return [name for name, p, version in self._param_versions if p._version != version]
 
 
-# Gradients known to hold zeros, with the version counter they had then: a snapshot records such a gradient
-# without copying it and restores it with ``zero_()``. An in-place change moves the counter and ends the mark.
+# Gradients known to hold zeros, with their version counter then: snapshots record them without a copy and restore
+# them with ``zero_()``; an in-place change moves the counter and ends the mark.
 _ZERO = object()
 _KNOWN_ZERO: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def mark_zero_grad(grad: torch.Tensor) -> None:
-    """Declare that ``grad`` holds zeros now (e.g. made by ``torch.zeros_like``), so snapshots need not copy it."""
     _KNOWN_ZERO[grad] = version_counter(grad)
 
 
@@ -142,8 +124,7 @@ def _is_known_zero(grad: torch.Tensor) -> bool:
     return grad in _KNOWN_ZERO and _KNOWN_ZERO[grad] == version_counter(grad)
 
 
-# A parameter the model's forward writes in place is marked with this attribute by
-# ``find_parameters_written_in_forward``, so every ``StateSnapshot`` copies and restores it.
+# Marks a parameter the model's forward writes in place, so every ``StateSnapshot`` copies and restores it.
 WRITTEN_IN_FORWARD = "_lightning_ckpt_written_in_forward"
 
 
@@ -173,14 +154,10 @@ class _ParameterWrites(TorchDispatchMode):
 
 
 def find_parameters_written_in_forward(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[str, ...]:
-    """Run ``step_fn``'s forward once, without grad, and mark the parameters it writes in place.
-
-    ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up, in place, in every forward; a model may
-    clamp or renormalise a weight in forward too. The search runs the forward dozens of times, so those
-    parameters are copied before each step and put back after (see ``StateSnapshot``): the first real step
-    starts from the weights it would have had with no search. Everything this pass changes (those
-    parameters, buffers, gradients, RNG) is put back; returns the marked parameters' names.
-    """
+    """Run ``step_fn``'s forward once, without grad, mark the parameters it writes in place and return their names;
+    everything this pass changes is put back. ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in
+    every forward (a model may clamp a weight too): the search's dozens of forwards must not move the weights the
+    first real step starts from (``StateSnapshot`` restores them)."""
     snapshot = StateSnapshot.capture(model)
     watch = _ParameterWrites(model)
     try:
@@ -204,21 +181,17 @@ def forget_parameters_written_in_forward(model: nn.Module) -> None:
 
 def rng_state() -> dict[str, Any]:
     """The global random streams (torch CPU and CUDA, Python ``random``, NumPy), for ``set_rng_state``."""
+    import numpy as np  # a dependency of matplotlib's, so always there
+
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     # Only CUDA generators that exist already: reading them would otherwise initialise CUDA.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-        pass
-    else:
-        state["numpy"] = np.random.get_state()
+    state["numpy"] = np.random.get_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Put back what ``rng_state`` captured."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state:

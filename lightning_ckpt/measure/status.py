@@ -27,7 +27,7 @@ class TrialStatus(str, enum.Enum):
     @property
     def severity(self) -> int:
         """Worst first: a trial measured on several ranks is as bad as its worst rank."""
-        return _SEVERITY.index(self)
+        return _SEVERITY.index(self.value)
 
     @property
     def ran(self) -> bool:
@@ -39,12 +39,4 @@ class TrialStatus(str, enum.Enum):
         return self in (TrialStatus.OOM, TrialStatus.INVALID, TrialStatus.ERROR)
 
 
-_SEVERITY = (
-    TrialStatus.ERROR,
-    TrialStatus.INVALID,
-    TrialStatus.OOM,
-    TrialStatus.CONFLICT,
-    TrialStatus.OVER_BUDGET,
-    TrialStatus.PRUNED,
-    TrialStatus.OK,
-)
+_SEVERITY = ("error", "invalid", "oom", "conflict", "over_budget", "pruned", "ok")

@@ -1,16 +1,15 @@
 """The live-tensor tracker, and the byte counts every stage shares (local shards, the device a model is on).
 
-CPU has no allocator counter, and the CUDA allocator cannot tell gradients from activations, so activation
-bytes (and the CPU peak) are read from torch's ``MemTracker``, which files each live tensor under a category.
-``MemTracker`` reports categories at the moment the *total* peaks, which understates the activation peak of
-checkpointed plans (the total peaks late in backward, when gradients already hold memory and activations are
-half freed). So the tracker here keeps its own running maxima of both, for the whole step and per phase (the
-phases the memory model is built from).
+CPU has no allocator counter and CUDA's cannot tell gradients from activations, so activation bytes (and the CPU
+peak) come from torch's ``MemTracker``, which files each live tensor under a category. It reports categories when
+the *total* peaks, understating checkpointed plans' activation peak (the total peaks late in backward, activations
+half freed), so this tracker keeps running maxima of both, per step and per phase.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
@@ -21,31 +20,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_ckpt.model import is_sharded
 
-__all__ = [
-    "fsdp_root",
-    "local_tensor",
-    "new_live_tracker",
-    "normalise_device",
-    "removing_grad_hooks",
-    "tensor_bytes",
-]
+__all__ = ["fsdp_root", "local_tensor", "new_live_tracker", "normalise_device", "removing_grad_hooks", "tensor_bytes"]
 
-_TRACKER_CLASSES: dict[str, type] = {}
-
-# torch's module trackers (under MemTracker and FlopCounterMode) register a multi-grad hook on every module's
-# inputs and outputs and drop the handles. The hook holds the graph's nodes and the nodes hold the hook: a cycle
-# through C++ that ``gc`` cannot break. A backward that completes frees the saved tensors anyway; a step that fails
-# first (an OOM in forward or backward) would keep every activation it saved alive for the rest of the process.
+# torch's module trackers (under MemTracker and FlopCounterMode) register a multi-grad hook on every module's inputs
+# and outputs and drop the handles: hook and graph nodes hold each other through C++, a cycle ``gc`` cannot break, so
+# a step that fails before backward completes (an OOM) would keep every activation it saved for the whole process.
 _MULTI_GRAD_HOOK_MODULES = ("torch.distributed._tools.mod_tracker", "torch.utils.module_tracker")
 
 
 @contextlib.contextmanager
 def removing_grad_hooks() -> Iterator[list[Any]]:
-    """Record the handles of every multi-grad hook torch's module trackers register inside, remove them all on exit.
-
-    Removing a hook that already fired is a no-op, so a step that completed is unaffected; one that failed lets
-    its graph go. Nested uses each restore what they replaced (last in, first out).
-    """
+    """Remove, on exit, every multi-grad hook torch's module trackers registered inside: a no-op for a hook that
+    fired (a completed step), while a failed step's graph is let go. Nested uses restore last in, first out."""
     handles: list[Any] = []
     patched: list[tuple[Any, Any]] = []
     for name in _MULTI_GRAD_HOOK_MODULES:
@@ -74,30 +60,17 @@ def removing_grad_hooks() -> Iterator[list[Any]]:
         handles.clear()
 
 
-class _IdSet:
+class _IdSet(WeakIdKeyDictionary):
     """The part of a WeakSet ModTracker uses (add, in), by identity and without keeping modules alive."""
 
-    def __init__(self) -> None:
-        self._items = WeakIdKeyDictionary()
-
     def add(self, item: Any) -> None:
-        self._items[item] = True
-
-    def __contains__(self, item: Any) -> bool:
-        return item in self._items
+        self[item] = True
 
 
 class _LiveTracking:
-    """MemTracker with running maxima of the total and of activations+temporaries on one device.
-
-    Replaces the per-module peak bookkeeping (a loop over all modules on every op) with running
-    maxima: all lightning_ckpt needs, and much cheaper on models with many modules. Optional
-    *phases* (labels set by the caller, e.g. from module hooks) keep one pair of maxima each,
-    which is what the memory model is built from.
-
-    A mixin: ``_tracker_class`` puts it in front of torch's tracker (imported only then), and sets the
-    class attributes below from that tracker's module.
-    """
+    """MemTracker with running maxima of the total and of activations+temporaries on one device, per step and
+    per *phase* (caller-set labels: what the memory model is built from), instead of its per-module peaks (a loop
+    over all modules on every op). A mixin put in front of torch's tracker by ``_tracker_class``."""
 
     _total_key: Any = None  # mem_tracker._TOTAL_KEY
     _ref_type: Any = None  # mem_tracker._MemRefType
@@ -106,26 +79,23 @@ class _LiveTracking:
     def __init__(self, device: torch.device, *base_args: Any) -> None:
         super().__init__(*base_args)
         if self._module_stats is not None:
-            # FSDPMemTracker keeps statistics only for FSDP modules whose forward it saw, yet a block run
-            # alone (the memory profile) still ends with the root's post-backward, which looks the root up.
+            # FSDPMemTracker keeps statistics only for FSDP modules whose forward it saw, yet a block run alone
+            # (the memory profile) still ends with the root's post-backward, which looks the root up.
             self.memory_tracking = self._module_stats()
         self.device = device
-        # ModTracker keys modules by hash and equality, but torchmetrics' Metric overrides both
-        # (``==`` builds a CompositionalMetric, the hash follows the metric's state), so a
-        # LightningModule holding a metric fails with KeyError. Modules are identities: key by id.
+        # ModTracker keys modules by hash and equality, which torchmetrics' Metric overrides (``==`` builds a
+        # CompositionalMetric): a LightningModule holding a metric failed with KeyError. Key by identity.
         self._mod_tracker._known_modules = WeakIdKeyDictionary()
         self._mod_tracker._seen_modules = _IdSet()
-        self.total_peak = 0
-        self.activation_peak = 0
+        self.total_peak = self.activation_peak = 0
         self.phase: Hashable | None = None
         self.phase_peaks: dict[Hashable, list[int]] = {}
-        self._grad_hooks: contextlib.ExitStack | None = None
+        self._grad_hooks: Any = None
 
     def __enter__(self) -> Any:
         if self._grad_hooks is None:
-            stack = contextlib.ExitStack()
-            stack.enter_context(removing_grad_hooks())
-            self._grad_hooks = stack
+            self._grad_hooks = removing_grad_hooks()
+            self._grad_hooks.__enter__()
         return super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
@@ -133,8 +103,8 @@ class _LiveTracking:
             super().__exit__(*args)
         finally:
             if self._grad_hooks is not None and getattr(self, "_depth", 0) == 0:
-                stack, self._grad_hooks = self._grad_hooks, None
-                stack.close()
+                hooks, self._grad_hooks = self._grad_hooks, None
+                hooks.__exit__(None, None, None)
 
     def now(self) -> tuple[int, int]:
         """(total, activation) bytes live on the tracked device right now."""
@@ -152,10 +122,8 @@ class _LiveTracking:
         return total, act
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        # MemTracker refuses a top-level module called twice in one step ("multiple iterative
-        # calls"), which is ordinary in a training_step (an encoder applied to two views, an
-        # embedding reused for an auxiliary loss). We only need its byte categories, not its
-        # per-module statistics, so treat the second call as a fresh module.
+        # MemTracker refuses a top-level module called twice in one step ("multiple iterative calls"), ordinary in a
+        # training_step (an encoder on two views); only its byte categories are needed, so a second call is fresh.
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             name = self._mod_tracker.get_known_fqn(module)
             parents = set(self._mod_tracker.parents)
@@ -166,9 +134,8 @@ class _LiveTracking:
         super()._pre_fw_hook(module, inputs)
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-        # MemTracker registers a gradient hook on every parameter, which raises for frozen ones
-        # ("cannot register a hook on a tensor that doesn't require gradient"): fine-tuned models
-        # with frozen layers could not be tracked at all. Hook only the trainable parameters.
+        # MemTracker hooks every parameter, which raises for frozen ones ("cannot register a hook on a tensor that
+        # doesn't require gradient"): models with frozen layers could not be tracked. Hook trainable ones only.
         sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
         if install_grad_hooks:
             for param in module.parameters():
@@ -179,10 +146,9 @@ class _LiveTracking:
                     )
         return sizes
 
-    # Lightning runs training_step and backward inside ``optimizer.step(closure)``, and MemTracker's global
-    # optimizer pre-hook files everything created after it as optimizer state: a real step read whole then
-    # shows 0 activation bytes. With ``closure_in_step`` the pre-hook leaves the step's tensors alone and
-    # the update is marked from outside (``optimizer_update_starts``, from ``on_before_optimizer_step``).
+    # Lightning runs training_step and backward inside ``optimizer.step(closure)``, and MemTracker's optimizer
+    # pre-hook files everything after it as optimizer state (a real step showed 0 activation bytes). With
+    # ``closure_in_step`` the update is marked from outside (``optimizer_update_starts``, ``on_before_optimizer_step``).
     closure_in_step = False
 
     def _register_global_optimizer_hook(self) -> None:
@@ -196,10 +162,7 @@ class _LiveTracking:
             self._track_optimizer_states(self._ref_type.OPT, optimizer)
             self._in_opt = False
 
-        self._optimizer_hook_handles = (
-            register_optimizer_step_pre_hook(pre),
-            register_optimizer_step_post_hook(post),
-        )
+        self._optimizer_hook_handles = (register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post))
 
     def optimizer_update_starts(self) -> None:
         """The closure has run; what the optimizer creates from now on is its state and temporaries."""
@@ -211,16 +174,10 @@ class _LiveTracking:
 
     def _update_peak_stats(self, peak_state: Any) -> None:  # noqa: ARG002 - MemTracker's signature
         total, act = self.now()
-        if total > self.total_peak:
-            self.total_peak = total
-        if act > self.activation_peak:
-            self.activation_peak = act
+        self.total_peak, self.activation_peak = max(self.total_peak, total), max(self.activation_peak, act)
         if self.phase is not None:
             peaks = self.phase_peaks[self.phase]
-            if total > peaks[0]:
-                peaks[0] = total
-            if act > peaks[1]:
-                peaks[1] = act
+            peaks[0], peaks[1] = max(peaks[0], total), max(peaks[1], act)
 
 
 def _fsdp_stats_on_demand() -> type:
@@ -236,16 +193,13 @@ def _fsdp_stats_on_demand() -> type:
     return _StatsOnDemand
 
 
+@functools.cache
 def _tracker_class(fsdp: bool = False) -> type:
-    key = "fsdp" if fsdp else "plain"
-    if key in _TRACKER_CLASSES:
-        return _TRACKER_CLASSES[key]
     from torch.distributed._tools import mem_tracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if fsdp:
-        # FSDP2: all-gathered (unsharded) parameters, all-gather and reduce-scatter buffers get categories of
-        # their own, so they count in the total but not as activation.
+        # FSDP2: unsharded parameters and collective buffers count in the total, not as activation.
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker as base
     else:
         base = MemTracker
@@ -255,7 +209,6 @@ def _tracker_class(fsdp: bool = False) -> type:
         _ref_type = mem_tracker._MemRefType
         _module_stats = _fsdp_stats_on_demand() if fsdp else None
 
-    _TRACKER_CLASSES[key] = _LiveTracker
     return _LiveTracker
 
 
@@ -284,13 +237,9 @@ def tensor_bytes(tensors: Iterable[Any]) -> int:
 
 
 def new_live_tracker(device: torch.device | str, model: nn.Module | None = None, optimizer: Any = None) -> Any:
-    """A live-tensor tracker (a ``MemTracker``) counting bytes on ``device`` only.
-
-    Use it as a context manager after ``track_external(model, optimizer, *tensors)``; read
-    ``total_peak``, ``activation_peak``, ``now()`` and, after ``enter_phase(label)`` calls,
-    ``phase_peaks[label] == [total_max, activation_max]``. A ``model`` sharded with FSDP2 gets torch's
-    FSDP-aware tracker, which keeps all-gathered parameters and collective buffers out of activations.
-    """
+    """A ``MemTracker`` counting bytes on ``device`` only: enter it after ``track_external(model, optimizer,
+    *tensors)``, read ``total_peak``, ``activation_peak``, ``now()`` and ``phase_peaks[label] == [total_max,
+    activation_max]``. An FSDP2 ``model`` gets torch's FSDP-aware tracker (collective buffers are no activation)."""
     device = normalise_device(torch.device(device))
     root = fsdp_root(model) if model is not None else None
     if root is not None:

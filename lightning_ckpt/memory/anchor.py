@@ -7,6 +7,7 @@ gradients accumulating during backward, the logits and loss temporaries, the emb
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +51,8 @@ class Calls:
 
 
 class _AnchorPhases:
-    """The anchor step's phase markers: module hooks on the blocks and gradient hooks on their hidden states
-    move the tracker from phase to phase (see ``PhasePeak``), and record how each call was made (``Calls``)."""
+    """Module hooks on the blocks and gradient hooks on their hidden states move the tracker from phase to phase,
+    and record how each call was made (``Calls``)."""
 
     def __init__(self, root: nn.Module, order: list[str], tracker: Any) -> None:
         self.n = n = len(order)
@@ -72,18 +73,9 @@ class _AnchorPhases:
             self.current = label
             self.tracker.enter_phase(label)
 
-    def grad_marker(self, label: tuple[Any, ...]) -> Callable[[torch.Tensor], None]:
-        def hook(_grad: torch.Tensor) -> None:
-            self.enter(label)
-
-        return hook
-
-    def leaf_marker(self, i: int, leaf: int) -> Callable[[torch.Tensor], None]:
-        def hook(_grad: torch.Tensor) -> None:
-            self.calls.grad_leaves[i].add(leaf)
-            self.enter(("bw", i))
-
-        return hook
+    def leaf_reached(self, i: int, leaf: int, _grad: torch.Tensor) -> None:
+        self.calls.grad_leaves[i].add(leaf)
+        self.enter(("bw", i))
 
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         fqn = self.fqn_of[id(module)]
@@ -96,7 +88,7 @@ class _AnchorPhases:
             t = args[where[1]] if where[0] == "arg" else kwargs[where[1]]
             self.calls.input_grad[i] = t.requires_grad
             if t.requires_grad:
-                t.register_hook(self.grad_marker(("bw_gap", i)))
+                t.register_hook(lambda _grad, label=("bw_gap", i): self.enter(label))
 
     def post_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         i = self.running[id(module)]
@@ -107,17 +99,14 @@ class _AnchorPhases:
         for leaf, t in enumerate(tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 self.calls.output_grad[i] = True
-                t.register_hook(self.leaf_marker(i, leaf))
+                t.register_hook(functools.partial(self.leaf_reached, i, leaf))
 
 
 def anchor_step(
     root: nn.Module, forward_fn: Callable[[], Any], order: list[str], externals: list[Any], device: torch.device
 ) -> tuple[Any, int, tuple[int, int], Calls]:
-    """Forward+backward with every block ``full``, phase maxima recorded.
-
-    Returns the tracker, the resting level, the (total, activation) level when the forward returned, and
-    how each block was called (``Calls``).
-    """
+    """Forward+backward with every block ``full``, phase maxima recorded: the tracker, the resting level, the
+    (total, activation) level when the forward returned, and how each block was called."""
     tracker = new_live_tracker(device, root)
     tracker.track_external(*externals)
     phases = _AnchorPhases(root, order, tracker)

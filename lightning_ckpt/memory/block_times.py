@@ -17,23 +17,17 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.discovery import is_compile_wrapper, unwrap_compiled
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
-from lightning_ckpt.memory.capture import (
-    Captured,
-    autocast_as,
-    backward_leaves,
-    called_with,
-    hidden_index,
-    hidden_of,
-)
+from lightning_ckpt.memory.capture import Captured, autocast_as, backward_leaves, called_with, hidden_index, hidden_of
 from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.format import BlockPlan, Plan
 
@@ -92,8 +86,8 @@ def time_block_modes(
 
 @dataclass
 class CompiledBlockRuns:
-    """What one distinct block did compiled alone: per mode key, median forward+backward seconds and the bytes its
-    compiled graph saved for backward; and what compiling cost (tuning cost, never a block's time)."""
+    """One distinct block compiled alone, per mode key: median seconds and bytes saved for backward; and what
+    compiling cost (tuning cost, never a block's time)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     saved_bytes: dict[str, int] = field(default_factory=dict)
@@ -110,8 +104,7 @@ def compiled_block_modes(
     rounds: int = TIMING_ROUNDS,
     restore: Callable[[], None] | None = None,
 ) -> CompiledBlockRuns:
-    """``cap``'s block compiled alone under each of ``modes`` (see the module docstring); a mode that fails to
-    compile or run is left out. ``restore`` puts the model's state back (gradients, RNG)."""
+    """``cap``'s block compiled alone under each of ``modes`` (see the module docstring), as ``time_block_modes``."""
     runs = CompiledBlockRuns()
     where = hidden_index(cap.args, cap.kwargs)
     if where is None:
@@ -131,46 +124,49 @@ def compiled_block_modes(
             runs.compiles += 1
         return seconds
 
-    try:
-        with _compiling(len(modes)):
-            runs.seconds = _interleaved(modes, rounds + 2, once, timed_from=2)
-    finally:
-        if restore is not None:
-            restore()
+    with _compiling(len(modes)):
+        runs.seconds = _interleaved(modes, rounds + 2, once, timed_from=2, restore=restore)
     runs.saved_bytes = {k: v for k, v in runs.saved_bytes.items() if k in runs.seconds}
     return runs
 
 
 def _interleaved(
-    modes: Mapping[str, BlockPlan], rounds: int, once: Callable[[str, int], float], *, timed_from: int
+    modes: Mapping[str, BlockPlan],
+    rounds: int,
+    once: Callable[[str, int], float],
+    *,
+    timed_from: int,
+    restore: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Median of ``once(key, round)`` per mode over the rounds from ``timed_from`` on, modes interleaved and the
-    order reversed every other round (a machine that slows part-way slows every mode alike); a mode that raises
-    (but for running out of memory) is left out."""
+    order reversed every other round; a mode that raises (but for running out of memory) is left out. ``restore``
+    puts the model's state back (gradients, RNG) at the end."""
     samples: dict[str, list[float]] = {k: [] for k in modes}
     failed: set[str] = set()
-    for r in range(rounds):
-        order: Sequence[str] = list(modes) if r % 2 == 0 else list(reversed(modes))
-        for key in order:
-            if key in failed:
-                continue
-            try:
-                seconds = once(key, r)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception:
-                failed.add(key)  # the memory profile records why a mode cannot run
-                continue
-            if r >= timed_from:
-                samples[key].append(seconds)
+    try:
+        for r in range(rounds):
+            for key in list(modes) if r % 2 == 0 else list(reversed(modes)):
+                if key in failed:
+                    continue
+                try:
+                    seconds = once(key, r)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception:
+                    failed.add(key)  # the memory profile records why a mode cannot run
+                    continue
+                if r >= timed_from:
+                    samples[key].append(seconds)
+    finally:
+        if restore is not None:
+            restore()
     return {k: statistics.median(v) for k, v in samples.items() if v and k not in failed}
 
 
 def _compiled_region(block: nn.Module) -> Callable[..., Any]:
-    """The block as its compiled region runs it: the block itself where the user compiled it alone
-    (``block.compile()`` or a ``torch.compile`` wrapper: their options), else the block compiled alone with
-    ``torch.compile``'s defaults as the search's trials run it (``search.assembly``: ``block._call_impl`` compiled,
-    what ``block.compile()`` does), so the graphs compiled here are the ones the trials run."""
+    """The block as its compiled region runs it: itself where the user compiled it alone (``block.compile()``, a
+    ``torch.compile`` wrapper: their options), else its ``_call_impl`` compiled with the defaults, as the search's
+    trials run it (``search.assembly``), so the graphs compiled here are the ones the trials run."""
     if is_compile_wrapper(block) or getattr(block, "_compiled_call_impl", None) is not None:
         return block
     return torch.compile(unwrap_compiled(block)._call_impl)
@@ -188,8 +184,6 @@ def _compiling(n_modes: int) -> Iterator[None]:
 
 
 def _inputs_of(cap: Captured) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     return [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
 
 
@@ -204,8 +198,8 @@ def _time_once(
     *,
     forwards: list[float] | None = None,
 ) -> float:
-    """One forward+backward of the block under ``bp`` through ``call`` (the block, or its compiled region); inside
-    ``reused_forwards(memo)`` when a memo is given, so a compiled mode runs its graph again."""
+    """One forward+backward of the block under ``bp`` through ``call`` (the block or its compiled region), inside
+    ``reused_forwards(memo)`` when a memo is given (a compiled mode runs its graph again)."""
     hidden = hidden_of(cap, where)
     reuse = reused_forwards(memo) if memo is not None else contextlib.nullcontext()
     with reuse:

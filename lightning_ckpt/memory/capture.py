@@ -1,10 +1,9 @@
 """The capture: one ``torch.no_grad`` forward that learns how the step calls its blocks, keeping almost nothing.
 
-Forward pre-hooks record each block's call order and keep the inputs of one representative per group of
-identical blocks (same class, parameter shapes and input shapes), with the autocast regions it ran in, so
-each distinct block can later run alone as the step ran it. A no-grad forward holds one block's internals at
-a time. The same hooks check whether each stack's blocks run as a chain (``_ChainCheck``), which segments
-need.
+Forward pre-hooks record the blocks' call order and keep the inputs of one representative per group of identical
+blocks (class, parameter and input shapes) with its autocast regions, so each distinct block can later run alone as
+the step ran it; a no-grad forward holds one block's internals at a time. The same hooks check whether each stack's
+blocks run as a chain (``_ChainCheck``), which segments need.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.plan.caches import CACHE_ARGS, forward_params
-from lightning_ckpt.plan.chain import hidden_slot, rng_equal, rng_states, tensor_devices
+from lightning_ckpt.plan.chain import hidden_slot, rng_equal, rng_states, same_value, tensor_devices
 
 __all__ = [
     "Captured",
@@ -36,8 +35,7 @@ __all__ = [
 
 
 def hidden_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, Any] | None:
-    """Where the block's hidden state is, by segments' own rule (``chain.hidden_slot``): a call without a
-    floating-point tensor carries none."""
+    """Where the block's hidden state is, by segments' rule (``chain.hidden_slot``; none without a float tensor)."""
     return hidden_slot(args, kwargs, strict=True)
 
 
@@ -69,12 +67,8 @@ def _group_key(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, An
 def _without_kv_cache(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The block's arguments with any KV cache replaced by None.
-
-    Running a block again with the captured cache would append to it a second time (attention over
-    twice the sequence). A training step's backward never reads the cache, and ``apply_plan`` drops it
-    under checkpointing for the same reason, so the profile runs every mode without it.
-    """
+    """The block's arguments without KV cache: run again with the captured cache, a block would append to it twice
+    (attention over twice the sequence); backward never reads it, and ``apply_plan`` drops it too."""
     names = forward_params(type(module))
     args = tuple(None if i < len(names) and names[i] in CACHE_ARGS else a for i, a in enumerate(args))
     kwargs = {k: (None if k in CACHE_ARGS else v) for k, v in kwargs.items()}
@@ -90,9 +84,8 @@ class Captured:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     autocast: tuple[tuple[str, torch.dtype, bool], ...] = ()
-    # How the step called it (read in the anchor, which checkpointing does not change): whether its hidden
-    # input needed a gradient (not behind frozen embeddings or frozen blocks) and which of its output leaves
-    # (``tree_flatten`` positions) received one (the hidden state, an auxiliary loss). None: not known.
+    # How the step called it (read in the anchor): whether its hidden input needed a gradient (not behind frozen
+    # layers) and which output leaves (``tree_flatten`` positions) received one (an auxiliary loss). None: unknown.
     input_grad: bool = True
     grad_leaves: tuple[int, ...] | None = None
 
@@ -101,17 +94,13 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def _autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
-    """The autocast regions active right now, as (device type, dtype, cache enabled) triples.
-
-    A block replayed alone must run in the context the step ran it in: under bf16/fp16 autocast
-    it saves half-precision activations (and a GPU may dispatch another attention kernel), so a
-    profile taken without it over-predicts every mode but ``full`` by a quarter or more.
-    """
+    """The autocast regions active now, as (device type, dtype, cache enabled): a block replayed without the step's
+    bf16/fp16 autocast saves full-precision activations (maybe another attention kernel), over-predicting every
+    mode but ``full`` by a quarter or more."""
     state = []
     for dev in _AUTOCAST_DEVICES:
         if torch.is_autocast_enabled(dev):
-            # The weight-cast cache changes what a step holds: with it, fp32 weights' low-precision copies live
-            # for the whole forward (Lightning's mixed precision turns it off).
+            # With the weight-cast cache, fp32 weights' low-precision copies live for the whole forward.
             state.append((dev, torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled()))
     return tuple(state)
 
@@ -125,16 +114,11 @@ def autocast_as(state: tuple[tuple[str, torch.dtype, bool], ...]) -> Iterator[No
 
 
 class _ChainCheck:
-    """Whether each stack's blocks run as a chain, which segments (one checkpoint over several blocks) need.
-
-    A chain hands each block the previous block's output as its hidden state and the same other
-    arguments (a mask, rotary tables). T5 is not one: block 0 computes a position bias that it
-    returns and the parent passes to every later block, so a segment's recompute would lose it.
-    Tensors are compared by identity (weak references: the check keeps nothing alive).
-    A chain also runs its blocks in order, from the first, none skipped, and the parent draws no random
-    numbers between them: LayerDrop (BART, Whisper, wav2vec2) draws a coin before every block and skips
-    some, so a chunk run at once would hand blocks the wrong outputs and random state (``plan.forwards.Chunk``).
-    """
+    """Whether each stack's blocks run as a chain, which segments (one checkpoint over several blocks) need: each
+    block gets the previous one's output as its hidden state and the same other arguments (T5 is no chain: block 0
+    returns a position bias the parent passes on, which a segment's recompute would lose), in order from the
+    first, none skipped, and the parent draws no random numbers between them (LayerDrop's coin: a chunk run at once
+    would hand blocks the wrong outputs and random state). Tensors are compared by weak reference, by identity."""
 
     def __init__(self, stack_of: Mapping[str, str]) -> None:
         self.stack_of = stack_of
@@ -195,10 +179,7 @@ class _ChainCheck:
 def _same_leaf(a: Any, b: Any) -> bool:
     if isinstance(a, weakref.ref) or isinstance(b, weakref.ref):
         return isinstance(a, weakref.ref) and isinstance(b, weakref.ref) and a() is not None and a() is b()
-    try:
-        return bool(a is b or a == b)
-    except Exception:  # objects whose == is not a plain truth value
-        return False
+    return same_value(a, b)
 
 
 def capture_calls(
@@ -208,13 +189,13 @@ def capture_calls(
     share: bool,
     stack_of: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, Captured], list[str], set[str]]:
-    """No-grad forward: block execution order (a block shared across depth, like ALBERT's one layer, once
-    per call), one captured input per group, each call's representative, and the stacks whose blocks do not
-    run as a chain (see ``_ChainCheck``; a stack with a shared block is never one)."""
+    """No-grad forward: block call order (a block shared across depth, like ALBERT's layer, once per call), one input
+    per group, each call's representative, and the stacks that are no chain (``_ChainCheck``, or sharing a block)."""
     order: list[str] = []
     reps: dict[Any, Captured] = {}
     rep_of: list[str] = []
-    chain = _ChainCheck(stack_of or {})
+    stack_of = stack_of or {}
+    chain = _ChainCheck(stack_of)
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         fqn = blocks[id(module)]
@@ -239,28 +220,20 @@ def capture_calls(
     finally:
         for h in handles:
             h.remove()
-    # A block called several times (weights shared across depth) is one FQN in a plan: its mode applies to
-    # every call, and each call is a row of its own in the model. One checkpoint cannot span several calls.
+    # A block called several times (weights shared across depth) is one FQN in a plan, its mode applying to every
+    # call (each a row of its own in the model): one checkpoint cannot span several calls.
     shared = {f for f, calls in collections.Counter(order).items() if calls > 1}
-    unchained = chain.unchained | {(stack_of or {})[f] for f in shared if f in (stack_of or {})}
+    unchained = chain.unchained | {stack_of[f] for f in shared if f in stack_of}
     return order, {c.fqn: c for c in reps.values()}, rep_of, unchained
 
 
 def backward_leaves(out: Any, positions: tuple[int, ...] | None) -> list[torch.Tensor]:
     """The output leaves a block's backward starts from: those that received a gradient in the step
     (``positions``), or the first that needs one when that is not known."""
-    leaves, _ = tree_flatten(out)
+    leaves = [(i, t) for i, t in enumerate(tree_flatten(out)[0]) if isinstance(t, torch.Tensor) and t.requires_grad]
     if positions is None:
-        first = _first_grad_tensor(out)
-        return [first] if first is not None else []
-    return [t for i, t in enumerate(leaves) if i in positions and isinstance(t, torch.Tensor) and t.requires_grad]
-
-
-def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.requires_grad else None
-    leaves, _ = tree_flatten(obj)
-    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        return [t for _, t in leaves[:1]]
+    return [t for i, t in leaves if i in positions]
 
 
 def hidden_of(cap: Captured, where: tuple[str, Any]) -> torch.Tensor:

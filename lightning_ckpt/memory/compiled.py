@@ -1,20 +1,17 @@
 """Predict a *compiled* step's memory from blocks compiled alone: what the compiled search prunes by.
 
-A compiled step's activation memory is what its graphs save for backward (``measure.saved_for_backward``; the
-eager memory model's tracker cannot see inside compiled kernels, and the partitioner saves less than eager ops
-do). The profile compiles each distinct block alone under every mode (``memory.block_times.compiled_block_modes``)
-and reads those bytes per mode. Checkpointing a block changes the step's saved bytes by what it changes in that
-block, so, anchored on the compiled ``none`` step the search measures anyway (its activation budget is a fraction
-of it):
+A compiled step's activation memory is what its graphs save for backward (``measure.saved_for_backward``: the
+eager tracker cannot see inside compiled kernels, and the partitioner saves less than eager ops). The profile
+compiles each distinct block alone under every mode (``memory.block_times.compiled_block_modes``) and reads those
+bytes; checkpointing a block changes the step's saved bytes by what it changes in that block, so, anchored on the
+compiled ``none`` step the search measures anyway:
 
     activation(plan) = activation(none) - sum over blocks of (saved[none] - saved[mode])
     peak(plan)       = peak(none)       - the same sum
 
-A segment saves its first block's input (that block's ``full`` bytes) and nothing of the blocks after it, whose
-inputs the chunk's recompute rebuilds. A child set profiled only child by child adds the children's savings.
-A plan that sets PT2's ``activation_memory_budget`` is the partitioner's choice across the whole graph: not
-predicted (None), so it is measured. The error of every prediction against the measured compiled trial is
-reported beside it, as for eager.
+A segment saves its first block's input (that block's ``full`` bytes) and nothing of the later blocks, whose inputs
+the chunk's recompute rebuilds; a child set profiled child by child adds the children's savings. A plan setting
+PT2's ``activation_memory_budget`` is the partitioner's choice across the whole graph: not predicted, but measured.
 """
 
 from __future__ import annotations
@@ -40,13 +37,9 @@ class CompiledBlockMemory:
 
 @dataclass(frozen=True)
 class CompiledMemoryModel:
-    """A compiled step's activation and peak bytes under any plan (see the module docstring).
-
-    ``eager``: the eager memory model of the same profile, which says whether a plan can run at all (a mode a
-    block failed under, segments over a stack that is not a chain). ``none_activation_bytes`` /
-    ``none_peak_bytes``: the compiled ``none`` step as measured (``anchored``); None until then, when nothing
-    is predicted. ``compile_seconds`` / ``compiles``: what compiling the blocks alone cost the profile.
-    """
+    """A compiled step's activation and peak bytes under any plan (see the module docstring). ``eager``: the eager
+    memory model of the same profile, which says whether a plan can run at all. ``none_*_bytes``: the compiled
+    ``none`` step as measured (``anchored``); nothing is predicted before. ``compile_*``: what compiling cost."""
 
     blocks: tuple[CompiledBlockMemory, ...]
     stacks: Mapping[str, tuple[str, ...]]
@@ -60,7 +53,6 @@ class CompiledMemoryModel:
         """This model anchored on the measured compiled ``none`` step."""
         return replace(self, none_activation_bytes=activation_bytes, none_peak_bytes=peak_bytes)
 
-    # -- prediction (``memory.optimizer_step.RealStepMemory`` reads these) ------------------------------------------
     def saved_delta(self, plan: Plan) -> int | None:
         """Bytes ``plan`` removes from the compiled ``none`` step's saved activations; None when it cannot be
         predicted (a PT2 budget, a mode a block was not compiled under, an unknown stack)."""
@@ -97,21 +89,13 @@ class CompiledMemoryModel:
         return total
 
     def predict_activation(self, plan: Plan) -> int | None:
-        delta = self.saved_delta(plan)
-        if delta is None or self.none_activation_bytes is None:
-            return None
-        return max(0, self.none_activation_bytes - delta)
+        return _less(self.none_activation_bytes, self.saved_delta(plan))
 
     def predict_peak(self, plan: Plan) -> int | None:
-        delta = self.saved_delta(plan)
-        if delta is None or self.none_peak_bytes is None:
-            return None
-        return max(0, self.none_peak_bytes - delta)
+        return _less(self.none_peak_bytes, self.saved_delta(plan))
 
     def can_run(self, plan: Plan) -> str | None:
-        if self.eager is None:
-            return None
-        return self.eager.can_run(replace(plan, compile_memory_budget=None))
+        return None if self.eager is None else self.eager.can_run(replace(plan, compile_memory_budget=None))
 
     def to_dict(self) -> dict[str, Any]:
         """What the plan file keeps of it (``metadata.memory_breakdown.compiled``): per block, per mode."""
@@ -122,6 +106,10 @@ class CompiledMemoryModel:
             "compile_seconds": self.compile_seconds,
             "compiles": self.compiles,
         }
+
+
+def _less(anchor: int | None, delta: int | None) -> int | None:
+    return None if anchor is None or delta is None else max(0, anchor - delta)
 
 
 def _saved(row: CompiledBlockMemory, key: str) -> int | None:

@@ -1,16 +1,11 @@
 """Measuring what the optimizer adds to a real training step: its state, and the peak of ``optimizer.step()``.
 
-Trials run forward and backward only, on the first batch, before the optimizer has ever stepped. The
-real steps after lock-in carry the optimizer's state through every forward and backward (AdamW: two
-copies of the trainable parameters), and ``optimizer.step()`` itself peaks with every gradient live
-plus its temporaries (``foreach`` implementations allocate a parameter-sized buffer per group, e.g.
-AdamW's ``sqrt(exp_avg_sq)``). A budget checked on trials alone is broken by both.
-
-So we measure one optimizer step, whatever the optimizer is (no table of known optimizers to keep up
-to date): gradients are filled in where missing, ``optimizer.step()`` runs under the same memory
-reading as a trial (CPU: the live-tensor tracker; CUDA: the allocator's peak), and afterwards the
-parameters, the optimizer's state and hyper-parameters, the gradients and the RNG are put back
-exactly. Copies are kept in host memory, so they do not count against the device being measured.
+Trials run forward and backward only, before the optimizer has ever stepped; the real steps carry its state through
+every forward and backward (AdamW: two copies of the trainable parameters), and ``optimizer.step()`` peaks with every
+gradient live plus temporaries (``foreach`` implementations allocate a parameter-sized buffer per group). A budget
+checked on trials alone is broken by both. So one step of whatever optimizer is measured (no table of known ones):
+missing gradients filled in, read as a trial is (CPU: the tracker; CUDA: the allocator's peak), and everything put
+back exactly from host copies (which the device's figures do not count).
 """
 
 from __future__ import annotations
@@ -59,39 +54,27 @@ class _OptimizerSnapshot:
                 if p not in self.state:
                     del self.optimizer.state[p]
             for p, entries in self.state.items():
-                restored = {}
-                for k, (original, saved) in entries.items():
+                for original, saved in entries.values():
                     if isinstance(original, torch.Tensor):
                         original.copy_(saved)
-                        restored[k] = original
-                    else:
-                        restored[k] = saved
-                self.optimizer.state[p] = restored
+                self.optimizer.state[p] = {k: o if isinstance(o, torch.Tensor) else s for k, (o, s) in entries.items()}
         for group, saved in zip(self.optimizer.param_groups, self.groups, strict=True):
             group.update(saved)
 
 
 def measure_optimizer_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    device: torch.device | str,
-    extra: tuple[Any, ...] = (),
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device | str, extra: tuple[Any, ...] = ()
 ) -> OptimizerStepMemory:
     """Run ``optimizer.step()`` once on ``model`` and read what it adds to a real step; leave no trace.
 
-    Gradients missing at this point (none exist before the first backward) are filled with zeros for
-    the step: a real optimizer step sees every trainable parameter's gradient. Parameters, gradients,
-    optimizer state, hyper-parameters and RNG are restored afterwards, exactly. It runs from an emptied cache and,
-    refused memory that allocated bytes fit, once more split-resistant (``measurement.run_pass``); a refusal that
-    stays is not "unmeasured": the step alone, with no activation held, does not fit, so every real step would run out
+    Missing gradients (none exist before the first backward) are zeros for the step: a real one sees every
+    trainable parameter's. It runs as ``measurement.run_pass`` runs a pass (retried split-resistant); a refusal that
+    stays is not "unmeasured": the step alone, no activation held, does not fit, so every real step would run out
     of memory whatever the plan, and ``InfeasibleBudgetError`` says so with the allocator's figures.
     """
     device = torch.device(device)
     try:
-        return run_pass(
-            "the optimizer-step measurement", device, lambda: _step_once(model, optimizer, device=device, extra=extra)
-        )
+        return run_pass("the optimizer-step measurement", device, lambda: _step_once(model, optimizer, device, extra))
     except PassOutOfMemory as failed:
         failure = failed.with_traceback(None)
     raise InfeasibleBudgetError(
@@ -104,14 +87,9 @@ def measure_optimizer_step(
 
 
 def _step_once(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    device: torch.device | str,
-    extra: tuple[Any, ...] = (),
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, extra: tuple[Any, ...]
 ) -> OptimizerStepMemory:
     """One ``optimizer.step()``, read and undone; out of memory, ``torch.OutOfMemoryError`` once all is restored."""
-    device = torch.device(device)
     before = _state_bytes(optimizer)
     snapshot = StateSnapshot.capture(model)
     saved = _OptimizerSnapshot(optimizer)

@@ -1,8 +1,5 @@
-"""What the optimizer adds to a real training step, as figures: its state and the peak of ``optimizer.step()``,
-and the real step's memory they turn a trial's into (``RealStepMemory``).
-
-``optimizer_measure`` measures them by running one step; a plan file keeps them, and re-planning reads them
-back without torch.
+"""What the optimizer adds to a real training step, as figures (measured by ``optimizer_measure``; kept in the plan
+file, read back by re-planning without torch), and the real step's memory they turn a trial's into.
 """
 
 from __future__ import annotations
@@ -16,26 +13,18 @@ __all__ = ["OptimizerStepMemory", "RealStepMemory"]
 
 @dataclass(frozen=True)
 class OptimizerStepMemory:
-    """The optimizer's part of a real training step.
+    """The optimizer's part of a real training step. ``measured`` is False when the step could not run alone (an
+    optimizer that needs a closure, e.g. LBFGS): the figures are then zero and only the guard checks real steps."""
 
-    state_bytes_before: optimizer state present when the trials ran (none before the first step).
-    state_bytes_after: state present after one step: what every later forward and backward carries.
-    step_peak_bytes: the highest live bytes while ``optimizer.step()`` ran: parameters, every gradient,
-    the state, the step's temporaries and the batch (in ``measure_step``'s currency).
-    measured: False when the step could not be run alone (an optimizer that needs a closure, e.g.
-    LBFGS); the figures are then zero and only the guard after lock-in checks the real steps.
-    note: why it was not measured, or what was measured.
-    """
-
-    state_bytes_before: int
-    state_bytes_after: int
+    state_bytes_before: int  # present when the trials ran (none before the first step)
+    state_bytes_after: int  # present after one step: what every later forward and backward carries
+    # The highest live bytes in ``optimizer.step()``: parameters, gradients, state, temporaries, the batch.
     step_peak_bytes: int
     measured: bool = True
-    note: str = ""
+    note: str = ""  # why it was not measured, or what was
 
     @classmethod
     def absent(cls) -> OptimizerStepMemory:
-        """No optimizer given: nothing is added to a trial's figures."""
         return cls(0, 0, 0, measured=False, note="no optimizer given")
 
     @property
@@ -44,8 +33,7 @@ class OptimizerStepMemory:
         return max(0, self.state_bytes_after - self.state_bytes_before)
 
     def real_peak(self, forward_backward_peak: int | None) -> int | None:
-        """A real step's peak from a trial's forward+backward peak: the larger of that step with the
-        optimizer's state present and the optimizer step itself."""
+        """A real step's peak from a trial's: that step with the optimizer's state present, or the update's peak."""
         if forward_backward_peak is None:
             return None
         return max(forward_backward_peak + self.pending_state_bytes, self.step_peak_bytes)
@@ -60,16 +48,14 @@ class OptimizerStepMemory:
 
 @dataclass(frozen=True)
 class RealStepMemory:
-    """What the budget sees of a plan: the memory model's prediction of a forward+backward, turned into
-    the real step's (``OptimizerStepMemory.real_peak``). ``model`` is a ``MemoryModel`` or anything with
-    ``predict_peak``/``predict_activation``/``can_run`` (the joint search's scaled model)."""
+    """What the budget sees of a plan: the memory model's forward+backward prediction turned into the real step's.
+    ``model`` is a ``MemoryModel`` or anything with ``predict_peak``/``predict_activation``/``can_run``."""
 
     model: Any
     optimizer: OptimizerStepMemory = field(default_factory=lambda: OptimizerStepMemory.absent())
 
     def predict(self, plan: Any) -> tuple[int, int] | None:
-        """(real-step peak, activation bytes) predicted for ``plan``; None where the model predicts nothing for it
-        (a compiled plan that leaves the choice to PT2's partitioner: measured instead)."""
+        """(real-step peak, activation bytes) for ``plan``; None where the model predicts nothing (PT2's choice)."""
         peak, activation = self.model.predict_peak(plan), self.model.predict_activation(plan)
         if peak is None or activation is None:
             return None

@@ -1,12 +1,10 @@
 """Buffers under recompute: a checkpointed region's recompute never updates a buffer a second time.
 
-A recompute runs the region's forward a second time, in training mode, so every buffer update in it
-(BatchNorm's running_mean/running_var/num_batches_tracked, an EMA, a step counter) would happen twice,
-and a forward that reads a buffer it updates would be recomputed from the updated value (different
-saved tensors, so different gradients). So each recompute runs on throwaway copies, holding the values
-from before the original forward, of the buffers that forward updated; the model's own buffers are not
-written during backward. Under torch.compile none of this applies (nor traces): AOTAutograd's
-functionalisation applies a buffer update once, after the graph, and recomputes only what backward needs.
+A recompute runs the region's forward again, in training mode, so every buffer update in it (BatchNorm's running
+statistics, an EMA, a step counter) would happen twice, and a forward that reads a buffer it updates would be
+recomputed from the updated value (different gradients). So each recompute runs on throwaway copies, holding the
+pre-forward values, of the buffers the forward updated. Under torch.compile none of this applies (nor traces):
+AOTAutograd's functionalisation applies a buffer update once, after the graph.
 """
 
 from __future__ import annotations
@@ -113,12 +111,10 @@ class _Recompute:
 class BufferGuard:
     """Checkpoints one region (a block, a child, a segment's blocks) so that its recompute leaves buffers alone.
 
-    Which buffers the region's forward updates is learned on its first call in each train/eval
-    configuration of its modules (every buffer is copied once and compared afterwards); later calls
-    copy only those, so a large constant buffer (a causal mask) costs nothing per step. A buffer first
-    updated on a later call is caught by its version counter or a reassignment (not by BatchNorm-style
-    updates that bypass the version counter) and kept from then on. Holds no tensors between steps,
-    so a planned model still deep-copies and pickles.
+    Which buffers the forward updates is learned on its first call per train/eval configuration (every buffer
+    copied and compared); later calls copy only those, so a large constant buffer (a causal mask) costs nothing per
+    step. A buffer first updated later is caught by version counter or reassignment (not BatchNorm-style updates)
+    and kept from then on. Holds no tensors between steps, so a planned model still deep-copies and pickles.
     """
 
     def __init__(self, modules: list[nn.Module], *, saves_inputs: bool = False) -> None:
@@ -149,14 +145,11 @@ class BufferGuard:
         before = _copies({k: slots[k][2] for k in (slots.keys() if known is None else known & slots.keys())})
         out = self._checkpoint(recompute, args, kwargs, extra)
         # Values are compared (torch.equal: a host sync on CUDA) only on the first call in a configuration; later
-        # calls take the known set as updated and check the rest by version counter and identity alone, so real
-        # training after lock-in pays no sync per region and step.
+        # calls check the rest by version counter and identity alone: training pays no sync per region and step.
         if known is None:
-            updated = {k for k, slot in slots.items() if _changed(slot, before.get(k), versions[k])}
+            updated = self.updated[flags] = {k for k, s in slots.items() if _changed(s, before.get(k), versions[k])}
         else:
             updated = {k for k, slot in slots.items() if k in known or _changed(slot, None, versions[k])}
-        if known is None:
-            self.updated[flags] = updated
         late = updated - before.keys()
         if late:  # no pre-forward value: the recompute at least updates a copy, not the buffer a second time
             known |= late
@@ -186,12 +179,11 @@ class BufferGuard:
         return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
-# Before torch 2.9 a *compiled* checkpointed region applies its buffer updates again in the recompute (seen
-# with torch 2.6 and 2.8: a BatchNorm's num_batches_tracked advances by 2 per step and its running statistics
-# move twice, silently); from 2.9 AOTAutograd applies them once, after the graph. So on those releases a
-# region holding running statistics runs eagerly under the guard even inside a compiled model: exact, at the
-# cost of a graph break there (which the compiled search reports as a conflict and avoids). Only norms with
-# running statistics can be seen from the module tree; docs/versions.md lists other buffers as a limitation.
+# Before torch 2.9 a *compiled* checkpointed region applies its buffer updates again in the recompute (torch 2.6 and
+# 2.8: BatchNorm's num_batches_tracked advances by 2 per step, silently); from 2.9 AOTAutograd applies them once. So
+# there a region holding running statistics runs eagerly under the guard inside a compiled model: exact, at the cost
+# of a graph break (the compiled search reports a conflict and avoids it). Only norms with running statistics can be
+# seen from the module tree; docs/versions.md lists other buffers as a limitation.
 COMPILED_BUFFER_UPDATES_EXACT = (2, 9)
 
 

@@ -1,11 +1,9 @@
 """Training forwards without KV caches (HF ``use_cache``).
 
-HF decoder models build a key/value cache in every forward when ``config.use_cache`` is true, which
-is the default of most configs. A training step never reads it, yet it holds every layer's K and V
-until the forward ends: memory no checkpointing plan can remove, and memory the per-block profile
-cannot see (the cache lives in an object the blocks append to). HF itself turns the cache off
-under gradient checkpointing; we do the same for the whole time we tune and train with a plan, and
-put the user's setting back afterwards. A checkpointed block is also called without the cache its
+HF decoder models build a key/value cache in every forward when ``config.use_cache`` is true (most configs' default).
+A training step never reads it, yet it holds every layer's K and V until the forward ends: memory no plan can remove
+and the per-block profile cannot see. HF turns it off under gradient checkpointing; so do we, while tuning and
+training with a plan, restoring the user's setting after. A checkpointed block is also called without the cache its
 caller hands it (``without_cache_args``): its recompute would append to that cache a second time.
 """
 
@@ -22,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from lightning_ckpt.discovery import unwrap_compiled
 from lightning_ckpt.model import ModelView
 
 __all__ = [
@@ -40,9 +39,8 @@ _said: set[str] = set()
 
 
 def _builds_cache(config: Any) -> bool:
-    """Whether a model with this HF config builds a KV cache when ``use_cache`` is on: decoders and encoder-decoders
-    do; encoder-only families (BERT, RoBERTa, ELECTRA, which keep ``use_cache=True`` in their configs for their
-    rarely used decoder mode) ignore it unless ``is_decoder`` is set."""
+    """Whether this HF config builds a KV cache under ``use_cache``: decoders and encoder-decoders do; encoder-only
+    families (BERT, RoBERTa: ``use_cache=True`` for their rare decoder mode) ignore it unless ``is_decoder``."""
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "is_decoder", False):
         return True
     try:
@@ -57,8 +55,7 @@ def _builds_cache(config: Any) -> bool:
 
 
 def _notice_on_first_call(module: nn.Module) -> Any:
-    """Say, once per model class, that the cache is off while training with a plan: at the model's first call, and
-    only when that call would have built one (it does not pass ``use_cache=False`` itself)."""
+    """Say, once per model class, that the cache is off: at the model's first call, if it would have built one."""
 
     def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         handle.remove()
@@ -78,11 +75,8 @@ def _notice_on_first_call(module: nn.Module) -> Any:
 
 
 def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
-    """Set ``use_cache=False`` on every HF config in ``model``; returns a function that restores them.
-
-    Says so once per model class (as HF does), because a user who set ``use_cache=True`` should know; but only for
-    a model that builds a cache (not an encoder-only one) called without ``use_cache=False`` of its own.
-    """
+    """Set ``use_cache=False`` on every HF config in ``model``; returns a function that restores them. Says so once
+    per model class (as HF does: a user who set ``use_cache=True`` should know), for models that build a cache."""
     changed = []
     hooks = []
     seen: set[int] = set()
@@ -124,28 +118,23 @@ def without_kv_cache(fn: Callable[..., R]) -> Callable[..., R]:
 
     @functools.wraps(fn)
     def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> R:
-        root = model.root if isinstance(model, ModelView) else model
-        while isinstance(getattr(root, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
-            root = root._orig_mod
-        with kv_cache_disabled(root):
+        with kv_cache_disabled(unwrap_compiled(model.root if isinstance(model, ModelView) else model)):
             return fn(model, *args, **kwargs)
 
     return wrapper
 
 
-# Arguments that carry a KV cache. A block that appends to a cache in forward would append again
-# when recomputed, so the recompute would see different keys (and selective checkpointing fails with
-# "encountered during backward but not found in storage"). A training step never reads the cache,
-# so under checkpointing we pass None, exactly as HF's own gradient checkpointing does.
+# Arguments that carry a KV cache. A block appending to it in forward would append again when recomputed, seeing
+# other keys (selective checkpointing fails: "encountered during backward but not found in storage"); training never
+# reads it, so under checkpointing it is None, as under HF's own gradient checkpointing.
 CACHE_ARGS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
 
 
 _FORWARD_PARAMS: dict[type, tuple[str, ...]] = {}
 
 
-# Called inside compiled regions: marked constant so dynamo calls it once at trace time instead of
-# tracing inspect.signature. A plain dict cache rather than functools.lru_cache, whose wrapper dynamo
-# traces through (with a warning) and does not treat as constant.
+# Called inside compiled regions: constant, so dynamo calls it once at trace time instead of tracing
+# inspect.signature; a dict cache, as dynamo traces through lru_cache's wrapper (warning) and not as constant.
 @torch.compiler.assume_constant_result
 def forward_params(cls: type) -> tuple[str, ...]:
     names = _FORWARD_PARAMS.get(cls)

@@ -1,11 +1,8 @@
-"""A segment's side of the bargain with the parent model: how its chunks are cut, how it tells that the
-parent calls the chunk's blocks as a chain, and what it does when the parent does not.
-
-A segment runs several blocks inside one checkpoint, but the parent still calls every block itself. So a
-block's precomputed output may be handed out only to the call the chunk predicted: the next block, with the
-previous block's output where the hidden state travels, the same other arguments, and the random-number
-state where the chunk left it. Any other call gives the chunk up for that step (``deviate``), exactly, at
-the cost of the memory the plan meant to save.
+"""A segment's side of the bargain with the parent model: how it tells that the parent calls the chunk's blocks as
+a chain. A segment runs several blocks inside one checkpoint, but the parent still calls every block, so a block's
+precomputed output goes only to the call the chunk predicted (the next block, the previous output where the hidden
+state travels, the same other arguments, the random state where the chunk left it); any other call gives the chunk
+up for that step, exactly, at the cost of the memory the plan meant to save.
 """
 
 from __future__ import annotations
@@ -44,12 +41,9 @@ _HIDDEN_KEYWORDS = ("hidden_states", "x", "input", "inputs", "hidden")
 
 
 def hidden_slot(args: tuple[Any, ...], kwargs: Mapping[str, Any], *, strict: bool = False) -> HiddenAt | None:
-    """Where this call's hidden state is: the first floating-point tensor argument, else a keyword (the usual
-    names first). One rule for segments (what a chunk passes on) and for the profile's chain check (which calls
-    form a chain, so segments are offered). Blocks called with keyword arguments only
-    (``block(hidden_states=h, attention_mask=m)``) get the previous block's output in the same keyword.
-    With no floating-point tensor a call's first argument is taken, unless ``strict`` (the chain check: such a
-    call carries no hidden state)."""
+    """Where this call's hidden state is: the first floating-point tensor argument, else keyword (the usual names
+    first), else the first argument unless ``strict`` (the chain check: such a call carries none). One rule for
+    segments (what a chunk passes on) and the profile's chain check (whether segments are offered)."""
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             return ("arg", i)
@@ -87,11 +81,10 @@ def same_value(a: Any, b: Any) -> bool:
         return False
 
 
-# Random-number state around a segment. Without a plan the parent and the blocks draw from the generators in
-# turn (dropout in block k, then LayerDrop's coin for block k+1 in the parent, ...); a segment's first block
-# runs the whole chunk at once, so the parent would draw after every block of the chunk had drawn. So after the
-# chunk the state goes back to where block 0 left it, each later block's precomputed output is handed out only
-# if the state is still where that block started from inside the chunk, and then moved to where it ended.
+# Random state around a segment: without a plan the parent and the blocks draw in turn (dropout in block k, then
+# LayerDrop's coin for block k+1); a chunk runs its blocks at once, so afterwards the state goes back to where block 0
+# left it, and a later block's output is handed out only if the state is where that block started inside the chunk
+# (and is then moved to where it ended).
 def tensor_devices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.device, ...]:
     """The accelerator devices a call's tensors live on (the CPU generator is always tracked)."""
     leaves = tree_leaves((args, kwargs))

@@ -1,7 +1,5 @@
-"""How a stack is cut into segments: each chunk's blocks, and the sqrt(N) rule for how many chunks.
-
-Plain arithmetic on block counts, apart from the machinery that runs a chunk (``plan.chain``,
-``plan.forwards``), so the memory and time models, the search space and re-planning use it without torch.
+"""How a stack is cut into segments: each chunk's blocks, and the sqrt(N) rule for how many chunks. Plain arithmetic,
+apart from the machinery that runs a chunk, so the models, the search space and re-planning use it without torch.
 """
 
 from __future__ import annotations
@@ -17,12 +15,8 @@ __all__ = ["segment_chunks", "sqrt_chunks", "sqrt_segments"]
 def segment_chunks(n_blocks: int, segments: int) -> list[tuple[int, int]]:
     """[start, end) index ranges of ``segments`` near-equal chunks (first chunks get the remainder)."""
     base, extra = divmod(n_blocks, segments)
-    ranges, start = [], 0
-    for i in range(segments):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
+    ends = [(i + 1) * base + min(i + 1, extra) for i in range(segments)]
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def sqrt_chunks(n_blocks: int) -> int:

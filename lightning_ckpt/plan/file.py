@@ -1,8 +1,6 @@
-"""Plan files as bytes on disk: replaced atomically, saved under a directory lock, read with errors that
-say what is wrong with the file, and versioned by a digest of their bytes.
-
-Nothing here knows what a plan is (``format.Plan.save``/``Plan.load`` do), so this is also what decides
-whether a file changed since a process last read it (``plan_file_version``).
+"""Plan files as bytes on disk: replaced atomically, saved under a directory lock, read with errors that say what
+is wrong with the file, and versioned by a digest of their bytes (``plan_file_version``). Nothing here knows what a
+plan is (``format.Plan.save``/``Plan.load`` do).
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ __all__ = ["bytes_version", "directory_lock", "plan_file_version", "read_json", 
 
 
 def plan_file_version(path: str | os.PathLike[str]) -> str | None:
-    """A digest of the file's bytes, None when there is no file: what ``Plan.save(unchanged_since=...)`` compares.
-    Read it before loading the plan, so a change in between shows up as a change."""
+    """A digest of the file's bytes (None: no file), what ``Plan.save(unchanged_since=...)`` compares: read it
+    before loading the plan, so a change in between shows up."""
     try:
         return bytes_version(Path(path).read_bytes())
     except FileNotFoundError:
@@ -34,15 +32,13 @@ def plan_file_version(path: str | os.PathLike[str]) -> str | None:
 
 
 def bytes_version(data: bytes) -> str:
-    """The version of a plan file holding ``data`` (what ``plan_file_version`` reads back)."""
     return hashlib.sha256(data).hexdigest()[:16]
 
 
 @contextlib.contextmanager
 def directory_lock(directory: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on the directory itself, so no lock file is left beside the plan. Where there is no
-    flock (Windows) or the file system refuses it (some network mounts) the save runs unlocked: the check in
-    ``format._refuse_if_changed`` still catches any save that is not simultaneous."""
+    """An exclusive ``flock`` on the directory itself (no lock file left beside the plan). Without flock (Windows,
+    some network mounts) the save runs unlocked: ``format._refuse_if_changed`` still catches non-simultaneous ones."""
     try:
         import fcntl
 
@@ -70,8 +66,8 @@ def _create_beside(target: Path) -> tuple[int, str]:
 
 
 def replace_atomically(target: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``target``, then replace ``target`` with it, keeping the mode a
-    replaced file had (a new file gets what ``open()`` gives: ``0o666`` less the umask)."""
+    """Write ``data`` beside ``target``, then replace it, keeping a replaced file's mode (a new file gets what
+    ``open()`` gives: ``0o666`` less the umask)."""
     try:
         keep_mode: int | None = stat.S_IMODE(target.stat().st_mode)
     except FileNotFoundError:
@@ -113,9 +109,8 @@ def _parse_float(text: str) -> float | Unreadable:
     return value if math.isfinite(value) else Unreadable(text)
 
 
-# The largest plan file read (bytes): a real one, profile included, is well under 1 MiB; this bound keeps a
-# mistaken path (a log, /dev/zero, a 50 MB hand edit) from being parsed and printed. LIGHTNING_CKPT_MAX_PLAN_BYTES
-# raises it.
+# The largest plan file read: a real one is well under 1 MiB; this keeps a mistaken path (a log, /dev/zero) from
+# being parsed and printed. LIGHTNING_CKPT_MAX_PLAN_BYTES raises it.
 MAX_PLAN_BYTES = 8 * 2**20
 
 
@@ -130,8 +125,8 @@ def max_plan_bytes() -> int:
 
 
 def read_json(path: Path, where: str) -> Any:
-    """The JSON value in the file at ``path``; anything unreadable or malformed raises ``PlanError`` starting
-    with ``where``. Only a regular file of at most ``max_plan_bytes()`` is read, before any parsing."""
+    """The JSON value in the file at ``path``; anything unreadable or malformed raises ``PlanError`` starting with
+    ``where``. Only a regular file of at most ``max_plan_bytes()`` is read."""
     limit = max_plan_bytes()
     try:
         info = path.stat()
@@ -175,13 +170,8 @@ def read_json(path: Path, where: str) -> Any:
             "restore it from version control."
         )
     try:
-        data = json.loads(
-            text,
-            object_pairs_hook=_no_duplicate_keys,
-            parse_int=_parse_int,
-            parse_float=_parse_float,
-            parse_constant=Unreadable,
-        )
+        hooks = {"parse_int": _parse_int, "parse_float": _parse_float, "parse_constant": Unreadable}
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys, **hooks)
     except json.JSONDecodeError as err:
         raise PlanError(
             f"{where} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}). "

@@ -1,8 +1,6 @@
-"""Activation checkpointing installed by something other than lightning_ckpt, found so a plan is never put on top.
-
-A plan on top of another mechanism recomputes twice (and tuning would compare plans against a "none"
-baseline that still recomputes). So ``apply_plan`` refuses such a model, naming each mechanism and how to
-switch it off: Hugging Face's and timm's flags, torch's ``checkpoint_wrapper`` and composable ``checkpoint``.
+"""Activation checkpointing installed by something other than lightning_ckpt, found so a plan is never put on top:
+it would recompute twice (and tuning would compare plans against a "none" that still recomputes). ``apply_plan``
+refuses such a model, naming each mechanism and how to switch it off.
 """
 
 from __future__ import annotations
@@ -26,14 +24,11 @@ _CHECKPOINT_FLAGS = {
 
 
 def _path(fqn: str) -> str:
-    """How a fix names a submodule: ``model`` is the module the plan is applied to."""
     return f"model.{fqn}" if fqn else "model"
 
 
 def _flag_fix(root: nn.Module, fqn: str, attr: str) -> str:
-    """How to switch a checkpointing flag off, naming the object that has the switch."""
-    if attr == "gradient_checkpointing":
-        # The switch is on the outermost Hugging Face model that holds this module.
+    if attr == "gradient_checkpointing":  # the switch is on the outermost Hugging Face model holding this module
         for owner_fqn, owner in root.named_modules():
             if (not owner_fqn or fqn == owner_fqn or fqn.startswith(f"{owner_fqn}.")) and callable(
                 getattr(owner, "gradient_checkpointing_disable", None)
@@ -89,14 +84,10 @@ def _foreign_checkpointing(model: nn.Module) -> list[tuple[str, str, str]]:
 
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
-    """Activation checkpointing already installed in ``model`` by something other than lightning_ckpt.
-
-    One ``"FQN: what"`` entry per module (``<root>`` for the model itself): Hugging Face's
-    ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``, a ``use_checkpoint=True``
-    flag, torch's ``checkpoint_wrapper`` and ``torch.distributed._composable.checkpoint``. A plan
-    on top of any of them would recompute twice, so ``apply_plan`` refuses such a model; the
-    callback can call this to explain the refusal before tuning.
-    """
+    """Activation checkpointing already installed in ``model`` by something other than lightning_ckpt, one
+    ``"FQN: what"`` per module (``<root>`` for the model): Hugging Face's ``gradient_checkpointing_enable()``, timm's
+    ``set_grad_checkpointing()``, a ``use_checkpoint=True`` flag, torch's ``checkpoint_wrapper`` and composable
+    ``checkpoint``. A plan on top would recompute twice, so ``apply_plan`` refuses such a model."""
     return [f"{fqn or '<root>'}: {what}" for fqn, what, _ in _foreign_checkpointing(model)]
 
 

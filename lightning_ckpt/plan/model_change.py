@@ -1,10 +1,8 @@
 """What differs between the model a plan was tuned for and this one, in words a user can act on.
 
-A fingerprint is a hash: two of them say *that* the model changed, never *how*. The plan file's profile
-keeps the layer stacks the plan was tuned on (block FQNs, classes, parameter counts, children) and the bytes
-its parameters took, so a refusal can name the difference ("transformer.h: 8 blocks in the plan, 6 in this
-model") instead of two hex strings. Torch-free: it compares the file's JSON with the same JSON form of this
-model's stacks (``LayerStack.to_dict``).
+Two fingerprints say *that* the model changed, never *how*. The plan file's profile keeps the layer stacks (block
+FQNs, classes, parameter counts, children) and the parameters' bytes, so a refusal can name the difference
+("transformer.h: 8 blocks in the plan, 6 in this model"). Torch-free: it compares JSON (``LayerStack.to_dict``).
 """
 
 from __future__ import annotations
@@ -66,12 +64,9 @@ def model_changes(
     plan_blocks: Sequence[str] = (),
     module_names: frozenset[str] = frozenset(),
 ) -> list[str]:
-    """What differs, most telling first: stacks added, removed, resized or changed, then parameter bytes.
-
-    ``profile`` is the plan file's ``metadata.profile``; ``stacks`` this model's ``LayerStack.to_dict()``s;
-    ``parameter_bytes`` what this model's parameters take. Without a saved profile only the plan's block
-    FQNs (``plan_blocks``) can be checked against this model's ``module_names``.
-    """
+    """What differs, most telling first: stacks added, removed, resized or changed, then parameter bytes, between
+    the plan file's ``metadata.profile`` and this model's ``stacks`` (``LayerStack.to_dict()``s). Without a saved
+    profile only the plan's block FQNs (``plan_blocks``) can be checked against this model's ``module_names``."""
     saved = _stacks_of(profile)
     if saved is None:
         missing = [f for f in plan_blocks if f not in module_names]
@@ -96,9 +91,8 @@ def model_changes(
         for fqn, s in now.items()
         if fqn not in before
     )
-    saved_bytes = (
-        profile.get("memory", {}).get("parameter_bytes") if isinstance(profile.get("memory"), Mapping) else None
-    )
+    memory = profile.get("memory")
+    saved_bytes = memory.get("parameter_bytes") if isinstance(memory, Mapping) else None
     if not out and isinstance(saved_bytes, int) and parameter_bytes is not None and saved_bytes != parameter_bytes:
         out.append(
             f"the parameters take {saved_bytes:,} bytes in the plan's profile and {parameter_bytes:,} in this model "

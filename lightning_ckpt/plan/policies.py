@@ -1,8 +1,6 @@
-"""Op-level save-lists: which aten ops' outputs an ``ops`` plan keeps instead of recomputing.
-
-This is the one place the save-lists live. Policies return ``MUST_SAVE``/``PREFER_RECOMPUTE``
-(never ``PREFER_SAVE``/``MUST_RECOMPUTE`` games) because those are what ``torch.compile`` honours
-for selective activation checkpointing, so the same plan means the same thing eager or compiled.
+"""Op-level save-lists: which aten ops' outputs an ``ops`` plan keeps instead of recomputing. Policies return
+``MUST_SAVE``/``PREFER_RECOMPUTE`` only, what ``torch.compile`` honours for selective activation checkpointing, so
+a plan means the same thing eager or compiled.
 """
 
 from __future__ import annotations
@@ -18,13 +16,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from lightning_ckpt import versions  # noqa: F401  (before the selective-checkpoint internals: see model.py)
 from lightning_ckpt.plan.save_list_names import check_save_list_name
 
-__all__ = ["SaveList", "SAVE_LISTS", "get_save_list", "selective_context_fn"]
+__all__ = ["SaveList", "SAVE_LISTS", "selective_context_fn"]
 
 aten = torch.ops.aten
 
 
 def _optional_ops(*names: str) -> tuple[Any, ...]:
-    """Ops that only exist in some builds (flash/cudnn attention) are looked up defensively."""
+    """Ops that exist only in some builds (flash/cudnn attention)."""
     found = []
     for name in names:
         packet, _, overload = name.partition(".")
@@ -89,11 +87,6 @@ and reduction outputs; ``save_matmuls_alternate`` (torchtitan's op SAC) keeps th
 ``save_attention`` keeps only attention outputs, the part that grows with the square of the length."""
 
 
-def get_save_list(name: str) -> SaveList:
-    check_save_list_name(name)
-    return SAVE_LISTS[name]
-
-
 def _policy(save_list: SaveList, meta: dict[str, int], ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
     if save_list.alternate_mm and func in _ALTERNATED:
         # Count forward and recompute separately so both passes make identical decisions.
@@ -112,12 +105,8 @@ def _selective_contexts(name: str) -> tuple[Any, Any]:
 
 
 def selective_context_fn(name: str) -> Callable[[], tuple[Any, Any]]:
-    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` implementing save-list ``name``.
-
-    A ``functools.partial`` of a module-level function, not a closure: dynamo only accepts a plain
-    function or a partial as ``context_fn`` ("checkpoint not implemented for
-    NestedUserFunctionVariable context_fn"), so a closure would make every ``ops`` plan fail to compile.
-    Its argument is the save-list's name because dynamo guards on the partial's arguments as constants.
-    """
-    get_save_list(name)  # refuse unknown names here, not at the first backward
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` implementing save-list ``name``: a partial of a
+    module-level function, as dynamo accepts no closure ("checkpoint not implemented for NestedUserFunctionVariable
+    context_fn"), of the name, as dynamo guards on a partial's arguments as constants."""
+    check_save_list_name(name)  # refuse unknown names here, not at the first backward
     return functools.partial(_selective_contexts, name)

@@ -1,13 +1,11 @@
-"""What a plan file records beyond the plan: one typed object, ``Plan.provenance``, and the only reader of
+"""What a plan file records beyond the plan: one typed object, ``Plan.provenance``, the only reader of
 ``Plan.metadata``'s sections.
 
-Each stage that learns something about a plan writes its own section through ``Plan.with_provenance`` (a name
-this class does not have is refused, so a typo cannot start a new, unread section), and every later stage reads
-the section by attribute. The sections' inner figures belong to the stage that writes them (the search's
-``search`` evidence to ``search.result``, the profile to ``search.replan``, the table to ``plan.table``); the file
-keeps the sections as JSON objects under ``metadata``, so plan files written by earlier releases load unchanged.
-A hand-edited file may hold anything: a section of the wrong JSON type reads as absent (and is kept, untouched,
-in ``other``), so no reader needs to check types again.
+Each stage writes its own section through ``Plan.with_provenance`` (an unknown name is refused, so a typo cannot
+start an unread section) and later stages read it by attribute; the inner figures belong to the writing stage
+(``search.result``, ``search.replan``, ``plan.table``). The file keeps the sections as JSON objects under
+``metadata``, so earlier releases' files load unchanged. A section of the wrong JSON type (a hand edit) reads as
+absent and is kept, untouched, in ``other``, so no reader checks types again.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The names of the op-level save-lists, apart from their ops (``plan.policies``).
-
-A plan names its save-list; reading, checking and re-planning a plan file need only the name, and so need
-no torch (``lightning-ckpt show``/``replan`` start in well under a second). ``plan.policies`` builds one
-save-list per name here (``tests/test_plan.py`` keeps the two in step).
+"""The names of the op-level save-lists, apart from their ops (``plan.policies``, kept in step by a test): reading,
+checking and re-planning a plan file need only the name, so no torch (``show``/``replan`` start in under a second).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The plan file's JSON Schema, and refusals worded for the person who has to fix the file.
 
-The schema (draft 2020-12) ships as ``lightning_ckpt/plan/plan_schema.json`` so other tools can check a
-plan too. jsonschema's own messages name neither the field's place in a plan nor what would fit there, so
-each refusal is rewritten here: the file, the field (``blocks['h.0'].children[1]``), what was found and what
-the schema expects.
+The schema (draft 2020-12) ships as ``lightning_ckpt/plan/plan_schema.json`` so other tools can check a plan too.
+jsonschema's messages name neither the field's place nor what would fit there, so each refusal is rewritten: the
+file, the field (``blocks['h.0'].children[1]``), what was found and what the schema expects.
 """
 
 from __future__ import annotations
@@ -28,19 +27,17 @@ __all__ = [
     "validate",
 ]
 
-# Version 2 added ``compile_memory_budget``. A plan is written with the lowest version that can hold it
-# (1 unless it sets a compile memory budget), so plans that do not use the new field stay readable by
-# lightning_ckpt releases that only know version 1.
+# Version 2 added ``compile_memory_budget``. A plan is written with the lowest version that can hold it, so plans
+# without the field stay readable by releases that only know version 1.
 SCHEMA_VERSION = 2
 SCHEMA_FILE = "plan_schema.json"
 
 
-# JSON spells values that no plan holds and that break whoever reads them: NaN and Infinity (Python's json accepts
-# them), a float beyond double range (read as inf), and integers of any length (one of more than 4,300 digits is a
-# ValueError when parsed, one like 10**400 an OverflowError wherever it meets a float). ``file.read_json`` parses
-# them into ``Unreadable`` placeholders, and ``refuse_unreadable`` refuses them naming the field, as it does the
-# same values in a plan built in Python (a checkpoint's state, a broadcast). JSON Schema cannot say "finite":
-# NaN passes every minimum and maximum.
+# JSON spells values no plan holds that break whoever reads them: NaN and Infinity (Python's json accepts them), a
+# float beyond double range (read as inf), integers of any length (over 4,300 digits a ValueError when parsed, 10**400
+# an OverflowError wherever it meets a float). ``file.read_json`` parses them into ``Unreadable`` placeholders and
+# ``refuse_unreadable`` refuses them naming the field, as in a plan built in Python (a checkpoint's state, a
+# broadcast). JSON Schema cannot say "finite": NaN passes every minimum and maximum.
 MAX_INT_DIGITS = 20  # every count, byte figure and seed a plan keeps fits (2**64 has 20 digits)
 MAX_PLAN_DEPTH = 32  # a real plan file nests 11 levels (a plan table's bucket profile); more is not a plan
 
@@ -74,8 +71,8 @@ def _unreadable(value: Any) -> Unreadable | None:
 
 
 def refuse_unreadable(data: Any, source: str) -> None:
-    """``PlanError`` naming the first field that holds a value no plan holds (see ``Unreadable``) or that nests deeper
-    than ``MAX_PLAN_DEPTH``. Walked with a stack, not recursion: the data may nest as deeply as the parser allowed."""
+    """``PlanError`` naming the first field holding a value no plan holds (``Unreadable``) or nesting deeper than
+    ``MAX_PLAN_DEPTH``. A stack, not recursion: the data may nest as deeply as the parser allowed."""
     stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
     while stack:
         path, value = stack.pop()
@@ -101,7 +98,6 @@ def _schema_text() -> str:
 
 
 def plan_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of plan files, as shipped in ``lightning_ckpt/plan/plan_schema.json``."""
     return json.loads(_schema_text())
 
 
@@ -224,8 +220,8 @@ def _cut(text: str, limit: int = 200) -> str:
 
 
 def validate(data: Any, source: str) -> None:
-    """Refuse ``data`` with one ``PlanError`` unless it is a plan this release reads; the error names ``source``,
-    the field, what was found and what is expected."""
+    """Refuse ``data`` with one ``PlanError`` (naming ``source``, the field, what was found and what is expected)
+    unless it is a plan this release reads."""
     if not isinstance(data, dict):
         raise PlanError(
             f"{source}: field (top level): must be a JSON object, but found {_found(data)}. "
@@ -250,9 +246,8 @@ def validate(data: Any, source: str) -> None:
         import jsonschema
 
         field_, problem = _describe_error(jsonschema.exceptions.best_match(errors), root)
-        more = (
-            f" ({len(errors) - 1} more problem{'s' if len(errors) > 2 else ''} in this plan)" if len(errors) > 1 else ""
-        )
+        extra = len(errors) - 1
+        more = f" ({extra} more problem{'s' if extra > 1 else ''} in this plan)" if extra else ""
         raise PlanError(
             f"{source}: field {field_}: {problem}.{more} Fix the field (the format is lightning_ckpt/plan/{SCHEMA_FILE}), "
             "or delete the file and re-tune."

@@ -1,15 +1,13 @@
 """Stacks whose parent skips blocks by configuration (LayerDrop, stochastic depth): no segments there.
 
-A segment runs several blocks at once, so it needs a parent that calls each of them, in order, every
-step. LayerDrop breaks that on purpose: Hugging Face's BART, MBart, Whisper, wav2vec2 and others draw a
-coin before every block in training and skip some. The profile's chain check sees such a parent only
-when it draws in the batch it profiles; the configuration says so before any step, for every step.
+A segment runs several blocks at once, so it needs a parent that calls each of them, in order, every step.
+LayerDrop breaks that on purpose (BART, MBart, Whisper, wav2vec2 draw a coin before every block in training): the
+profile's chain check sees it only when the profiled batch draws; the configuration says so for every step.
 
-The same draw makes a profile or a trial measure whichever depth its one step happened to run: profiled on a
-step where 1 of 3 layers ran, a full-depth step's activations were predicted half of what they are, and a plan
-chosen on them ran at 1.7x the budget on every full-depth step. ``full_depth`` sets the rates to zero for the
-search, so every figure it reads is the deepest step's (the worst case the budget must hold for), while the
-stacks are still known to skip (no segments there).
+The same draw makes a profile or trial measure whichever depth its step ran: profiled where 1 of 3 layers ran, a
+full-depth step's activations were predicted at half, and the plan chosen ran at 1.7x the budget on every
+full-depth step. ``full_depth`` zeroes the rates for the search, so every figure is the deepest step's (the worst
+case the budget must hold for), while the stacks are still known to skip (no segments there).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from torch import nn
 
 from lightning_ckpt.stacks import LayerStack
 
-__all__ = ["SKIP_ATTRIBUTES", "full_depth", "skipping_parent", "skipping_stacks"]
+__all__ = ["SKIP_ATTRIBUTES", "full_depth", "skipping_stacks"]
 
 # Probabilities, kept on the module that loops over the stack, with which it skips a block in training
 # (BartEncoder.layerdrop, Wav2Vec2Encoder.config.layerdrop, ...). Any value above zero skips some steps.
@@ -52,18 +50,12 @@ def _rate(owner: object, attr: str) -> float | None:
     return float(value)
 
 
-def skipping_parent(root: nn.Module, stack_fqn: str) -> str | None:
-    """``"<attribute> = <rate>"`` when the module that holds stack ``stack_fqn`` skips blocks at random in
-    training (a rate above zero), else None. The root stands in for the parent of a root-level stack."""
+def _skip_rates(root: nn.Module, stack_fqn: str) -> list[tuple[object, str, str, float]]:
+    """(owner, where, attribute, rate) of every rate above zero that makes the module holding stack ``stack_fqn``
+    skip blocks at random in training. The root stands in for the parent of a root-level stack."""
     parent_fqn = stack_fqn.rpartition(".")[0]
     parent = root.get_submodule(parent_fqn) if parent_fqn else root
     path = f"model.{parent_fqn}" if parent_fqn else "model"
-    found = _skip_rates(parent, path)
-    return f"{found[0][1]}.{found[0][2]} = {found[0][3]:g}" if found else None
-
-
-def _skip_rates(parent: nn.Module, path: str) -> list[tuple[object, str, str, float]]:
-    """(owner, where, attribute, rate) of every rate above zero that makes ``parent`` skip blocks."""
     owners = [(parent, path, SKIP_ATTRIBUTES), (getattr(parent, "config", None), f"{path}.config", _CONFIG_ATTRIBUTES)]
     found = []
     for owner, where, attrs in owners:
@@ -75,25 +67,21 @@ def _skip_rates(parent: nn.Module, path: str) -> list[tuple[object, str, str, fl
 
 
 def skipping_stacks(root: nn.Module, stacks: Sequence[LayerStack]) -> dict[str, str]:
-    """Stack FQN -> the configuration that makes its parent skip blocks (see ``skipping_parent``)."""
-    found = {s.fqn: skipping_parent(root, s.fqn) for s in stacks}
-    return {fqn: why for fqn, why in found.items() if why is not None}
+    """Stack FQN -> ``"<attribute> = <rate>"``, the configuration that makes its parent skip blocks."""
+    found = {s.fqn: _skip_rates(root, s.fqn) for s in stacks}
+    return {fqn: f"{rates[0][1]}.{rates[0][2]} = {rates[0][3]:g}" for fqn, rates in found.items() if rates}
 
 
 @contextmanager
 def full_depth(root: nn.Module, stacks: Sequence[LayerStack]) -> Iterator[dict[str, str]]:
-    """Every parent that skips blocks by configuration runs all of them while this holds (its rates set to zero,
-    restored on exit, whatever happens); ``skipping_stacks`` still reports the configured rates. Yields what was
-    zeroed (stack FQN -> ``"<attribute> = <rate>"``). The parents draw their coins as before (Hugging Face draws
-    ``torch.rand`` and compares), so the random stream a step consumes is unchanged."""
+    """Every parent that skips blocks by configuration runs all of them while this holds (rates zeroed, restored on
+    exit; ``skipping_stacks`` still reports them). Yields stack FQN -> ``"<attribute> = <rate>"`` zeroed. Parents
+    still draw their coins (Hugging Face draws ``torch.rand`` and compares): the random stream is unchanged."""
     zeroed: list[tuple[object, str, float]] = []
     said: dict[str, str] = {}
     try:
         for stack in stacks:
-            parent_fqn = stack.fqn.rpartition(".")[0]
-            parent = root.get_submodule(parent_fqn) if parent_fqn else root
-            path = f"model.{parent_fqn}" if parent_fqn else "model"
-            for owner, where, attr, rate in _skip_rates(parent, path):
+            for owner, where, attr, rate in _skip_rates(root, stack.fqn):
                 said.setdefault(stack.fqn, f"{where}.{attr} = {rate:g}")
                 if (id(owner), attr) in _ZEROED:
                     continue  # a config shared by two stacks: zeroed once

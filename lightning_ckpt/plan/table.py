@@ -1,7 +1,5 @@
 """A plan table as data: one plan per range of batch lengths, as the plan file keeps it (``provenance.plan_table``).
-
-The table is built by ``search.buckets`` and followed by the callback (``lightning.callback``), which runs each
-batch under its bucket's plan; ``lightning-ckpt show`` prints it without importing torch.
+Built by ``search.buckets``, followed by the callback, printed by ``lightning-ckpt show`` without importing torch.
 """
 
 from __future__ import annotations
@@ -21,10 +19,9 @@ MAX_BUCKETS = 8  # every bucket is a profile before training and a plan to switc
 
 
 def bucket_edges(shortest: int, longest: int, edges: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The buckets' longest lengths, ascending, the last ``longest``. ``edges``: the user's (every length above the
-    last is the top bucket's); by default halving from ``longest`` while above ``shortest`` (the first batch's
-    length): lengths in a long tail spread over octaves, and a bucket twice as long needs at most four times
-    the activations, so no bucket's plan pays for much more than its batches need."""
+    """The buckets' longest lengths, ascending, the last ``longest``: the user's ``edges``, or halving from
+    ``longest`` while above ``shortest`` (the first batch's length): a long tail spreads over octaves, and a bucket
+    twice as long needs at most four times the activations, so no plan pays for much more than its batches need."""
     if edges is not None:
         chosen = sorted({int(e) for e in edges if 0 < int(e) < longest})
         if len(chosen) + 1 > MAX_BUCKETS:
@@ -75,10 +72,7 @@ class PlanTable:
 
     def bucket_for(self, length: int) -> int | None:
         """The index of the bucket a batch of ``length`` runs in; None when it is longer than the table covers."""
-        for i, b in enumerate(self.buckets):
-            if length <= b.max_length:
-                return i
-        return None
+        return next((i for i, b in enumerate(self.buckets) if length <= b.max_length), None)
 
     @property
     def longest(self) -> int:
@@ -90,10 +84,9 @@ class PlanTable:
         return replace(self, buckets=(*self.buckets[:index], new, *self.buckets[index + 1 :]))
 
     def grown(self, length: int, plan: Plan) -> PlanTable:
-        """The table with a new top bucket, batches up to ``length`` running ``plan``: a batch longer than every
-        bucket was (or was predicted to be) over the budget under the top plan, and the guard moved it to ``plan``.
-        The old top bucket keeps its plan for the batches it covers; at ``MAX_BUCKETS`` it is stretched instead
-        (its batches then run the lower-memory ``plan`` too)."""
+        """The table with a new top bucket, batches up to ``length`` running ``plan`` (a batch longer than every bucket
+        was over the budget under the top plan, and the guard moved it). The old top bucket keeps its plan; at
+        ``MAX_BUCKETS`` it is stretched instead (its batches then run the lower-memory ``plan`` too)."""
         new = Bucket(max_length=length, plan=plan, source="guard")
         kept = self.buckets[:-1] if len(self.buckets) >= MAX_BUCKETS else self.buckets
         return replace(self, buckets=(*kept, new))
@@ -110,8 +103,7 @@ class PlanTable:
 
     @classmethod
     def of_plan(cls, plan: Plan, *, source: str = "the plan") -> PlanTable | None:
-        """The table ``plan`` keeps (``provenance.plan_table``; the top bucket runs ``plan`` itself), None when it
-        keeps none; ``PlanError`` naming the field when it is malformed."""
+        """The table ``plan`` keeps (its top bucket runs ``plan``), or None; ``PlanError`` when it is malformed."""
         data = plan.provenance.plan_table or plan.provenance.other.get("plan_table")
         if not data:
             return None
@@ -157,7 +149,7 @@ class PlanTable:
 
 
 def table_line(table: PlanTable, budget: Budget | None) -> str:
-    """One line for people: each bucket's plan and predicted memory (the budget's kind, when it is known)."""
+    """Each bucket's plan and predicted memory (the budget's kind, when it is known)."""
     parts = []
     for b in table.buckets:
         if budget is not None:

@@ -58,11 +58,8 @@ def _measured(result: TuneResult) -> list[tuple[TrialRecord, int, float]]:
 
 
 def pareto_front(result: TuneResult) -> list[TrialRecord]:
-    """Measured trials that no other is better than on both memory and samples/s, by memory ascending.
-
-    Memory is the budget's constrained quantity (peak when there is no budget). A trial is on the
-    front when it is strictly faster than every trial using no more memory.
-    """
+    """Measured trials strictly faster than every trial using no more memory (the budget's constrained quantity:
+    peak without a budget), by memory ascending."""
     points = sorted(_measured(result), key=lambda p: (p[1], -p[2]))
     front: list[TrialRecord] = []
     best = -math.inf
@@ -81,16 +78,10 @@ def _unit_for(max_bytes: float) -> tuple[str, float]:
 
 
 def pareto_figure(result: TuneResult) -> Figure:
-    """Throughput against the budget's memory quantity for every measured trial.
-
-    The step line is the Pareto front (best samples/s achievable at each memory level), the dashed
-    line the budget, and the ringed point the winner: at a glance it shows whether the winner sits
-    on the front just inside the budget, and what more memory would buy. Trials that never ran
-    (pruned, oom, errors) sit on the x axis at their *predicted* memory.
-
-    Built on ``matplotlib.figure.Figure`` with an Agg canvas, never pyplot, so it touches no global
-    backend state and works headless.
-    """
+    """Throughput against the budget's memory quantity for every measured trial: the step line is the Pareto front,
+    the dashed line the budget, the ringed point the winner, so it shows at a glance whether the winner sits on the
+    front just inside the budget, and what more memory would buy. Trials that never ran sit on the x axis at their
+    *predicted* memory. An Agg canvas, never pyplot: no global backend state, headless."""
     budget = result.budget
     measured = _measured(result)
     unmeasured = [
@@ -137,11 +128,9 @@ def _plot_trials(
     scale: float,
     budget: Budget,
 ) -> None:
-    """Every trial by status: measured ones at their figures, never-run ones on a rug at predicted memory.
-
-    Where a confirmation ran, the plans re-timed side by side with the winner are filled, those timed one plan at a
-    time (at another moment of the machine) hollow: a hollow point above the winner was timed in a quieter moment,
-    not faster than it (issue #64: the top point, not circled, read as a wrong choice)."""
+    """Every trial by status: measured ones at their figures, never-run ones on a rug at predicted memory. Where a
+    confirmation ran, plans re-timed side by side with the winner are filled, those timed one at a time hollow: a
+    hollow point above the winner was timed in a quieter moment (issue #64: it read as a wrong choice)."""
     side_by_side = any(t.confirmed for t, _, _ in measured)
     for status, (colour, marker, text) in _STATUS_STYLE.items():
         if status == "ok" and budget.kind == "none":
@@ -172,8 +161,8 @@ def _plot_trials(
 
 # The legend's note on hollow points (``_plot_trials``).
 _HOLLOW = "hollow: timed one plan at a time, not beside the winner (filled: side by side with it)"
-# Legend entries wrap at this many characters: the legend sits below the axes in ``_LEGEND_COLUMNS`` columns, and a
-# winner's label (its plan, one block range after another) ran past both edges of the image.
+# Legend entries wrap at this many characters: in ``_LEGEND_COLUMNS`` columns below the axes, a winner's label (its
+# plan, block range after block range) ran past both edges of the image.
 _LEGEND_WIDTH = 52
 _LEGEND_COLUMNS = 2
 
@@ -204,31 +193,15 @@ def _label_baselines(
         if t.baseline is not None and (winner is None or t.number != winner.number):
             # Under the markers on a faint box; below the point when above it would sit on the winner's ring.
             below = near_winner(x / scale, y) and y <= (wxy[1] if wxy else y)  # type: ignore[index]
-            ax.annotate(
-                t.baseline,
-                (x / scale, y),
-                xytext=(7, -13 if below else 5),
-                textcoords="offset points",
-                fontsize=8,
-                color="dimgray",
-                zorder=2.5,
-                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.7},
-            )
+            box = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.7}
+            at = {"xytext": (7, -13 if below else 5), "textcoords": "offset points", "bbox": box}
+            ax.annotate(t.baseline, (x / scale, y), fontsize=8, color="dimgray", zorder=2.5, **at)
 
 
 def _mark_winner(ax: Axes, winner: TrialRecord, wxy: tuple[float, float]) -> None:
-    """Ring the winner and name it."""
     wx, wy = wxy
-    ax.scatter(
-        [wx],
-        [wy],
-        s=320,
-        facecolors="none",
-        edgecolors="black",
-        linewidths=2,
-        label=_wrapped(f"winner: [trial {winner.number}] {winner.label}"),
-        zorder=4,
-    )
+    label = _wrapped(f"winner: [trial {winner.number}] {winner.label}")
+    ax.scatter([wx], [wy], s=320, facecolors="none", edgecolors="black", linewidths=2, label=label, zorder=4)
     # Named on the plot too, with an arrow from the side away from the crowded front (up and to the left).
     name = f"winner (trial {winner.number})" + (f" = {winner.baseline}" if winner.baseline else "")
     ax.annotate(
@@ -249,13 +222,11 @@ def _frame(ax: Axes, result: TuneResult, unit: str, scale: float, span: tuple[fl
     """The budget line and the shaded area past it, the axes' limits, labels and title."""
     budget = result.budget
     mem = memory_name(budget)
-    x_span, y_span = span
-    x_max = x_span
+    x_max, y_span = span
     if budget.kind != "none" and budget.limit_bytes is not None:
         lim = budget.limit_bytes / scale
-        ax.axvline(
-            lim, color="tab:red", ls="--", lw=1.5, label=_wrapped(f"budget: {format_bytes(budget.limit_bytes)} {mem}")
-        )
+        label = _wrapped(f"budget: {format_bytes(budget.limit_bytes)} {mem}")
+        ax.axvline(lim, color="tab:red", ls="--", lw=1.5, label=label)
         ax.axvspan(lim, x_max, color="tab:red", alpha=0.06, lw=0)
     ax.set_xlim(0, x_max)
     ax.set_ylim(0, y_span)
@@ -270,8 +241,7 @@ def _frame(ax: Axes, result: TuneResult, unit: str, scale: float, span: tuple[fl
 
 
 def figure_to_hwc(fig: Figure) -> np.ndarray:
-    # SummaryWriter.add_figure does this too, but imports pyplot to close the figure; the
-    # Agg canvas alone gives the same image without touching pyplot's global state.
+    # SummaryWriter.add_figure imports pyplot to close the figure; the Agg canvas alone leaves pyplot's state alone.
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[:, :, :3].copy()

@@ -1,7 +1,5 @@
-"""The live view of a search: one progress bar while trials run, each trial streamed to TensorBoard.
-
-Apart from the end-of-search report because it holds state (the bar, the best throughput so far) and runs
-once per finished trial, inside the search loop.
+"""The live view of a search: one progress bar while trials run, each trial streamed to TensorBoard. Apart from the
+end-of-search report: it holds state (the bar, the best so far) and runs per finished trial, inside the search loop.
 """
 
 from __future__ import annotations
@@ -23,14 +21,11 @@ __all__ = ["SearchProgress"]
 class SearchProgress:
     """What a user watches during the search: one progress bar, nothing else unless ``verbose``.
 
-    ``total``: how many plans at most will be measured, or None when that is not known in advance (the time model
-    stops measuring once no plan left can win, usually after a few): the bar then counts plans and time with no
-    fraction and no ETA, rather than a ``2/14`` that never fills and an ETA for plans that will not run.
-
-    Called with each finished trial (a ``ProgressFn``): advances the bar (best plan so far in its postfix),
-    streams the trial's scalars and the best-so-far curve to ``writer``, and with ``verbose`` writes the
-    trial's line above the bar. ``confirming`` announces the side-by-side round, whose figures replace the
-    streamed ones. A plain object, no Lightning: the callback pauses Lightning's own bar around it.
+    ``total``: how many plans at most will be measured, or None when not known in advance (the time model stops
+    once no plan left can win): the bar then counts with no fraction and no ETA, not a ``2/14`` that never fills.
+    Called with each finished trial (a ``ProgressFn``): advances the bar, streams the trial's scalars and the
+    best-so-far curve to ``writer``, with ``verbose`` writes the trial's line. No Lightning: the callback pauses
+    Lightning's own bar around it.
     """
 
     def __init__(
@@ -62,8 +57,8 @@ class SearchProgress:
         if self.verbose:
             self.write(trial_line(trial, budget))
         if self._phase is not None:
-            pass  # a plan verified after the rounds (its memory measured): the rounds' line stays as it is
-        elif trial.status == "pruned" and trial.pruned_by == "time":
+            return  # a plan verified after the rounds (its memory measured): the rounds' line stays as it is
+        if trial.status == "pruned" and trial.pruned_by == "time":
             self.pruned_by_time += 1  # as below
         elif trial.status == "pruned":
             self.pruned += 1  # costs no step and does not count towards n_trials: not a step of the bar
@@ -71,8 +66,6 @@ class SearchProgress:
             if self.bar.total is not None and self.bar.n >= self.bar.total:
                 self.bar.total = self.bar.n + 1
             self.bar.update(1)
-        if self._phase is not None:
-            return
         postfix = [f"best {self.best:.1f} samples/s"] if self.best is not None else []
         postfix += [f"{self.pruned} ruled out by the memory model"] if self.pruned else []
         postfix += [f"{self.pruned_by_time} by the time model"] if self.pruned_by_time else []
@@ -93,9 +86,9 @@ class SearchProgress:
     def rounds(
         self, phase: str, round_number: int, max_rounds: int, timed: int, to_time: int, leader: str | None
     ) -> None:
-        """Move the line during side-by-side rounds (``phase``: confirming, re-ranking, fresh rounds), with every plan
-        timed: the rounds done (the bar's count, its clock restarted at the phase's first round), where this round is
-        and the current leader's interval. A confirmation's single frame, drawn once, sat unchanged for 8.6 minutes."""
+        """Move the line during side-by-side rounds (``phase``: confirming, re-ranking, fresh rounds), every plan timed:
+        rounds done (the clock restarted per phase), this round and the leader's interval. A confirmation's single
+        frame, drawn once, sat unchanged for 8.6 minutes."""
         status = f"round {round_number} of at most {max_rounds}: {timed}/{to_time} plans timed"
         status += f"; leader {leader}" if leader else ""
         if self._phase != phase:  # a new phase: its own clock and count, drawn once set (``reset`` redraws)

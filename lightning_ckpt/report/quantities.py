@@ -1,8 +1,5 @@
-"""What every view of a search reads off its trials the same way: the memory figure the budget constrains,
-a compiled trial's statistics and the baseline a winner is compared against.
-
-The text, the figure and the TensorBoard table each use these, so a plan's memory or its "best baseline"
-cannot mean one thing in the log line and another on the plot.
+"""What every view of a search (the text, the figure, the TensorBoard table) reads off its trials the same way, so
+a plan's memory or its "best baseline" cannot mean one thing in the log line and another on the plot.
 """
 
 from __future__ import annotations
@@ -25,22 +22,18 @@ __all__ = [
 
 
 def memory_name(budget: Budget) -> str:
-    """The memory quantity that decides feasibility: what users compare plans by."""
     return "activation" if budget.kind == "activation" else "peak"
 
 
 def constrained_bytes(trial: TrialRecord, budget: Budget) -> int | None:
-    """The measured figure the budget is checked against (peak, or activation under an activation budget)."""
     return budget.value_of(trial.peak_bytes, trial.activation_bytes)
 
 
 def predicted_constrained_bytes(trial: TrialRecord, budget: Budget) -> int | None:
-    """The memory model's figure for the same quantity: all there is for a trial that never ran."""
     return budget.value_of(trial.predicted_peak_bytes, trial.predicted_activation_bytes)
 
 
 def compile_stats(trial: TrialRecord) -> Mapping[str, Any] | None:
-    """A compiled trial's statistics (``TrialRecord.extra["compile"]``); ``None`` for an eager one."""
     stats = trial.extra.get("compile") if trial.extra else None
     return stats if isinstance(stats, Mapping) else None
 
@@ -61,9 +54,8 @@ def best_feasible_baseline(result: TuneResult) -> tuple[str, TrialRecord] | None
 
 def comparable_speeds(result: TuneResult) -> dict[int, float]:
     """Samples/s of every trial re-timed beside the reference, on one scale: the reference's figure times the trial's
-    paired ratio to it (``records.vs_reference``). The winner and the reference are timed last, in fresh rounds, the
-    other leaders in the rounds that chose it, minutes apart on a shared machine: their own figures put a leader at
-    32.6 samples/s above a winner at 26.6 that the rounds found faster than it."""
+    paired ratio to it. The winner and the reference are timed last, the other leaders in earlier rounds, minutes
+    apart: their own figures put a leader at 32.6 samples/s above a winner at 26.6 that the rounds found faster."""
     by_label = {t.label: t for t in result.trials}
     out = {}
     for t in result.trials:
