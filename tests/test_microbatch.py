@@ -227,7 +227,12 @@ def test_the_joint_search_predicts_each_micro_batch_with_its_own_time_model():
     assert predicted and all(t.predicted_seconds == pytest.approx(t.median_seconds) for t in predicted)
     assert any(t.pruned_by == "time" for t in trials), "pairs that cannot win are not measured"
     assert len([t for t in trials if t.status == "ok"]) < len([t for t in everything.result.trials if t.status == "ok"])
-    assert (found.result.best.key(), found.micro_batch) == (everything.result.best.key(), everything.micro_batch)
+    # What measuring every pair chooses, or a plan tied with it (the same Linear calls and memory: either is kept).
+    ours, theirs = found.result.best_trial, everything.result.best_trial
+    assert found.micro_batch == everything.micro_batch
+    assert (ours.median_seconds, ours.activation_bytes) == pytest.approx(
+        (theirs.median_seconds, theirs.activation_bytes)
+    )
 
 
 @pytest.mark.skipif(os.name == "nt", reason="SIGTERM")

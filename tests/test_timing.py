@@ -91,7 +91,9 @@ def test_the_profile_times_a_real_block_under_every_mode_and_leaves_the_model_as
     assert timing is not None and len(timing.blocks) == 3
     rep = timing.blocks[0].seconds
     assert set(rep) == {*memory.blocks[0].profiles, "forward"}, "every mode the memory profile ran is timed"
-    assert rep["forward"] < rep["none"], "and the forward alone: the window offloaded copies hide behind"
+    # And the forward alone, the window offloaded copies hide behind: on the Linear clock a backward takes no time,
+    # so it is the whole ``none`` call, four Linear calls.
+    assert rep["forward"] == pytest.approx(rep["none"]) == pytest.approx(4e-3)
     assert all(v > 0 for v in rep.values())
     # Full checkpointing runs the block's forward twice: it costs time.
     assert rep["full"] > rep["none"] * 1.05
