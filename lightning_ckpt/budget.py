@@ -239,11 +239,7 @@ class RequestedBudget:
         return {"max_memory": self.value, "activation_budget": None}
 
     def resolve(
-        self,
-        *,
-        device: torch.device | str,
-        none_activation_bytes: int | None = None,
-        capacity_bytes: int | None = None,
+        self, *, device: torch.device | str, none_activation_bytes: int | None = None, capacity_bytes: int | None = None
     ) -> Budget:
         """The ``Budget`` this request means on ``device``: the limit in bytes, from the parsed value (never the
         text again). ``activation`` needs the no-checkpointing activation memory (the profile predicts it).
