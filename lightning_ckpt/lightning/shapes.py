@@ -443,8 +443,7 @@ def probe_loader(loader: Any, size_of: Callable[[Any], BatchSize | None], batche
             "max_shape='probe' found no batch with a tensor in the training loader. Declare the longest batch, "
             "e.g. max_shape=1024."
         )
-    longest = BatchSize(max(s.rows for s in seen), max(s.length for s in seen))
-    shortest = min(s.length for s in seen)
+    longest, shortest = BatchSize(max(s.rows for s in seen), max(s.length for s in seen)), min(s.length for s in seen)
     return Probed(
         longest, f"a probe of {len(seen)} batches of the training loader (lengths {shortest}-{longest.length})"
     )
