@@ -256,11 +256,9 @@ class BudgetGuard:
         return self.budget.kind != "none" and bool(self.config.steps)
 
     def agree(self, trainer: Any, batch: Any, *, table: bool = False) -> BatchSize | None:
-        """This step's size, which the before-forward check, the choice of steps to read, the reading itself and a
-        plan table's bucket go by. Under several ranks (while the guard or a table needs it) it is the largest rows
-        and length on any rank (``sync.max_over_ranks``), so every rank acts alike on a step whose batches differ,
-        and a batch longer than any before is caught before its forward whichever rank holds it. None while neither
-        needs it (no batch is sized then)."""
+        """This step's size, which the guard's checks and readings and a plan table's bucket go by (None while
+        neither needs it). Under several ranks the largest rows and length on any rank, so every rank acts alike
+        on a step whose batches differ, and a longer batch is caught before its forward whichever rank holds it."""
         self.step_size = largest_size(trainer, batch, self.config.shape_key) if self.active or table else None
         return self.step_size
 
