@@ -216,10 +216,7 @@ class SimulatedCard(TorchDispatchMode):
         tensors: list[torch.Tensor] = []
         for item in self._resident:
             if isinstance(item, nn.Module):
-                for p in item.parameters():
-                    tensors.append(p)
-                    if p.grad is not None:
-                        tensors.append(p.grad)
+                tensors += [t for p in item.parameters() for t in (p, p.grad) if t is not None]
                 tensors.extend(item.buffers())
             elif isinstance(item, torch.optim.Optimizer):
                 for state in item.state.values():
