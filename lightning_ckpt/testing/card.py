@@ -101,9 +101,8 @@ class SimulatedCard(TorchDispatchMode):
         self._expandable_at_start = expandable
         self.allocator = None
         if segments is not None:
-            total = lambda: self.total_bytes  # noqa: E731
             self.allocator = CachingAllocator(
-                self.cap_bytes, sizes=segments, runtime_switch=runtime_switch, total=total
+                self.cap_bytes, sizes=segments, runtime_switch=runtime_switch, total=lambda: self.total_bytes
             )
         self._blocks: dict[int, Block] = {}  # id of a counted storage -> its block (``segments``)
         self.options = AllocatorOptions()
