@@ -13,29 +13,22 @@ __version__ = "0.1.0"
 # is used (PEP 562), so that ``lightning-ckpt replan`` and ``show`` read a plan file without importing torch; the
 # first name used imports ``versions`` first, which warns once about a torch outside the tested range before any module
 # touches its internals.
-_EXPORTS: dict[str, str] = {
-    "discover_blocks": "lightning_ckpt.discovery",
-    "ConfigurationError": "lightning_ckpt.errors",
-    "LightningCkptError": "lightning_ckpt.errors",
-    "LightningCkptWarning": "lightning_ckpt.errors",
-    "PlanError": "lightning_ckpt.errors",
-    "StalePlanError": "lightning_ckpt.errors",
-    "StalePlanWarning": "lightning_ckpt.errors",
-    "apply_plan": "lightning_ckpt.plan.apply",
-    "plan_applied": "lightning_ckpt.plan.apply",
-    "baselines": "lightning_ckpt.plan.baselines",
-    "BlockPlan": "lightning_ckpt.plan.format",
-    "Plan": "lightning_ckpt.plan.format",
-    "applied_plan": "lightning_ckpt.plan.handle",
-    "plan_handle": "lightning_ckpt.plan.handle",
-    "TuneConfig": "lightning_ckpt.search.config",
-    "SearchHooks": "lightning_ckpt.search.pipeline",
-    "TuneResult": "lightning_ckpt.search.result",
-    "tune": "lightning_ckpt.search.tune",
+_MODULES = {  # module: the names it exports here, space-separated
+    "discovery": "discover_blocks",
+    "errors": "ConfigurationError LightningCkptError LightningCkptWarning PlanError StalePlanError StalePlanWarning",
+    "plan.apply": "apply_plan plan_applied",
+    "plan.baselines": "baselines",
+    "plan.format": "BlockPlan Plan",
+    "plan.handle": "applied_plan plan_handle",
+    "search.config": "TuneConfig",
+    "search.pipeline": "SearchHooks",
+    "search.result": "TuneResult",
+    "search.tune": "tune",
     # The callback imports Lightning.
-    "ActivationCheckpointTuner": "lightning_ckpt.lightning.callback",
-    "GuardConfig": "lightning_ckpt.lightning.guard",
+    "lightning.callback": "ActivationCheckpointTuner",
+    "lightning.guard": "GuardConfig",
 }
+_EXPORTS = {name: f"lightning_ckpt.{module}" for module, names in _MODULES.items() for name in names.split()}
 
 if TYPE_CHECKING:  # what type checkers, IDEs and the API docs read; at run time __getattr__ imports them
     from lightning_ckpt.discovery import discover_blocks

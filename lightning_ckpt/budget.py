@@ -124,8 +124,7 @@ class Budget:
         A peak above the cap cannot be reached: plans the memory model knows cannot fit the card would still run
         and fail. No budget on such a device means the card's own."""
         if self.kind == "none" or self.limit_bytes is None:
-            clamped = Budget("peak", int(cap_bytes), None, f"{where}: {format_bytes(cap_bytes)} peak")
-            return clamped, None
+            return Budget("peak", int(cap_bytes), None, f"{where}: {format_bytes(cap_bytes)} peak"), None
         if self.kind != "peak" or self.limit_bytes <= cap_bytes:
             return self, None
         description = f"{format_bytes(cap_bytes)} peak, clamped from {self.description} to {where}"
@@ -239,11 +238,7 @@ class RequestedBudget:
         return {"max_memory": self.value, "activation_budget": None}
 
     def resolve(
-        self,
-        *,
-        device: torch.device | str,
-        none_activation_bytes: int | None = None,
-        capacity_bytes: int | None = None,
+        self, *, device: torch.device | str, none_activation_bytes: int | None = None, capacity_bytes: int | None = None
     ) -> Budget:
         """The ``Budget`` this request means on ``device``: the limit in bytes, from the parsed value (never the
         text again). ``activation`` needs the no-checkpointing activation memory (the profile predicts it).
@@ -382,34 +377,26 @@ def validate_budget_args(max_memory: int | float | str | None, activation_budget
             f"string {activation_budget!r}. Write activation_budget={activation_budget.strip()} without quotes (YAML: "
             "unquoted)."
         )
-    if (
-        activation_budget is not None
-        and not isinstance(activation_budget, bool)
-        and isinstance(activation_budget, (int, float))
-        and 1 < activation_budget <= 100
-    ):
-        raise ConfigurationError(
-            f"activation_budget is a fraction of the no-checkpointing activation memory in (0, 1], but got "
-            f"{activation_budget!r}. For {activation_budget:g}% write activation_budget={activation_budget / 100:g}."
-        )
-    if activation_budget is not None and (
-        isinstance(activation_budget, bool)
-        or not isinstance(activation_budget, (int, float))
-        or not 0 < activation_budget <= 1
-    ):
-        raise ConfigurationError(
-            f"activation_budget is a fraction of the no-checkpointing activation memory in (0, 1], "
-            f"but got {activation_budget!r}. Use e.g. activation_budget=0.5."
-        )
-    if _is_device_fraction(max_memory):
-        return  # a fraction of device memory; resolved against the device later
-    if max_memory is not None and not isinstance(max_memory, (int, float, str)):
+    if activation_budget is not None:
+        number = isinstance(activation_budget, (int, float)) and not isinstance(activation_budget, bool)
+        if number and 1 < activation_budget <= 100:
+            raise ConfigurationError(
+                f"activation_budget is a fraction of the no-checkpointing activation memory in (0, 1], but got "
+                f"{activation_budget!r}. For {activation_budget:g}% write activation_budget={activation_budget / 100:g}."
+            )
+        if not number or not 0 < activation_budget <= 1:
+            raise ConfigurationError(
+                f"activation_budget is a fraction of the no-checkpointing activation memory in (0, 1], "
+                f"but got {activation_budget!r}. Use e.g. activation_budget=0.5."
+            )
+    if max_memory is None or _is_device_fraction(max_memory):
+        return  # a fraction of device memory is resolved against the device later
+    if not isinstance(max_memory, (int, float, str)):
         raise ConfigurationError(
             f"max_memory must be bytes, a size string or a fraction, but got {type(max_memory).__name__} "
             f"{max_memory!r}. Use e.g. max_memory='20GiB' or max_memory=0.8."
         )
-    if max_memory is not None:
-        parse_bytes(max_memory)
+    parse_bytes(max_memory)
 
 
 def resolve_budget(
@@ -420,6 +407,5 @@ def resolve_budget(
     none_activation_bytes: int | None = None,
 ) -> Budget:
     """Turn the user's budget arguments into a ``Budget`` for ``device`` (``RequestedBudget.parse`` then ``resolve``)."""
-    return RequestedBudget.parse(max_memory, activation_budget).resolve(
-        device=device, none_activation_bytes=none_activation_bytes
-    )
+    requested = RequestedBudget.parse(max_memory, activation_budget)
+    return requested.resolve(device=device, none_activation_bytes=none_activation_bytes)

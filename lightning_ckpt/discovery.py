@@ -157,11 +157,9 @@ def _auto_stacks(model: nn.Module, *, shared: bool = False) -> list[LayerStack]:
     layer, called once per depth, in ``albert_layer_groups[0].albert_layers[0]`` (the innermost wins)."""
     candidates: list[LayerStack] = []
     for fqn, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or (len(module) != 1 if shared else len(module) < 2):
+        if not _same_class_container(module) or (len(module) != 1 if shared else len(module) < 2):
             continue
         kids = list(module.named_children())
-        if len({type(c) for _, c in kids}) != 1 or isinstance(kids[0][1], (nn.ModuleList, nn.Sequential)):
-            continue
         if shared and next(kids[0][1].children(), None) is None:
             continue  # a lone Linear in a list is a layer, not a block
         blocks = tuple(_make_block(_join(fqn, n), i, c) for i, (n, c) in enumerate(kids))
@@ -200,7 +198,7 @@ def _matches(fqn: str, module: nn.Module, types: Sequence[type], names: Sequence
 def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[LayerStack]:
     types: list[type] = []
     names: list[str] = []
-    patterns: list[str] = []
+    patterns: list[str] = []  # FQN globs
     for item in spec:
         if isinstance(item, type):
             types.append(item)
@@ -219,11 +217,8 @@ def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[Layer
             continue  # its _orig_mod is matched under the same canonical name
         fqn = canonical_fqn(raw_fqn)
         # Outermost matches only: a block inside a block is planned as part of its parent.
-        if (
-            fqn
-            and _matches(fqn, module, types, names, patterns)
-            and not any(fqn.startswith(m + ".") for m, _ in matched)
-        ):
+        inside = any(fqn.startswith(m + ".") for m, _ in matched)
+        if fqn and not inside and _matches(fqn, module, types, names, patterns):
             matched.append((fqn, module))
     if not matched:
         known = sorted({type(m).__name__ for m in model.modules()})
@@ -234,8 +229,7 @@ def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[Layer
         )
     by_parent: dict[str, list[tuple[str, nn.Module]]] = {}
     for fqn, module in matched:
-        parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
-        by_parent.setdefault(parent, []).append((fqn, module))
+        by_parent.setdefault(fqn.rpartition(".")[0], []).append((fqn, module))
     stacks = []
     for parent, members in sorted(by_parent.items()):
         container = model.get_submodule(parent) if parent else model

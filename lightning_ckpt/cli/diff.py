@@ -36,24 +36,15 @@ def _figures(plan: Plan) -> dict[str, str]:
     """The figures ``diff`` prints for ``plan``: measured while tuning, else (a re-planned plan, which ran no trial)
     the predictions it was chosen on, marked; empty where the file records neither."""
     measured = plan.provenance.measured
-    if measured:
-        return {
-            "samples/s": rate_text(measured.get("samples_per_second")),
-            "peak": bytes_text(measured.get("peak_bytes")),
-            "activation": bytes_text(measured.get("activation_bytes")),
-        }
-    replanned = plan.provenance.replanned
-    if not replanned:
+    figures, key, mark = (measured, "", "") if measured else (plan.provenance.replanned, "predicted_", " predicted")
+    if not figures:
         return {}
-
-    def predicted(text: str) -> str:
-        return f"{text} predicted" if text != "-" else text
-
-    return {
-        "samples/s": predicted(rate_text(replanned.get("predicted_samples_per_second"))),
-        "peak": predicted(bytes_text(replanned.get("predicted_peak_bytes"))),
-        "activation": predicted(bytes_text(replanned.get("predicted_activation_bytes"))),
+    texts = {
+        "samples/s": rate_text(figures.get(f"{key}samples_per_second")),
+        "peak": bytes_text(figures.get(f"{key}peak_bytes")),
+        "activation": bytes_text(figures.get(f"{key}activation_bytes")),
     }
+    return {name: text + mark if text != "-" else text for name, text in texts.items()}
 
 
 def _measured_figures(plan: Plan) -> dict[str, Any]:

@@ -36,27 +36,23 @@ def run_replan(args: argparse.Namespace) -> int:
     except ConfigurationError as err:
         raise UsageError(str(err)) from None
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "predicted": True,
-                    "plan": result.plan.describe(),
-                    "budget": result.budget.description,
-                    "batch_size": result.batch_size,
-                    "predicted_seconds": result.predicted_seconds,
-                    "predicted_samples_per_second": result.predicted_samples_per_second,
-                    "predicted_peak_bytes": result.predicted_peak_bytes,
-                    "predicted_activation_bytes": result.predicted_activation_bytes,
-                    "plans_scored": result.considered,
-                    "plans_fitting": result.fitting,
-                    "time_measured": result.time_measured,
-                    "notes": list(result.notes),
-                    "plan_table": table.describe() if (table := PlanTable.of_plan(result.plan)) else None,
-                    "written": args.output,
-                },
-                indent=2,
-            )
-        )
+        out = {
+            "predicted": True,
+            "plan": result.plan.describe(),
+            "budget": result.budget.description,
+            "batch_size": result.batch_size,
+            "predicted_seconds": result.predicted_seconds,
+            "predicted_samples_per_second": result.predicted_samples_per_second,
+            "predicted_peak_bytes": result.predicted_peak_bytes,
+            "predicted_activation_bytes": result.predicted_activation_bytes,
+            "plans_scored": result.considered,
+            "plans_fitting": result.fitting,
+            "time_measured": result.time_measured,
+            "notes": list(result.notes),
+            "plan_table": table.describe() if (table := PlanTable.of_plan(result.plan)) else None,
+            "written": args.output,
+        }
+        print(json.dumps(out, indent=2))
     else:
         print(result.describe())
         for note in result.notes:

@@ -129,18 +129,10 @@ def _prefix_hint(missing: str, names: list[str]) -> str:
     return ""
 
 
-def _canonical(fqn: str) -> str:
-    try:
-        from lightning_ckpt.discovery import canonical_fqn
-    except ImportError:  # a lightning_ckpt without nested-compile support: names are already canonical
-        return fqn
-    return canonical_fqn(fqn)
-
-
 def check_plan(plan: Plan, model: Any) -> list[str]:
     """Every reason ``plan`` does not fit ``model`` (empty when it fits). The model is left as it was."""
     # torch, here and not at import: the other commands read plan files without it.
-    from lightning_ckpt.discovery import unwrap_compiled
+    from lightning_ckpt.discovery import canonical_fqn, unwrap_compiled
     from lightning_ckpt.model import model_fingerprint
     from lightning_ckpt.plan.apply import apply_plan
 
@@ -154,7 +146,7 @@ def check_plan(plan: Plan, model: Any) -> list[str]:
                 f"{type(root).__name__} has {actual} (module tree, parameter shapes or dtypes differ). Re-tune for it."
             )
     # Plans name modules without the "_orig_mod" steps a nested torch.compile wrapper adds.
-    names = list(dict.fromkeys(_canonical(n) for n, _ in root.named_modules() if n))
+    names = list(dict.fromkeys(canonical_fqn(n) for n, _ in root.named_modules() if n))
     name_set = set(names)
     missing = [fqn for fqn in [*plan.blocks, *plan.segments] if fqn and fqn not in name_set]
     for fqn in missing:

@@ -104,7 +104,6 @@ class ReplanCheck:
     activation_bytes: int | None = None
     seconds: float | None = None
     _started: float | None = field(default=None, repr=False)
-    reported: bool = False
 
     @classmethod
     def of(cls, plan: Plan, device: torch.device) -> ReplanCheck | None:
@@ -131,10 +130,6 @@ class ReplanCheck:
             self.seconds = time.perf_counter() - self._started
             self._started = None
 
-    @property
-    def complete(self) -> bool:
-        return self.peak_bytes is not None and self.seconds is not None
-
     def line(self) -> str:
         """Predicted and first measured figures side by side."""
         p = self.predicted
@@ -155,7 +150,6 @@ class ReplanCheck:
 
     def report(self, plan: Plan) -> Plan:
         """Log the side-by-side line once and return ``plan`` with the measured figures in its provenance."""
-        self.reported = True
         rank_zero_info(self.line())
         first = {"peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes, "seconds": self.seconds}
         return plan.with_provenance(replanned={**self.predicted, "first_measured": first})

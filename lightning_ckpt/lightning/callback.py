@@ -134,7 +134,6 @@ class ActivationCheckpointTuner(Callback):
         # segments: the regime the search verifies and the training after it runs in (``measure.allocator``).
         start_expandable_segments()
 
-    # -- what the fits found -----------------------------------------------------------------------
     @property
     def plan(self) -> Plan | None:
         """The locked-in plan (kept after the fit: a new fit with this callback re-applies it)."""
@@ -180,7 +179,6 @@ class ActivationCheckpointTuner(Callback):
     def wrote_plan_file(self) -> bool:
         return self._plan_file is not None and self._plan_file.wrote
 
-    # -- Lightning hooks ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             check_strategy(trainer)
@@ -223,7 +221,6 @@ class ActivationCheckpointTuner(Callback):
         source = "checkpointed ActivationCheckpointTuner state"
         self._resumed_plan = Plan.from_dict(data, source=source) if data else None
 
-    # -- internals ---------------------------------------------------------------------------------
     def _fit(self) -> FitSession:
         assert self._session is not None, "on_fit_start starts the fit's session"
         return self._session

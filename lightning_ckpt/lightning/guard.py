@@ -89,14 +89,11 @@ def lower_memory_trial(
 ) -> TrialRecord | None:
     """The fastest measured trial that should fit once the real step's ``excess`` over its trial is added.
 
-    ``excess`` (real peak minus the current plan's predicted one) is what trials did not see; it is assumed
-    to be the same under every plan (optimizer, retained tensors, roughly). ``predict`` turns a trial's
-    ``(plan key, peak, activation)`` at the tuned batch into the budget's value at the batch at hand (default: as
-    measured).
-    Only plans known to use less memory than the current one at the tuned batch (measured, or predicted where the
-    current one was pruned) are considered, and none in ``exclude`` (plans that already went over): each switch
-    goes down, so the guard cannot oscillate. Returns None when none qualifies.
-    """
+    ``excess`` (real peak minus the current plan's predicted one), what trials did not see, is assumed the same under
+    every plan (optimizer, retained tensors, roughly). ``predict``: a trial's ``(plan key, peak, activation)`` at the
+    tuned batch as the budget's value at the batch at hand (default: as measured). Only plans known to need less
+    than the current one at the tuned batch, and none in ``exclude`` (they went over), qualify: each switch goes
+    down, so the guard cannot oscillate."""
     current = record_of(trials, current_key)
     current_value = budget.value_of(*trial_figures(current)) if current is not None else None
     if current_value is None:
@@ -258,15 +255,10 @@ class BudgetGuard:
     def active(self) -> bool:
         return self.budget.kind != "none" and bool(self.config.steps)
 
-    def size_of(self, batch: Any) -> BatchSize | None:
-        return batch_size_of(batch, self.config.shape_key)
-
     def agree(self, trainer: Any, batch: Any, *, table: bool = False) -> BatchSize | None:
-        """This step's size, which the before-forward check, the choice of steps to read, the reading itself and a
-        plan table's bucket go by. Under several ranks (while the guard or a table needs it) it is the largest rows
-        and length on any rank (``sync.max_over_ranks``), so every rank acts alike on a step whose batches differ,
-        and a batch longer than any before is caught before its forward whichever rank holds it. None while neither
-        needs it (no batch is sized then)."""
+        """This step's size, which the guard's checks and readings and a plan table's bucket go by (None while
+        neither needs it). Under several ranks the largest rows and length on any rank, so every rank acts alike
+        on a step whose batches differ, and a longer batch is caught before its forward whichever rank holds it."""
         self.step_size = largest_size(trainer, batch, self.config.shape_key) if self.active or table else None
         return self.step_size
 
@@ -277,7 +269,6 @@ class BudgetGuard:
         (``first_of``: the key of a plan table's bucket plan running now) the first step under that plan."""
         if not self.active:
             return
-        budget = self.budget
         # The step's agreed size (``agree``): every rank reads the same steps (the verdict is gathered).
         size = self.step_size
         larger = size is not None and self._covered is not None and size.exceeds(self._covered)
@@ -287,8 +278,7 @@ class BudgetGuard:
         if self._left <= 0 and not larger and not periodic and not first:
             return
         self._since_read = 0
-        activation = budget.kind == "activation"
-        extra = tuple(batch_tensors(batch))
+        activation, extra = self.budget.kind == "activation", tuple(batch_tensors(batch))
         self.reader.start(pl_module, list(trainer.optimizers), extra, activation=activation, compiled=compiled)
 
     def predicted_value(self, plan_key: str, trials: Sequence[TrialRecord], size: BatchSize) -> int | None:
@@ -307,9 +297,8 @@ class BudgetGuard:
     def _scaled(
         self, plan_key: str, peak: int | None, act: int | None, *, at: BatchSize, reference: BatchSize
     ) -> int | None:
-        budget = self.budget
         factor = self.scaling.scale(plan_key, at, reference)
-        if budget.kind == "activation":
+        if self.budget.kind == "activation":
             return int(act * factor) if act is not None else None
         if peak is None:
             return None
@@ -333,7 +322,7 @@ class BudgetGuard:
         value = self.predicted_value(plan.key(), trials, size)
         if value is None or budget.limit_bytes is None or value <= budget.limit_bytes:
             return None
-        what = "activation memory" if budget.kind == "activation" else "peak memory"
+        what = _what(budget)
         growth = (
             "growing with length as its read steps showed"
             if self.scaling.learned(plan.key())
@@ -366,31 +355,19 @@ class BudgetGuard:
     ) -> StepCheck:
         """Record one read step against the budget (the worst rank's figures under several ranks); ``trials``: the
         search's, which the reading is compared with."""
-        budget = self.budget
-        peak, act = reading.peak_bytes, reading.activation_bytes
+        peak, act, retries = reading.peak_bytes, reading.activation_bytes, reading.alloc_retries
         if sync is not None:
             gathered = sync.all_gather((peak, act))
             peak = max(g[0] for g in gathered)
             act = max((g[1] for g in gathered if g[1] is not None), default=None)
-        dims = batch_dims(batch)
+            retries = max(sync.all_gather(retries))
         size = self.step_size  # the worst rank's figures go with the largest batch on any rank
         self._left -= 1
         if size is not None:
             self._learn(plan, size, peak, act, trials)
-        retries = reading.alloc_retries
-        if sync is not None:
-            retries = max(sync.all_gather(retries))
-        check = StepCheck(
-            trainer.global_step,
-            peak,
-            act,
-            dims,
-            plan.describe(),
-            budget.fits(peak, act),
-            str(size) if size else None,
-            reading.reserved_peak_bytes,
-            retries,
-        )
+        fits, label = self.budget.fits(peak, act), str(size) if size else None
+        check = StepCheck(trainer.global_step, peak, act, batch_dims(batch), plan.describe(), fits, label)
+        check = replace(check, reserved_peak_bytes=reading.reserved_peak_bytes, alloc_retries=retries)
         self.checks.append(check)
         return check
 
@@ -426,7 +403,7 @@ class BudgetGuard:
         budget = self.budget
         value = budget.value_of(check.peak_bytes, check.activation_bytes) or 0
         size, seq = check.batch_dims
-        what = "activation memory" if budget.kind == "activation" else "peak memory"
+        what = _what(budget)
         message = (
             f"lightning_ckpt: a real training step (step {check.step}, batch {size} x {seq}) used "
             f"{format_bytes(value)} of {what}, over the budget of {budget.description}, under plan {plan.describe()}."
@@ -484,10 +461,8 @@ class BudgetGuard:
         switching: str,
         predict: Callable[[str, int | None, int | None], int | None] | None,
     ) -> Plan | None:
-        """What ``on_budget_exceeded`` says to do about ``plan`` over the budget (read after a step or predicted
-        before one): raise, warn and go on, or switch to the plan ``lower_plan`` finds (None: stay). ``plan`` is
-        left behind for good once a switch is attempted."""
-        budget = self.budget
+        """Raise, warn and go on, or switch to the plan ``lower_plan`` finds (None: stay), as ``on_budget_exceeded``
+        says; ``plan`` is left behind for good once a switch is attempted."""
         if self.config.on_budget_exceeded == "raise":
             raise InfeasibleBudgetError(
                 f"{message} {fix} guard={{'on_budget_exceeded': 'switch'}} to move to a lower-memory plan."
@@ -496,11 +471,14 @@ class BudgetGuard:
             rank_zero_warn(f"{message} {going_on.capitalize()} (on_budget_exceeded='warn').")
             return None
         self._left_behind.add(plan.key())
-        lower = lower_plan(
-            plan, trials, budget, view.stacks, excess=self._excess, exclude=self._left_behind, predict=predict
-        )
+        excess, exclude = self._excess, self._left_behind
+        lower = lower_plan(plan, trials, self.budget, view.stacks, excess=excess, exclude=exclude, predict=predict)
         if lower is None:
             rank_zero_warn(f"{message} No plan using less memory is left; {going_on}.")
             return None
         rank_zero_warn(f"{message} Switching to {lower.describe()} {switching}(on_budget_exceeded='switch').")
         return lower
+
+
+def _what(budget: Budget) -> str:
+    return "activation memory" if budget.kind == "activation" else "peak memory"

@@ -2,14 +2,11 @@
 conditions, the model, and the budget it was tuned for must match this run's; and the budget it is then
 guarded against.
 
-The conditions a plan was tuned for, and what changed since: a plan is reused only where it was measured.
-
-A plan file is a cache of a measurement. The fastest plan that fits at micro-batch 8 in bf16 on an
-80 GB card is not the one that fits at micro-batch 16 in fp32 on a 40 GB card, so everything that
-moves the measurement is recorded with the plan and compared before reuse.
+A plan file is a cache of a measurement, reused only where it was measured. The fastest plan that fits at
+micro-batch 8 in bf16 on an 80 GB card is not the one that fits at micro-batch 16 in fp32 on a 40 GB card, so
+everything that moves the measurement is recorded with the plan and compared before reuse.
 
 The callback's ``plan_path``: read once per fit, written atomically by rank 0, and never over another run's plan.
-
 Two runs tuning into one file must not both believe their plan is there: the file's content is noted when
 a fit reads it (or last wrote it), and a save that finds it changed keeps the other run's plan and says so.
 
@@ -74,14 +71,9 @@ def run_conditions(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
     device = normalise_device(pl_module.device)
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     batch_size, seq_len = batch_dims(batch) if batch is not None else (None, None)
+    accumulation = int(trainer.accumulate_grad_batches)
     return RunConditions(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        precision=str(trainer.precision),
-        device_type=device.type,
-        device_capacity_bytes=capacity,
-        world_size=trainer.world_size,
-        accumulation=int(trainer.accumulate_grad_batches),
+        batch_size, seq_len, str(trainer.precision), device.type, capacity, trainer.world_size, accumulation
     )
 
 
@@ -264,16 +256,13 @@ class RunConditions:
         return asdict(self)
 
     def changes_from(self, saved: Mapping[str, Any] | None, *, include_batch: bool = True) -> list[str]:
-        """Human-readable differences from ``saved`` (a plan's ``provenance.conditions``); empty if it
-        matches. Conditions the saved plan does not record (older files) are not compared."""
+        """Human-readable differences from ``saved`` (a plan's ``provenance.conditions``); empty if it matches."""
         if not saved:
             return []
         changes = []
         for key, label in _LABELS.items():
-            if key in _BATCH and not include_batch:
-                continue
-            if key not in saved or saved[key] is None:
-                continue
+            if (key in _BATCH and not include_batch) or saved.get(key) is None:
+                continue  # conditions the saved plan does not record (older files) are not compared
             mine = getattr(self, key)
             if mine != saved[key]:
                 fmt = format_bytes if key == "device_capacity_bytes" else repr
@@ -296,8 +285,7 @@ class PlanFile:
 
     def open_fit(self) -> None:
         """Note the file's content before it is loaded: a save by another run after this is then seen as a change."""
-        self.lost = False
-        self.failed = None
+        self.lost, self.failed = False, None
         self._version = plan_file_version(self.path)
 
     def load(self) -> Plan | None:
@@ -366,8 +354,7 @@ def warn_user(message: str, category: type[Warning] = LightningCkptWarning) -> N
 
 
 def _check_writable(path: Path) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
-    probe = parent
+    probe = path.parent if str(path.parent) else Path(".")
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):

@@ -1,13 +1,7 @@
 """The search as the callback runs it: on the Trainer's first batch, through the user's own ``training_step``,
-inside the trial sandbox, with Lightning's progress bars paused; and its report once a plan is locked in.
-
-Everything here is glue from a Trainer to ``search.tune``/``search.microbatch``: the algorithm lives there.
-
-Switching the micro-batch for the joint search (``tune_micro_batch``): what it needs from the run, the batch it
-tunes on, and setting the micro-batch and accumulation as Lightning's ``BatchSizeFinder`` does.
-
-Lightning's progress bars during the search: they step aside for the tuner's bar, and their clocks leave
-the search out.
+inside the trial sandbox, with Lightning's progress bars paused (their clocks leave the search out); its report
+once a plan is locked in; and the joint search's micro-batch, set as Lightning's ``BatchSizeFinder`` sets it.
+Glue from a Trainer to ``search.tune``/``search.microbatch``, where the algorithm lives.
 """
 
 from __future__ import annotations
@@ -85,14 +79,12 @@ class SearchRequest:
     lines: LinesAboveTheBar | None = None  # the fit's log lines, written above the bar drawn at the time
 
     def progress(self, trainer: pl.Trainer) -> Any:
-        """One progress bar for the search on rank 0 (trial lines above it when verbose), and each trial's
-        scalars streamed to TensorBoard."""
+        """The search's bar on rank 0 (trial lines above it when verbose), streaming each trial to TensorBoard."""
         from lightning_ckpt.report.progress import SearchProgress
 
         if not trainer.is_global_zero:
             return None
-        enabled = trainer.progress_bar_callback is not None
-        writer = self.tb.writer(trainer)
+        enabled, writer = trainer.progress_bar_callback is not None, self.tb.writer(trainer)
         # The time model measures only the plans that can win (a few of n_trials): no total, so no fiction of one.
         total = None if self.config.predict_time else self.config.n_trials
         return SearchProgress(total, writer=writer, verbose=self.verbose, enabled=enabled, file=sys.stdout)
@@ -105,12 +97,10 @@ def search_first_batch(
     plan table when ``request.table_lengths`` asks for one (``search.buckets``: one profile per shorter bucket, no
     trials); None when ``training_step`` skipped the batch (the search runs on the next one)."""
     batch = trainer.strategy.batch_to_device(batch) if needs_transfer(batch, pl_module.device) else batch
-    config, budget = request.config, request.budget
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
     zero_grad = zero_grad_fn(trainer, pl_module, optimizer, batch_idx)
     forward = training_loss(pl_module, trainer.strategy.precision_plugin, batch, batch_idx, zero_grad=zero_grad)
     batch_size, seq_len = batch_dims(batch)
-    sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
     result = table = None
     with (
         _handed_over(batch_idx),
@@ -125,12 +115,12 @@ def search_first_batch(
             request.view,
             forward,
             optimizer=optimizer,
-            max_memory=budget,
+            max_memory=request.budget,
             batch_size=batch_size,
             seq_len=seq_len,
             extra_tensors=tuple(batch_tensors(batch)),
-            config=config,
-            hooks=SearchHooks(progress=progress, should_stop=_sigterm_received(trainer), sync=sync),
+            config=request.config,
+            hooks=_hooks(trainer, progress),
         )
         if request.table_lengths is not None and not result.fell_back:
             table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
@@ -226,6 +216,11 @@ def _sigterm_received(trainer: pl.Trainer) -> Callable[[], bool]:
     return lambda: bool(getattr(trainer, "received_sigterm", False))
 
 
+def _hooks(trainer: pl.Trainer, progress: Any) -> SearchHooks:
+    sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
+    return SearchHooks(progress=progress, should_stop=_sigterm_received(trainer), sync=sync)
+
+
 @contextlib.contextmanager
 def _sigterm_noted(trainer: pl.Trainer) -> Iterator[None]:
     """Lightning installs its SIGTERM handler after ``on_fit_start``, where the joint micro-batch search runs: until
@@ -267,14 +262,12 @@ def search_micro_batch(
     batch = first_batch(trainer)
     precision = trainer.strategy.precision_plugin
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
-    config, budget = request.config, request.budget
 
     def loss_fn_for(m: int) -> Any:
         # One micro-batch per step: the previous step's gradients live until after the forward.
         zero_grad = zero_grad_fn(trainer, pl_module, optimizer, 0) if global_batch // m == 1 else None
         return training_loss(pl_module, precision, resize_batch(batch, base, m), 0, zero_grad=zero_grad)
 
-    sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
     with (
         _sigterm_handed_over(),
         _sigterm_noted(trainer),
@@ -287,11 +280,11 @@ def search_micro_batch(
             loss_fn_for,
             base_micro_batch=base,
             global_batch=global_batch,
-            max_memory=budget,
+            max_memory=request.budget,
             extra_for=lambda m: tuple(batch_tensors(resize_batch(batch, base, m))),
             optimizer=optimizer,
-            config=config,
-            hooks=SearchHooks(progress=progress, should_stop=_sigterm_received(trainer), sync=sync),
+            config=request.config,
+            hooks=_hooks(trainer, progress),
         )
         if _sigterm_received(trainer)():  # after the last round: the search stops and nothing is applied
             raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
@@ -305,11 +298,9 @@ def report_search(
     when verbose, and one line saying what was chosen and where to see it."""
     from lightning_ckpt import report
 
-    writer = tb.writer(trainer)
-    log_dir = None
+    writer, log_dir = tb.writer(trainer), None
     if writer is not None:
-        other = logged_hparams(trainer, trainer.lightning_module)
-        summary = not tb.declared_in_logger
+        other, summary = logged_hparams(trainer, trainer.lightning_module), not tb.declared_in_logger
         log_dir = report.write_tensorboard(
             writer, result, log_trials=False, write_experiment_summary=summary, other_hparams=other
         )
@@ -323,9 +314,8 @@ def report_search(
         rank_zero_info(report.summary_table(result))
     where = []
     if plan_file is not None:
-        saved = f"plan saved to {plan_file.path}"
         if plan_file.wrote:
-            where.append(saved)
+            where.append(f"plan saved to {plan_file.path}")
         elif plan_file.failed is not None:
             where.append(f"plan NOT saved: {plan_file.path} could not be written ({plan_file.failed})")
         else:
@@ -411,7 +401,7 @@ def set_micro_batch(
     except BaseException:
         lightning_setattr(pl_module, batch_arg_name, old_size)
         trainer.accumulate_grad_batches = old_accumulation
-        trainer.fit_loop._combined_loader = None
+        trainer.fit_loop._combined_loader = None  # reloaded at the old size
         trainer.fit_loop.setup_data()
         raise
     if verbose:

@@ -1,11 +1,8 @@
 """One fit of the callback: what it reuses or searches, the plan it follows, and the guard over its real steps.
 
 The callback's hooks hand over to one ``FitSession`` per fit, which moves through named stages (``Stage``)
-instead of keeping flags: a search waiting for its batch, a reused plan whose first batch is still to be
-compared, a plan locked in (with or without a plan table), the fit over. What outlives a fit (the plan a later
-fit re-applies, the search, the micro-batch, a probed ``max_shape``) is kept in ``Found``, which the callback
-owns and each session updates.
-The plan applied, and the check of a re-planned one, are ``applied``'s.
+instead of keeping flags. What outlives a fit (the plan a later fit re-applies, the search, the micro-batch, a
+probed ``max_shape``) is kept in ``Found``, which the callback owns and each session updates.
 """
 
 from __future__ import annotations
@@ -128,7 +125,6 @@ class FitSession:
     def step_checks(self) -> list[StepCheck]:
         return self.guard.checks if self.guard is not None else []
 
-    # -- the hooks ---------------------------------------------------------------------------------
     def fit_starts(self, trainer: pl.Trainer, pl_module: pl.LightningModule, resumed: Plan | None) -> None:
         """Reuse a saved plan (resumed checkpoint, ``plan=``, an earlier fit, the plan file), or search: the joint
         micro-batch search now (before the loop draws its first batch), the plan search on the first batch."""
@@ -200,9 +196,8 @@ class FitSession:
         if guard is None:
             return
         if not outputs and guard.reader.active:
-            # training_step returned None (Lightning hands this hook an empty dict): no backward ran and the
-            # optimizer had no gradients, so the step says nothing of the plan's memory and must not use up a
-            # reading (the next step is read instead).
+            # training_step returned None (Lightning hands this hook an empty dict): no backward ran, so the step
+            # says nothing of the plan's memory and must not use up a reading.
             guard.step_skipped()
             return
         reading = guard.reader.stop()
@@ -229,8 +224,7 @@ class FitSession:
         plan = self.found.plan
         if (guard.done or not check.within_budget) and trainer.is_global_zero and plan is not None:
             self.found.plan = plan.with_provenance(real_steps=tuple(c.to_dict() for c in guard.checks))
-            if self.settings.plan_file is not None:
-                self.settings.plan_file.save(self.found.plan)
+            self._save()
 
     def closure_ends(self) -> None:
         """Forward and backward of the step are over; the optimizer's update starts."""
@@ -252,7 +246,6 @@ class FitSession:
             self.lines.remove()
             self.lines = None
 
-    # -- reuse and search --------------------------------------------------------------------------
     def _reuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Plan, source: str) -> bool:
         """Apply a saved plan without searching (True), or return False to search (it was stale and re-tunes)."""
         s = self.settings
@@ -285,8 +278,8 @@ class FitSession:
         plan = self.found.plan
         assert plan is not None
         conditions = run_conditions(trainer, pl_module, tuning_batch)
-        s = self.settings
-        if not retune_for_batch(plan, conditions, budget=self.search_budget, on_stale_plan=s.on_stale_plan):
+        on_stale_plan = self.settings.on_stale_plan
+        if not retune_for_batch(plan, conditions, budget=self.search_budget, on_stale_plan=on_stale_plan):
             self.stage = self._locked_stage()
             return
         self._unlock()
@@ -354,7 +347,6 @@ class FitSession:
         result = self.found.result
         return result.trials if result is not None else ()
 
-    # -- batch shapes ------------------------------------------------------------------------------
     def _find_max_shape(self, trainer: pl.Trainer) -> None:
         """``max_shape="probe"``: the longest batch, found before the first step (once per callback)."""
         s = self.settings
@@ -383,7 +375,6 @@ class FitSession:
             )
         return grown
 
-    # -- the plan table ----------------------------------------------------------------------------
     def _table_lengths(self, trainer: pl.Trainer, batch: Any, tuning_batch: Any) -> tuple[int, ...] | None:
         """The plan table's bucket lengths for this search, None when there is none: no ``max_shape`` or
         ``buckets=False``, a compiled model (its plans' graphs), packed batches without ``resize``, or a declared
@@ -406,12 +397,12 @@ class FitSession:
     def _table_refused(self) -> str | None:
         """Why this fit can follow no plan table (a search builds none, a reused one is not followed), or None."""
         guard = self.settings.guard
-        if guard.shape_key is not None and guard.resize is None:
-            return (
-                "batches sized by guard's shape_key and no guard resize (a packed batch is cut to each bucket's "
-                "length by resize(batch, length), which only the user can write)"
-            )
-        return None
+        if guard.shape_key is None or guard.resize is not None:
+            return None
+        return (
+            "batches sized by guard's shape_key and no guard resize (a packed batch is cut to each bucket's "
+            "length by resize(batch, length), which only the user can write)"
+        )
 
     def _reused_table(self, plan: Plan, source: str) -> PlanTable | None:
         """The plan table a reused plan keeps, when this fit follows one (as ``_table_lengths`` decides)."""
@@ -446,7 +437,6 @@ class FitSession:
             return False
         return len({b.plan.compile_memory_budget for b in table.buckets}) == 1
 
-    # -- lock-in and the guard's switches ----------------------------------------------------------
     def _lock_in(self, plan: Plan, *, source: str, trainer: pl.Trainer) -> None:
         guard = self.guard
         assert guard is not None, "the guard is built, with its budget, before a plan is locked in"
@@ -500,13 +490,16 @@ class FitSession:
         self.replan_check = None
         if trainer.is_global_zero:
             self.found.plan = check.report(plan)
-            if self.settings.plan_file is not None:
-                self.settings.plan_file.save(self.found.plan)
+            self._save()
 
     def _set_micro_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, spec: MicroBatch | None) -> None:
-        s = self.settings
-        if spec is not None and set_micro_batch(trainer, pl_module, s.batch_arg_name, spec, verbose=s.verbose):
+        name, verbose = self.settings.batch_arg_name, self.settings.verbose
+        if spec is not None and set_micro_batch(trainer, pl_module, name, spec, verbose=verbose):
             self.found.micro_batch = spec.to_dict()
+
+    def _save(self) -> None:
+        if self.settings.plan_file is not None:
+            self.settings.plan_file.save(self.found.plan)
 
     def _unlock(self) -> None:
         if self.guard is not None:

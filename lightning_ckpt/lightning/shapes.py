@@ -162,12 +162,10 @@ class ShapeScaling:
 
 
 def grown_to(batch: Any, target: BatchSize) -> Any:
-    """``batch`` grown to ``target`` (``rows`` 0: keep the batch's own) by repeating its rows and positions: every
-    tensor dimension that has the batch's row count (the first) or its length (any later one: ``(B, T)`` ids and
-    labels, ``(B, 1, T, T)`` masks) is tiled to the target and cut there. The tokens repeat; the memory and time a
-    step takes are those of a batch that size, which is what the search measures. A batch already at least that
-    large in a dimension keeps it. Batches whose shape does not carry the length (packed) cannot be grown: the
-    caller passes such a batch at its largest itself."""
+    """``batch`` grown to ``target`` (``rows`` 0: its own) by tiling every dimension with its row count (the first)
+    or its length (any later one: ``(B, T)`` ids, ``(B, 1, T, T)`` masks): the tokens repeat, but a step's memory and
+    time are those of a batch that size, which is what the search measures. A dimension already that large keeps
+    its size. Packed batches (the shape does not carry the length) cannot be grown."""
     rows, length = _token_dims(batch, "max_shape needs")
     return resized_to(batch, BatchSize(max(target.rows, rows), max(target.length, length)))
 
@@ -260,10 +258,8 @@ def _shapes(batch: Any) -> str:
 @contextlib.contextmanager
 def sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
     """Run trials without leaving a trace: grads, buffers, metric states, Python attributes, RNG and logging.
-
-    Tensors and RNG are the measure stage's ``StateSnapshot`` (the one snapshot every step of the search is
-    restored from), and Python attributes its ``PythonState``; what is Lightning's own (metric states, logging,
-    train/eval flags) is put back here."""
+    Tensors, RNG and Python attributes are the measure stage's (``StateSnapshot``, ``PythonState``); what is
+    Lightning's own (metric states, logging, train/eval flags) is put back here."""
     python_state = PythonState.capture(pl_module)  # tune() also restores them after every step it runs
     state = StateSnapshot.capture(pl_module)
     metric_states = _metric_states(pl_module)
@@ -311,12 +307,9 @@ def _restore_metric_states(saved: list[tuple[Any, dict[str, Any]]]) -> None:
 
 
 def fill_grads(pl_module: pl.LightningModule) -> None:
-    """Give every trainable parameter a gradient for the trials (the sandbox puts the real ones back).
-
-    From the second real step on, gradients are live while the forward runs: Lightning zeroes them after
-    ``training_step`` and before ``backward`` (and under gradient accumulation not at all within a window).
-    A first batch has none, so trials without them would under-state every later step.
-    """
+    """Give every trainable parameter a gradient for the trials (the sandbox puts the real ones back): from the
+    second real step on, gradients are live while the forward runs (Lightning zeroes them after ``training_step``,
+    under accumulation not at all within a window), so trials without them would under-state every later step."""
     for p in pl_module.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -333,11 +326,9 @@ def zero_grad_fn(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: 
 def training_loss(
     pl_module: pl.LightningModule, precision: Any, batch: Any, batch_idx: int, *, zero_grad: Any = None
 ) -> Any:
-    """The user's ``training_step`` on ``batch`` under the Trainer's precision, as a zero-argument loss function.
-
-    Trials must run exactly what training runs (autocast included), so the tuner never builds its own forward.
-    ``zero_grad`` runs after the forward, where Lightning's automatic optimization zeroes gradients.
-    """
+    """The user's ``training_step`` on ``batch`` under the Trainer's precision (trials run exactly what training
+    runs, autocast included), as a zero-argument loss function. ``zero_grad`` runs after the forward, where
+    Lightning's automatic optimization zeroes gradients."""
 
     def forward() -> torch.Tensor:
         with precision.forward_context():
@@ -443,8 +434,7 @@ def probe_loader(loader: Any, size_of: Callable[[Any], BatchSize | None], batche
             "max_shape='probe' found no batch with a tensor in the training loader. Declare the longest batch, "
             "e.g. max_shape=1024."
         )
-    longest = BatchSize(max(s.rows for s in seen), max(s.length for s in seen))
-    shortest = min(s.length for s in seen)
+    longest, shortest = BatchSize(max(s.rows for s in seen), max(s.length for s in seen)), min(s.length for s in seen)
     return Probed(
         longest, f"a probe of {len(seen)} batches of the training loader (lengths {shortest}-{longest.length})"
     )

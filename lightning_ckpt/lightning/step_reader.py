@@ -64,9 +64,8 @@ class RealStepReader:
 
     @property
     def active(self) -> bool:
-        return (
-            self._tracker is not None or self._saved is not None or (self.device.type == "cuda" and self._resting > 0)
-        )
+        reading = self._tracker is not None or self._saved is not None
+        return reading or (self.device.type == "cuda" and self._resting > 0)
 
     def start(
         self,
@@ -115,19 +114,19 @@ class RealStepReader:
         if saved is not None:
             saved.__exit__(None, None, None)
             activation = saved.saved_bytes
+        resting, self._resting = self._resting, 0
         if self.device.type == "cuda":
-            if self._resting == 0:
+            if resting == 0:
                 return None
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
-            resting, self._resting = self._resting, 0
-            return MemoryReading(peak, activation, resting, str(self.device), *self._pressure())
-        resting, self._resting = self._resting, 0
-        if saved is not None:
-            return MemoryReading(resting + saved.saved_bytes, activation, resting, str(self.device), *self._pressure())
-        if tracker is None:
+        elif saved is not None:
+            peak = resting + saved.saved_bytes
+        elif tracker is not None:
+            peak = tracker.total_peak
+        else:
             return None
-        return MemoryReading(tracker.total_peak, activation, resting, str(self.device), *self._pressure())
+        return MemoryReading(peak, activation, resting, str(self.device), *self._pressure())
 
     def _pressure(self) -> tuple[int | None, int]:
         """(reserved peak, allocator retries) of the step read."""

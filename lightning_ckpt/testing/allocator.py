@@ -26,7 +26,7 @@ free bytes were scattered over cached segments that smaller tensors had split. T
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = ["AllocatorOutOfMemory", "AllocatorSizes", "Block", "CachingAllocator", "format_size"]
@@ -51,15 +51,7 @@ class AllocatorSizes:
         """Every threshold divided by ``divisor`` (a power of two keeps them exact), for tiny test models."""
         if divisor < 1:
             raise ValueError(f"AllocatorSizes.scaled needs a divisor >= 1, got {divisor}")
-        base = cls()
-        return cls(
-            min_block=max(1, base.min_block // divisor),
-            small_size=max(1, base.small_size // divisor),
-            small_buffer=max(1, base.small_buffer // divisor),
-            min_large_alloc=max(1, base.min_large_alloc // divisor),
-            large_buffer=max(1, base.large_buffer // divisor),
-            round_large=max(1, base.round_large // divisor),
-        )
+        return cls(**{f.name: max(1, f.default // divisor) for f in fields(cls)})
 
     def rounded(self, nbytes: int) -> int:
         return max(self.min_block, -(-nbytes // self.min_block) * self.min_block)
@@ -169,26 +161,19 @@ class CachingAllocator:
         self.num_ooms = 0
         self.refused: list[str] = []
 
-    # -- settings ---------------------------------------------------------------------------------------------------
     def set_expandable(self, on: bool) -> bool:
         """The run-time switch; returns whether it took effect (new segments follow it, as CUDA's do)."""
         if self.runtime_switch:
             self.expandable = on
         return self.runtime_switch
 
-    # -- readings ---------------------------------------------------------------------------------------------------
     @property
     def reserved(self) -> int:
         return sum(s.mapped_bytes() for s in self.segments)
 
     def inactive_split_bytes(self) -> int:
-        return sum(
-            b.size
-            for s in self.segments
-            if not s.expandable and len(s.blocks) > 1
-            for b in s.blocks
-            if b.state == "free"
-        )
+        split = [s for s in self.segments if not s.expandable and len(s.blocks) > 1]
+        return sum(b.size for s in split for b in s.blocks if b.state == "free")
 
     def stats(self) -> dict[str, int]:
         """The figures of ``torch.cuda.memory_stats`` that say what the allocator went through."""
@@ -213,12 +198,11 @@ class CachingAllocator:
                 if b.state != "unmapped"
             ]
             active = sum(b.size for b in s.blocks if b.state == "active")
+            sizes = {"total_size": s.mapped_bytes(), "allocated_size": active, "active_size": active}
             out.append(
                 {
                     "address": s.number << 48,
-                    "total_size": s.mapped_bytes(),
-                    "allocated_size": active,
-                    "active_size": active,
+                    **sizes,
                     "segment_type": s.pool,
                     "is_expandable": s.expandable,
                     "blocks": blocks,
@@ -226,7 +210,6 @@ class CachingAllocator:
             )
         return out
 
-    # -- allocation -------------------------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> Block:
         sizes = self.sizes
         size = sizes.rounded(nbytes)
@@ -304,9 +287,8 @@ class CachingAllocator:
             placed = self._place(segment, start, size)
             if self.reserved <= self._room():
                 return placed
-            self._unplace(
-                segment, placed
-            )  # what was free there stays unmapped, as a release before a refusal leaves it
+            placed.state = "unmapped"  # what was free there stays unmapped, as a release before a refusal leaves it
+            segment.merge_around(placed)
             break
         if len(segment.blocks) == 1 and segment.blocks[0].state == "unmapped":
             self.segments.remove(segment)
@@ -344,11 +326,6 @@ class CachingAllocator:
         kept.sort(key=lambda b: b.offset)
         segment.blocks = kept
         return placed
-
-    @staticmethod
-    def _unplace(segment: _Segment, placed: Block) -> None:
-        placed.state = "unmapped"
-        segment.merge_around(placed)
 
     def _split(self, block: Block, size: int) -> Block:
         rest = block.size - size

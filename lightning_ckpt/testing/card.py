@@ -99,18 +99,16 @@ class SimulatedCard(TorchDispatchMode):
         self.cached_bytes = 0  # reserved high-water mark since the last ``empty_cache``
         self.refusals: list[str] = []  # the message of every OOM the card raised
         self._expandable_at_start = expandable
-        self.allocator = (
-            CachingAllocator(
+        self.allocator = None
+        if segments is not None:
+            self.allocator = CachingAllocator(
                 self.cap_bytes, sizes=segments, runtime_switch=runtime_switch, total=lambda: self.total_bytes
             )
-            if segments is not None
-            else None
-        )
         self._blocks: dict[int, Block] = {}  # id of a counted storage -> its block (``segments``)
         self.options = AllocatorOptions()
         self.probe_bytes = 64 * _MIB // (AllocatorSizes().large_buffer // segments.large_buffer) if segments else _MIB
 
-    # -- the allocator's readings, as torch.cuda gives them --------------------------------------------------
+    # The allocator's readings, options and cap, as torch.cuda gives them.
     def allocated(self) -> int:
         return self.allocated_bytes
 
@@ -152,7 +150,6 @@ class SimulatedCard(TorchDispatchMode):
     def segments(self) -> list[dict[str, Any]]:
         return self.allocator.snapshot() if self.allocator is not None else []
 
-    # -- the allocator's options (CUDA: PYTORCH_ALLOC_CONF and the run-time setter) ---------------------------------
     def allocator_options(self) -> AllocatorOptions:
         return self.options
 
@@ -188,7 +185,6 @@ class SimulatedCard(TorchDispatchMode):
     def cap_bytes(self) -> int:
         return int(self.fraction * self.total_bytes)
 
-    # -- counting ---------------------------------------------------------------------------------------------
     def _reserved_for(self, allocated: int) -> int:
         return int(allocated * self.reserve_factor)
 
@@ -219,10 +215,7 @@ class SimulatedCard(TorchDispatchMode):
         tensors: list[torch.Tensor] = []
         for item in self._resident:
             if isinstance(item, nn.Module):
-                for p in item.parameters():
-                    tensors.append(p)
-                    if p.grad is not None:
-                        tensors.append(p.grad)
+                tensors += [t for p in item.parameters() for t in (p, p.grad) if t is not None]
                 tensors.extend(item.buffers())
             elif isinstance(item, torch.optim.Optimizer):
                 for state in item.state.values():

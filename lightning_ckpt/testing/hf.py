@@ -16,16 +16,9 @@ __all__ = ["image_batch", "lm_batch", "tiny_gpt2", "tiny_llama", "tiny_vit"]
 def tiny_llama(*, layers: int = 4, hidden: int = 64, vocab: int = 128, dropout: float = 0.0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attention_dropout=dropout,
-    )
+    sizes = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, attention_dropout=dropout)
+    cfg = LlamaConfig(**sizes, **heads, max_position_embeddings=256)
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
 
@@ -33,18 +26,9 @@ def tiny_llama(*, layers: int = 4, hidden: int = 64, vocab: int = 128, dropout: 
 def tiny_gpt2(*, layers: int = 4, hidden: int = 64, vocab: int = 128, dropout: float = 0.1) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(
-        vocab_size=vocab,
-        n_positions=256,
-        n_embd=hidden,
-        n_layer=layers,
-        n_head=4,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+    drop = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), dropout)
+    sizes = dict(vocab_size=vocab, n_positions=256, n_embd=hidden, n_layer=layers, n_head=4)
+    cfg = GPT2Config(**sizes, **drop, bos_token_id=None, eos_token_id=None)
     return GPT2LMHeadModel(cfg)
 
 
@@ -53,18 +37,9 @@ def tiny_vit(
 ) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
-    cfg = ViTConfig(
-        image_size=image_size,
-        patch_size=patch,
-        num_channels=3,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        intermediate_size=hidden * 4,
-        num_labels=labels,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
+    sizes = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=hidden * 4)
+    drop = dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    cfg = ViTConfig(image_size=image_size, patch_size=patch, num_channels=3, num_labels=labels, **sizes, **drop)
     return ViTForImageClassification(cfg)
 
 

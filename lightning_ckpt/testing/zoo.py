@@ -61,17 +61,16 @@ def _images(step: int, size: int = 32, labels: int = 10) -> dict[str, Any]:
     }
 
 
-def _decoder_kwargs(layers: int = 4) -> dict[str, Any]:
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.1,
-    )
+# The sizes the tiny transformers share.
+_TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)
+_TINY_TEXT = dict(_TINY, max_position_embeddings=64)
+_TINY_SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+for _side in ("encoder", "decoder"):
+    _TINY_SEQ2SEQ.update({f"{_side}_attention_heads": 4, f"{_side}_ffn_dim": 64})
+
+
+def _decoder_kwargs() -> dict[str, Any]:
+    return dict(_TINY_TEXT, num_key_value_heads=2, attention_dropout=0.1)
 
 
 def _sdpa(cfg: Any) -> Any:
@@ -126,45 +125,24 @@ def mistral() -> ZooCase:
 def mixtral() -> ZooCase:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    cfg = MixtralConfig(
-        **_decoder_kwargs(),
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        output_router_logits=True,
-        router_aux_loss_coef=0.02,
-    )
+    moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
+    cfg = MixtralConfig(**_decoder_kwargs(), num_local_experts=4, **moe)
     return ZooCase("mixtral", MixtralForCausalLM(_sdpa(cfg)), _lm, "MoE, router aux loss in the loss")
 
 
 def qwen2_moe() -> ZooCase:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    cfg = Qwen2MoeConfig(
-        **_decoder_kwargs(),
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        output_router_logits=True,
-        router_aux_loss_coef=0.02,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
+    moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02, decoder_sparse_step=1)
+    sizes = dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[])
+    cfg = Qwen2MoeConfig(**_decoder_kwargs(), **sizes, **moe)
     return ZooCase("qwen2_moe", Qwen2MoeForCausalLM(_sdpa(cfg)), _lm, "MoE with a shared expert, router aux loss")
 
 
 def bert() -> ZooCase:
     from transformers import BertConfig, BertForSequenceClassification
 
-    cfg = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=3,
-    )
+    cfg = BertConfig(**_TINY_TEXT, num_labels=3)
 
     def batch(step: int) -> dict[str, Any]:
         ids = _ids(step)
@@ -179,15 +157,7 @@ def bert() -> ZooCase:
 def albert() -> ZooCase:
     from transformers import AlbertConfig, AlbertForMaskedLM
 
-    cfg = AlbertConfig(
-        vocab_size=VOCAB,
-        embedding_size=16,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
+    cfg = AlbertConfig(**_TINY_TEXT, embedding_size=16)
 
     def batch(step: int) -> dict[str, Any]:
         ids = _ids(step)
@@ -199,64 +169,24 @@ def albert() -> ZooCase:
 def t5() -> ZooCase:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=3,
-        num_decoder_layers=3,
-        num_heads=4,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
+    sizes = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3, num_heads=4)
+    cfg = T5Config(**sizes, decoder_start_token_id=0, pad_token_id=0)
     return ZooCase("t5", T5ForConditionalGeneration(cfg), _seq2seq, "encoder-decoder, shared position bias")
 
 
 def bart() -> ZooCase:
     from transformers import BartConfig, BartForConditionalGeneration
 
-    cfg = BartConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=4,
-        decoder_layers=4,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        encoder_layerdrop=0.5,
-        decoder_layerdrop=0.5,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-    )
+    layers = dict(encoder_layers=4, decoder_layers=4, encoder_layerdrop=0.5, decoder_layerdrop=0.5)
+    cfg = BartConfig(**_TINY_SEQ2SEQ, **layers, max_position_embeddings=64, decoder_start_token_id=2)
     return ZooCase("bart", BartForConditionalGeneration(_sdpa(cfg)), _seq2seq, "encoder-decoder, LayerDrop 0.5")
 
 
 def whisper() -> ZooCase:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    cfg = WhisperConfig(
-        vocab_size=VOCAB,
-        num_mel_bins=8,
-        encoder_layers=3,
-        decoder_layers=3,
-        d_model=32,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_source_positions=16,
-        max_target_positions=32,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=0,
-        dropout=0.1,
-    )
+    audio = dict(num_mel_bins=8, encoder_layers=3, decoder_layers=3, max_source_positions=16, max_target_positions=32)
+    cfg = WhisperConfig(**_TINY_SEQ2SEQ, **audio, decoder_start_token_id=0, dropout=0.1)
 
     def batch(step: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(4000 + step)
@@ -272,16 +202,8 @@ def whisper() -> ZooCase:
 def vit() -> ZooCase:
     from transformers import ViTConfig, ViTForImageClassification
 
-    cfg = ViTConfig(
-        image_size=32,
-        patch_size=8,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_labels=10,
-        hidden_dropout_prob=0.1,
-    )
+    sizes = {k: v for k, v in _TINY.items() if k != "vocab_size"}
+    cfg = ViTConfig(**sizes, image_size=32, patch_size=8, num_labels=10, hidden_dropout_prob=0.1)
     return ZooCase("vit", ViTForImageClassification(_sdpa(cfg)), _images, "vision transformer")
 
 
@@ -299,26 +221,8 @@ def convnext() -> ZooCase:
     return ZooCase("convnext", ConvNextForImageClassification(cfg), _images, "CNN, blocks inside stages")
 
 
-ZOO: dict[str, Callable[[], ZooCase]] = {
-    f.__name__: f
-    for f in (
-        nanogpt,
-        gpt2,
-        llama,
-        qwen2,
-        mistral,
-        mixtral,
-        qwen2_moe,
-        bert,
-        albert,
-        t5,
-        bart,
-        whisper,
-        vit,
-        resnet,
-        convnext,
-    )
-}
+_BUILDERS = (nanogpt, gpt2, llama, qwen2, mistral, mixtral, qwen2_moe, bert, albert, t5, bart, whisper, vit, resnet)
+ZOO: dict[str, Callable[[], ZooCase]] = {f.__name__: f for f in (*_BUILDERS, convnext)}
 
 
 def build(name: str, seed: int = 0) -> ZooCase:
@@ -405,20 +309,6 @@ def tune_at_half_activation(name: str, **settings: Any) -> Any:
 
     case = build(name)
     forward, extra = _forward(case)
-    defaults = dict(
-        n_trials=6,
-        warmup_steps=0,
-        measure_steps=1,
-        process_warmup_steps=1,
-        confirm_rounds=1,
-        confirm_max_rounds=1,
-        confirm_top=2,
-    )
-    return tune(
-        case.model,
-        forward,
-        activation_budget=0.5,
-        extra_tensors=extra,
-        batch_size=BATCH,
-        config=TuneConfig(**{**defaults, **settings}),
-    )
+    defaults = dict(n_trials=6, warmup_steps=0, measure_steps=1, process_warmup_steps=1, confirm_rounds=1)
+    config = TuneConfig(**{**defaults, "confirm_max_rounds": 1, "confirm_top": 2, **settings})
+    return tune(case.model, forward, activation_budget=0.5, extra_tensors=extra, batch_size=BATCH, config=config)
