@@ -62,3 +62,16 @@ def test_a_name_that_is_no_section_is_refused_with_the_sections_named():
     with pytest.raises(TypeError, match="no section 'budgte'.*budget"):
         Plan().with_provenance(budgte={"kind": "none"})
     assert "budget" in {f for f in Provenance.__dataclass_fields__}
+
+
+def test_a_plan_read_for_its_provenance_pickles_and_copies_as_it_was():
+    """Ranks gather plans (``all_gather_object`` pickles them) and Lightning checkpoints carry them: a plan whose
+    provenance was read once holds read-only mappings, which pickle refused (FSDP2's ranks then lost each other)."""
+    import copy
+    import pickle
+
+    plan = Plan({"h.0": BlockPlan("full")}, metadata={"budget": {"kind": "none"}, "micro_batch": _MICRO, "note": 1})
+    assert plan.provenance.budget
+    for again in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert again == plan and again.metadata == plan.metadata and again.provenance == plan.provenance
+    assert pickle.loads(pickle.dumps(plan.provenance)) == plan.provenance

@@ -109,6 +109,12 @@ class Provenance:
                 other[key] = value
         return cls(**known, other=MappingProxyType(other))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the metadata it reads (its read-only mappings cannot be): ranks gather plans, and Lightning
+        checkpoints carry the callback's."""
+        present = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "other"}
+        return (Provenance.of, ({**self.other, **Provenance.sections(**{k: v for k, v in present.items() if v})},))
+
     @staticmethod
     def sections(**sections: Any) -> dict[str, Any]:
         """``sections`` in the file's JSON form, refusing a name that is no section (``None`` removes one)."""
