@@ -21,7 +21,6 @@ import optuna
 from optuna.samplers import BaseSampler
 
 from lightning_ckpt.formatting import count
-from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.ledger import Ledger, TrialRecord, TrialStatus
 from lightning_ckpt.search.space import Candidate
 from lightning_ckpt.timing.model import WELL_PREDICTED_ERROR, TimeModel
@@ -95,10 +94,8 @@ class TimeModelSampler(BaseSampler):
     def joint(self) -> bool:
         return None not in self._models
 
-    def predict_seconds(self, cand: Candidate | Plan) -> float | None:
-        """The predicted step seconds of a candidate (a plan: in a search of one shape)."""
-        if isinstance(cand, Plan):
-            return self.model_for(None).predict_seconds(cand)
+    def predict_seconds(self, cand: Candidate) -> float | None:
+        """The predicted step seconds of ``cand``, by its micro-batch's model."""
         return self.model_for(cand.micro_batch).predict_seconds(cand.plan)
 
     def ranked(self, candidates: Sequence[Candidate]) -> list[Candidate]:
