@@ -8,6 +8,7 @@ check it (the compiled search's whole-compile check), finish the Optuna record a
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,8 @@ __all__ = ["TAIL_STEPS", "Search", "SearchHooks", "conclude", "run_search", "war
 # Plain steps the allowance keeps for what follows the side-by-side rounds: the winner's (and a kept reference's)
 # tracked memory pass and FLOP count (3.5 and 2 plain steps on CPU, more on a fast step: the tracker's cost is per op).
 TAIL_STEPS = 10
+# Plain steps the warm-up times for the search's plain step (``warm_up_process``): their median, one slow step aside.
+PLAIN_TIMED_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -75,16 +78,17 @@ class Search:
     warm_steps: int
     progress: ProgressFn | None = None
     phases: Phases = field(default_factory=Phases)
+    plain_seconds: float | None = None  # the warm-up's plain step, where it timed one (``warm_up_process``)
 
     @property
     def records(self) -> tuple[TrialRecord, ...]:
         return self.ledger.snapshot()
 
     def cost(self) -> SearchCost:
-        """What the search has cost so far, by phase and in plain steps (the time model's plain step where the
-        ``none`` baseline did not run)."""
+        """What the search has cost so far, by phase and in plain steps (where the ``none`` baseline did not run, the
+        warm-up's plain step, else the time model's)."""
         timed = fitted(self.sampler)
-        predicted = timed.predict_seconds(Plan()) if timed is not None else None
+        predicted = self.plain_seconds or (timed.predict_seconds(Plan()) if timed is not None else None)
         return self.phases.cost(plain_step_seconds(self.records, predicted))
 
     def left(self) -> float | None:
@@ -115,8 +119,11 @@ def run_search(
     workload: the joint search's micro-batches); what the trials cached is given back. ``timing``: the profile's
     time model, for the time model's sampler where the runner's steps are the ones it timed."""
     runner, phases = workloads[0].runner, phases or Phases()
+    plain_fits = _plain_fits_host(resolved, workloads, config)
     with phases.timing("warm_up"):
-        warm_steps = warm_up_process(harness, resolved, config, isinstance(runner, CompiledTrials))
+        warm_steps, plain_seconds = warm_up_process(
+            harness, resolved, config, isinstance(runner, CompiledTrials), plain=plain_fits
+        )
     stacks, plain = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
     candidates = resized(plain, workloads)
     sync = hooks.sync or LocalSync()
@@ -138,7 +145,16 @@ def run_search(
     sampler = sampler_for(timing, ledger, unseen, config, predicts_time=workloads[0].predicts_time)
     with phases.timing("trials"):
         none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
-    found = (tuple(candidates), tuple(stacks), Confirmed(), none_fits, warm_steps, hooks.progress, phases)
+    found = (
+        tuple(candidates),
+        tuple(stacks),
+        Confirmed(),
+        none_fits,
+        warm_steps,
+        hooks.progress,
+        phases,
+        plain_seconds,
+    )
     search = Search(ledger, trials, sampler, *found)
     with phases.timing("confirmation"):
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
@@ -251,11 +267,27 @@ def _nothing_fits(budget: Budget, records: Sequence[TrialRecord]) -> str:
     )
 
 
-def warm_up_process(harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool) -> int:
+def warm_up_process(
+    harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool, *, plain: bool = False
+) -> tuple[int, float | None]:
     """Untimed steps before the first trial: the first steps of a process are slow (thread pools, oneDNN/cuBLAS
     handles, allocator growth) and would handicap whichever plan is measured first. Run under the lowest-memory plan
-    so they cannot run out of memory; ``measure_step`` restores all state. Returns the steps it ran."""
-    full = uniform_plan(resolved.stacks, BlockPlan("full"))
-    with plan_applied(resolved, full), eager_while_profiling(compiled):
-        warm = harness.measure(warmup=config.process_warmup_steps, steps=1, track_memory=False, count_flops=False)
-    return warm.warmup_steps + len(warm.step_seconds)
+    so they cannot run out of memory; ``measure_step`` restores all state. With ``plain`` (the plain step cannot run
+    out of memory: ``_plain_fits_host``) they run without checkpointing and time their last ``PLAIN_TIMED_STEPS``:
+    the search's plain step, the unit of its allowance, measured where the ``none`` plan will not run (over the
+    budget) instead of predicted from plans that all recompute, which put it up to 40% too high (a block's recompute
+    costs more inside a step than alone). Returns the steps it ran and that plain step (None without ``plain``)."""
+    plan = Plan() if plain and not compiled else uniform_plan(resolved.stacks, BlockPlan("full"))
+    timed = PLAIN_TIMED_STEPS if plan.is_empty else 1
+    with plan_applied(resolved, plan), eager_while_profiling(compiled):
+        warm = harness.measure(warmup=config.process_warmup_steps, steps=timed, track_memory=False, count_flops=False)
+    seconds = statistics.median(warm.step_seconds) if plan.is_empty and warm.step_seconds else None
+    return warm.warmup_steps + len(warm.step_seconds), seconds or None
+
+
+def _plain_fits_host(resolved: ModelView, workloads: Sequence[Workload], config: TuneConfig) -> bool:
+    """Whether a step without checkpointing is safe to run for timing: on CPU (no card to refuse it), where the
+    memory model predicts every workload's plain step within half the host's free memory (``TuneConfig.host_limit``)."""
+    limit = config.host_limit() if resolved.device.type == "cpu" else None
+    predicted = [w.memory.predict(Plan()) if w.memory is not None else None for w in workloads]
+    return limit is not None and all(p is not None and p[0] <= limit for p in predicted)
