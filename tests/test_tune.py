@@ -200,3 +200,27 @@ def test_a_stop_request_during_the_confirmation_stops_the_search_as_between_tria
     assert stop, "the confirmation was reached"
     assert all(torch.equal(before[k], v) for k, v in gpt.state_dict().items())
     assert not any("forward" in vars(m) for m in gpt.modules()), "no plan left applied"
+
+
+def test_the_allowance_counts_in_the_plain_step_timed_in_the_warm_up_not_the_time_models_guess(gpt, tokens):
+    # Plans that all recompute put the time model's plain step too high where a block's recompute costs more in a
+    # step than alone (up to 40% on CPU, tuning_cost --shapes): here the model is told each mode adds half what it
+    # does. On CPU the warm-up times the plain step itself, so the allowance's unit is the step, not the guess.
+    from unittest import mock
+
+    from lightning_ckpt.timing.model import TimeModel
+
+    clock = LinearClock()
+    added = TimeModel.added_seconds
+    with clock.installed():
+        start = clock()
+        gpt(tokens, tokens).backward()
+        plain = clock() - start
+        gpt.zero_grad(set_to_none=True)
+        halved = lambda self, plan: (lambda s: None if s is None else s / 2)(added(self, plan))  # noqa: E731
+        with mock.patch.object(TimeModel, "added_seconds", halved):
+            result = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.5,
+                          config=TuneConfig(search_space=SPACE, measure_steps=1, clock=clock))  # fmt: skip
+    none = next(t for t in result.trials if t.baseline == "none")
+    assert none.status == "pruned" and none.pruned_by == "memory", "over the budget: never run as a trial"
+    assert result.cost.plain_step_seconds == pytest.approx(plain)
