@@ -235,9 +235,7 @@ def hold_out(
         confirmed.side,
         # No warm-up: every plan held out was just timed in the confirmation rounds, one step after another's.
         lambda t: _entries(trials, [t], config.confirm_steps, warm=False)[0],
-        rounds=config.holdout_rounds,
-        max_rounds=config.holdout_max_rounds,
-        tie_tolerance=config.tie_tolerance,
+        config,
         sync=trials.sync,
         check_stop=trials.check_stop,
         on_step=_on_step(progress, "fresh rounds", ledger.snapshot(), config.tie_tolerance),

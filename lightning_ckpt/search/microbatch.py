@@ -188,13 +188,11 @@ def tune_micro_batch(
         hooks = replace(hooks, sync=hooks.sync or LocalSync())
         budget = hooks.sync.broadcast(resolve_on_device(requested, resolved.device, none_at_base))
         feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
-        workloads, harnesses = _workloads(
+        workloads = _workloads(
             resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
         )
         timing = {w.micro_batch: times.at(w.micro_batch) for w in workloads} if times is not None else None
-        result = _search(
-            resolved, workloads, harnesses[0], scaled, opt_mem, budget, config, timing, hooks, session.phases
-        )
+        result = _search(resolved, workloads, scaled, opt_mem, budget, config, timing, hooks, session.phases)
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = MicroBatch(m, global_batch // m, global_batch, base_micro_batch, config.tie_tolerance)
     run = {**result.best.provenance.run, "batch_size": m}  # the step the plan runs: the chosen micro-batch
@@ -220,10 +218,10 @@ def _workloads(
     opt_mem: OptimizerStepMemory,
     feasible: Sequence[int],
     global_batch: int,
-) -> tuple[list[Workload], list[StepHarness]]:
+) -> list[Workload]:
     """One workload per feasible micro-batch, largest first (they are the ones checkpointing can unlock): its
     harness and runner, and the scaled memory model with the optimizer step (measured once, shared by all)."""
-    workloads, harnesses = [], []
+    workloads = []
     for m in sorted(feasible, reverse=True):
         steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
         harness = StepHarness(
@@ -240,15 +238,13 @@ def _workloads(
         runner = build_runner(
             resolved, harness, config, compiled=None, reserve_headroom=scaled.at(m).reserve_overhead_bytes
         )
-        harnesses.append(harness)
         workloads.append(Workload(runner, RealStepMemory(scaled.at(m), opt_mem), m, m, global_batch // m))
-    return workloads, harnesses
+    return workloads
 
 
 def _search(
     resolved: ModelView,
     workloads: list[Workload],
-    harness: StepHarness,
     scaled: ScaledMemoryModel,
     opt_mem: OptimizerStepMemory,
     budget: Budget,
@@ -268,7 +264,6 @@ def _search(
     search = run_search(
         resolved,
         workloads,
-        harness,
         space,
         budget,
         config,

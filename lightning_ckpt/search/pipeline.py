@@ -104,7 +104,6 @@ class Search:
 def run_search(
     resolved: ModelView,
     workloads: Sequence[Workload],
-    harness: StepHarness,
     space: SearchSpace,
     budget: Budget,
     config: TuneConfig,
@@ -117,12 +116,13 @@ def run_search(
 ) -> Search:
     """Warm up, then the loop and the confirmation over the space's candidates (one per plan, or one per plan and
     workload: the joint search's micro-batches); what the trials cached is given back. ``timing``: the profile's
-    time model, for the time model's sampler where the runner's steps are the ones it timed."""
+    time model, for the time model's sampler where the runner's steps are the ones it timed. The warm-up runs the
+    first workload's step (its runner's harness)."""
     runner, phases = workloads[0].runner, phases or Phases()
     plain_fits = _plain_fits_host(resolved, workloads, config)
     with phases.timing("warm_up"):
         warm_steps, plain_seconds = warm_up_process(
-            harness, resolved, config, isinstance(runner, CompiledTrials), plain=plain_fits
+            runner.harness, resolved, config, isinstance(runner, CompiledTrials), plain=plain_fits
         )
     stacks, plain = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
     candidates = resized(plain, workloads)

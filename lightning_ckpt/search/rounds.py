@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from lightning_ckpt.measure.measurement import median_and_spread
 from lightning_ckpt.plan.format import Plan
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.ledger import TrialRecord
 from lightning_ckpt.search.runners import TrialRunner
@@ -262,25 +263,24 @@ def holdout(
     records: Sequence[TrialRecord],
     side: SideBySide | None,
     entry_for: Callable[[TrialRecord], ConfirmEntry],
+    config: TuneConfig,
     *,
-    rounds: int,
-    max_rounds: int | None = None,
-    tie_tolerance: float,
     sync: Sync | None = None,
     check_stop: Callable[[], None] | None = None,
     on_step: RoundProgress | None = None,
     left: Callable[[], float | None] | None = None,
 ) -> tuple[list[TrialRecord], TrialRecord | None, Verdict | None, bool]:
     """(records, reference, verdict, stopped by the allowance ``left``, as ``confirm_interleaved``): ``best`` timed
-    again in fresh interleaved rounds (at least ``rounds``, then until its ratio's interval is within
-    ``CLAIM_HALF_WIDTH`` or it cannot win, at most ``max_rounds``) beside the reference the choosing rounds found
+    again in fresh interleaved rounds (at least ``config.holdout_rounds``, then until its ratio's interval is within
+    ``CLAIM_HALF_WIDTH`` or it cannot win, at most ``config.holdout_max_rounds``) beside the reference the choosing rounds found
     fastest, ``records`` with both figures, that reference and ``best``'s verdict from these rounds alone
     (``chosen_after``: the rounds of ``side`` that chose it). Nothing is timed (reference None) where there is
-    nothing to hold out: ``rounds`` 0, a baseline chosen, ``best`` not confirmed, no baseline.
+    nothing to hold out: no rounds, a baseline chosen, ``best`` not confirmed, no baseline.
 
     The rounds that chose a plan among several leaders favour it (claims 5-17% above an outside re-timing, never
     below); fresh rounds are independent of that selection, and the caller keeps the reference where they do not
     find ``best`` faster. The other baselines keep the confirmation's figures."""
+    rounds, max_rounds, tie_tolerance = config.holdout_rounds, config.holdout_max_rounds, config.tie_tolerance
     chosen_after = len(side.by_round(best.number)) if side is not None else 0
     confirmed = [t for t in records if t.baseline is not None and t.feasible and t.confirmed]
     if side is None or rounds <= 0 or best.baseline is not None or not chosen_after or not confirmed:

@@ -31,6 +31,7 @@ class TrialRunner(Protocol):
     predicts_time: bool  # the time model's block timings hold for this runner's steps
     collective_steps: bool  # a step runs collectives (FSDP2): a failure on one rank leaves the others waiting
     reserve_headroom_bytes: int  # added to the CUDA cap for the allocator's reserve (the profile measures it)
+    harness: StepHarness  # the step it runs (the search's warm-up runs it too)
 
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
         """Run ``plan`` (warm-up, timed steps; the memory pass unless ``memory=False``), ``memory_limit``

@@ -213,7 +213,6 @@ def _search(
     search = run_search(
         resolved,
         [Workload(runner, memory, harness.batch_size, predicts=predicts)],
-        harness,
         space,
         budget,
         config,
