@@ -37,14 +37,8 @@ __all__ = [
     "open_writer",
     "table_trials",
     "write_experiment",
-    "write_hparams_table",
     "write_tensorboard",
 ]
-
-
-def _code_block(text: str) -> str:
-    # Fenced so TensorBoard's markdown keeps the columns aligned (it renders fenced_code).
-    return f"```\n{text}\n```"
 
 
 def _hparam_value(v: Any) -> str | int | float:
@@ -180,10 +174,9 @@ def alone_samples_per_second(trial: TrialRecord) -> float | None:
 
 
 def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None:
-    """``writer.add_scalar(..., new_style=True)``, with the chart's description where ``tags.SCALAR_DESCRIPTIONS`` has
-    one: TensorBoard reads it from the tag's first point and shows it on the chart. Every scalar of the report is
-    written this way (a tensor with the scalars plugin's metadata), so readers see one form; TensorBoard's Rust
-    data server would drop the description of a legacy ``simple_value``."""
+    """``writer.add_scalar(..., new_style=True)``, with the chart's description where ``SCALAR_DESCRIPTIONS`` has one.
+    Every scalar of the report is written this way, so readers see one form; TensorBoard's Rust data server would
+    drop the description of a legacy ``simple_value``."""
     metadata = SummaryMetadata(
         display_name=tag,
         summary_description=tags.SCALAR_DESCRIPTIONS.get(tag, ""),
@@ -196,11 +189,8 @@ def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None
 
 
 def log_trial(writer: SummaryWriter, trial: TrialRecord, *, best_samples_per_second: float | None = None) -> None:
-    """Log one finished trial's scalars at global_step = trial number, as it finishes.
-
-    ``best_samples_per_second``: the fastest feasible throughput so far (this trial included), logged
-    as the best-so-far curve. Nothing is logged as NaN: a quantity a trial did not produce is skipped.
-    """
+    """Log one finished trial's scalars at global_step = trial number, and the best-so-far curve's point
+    (``best_samples_per_second``). Nothing is logged as NaN: a quantity a trial did not produce is skipped."""
     for tag, value in _trial_scalars(trial).items():
         add_scalar(writer, tag, value, trial.number)
     if best_samples_per_second is not None:
@@ -242,11 +232,6 @@ def table_trials(result: TuneResult, limit: int = tags.HPARAM_ROWS) -> list[Tria
     return chosen
 
 
-def _row_run_name(rank: int, trial: TrialRecord, winner: TrialRecord | None) -> str:
-    tag = "winner_" if winner is not None and trial.number == winner.number else ""
-    return f"{tags.HPARAM_RUN_DIR}/{rank:02d}_{tag}trial_{trial.number:03d}"
-
-
 def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = tags.HPARAM_ROWS) -> list[str]:
     """One HParams session (a run under ``writer``'s directory) per leader; returns their run names."""
     winner = result.best_trial
@@ -273,7 +258,7 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
             tags.HPARAM_RECOMPUTE_PERCENT: None if t.recompute_overhead is None else 100.0 * t.recompute_overhead,
             tags.HPARAM_VS_REFERENCE: vs_reference(t),
         }
-        name = _row_run_name(rank, t, winner)
+        name = f"{tags.HPARAM_RUN_DIR}/{rank:02d}_{'winner_' if is_winner else ''}trial_{t.number:03d}"
         with SummaryWriter(log_dir=os.path.join(writer.get_logdir(), name)) as run:
             run.file_writer.add_summary(_session_start(hparams))
             for tag, value in metrics.items():
@@ -337,8 +322,8 @@ def write_tensorboard(
         memory = memory_breakdown_table
         if memory is None:
             memory = memory_markdown(result.memory_breakdown, result.best) if result.memory_breakdown else ""
-        if not memory and result.memory_table:
-            memory = _code_block(result.memory_table)
+        if not memory and result.memory_table:  # fenced: TensorBoard's markdown keeps the columns aligned
+            memory = f"```\n{result.memory_table}\n```"
         if memory:
             writer.add_text(tags.TAG_MEMORY_BREAKDOWN, memory, global_step=0)
         if any(compile_stats(t) is not None for t in result.trials):

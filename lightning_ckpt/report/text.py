@@ -323,7 +323,8 @@ def verdict_lines(result: TuneResult) -> list[str]:
         lines.append(
             f"winner (*): [trial {winner.number}] {winner.label}{'' if plan == winner.label else f' = {plan}'}: "
             f"{_fmt(winner.samples_per_second)} samples/s, peak {format_bytes(winner.peak_bytes)}, "
-            f"activation {format_bytes(winner.activation_bytes)}, recompute {_fmt(winner.recompute_overhead, '+{:.1%}')}"
+            f"activation {format_bytes(winner.activation_bytes)}, "
+            f"recompute {_fmt(winner.recompute_overhead, '+{:.1%}')}"
         )
         best_base = best_feasible_baseline(result)
         verdict = verdict_of(result)
