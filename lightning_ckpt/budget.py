@@ -108,10 +108,8 @@ class Budget:
     description: str = ""
 
     def fits(self, peak_bytes: int | None, activation_bytes: int | None) -> bool:
-        if self.kind == "none" or self.limit_bytes is None:
-            return True
-        value = peak_bytes if self.kind == "peak" else activation_bytes
-        return value is not None and value <= self.limit_bytes
+        value = self.value_of(peak_bytes, activation_bytes)
+        return self.kind == "none" or self.limit_bytes is None or (value is not None and value <= self.limit_bytes)
 
     def value_of(self, peak_bytes: int | None, activation_bytes: int | None) -> int | None:
         """The number this budget constrains: peak or activation bytes."""

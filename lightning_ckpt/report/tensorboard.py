@@ -26,13 +26,13 @@ from lightning_ckpt.formatting import MIB
 from lightning_ckpt.report import tags
 from lightning_ckpt.report.figure import figure_to_hwc, pareto_figure
 from lightning_ckpt.report.quantities import best_feasible_baseline, comparable_speeds, compile_stats
-from lightning_ckpt.report.text import conflicts_markdown, memory_markdown, plan_markdown, summary_markdown, verdict_of
+from lightning_ckpt.report.text import conflicts_markdown, memory_markdown, plan_markdown, summary_markdown
 from lightning_ckpt.search.ledger import TrialRecord, vs_reference
 from lightning_ckpt.search.result import TuneResult, offload_figures
+from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
     "best_so_far",
-    "experiment_summary",
     "log_trial",
     "open_writer",
     "table_trials",
@@ -81,11 +81,9 @@ _NUMERIC_COLUMNS = frozenset({"compile_budget"})  # TensorBoard shows numbers as
 def experiment_summary(other_hparams: Mapping[str, Any] | None = None) -> Summary:
     """The HParams experiment: the table's columns and metrics, with short display names.
 
-    TensorBoard takes the *first* experiment summary it reads in a run and ignores later ones, and
-    Lightning's ``TensorBoardLogger`` writes one (the LightningModule's hyperparameters and
-    ``hp_metric``) when the fit starts. Written before it, into the same run, this one wins, so the
-    tuner's columns are the table's. ``other_hparams``: further columns (name -> an example value, for
-    its type) to keep visible: the LightningModule's own hyperparameters, shown in the training run's row.
+    TensorBoard takes the *first* experiment summary it reads in a run, and Lightning's ``TensorBoardLogger``
+    writes one when the fit starts: written before it, this one wins. ``other_hparams``: further columns (name ->
+    an example value, for its type) to keep visible: the LightningModule's own hyperparameters.
     """
     infos = [
         api_pb2.HParamInfo(
@@ -269,6 +267,23 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
     return names
 
 
+def _search_scalars(result: TuneResult) -> dict[str, float]:
+    """The search's own figures, one point each at step 0: the verdict and its interval, the compiles, and where
+    its time went."""
+    verdict = Verdict.recorded(result.best.provenance.search)
+    compiles, cost = result.best.provenance.compiles, result.cost
+    scalars: dict[str, Any] = {}
+    if verdict is not None and verdict.ratio is not None:
+        scalars.update(zip(tags.VERDICT_SCALAR_TAGS, (verdict.ratio, verdict.low, verdict.high), strict=True))
+    if compiles:
+        scalars[tags.TAG_SEARCH_COMPILES] = compiles["graphs"]
+        scalars[tags.TAG_SEARCH_COMPILE_SECONDS] = compiles["seconds"]
+    if cost is not None:
+        scalars.update({f"{tags.TAG_SEARCH_PHASE_SECONDS}/{phase}": sec for phase, sec in cost.seconds.items()})
+        scalars[tags.TAG_SEARCH_PLAIN_STEPS] = cost.plain_steps
+    return {tag: float(v) for tag, v in scalars.items() if v is not None}
+
+
 def write_tensorboard(
     writer_or_logdir: SummaryWriter | str | os.PathLike[str],
     result: TuneResult,
@@ -280,12 +295,10 @@ def write_tensorboard(
 ) -> Path:
     """Write the whole tuning report to TensorBoard and ``pareto.png``; return the log directory.
 
-    ``writer_or_logdir``: a ``SummaryWriter``, flushed but left open for its owner; or a directory,
-    for which a writer is opened and closed here. ``memory_breakdown_table`` (markdown) overrides the
-    table built from ``result.memory_breakdown``. ``log_trials=False`` when ``log_trial`` already
-    streamed every trial to this writer. ``write_experiment_summary=False`` when the caller already
-    declared the HParams table in a parent run (the Lightning callback writes it into the Trainer's
-    run before Lightning's own; see ``experiment_summary``).
+    ``writer_or_logdir``: a ``SummaryWriter``, flushed but left open for its owner; or a directory, for which a
+    writer is opened and closed here. ``memory_breakdown_table`` (markdown) overrides the table built from
+    ``result.memory_breakdown``. ``log_trials=False`` when ``log_trial`` already streamed every trial to this writer;
+    ``write_experiment_summary=False`` when the caller already declared the HParams table in a parent run.
     """
     if isinstance(writer_or_logdir, SummaryWriter):
         writer, owned = writer_or_logdir, False
@@ -300,20 +313,8 @@ def write_tensorboard(
             for t in result.trials:
                 log_trial(writer, t, best_samples_per_second=best.get(t.number))
         write_hparams_table(writer, result)
-        verdict = verdict_of(result)
-        if verdict is not None and verdict.ratio is not None:
-            for tag, value in zip(tags.VERDICT_SCALAR_TAGS, (verdict.ratio, verdict.low, verdict.high), strict=True):
-                if value is not None:
-                    add_scalar(writer, tag, float(value), 0)
-        compiles = result.best.provenance.compiles
-        if compiles:
-            add_scalar(writer, tags.TAG_SEARCH_COMPILES, float(compiles["graphs"]), 0)
-            add_scalar(writer, tags.TAG_SEARCH_COMPILE_SECONDS, float(compiles["seconds"]), 0)
-        if result.cost is not None:
-            for phase, seconds in result.cost.seconds.items():
-                add_scalar(writer, f"{tags.TAG_SEARCH_PHASE_SECONDS}/{phase}", float(seconds), 0)
-            if result.cost.plain_steps is not None:
-                add_scalar(writer, tags.TAG_SEARCH_PLAIN_STEPS, float(result.cost.plain_steps), 0)
+        for tag, value in _search_scalars(result).items():
+            add_scalar(writer, tag, value, 0)
         for t in result.trials:
             if t.confirmed and t.samples_per_second is not None:
                 add_scalar(writer, tags.TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND, t.samples_per_second, t.number)

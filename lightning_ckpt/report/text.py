@@ -28,19 +28,15 @@ from lightning_ckpt.search.result import TuneResult, offload_figures
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
-    "NOISY_SPREAD",
     "conflicts_markdown",
     "memory_markdown",
     "plan_markdown",
-    "pruned_counts",
     "result_line",
     "summary_markdown",
     "summary_table",
     "time_model_line",
     "timing_warning",
     "trial_line",
-    "verdict_lines",
-    "verdict_of",
 ]
 
 # Relative step-time spread (MAD / median) above which two overlapping leaders are a noise problem, not a tie.
@@ -142,11 +138,6 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     return " | ".join(parts)
 
 
-def verdict_of(result: TuneResult) -> Verdict | None:
-    """The confirmation's verdict the chosen plan's provenance holds (``search.verdict``), if any."""
-    return Verdict.recorded(result.best.provenance.search)
-
-
 def _verdict_phrase(verdict: Verdict) -> str:
     """The verdict as the result line and the summary say it: the ratio with its interval, and what it decided."""
     name = verdict.reference.removeprefix("baseline:")
@@ -161,7 +152,7 @@ def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | Non
     """A warning when the side-by-side rounds could not decide: the verdict's interval still straddles the
     threshold after the most rounds, or, without a verdict, the two fastest plans that fit overlap within spreads
     wider than ``noisy`` (two plans overlapping within tight spreads are simply as fast)."""
-    verdict = verdict_of(result)
+    verdict = Verdict.recorded(result.best.provenance.search)
     if verdict is not None:
         if verdict.outcome != "undecided":
             return None
@@ -198,7 +189,7 @@ def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | Non
 def result_line(result: TuneResult) -> str:
     """The one line a quiet search ends with (like Lightning's BatchSizeFinder): what was chosen, how fast, how
     much memory against the budget, against the best baseline that fits, and what the search cost."""
-    winner, budget = result.best_trial, result.budget
+    winner, budget, search = result.best_trial, result.budget, result.best.provenance.search
     mem = memory_name(budget)
     parts = [f"lightning_ckpt: chose {result.best.describe()}"]
     if winner is not None:
@@ -209,8 +200,8 @@ def result_line(result: TuneResult) -> str:
         if offload is not None:
             parts.append(offload_phrase(offload))
         base = best_feasible_baseline(result)
-        verdict = verdict_of(result)
-        if result.best.provenance.search.get("none_fits"):
+        verdict = Verdict.recorded(search)
+        if search.get("none_fits"):
             parts.append(
                 "the memory model predicts no checkpointing fits the budget, so nothing else was searched (it could "
                 "only add recompute; search={'search_when_none_fits': True} searches anyway)"
@@ -225,9 +216,8 @@ def result_line(result: TuneResult) -> str:
             parts.append(f"the baseline {base[0]}: no tuned plan beat it")
     if result.fell_back:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
-    if result.best.provenance.search.get("speed_changes"):
+    if search.get("speed_changes"):
         parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
-    search = result.best.provenance.search
     stopped = (search.get("allowance") or {}).get("stopped") or []
     if stopped:
         parts.append(
@@ -307,13 +297,35 @@ def _by_throughput(result: TuneResult) -> list[TrialRecord]:
     return ([winner] if winner is not None else []) + measured + rest
 
 
+def _against_baselines(result: TuneResult, winner: TrialRecord) -> list[str]:
+    """The verdict, and the winner against the fastest baseline that fits: speed and memory."""
+    budget, mem = result.budget, memory_name(result.budget)
+    verdict = Verdict.recorded(result.best.provenance.search)
+    lines = [] if verdict is None else [f"verdict vs the fastest fitting baseline: {_verdict_phrase(verdict)}"]
+    best_base = best_feasible_baseline(result)
+    if best_base is None:
+        return [*lines, "vs baselines: no baseline fit the budget, so there is none to compare against."]
+    name, base = best_base
+    if base.number == winner.number:
+        return [*lines, f"vs baselines: the winner is the best feasible baseline itself ({name})."]
+    if verdict is not None and verdict.ratio is not None:
+        speed = verdict.describe()
+    else:
+        speed = _ratio(winner.samples_per_second, base.samples_per_second)
+    return [
+        *lines,
+        f"vs best feasible baseline {name} ({_fmt(base.samples_per_second)} samples/s, "
+        f"{mem} {format_bytes(constrained_bytes(base, budget))}): {speed} samples/s, "
+        f"{_ratio(constrained_bytes(winner, budget), constrained_bytes(base, budget))} {mem} memory",
+    ]
+
+
 def verdict_lines(result: TuneResult) -> list[str]:
     """What won, by how much against the best baseline that fits, under which budget, at what tuning cost.
 
     Against the best baseline that *fits*: beating one that would not run under the budget proves nothing.
     """
-    budget = result.budget
-    winner = result.best_trial
+    winner, budget, search = result.best_trial, result.budget, result.best.provenance.search
     mem = memory_name(budget)
     lines = []
     if winner is None:
@@ -326,34 +338,13 @@ def verdict_lines(result: TuneResult) -> list[str]:
             f"activation {format_bytes(winner.activation_bytes)}, "
             f"recompute {_fmt(winner.recompute_overhead, '+{:.1%}')}"
         )
-        best_base = best_feasible_baseline(result)
-        verdict = verdict_of(result)
-        if verdict is not None:
-            lines.append(f"verdict vs the fastest fitting baseline: {_verdict_phrase(verdict)}")
-        if best_base is None:
-            lines.append("vs baselines: no baseline fit the budget, so there is none to compare against.")
-        else:
-            name, base = best_base
-            if base.number == winner.number:
-                lines.append(f"vs baselines: the winner is the best feasible baseline itself ({name}).")
-            else:
-                speed = (
-                    verdict.describe()
-                    if verdict is not None and verdict.ratio is not None
-                    else f"{_ratio(winner.samples_per_second, base.samples_per_second)}"
-                )
-                lines.append(
-                    f"vs best feasible baseline {name} ({_fmt(base.samples_per_second)} samples/s, "
-                    f"{mem} {format_bytes(constrained_bytes(base, budget))}): {speed} samples/s, "
-                    f"{_ratio(constrained_bytes(winner, budget), constrained_bytes(base, budget))} {mem} memory"
-                )
+        lines += _against_baselines(result, winner)
     if result.fell_back:
         chosen = f" ({winner.label}, {mem} {format_bytes(constrained_bytes(winner, budget))})" if winner else ""
         lines.append(
             f"NOTHING FIT THE BUDGET: no plan measured within {budget.description or budget.kind}; fell back to the "
             f"lowest-memory plan{chosen}. Raise the budget or reduce the batch size."
         )
-    search = result.best.provenance.search
     if search.get("tie_tolerance") is not None:
         lines.append(f"rule: {CHOICE_RULE} (tie tolerance {search['tie_tolerance']:.1%})")
     lines += [f"machine speed changed {change}" for change in search.get("speed_changes") or ()]
@@ -480,9 +471,8 @@ def _escape(text: str) -> str:
 def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> str:
     """The memory model's breakdown (``MemoryModel.to_dict``) as markdown tables in MiB.
 
-    Tables, not fixed-width text: TensorBoard wraps table cells to the page, while a wide code block is
-    cut off on the right. Modes are rows and blocks columns, and blocks with the same figures (and the
-    same mode in ``plan``) share one column (``h.0-7``), so a 48-layer model still reads at a glance.
+    Tables, not fixed-width text: TensorBoard wraps table cells to the page, while a wide code block is cut off on
+    the right. Blocks with the same figures (and mode in ``plan``) share one column, so 48 layers read at a glance.
     """
 
     def mib(n: Any) -> str:
@@ -542,11 +532,8 @@ def _optimizer_state(breakdown: Mapping[str, Any], plan: Plan | None) -> tuple[s
 
 
 def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
-    """The plan as a markdown table (one row per checkpointed block) plus the figures that chose it.
-
-    Markdown because TensorBoard's text dashboard renders tables; block names go in backticks so
-    their dots and underscores are not read as emphasis.
-    """
+    """The plan as a markdown table (one row per checkpointed block) plus the figures that chose it; block names
+    go in backticks so their dots and underscores are not read as emphasis."""
     title = f"**Checkpointing plan** `{plan.name}`" if plan.name else "**Checkpointing plan**"
     lines = [f"{title}: {plan.describe()} (digest `{plan.digest()}`)", ""]
     if plan.is_empty:
