@@ -7,12 +7,9 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# Where each public name lives: what a user needs (the callback and its settings, tune, plans and applying them,
-# discovery, the errors a user catches); the rest is imported from its subpackage (``lightning_ckpt.errors``,
-# ``lightning_ckpt.model``, ``lightning_ckpt.plan.handle``, ...). The package root imports nothing until a name
-# is used (PEP 562), so that ``lightning-ckpt replan`` and ``show`` read a plan file without importing torch; the
-# first name used imports ``versions`` first, which warns once about a torch outside the tested range before any module
-# touches its internals.
+# Where each public name a user needs lives. The root imports nothing until a name is used (PEP 562), so that
+# ``lightning-ckpt replan`` and ``show`` read a plan file without importing torch; the first name used imports
+# ``versions`` first, which warns once about an untested torch before any module touches its internals.
 _MODULES = {  # module: the names it exports here, space-separated
     "discovery": "discover_blocks",
     "errors": "ConfigurationError LightningCkptError LightningCkptWarning PlanError StalePlanError StalePlanWarning",

@@ -108,10 +108,8 @@ class Budget:
     description: str = ""
 
     def fits(self, peak_bytes: int | None, activation_bytes: int | None) -> bool:
-        if self.kind == "none" or self.limit_bytes is None:
-            return True
-        value = peak_bytes if self.kind == "peak" else activation_bytes
-        return value is not None and value <= self.limit_bytes
+        value = self.value_of(peak_bytes, activation_bytes)
+        return self.kind == "none" or self.limit_bytes is None or (value is not None and value <= self.limit_bytes)
 
     def value_of(self, peak_bytes: int | None, activation_bytes: int | None) -> int | None:
         """The number this budget constrains: peak or activation bytes."""
@@ -119,20 +117,21 @@ class Budget:
 
     def within(self, cap_bytes: int, where: str) -> tuple[Budget, str | None]:
         """This budget, its peak clamped to what the device lets this process allocate (``cap_bytes``: the card, or
-        the user's own ``set_per_process_memory_fraction`` of it); and the line that says so when it was clamped.
-
-        A peak above the cap cannot be reached: plans the memory model knows cannot fit the card would still run
-        and fail. No budget on such a device means the card's own."""
+        its ``set_per_process_memory_fraction``), and the line that says so. A peak above the cap cannot be reached:
+        plans the memory model knows cannot fit would still run and fail. No budget means the card's own."""
         if self.kind == "none" or self.limit_bytes is None:
             return Budget("peak", int(cap_bytes), None, f"{where}: {format_bytes(cap_bytes)} peak"), None
         if self.kind != "peak" or self.limit_bytes <= cap_bytes:
             return self, None
-        description = f"{format_bytes(cap_bytes)} peak, clamped from {self.description} to {where}"
         note = (
             f"lightning_ckpt: max_memory ({format_bytes(self.limit_bytes)}) is above what this process may allocate on "
             f"{where} ({format_bytes(cap_bytes)}); the budget is clamped to {format_bytes(cap_bytes)}"
         )
-        return Budget("peak", int(cap_bytes), self.fraction, description), note
+        return self._clamped(int(cap_bytes), where), note
+
+    def _clamped(self, cap_bytes: int, where: str) -> Budget:
+        description = f"{format_bytes(cap_bytes)} peak, clamped from {self.description} to {where}"
+        return Budget("peak", cap_bytes, self.fraction, description)
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -240,10 +239,9 @@ class RequestedBudget:
     def resolve(
         self, *, device: torch.device | str, none_activation_bytes: int | None = None, capacity_bytes: int | None = None
     ) -> Budget:
-        """The ``Budget`` this request means on ``device``: the limit in bytes, from the parsed value (never the
-        text again). ``activation`` needs the no-checkpointing activation memory (the profile predicts it).
-        ``capacity_bytes``: the device's memory as a plan file recorded it, which a share of the device is taken
-        of when given (re-planning a GPU plan on a machine without that GPU)."""
+        """The ``Budget`` this request means on ``device``. ``activation`` needs the no-checkpointing activation
+        memory; ``capacity_bytes`` (the device's memory as a plan file recorded it) is what a share of the device is
+        taken of when given (re-planning a GPU plan on a machine without that GPU)."""
         if not self.recorded:
             raise ConfigurationError(f"{self.describe()} cannot be resolved: its size is not recorded.")
         if self.kind == "activation":
@@ -318,10 +316,8 @@ _CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory
 
 
 def host_memory() -> tuple[int, str] | None:
-    """The memory a process on this machine can have, and where that figure comes from: the host's physical memory
-    (``/proc/meminfo``'s MemTotal, read through ``sysconf``), or the container's limit (cgroup) when that is lower.
-    None where neither can be read. What a CPU budget above it is clamped to: a peak no process here can reach
-    constrains nothing, and a search for it measures plans only to choose no checkpointing."""
+    """The memory a process on this machine can have, and where that figure comes from: the host's physical memory,
+    or the container's limit (cgroup) when that is lower; None where neither can be read."""
     total: tuple[int, str] | None = None
     with contextlib.suppress(AttributeError, ValueError, OSError):
         total = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory")
@@ -338,18 +334,16 @@ def host_memory() -> tuple[int, str] | None:
 
 def within_host(budget: Budget) -> tuple[Budget, str | None]:
     """``budget`` on the CPU, its peak clamped to ``host_memory`` (with the line that says so) where it asks for more:
-    ``max_memory="500GiB"`` on a 23 GB machine searched 5 plans for 63 s to choose no checkpointing, and said
-    nothing. Kept as it is where it is within the host's memory, or that cannot be read."""
+    a peak no process here can reach constrains nothing, and a search for it only measures plans to choose none."""
     host = host_memory()
     if host is None or budget.kind != "peak" or budget.limit_bytes is None or budget.limit_bytes <= host[0]:
         return budget, None
     cap, where = host
-    description = f"{format_bytes(cap)} peak, clamped from {budget.description} to {where}"
     note = (
         f"lightning_ckpt: max_memory ({format_bytes(budget.limit_bytes)}) is above {where} ({format_bytes(cap)}), "
         f"which no step on this CPU can exceed; the budget is clamped to {format_bytes(cap)}"
     )
-    return Budget("peak", cap, budget.fraction, description), note
+    return budget._clamped(cap, where), note
 
 
 def cuda_available_bytes(device: torch.device | str) -> int:

@@ -1,16 +1,15 @@
 """Find the repeated layer stack(s) of an arbitrary model.
 
-Checkpointing pays off at block granularity: a transformer layer has a small input (the residual
-stream) and large internals. Every model we care about keeps its layers in an ``nn.ModuleList`` or
-``nn.Sequential`` of same-class modules, so the stack holding most parameters is the one to plan
-over. Users whose models do not follow that convention name their blocks explicitly.
+Checkpointing pays off at block granularity: a transformer layer has a small input (the residual stream) and
+large internals. Models keep their layers in an ``nn.ModuleList`` or ``nn.Sequential`` of same-class modules, so
+the stack holding most parameters is the one to plan over; other models name their blocks explicitly.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -114,17 +113,12 @@ def _same_class_container(module: nn.Module) -> bool:
 
 
 def _inner_stacks(model: nn.Module, stack: LayerStack) -> list[LayerStack] | None:
-    """The repeated layers inside ``stack``'s blocks when those blocks are stages, one stack per stage,
-    or None.
+    """The repeated layers inside ``stack``'s blocks when those blocks are stages, one stack per stage, or None.
 
-    CNNs keep their layers in stages (HF ResNet/ConvNeXt ``encoder.stages[i].layers``, Swin's
-    ``layers[i].blocks``): a stage is a poor unit to checkpoint, since checkpointing it still keeps every
-    stage's input, a large share of the activations at high resolution. The layers inside are the blocks a
-    transformer has; whole stages remain reachable as segments over them. Stages differ from each other
-    (width, resolution) where a transformer's layers are alike; each must hold, as a direct child, a
-    container of one layer class (the same in every stage, not a parallel set such as experts) with most
-    of the stage's parameters. One level only: a ResNet layer's own ``Sequential`` of convolutions is the
-    inside of a residual block, not a stack of blocks.
+    CNNs keep their layers in stages (HF ResNet/ConvNeXt ``encoder.stages[i].layers``): a stage is a poor unit to
+    checkpoint, since checkpointing it still keeps every stage's input, a large share of the activations at high
+    resolution; whole stages remain reachable as segments over the layers. One level only: a ResNet layer's own
+    ``Sequential`` of convolutions is the inside of a residual block, not a stack of blocks.
     """
     shapes = {tuple(p.shape for p in model.get_submodule(b.fqn).parameters()) for b in stack.blocks}
     if len(shapes) == 1:
@@ -187,26 +181,19 @@ def _auto_stacks(model: nn.Module, *, shared: bool = False) -> list[LayerStack]:
     return [inner for stack in sorted(chosen, key=lambda s: s.fqn) for inner in _inner_stacks(model, stack) or [stack]]
 
 
-def _matches(fqn: str, module: nn.Module, types: Sequence[type], names: Sequence[str], patterns: Sequence[str]) -> bool:
-    if types and isinstance(module, tuple(types)):
-        return True
-    if names and type(module).__name__ in names:
-        return True
-    return any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
+def _matches(fqn: str, module: nn.Module, item: type | str) -> bool:
+    """A module class, a class name, or an FQN glob (a name with a dot or a wildcard)."""
+    if isinstance(item, type):
+        return isinstance(module, item)
+    if any(c in item for c in ".*?["):
+        return fnmatch.fnmatchcase(fqn, item)
+    return type(module).__name__ == item
 
 
 def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[LayerStack]:
-    types: list[type] = []
-    names: list[str] = []
-    patterns: list[str] = []  # FQN globs
+    spec = list(spec)
     for item in spec:
-        if isinstance(item, type):
-            types.append(item)
-        elif isinstance(item, str) and ("." in item or "*" in item or "?" in item or "[" in item):
-            patterns.append(item)
-        elif isinstance(item, str):
-            names.append(item)
-        else:
+        if not isinstance(item, (type, str)):
             raise DiscoveryError(
                 f"block_types entries must be module classes, class names or FQN patterns, but got {item!r} "
                 f"({type(item).__name__}). Pass e.g. block_types=[MyBlock], ['MyBlock'] or ['encoder.layers.*']."
@@ -218,12 +205,12 @@ def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[Layer
         fqn = canonical_fqn(raw_fqn)
         # Outermost matches only: a block inside a block is planned as part of its parent.
         inside = any(fqn.startswith(m + ".") for m, _ in matched)
-        if fqn and not inside and _matches(fqn, module, types, names, patterns):
+        if fqn and not inside and any(_matches(fqn, module, item) for item in spec):
             matched.append((fqn, module))
     if not matched:
         known = sorted({type(m).__name__ for m in model.modules()})
         raise DiscoveryError(
-            f"block_types={list(spec)!r} matched no module of {type(model).__name__}. "
+            f"block_types={spec!r} matched no module of {type(model).__name__}. "
             f"Module classes in this model: {', '.join(known[:30])}. "
             "Pass one of these class names, the class itself, or an FQN pattern such as 'model.layers.*'."
         )

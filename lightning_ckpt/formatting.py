@@ -19,9 +19,9 @@ MIB = 1024 * 1024
 _UNITS = {"B": 1, "KiB": 1024, "MiB": MIB, "GiB": 1024**3, "TiB": 1024**4}
 
 
-def count(n: int, noun: str, plural: str | None = None) -> str:
+def count(n: int, noun: str) -> str:
     """``"1 plan"``, ``"2 plans"``: a count and its noun, agreeing (a run that measured one plan read "1 plans")."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+    return f"{n} {noun if n == 1 else noun + 's'}"
 
 
 def format_bytes(n: float | None, *, unit: str | None = None, digits: int = 1, suffix: bool = True) -> str:

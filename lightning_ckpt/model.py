@@ -1,12 +1,8 @@
 """``ModelView``: the model as every stage sees it, resolved once where it enters the package.
 
-A model reaches us in many wrappings: ``torch.compile``'s ``OptimizedModule``, a LightningModule holding a
-compiled submodule, blocks compiled in place, FSDP2's generated ``FSDP<Name>`` classes. Each stage needs the
-same facts about it - the module plans are applied to, its layer stacks, its fingerprint, its device, which
-parts run compiled, whether it is sharded - and computing them in each stage is slow (the fingerprint hashes
-every parameter's name and shape) and lets stages disagree. ``tune`` builds one view at its entry and passes
-it down; ``apply_plan`` given a view checks a plan's fingerprint against the view's instead of hashing the
-model again.
+A model reaches us in many wrappings (``torch.compile``, compiled submodules or blocks, FSDP2's ``FSDP<Name>``
+classes). Computing its facts in each stage is slow (the fingerprint hashes every parameter's name and shape) and
+lets stages disagree, so ``tune`` builds one view at its entry and passes it down.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 They name modules by their fully qualified names and hold no module, so a plan file keeps them
 (``LayerStack.to_dict``) and re-planning reads them back without the model and without torch.
-``discovery`` finds them in a model.
 """
 
 from __future__ import annotations

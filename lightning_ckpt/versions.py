@@ -1,11 +1,9 @@
 """Which torch lightning_ckpt is tested with, and the features that need a newer one.
 
-lightning_ckpt reaches into torch internals that change between minor releases
-(``torch.distributed._tools.mem_tracker``, ``torch._functorch.config``, the selective-checkpoint
-dispatch modes, FSDP2's ``fully_shard``). Lightning's own rule is followed: declare a wide range, test
-it leg by leg in CI, never refuse at import, and refuse a feature only where it is used and only
-on a torch where it is known to be wrong. Above the newest tested minor, import warns once: nothing
-is known to break there, but nothing was measured either.
+lightning_ckpt reaches into torch internals that change between minor releases (``mem_tracker``, functorch's
+config, the selective-checkpoint dispatch modes, ``fully_shard``). Lightning's rule is followed: declare a wide
+range, test it leg by leg in CI, never refuse at import, and refuse a feature only where it is used and only on a
+torch where it is known to be wrong. Above the newest tested minor, import warns once.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """What a search shows: the result line, summary tables, progress, the Pareto figure and TensorBoard.
 TensorBoard and matplotlib are imported only here.
 
-One module per job: ``text`` (words, plain and markdown), ``progress`` (the bar during the search), ``figure``
-(the Pareto plot), ``tensorboard`` (writing the logs) and ``tags`` (the names in them); ``quantities`` holds
-what they all read off a trial. The package exports the few names callers use (``from lightning_ckpt import
-report``, then ``report.write_tensorboard(...)``, ``report.summary_table(...)``); the rest live in their module
+The package exports the few names callers use (``report.write_tensorboard(...)``); the rest live in their module
 (``report.tags.HPARAM_COLUMNS``, ``report.text.plan_markdown``).
 """
 

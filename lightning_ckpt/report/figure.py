@@ -99,11 +99,10 @@ def pareto_figure(result: TuneResult) -> Figure:
     ax = fig.add_subplot()
     # The legend lists artists in the order they are added: trials, the front, the winner, the budget.
     _plot_trials(ax, measured, unmeasured, scale, budget)
+    points = {t.number: (x / scale, y) for t, x, y in measured}
     front = pareto_front(result)
     if len(front) >= 2:  # one point draws no line, and the legend would name a front that is not there
-        fx = [constrained_bytes(t, budget) / scale for t in front]  # type: ignore[operator]
-        speeds = {t.number: y for t, _, y in measured}
-        fy = [speeds[t.number] for t in front]
+        fx, fy = zip(*(points[t.number] for t in front), strict=True)
         ax.step(fx, fy, where="post", color="tab:blue", lw=1.5, alpha=0.7, label="Pareto front", zorder=2)
 
     winner = result.best_trial

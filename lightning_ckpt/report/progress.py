@@ -21,11 +21,9 @@ __all__ = ["SearchProgress"]
 class SearchProgress:
     """What a user watches during the search: one progress bar, nothing else unless ``verbose``.
 
-    ``total``: how many plans at most will be measured, or None when not known in advance (the time model stops
-    once no plan left can win): the bar then counts with no fraction and no ETA, not a ``2/14`` that never fills.
-    Called with each finished trial (a ``ProgressFn``): advances the bar, streams the trial's scalars and the
-    best-so-far curve to ``writer``, with ``verbose`` writes the trial's line. No Lightning: the callback pauses
-    Lightning's own bar around it.
+    ``total``: how many plans at most will be measured, or None when the time model may stop early: the bar then
+    counts with no fraction and no ETA, not a ``2/14`` that never fills. Called with each finished trial (a
+    ``ProgressFn``); the callback pauses Lightning's own bar around it.
     """
 
     def __init__(

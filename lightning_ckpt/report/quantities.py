@@ -54,8 +54,7 @@ def best_feasible_baseline(result: TuneResult) -> tuple[str, TrialRecord] | None
 
 def comparable_speeds(result: TuneResult) -> dict[int, float]:
     """Samples/s of every trial re-timed beside the reference, on one scale: the reference's figure times the trial's
-    paired ratio to it. The winner and the reference are timed last, the other leaders in earlier rounds, minutes
-    apart: their own figures put a leader at 32.6 samples/s above a winner at 26.6 that the rounds found faster."""
+    paired ratio to it. The leaders' own figures come from rounds minutes apart and can rank them the other way."""
     by_label = {t.label: t for t in result.trials}
     out = {}
     for t in result.trials:

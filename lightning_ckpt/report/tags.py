@@ -2,45 +2,13 @@
 
 They are defined here and nowhere else, so the writer (``report.tensorboard``), the Lightning callback and
 anything that reads the logs back (tests, dashboards, ``docs/screenshots.py``) cannot drift apart. Nothing
-here imports TensorBoard: the names are plain strings.
-
-TensorBoard layout, under a Lightning ``TensorBoardLogger`` (``version_N`` is the Trainer's run)::
-
-    version_N/                       the HParams experiment (the table's columns, see experiment_summary),
-                                     written before Lightning's own so the tuner's columns win
-    version_N/lightning_ckpt/        the search run: one point per trial (global_step = trial number)
-        lightning_ckpt/trial/...           TRIAL_SCALAR_TAGS, only what each trial produced; its samples/s
-                                           (trial/samples_per_second_alone) is the plan measured alone
-        lightning_ckpt/search/best_samples_per_second_alone   the best-so-far curve of those
-        lightning_ckpt/confirm/samples_per_second  the leaders and baselines re-timed side by side: the
-                                           figures the plan was chosen on (at each one's trial number)
-        lightning_ckpt/search/verdict_{ratio,low,high}  VERDICT_SCALAR_TAGS: the verdict and its interval (step 0)
-        lightning_ckpt/1_summary           text*: the verdict, then every trial, fastest first
-        lightning_ckpt/2_plan              text*: the chosen plan as a markdown table
-        lightning_ckpt/3_memory_breakdown  text*: the memory model's per-block table (markdown)
-        lightning_ckpt/pareto              image: the Pareto figure (also saved as pareto.png)
-    version_N/lightning_ckpt/table/01_winner_trial_012, 02_trial_005, ...
-                                     the HParams rows: at most HPARAM_ROWS leaders, one run each, so the
-                                     run count stays small whatever the number of trials
-
-    * torch's ``add_text`` stores text under ``<tag>/text_summary``; ``text_tag(TAG_PLAN)`` gives that name.
-
-A search the time model drove adds ``TIME_SCALAR_TAGS`` per trial: the step time predicted before the
-trial ran, and for a trial that ran, the prediction's error. A trial that offloaded adds ``TAG_OFFLOAD_*``: its host
-pool and the transfer backward waited for, predicted and measured.
-
-Compiled trials (``torch.compile``, see ``lightning_ckpt.search.compile``) add ``COMPILE_SCALAR_TAGS`` per
-trial (compile seconds, graph breaks, recompiles) and a ``lightning_ckpt/4_compile_conflicts`` text
-listing every plan that conflicted with the compiler and why.
-
-Memory is logged in MiB (2**20 bytes) so the scalar charts read naturally; the text uses
-``format_bytes``.
+here imports TensorBoard: the names are plain strings. ``docs/monitoring.md`` shows where each one appears.
+Memory is logged in MiB so the scalar charts read naturally.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "COMPILE_SCALAR_TAGS",
     "HPARAM_ACTIVATION_MIB",
     "HPARAM_COLUMNS",
     "HPARAM_METRICS",
@@ -78,11 +46,9 @@ __all__ = [
     "TAG_TRIAL_SECONDS",
     "TAG_PREDICTED_STEP_MS",
     "TAG_TIME_PREDICTION_ERROR",
-    "TIME_SCALAR_TAGS",
     "TAG_OFFLOAD_POOL_MIB",
     "TAG_OFFLOAD_EXPOSED_PREDICTED_MS",
     "TAG_OFFLOAD_EXPOSED_MEASURED_MS",
-    "TEXT_TAG_SUFFIX",
     "TRIAL_SCALAR_TAGS",
     "WINNER_MARK",
     "hparam_name",
@@ -95,11 +61,8 @@ __all__ = [
 
 TAG_PREFIX = "lightning_ckpt"
 
-# The search run: one point per trial, global_step = trial number. Only quantities a trial produced
-# are logged (a pruned trial has no throughput), so every point is a real figure; plans differ from
-# one step to the next, so read these at smoothing 0. The best-so-far series is a true curve.
-# A trial's samples/s is the one it measured alone, as the search ran ("_alone": the plan was chosen on the
-# side-by-side figures under confirm/, which can rank plans the other way when the machine's speed drifts).
+# The search run: one point per trial, global_step = trial number. "_alone": the plan was chosen on the
+# side-by-side figures under confirm/, which can rank plans the other way when the machine's speed drifts.
 TAG_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/trial/samples_per_second_alone"
 TAG_PEAK_MIB = f"{TAG_PREFIX}/trial/peak_memory_mib"
 TAG_PREDICTED_PEAK_MIB = f"{TAG_PREFIX}/trial/predicted_peak_memory_mib"
@@ -108,24 +71,17 @@ TAG_PREDICTED_ACTIVATION_MIB = f"{TAG_PREFIX}/trial/predicted_activation_memory_
 TAG_RECOMPUTE_OVERHEAD = f"{TAG_PREFIX}/trial/recompute_overhead"
 TAG_TRIAL_SECONDS = f"{TAG_PREFIX}/trial/seconds"
 TAG_BEST_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/search/best_samples_per_second_alone"
-# The confirmation's figures (written once it ends): each plan re-timed side by side, at its trial number.
 TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND = f"{TAG_PREFIX}/confirm/samples_per_second"
-# The confirmation's verdict (one point, step 0): the best tuned plan's speed over the fastest fitting baseline,
-# geometric mean of the paired side-by-side rounds, and its 90% interval (``search/verdict.py``).
+# One point each, at step 0: the verdict (``search/verdict.py``), the compiles, where the search's time went.
 TAG_VERDICT_RATIO = f"{TAG_PREFIX}/search/verdict_ratio"
 TAG_VERDICT_LOW = f"{TAG_PREFIX}/search/verdict_low"
 TAG_VERDICT_HIGH = f"{TAG_PREFIX}/search/verdict_high"
 VERDICT_SCALAR_TAGS = (TAG_VERDICT_RATIO, TAG_VERDICT_LOW, TAG_VERDICT_HIGH)
-# A compiled search's compiles (one point, step 0; ``search.tune.compiles_of``): graphs, and the seconds of the
-# steps that compiled them.
 TAG_SEARCH_COMPILES = f"{TAG_PREFIX}/search/compiled_graphs"
 TAG_SEARCH_COMPILE_SECONDS = f"{TAG_PREFIX}/search/compile_seconds"
-# Where the search's time went (one point each, step 0; ``search.phases``): its wall time in plain training steps,
-# and each phase's seconds under ``search/phase_seconds/<phase>``.
 TAG_SEARCH_PLAIN_STEPS = f"{TAG_PREFIX}/search/plain_steps"
 TAG_SEARCH_PHASE_SECONDS = f"{TAG_PREFIX}/search/phase_seconds"
-# What TensorBoard shows as each chart's description (Time Series and Scalars: the card's info tooltip), for
-# the series whose figures could be mistaken for one another.
+# Each chart's description (its info tooltip), for the series whose figures could be mistaken for one another.
 SCALAR_DESCRIPTIONS = {
     TAG_SAMPLES_PER_SECOND: (
         "Each trial's throughput measured alone, as the search ran (x = trial number). The plan was chosen on "
@@ -141,17 +97,12 @@ SCALAR_DESCRIPTIONS = {
     ),
     TAG_VERDICT_RATIO: "The winner's speed over the fastest fitting baseline, from the paired side-by-side rounds.",
 }
-# Compiled trials only: logged when a trial carries compile statistics (TrialRecord.extra["compile"]).
+# Logged only for trials that compiled, that the time model predicted, or that offloaded.
 TAG_COMPILE_SECONDS = f"{TAG_PREFIX}/trial/compile_seconds"
 TAG_GRAPH_BREAKS = f"{TAG_PREFIX}/trial/graph_breaks"
 TAG_RECOMPILES = f"{TAG_PREFIX}/trial/recompiles"
-COMPILE_SCALAR_TAGS = (TAG_COMPILE_SECONDS, TAG_GRAPH_BREAKS, TAG_RECOMPILES)
-# Searches the time model drove (eager): the step time it predicted for a trial before the trial ran, and,
-# for a trial that then ran, its error (predicted / measured step seconds - 1).
 TAG_PREDICTED_STEP_MS = f"{TAG_PREFIX}/trial/predicted_step_ms"
 TAG_TIME_PREDICTION_ERROR = f"{TAG_PREFIX}/trial/time_prediction_error"
-TIME_SCALAR_TAGS = (TAG_PREDICTED_STEP_MS, TAG_TIME_PREDICTION_ERROR)
-# Trials that offloaded (``search.result.offload_figures``): the host pool, and the transfer backward waited for.
 TAG_OFFLOAD_POOL_MIB = f"{TAG_PREFIX}/trial/offload_host_pool_mib"
 TAG_OFFLOAD_EXPOSED_PREDICTED_MS = f"{TAG_PREFIX}/trial/offload_exposed_predicted_ms"
 TAG_OFFLOAD_EXPOSED_MEASURED_MS = f"{TAG_PREFIX}/trial/offload_exposed_measured_ms"
@@ -165,16 +116,11 @@ TRIAL_SCALAR_TAGS = (
     TAG_TRIAL_SECONDS,
 )
 
-# The HParams table. TensorBoard shows one row per run holding a session, and its Scalars/Time
-# Series views deselect every run once there are more than 40, so the table holds the leaders only
-# (HPARAM_ROWS runs, winner first) and the search's other trials live in the search run and the
-# summary text. The columns are declared once (``experiment_summary``) so every row shows the same
-# ones; the metrics are scalars in each row's run, named apart from the per-trial series.
+# The HParams table: TensorBoard's Scalars/Time Series views deselect every run once there are more than 40,
+# so the table holds the leaders only (one run each, winner first).
 HPARAM_RUN_DIR = "table"  # rows: <search run>/table/01_winner_trial_012, 02_trial_005, ...
 HPARAM_ROWS = 10
-# (key, display name, description), in the order the table shows them; plan dimensions are the search
-# space's (space.SearchSpace.suggest). TensorBoard orders columns by name and shows the first few by
-# default, so each is stored under ``hparam_name(key)``, which numbers them in this order.
+# (key, display name, description); TensorBoard orders columns by name, so ``hparam_name`` numbers them.
 HPARAM_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("winner", "winner", "\u2605 marks the plan that was locked in"),
     ("plan", "plan", "which blocks are checkpointed, and how"),
@@ -229,21 +175,18 @@ HPARAM_METRICS: tuple[tuple[str, str, str], ...] = (
 )
 HPARAM_METRIC_TAGS = tuple(tag for tag, _, _ in HPARAM_METRICS)
 
-# Text tags as passed to add_text; torch stores each as f"{tag}{TEXT_TAG_SUFFIX}" (see text_tag).
-# Numbered because TensorBoard's Text tab lists tags alphabetically: the verdict first.
+# Text tags as passed to add_text (``text_tag`` gives the stored name). Numbered because TensorBoard's Text tab
+# lists tags alphabetically: the verdict first.
 TAG_SUMMARY = f"{TAG_PREFIX}/1_summary"
 TAG_PLAN = f"{TAG_PREFIX}/2_plan"
 TAG_MEMORY_BREAKDOWN = f"{TAG_PREFIX}/3_memory_breakdown"
 TAG_PARETO = f"{TAG_PREFIX}/pareto"
 TAG_CONFLICTS = f"{TAG_PREFIX}/4_compile_conflicts"
-TEXT_TAG_SUFFIX = "/text_summary"
 
 PARETO_PNG = "pareto.png"
-
-
 WINNER_MARK = "\u2605"
 
 
 def text_tag(tag: str) -> str:
     """The name under which ``SummaryWriter.add_text(tag, ...)`` stores a text (what readers look up)."""
-    return tag + TEXT_TAG_SUFFIX
+    return tag + "/text_summary"

@@ -23,76 +23,22 @@ from tensorboard.plugins.scalar.plugin_data_pb2 import ScalarPluginData
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_ckpt.formatting import MIB
+from lightning_ckpt.report import tags
 from lightning_ckpt.report.figure import figure_to_hwc, pareto_figure
 from lightning_ckpt.report.quantities import best_feasible_baseline, comparable_speeds, compile_stats
-from lightning_ckpt.report.tags import (
-    HPARAM_ACTIVATION_MIB,
-    HPARAM_COLUMNS,
-    HPARAM_METRICS,
-    HPARAM_PEAK_MIB,
-    HPARAM_PREDICTED_PEAK_MIB,
-    HPARAM_RECOMPUTE_PERCENT,
-    HPARAM_ROWS,
-    HPARAM_RUN_DIR,
-    HPARAM_SAMPLES_PER_SECOND,
-    HPARAM_VS_REFERENCE,
-    PARETO_PNG,
-    SCALAR_DESCRIPTIONS,
-    TAG_ACTIVATION_MIB,
-    TAG_BEST_SAMPLES_PER_SECOND,
-    TAG_COMPILE_SECONDS,
-    TAG_CONFLICTS,
-    TAG_GRAPH_BREAKS,
-    TAG_MEMORY_BREAKDOWN,
-    TAG_OFFLOAD_EXPOSED_MEASURED_MS,
-    TAG_OFFLOAD_EXPOSED_PREDICTED_MS,
-    TAG_OFFLOAD_POOL_MIB,
-    TAG_PARETO,
-    TAG_PEAK_MIB,
-    TAG_PLAN,
-    TAG_PREDICTED_ACTIVATION_MIB,
-    TAG_PREDICTED_PEAK_MIB,
-    TAG_PREDICTED_STEP_MS,
-    TAG_RECOMPILES,
-    TAG_RECOMPUTE_OVERHEAD,
-    TAG_SAMPLES_PER_SECOND,
-    TAG_SEARCH_COMPILE_SECONDS,
-    TAG_SEARCH_COMPILES,
-    TAG_SEARCH_PHASE_SECONDS,
-    TAG_SEARCH_PLAIN_STEPS,
-    TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND,
-    TAG_SUMMARY,
-    TAG_TIME_PREDICTION_ERROR,
-    TAG_TRIAL_SECONDS,
-    VERDICT_SCALAR_TAGS,
-    WINNER_MARK,
-    hparam_name,
-)
-from lightning_ckpt.report.text import (
-    conflicts_markdown,
-    memory_markdown,
-    plan_markdown,
-    summary_markdown,
-    verdict_of,
-)
+from lightning_ckpt.report.text import conflicts_markdown, memory_markdown, plan_markdown, summary_markdown
 from lightning_ckpt.search.ledger import TrialRecord, vs_reference
 from lightning_ckpt.search.result import TuneResult, offload_figures
+from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
     "best_so_far",
-    "experiment_summary",
     "log_trial",
     "open_writer",
     "table_trials",
     "write_experiment",
-    "write_hparams_table",
     "write_tensorboard",
 ]
-
-
-def _code_block(text: str) -> str:
-    # Fenced so TensorBoard's markdown keeps the columns aligned (it renders fenced_code).
-    return f"```\n{text}\n```"
 
 
 def _hparam_value(v: Any) -> str | int | float:
@@ -128,30 +74,28 @@ def _hparam_type(value: Any) -> int:
     return api_pb2.DATA_TYPE_STRING
 
 
-_COLUMN_KEYS = frozenset(key for key, _, _ in HPARAM_COLUMNS)
+_COLUMN_KEYS = frozenset(key for key, _, _ in tags.HPARAM_COLUMNS)
 _NUMERIC_COLUMNS = frozenset({"compile_budget"})  # TensorBoard shows numbers as 41.000: counts read better as text
 
 
 def experiment_summary(other_hparams: Mapping[str, Any] | None = None) -> Summary:
     """The HParams experiment: the table's columns and metrics, with short display names.
 
-    TensorBoard takes the *first* experiment summary it reads in a run and ignores later ones, and
-    Lightning's ``TensorBoardLogger`` writes one (the LightningModule's hyperparameters and
-    ``hp_metric``) when the fit starts. Written before it, into the same run, this one wins, so the
-    tuner's columns are the table's. ``other_hparams``: further columns (name -> an example value, for
-    its type) to keep visible: the LightningModule's own hyperparameters, shown in the training run's row.
+    TensorBoard takes the *first* experiment summary it reads in a run, and Lightning's ``TensorBoardLogger``
+    writes one when the fit starts: written before it, this one wins. ``other_hparams``: further columns (name ->
+    an example value, for its type) to keep visible: the LightningModule's own hyperparameters.
     """
     infos = [
         api_pb2.HParamInfo(
-            name=hparam_name(name),
+            name=tags.hparam_name(name),
             display_name=display,
             description=description,
             differs=True,  # TensorBoard lists columns that differ first: the tuner's before the module's own
             type=api_pb2.DATA_TYPE_FLOAT64 if name in _NUMERIC_COLUMNS else api_pb2.DATA_TYPE_STRING,
         )
-        for name, display, description in HPARAM_COLUMNS
+        for name, display, description in tags.HPARAM_COLUMNS
     ]
-    ours = {hparam_name(name) for name, _, _ in HPARAM_COLUMNS}
+    ours = {tags.hparam_name(name) for name, _, _ in tags.HPARAM_COLUMNS}
     infos += [
         api_pb2.HParamInfo(name=name, type=_hparam_type(value))
         for name, value in (other_hparams or {}).items()
@@ -159,7 +103,7 @@ def experiment_summary(other_hparams: Mapping[str, Any] | None = None) -> Summar
     ]
     metrics = [
         api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=display, description=description)
-        for tag, display, description in HPARAM_METRICS
+        for tag, display, description in tags.HPARAM_METRICS
     ]
     description = "Activation checkpointing trials (lightning_ckpt): the leaders, winner first."
     experiment = api_pb2.Experiment(
@@ -202,21 +146,21 @@ def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
 
     offload, stats = offload_figures(trial) or {}, compile_stats(trial) or {}
     scalars = {
-        TAG_SAMPLES_PER_SECOND: alone_samples_per_second(trial),
-        TAG_PEAK_MIB: scaled(trial.peak_bytes, 1 / MIB),
-        TAG_PREDICTED_PEAK_MIB: scaled(trial.predicted_peak_bytes, 1 / MIB),
-        TAG_ACTIVATION_MIB: scaled(trial.activation_bytes, 1 / MIB),
-        TAG_PREDICTED_ACTIVATION_MIB: scaled(trial.predicted_activation_bytes, 1 / MIB),
-        TAG_RECOMPUTE_OVERHEAD: trial.recompute_overhead,
-        TAG_TRIAL_SECONDS: trial.seconds,
-        TAG_PREDICTED_STEP_MS: scaled(trial.predicted_seconds, 1000),
-        TAG_TIME_PREDICTION_ERROR: trial.prediction_error,
-        TAG_OFFLOAD_POOL_MIB: scaled(offload.get("host_pool_bytes"), 1 / MIB),
-        TAG_OFFLOAD_EXPOSED_PREDICTED_MS: scaled(offload.get("exposed_predicted_seconds"), 1000),
-        TAG_OFFLOAD_EXPOSED_MEASURED_MS: scaled(offload.get("exposed_measured_seconds"), 1000),
-        TAG_COMPILE_SECONDS: stats.get("compile_seconds"),
-        TAG_GRAPH_BREAKS: stats.get("graph_breaks"),
-        TAG_RECOMPILES: stats.get("recompiles"),
+        tags.TAG_SAMPLES_PER_SECOND: alone_samples_per_second(trial),
+        tags.TAG_PEAK_MIB: scaled(trial.peak_bytes, 1 / MIB),
+        tags.TAG_PREDICTED_PEAK_MIB: scaled(trial.predicted_peak_bytes, 1 / MIB),
+        tags.TAG_ACTIVATION_MIB: scaled(trial.activation_bytes, 1 / MIB),
+        tags.TAG_PREDICTED_ACTIVATION_MIB: scaled(trial.predicted_activation_bytes, 1 / MIB),
+        tags.TAG_RECOMPUTE_OVERHEAD: trial.recompute_overhead,
+        tags.TAG_TRIAL_SECONDS: trial.seconds,
+        tags.TAG_PREDICTED_STEP_MS: scaled(trial.predicted_seconds, 1000),
+        tags.TAG_TIME_PREDICTION_ERROR: trial.prediction_error,
+        tags.TAG_OFFLOAD_POOL_MIB: scaled(offload.get("host_pool_bytes"), 1 / MIB),
+        tags.TAG_OFFLOAD_EXPOSED_PREDICTED_MS: scaled(offload.get("exposed_predicted_seconds"), 1000),
+        tags.TAG_OFFLOAD_EXPOSED_MEASURED_MS: scaled(offload.get("exposed_measured_seconds"), 1000),
+        tags.TAG_COMPILE_SECONDS: stats.get("compile_seconds"),
+        tags.TAG_GRAPH_BREAKS: stats.get("graph_breaks"),
+        tags.TAG_RECOMPILES: stats.get("recompiles"),
     }
     return {tag: float(v) for tag, v in scalars.items() if v is not None}
 
@@ -228,13 +172,12 @@ def alone_samples_per_second(trial: TrialRecord) -> float | None:
 
 
 def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None:
-    """``writer.add_scalar(..., new_style=True)``, with the chart's description where ``SCALAR_DESCRIPTIONS`` has
-    one: TensorBoard reads it from the tag's first point and shows it on the chart. Every scalar of the report is
-    written this way (a tensor with the scalars plugin's metadata), so readers see one form; TensorBoard's Rust
-    data server would drop the description of a legacy ``simple_value``."""
+    """``writer.add_scalar(..., new_style=True)``, with the chart's description where ``SCALAR_DESCRIPTIONS`` has one.
+    Every scalar of the report is written this way, so readers see one form; TensorBoard's Rust data server would
+    drop the description of a legacy ``simple_value``."""
     metadata = SummaryMetadata(
         display_name=tag,
-        summary_description=SCALAR_DESCRIPTIONS.get(tag, ""),
+        summary_description=tags.SCALAR_DESCRIPTIONS.get(tag, ""),
         plugin_data=SummaryMetadata.PluginData(
             plugin_name="scalars", content=ScalarPluginData(version=0).SerializeToString()
         ),
@@ -244,15 +187,12 @@ def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None
 
 
 def log_trial(writer: SummaryWriter, trial: TrialRecord, *, best_samples_per_second: float | None = None) -> None:
-    """Log one finished trial's scalars at global_step = trial number, as it finishes.
-
-    ``best_samples_per_second``: the fastest feasible throughput so far (this trial included), logged
-    as the best-so-far curve. Nothing is logged as NaN: a quantity a trial did not produce is skipped.
-    """
+    """Log one finished trial's scalars at global_step = trial number, and the best-so-far curve's point
+    (``best_samples_per_second``). Nothing is logged as NaN: a quantity a trial did not produce is skipped."""
     for tag, value in _trial_scalars(trial).items():
         add_scalar(writer, tag, value, trial.number)
     if best_samples_per_second is not None:
-        add_scalar(writer, TAG_BEST_SAMPLES_PER_SECOND, float(best_samples_per_second), trial.number)
+        add_scalar(writer, tags.TAG_BEST_SAMPLES_PER_SECOND, float(best_samples_per_second), trial.number)
     writer.flush()
 
 
@@ -269,7 +209,7 @@ def best_so_far(trials: Iterable[TrialRecord]) -> list[tuple[int, float]]:
     return out
 
 
-def table_trials(result: TuneResult, limit: int = HPARAM_ROWS) -> list[TrialRecord]:
+def table_trials(result: TuneResult, limit: int = tags.HPARAM_ROWS) -> list[TrialRecord]:
     """The HParams table's rows: the winner, then measured trials fastest first (those that fit before
     those that do not), with the best feasible baseline kept in for comparison; at most ``limit``."""
     winner = result.best_trial
@@ -290,12 +230,7 @@ def table_trials(result: TuneResult, limit: int = HPARAM_ROWS) -> list[TrialReco
     return chosen
 
 
-def _row_run_name(rank: int, trial: TrialRecord, winner: TrialRecord | None) -> str:
-    tag = "winner_" if winner is not None and trial.number == winner.number else ""
-    return f"{HPARAM_RUN_DIR}/{rank:02d}_{tag}trial_{trial.number:03d}"
-
-
-def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = HPARAM_ROWS) -> list[str]:
+def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = tags.HPARAM_ROWS) -> list[str]:
     """One HParams session (a run under ``writer``'s directory) per leader; returns their run names."""
     winner = result.best_trial
     names = []
@@ -303,7 +238,7 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
     for rank, t in enumerate(table_trials(result, limit), start=1):
         is_winner = winner is not None and t.number == winner.number
         values: dict[str, Any] = {
-            "winner": WINNER_MARK if is_winner else "",
+            "winner": tags.WINNER_MARK if is_winner else "",
             "plan": t.plan.describe(),
             "status": str(t.status),
             "timing": "side by side" if t.confirmed else "one at a time",
@@ -311,17 +246,17 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
             "baseline": t.baseline or "",
         }
         values.update({k: _hparam_value(v) for k, v in t.params.items() if k in _COLUMN_KEYS and k not in values})
-        hparams = {hparam_name(k): v if k in _NUMERIC_COLUMNS else str(v) for k, v in values.items()}
+        hparams = {tags.hparam_name(k): v if k in _NUMERIC_COLUMNS else str(v) for k, v in values.items()}
         scalars = _trial_scalars(t)  # the same figures as the trial's own series, under the table's names
         metrics = {
-            HPARAM_SAMPLES_PER_SECOND: speeds.get(t.number, t.samples_per_second),
-            HPARAM_PEAK_MIB: scalars.get(TAG_PEAK_MIB),
-            HPARAM_ACTIVATION_MIB: scalars.get(TAG_ACTIVATION_MIB),
-            HPARAM_PREDICTED_PEAK_MIB: scalars.get(TAG_PREDICTED_PEAK_MIB),
-            HPARAM_RECOMPUTE_PERCENT: None if t.recompute_overhead is None else 100.0 * t.recompute_overhead,
-            HPARAM_VS_REFERENCE: vs_reference(t),
+            tags.HPARAM_SAMPLES_PER_SECOND: speeds.get(t.number, t.samples_per_second),
+            tags.HPARAM_PEAK_MIB: scalars.get(tags.TAG_PEAK_MIB),
+            tags.HPARAM_ACTIVATION_MIB: scalars.get(tags.TAG_ACTIVATION_MIB),
+            tags.HPARAM_PREDICTED_PEAK_MIB: scalars.get(tags.TAG_PREDICTED_PEAK_MIB),
+            tags.HPARAM_RECOMPUTE_PERCENT: None if t.recompute_overhead is None else 100.0 * t.recompute_overhead,
+            tags.HPARAM_VS_REFERENCE: vs_reference(t),
         }
-        name = _row_run_name(rank, t, winner)
+        name = f"{tags.HPARAM_RUN_DIR}/{rank:02d}_{'winner_' if is_winner else ''}trial_{t.number:03d}"
         with SummaryWriter(log_dir=os.path.join(writer.get_logdir(), name)) as run:
             run.file_writer.add_summary(_session_start(hparams))
             for tag, value in metrics.items():
@@ -330,6 +265,23 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
             run.file_writer.add_summary(_session_end())
         names.append(name)
     return names
+
+
+def _search_scalars(result: TuneResult) -> dict[str, float]:
+    """The search's own figures, one point each at step 0: the verdict and its interval, the compiles, and where
+    its time went."""
+    verdict = Verdict.recorded(result.best.provenance.search)
+    compiles, cost = result.best.provenance.compiles, result.cost
+    scalars: dict[str, Any] = {}
+    if verdict is not None and verdict.ratio is not None:
+        scalars.update(zip(tags.VERDICT_SCALAR_TAGS, (verdict.ratio, verdict.low, verdict.high), strict=True))
+    if compiles:
+        scalars[tags.TAG_SEARCH_COMPILES] = compiles["graphs"]
+        scalars[tags.TAG_SEARCH_COMPILE_SECONDS] = compiles["seconds"]
+    if cost is not None:
+        scalars.update({f"{tags.TAG_SEARCH_PHASE_SECONDS}/{phase}": sec for phase, sec in cost.seconds.items()})
+        scalars[tags.TAG_SEARCH_PLAIN_STEPS] = cost.plain_steps
+    return {tag: float(v) for tag, v in scalars.items() if v is not None}
 
 
 def write_tensorboard(
@@ -343,12 +295,10 @@ def write_tensorboard(
 ) -> Path:
     """Write the whole tuning report to TensorBoard and ``pareto.png``; return the log directory.
 
-    ``writer_or_logdir``: a ``SummaryWriter``, flushed but left open for its owner; or a directory,
-    for which a writer is opened and closed here. ``memory_breakdown_table`` (markdown) overrides the
-    table built from ``result.memory_breakdown``. ``log_trials=False`` when ``log_trial`` already
-    streamed every trial to this writer. ``write_experiment_summary=False`` when the caller already
-    declared the HParams table in a parent run (the Lightning callback writes it into the Trainer's
-    run before Lightning's own; see ``experiment_summary``).
+    ``writer_or_logdir``: a ``SummaryWriter``, flushed but left open for its owner; or a directory, for which a
+    writer is opened and closed here. ``memory_breakdown_table`` (markdown) overrides the table built from
+    ``result.memory_breakdown``. ``log_trials=False`` when ``log_trial`` already streamed every trial to this writer;
+    ``write_experiment_summary=False`` when the caller already declared the HParams table in a parent run.
     """
     if isinstance(writer_or_logdir, SummaryWriter):
         writer, owned = writer_or_logdir, False
@@ -363,38 +313,26 @@ def write_tensorboard(
             for t in result.trials:
                 log_trial(writer, t, best_samples_per_second=best.get(t.number))
         write_hparams_table(writer, result)
-        verdict = verdict_of(result)
-        if verdict is not None and verdict.ratio is not None:
-            for tag, value in zip(VERDICT_SCALAR_TAGS, (verdict.ratio, verdict.low, verdict.high), strict=True):
-                if value is not None:
-                    add_scalar(writer, tag, float(value), 0)
-        compiles = result.best.provenance.compiles
-        if compiles:
-            add_scalar(writer, TAG_SEARCH_COMPILES, float(compiles["graphs"]), 0)
-            add_scalar(writer, TAG_SEARCH_COMPILE_SECONDS, float(compiles["seconds"]), 0)
-        if result.cost is not None:
-            for phase, seconds in result.cost.seconds.items():
-                add_scalar(writer, f"{TAG_SEARCH_PHASE_SECONDS}/{phase}", float(seconds), 0)
-            if result.cost.plain_steps is not None:
-                add_scalar(writer, TAG_SEARCH_PLAIN_STEPS, float(result.cost.plain_steps), 0)
+        for tag, value in _search_scalars(result).items():
+            add_scalar(writer, tag, value, 0)
         for t in result.trials:
             if t.confirmed and t.samples_per_second is not None:
-                add_scalar(writer, TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND, t.samples_per_second, t.number)
-        writer.add_text(TAG_SUMMARY, summary_markdown(result), global_step=0)
-        writer.add_text(TAG_PLAN, plan_markdown(result.best, result.best_trial), global_step=0)
+                add_scalar(writer, tags.TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND, t.samples_per_second, t.number)
+        writer.add_text(tags.TAG_SUMMARY, summary_markdown(result), global_step=0)
+        writer.add_text(tags.TAG_PLAN, plan_markdown(result.best, result.best_trial), global_step=0)
         memory = memory_breakdown_table
         if memory is None:
             memory = memory_markdown(result.memory_breakdown, result.best) if result.memory_breakdown else ""
-        if not memory and result.memory_table:
-            memory = _code_block(result.memory_table)
+        if not memory and result.memory_table:  # fenced: TensorBoard's markdown keeps the columns aligned
+            memory = f"```\n{result.memory_table}\n```"
         if memory:
-            writer.add_text(TAG_MEMORY_BREAKDOWN, memory, global_step=0)
+            writer.add_text(tags.TAG_MEMORY_BREAKDOWN, memory, global_step=0)
         if any(compile_stats(t) is not None for t in result.trials):
-            writer.add_text(TAG_CONFLICTS, conflicts_markdown(result), global_step=0)
+            writer.add_text(tags.TAG_CONFLICTS, conflicts_markdown(result), global_step=0)
         fig = pareto_figure(result)
         logdir.mkdir(parents=True, exist_ok=True)
-        fig.savefig(logdir / PARETO_PNG, dpi=110)
-        writer.add_image(TAG_PARETO, figure_to_hwc(fig), global_step=0, dataformats="HWC")
+        fig.savefig(logdir / tags.PARETO_PNG, dpi=110)
+        writer.add_image(tags.TAG_PARETO, figure_to_hwc(fig), global_step=0, dataformats="HWC")
         writer.flush()
     finally:
         if owned:

@@ -28,19 +28,15 @@ from lightning_ckpt.search.result import TuneResult, offload_figures
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = [
-    "NOISY_SPREAD",
     "conflicts_markdown",
     "memory_markdown",
     "plan_markdown",
-    "pruned_counts",
     "result_line",
     "summary_markdown",
     "summary_table",
     "time_model_line",
     "timing_warning",
     "trial_line",
-    "verdict_lines",
-    "verdict_of",
 ]
 
 # Relative step-time spread (MAD / median) above which two overlapping leaders are a noise problem, not a tie.
@@ -57,20 +53,13 @@ def _memory_cell(trial: TrialRecord, value: int | None) -> str:
     return format_bytes(value) if trial.memory_measured or value is None else "~" + format_bytes(value)
 
 
-def _fmt_rate(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
-
-
-def _fmt_overhead(x: float | None) -> str:
-    return "-" if x is None else f"+{x:.1%}"
+def _fmt(x: float | None, spec: str = "{:.1f}") -> str:
+    """``x`` formatted by ``spec`` (samples/s by default), ``-`` when nothing was recorded."""
+    return "-" if x is None else spec.format(x)
 
 
 def _fmt_ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
-
-
-def _fmt_error(x: float | None) -> str:
-    return "-" if x is None else f"{x:+.1%}"
 
 
 def pruned_counts(result: TuneResult, verb: str = "ruled out") -> str:
@@ -115,18 +104,17 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
         parts.append(f"{trial.samples_per_second:.1f} samples/s{predicted}")
     else:
         parts.append("not run" if trial.status == "pruned" else "no measurement")
-    memory = []
-    if not trial.memory_measured:  # timed only; its memory is the model's prediction (trials.Trials.verify)
-        if budget.kind == "activation":
-            memory.append(f"activation {format_bytes(trial.activation_bytes)} predicted")
-        memory.append(f"peak {format_bytes(trial.peak_bytes)} predicted")
-    else:
-        if budget.kind == "activation":
-            memory.append(
-                f"activation {format_bytes(trial.activation_bytes)} (pred {format_bytes(trial.predicted_activation_bytes)})"
-            )
-        memory.append(f"peak {format_bytes(trial.peak_bytes)} (pred {format_bytes(trial.predicted_peak_bytes)})")
-    parts.append(", ".join(memory))
+
+    def memory(name: str, value: int | None, predicted: int | None) -> str:
+        # Timed only: its memory is the model's prediction (trials.Trials.verify).
+        if not trial.memory_measured:
+            return f"{name} {format_bytes(value)} predicted"
+        return f"{name} {format_bytes(value)} (pred {format_bytes(predicted)})"
+
+    peak = memory("peak", trial.peak_bytes, trial.predicted_peak_bytes)
+    if budget.kind == "activation":
+        peak = f"{memory('activation', trial.activation_bytes, trial.predicted_activation_bytes)}, {peak}"
+    parts.append(peak)
     offload = offload_figures(trial)
     if offload is not None:
         parts.append(offload_phrase(offload))
@@ -150,11 +138,6 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     return " | ".join(parts)
 
 
-def verdict_of(result: TuneResult) -> Verdict | None:
-    """The confirmation's verdict the chosen plan's provenance holds (``search.verdict``), if any."""
-    return Verdict.recorded(result.best.provenance.search)
-
-
 def _verdict_phrase(verdict: Verdict) -> str:
     """The verdict as the result line and the summary say it: the ratio with its interval, and what it decided."""
     name = verdict.reference.removeprefix("baseline:")
@@ -167,11 +150,9 @@ def _verdict_phrase(verdict: Verdict) -> str:
 
 def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | None:
     """A warning when the side-by-side rounds could not decide: the verdict's interval still straddles the
-    threshold after the most rounds (the baseline was kept because the machine could not separate the plans, not
-    because it was faster). Without a verdict (no fitting baseline), when the two fastest plans that fit overlap
-    within spreads wider than ``noisy`` (relative). Two plans overlapping within tight spreads are simply as fast:
-    no warning."""
-    verdict = verdict_of(result)
+    threshold after the most rounds, or, without a verdict, the two fastest plans that fit overlap within spreads
+    wider than ``noisy`` (two plans overlapping within tight spreads are simply as fast)."""
+    verdict = Verdict.recorded(result.best.provenance.search)
     if verdict is not None:
         if verdict.outcome != "undecided":
             return None
@@ -196,8 +177,8 @@ def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | Non
         return None
     return (
         f"lightning_ckpt: timing spread too high to separate the leaders: [{a.label}] "
-        f"({_fmt_rate(a.samples_per_second)} samples/s, \u00b1{da / ma:.1%}) and [{b.label}] "
-        f"({_fmt_rate(b.samples_per_second)} samples/s, \u00b1{db / mb:.1%}) overlap after "
+        f"({_fmt(a.samples_per_second)} samples/s, \u00b1{da / ma:.1%}) and [{b.label}] "
+        f"({_fmt(b.samples_per_second)} samples/s, \u00b1{db / mb:.1%}) overlap after "
         f"{min(len(a.confirmation_seconds), len(b.confirmation_seconds))} side-by-side rounds: they could not be "
         "separated, so the tie rule chose between them (a baseline is kept; between tuned plans, lower memory), not "
         "speed. Something else was loading the machine; tune on an idle machine or raise measure_steps for a speed "
@@ -208,19 +189,19 @@ def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | Non
 def result_line(result: TuneResult) -> str:
     """The one line a quiet search ends with (like Lightning's BatchSizeFinder): what was chosen, how fast, how
     much memory against the budget, against the best baseline that fits, and what the search cost."""
-    winner, budget = result.best_trial, result.budget
+    winner, budget, search = result.best_trial, result.budget, result.best.provenance.search
     mem = memory_name(budget)
     parts = [f"lightning_ckpt: chose {result.best.describe()}"]
     if winner is not None:
         used = constrained_bytes(winner, budget)
         limit = f" of {format_bytes(budget.limit_bytes)}" if budget.limit_bytes is not None else ""
-        parts.append(f"{_fmt_rate(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
+        parts.append(f"{_fmt(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
         offload = offload_figures(winner)
         if offload is not None:
             parts.append(offload_phrase(offload))
         base = best_feasible_baseline(result)
-        verdict = verdict_of(result)
-        if result.best.provenance.search.get("none_fits"):
+        verdict = Verdict.recorded(search)
+        if search.get("none_fits"):
             parts.append(
                 "the memory model predicts no checkpointing fits the budget, so nothing else was searched (it could "
                 "only add recompute; search={'search_when_none_fits': True} searches anyway)"
@@ -235,9 +216,8 @@ def result_line(result: TuneResult) -> str:
             parts.append(f"the baseline {base[0]}: no tuned plan beat it")
     if result.fell_back:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
-    if result.best.provenance.search.get("speed_changes"):
+    if search.get("speed_changes"):
         parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
-    search = result.best.provenance.search
     stopped = (search.get("allowance") or {}).get("stopped") or []
     if stopped:
         parts.append(
@@ -317,13 +297,35 @@ def _by_throughput(result: TuneResult) -> list[TrialRecord]:
     return ([winner] if winner is not None else []) + measured + rest
 
 
+def _against_baselines(result: TuneResult, winner: TrialRecord) -> list[str]:
+    """The verdict, and the winner against the fastest baseline that fits: speed and memory."""
+    budget, mem = result.budget, memory_name(result.budget)
+    verdict = Verdict.recorded(result.best.provenance.search)
+    lines = [] if verdict is None else [f"verdict vs the fastest fitting baseline: {_verdict_phrase(verdict)}"]
+    best_base = best_feasible_baseline(result)
+    if best_base is None:
+        return [*lines, "vs baselines: no baseline fit the budget, so there is none to compare against."]
+    name, base = best_base
+    if base.number == winner.number:
+        return [*lines, f"vs baselines: the winner is the best feasible baseline itself ({name})."]
+    if verdict is not None and verdict.ratio is not None:
+        speed = verdict.describe()
+    else:
+        speed = _ratio(winner.samples_per_second, base.samples_per_second)
+    return [
+        *lines,
+        f"vs best feasible baseline {name} ({_fmt(base.samples_per_second)} samples/s, "
+        f"{mem} {format_bytes(constrained_bytes(base, budget))}): {speed} samples/s, "
+        f"{_ratio(constrained_bytes(winner, budget), constrained_bytes(base, budget))} {mem} memory",
+    ]
+
+
 def verdict_lines(result: TuneResult) -> list[str]:
     """What won, by how much against the best baseline that fits, under which budget, at what tuning cost.
 
     Against the best baseline that *fits*: beating one that would not run under the budget proves nothing.
     """
-    budget = result.budget
-    winner = result.best_trial
+    winner, budget, search = result.best_trial, result.budget, result.best.provenance.search
     mem = memory_name(budget)
     lines = []
     if winner is None:
@@ -332,37 +334,17 @@ def verdict_lines(result: TuneResult) -> list[str]:
         plan = result.best.describe()
         lines.append(
             f"winner (*): [trial {winner.number}] {winner.label}{'' if plan == winner.label else f' = {plan}'}: "
-            f"{_fmt_rate(winner.samples_per_second)} samples/s, peak {format_bytes(winner.peak_bytes)}, "
-            f"activation {format_bytes(winner.activation_bytes)}, recompute {_fmt_overhead(winner.recompute_overhead)}"
+            f"{_fmt(winner.samples_per_second)} samples/s, peak {format_bytes(winner.peak_bytes)}, "
+            f"activation {format_bytes(winner.activation_bytes)}, "
+            f"recompute {_fmt(winner.recompute_overhead, '+{:.1%}')}"
         )
-        best_base = best_feasible_baseline(result)
-        verdict = verdict_of(result)
-        if verdict is not None:
-            lines.append(f"verdict vs the fastest fitting baseline: {_verdict_phrase(verdict)}")
-        if best_base is None:
-            lines.append("vs baselines: no baseline fit the budget, so there is none to compare against.")
-        else:
-            name, base = best_base
-            if base.number == winner.number:
-                lines.append(f"vs baselines: the winner is the best feasible baseline itself ({name}).")
-            else:
-                speed = (
-                    verdict.describe()
-                    if verdict is not None and verdict.ratio is not None
-                    else f"{_ratio(winner.samples_per_second, base.samples_per_second)}"
-                )
-                lines.append(
-                    f"vs best feasible baseline {name} ({_fmt_rate(base.samples_per_second)} samples/s, "
-                    f"{mem} {format_bytes(constrained_bytes(base, budget))}): {speed} samples/s, "
-                    f"{_ratio(constrained_bytes(winner, budget), constrained_bytes(base, budget))} {mem} memory"
-                )
+        lines += _against_baselines(result, winner)
     if result.fell_back:
         chosen = f" ({winner.label}, {mem} {format_bytes(constrained_bytes(winner, budget))})" if winner else ""
         lines.append(
             f"NOTHING FIT THE BUDGET: no plan measured within {budget.description or budget.kind}; fell back to the "
             f"lowest-memory plan{chosen}. Raise the budget or reduce the batch size."
         )
-    search = result.best.provenance.search
     if search.get("tie_tolerance") is not None:
         lines.append(f"rule: {CHOICE_RULE} (tie tolerance {search['tie_tolerance']:.1%})")
     lines += [f"machine speed changed {change}" for change in search.get("speed_changes") or ()]
@@ -420,9 +402,7 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
         header += ("compile s",)
     rows = [header]
     side_by_side = any(t.confirmed for t in result.trials)
-    speeds = comparable_speeds(
-        result
-    )  # a side-by-side row on one scale with the winner's (its 'vs ref' x the reference)
+    speeds = comparable_speeds(result)  # a side-by-side row on one scale with the winner's
     for t in _by_throughput(result):
         stats = compile_stats(t)
         compile_cell = (f"{stats.get('compile_seconds', 0.0):.1f}" if stats else "-",) if compiled else ()
@@ -435,12 +415,12 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
                 format_bytes(t.predicted_peak_bytes),
                 _memory_cell(t, t.peak_bytes),
                 _memory_cell(t, t.activation_bytes),
-                _fmt_rate(speeds.get(t.number, t.samples_per_second)),
+                _fmt(speeds.get(t.number, t.samples_per_second)),
                 _timed(t, side_by_side),
                 f"{ratio:.2f}x" if (ratio := vs_reference(t)) is not None else "-",
                 _fmt_ms(t.predicted_seconds),
-                _fmt_error(t.prediction_error),
-                _fmt_overhead(t.recompute_overhead),
+                _fmt(t.prediction_error, "{:+.1%}"),
+                _fmt(t.recompute_overhead, "+{:.1%}"),
                 f"{t.seconds:.1f}",
                 *compile_cell,
             )
@@ -491,9 +471,8 @@ def _escape(text: str) -> str:
 def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> str:
     """The memory model's breakdown (``MemoryModel.to_dict``) as markdown tables in MiB.
 
-    Tables, not fixed-width text: TensorBoard wraps table cells to the page, while a wide code block is
-    cut off on the right. Modes are rows and blocks columns, and blocks with the same figures (and the
-    same mode in ``plan``) share one column (``h.0-7``), so a 48-layer model still reads at a glance.
+    Tables, not fixed-width text: TensorBoard wraps table cells to the page, while a wide code block is cut off on
+    the right. Blocks with the same figures (and mode in ``plan``) share one column, so 48 layers read at a glance.
     """
 
     def mib(n: Any) -> str:
@@ -517,17 +496,13 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
     in_plan = plan is not None and not plan.is_empty
 
     labels = plan.block_labels([b["fqn"] for b in blocks]) if plan is not None else {}
-
-    def mode_of(fqn: str) -> str:
-        return labels.get(fqn, "none")
-
     keys = list(dict.fromkeys(k for b in blocks for k in b.get("saved_bytes", {})))
     groups: dict[tuple[Any, ...], list[str]] = {}
     for b in blocks:
         saved = b.get("saved_bytes", {})
         # By the figures as printed: blocks a few bytes apart (the first and last of a stack) read the same.
         figures = tuple(mib(saved.get(k)) for k in keys)
-        signature = (figures, mib(b.get("recompute_transient_bytes")), mode_of(b["fqn"]))
+        signature = (figures, mib(b.get("recompute_transient_bytes")), labels.get(b["fqn"], "none"))
         groups.setdefault(signature, []).append(b["fqn"])
     all_fqns = [b["fqn"] for b in blocks]
     headers = [block_names(fqns, among=all_fqns) for fqns in groups.values()]
@@ -557,11 +532,8 @@ def _optimizer_state(breakdown: Mapping[str, Any], plan: Plan | None) -> tuple[s
 
 
 def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
-    """The plan as a markdown table (one row per checkpointed block) plus the figures that chose it.
-
-    Markdown because TensorBoard's text dashboard renders tables; block names go in backticks so
-    their dots and underscores are not read as emphasis.
-    """
+    """The plan as a markdown table (one row per checkpointed block) plus the figures that chose it; block names
+    go in backticks so their dots and underscores are not read as emphasis."""
     title = f"**Checkpointing plan** `{plan.name}`" if plan.name else "**Checkpointing plan**"
     lines = [f"{title}: {plan.describe()} (digest `{plan.digest()}`)", ""]
     if plan.is_empty:
@@ -578,13 +550,13 @@ def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
             "",
         ]
         rows = [
-            ["samples/s", _fmt_rate(trial.samples_per_second)],
+            ["samples/s", _fmt(trial.samples_per_second)],
             ["peak memory", f"{format_bytes(trial.peak_bytes)} (predicted {format_bytes(trial.predicted_peak_bytes)})"],
             [
                 "activation memory",
                 f"{format_bytes(trial.activation_bytes)} (predicted {format_bytes(trial.predicted_activation_bytes)})",
             ],
-            ["recompute overhead", _fmt_overhead(trial.recompute_overhead)],
+            ["recompute overhead", _fmt(trial.recompute_overhead, "+{:.1%}")],
         ]
         if trial.median_seconds is not None:
             spread = f" ± {trial.spread_seconds:.4f}" if trial.spread_seconds is not None else ""

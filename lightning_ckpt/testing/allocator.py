@@ -3,21 +3,9 @@
 A card is more than a byte count. The first small-card run on an H200 died with 11.17 GiB allocated, 4.74 GiB
 "reserved by PyTorch but unallocated" and a request of 6.14 GiB that allocated bytes alone would have fitted: the
 free bytes were scattered over cached segments that smaller tensors had split. This module follows
-``c10/cuda/CUDACachingAllocator.cpp`` in what decides such a refusal:
-
-* sizes rounded to ``min_block``; requests up to ``small_size`` served from a small pool of ``small_buffer``
-  segments, larger ones from a large pool (a ``large_buffer`` segment below ``min_large_alloc``, else the request
-  rounded up to ``round_large``);
-* a request takes the best-fitting free block of its pool (smallest that fits, then lowest address) and splits
-  it when the rest is worth keeping (small pool: at least ``min_block``; large: more than ``small_size``);
-  ``max_split_size`` keeps blocks at or above it whole for smaller requests, as ``max_split_size_mb`` does;
-* without a fitting block, a new segment if reserved bytes plus its size stay within the limit (the card, or the
-  per-process fraction); otherwise every fully free segment is released (``num_alloc_retries``) and the request
-  tried again; otherwise out of memory, in CUDA's own words;
-* a freed block merges with free neighbours; ``empty_cache`` releases fully free segments;
-* with expandable segments, each pool is one segment that maps pages (``small_buffer`` / ``large_buffer``) as it
-  grows; free pages are unmapped before a refusal and by ``empty_cache``, so what is reserved follows what is
-  allocated, up to page rounding.
+``c10/cuda/CUDACachingAllocator.cpp`` in what decides such a refusal: the small and large pools and their segment
+sizes, best fit and splitting (``max_split_size`` included), releasing every free segment and retrying before a
+refusal, merging freed neighbours, and expandable segments that map pages as they grow and unmap free ones.
 
 ``AllocatorSizes.scaled(n)`` divides every threshold by ``n`` so a model of a few MiB meets the allocator as a
 124M-parameter model meets a 24 GB card.

@@ -1,28 +1,11 @@
 """A simulated small GPU for CPU tests: CUDA's allocator failures, reproduced where CI runs.
 
 The tool exists for the card a model does not fit on, and CI has no card. ``SimulatedCard`` is a dispatch mode
-that counts the bytes of live storages created under it (plus the resident tensors it is given), and raises
-``torch.OutOfMemoryError`` when an op would take the total past what the card allows. While it is active the
-package reads memory from it as it reads CUDA's allocator (``lightning_ckpt.measure.device_memory``): allocated
-and peak bytes, the per-process cap (``set_per_process_memory_fraction``), the cache. So the CUDA path's
-failures run on CPU:
-
-* **a small card**: ``total_bytes`` between the full-checkpointing and no-checkpointing peaks;
-* **an allocator that refuses memory allocated bytes would fit**: ``reserve_factor > 1`` makes the cap count
-  reserved bytes (allocated times the factor, as the caching allocator's rounding and fragmentation do), so a
-  cap set at the budget refuses a step whose allocated peak fits it;
-* **a cache that grew**: reserved bytes keep their high-water mark until ``empty_cache()``;
-* **a leak**: anything a failed step leaves alive stays counted, so every later step starts higher.
-
-With ``segments`` (``AllocatorSizes``: CUDA's thresholds, scaled for tiny models) the card is a caching allocator
-(``testing.allocator``): storages are served from cached segments, best fit, split and merged; a request the cache
-cannot serve gets a new segment within the cap, or every free segment is released and it is tried again, or it is
-refused in CUDA's words, "X is reserved by PyTorch but unallocated" included. So fragmentation fails a step here as
-it does on a card. ``expandable`` is expandable segments as configured when the card starts (None: read from
-``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` on entering, as CUDA reads them when it starts);
-``runtime_switch=False`` makes the run-time switch do nothing, as on torch 2.11.
-
-Host copies are not counted: a storage on another device than the card's (``device``) is not the card's.
+that counts the bytes of live storages on its ``device`` (plus the resident tensors it is given) and raises
+``torch.OutOfMemoryError`` past what the card allows; while it is active ``lightning_ckpt.measure.device_memory``
+reads it as it reads CUDA's allocator. So a small card, a cap that counts reserved bytes (``reserve_factor``), a
+cache that keeps its high-water mark until ``empty_cache()`` and a leak a failed step leaves all run on CPU. With
+``segments`` the card is a caching allocator (``testing.allocator``), so fragmentation fails a step as on a card.
 
     card = SimulatedCard(total_bytes=40 * 2**20, resident=(model, optimizer))
     with card:
@@ -65,10 +48,11 @@ def _storages(values: Iterable[Any]) -> list[torch.UntypedStorage]:
 class SimulatedCard(TorchDispatchMode):
     """A card of ``total_bytes`` for tensors on ``device`` (CPU in the tests).
 
-    ``resident``: modules (their parameters, buffers and gradients), optimizers (their state) and tensors that
-    already live on the card when it is entered, counted as allocated from the start.
-    ``reserve_factor``: reserved bytes per allocated byte (>= 1), what the cap counts (CUDA's cap limits reserved
-    memory, not allocated).
+    ``resident``: modules, optimizers and tensors that already live on the card when it is entered, counted as
+    allocated from the start. ``reserve_factor``: reserved bytes per allocated byte (>= 1), what the cap counts
+    (CUDA's cap limits reserved memory, not allocated). ``expandable``: expandable segments when the card starts
+    (None: read from ``PYTORCH_CUDA_ALLOC_CONF`` on entering); ``runtime_switch=False``: the run-time switch does
+    nothing, as on torch 2.11.
     """
 
     def __init__(

@@ -64,13 +64,10 @@ def _images(step: int, size: int = 32, labels: int = 10) -> dict[str, Any]:
 # The sizes the tiny transformers share.
 _TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)
 _TINY_TEXT = dict(_TINY, max_position_embeddings=64)
+_DECODER = dict(_TINY_TEXT, num_key_value_heads=2, attention_dropout=0.1)
 _TINY_SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, pad_token_id=1, bos_token_id=0, eos_token_id=2)
 for _side in ("encoder", "decoder"):
     _TINY_SEQ2SEQ.update({f"{_side}_attention_heads": 4, f"{_side}_ffn_dim": 64})
-
-
-def _decoder_kwargs() -> dict[str, Any]:
-    return dict(_TINY_TEXT, num_key_value_heads=2, attention_dropout=0.1)
 
 
 def _sdpa(cfg: Any) -> Any:
@@ -106,19 +103,19 @@ def gpt2() -> ZooCase:
 def llama() -> ZooCase:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return ZooCase("llama", LlamaForCausalLM(_sdpa(LlamaConfig(**_decoder_kwargs()))), _lm, "decoder-only, GQA")
+    return ZooCase("llama", LlamaForCausalLM(_sdpa(LlamaConfig(**_DECODER))), _lm, "decoder-only, GQA")
 
 
 def qwen2() -> ZooCase:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return ZooCase("qwen2", Qwen2ForCausalLM(_sdpa(Qwen2Config(**_decoder_kwargs()))), _lm, "decoder-only")
+    return ZooCase("qwen2", Qwen2ForCausalLM(_sdpa(Qwen2Config(**_DECODER))), _lm, "decoder-only")
 
 
 def mistral() -> ZooCase:
     from transformers import MistralConfig, MistralForCausalLM
 
-    cfg = MistralConfig(**_decoder_kwargs(), sliding_window=8)
+    cfg = MistralConfig(**_DECODER, sliding_window=8)
     return ZooCase("mistral", MistralForCausalLM(_sdpa(cfg)), _lm, "decoder-only, sliding window")
 
 
@@ -126,7 +123,7 @@ def mixtral() -> ZooCase:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
-    cfg = MixtralConfig(**_decoder_kwargs(), num_local_experts=4, **moe)
+    cfg = MixtralConfig(**_DECODER, num_local_experts=4, **moe)
     return ZooCase("mixtral", MixtralForCausalLM(_sdpa(cfg)), _lm, "MoE, router aux loss in the loss")
 
 
@@ -135,7 +132,7 @@ def qwen2_moe() -> ZooCase:
 
     moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02, decoder_sparse_step=1)
     sizes = dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[])
-    cfg = Qwen2MoeConfig(**_decoder_kwargs(), **sizes, **moe)
+    cfg = Qwen2MoeConfig(**_DECODER, **sizes, **moe)
     return ZooCase("qwen2_moe", Qwen2MoeForCausalLM(_sdpa(cfg)), _lm, "MoE with a shared expert, router aux loss")
 
 
