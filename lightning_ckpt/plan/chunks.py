@@ -34,8 +34,7 @@ def sqrt_segments(stacks: Sequence[LayerStack], *, skipping: Collection[str] = (
         for s in stacks
         if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2 and s.fqn not in skipping
     }
-    # The last chunk is never checkpointed, so one chunk recomputes nothing (the "none" baseline) and chunks of one
-    # block each checkpoint block by block (as "full" does). Only a chunk of two or more blocks is new.
+    # The last chunk is never checkpointed, so only a chunk of two or more blocks differs from "none" or "full".
     sizes = {s.fqn: len(s.blocks) for s in stacks}
     if not any(1 < n < sizes[fqn] for fqn, n in segments.items()):
         return {}
