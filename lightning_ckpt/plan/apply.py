@@ -6,9 +6,6 @@ Modules are never wrapped or replaced: each planned module gets an instance-leve
 
 Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had: to
 dynamo's guards a plan applied again is the code it compiled, so switching back to it does not recompile.
-
-This module decides what to install and refuses a plan before touching anything; the forwards are
-``forwards.py``'s, the handle ``handle.py``'s.
 """
 
 from __future__ import annotations
@@ -203,7 +200,7 @@ def _stack_segments(
     for start, end in segment_chunks(len(names), n_chunks)[:-1]:
         fqns = tuple(f"{stack_fqn}.{n}" if stack_fqn else n for n in names[start:end])
         modules = [unwrap_compiled(stack.get_submodule(n)) for n in names[start:end]]
-        chunk = Chunk(stack_fqn, fqns, modules, watch)
+        chunk = Chunk(fqns, modules, watch)
         chunks.append(chunk)
         installs.append((modules[0], fqns[0], functools.partial(segment_head_forward, modules[0], chunk)))
         for i, m in enumerate(modules[1:], start=1):

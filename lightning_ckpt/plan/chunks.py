@@ -26,9 +26,8 @@ def sqrt_chunks(n_blocks: int) -> int:
 
 
 def sqrt_segments(stacks: Sequence[LayerStack], *, skipping: Collection[str] = ()) -> dict[str, int]:
-    """The ``sqrt_segments`` baseline: stack FQN -> ``sqrt_chunks`` for every stack segments can run on (an
-    ``nn.ModuleList``/``nn.Sequential`` of two or more blocks, not in ``skipping``). Empty when it would only
-    repeat another baseline. The search space's baseline is this one too, so both always name the same plan."""
+    """The ``sqrt_segments`` baseline (the search space's too): stack FQN -> ``sqrt_chunks`` for every stack segments
+    can run on (a ``ModuleList``/``Sequential`` of 2+ blocks, not ``skipping``); empty if it repeats another."""
     segments = {
         s.fqn: sqrt_chunks(len(s.blocks))
         for s in stacks

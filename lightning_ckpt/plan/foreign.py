@@ -1,6 +1,5 @@
 """Activation checkpointing installed by something other than lightning_ckpt, found so a plan is never put on top:
-it would recompute twice (and tuning would compare plans against a "none" that still recomputes). ``apply_plan``
-refuses such a model, naming each mechanism and how to switch it off.
+it would recompute twice (and tuning would compare plans against a "none" that still recomputes).
 """
 
 from __future__ import annotations

@@ -153,13 +153,10 @@ class Plan:
         per plan: a search asks for keys thousands of times (every candidate's, at every proposal)."""
         key = self.__dict__.get("_key")
         if key is None:
-            data: dict[str, Any] = {
-                "blocks": {k: v.to_dict() for k, v in self.blocks.items()},
-                "segments": self.segments,
-            }
-            if self.compile_memory_budget is not None:  # absent otherwise, so keys of older plans are unchanged
-                data["compile_memory_budget"] = self.compile_memory_budget
-            key = json.dumps(data, sort_keys=True)
+            d = self.to_dict()
+            key = json.dumps(
+                {k: d[k] for k in ("blocks", "segments", "compile_memory_budget") if k in d}, sort_keys=True
+            )
             object.__setattr__(self, "_key", key)
         return key
 
@@ -221,8 +218,7 @@ class Plan:
         groups: dict[str, list[str]] = {}
         for fqn in sorted(self.blocks, key=_natural_key):
             groups.setdefault(self.blocks[fqn].describe(), []).append(fqn)
-        drop = _shared_prefix_length(list(self.blocks))
-        parts = [f"{mode} {_compact_fqns(fqns, drop)}" for mode, fqns in groups.items()]
+        parts = [f"{mode} {block_names(fqns, among=list(self.blocks))}" for mode, fqns in groups.items()]
         parts += [f"segments({fqn or '<root>'}={n})" for fqn, n in self.segments.items()]
         if self.compile_memory_budget is not None:
             parts.append(f"pt2_budget({self.compile_memory_budget:g})")
@@ -237,7 +233,7 @@ class Plan:
             "segments": dict(self.segments),
             "metadata": dict(self.metadata),
         }
-        if self.compile_memory_budget is not None:
+        if self.compile_memory_budget is not None:  # absent otherwise, so older plans' files and keys are unchanged
             d["compile_memory_budget"] = self.compile_memory_budget
         return d
 
@@ -407,7 +403,7 @@ def _check_against_own_profile(plan: Plan, source: str) -> None:
     if not isinstance(stacks, list) or not all(isinstance(s, Mapping) for s in stacks):
         return
     stack_names = [s.get("fqn") for s in stacks]
-    block_names = [
+    blocks = [
         b.get("fqn")
         for s in stacks
         for b in (s.get("blocks") or [])
@@ -415,8 +411,8 @@ def _check_against_own_profile(plan: Plan, source: str) -> None:
     ]
     memory = profile.get("memory")
     if isinstance(memory, Mapping) and isinstance(memory.get("blocks"), list):
-        block_names += [b.get("fqn") for b in memory["blocks"] if isinstance(b, Mapping)]
-    known = sorted({n for n in block_names if isinstance(n, str)})
+        blocks += [b.get("fqn") for b in memory["blocks"] if isinstance(b, Mapping)]
+    known = sorted({n for n in blocks if isinstance(n, str)})
     if not known:
         return
     for fqn in plan.blocks:

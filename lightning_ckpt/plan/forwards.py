@@ -119,9 +119,8 @@ def deviate(chunk: Chunk, start: int, reason: str) -> None:
     if watch.reason is not None:
         return
     watch.reason = reason
-    stack = chunk.stack_fqn
     warnings.warn(
-        f"lightning_ckpt: segments[{stack!r}] could not run as planned in this step: {reason}. From there on the "
+        f"lightning_ckpt: segments[{watch.stack_fqn!r}] could not run as planned in this step: {reason}. From there on the "
         "blocks of that chunk ran without checkpointing, so the step is exact but uses more memory than the plan "
         "predicts (shown once per stack). Segments need a parent that calls every block of the stack in order, "
         "each with the previous block's output, and draws no random numbers in between. For a model that skips "
@@ -150,8 +149,7 @@ class Chunk:
     copied or pickled.
     """
 
-    def __init__(self, stack_fqn: str, fqns: tuple[str, ...], modules: list[nn.Module], watch: StackWatch) -> None:
-        self.stack_fqn = stack_fqn
+    def __init__(self, fqns: tuple[str, ...], modules: list[nn.Module], watch: StackWatch) -> None:
         self.fqns = fqns
         self.modules = modules
         self.guard = BufferGuard(modules)

@@ -142,11 +142,8 @@ class TimeModel:
                 return None
             for start, end in segment_chunks(len(fqns), n_chunks)[:-1]:
                 chunked.update(fqns[start:end])
-        keys: list[str | None] = []
-        for row in self.blocks:
-            bp = plan.blocks.get(row.fqn)
-            keys.append("full" if row.fqn in chunked else None if bp is None else mode_key(bp))
-        return keys
+        modes = {fqn: mode_key(bp) for fqn, bp in plan.blocks.items()}
+        return ["full" if row.fqn in chunked else modes.get(row.fqn) for row in self.blocks]
 
     def predict_seconds(self, plan: Plan) -> float | None:
         """``plan``'s predicted step seconds; None before calibration or when ``added_seconds`` is None.
