@@ -27,9 +27,7 @@ __all__ = [
 
 def hidden_of(output: Any) -> Any:
     """The part of a block's output that the next block takes as its hidden state."""
-    if isinstance(output, (tuple, list)) and output:
-        return output[0]
-    return output
+    return output[0] if isinstance(output, (tuple, list)) and output else output
 
 
 # Where a block call carries its hidden state: ("arg", index) or ("kw", name).
