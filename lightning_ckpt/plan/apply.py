@@ -1,25 +1,11 @@
 """Apply a plan to a model in place, reversibly, without changing a single FQN.
 
-Modules are never wrapped or replaced: each planned module gets an instance-level ``forward`` that
-runs the class's forward under non-reentrant checkpointing. So module names, ``state_dict`` keys and
-parameter objects stay exactly as they were (a checkpoint saved with a plan applied loads into a
-plain model), and ``PlanHandle.remove()`` deletes the instance attribute to restore the original.
+Modules are never wrapped or replaced: each planned module gets an instance-level ``forward`` (a
+``functools.partial`` of a module-level function, so ``deepcopy`` and ``pickle`` keep working), so
+``state_dict`` keys stay as they were and ``PlanHandle.remove()`` restores the original by deleting it.
 
-The instance forward is a ``functools.partial`` of a module-level function bound to the module, so
-``copy.deepcopy`` and ``pickle`` keep working and a deep-copied model calls its *own* layers; the model
-holds its ``PlanHandle``, so a copy carries a handle of its own (``plan_handle(copy).remove()``).
-
-A recompute never updates a buffer a second time: BatchNorm statistics, EMAs and counters end a step
-exactly as in the unplanned model, and a forward that reads a buffer it updates is recomputed from
-the value it read the first time (see ``buffer_guard.py``).
-
-Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had
-(and a stack the same segment chunks): to dynamo's guards a plan applied again is the code it compiled, so a
-compiled model switching back to a plan it has run runs that plan's graph without recompiling
-(``search.compile.CompiledTrials.retime``). Outside it every application installs fresh objects.
-
-This module decides what to install and refuses a plan before touching anything; the installed
-forwards are ``forwards.py``'s, segments' chain checks ``chain.py``'s, the handle ``handle.py``'s.
+Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had: to
+dynamo's guards a plan applied again is the code it compiled, so switching back to it does not recompile.
 """
 
 from __future__ import annotations
@@ -67,15 +53,14 @@ from lightning_ckpt.plan.offload import OffloadPool
 __all__ = ["apply_plan", "plan_applied", "reused_forwards"]
 
 _T = TypeVar("_T")
-# The forwards (and segment chunks) installed before, by (id(module), what): set by ``reused_forwards``.
-# The memo holds each module through its forward's partial, so an id is never reused while it is held.
+# ``reused_forwards``' memo, by (id(module), what): it holds each module, so an id is never reused while held.
 _REUSED: ContextVar[dict[tuple[Any, ...], Any] | None] = ContextVar("lightning_ckpt_reused_forwards", default=None)
 
 
 @contextlib.contextmanager
 def reused_forwards(memo: dict[tuple[Any, ...], Any]) -> Iterator[None]:
-    """Plans applied inside install the forward objects ``memo`` kept from earlier applications (see the module
-    docstring); the caller owns ``memo`` and drops it with the compiled graphs it was kept for."""
+    """Plans applied inside reuse the forward objects ``memo`` kept (see the module docstring); the caller drops
+    ``memo`` with the compiled graphs it was kept for."""
     token = _REUSED.set(memo)
     try:
         yield
@@ -100,8 +85,7 @@ _Install = tuple[nn.Module, str, Any]  # (module, its FQN, the forward to give i
 
 def _resolve(root: nn.Module, fqn: str, what: str) -> nn.Module:
     try:
-        # Unwrapped so a block wrapped by torch.compile(block) gets its forward patched on the module
-        # the compiled code calls, inside the compiled region rather than around it.
+        # Unwrapped: a block under torch.compile(block) is patched inside the compiled region, not around it.
         return unwrap_compiled(root.get_submodule(fqn)) if fqn else root
     except AttributeError:
         names = [n for n, _ in root.named_modules() if n]
@@ -123,7 +107,7 @@ def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan, *, compiled_a
                 f"{', '.join(kids) or '(none)'}. Fix the 'children' list of this block in the plan."
             ) from None
         if compiled_alone:
-            forward = _reused((id(child), "child", None), _child_checkpointing, child)
+            forward = _reused((id(child), "child", None), child_forward, child)
         else:
             forward = _reused((id(child), "checkpoint", None), _checkpointing, child, None)
         installs.append((child, f"{fqn}.{child_name}", forward))
@@ -135,10 +119,6 @@ def _compiled_alone(root: nn.Module, fqn: str, block: nn.Module) -> bool:
     parent): its children's forwards must then let one graph serve every block (``forwards.child_forward``)."""
     wrapper = root.get_submodule(fqn) if fqn else root
     return is_compile_wrapper(wrapper) or getattr(block, "_compiled_call_impl", None) is not None
-
-
-def _child_checkpointing(module: nn.Module) -> Any:
-    return child_forward(module)
 
 
 def _checkpointing(module: nn.Module, save_list: str | None, saves_inputs: bool = False) -> functools.partial[Any]:
@@ -216,12 +196,11 @@ def _stack_segments(
     installs: list[_Install] = []
     watch = StackWatch(stack_fqn)
     chunks = []
-    # The last chunk is not checkpointed (as torch's checkpoint_sequential does): its activations
-    # are needed first in backward, so recomputing them would cost time and save no peak memory.
+    # The last chunk is not checkpointed (as in checkpoint_sequential): backward needs its activations first.
     for start, end in segment_chunks(len(names), n_chunks)[:-1]:
         fqns = tuple(f"{stack_fqn}.{n}" if stack_fqn else n for n in names[start:end])
         modules = [unwrap_compiled(stack.get_submodule(n)) for n in names[start:end]]
-        chunk = Chunk(stack_fqn, fqns, modules, watch)
+        chunk = Chunk(fqns, modules, watch)
         chunks.append(chunk)
         installs.append((modules[0], fqns[0], functools.partial(segment_head_forward, modules[0], chunk)))
         for i, m in enumerate(modules[1:], start=1):
@@ -263,13 +242,10 @@ def _install(module: nn.Module, forward: Any) -> Patch:
 def apply_plan(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: bool = True) -> PlanHandle:
     """Apply ``plan`` to ``model`` in place and return a handle whose ``remove()`` undoes it.
 
-    ``model`` may be a ``ModelView`` (what the search passes for every trial): the plan is applied to its root
-    and checked against its fingerprint, computed once, rather than hashing the model on every call.
-
-    Everything is validated before the first module is touched, so a refused plan leaves the model
-    as it was. Apply before ``torch.compile``-ing, or reset dynamo afterwards: a compiled graph
-    does not see a changed forward until it recompiles. A plan's ``compile_memory_budget`` sets
-    ``torch._functorch.config.activation_memory_budget`` (process-wide) until ``remove()``.
+    ``model`` may be a ``ModelView``, whose fingerprint is computed once. Everything is validated before the first
+    module is touched, so a refused plan leaves the model as it was. Apply before ``torch.compile``-ing, or reset
+    dynamo afterwards: a compiled graph does not see a changed forward until it recompiles. A plan's
+    ``compile_memory_budget`` is set process-wide until ``remove()``.
     """
     root = model.root if isinstance(model, ModelView) else unwrap_compiled(model)
     current = applied_plan(root)
@@ -287,14 +263,13 @@ def apply_plan(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: b
     installs += segment_installs
     _refuse_conflicts(installs)
 
-    # The partitioner reads the budget when it compiles, so it is set process-wide for as long as the plan
-    # is applied (compiles that happen later, e.g. after a recompile, must see it too).
+    # Process-wide while the plan is applied: the partitioner reads it at every (re)compile.
     previous_budget = None
     if plan.compile_memory_budget is not None:
         previous_budget = set_compile_memory_budget(plan.compile_memory_budget)
     patches = [_install(module, forward) for module, _fqn, forward in installs]
-    pools = {id(f.args[1]): f.args[1] for _m, _f, f in installs if getattr(f, "func", None) is offloaded_forward}
-    handle = PlanHandle(root, plan, patches, previous_budget, watches, offload_pool=next(iter(pools.values()), None))
+    pool = next((f.args[1] for _m, _f, f in installs if getattr(f, "func", None) is offloaded_forward), None)
+    handle = PlanHandle(root, plan, patches, previous_budget, watches, offload_pool=pool)
     ACTIVE[root] = handle
     # Held by the model itself so that a copy of it (deepcopy, pickle, torch.save) carries its own handle.
     root.__dict__[HANDLE_ATTR] = handle

@@ -42,13 +42,10 @@ def baselines(
 ) -> dict[str, Plan]:
     """Named baseline plans for ``model``: none, full, sqrt_segments, selective_mlp, ops_save_matmuls, offload.
 
-    A baseline that does not make sense for the model is left out rather than faked: ``sqrt_segments``
-    needs a stack that is an ``nn.ModuleList``/``nn.Sequential`` whose parent does not skip blocks by
-    configuration (LayerDrop, see ``skipping.py``), and a chunk of two or more blocks (with two blocks,
-    sqrt(2) chunks are one chunk, which recomputes nothing); ``selective_mlp`` needs blocks with
-    a recognisable feed-forward child. With ``memory_model`` (a profile of one step), plans the profile
-    shows cannot run are left out too: segments over a stack whose blocks are not a chain (T5 hands
-    block 0's position bias to every later block), a save-list a block failed under.
+    A baseline that does not make sense for the model is left out rather than faked: ``sqrt_segments`` needs a
+    ``ModuleList``/``Sequential`` stack whose parent does not skip blocks and a chunk of two or more blocks;
+    ``selective_mlp`` needs a recognisable feed-forward child. With ``memory_model``, plans its profile shows
+    cannot run (blocks that are not a chain, a save-list a block failed under) are left out too.
     """
     root = unwrap_compiled(model)
     stacks = list(stacks) if stacks is not None else discover_blocks(root, block_types=block_types)

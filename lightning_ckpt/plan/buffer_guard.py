@@ -1,10 +1,8 @@
 """Buffers under recompute: a checkpointed region's recompute never updates a buffer a second time.
 
-A recompute runs the region's forward again, in training mode, so every buffer update in it (BatchNorm's running
-statistics, an EMA, a step counter) would happen twice, and a forward that reads a buffer it updates would be
-recomputed from the updated value (different gradients). So each recompute runs on throwaway copies, holding the
-pre-forward values, of the buffers the forward updated. Under torch.compile none of this applies (nor traces):
-AOTAutograd's functionalisation applies a buffer update once, after the graph.
+Otherwise BatchNorm statistics, EMAs and counters would advance twice per step, and a forward that reads a buffer
+it updates would be recomputed from the new value. So a recompute runs on throwaway copies of the pre-forward
+values. Under torch.compile, AOTAutograd applies a buffer update once, after the graph.
 """
 
 from __future__ import annotations
@@ -111,16 +109,14 @@ class _Recompute:
 class BufferGuard:
     """Checkpoints one region (a block, a child, a segment's blocks) so that its recompute leaves buffers alone.
 
-    Which buffers the forward updates is learned on its first call per train/eval configuration (every buffer
-    copied and compared); later calls copy only those, so a large constant buffer (a causal mask) costs nothing per
-    step. A buffer first updated later is caught by version counter or reassignment (not BatchNorm-style updates)
-    and kept from then on. Holds no tensors between steps, so a planned model still deep-copies and pickles.
+    Which buffers the forward updates is learned on its first call per train/eval configuration; later calls copy
+    only those, so a large constant buffer (a causal mask) costs nothing per step. Holds no tensors between steps,
+    so a planned model still deep-copies and pickles.
     """
 
     def __init__(self, modules: list[nn.Module], *, saves_inputs: bool = False) -> None:
         self.modules = modules
-        # Hand checkpoint the input tensors one by one, which it saves as autograd saves tensors: under the hooks
-        # around it (``offload_input``: the offload pool's), where a tuple of them is kept as it is.
+        # Inputs handed to checkpoint one by one are saved under the hooks around it (``offload_input``'s pool).
         self.saves_inputs = saves_inputs
         self.updated: dict[tuple[bool, ...], set[_BufferKey]] = {}  # train/eval flags -> updated buffers
         self.eager_under_compile = _compiled_recompute_updates_twice(modules)
@@ -144,8 +140,8 @@ class BufferGuard:
         versions = {k: version_counter(buf) for k, (_, _, buf) in slots.items()}
         before = _copies({k: slots[k][2] for k in (slots.keys() if known is None else known & slots.keys())})
         out = self._checkpoint(recompute, args, kwargs, extra)
-        # Values are compared (torch.equal: a host sync on CUDA) only on the first call in a configuration; later
-        # calls check the rest by version counter and identity alone: training pays no sync per region and step.
+        # Values are compared (a host sync on CUDA) only on the first call in a configuration; later calls check
+        # by version counter and identity alone.
         if known is None:
             updated = self.updated[flags] = {k for k, s in slots.items() if _changed(s, before.get(k), versions[k])}
         else:
@@ -179,11 +175,8 @@ class BufferGuard:
         return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
-# Before torch 2.9 a *compiled* checkpointed region applies its buffer updates again in the recompute (torch 2.6 and
-# 2.8: BatchNorm's num_batches_tracked advances by 2 per step, silently); from 2.9 AOTAutograd applies them once. So
-# there a region holding running statistics runs eagerly under the guard inside a compiled model: exact, at the cost
-# of a graph break (the compiled search reports a conflict and avoids it). Only norms with running statistics can be
-# seen from the module tree; docs/versions.md lists other buffers as a limitation.
+# Before torch 2.9 a *compiled* checkpointed region applies its buffer updates again in the recompute, silently; so
+# there a region holding running statistics runs eagerly under the guard (a graph break). docs/versions.md.
 COMPILED_BUFFER_UPDATES_EXACT = (2, 9)
 
 

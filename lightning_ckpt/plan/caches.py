@@ -1,10 +1,7 @@
 """Training forwards without KV caches (HF ``use_cache``).
 
-HF decoder models build a key/value cache in every forward when ``config.use_cache`` is true (most configs' default).
-A training step never reads it, yet it holds every layer's K and V until the forward ends: memory no plan can remove
-and the per-block profile cannot see. HF turns it off under gradient checkpointing; so do we, while tuning and
-training with a plan, restoring the user's setting after. A checkpointed block is also called without the cache its
-caller hands it (``without_cache_args``): its recompute would append to that cache a second time.
+A training step never reads the cache, yet it holds every layer's K and V until the forward ends: memory no plan
+can remove. HF turns it off under gradient checkpointing; so do we, while tuning and training with a plan.
 """
 
 from __future__ import annotations
@@ -124,9 +121,7 @@ def without_kv_cache(fn: Callable[..., R]) -> Callable[..., R]:
     return wrapper
 
 
-# Arguments that carry a KV cache. A block appending to it in forward would append again when recomputed, seeing
-# other keys (selective checkpointing fails: "encountered during backward but not found in storage"); training never
-# reads it, so under checkpointing it is None, as under HF's own gradient checkpointing.
+# Arguments that carry a KV cache: None under checkpointing (as under HF's), or a recompute would append twice.
 CACHE_ARGS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
 
 

@@ -1,8 +1,5 @@
-"""A segment's side of the bargain with the parent model: how it tells that the parent calls the chunk's blocks as
-a chain. A segment runs several blocks inside one checkpoint, but the parent still calls every block, so a block's
-precomputed output goes only to the call the chunk predicted (the next block, the previous output where the hidden
-state travels, the same other arguments, the random state where the chunk left it); any other call gives the chunk
-up for that step, exactly, at the cost of the memory the plan meant to save.
+"""How a segment tells that the parent calls the chunk's blocks as a chain: a precomputed output goes only to the
+call the chunk predicted (next block, previous output as hidden state, same other arguments and random state).
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ __all__ = [
 
 def hidden_of(output: Any) -> Any:
     """The part of a block's output that the next block takes as its hidden state."""
-    if isinstance(output, (tuple, list)) and output:
-        return output[0]
-    return output
+    return output[0] if isinstance(output, (tuple, list)) and output else output
 
 
 # Where a block call carries its hidden state: ("arg", index) or ("kw", name).
@@ -42,8 +37,7 @@ _HIDDEN_KEYWORDS = ("hidden_states", "x", "input", "inputs", "hidden")
 
 def hidden_slot(args: tuple[Any, ...], kwargs: Mapping[str, Any], *, strict: bool = False) -> HiddenAt | None:
     """Where this call's hidden state is: the first floating-point tensor argument, else keyword (the usual names
-    first), else the first argument unless ``strict`` (the chain check: such a call carries none). One rule for
-    segments (what a chunk passes on) and the profile's chain check (whether segments are offered)."""
+    first), else the first argument unless ``strict``. One rule for segments and the profile's chain check."""
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             return ("arg", i)
@@ -81,10 +75,8 @@ def same_value(a: Any, b: Any) -> bool:
         return False
 
 
-# Random state around a segment: without a plan the parent and the blocks draw in turn (dropout in block k, then
-# LayerDrop's coin for block k+1); a chunk runs its blocks at once, so afterwards the state goes back to where block 0
-# left it, and a later block's output is handed out only if the state is where that block started inside the chunk
-# (and is then moved to where it ended).
+# Random state: a chunk runs its blocks at once, so afterwards the state goes back to where block 0 left it, and a
+# later block's output is handed out only if the parent left the state where that block started inside the chunk.
 def tensor_devices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.device, ...]:
     """The accelerator devices a call's tensors live on (the CPU generator is always tracked)."""
     leaves = tree_leaves((args, kwargs))

@@ -26,16 +26,14 @@ def sqrt_chunks(n_blocks: int) -> int:
 
 
 def sqrt_segments(stacks: Sequence[LayerStack], *, skipping: Collection[str] = ()) -> dict[str, int]:
-    """The ``sqrt_segments`` baseline: stack FQN -> ``sqrt_chunks`` for every stack segments can run on (an
-    ``nn.ModuleList``/``nn.Sequential`` of two or more blocks, not in ``skipping``). Empty when it would only
-    repeat another baseline. The search space's baseline is this one too, so both always name the same plan."""
+    """The ``sqrt_segments`` baseline (the search space's too): stack FQN -> ``sqrt_chunks`` for every stack segments
+    can run on (a ``ModuleList``/``Sequential`` of 2+ blocks, not ``skipping``); empty if it repeats another."""
     segments = {
         s.fqn: sqrt_chunks(len(s.blocks))
         for s in stacks
         if s.container_class in ("ModuleList", "Sequential") and len(s.blocks) >= 2 and s.fqn not in skipping
     }
-    # The last chunk is never checkpointed, so one chunk recomputes nothing (the "none" baseline) and chunks of one
-    # block each checkpoint block by block (as "full" does). Only a chunk of two or more blocks is new.
+    # The last chunk is never checkpointed, so only a chunk of two or more blocks differs from "none" or "full".
     sizes = {s.fqn: len(s.blocks) for s in stacks}
     if not any(1 < n < sizes[fqn] for fqn, n in segments.items()):
         return {}

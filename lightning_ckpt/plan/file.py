@@ -1,6 +1,5 @@
 """Plan files as bytes on disk: replaced atomically, saved under a directory lock, read with errors that say what
-is wrong with the file, and versioned by a digest of their bytes (``plan_file_version``). Nothing here knows what a
-plan is (``format.Plan.save``/``Plan.load`` do).
+is wrong with the file, and versioned by a digest of their bytes. Nothing here knows what a plan is.
 """
 
 from __future__ import annotations
@@ -124,9 +123,8 @@ def max_plan_bytes() -> int:
         ) from None
 
 
-def read_json(path: Path, where: str) -> Any:
-    """The JSON value in the file at ``path``; anything unreadable or malformed raises ``PlanError`` starting with
-    ``where``. Only a regular file of at most ``max_plan_bytes()`` is read."""
+def _read_bytes(path: Path, where: str) -> bytes:
+    """The bytes of a regular file of at most ``max_plan_bytes()``, else ``PlanError`` saying why not."""
     limit = max_plan_bytes()
     try:
         info = path.stat()
@@ -157,6 +155,13 @@ def read_json(path: Path, where: str) -> Any:
         ) from None
     except OSError as err:
         raise PlanError(f"{where} cannot be read: {err.strerror or err}. Check the path and the disk.") from None
+    return raw
+
+
+def read_json(path: Path, where: str) -> Any:
+    """The JSON value in the file at ``path``; anything unreadable or malformed raises ``PlanError`` starting with
+    ``where``."""
+    raw = _read_bytes(path, where)
     try:
         text = raw.decode("utf-8-sig")  # tolerate the byte-order mark some editors add
     except UnicodeDecodeError as err:

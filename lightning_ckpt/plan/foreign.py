@@ -1,6 +1,5 @@
 """Activation checkpointing installed by something other than lightning_ckpt, found so a plan is never put on top:
-it would recompute twice (and tuning would compare plans against a "none" that still recomputes). ``apply_plan``
-refuses such a model, naming each mechanism and how to switch it off.
+it would recompute twice (and tuning would compare plans against a "none" that still recomputes).
 """
 
 from __future__ import annotations
@@ -84,10 +83,9 @@ def _foreign_checkpointing(model: nn.Module) -> list[tuple[str, str, str]]:
 
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
-    """Activation checkpointing already installed in ``model`` by something other than lightning_ckpt, one
-    ``"FQN: what"`` per module (``<root>`` for the model): Hugging Face's ``gradient_checkpointing_enable()``, timm's
-    ``set_grad_checkpointing()``, a ``use_checkpoint=True`` flag, torch's ``checkpoint_wrapper`` and composable
-    ``checkpoint``. A plan on top would recompute twice, so ``apply_plan`` refuses such a model."""
+    """Activation checkpointing already installed in ``model`` by something other than lightning_ckpt (Hugging Face,
+    timm, ``use_checkpoint=True``, torch's ``checkpoint_wrapper`` and composable ``checkpoint``), one ``"FQN: what"``
+    per module (``<root>`` for the model). A plan on top would recompute twice, so ``apply_plan`` refuses it."""
     return [f"{fqn or '<root>'}: {what}" for fqn, what, _ in _foreign_checkpointing(model)]
 
 

@@ -1,19 +1,13 @@
 """Plans: what to checkpoint, per block FQN, as frozen data with a versioned JSON form.
 
-A plan names modules by fully qualified name, never by position, so it survives compile wrappers
-and can be checked against any model. Blocks not listed are left alone (mode ``none``), which keeps
-plan files short and readable.
-
-The file format is published as a JSON Schema (draft 2020-12), ``lightning_ckpt/plan/plan_schema.json``
-(``schema.plan_schema()`` returns it), so other tools can check a plan too, e.g.
-``check-jsonschema --schemafile plan_schema.json plans/gpt.json``. ``Plan.load`` and ``Plan.from_dict``
-validate against it with ``jsonschema`` before building anything, and refuse whatever does not fit
-with one ``PlanError`` that names the file, the field, what was found and what is expected
-(``schema.py``). How the bytes reach the disk, atomically and under a lock, is ``file.py``'s.
+A plan names modules by fully qualified name, never by position, so it survives compile wrappers and can be
+checked against any model; blocks not listed are left alone (mode ``none``), which keeps plan files short.
+Files are validated against ``schema.py``'s JSON Schema before anything is built; ``file.py`` owns the bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import hashlib
@@ -50,9 +44,9 @@ MODES = ("none", "full", "selective", "ops", "offload", "offload_input")
 class BlockPlan:
     """How one block is checkpointed.
 
-    mode: ``none`` | ``full`` (whole block) | ``selective`` (only ``children``) | ``ops`` (whole block
-    with op save-list ``save_list``) | ``offload`` (saved activations kept in host memory) | ``offload_input``
-    (checkpointed whole, the one input it keeps held in host memory).
+    mode: ``none`` | ``full`` | ``selective`` (only ``children``) | ``ops`` (whole block, op save-list
+    ``save_list``) | ``offload`` (saved activations in host memory) | ``offload_input`` (``full``, its input in host
+    memory).
     """
 
     mode: str = "none"
@@ -102,8 +96,7 @@ class BlockPlan:
 
 
 def mode_key(block_plan: BlockPlan) -> str:
-    """A block plan as the profile keys its runs: ``none``, ``full``, ``offload(_input)``, ``ops:<save_list>`` or
-    ``selective:<child>[,<child>...]`` (children sorted)."""
+    """A block plan as the profile keys its runs: the mode, ``ops:<save_list>`` or ``selective:<sorted children>``."""
     if block_plan.mode == "ops":
         return f"ops:{block_plan.save_list}"
     if block_plan.mode == "selective":
@@ -119,10 +112,8 @@ class Plan:
     segments: stack FQN -> chunk count; each chunk stores only its input and is recomputed as one.
     fingerprint: ``model_fingerprint`` of the model the plan was made for (None: not checked).
     metadata: the plan file's record beyond the plan, as JSON; read it as ``provenance`` (typed sections).
-    compile_memory_budget: PT2's ``torch._functorch.config.activation_memory_budget`` (0..1) to compile
-        the model with: the min-cut partitioner then chooses what to recompute so that saved
-        activations stay under that fraction of its default choice. Only meaningful for a model run
-        under ``torch.compile``; ``apply_plan`` sets it process-wide and ``remove()`` restores it.
+    compile_memory_budget: PT2's ``activation_memory_budget`` (0..1) for a model under ``torch.compile``: the
+        partitioner recomputes so saved activations stay under that fraction of its default choice.
     """
 
     blocks: Mapping[str, BlockPlan] = field(default_factory=dict)
@@ -157,19 +148,15 @@ class Plan:
                 )
             object.__setattr__(self, "compile_memory_budget", float(budget))
 
-    # -- identity -------------------------------------------------------------------------------
     def key(self) -> str:
         """A canonical string of what the plan *does* (not its name or metadata): equal plans, equal keys. Made once
         per plan: a search asks for keys thousands of times (every candidate's, at every proposal)."""
         key = self.__dict__.get("_key")
         if key is None:
-            data: dict[str, Any] = {
-                "blocks": {k: v.to_dict() for k, v in self.blocks.items()},
-                "segments": self.segments,
-            }
-            if self.compile_memory_budget is not None:  # absent otherwise, so keys of older plans are unchanged
-                data["compile_memory_budget"] = self.compile_memory_budget
-            key = json.dumps(data, sort_keys=True)
+            d = self.to_dict()
+            key = json.dumps(
+                {k: d[k] for k in ("blocks", "segments", "compile_memory_budget") if k in d}, sort_keys=True
+            )
             object.__setattr__(self, "_key", key)
         return key
 
@@ -183,10 +170,8 @@ class Plan:
         return isinstance(other, Plan) and self.key() == other.key()
 
     def block_labels(self, block_fqns: Sequence[str]) -> dict[str, str]:
-        """What this plan does to each of ``block_fqns`` (in stack order), in words: its per-block mode, or for a
-        block of a segmented stack which segment it is in (a segment keeps its first block's input and recomputes
-        all its blocks in backward; the last segment is not checkpointed, as in ``checkpoint_sequential``: its
-        blocks keep what they keep without a plan). Without this a segments plan reads as ``none`` on every block."""
+        """What this plan does to each of ``block_fqns`` (in stack order), in words, segments included: without
+        this a segments plan reads as ``none`` on every block."""
         from lightning_ckpt.plan.chunks import segment_chunks
 
         labels = {fqn: self.mode_of(fqn).describe() for fqn in block_fqns}
@@ -224,30 +209,21 @@ class Plan:
     def describe(self) -> str:
         """A one-line human summary that names the blocks, e.g. ``full h.0-3, selective(mlp) h.4-7``.
 
-        Blocks are grouped by mode, in FQN order (``h.2`` before ``h.10``). Each group lists its
-        blocks as module paths without the dotted prefix that every block of the plan shares
-        (``transformer.h.0`` reads ``h.0``; the container's own name always stays), with integer
-        indices folded into ranges: ``h.0,2,4,6``, ``h.0-1,4-5``. Blocks of different containers are
-        separated by a space: ``full decoder.block.0-1 encoder.block.0-1``. Blocks left at ``none``
-        are not listed; the empty plan reads ``none``.
-
-        Plans with different block assignments read differently, with one exception: the shared
-        prefix is not shown, so a plan that touches only ``encoder.block`` reads like the same plan
-        on ``decoder.block``. ``key()`` is the exact identity.
+        Blocks are grouped by mode, without the dotted prefix every block shares (``transformer.h.0`` reads
+        ``h.0``), indices folded into ranges; the empty plan reads ``none``. Since the prefix is dropped, a plan on
+        ``encoder.block`` reads like the same plan on ``decoder.block``: ``key()`` is the exact identity.
         """
         if self.is_empty:
             return "none"
         groups: dict[str, list[str]] = {}
         for fqn in sorted(self.blocks, key=_natural_key):
             groups.setdefault(self.blocks[fqn].describe(), []).append(fqn)
-        drop = _shared_prefix_length(list(self.blocks))
-        parts = [f"{mode} {_compact_fqns(fqns, drop)}" for mode, fqns in groups.items()]
+        parts = [f"{mode} {block_names(fqns, among=list(self.blocks))}" for mode, fqns in groups.items()]
         parts += [f"segments({fqn or '<root>'}={n})" for fqn, n in self.segments.items()]
         if self.compile_memory_budget is not None:
             parts.append(f"pt2_budget({self.compile_memory_budget:g})")
         return ", ".join(parts)
 
-    # -- serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "schema_version": 1 if self.compile_memory_budget is None else SCHEMA_VERSION,
@@ -257,7 +233,7 @@ class Plan:
             "segments": dict(self.segments),
             "metadata": dict(self.metadata),
         }
-        if self.compile_memory_budget is not None:
+        if self.compile_memory_budget is not None:  # absent otherwise, so older plans' files and keys are unchanged
             d["compile_memory_budget"] = self.compile_memory_budget
         return d
 
@@ -266,11 +242,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
-        """Build a plan from its JSON form, refusing anything that does not fit ``plan_schema()``.
-
-        Schema versions 1 and 2 load; a newer one is refused with the advice to upgrade. Every
-        refusal is a ``PlanError`` that starts with ``source`` and names the offending field.
-        """
+        """Build a plan from its JSON form; anything that does not fit ``plan_schema()`` raises a ``PlanError`` that
+        starts with ``source`` and names the field."""
         validate(data, source)
         blocks = {}
         for fqn, spec in data.get("blocks", {}).items():
@@ -296,16 +269,9 @@ class Plan:
     def save(self, path: str | os.PathLike[str], *, unchanged_since: str | None | object = _ANY_VERSION) -> Path:
         """Write atomically: a crash or a full disk leaves any previous plan file intact.
 
-        The text goes to a temporary file beside the target, which then replaces it. The file ends
-        with the permissions it would have had if written in place: a new file gets what ``open()``
-        gives (``0o666`` less the umask; ``tempfile``'s ``0o600`` would hide a shared plan from the
-        team), a replaced file keeps its own mode, and a symlink keeps pointing at the file it names.
-
         ``unchanged_since``: the file's ``plan_file_version`` when the caller last read or wrote it (None: there
-        was no file). If the file now holds anything else - another run saved its plan there meanwhile - nothing
-        is written and ``PlanFileChangedError`` names the plan it holds. (A file deleted since holds no plan to
-        lose, and is written.) The check and the replacement run under a lock on the file's directory, so of
-        two processes saving at once one writes and the other finds the file changed.
+        was no file). If another run saved to it meanwhile, nothing is written and ``PlanFileChangedError`` names
+        the plan it holds; the check runs under a directory lock, so of two concurrent saves one loses.
         """
         path = Path(path)
         data = self.to_json().encode("utf-8")
@@ -324,11 +290,9 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         """Read a plan file; anything unreadable or malformed raises ``PlanError`` naming the file (and field)."""
-        path = Path(path)
         where = f"Plan file {str(path)!r}"
-        return cls.from_dict(read_json(path, where), source=where)
+        return cls.from_dict(read_json(Path(path), where), source=where)
 
-    # -- checks against a model ---------------------------------------------------------------------
     def check_fingerprint(self, model: nn.Module | ModelView) -> None:
         """Refuse a plan made for another model. A ``ModelView`` carries its fingerprint, computed once."""
         if self.fingerprint is None:
@@ -363,13 +327,10 @@ def _refuse_if_changed(target: Path, expected: str | None) -> None:
     found = plan_file_version(target)
     if found is None or found == expected:
         return
-    try:
-        current: Plan | None = Plan.load(target)
-    except PlanError:
-        current = None
-    if current is None:
-        held = "a file that is not a readable plan"
-    else:
+    current: Plan | None = None
+    held = "a file that is not a readable plan"
+    with contextlib.suppress(PlanError):
+        current = Plan.load(target)
         named = f" {current.name!r}" if current.name else ""
         held = f"plan{named} {current.describe()} (digest {current.digest()})"
     message = (
@@ -380,9 +341,6 @@ def _refuse_if_changed(target: Path, expected: str | None) -> None:
     raise PlanFileChangedError(message, path=str(target), current=current, held=held)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Block lists for Plan.describe
-# ---------------------------------------------------------------------------------------------------
 def _is_index(name: str) -> bool:
     """A position as ModuleList/Sequential names it; ``01`` is a name, not an index, so it is never folded."""
     return name.isdecimal() and str(int(name)) == name
@@ -438,16 +396,14 @@ def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
 
 
 def _check_against_own_profile(plan: Plan, source: str) -> None:
-    """Refuse a plan naming a block (or a segmented stack) the profile it keeps never saw: a hand-edited file, or
-    one pieced together from two runs. Without a model to check against (``show``, ``validate`` without
-    ``--model``, ``replan``, ``diff``) the profile is the file's own record of the model, and its figures would
-    be quoted for a plan they were not measured for. A file without a readable profile is not checked here."""
+    """Refuse a plan naming a block (or a segmented stack) the profile it keeps never saw (a hand edit, or two runs
+    pieced together): without a model (``show``, ``replan``) its figures would be quoted for a plan they do not fit."""
     profile = plan.provenance.profile
     stacks = profile.get("stacks")
     if not isinstance(stacks, list) or not all(isinstance(s, Mapping) for s in stacks):
         return
     stack_names = [s.get("fqn") for s in stacks]
-    block_names = [
+    blocks = [
         b.get("fqn")
         for s in stacks
         for b in (s.get("blocks") or [])
@@ -455,8 +411,8 @@ def _check_against_own_profile(plan: Plan, source: str) -> None:
     ]
     memory = profile.get("memory")
     if isinstance(memory, Mapping) and isinstance(memory.get("blocks"), list):
-        block_names += [b.get("fqn") for b in memory["blocks"] if isinstance(b, Mapping)]
-    known = sorted({n for n in block_names if isinstance(n, str)})
+        blocks += [b.get("fqn") for b in memory["blocks"] if isinstance(b, Mapping)]
+    known = sorted({n for n in blocks if isinstance(n, str)})
     if not known:
         return
     for fqn in plan.blocks:
@@ -476,8 +432,7 @@ def _check_against_own_profile(plan: Plan, source: str) -> None:
 
 
 def closest_names(name: str, candidates: list[str], n: int = 3) -> str:
-    """The ``n`` names closest to ``name`` (else the first ``n``), in the model's order as a person reads it
-    (``'h.1', 'h.10', 'h.11'``): difflib ranks by similarity, which listed them as ``'h.10', 'h.1', 'h.11'``."""
+    """The ``n`` names closest to ``name`` (else the first ``n``), in natural order (difflib's is by similarity)."""
     close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.4)
     return ", ".join(repr(c) for c in sorted(close or sorted(candidates, key=natural_order)[:n], key=natural_order))
 

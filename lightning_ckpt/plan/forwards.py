@@ -1,14 +1,7 @@
-"""The forwards ``apply_plan`` installs, and everything they run inside a checkpointed region.
-
-Each takes the module first (bound with ``functools.partial``): ``checkpointed_forward`` (mode ``full``,
-``ops``, and the children of ``selective``), ``offloaded_forward`` (``offload``), and for a segment the
-head block's ``segment_head_forward``, which runs the whole ``Chunk`` in one checkpoint, and the later
-blocks' ``segment_member_forward``, which hand out the outputs it precomputed.
+"""The forwards ``apply_plan`` installs, each taking the module first (bound with ``functools.partial``).
 
 They share one module on purpose: ``search/compile.py`` tells a graph break inside one of our regions by a
-frame of this file named in ``CHECKPOINT_FRAMES``. The buffer guard (``buffer_guard.py``), the chain checks
-(``chain.py``) and the KV cache arguments (``caches.py``) run in those regions too, but only as callees of
-these frames.
+frame of this file named in ``CHECKPOINT_FRAMES``.
 """
 
 from __future__ import annotations
@@ -70,8 +63,7 @@ def original_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    # Args travel as one tuple and one dict so a block's own kwargs can never collide with
-    # checkpoint()'s (use_reentrant, context_fn, debug, ...).
+    # One tuple and one dict, so a block's own kwargs can never collide with checkpoint()'s (use_reentrant, ...).
     return fn(*args, **kwargs)
 
 
@@ -101,21 +93,18 @@ def _first_device(module: nn.Module, args: tuple[Any, ...]) -> torch.device | No
 def offloaded_forward(
     module: nn.Module, pool: OffloadPool, checkpointed: Callable[..., Any] | None, *args: Any, **kwargs: Any
 ) -> Any:
-    """The block's forward with its saved tensors in ``pool`` (host memory; ``plan.offload``): every one, or with
-    ``checkpointed`` (``offload_input``) the block's input alone, which the checkpoint saves as autograd does (torch
-    saves a non-reentrant checkpoint's inputs under the hooks around it), the rest recomputed."""
+    """The block's forward with its saved tensors in ``pool`` (host memory): every one, or with ``checkpointed``
+    (``offload_input``) the input alone, which a non-reentrant checkpoint saves under the hooks around it."""
     inner = checkpointed or original_forward(module)
     device = _first_device(module, args)
-    # On a CPU model the activations already live in host memory: nothing to offload them from (a simulated card on
-    # CPU is a device of its own, whose memory offloading frees).
+    # On a CPU model the activations already live in host memory (a simulated card is a device of its own).
     if not torch.is_grad_enabled() or device is None or (device.type == "cpu" and installed_card("cpu") is None):
         return inner(*args, **kwargs)
     with pool.offloading(device):
         return inner(*args, **kwargs)
 
 
-# A graph break when compiled: only a step that leaves the chain gets here, and the compiled search reports
-# a plan that breaks graphs in a checkpointed region as a conflict.
+# A graph break when compiled: only a step that leaves the chain gets here (the compiled search avoids such plans).
 @torch.compiler.disable
 def deviate(chunk: Chunk, start: int, reason: str) -> None:
     """Give the chunk up for the rest of this step: undo the buffer updates its run made in blocks from
@@ -130,9 +119,8 @@ def deviate(chunk: Chunk, start: int, reason: str) -> None:
     if watch.reason is not None:
         return
     watch.reason = reason
-    stack = chunk.stack_fqn
     warnings.warn(
-        f"lightning_ckpt: segments[{stack!r}] could not run as planned in this step: {reason}. From there on the "
+        f"lightning_ckpt: segments[{watch.stack_fqn!r}] could not run as planned in this step: {reason}. From there on the "
         "blocks of that chunk ran without checkpointing, so the step is exact but uses more memory than the plan "
         "predicts (shown once per stack). Segments need a parent that calls every block of the stack in order, "
         "each with the previous block's output, and draws no random numbers in between. For a model that skips "
@@ -144,11 +132,7 @@ def deviate(chunk: Chunk, start: int, reason: str) -> None:
 
 class ChunkBlocks:
     """How a segment's chunk runs each of its blocks: ``call(block, *args, **kwargs)``, or (None) the block's forward.
-
-    A compiled search runs its trials on blocks compiled alone (``search.assembly``): there a chunk's checkpoint runs
-    eagerly around each block's own compiled graph, so a segment compiles nothing the per-block modes have not
-    (inlined in the head block's graph, each chunk length was a graph of its own: 50 s of a 32-layer search).
-    """
+    Set by ``search.assembly`` so a chunk runs each block's own compiled graph, compiling nothing new."""
 
     call: Callable[..., Any] | None = None
 
@@ -159,20 +143,13 @@ CHUNK_BLOCKS = ChunkBlocks()
 class Chunk:
     """Run-time state of one segment: several consecutive blocks recomputed as one region.
 
-    The parent model still calls every block itself. The chunk's first block runs the whole chunk
-    inside one checkpoint and hands the later blocks their outputs as the parent calls them. A later
-    block gets its precomputed output only when it is the next block of the chunk, called with the
-    previous block's output (in the same argument or keyword) and the same other arguments, with the
-    random-number state where the chunk left it. Anything else (a parent that skips, reorders or repeats
-    blocks, exits early, or draws random numbers between blocks: LayerDrop, stochastic depth) ends the
-    chunk for that step: the blocks the parent calls from there on run plainly, the buffer updates of the
-    blocks it did not call are undone, and one warning names the stack. So every step is exact; only
-    the memory of such a step is higher than planned. The step's state is dropped once the chunk is
-    handed out (or given up), and never copied or pickled.
+    The parent still calls every block: the first runs the whole chunk in one checkpoint and the later ones are
+    handed their outputs, as long as the parent calls them as a chain (``off_chain``). Any other call ends the
+    chunk for that step (``deviate``): exact, only the memory is higher than planned. The step's state is never
+    copied or pickled.
     """
 
-    def __init__(self, stack_fqn: str, fqns: tuple[str, ...], modules: list[nn.Module], watch: StackWatch) -> None:
-        self.stack_fqn = stack_fqn
+    def __init__(self, fqns: tuple[str, ...], modules: list[nn.Module], watch: StackWatch) -> None:
         self.fqns = fqns
         self.modules = modules
         self.guard = BufferGuard(modules)
@@ -296,8 +273,7 @@ def segment_head_forward(module: nn.Module, chunk: Chunk, *args: Any, **kwargs: 
     return outputs[0]
 
 
-# Functions of this module that run inside a checkpointed region when dynamo traces one: a graph break
-# whose user stack passes through one of them broke a graph inside our region (compile.py counts them).
+# Functions of this module that run inside a checkpointed region: a graph break through one is in our region.
 _REGION_FUNCTIONS = (checkpointed_forward, _call, segment_head_forward, Chunk.run, Chunk.run_eager)
 CHECKPOINT_FRAMES = frozenset(f.__name__ for f in _REGION_FUNCTIONS)
 
@@ -315,8 +291,7 @@ def segment_member_forward(module: nn.Module, chunk: Chunk, index: int, *args: A
     if index + 1 < len(chunk.modules):
         chunk.next_index = index + 1
     else:
-        # Drop every reference once the chunk is handed out, or its hidden states would outlive
-        # their backward (and the step).
+        # Drop every reference once handed out, or its hidden states would outlive their backward.
         chunk.clear()
     return out
 
@@ -328,13 +303,10 @@ CHILD_GUARD = "_lightning_ckpt_child_guard"
 def child_forward(module: nn.Module) -> types.MethodType:
     """A selectively checkpointed child's forward inside a block compiled alone: a method bound to the child.
 
-    Dynamo guards a submodule's instance forward that is a ``functools.partial`` by its identity, so every block
-    of a stack compiled block by block would compile its own graph for the same mode, and the eighth reaches the
-    recompile limit (measured on the 8-layer test GPT, torch 2.13: 7 graphs, then eager). A bound method of one
-    shared function, its guard kept on the child, is guarded by code and type: one graph serves every block. It is
-    only used there: pickling a bound method re-reads ``forward`` from the half-built copy, which would leave the
-    copy's child unplanned, where a partial survives ``pickle`` (``apply.py``'s docstring). Its buffer guard is set
-    on the child when the forward is installed and removed with it (``CHILD_GUARD``).
+    Dynamo guards a partial instance forward by identity, so each block compiled alone would compile its own graph
+    and hit the recompile limit; a bound method of one function is guarded by code: one graph serves every block.
+    Used only there, as pickling a bound method leaves the copy's child unplanned. Its buffer guard is
+    ``CHILD_GUARD``.
     """
     return types.MethodType(_child_forward, module)
 

@@ -1,8 +1,4 @@
-"""The handle of an applied plan: which plan a model has, and the means to undo it exactly.
-
-The model holds its ``PlanHandle`` (and a process-wide registry maps the model to it), so a copy of a
-planned model (deepcopy, pickle, ``torch.save``) carries a handle of its own, bound to the copy's modules.
-"""
+"""The handle of an applied plan: which plan a model has, and the means to undo it exactly."""
 
 from __future__ import annotations
 
@@ -51,10 +47,8 @@ class Patch:
 class PlanHandle:
     """What ``apply_plan`` returns: the applied plan and the means to undo it exactly.
 
-    A copy of a planned model (``copy.deepcopy``, pickle, ``torch.save``/``torch.load``) carries the plan
-    with a handle of its own, bound to the copy's modules: ``applied_plan(copy)`` finds the plan and
-    ``plan_handle(copy).remove()`` restores the copy. The process-wide compile memory budget stays with
-    the original's handle.
+    A copy of a planned model (``copy.deepcopy``, pickle, ``torch.save``) carries a handle of its own, bound to
+    the copy's modules (``plan_handle(copy).remove()``); the compile memory budget stays with the original's.
     """
 
     def __init__(
@@ -68,11 +62,9 @@ class PlanHandle:
         offload_pool: Any = None,
     ) -> None:
         self.plan = plan
-        # The host pool of the plan's offloaded blocks (``plan.offload.OffloadPool``), None without any: its figures
-        # are the trial's, and its memory goes back when the plan is removed.
-        self.offload_pool = offload_pool
+        self.offload_pool = offload_pool  # ``plan.offload.OffloadPool``: its memory goes back with the plan
         # None only for a handle pickled without its model (it is then removed already).
-        self._model_ref: Callable[[], nn.Module | None] = weakref.ref(model) if model is not None else _no_model
+        self._model_ref: Callable[[], nn.Module | None] = weakref.ref(model) if model is not None else lambda: None
         self._patches = patches
         self._previous_budget = previous_budget  # the compile memory budget to restore (plan sets one)
         self._watches = list(watches)
@@ -85,8 +77,7 @@ class PlanHandle:
         return {w.stack_fqn: w.reason for w in self._watches if w.reason is not None}
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Copied or pickled as part of its model (the model holds it): the copy's handle points at the copy's
-        # modules and forwards (the same memo), and registers itself when rebuilt.
+        # Copied as part of its model: the copy's handle points at the copy's modules, and registers itself.
         return (_restore_handle, (self._model_ref(), self.plan, self._patches, self._watches, self._removed))
 
     @property
@@ -138,10 +129,6 @@ def set_compile_memory_budget(value: float) -> float:
     previous = float(functorch_config.activation_memory_budget)
     functorch_config.activation_memory_budget = value
     return previous
-
-
-def _no_model() -> None:
-    return None
 
 
 def _restore_handle(

@@ -1,8 +1,5 @@
-"""What differs between the model a plan was tuned for and this one, in words a user can act on.
-
-Two fingerprints say *that* the model changed, never *how*. The plan file's profile keeps the layer stacks (block
-FQNs, classes, parameter counts, children) and the parameters' bytes, so a refusal can name the difference
-("transformer.h: 8 blocks in the plan, 6 in this model"). Torch-free: it compares JSON (``LayerStack.to_dict``).
+"""What differs between the model a plan was tuned for and this one, in words a user can act on: two fingerprints
+say *that* the model changed, the plan file's profile says *how*. Torch-free: it compares ``LayerStack.to_dict``s.
 """
 
 from __future__ import annotations

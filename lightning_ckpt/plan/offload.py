@@ -1,19 +1,8 @@
 """Offload that hides behind compute: saved activations copied to host memory on their own stream, into one pool,
-and back a block ahead of backward. (``save_on_cpu(pin_memory=True)`` copied each saved tensor to a new pinned
-buffer on the compute stream and back on first use: 6.5x the step time of no checkpointing on an H200.) Per plan:
-
-* **one pool** of power-of-two host chunks (torch rounds pinned allocations up to one), bump-allocated, grown in the
-  first step and reused by every step after: no allocation per tensor;
-* **copies out on a copy stream** after the compute stream's work; ``record_stream`` frees the device tensor once
-  its transfer is done, with no wait on compute;
-* **copies back one block ahead**: backward reaching an offloaded block fetches the block before it on a second
-  stream (after the copies out), waited for (an event) only when used;
-* **exact**: the saved tensor's values, dtype, shape and layout come back (a contiguous copy changed a channels-last
-  convolution's gradients); **released on error**: a failed step (an OOM included) waits for both streams, forgets
-  what it packed and rewinds the pool (``OffloadPool.abandon``).
-
-On a device without streams (CPU, the lab's ``SimulatedCard``) the same pool and accounting run with synchronous
-copies, the chunks allocated outside any dispatch mode: the simulated card counts host copies apart, as CUDA does.
+and back a block ahead of backward. (``save_on_cpu(pin_memory=True)`` copied on the compute stream and back on
+first use: 6.5x the step time of no checkpointing on an H200.) Per plan, one pool of power-of-two host chunks,
+bump-allocated and reused every step; a failed step rewinds it (``OffloadPool.abandon``). Without streams (CPU,
+``SimulatedCard``) the same pool runs with synchronous copies.
 """
 
 from __future__ import annotations
@@ -67,9 +56,8 @@ class _Packed:
 class OffloadPool:
     """The host memory and streams of one plan's offloaded blocks (see the module docstring).
 
-    ``chunk_bytes``: the size of each host chunk (a power of two); a saved tensor larger than a chunk gets a chunk
-    of the next power of two of its own. ``pinned``: page-locked chunks (the default on CUDA), which copies need to
-    run asynchronously. ``min_bytes``: saved tensors smaller than this stay on the device.
+    ``chunk_bytes``: the size of each host chunk (a power of two; a larger tensor gets one of its own). ``pinned``:
+    page-locked chunks (the default on CUDA), which asynchronous copies need.
     """
 
     def __init__(
@@ -95,7 +83,6 @@ class OffloadPool:
         self.offloaded = 0
         self.prefetched = 0
 
-    # -- accounting -----------------------------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
         return sum(c.numel() for c in self._chunks)
@@ -108,7 +95,6 @@ class OffloadPool:
         self.abandon()
         self._chunks.clear()
 
-    # -- a block's forward ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def offloading(self, device: torch.device) -> Iterator[None]:
         """Run one block's forward with its saved tensors offloaded (a new group: what backward fetches together)."""
@@ -135,18 +121,17 @@ class OffloadPool:
                 packed = ref()
                 if packed is not None:
                     packed.fetched = packed.event = None
-        self._groups.clear()
-        self._last = None
         self._live = 0
         self._generation += 1
         self._rewind()
 
     def _rewind(self) -> None:
+        self._groups.clear()
+        self._last = None
         self._at = (0, 0)
         self._reached.clear()
         self._in_use = 0
 
-    # -- host memory ------------------------------------------------------------------------------------------------
     def _take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of host memory from the pool (aligned to 64 bytes), a new chunk when the current one is full."""
         nbytes = -(-nbytes // 64) * 64
@@ -169,7 +154,6 @@ class OffloadPool:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams
 
-    # -- the hooks -------------------------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor, device: torch.device, group: int) -> Any:
         if t.device != device or t.nbytes < self.min_bytes or isinstance(t, torch.nn.Parameter) or t.is_sparse:
             return t  # parameters and small tensors stay: nothing to win
@@ -207,8 +191,6 @@ class OffloadPool:
             return
         self._live -= 1
         if self._live == 0:  # nothing of the step is held any more: the next one reuses the pool from its start
-            self._groups.clear()
-            self._last = None
             self._rewind()
 
     def _unpack(self, packed: Any) -> torch.Tensor:

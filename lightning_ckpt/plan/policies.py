@@ -82,9 +82,7 @@ SAVE_LISTS: dict[str, SaveList] = {
     )
 }
 """The op save-lists a plan's mode ``ops`` names (``BlockPlan("ops", save_list="save_matmuls")``), by name: what each
-keeps from the forward; every other op's output is recomputed in backward. ``save_matmuls`` keeps matmul, attention
-and reduction outputs; ``save_matmuls_alternate`` (torchtitan's op SAC) keeps the same but every second matmul;
-``save_attention`` keeps only attention outputs, the part that grows with the square of the length."""
+keeps from the forward; every other op's output is recomputed in backward."""
 
 
 def _policy(save_list: SaveList, meta: dict[str, int], ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:

@@ -2,10 +2,8 @@
 ``Plan.metadata``'s sections.
 
 Each stage writes its own section through ``Plan.with_provenance`` (an unknown name is refused, so a typo cannot
-start an unread section) and later stages read it by attribute; the inner figures belong to the writing stage
-(``search.result``, ``search.replan``, ``plan.table``). The file keeps the sections as JSON objects under
-``metadata``, so earlier releases' files load unchanged. A section of the wrong JSON type (a hand edit) reads as
-absent and is kept, untouched, in ``other``, so no reader checks types again.
+start an unread section). A section of the wrong JSON type (a hand edit) reads as absent and is kept in ``other``,
+so no reader checks types again.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The plan file's JSON Schema, and refusals worded for the person who has to fix the file.
-
-The schema (draft 2020-12) ships as ``lightning_ckpt/plan/plan_schema.json`` so other tools can check a plan too.
-jsonschema's messages name neither the field's place nor what would fit there, so each refusal is rewritten: the
-file, the field (``blocks['h.0'].children[1]``), what was found and what the schema expects.
+"""The plan file's JSON Schema (``plan_schema.json``, so other tools can check a plan too), and refusals worded
+for the person who has to fix the file: jsonschema's messages name neither the field's place nor what would fit.
 """
 
 from __future__ import annotations
@@ -33,11 +30,8 @@ SCHEMA_VERSION = 2
 SCHEMA_FILE = "plan_schema.json"
 
 
-# JSON spells values no plan holds that break whoever reads them: NaN and Infinity (Python's json accepts them), a
-# float beyond double range (read as inf), integers of any length (over 4,300 digits a ValueError when parsed, 10**400
-# an OverflowError wherever it meets a float). ``file.read_json`` parses them into ``Unreadable`` placeholders and
-# ``refuse_unreadable`` refuses them naming the field, as in a plan built in Python (a checkpoint's state, a
-# broadcast). JSON Schema cannot say "finite": NaN passes every minimum and maximum.
+# NaN, Infinity and endless integers break whoever reads them, and JSON Schema cannot say "finite" (NaN passes every
+# bound): ``file.read_json`` parses them into ``Unreadable`` and ``refuse_unreadable`` names their field.
 MAX_INT_DIGITS = 20  # every count, byte figure and seed a plan keeps fits (2**64 has 20 digits)
 MAX_PLAN_DEPTH = 32  # a real plan file nests 11 levels (a plan table's bucket profile); more is not a plan
 
@@ -123,22 +117,18 @@ def field_path(path: tuple[Any, ...] | list[Any]) -> str:
     return out or "(top level)"
 
 
-def _subschema(schema: dict[str, Any], root: dict[str, Any], path: list[Any]) -> dict[str, Any] | None:
+def _subschema(root: dict[str, Any], path: list[Any]) -> dict[str, Any] | None:
     """The schema that describes the value at ``path`` (following properties, additionalProperties, items)."""
-    node: Any = schema
-    for part in path:
+    node: Any = root
+    for part in [*path, None]:
         while isinstance(node, dict) and "$ref" in node:
             node = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
-        if not isinstance(node, dict):
-            return None
+        if not isinstance(node, dict) or part is None:
+            break
         if isinstance(part, int):
             node = node.get("items")
-        elif part in node.get("properties", {}):
-            node = node["properties"][part]
         else:
-            node = node.get("additionalProperties")
-    while isinstance(node, dict) and "$ref" in node:
-        node = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+            node = node.get("properties", {}).get(part, node.get("additionalProperties"))
     return node if isinstance(node, dict) else None
 
 
@@ -171,7 +161,7 @@ def _describe_error(error: Any, root: dict[str, Any]) -> tuple[str, str]:
         rule = error.schema.get("description", "")
         if rule and "needs" in rule:  # an if/then rule of the schema says why the field is needed
             return field_path(path), f"missing: {rule}"
-        expected = (_subschema(root, root, path) or {}).get("description") or rule
+        expected = (_subschema(root, path) or {}).get("description") or rule
         return field_path(path), f"missing; expected {expected}" if expected else "missing"
     if kind == "additionalProperties":
         allowed = set(error.schema.get("properties", {}))
@@ -183,7 +173,7 @@ def _describe_error(error: Any, root: dict[str, Any]) -> tuple[str, str]:
             f"{', '.join(sorted(allowed))}). The file may be corrupted or from another tool"
             + ("; 'compile_memory_budget' needs schema_version 2" if "compile_memory_budget" in extra else "")
         )
-    described = _subschema(root, root, path) or {}
+    described = _subschema(root, path) or {}
     expected = described.get("description", "")
     if kind == "not":
         return field_path(path), f"not allowed here: {error.schema.get('description', expected)}"

@@ -1,13 +1,8 @@
-"""Stacks whose parent skips blocks by configuration (LayerDrop, stochastic depth): no segments there.
+"""Stacks whose parent skips blocks by configuration (LayerDrop, stochastic depth): no segments there, as a
+segment needs a parent that calls each block every step (the profile's chain check sees a skip only when it draws).
 
-A segment runs several blocks at once, so it needs a parent that calls each of them, in order, every step.
-LayerDrop breaks that on purpose (BART, MBart, Whisper, wav2vec2 draw a coin before every block in training): the
-profile's chain check sees it only when the profiled batch draws; the configuration says so for every step.
-
-The same draw makes a profile or trial measure whichever depth its step ran: profiled where 1 of 3 layers ran, a
-full-depth step's activations were predicted at half, and the plan chosen ran at 1.7x the budget on every
-full-depth step. ``full_depth`` zeroes the rates for the search, so every figure is the deepest step's (the worst
-case the budget must hold for), while the stacks are still known to skip (no segments there).
+The draw also makes a profile measure whichever depth its step ran (once: a plan at 1.7x the budget on every
+full-depth step), so ``full_depth`` zeroes the rates for the search: every figure is the deepest step's.
 """
 
 from __future__ import annotations
@@ -21,8 +16,7 @@ from lightning_ckpt.stacks import LayerStack
 
 __all__ = ["SKIP_ATTRIBUTES", "full_depth", "skipping_stacks"]
 
-# Probabilities, kept on the module that loops over the stack, with which it skips a block in training
-# (BartEncoder.layerdrop, Wav2Vec2Encoder.config.layerdrop, ...). Any value above zero skips some steps.
+# Probabilities, on the module that loops over the stack, with which it skips a block in training.
 SKIP_ATTRIBUTES = (
     "layerdrop",
     "encoder_layerdrop",

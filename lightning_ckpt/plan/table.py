@@ -1,6 +1,4 @@
-"""A plan table as data: one plan per range of batch lengths, as the plan file keeps it (``provenance.plan_table``).
-Built by ``search.buckets``, followed by the callback, printed by ``lightning-ckpt show`` without importing torch.
-"""
+"""A plan table as data: one plan per range of batch lengths, as the plan file keeps it (``provenance.plan_table``)."""
 
 from __future__ import annotations
 
@@ -59,9 +57,6 @@ class Bucket:
             "profile": dict(self.profile) if self.profile is not None else None,
         }
 
-    def describe(self) -> str:
-        return f"<= {self.max_length}: {self.plan.describe()}"
-
 
 @dataclass(frozen=True)
 class PlanTable:
@@ -84,9 +79,8 @@ class PlanTable:
         return replace(self, buckets=(*self.buckets[:index], new, *self.buckets[index + 1 :]))
 
     def grown(self, length: int, plan: Plan) -> PlanTable:
-        """The table with a new top bucket, batches up to ``length`` running ``plan`` (a batch longer than every bucket
-        was over the budget under the top plan, and the guard moved it). The old top bucket keeps its plan; at
-        ``MAX_BUCKETS`` it is stretched instead (its batches then run the lower-memory ``plan`` too)."""
+        """The table with a new top bucket, batches up to ``length`` running ``plan`` (the guard moved a batch longer
+        than every bucket); at ``MAX_BUCKETS`` the old top bucket is stretched instead."""
         new = Bucket(max_length=length, plan=plan, source="guard")
         kept = self.buckets[:-1] if len(self.buckets) >= MAX_BUCKETS else self.buckets
         return replace(self, buckets=(*kept, new))
@@ -96,7 +90,7 @@ class PlanTable:
         return self.with_plan(len(self.buckets) - 1, plan, "guard")
 
     def describe(self) -> str:
-        return "; ".join(b.describe() for b in self.buckets)
+        return "; ".join(f"<= {b.max_length}: {b.plan.describe()}" for b in self.buckets)
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": "length", "rows": self.rows, "buckets": [b.to_dict() for b in self.buckets]}
@@ -127,9 +121,9 @@ class PlanTable:
                         max_length=length,
                         plan=bucket_plan,
                         source=str(row.get("source", "predicted")),
-                        predicted_peak_bytes=_optional_int(row.get("predicted_peak_bytes")),
-                        predicted_activation_bytes=_optional_int(row.get("predicted_activation_bytes")),
-                        predicted_seconds=_optional_float(row.get("predicted_seconds")),
+                        predicted_peak_bytes=_optional(row.get("predicted_peak_bytes"), int),
+                        predicted_activation_bytes=_optional(row.get("predicted_activation_bytes"), int),
+                        predicted_seconds=_optional(row.get("predicted_seconds"), float),
                         profile=profile if isinstance(profile, Mapping) else None,
                     )
                 )
@@ -161,17 +155,11 @@ def table_line(table: PlanTable, budget: Budget | None) -> str:
     return f"plan table by length, {len(table.buckets)} buckets: " + "; ".join(parts)
 
 
-def _optional_int(value: Any) -> int | None:
+def _optional(value: Any, kind: type) -> Any:
+    """``value`` as ``kind`` (``int``: bytes, ``float``: seconds), never negative, or None."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"expected a byte count (an integer >= 0) or null, got {value!r}")
-    return value
-
-
-def _optional_float(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"expected seconds (a number >= 0) or null, got {value!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, kind)) or not value >= 0:
+        what = "a byte count (an integer >= 0)" if kind is int else "seconds (a number >= 0)"
+        raise ValueError(f"expected {what} or null, got {value!r}")
+    return kind(value)

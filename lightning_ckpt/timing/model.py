@@ -1,26 +1,16 @@
-"""Predict a plan's step time without running it: what each block's mode costs, measured alone, on top of a
-step time measured on this machine.
-
-The profile (``memory.profile.profile_step``) runs each distinct block alone under every mode, and
-``memory.block_times.time_block_modes`` times those runs (forward and backward, under the step's autocast).
-Checkpointing changes a step's time by what each block's mode adds to its forward+backward: the
-recompute of a checkpointed block or child, the copies of an offloaded one. So a plan's step takes
+"""Predict a plan's step time without running it, from each block's modes timed alone (``memory.block_times``):
 
     step(plan) = base + sum over blocks of max(0, seconds[mode] - seconds["none"])
 
-where a segment's blocks (all but the last chunk's) each pay their ``full`` cost, as ``checkpoint`` of the
-chunk recomputes their forwards. ``base`` is fitted to the plans measured so far (``calibrated``): the
-median of each measured step less what its plan adds, the plain step itself when the ``none`` plan ran.
-The added seconds are not rescaled: they are seconds measured on this machine, and a slope fitted to a
-handful of steps timed minutes apart would fit the machine's drift (another job starting, clocks
-changing) rather than the blocks. A block alone cannot see everything (a plan that is faster because it
-allocates less, an allocator's behaviour); the error the search measured is reported beside each plan.
+where a segment's blocks (all but the last chunk's) pay their ``full`` cost. ``base`` is the median of the
+measured steps less what their plans add (``calibrated``). The added seconds are not rescaled: a slope fitted to a
+handful of steps timed minutes apart would fit the machine's drift rather than the blocks.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,9 +19,8 @@ from lightning_ckpt.plan.format import Plan, mode_key
 
 __all__ = ["WELL_PREDICTED_ERROR", "BlockTime", "Calibration", "TimeModel", "Transfer"]
 
-# How far (median relative error of a step's prediction against its measurement) the model predicts on a steady
-# machine; more is worth a line: the search's pruning margin follows the error past it, and a re-plan says its
-# predicted speeds may rank plans wrongly.
+# The median relative error the model reaches on a steady machine; past it the search widens its pruning margin
+# and a re-plan warns that its predicted speeds may rank plans wrongly.
 WELL_PREDICTED_ERROR = 0.08
 
 
@@ -76,9 +65,8 @@ class Transfer:
 class TimeModel:
     """Step time of any plan for one model, batch and machine (see the module docstring).
 
-    blocks: one row per block call, in execution order (as ``MemoryModel.blocks``). stacks: stack FQN -> its
-    block FQNs. measured_at: what the timings depend on (device, batch size, sequence length, autocast,
-    threads, torch). calibration: fitted to measured steps (None until a plan was measured).
+    blocks: one row per block call, in execution order. measured_at: what the timings depend on (device, batch,
+    autocast, threads, torch, the host ``link``). calibration: None until a plan was measured.
     """
 
     blocks: tuple[BlockTime, ...]
@@ -86,13 +74,10 @@ class TimeModel:
     measured_at: Mapping[str, Any] = field(default_factory=dict)
     calibration: Calibration | None = None
 
-    # -- prediction --------------------------------------------------------------------------------
     def added_seconds(self, plan: Plan) -> float | None:
-        """What ``plan``'s modes add to a step, by the blocks' own timings; None when a block the plan
-        checkpoints was not timed under its mode (it failed there, or the profile has no such mode), and for a
-        plan that sets PT2's memory budget (its recompute is the partitioner's choice: measured, not predicted).
-        Offloaded blocks add their recompute and the transfer backward waits for (``transfer``) where the link was
-        measured, else what they added timed alone."""
+        """What ``plan``'s modes add to a step; None when a block was not timed under its mode, or for a PT2 memory
+        budget (the partitioner's choice: measured, not predicted). Offloaded blocks add the transfer backward
+        waits for where the link was measured, else what they added timed alone."""
         keys = self._keys(plan)
         if keys is None:
             return None
@@ -108,11 +93,9 @@ class TimeModel:
         return total
 
     def transfer(self, plan: Plan) -> Transfer | None:
-        """What ``plan``'s offloaded blocks move over the host link, and what of it backward waits for (None without
-        an offloaded block, a measured link: ``measured_at["link"]``, bytes/s each way, or a block's forward timed).
-        The step as the pool runs it, in each block's windows alone (``none``'s, its recompute in backward): copies
-        out queue behind each offloaded block's forward; a block comes back when backward reaches the offloaded block
-        after it (after the copies out; the last one when backward reaches it) and backward waits for what is late."""
+        """What ``plan``'s offloaded blocks move over the host link (``measured_at["link"]``, bytes/s each way), and
+        what of it backward waits for, replaying the step as the pool runs it: copies out queue behind each forward,
+        and a block comes back when backward reaches the offloaded block after it. None without the figures."""
         keys, link = self._keys(plan), self.measured_at.get("link")
         offloaded = [i for i, k in enumerate(keys or ()) if k is not None and k.startswith("offload")]
         if keys is None or not offloaded or not link:
@@ -159,19 +142,14 @@ class TimeModel:
                 return None
             for start, end in segment_chunks(len(fqns), n_chunks)[:-1]:
                 chunked.update(fqns[start:end])
-        keys: list[str | None] = []
-        for row in self.blocks:
-            bp = plan.blocks.get(row.fqn)
-            keys.append("full" if row.fqn in chunked else None if bp is None else mode_key(bp))
-        return keys
+        modes = {fqn: mode_key(bp) for fqn, bp in plan.blocks.items()}
+        return ["full" if row.fqn in chunked else modes.get(row.fqn) for row in self.blocks]
 
     def predict_seconds(self, plan: Plan) -> float | None:
         """``plan``'s predicted step seconds; None before calibration or when ``added_seconds`` is None.
 
-        A plain step fitted at or below zero is taken as its blocks' own forward and backward: blocks timed in a busy
-        moment and steps measured in a quiet one can fit one (a plan file can keep it), and every plan would then be
-        predicted at the clamp, the plan with least memory winning every tie. A positive fit is kept even below the
-        blocks' sum: a card's step overlaps what the blocks, each synchronized alone, cannot."""
+        A plain step fitted at or below zero (blocks timed in a busy moment, steps in a quiet one) is taken as the
+        blocks' own sum, or every plan would be predicted at the clamp and the least memory win every tie."""
         added = self.added_seconds(plan)
         if added is None or self.calibration is None:
             return None
@@ -191,9 +169,10 @@ class TimeModel:
                 points.append((label, added, float(seconds)))
         if not points:
             return self
-        return replace(self, calibration=_fit(points))
+        # The median is robust to one slow step.
+        base = statistics.median(m - a for _, a, m in points)
+        return replace(self, calibration=Calibration(base_seconds=base, anchors=tuple(points)))
 
-    # -- the file --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (``from_dict`` reads it back): rows shared with another keep only its name."""
         rows = []
@@ -232,13 +211,10 @@ class TimeModel:
 
 
 def _added(row: BlockTime, key: str) -> float | None:
-    """Seconds ``key`` adds to the block's forward+backward, never below zero; child sets timed only one by one add
-    up.
+    """Seconds ``key`` adds to the block's forward+backward; child sets timed only one by one add up.
 
-    Recomputing a forward, or copying saved tensors to the host, never makes a step faster, so a mode timed below
-    ``none`` (two timings of a few milliseconds taken at different moments of a busy machine) adds nothing: taken as
-    it came, it once put recomputing attention at -1.35 s, and a checkpointed plan predicted 1.6x faster than the
-    plain step it runs on top of (issue #64)."""
+    Never below zero: recomputing never makes a step faster, and a noisy negative once predicted a checkpointed plan
+    1.6x faster than the plain step (issue #64)."""
     none = row.seconds.get("none")
     if none is None:
         return None
@@ -250,8 +226,3 @@ def _added(row: BlockTime, key: str) -> float | None:
         if all(p is not None for p in parts):
             return sum(max(0.0, p - none) for p in parts if p is not None)
     return None
-
-
-def _fit(points: Sequence[tuple[str, float, float]]) -> Calibration:
-    """The plain step as the median of the measured steps less what each plan adds (robust to one slow step)."""
-    return Calibration(base_seconds=statistics.median(m - a for _, a, m in points), anchors=tuple(points))
