@@ -10,6 +10,7 @@ re-timed, and returns what the reports and the plan file show (``Confirmed``, th
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -18,14 +19,14 @@ from typing import Any
 from optuna.samplers import BaseSampler
 
 from lightning_ckpt.formatting import count
-from lightning_ckpt.search.ledger import VS_REFERENCE, Ledger, ProgressFn, TrialRecord, announce_confirmation
+from lightning_ckpt.search.ledger import VS_REFERENCE, Ledger, ProgressFn, TrialRecord
 from lightning_ckpt.search.rounds import (
+    CLAIM_HALF_WIDTH,
     ConfirmEntry,
     RoundProgress,
     SideBySide,
     apply_confirmation,
     confirm_interleaved,
-    holdout,
     retimer,
     speed_change,
 )
@@ -33,7 +34,7 @@ from lightning_ckpt.search.sampler import leaders
 from lightning_ckpt.search.trials import Trials
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["Confirmed", "confirm", "hold_out", "leader_of", "vs_reference_note"]
+__all__ = ["Confirmed", "confirm", "hold_out"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,9 @@ def confirm(
         changes.append(changed)
         _rerank(ledger, trials, progress, config.confirm_steps, left)
         chosen = _leaders(ledger, sampler, config.confirm_top)
-    announce_confirmation(progress, chosen)
+    confirming = getattr(progress, "confirming", None)  # a reporter (``report.SearchProgress``) that listens
+    if confirming is not None:  # the figures of ``chosen`` are about to change
+        confirming(chosen)
     entries = _entries(trials, chosen, config.confirm_steps)
     # With a hold-out the claim comes from fresh rounds (``hold_out``), so these rounds only choose: they stop once
     # the choice is decided (``SideBySide.choice_decided``). Without one they are the claim, and a plan that can win
@@ -174,18 +177,9 @@ def _rerank(
         left=left,
         reserve_steps=2 * trials.config.confirm_rounds * trials.config.confirm_steps,
     )
-    for t in ledger.snapshot():
-        times = side.per_sample.get(t.number)
-        if times:
-            ledger.put(
-                replace(
-                    t,
-                    samples_per_second=1.0 / times[0],
-                    median_seconds=times[0] * trials.workload(t.micro_batch).samples_per_step,
-                    steps=t.steps + steps + 1,
-                    first_samples_per_second=t.first_samples_per_second or t.samples_per_second,
-                )
-            )
+    for t in apply_confirmation(ledger.snapshot(), entries, side.per_sample, confirmed=False):
+        if side.per_sample.get(t.number):
+            ledger.put(t)
 
 
 def _on_step(
@@ -225,30 +219,60 @@ def hold_out(
     progress: ProgressFn | None = None,
     left: Callable[[], float | None] | None = None,
 ) -> tuple[TrialRecord, Verdict | None, bool]:
-    """(the plan kept, the held-out verdict, whether the allowance ``left`` ended its rounds): ``best``, or the
-    reference where fresh rounds (``rounds.holdout``) do not find ``best`` faster. Their figures replace both plans'
-    confirmation figures, so the plan file's throughput and its verdict say the same."""
-    config = trials.config
-    records, reference, verdict, stopped = holdout(
-        best,
-        ledger.snapshot(),
-        confirmed.side,
-        # No warm-up: every plan held out was just timed in the confirmation rounds, one step after another's.
-        lambda t: _entries(trials, [t], config.confirm_steps, warm=False)[0],
-        config,
+    """(the plan kept, the held-out verdict, whether the allowance ``left`` ended its rounds): ``best`` timed again in
+    fresh interleaved rounds (at least ``holdout_rounds``, then until its ratio's interval is within
+    ``CLAIM_HALF_WIDTH`` or it cannot win, at most ``holdout_max_rounds``) beside the reference the choosing rounds
+    found fastest; ``best``, or that reference where they do not find ``best`` faster. Nothing is timed where there
+    is nothing to hold out: no rounds, a baseline chosen, ``best`` not confirmed, no confirmed baseline.
+
+    The rounds that chose a plan among several leaders favour it (claims 5-17% above an outside re-timing, never
+    below); fresh rounds are independent of that selection. Their figures replace both plans' confirmation figures,
+    so the plan file's throughput and its verdict say the same; the other baselines keep the confirmation's."""
+    config, side = trials.config, confirmed.side
+    rounds, tol = config.holdout_rounds, config.tie_tolerance
+    chosen_after = len(side.by_round(best.number)) if side is not None else 0
+    baselines = [t for t in ledger if t.baseline is not None and t.feasible and t.confirmed]
+    if side is None or rounds <= 0 or best.baseline is not None or not chosen_after or not baselines:
+        return best, None, False
+    # The reference is the one the choosing rounds found fastest (the rule ``choose_best`` keeps it by), timed again
+    # beside ``best``: choosing it again from the fresh rounds, the luckiest of near-equal baselines there, would make
+    # it look faster than it is and the claim smaller (the simulated machine: -2% on average, tied baselines).
+    reference = next((t for t in baselines if t.number == side.reference), None) or max(
+        baselines, key=lambda t: t.samples_per_second or 0.0
+    )
+    # No warm-up: every plan held out was just timed in the confirmation rounds, one step after another's.
+    entries = _entries(trials, [best, reference], config.confirm_steps, warm=False)
+    labels = {t.number: t.label for t in (best, reference)}
+
+    def precise(fresh: SideBySide) -> bool:
+        # Stopping on the interval's width, not its place, leaves the ratio unbiased (a sample's spread and mean
+        # are independent); stopping once it cannot win only decides sooner that the baseline is kept.
+        verdict = fresh.verdict(best.number, labels, tol)
+        if verdict is None or verdict.low is None or verdict.high is None:
+            return False
+        return verdict.cannot_win or math.sqrt(verdict.high / verdict.low) <= 1 + CLAIM_HALF_WIDTH
+
+    fresh = confirm_interleaved(
+        entries,
+        min_rounds=rounds,
+        max_rounds=max(rounds, config.holdout_max_rounds or rounds),
         sync=trials.sync,
+        until=precise,
         check_stop=trials.check_stop,
-        on_step=_on_step(progress, "fresh rounds", ledger.snapshot(), config.tie_tolerance),
+        on_step=_on_step(progress, "fresh rounds", ledger.snapshot(), tol),
         left=left,
     )
-    if reference is None:  # none ran (the allowance may have stopped them first): the choosing rounds' verdict stands
-        return best, None, stopped
-    fresh = {reference.number: vs_reference_note(None, reference.label, verdict.rounds if verdict else 0)}
+    stopped = fresh.stopped_by_allowance
+    if not fresh.per_sample.get(reference.number):  # none ran (the allowance may have stopped them first)
+        return best, None, stopped  # the choosing rounds' verdict stands
+    verdict = fresh.verdict(best.number, labels, tol, reference=reference.number)
+    verdict = replace(verdict, chosen_after=chosen_after) if verdict is not None else None
+    notes = {reference.number: vs_reference_note(None, reference.label, verdict.rounds if verdict else 0)}
     if verdict is not None:
-        fresh[best.number] = vs_reference_note(verdict, reference.label, verdict.rounds)
-    for t in records:
-        if fresh.get(t.number) is not None:  # the fresh rounds' figures replaced both
-            t = replace(t, extra={**t.extra, VS_REFERENCE: fresh[t.number]})
+        notes[best.number] = vs_reference_note(verdict, reference.label, verdict.rounds)
+    for t in apply_confirmation(ledger.snapshot(), entries, fresh.per_sample):
+        if notes.get(t.number) is not None:  # the fresh rounds' figures replaced both
+            t = replace(t, extra={**t.extra, VS_REFERENCE: notes[t.number]})
         if t.confirmed:
             ledger.put(t)
     if verdict is not None and verdict.wins:

@@ -50,7 +50,6 @@ __all__ = [
     "ProgressFn",
     "TrialRecord",
     "TrialStatus",
-    "announce_confirmation",
     "fastest_fitting",
     "record_of",
     "storage_for_display",
@@ -119,16 +118,19 @@ class TrialRecord:
         return bool(self.confirmation_seconds)
 
     @property
+    def searched_seconds(self) -> float | None:
+        """The step seconds the search measured, before side-by-side rounds re-timed the plan at whatever speed the
+        machine then had: the figure the time model is fitted to and judged by."""
+        if self.median_seconds and self.first_samples_per_second and self.samples_per_second:
+            return self.median_seconds * self.samples_per_second / self.first_samples_per_second
+        return self.median_seconds
+
+    @property
     def prediction_error(self) -> float | None:
-        """The time model's error on this plan: predicted / measured step seconds - 1, against the trial's own
-        measurement (taken right after the prediction; the side-by-side rounds later re-time it at whatever
-        speed the machine then has). None when either is unknown."""
+        """The time model's error on this plan: predicted / searched step seconds - 1. None when either is unknown."""
         if self.predicted_seconds is None or not self.median_seconds or self.status == TrialStatus.PRUNED:
             return None
-        measured = self.median_seconds
-        if self.first_samples_per_second and self.samples_per_second:
-            measured *= self.samples_per_second / self.first_samples_per_second
-        return self.predicted_seconds / measured - 1.0
+        return self.predicted_seconds / self.searched_seconds - 1.0
 
     def with_measurement(
         self, out: Measurement, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True
@@ -194,14 +196,6 @@ def vs_reference(trial: TrialRecord) -> float | None:
     note = trial.extra.get(VS_REFERENCE)
     ratio = note.get("ratio") if isinstance(note, Mapping) else None
     return float(ratio) if isinstance(ratio, (int, float)) else None
-
-
-def announce_confirmation(progress: ProgressFn | None, trials: Sequence[TrialRecord]) -> None:
-    """Tell ``progress`` that ``trials`` are about to be re-timed side by side, if it listens (a reporter with a
-    ``confirming`` method, e.g. ``report.SearchProgress``): their figures are about to change, and why."""
-    confirming = getattr(progress, "confirming", None)
-    if confirming is not None:
-        confirming(trials)
 
 
 @dataclass
@@ -429,13 +423,17 @@ class Ledger:
         if trial is None:
             self._sampler.tell(asked, state=optuna.trial.TrialState.FAIL)
             return
-        state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
-        for name, violation in constraints.items():
-            asked.set_constraint(name, violation)
+        state, value, _ = _outcome(trial, self.budget, for_sampler=True)
+        self._report(asked, trial)
+        self._sampler.tell(asked, value, state=state)
+
+    def _report(self, handle: Any, trial: TrialRecord) -> None:
+        """``trial``'s constraints on the Optuna trial ``handle``, and a pruned trial's value: its predicted samples/s."""
+        for name, violation in _outcome(trial, self.budget)[2].items():
+            handle.set_constraint(name, violation)
         predicted = self._predicted_value(trial)
         if predicted is not None:
-            asked.report(predicted, 0)  # a pruned trial's value: its predicted samples/s
-        self._sampler.tell(asked, value, state=state)
+            handle.report(predicted, 0)
 
     # -- the record ----------------------------------------------------------------------------------
     def _store(self, trial: TrialRecord) -> None:
@@ -479,13 +477,8 @@ class Ledger:
             if trial is None:
                 continue
             self._store(trial)
-            state, value, constraints = _outcome(trial, self.budget)
-            handle = optuna.trial.Trial(self._record, stored.trial_id)
-            for name, violation in constraints.items():
-                handle.set_constraint(name, violation)
-            predicted = self._predicted_value(trial)
-            if predicted is not None:
-                handle.report(predicted, 0)  # a pruned trial's value: its predicted samples/s
+            state, value, _ = _outcome(trial, self.budget)
+            self._report(optuna.trial.Trial(self._record, stored.trial_id), trial)
             self._record.tell(stored.number, value, state=state)
             stored.running = False
         if chosen is not None and chosen.key() in self._stored:

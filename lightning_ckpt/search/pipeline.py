@@ -9,7 +9,6 @@ check it (the compiled search's whole-compile check), finish the Optuna record a
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,7 +32,7 @@ from lightning_ckpt.search.confirmation import Confirmed, confirm, hold_out
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.ledger import Ledger, ProgressFn, TrialRecord
 from lightning_ckpt.search.loop import measure, run_trials
-from lightning_ckpt.search.phases import Phases, SearchCost, plain_step_seconds
+from lightning_ckpt.search.phases import Phases, SearchCost
 from lightning_ckpt.search.result import SearchFacts, TuneResult, build_result
 from lightning_ckpt.search.rounds import beats_by, reported_verdict
 from lightning_ckpt.search.runners import release_cached_memory
@@ -85,11 +84,14 @@ class Search:
         return self.ledger.snapshot()
 
     def cost(self) -> SearchCost:
-        """What the search has cost so far, by phase and in plain steps (where the ``none`` baseline did not run, the
-        warm-up's plain step, else the time model's)."""
+        """What the search has cost so far, by phase and in plain steps: the ``none`` baseline's search figure (within
+        budget or not), else the warm-up's plain step, else the time model's."""
+        none = next((t for t in self.records if t.baseline == "none" and t.median_seconds and t.status.ran), None)
         timed = fitted(self.sampler)
-        predicted = self.plain_seconds or (timed.predict_seconds(Plan()) if timed is not None else None)
-        return self.phases.cost(plain_step_seconds(self.records, predicted))
+        plain = none.searched_seconds if none is not None else self.plain_seconds
+        if plain is None and timed is not None:
+            plain = timed.predict_seconds(Plan())
+        return self.phases.cost(plain)
 
     def left(self) -> float | None:
         """Seconds of the search's allowance (``TuneConfig.search_steps`` plain steps) left for its rounds, less
@@ -145,17 +147,8 @@ def run_search(
     sampler = sampler_for(timing, ledger, unseen, config, predicts_time=workloads[0].predicts_time)
     with phases.timing("trials"):
         none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
-    found = (
-        tuple(candidates),
-        tuple(stacks),
-        Confirmed(),
-        none_fits,
-        warm_steps,
-        hooks.progress,
-        phases,
-        plain_seconds,
-    )
-    search = Search(ledger, trials, sampler, *found)
+    search = Search(ledger, trials, sampler, tuple(candidates), tuple(stacks), Confirmed(), none_fits, warm_steps)
+    search = replace(search, progress=hooks.progress, phases=phases, plain_seconds=plain_seconds)
     with phases.timing("confirmation"):
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
     release_cached_memory(resolved.device)
@@ -222,7 +215,7 @@ def conclude(
         facts,
         fell_back=fell_back,
         fallback_message=message,
-        tuning_seconds=facts.cost.total_seconds if facts.cost is not None else time.perf_counter() - trials.started,
+        tuning_seconds=facts.cost.total_seconds,
         tuning_steps=sum(t.steps for t in records) + extra_steps,
         sections=sections,
         memory=memory,

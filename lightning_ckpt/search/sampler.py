@@ -80,7 +80,7 @@ class TimeModelSampler(BaseSampler):
             records = self.ledger.snapshot()
             timed = [t for t in records if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds]
             for m, model in self._models.items():
-                mine = [(t.plan, t.label, _searched_seconds(t)) for t in timed if t.micro_batch == m]
+                mine = [(t.plan, t.label, t.searched_seconds) for t in timed if t.micro_batch == m]
                 self._models[m] = model.calibrated(mine)
             self._fitted_to = len(records)
         return self._models[micro_batch]
@@ -241,14 +241,6 @@ class TimeModelSampler(BaseSampler):
 
     def reseed_rng(self) -> None:
         self.fallback.reseed_rng()
-
-
-def _searched_seconds(t: TrialRecord) -> float | None:
-    """The step seconds the search measured ``t`` at, before side-by-side rounds re-timed it at the machine's speed
-    of that moment: the model is fitted to the search's own figures, whenever it is read."""
-    if t.median_seconds and t.first_samples_per_second and t.samples_per_second:
-        return t.median_seconds * t.samples_per_second / t.first_samples_per_second
-    return t.median_seconds
 
 
 def _per_sample(seconds: float, micro_batch: int | None) -> float:
