@@ -222,12 +222,9 @@ def hold_out(
     """(the plan kept, the held-out verdict, whether the allowance ``left`` ended its rounds): ``best`` timed again in
     fresh interleaved rounds (at least ``holdout_rounds``, then until its ratio's interval is within
     ``CLAIM_HALF_WIDTH`` or it cannot win, at most ``holdout_max_rounds``) beside the reference the choosing rounds
-    found fastest; ``best``, or that reference where they do not find ``best`` faster. Nothing is timed where there
-    is nothing to hold out: no rounds, a baseline chosen, ``best`` not confirmed, no confirmed baseline.
-
-    The rounds that chose a plan among several leaders favour it (claims 5-17% above an outside re-timing, never
-    below); fresh rounds are independent of that selection. Their figures replace both plans' confirmation figures,
-    so the plan file's throughput and its verdict say the same; the other baselines keep the confirmation's."""
+    found fastest; ``best``, or that reference where they do not find ``best`` faster. The rounds that chose a plan
+    among several leaders favour it (claims 5-17% above an outside re-timing, never below); fresh rounds are
+    independent of that selection."""
     config, side = trials.config, confirmed.side
     rounds, tol = config.holdout_rounds, config.tie_tolerance
     chosen_after = len(side.by_round(best.number)) if side is not None else 0
@@ -267,19 +264,35 @@ def hold_out(
         return best, None, stopped  # the choosing rounds' verdict stands
     verdict = fresh.verdict(best.number, labels, tol, reference=reference.number)
     verdict = replace(verdict, chosen_after=chosen_after) if verdict is not None else None
+    records = apply_confirmation(ledger.snapshot(), entries, fresh.per_sample)
+    kept, verdict = _kept(best, reference, verdict, records, ledger, trials)
+    return kept, verdict, stopped
+
+
+def _kept(
+    best: TrialRecord,
+    reference: TrialRecord,
+    verdict: Verdict | None,
+    records: Sequence[TrialRecord],
+    ledger: Ledger,
+    trials: Trials,
+) -> tuple[TrialRecord, Verdict | None]:
+    """Put the fresh rounds' figures (``records``) into the ledger, so the plan file's throughput and its verdict say
+    the same (the other baselines keep the confirmation's); ``best`` where they find it faster, else ``reference``
+    (unless its memory, measured now, is over budget)."""
     notes = {reference.number: vs_reference_note(None, reference.label, verdict.rounds if verdict else 0)}
     if verdict is not None:
         notes[best.number] = vs_reference_note(verdict, reference.label, verdict.rounds)
-    for t in apply_confirmation(ledger.snapshot(), entries, fresh.per_sample):
+    for t in records:
         if notes.get(t.number) is not None:  # the fresh rounds' figures replaced both
             t = replace(t, extra={**t.extra, VS_REFERENCE: notes[t.number]})
         if t.confirmed:
             ledger.put(t)
     if verdict is not None and verdict.wins:
-        return ledger.get(best.key()), verdict, stopped
+        return ledger.get(best.key()), verdict
     kept = ledger.put(trials.verify(ledger.get(reference.key())))
     if not kept.feasible:  # its measured memory is over budget after all: the tuned plan stays
-        return ledger.get(best.key()), None, stopped
+        return ledger.get(best.key()), None
     log.warning(
         "lightning_ckpt: %s was chosen by the confirmation but fresh rounds do not find it faster than %s (%s): "
         "the baseline is kept.",
@@ -287,7 +300,7 @@ def hold_out(
         reference.label,
         verdict.describe() if verdict is not None else "it did not run",
     )
-    return kept, verdict, stopped
+    return kept, verdict
 
 
 def leader_of(side: SideBySide, labels: Mapping[int, str], tie_tolerance: float) -> str | None:

@@ -147,11 +147,6 @@ class _Proposals:
     def unseen(self) -> list[Candidate]:
         return [c for c in self.candidates if c.key() not in self.ledger and self.trials.offered(c.plan)]
 
-    def done(self) -> bool:
-        """``n_trials`` plans measured (pruned ones are free), or out of time."""
-        self.trials.check_stop()
-        return self.ledger.measured >= self.trials.config.n_trials or self.trials.out_of_time()
-
     def next(self) -> tuple[Candidate, Any, str | None] | None:
         unseen = self.unseen()
         if self.timed is not None:
@@ -171,8 +166,9 @@ class _Proposals:
         if self.pruning_rest:
             rest = self.timed.ranked(unseen) if self.timed is not None else []
             return self._enqueued(rest[0], "time") if rest else None
-        if self.done() or not unseen:
-            return None
+        self.trials.check_stop()
+        if self.ledger.measured >= self.trials.config.n_trials or self.trials.out_of_time() or not unseen:
+            return None  # ``n_trials`` plans measured (pruned ones are free), or out of time
         if self.exhaustive and self.timed is None:
             return self._enqueued(unseen[0])
         if self.timed is not None and self.timed.nothing_left_can_win():

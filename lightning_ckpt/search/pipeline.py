@@ -166,11 +166,15 @@ def conclude(
     """Choose by the confirmation's verdicts (a tuned plan beats the fastest fitting baseline only by its verdict;
     never on predicted memory, ``Trials.verify``; the fallback measured if it was pruned), hold the winner out, run
     ``after_choice`` on it (the plan it returns is kept), finish the Optuna record and build the result with the
-    provenance ``sections`` (``memory``:
-    the memory model whose table the result shows)."""
+    provenance ``sections`` (``memory``: the memory model whose table the result shows)."""
     ledger, trials, config = search.ledger, search.trials, search.trials.config
     tol = config.tie_tolerance
     verdict, stopped = None, list(search.confirmed.stopped)
+
+    def remeasure(t: TrialRecord) -> TrialRecord:
+        cand = Candidate(t.params, t.plan, t.label, t.baseline)
+        return measure(ledger, trials, search.sampler, cand, progress=search.progress)
+
     try:
         best, fell_back, message = choose_plan(
             ledger.snapshot,
@@ -179,21 +183,13 @@ def conclude(
             on_infeasible=config.on_infeasible,
             nothing_fits=lambda records: _nothing_fits(trials.budget, records),
             verify=lambda t: ledger.put(trials.verify(t)),
-            measure=lambda t: measure(
-                ledger,
-                trials,
-                search.sampler,
-                Candidate(t.params, t.plan, t.label, t.baseline),
-                progress=search.progress,
-            ),
+            measure=remeasure,
             beats=beats_by(search.confirmed.side, tol),
         )
         if not fell_back:
             with search.phases.timing("hold_out"):
-                best, verdict, held_stopped = hold_out(
-                    best, ledger, trials, search.confirmed, search.progress, search.left
-                )
-            if held_stopped:
+                best, verdict, held = hold_out(best, ledger, trials, search.confirmed, search.progress, search.left)
+            if held:
                 stopped.append("the fresh rounds that hold the winner out, before its claim was within ±3%")
             if after_choice is not None:
                 with search.phases.timing("whole_check"):
@@ -206,7 +202,7 @@ def conclude(
         warnings.warn(message, stacklevel=3)
     records = ledger.snapshot()
     if verdict is None:
-        verdict = reported_verdict(search.confirmed.side, records, best, config.tie_tolerance)
+        verdict = reported_verdict(search.confirmed.side, records, best, tol)
     facts = _facts(search, verdict, stopped)
     result = build_result(
         best,

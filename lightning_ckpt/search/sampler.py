@@ -25,7 +25,7 @@ from lightning_ckpt.search.ledger import Ledger, TrialRecord, TrialStatus
 from lightning_ckpt.search.space import Candidate
 from lightning_ckpt.timing.model import WELL_PREDICTED_ERROR, TimeModel
 
-__all__ = ["TimeModelSampler", "default_sampler", "fitted", "leaders", "sampler_for", "sampler_summary"]
+__all__ = ["TimeModelSampler", "error_summary", "fitted", "leaders", "sampler_for", "sampler_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +162,7 @@ class TimeModelSampler(BaseSampler):
             "calibration": calibrated.get("None") if not self.joint else None,
             **({"calibration_by_micro_batch": calibrated} if self.joint else {}),
             "noise_margin": self.noise_margin(),
-            "predicted_and_measured": len(errors),
-            "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
-            "max_abs_error": max((abs(e) for e in errors), default=None),
+            **error_summary(errors),
             "pruned_by_time": sum(t.pruned_by == "time" for t in records),
             "margin_follows_error": self._warned,
         }
@@ -273,6 +271,15 @@ def sampler_for(
 def leaders(sampler: BaseSampler, tuned: Sequence[TrialRecord], top: int) -> list[TrialRecord]:
     """The tuned plans worth confirming (``tuned``: the fitting ones, fastest first)."""
     return sampler.leaders(tuned, top) if isinstance(sampler, TimeModelSampler) else list(tuned[:top])
+
+
+def error_summary(errors: Sequence[float]) -> dict[str, Any]:
+    """How far predictions were from what was measured (``errors``: predicted / measured - 1), as the plan file keeps it."""
+    return {
+        "predicted_and_measured": len(errors),
+        "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
+        "max_abs_error": max((abs(e) for e in errors), default=None),
+    }
 
 
 def sampler_summary(sampler: BaseSampler) -> dict[str, Any] | None:

@@ -31,7 +31,6 @@ from lightning_ckpt.search.runners import TrialRunner, release_cached_memory
 
 __all__ = [
     "SearchSession",
-    "allocated_bytes",
     "lowest_memory_pass",
     "resolve_budget",
     "resolve_on_device",
@@ -57,7 +56,8 @@ class SearchSession:
     ) -> None:
         self.resolved = resolved
         self.allocator = allocator  # what the search runs under, recorded in the plan file
-        self.began = allocated_bytes(resolved.device)  # what the device held before the search: named if none fits
+        memory = device_memory(resolved.device)
+        self.began = memory.allocated() if memory is not None else None  # held before the search: named if none fits
         self.python_state = PythonState.capture(resolved.root)
         self.phases = Phases(clock)  # where the search's time goes (``result.cost``)
 
@@ -134,22 +134,14 @@ def resolve_on_device(requested: RequestedBudget, device: torch.device, none_act
     allocator lets this process have: the card, or the user's own ``set_per_process_memory_fraction`` of it; on the
     CPU, to the host's memory (``budget.within_host``)."""
     budget = requested.resolve(device=device, none_activation_bytes=none_activation)
-    memory = device_memory(device)
+    memory, clamped = device_memory(device), None
     if memory is not None and budget.kind in ("peak", "none"):
         budget, clamped = budget.within(memory.cap_bytes(), str(device))
-        if clamped is not None:
-            log.warning(clamped)
     elif memory is None and device.type == "cpu":
         budget, clamped = within_host(budget)  # the host's memory (or the container's limit)
-        if clamped is not None:
-            log.warning(clamped)
+    if clamped is not None:
+        log.warning(clamped)
     return budget
-
-
-def allocated_bytes(device: torch.device) -> int | None:
-    """What the device's allocator holds now (None without one): what an infeasible search reports it began with."""
-    memory = device_memory(device)
-    return memory.allocated() if memory is not None else None
 
 
 def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run: Callable[[], Any]) -> Any:

@@ -10,7 +10,6 @@ and the choice. The same engine runs inside the Lightning callback and from a pl
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -42,7 +41,7 @@ from lightning_ckpt.search.pipeline import Search, SearchHooks, conclude, run_se
 from lightning_ckpt.search.replan import profile_metadata
 from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.runners import EagerRunner, TrialRunner
-from lightning_ckpt.search.sampler import fitted
+from lightning_ckpt.search.sampler import error_summary, fitted
 from lightning_ckpt.search.setup import SearchSession, lowest_memory_pass, resolve_budget, search_session
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.trials import Workload
@@ -305,18 +304,11 @@ def _sections(
 
 
 def _activation_errors(records: Sequence[TrialRecord]) -> dict[str, Any]:
-    """How far the compiled memory predictions were from the compiled steps measured (``predicted / measured - 1``
-    of the activation bytes), as the time model's summary says it of step times."""
-    errors = [
-        t.predicted_activation_bytes / t.activation_bytes - 1.0
-        for t in records
-        if t.memory_measured and t.predicted_activation_bytes is not None and t.activation_bytes
-    ]
-    return {
-        "predicted_and_measured": len(errors),
-        "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
-        "max_abs_error": max((abs(e) for e in errors), default=None),
-    }
+    """How far the compiled memory predictions were from the compiled steps measured (of the activation bytes)."""
+    measured = [t for t in records if t.memory_measured and t.predicted_activation_bytes is not None]
+    return error_summary(
+        [t.predicted_activation_bytes / t.activation_bytes - 1.0 for t in measured if t.activation_bytes]
+    )
 
 
 def _compiled_memory(
