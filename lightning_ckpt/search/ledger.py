@@ -1,23 +1,15 @@
 """The ledger of a search: one ``TrialRecord`` per candidate, the one place records are kept, and their Optuna record.
 
-The search loop (``loop.py``) puts records in; every later phase (confirmation, hold-out, the whole-compile check,
-the choice, the result) reads the ledger and puts back what it re-measured, so a plan has exactly one record, in one
-place. ``TuneResult.trials`` is the ledger's frozen snapshot.
+The search loop (``loop.py``) puts records in; every later phase reads the ledger and puts back what it re-measured,
+so a plan has exactly one record. ``TuneResult.trials`` is the ledger's frozen snapshot.
 
-What Optuna keeps, on rank 0 only. The *record* (``study_name``, in ``storage`` when given) holds exactly one trial
-per distinct plan, added when the plan is first measured or pruned and ``RUNNING`` while the search goes on: a
-finished Optuna trial cannot change, and confirmation, a finalist's memory pass and the fallback still change
-figures. When the search ends every trial is finished with its final figures, so ``optuna.load_study`` shows what
-the tuner chose from; a killed search leaves its trials ``RUNNING`` with their figures in user attributes, and the
-next run resumes and finishes them. The sampler proposes from its own history in memory (samplers learn only from
-finished trials, and redraw plans they know, each redraw a ``FAIL``): that working memory is never stored.
-
-The record, for ``optuna.load_study`` and Optuna's plots: one objective, maximised, ``samples_per_second`` (memory is
-the budget's constraint); ``COMPLETE`` for a plan that ran a step (its final samples/s), ``PRUNED`` for one predicted
-over budget or unable to win (its predicted samples/s as its one intermediate value), ``FAIL`` for one that failed;
-constraints ``over_budget_bytes`` (the limited figure minus the limit) and ``failed`` (feasible exactly when the
-status is ``ok``); user attributes named after the record's fields (``TRIAL_ATTRS``); study attributes ``run`` (what
-the figures depend on: a stored study made for another run is refused) and ``chosen_trial``.
+What Optuna keeps, on rank 0 only. The *record* (``study_name``, in ``storage`` when given) holds one trial per
+distinct plan, ``RUNNING`` while the search goes on: a finished Optuna trial cannot change, and confirmation, a
+finalist's memory pass and the fallback still change figures. When the search ends every trial is finished with its
+final figures (one objective, ``samples_per_second``; ``COMPLETE``, ``PRUNED`` with its predicted samples/s, or
+``FAIL``; the constraints and user attributes below), so ``optuna.load_study`` shows what the tuner chose from; a
+killed search leaves its trials ``RUNNING``, and the next run resumes and finishes them. The sampler proposes from
+its own working study in memory (samplers learn only from finished trials), which is never stored.
 """
 
 from __future__ import annotations
@@ -135,11 +127,10 @@ class TrialRecord:
     def with_measurement(
         self, out: Measurement, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True
     ) -> TrialRecord:
-        """This record with what running its plan gave (``out``): the one place a trial's figures enter a record, so
-        a new figure is copied here only; ``Trials.judge`` judges the status. ``memory``: ``out`` read the memory, and
-        ``real_peak_bytes`` is the real step's peak derived from its forward+backward peak (``memory=False``: the
-        record keeps its predicted memory). ``timed``: ``out``'s timing replaces the record's (False for a memory
-        pass, whose one step says nothing about speed)."""
+        """This record with what running its plan gave (``out``): the one place a trial's figures enter a record
+        (``Trials.judge`` judges the status). ``memory=False``: the record keeps its predicted memory, else
+        ``real_peak_bytes`` (derived from ``out``'s forward+backward peak) is its peak. ``timed=False``: a memory
+        pass, whose one step says nothing about speed."""
         figures: dict[str, Any] = {}
         if timed and out.samples_per_second is not None:
             figures.update(
@@ -171,15 +162,6 @@ class TrialRecord:
         if value is None:
             value = self.peak_bytes
         return float(value) if value is not None else float("inf")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("plan", "params", "extra")}
-        d["status"] = self.status.value
-        d["confirmation_seconds"] = list(self.confirmation_seconds)
-        d["plan"] = self.plan.describe()
-        d["params"] = dict(self.params)
-        d["extra"] = dict(self.extra)
-        return d
 
 
 ProgressFn = Callable[[TrialRecord, Budget], None]
@@ -304,7 +286,7 @@ class Ledger:
             raise ConfigurationError(f"Rank 0 could not open the Optuna study {self.study_name!r}: {message[0]}")
         resumed = 0
         for attrs in message[1]:
-            record = _record_from_attrs(0, attrs)
+            record = _record_from_attrs(attrs)
             if record is None or record.key() in self._records or record.micro_batch not in accumulation:
                 continue
             self._learn(record)
@@ -361,7 +343,7 @@ class Ledger:
 
         out = []
         for t in self._record.get_trials(deepcopy=False):
-            record = _record_from_attrs(0, t.user_attrs)
+            record = _record_from_attrs(t.user_attrs)
             if record is None or record.key() in self._stored:
                 continue  # not ours (no record attributes), or a duplicate left by an older version
             running = t.state == optuna.trial.TrialState.RUNNING
@@ -379,20 +361,20 @@ class Ledger:
         """Add a resumed ``trial`` to the sampler's history as a finished trial (failures count as infeasible)."""
         if self._sampler is None:
             return
+        state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
+        predicted = self._predicted_value(trial)
+        intermediate = {0: predicted} if predicted is not None else None
+        self._sampler.add_trial(
+            self._created(trial, state=state, value=value, constraints=constraints, intermediate_values=intermediate)
+        )
+
+    def _created(self, trial: TrialRecord, **kwargs: Any) -> Any:
+        """``trial`` as a new Optuna trial, with its params where they lie inside the space's distributions."""
         import optuna
 
-        state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
         params = _optuna_params(trial.params, self.distributions)
-        predicted = self._predicted_value(trial)
-        frozen = optuna.trial.create_trial(
-            state=state,
-            value=value,
-            params=params,
-            distributions={k: self.distributions[k] for k in params},
-            constraints=constraints,
-            intermediate_values={0: predicted} if predicted is not None else None,
-        )
-        self._sampler.add_trial(frozen)
+        distributions = {k: self.distributions[k] for k in params}
+        return optuna.trial.create_trial(params=params, distributions=distributions, **kwargs)
 
     def _predicted_value(self, trial: TrialRecord) -> float | None:
         """The samples/s the time model predicted for a plan it pruned: Optuna's value of a pruned trial is its last
@@ -447,12 +429,8 @@ class Ledger:
         key, attrs = trial.key(), _attrs(trial)
         stored = self._stored.get(key)
         if stored is None:
-            params = _optuna_params(trial.params, self.distributions)
             running = optuna.trial.TrialState.RUNNING
-            distributions = {k: self.distributions[k] for k in params}
-            self._record.add_trial(
-                optuna.trial.create_trial(state=running, params=params, distributions=distributions, user_attrs=attrs)
-            )
+            self._record.add_trial(self._created(trial, state=running, user_attrs=attrs))
             added = self._record.get_trials(deepcopy=False, states=(running,))[-1]
             self._stored[key] = _StoredTrial(added.number, added._trial_id, running=True, attrs=attrs)
             return
@@ -473,7 +451,7 @@ class Ledger:
         for key, stored in self._stored.items():
             if not stored.running:
                 continue
-            trial = self._records.get(key) or _record_from_attrs(0, stored.attrs)
+            trial = self._records.get(key) or _record_from_attrs(stored.attrs)
             if trial is None:
                 continue
             self._store(trial)
@@ -496,7 +474,8 @@ def fastest_fitting(records: Sequence[TrialRecord]) -> list[TrialRecord]:
     return sorted(timed, key=lambda t: -(t.samples_per_second or 0.0))
 
 
-# The stored study's vocabulary (see the module docstring): one place, read by tests and by users' scripts.
+# The stored study's vocabulary, read by tests and by users' scripts: the objective, the constraints (``_outcome``)
+# and the user attributes. Study attributes: ``run`` (a stored study made for another run is refused), ``chosen_trial``.
 METRIC_NAMES = ("samples_per_second",)
 OVER_BUDGET_CONSTRAINT = "over_budget_bytes"
 FAILED_CONSTRAINT = "failed"
@@ -553,7 +532,7 @@ def _attrs(trial: TrialRecord) -> dict[str, Any]:
     return attrs
 
 
-def _record_from_attrs(number: int, attrs: Mapping[str, Any]) -> TrialRecord | None:
+def _record_from_attrs(attrs: Mapping[str, Any]) -> TrialRecord | None:
     if "plan" not in attrs or attrs.get("status") not in {s.value for s in TrialStatus}:
         return None
     plan = Plan.from_dict(attrs["plan"], source="stored Optuna trial")
@@ -565,7 +544,7 @@ def _record_from_attrs(number: int, attrs: Mapping[str, Any]) -> TrialRecord | N
     params = dict(attrs.get("params", {}))
     m = params.get("micro_batch")  # the joint search's dimension: the record's micro-batch
     joint = {"micro_batch": int(m)} if m is not None else {}
-    return TrialRecord(number=number, plan=plan, params=params, resumed=True, **fields, **joint)
+    return TrialRecord(number=0, plan=plan, params=params, resumed=True, **fields, **joint)
 
 
 def _optuna_params(params: Mapping[str, Any], distributions: Mapping[str, Any]) -> dict[str, Any]:

@@ -163,8 +163,7 @@ def conclude(
     memory: Any = None,
     after_choice: Callable[[TrialRecord], TrialRecord] | None = None,
 ) -> TuneResult:
-    """Choose by the confirmation's verdicts (a tuned plan beats the fastest fitting baseline only by its verdict;
-    never on predicted memory, ``Trials.verify``; the fallback measured if it was pruned), hold the winner out, run
+    """Choose by the confirmation's verdicts (never on predicted memory: ``Trials.verify``), hold the winner out, run
     ``after_choice`` on it (the plan it returns is kept), finish the Optuna record and build the result with the
     provenance ``sections`` (``memory``: the memory model whose table the result shows)."""
     ledger, trials, config = search.ledger, search.trials, search.trials.config
@@ -217,12 +216,12 @@ def conclude(
         memory=memory,
     )
     digest = trials.sync.broadcast(result.best.digest())
-    if digest != result.best.digest():
-        raise ApplyError(
-            f"Ranks disagree on the tuned plan: rank 0 chose {digest}, this rank {result.best.digest()} "
-            f"({result.best.describe()}). Trials must be combined identically on every rank; please report this."
-        )
-    return result
+    if digest == result.best.digest():
+        return result
+    raise ApplyError(
+        f"Ranks disagree on the tuned plan: rank 0 chose {digest}, this rank {result.best.digest()} "
+        f"({result.best.describe()}). Trials must be combined identically on every rank; please report this."
+    )
 
 
 def _facts(search: Search, verdict: Verdict | None, stopped: Sequence[str]) -> SearchFacts:
@@ -259,13 +258,11 @@ def _nothing_fits(budget: Budget, records: Sequence[TrialRecord]) -> str:
 def warm_up_process(
     harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool, *, plain: bool = False
 ) -> tuple[int, float | None]:
-    """Untimed steps before the first trial: the first steps of a process are slow (thread pools, oneDNN/cuBLAS
-    handles, allocator growth) and would handicap whichever plan is measured first. Run under the lowest-memory plan
-    so they cannot run out of memory; ``measure_step`` restores all state. With ``plain`` (the plain step cannot run
-    out of memory: ``_plain_fits_host``) they run without checkpointing and time their last ``PLAIN_TIMED_STEPS``:
-    the search's plain step, the unit of its allowance, measured where the ``none`` plan will not run (over the
-    budget) instead of predicted from plans that all recompute, which put it up to 40% too high (a block's recompute
-    costs more inside a step than alone). Returns the steps it ran and that plain step (None without ``plain``)."""
+    """(steps run, the plain step's seconds): untimed steps before the first trial, as the first steps of a process
+    are slow (thread pools, oneDNN/cuBLAS handles, allocator growth) and would handicap whichever plan is measured
+    first. Run under the lowest-memory plan so they cannot run out of memory; with ``plain`` (``_plain_fits_host``)
+    without checkpointing, timing the search's plain step (the unit of its allowance) even where the ``none`` plan
+    will not run: predicted from plans that all recompute, it came out up to 40% too high."""
     plan = Plan() if plain and not compiled else uniform_plan(resolved.stacks, BlockPlan("full"))
     timed = PLAIN_TIMED_STEPS if plan.is_empty else 1
     with plan_applied(resolved, plan), eager_while_profiling(compiled):

@@ -1,13 +1,10 @@
 """Who picks the next plan: an Optuna sampler. The time model's own, or any other (the user's, seeded TPE).
 
-- ``TimeModelSampler`` (eager models, the default): an ``optuna.samplers.BaseSampler`` whose relative sample is the
-  plan the profile's time model (``timing.model``), refitted to the ledger's timed plans, predicts fastest among
-  those not measured yet. Its rule "nothing left can beat the best measured plan by the model's own error"
-  (``nothing_left_can_win``) is a predicate the search loop polls; what it cannot predict (a mode its block could
-  not be timed under) its fallback sampler, seeded TPE, draws.
-- Any other sampler as it is (``default_sampler``: seeded TPE). Used where a plan's step time cannot be predicted
-  (``torch.compile``: the compiler's), with ``predict_time=False`` (an exhaustive reference), and whenever the user
-  hands the search a sampler.
+- ``TimeModelSampler`` (eager models, the default): proposes the plan the profile's time model, refitted to the
+  ledger's timed plans, predicts fastest among those not measured yet; ``nothing_left_can_win`` is the loop's
+  stopping rule. What it cannot predict, its fallback sampler (seeded TPE) draws.
+- Any other sampler as it is (``default_sampler``: seeded TPE): where a step's time cannot be predicted
+  (``torch.compile``), with ``predict_time=False``, and whenever the user hands the search a sampler.
 """
 
 from __future__ import annotations
@@ -29,9 +26,7 @@ __all__ = ["TimeModelSampler", "error_summary", "fitted", "leaders", "sampler_fo
 
 log = logging.getLogger(__name__)
 
-# The noise margin a plan's predicted step time must clear to be measured (``TimeModelSampler.can_win``): the
-# time model's own measured error (1.25x its median out-of-sample error), within these bounds, and never below the
-# median error itself (a model off by 21% must not prune with 8%); before any error is known, the default.
+# The noise margin's bounds (``TimeModelSampler.noise_margin``), and the margin before any error is known.
 _MARGIN_BOUNDS = (0.03, WELL_PREDICTED_ERROR)
 _DEFAULT_MARGIN = 0.05
 # The tuned plans confirmed beside the predicted-fastest one: those measured within twice the noise margin (at
@@ -168,10 +163,9 @@ class TimeModelSampler(BaseSampler):
         }
 
     def noise_margin(self) -> float:
-        """How far the time model's predictions may be off: 1.25x the median of its errors so far (each taken
-        before the plan was measured), within ``_MARGIN_BOUNDS``, never below the tie tolerance, and never below the
-        median error itself: on a machine where the model predicts badly it prunes only what is predicted slower by
-        more than it has shown itself to be off (``margin_follows_error`` in the summary; a warning says so)."""
+        """How far the time model's predictions may be off: 1.25x the median of its out-of-sample errors so far,
+        within ``_MARGIN_BOUNDS``, never below the tie tolerance, and never below the median error itself: a model
+        off by 21% must not prune with 8% (``margin_follows_error`` in the summary; a warning says so)."""
         errors = [abs(e) for t in self.ledger.snapshot() if (e := t.prediction_error) is not None]
         median = statistics.median(errors) if errors else None
         observed = 1.25 * median if median is not None else _DEFAULT_MARGIN

@@ -1,10 +1,7 @@
 """``tune(model, step_fn)``: find the fastest checkpointing plan whose real training step fits a budget.
 
-The model is resolved once (root, stacks, fingerprint, device, compiled or not); then, in order: the
-memory-safe profile (``memory_model``), one measured optimizer step (``optimizer_step``), the budget
-(``budget``), and the search (``pipeline``): an untimed process warm-up, the loop that runs candidates through a
-trial runner (``runners``: eager, or ``compile.CompiledTrials``) into the ledger, the side-by-side confirmation
-and the choice. The same engine runs inside the Lightning callback and from a plain script.
+The model is resolved once; then, in order: the memory-safe profile, one measured optimizer step, the budget, and
+the search (``pipeline``). The same engine runs inside the Lightning callback and from a plain script.
 """
 
 from __future__ import annotations
@@ -237,10 +234,9 @@ def _search(
 def _profile(
     resolved: ModelView, harness: StepHarness, space: SearchSpace, is_compiled: bool, began: int | None
 ) -> Any:
-    """The memory-safe profile (``memory.profile``), its time model marked with the shape it was timed at. A compiled
-    model's blocks are timed compiled alone (regional compilation: one compile per distinct block and mode the space
-    uses), so its time model predicts compiled steps as the eager one predicts eager steps. No pass of it needs more
-    than the lowest-memory plan's step, so an OOM here means none fits."""
+    """The memory-safe profile, its time model marked with the shape it was timed at. A compiled model's blocks are
+    timed compiled alone (regional compilation), so its time model predicts compiled steps as the eager one predicts
+    eager steps. No pass of it needs more than the lowest-memory plan's step, so an OOM here means none fits."""
     with eager_while_profiling(is_compiled):
         profile = lowest_memory_pass(
             "the memory profile",
@@ -270,9 +266,8 @@ def _sections(
     space: SearchSpace,
     session: SearchSession,
 ) -> dict[str, Any]:
-    """The provenance sections the plan file records of the search beyond the chosen plan's evidence: the run, the optimizer step, the
-    allocator, what a compiled search compiled and its memory model's errors, and the profile as the search fitted
-    it (a later budget re-plans from it without a search: ``replan``; a compiled one is kept apart, as ``replan``
+    """The provenance sections the plan file records beyond the chosen plan's evidence, among them the profile as
+    the search fitted it (a later budget re-plans from it: ``replan``; a compiled one is kept apart, as ``replan``
     predicts eager steps and a plan table its shorter buckets from it, ``search.buckets``)."""
     is_compiled = isinstance(runner, CompiledTrials)
     regions = list(runner.regions) if is_compiled else None
@@ -315,8 +310,7 @@ def _compiled_memory(
     runner: CompiledTrials, compiled: CompiledMemoryModel, optimizer_step: OptimizerStepMemory, resolved: ModelView
 ) -> RealStepMemory:
     """What the compiled search prunes by: the blocks' compiled saved bytes anchored on the compiled ``none`` step
-    (measured already: an activation budget is a fraction of it). The runner's steps are then predicted, memory
-    and time (the workload says so); without that step (it failed) nothing is, as before."""
+    (measured already: an activation budget is a fraction of it); without that step (it failed) the eager model."""
     none = runner.measure_compiled(Plan(fingerprint=resolved.fingerprint))
     if not none.ok or none.activation_bytes is None:
         return RealStepMemory(compiled.eager, optimizer_step)
