@@ -1,10 +1,7 @@
-"""The confirmation of a search: the leaders and every fitting baseline re-timed side by side, the speed change
-between the search and the rounds, and the held-out rounds that keep a winner honest.
-
-``rounds.py`` owns the rounds themselves (interleaving, paired ratios, when a verdict is decided). These functions
-decide which records enter (the sampler's leaders and the fitting baselines), re-rank when the machine's speed
-changed since the search, and hold the chosen tuned plan out: each takes the ledger, puts back the records it
-re-timed, and returns what the reports and the plan file show (``Confirmed``, the held-out verdict).
+"""The confirmation of a search: which records are re-timed side by side (the sampler's leaders and the fitting
+baselines), the re-ranking when the machine's speed changed since the search, and the held-out rounds that keep a
+winner honest. ``rounds.py`` owns the rounds themselves; each function here puts back into the ledger the records it
+re-timed.
 """
 
 from __future__ import annotations
@@ -62,12 +59,10 @@ def confirm(
     progress: ProgressFn | None = None,
     left: Callable[[], float | None] | None = None,
 ) -> Confirmed:
-    """Re-time the sampler's leaders and every fitting baseline side by side, in interleaved rounds, until each
-    leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``: the choice
-    rests on figures paired by round. When the reference, re-timed first, shows that the machine's speed changed since
-    the search, every fitting trial is re-ranked in one interleaved round first. ``left()``: the seconds the search's
-    allowance (``TuneConfig.search_steps``) has left; a round starts only where it and the fresh rounds' floor fit.
-    """
+    """Re-time the sampler's leaders and every fitting baseline side by side until each leader's verdict against the
+    fastest baseline is decided or ``confirm_max_rounds``: the choice rests on figures paired by round. Where the
+    machine's speed changed since the search, every fitting trial is re-ranked in one interleaved round first.
+    ``left()``: the seconds the search's allowance has left."""
     config = trials.config
     if config.confirm_top <= 0:
         return Confirmed()
@@ -162,10 +157,9 @@ def _speed_changed_since_search(trials: Trials, leaders: Sequence[TrialRecord], 
 def _rerank(
     ledger: Ledger, trials: Trials, progress: ProgressFn | None, steps: int, left: Callable[[], float | None] | None
 ) -> None:
-    """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``), ``steps`` timed steps each (steps
-    back to back share the machine's moment, so one round is enough to rank at one speed): figures taken side by side
-    replace the search's, so the leaders are picked at one speed. They do not count as confirmed. Not where the
-    allowance ``left`` cannot pay for it and the confirmation's floor."""
+    """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``), whose figures replace the search's
+    so the leaders are picked at one speed (steps back to back share the machine's moment, so one round is enough).
+    They do not count as confirmed."""
     entries = _entries(trials, ledger.fastest_fitting()[:_MAX_RERANKED], steps)
     side = confirm_interleaved(
         entries,
@@ -202,13 +196,11 @@ def _on_step(
 def _entries(trials: Trials, records: Sequence[TrialRecord], steps: int, *, warm: bool = True) -> list[ConfirmEntry]:
     """``records`` to re-time side by side, ``steps`` timed steps a round each (and, ``warm``, one warm-up in the
     first)."""
-    entries = []
-    for t in records:
-        w = trials.workload(t.micro_batch)
-        entries.append(
-            ConfirmEntry(t, retimer(w.runner, t.plan, steps, warm=warm), w.samples_per_step, steps, int(warm))
-        )
-    return entries
+    pairs = [(t, trials.workload(t.micro_batch)) for t in records]
+    return [
+        ConfirmEntry(t, retimer(w.runner, t.plan, steps, warm=warm), w.samples_per_step, steps, int(warm))
+        for t, w in pairs
+    ]
 
 
 def hold_out(
@@ -307,8 +299,7 @@ def leader_of(side: SideBySide, labels: Mapping[int, str], tie_tolerance: float)
     """The leading tuned plan of the rounds so far and its verdict against the reference, the verdict first (a
     terminal cuts a long line at its right edge): ``1.04x [0.99, 1.08] vs none, 3 rounds: full h.0-3``; the fastest
     plan by its median where no tuned plan has a verdict; None before any round ended."""
-    verdicts = [(n, v) for n in side.tuned() if (v := side.verdict(n, labels, tie_tolerance)) is not None]
-    verdicts = [(n, v) for n, v in verdicts if v.ratio is not None]
+    verdicts = [(n, v) for n in side.tuned() if (v := side.verdict(n, labels, tie_tolerance)) and v.ratio is not None]
     if verdicts:
         n, v = max(verdicts, key=lambda nv: nv[1].ratio or 0.0)
         return f"{v.describe()}: {labels.get(n, n)}"

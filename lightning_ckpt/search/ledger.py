@@ -42,7 +42,6 @@ __all__ = [
     "ProgressFn",
     "TrialRecord",
     "TrialStatus",
-    "fastest_fitting",
     "record_of",
     "storage_for_display",
     "trial_key",
@@ -190,9 +189,6 @@ class _StoredTrial:
     attrs: dict[str, Any]
 
 
-_UNSET = object()
-
-
 class Ledger:
     """The search's records by plan key, in the order they were first put, and rank 0's Optuna studies (opened by
     ``open``; before that, and on other ranks, every Optuna write is a no-op, so every rank calls it alike)."""
@@ -241,7 +237,8 @@ class Ledger:
 
     def fastest_fitting(self) -> list[TrialRecord]:
         """The records that fit and were timed, fastest first."""
-        return fastest_fitting(self.snapshot())
+        timed = [t for t in self._records.values() if t.feasible and t.samples_per_second]
+        return sorted(timed, key=lambda t: -(t.samples_per_second or 0.0))
 
     @property
     def measured(self) -> int:
@@ -434,7 +431,7 @@ class Ledger:
             added = self._record.get_trials(deepcopy=False, states=(running,))[-1]
             self._stored[key] = _StoredTrial(added.number, added._trial_id, running=True, attrs=attrs)
             return
-        changed = {k: v for k, v in attrs.items() if stored.attrs.get(k, _UNSET) != v}
+        changed = {k: v for k, v in attrs.items() if k not in stored.attrs or stored.attrs[k] != v}
         if stored.running and changed:
             handle = optuna.trial.Trial(self._record, stored.trial_id)
             for k, v in changed.items():
@@ -468,12 +465,6 @@ def record_of(records: Sequence[TrialRecord], plan_key: str) -> TrialRecord | No
     return next((t for t in records if t.plan.key() == plan_key), None)
 
 
-def fastest_fitting(records: Sequence[TrialRecord]) -> list[TrialRecord]:
-    """The trials that fit and were timed, fastest first."""
-    timed = [t for t in records if t.feasible and t.samples_per_second]
-    return sorted(timed, key=lambda t: -(t.samples_per_second or 0.0))
-
-
 # The stored study's vocabulary, read by tests and by users' scripts: the objective, the constraints (``_outcome``)
 # and the user attributes. Study attributes: ``run`` (a stored study made for another run is refused), ``chosen_trial``.
 METRIC_NAMES = ("samples_per_second",)
@@ -484,9 +475,8 @@ FAILED_CONSTRAINT = "failed"
 # known only in this process (number, resumed, accumulation).
 _NOT_STORED = ("number", "plan", "params", "extra", "traceback", "resumed", "micro_batch", "accumulation")
 _RECORD_FIELDS = tuple(f.name for f in fields(TrialRecord) if f.name not in _NOT_STORED)
-# Every stored trial's user attributes: the record's fields above (status as its string, e.g. "ok"), plus
-# ``plan`` (the plan as ``Plan.to_dict``, what a resumed search rebuilds) and ``params`` (the search
-# dimensions, also for plans outside the Optuna distributions, which store no Optuna params).
+# Every stored trial's user attributes: the fields above, the plan (``Plan.to_dict``) and ``params`` (kept also for
+# plans outside the Optuna distributions, which store no Optuna params).
 TRIAL_ATTRS = (*_RECORD_FIELDS, "plan", "params")
 
 
@@ -522,8 +512,7 @@ def _over_budget_bytes(trial: TrialRecord, budget: Budget) -> float:
 
 
 def _attrs(trial: TrialRecord) -> dict[str, Any]:
-    """The user attributes of ``trial``'s stored Optuna trial (``TRIAL_ATTRS``): all a resumed search rebuilds
-    the record from (``storage=``), plain JSON."""
+    """The user attributes of ``trial``'s stored Optuna trial (``TRIAL_ATTRS``), plain JSON."""
     attrs = {k: getattr(trial, k) for k in _RECORD_FIELDS}
     attrs["status"] = trial.status.value
     attrs["confirmation_seconds"] = list(trial.confirmation_seconds)

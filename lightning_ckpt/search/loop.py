@@ -100,10 +100,8 @@ def _none_fits(
     ledger: Ledger, trials: Trials, sampler: BaseSampler, candidates: Sequence[Candidate], progress: ProgressFn | None
 ) -> bool:
     """Measure the plan without checkpointing alone, and True when it fits, where the memory model predicts it does
-    (rank 0's prediction decides, for every rank): recompute and offload only add time, so a search would measure
-    plans to confirm it. Not with ``search_when_none_fits``, without a budget (the fastest plan is asked for), in the
-    joint micro-batch search, nor where memory is not predicted. A plan measured over the budget after all (the
-    allocator's reserve on a card) goes on to the search, saying so."""
+    (rank 0's prediction decides): recompute and offload only add time, so a search would measure plans to confirm
+    it. A plan measured over the budget after all (the allocator's reserve on a card) goes on to the search."""
     budget = trials.budget
     if trials.config.search_when_none_fits or budget.kind == "none" or len(trials.workloads) != 1:
         return False

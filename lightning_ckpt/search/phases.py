@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ class Phases:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.started = clock()
-        self.seconds: dict[str, float] = {}
+        self.seconds: defaultdict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
     def timing(self, phase: str) -> Iterator[None]:
@@ -44,17 +45,14 @@ class Phases:
         try:
             yield
         finally:
-            self.add(phase, self.clock() - t0)
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+            self.seconds[phase] += self.clock() - t0
 
     def moved(self, seconds: float, source: str, to: str) -> None:
         """``seconds`` of ``source`` were really ``to``'s (a compile inside the trials)."""
         seconds = min(seconds, self.seconds.get(source, 0.0))
         if seconds > 0:
-            self.add(source, -seconds)
-            self.add(to, seconds)
+            self.seconds[source] -= seconds
+            self.seconds[to] += seconds
 
     def cost(self, plain_step: float | None) -> SearchCost:
         """The account so far, ``other`` being what no phase claimed."""

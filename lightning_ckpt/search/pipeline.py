@@ -1,9 +1,6 @@
-"""One search, from the space's candidates to a ``TuneResult``, the same for ``tune`` and the joint micro-batch search.
-
-``run_search``: warm the process up, open a ledger, run the loop (``loop.run_trials``), confirm the leaders side by
-side (``confirmation.confirm``). ``conclude``: choose (``choice.choose_plan``), hold the winner out, let the caller
-check it (the compiled search's whole-compile check), finish the Optuna record and build the result
-(``result.build_result``). Between the two the caller reads the ledger for what the plan file records.
+"""One search, from the space's candidates to a ``TuneResult``, the same for ``tune`` and the joint micro-batch search:
+``run_search`` (warm-up, loop, confirmation), then ``conclude`` (choice, hold-out, the caller's check, the result).
+Between the two the caller reads the ledger for what the plan file records.
 """
 
 from __future__ import annotations
@@ -114,13 +111,13 @@ def run_search(
     memory_model: Any,
     hooks: SearchHooks,
     run: Mapping[str, Any],
-    phases: Phases | None = None,
+    phases: Phases,
 ) -> Search:
     """Warm up, then the loop and the confirmation over the space's candidates (one per plan, or one per plan and
     workload: the joint search's micro-batches); what the trials cached is given back. ``timing``: the profile's
     time model, for the time model's sampler where the runner's steps are the ones it timed. The warm-up runs the
     first workload's step (its runner's harness)."""
-    runner, phases = workloads[0].runner, phases or Phases()
+    runner = workloads[0].runner
     plain_fits = _plain_fits_host(resolved, workloads, config)
     with phases.timing("warm_up"):
         warm_steps, plain_seconds = warm_up_process(
@@ -166,25 +163,10 @@ def conclude(
     """Choose by the confirmation's verdicts (never on predicted memory: ``Trials.verify``), hold the winner out, run
     ``after_choice`` on it (the plan it returns is kept), finish the Optuna record and build the result with the
     provenance ``sections`` (``memory``: the memory model whose table the result shows)."""
-    ledger, trials, config = search.ledger, search.trials, search.trials.config
-    tol = config.tie_tolerance
+    ledger, trials = search.ledger, search.trials
     verdict, stopped = None, list(search.confirmed.stopped)
-
-    def remeasure(t: TrialRecord) -> TrialRecord:
-        cand = Candidate(t.params, t.plan, t.label, t.baseline)
-        return measure(ledger, trials, search.sampler, cand, progress=search.progress)
-
     try:
-        best, fell_back, message = choose_plan(
-            ledger.snapshot,
-            trials.budget,
-            tie_tolerance=tol,
-            on_infeasible=config.on_infeasible,
-            nothing_fits=lambda records: _nothing_fits(trials.budget, records),
-            verify=lambda t: ledger.put(trials.verify(t)),
-            measure=remeasure,
-            beats=beats_by(search.confirmed.side, tol),
-        )
+        best, fell_back, message = _choose(search)
         if not fell_back:
             with search.phases.timing("hold_out"):
                 best, verdict, held = hold_out(best, ledger, trials, search.confirmed, search.progress, search.left)
@@ -201,7 +183,7 @@ def conclude(
         warnings.warn(message, stacklevel=3)
     records = ledger.snapshot()
     if verdict is None:
-        verdict = reported_verdict(search.confirmed.side, records, best, tol)
+        verdict = reported_verdict(search.confirmed.side, records, best, trials.config.tie_tolerance)
     facts = _facts(search, verdict, stopped)
     result = build_result(
         best,
@@ -221,6 +203,27 @@ def conclude(
     raise ApplyError(
         f"Ranks disagree on the tuned plan: rank 0 chose {digest}, this rank {result.best.digest()} "
         f"({result.best.describe()}). Trials must be combined identically on every rank; please report this."
+    )
+
+
+def _choose(search: Search) -> tuple[TrialRecord, bool, str]:
+    """``choice.choose_plan`` by the confirmation's verdicts: a tuned plan beats the fastest fitting baseline only by
+    its verdict; the fallback is measured where it was pruned."""
+    ledger, trials, tol = search.ledger, search.trials, search.trials.config.tie_tolerance
+
+    def remeasure(t: TrialRecord) -> TrialRecord:
+        cand = Candidate(t.params, t.plan, t.label, t.baseline)
+        return measure(ledger, trials, search.sampler, cand, progress=search.progress)
+
+    return choose_plan(
+        ledger.snapshot,
+        trials.budget,
+        tie_tolerance=tol,
+        on_infeasible=trials.config.on_infeasible,
+        nothing_fits=lambda records: _nothing_fits(trials.budget, records),
+        verify=lambda t: ledger.put(trials.verify(t)),
+        measure=remeasure,
+        beats=beats_by(search.confirmed.side, tol),
     )
 
 

@@ -57,8 +57,8 @@ class ConfirmEntry:
     warmup_steps: int = 0  # untimed steps its first round adds (tuning cost)
 
 
-# ``on_step(round, max_rounds, timed, to_time, side)``: where the rounds are (round ``round`` of at most ``max_rounds``,
-# ``timed`` of its ``to_time`` plans timed) and their figures so far, for a progress line (``confirm_interleaved``).
+# ``on_step(round, max_rounds, timed, to_time, side)``: ``timed`` of round ``round``'s ``to_time`` plans timed, and
+# the figures so far, for a progress line.
 RoundProgress = Callable[[int, int, int, int, "SideBySide"], None]
 
 
@@ -75,21 +75,17 @@ def confirm_interleaved(
     left: Callable[[], float | None] | None = None,
     reserve_steps: int = 0,
 ) -> SideBySide:
-    """Re-time ``entries`` in interleaved rounds until the verdict is decided (or ``until`` says the figures are
-    enough), or ``max_rounds``, or the allowance cannot pay for the next round (``stopped_by_allowance``).
+    """Re-time ``entries`` in interleaved rounds (every candidate through the same slow and fast moments of a shared
+    machine) until the verdict is decided (or ``until`` says the figures are enough), or ``max_rounds``, or the
+    allowance cannot pay for the next round (``stopped_by_allowance``). After ``min_rounds`` a settled entry stops
+    being timed; a tuned plan that can win is timed for all ``max_rounds``: stopping as its interval cleared the
+    threshold reported the noise's luckiest moment (claims 8-12% above an outside re-timing).
 
-    Interleaving puts every candidate through the same slow and fast moments of a shared machine. After
-    ``min_rounds`` a settled entry stops being timed; a tuned plan that can win is timed for all ``max_rounds``:
-    stopping as its interval cleared the threshold reported the noise's luckiest moment (claims 8-12% above an
-    outside re-timing). Without a baseline, until the leader's median separates from the runner-up's.
-
-    ``left()``: the seconds the search's allowance has left (None: unbounded). Each round, the floor's too, starts
-    only where it and ``reserve_steps`` more steps (the fresh rounds' floor) fit, at the seconds per step the last
-    round cost: the verdicts left undecided keep the reference. ``check_stop`` runs before each round and raises to
-    stop the search. ``on_step``: after each plan timed (a round of six plans took 90 s on a loaded 2-core machine;
-    a line that moved only between rounds looked hung).
-    """
-    sync = sync or LocalSync()
+    ``left()``: the seconds the search's allowance has left (None: unbounded); a round starts only where it and
+    ``reserve_steps`` more (the fresh rounds' floor) fit, at the seconds per step the last round cost. ``on_step``:
+    after each plan timed (a round of six plans took 90 s on a loaded 2-core machine: a line that moved only between
+    rounds looked hung)."""
+    sync, on_step = sync or LocalSync(), on_step or (lambda *_: None)
     rounds: list[dict[int, float]] = []
     numbers = [e.trial.number for e in entries]
     baselines = {e.trial.number for e in entries if e.trial.baseline is not None}
@@ -107,22 +103,20 @@ def confirm_interleaved(
         if left is not None and sync.broadcast(before is not None and before < per_step * (steps + reserve_steps)):
             return replace(result, stopped_by_allowance=True)
         row: dict[int, float] = {}
-        if on_step is not None:
-            on_step(done, max_rounds, 0, len(order), result)
+        on_step(done, max_rounds, 0, len(order), result)
         for i, e in enumerate(order, 1):
             seconds = e.time_step()
             gathered = sync.all_gather(seconds)  # ranks step together: a step is as slow as the slowest rank
             if all(g is not None for g in gathered):
                 row[e.trial.number] = max(gathered) / (e.samples_per_step * sync.world_size)
-            if on_step is not None and i < len(order):
+            if i < len(order):
                 on_step(done, max_rounds, i, len(order), result)
         rounds.append(row)
         after = left() if before is not None and left is not None else None
         if after is not None and steps:
             per_step = max(0.0, before - after) / steps
         result = SideBySide.of(rounds, numbers, baselines)
-        if on_step is not None:
-            on_step(done, max_rounds, len(order), len(order), result)
+        on_step(done, max_rounds, len(order), len(order), result)
         # Where the allowance cannot pay for the floor, the rounds after it start from the second (the first with an
         # interval): settled plans stop being timed, and a decided choice ends them, rather than a cut left undecided.
         floor = (min_rounds - done) * sum(e.steps_per_round for e in active) + reserve_steps
@@ -137,9 +131,9 @@ def confirm_interleaved(
 
 @dataclass(frozen=True)
 class SideBySide:
-    """Confirmation figures: seconds per sample by trial number (divided by each round's common speed when
-    that changed), those speeds (1.0 = the median round), each round's raw figures (``rounds``: trial number ->
-    seconds per sample, for the paired verdicts) and which trials are baselines."""
+    """Confirmation figures: seconds per sample by trial number (divided by each round's common speed when that
+    changed, for display), those speeds (1.0 = the median round), and each round's raw figures for the paired
+    verdicts."""
 
     per_sample: dict[int, list[float]]
     round_speeds: tuple[float, ...]
@@ -203,13 +197,10 @@ class SideBySide:
         ref = self.reference
         if ref is None:
             return _separated(self.per_sample)
-        verdicts = [self.verdict(n, {}, tie_tolerance) for n in self.tuned()]
-        if not all(v is not None and v.cannot_win for v in verdicts):
-            return False
         # Which baseline is the reference must be settled too: the one kept is then the fastest, not the one a
         # noisy round favoured (a 3-round tie between baselines once kept one 0.82x the fastest).
         others = {b for b in self.baselines - {ref} if self.per_sample.get(b)}
-        return others <= self.settled(tie_tolerance)
+        return {*self.tuned(), *others} <= self.settled(tie_tolerance)
 
     def choice_decided(self, tie_tolerance: float) -> bool:
         """The choice these rounds make is settled, where a hold-out gives the claim: ``decided``, or a tuned plan
@@ -266,11 +257,9 @@ def _speeds_differ(speeds: Sequence[float]) -> bool:
 
 def speed_change(before_seconds: float | None, after_seconds: float | None, spread: float = 0.0) -> float | None:
     """``after / before`` speed of one plan timed twice, when it differs by more than ``_SPEED_CHANGE`` (widened
-    to three relative spreads of the first figure); None when it does not, or cannot be told.
-
-    Compared as a factor, the same either way: a speed ratio can fall at most 100% but rise without bound, so
-    with a noisy first figure (two steps on a loaded machine: a 30% spread) a 5x slowdown (0.2x) would stay
-    "within the noise" as a difference while a 5x speedup would not."""
+    to three relative spreads of the first figure); None when it does not, or cannot be told. Compared as a factor,
+    the same either way: as a difference, with a noisy first figure a 5x slowdown would stay "within the noise"
+    while a 5x speedup would not."""
     if not before_seconds or not after_seconds:
         return None
     ratio = before_seconds / after_seconds

@@ -90,7 +90,6 @@ class TimeModelSampler(BaseSampler):
         return None not in self._models
 
     def predict_seconds(self, cand: Candidate) -> float | None:
-        """The predicted step seconds of ``cand``, by its micro-batch's model."""
         return self.model_for(cand.micro_batch).predict_seconds(cand.plan)
 
     def ranked(self, candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -114,17 +113,13 @@ class TimeModelSampler(BaseSampler):
         best = self.ledger.fastest_fitting()
         if predicted is None or not best or not best[0].median_seconds:
             return True
-        mine, theirs = (
-            _per_sample(predicted, cand.micro_batch),
-            _per_sample(best[0].median_seconds, best[0].micro_batch),
-        )
-        return mine * (1.0 - self.noise_margin()) < theirs
+        theirs = _per_sample(best[0].median_seconds, best[0].micro_batch)
+        return _per_sample(predicted, cand.micro_batch) * (1.0 - self.noise_margin()) < theirs
 
     def offload_loses(self, cand: Candidate) -> bool:
-        """Whether ``cand``'s plan offloads at a loss: the transfer backward is predicted to wait for exceeds the recompute
-        checkpointing its offloaded blocks would cost instead (``TimeModel.transfer``) by more than the noise margin
-        of its step (before any plan was timed: of its blocks' own forward and backward), so a plan that recomputes
-        does better with the same memory."""
+        """Whether ``cand``'s plan offloads at a loss: the transfer backward is predicted to wait for exceeds the
+        recompute its offloaded blocks would cost instead by more than the noise margin of its step (before any plan
+        was timed: of its blocks' own forward and backward), so a plan that recomputes does better."""
         model, plan = self.model_for(cand.micro_batch), cand.plan
         moves, predicted = model.transfer(plan), model.predict_seconds(plan)
         slack = self.noise_margin() * (predicted if predicted is not None else model.plain_block_seconds())

@@ -41,19 +41,12 @@ log = logging.getLogger(__name__)
 
 
 class SearchSession:
-    """What every search (``tune``, the joint micro-batch search) sets up before its first step and undoes after its
-    last, however it ends, in one place. Set up: every block runs (LayerDrop at full depth: the budget must hold for
-    the deepest step), the modules' Python attributes captured so each step starts from them, expandable segments on
-    CUDA where they can be verified (``measure.allocator``; kept for training). Undone: cached device blocks and
-    offload trials' pinned host memory, the allocator, kept compiled graphs, parameters the forward writes, Python
-    attributes (with a warning for what could not be restored)."""
+    """The module's set-up and tear-down, in one place, however the search ends. Set up: every block runs (LayerDrop
+    at full depth: the budget must hold for the deepest step), the modules' Python attributes captured so each step
+    starts from them, expandable segments on CUDA where they can be verified (kept for training). Undone: cached
+    memory, the allocator, kept compiled graphs, parameters the forward writes, Python attributes."""
 
-    def __init__(
-        self,
-        resolved: ModelView,
-        allocator: AllocatorRegime | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
+    def __init__(self, resolved: ModelView, allocator: AllocatorRegime | None, clock: Callable[[], float]) -> None:
         self.resolved = resolved
         self.allocator = allocator  # what the search runs under, recorded in the plan file
         memory = device_memory(resolved.device)
@@ -146,12 +139,9 @@ def resolve_on_device(requested: RequestedBudget, device: torch.device, none_act
 
 def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run: Callable[[], Any]) -> Any:
     """``run()``, a pass that needs no more memory than the lowest-memory plan (the parameter-write check, the memory
-    profile and its sub-passes, the optimizer-step measurement), through ``measurement.run_pass``: from an emptied
-    cache, retried once split-resistant when the allocator refused what the allocated bytes fit. An out-of-memory
-    error that survives means no plan can fit, so it becomes ``InfeasibleBudgetError`` naming the sub-pass that
-    failed, the allocator's figures, what was allocated when the search began and what the device lets this process
-    have. The pass restores the model's state itself; the error is raised once the failed pass's memory is
-    released, and does not chain the OOM (whose traceback would keep the pass's tensors alive)."""
+    profile, the optimizer-step measurement), through ``measurement.run_pass``. An out-of-memory error that survives
+    it means no plan can fit: ``InfeasibleBudgetError``, raised once the failed pass's memory is released and not
+    chained to the OOM (whose traceback would keep the pass's tensors alive)."""
     try:
         return run_pass(what, resolved.device, run)
     except PassOutOfMemory as failed:
