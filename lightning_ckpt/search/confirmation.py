@@ -180,8 +180,7 @@ def _on_step(
     progress: ProgressFn | None, phase: str, trials: Sequence[TrialRecord], tie_tolerance: float
 ) -> RoundProgress | None:
     """What moves the progress line during ``phase``'s rounds, where the progress listens (a reporter with a
-    ``rounds`` method, ``report.SearchProgress``): the round, the plans timed in it, and the current leader with its
-    interval against the reference, from the rounds so far."""
+    ``rounds`` method, ``report.SearchProgress``)."""
     report = getattr(progress, "rounds", None)
     if report is None:
         return None

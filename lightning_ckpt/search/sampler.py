@@ -68,9 +68,8 @@ class TimeModelSampler(BaseSampler):
         self._warned = False  # the margin followed the model's error (``noise_margin``): said once
 
     def model_for(self, micro_batch: int | None = None) -> TimeModel:
-        """The model of ``micro_batch``'s steps calibrated to every plan the ledger has timed at it (within budget
-        or not: speed does not depend on it), refitted when a plan was added: the search's own figures, not the
-        confirmation's re-timings of them."""
+        """The model of ``micro_batch``'s steps calibrated to the search's own figures of every plan the ledger has
+        timed at it (within budget or not: speed does not depend on it), refitted when a plan was added."""
         if len(self.ledger) != self._fitted_to:
             records = self.ledger.snapshot()
             timed = [t for t in records if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds]

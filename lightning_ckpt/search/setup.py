@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class SearchSession:
-    """The module's set-up and tear-down, in one place, however the search ends. Set up: every block runs (LayerDrop
+    """A search's set-up and tear-down, in one place, however the search ends. Set up: every block runs (LayerDrop
     at full depth: the budget must hold for the deepest step), the modules' Python attributes captured so each step
     starts from them, expandable segments on CUDA where they can be verified (kept for training). Undone: cached
     memory, the allocator, kept compiled graphs, parameters the forward writes, Python attributes."""
