@@ -1,15 +1,13 @@
-"""The confirmation of a search: the leaders and every fitting baseline re-timed side by side, the speed change
-between the search and the rounds, and the held-out rounds that keep a winner honest.
-
-``rounds.py`` owns the rounds themselves (interleaving, paired ratios, when a verdict is decided). These functions
-decide which records enter (the sampler's leaders and the fitting baselines), re-rank when the machine's speed
-changed since the search, and hold the chosen tuned plan out: each takes the ledger, puts back the records it
-re-timed, and returns what the reports and the plan file show (``Confirmed``, the held-out verdict).
+"""The confirmation of a search: which records are re-timed side by side (the sampler's leaders and the fitting
+baselines), the re-ranking when the machine's speed changed since the search, and the held-out rounds that keep a
+winner honest. ``rounds.py`` owns the rounds themselves; each function here puts back into the ledger the records it
+re-timed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -18,14 +16,14 @@ from typing import Any
 from optuna.samplers import BaseSampler
 
 from lightning_ckpt.formatting import count
-from lightning_ckpt.search.ledger import VS_REFERENCE, Ledger, ProgressFn, TrialRecord, announce_confirmation
+from lightning_ckpt.search.ledger import VS_REFERENCE, Ledger, ProgressFn, TrialRecord
 from lightning_ckpt.search.rounds import (
+    CLAIM_HALF_WIDTH,
     ConfirmEntry,
     RoundProgress,
     SideBySide,
     apply_confirmation,
     confirm_interleaved,
-    holdout,
     retimer,
     speed_change,
 )
@@ -33,7 +31,7 @@ from lightning_ckpt.search.sampler import leaders
 from lightning_ckpt.search.trials import Trials
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["Confirmed", "confirm", "hold_out", "leader_of", "vs_reference_note"]
+__all__ = ["Confirmed", "confirm", "hold_out"]
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +59,10 @@ def confirm(
     progress: ProgressFn | None = None,
     left: Callable[[], float | None] | None = None,
 ) -> Confirmed:
-    """Re-time the sampler's leaders and every fitting baseline side by side, in interleaved rounds, until each
-    leader's verdict against the fastest baseline is decided (``verdict.py``) or ``confirm_max_rounds``: the choice
-    rests on figures paired by round. When the reference, re-timed first, shows that the machine's speed changed since
-    the search, every fitting trial is re-ranked in one interleaved round first. ``left()``: the seconds the search's
-    allowance (``TuneConfig.search_steps``) has left; a round starts only where it and the fresh rounds' floor fit.
-    """
+    """Re-time the sampler's leaders and every fitting baseline side by side until each leader's verdict against the
+    fastest baseline is decided or ``confirm_max_rounds``: the choice rests on figures paired by round. Where the
+    machine's speed changed since the search, every fitting trial is re-ranked in one interleaved round first.
+    ``left()``: the seconds the search's allowance has left."""
     config = trials.config
     if config.confirm_top <= 0:
         return Confirmed()
@@ -79,7 +75,9 @@ def confirm(
         changes.append(changed)
         _rerank(ledger, trials, progress, config.confirm_steps, left)
         chosen = _leaders(ledger, sampler, config.confirm_top)
-    announce_confirmation(progress, chosen)
+    confirming = getattr(progress, "confirming", None)  # a reporter (``report.SearchProgress``) that listens
+    if confirming is not None:  # the figures of ``chosen`` are about to change
+        confirming(chosen)
     entries = _entries(trials, chosen, config.confirm_steps)
     # With a hold-out the claim comes from fresh rounds (``hold_out``), so these rounds only choose: they stop once
     # the choice is decided (``SideBySide.choice_decided``). Without one they are the claim, and a plan that can win
@@ -159,10 +157,9 @@ def _speed_changed_since_search(trials: Trials, leaders: Sequence[TrialRecord], 
 def _rerank(
     ledger: Ledger, trials: Trials, progress: ProgressFn | None, steps: int, left: Callable[[], float | None] | None
 ) -> None:
-    """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``), ``steps`` timed steps each (steps
-    back to back share the machine's moment, so one round is enough to rank at one speed): figures taken side by side
-    replace the search's, so the leaders are picked at one speed. They do not count as confirmed. Not where the
-    allowance ``left`` cannot pay for it and the confirmation's floor."""
+    """One interleaved round over the fitting trials (at most ``_MAX_RERANKED``), whose figures replace the search's
+    so the leaders are picked at one speed (steps back to back share the machine's moment, so one round is enough).
+    They do not count as confirmed."""
     entries = _entries(trials, ledger.fastest_fitting()[:_MAX_RERANKED], steps)
     side = confirm_interleaved(
         entries,
@@ -174,26 +171,16 @@ def _rerank(
         left=left,
         reserve_steps=2 * trials.config.confirm_rounds * trials.config.confirm_steps,
     )
-    for t in ledger.snapshot():
-        times = side.per_sample.get(t.number)
-        if times:
-            ledger.put(
-                replace(
-                    t,
-                    samples_per_second=1.0 / times[0],
-                    median_seconds=times[0] * trials.workload(t.micro_batch).samples_per_step,
-                    steps=t.steps + steps + 1,
-                    first_samples_per_second=t.first_samples_per_second or t.samples_per_second,
-                )
-            )
+    for t in apply_confirmation(ledger.snapshot(), entries, side.per_sample, confirmed=False):
+        if side.per_sample.get(t.number):
+            ledger.put(t)
 
 
 def _on_step(
     progress: ProgressFn | None, phase: str, trials: Sequence[TrialRecord], tie_tolerance: float
 ) -> RoundProgress | None:
     """What moves the progress line during ``phase``'s rounds, where the progress listens (a reporter with a
-    ``rounds`` method, ``report.SearchProgress``): the round, the plans timed in it, and the current leader with its
-    interval against the reference, from the rounds so far."""
+    ``rounds`` method, ``report.SearchProgress``)."""
     report = getattr(progress, "rounds", None)
     if report is None:
         return None
@@ -208,13 +195,11 @@ def _on_step(
 def _entries(trials: Trials, records: Sequence[TrialRecord], steps: int, *, warm: bool = True) -> list[ConfirmEntry]:
     """``records`` to re-time side by side, ``steps`` timed steps a round each (and, ``warm``, one warm-up in the
     first)."""
-    entries = []
-    for t in records:
-        w = trials.workload(t.micro_batch)
-        entries.append(
-            ConfirmEntry(t, retimer(w.runner, t.plan, steps, warm=warm), w.samples_per_step, steps, int(warm))
-        )
-    return entries
+    pairs = [(t, trials.workload(t.micro_batch)) for t in records]
+    return [
+        ConfirmEntry(t, retimer(w.runner, t.plan, steps, warm=warm), w.samples_per_step, steps, int(warm))
+        for t, w in pairs
+    ]
 
 
 def hold_out(
@@ -225,37 +210,80 @@ def hold_out(
     progress: ProgressFn | None = None,
     left: Callable[[], float | None] | None = None,
 ) -> tuple[TrialRecord, Verdict | None, bool]:
-    """(the plan kept, the held-out verdict, whether the allowance ``left`` ended its rounds): ``best``, or the
-    reference where fresh rounds (``rounds.holdout``) do not find ``best`` faster. Their figures replace both plans'
-    confirmation figures, so the plan file's throughput and its verdict say the same."""
-    config = trials.config
-    records, reference, verdict, stopped = holdout(
-        best,
-        ledger.snapshot(),
-        confirmed.side,
-        # No warm-up: every plan held out was just timed in the confirmation rounds, one step after another's.
-        lambda t: _entries(trials, [t], config.confirm_steps, warm=False)[0],
-        config,
+    """(the plan kept, the held-out verdict, whether the allowance ``left`` ended its rounds): ``best`` timed again in
+    fresh interleaved rounds (at least ``holdout_rounds``, then until its ratio's interval is within
+    ``CLAIM_HALF_WIDTH`` or it cannot win, at most ``holdout_max_rounds``) beside the reference the choosing rounds
+    found fastest; ``best``, or that reference where they do not find ``best`` faster. The rounds that chose a plan
+    among several leaders favour it (claims 5-17% above an outside re-timing, never below); fresh rounds are
+    independent of that selection."""
+    config, side = trials.config, confirmed.side
+    rounds, tol = config.holdout_rounds, config.tie_tolerance
+    chosen_after = len(side.by_round(best.number)) if side is not None else 0
+    baselines = [t for t in ledger if t.baseline is not None and t.feasible and t.confirmed]
+    if side is None or rounds <= 0 or best.baseline is not None or not chosen_after or not baselines:
+        return best, None, False
+    # The reference is the one the choosing rounds found fastest (the rule ``choose_best`` keeps it by), timed again
+    # beside ``best``: choosing it again from the fresh rounds, the luckiest of near-equal baselines there, would make
+    # it look faster than it is and the claim smaller (the simulated machine: -2% on average, tied baselines).
+    reference = next((t for t in baselines if t.number == side.reference), None) or max(
+        baselines, key=lambda t: t.samples_per_second or 0.0
+    )
+    # No warm-up: every plan held out was just timed in the confirmation rounds, one step after another's.
+    entries = _entries(trials, [best, reference], config.confirm_steps, warm=False)
+    labels = {t.number: t.label for t in (best, reference)}
+
+    def precise(fresh: SideBySide) -> bool:
+        # Stopping on the interval's width, not its place, leaves the ratio unbiased (a sample's spread and mean
+        # are independent); stopping once it cannot win only decides sooner that the baseline is kept.
+        verdict = fresh.verdict(best.number, labels, tol)
+        if verdict is None or verdict.low is None or verdict.high is None:
+            return False
+        return verdict.cannot_win or math.sqrt(verdict.high / verdict.low) <= 1 + CLAIM_HALF_WIDTH
+
+    fresh = confirm_interleaved(
+        entries,
+        min_rounds=rounds,
+        max_rounds=max(rounds, config.holdout_max_rounds or rounds),
         sync=trials.sync,
+        until=precise,
         check_stop=trials.check_stop,
-        on_step=_on_step(progress, "fresh rounds", ledger.snapshot(), config.tie_tolerance),
+        on_step=_on_step(progress, "fresh rounds", ledger.snapshot(), tol),
         left=left,
     )
-    if reference is None:  # none ran (the allowance may have stopped them first): the choosing rounds' verdict stands
-        return best, None, stopped
-    fresh = {reference.number: vs_reference_note(None, reference.label, verdict.rounds if verdict else 0)}
+    stopped = fresh.stopped_by_allowance
+    if not fresh.per_sample.get(reference.number):  # none ran (the allowance may have stopped them first)
+        return best, None, stopped  # the choosing rounds' verdict stands
+    verdict = fresh.verdict(best.number, labels, tol, reference=reference.number)
+    verdict = replace(verdict, chosen_after=chosen_after) if verdict is not None else None
+    records = apply_confirmation(ledger.snapshot(), entries, fresh.per_sample)
+    kept, verdict = _kept(best, reference, verdict, records, ledger, trials)
+    return kept, verdict, stopped
+
+
+def _kept(
+    best: TrialRecord,
+    reference: TrialRecord,
+    verdict: Verdict | None,
+    records: Sequence[TrialRecord],
+    ledger: Ledger,
+    trials: Trials,
+) -> tuple[TrialRecord, Verdict | None]:
+    """Put the fresh rounds' figures (``records``) into the ledger, so the plan file's throughput and its verdict say
+    the same (the other baselines keep the confirmation's); ``best`` where they find it faster, else ``reference``
+    (unless its memory, measured now, is over budget)."""
+    notes = {reference.number: vs_reference_note(None, reference.label, verdict.rounds if verdict else 0)}
     if verdict is not None:
-        fresh[best.number] = vs_reference_note(verdict, reference.label, verdict.rounds)
+        notes[best.number] = vs_reference_note(verdict, reference.label, verdict.rounds)
     for t in records:
-        if fresh.get(t.number) is not None:  # the fresh rounds' figures replaced both
-            t = replace(t, extra={**t.extra, VS_REFERENCE: fresh[t.number]})
+        if notes.get(t.number) is not None:  # the fresh rounds' figures replaced both
+            t = replace(t, extra={**t.extra, VS_REFERENCE: notes[t.number]})
         if t.confirmed:
             ledger.put(t)
     if verdict is not None and verdict.wins:
-        return ledger.get(best.key()), verdict, stopped
+        return ledger.get(best.key()), verdict
     kept = ledger.put(trials.verify(ledger.get(reference.key())))
     if not kept.feasible:  # its measured memory is over budget after all: the tuned plan stays
-        return ledger.get(best.key()), None, stopped
+        return ledger.get(best.key()), None
     log.warning(
         "lightning_ckpt: %s was chosen by the confirmation but fresh rounds do not find it faster than %s (%s): "
         "the baseline is kept.",
@@ -263,15 +291,14 @@ def hold_out(
         reference.label,
         verdict.describe() if verdict is not None else "it did not run",
     )
-    return kept, verdict, stopped
+    return kept, verdict
 
 
 def leader_of(side: SideBySide, labels: Mapping[int, str], tie_tolerance: float) -> str | None:
     """The leading tuned plan of the rounds so far and its verdict against the reference, the verdict first (a
     terminal cuts a long line at its right edge): ``1.04x [0.99, 1.08] vs none, 3 rounds: full h.0-3``; the fastest
     plan by its median where no tuned plan has a verdict; None before any round ended."""
-    verdicts = [(n, v) for n in side.tuned() if (v := side.verdict(n, labels, tie_tolerance)) is not None]
-    verdicts = [(n, v) for n, v in verdicts if v.ratio is not None]
+    verdicts = [(n, v) for n in side.tuned() if (v := side.verdict(n, labels, tie_tolerance)) and v.ratio is not None]
     if verdicts:
         n, v = max(verdicts, key=lambda nv: nv[1].ratio or 0.0)
         return f"{v.describe()}: {labels.get(n, n)}"

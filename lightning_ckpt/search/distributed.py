@@ -32,11 +32,9 @@ class Sync(Protocol):
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (picklable objects)."""
-        ...
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
-        ...
 
 
 class LocalSync:
@@ -53,8 +51,7 @@ class LocalSync:
 
 
 def _max(values: Sequence[int | float | None]) -> Any:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
+    return max((v for v in values if v is not None), default=None)
 
 
 def combine_trials(per_rank: Sequence[TrialRecord], budget: Budget) -> TrialRecord:

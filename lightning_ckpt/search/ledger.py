@@ -1,23 +1,15 @@
 """The ledger of a search: one ``TrialRecord`` per candidate, the one place records are kept, and their Optuna record.
 
-The search loop (``loop.py``) puts records in; every later phase (confirmation, hold-out, the whole-compile check,
-the choice, the result) reads the ledger and puts back what it re-measured, so a plan has exactly one record, in one
-place. ``TuneResult.trials`` is the ledger's frozen snapshot.
+The search loop (``loop.py``) puts records in; every later phase reads the ledger and puts back what it re-measured,
+so a plan has exactly one record. ``TuneResult.trials`` is the ledger's frozen snapshot.
 
-What Optuna keeps, on rank 0 only. The *record* (``study_name``, in ``storage`` when given) holds exactly one trial
-per distinct plan, added when the plan is first measured or pruned and ``RUNNING`` while the search goes on: a
-finished Optuna trial cannot change, and confirmation, a finalist's memory pass and the fallback still change
-figures. When the search ends every trial is finished with its final figures, so ``optuna.load_study`` shows what
-the tuner chose from; a killed search leaves its trials ``RUNNING`` with their figures in user attributes, and the
-next run resumes and finishes them. The sampler proposes from its own history in memory (samplers learn only from
-finished trials, and redraw plans they know, each redraw a ``FAIL``): that working memory is never stored.
-
-The record, for ``optuna.load_study`` and Optuna's plots: one objective, maximised, ``samples_per_second`` (memory is
-the budget's constraint); ``COMPLETE`` for a plan that ran a step (its final samples/s), ``PRUNED`` for one predicted
-over budget or unable to win (its predicted samples/s as its one intermediate value), ``FAIL`` for one that failed;
-constraints ``over_budget_bytes`` (the limited figure minus the limit) and ``failed`` (feasible exactly when the
-status is ``ok``); user attributes named after the record's fields (``TRIAL_ATTRS``); study attributes ``run`` (what
-the figures depend on: a stored study made for another run is refused) and ``chosen_trial``.
+What Optuna keeps, on rank 0 only. The *record* (``study_name``, in ``storage`` when given) holds one trial per
+distinct plan, ``RUNNING`` while the search goes on: a finished Optuna trial cannot change, and confirmation, a
+finalist's memory pass and the fallback still change figures. When the search ends every trial is finished with its
+final figures (one objective, ``samples_per_second``; ``COMPLETE``, ``PRUNED`` with its predicted samples/s, or
+``FAIL``; the constraints and user attributes below), so ``optuna.load_study`` shows what the tuner chose from; a
+killed search leaves its trials ``RUNNING``, and the next run resumes and finishes them. The sampler proposes from
+its own working study in memory (samplers learn only from finished trials), which is never stored.
 """
 
 from __future__ import annotations
@@ -50,8 +42,6 @@ __all__ = [
     "ProgressFn",
     "TrialRecord",
     "TrialStatus",
-    "announce_confirmation",
-    "fastest_fitting",
     "record_of",
     "storage_for_display",
     "trial_key",
@@ -119,25 +109,27 @@ class TrialRecord:
         return bool(self.confirmation_seconds)
 
     @property
+    def searched_seconds(self) -> float | None:
+        """The step seconds the search measured, before side-by-side rounds re-timed the plan at whatever speed the
+        machine then had: the figure the time model is fitted to and judged by."""
+        if self.median_seconds and self.first_samples_per_second and self.samples_per_second:
+            return self.median_seconds * self.samples_per_second / self.first_samples_per_second
+        return self.median_seconds
+
+    @property
     def prediction_error(self) -> float | None:
-        """The time model's error on this plan: predicted / measured step seconds - 1, against the trial's own
-        measurement (taken right after the prediction; the side-by-side rounds later re-time it at whatever
-        speed the machine then has). None when either is unknown."""
+        """The time model's error on this plan: predicted / searched step seconds - 1. None when either is unknown."""
         if self.predicted_seconds is None or not self.median_seconds or self.status == TrialStatus.PRUNED:
             return None
-        measured = self.median_seconds
-        if self.first_samples_per_second and self.samples_per_second:
-            measured *= self.samples_per_second / self.first_samples_per_second
-        return self.predicted_seconds / measured - 1.0
+        return self.predicted_seconds / self.searched_seconds - 1.0
 
     def with_measurement(
         self, out: Measurement, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True
     ) -> TrialRecord:
-        """This record with what running its plan gave (``out``): the one place a trial's figures enter a record, so
-        a new figure is copied here only; ``Trials.judge`` judges the status. ``memory``: ``out`` read the memory, and
-        ``real_peak_bytes`` is the real step's peak derived from its forward+backward peak (``memory=False``: the
-        record keeps its predicted memory). ``timed``: ``out``'s timing replaces the record's (False for a memory
-        pass, whose one step says nothing about speed)."""
+        """This record with what running its plan gave (``out``): the one place a trial's figures enter a record
+        (``Trials.judge`` judges the status). ``memory=False``: the record keeps its predicted memory, else
+        ``real_peak_bytes`` (derived from ``out``'s forward+backward peak) is its peak. ``timed=False``: a memory
+        pass, whose one step says nothing about speed."""
         figures: dict[str, Any] = {}
         if timed and out.samples_per_second is not None:
             figures.update(
@@ -170,15 +162,6 @@ class TrialRecord:
             value = self.peak_bytes
         return float(value) if value is not None else float("inf")
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("plan", "params", "extra")}
-        d["status"] = self.status.value
-        d["confirmation_seconds"] = list(self.confirmation_seconds)
-        d["plan"] = self.plan.describe()
-        d["params"] = dict(self.params)
-        d["extra"] = dict(self.extra)
-        return d
-
 
 ProgressFn = Callable[[TrialRecord, Budget], None]
 
@@ -196,14 +179,6 @@ def vs_reference(trial: TrialRecord) -> float | None:
     return float(ratio) if isinstance(ratio, (int, float)) else None
 
 
-def announce_confirmation(progress: ProgressFn | None, trials: Sequence[TrialRecord]) -> None:
-    """Tell ``progress`` that ``trials`` are about to be re-timed side by side, if it listens (a reporter with a
-    ``confirming`` method, e.g. ``report.SearchProgress``): their figures are about to change, and why."""
-    confirming = getattr(progress, "confirming", None)
-    if confirming is not None:
-        confirming(trials)
-
-
 @dataclass
 class _StoredTrial:
     """The record's Optuna trial of one plan: its number and id, whether it is still open, the attributes written."""
@@ -212,9 +187,6 @@ class _StoredTrial:
     trial_id: int  # FrozenTrial._trial_id: Optuna has no public id, and ``optuna.trial.Trial`` needs it
     running: bool
     attrs: dict[str, Any]
-
-
-_UNSET = object()
 
 
 class Ledger:
@@ -265,7 +237,8 @@ class Ledger:
 
     def fastest_fitting(self) -> list[TrialRecord]:
         """The records that fit and were timed, fastest first."""
-        return fastest_fitting(self.snapshot())
+        timed = [t for t in self._records.values() if t.feasible and t.samples_per_second]
+        return sorted(timed, key=lambda t: -(t.samples_per_second or 0.0))
 
     @property
     def measured(self) -> int:
@@ -310,7 +283,7 @@ class Ledger:
             raise ConfigurationError(f"Rank 0 could not open the Optuna study {self.study_name!r}: {message[0]}")
         resumed = 0
         for attrs in message[1]:
-            record = _record_from_attrs(0, attrs)
+            record = _record_from_attrs(attrs)
             if record is None or record.key() in self._records or record.micro_batch not in accumulation:
                 continue
             self._learn(record)
@@ -367,7 +340,7 @@ class Ledger:
 
         out = []
         for t in self._record.get_trials(deepcopy=False):
-            record = _record_from_attrs(0, t.user_attrs)
+            record = _record_from_attrs(t.user_attrs)
             if record is None or record.key() in self._stored:
                 continue  # not ours (no record attributes), or a duplicate left by an older version
             running = t.state == optuna.trial.TrialState.RUNNING
@@ -385,20 +358,20 @@ class Ledger:
         """Add a resumed ``trial`` to the sampler's history as a finished trial (failures count as infeasible)."""
         if self._sampler is None:
             return
+        state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
+        predicted = self._predicted_value(trial)
+        intermediate = {0: predicted} if predicted is not None else None
+        self._sampler.add_trial(
+            self._created(trial, state=state, value=value, constraints=constraints, intermediate_values=intermediate)
+        )
+
+    def _created(self, trial: TrialRecord, **kwargs: Any) -> Any:
+        """``trial`` as a new Optuna trial, with its params where they lie inside the space's distributions."""
         import optuna
 
-        state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
         params = _optuna_params(trial.params, self.distributions)
-        predicted = self._predicted_value(trial)
-        frozen = optuna.trial.create_trial(
-            state=state,
-            value=value,
-            params=params,
-            distributions={k: self.distributions[k] for k in params},
-            constraints=constraints,
-            intermediate_values={0: predicted} if predicted is not None else None,
-        )
-        self._sampler.add_trial(frozen)
+        distributions = {k: self.distributions[k] for k in params}
+        return optuna.trial.create_trial(params=params, distributions=distributions, **kwargs)
 
     def _predicted_value(self, trial: TrialRecord) -> float | None:
         """The samples/s the time model predicted for a plan it pruned: Optuna's value of a pruned trial is its last
@@ -429,13 +402,17 @@ class Ledger:
         if trial is None:
             self._sampler.tell(asked, state=optuna.trial.TrialState.FAIL)
             return
-        state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
-        for name, violation in constraints.items():
-            asked.set_constraint(name, violation)
+        state, value, _ = _outcome(trial, self.budget, for_sampler=True)
+        self._report(asked, trial)
+        self._sampler.tell(asked, value, state=state)
+
+    def _report(self, handle: Any, trial: TrialRecord) -> None:
+        """``trial``'s constraints on the Optuna trial ``handle``, and a pruned trial's value: its predicted samples/s."""
+        for name, violation in _outcome(trial, self.budget)[2].items():
+            handle.set_constraint(name, violation)
         predicted = self._predicted_value(trial)
         if predicted is not None:
-            asked.report(predicted, 0)  # a pruned trial's value: its predicted samples/s
-        self._sampler.tell(asked, value, state=state)
+            handle.report(predicted, 0)
 
     # -- the record ----------------------------------------------------------------------------------
     def _store(self, trial: TrialRecord) -> None:
@@ -449,16 +426,12 @@ class Ledger:
         key, attrs = trial.key(), _attrs(trial)
         stored = self._stored.get(key)
         if stored is None:
-            params = _optuna_params(trial.params, self.distributions)
             running = optuna.trial.TrialState.RUNNING
-            distributions = {k: self.distributions[k] for k in params}
-            self._record.add_trial(
-                optuna.trial.create_trial(state=running, params=params, distributions=distributions, user_attrs=attrs)
-            )
+            self._record.add_trial(self._created(trial, state=running, user_attrs=attrs))
             added = self._record.get_trials(deepcopy=False, states=(running,))[-1]
             self._stored[key] = _StoredTrial(added.number, added._trial_id, running=True, attrs=attrs)
             return
-        changed = {k: v for k, v in attrs.items() if stored.attrs.get(k, _UNSET) != v}
+        changed = {k: v for k, v in attrs.items() if k not in stored.attrs or stored.attrs[k] != v}
         if stored.running and changed:
             handle = optuna.trial.Trial(self._record, stored.trial_id)
             for k, v in changed.items():
@@ -475,17 +448,12 @@ class Ledger:
         for key, stored in self._stored.items():
             if not stored.running:
                 continue
-            trial = self._records.get(key) or _record_from_attrs(0, stored.attrs)
+            trial = self._records.get(key) or _record_from_attrs(stored.attrs)
             if trial is None:
                 continue
             self._store(trial)
-            state, value, constraints = _outcome(trial, self.budget)
-            handle = optuna.trial.Trial(self._record, stored.trial_id)
-            for name, violation in constraints.items():
-                handle.set_constraint(name, violation)
-            predicted = self._predicted_value(trial)
-            if predicted is not None:
-                handle.report(predicted, 0)  # a pruned trial's value: its predicted samples/s
+            state, value, _ = _outcome(trial, self.budget)
+            self._report(optuna.trial.Trial(self._record, stored.trial_id), trial)
             self._record.tell(stored.number, value, state=state)
             stored.running = False
         if chosen is not None and chosen.key() in self._stored:
@@ -497,13 +465,8 @@ def record_of(records: Sequence[TrialRecord], plan_key: str) -> TrialRecord | No
     return next((t for t in records if t.plan.key() == plan_key), None)
 
 
-def fastest_fitting(records: Sequence[TrialRecord]) -> list[TrialRecord]:
-    """The trials that fit and were timed, fastest first."""
-    timed = [t for t in records if t.feasible and t.samples_per_second]
-    return sorted(timed, key=lambda t: -(t.samples_per_second or 0.0))
-
-
-# The stored study's vocabulary (see the module docstring): one place, read by tests and by users' scripts.
+# The stored study's vocabulary, read by tests and by users' scripts: the objective, the constraints (``_outcome``)
+# and the user attributes. Study attributes: ``run`` (a stored study made for another run is refused), ``chosen_trial``.
 METRIC_NAMES = ("samples_per_second",)
 OVER_BUDGET_CONSTRAINT = "over_budget_bytes"
 FAILED_CONSTRAINT = "failed"
@@ -512,9 +475,8 @@ FAILED_CONSTRAINT = "failed"
 # known only in this process (number, resumed, accumulation).
 _NOT_STORED = ("number", "plan", "params", "extra", "traceback", "resumed", "micro_batch", "accumulation")
 _RECORD_FIELDS = tuple(f.name for f in fields(TrialRecord) if f.name not in _NOT_STORED)
-# Every stored trial's user attributes: the record's fields above (status as its string, e.g. "ok"), plus
-# ``plan`` (the plan as ``Plan.to_dict``, what a resumed search rebuilds) and ``params`` (the search
-# dimensions, also for plans outside the Optuna distributions, which store no Optuna params).
+# Every stored trial's user attributes: the fields above, the plan (``Plan.to_dict``) and ``params`` (kept also for
+# plans outside the Optuna distributions, which store no Optuna params).
 TRIAL_ATTRS = (*_RECORD_FIELDS, "plan", "params")
 
 
@@ -550,8 +512,7 @@ def _over_budget_bytes(trial: TrialRecord, budget: Budget) -> float:
 
 
 def _attrs(trial: TrialRecord) -> dict[str, Any]:
-    """The user attributes of ``trial``'s stored Optuna trial (``TRIAL_ATTRS``): all a resumed search rebuilds
-    the record from (``storage=``), plain JSON."""
+    """The user attributes of ``trial``'s stored Optuna trial (``TRIAL_ATTRS``), plain JSON."""
     attrs = {k: getattr(trial, k) for k in _RECORD_FIELDS}
     attrs["status"] = trial.status.value
     attrs["confirmation_seconds"] = list(trial.confirmation_seconds)
@@ -560,7 +521,7 @@ def _attrs(trial: TrialRecord) -> dict[str, Any]:
     return attrs
 
 
-def _record_from_attrs(number: int, attrs: Mapping[str, Any]) -> TrialRecord | None:
+def _record_from_attrs(attrs: Mapping[str, Any]) -> TrialRecord | None:
     if "plan" not in attrs or attrs.get("status") not in {s.value for s in TrialStatus}:
         return None
     plan = Plan.from_dict(attrs["plan"], source="stored Optuna trial")
@@ -572,7 +533,7 @@ def _record_from_attrs(number: int, attrs: Mapping[str, Any]) -> TrialRecord | N
     params = dict(attrs.get("params", {}))
     m = params.get("micro_batch")  # the joint search's dimension: the record's micro-batch
     joint = {"micro_batch": int(m)} if m is not None else {}
-    return TrialRecord(number=number, plan=plan, params=params, resumed=True, **fields, **joint)
+    return TrialRecord(number=0, plan=plan, params=params, resumed=True, **fields, **joint)
 
 
 def _optuna_params(params: Mapping[str, Any], distributions: Mapping[str, Any]) -> dict[str, Any]:

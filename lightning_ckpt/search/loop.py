@@ -100,10 +100,8 @@ def _none_fits(
     ledger: Ledger, trials: Trials, sampler: BaseSampler, candidates: Sequence[Candidate], progress: ProgressFn | None
 ) -> bool:
     """Measure the plan without checkpointing alone, and True when it fits, where the memory model predicts it does
-    (rank 0's prediction decides, for every rank): recompute and offload only add time, so a search would measure
-    plans to confirm it. Not with ``search_when_none_fits``, without a budget (the fastest plan is asked for), in the
-    joint micro-batch search, nor where memory is not predicted. A plan measured over the budget after all (the
-    allocator's reserve on a card) goes on to the search, saying so."""
+    (rank 0's prediction decides): recompute and offload only add time, so a search would measure plans to confirm
+    it. A plan measured over the budget after all (the allocator's reserve on a card) goes on to the search."""
     budget = trials.budget
     if trials.config.search_when_none_fits or budget.kind == "none" or len(trials.workloads) != 1:
         return False
@@ -147,11 +145,6 @@ class _Proposals:
     def unseen(self) -> list[Candidate]:
         return [c for c in self.candidates if c.key() not in self.ledger and self.trials.offered(c.plan)]
 
-    def done(self) -> bool:
-        """``n_trials`` plans measured (pruned ones are free), or out of time."""
-        self.trials.check_stop()
-        return self.ledger.measured >= self.trials.config.n_trials or self.trials.out_of_time()
-
     def next(self) -> tuple[Candidate, Any, str | None] | None:
         unseen = self.unseen()
         if self.timed is not None:
@@ -171,8 +164,9 @@ class _Proposals:
         if self.pruning_rest:
             rest = self.timed.ranked(unseen) if self.timed is not None else []
             return self._enqueued(rest[0], "time") if rest else None
-        if self.done() or not unseen:
-            return None
+        self.trials.check_stop()
+        if self.ledger.measured >= self.trials.config.n_trials or self.trials.out_of_time() or not unseen:
+            return None  # ``n_trials`` plans measured (pruned ones are free), or out of time
         if self.exhaustive and self.timed is None:
             return self._enqueued(unseen[0])
         if self.timed is not None and self.timed.nothing_left_can_win():

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PHASES", "Phases", "SearchCost", "plain_step_seconds"]
+__all__ = ["PHASES", "Phases", "SearchCost"]
 
 # The phases in the order a search runs them (a compiled search's compiles are taken out of the phase they ran in).
 PHASES = (
@@ -36,7 +37,7 @@ class Phases:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.started = clock()
-        self.seconds: dict[str, float] = {}
+        self.seconds: defaultdict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
     def timing(self, phase: str) -> Iterator[None]:
@@ -44,17 +45,14 @@ class Phases:
         try:
             yield
         finally:
-            self.add(phase, self.clock() - t0)
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+            self.seconds[phase] += self.clock() - t0
 
     def moved(self, seconds: float, source: str, to: str) -> None:
         """``seconds`` of ``source`` were really ``to``'s (a compile inside the trials)."""
         seconds = min(seconds, self.seconds.get(source, 0.0))
         if seconds > 0:
-            self.add(source, -seconds)
-            self.add(to, seconds)
+            self.seconds[source] -= seconds
+            self.seconds[to] += seconds
 
     def cost(self, plain_step: float | None) -> SearchCost:
         """The account so far, ``other`` being what no phase claimed."""
@@ -77,10 +75,6 @@ class SearchCost:
     def plain_steps(self) -> float | None:
         return self.total_seconds / self.plain_step_seconds if self.plain_step_seconds else None
 
-    def steps(self, phase: str) -> float | None:
-        seconds = self.seconds.get(phase)
-        return seconds / self.plain_step_seconds if self.plain_step_seconds and seconds is not None else None
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "total_seconds": self.total_seconds,
@@ -88,23 +82,3 @@ class SearchCost:
             "plain_step_seconds": self.plain_step_seconds,
             "plain_steps": self.plain_steps,
         }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SearchCost:
-        return cls(
-            total_seconds=float(data.get("total_seconds") or 0.0),
-            seconds={str(k): float(v) for k, v in (data.get("seconds") or {}).items()},
-            plain_step_seconds=data.get("plain_step_seconds"),
-        )
-
-
-def plain_step_seconds(records: Sequence[Any], predicted: float | None = None) -> float | None:
-    """The training step without checkpointing: the ``none`` baseline's search figure (per step, within budget or
-    not), else ``predicted`` (the time model's), else None."""
-    for t in records:
-        if t.baseline == "none" and t.median_seconds and t.status.ran:
-            seconds = t.median_seconds
-            if t.first_samples_per_second and t.samples_per_second:
-                seconds *= t.samples_per_second / t.first_samples_per_second
-            return float(seconds)
-    return predicted

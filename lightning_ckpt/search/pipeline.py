@@ -1,15 +1,11 @@
-"""One search, from the space's candidates to a ``TuneResult``, the same for ``tune`` and the joint micro-batch search.
-
-``run_search``: warm the process up, open a ledger, run the loop (``loop.run_trials``), confirm the leaders side by
-side (``confirmation.confirm``). ``conclude``: choose (``choice.choose_plan``), hold the winner out, let the caller
-check it (the compiled search's whole-compile check), finish the Optuna record and build the result
-(``result.build_result``). Between the two the caller reads the ledger for what the plan file records.
+"""One search, from the space's candidates to a ``TuneResult``, the same for ``tune`` and the joint micro-batch search:
+``run_search`` (warm-up, loop, confirmation), then ``conclude`` (choice, hold-out, the caller's check, the result).
+Between the two the caller reads the ledger for what the plan file records.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,7 +29,7 @@ from lightning_ckpt.search.confirmation import Confirmed, confirm, hold_out
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.ledger import Ledger, ProgressFn, TrialRecord
 from lightning_ckpt.search.loop import measure, run_trials
-from lightning_ckpt.search.phases import Phases, SearchCost, plain_step_seconds
+from lightning_ckpt.search.phases import Phases, SearchCost
 from lightning_ckpt.search.result import SearchFacts, TuneResult, build_result
 from lightning_ckpt.search.rounds import beats_by, reported_verdict
 from lightning_ckpt.search.runners import release_cached_memory
@@ -85,11 +81,14 @@ class Search:
         return self.ledger.snapshot()
 
     def cost(self) -> SearchCost:
-        """What the search has cost so far, by phase and in plain steps (where the ``none`` baseline did not run, the
-        warm-up's plain step, else the time model's)."""
+        """What the search has cost so far, by phase and in plain steps: the ``none`` baseline's search figure (within
+        budget or not), else the warm-up's plain step, else the time model's."""
+        none = next((t for t in self.records if t.baseline == "none" and t.median_seconds and t.status.ran), None)
         timed = fitted(self.sampler)
-        predicted = self.plain_seconds or (timed.predict_seconds(Plan()) if timed is not None else None)
-        return self.phases.cost(plain_step_seconds(self.records, predicted))
+        plain = none.searched_seconds if none is not None else self.plain_seconds
+        if plain is None and timed is not None:
+            plain = timed.predict_seconds(Plan())
+        return self.phases.cost(plain)
 
     def left(self) -> float | None:
         """Seconds of the search's allowance (``TuneConfig.search_steps`` plain steps) left for its rounds, less
@@ -112,13 +111,13 @@ def run_search(
     memory_model: Any,
     hooks: SearchHooks,
     run: Mapping[str, Any],
-    phases: Phases | None = None,
+    phases: Phases,
 ) -> Search:
     """Warm up, then the loop and the confirmation over the space's candidates (one per plan, or one per plan and
     workload: the joint search's micro-batches); what the trials cached is given back. ``timing``: the profile's
     time model, for the time model's sampler where the runner's steps are the ones it timed. The warm-up runs the
     first workload's step (its runner's harness)."""
-    runner, phases = workloads[0].runner, phases or Phases()
+    runner = workloads[0].runner
     plain_fits = _plain_fits_host(resolved, workloads, config)
     with phases.timing("warm_up"):
         warm_steps, plain_seconds = warm_up_process(
@@ -145,17 +144,8 @@ def run_search(
     sampler = sampler_for(timing, ledger, unseen, config, predicts_time=workloads[0].predicts_time)
     with phases.timing("trials"):
         none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
-    found = (
-        tuple(candidates),
-        tuple(stacks),
-        Confirmed(),
-        none_fits,
-        warm_steps,
-        hooks.progress,
-        phases,
-        plain_seconds,
-    )
-    search = Search(ledger, trials, sampler, *found)
+    search = Search(ledger, trials, sampler, tuple(candidates), tuple(stacks), Confirmed(), none_fits, warm_steps)
+    search = replace(search, progress=hooks.progress, phases=phases, plain_seconds=plain_seconds)
     with phases.timing("confirmation"):
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
     release_cached_memory(resolved.device)
@@ -170,37 +160,17 @@ def conclude(
     memory: Any = None,
     after_choice: Callable[[TrialRecord], TrialRecord] | None = None,
 ) -> TuneResult:
-    """Choose by the confirmation's verdicts (a tuned plan beats the fastest fitting baseline only by its verdict;
-    never on predicted memory, ``Trials.verify``; the fallback measured if it was pruned), hold the winner out, run
+    """Choose by the confirmation's verdicts (never on predicted memory: ``Trials.verify``), hold the winner out, run
     ``after_choice`` on it (the plan it returns is kept), finish the Optuna record and build the result with the
-    provenance ``sections`` (``memory``:
-    the memory model whose table the result shows)."""
-    ledger, trials, config = search.ledger, search.trials, search.trials.config
-    tol = config.tie_tolerance
+    provenance ``sections`` (``memory``: the memory model whose table the result shows)."""
+    ledger, trials = search.ledger, search.trials
     verdict, stopped = None, list(search.confirmed.stopped)
     try:
-        best, fell_back, message = choose_plan(
-            ledger.snapshot,
-            trials.budget,
-            tie_tolerance=tol,
-            on_infeasible=config.on_infeasible,
-            nothing_fits=lambda records: _nothing_fits(trials.budget, records),
-            verify=lambda t: ledger.put(trials.verify(t)),
-            measure=lambda t: measure(
-                ledger,
-                trials,
-                search.sampler,
-                Candidate(t.params, t.plan, t.label, t.baseline),
-                progress=search.progress,
-            ),
-            beats=beats_by(search.confirmed.side, tol),
-        )
+        best, fell_back, message = _choose(search)
         if not fell_back:
             with search.phases.timing("hold_out"):
-                best, verdict, held_stopped = hold_out(
-                    best, ledger, trials, search.confirmed, search.progress, search.left
-                )
-            if held_stopped:
+                best, verdict, held = hold_out(best, ledger, trials, search.confirmed, search.progress, search.left)
+            if held:
                 stopped.append("the fresh rounds that hold the winner out, before its claim was within ±3%")
             if after_choice is not None:
                 with search.phases.timing("whole_check"):
@@ -213,7 +183,7 @@ def conclude(
         warnings.warn(message, stacklevel=3)
     records = ledger.snapshot()
     if verdict is None:
-        verdict = reported_verdict(search.confirmed.side, records, best, config.tie_tolerance)
+        verdict = reported_verdict(search.confirmed.side, records, best, trials.config.tie_tolerance)
     facts = _facts(search, verdict, stopped)
     result = build_result(
         best,
@@ -222,18 +192,39 @@ def conclude(
         facts,
         fell_back=fell_back,
         fallback_message=message,
-        tuning_seconds=facts.cost.total_seconds if facts.cost is not None else time.perf_counter() - trials.started,
+        tuning_seconds=facts.cost.total_seconds,
         tuning_steps=sum(t.steps for t in records) + extra_steps,
         sections=sections,
         memory=memory,
     )
     digest = trials.sync.broadcast(result.best.digest())
-    if digest != result.best.digest():
-        raise ApplyError(
-            f"Ranks disagree on the tuned plan: rank 0 chose {digest}, this rank {result.best.digest()} "
-            f"({result.best.describe()}). Trials must be combined identically on every rank; please report this."
-        )
-    return result
+    if digest == result.best.digest():
+        return result
+    raise ApplyError(
+        f"Ranks disagree on the tuned plan: rank 0 chose {digest}, this rank {result.best.digest()} "
+        f"({result.best.describe()}). Trials must be combined identically on every rank; please report this."
+    )
+
+
+def _choose(search: Search) -> tuple[TrialRecord, bool, str]:
+    """``choice.choose_plan`` by the confirmation's verdicts: a tuned plan beats the fastest fitting baseline only by
+    its verdict; the fallback is measured where it was pruned."""
+    ledger, trials, tol = search.ledger, search.trials, search.trials.config.tie_tolerance
+
+    def remeasure(t: TrialRecord) -> TrialRecord:
+        cand = Candidate(t.params, t.plan, t.label, t.baseline)
+        return measure(ledger, trials, search.sampler, cand, progress=search.progress)
+
+    return choose_plan(
+        ledger.snapshot,
+        trials.budget,
+        tie_tolerance=tol,
+        on_infeasible=trials.config.on_infeasible,
+        nothing_fits=lambda records: _nothing_fits(trials.budget, records),
+        verify=lambda t: ledger.put(trials.verify(t)),
+        measure=remeasure,
+        beats=beats_by(search.confirmed.side, tol),
+    )
 
 
 def _facts(search: Search, verdict: Verdict | None, stopped: Sequence[str]) -> SearchFacts:
@@ -270,13 +261,11 @@ def _nothing_fits(budget: Budget, records: Sequence[TrialRecord]) -> str:
 def warm_up_process(
     harness: StepHarness, resolved: ModelView, config: TuneConfig, compiled: bool, *, plain: bool = False
 ) -> tuple[int, float | None]:
-    """Untimed steps before the first trial: the first steps of a process are slow (thread pools, oneDNN/cuBLAS
-    handles, allocator growth) and would handicap whichever plan is measured first. Run under the lowest-memory plan
-    so they cannot run out of memory; ``measure_step`` restores all state. With ``plain`` (the plain step cannot run
-    out of memory: ``_plain_fits_host``) they run without checkpointing and time their last ``PLAIN_TIMED_STEPS``:
-    the search's plain step, the unit of its allowance, measured where the ``none`` plan will not run (over the
-    budget) instead of predicted from plans that all recompute, which put it up to 40% too high (a block's recompute
-    costs more inside a step than alone). Returns the steps it ran and that plain step (None without ``plain``)."""
+    """(steps run, the plain step's seconds): untimed steps before the first trial, as the first steps of a process
+    are slow (thread pools, oneDNN/cuBLAS handles, allocator growth) and would handicap whichever plan is measured
+    first. Run under the lowest-memory plan so they cannot run out of memory; with ``plain`` (``_plain_fits_host``)
+    without checkpointing, timing the search's plain step (the unit of its allowance) even where the ``none`` plan
+    will not run: predicted from plans that all recompute, it came out up to 40% too high."""
     plan = Plan() if plain and not compiled else uniform_plan(resolved.stacks, BlockPlan("full"))
     timed = PLAIN_TIMED_STEPS if plan.is_empty else 1
     with plan_applied(resolved, plan), eager_while_profiling(compiled):

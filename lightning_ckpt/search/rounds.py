@@ -1,7 +1,7 @@
 """The side-by-side confirmation: leaders re-timed in interleaved rounds, so the choice compares figures taken at the
 same moments of a shared machine. ``confirm_interleaved`` times entries until ``SideBySide`` decides every tuned
-plan's ``verdict.Verdict`` against the fastest baseline; ``holdout`` re-times the winner in fresh rounds for the
-claim; ``apply_confirmation`` puts the figures into the records.
+plan's ``verdict.Verdict`` against the fastest baseline (and, in ``confirmation.hold_out``, re-times the winner in
+fresh rounds for the claim); ``apply_confirmation`` puts the figures into the records.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 
 from lightning_ckpt.measure.measurement import median_and_spread
 from lightning_ckpt.plan.format import Plan
-from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.ledger import TrialRecord
 from lightning_ckpt.search.runners import TrialRunner
@@ -27,7 +26,6 @@ __all__ = [
     "apply_confirmation",
     "beats_by",
     "confirm_interleaved",
-    "holdout",
     "retimer",
     "reported_verdict",
     "speed_change",
@@ -59,8 +57,8 @@ class ConfirmEntry:
     warmup_steps: int = 0  # untimed steps its first round adds (tuning cost)
 
 
-# ``on_step(round, max_rounds, timed, to_time, side)``: where the rounds are (round ``round`` of at most ``max_rounds``,
-# ``timed`` of its ``to_time`` plans timed) and their figures so far, for a progress line (``confirm_interleaved``).
+# ``on_step(round, max_rounds, timed, to_time, side)``: ``timed`` of round ``round``'s ``to_time`` plans timed, and
+# the figures so far, for a progress line.
 RoundProgress = Callable[[int, int, int, int, "SideBySide"], None]
 
 
@@ -77,26 +75,17 @@ def confirm_interleaved(
     left: Callable[[], float | None] | None = None,
     reserve_steps: int = 0,
 ) -> SideBySide:
-    """Re-time ``entries`` in interleaved rounds until the verdict is decided (or ``until`` says the figures are
-    enough), or ``max_rounds``, or the allowance cannot pay for the next round (``stopped_by_allowance``).
+    """Re-time ``entries`` in interleaved rounds (every candidate through the same slow and fast moments of a shared
+    machine) until the verdict is decided (or ``until`` says the figures are enough), or ``max_rounds``, or the
+    allowance cannot pay for the next round (``stopped_by_allowance``). After ``min_rounds`` a settled entry stops
+    being timed; a tuned plan that can win is timed for all ``max_rounds``: stopping as its interval cleared the
+    threshold reported the noise's luckiest moment (claims 8-12% above an outside re-timing).
 
-    Interleaving puts every candidate through the same slow and fast moments of a shared machine; the order rotates
-    and reverses (``_round_order``). After ``min_rounds`` a settled entry stops being timed (a tuned plan that cannot
-    win against the fastest baseline, a baseline the reference is clearly faster than). A tuned plan that can win is
-    timed for all ``max_rounds``: stopping as its interval cleared the threshold reported the noise's luckiest moment
-    (claims 8-12% above an outside re-timing). Without a baseline, until the leader's median separates from the
-    runner-up's beyond their spreads. Figures are divided by their round's speed for display where that changed by
-    more than ``_SPEED_CHANGE`` (the paired verdicts need no correction).
-
-    ``left()``: the seconds the search's allowance has left (None: unbounded). Each round, the floor's too, starts
-    only where it and ``reserve_steps`` more steps (the fresh rounds' floor) fit, at the seconds per step the last
-    round cost (before one, the entries' search figures): a search stays within its allowance on any model, and the
-    verdicts left undecided keep the reference. Rank 0's answer decides for every rank. ``check_stop`` runs before
-    each round and raises to stop the search. ``on_step(round, max_rounds, timed, to_time, side)``: after each plan
-    timed (a round of six plans took 90 s on a loaded 2-core machine; a line that moved only between rounds looked
-    hung).
-    """
-    sync = sync or LocalSync()
+    ``left()``: the seconds the search's allowance has left (None: unbounded); a round starts only where it and
+    ``reserve_steps`` more (the fresh rounds' floor) fit, at the seconds per step the last round cost. ``on_step``:
+    after each plan timed (a round of six plans took 90 s on a loaded 2-core machine: a line that moved only between
+    rounds looked hung)."""
+    sync, on_step = sync or LocalSync(), on_step or (lambda *_: None)
     rounds: list[dict[int, float]] = []
     numbers = [e.trial.number for e in entries]
     baselines = {e.trial.number for e in entries if e.trial.baseline is not None}
@@ -114,22 +103,20 @@ def confirm_interleaved(
         if left is not None and sync.broadcast(before is not None and before < per_step * (steps + reserve_steps)):
             return replace(result, stopped_by_allowance=True)
         row: dict[int, float] = {}
-        if on_step is not None:
-            on_step(done, max_rounds, 0, len(order), result)
+        on_step(done, max_rounds, 0, len(order), result)
         for i, e in enumerate(order, 1):
             seconds = e.time_step()
             gathered = sync.all_gather(seconds)  # ranks step together: a step is as slow as the slowest rank
             if all(g is not None for g in gathered):
                 row[e.trial.number] = max(gathered) / (e.samples_per_step * sync.world_size)
-            if on_step is not None and i < len(order):
+            if i < len(order):
                 on_step(done, max_rounds, i, len(order), result)
         rounds.append(row)
         after = left() if before is not None and left is not None else None
         if after is not None and steps:
             per_step = max(0.0, before - after) / steps
         result = SideBySide.of(rounds, numbers, baselines)
-        if on_step is not None:
-            on_step(done, max_rounds, len(order), len(order), result)
+        on_step(done, max_rounds, len(order), len(order), result)
         # Where the allowance cannot pay for the floor, the rounds after it start from the second (the first with an
         # interval): settled plans stop being timed, and a decided choice ends them, rather than a cut left undecided.
         floor = (min_rounds - done) * sum(e.steps_per_round for e in active) + reserve_steps
@@ -144,9 +131,9 @@ def confirm_interleaved(
 
 @dataclass(frozen=True)
 class SideBySide:
-    """Confirmation figures: seconds per sample by trial number (divided by each round's common speed when
-    that changed), those speeds (1.0 = the median round), each round's raw figures (``rounds``: trial number ->
-    seconds per sample, for the paired verdicts) and which trials are baselines."""
+    """Confirmation figures: seconds per sample by trial number (divided by each round's common speed when that
+    changed, for display), those speeds (1.0 = the median round), and each round's raw figures for the paired
+    verdicts."""
 
     per_sample: dict[int, list[float]]
     round_speeds: tuple[float, ...]
@@ -210,14 +197,10 @@ class SideBySide:
         ref = self.reference
         if ref is None:
             return _separated(self.per_sample)
-        labels: dict[int, str] = {}
-        verdicts = [self.verdict(n, labels, tie_tolerance) for n in self.tuned()]
-        if not all(v is not None and v.cannot_win for v in verdicts):
-            return False
         # Which baseline is the reference must be settled too: the one kept is then the fastest, not the one a
         # noisy round favoured (a 3-round tie between baselines once kept one 0.82x the fastest).
         others = {b for b in self.baselines - {ref} if self.per_sample.get(b)}
-        return others <= self.settled(tie_tolerance)
+        return {*self.tuned(), *others} <= self.settled(tie_tolerance)
 
     def choice_decided(self, tie_tolerance: float) -> bool:
         """The choice these rounds make is settled, where a hold-out gives the claim: ``decided``, or a tuned plan
@@ -230,17 +213,16 @@ class SideBySide:
             return False
         settled = self.settled(tie_tolerance)
         candidates = [b for b in self.baselines if self.per_sample.get(b) and b not in settled] or [ref]
-        labels: dict[int, str] = {}
 
         def beats_every_candidate(n: int) -> bool:
-            verdicts = (self.verdict(n, labels, tie_tolerance, reference=b) for b in candidates)
+            verdicts = (self.verdict(n, {}, tie_tolerance, reference=b) for b in candidates)
             return all(v is not None and v.wins for v in verdicts)
 
         tuned = self.tuned()
         if not any(beats_every_candidate(n) for n in tuned):
             return False
         leader = min(tuned, key=lambda n: statistics.median(self.per_sample[n]))
-        lead = self.verdict(leader, labels, tie_tolerance)
+        lead = self.verdict(leader, {}, tie_tolerance)
         return lead is not None and (lead.cannot_win or beats_every_candidate(leader))
 
     def settled(self, tie_tolerance: float) -> set[int]:
@@ -249,74 +231,12 @@ class SideBySide:
         ref = self.reference
         if ref is None:
             return set()
-        labels: dict[int, str] = {}
-        out = {n for n in self.tuned() if (v := self.verdict(n, labels, tie_tolerance)) is not None and v.cannot_win}
+        out = {n for n in self.tuned() if (v := self.verdict(n, {}, tie_tolerance)) is not None and v.cannot_win}
         for b in self.baselines - {ref}:
             low = paired_interval(self.by_round(b), self.by_round(ref))[1]  # the reference's speed over b's
             if low is not None and low > 1.0:
                 out.add(b)
         return out
-
-
-def holdout(
-    best: TrialRecord,
-    records: Sequence[TrialRecord],
-    side: SideBySide | None,
-    entry_for: Callable[[TrialRecord], ConfirmEntry],
-    config: TuneConfig,
-    *,
-    sync: Sync | None = None,
-    check_stop: Callable[[], None] | None = None,
-    on_step: RoundProgress | None = None,
-    left: Callable[[], float | None] | None = None,
-) -> tuple[list[TrialRecord], TrialRecord | None, Verdict | None, bool]:
-    """(records, reference, verdict, stopped by the allowance ``left``, as ``confirm_interleaved``): ``best`` timed
-    again in fresh interleaved rounds (at least ``config.holdout_rounds``, then until its ratio's interval is within
-    ``CLAIM_HALF_WIDTH`` or it cannot win, at most ``config.holdout_max_rounds``) beside the reference the choosing rounds found
-    fastest, ``records`` with both figures, that reference and ``best``'s verdict from these rounds alone
-    (``chosen_after``: the rounds of ``side`` that chose it). Nothing is timed (reference None) where there is
-    nothing to hold out: no rounds, a baseline chosen, ``best`` not confirmed, no baseline.
-
-    The rounds that chose a plan among several leaders favour it (claims 5-17% above an outside re-timing, never
-    below); fresh rounds are independent of that selection, and the caller keeps the reference where they do not
-    find ``best`` faster. The other baselines keep the confirmation's figures."""
-    rounds, max_rounds, tie_tolerance = config.holdout_rounds, config.holdout_max_rounds, config.tie_tolerance
-    chosen_after = len(side.by_round(best.number)) if side is not None else 0
-    confirmed = [t for t in records if t.baseline is not None and t.feasible and t.confirmed]
-    if side is None or rounds <= 0 or best.baseline is not None or not chosen_after or not confirmed:
-        return list(records), None, None, False
-    # The reference is the one the choosing rounds found fastest (the rule ``choose_best`` keeps it by), timed again
-    # beside ``best``: choosing it again from the fresh rounds, the luckiest of near-equal baselines there, would make
-    # it look faster than it is and the claim smaller (the simulated machine: -2% on average, tied baselines).
-    reference = next((t for t in confirmed if t.number == side.reference), None) or max(
-        confirmed, key=lambda t: t.samples_per_second or 0.0
-    )
-    entries = [entry_for(best), entry_for(reference)]
-    labels = {t.number: t.label for t in (best, reference)}
-
-    def precise(side: SideBySide) -> bool:
-        # Stopping on the interval's width, not its place, leaves the ratio unbiased (a sample's spread and mean
-        # are independent); stopping once it cannot win only decides sooner that the baseline is kept.
-        verdict = side.verdict(best.number, labels, tie_tolerance)
-        if verdict is None or verdict.low is None or verdict.high is None:
-            return False
-        return verdict.cannot_win or math.sqrt(verdict.high / verdict.low) <= 1 + CLAIM_HALF_WIDTH
-
-    fresh = confirm_interleaved(
-        entries,
-        min_rounds=rounds,
-        max_rounds=max(rounds, max_rounds or rounds),
-        sync=sync,
-        until=precise,
-        check_stop=check_stop,
-        on_step=on_step,
-        left=left,
-    )
-    if not fresh.per_sample.get(reference.number):  # the reference did not run in the fresh rounds
-        return list(records), None, None, fresh.stopped_by_allowance
-    verdict = fresh.verdict(best.number, labels, tie_tolerance, reference=reference.number)
-    verdict = replace(verdict, chosen_after=chosen_after) if verdict is not None else None
-    return apply_confirmation(records, entries, fresh.per_sample), reference, verdict, fresh.stopped_by_allowance
 
 
 def _round_order(entries: Sequence[ConfirmEntry], round_number: int) -> list[ConfirmEntry]:
@@ -337,11 +257,9 @@ def _speeds_differ(speeds: Sequence[float]) -> bool:
 
 def speed_change(before_seconds: float | None, after_seconds: float | None, spread: float = 0.0) -> float | None:
     """``after / before`` speed of one plan timed twice, when it differs by more than ``_SPEED_CHANGE`` (widened
-    to three relative spreads of the first figure); None when it does not, or cannot be told.
-
-    Compared as a factor, the same either way: a speed ratio can fall at most 100% but rise without bound, so
-    with a noisy first figure (two steps on a loaded machine: a 30% spread) a 5x slowdown (0.2x) would stay
-    "within the noise" as a difference while a 5x speedup would not."""
+    to three relative spreads of the first figure); None when it does not, or cannot be told. Compared as a factor,
+    the same either way: as a difference, with a noisy first figure a 5x slowdown would stay "within the noise"
+    while a 5x speedup would not."""
     if not before_seconds or not after_seconds:
         return None
     ratio = before_seconds / after_seconds
@@ -361,23 +279,24 @@ def apply_confirmation(
     records: Sequence[TrialRecord],
     entries: Sequence[ConfirmEntry],
     per_sample: Mapping[int, Sequence[float]],
+    *,
+    confirmed: bool = True,
 ) -> list[TrialRecord]:
-    """``records`` with each re-timed trial's throughput replaced by its side-by-side figure."""
-    samples = {e.trial.number: e.samples_per_step for e in entries}
-    round_steps = {e.trial.number: e.steps_per_round for e in entries}
-    warmups = {e.trial.number: e.warmup_steps for e in entries}
+    """``records`` with each re-timed trial's throughput replaced by its side-by-side figure; ``confirmed=False``
+    (a re-ranking round) leaves its confirmation figures as they were."""
+    by_number = {e.trial.number: e for e in entries}
     out = list(records)
     for i, t in enumerate(out):
         times = per_sample.get(t.number)
         if not times:
             continue
-        med, per_step = statistics.median(times), samples[t.number]
+        e, med = by_number[t.number], statistics.median(times)
         out[i] = replace(
             t,
             samples_per_second=1.0 / med,
-            median_seconds=med * per_step,
-            steps=t.steps + len(times) * round_steps[t.number] + warmups[t.number],
-            confirmation_seconds=tuple(x * per_step for x in times),
+            median_seconds=med * e.samples_per_step,
+            steps=t.steps + len(times) * e.steps_per_round + e.warmup_steps,
+            confirmation_seconds=tuple(x * e.samples_per_step for x in times) if confirmed else t.confirmation_seconds,
             first_samples_per_second=t.first_samples_per_second or t.samples_per_second,
         )
     return out

@@ -36,16 +36,13 @@ class TrialRunner(Protocol):
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
         """Run ``plan`` (warm-up, timed steps; the memory pass unless ``memory=False``), ``memory_limit``
         capping the CUDA allocator."""
-        ...
 
     def measure_memory(self, plan: Plan, memory_limit: int | None) -> Measurement:
         """Only the memory pass (and the FLOP count) of ``plan``: for a trial timed with ``memory=False``."""
-        ...
 
     def retime(self, plan: Plan, steps: int, *, warmup: int = 1) -> Measurement:
         """Time ``plan`` again, ``warmup`` untimed then ``steps`` timed steps, no memory pass: a confirmation
         round's figures."""
-        ...
 
 
 class EagerRunner:

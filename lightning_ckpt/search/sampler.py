@@ -1,13 +1,10 @@
 """Who picks the next plan: an Optuna sampler. The time model's own, or any other (the user's, seeded TPE).
 
-- ``TimeModelSampler`` (eager models, the default): an ``optuna.samplers.BaseSampler`` whose relative sample is the
-  plan the profile's time model (``timing.model``), refitted to the ledger's timed plans, predicts fastest among
-  those not measured yet. Its rule "nothing left can beat the best measured plan by the model's own error"
-  (``nothing_left_can_win``) is a predicate the search loop polls; what it cannot predict (a mode its block could
-  not be timed under) its fallback sampler, seeded TPE, draws.
-- Any other sampler as it is (``default_sampler``: seeded TPE). Used where a plan's step time cannot be predicted
-  (``torch.compile``: the compiler's), with ``predict_time=False`` (an exhaustive reference), and whenever the user
-  hands the search a sampler.
+- ``TimeModelSampler`` (eager models, the default): proposes the plan the profile's time model, refitted to the
+  ledger's timed plans, predicts fastest among those not measured yet; ``nothing_left_can_win`` is the loop's
+  stopping rule. What it cannot predict, its fallback sampler (seeded TPE) draws.
+- Any other sampler as it is (``default_sampler``: seeded TPE): where a step's time cannot be predicted
+  (``torch.compile``), with ``predict_time=False``, and whenever the user hands the search a sampler.
 """
 
 from __future__ import annotations
@@ -25,13 +22,11 @@ from lightning_ckpt.search.ledger import Ledger, TrialRecord, TrialStatus
 from lightning_ckpt.search.space import Candidate
 from lightning_ckpt.timing.model import WELL_PREDICTED_ERROR, TimeModel
 
-__all__ = ["TimeModelSampler", "default_sampler", "fitted", "leaders", "sampler_for", "sampler_summary"]
+__all__ = ["TimeModelSampler", "error_summary", "fitted", "leaders", "sampler_for", "sampler_summary"]
 
 log = logging.getLogger(__name__)
 
-# The noise margin a plan's predicted step time must clear to be measured (``TimeModelSampler.can_win``): the
-# time model's own measured error (1.25x its median out-of-sample error), within these bounds, and never below the
-# median error itself (a model off by 21% must not prune with 8%); before any error is known, the default.
+# The noise margin's bounds (``TimeModelSampler.noise_margin``), and the margin before any error is known.
 _MARGIN_BOUNDS = (0.03, WELL_PREDICTED_ERROR)
 _DEFAULT_MARGIN = 0.05
 # The tuned plans confirmed beside the predicted-fastest one: those measured within twice the noise margin (at
@@ -73,14 +68,13 @@ class TimeModelSampler(BaseSampler):
         self._warned = False  # the margin followed the model's error (``noise_margin``): said once
 
     def model_for(self, micro_batch: int | None = None) -> TimeModel:
-        """The model of ``micro_batch``'s steps calibrated to every plan the ledger has timed at it (within budget
-        or not: speed does not depend on it), refitted when a plan was added: the search's own figures, not the
-        confirmation's re-timings of them."""
+        """The model of ``micro_batch``'s steps calibrated to the search's own figures of every plan the ledger has
+        timed at it (within budget or not: speed does not depend on it), refitted when a plan was added."""
         if len(self.ledger) != self._fitted_to:
             records = self.ledger.snapshot()
             timed = [t for t in records if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds]
             for m, model in self._models.items():
-                mine = [(t.plan, t.label, _searched_seconds(t)) for t in timed if t.micro_batch == m]
+                mine = [(t.plan, t.label, t.searched_seconds) for t in timed if t.micro_batch == m]
                 self._models[m] = model.calibrated(mine)
             self._fitted_to = len(records)
         return self._models[micro_batch]
@@ -95,7 +89,6 @@ class TimeModelSampler(BaseSampler):
         return None not in self._models
 
     def predict_seconds(self, cand: Candidate) -> float | None:
-        """The predicted step seconds of ``cand``, by its micro-batch's model."""
         return self.model_for(cand.micro_batch).predict_seconds(cand.plan)
 
     def ranked(self, candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -119,17 +112,13 @@ class TimeModelSampler(BaseSampler):
         best = self.ledger.fastest_fitting()
         if predicted is None or not best or not best[0].median_seconds:
             return True
-        mine, theirs = (
-            _per_sample(predicted, cand.micro_batch),
-            _per_sample(best[0].median_seconds, best[0].micro_batch),
-        )
-        return mine * (1.0 - self.noise_margin()) < theirs
+        theirs = _per_sample(best[0].median_seconds, best[0].micro_batch)
+        return _per_sample(predicted, cand.micro_batch) * (1.0 - self.noise_margin()) < theirs
 
     def offload_loses(self, cand: Candidate) -> bool:
-        """Whether ``cand``'s plan offloads at a loss: the transfer backward is predicted to wait for exceeds the recompute
-        checkpointing its offloaded blocks would cost instead (``TimeModel.transfer``) by more than the noise margin
-        of its step (before any plan was timed: of its blocks' own forward and backward), so a plan that recomputes
-        does better with the same memory."""
+        """Whether ``cand``'s plan offloads at a loss: the transfer backward is predicted to wait for exceeds the
+        recompute its offloaded blocks would cost instead by more than the noise margin of its step (before any plan
+        was timed: of its blocks' own forward and backward), so a plan that recomputes does better."""
         model, plan = self.model_for(cand.micro_batch), cand.plan
         moves, predicted = model.transfer(plan), model.predict_seconds(plan)
         slack = self.noise_margin() * (predicted if predicted is not None else model.plain_block_seconds())
@@ -162,18 +151,15 @@ class TimeModelSampler(BaseSampler):
             "calibration": calibrated.get("None") if not self.joint else None,
             **({"calibration_by_micro_batch": calibrated} if self.joint else {}),
             "noise_margin": self.noise_margin(),
-            "predicted_and_measured": len(errors),
-            "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
-            "max_abs_error": max((abs(e) for e in errors), default=None),
+            **error_summary(errors),
             "pruned_by_time": sum(t.pruned_by == "time" for t in records),
             "margin_follows_error": self._warned,
         }
 
     def noise_margin(self) -> float:
-        """How far the time model's predictions may be off: 1.25x the median of its errors so far (each taken
-        before the plan was measured), within ``_MARGIN_BOUNDS``, never below the tie tolerance, and never below the
-        median error itself: on a machine where the model predicts badly it prunes only what is predicted slower by
-        more than it has shown itself to be off (``margin_follows_error`` in the summary; a warning says so)."""
+        """How far the time model's predictions may be off: 1.25x the median of its out-of-sample errors so far,
+        within ``_MARGIN_BOUNDS``, never below the tie tolerance, and never below the median error itself: a model
+        off by 21% must not prune with 8% (``margin_follows_error`` in the summary; a warning says so)."""
         errors = [abs(e) for t in self.ledger.snapshot() if (e := t.prediction_error) is not None]
         median = statistics.median(errors) if errors else None
         observed = 1.25 * median if median is not None else _DEFAULT_MARGIN
@@ -243,14 +229,6 @@ class TimeModelSampler(BaseSampler):
         self.fallback.reseed_rng()
 
 
-def _searched_seconds(t: TrialRecord) -> float | None:
-    """The step seconds the search measured ``t`` at, before side-by-side rounds re-timed it at the machine's speed
-    of that moment: the model is fitted to the search's own figures, whenever it is read."""
-    if t.median_seconds and t.first_samples_per_second and t.samples_per_second:
-        return t.median_seconds * t.samples_per_second / t.first_samples_per_second
-    return t.median_seconds
-
-
 def _per_sample(seconds: float, micro_batch: int | None) -> float:
     return seconds / micro_batch if micro_batch else seconds
 
@@ -281,6 +259,15 @@ def sampler_for(
 def leaders(sampler: BaseSampler, tuned: Sequence[TrialRecord], top: int) -> list[TrialRecord]:
     """The tuned plans worth confirming (``tuned``: the fitting ones, fastest first)."""
     return sampler.leaders(tuned, top) if isinstance(sampler, TimeModelSampler) else list(tuned[:top])
+
+
+def error_summary(errors: Sequence[float]) -> dict[str, Any]:
+    """How far predictions were from what was measured (``errors``: predicted / measured - 1), as the plan file keeps it."""
+    return {
+        "predicted_and_measured": len(errors),
+        "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
+        "max_abs_error": max((abs(e) for e in errors), default=None),
+    }
 
 
 def sampler_summary(sampler: BaseSampler) -> dict[str, Any] | None:

@@ -31,7 +31,6 @@ from lightning_ckpt.search.runners import TrialRunner, release_cached_memory
 
 __all__ = [
     "SearchSession",
-    "allocated_bytes",
     "lowest_memory_pass",
     "resolve_budget",
     "resolve_on_device",
@@ -42,22 +41,16 @@ log = logging.getLogger(__name__)
 
 
 class SearchSession:
-    """What every search (``tune``, the joint micro-batch search) sets up before its first step and undoes after its
-    last, however it ends, in one place. Set up: every block runs (LayerDrop at full depth: the budget must hold for
-    the deepest step), the modules' Python attributes captured so each step starts from them, expandable segments on
-    CUDA where they can be verified (``measure.allocator``; kept for training). Undone: cached device blocks and
-    offload trials' pinned host memory, the allocator, kept compiled graphs, parameters the forward writes, Python
-    attributes (with a warning for what could not be restored)."""
+    """A search's set-up and tear-down, in one place, however the search ends. Set up: every block runs (LayerDrop
+    at full depth: the budget must hold for the deepest step), the modules' Python attributes captured so each step
+    starts from them, expandable segments on CUDA where they can be verified (kept for training). Undone: cached
+    memory, the allocator, kept compiled graphs, parameters the forward writes, Python attributes."""
 
-    def __init__(
-        self,
-        resolved: ModelView,
-        allocator: AllocatorRegime | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
+    def __init__(self, resolved: ModelView, allocator: AllocatorRegime | None, clock: Callable[[], float]) -> None:
         self.resolved = resolved
         self.allocator = allocator  # what the search runs under, recorded in the plan file
-        self.began = allocated_bytes(resolved.device)  # what the device held before the search: named if none fits
+        memory = device_memory(resolved.device)
+        self.began = memory.allocated() if memory is not None else None  # held before the search: named if none fits
         self.python_state = PythonState.capture(resolved.root)
         self.phases = Phases(clock)  # where the search's time goes (``result.cost``)
 
@@ -134,32 +127,21 @@ def resolve_on_device(requested: RequestedBudget, device: torch.device, none_act
     allocator lets this process have: the card, or the user's own ``set_per_process_memory_fraction`` of it; on the
     CPU, to the host's memory (``budget.within_host``)."""
     budget = requested.resolve(device=device, none_activation_bytes=none_activation)
-    memory = device_memory(device)
+    memory, clamped = device_memory(device), None
     if memory is not None and budget.kind in ("peak", "none"):
         budget, clamped = budget.within(memory.cap_bytes(), str(device))
-        if clamped is not None:
-            log.warning(clamped)
     elif memory is None and device.type == "cpu":
         budget, clamped = within_host(budget)  # the host's memory (or the container's limit)
-        if clamped is not None:
-            log.warning(clamped)
+    if clamped is not None:
+        log.warning(clamped)
     return budget
-
-
-def allocated_bytes(device: torch.device) -> int | None:
-    """What the device's allocator holds now (None without one): what an infeasible search reports it began with."""
-    memory = device_memory(device)
-    return memory.allocated() if memory is not None else None
 
 
 def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run: Callable[[], Any]) -> Any:
     """``run()``, a pass that needs no more memory than the lowest-memory plan (the parameter-write check, the memory
-    profile and its sub-passes, the optimizer-step measurement), through ``measurement.run_pass``: from an emptied
-    cache, retried once split-resistant when the allocator refused what the allocated bytes fit. An out-of-memory
-    error that survives means no plan can fit, so it becomes ``InfeasibleBudgetError`` naming the sub-pass that
-    failed, the allocator's figures, what was allocated when the search began and what the device lets this process
-    have. The pass restores the model's state itself; the error is raised once the failed pass's memory is
-    released, and does not chain the OOM (whose traceback would keep the pass's tensors alive)."""
+    profile, the optimizer-step measurement), through ``measurement.run_pass``. An out-of-memory error that survives
+    it means no plan can fit: ``InfeasibleBudgetError``, raised once the failed pass's memory is released and not
+    chained to the OOM (whose traceback would keep the pass's tensors alive)."""
     try:
         return run_pass(what, resolved.device, run)
     except PassOutOfMemory as failed:

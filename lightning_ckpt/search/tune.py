@@ -1,16 +1,12 @@
 """``tune(model, step_fn)``: find the fastest checkpointing plan whose real training step fits a budget.
 
-The model is resolved once (root, stacks, fingerprint, device, compiled or not); then, in order: the
-memory-safe profile (``memory_model``), one measured optimizer step (``optimizer_step``), the budget
-(``budget``), and the search (``pipeline``): an untimed process warm-up, the loop that runs candidates through a
-trial runner (``runners``: eager, or ``compile.CompiledTrials``) into the ledger, the side-by-side confirmation
-and the choice. The same engine runs inside the Lightning callback and from a plain script.
+The model is resolved once; then, in order: the memory-safe profile, one measured optimizer step, the budget, and
+the search (``pipeline``). The same engine runs inside the Lightning callback and from a plain script.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -42,7 +38,7 @@ from lightning_ckpt.search.pipeline import Search, SearchHooks, conclude, run_se
 from lightning_ckpt.search.replan import profile_metadata
 from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.runners import EagerRunner, TrialRunner
-from lightning_ckpt.search.sampler import fitted
+from lightning_ckpt.search.sampler import error_summary, fitted
 from lightning_ckpt.search.setup import SearchSession, lowest_memory_pass, resolve_budget, search_session
 from lightning_ckpt.search.space import SearchSpace
 from lightning_ckpt.search.trials import Workload
@@ -238,10 +234,9 @@ def _search(
 def _profile(
     resolved: ModelView, harness: StepHarness, space: SearchSpace, is_compiled: bool, began: int | None
 ) -> Any:
-    """The memory-safe profile (``memory.profile``), its time model marked with the shape it was timed at. A compiled
-    model's blocks are timed compiled alone (regional compilation: one compile per distinct block and mode the space
-    uses), so its time model predicts compiled steps as the eager one predicts eager steps. No pass of it needs more
-    than the lowest-memory plan's step, so an OOM here means none fits."""
+    """The memory-safe profile, its time model marked with the shape it was timed at. A compiled model's blocks are
+    timed compiled alone (regional compilation), so its time model predicts compiled steps as the eager one predicts
+    eager steps. No pass of it needs more than the lowest-memory plan's step, so an OOM here means none fits."""
     with eager_while_profiling(is_compiled):
         profile = lowest_memory_pass(
             "the memory profile",
@@ -271,9 +266,8 @@ def _sections(
     space: SearchSpace,
     session: SearchSession,
 ) -> dict[str, Any]:
-    """The provenance sections the plan file records of the search beyond the chosen plan's evidence: the run, the optimizer step, the
-    allocator, what a compiled search compiled and its memory model's errors, and the profile as the search fitted
-    it (a later budget re-plans from it without a search: ``replan``; a compiled one is kept apart, as ``replan``
+    """The provenance sections the plan file records beyond the chosen plan's evidence, among them the profile as
+    the search fitted it (a later budget re-plans from it: ``replan``; a compiled one is kept apart, as ``replan``
     predicts eager steps and a plan table its shorter buckets from it, ``search.buckets``)."""
     is_compiled = isinstance(runner, CompiledTrials)
     regions = list(runner.regions) if is_compiled else None
@@ -305,26 +299,18 @@ def _sections(
 
 
 def _activation_errors(records: Sequence[TrialRecord]) -> dict[str, Any]:
-    """How far the compiled memory predictions were from the compiled steps measured (``predicted / measured - 1``
-    of the activation bytes), as the time model's summary says it of step times."""
-    errors = [
-        t.predicted_activation_bytes / t.activation_bytes - 1.0
-        for t in records
-        if t.memory_measured and t.predicted_activation_bytes is not None and t.activation_bytes
-    ]
-    return {
-        "predicted_and_measured": len(errors),
-        "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
-        "max_abs_error": max((abs(e) for e in errors), default=None),
-    }
+    """How far the compiled memory predictions were from the compiled steps measured (of the activation bytes)."""
+    measured = [t for t in records if t.memory_measured and t.predicted_activation_bytes is not None]
+    return error_summary(
+        [t.predicted_activation_bytes / t.activation_bytes - 1.0 for t in measured if t.activation_bytes]
+    )
 
 
 def _compiled_memory(
     runner: CompiledTrials, compiled: CompiledMemoryModel, optimizer_step: OptimizerStepMemory, resolved: ModelView
 ) -> RealStepMemory:
     """What the compiled search prunes by: the blocks' compiled saved bytes anchored on the compiled ``none`` step
-    (measured already: an activation budget is a fraction of it). The runner's steps are then predicted, memory
-    and time (the workload says so); without that step (it failed) nothing is, as before."""
+    (measured already: an activation budget is a fraction of it); without that step (it failed) the eager model."""
     none = runner.measure_compiled(Plan(fingerprint=resolved.fingerprint))
     if not none.ok or none.activation_bytes is None:
         return RealStepMemory(compiled.eager, optimizer_step)
