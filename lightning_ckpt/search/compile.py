@@ -223,12 +223,9 @@ class CompiledTrials:
 
     def retime(self, plan: Plan, steps: int | None = None, *, warmup: int = 1) -> Measurement:
         """Time ``plan`` again, no memory pass: an untimed first step (it compiles the plan, or runs its kept graph:
-        every round's warm-up, so ``warmup`` is unused here), then the timed steps.
-
-        Each plan gets the forward objects it had the first time (``KeptGraphs.apply_reusing``), so a later round costs
-        steps, not a compile. No guard sees a PT2 budget, so the compiled regions get a forward that reads it
-        (``_budget_marked``); where one cannot be marked, a budget change drops the kept graphs instead.
-        """
+        every round's warm-up, so ``warmup`` is unused here), then the timed steps. Each plan gets the forward objects
+        it had the first time (``KeptGraphs.apply_reusing``), so a later round costs steps, not a compile; no guard
+        sees a PT2 budget, so the regions read it (``_budget_marked``), or a budget change drops the kept graphs."""
         if self.assembly is not None:
             return self._assembled_retime(plan, steps, warmup)
         key = (id(self), plan.key())  # another runner (micro-batch) is another batch shape: other graphs

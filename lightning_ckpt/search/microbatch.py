@@ -360,15 +360,12 @@ def _feasible_micro_batches(
     lowest = uniform_plan(stacks, BlockPlan("full"))
     feasible, skipped = [], {}
     for m in candidates:
-        model_m = scaled.at(m)
-        lowest_peak = opt_mem.real_peak(model_m.predict_peak(lowest))
-        if not budget.fits(lowest_peak, model_m.predict_activation(lowest)):
-            skipped[m] = (
-                f"even full checkpointing is predicted over budget "
-                f"(activation {model_m.predict_activation(lowest)}, real-step peak {lowest_peak} bytes)"
-            )
-        else:
+        peak, activation = opt_mem.real_peak(scaled.at(m).predict_peak(lowest)), scaled.at(m).predict_activation(lowest)
+        if budget.fits(peak, activation):
             feasible.append(m)
+        else:
+            why = f"(activation {activation}, real-step peak {peak} bytes)"
+            skipped[m] = f"even full checkpointing is predicted over budget {why}"
     if not feasible:
         raise InfeasibleBudgetError(
             f"No micro-batch of the global batch {global_batch} fits the budget ({budget.description}) even with "

@@ -300,16 +300,12 @@ def _with_measured_times(
 ) -> tuple[list[TrialRecord], set[int]]:
     """``records`` with the step time the file measured where it measured that plan (``predicted_seconds`` keeps the
     prediction), and the numbers of those records."""
-    out, numbers = [], set()
-    for r in records:
-        seconds = measured.get(r.label)
-        if seconds is None:
-            out.append(r)
-            continue
-        seconds *= ratio
-        out.append(replace(r, median_seconds=seconds, samples_per_second=batch / seconds))
-        numbers.add(r.number)
-    return out, numbers
+
+    def timed(r: TrialRecord) -> TrialRecord:
+        seconds = measured[r.label] * ratio
+        return replace(r, median_seconds=seconds, samples_per_second=batch / seconds)
+
+    return [timed(r) if r.label in measured else r for r in records], {r.number for r in records if r.label in measured}
 
 
 def _beats(verdict: Verdict | None, measured: set[int], tie_tolerance: float) -> BeatsFn:

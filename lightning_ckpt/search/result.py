@@ -89,16 +89,14 @@ def evidence(
         "fell_back": fell_back,
         "speed_changes": list(facts.speed_changes),
     }
-    if facts.none_fits:
-        search["none_fits"] = True
-    if facts.proposer_summary is not None:
-        search["time_model"] = facts.proposer_summary
-    if facts.verdict is not None:
-        search["verdict"] = facts.verdict.to_dict()
-    if facts.cost is not None:
-        search["cost"] = facts.cost.to_dict()
-    if facts.allowance is not None:
-        search["allowance"] = dict(facts.allowance)
+    optional = {
+        "none_fits": facts.none_fits or None,
+        "time_model": facts.proposer_summary,
+        "verdict": facts.verdict.to_dict() if facts.verdict is not None else None,
+        "cost": facts.cost.to_dict() if facts.cost is not None else None,
+        "allowance": dict(facts.allowance) if facts.allowance is not None else None,
+    }
+    search.update((k, v) for k, v in optional.items() if v is not None)
     return {
         "versions": library_versions(),
         "budget": budget.to_dict(),

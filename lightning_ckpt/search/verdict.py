@@ -171,8 +171,7 @@ class Verdict:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
-        names = ("reference", "candidate", "ratio", "low", "high", "rounds", "threshold", "confidence", "chosen_after")
-        return cls(**{k: data[k] for k in names if k in data})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     @classmethod
     def recorded(cls, search: Mapping[str, Any] | None) -> Verdict | None:

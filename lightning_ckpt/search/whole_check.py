@@ -2,16 +2,11 @@
 
 On blocks compiled alone (``search.assembly``) our plans rank as the user's compile runs them, but PT2's global
 ``activation_memory_budget`` does not where the user compiles several blocks in one graph: the partitioner solves one
-knapsack over every block's ops, not one per block. So:
-
-* a budget over budget on the blocks by no more than what the code outside them saves, and a chosen budget without
-  that much room, is partitioned as the user's compile partitions it, no kernels (``partition_pt2_budgets``);
-* by default (``weigh_on_blocks``) the budget is re-timed side by side on the blocks against the fastest plans of
-  ours that fit, and kept only if it runs more than ``1 + whole_compile_margin`` times their speed;
-* with ``check_whole_compile=True`` both are compiled the user's way and the faster that fits is kept: exact, but
-  several times the user's first compile, hence not the default.
-
-Measurements: docs/compile.md, "Is the compiled choice the fastest plan that fits?".
+knapsack over every block's ops, not one per block. So budgets near the limit are partitioned as the user's compile
+partitions them (``partition_pt2_budgets``), and a chosen budget is weighed against our fastest fitting plans: on the
+blocks, where it must lead by ``whole_compile_margin`` (``weigh_on_blocks``), or with ``check_whole_compile=True``
+compiled the user's way (exact, but several times the user's first compile). Measurements: docs/compile.md, "Is the
+compiled choice the fastest plan that fits?".
 """
 
 from __future__ import annotations
@@ -144,14 +139,10 @@ def partition_pt2_budgets(
     records: Sequence[TrialRecord], trials: Trials, leader: TrialRecord, runner: Any, outside: int
 ) -> tuple[TrialRecord | None, tuple[Partitioned, ...]]:
     """The PT2 budget to weigh against the plans of ours: the first here that fits partitioned as the user's compile
-    of several blocks in one graph partitions it (judged with that memory; None: none did), and what was partitioned.
-
-    In order: the largest budgets over budget on the blocks by at most ``outside`` bytes (at most ``PARTITIONS``),
-    then the leader if it sets one. On the blocks the code outside them saves eagerly what a whole graph's knapsack
-    also weighs, so such a budget may fit compiled whole, where the search never judged it. The largest first: a
-    larger budget recomputes less, and the search's one pass on the blocks ranks budgets by noise. The leader's own
-    budget is kept unpartitioned only where it fits on the blocks with room for all that the code outside them saves.
-    Each is measured, none inferred: a budget's bytes are not monotonic in the budget (pytorch#197838)."""
+    partitions it (judged with that memory; None: none did), and what was partitioned. In order: the largest budgets
+    over budget on the blocks by at most ``outside`` bytes (at most ``PARTITIONS``), which a whole graph's knapsack
+    may fit as it also weighs that code (the largest recomputes least), then the leader unless it has room on the
+    blocks for all that code saves. Each is measured: a budget's bytes are not monotonic in it (pytorch#197838)."""
     budget = trials.budget
     limit = getattr(budget, "limit_bytes", None)
 
