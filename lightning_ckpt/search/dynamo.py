@@ -188,9 +188,5 @@ def is_dynamo_refusal(exc: BaseException) -> bool:
     """A graph break or recompile limit that dynamo turned into an error (``fullgraph=True``)."""
     from torch._dynamo import exc as dynamo_exc
 
-    refusals = tuple(
-        cls
-        for cls in (getattr(dynamo_exc, n, None) for n in ("Unsupported", "FailOnRecompileLimitHit"))
-        if isinstance(cls, type)
-    )
-    return isinstance(exc, refusals)
+    refusals = (getattr(dynamo_exc, n, None) for n in ("Unsupported", "FailOnRecompileLimitHit"))
+    return any(isinstance(cls, type) and isinstance(exc, cls) for cls in refusals)

@@ -54,11 +54,8 @@ def divisors(n: int) -> list[int]:
 
 
 def resize_batch(batch: Any, base: int, size: int) -> Any:
-    """``batch`` with ``size`` samples: tensors whose first dimension is ``base`` are cut or tiled.
-
-    Step time and memory of dense models do not depend on the values, so repeating the first
-    batch's samples measures a larger micro-batch honestly without drawing more data.
-    """
+    """``batch`` with ``size`` samples: tensors whose first dimension is ``base`` are cut or tiled (a dense model's
+    step time and memory do not depend on the values, so no more data is drawn)."""
 
     def fit(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != base:

@@ -1,15 +1,13 @@
 """Re-plan for a new budget from the profile a plan file keeps: no model, no step, zero trials.
 
-A search leaves in its plan's ``provenance.profile`` what it predicted every plan from: the memory model, the time
-model fitted to the plans it measured, the optimizer step's memory, the stacks and the space it searched. With those,
-any budget's best plan is a prediction: every plan of the space is scored and the search's own choice rule
-(``choice.choose_best``) picks among those predicted to fit. What comes out is marked ``predicted``
-(``provenance.replanned``); the budget guard checks the first real steps of a run that applies it, as for any plan.
-``--batch-size`` scales activation bytes and step time linearly from the profiled batch.
+A search leaves in its plan's ``provenance.profile`` what it predicted every plan from (memory and time models, the
+optimizer step's memory, the stacks and the space), so any budget's best plan is a prediction: every plan of the space
+scored, and the search's own rule (``choice.choose_best``) picks among those predicted to fit. The result is marked
+``predicted`` (``provenance.replanned``); the budget guard checks the first real steps, as for any plan.
 
-A plan the search measured keeps its measured step time rather than a prediction. But a figure timed one plan at a
-time is not side by side with a baseline's prediction, so a tuned plan beats a baseline only where the file's verdict
-says it did, or predicted against predicted.
+A plan the search measured keeps its measured step time, but a figure timed one plan at a time is not side by side
+with a baseline's prediction: a tuned plan beats a baseline only where the file's verdict says so, or predicted
+against predicted.
 """
 
 from __future__ import annotations
@@ -40,15 +38,7 @@ if TYPE_CHECKING:
 
     from lightning_ckpt.memory.profile import Profile
 
-__all__ = [
-    "Replanned",
-    "SavedProfile",
-    "predicted_records",
-    "profile_metadata",
-    "replan",
-    "replanned_table",
-    "table_bucket",
-]
+__all__ = ["Replanned", "SavedProfile", "profile_metadata", "replan", "table_bucket"]
 
 # What a re-planned plan drops from the plan it came from: figures measured for that plan, not this one, and its
 # plan table (its buckets' plans were chosen for the old budget; ``replanned_table`` re-plans them).
