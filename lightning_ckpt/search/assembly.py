@@ -1,15 +1,11 @@
 """Run a compiled model's trials on blocks compiled alone, so a plan change swaps compiled blocks instead of compiling.
 
-A search that compiled every plan the way the user compiles paid one compile per plan (the 8-layer test GPT compiled
-whole: 225 s of search against a 48 s first compile; on an H200 10-13 s per compile against an 11 ms step). A block's
-mode is the unit a plan is made of, so the trials run the model as a regional compile does (torchtitan's way): every
-block of the stacks compiled alone (as ``block.compile()`` sets it, or as the user compiled it), every other compiled
-region eagerly, and a plan's forwards the objects the block had under that mode before (``reused_forwards``), which
-dynamo guards by code and type: one graph per distinct block and mode serves every plan, and ``room_for_graphs``
-keeps them all. Only the chosen plan compiles the user's way, once, at the first training step. What this does not
-see (fusion across blocks, a PT2 budget's one knapsack over a whole graph) and how a PT2 choice is weighed because of
-it (``search.whole_check``): docs/compile.md, "What a compiled search costs" and "Is the compiled choice the fastest
-plan that fits?".
+A search that compiled every plan the way the user compiles paid one compile per plan. A block's mode is the unit a
+plan is made of, so the trials run the model as a regional compile does (torchtitan's way): every block of the stacks
+compiled alone, every other compiled region eagerly, and a plan's forwards the objects the block had under that mode
+before (``reused_forwards``), which dynamo guards by code and type: one graph per distinct block and mode serves every
+plan. Only the chosen plan compiles the user's way, once, at the first training step. What this does not see (fusion
+across blocks, a PT2 budget's one knapsack over a whole graph): ``search.whole_check`` and docs/compile.md.
 """
 
 from __future__ import annotations
@@ -41,18 +37,13 @@ def graphs_compiled() -> int:
 def partition_only_backend() -> Any:
     """A ``torch.compile`` backend that runs inductor up to and including its partition (decompositions, joint-graph
     passes, the min-cut partitioner under ``activation_memory_budget``) and returns the partitioned graphs to run as
-    they are, without generating kernels: the tensors a whole compile saves for backward, at a fraction of its cost.
+    they are, without generating kernels: the tensors a whole compile saves for backward (to the byte, unlike
+    ``aot_eager_decomp_partition``, which lacks the joint-graph passes), at a fraction of its cost (docs/compile.md).
 
-    Measured on the 8- and 32-layer test GPT compiled whole (torch 2.13, 2-core CPU): the saved bytes equal inductor's
-    own to the byte under budgets 0.3 and 0.5 (``aot_eager_decomp_partition``, without inductor's joint-graph passes,
-    saved 6% more at 0.5), and it cost 4.1 s and 12.7 s where inductor's compile cost 29 s and 63 s; the same held for
-    gpt2, llama, bert and t5 from ``transformers`` configs (budgets 0.3 and 0.5). Not for convolutions: inductor's
-    layout optimization, which runs after the partition, saves channels-last copies of a convolution's input and
-    weight (the zoo's ViT patch embedding: 49,152 bytes more, two copies of 24,576), which this backend does not see;
-    the guard reads the real steps after lock-in. A new backend object per call: dynamo guards a frame's graphs on
-    their backend, and a budget is read only when partitioning, so a fresh backend makes each budget partition its
-    own graph rather than reuse another's. Nothing it produces is cached (AOTAutograd caches only inductor's compiled
-    graphs), so the user's compile never receives it."""
+    Not for convolutions: inductor's layout optimization, after the partition, saves channels-last copies this backend
+    does not see; the guard reads the real steps after lock-in. A new backend object per call: dynamo guards a frame's
+    graphs on their backend, and a budget is read only when partitioning. Nothing it produces is cached, so the user's
+    compile never receives it."""
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
 
@@ -114,11 +105,9 @@ class BlocksCompiledAlone:
     def segments_eager(self, root: nn.Module, stacks: Iterable[str]) -> Iterator[None]:
         """The blocks of the segmented ``stacks`` called eagerly, each block of a chunk through one compiled call.
 
-        Compiled alone, a segment's head block would trace its whole chunk into one graph, one per chunk length
-        (two graphs and 50 s of the 32-layer test GPT's search, 2-core CPU). Here the chunk's checkpoint runs
-        eagerly and each of its blocks runs ``original_forward`` compiled, one graph per distinct block, which is
-        the graph of the block without a plan (the FX graph cache serves it). Only the chunks' blocks: the last
-        segment is not checkpointed (``plan.apply``), and its blocks run compiled alone as every other block."""
+        Compiled alone, a segment's head block would trace its whole chunk into one graph, one per chunk length. Here
+        the chunk's checkpoint runs eagerly and each of its blocks runs ``original_forward`` compiled: the graph of the
+        block without a plan. The last segment is not checkpointed, and its blocks run compiled alone as any other."""
         prefixes = tuple(f"{s}." if s else "" for s in stacks)
         touched: list[tuple[nn.Module, str, Any]] = []
         for fqn in self.blocks:
@@ -131,17 +120,8 @@ class BlocksCompiledAlone:
             if is_compile_wrapper(wrapper):
                 touched.append((wrapper, "forward", block.__call__))
             touched.append((block, "_compiled_call_impl", None))
-        saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in touched]
-        previous = CHUNK_BLOCKS.call
-        try:
-            for obj, name, value in touched:
-                obj.__dict__[name] = value
-            if touched:
-                CHUNK_BLOCKS.call = self._chunk_call
+        with _patched([*touched, (CHUNK_BLOCKS, "call", self._chunk_call)] if touched else []):
             yield
-        finally:
-            CHUNK_BLOCKS.call = previous
-            _put_back(saved)
 
     @contextlib.contextmanager
     def partitioned(self) -> Iterator[None]:
@@ -149,40 +129,36 @@ class BlocksCompiledAlone:
         the blocks as they run inside it, for the enclosed steps: what the user's compile would save for backward
         (``CompiledTrials.measure_partitioned``). The user's compile afterwards."""
         backend = partition_only_backend()
-        saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in self._eager]
-        try:
-            for obj, name, eager in self._eager:
-                # ``None``: a ``.compile()``-d module, whose eager call is its ``_call_impl``.
-                obj.__dict__[name] = torch.compile(eager if eager is not None else obj._call_impl, backend=backend)
+        # ``None``: a ``.compile()``-d module, whose eager call is its ``_call_impl``.
+        compiled = [(obj, name, torch.compile(eager if eager is not None else obj._call_impl, backend=backend))
+                    for obj, name, eager in self._eager]  # fmt: skip
+        with _patched(compiled):
             yield
-        finally:
-            _put_back(saved)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Blocks compiled alone and the rest eager for the enclosed steps; the user's compile afterwards."""
-        saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in self._eager]
-        saved += [(block, "_compiled_call_impl", block.__dict__.get("_compiled_call_impl", _MISSING))
-                  for block, _ in self._compiled]  # fmt: skip
-        try:
-            for obj, name, value in self._eager:
-                obj.__dict__[name] = value
-            for block, call in self._compiled:
-                block.__dict__["_compiled_call_impl"] = call
+        with _patched([*self._eager, *((block, "_compiled_call_impl", call) for block, call in self._compiled)]):
             yield
-        finally:
-            _put_back(saved)
 
 
 _MISSING = object()
 
 
-def _put_back(saved: list[tuple[Any, str, Any]]) -> None:
-    for obj, name, value in reversed(saved):
-        if value is _MISSING:
-            obj.__dict__.pop(name, None)
-        else:
+@contextlib.contextmanager
+def _patched(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each ``(object, attribute, value)`` set in the object's ``__dict__`` while entered, then put back as it was."""
+    saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in changes]
+    try:
+        for obj, name, value in changes:
             obj.__dict__[name] = value
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = value
 
 
 def _chunk_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:

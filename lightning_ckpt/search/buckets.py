@@ -1,19 +1,14 @@
 """One plan per range of batch lengths: the plan table.
 
 A plan tuned for the longest batch pays its recompute on every short one, where a cheaper plan (often none at
-all) fits; a plan tuned on a short batch runs over the budget on a long one. Data whose lengths vary (SFT sets
-padded per batch, curricula, packed sequences) needs both, so the table splits lengths into buckets, each with the
-fastest plan predicted to fit the budget at the bucket's longest length, and the run switches plans by each batch's
-bucket before its forward (``lightning.callback``).
+all) fits; a plan tuned on a short batch runs over the budget on a long one. So for data whose lengths vary the table
+splits lengths into buckets, each with the fastest plan predicted to fit the budget at the bucket's longest length,
+and the run switches plans by each batch's bucket before its forward (``lightning.callback``).
 
-The search itself runs once, at the longest length (``max_shape``): its plan is the top bucket's, measured and
-confirmed like any search's choice. Every shorter bucket costs one profile at its own longest length (each distinct
-block once per mode: seconds, not trials) and zero trials: its plan is chosen by the search's own rule
-(``choice.choose_best``) from the profile's predictions, with the plain step's time taken from the search's
-calibrated one, scaled by the blocks' plain seconds at the two lengths (``rescaled_time``). The budget is the
-search's, in bytes: an activation budget was resolved at the longest length, as the user's share of what that step
-needs. Switching between the table's plans is exact (every plan leaves gradients bit-equal to no plan) and cheap
-(apply and remove wrap forwards). The real steps under each bucket's plan are read by the budget guard like any.
+The search runs once, at the longest length: its plan is the top bucket's. Every shorter bucket costs one profile at
+its own longest length and zero trials: its plan is chosen by the search's own rule (``choice.choose_best``) from the
+profile's predictions. The budget is the search's, in bytes. Switching plans is exact (every plan leaves gradients
+bit-equal to no plan) and cheap; the budget guard reads the real steps under each bucket's plan like any.
 """
 
 from __future__ import annotations
@@ -46,10 +41,9 @@ __all__ = ["bucket_profile", "compiled_at", "plan_table", "rescaled_time"]
 
 
 def rescaled_time(time_at: TimeModel, searched: TimeModel) -> TimeModel:
-    """``time_at`` (a bucket's blocks, timed at its length) calibrated from ``searched`` (the search's, fitted to
-    the steps it measured at the longest length): the plain step scaled by the blocks' plain seconds at the two
-    lengths. Within a bucket the plain step is the same for every plan, so it moves no plan ahead of another; it
-    only sets how much a plan's recompute weighs against the step (the tie tolerance)."""
+    """``time_at`` (a bucket's blocks, timed at its length) calibrated from ``searched`` (the search's): the plain step
+    scaled by the blocks' plain seconds at the two lengths. It moves no plan ahead of another within a bucket; it only
+    sets how much a plan's recompute weighs against the step (the tie tolerance)."""
     if searched.calibration is None:
         raise PlanError("the search's time model is not calibrated (it measured no plan): no table can be predicted")
     here, there = time_at.plain_block_seconds(), searched.plain_block_seconds()
@@ -68,13 +62,9 @@ def bucket_profile(
     extra: tuple[Any, ...] = (),
     compiled: bool = False,
 ) -> Profile | None:
-    """The profile of one bucket: ``step_fn`` runs the tuned batch at the bucket's longest length. Taken as the
-    search takes its own: KV caches off, every block running (LayerDrop and kin at full depth), Python attributes
-    the step writes put back, each block timed under the modes the space gives it (``compiled``: compiled alone,
-    at this length, as a compiled search's profile does).
-
-    None when the profile ran out of memory (a card that something else filled since the search): the bucket is
-    left out, and its lengths run the next longer bucket's plan, which fits them."""
+    """The profile of one bucket, taken as the search takes its own: ``step_fn`` runs the tuned batch at the bucket's
+    longest length (``compiled``: blocks compiled alone). None when it ran out of memory (a card something else
+    filled since the search): the bucket is left out, and its lengths run the next longer bucket's plan."""
     with full_depth(view.root, view.stacks), eager_while_profiling(compiled):
         state = PythonState.capture(view.root)
         try:
@@ -108,19 +98,18 @@ def plan_table(
     *,
     rows: int,
 ) -> PlanTable:
-    """The table for ``edges`` (ascending, the last the length ``top`` was searched at). ``top`` is the search's
-    choice and keeps the search's saved profile (``replan.SavedProfile``); ``profile_at(length)`` profiles the
-    model on the tuned batch at that length (a ``memory.profile.Profile`` with block times; for a compiled search,
-    with its blocks compiled alone: see ``compiled_at``)."""
+    """The table for ``edges`` (ascending, the last the length ``top``, the search's choice, was searched at);
+    ``profile_at(length)`` profiles the model on the tuned batch at that length (``bucket_profile``)."""
     compiled = bool(top.provenance.compiled_profile)
     searched = SavedProfile.of_plan(top, source="the search's plan", compiled=compiled)
+    measured = top.provenance.measured
     top_bucket = Bucket(
         max_length=edges[-1],
         plan=top,
         source="search",
-        predicted_peak_bytes=_measured(top, "peak_bytes"),
-        predicted_activation_bytes=_measured(top, "activation_bytes"),
-        predicted_seconds=_measured(top, "median_seconds"),
+        predicted_peak_bytes=measured.get("peak_bytes"),
+        predicted_activation_bytes=measured.get("activation_bytes"),
+        predicted_seconds=measured.get("median_seconds"),
     )
     buckets = []
     for length in edges[:-1]:
@@ -137,10 +126,8 @@ def plan_table(
 
 def compiled_at(top: Plan, profile: Profile, length_ratio: float) -> CompiledMemoryModel:
     """A compiled model's memory at a bucket's length (``length_ratio`` of the longest): what its blocks, compiled
-    alone at that length, save per mode (``profile.compiled``), anchored on the compiled ``none`` step the search
-    measured at the longest length. That step's bytes outside the blocks (embeddings, head, logits, loss: linear in
-    the length, no attention among them) are scaled by the ratio; the blocks' are the bucket's own. No whole-model
-    compile per bucket; the guard reads the first step under each bucket's plan, as it reads any."""
+    alone at that length, save per mode, anchored on the compiled ``none`` step the search measured. That step's
+    bytes outside the blocks (embeddings, head, loss: linear in the length) are scaled by the ratio."""
     if profile.compiled is None:
         raise PlanError("the bucket's profile compiled no block alone: its compiled memory cannot be predicted")
     kept = top.provenance.compiled_blocks
@@ -162,7 +149,3 @@ def _blocks_none(rows: Any) -> int | None:
         return None
     saved = [r.get("saved_bytes", {}).get("none") if isinstance(r, Mapping) else None for r in rows]
     return sum(saved) if saved and all(isinstance(v, int) for v in saved) else None
-
-
-def _measured(plan: Plan, key: str) -> Any:
-    return plan.provenance.measured.get(key)

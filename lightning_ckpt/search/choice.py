@@ -1,9 +1,5 @@
-"""The choice of a plan from the ledger's records: one rule (``CHOICE_RULE``), its fallback, and the status a
-measurement earns against the budget.
-
-``choose_best`` applies the rule, ``lowest_memory`` is the fallback among the plans that ran, and ``choose_plan``
-combines them into the one choice that every search (``tune``, the joint micro-batch search) and ``replan`` make.
-"""
+"""The choice of a plan from the ledger's records: one rule (``CHOICE_RULE``, ``choose_best``), its fallback
+(``lowest_memory``), combined in ``choose_plan``; and the status a measurement earns against the budget."""
 
 from __future__ import annotations
 
@@ -13,15 +9,7 @@ from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import InfeasibleBudgetError, TrialsFailedError
 from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
 
-__all__ = [
-    "BeatsFn",
-    "CHOICE_RULE",
-    "choose_best",
-    "choose_plan",
-    "failures_message",
-    "judge_status",
-    "lowest_memory",
-]
+__all__ = ["BeatsFn", "CHOICE_RULE", "choose_best", "choose_plan", "judge_status"]
 
 
 def judge_status(
@@ -44,8 +32,8 @@ CHOICE_RULE = (
     "and one within the tie tolerance of it that uses less memory wins the tie"
 )
 
-# ``beats(trial, reference)``: whether a tuned trial's verdict against the reference baseline says it wins (True
-# or False), or None where no verdict exists (either was not re-timed side by side): the point figures decide.
+# ``beats(trial, reference)``: whether a tuned trial's verdict against the reference baseline says it wins, or None
+# where no verdict exists: the point figures decide.
 BeatsFn = Callable[["TrialRecord", "TrialRecord"], "bool | None"]
 
 
@@ -57,20 +45,12 @@ def choose_best(
     confirmed_only: bool = False,
     beats: BeatsFn | None = None,
 ) -> TrialRecord | None:
-    """The plan ``CHOICE_RULE`` picks (the README and the result line state the same rule).
+    """The plan ``CHOICE_RULE`` picks (the README and the result line state the same rule); without a fitting
+    baseline, the fastest plan, ties to lower memory.
 
-    The fastest fitting baseline is the reference a tuned plan must beat by more than ``tie_tolerance``
-    (what the measurement resolves): a "win" inside the noise is none, and no plan is chosen that the
-    figures show slower than a fitting baseline. Without a fitting baseline, the fastest plan, ties to
-    lower memory.
-
-    ``confirmed_only``: trials re-timed side by side (``confirmed``) compare with each other but not
-    with figures taken at other moments (a slow moment, or a machine whose load changed, would otherwise
-    hand the win to an unconfirmed trial), so when any exist only they compete.
-
-    ``beats`` (the confirmation's verdicts, ``verdict.py``): a tuned plan beats the reference only when its
-    interval's lower bound clears ``1 + tie_tolerance``, not by its median alone; without a verdict for a pair,
-    the figures decide as above (predicted figures in ``replan``, a search with ``confirm_top=0``).
+    ``confirmed_only``: trials re-timed side by side compare with each other but not with figures taken at other
+    moments (a slow moment would hand the win to an unconfirmed trial), so when any exist only they compete.
+    ``beats``: the confirmation's verdicts; without one for a pair, the figures decide.
     """
     feasible = [t for t in trials if t.feasible and t.samples_per_second]
     if not feasible:
@@ -98,8 +78,8 @@ def choose_best(
 
 
 def lowest_memory(trials: Sequence[TrialRecord], budget: Budget) -> TrialRecord | None:
-    """The measured plan using least memory. Only plans that ran a step without failing qualify: a pruned
-    plan never ran, and falling back to it would hand real training a plan nobody has seen work."""
+    """The measured plan using least memory, among those that ran a step without failing: falling back to a pruned
+    plan would hand real training a plan nobody has seen work."""
     ran = [t for t in trials if t.status.ran]
     return min(ran, key=lambda t: t.memory(budget)) if ran else None
 
@@ -115,15 +95,14 @@ def choose_plan(
     measure: Callable[[TrialRecord], None] | None = None,
     beats: BeatsFn | None = None,
 ) -> tuple[TrialRecord, bool, str]:
-    """The one choice every search makes: ``choose_best`` (``CHOICE_RULE``, confirmed trials first), else the
-    fallback, ``lowest_memory`` among the plans that ran; (chosen, fell back, the fallback's warning).
+    """The one choice every search makes: ``choose_best`` (confirmed trials first), else ``lowest_memory``; (chosen,
+    fell back, the fallback's warning).
 
-    ``trials`` reads the records as they are now, since ``verify`` and ``measure`` change them. ``verify(t)``
-    gives a trial timed only its measured memory: a plan is then never chosen, nor fallen back to, on a
-    prediction (without it, records are taken as they are). ``measure(t)`` runs a pruned plan: with
-    ``on_infeasible="fallback"``, when everything was pruned (or failed) the plan predicted to use least memory
-    is measured first, so there is one to fall back to. ``beats``: the confirmation's verdicts (``choose_best``). ``nothing_fits(trials)`` starts the message when none
-    fits: the fallback's warning, or the error when ``on_infeasible="raise"`` or nothing ran.
+    ``trials`` reads the records as they are now, since ``verify`` and ``measure`` change them. ``verify(t)`` gives a
+    trial timed only its measured memory, so no plan is chosen, nor fallen back to, on a prediction. ``measure(t)``
+    runs a pruned plan: when everything was pruned (or failed), the one predicted to use least memory, so there is
+    one to fall back to. ``nothing_fits(trials)`` starts the warning, or the error when nothing fits and
+    ``on_infeasible="raise"`` or nothing ran.
     """
     while True:
         best = choose_best(trials(), budget, tie_tolerance=tie_tolerance, confirmed_only=True, beats=beats)

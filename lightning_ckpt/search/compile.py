@@ -1,20 +1,16 @@
 """torch.compile: run every trial compiled, and flag plans that fight the compiler (docs/compile.md).
 
-A compiled step can be silently *slower* under a plan: a graph break inside a checkpointed region runs the region
-eagerly (pytorch#135816, pytorch#139989), selective checkpointing can defeat compile (pytorch#161889), and every plan
-change recompiles until a frame reaches ``recompile_limit`` and runs eagerly for good (pytorch#135458). So a compiled
-trial compiles its plan in one untimed step (tuning cost), times the compiled steps, reads their memory, and compares
-what dynamo did with the no-checkpointing reference (``dynamo.conflict_reason``): added graph breaks, a break inside
-one of our regions, more eager autograd ops or the recompile limit make a **conflict**, never chosen unless
-``allow_graph_breaks=True``.
+A compiled step can be silently *slower* under a plan: a graph break inside a checkpointed region runs it eagerly
+(pytorch#135816, pytorch#139989), selective checkpointing can defeat compile (pytorch#161889), and plan changes
+recompile until a frame reaches ``recompile_limit`` and runs eagerly for good (pytorch#135458). So a trial compiles
+its plan in one untimed step, times the compiled steps, and compares what dynamo did with the no-checkpointing
+reference (``dynamo.conflict_reason``): a **conflict**, never chosen unless ``allow_graph_breaks=True``.
 
-**Memory.** The live-tensor tracker is a ``TorchDispatchMode``, under which dynamo runs compiled frames eagerly, so a
-compiled step's **activation bytes** are the distinct storages saved for backward during the forward, read by
-``saved_tensors_hooks`` (which compiled graphs honour): what checkpointing and the partitioner change, a lower bound
-of the eager definition, compared only with other compiled trials. **Peak**: resting + activation bytes on CPU;
-``max_memory_allocated`` on CUDA, with the budget enforced by the allocator cap. A compiled search predicts from the
-blocks compiled alone (``memory.compiled``); PT2's budgets are only measured. ``compiled=True`` on an eager step
-undercounts: saved-tensor hooks cannot see inside an eager checkpointed region.
+**Memory.** Dynamo runs compiled frames eagerly under the live-tensor tracker (a ``TorchDispatchMode``), so a compiled
+step's **activation bytes** are the storages saved for backward, read by ``saved_tensors_hooks`` (which compiled
+graphs honour): a lower bound of the eager definition, compared only with other compiled trials. **Peak**: resting +
+activation bytes on CPU; ``max_memory_allocated`` on CUDA. ``compiled=True`` on an eager step undercounts:
+saved-tensor hooks cannot see inside an eager checkpointed region.
 """
 
 from __future__ import annotations
@@ -72,12 +68,8 @@ log = logging.getLogger(__name__)
 
 
 def reset_compiled() -> None:
-    """Forget every compiled graph, so the next call compiles what is applied now.
-
-    ``torch._dynamo.reset()`` is process-wide: other compiled functions recompile once too, and every search's
-    ``KeptGraphs`` is emptied. It is what keeps plan changes from accumulating recompiles towards the recompile
-    limit (pytorch#135458).
-    """
+    """Forget every compiled graph (process-wide: every search's ``KeptGraphs`` too), so the next call compiles what
+    is applied now and plan changes do not accumulate recompiles towards the limit (pytorch#135458)."""
     torch._dynamo.reset()
     for graphs in list(_LIVE):
         graphs.forget()
@@ -85,10 +77,9 @@ def reset_compiled() -> None:
 
 class KeptGraphs:
     """The graphs dynamo holds for one search since the last reset: the plans re-timing rounds kept (``keys``: plan
-    key and owner: another batch shape has other graphs), the PT2 budget the unmarked ones were compiled under, and
-    whether trials ran on blocks compiled alone. The runners of one search share one (a joint micro-batch search's
-    compile the same frames, whose graphs count together towards the recompile limit); a fit's plan table has its own.
-    """
+    key and owner, as another batch shape has other graphs), the PT2 budget the unmarked ones were compiled under, and
+    whether trials ran on blocks compiled alone. Shared by the runners of one search: they compile the same frames,
+    whose graphs count together towards the recompile limit."""
 
     def __init__(self) -> None:
         self.keys: set[tuple[int, str]] = set()
@@ -97,7 +88,6 @@ class KeptGraphs:
         _LIVE.add(self)
 
     def forget(self) -> None:
-        """Dynamo was reset: nothing is kept."""
         self.keys.clear()
         self.budget = None
         self.assembled = False
@@ -111,18 +101,15 @@ class KeptGraphs:
     def apply_reusing(
         self, target: nn.Module | ModelView, plan: Plan, forwards: dict[Any, Any], key: tuple[int, str]
     ) -> PlanHandle:
-        """Apply ``plan`` with the forward objects it had when it was applied before under ``forwards``
-        (``reused_forwards``), so dynamo's guards match the graph compiled for it then and nothing compiles again.
-        The graphs kept are dropped first when one more plan would reach dynamo's recompile limit, which would run
-        the model eagerly from then on."""
+        """Apply ``plan`` with the forward objects it had before (``reused_forwards``), so dynamo's guards match its
+        graph and nothing compiles again; first drop the graphs kept where one more would reach the recompile limit."""
         if self.keys and key not in self.keys and len(self.keys) + 1 >= recompile_limit():
             self.release()
         with reused_forwards(forwards):
             return apply_plan(target, plan)
 
 
-# Every KeptGraphs alive: a reset empties them all (dynamo's cache is process-wide), and ``release_kept_graphs`` (how
-# the search core ends a search today, until it releases its runner's own ``kept``) releases them.
+# Every KeptGraphs alive: a reset empties them all (dynamo's cache is process-wide).
 _LIVE: weakref.WeakSet[KeptGraphs] = weakref.WeakSet()
 
 
@@ -134,8 +121,8 @@ def release_kept_graphs() -> None:
 
 @contextlib.contextmanager
 def eager_while_profiling(enabled: bool) -> Iterator[None]:
-    """Run the enclosed passes eagerly (``set_stance("force_eager")``) when ``enabled``: the memory profile and the
-    process warm-up describe the eager step and would otherwise pay a compile each (tens of seconds on CPU)."""
+    """Run the enclosed passes eagerly when ``enabled``: the memory profile and the process warm-up describe the eager
+    step and would otherwise pay a compile each (tens of seconds on CPU)."""
     if not enabled:
         yield
         return
@@ -147,9 +134,8 @@ def eager_while_profiling(enabled: bool) -> Iterator[None]:
 
 
 def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -> Any:
-    """A compiled region's forward while a plan with a PT2 budget is re-timed: the class's forward, after reading
-    ``budget`` so that dynamo guards on it. A string, not the float: dynamo makes a float that changed between
-    compiles dynamic, and one graph would then serve every budget."""
+    """The class's forward, after reading ``budget`` so that dynamo guards on it. A string, not the float: dynamo makes
+    a float that changed between compiles dynamic, and one graph would then serve every budget."""
     if budget == "":
         raise ValueError("a PT2 budget marker needs the budget")
     return type(module).forward(module, *args, **kwargs)
@@ -157,8 +143,10 @@ def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -
 
 @dataclass
 class _CompiledRun:
-    """What one compiled trial found so far, filled in pass by pass (compile, timed steps, memory)."""
+    """What one compiled trial found so far, filled in pass by pass (compile, timed steps, memory), and the state each
+    pass restores."""
 
+    snapshot: StateSnapshot
     compile_seconds: float = 0.0
     failure: tuple[str, str] | None = None  # (status, message) of the pass that failed
     conflict: bool = False  # the compiler refused the plan outright (fullgraph=True)
@@ -170,13 +158,9 @@ class _CompiledRun:
 
 
 class CompiledTrials:
-    """The trial runner of a compiled model (``runners.TrialRunner``): each plan compiled from a reset.
-
-    Every trial starts and ends with ``reset_compiled()``, so a trial compiles exactly its own plan and
-    no trial's recompiles count towards the next one's limit. Re-timing rounds keep the graphs they compile
-    (``retime``) in ``kept``, which the search releases when it ends, so the caller gets a dynamo state with nothing
-    cached from the search.
-    """
+    """The trial runner of a compiled model (``runners.TrialRunner``): on its blocks compiled alone
+    (``search.assembly``), else each plan compiled from a reset, so no trial's recompiles count towards the next one's
+    limit. Re-timing rounds keep their graphs in ``kept``, released when the search ends."""
 
     def __init__(
         self,
@@ -200,8 +184,6 @@ class CompiledTrials:
         self._cache: dict[str, tuple[Measurement, CompileStats]] = {}
         self._forwards: dict[Any, Any] = {}  # what plans installed, reinstalled as they were (``reused_forwards``)
         self.retime_compiles = 0  # re-timings that compiled (the first of a plan, or after a reset)
-        # With the stacks' blocks known, trials run on them compiled alone (``search.assembly``); without, every plan
-        # is compiled the user's way from a reset (a step function compiled as a whole, a model without stacks).
         self.assembly = (
             BlocksCompiledAlone(model if model is not None else self.root, self.root, blocks) if blocks else None
         )
@@ -210,7 +192,6 @@ class CompiledTrials:
         self._retimed: set[str] = set()  # plans re-timed on the blocks compiled alone (their graphs exist)
 
     def adapt(self, space: Any) -> Any:
-        """The search space for this compiled model (``compiled_space``)."""
         return compiled_space(space, self.root)
 
     def describe(self) -> str:
@@ -220,10 +201,10 @@ class CompiledTrials:
         """Activation bytes of the compiled step without checkpointing: what activation budgets are fractions of."""
         return self.measure_compiled(none_plan).activation_bytes
 
-    # Set by ``tune`` once the profile has compiled the blocks alone and the compiled ``none`` step is measured
-    # (``memory.compiled``): until then nothing predicts a compiled step, and every candidate is compiled.
+    # Set by ``tune`` once the blocks' compiled memory is anchored (``memory.compiled``); never exact: each trial reads
+    # its own memory.
     predicts_memory = False
-    memory_exact = False  # the blocks' saved bytes add up to a prediction, not a measurement: every trial reads its own
+    memory_exact = False
     predicts_time = False
     collective_steps = False
 
@@ -231,10 +212,7 @@ class CompiledTrials:
         return self.measure(plan, memory_limit)  # every compiled trial is measured whole (cached)
 
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
-        """Compile ``plan`` from a reset, measure it, and say whether it fights the compiler.
-
-        ``memory_limit`` caps the CUDA allocator during the timed steps (as for eager trials).
-        """
+        """Measure ``plan`` compiled (``memory_limit``: the CUDA cap), and say whether it fights the compiler."""
         self.memory_limit_bytes = memory_limit
         m = self.measure_compiled(plan)
         stats = self._cache[plan.key()][1]
@@ -244,31 +222,22 @@ class CompiledTrials:
         return replace(m, steps=steps, conflict=reason, extra=extra)
 
     def retime(self, plan: Plan, steps: int | None = None, *, warmup: int = 1) -> Measurement:
-        """Time ``plan`` again, no memory pass: an untimed first step (it compiles the plan, or runs the graph compiled
-        for it earlier in these rounds: every round's warm-up, so ``warmup`` is unused), then the timed steps.
-
-        Each plan is applied with the forward objects it had the first time (``KeptGraphs.apply_reusing``), so a round
-        after its first costs steps, not a compile (about 0.8 s per plan per round on the 4-layer test GPT with every
-        cache warm; tens of seconds cold). A PT2 budget is read when compiling and no guard sees it, so while a plan
-        with one runs each compiled region gets a forward that reads the budget as a string (``_budget_forward``),
-        which dynamo guards on; where a region already has an instance forward, a budget change drops the kept
-        graphs instead.
-        """
+        """Time ``plan`` again, no memory pass: an untimed first step (it compiles the plan, or runs its kept graph:
+        every round's warm-up, so ``warmup`` is unused here), then the timed steps. Each plan gets the forward objects
+        it had the first time (``KeptGraphs.apply_reusing``), so a later round costs steps, not a compile; no guard
+        sees a PT2 budget, so the regions read it (``_budget_marked``), or a budget change drops the kept graphs."""
         if self.assembly is not None:
             return self._assembled_retime(plan, steps, warmup)
         key = (id(self), plan.key())  # another runner (micro-batch) is another batch shape: other graphs
         handle = self.kept.apply_reusing(self.harness.target, plan, self._forwards, key)
-        marked = self._mark_budget(plan.compile_memory_budget)
-        if not marked and self.kept.keys and plan.compile_memory_budget != self.kept.budget:
-            self.kept.release()  # the unmarked graphs kept were compiled under another budget
-        compiles = key not in self.kept.keys
-        snapshot = StateSnapshot.capture(self.root)
-        run = _CompiledRun()
         try:
-            self._compile_then_time(snapshot, run, steps)
+            with self._budget_marked(plan.compile_memory_budget) as marked:
+                if not marked and self.kept.keys and plan.compile_memory_budget != self.kept.budget:
+                    self.kept.release()  # the unmarked graphs kept were compiled under another budget
+                compiles = key not in self.kept.keys
+                run = _CompiledRun(StateSnapshot.capture(self.root))
+                self._compile_then_time(run, steps)
         finally:
-            for module in marked:
-                del module.__dict__["forward"]
             handle.remove()
         if run.failure is not None or not run.measurement.ok:
             reset_compiled()  # whatever the failed step left compiled is not kept
@@ -280,20 +249,24 @@ class CompiledTrials:
         m = self._reading(run)
         return replace(m, extra={**m.extra, "compile": {"compile_seconds": run.compile_seconds, "compiled": compiles}})
 
-    def _mark_budget(self, budget: float | None) -> list[nn.Module]:
-        """Give every compiled region the forward that names ``budget`` (see ``retime``); the regions marked, none
-        when there is no budget or a region already has an instance forward."""
-        if budget is None:
-            return []
-        fqns = self.assembly.blocks if self.assembly is not None else self.regions
+    @contextlib.contextmanager
+    def _budget_marked(self, budget: float | None) -> Iterator[bool]:
+        """Every compiled region given the forward that names ``budget`` (``_budget_forward``) while entered; yields
+        whether they were (not without a budget, nor where a region already has an instance forward)."""
+        fqns = () if budget is None else self.assembly.blocks if self.assembly is not None else self.regions
         # The root may be the compiled wrapper itself (``torch.compile(model)``), whose ``forward`` is an instance one.
         modules = [unwrap_compiled(self.root.get_submodule(fqn) if fqn else self.root) for fqn in fqns]
         if not modules or any("forward" in vars(m) for m in modules):
-            return []
+            yield False
+            return
         for m in modules:
             marker = functools.partial(_budget_forward, m, repr(budget))
             m.__dict__["forward"] = self._forwards.setdefault((id(m), "budget", repr(budget)), marker)
-        return modules
+        try:
+            yield True
+        finally:
+            for m in modules:
+                del m.__dict__["forward"]
 
     def measure_compiled(self, plan: Plan, *, cached: bool = True) -> Measurement:
         """Compile ``plan`` from scratch and measure it (``cached``: reuse an earlier measurement of it). Its
@@ -309,23 +282,20 @@ class CompiledTrials:
 
     def measure_partitioned(self, plan: Plan) -> Measurement:
         """``plan`` (a PT2 budget) as measured on the blocks compiled alone, with the bytes the user's compile of
-        several blocks in one graph saves for backward: each region partitioned as inductor partitions it, kernels not
-        generated (``assembly.partition_only_backend``). The budget is one knapsack over every block's ops there and
-        one per block here: ``benchmarks/compiled_exhaustive.py`` measured ``pt2_budget(0.5)`` of the 8-layer GPT
-        over budget on the blocks (17,502,724 bytes) and within it compiled whole (17,039,360). The time stays the
-        blocks'; the peak moves by what the saved bytes moved; the partitioning steps count among ``graphs``."""
+        several blocks in one graph saves for backward, where the budget is one knapsack over every block's ops: each
+        region partitioned as inductor partitions it, no kernels (``assembly.partition_only_backend``). The time stays
+        the blocks'; the peak moves by what the saved bytes moved."""
         assert self.assembly is not None, "partitioning whole needs the blocks a compiled search ran alone"
         on_blocks = self.measure_compiled(plan)
         graphs_before = graphs_compiled()
-        snapshot = StateSnapshot.capture(self.root)
-        run = _CompiledRun()
+        run = _CompiledRun(StateSnapshot.capture(self.root))
         try:
             with self.assembly.partitioned(), room_for_graphs():
                 handle = apply_plan(self.harness.target, plan)
                 try:
-                    self._compile_step(snapshot, run)
+                    self._compile_step(run)
                     if run.failure is None:
-                        self._memory_pass(snapshot, run)
+                        self._memory_pass(run)
                 finally:
                     handle.remove()
         finally:
@@ -344,27 +314,21 @@ class CompiledTrials:
     # -- on blocks compiled alone (``search.assembly``) ------------------------------------------------------------
     @contextlib.contextmanager
     def _assembled(self, plan: Plan) -> Iterator[None]:
-        """``plan`` applied to the blocks compiled alone, with the forwards it had before (``reused_forwards``): its
-        graphs are the ones compiled for its modes by any earlier trial. A PT2 budget is read when compiling and no
-        guard sees it, so it marks the blocks' forwards (``_mark_budget``); where a planned block's forward cannot be
-        marked, a budget other than the last one compiled drops the graphs (``reset_compiled``) and compiles again."""
+        """``plan`` applied to the blocks compiled alone, with the forwards it had before (``reused_forwards``), so its
+        graphs are the ones any earlier trial compiled for its modes; a PT2 budget as in ``retime``."""
         assert self.assembly is not None
         with self.assembly.installed(), room_for_graphs(), contextlib.ExitStack() as stack:
             with reused_forwards(self._forwards):
                 handle = apply_plan(self.harness.target, plan)
             stack.callback(handle.remove)
             stack.enter_context(self.assembly.segments_eager(self.root, plan.segments))
-            marked = self._mark_budget(plan.compile_memory_budget)
+            marked = stack.enter_context(self._budget_marked(plan.compile_memory_budget))
             if not marked and plan.compile_memory_budget != self.kept.budget and self.kept.assembled:
                 reset_compiled()
             self.kept.assembled = True
             if not marked:
                 self.kept.budget = plan.compile_memory_budget
-            try:
-                yield
-            finally:
-                for module in marked:
-                    del module.__dict__["forward"]
+            yield
 
     def _count_compiles(self, graphs: int, run: _CompiledRun) -> int:
         """Graphs compiled since ``graphs``, added to the search's count with the compiling step's seconds."""
@@ -379,18 +343,17 @@ class CompiledTrials:
         What dynamo did is read as differences (nothing is reset between trials)."""
         watch = DynamoWatch()
         breaks_before, graphs_before = break_count(), graphs_compiled()
-        snapshot = StateSnapshot.capture(self.root)
-        run = _CompiledRun()
+        run = _CompiledRun(StateSnapshot.capture(self.root))
         try:
             with self._assembled(plan):
-                self._compile_step(snapshot, run)
+                self._compile_step(run)
                 compiled_now = self._count_compiles(graphs_before, run)
                 if run.failure is None:
                     graphs_timed = graphs_compiled()
                     run.measurement = self._timed_steps(None)
                     run.recompiles = graphs_compiled() - graphs_timed  # a stable plan: nothing after its first step
                     if run.measurement.ok:
-                        self._memory_pass(snapshot, run)
+                        self._memory_pass(run)
         finally:
             release_memory(self.device)
         seconds = run.compile_seconds if compiled_now else 0.0
@@ -401,13 +364,12 @@ class CompiledTrials:
         ``steps`` steps, as an eager round (a plan switch swaps compiled blocks, nothing compiles); a plan's first run
         starts with the untimed step that compiles what it needs."""
         graphs_before = graphs_compiled()
-        snapshot = StateSnapshot.capture(self.root)
-        run = _CompiledRun()
+        run = _CompiledRun(StateSnapshot.capture(self.root))
         with self._assembled(plan):
             if plan.key() in self._cache or plan.key() in self._retimed:
                 run.measurement = self._timed_steps(steps, warmup=warmup)
             else:
-                self._compile_then_time(snapshot, run, steps)
+                self._compile_then_time(run, steps)
         self._retimed.add(plan.key())
         compiled_now = self._count_compiles(graphs_before, run)
         self.retime_compiles += bool(compiled_now)
@@ -420,14 +382,13 @@ class CompiledTrials:
             handle = apply_plan(self.harness.target, plan)
         reset_compiled()
         watch = DynamoWatch()
-        snapshot = StateSnapshot.capture(self.root)
-        run = _CompiledRun()
+        run = _CompiledRun(StateSnapshot.capture(self.root))
         try:
-            self._compile_then_time(snapshot, run, None)
+            self._compile_then_time(run, None)
             if run.failure is None:
                 run.recompiles = recompile_count()  # before the memory pass, which must not count
                 if run.measurement.ok:
-                    self._memory_pass(snapshot, run)
+                    self._memory_pass(run)
         finally:
             handle.remove()
             breaks, limit_hit = break_summaries(), watch.limit_hit()
@@ -444,16 +405,16 @@ class CompiledTrials:
                              reasons)  # fmt: skip
         return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
 
-    def _compile_then_time(self, snapshot: StateSnapshot, run: _CompiledRun, steps: int | None) -> None:
+    def _compile_then_time(self, run: _CompiledRun, steps: int | None) -> None:
         """The untimed first step (it compiles, or runs a kept graph), then the timed steps unless it failed."""
-        self._compile_step(snapshot, run)
+        self._compile_step(run)
         if run.failure is None:
             run.measurement = self._timed_steps(steps)
 
-    def _compile_step(self, snapshot: StateSnapshot, run: _CompiledRun) -> None:
+    def _compile_step(self, run: _CompiledRun) -> None:
         """The first step, which compiles forward and backward: tuning cost, never throughput."""
         try:
-            snapshot.reset_grads()
+            run.snapshot.reset_grads()
             t0 = time.perf_counter()
             self.harness.train_step()
             run.compile_seconds = time.perf_counter() - t0
@@ -461,7 +422,7 @@ class CompiledTrials:
             run.failure = classify_failure(exc)
             run.conflict = is_dynamo_refusal(exc)
         finally:
-            snapshot.restore()
+            run.snapshot.restore()
 
     def _timed_steps(self, steps: int | None, *, warmup: int | None = None) -> Measurement:
         """The compiled steps, timed; on CUDA the allocator's peak over them (and its cap), no tracked pass."""
@@ -477,13 +438,13 @@ class CompiledTrials:
             reserve_headroom_bytes=self.reserve_headroom_bytes,
         )
 
-    def _memory_pass(self, snapshot: StateSnapshot, run: _CompiledRun) -> None:
+    def _memory_pass(self, run: _CompiledRun) -> None:
         try:
-            run.saved, run.eager_ops, run.resting = self._saved_bytes(snapshot)
+            run.saved, run.eager_ops, run.resting = self._saved_bytes(run.snapshot)
         except Exception as exc:  # noqa: BLE001 - a memory pass failure fails the trial, not the search
             run.failure = classify_failure(exc)
         finally:
-            snapshot.restore()
+            run.snapshot.restore()
 
     def _reading(self, run: _CompiledRun) -> Measurement:
         """The trial's figures as the module docstring defines them for this device."""
@@ -508,12 +469,9 @@ class CompiledTrials:
 
 
 def compiled_space(space: Any, root: nn.Module) -> Any:
-    """The search space for this compiled model (``SearchSpace.for_compile``), minus unsafe PT2 budgets.
-
-    torch 2.13's memory-budget partitioner may recompute random ops (dropout) in backward with
-    fresh randomness, silently corrupting gradients at any ``activation_memory_budget < 1``
-    (pytorch#190758, pytorch#190717; we reproduced it on CPU with ``fallback_random=True``). So for
-    a model with active dropout the PT2 budgets are left out unless the user listed them.
+    """The search space for this compiled model (``SearchSpace.for_compile``), minus unsafe PT2 budgets: torch 2.13's
+    memory-budget partitioner may recompute dropout in backward with fresh randomness, corrupting gradients at any
+    budget < 1 (pytorch#190758, pytorch#190717), so with active dropout they are left out unless the user listed them.
     """
     adapted = space.for_compile()
     rng = random_ops(root)
@@ -545,9 +503,7 @@ def compiled_search(
     blocks: tuple[str, ...] = (),
     kept: KeptGraphs | None = None,
 ) -> CompiledTrials | None:
-    """``CompiledTrials`` for ``model`` when it is compiled (``compiled_target``), else ``None``; with ``blocks`` (the
-    stacks' blocks) its trials run on them compiled alone (``search.assembly``), else each compiles the user's way.
-    ``kept``: the search's ``KeptGraphs``, shared by its runners."""
+    """``CompiledTrials`` for ``model`` when it is compiled (``compiled_target``), else ``None``."""
     regions = compiled_target(model, compiled=compiled)
     if regions is None:
         return None

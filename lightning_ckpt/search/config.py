@@ -58,43 +58,34 @@ class TuneConfig:
     lower memory wins). count_flops: count recompute FLOPs. enforce_budget: cap the CUDA allocator during trials.
     process_warmup_steps: untimed steps before the first trial (thread pools, allocator growth).
     confirm_top / confirm_rounds / confirm_max_rounds: the tuned leaders re-timed side by side with every fitting
-    baseline in interleaved rounds; after ``confirm_rounds`` settled plans stop being timed (a tuned plan whose 90%
-    interval against the fastest baseline lies below ``1 + tie_tolerance``, a baseline clearly slower than it), and
-    the rounds stop once the choice is decided (``rounds.SideBySide.choice_decided``), at most
-    ``confirm_max_rounds``; with ``holdout_rounds=0`` a tuned plan that can still win is timed for all of them.
+    baseline in interleaved rounds; after ``confirm_rounds`` settled plans stop being timed, and the rounds stop once
+    the choice is decided, at most ``confirm_max_rounds``.
     confirm_steps: timed steps per plan per round (the first round adds a warm-up). One, so the plans alternate step
-    by step: rounds of one warm-up and three timed steps gave 2.5x the interval's width for the same steps on a 2-core
-    CPU (``benchmarks/step_alternation.py``).
+    by step: the interval narrows most for the same steps (``benchmarks/step_alternation.py``).
     holdout_rounds / holdout_max_rounds: a winning tuned plan and the reference are timed again in fresh rounds, at
-    least ``holdout_rounds`` and until the claim's 90% interval is within ±3% (``rounds.CLAIM_HALF_WIDTH``) or
-    ``holdout_max_rounds``: the rounds that chose a plan favour it (a winner's curse), and a plan the fresh rounds do
-    not find faster is not kept. 0: the choosing rounds' verdict is shown.
+    least ``holdout_rounds`` and until the claim's 90% interval is within ±3% or ``holdout_max_rounds``: the rounds
+    that chose a plan favour it (a winner's curse). 0: the choosing rounds' verdict is shown.
     allow_graph_breaks: under ``torch.compile``, let plans that add graph breaks win on throughput.
     check_whole_compile: under ``torch.compile`` of a region holding several blocks, when the choice made on the
     blocks compiled alone sets a PT2 budget, compile it and our fastest fitting plan your way, re-time them side by
-    side and keep the faster (``search.whole_check``). Off by default: two more compiles of your model (an 8-layer
-    GPT's search went from 1.6x to 4x its first compile); without it the budget is weighed with
-    ``whole_compile_margin``: kept only if, re-timed on the blocks, it runs more than ``1 + whole_compile_margin``
-    times the fastest of our three fastest fitting plans (``whole_check.RIVALS_ON_BLOCKS``), since compiled whole our
-    plans moved towards it by 0.5-8% (``benchmarks/alone_vs_whole.py``). 0: the faster on the blocks.
-    memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact (0-1% on every benchmarked
-    model), a trial's memory is its prediction and only the plans that can still be chosen get the tracked pass and
-    the FLOP count; ``"every"``: every trial gets them (~3.5 and ~2 steps).
-    predict_time: the time model (``timing.model``: the profile's block timings fitted to the plans measured)
-    decides what is measured: after the baselines, the predicted-fastest plans until none left can beat the best
-    measured one by the noise margin. False measures what the sampler proposes, up to ``n_trials``. Compiled trials
-    always do.
+    side and keep the faster (``search.whole_check``). Off by default: two more compiles of your model; without it the
+    budget is weighed with ``whole_compile_margin``: kept only if, re-timed on the blocks, it runs more than
+    ``1 + whole_compile_margin`` times the fastest of our three fastest fitting plans, since compiled whole our plans
+    move towards it (``benchmarks/alone_vs_whole.py``). 0: the faster on the blocks.
+    memory_pass: ``"finalists"`` (default): on CPU, where the memory model is exact, a trial's memory is its
+    prediction and only the plans that can still be chosen get the tracked pass and the FLOP count; ``"every"``: every
+    trial gets them (~3.5 and ~2 steps).
+    predict_time: the time model decides what is measured: after the baselines, the predicted-fastest plans until none
+    left can beat the best measured one. False measures what the sampler proposes, up to ``n_trials``.
     search_when_none_fits: when the memory model predicts that no checkpointing fits, it is measured once and
-    chosen, and nothing else runs (checkpointing only adds recompute: ``max_memory="500GiB"`` once searched 63 s to
-    choose it). True searches anyway, e.g. for the Pareto figure.
-    search_steps: the search's allowance in plain training steps (the step without checkpointing, as the search
-    measured it): a bound on the side-by-side rounds, each of which (the floors' too) starts only where the allowance
-    can pay for it and for what follows (``rounds.confirm_interleaved``); the result says which verdict that left
-    undecided, and a tuned plan the rounds could not confirm keeps the reference. None: no allowance.
+    chosen, and nothing else runs (checkpointing only adds recompute). True searches anyway, e.g. for the Pareto
+    figure.
+    search_steps: the search's allowance in plain training steps: each side-by-side round starts only where the
+    allowance can pay for it and for what follows; a tuned plan the rounds could not confirm keeps the reference.
+    None: no allowance.
     compiled: whether every trial compiles its plan (None: detected). micro_batches: the sizes the joint micro-batch
-    search tries (None: every divisor of the global batch). clock: what the trials and rounds time their steps with,
-    and the allowance counts by (``time.perf_counter``); a test that gives the search a machine which slows down
-    part-way passes a clock that runs faster instead of sleeping.
+    search tries (None: every divisor of the global batch). clock: what the trials and rounds time their steps with
+    (``time.perf_counter``): a test can pass a clock that runs faster instead of sleeping.
     max_host_memory: the host memory the offloading modes' pool may pin (bytes or e.g. ``"64GiB"``): a plan whose
     offloaded bytes exceed it is pruned as over budget. None: half of what the machine has free when the search
     starts (pinned pages cannot be swapped out: pinning most of them starves the data loader and the system).
@@ -170,14 +161,9 @@ class TuneConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ConfigurationError(f"{name} must be an integer >= {low}, got {value!r}.")
-        if self.confirm_max_rounds < self.confirm_rounds:
-            raise ConfigurationError(
-                f"confirm_max_rounds ({self.confirm_max_rounds}) must be >= confirm_rounds ({self.confirm_rounds})."
-            )
-        if self.holdout_max_rounds < self.holdout_rounds:
-            raise ConfigurationError(
-                f"holdout_max_rounds ({self.holdout_max_rounds}) must be >= holdout_rounds ({self.holdout_rounds})."
-            )
+        for most, least in (("confirm_max_rounds", "confirm_rounds"), ("holdout_max_rounds", "holdout_rounds")):
+            if getattr(self, most) < getattr(self, least):
+                raise ConfigurationError(f"{most} ({getattr(self, most)}) must be >= {least} ({getattr(self, least)}).")
         if not _is_int(self.seed):
             raise ConfigurationError(
                 f"seed must be an integer, e.g. seed=0, but got {type(self.seed).__name__} {self.seed!r}."

@@ -37,12 +37,9 @@ _MAX_REASONS = 5
 
 
 def random_ops(root: nn.Module) -> str | None:
-    """The first module of ``root`` (the uncompiled model) that draws random numbers in training (dropout), if any.
-
-    Dropout modules are found by type; attention modules that pass a ``dropout``/``dropout_p``/
-    ``attention_dropout`` float to SDPA (nanoGPT, HF) by that attribute. Functional dropout called
-    with a literal probability cannot be seen from the module tree.
-    """
+    """The first module of ``root`` (the uncompiled model) that draws random numbers in training (dropout), if any:
+    dropout modules by type, attention modules that pass a dropout float to SDPA (nanoGPT, HF) by that attribute.
+    Functional dropout called with a literal probability cannot be seen from the module tree."""
     for fqn, module in root.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             return canonical_fqn(fqn) or type(module).__name__
@@ -54,11 +51,8 @@ def random_ops(root: nn.Module) -> str | None:
 
 
 def uses_cuda_graphs(model: nn.Module) -> bool:
-    """Whether a ``torch.compile`` wrapper in ``model`` was made with CUDA graphs (``mode="reduce-overhead"``).
-
-    Read from the wrapper's backend chain (Dynamo's frame converter wraps inductor's, which holds the mode's
-    options as ``config``): found in torch 2.13; a torch that keeps it elsewhere reads as False.
-    """
+    """Whether a ``torch.compile`` wrapper in ``model`` was made with CUDA graphs (``mode="reduce-overhead"``), read
+    from the wrapper's backend chain as torch 2.13 keeps it; a torch that keeps it elsewhere reads as False."""
     for module in [model, *unwrap_compiled(model).modules()]:
         if not is_compile_wrapper(module):
             continue
@@ -91,29 +85,17 @@ def recompile_count() -> int:
 
 @dataclass(frozen=True)
 class CompileStats:
-    """What compiling one plan cost and did; stored in ``TrialRecord.extra["compile"]``.
+    """What compiling one plan cost and did; stored in ``TrialRecord.extra["compile"]``."""
 
-    compile_seconds: wall time of the first (compiling) step, forward and backward: tuning cost (0 when the plan ran
-        graphs compiled for earlier plans: ``BlocksCompiledAlone``).
-    graphs: graphs dynamo compiled for this plan (0: every block mode it uses was compiled before).
-    graph_breaks: graph breaks dynamo took while compiling this plan (all frames).
-    region_breaks: of those, breaks inside a checkpointed region of ours (the region runs eagerly).
-    recompiles: recompilations during the trial's steps (a stable plan has none after the first step).
-    recompile_limit_hit: a frame reached ``torch._dynamo.config.recompile_limit`` and now runs eagerly.
-    eager_ops: autograd ops of the forward recorded outside compiled graphs (an op that ran eagerly).
-    saved_bytes: distinct storages saved for backward, state excluded (see the module docstring).
-    break_reasons: short descriptions of the graph breaks (``reason (file:line)``), at most five.
-    """
-
-    compile_seconds: float = 0.0
-    graphs: int = 0
-    graph_breaks: int = 0
-    region_breaks: int = 0
-    recompiles: int = 0
-    recompile_limit_hit: bool = False
-    eager_ops: int | None = None
-    saved_bytes: int | None = None
-    break_reasons: tuple[str, ...] = ()
+    compile_seconds: float = 0.0  # the first (compiling) step: tuning cost (0: it ran graphs compiled before)
+    graphs: int = 0  # graphs dynamo compiled for this plan
+    graph_breaks: int = 0  # all frames
+    region_breaks: int = 0  # of those, inside a checkpointed region of ours (the region runs eagerly)
+    recompiles: int = 0  # during the trial's steps (a stable plan has none after the first step)
+    recompile_limit_hit: bool = False  # a frame now runs eagerly
+    eager_ops: int | None = None  # autograd ops of the forward recorded outside compiled graphs
+    saved_bytes: int | None = None  # distinct storages saved for backward, state excluded
+    break_reasons: tuple[str, ...] = ()  # ``reason (file:line)``, at most five
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -165,11 +147,7 @@ def break_count() -> int:
 
 def break_summaries(since: int = 0) -> tuple[int, int, tuple[str, ...]]:
     """(graph breaks, breaks inside our regions, short reasons) recorded since the last dynamo reset (from the
-    ``since``-th on).
-
-    ``torch._dynamo.utils.graph_break_reasons`` keeps each break's user stack (``counters["graph_break"]``
-    only its message), which is what tells a break inside our checkpoint wrapper from one elsewhere.
-    """
+    ``since``-th on), read from ``graph_break_reasons``: its user stacks tell a break inside our checkpoint wrapper."""
     from torch._dynamo.utils import graph_break_reasons
 
     ours = os.path.abspath(forwards_module.__file__)
@@ -210,9 +188,5 @@ def is_dynamo_refusal(exc: BaseException) -> bool:
     """A graph break or recompile limit that dynamo turned into an error (``fullgraph=True``)."""
     from torch._dynamo import exc as dynamo_exc
 
-    refusals = tuple(
-        cls
-        for cls in (getattr(dynamo_exc, n, None) for n in ("Unsupported", "FailOnRecompileLimitHit"))
-        if isinstance(cls, type)
-    )
-    return isinstance(exc, refusals)
+    refusals = (getattr(dynamo_exc, n, None) for n in ("Unsupported", "FailOnRecompileLimitHit"))
+    return any(isinstance(cls, type) and isinstance(exc, cls) for cls in refusals)

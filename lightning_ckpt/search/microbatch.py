@@ -1,16 +1,13 @@
 """Joint search of checkpointing plan and micro-batch size at a fixed global batch.
 
-Memory freed by checkpointing can buy a larger micro-batch, and a larger micro-batch often runs
-more samples per second than the recompute costs. The user's optimisation is kept exactly: the
-global batch per optimizer step (micro-batch x gradient accumulation) is fixed, the micro-batch
-is a divisor of it, and for each micro-batch the best plan is searched as usual.
+Memory freed by checkpointing can buy a larger micro-batch, which often runs more samples per second than the
+recompute costs. The user's optimisation is kept exactly: the global batch per optimizer step (micro-batch x gradient
+accumulation) is fixed, and the micro-batch is a divisor of it.
 
-Memory is predicted, never discovered by crashing: activations grow linearly with the micro-batch
-while parameters, gradients and optimizer state do not, so two memory-safe profiles (at the user's
-micro-batch and at half of it) give an affine model per plan that prunes every (plan, micro-batch)
-combination predicted over budget before anything runs. The same two profiles time each block under each mode,
-and a block's seconds are affine in the micro-batch too, so each micro-batch gets a time model, fitted to its own
-measured steps, and the search measures only the (plan, micro-batch) candidates that can still win per sample.
+Memory is predicted, never discovered by crashing: activations grow linearly with the micro-batch while parameters,
+gradients and optimizer state do not, so two memory-safe profiles (at the user's micro-batch and at half of it) give
+an affine model per plan that prunes every (plan, micro-batch) predicted over budget before anything runs. A block's
+seconds are affine in the micro-batch too, so each micro-batch gets a time model from the same two profiles.
 """
 
 from __future__ import annotations
@@ -57,11 +54,8 @@ def divisors(n: int) -> list[int]:
 
 
 def resize_batch(batch: Any, base: int, size: int) -> Any:
-    """``batch`` with ``size`` samples: tensors whose first dimension is ``base`` are cut or tiled.
-
-    Step time and memory of dense models do not depend on the values, so repeating the first
-    batch's samples measures a larger micro-batch honestly without drawing more data.
-    """
+    """``batch`` with ``size`` samples: tensors whose first dimension is ``base`` are cut or tiled (a dense model's
+    step time and memory do not depend on the values, so no more data is drawn)."""
 
     def fit(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != base:
@@ -150,18 +144,14 @@ def tune_micro_batch(
 ) -> MicroBatchResult:
     """Search (plan, micro-batch) for the most samples/s within the budget at a fixed global batch.
 
-    ``loss_fn_for(m)`` returns a zero-argument function running the forward on a batch of ``m``
-    samples and returning the loss. The budget is resolved at ``base_micro_batch`` (the user's), so
-    ``activation_budget`` means a fraction of *the user's* no-checkpointing activation memory.
-    ``config`` and ``hooks`` as for ``tune``; ``n_trials`` bounds the whole search, ``config.micro_batches`` names the
-    sizes tried (None: every divisor of ``global_batch``). Ranks agree on the budget and every trial, and the search
-    ends with ``SearchInterrupted`` when ``hooks.should_stop()``, the model as it was.
+    ``loss_fn_for(m)`` returns a zero-argument function running the forward on a batch of ``m`` samples and returning
+    the loss. The budget is resolved at ``base_micro_batch`` (the user's), so ``activation_budget`` means a fraction of
+    *the user's* no-checkpointing activation memory. ``config`` and ``hooks`` as for ``tune``; ``n_trials`` bounds the
+    whole search, ``config.micro_batches`` names the sizes tried (None: every divisor of ``global_batch``).
 
-    It is the same engine as ``tune``'s (``pipeline``), over a larger space: candidates that are (plan,
-    micro-batch) pairs, each run through its micro-batch's ``Workload`` (runner, scaled memory model, samples
-    per step), figures compared per sample. Every micro-batch's baselines are measured first; one confirmation
-    re-times the leaders beside the fastest fitting baselines (across micro-batches) in interleaved rounds, one
-    verdict chooses, and the result's plan carries its micro-batch in ``provenance.micro_batch``.
+    The same engine as ``tune``'s (``pipeline``), over candidates that are (plan, micro-batch) pairs, each run through
+    its micro-batch's ``Workload``, figures compared per sample; the result's plan carries its micro-batch in
+    ``provenance.micro_batch``.
     """
     config, hooks = config or TuneConfig(), hooks or SearchHooks()
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
@@ -196,11 +186,11 @@ def tune_micro_batch(
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = MicroBatch(m, global_batch // m, global_batch, base_micro_batch, config.tie_tolerance)
     run = {**result.best.provenance.run, "batch_size": m}  # the step the plan runs: the chosen micro-batch
-    if session.allocator is not None:  # what the search ran under, as tune records it
-        result = replace(result, best=result.best.with_provenance(allocator=session.allocator.to_dict()))
+    # What the search ran under, as tune records it.
+    allocator = {"allocator": session.allocator.to_dict()} if session.allocator is not None else {}
     result = replace(
         result,
-        best=result.best.with_provenance(micro_batch=spec, run=run),
+        best=result.best.with_provenance(**allocator, micro_batch=spec, run=run),
         tuning_seconds=time.perf_counter() - started,
         memory_table=scaled.at(m).table(),
         memory_breakdown=scaled.at(m).to_dict(),
@@ -223,7 +213,6 @@ def _workloads(
     harness and runner, and the scaled memory model with the optimizer step (measured once, shared by all)."""
     workloads = []
     for m in sorted(feasible, reverse=True):
-        steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
         harness = StepHarness(
             resolved.root,
             step_for(m),
@@ -233,7 +222,8 @@ def _workloads(
             batch_size=m,
             view=resolved,
             clock=config.clock,
-            **steps,
+            warmup_steps=config.warmup_steps,
+            measure_steps=config.measure_steps,
         )
         runner = build_runner(
             resolved, harness, config, compiled=None, reserve_headroom=scaled.at(m).reserve_overhead_bytes
@@ -268,7 +258,7 @@ def _search(
         budget,
         config,
         timing=timing,
-        memory_model=scaled.at(scaled.size),
+        memory_model=scaled,
         hooks=hooks,
         run=run,
         phases=phases,
@@ -317,16 +307,15 @@ def _scaled_profiles(
         )
         for size in sorted({base_micro_batch, small_size})
     }
-    profile = {size: p.memory for size, p in profiles.items()}
     opt_mem = (
         measure_optimizer_step(root, optimizer, device=resolved.device, extra=extra_for(base_micro_batch))
         if optimizer is not None
         else OptimizerStepMemory.absent()
     )
-    lo, hi = min(profile), max(profile)
+    lo, hi = min(profiles), max(profiles)
     small_time, large_time = profiles[lo].time, profiles[hi].time
     times = ScaledTimeModel(small_time, large_time, lo, hi) if small_time is not None and large_time else None
-    return ScaledMemoryModel(profile[lo], profile[hi], lo, hi, base_micro_batch), times, opt_mem
+    return ScaledMemoryModel(profiles[lo].memory, profiles[hi].memory, lo, hi, base_micro_batch), times, opt_mem
 
 
 @dataclass(frozen=True)
@@ -363,15 +352,12 @@ def _feasible_micro_batches(
     lowest = uniform_plan(stacks, BlockPlan("full"))
     feasible, skipped = [], {}
     for m in candidates:
-        model_m = scaled.at(m)
-        lowest_peak = opt_mem.real_peak(model_m.predict_peak(lowest))
-        if not budget.fits(lowest_peak, model_m.predict_activation(lowest)):
-            skipped[m] = (
-                f"even full checkpointing is predicted over budget "
-                f"(activation {model_m.predict_activation(lowest)}, real-step peak {lowest_peak} bytes)"
-            )
-        else:
+        peak, activation = opt_mem.real_peak(scaled.at(m).predict_peak(lowest)), scaled.at(m).predict_activation(lowest)
+        if budget.fits(peak, activation):
             feasible.append(m)
+        else:
+            why = f"(activation {activation}, real-step peak {peak} bytes)"
+            skipped[m] = f"even full checkpointing is predicted over budget {why}"
     if not feasible:
         raise InfeasibleBudgetError(
             f"No micro-batch of the global batch {global_batch} fits the budget ({budget.description}) even with "

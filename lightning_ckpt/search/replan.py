@@ -1,22 +1,13 @@
 """Re-plan for a new budget from the profile a plan file keeps: no model, no step, zero trials.
 
-A search leaves in its plan's ``provenance.profile`` what it predicted every plan from: the memory model
-(each block's bytes under every mode, the anchor step's timeline), the time model fitted to the plans it
-measured (``timing.model``), the optimizer step's memory, the stacks and the space it searched. With
-those, any budget's best plan is a prediction: every plan of the space is scored, those predicted to fit
-are kept, and the search's own choice rule (``choice.choose_best``) picks among their predicted figures.
-What comes out is marked ``predicted`` (``provenance.replanned``): nothing about it was measured, and
-the budget guard checks the first real steps of a run that applies it, as for any plan.
+A search leaves in its plan's ``provenance.profile`` what it predicted every plan from (memory and time models, the
+optimizer step's memory, the stacks and the space), so any budget's best plan is a prediction: every plan of the space
+scored, and the search's own rule (``choice.choose_best``) picks among those predicted to fit. The result is marked
+``predicted`` (``provenance.replanned``); the budget guard checks the first real steps, as for any plan.
 
-``--batch-size`` scales what depends on the batch linearly from the batch the profile was taken at:
-activation bytes and step time (parameters, gradients and optimizer state do not change).
-
-A plan the search measured keeps its measured step time (the time model's calibration anchors, the chosen plan's
-``measured`` figures) rather than a prediction: a figure is better than a guess at it. But a figure timed one plan at
-a time is not side by side with a baseline's prediction, so a tuned plan beats a baseline only where the file's
-verdict says it did, or where both are compared on the same footing (predicted against predicted). No prediction is
-below the plain step plus what the plan adds (``timing.model``: recompute never makes a step faster), so when every
-plan fits, no checkpointing is chosen. When the saved time model predicted the measured steps badly, a note says so.
+A plan the search measured keeps its measured step time, but a figure timed one plan at a time is not side by side
+with a baseline's prediction: a tuned plan beats a baseline only where the file's verdict says so, or predicted
+against predicted.
 """
 
 from __future__ import annotations
@@ -47,21 +38,10 @@ if TYPE_CHECKING:
 
     from lightning_ckpt.memory.profile import Profile
 
-__all__ = [
-    "Replanned",
-    "SavedProfile",
-    "predicted_records",
-    "profile_metadata",
-    "replan",
-    "replanned_table",
-    "table_bucket",
-]
+__all__ = ["Replanned", "SavedProfile", "profile_metadata", "replan", "table_bucket"]
 
-# A compiled search's profile (blocks compiled alone, its time model fitted to compiled steps) is kept apart, as
-# ``provenance.compiled_profile``: ``replan`` and a reused plan's re-plan predict eager steps, and would misread it.
-# Only the plan table (``search.buckets``) predicts from it, with the compiled memory model (``compiled_blocks``).
 # What a re-planned plan drops from the plan it came from: figures measured for that plan, not this one, and its
-# plan table (``search.buckets``: its buckets' plans were chosen for the old budget; ``replan_table`` re-plans them).
+# plan table (its buckets' plans were chosen for the old budget; ``replanned_table`` re-plans them).
 _MEASURED_KEYS = ("measured", "baselines", "real_steps", "search", "switched_from", "plan_table")
 
 
@@ -75,8 +55,7 @@ def profile_metadata(
     seq_len: int | None,
     tie_tolerance: float,
 ) -> dict[str, Any]:
-    """What a plan file keeps to re-plan without the model (``provenance.profile``): the memory and the time model
-    side by side, as the profile measured and the search fitted them."""
+    """What a plan file keeps to re-plan without the model (``provenance.profile``)."""
     return {
         "memory": profile.memory.to_dict(),
         "time": profile.time.to_dict() if profile.time is not None else None,
@@ -104,8 +83,8 @@ class SavedProfile:
 
     @classmethod
     def of_plan(cls, plan: Plan, *, source: str = "the plan", compiled: bool = False) -> SavedProfile:
-        """The profile ``plan`` keeps (its compiled search's with ``compiled``); ``PlanError`` saying what is missing
-        when it cannot be re-planned from."""
+        """The profile ``plan`` keeps (its compiled search's with ``compiled``: ``replan`` predicts eager steps, and
+        only the plan table reads that one); ``PlanError`` saying what is missing when it cannot be re-planned from."""
         data = plan.provenance.compiled_profile if compiled else plan.provenance.profile
         if not data:
             raise PlanError(
@@ -142,9 +121,8 @@ class SavedProfile:
 
 @contextlib.contextmanager
 def _reading_profile(source: str) -> Iterator[None]:
-    """Predictions from a profile a file kept: the schema checks its types, not how its parts refer to each other
-    (a phase naming a block the model does not have, a block timed under no mode), so whatever a prediction
-    fails on there is the file's fault, and a ``PlanError`` that says so (our own refusals pass through)."""
+    """Predictions from a profile a file kept: the schema checks its types, not how its parts refer to each other, so
+    whatever a prediction fails on there is the file's fault, and a ``PlanError`` that says so."""
     try:
         yield
     except LightningCkptError:
@@ -190,8 +168,7 @@ class Replanned:
     notes: tuple[str, ...] = ()  # what a user should know about the figures (a time model that predicted badly)
 
     def describe(self) -> str:
-        """One line for people: the plan, marked predicted, with its figures (the step time marked measured where the
-        file measured that plan)."""
+        """One line for people: the plan, marked predicted, with its figures."""
         speed = f"{self.predicted_samples_per_second:.2f} samples/s ({1000 * self.predicted_seconds:.1f} ms/step)"
         speed = f"measured {speed} when it was tuned" if self.time_measured else f"predicted {speed}"
         fit = f"{self.fitting} of {self.considered} plan{'s' * (self.considered != 1)} predicted to fit"
@@ -229,13 +206,11 @@ def replan(
     device: torch.device | str | None = None,
     source: str = "the plan",
 ) -> Replanned:
-    """The best plan for a new budget, predicted from ``plan``'s saved profile (``SavedProfile``) in well
-    under a second: every plan of the searched space scored, the choice rule applied to the predictions.
+    """The best plan for a new budget, predicted from ``plan``'s saved profile (``SavedProfile``).
 
-    ``device`` resolves a budget given as a share of device memory (default: the profile's device, whose
-    capacity the plan records, so a GPU plan is re-planned on a machine without that GPU);
-    ``batch_size`` re-plans for another batch (see the module docstring). Raises ``PlanError`` when the
-    plan keeps no usable profile, ``InfeasibleBudgetError`` when no plan is predicted to fit.
+    ``device`` resolves a budget given as a share of device memory (default: the profile's device, whose capacity the
+    plan records, so a GPU plan is re-planned on a machine without that GPU); ``batch_size`` re-plans for another
+    batch. Raises ``PlanError`` when the plan keeps no usable profile, ``InfeasibleBudgetError`` when nothing fits.
     """
     profile = SavedProfile.of_plan(plan, source=source)
     requested = RequestedBudget.parse(max_memory, activation_budget)
@@ -293,13 +268,9 @@ def _replan(
     )
 
 
-# The saved time model's median error past which a re-plan says its predicted speeds may rank plans wrongly.
-_LARGE_TIME_ERROR = WELL_PREDICTED_ERROR
-
-
 def _measured_seconds(plan: Plan, profile: SavedProfile) -> dict[str, float]:
-    """Step seconds the file measured, by trial label, at the profiled batch: the time model's anchors (every plan the
-    search timed; the median where one was timed twice), the chosen plan's own ``measured`` figure over its anchor."""
+    """Step seconds the file measured, by trial label, at the profiled batch: the time model's anchors (the median
+    where a plan was timed twice), the chosen plan's own ``measured`` figure over its anchor."""
     timed: dict[str, list[float]] = {}
     calibration = profile.time.calibration
     for label, _, seconds in calibration.anchors if calibration is not None else ():
@@ -319,22 +290,18 @@ def _with_measured_times(
 ) -> tuple[list[TrialRecord], set[int]]:
     """``records`` with the step time the file measured where it measured that plan (``predicted_seconds`` keeps the
     prediction), and the numbers of those records."""
-    out, numbers = [], set()
-    for r in records:
-        seconds = measured.get(r.label)
-        if seconds is None:
-            out.append(r)
-            continue
-        seconds *= ratio
-        out.append(replace(r, median_seconds=seconds, samples_per_second=batch / seconds))
-        numbers.add(r.number)
-    return out, numbers
+
+    def timed(r: TrialRecord) -> TrialRecord:
+        seconds = measured[r.label] * ratio
+        return replace(r, median_seconds=seconds, samples_per_second=batch / seconds)
+
+    return [timed(r) if r.label in measured else r for r in records], {r.number for r in records if r.label in measured}
 
 
 def _beats(verdict: Verdict | None, measured: set[int], tie_tolerance: float) -> BeatsFn:
-    """Whether a tuned record beats the reference baseline: the file's side-by-side verdict for that pair; else, where
-    one figure was measured and the other predicted, their predictions (a step timed alone in a quiet moment is no
-    evidence against a prediction fitted to many); else None, and their figures decide (``choose_best``)."""
+    """Whether a tuned record beats the reference baseline: the file's verdict for that pair; else, where one figure was
+    measured and the other predicted, their predictions (a step timed alone is no evidence against a prediction fitted
+    to many); else None, and their figures decide."""
 
     def beats(t: TrialRecord, reference: TrialRecord) -> bool | None:
         if verdict is not None and verdict.candidate == t.label and verdict.reference == reference.label:
@@ -349,8 +316,8 @@ def _beats(verdict: Verdict | None, measured: set[int], tie_tolerance: float) ->
 
 
 def _time_model_note(plan: Plan, profile: SavedProfile, n_measured: int) -> str | None:
-    """A line when the saved time model predicted the steps the search measured badly (its median error, as the
-    search recorded it, else its fit's own residuals): its predicted speeds may then rank plans wrongly."""
+    """A line when the saved time model predicted the measured steps badly (as the search recorded it, else its fit's
+    own residuals): its predicted speeds may then rank plans wrongly."""
     summary = plan.provenance.search.get("time_model")
     error = summary.get("median_abs_error") if isinstance(summary, Mapping) else None
     where = "of the plans the search predicted and then measured"
@@ -361,11 +328,11 @@ def _time_model_note(plan: Plan, profile: SavedProfile, n_measured: int) -> str 
         if not residuals:
             return None
         error, where = statistics.median(residuals), "of the plans its fit rests on"
-    if error <= _LARGE_TIME_ERROR:
+    if error <= WELL_PREDICTED_ERROR:
         return None
     return (
         f"the saved time model's predictions were off by {error:.0%} (median {where}; more than the "
-        f"{_LARGE_TIME_ERROR:.0%} it predicts within on a steady machine), so predicted speeds may rank plans wrongly: "
+        f"{WELL_PREDICTED_ERROR:.0%} it predicts within on a steady machine), so predicted speeds may rank plans wrongly: "
         f"the {n_measured} plan{'s' * (n_measured != 1)} the file measured keep{'s' * (n_measured == 1)} their "
         "measured step times. Re-tune on a quieter machine before trusting a predicted speed-up."
     )
@@ -382,9 +349,9 @@ def predicted_records(
     batch: int | None = None,
     model: MemoryModel | None = None,
 ) -> list[TrialRecord]:
-    """Every plan of ``profile``'s space scored by prediction alone (``memory`` and ``time``: the profile's own, or
-    another batch's; see ``search.buckets``), as records ``choose_best`` picks from; plans whose time is not
-    predicted are left out. ``model``: the memory model that says which plans can run (default the profile's)."""
+    """Every plan of ``profile``'s space scored by ``memory`` and ``time`` alone, as records ``choose_best`` picks
+    from (plans whose time is not predicted are left out). ``model``: the memory model that says which plans can run
+    (default the profile's)."""
     model = model or profile.memory
     _, candidates = offered_candidates(
         profile.space.for_device(device_type(device)), profile.stacks, model.fingerprint, model
@@ -408,7 +375,7 @@ def table_bucket(
     """The bucket at ``length``: the search's rule over every plan's predicted figures there; the top plan (which
     fits at the longest length, so at this one) when nothing is predicted to fit. ``compiled``: a compiled model's
     memory there (``memory_model`` then only says which plans can run); its bucket keeps no profile, as ``replan``
-    predicts eager steps (a re-planned budget drops such a table: every batch runs the top plan, read by the guard)."""
+    predicts eager steps."""
     memory = RealStepMemory(compiled or memory_model, searched.optimizer)
     records = predicted_records(
         searched, memory, time, budget, device=memory_model.device, batch=rows, model=memory_model
@@ -430,9 +397,9 @@ def table_bucket(
 
 
 def replanned_table(original: Plan, top: Plan, budget: Budget, profile: SavedProfile) -> PlanTable | None:
-    """``original``'s plan table re-planned for ``budget`` (``top``: the plan re-planned for the longest bucket): each
-    shorter bucket from the profile it keeps, by the same rule; None when ``original`` keeps no table, or a bucket
-    keeps no profile (the table is then dropped: every batch runs ``top``, and the guard reads them)."""
+    """``original``'s plan table re-planned for ``budget`` (``top``: the plan re-planned for the longest bucket), each
+    shorter bucket from the profile it keeps; None when there is no table or a bucket keeps no profile (every batch
+    then runs ``top``)."""
     table = PlanTable.of_plan(original)
     if table is None or any(b.profile is None for b in table.buckets[:-1]):
         return None
@@ -514,20 +481,16 @@ def _replanned_plan(
         **dict.fromkeys(_MEASURED_KEYS),
         budget={**budget.to_dict(), "requested": requested.requested_max_memory},
         conditions=conditions or None,
-        replanned=_replanned_figures(plan, best, profile, batch, considered),
+        replanned={
+            "predicted": True,
+            "from_plan": plan.describe(),
+            "from_budget": plan.provenance.budget.get("description"),
+            "batch_size": batch,
+            "profiled_batch_size": profile.batch_size,
+            "predicted_seconds": best.median_seconds,
+            "predicted_samples_per_second": best.samples_per_second,
+            "predicted_peak_bytes": best.peak_bytes,
+            "predicted_activation_bytes": best.activation_bytes,
+            "plans_scored": considered,
+        },
     )
-
-
-def _replanned_figures(plan: Plan, best: TrialRecord, profile: SavedProfile, batch: int, considered: int) -> dict:
-    return {
-        "predicted": True,
-        "from_plan": plan.describe(),
-        "from_budget": plan.provenance.budget.get("description"),
-        "batch_size": batch,
-        "profiled_batch_size": profile.batch_size,
-        "predicted_seconds": best.median_seconds,
-        "predicted_samples_per_second": best.samples_per_second,
-        "predicted_peak_bytes": best.peak_bytes,
-        "predicted_activation_bytes": best.activation_bytes,
-        "plans_scored": considered,
-    }

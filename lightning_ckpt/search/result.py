@@ -1,7 +1,6 @@
-"""The outcome of a search, built by one pure function of the ledger's snapshot, the chosen record and the facts.
-
-``pipeline.conclude`` chooses; ``build_result`` makes the ``TuneResult`` and the evidence the plan file, ``lightning-ckpt
-show`` and the reports read (the plan's own measured figures, every baseline's, what the search did), from values.
+"""The outcome of a search: ``pipeline.conclude`` chooses; ``build_result``, a pure function of the ledger's
+snapshot, the chosen record and the facts, makes the ``TuneResult`` and the evidence the plan file, ``lightning-ckpt
+show`` and the reports read.
 """
 
 from __future__ import annotations
@@ -73,8 +72,8 @@ class SearchFacts:
 def evidence(
     best: TrialRecord, records: Sequence[TrialRecord], budget: Budget, facts: SearchFacts, fell_back: bool
 ) -> dict[str, Any]:
-    """The chosen plan's provenance sections: the library versions, the budget, its measured figures, the baselines' (at its
-    micro-batch) and the search's own account."""
+    """The chosen plan's provenance sections: the library versions, the budget, its measured figures, the baselines'
+    (at its micro-batch) and the search's own account."""
     search: dict[str, Any] = {
         "n_trials": facts.n_trials,
         "plans_considered": len(records),  # every plan the search scored: run, pruned or ruled out
@@ -90,16 +89,14 @@ def evidence(
         "fell_back": fell_back,
         "speed_changes": list(facts.speed_changes),
     }
-    if facts.none_fits:
-        search["none_fits"] = True
-    if facts.proposer_summary is not None:
-        search["time_model"] = facts.proposer_summary
-    if facts.verdict is not None:
-        search["verdict"] = facts.verdict.to_dict()
-    if facts.cost is not None:
-        search["cost"] = facts.cost.to_dict()
-    if facts.allowance is not None:
-        search["allowance"] = dict(facts.allowance)
+    optional = {
+        "none_fits": facts.none_fits or None,
+        "time_model": facts.proposer_summary,
+        "verdict": facts.verdict.to_dict() if facts.verdict is not None else None,
+        "cost": facts.cost.to_dict() if facts.cost is not None else None,
+        "allowance": dict(facts.allowance) if facts.allowance is not None else None,
+    }
+    search.update((k, v) for k, v in optional.items() if v is not None)
     return {
         "versions": library_versions(),
         "budget": budget.to_dict(),
@@ -115,8 +112,8 @@ def evidence(
 
 def offload_figures(trial: TrialRecord) -> dict[str, Any] | None:
     """What a trial's offloaded blocks did (None where none ran): the bytes they held in host memory, the host pool's
-    size, and the transfer backward waited for, predicted (``TimeModel.transfer``) and measured: the trial's own step
-    less the time model's prediction of it without that wait (where the model predicted it)."""
+    size, and the transfer backward waited for, predicted and measured (the trial's own step less the time model's
+    prediction of it without that wait)."""
     extra = trial.extra
     if not extra.get("offload_host_pool_bytes") and extra.get("offload_exposed_seconds") is None:
         return None
@@ -169,8 +166,7 @@ def build_result(
     memory: Any = None,
 ) -> TuneResult:
     """The ``TuneResult``: the chosen plan named, fingerprinted and carrying its evidence (and the search's
-    provenance ``sections``), beside the ledger's snapshot ``records``; ``memory``: the memory model, whose
-    per-block table and breakdown the result shows."""
+    provenance ``sections``); ``memory``: the memory model, whose per-block table and breakdown the result shows."""
     chosen = replace(best.plan, name=best.plan.name or "tuned", fingerprint=facts.fingerprint).with_provenance(
         **{**evidence(best, records, budget, facts, fell_back), **(sections or {})}
     )

@@ -17,10 +17,11 @@ enumeration goes through the same ``plan_for`` function.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_ckpt.errors import ConfigurationError
@@ -48,11 +49,9 @@ _DEFAULT_SELECTIONS = ("all", "first:0.25", "first:0.5", "first:0.75", "every:2"
 _DEFAULT_REST_MODES = ("none", "selective:mlp", "ops:save_matmuls", "offload", "offload_input")
 # PT2 activation memory budgets tried for compiled models (fractions of what the partitioner saves by default).
 _DEFAULT_COMPILE_BUDGETS = (0.7, 0.5, 0.3, 0.1)
-# Modes the compiler already does by itself, dropped for compiled models. AOTAutograd's min-cut
-# partitioner recomputes cheap pointwise ops (and norms' pointwise parts) in backward instead of
-# saving them, and keeps matmul outputs: exactly what ``save_matmuls`` asks for, so under compile it
-# would only add a checkpoint region (and a compile) to get the partitioner's default. Save-lists that
-# *also* drop matmuls (``save_matmuls_alternate``, ``save_attention``) go beyond it and stay.
+# Modes the compiler already does by itself, dropped for compiled models: AOTAutograd's min-cut partitioner
+# recomputes cheap pointwise ops and keeps matmul outputs, exactly what ``save_matmuls`` asks for. Save-lists that
+# *also* drop matmuls go beyond it and stay.
 COVERED_BY_PARTITIONER = ("ops:save_matmuls",)
 
 
@@ -129,10 +128,9 @@ def _check_selection(selection: Any) -> None:
 class SearchSpace:
     """Which dimensions are searched and with which values; ``None``/empty switches a dimension off.
 
-    ``modes``/``rest_modes``/``selections``/``chunks`` restrict values; ``segments=False`` drops the
-    segments structure, the offloading modes are dropped automatically for models that are not on CUDA.
-    ``compile_budgets`` are the PT2 memory budgets tried for compiled models (``None``: the defaults,
-    ``()``: none); ``for_compile()`` switches them on and drops what the partitioner already covers.
+    ``segments=False`` drops the segments structure; the offloading modes are dropped for models not on CUDA.
+    ``compile_budgets`` are the PT2 memory budgets tried for compiled models (``None``: the defaults, ``()``: none);
+    ``for_compile()`` switches them on and drops what the partitioner already covers.
     """
 
     modes: tuple[str, ...] = _DEFAULT_MODES
@@ -141,7 +139,6 @@ class SearchSpace:
     chunks: tuple[int, ...] | None = None  # None: 2, sqrt(N), N/2 per the largest stack
     segments: bool = True
     baselines: bool = True
-    extra: Mapping[str, Any] = field(default_factory=dict)
     compile_budgets: tuple[float, ...] | None = None
     compiled: bool = False  # set by for_compile(): adds the pt2_budget structure
 
@@ -197,7 +194,7 @@ class SearchSpace:
             if key in ("segments", "baselines"):
                 kwargs[key] = bool(value)
             elif value is False or value is None:
-                kwargs[key] = () if key != "chunks" else ()
+                kwargs[key] = ()
             elif key == "compile_budgets":
                 kwargs[key] = tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value)
             else:
@@ -339,14 +336,10 @@ class SearchSpace:
                 for b in self.budget_choices:
                     yield {"structure": "pt2_budget", "compile_budget": b}
             else:
-                for sel in self.selections or ("all",):
-                    for mode in self.modes:
-                        rests = self.rest_modes if sel != "all" and self.rest_modes else (None,)
-                        for rest in rests:
-                            p = {"structure": "blocks", "selection": sel, "mode": mode}
-                            if rest is not None:
-                                p["rest_mode"] = rest
-                            yield p
+                for sel, mode in itertools.product(self.selections or ("all",), self.modes):
+                    for rest in self.rest_modes if sel != "all" and self.rest_modes else (None,):
+                        p = {"structure": "blocks", "selection": sel, "mode": mode}
+                        yield p if rest is None else {**p, "rest_mode": rest}
 
     def baseline_candidates(self, stacks: Sequence[LayerStack], *, fingerprint: str | None) -> list[Candidate]:
         """The named baselines (none, full, sqrt segments, selective MLP, op save-list) as points of this space."""
@@ -396,9 +389,8 @@ def offered_candidates(
     space: SearchSpace, stacks: Sequence[LayerStack], fingerprint: str | None, memory_model: Any
 ) -> tuple[list[LayerStack], list[Candidate]]:
     """The stacks a search (or a re-plan) plans over and its candidates: no mode on a block no gradient flows
-    through (frozen behind frozen layers: it saves nothing, checkpointing it only recomputes it), nothing the
-    profile shows cannot run (segments over T5's stacks, a save-list a block failed under). With no block
-    left to plan, the one candidate is no checkpointing."""
+    through (checkpointing it only recomputes it), nothing the profile shows cannot run. With no block left to plan,
+    the one candidate is no checkpointing."""
     inert = tuple(getattr(memory_model, "inert_blocks", ()))
     planned = memory_model.plannable_stacks(stacks) if inert else list(stacks)
     if inert:

@@ -1,7 +1,7 @@
 """How a candidate becomes a record: measured on every rank through its workload's runner, combined, and judged
 against the budget. ``Trials`` is what every phase that measures shares: the workloads, the budget, the allocator
-caps, and on CPU the lazy memory pass (trials timed only, the memory model being exact; the plans that can still be
-chosen get the tracked pass). It keeps no records: what it returns goes into the ledger.
+caps, and on CPU the lazy memory pass (the memory model being exact, only the plans that can still be chosen get the
+tracked pass). It keeps no records: what it returns goes into the ledger.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ __all__ = ["CollectiveTrialError", "SearchInterrupted", "Trials", "Workload", "r
 @dataclass(frozen=True)
 class Workload:
     """What a candidate's step runs with: its runner, its memory model, the samples one step processes. A search of
-    one shape has one (``micro_batch`` None); the joint search one per micro-batch, its candidates carrying the
-    micro-batch as a dimension (``Candidate.micro_batch``): one engine over the larger space."""
+    one shape has one (``micro_batch`` None); the joint search one per micro-batch (``Candidate.micro_batch``)."""
 
     runner: TrialRunner
     memory: RealStepMemory | None
@@ -121,13 +120,8 @@ class Trials:
     def predicted_over_budget(self, plan: Plan, micro_batch: int | None = None) -> bool:
         """Over the budget on the card, or over ``max_host_memory`` in the host memory its offloaded blocks pin."""
         predicted, memory = self.predicted(plan, micro_batch), self.workload(micro_batch).memory
-        offloads = any(b.mode.startswith("offload") for b in plan.blocks.values())
-        if (
-            offloads
-            and memory is not None
-            and self.host_limit is not None
-            and memory.host_bytes(plan) > self.host_limit
-        ):
+        offloads, limit = any(b.mode.startswith("offload") for b in plan.blocks.values()), self.host_limit
+        if offloads and memory is not None and limit is not None and memory.host_bytes(plan) > limit:
             return True
         return predicted is not None and not self.budget.fits(*predicted)
 

@@ -3,13 +3,11 @@ with the interval the rounds support, and whether that is enough to choose it.
 
 A tuned plan's figure and the baseline's are paired by round (timed at the same moment of a shared machine, so their
 ratio cancels its speed then). The verdict is their geometric mean and a Student-t interval on the log ratios (90%):
-a t interval, not a bootstrap, since over 3-8 rounds a bootstrap is no wider than their range, overconfident exactly
-when it matters. The rule (``choice.CHOICE_RULE``): a tuned plan wins only when the lower bound clears
-``1 + tie_tolerance``; one whose upper bound stays below cannot win; in between it is undecided, more rounds run
-(``rounds.confirm_interleaved``) until it is decided or capped, and then the baseline is kept.
+not a bootstrap, which over 3-8 rounds is overconfident exactly when it matters. The rule (``choice.CHOICE_RULE``): a
+tuned plan wins only when the lower bound clears ``1 + tie_tolerance``; in between it is undecided, more rounds run
+until it is decided or capped, and then the baseline is kept.
 
-The rounds that choose a plan cannot also say how fast it is: the leader chosen is the one the noise favoured (claims
-5-17% above an outside re-timing, every error the same way). So it and the reference are timed again in fresh rounds
+The rounds that choose a plan favour it (the winner's curse), so it and the reference are timed again in fresh rounds
 (``rounds.holdout``) and the verdict reported is theirs (``chosen_after``: the rounds that chose it).
 
 Pure Python (no torch): a plan file's verdict is read by ``lightning-ckpt show`` without importing torch.
@@ -37,7 +35,6 @@ _T95 = (
 _Z95 = 1.645
 
 Outcome = Literal["tuned", "baseline", "undecided"]
-
 
 # The largest speed ratio a plan file holds (``plan_schema.json``'s verdict ratios).
 RATIO_BOUND = 1e6
@@ -73,11 +70,9 @@ def paired_interval(
 
 @dataclass(frozen=True)
 class Verdict:
-    """A tuned plan (``candidate``) against the fastest fitting baseline (``reference``), from paired rounds.
-
-    ``ratio`` is the candidate's speed over the reference's; ``low``/``high`` its interval at ``confidence``;
-    ``threshold`` is ``1 + tie_tolerance``, what ``low`` must clear. ``candidate`` is None when no tuned plan was
-    confirmed (the reference is kept without a contest)."""
+    """A tuned plan (``candidate``; None: none was confirmed) against the fastest fitting baseline (``reference``):
+    the candidate's speed over the reference's (``ratio``) and its interval, and what ``low`` must clear
+    (``threshold``: ``1 + tie_tolerance``)."""
 
     reference: str
     candidate: str | None
@@ -166,9 +161,8 @@ class Verdict:
         return f"the machine could not separate them ({pct} interval)"
 
     def to_dict(self) -> dict[str, Any]:
-        """The verdict as the plan file keeps it. A bound past the file's range of speed ratios (``RATIO_BOUND``) is
-        written at it: two rounds give a t interval with one degree of freedom, whose upper bound can pass 10**6
-        (2.2e6 was written once, and the file was then refused on reading)."""
+        """The verdict as the plan file keeps it, bounds clamped to the file's range (``RATIO_BOUND``): a t interval with
+        one degree of freedom can pass it."""
         data = {**asdict(self), "outcome": self.outcome}
         for key in ("ratio", "low", "high"):
             if data[key] is not None:
@@ -177,8 +171,7 @@ class Verdict:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
-        names = ("reference", "candidate", "ratio", "low", "high", "rounds", "threshold", "confidence", "chosen_after")
-        return cls(**{k: data[k] for k in names if k in data})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     @classmethod
     def recorded(cls, search: Mapping[str, Any] | None) -> Verdict | None:

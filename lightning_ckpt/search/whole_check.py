@@ -2,19 +2,11 @@
 
 On blocks compiled alone (``search.assembly``) our plans rank as the user's compile runs them, but PT2's global
 ``activation_memory_budget`` does not where the user compiles several blocks in one graph: the partitioner solves one
-knapsack over every block's ops, not one per block (side by side, ``benchmarks/alone_vs_whole.py``: our plans ran
-0.7-12% slower than ``pt2_budget(0.3)`` on the blocks and from 7% faster to 6% slower compiled whole). So:
-
-* a budget over budget on the blocks by no more than what the code outside them saves, and a chosen budget without
-  that much room, is partitioned as the user's compile partitions it, no kernels (``partition_pt2_budgets``: the
-  8-layer GPT's ``pt2_budget(0.5)`` is 1.8% over on the blocks, 0.9% under whole, and the fastest plan there);
-* by default (``weigh_on_blocks``) the budget is re-timed side by side on the blocks against the three fastest plans
-  of ours that fit, and kept only if it runs more than ``1 + whole_compile_margin`` times their speed (0.08: the
-  largest shift measured); it compiles nothing of the user's model (3.8 s and 5.7 s at 8 and 32 layers);
-* with ``check_whole_compile=True`` both are compiled the user's way and the faster that fits is kept: exact, at
-  3.8x and 4.4x the user's first compile (``compiled_exhaustive.py --check-whole-compile``), hence not the default.
-
-Measurements and dates: docs/compile.md, "Is the compiled choice the fastest plan that fits?".
+knapsack over every block's ops, not one per block. So budgets near the limit are partitioned as the user's compile
+partitions them (``partition_pt2_budgets``), and a chosen budget is weighed against our fastest fitting plans: on the
+blocks, where it must lead by ``whole_compile_margin`` (``weigh_on_blocks``), or with ``check_whole_compile=True``
+compiled the user's way (exact, but several times the user's first compile). Measurements: docs/compile.md, "Is the
+compiled choice the fastest plan that fits?".
 """
 
 from __future__ import annotations
@@ -66,11 +58,9 @@ def holds_several_blocks(regions: Sequence[str], blocks: Sequence[str]) -> bool:
 @dataclass(frozen=True)
 class WholeCheck:
     """What the check did: the PT2 budget chosen on the blocks (``leader``) against the fastest fitting plan of ours
-    (``rival``), measured compiled the user's way (``compiled_whole``) or again on the blocks compiled alone; whether
-    each fits the budget so measured; the rival's speed over the leader's (``ratio``, paired by round, with its 90%
-    interval, above 1: the rival is faster) over ``rounds`` rounds; the lead the budget needed to be kept
-    (``margin``: it must run more than ``1 + margin`` times the rival's speed); the plan ``kept``; and the compiles it
-    ran (``graphs``, ``compile_seconds``)."""
+    (``rival``), measured compiled the user's way (``compiled_whole``) or on the blocks compiled alone; the rival's
+    speed over the leader's (``ratio``, paired by round, with its 90% interval); the lead the budget needed
+    (``margin``); the plan ``kept``; and the compiles it ran."""
 
     leader: str
     rival: str
@@ -110,8 +100,7 @@ class WholeCheck:
 @dataclass(frozen=True)
 class Partitioned:
     """A PT2 budget partitioned as the user's compile would partition it (``CompiledTrials.measure_partitioned``):
-    the bytes the budget constrains on the blocks compiled alone (``on_blocks``) and partitioned whole (``whole``,
-    None where the partition failed), whether that fits, and the seconds it took."""
+    its bytes on the blocks compiled alone and partitioned whole (None: the partition failed), and whether that fits."""
 
     plan: str
     on_blocks: int | None
@@ -132,15 +121,13 @@ class Partitioned:
         )
 
 
-# PT2 budgets over budget on the blocks partitioned whole, the largest first: each costs one partition of the user's
-# compiled regions, no kernels (4.1 s and 12.7 s for the 8- and 32-layer test GPT, 2-core CPU).
+# PT2 budgets over budget on the blocks partitioned whole: each costs one partition of the user's compiled regions.
 PARTITIONS = 1
 
 
 def outside_blocks_bytes(profiled: Any) -> int:
     """Bytes the compiled ``none`` step saves outside the blocks (``memory.compiled.CompiledMemoryModel``): code that
-    runs eagerly on the blocks compiled alone and that a whole graph's partitioner may recompute instead. A PT2 budget
-    over budget on the blocks by more than this is not partitioned whole (0: none is, unknown)."""
+    runs eagerly on the blocks compiled alone and that a whole graph's partitioner may recompute instead (0: unknown)."""
     none = getattr(profiled, "none_activation_bytes", None)
     blocks = [row.saved_bytes.get("none") for row in getattr(profiled, "blocks", ())]
     if none is None or not blocks or any(b is None for b in blocks):
@@ -152,20 +139,10 @@ def partition_pt2_budgets(
     records: Sequence[TrialRecord], trials: Trials, leader: TrialRecord, runner: Any, outside: int
 ) -> tuple[TrialRecord | None, tuple[Partitioned, ...]]:
     """The PT2 budget to weigh against the plans of ours: the first here that fits partitioned as the user's compile
-    of several blocks in one graph partitions it (judged with that memory; None: none did), and what was partitioned.
-
-    In order: the largest budgets over budget on the blocks by at most ``outside`` bytes (at most ``PARTITIONS``),
-    then the leader if it sets one. On the blocks the code outside them saves eagerly what a whole graph's knapsack
-    also weighs, so such a budget may fit compiled whole, where the search never judged it: the 8-layer test GPT's
-    ``pt2_budget(0.5)`` is 1.8% over budget on the blocks, 0.9% under compiled whole, and the fastest plan compiled
-    whole (``benchmarks/compiled_exhaustive.py``). The largest first, not the fastest on the blocks: a larger budget
-    saves more and recomputes less (compiled whole there, 0.7, 0.5, 0.3 and 0.1 ran 41.9, 46.2, 52.2 and 54.3 ms),
-    while the search's one pass over the budgets on the blocks put 0.5 behind 0.3 (41.5 and 36.7 ms) in one run and
-    ahead (59.4 and 78.2 ms) in another; the weighing that follows times it side by side. The leader's own budget
-    is kept only where its fit compiled whole was measured, or where it fits on the blocks with room for all that the
-    code outside them saves. Each is measured, none inferred: a budget's bytes are not monotonic in the budget
-    (pytorch#197838). A budget that fits on the blocks and was not chosen lost to the leader
-    there, and compiled whole the plans of ours gain on a budget (``alone_vs_whole.py``): it is not partitioned."""
+    partitions it (judged with that memory; None: none did), and what was partitioned. In order: the largest budgets
+    over budget on the blocks by at most ``outside`` bytes (at most ``PARTITIONS``), which a whole graph's knapsack
+    may fit as it also weighs that code (the largest recomputes least), then the leader unless it has room on the
+    blocks for all that code saves. Each is measured: a budget's bytes are not monotonic in it (pytorch#197838)."""
     budget = trials.budget
     limit = getattr(budget, "limit_bytes", None)
 
@@ -184,10 +161,8 @@ def partition_pt2_budgets(
     leader_free = None  # the leader's budget, kept without a partition
     if leader.plan.compile_memory_budget is not None:
         if outside and (e := excess(leader)) is not None and e + outside <= 0:
-            # Room on the blocks for all the code outside them saves: a whole graph's knapsack weighs that code
-            # with the blocks' at the same budget, so it saves about the blocks' bytes plus at most that code's
-            # (compiled whole, budget 0.3 of the 32-layer test GPT saved 4.2% less than on the blocks). Not
-            # partitioned: that took 19.6 s there. The guard still reads the real steps after lock-in.
+            # A whole graph's knapsack saves about the blocks' bytes plus at most the outside code's: not partitioned
+            # (slow on deep models); the guard still reads the real steps after lock-in.
             leader_free = leader
         else:
             chosen.append(leader)
@@ -216,9 +191,8 @@ def check_whole_compile(
     records: Sequence[TrialRecord], trials: Trials, leader: TrialRecord, whole: Any
 ) -> tuple[TrialRecord, WholeCheck | None]:
     """``leader`` (the search's choice), or the fastest fitting plan of ours where, both compiled the user's way by
-    ``whole`` (a ``CompiledTrials`` without blocks: each plan compiled as the user compiles), that one fits and is
-    faster (see the module docstring); and what was done (None: nothing to check, the leader sets no PT2 budget or
-    no plan of ours fits)."""
+    ``whole`` (a ``CompiledTrials`` without blocks), that one fits and is faster; and what was done (None: the leader
+    sets no PT2 budget or no plan of ours fits)."""
     return _weigh(records, trials, leader, whole, compiled_whole=True, margin=0.0)
 
 
@@ -233,11 +207,9 @@ def weigh_on_blocks(
 ) -> tuple[TrialRecord, WholeCheck | None]:
     """``leader`` (the search's choice), or the fastest fitting plan of ours unless the leader, a PT2 budget, runs
     more than ``1 + margin`` times its speed: both re-timed side by side on the blocks compiled alone by the search's
-    own ``runner`` (no compile of the user's model). For a user who compiles several blocks in one graph, where the
-    blocks' figure flatters the budget (the module docstring); a plan of ours the time model pruned is measured
-    first, and is kept with that measurement. ``leader_fits``: whether the leader fits as judged by another
-    measurement (``partition_pt2_budgets``: partitioned whole), which then stands for its fit on the blocks, and
-    ``leader`` is kept as given."""
+    own ``runner``, where the blocks' figure flatters the budget; a plan of ours the time model pruned is measured
+    first. ``leader_fits``: the leader's fit as judged partitioned whole (``partition_pt2_budgets``), which then
+    stands for its fit on the blocks."""
     return _weigh(records, trials, leader, runner, compiled_whole=False, margin=margin, leader_fits=leader_fits)
 
 
@@ -259,24 +231,19 @@ def _weigh(
         return leader, None
     t0 = time.perf_counter()
     graphs0, seconds0 = getattr(runner, "graphs", 0), getattr(runner, "compile_seconds", 0.0)
-    sync = trials.sync
     trials.check_stop()
-    # The plain model compiled the user's way: what a plan's graph breaks and eager ops are compared with (the user
-    # compiled it before the search, so the FX graph and AOTAutograd caches serve it). On the blocks, the search's
-    # runner has its own.
+    # The plain model compiled the user's way, what graph breaks are compared with (the caches serve it); on the
+    # blocks the search's runner has its own.
     reference = runner.measure_compiled(Plan()) if compiled_whole else None
-    fits: dict[int, bool] = {}
-    judged: dict[int, TrialRecord] = {}
-    compile_each: dict[int, float] = {}
-    if leader_fits is not None:
-        judged[leader.number], fits[leader.number], compile_each[leader.number] = leader, leader_fits, 0.0
-    for trial in (leader, *rivals):
-        if trial.number in judged:
-            continue
+    # A leader whose fit was judged partitioned whole is kept as given.
+    judged: dict[int, TrialRecord] = {leader.number: leader} if leader_fits is not None else {}
+    fits: dict[int, bool] = {leader.number: bool(leader_fits)} if leader_fits is not None else {}
+    compile_each = dict.fromkeys(judged, 0.0)
+    for trial in (t for t in (leader, *rivals) if t.number not in judged):
         trials.check_stop()
         out = runner.measure(trial.plan, trials.memory_limit(trial.micro_batch))
         judged[trial.number] = trials.judge(trial, out)
-        fits[trial.number] = all(sync.all_gather(bool(judged[trial.number].feasible)))  # every rank keeps the same
+        fits[trial.number] = all(trials.sync.all_gather(bool(judged[trial.number].feasible)))  # every rank the same
         compile_each[trial.number] = _compile_seconds(out)
     fitting = [r for r in rivals if fits[r.number]]
     threshold = 1.0 / (1.0 + margin)  # the rival's speed over the leader's above which the rival is kept
@@ -329,14 +296,10 @@ RIVALS_ON_BLOCKS = 3
 
 def _rivals(records: Sequence[TrialRecord], count: int) -> list[TrialRecord]:
     """The ``count`` fastest plans of ours (no PT2 budget, some checkpointing) that fit: measured, or pruned by the
-    time model with their memory predicted within budget. Pruned ones count because the time model prunes against
-    the fastest measured plan, here a PT2 budget whose figure on the blocks alone flatters it: the plan that beats it
-    compiled whole may be one the search never ran.
-
-    They are ranked on one scale: measured seconds, and a pruned plan's prediction times the median measured over
-    predicted seconds of the plans that have both. The time model's base is fitted on the first measurements and may
-    sit well off the machine's later figures (the 32-layer GPT compiled whole: ``full`` predicted at 297 ms, measured
-    at 219 ms); ranked as they are, every pruned plan would fall behind every measured one."""
+    time model (against a PT2 budget whose figure on the blocks flatters it, so the plan that beats it compiled whole
+    may be one the search never ran). A pruned plan's prediction is scaled by the median measured over predicted
+    seconds: the time model's base may sit well off the machine's later figures, which would put every pruned plan
+    behind every measured one."""
     pairs = [t.median_seconds / t.predicted_seconds for t in records if t.median_seconds and t.predicted_seconds]
     scale = statistics.median(pairs) if pairs else 1.0
     ours: list[tuple[float, int, TrialRecord]] = []
@@ -362,9 +325,8 @@ def _side_by_side(
     threshold: float,
 ) -> dict[int, Verdict | None]:
     """The leader and ``rivals`` re-timed by ``runner`` in interleaved rounds, each rival's verdict against the
-    leader: at least ``holdout_rounds``, then until the fastest rival's ratio is within ``CLAIM_HALF_WIDTH`` either
-    side or its interval lies wholly on one side of ``threshold`` (the ratio that decides), at most
-    ``holdout_max_rounds``."""
+    leader: at least ``holdout_rounds``, then until the fastest rival's ratio is precise or decided against
+    ``threshold``, at most ``holdout_max_rounds``."""
     config = trials.config
     steps = config.confirm_steps
     # Entered as plans, none a baseline: the rounds' own rule would stop timing a baseline found slower than the
@@ -384,8 +346,7 @@ def _side_by_side(
         v = max(found, key=lambda v: v.ratio or 0.0)
         if v.low is None or v.high is None or v.low <= 0:
             return False
-        # Decided (the interval lies on one side of the threshold) or precise: more rounds would not change which is
-        # kept.
+        # Decided or precise: more rounds would not change which is kept.
         return v.low > threshold or v.high < threshold or math.sqrt(v.high / v.low) <= 1 + CLAIM_HALF_WIDTH
 
     rounds = max(1, config.holdout_rounds or config.confirm_rounds)
@@ -408,18 +369,14 @@ def pt2_budget_check(
     sections: dict[str, Any],
     profiled: CompiledMemoryModel | None = None,
 ) -> Callable[[TrialRecord], TrialRecord] | None:
-    """Where the trials ran on blocks compiled alone and the user compiles several blocks in one graph, a PT2 budget
-    the search chooses is weighed before it is kept (``whole_check``): by default against the three fastest fitting
-    plans of ours on the blocks, where it must lead by ``whole_compile_margin`` (the blocks' figure flatters it); with
-    ``check_whole_compile``, both compiled the user's way. What was done goes into the provenance ``sections``
-    (``whole_compile_check``, ``pt2_partitioned_whole``) and its compiles into the search's count. Returns the check to run on the choice (``pipeline.conclude``'s
-    ``after_choice``), None where there is nothing to check. ``search``: the ``pipeline.Search``."""
+    """The check to run on the choice (``pipeline.conclude``'s ``after_choice``) where the trials ran on blocks
+    compiled alone and the user compiles several blocks in one graph (see the module docstring), None elsewhere. What
+    was done goes into the provenance ``sections`` and its compiles into the search's count. ``search``: the
+    ``pipeline.Search``."""
     if runner.assembly is None or not holds_several_blocks(runner.regions, runner.assembly.blocks):
         return None
 
     def after_choice(best: TrialRecord) -> TrialRecord:
-        # PT2 budgets partitioned whole until one fits: the largest the blocks put a little over budget, then the
-        # leader's unless it has room for the code outside the blocks (``whole_check.partition_pt2_budgets``).
         contender, partitioned = partition_pt2_budgets(
             search.records, search.trials, best, runner, outside_blocks_bytes(profiled)
         )
@@ -429,44 +386,34 @@ def pt2_budget_check(
         if contender is None and best.plan.compile_memory_budget is None:
             return best
         leader = contender or best  # no budget fits whole: the leader's is weighed as over budget
-        if not config.check_whole_compile:
+        if config.check_whole_compile:
+            # A runner without blocks: every plan it measures is compiled the way the user compiles.
+            whole = CompiledTrials(harness, regions=runner.regions, allow_graph_breaks=config.allow_graph_breaks,
+                                   reserve_headroom_bytes=runner.reserve_headroom_bytes)  # fmt: skip
+            kept, check = check_whole_compile(search.records, search.trials, leader, whole)
+        else:
+            fits = None if not partitioned else bool(contender)
             kept, check = weigh_on_blocks(
-                search.records,
-                search.trials,
-                leader,
-                runner,
-                config.whole_compile_margin,
-                leader_fits=None if not partitioned else bool(contender),
+                search.records, search.trials, leader, runner, config.whole_compile_margin, leader_fits=fits
             )
-            if check is not None:
-                sections["whole_compile_check"] = check.to_dict()
-                sections["compiles"] = compiles_of(runner, profiled)  # a pruned rival may have compiled a segment
+        if check is None:
             return kept
-        # A runner without blocks: every plan it measures is compiled the way the user compiles.
-        whole = CompiledTrials(
-            harness,
-            regions=runner.regions,
-            allow_graph_breaks=config.allow_graph_breaks,
-            reserve_headroom_bytes=runner.reserve_headroom_bytes,
-        )
-        kept, check = check_whole_compile(search.records, search.trials, leader, whole)
-        if check is not None:
-            sections["whole_compile_check"] = check.to_dict()
-            compiles = dict(sections.get("compiles") or {})
-            compiles["graphs"] = compiles.get("graphs", 0) + check.graphs
-            compiles["seconds"] = compiles.get("seconds", 0.0) + check.compile_seconds
-            compiles.update(whole_graphs=check.graphs, whole_seconds=check.compile_seconds)
-            sections["compiles"] = compiles
+        sections["whole_compile_check"] = check.to_dict()
+        if not config.check_whole_compile:
+            sections["compiles"] = compiles_of(runner, profiled)  # a pruned rival may have compiled a segment
+            return kept
+        compiles = dict(sections.get("compiles") or {})
+        compiles["graphs"] = compiles.get("graphs", 0) + check.graphs
+        compiles["seconds"] = compiles.get("seconds", 0.0) + check.compile_seconds
+        sections["compiles"] = {**compiles, "whole_graphs": check.graphs, "whole_seconds": check.compile_seconds}
         return kept
 
     return after_choice
 
 
 def compiles_of(runner: CompiledTrials, profiled: CompiledMemoryModel | None) -> dict[str, Any]:
-    """What a compiled search compiled: graphs and the seconds of the steps that compiled them, in the profile
-    (each distinct block alone, once per mode) and in the trials (the modes, PT2 budgets and segments the profile
-    did not compile). ``assembled``: trials ran on blocks compiled alone (``search.assembly``), so the count is
-    distinct blocks x modes; otherwise every plan was compiled the user's way."""
+    """What a compiled search compiled: graphs and the seconds of the steps that compiled them, in the profile (each
+    distinct block alone, once per mode) and in the trials (``assembled``: on blocks compiled alone)."""
     profile_graphs = profiled.compiles if profiled is not None else 0
     profile_seconds = profiled.compile_seconds if profiled is not None else 0.0
     trial_seconds = runner.compile_seconds
