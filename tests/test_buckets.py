@@ -9,6 +9,7 @@ import json
 import lightning as L
 import pytest
 import torch
+from linear_clock import LinearClock
 from lit import LitGPT, quiet_trainer
 from test_guard import LONG, SHORT, SPACE, Net, _Batches, _PackedNet, fit, full, real_peak
 
@@ -321,10 +322,13 @@ def test_a_batch_longer_than_the_table_grows_a_bucket_before_its_forward_and_sho
 ):
     # The table is built for 16 tokens at most (max_shape), then 32-token batches arrive: the guard predicts the top
     # plan over the budget before the long batch's forward and moves it to a lower-memory plan in a new bucket.
+    # On the Linear clock (each Linear call 1 ms, nothing else) the search at 16 tokens chooses the same plan on any
+    # machine: on a busy one its real timings could keep `full`, the lowest-memory plan, and leave no plan below it.
     shapes = [(32, 16), (32, 8), LONG, (32, 16), LONG, (32, 8)]
-    net = _Recording()
-    cb = _tuner(budget, max_shape=(32, 16), guard=dict(on_budget_exceeded="switch", steps=2, every=1))
-    with caplog.at_level("INFO"):
+    net, clock = _Recording(), LinearClock()
+    search = dict(n_trials=6, measure_steps=1, search_space=SPACE, clock=clock)
+    cb = _tuner(budget, max_shape=(32, 16), search=search, guard=dict(on_budget_exceeded="switch", steps=2, every=1))
+    with caplog.at_level("INFO"), clock.installed():
         fit(tmp_path, [cb], net, steps=len(shapes), data=_Batches(shapes))
     table = cb.plan_table
     assert table is not None and table.longest == LONG[1], table.describe()
