@@ -33,8 +33,7 @@ def _change(in_a: bool, in_b: bool) -> str:
 
 
 def _figures(plan: Plan) -> dict[str, str]:
-    """The figures ``diff`` prints for ``plan``: measured while tuning, else (a re-planned plan, which ran no trial)
-    the predictions it was chosen on, marked; empty where the file records neither."""
+    """The figures ``diff`` prints for ``plan``: measured while tuning, else a re-planned plan's predictions, marked."""
     measured = plan.provenance.measured
     figures, key, mark = (measured, "", "") if measured else (plan.provenance.replanned, "predicted_", " predicted")
     if not figures:
@@ -53,13 +52,7 @@ def _measured_figures(plan: Plan) -> dict[str, Any]:
 
 
 def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> dict[str, Any]:
-    """What differs between two plans, as data: the object ``diff --json`` prints, which ``format_diff`` renders.
-
-    ``differ`` (what ``diff --exit-code`` answers) is true when the plans checkpoint differently, were tuned for
-    different models (fingerprint) or for different budgets, compared by value: "20GiB" and 21474836480 are the
-    same budget. The run, library versions and measured figures are reported but do not count: they change with
-    every re-tune even when the plan does not.
-    """
+    """What differs between two plans, as data: the object ``diff --json`` prints, which ``format_diff`` renders."""
     changes: list[dict[str, Any]] = []
     for fqn in sorted(set(a.blocks) | set(b.blocks)):
         before, after = a.mode_of(fqn).to_dict(), b.mode_of(fqn).to_dict()

@@ -67,8 +67,7 @@ def number(x: Any) -> int | float | None:
 
 
 def _requested_value(requested: Any) -> Any:
-    """The user's max_memory as a value: "20GiB" and 21474836480 are the same request; 0.8 stays a fraction.
-    Parsed as the callback parses it when it decides whether a plan may be reused (``RequestedBudget``)."""
+    """The user's max_memory as a value, as the callback parses it: "20GiB" and 21474836480 are the same request."""
     try:
         return RequestedBudget.parse(requested).value
     except LightningCkptError:
@@ -89,8 +88,8 @@ def budget_values(budget: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def budget_key(values: Mapping[str, Any] | None) -> tuple[Any, ...] | None:
-    """What two budgets are compared by: their values, never their text. Only a budget recorded without a limit
-    (hand-written) falls back to the request, then to the description."""
+    """What two budgets are compared by: their values, never their text; without a limit (hand-written), the
+    request, then the description."""
     if values is None:
         return None
     if values["limit_bytes"] is not None or values["kind"] == "none":

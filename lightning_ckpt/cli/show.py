@@ -1,7 +1,5 @@
 """``lightning-ckpt show``: a plan file in words (or one JSON object), with the run, budget and search it came from.
-
-It reads only what the file records: a plan written without the search counts or the memory breakdown
-shows the plan without them.
+It reads only what the file records: a plan written without the search counts shows the plan without them.
 """
 
 from __future__ import annotations
@@ -32,17 +30,11 @@ from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.ledger import TrialStatus
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["SHOW_JSON_HELP", "format_plan", "plan_summary", "run_show", "trial_counts"]
-
-# Where ``show`` looks, inside ``provenance.search``, for how many trials ended in each ``TrialStatus``
-# ({"ok": 3, "pruned": 11, ...}) and how many were re-timed side by side. Plans written without them
-# show only the total, with what it includes.
-STATUS_COUNTS_KEY, CONFIRMED_KEY = "status_counts", "confirmed"
+__all__ = ["SHOW_JSON_HELP", "format_plan", "plan_summary", "run_show"]
 
 
 def _block_memory(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
     """Per block: predicted bytes kept for backward under this plan, and without checkpointing."""
-    # The memory model's breakdown (``TuneResult.memory_breakdown``), else the profile's; none: no memory columns.
     data = plan.provenance.memory_breakdown or plan.provenance.profile.get("memory")
     if not isinstance(data, Mapping):
         return None
@@ -67,12 +59,8 @@ _STATUS_WORDS = {
 
 
 def trial_counts(search: Mapping[str, Any]) -> dict[str, Any]:
-    """How many candidate plans the search considered, and what became of them (``None``: not recorded).
-
-    ``considered`` is every trial record: baselines, plans measured and plans pruned (ruled out without running,
-    by the memory model or the time model). ``n_trials`` caps the measured ones only; pruned plans are free.
-    """
-    raw = search.get(STATUS_COUNTS_KEY)
+    """How many candidate plans the search considered, and what became of them (``None``: not recorded)."""
+    raw = search.get("status_counts")  # {"ok": 3, "pruned": 11, ...}; plans written without it show only the total
     by_status = (
         {str(k): v for k, v in raw.items() if isinstance(v, int) and not isinstance(v, bool)}
         if isinstance(raw, Mapping)
@@ -100,7 +88,7 @@ def trial_counts(search: Mapping[str, Any]) -> dict[str, Any]:
         "over_budget": count(TrialStatus.OVER_BUDGET),
         "failed": count(*(s for s in TrialStatus if s.failed)),
         "conflict": count(TrialStatus.CONFLICT),
-        "confirmed": number(search.get(CONFIRMED_KEY)),
+        "confirmed": number(search.get("confirmed")),
         "by_status": by_status,
     }
 
@@ -170,8 +158,7 @@ def _verdict_lines(search: Mapping[str, Any]) -> list[str]:
 
 
 def _pruned_line(counts: Mapping[str, Any], pad: str) -> str:
-    """The plans ruled out without running, and by what: the memory model (predicted over the budget) or the time
-    model (predicted unable to beat the best plan measured), as the search's result line says it."""
+    """The plans ruled out without running, and by what, as the search's result line says it."""
     by_memory, by_time = counts["pruned_by_memory"], counts["pruned_by_time"]
     if by_memory is None or by_time is None:
         return f"{pad}{counts['pruned']} ruled out without running (pruned)"
@@ -226,7 +213,7 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
 
 
 def _table_lines(plan: Plan) -> list[str]:
-    """The plan table (one plan per length bucket), when the file keeps one; a malformed one is said, not shown."""
+    """The plan table, when the file keeps one; a malformed one is said, not shown."""
     try:
         found = PlanTable.of_plan(plan, source="this file")
     except PlanError as err:
@@ -256,8 +243,7 @@ def _table_lines(plan: Plan) -> list[str]:
 
 
 def _cut(text: str, limit: int = 200) -> str:
-    """``text`` up to ``limit`` characters, cut after a whole JSON item (never inside a number or a name) and
-    saying how much was left out and where to read it all."""
+    """``text`` up to ``limit`` characters, cut after a whole JSON item (never inside a number or a name)."""
     if len(text) <= limit:
         return text
     cut = max(text.rfind(", ", 0, limit), text.rfind("}", 0, limit) + 1, text.rfind("]", 0, limit) + 1)
@@ -364,8 +350,7 @@ _WINNER_FIGURES = ("label", "status", "samples_per_second", *_MEMORY_FIGURES, "r
 
 
 def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
-    """The object ``lightning-ckpt show --json`` prints: the plan's own dict under ``plan``, beside fields derived
-    from it with fixed keys (``None`` where the file does not record them). The keys are listed in SHOW_JSON_HELP."""
+    """The object ``lightning-ckpt show --json`` prints (its keys are listed in SHOW_JSON_HELP)."""
     by_mode: dict[str, list[str]] = {}
     for fqn, bp in plan.blocks.items():
         by_mode.setdefault(bp.describe(), []).append(fqn)

@@ -1,8 +1,7 @@
 """``lightning-ckpt validate``: is a plan file well formed, and does it fit a model the user names with ``--model``?
-(For CI.)
 
-Loading the user's code is the delicate part: a file or a module, the current directory importable, and a
-``sys.exit()`` in it reported as a usage error rather than ending the command with the model's exit code.
+Loading the user's code is the delicate part: a ``sys.exit()`` in it is reported as a usage error rather than ending
+the command with the model's exit code.
 """
 
 from __future__ import annotations
@@ -24,11 +23,8 @@ __all__ = ["build_model", "check_plan", "load_factory", "run_validate"]
 
 
 def load_factory(spec: str) -> Callable[[], Any]:
-    """``pkg.module:factory`` or ``path/to/file.py:factory`` -> the object it names.
-
-    The current directory is importable (as with ``python -m``) and a file's own directory is on the
-    path while it loads (as with ``python file.py``), so project-local models need no installing.
-    """
+    """``pkg.module:factory`` or ``path/to/file.py:factory`` -> the object it names; the current directory and a
+    file's own directory are importable (as with ``python -m`` and ``python file.py``)."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise UsageError(

@@ -1,12 +1,8 @@
-"""``ActivationCheckpointTuner``: the Lightning callback. A thin adapter from Trainer hooks to the package.
+"""``ActivationCheckpointTuner``: the Lightning callback, a thin adapter from Trainer hooks to the package.
 
-Trials are *sandboxed*. On the first training batch the callback runs the user's real ``training_step``
-(under the Trainer's precision context) forward and backward on that batch for each candidate plan, never
-steps the optimizer, and restores gradients, buffers, metric states and RNG afterwards. Only then is the
-winner applied, so the restore cannot undo it, and the real first step runs as if tuning had never
-happened - except that it is checkpointed. The callback checks its arguments and keeps what outlives a fit
-(the plan, for ``state_dict`` and the next fit); each hook hands over to the fit's ``FitSession``
-(``session.py``), which reuses or searches, follows the plan and guards the real steps.
+Trials are sandboxed: on the first training batch the user's real ``training_step`` runs forward and backward for
+each candidate plan, the optimizer never steps, and gradients, buffers, metric states and RNG are restored; only
+then is the winner applied, so the restore cannot undo it. Each hook hands over to the fit's ``FitSession``.
 """
 
 from __future__ import annotations
@@ -108,7 +104,6 @@ class ActivationCheckpointTuner(Callback):
         log_dir: str | os.PathLike[str] | None = None,
         verbose: bool = False,
     ) -> None:
-        # Parsed once: every reuse decision compares this by value ("20GiB" is 21474836480).
         self._requested = RequestedBudget.parse(max_memory, activation_budget)
         check_types(plan=plan, plan_path=plan_path, tune_micro_batch=tune_micro_batch)
         self.config = search_config(search)
@@ -127,11 +122,10 @@ class ActivationCheckpointTuner(Callback):
         self.tune_micro_batch = bool(tune_micro_batch)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.verbose = verbose
-        self._found = Found(max_shape=declared)  # what the fits found, kept across them
+        self._found = Found(max_shape=declared)
         self._resumed_plan: Plan | None = None  # from a Lightning checkpoint (load_state_dict)
         self._session: FitSession | None = None  # the current (or last) fit's
-        # Created before anything starts CUDA (the model still on the host), the allocator then starts with expandable
-        # segments: the regime the search verifies and the training after it runs in (``measure.allocator``).
+        # Before anything starts CUDA: the search and the training after it run with expandable segments.
         start_expandable_segments()
 
     @property
@@ -201,8 +195,6 @@ class ActivationCheckpointTuner(Callback):
         self._fit().closure_ends()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # A failed or interrupted fit leaves the model as the user gave it; self.plan stays, so a new fit with this
-        # callback re-applies it without searching.
         if self._session is not None:
             self._session.end()
 
@@ -211,7 +203,7 @@ class ActivationCheckpointTuner(Callback):
             self._session.close()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fit().end()  # the model leaves fit as the user gave it; resuming or a new fit re-applies the plan
+        self._fit().end()
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_dict() if self.plan is not None else None}
@@ -226,7 +218,7 @@ class ActivationCheckpointTuner(Callback):
         return self._session
 
     def _settings(self) -> Settings:
-        """This fit's settings, from the callback's attributes as they are now."""
+        """This fit's settings, from the callback's attributes as they are now (a user may change them between fits)."""
         return Settings(
             requested=self._requested,
             config=self.config,
