@@ -18,7 +18,6 @@ from lightning_ckpt.cli.metadata import (
     budget_values,
     bytes_text,
     kv_text,
-    pt2_budget,
     rate_text,
 )
 from lightning_ckpt.cli.usage import EXIT_DIFFERENT, EXIT_OK, load_plan
@@ -64,7 +63,7 @@ def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> 
         if before != after:
             change = _change(before is not None, after is not None)
             changes.append({"change": change, "what": "segments", "name": fqn, "a": before, "b": after})
-    pt2_a, pt2_b = pt2_budget(a), pt2_budget(b)
+    pt2_a, pt2_b = a.compile_memory_budget, b.compile_memory_budget
     if pt2_a != pt2_b:  # a setting, not something checkpointed: always "changed" (None is PT2's default)
         changes.append({"change": "changed", "what": "compile_memory_budget", "name": None, "a": pt2_a, "b": pt2_b})
 

@@ -13,7 +13,7 @@ from typing import Any
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.errors import LightningCkptError
 from lightning_ckpt.formatting import format_bytes
-from lightning_ckpt.plan.format import Plan, library_versions
+from lightning_ckpt.plan.format import library_versions
 
 __all__ = [
     "JSON_FORMAT",
@@ -24,7 +24,6 @@ __all__ = [
     "bytes_text",
     "kv_text",
     "number",
-    "pt2_budget",
     "rate_text",
     "ratio_text",
     "versions_text",
@@ -125,8 +124,3 @@ def versions_text(versions: Mapping[str, Any]) -> str:
         now = installed.get(dist)
         parts.append(f"{dist} {version}" + (f" (installed: {now})" if now is not None and now != version else ""))
     return ", ".join(parts) or "-"
-
-
-def pt2_budget(plan: Plan) -> float | None:
-    # Plans from schema 2 on may carry PT2's activation_memory_budget for compiled models.
-    return getattr(plan, "compile_memory_budget", None)

@@ -16,7 +16,6 @@ from lightning_ckpt.cli.metadata import (
     bytes_text,
     kv_text,
     number,
-    pt2_budget,
     rate_text,
     ratio_text,
     versions_text,
@@ -178,8 +177,8 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
         f"name         {plan.name or '(unnamed)'}  [{plan.describe()}]  digest {plan.digest()}",
         f"fingerprint  {plan.fingerprint or '(not recorded: applies to any model with these block names)'}",
     ]
-    if pt2_budget(plan) is not None:
-        lines.append(f"compile      torch.compile activation_memory_budget={pt2_budget(plan):g}")
+    if plan.compile_memory_budget is not None:
+        lines.append(f"compile      torch.compile activation_memory_budget={plan.compile_memory_budget:g}")
     run, budget, versions, search = p.run, p.budget, p.versions, p.search
     if run or budget or versions or search:
         lines += ["", "tuned for"]
@@ -314,7 +313,8 @@ def _block_lines(plan: Plan) -> list[str]:
 _MEMORY_FIGURES = ("peak_bytes", "activation_bytes", "predicted_peak_bytes")
 
 
-def _evidence_rows(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[list[str]]:
+def _evidence_lines(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[str]:
+    """The winner's and the baselines' figures measured while tuning, as one table."""
     win = measured.get("samples_per_second")
     rows = []
     if measured:
@@ -329,13 +329,7 @@ def _evidence_rows(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[s
         rate = b.get("samples_per_second")
         memory = [bytes_text(b.get("peak_bytes")), bytes_text(b.get("activation_bytes")), ""]
         rows.append([f"  baseline:{name}", str(b.get("status", "-")), rate_text(rate), ratio_text(win, rate), *memory])
-    return rows
-
-
-def _evidence_lines(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[str]:
-    """The winner's and the baselines' figures measured while tuning, as one table."""
     lines = ["", "throughput and memory, measured on the first batch while tuning"]
-    rows = _evidence_rows(plan, measured, baselines)
     headers = ["plan", "status", "samples/s", "speed-up", "peak", "activation", "predicted peak"]
     lines.append(table(headers, rows, right=(2, 3, 4, 5, 6), indent="  "))
     lines.append("  (*) the winner; speed-up: the winner's samples/s over that plan's")
@@ -378,7 +372,7 @@ def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
         "fingerprint": plan.fingerprint,
         "blocks_by_mode": by_mode,
         "segments": dict(plan.segments),
-        "compile_memory_budget": pt2_budget(plan),
+        "compile_memory_budget": plan.compile_memory_budget,
         "budget": budget_values(plan.provenance.budget),
         "winner": winner,
         "baselines": {name: dict(b) for name, b in baselines.items() if isinstance(b, Mapping)},

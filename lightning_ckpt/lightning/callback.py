@@ -49,32 +49,26 @@ class ActivationCheckpointTuner(Callback):
             tuned for this model and budget, it is reused without searching. A file another run wrote
             while this one tuned is kept, with a warning naming its plan.
         search: the search's settings, a ``TuneConfig`` or a dict of its fields, e.g. ``{"n_trials": 20,
-            "measure_steps": 2, "search_space": {"modes": ["full"], "segments": False}, "storage":
-            "sqlite:///ckpt.db"}`` (trials, timeout, space, Optuna sampler/storage/study, seed, steps per
-            trial, ``on_infeasible``, ``tie_tolerance``, ``allow_graph_breaks``, ``block_types`` to override block
-            discovery: see ``TuneConfig``).
+            "search_space": {"modes": ["full"], "segments": False}, "storage": "sqlite:///ckpt.db"}``.
         guard: how real steps after lock-in are checked, a ``GuardConfig`` or a dict, e.g. ``{"steps": 2,
             "on_budget_exceeded": "switch"}`` (``"raise"``, ``"warn"``; ``steps=0`` turns it off).
         max_shape: the longest batch the run will see, ``(rows, length)`` or a length (tokens per sample), for
-            data whose lengths vary: the search runs on the first batch grown to it (rows and positions
-            repeated), so the plan fits the longest batch, not the first; shorter batches run their bucket's plan
-            (``buckets``). ``"probe"``: found before the first step, from the datamodule's ``max_seq_length``
-            (or ``max_length``) where it has one, else from the first 64 batches of the training loader (shapes
-            only; ``"probe:256"`` for more; random states put back, so training sees the same batches). Without it
-            the plan is tuned on the first batch and the guard catches longer ones before their forward.
+            data whose lengths vary: the search runs on the first batch grown to it, so the plan fits the longest
+            batch, not the first. ``"probe"``: found before the first step, from the datamodule's
+            ``max_seq_length`` (or ``max_length``), else from the first 64 batches of the training loader
+            (``"probe:256"`` for more; training sees the same batches). Without it the plan is tuned on the first
+            batch and the guard catches longer ones before their forward.
         buckets: with ``max_shape``, a plan table: lengths split into buckets, each running the fastest plan
-            predicted to fit the budget at its longest length (one profile per bucket before training, no
-            trials), switched by each batch's length before its forward. ``True`` (default): halving from the
-            longest length down to the first batch's (at most 8 buckets); a list of lengths sets the edges
-            (``[128, 256, 512]``: up to 128, up to 256, ...); ``False``: one plan for every length. Batches are
-            measured by ``guard``'s ``shape_key`` (a packed batch's own length), and cut to each bucket's length by
-            ``guard``'s ``resize`` where they have such a key (without it, no table).
+            predicted to fit the budget at its longest length (no trials), switched by each batch's length before
+            its forward. ``True`` (default): halving from the longest length down to the first batch's (at most 8
+            buckets); a list of lengths sets the edges (``[128, 256, 512]``); ``False``: one plan for every length.
+            Packed batches need ``guard``'s ``shape_key`` and ``resize`` for a table.
         tune_micro_batch: also search the micro-batch size with gradient accumulation (same global batch)
             jointly with the plan. ``True`` sets the LightningModule/DataModule attribute ``batch_size`` (as
             Lightning's ``BatchSizeFinder`` does); a string names another attribute.
         on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a reused plan (resumed
-            checkpoint, ``plan=``, plan file) was tuned for another model, budget or run conditions. Budgets
-            are compared by value (``"20GiB"`` is ``21474836480``); without a budget argument, the plan's own counts.
+            checkpoint, ``plan=``, plan file) was tuned for another model, budget (compared by value) or run
+            conditions.
         log_dir: TensorBoard directory when the Trainer has no TensorBoardLogger. With ``Trainer(logger=False)`` and
             no ``log_dir`` the search writes no TensorBoard files (the plan file only).
         verbose: print a line per trial and the full trial table (always in TensorBoard); otherwise one

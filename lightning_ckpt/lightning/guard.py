@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -318,16 +319,7 @@ class BudgetGuard:
             f"{format_bytes(value)} of {what} under plan {plan.describe()} ({growth}), over the budget of "
             f"{budget.description}; checked before its forward."
         )
-        return self._act(
-            message,
-            plan,
-            trials,
-            view,
-            fix="Raise the budget, declare the longest batch so the search covers it, or set",
-            going_on="running it with this one",
-            switching="before it runs ",
-            predict=lambda key, peak, act: self._scaled(key, peak, act, at=size, reference=self.reference or covered),
-        )
+        return self._act("before_forward", message, plan, trials, view, at=size, reference=self.reference or covered)
 
     def judge(
         self,
@@ -392,20 +384,7 @@ class BudgetGuard:
             f"{format_bytes(value)} of {what}, over the budget of {budget.description}, under plan {plan.describe()}."
         )
         at = self._read_plans.get(plan.key(), (None, None, None))[0]
-        return self._act(
-            message,
-            plan,
-            trials,
-            view,
-            fix="Raise the budget, or set",
-            going_on="continuing with this one",
-            switching="",
-            predict=(
-                (lambda key, peak, act: self._scaled(key, peak, act, at=at, reference=self.reference))
-                if at is not None and self.reference is not None
-                else None
-            ),
-        )
+        return self._act("over_budget", message, plan, trials, view, at=at, reference=self.reference)
 
     def near_refusal(self, check: StepCheck, plan: Plan, trials: Sequence[TrialRecord], view: ModelView) -> Plan | None:
         """A step within the budget that the allocator served only by releasing its cache: the card is one fragmented
@@ -423,38 +402,44 @@ class BudgetGuard:
                 f"{message} Continuing with this one (on_budget_exceeded={self.config.on_budget_exceeded!r})."
             )
             return None
-        going_on, switching = "continuing with this one", "before the next step "
-        return self._act(message, plan, trials, view, fix="", going_on=going_on, switching=switching, predict=None)
+        return self._act("near_refusal", message, plan, trials, view)
 
     def _act(
-        self,
-        message: str,
-        plan: Plan,
-        trials: Sequence[TrialRecord],
-        view: ModelView,
-        *,
-        fix: str,
-        going_on: str,
-        switching: str,
-        predict: Callable[[str, int | None, int | None], int | None] | None,
+        self, why: str, text: str, plan: Plan, trials: Sequence[TrialRecord], view: ModelView, **sizes: BatchSize | None
     ) -> Plan | None:
         """Raise, warn, or switch to the plan ``lower_plan`` finds (None: stay), as ``on_budget_exceeded`` says;
-        ``plan`` is left behind for good once a switch is attempted."""
+        ``plan`` is left behind for good once a switch is attempted. ``sizes``: ``at`` and ``reference``, to predict
+        each trial's memory at the batch at hand."""
+        fix, going_on, switching = _ACTIONS[why]
         if self.config.on_budget_exceeded == "raise":
             raise InfeasibleBudgetError(
-                f"{message} {fix} guard={{'on_budget_exceeded': 'switch'}} to move to a lower-memory plan."
+                f"{text} {fix} guard={{'on_budget_exceeded': 'switch'}} to move to a lower-memory plan."
             )
         if self.config.on_budget_exceeded == "warn":
-            rank_zero_warn(f"{message} {going_on.capitalize()} (on_budget_exceeded='warn').")
+            rank_zero_warn(f"{text} {going_on.capitalize()} (on_budget_exceeded='warn').")
             return None
         self._left_behind.add(plan.key())
+        known = None not in (sizes.get("at"), sizes.get("reference"))
+        predict = partial(self._scaled, **sizes) if known else None
         excess, exclude = self._excess, self._left_behind
         lower = lower_plan(plan, trials, self.budget, view.stacks, excess=excess, exclude=exclude, predict=predict)
         if lower is None:
-            rank_zero_warn(f"{message} No plan using less memory is left; {going_on}.")
+            rank_zero_warn(f"{text} No plan using less memory is left; {going_on}.")
             return None
-        rank_zero_warn(f"{message} Switching to {lower.describe()} {switching}(on_budget_exceeded='switch').")
+        rank_zero_warn(f"{text} Switching to {lower.describe()} {switching}(on_budget_exceeded='switch').")
         return lower
+
+
+# Why the guard acts: the fix a raise names, how it goes on under "warn", and when a switch happens.
+_ACTIONS = {
+    "before_forward": (
+        "Raise the budget, declare the longest batch so the search covers it, or set",
+        "running it with this one",
+        "before it runs ",
+    ),
+    "over_budget": ("Raise the budget, or set", "continuing with this one", ""),
+    "near_refusal": ("", "continuing with this one", "before the next step "),
+}
 
 
 def _what(budget: Budget) -> str:

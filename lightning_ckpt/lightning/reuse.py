@@ -134,11 +134,8 @@ def plan_to_reuse(
     try:
         return plan_file.load(), source
     except StalePlanError as err:
-        if on_stale_plan == "raise":
-            raise StalePlanError(f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune'.") from None
-        warn_user(
-            f"{err} Re-tuning instead (on_stale_plan='retune'); the search's plan replaces the file.", StalePlanWarning
-        )
+        warned = f"{err} Re-tuning instead (on_stale_plan='retune'); the search's plan replaces the file."
+        _stale(on_stale_plan, f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune'.", warned)
         return None, source
 
 
@@ -161,11 +158,8 @@ def reusable(
         replanned = replan_for_budget(plan, source, changes=changes, model=model, wanted=wanted)
         if replanned is not None:
             return wanted, replanned
-        if on_stale_plan == "raise":
-            raise StalePlanError(
-                f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
-            ) from None
-        warn_user(f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').", StalePlanWarning)
+        raised = f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
+        _stale(on_stale_plan, raised, f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').")
         return wanted, None
     if plan.provenance.search.get("fell_back"):
         tuned_for = plan.provenance.budget.get("description", "unknown")
@@ -201,13 +195,16 @@ def retune_for_batch(plan: Plan, conditions: RunConditions, *, budget: Requested
     if not changes:
         return False
     message = f"The applied plan was tuned for other batches: {'; '.join(changes)}."
-    if on_stale_plan == "raise":
-        raise StalePlanError(message + " Re-tune (on_stale_plan='retune') or delete the plan file.")
-    warn_user(
-        f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (on_stale_plan='retune').",
-        StalePlanWarning,
-    )
+    warned = f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (on_stale_plan='retune')."
+    _stale(on_stale_plan, f"{message} Re-tune (on_stale_plan='retune') or delete the plan file.", warned)
     return True
+
+
+def _stale(on_stale_plan: str, raised: str, warned: str) -> None:
+    """A stale plan: raise ``raised`` under ``on_stale_plan='raise'``, else warn ``warned`` (the caller re-tunes)."""
+    if on_stale_plan == "raise":
+        raise StalePlanError(raised) from None
+    warn_user(warned, StalePlanWarning)
 
 
 _LABELS = {

@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.lightning.guard import GuardConfig
 from lightning_ckpt.lightning.ranks import StrategySync
 from lightning_ckpt.lightning.reuse import PlanFile, warn_each_fit, warn_user
 from lightning_ckpt.lightning.shapes import (
@@ -67,9 +68,8 @@ class SearchRequest:
     budget: RequestedBudget
     tb: TunerRun
     verbose: bool
+    guard: GuardConfig  # its shape_key and resize size packed batches and cut them to a bucket's length
     table_lengths: tuple[int, ...] | None = None  # a plan table's bucket lengths (the last the tuned batch's)
-    resize: Callable[[Any, int], Any] | None = None  # guard resize: a packed batch at a bucket's length
-    shape_key: Callable[[Any], Any] | None = None  # guard shape_key: how long a packed batch is
     lines: LinesAboveTheBar | None = None  # the fit's log lines, written above the bar drawn at the time
 
     def progress(self, trainer: pl.Trainer) -> Any:
@@ -95,15 +95,9 @@ def search_first_batch(
     forward = training_loss(pl_module, trainer.strategy.precision_plugin, batch, batch_idx, zero_grad=zero_grad)
     batch_size, seq_len = batch_dims(batch)
     result = table = None
-    with (
-        _handed_over(batch_idx),
-        lightning_bars_paused(trainer, request) as progress,
-        sandbox(pl_module),
-        warnings.catch_warnings(),
-    ):
+    with _handed_over(batch_idx), _around_trials(trainer, pl_module, request) as hooks, warnings.catch_warnings():
         # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
         warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
-        fill_grads(pl_module)
         result = tune(
             request.view,
             forward,
@@ -113,7 +107,7 @@ def search_first_batch(
             seq_len=seq_len,
             extra_tensors=tuple(batch_tensors(batch)),
             config=request.config,
-            hooks=_hooks(trainer, progress),
+            hooks=hooks,
         )
         if request.table_lengths is not None and not result.fell_back:
             table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
@@ -155,14 +149,15 @@ def _table(
         )
         return None
     assert request.table_lengths is not None
-    size = batch_size_of(batch, request.shape_key)
+    guard = request.guard
+    size = batch_size_of(batch, guard.shape_key)
     rows = size.rows if size is not None else 1
     precision = pl_module.trainer.strategy.precision_plugin
     # The space the search ran (for a compiled model, as its runner adapted it): the modes each bucket profiles.
     space = SearchSpace.from_config(saved["search_space"])
 
     def profile_at(length: int) -> Any:
-        resized = batch_at_length(batch, length, rows=rows, resize=request.resize, shape_key=request.shape_key)
+        resized = batch_at_length(batch, length, rows=rows, resize=guard.resize, shape_key=guard.shape_key)
         forward = training_loss(pl_module, precision, resized, batch_idx, zero_grad=zero_grad)
         extra = tuple(batch_tensors(resized))
         return bucket_profile(request.view, forward, space=space, optimizer=optimizer, extra=extra, compiled=compiled)
@@ -210,9 +205,13 @@ def _stop_if_sigterm(trainer: pl.Trainer) -> None:
         raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
 
 
-def _hooks(trainer: pl.Trainer, progress: Any) -> SearchHooks:
-    sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
-    return SearchHooks(progress=progress, should_stop=lambda: _sigterm_received(trainer), sync=sync)
+@contextlib.contextmanager
+def _around_trials(trainer: pl.Trainer, pl_module: pl.LightningModule, request: SearchRequest) -> Iterator[SearchHooks]:
+    """Around a search's trials: Lightning's bars paused, the sandbox, and the gradients a real step holds."""
+    with lightning_bars_paused(trainer, request) as progress, sandbox(pl_module):
+        fill_grads(pl_module)
+        sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
+        yield SearchHooks(progress=progress, should_stop=lambda: _sigterm_received(trainer), sync=sync)
 
 
 @contextlib.contextmanager
@@ -262,13 +261,7 @@ def search_micro_batch(
         zero_grad = zero_grad_fn(trainer, pl_module, optimizer, 0) if global_batch // m == 1 else None
         return training_loss(pl_module, precision, resize_batch(batch, base, m), 0, zero_grad=zero_grad)
 
-    with (
-        _sigterm_handed_over(),
-        _sigterm_noted(trainer),
-        lightning_bars_paused(trainer, request) as progress,
-        sandbox(pl_module),
-    ):
-        fill_grads(pl_module)
+    with _sigterm_handed_over(), _sigterm_noted(trainer), _around_trials(trainer, pl_module, request) as hooks:
         found = tune_micro_batch(
             request.view,
             loss_fn_for,
@@ -278,7 +271,7 @@ def search_micro_batch(
             extra_for=lambda m: tuple(batch_tensors(resize_batch(batch, base, m))),
             optimizer=optimizer,
             config=request.config,
-            hooks=_hooks(trainer, progress),
+            hooks=hooks,
         )
         _stop_if_sigterm(trainer)
     return found.result, resize_batch(batch, base, found.micro_batch)

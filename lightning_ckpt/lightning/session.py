@@ -328,15 +328,7 @@ class FitSession:
     def _request(self, table_lengths: tuple[int, ...] | None = None) -> SearchRequest:
         s = self.settings
         return SearchRequest(
-            self.view,
-            s.config,
-            self.search_budget,
-            self.tb,
-            s.verbose,
-            table_lengths,
-            resize=s.guard.resize,
-            shape_key=s.guard.shape_key,
-            lines=self.lines,
+            self.view, s.config, self.search_budget, self.tb, s.verbose, s.guard, table_lengths, self.lines
         )
 
     def _trials(self) -> tuple[Any, ...] | list[Any]:

@@ -236,11 +236,10 @@ def sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
     """Run trials without leaving a trace: grads, buffers, metric states, Python attributes, RNG and logging."""
     python_state = PythonState.capture(pl_module)  # tune() also restores them after every step it runs
     state = StateSnapshot.capture(pl_module)
-    metric_states = _metric_states(pl_module)
+    restore_metrics = _metric_states(pl_module)
     training = {m: m.training for m in pl_module.modules()}
     patched = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
-    pl_module.log = _no_log  # type: ignore[method-assign]
-    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    pl_module.log = pl_module.log_dict = _no_log  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -252,7 +251,7 @@ def sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
         state.restore()
         for m, was in training.items():
             m.training = was
-        _restore_metric_states(metric_states)
+        restore_metrics()
         python_state.restore()
 
 
@@ -260,24 +259,22 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _metric_states(pl_module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics ships with lightning
-        return []
+def _metric_states(pl_module: torch.nn.Module) -> Callable[[], None]:
+    """The torchmetrics states as they are now; the function returned puts them back."""
+    from torchmetrics import Metric  # a dependency of lightning
+
     saved = []
     for m in pl_module.modules():
         if isinstance(m, Metric):
             state = {k: copy.deepcopy(getattr(m, k)) for k in m._defaults}
-            state.update(_update_count=m._update_count, _computed=copy.deepcopy(m._computed))
-            saved.append((m, state))
-    return saved
+            saved.append((m, {**state, "_update_count": m._update_count, "_computed": copy.deepcopy(m._computed)}))
 
+    def restore() -> None:
+        for m, state in saved:
+            for k, v in state.items():
+                setattr(m, k, v)
 
-def _restore_metric_states(saved: list[tuple[Any, dict[str, Any]]]) -> None:
-    for m, state in saved:
-        for k, v in state.items():
-            setattr(m, k, v)
+    return restore
 
 
 def fill_grads(pl_module: pl.LightningModule) -> None:
