@@ -53,7 +53,7 @@ from lightning_ckpt.plan.table import PlanTable, bucket_edges, table_line
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.result import TuneResult
 
-__all__ = ["FitSession", "Found", "Settings", "Stage"]
+__all__ = ["FitSession", "Found", "Settings"]
 
 
 _SEARCHES = ("search", "joint micro-batch search")  # lock-in sources whose search ends with its own line
@@ -65,8 +65,7 @@ class Stage(enum.Enum):
     IDLE = "before on_fit_start decides between reuse and search, or after the fit: the hooks do nothing"
     SEARCH_PENDING = "the search runs on the next training batch"
     CHECKING_REUSED = "a reused plan is applied; the first batch is compared with the batches it was tuned on"
-    LOCKED_IN = "a plan is applied and the guard reads real steps"
-    FOLLOWING_TABLE = "locked in with a plan table: each batch's bucket plan is applied before its forward"
+    LOCKED_IN = "a plan is applied and the guard reads real steps (under a plan table, each batch's bucket plan)"
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,7 @@ class FitSession:
             ):
                 return  # training_step skipped the batch: the search runs on the next one
         guard = self.guard
-        if guard is None or self.stage not in (Stage.LOCKED_IN, Stage.FOLLOWING_TABLE):
+        if guard is None or self.stage is not Stage.LOCKED_IN:
             return
         guard.agree(trainer, batch, table=self.table is not None)  # this step's size, alike on all ranks
         if self.table is not None:
@@ -276,7 +275,7 @@ class FitSession:
         conditions = run_conditions(trainer, pl_module, tuning_batch)
         on_stale_plan = self.settings.on_stale_plan
         if not retune_for_batch(plan, conditions, budget=self.search_budget, on_stale_plan=on_stale_plan):
-            self.stage = self._locked_stage()
+            self.stage = Stage.LOCKED_IN
             return
         self._unlock()
         check_tunable(pl_module)
@@ -426,12 +425,9 @@ class FitSession:
         self.applied.apply(self.view, plan, trainer, keep_graphs=self._keeps_graphs())
         self.found.plan = self.running = plan
         guard.arm(int(trainer.accumulate_grad_batches))
-        self.stage = self._locked_stage()
+        self.stage = Stage.LOCKED_IN
         if source not in _SEARCHES or self.settings.verbose:
             rank_zero_info(f"lightning_ckpt: applied plan from {source}: {plan.describe()}")
-
-    def _locked_stage(self) -> Stage:
-        return Stage.FOLLOWING_TABLE if self.table is not None else Stage.LOCKED_IN
 
     def _guard_switched(self, lower: Plan, trainer: pl.Trainer) -> None:
         """The guard moved to ``lower``: lock it in, or, under a plan table, make it the plan of the bucket that went
