@@ -477,32 +477,30 @@ class LinesAboveTheBar(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            write_above_the_bar(self.trainer, self.format(record), search_bar=self.search_bar, stream=self.stream)
+            self._write(self.format(record))
         except Exception:
             self.handleError(record)
 
+    def _write(self, text: str) -> None:
+        """``text`` as a line of its own above the bar drawn now, or on ``stream`` when none is."""
+        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-def write_above_the_bar(trainer: pl.Trainer, text: str, *, search_bar: Any = None, stream: Any = None) -> None:
-    """``text`` as a line of its own above the bar drawn now, or on ``stream`` (default stderr) when none is."""
-    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-
-    if search_bar is not None:
-        search_bar.write(text)
-        return
-    callback = trainer.progress_bar_callback
-    if isinstance(callback, TQDMProgressBar):
-        bars = [getattr(callback, f"_{s}_progress_bar", None) for s in ("train", "val", "test", "predict")]
-        active = next((b for b in bars if b is not None and not b.disable), None)
-        if active is not None:
-            active.write(text, file=active.fp)
+        if self.search_bar is not None:
+            self.search_bar.write(text)
             return
-    rich = callback.progress if isinstance(callback, RichProgressBar) else None
-    if rich is not None and rich.live.is_started:
-        rich.console.print(text, markup=False, highlight=False, soft_wrap=True)  # above its live display
-        return
-    stream = stream or sys.stderr
-    stream.write(text + "\n")
-    stream.flush()
+        callback = self.trainer.progress_bar_callback
+        if isinstance(callback, TQDMProgressBar):
+            bars = [getattr(callback, f"_{s}_progress_bar", None) for s in ("train", "val", "test", "predict")]
+            active = next((b for b in bars if b is not None and not b.disable), None)
+            if active is not None:
+                active.write(text, file=active.fp)
+                return
+        rich = callback.progress if isinstance(callback, RichProgressBar) else None
+        if rich is not None and rich.live.is_started:
+            rich.console.print(text, markup=False, highlight=False, soft_wrap=True)  # above its live display
+            return
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
 
 def _is_console(handler: logging.Handler) -> bool:
