@@ -18,11 +18,8 @@ __all__ = ["run_bench"]
 
 
 def _find_benchmark(name: str) -> Path | None:
-    """The script in the checkout this package itself was installed from (``pip install -e``), or None.
-
-    Never the current directory: inside any other checkout, ``benchmarks/seed_table.py`` is that repository's
-    code, and running it would execute whatever it holds. The checkout is ours when its ``lightning_ckpt``
-    package is the one running."""
+    """The script in the checkout this package itself was installed from (``pip install -e``), or None: the
+    checkout is ours when its ``lightning_ckpt`` package is the one running."""
     root = Path(__file__).resolve().parents[2]
     ours = (root / "lightning_ckpt" / "cli" / "bench.py").resolve() == Path(__file__).resolve()
     candidate = root / "benchmarks" / name

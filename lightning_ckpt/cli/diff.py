@@ -18,7 +18,6 @@ from lightning_ckpt.cli.metadata import (
     budget_values,
     bytes_text,
     kv_text,
-    pt2_budget,
     rate_text,
 )
 from lightning_ckpt.cli.usage import EXIT_DIFFERENT, EXIT_OK, load_plan
@@ -33,8 +32,7 @@ def _change(in_a: bool, in_b: bool) -> str:
 
 
 def _figures(plan: Plan) -> dict[str, str]:
-    """The figures ``diff`` prints for ``plan``: measured while tuning, else (a re-planned plan, which ran no trial)
-    the predictions it was chosen on, marked; empty where the file records neither."""
+    """The figures ``diff`` prints for ``plan``: measured while tuning, else a re-planned plan's predictions, marked."""
     measured = plan.provenance.measured
     figures, key, mark = (measured, "", "") if measured else (plan.provenance.replanned, "predicted_", " predicted")
     if not figures:
@@ -53,13 +51,7 @@ def _measured_figures(plan: Plan) -> dict[str, Any]:
 
 
 def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> dict[str, Any]:
-    """What differs between two plans, as data: the object ``diff --json`` prints, which ``format_diff`` renders.
-
-    ``differ`` (what ``diff --exit-code`` answers) is true when the plans checkpoint differently, were tuned for
-    different models (fingerprint) or for different budgets, compared by value: "20GiB" and 21474836480 are the
-    same budget. The run, library versions and measured figures are reported but do not count: they change with
-    every re-tune even when the plan does not.
-    """
+    """What differs between two plans, as data: the object ``diff --json`` prints, which ``format_diff`` renders."""
     changes: list[dict[str, Any]] = []
     for fqn in sorted(set(a.blocks) | set(b.blocks)):
         before, after = a.mode_of(fqn).to_dict(), b.mode_of(fqn).to_dict()
@@ -71,7 +63,7 @@ def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> 
         if before != after:
             change = _change(before is not None, after is not None)
             changes.append({"change": change, "what": "segments", "name": fqn, "a": before, "b": after})
-    pt2_a, pt2_b = pt2_budget(a), pt2_budget(b)
+    pt2_a, pt2_b = a.compile_memory_budget, b.compile_memory_budget
     if pt2_a != pt2_b:  # a setting, not something checkpointed: always "changed" (None is PT2's default)
         changes.append({"change": "changed", "what": "compile_memory_budget", "name": None, "a": pt2_a, "b": pt2_b})
 

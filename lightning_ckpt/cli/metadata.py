@@ -13,7 +13,7 @@ from typing import Any
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.errors import LightningCkptError
 from lightning_ckpt.formatting import format_bytes
-from lightning_ckpt.plan.format import Plan, library_versions
+from lightning_ckpt.plan.format import library_versions
 
 __all__ = [
     "JSON_FORMAT",
@@ -24,7 +24,6 @@ __all__ = [
     "bytes_text",
     "kv_text",
     "number",
-    "pt2_budget",
     "rate_text",
     "ratio_text",
     "versions_text",
@@ -67,8 +66,7 @@ def number(x: Any) -> int | float | None:
 
 
 def _requested_value(requested: Any) -> Any:
-    """The user's max_memory as a value: "20GiB" and 21474836480 are the same request; 0.8 stays a fraction.
-    Parsed as the callback parses it when it decides whether a plan may be reused (``RequestedBudget``)."""
+    """The user's max_memory as a value, as the callback parses it: "20GiB" and 21474836480 are the same request."""
     try:
         return RequestedBudget.parse(requested).value
     except LightningCkptError:
@@ -89,8 +87,8 @@ def budget_values(budget: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def budget_key(values: Mapping[str, Any] | None) -> tuple[Any, ...] | None:
-    """What two budgets are compared by: their values, never their text. Only a budget recorded without a limit
-    (hand-written) falls back to the request, then to the description."""
+    """What two budgets are compared by: their values, never their text; without a limit (hand-written), the
+    request, then the description."""
     if values is None:
         return None
     if values["limit_bytes"] is not None or values["kind"] == "none":
@@ -126,8 +124,3 @@ def versions_text(versions: Mapping[str, Any]) -> str:
         now = installed.get(dist)
         parts.append(f"{dist} {version}" + (f" (installed: {now})" if now is not None and now != version else ""))
     return ", ".join(parts) or "-"
-
-
-def pt2_budget(plan: Plan) -> float | None:
-    # Plans from schema 2 on may carry PT2's activation_memory_budget for compiled models.
-    return getattr(plan, "compile_memory_budget", None)

@@ -1,7 +1,5 @@
 """``lightning-ckpt show``: a plan file in words (or one JSON object), with the run, budget and search it came from.
-
-It reads only what the file records: a plan written without the search counts or the memory breakdown
-shows the plan without them.
+It reads only what the file records: a plan written without the search counts shows the plan without them.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from lightning_ckpt.cli.metadata import (
     bytes_text,
     kv_text,
     number,
-    pt2_budget,
     rate_text,
     ratio_text,
     versions_text,
@@ -32,17 +29,11 @@ from lightning_ckpt.plan.table import PlanTable
 from lightning_ckpt.search.ledger import TrialStatus
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["SHOW_JSON_HELP", "format_plan", "plan_summary", "run_show", "trial_counts"]
-
-# Where ``show`` looks, inside ``provenance.search``, for how many trials ended in each ``TrialStatus``
-# ({"ok": 3, "pruned": 11, ...}) and how many were re-timed side by side. Plans written without them
-# show only the total, with what it includes.
-STATUS_COUNTS_KEY, CONFIRMED_KEY = "status_counts", "confirmed"
+__all__ = ["SHOW_JSON_HELP", "format_plan", "plan_summary", "run_show"]
 
 
 def _block_memory(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
     """Per block: predicted bytes kept for backward under this plan, and without checkpointing."""
-    # The memory model's breakdown (``TuneResult.memory_breakdown``), else the profile's; none: no memory columns.
     data = plan.provenance.memory_breakdown or plan.provenance.profile.get("memory")
     if not isinstance(data, Mapping):
         return None
@@ -67,12 +58,8 @@ _STATUS_WORDS = {
 
 
 def trial_counts(search: Mapping[str, Any]) -> dict[str, Any]:
-    """How many candidate plans the search considered, and what became of them (``None``: not recorded).
-
-    ``considered`` is every trial record: baselines, plans measured and plans pruned (ruled out without running,
-    by the memory model or the time model). ``n_trials`` caps the measured ones only; pruned plans are free.
-    """
-    raw = search.get(STATUS_COUNTS_KEY)
+    """How many candidate plans the search considered, and what became of them (``None``: not recorded)."""
+    raw = search.get("status_counts")  # {"ok": 3, "pruned": 11, ...}; plans written without it show only the total
     by_status = (
         {str(k): v for k, v in raw.items() if isinstance(v, int) and not isinstance(v, bool)}
         if isinstance(raw, Mapping)
@@ -100,7 +87,7 @@ def trial_counts(search: Mapping[str, Any]) -> dict[str, Any]:
         "over_budget": count(TrialStatus.OVER_BUDGET),
         "failed": count(*(s for s in TrialStatus if s.failed)),
         "conflict": count(TrialStatus.CONFLICT),
-        "confirmed": number(search.get(CONFIRMED_KEY)),
+        "confirmed": number(search.get("confirmed")),
         "by_status": by_status,
     }
 
@@ -170,8 +157,7 @@ def _verdict_lines(search: Mapping[str, Any]) -> list[str]:
 
 
 def _pruned_line(counts: Mapping[str, Any], pad: str) -> str:
-    """The plans ruled out without running, and by what: the memory model (predicted over the budget) or the time
-    model (predicted unable to beat the best plan measured), as the search's result line says it."""
+    """The plans ruled out without running, and by what, as the search's result line says it."""
     by_memory, by_time = counts["pruned_by_memory"], counts["pruned_by_time"]
     if by_memory is None or by_time is None:
         return f"{pad}{counts['pruned']} ruled out without running (pruned)"
@@ -191,8 +177,8 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
         f"name         {plan.name or '(unnamed)'}  [{plan.describe()}]  digest {plan.digest()}",
         f"fingerprint  {plan.fingerprint or '(not recorded: applies to any model with these block names)'}",
     ]
-    if pt2_budget(plan) is not None:
-        lines.append(f"compile      torch.compile activation_memory_budget={pt2_budget(plan):g}")
+    if plan.compile_memory_budget is not None:
+        lines.append(f"compile      torch.compile activation_memory_budget={plan.compile_memory_budget:g}")
     run, budget, versions, search = p.run, p.budget, p.versions, p.search
     if run or budget or versions or search:
         lines += ["", "tuned for"]
@@ -226,7 +212,7 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
 
 
 def _table_lines(plan: Plan) -> list[str]:
-    """The plan table (one plan per length bucket), when the file keeps one; a malformed one is said, not shown."""
+    """The plan table, when the file keeps one; a malformed one is said, not shown."""
     try:
         found = PlanTable.of_plan(plan, source="this file")
     except PlanError as err:
@@ -256,8 +242,7 @@ def _table_lines(plan: Plan) -> list[str]:
 
 
 def _cut(text: str, limit: int = 200) -> str:
-    """``text`` up to ``limit`` characters, cut after a whole JSON item (never inside a number or a name) and
-    saying how much was left out and where to read it all."""
+    """``text`` up to ``limit`` characters, cut after a whole JSON item (never inside a number or a name)."""
     if len(text) <= limit:
         return text
     cut = max(text.rfind(", ", 0, limit), text.rfind("}", 0, limit) + 1, text.rfind("]", 0, limit) + 1)
@@ -328,7 +313,8 @@ def _block_lines(plan: Plan) -> list[str]:
 _MEMORY_FIGURES = ("peak_bytes", "activation_bytes", "predicted_peak_bytes")
 
 
-def _evidence_rows(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[list[str]]:
+def _evidence_lines(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[str]:
+    """The winner's and the baselines' figures measured while tuning, as one table."""
     win = measured.get("samples_per_second")
     rows = []
     if measured:
@@ -343,13 +329,7 @@ def _evidence_rows(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[s
         rate = b.get("samples_per_second")
         memory = [bytes_text(b.get("peak_bytes")), bytes_text(b.get("activation_bytes")), ""]
         rows.append([f"  baseline:{name}", str(b.get("status", "-")), rate_text(rate), ratio_text(win, rate), *memory])
-    return rows
-
-
-def _evidence_lines(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[str]:
-    """The winner's and the baselines' figures measured while tuning, as one table."""
     lines = ["", "throughput and memory, measured on the first batch while tuning"]
-    rows = _evidence_rows(plan, measured, baselines)
     headers = ["plan", "status", "samples/s", "speed-up", "peak", "activation", "predicted peak"]
     lines.append(table(headers, rows, right=(2, 3, 4, 5, 6), indent="  "))
     lines.append("  (*) the winner; speed-up: the winner's samples/s over that plan's")
@@ -364,8 +344,7 @@ _WINNER_FIGURES = ("label", "status", "samples_per_second", *_MEMORY_FIGURES, "r
 
 
 def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
-    """The object ``lightning-ckpt show --json`` prints: the plan's own dict under ``plan``, beside fields derived
-    from it with fixed keys (``None`` where the file does not record them). The keys are listed in SHOW_JSON_HELP."""
+    """The object ``lightning-ckpt show --json`` prints (its keys are listed in SHOW_JSON_HELP)."""
     by_mode: dict[str, list[str]] = {}
     for fqn, bp in plan.blocks.items():
         by_mode.setdefault(bp.describe(), []).append(fqn)
@@ -393,7 +372,7 @@ def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
         "fingerprint": plan.fingerprint,
         "blocks_by_mode": by_mode,
         "segments": dict(plan.segments),
-        "compile_memory_budget": pt2_budget(plan),
+        "compile_memory_budget": plan.compile_memory_budget,
         "budget": budget_values(plan.provenance.budget),
         "winner": winner,
         "baselines": {name: dict(b) for name, b in baselines.items() if isinstance(b, Mapping)},

@@ -1,17 +1,17 @@
 """``lightning-ckpt validate``: is a plan file well formed, and does it fit a model the user names with ``--model``?
-(For CI.)
 
-Loading the user's code is the delicate part: a file or a module, the current directory importable, and a
-``sys.exit()`` in it reported as a usage error rather than ending the command with the model's exit code.
+Loading the user's code is the delicate part: a ``sys.exit()`` in it is reported as a usage error rather than ending
+the command with the model's exit code.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,8 @@ __all__ = ["build_model", "check_plan", "load_factory", "run_validate"]
 
 
 def load_factory(spec: str) -> Callable[[], Any]:
-    """``pkg.module:factory`` or ``path/to/file.py:factory`` -> the object it names.
-
-    The current directory is importable (as with ``python -m``) and a file's own directory is on the
-    path while it loads (as with ``python file.py``), so project-local models need no installing.
-    """
+    """``pkg.module:factory`` or ``path/to/file.py:factory`` -> the object it names; the current directory and a
+    file's own directory are importable (as with ``python -m`` and ``python file.py``)."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise UsageError(
@@ -46,24 +43,15 @@ def load_factory(spec: str) -> Callable[[], Any]:
         module = importlib.util.module_from_spec(loader_spec)
         sys.path.insert(0, str(path.resolve().parent))
         try:
-            loader_spec.loader.exec_module(module)
-        except SystemExit as exit_:
-            raise UsageError(_exit_message(spec, f"importing {target!r}", exit_)) from None
-        except Exception as err:
-            raise UsageError(f"--model {spec!r}: importing {target!r} failed: {type(err).__name__}: {err}") from None
+            with _importing(spec, f"importing {target!r}", f"importing {target!r} failed"):
+                loader_spec.loader.exec_module(module)
         finally:
             sys.path.remove(str(path.resolve().parent))
     else:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
             sys.path.insert(0, str(Path.cwd()))  # console scripts do not put the current directory on the path
-        try:
+        with _importing(spec, f"importing module {target!r}", f"cannot import module {target!r}"):
             module = importlib.import_module(target)
-        except SystemExit as exit_:
-            raise UsageError(_exit_message(spec, f"importing module {target!r}", exit_)) from None
-        except Exception as err:
-            raise UsageError(
-                f"--model {spec!r}: cannot import module {target!r}: {type(err).__name__}: {err}"
-            ) from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -73,6 +61,17 @@ def load_factory(spec: str) -> Callable[[], Any]:
             )
         obj = getattr(obj, part)
     return obj
+
+
+@contextlib.contextmanager
+def _importing(spec: str, doing: str, failed: str) -> Iterator[None]:
+    """The user's code failing to import, as a usage error."""
+    try:
+        yield
+    except SystemExit as exit_:
+        raise UsageError(_exit_message(spec, doing, exit_)) from None
+    except Exception as err:
+        raise UsageError(f"--model {spec!r}: {failed}: {type(err).__name__}: {err}") from None
 
 
 def _exit_message(spec: str, doing: str, exit_: SystemExit) -> str:

@@ -3,12 +3,9 @@
 ``AppliedPlan``: applied before the step that uses it, swapped by the guard, removed when the fit ends or fails
 (the model leaves ``fit`` as the user gave it), and the same on every rank.
 
-``ReplanCheck``: a plan re-planned from a saved profile for this run's budget (``search.replan``) ran zero trials,
-so its figures are predictions, and the first real steps are put beside them. The budget guard reads the first
-steps' memory as it does for any plan (on CPU under the live-tensor tracker, which slows those steps; the most of
-those readings is kept); the first step after them is timed, forward and backward, as trials time a step. When both
-are in, one line gives the predicted and the measured figures side by side, and the plan's
-``provenance.replanned["first_measured"]`` keeps the measured ones.
+``ReplanCheck``: a plan re-planned from a saved profile ran zero trials, so its figures are predictions; one line
+puts them beside the first real steps' (memory as the guard reads it, the step after those timed as trials time a
+step), and the plan's ``provenance.replanned["first_measured"]`` keeps the measured ones.
 """
 
 from __future__ import annotations
@@ -48,10 +45,9 @@ class AppliedPlan:
     def apply(self, view: ModelView, plan: Plan, trainer: pl.Trainer, *, keep_graphs: bool = False) -> None:
         """Apply ``plan`` in place of the one applied now; every rank must have applied the same plan.
 
-        A compiled model compiles the plan afresh (no stale graphs, no recompiles counted: ``search.compile``).
-        ``keep_graphs`` (a compiled plan table switching between its buckets' plans): every plan applied again gets
-        the forwards it had the first time, so dynamo runs the graph compiled for it then: a switch compiles only
-        on a plan's first step. Only the first such apply starts afresh."""
+        A compiled model compiles the plan afresh. ``keep_graphs`` (a compiled plan table switching between its
+        buckets' plans): a plan applied again gets the forwards it had the first time, so dynamo reuses its graph and
+        a switch compiles only on a plan's first step."""
         self.remove_plan()
         if self._restore_cache is None:
             self._restore_cache = disable_kv_cache(view.root)  # training forwards never need HF's KV cache
@@ -84,8 +80,7 @@ class AppliedPlan:
 
     def remove(self) -> None:
         """The model as the user gave it: no plan, the HF cache setting back. The graphs a plan table kept stay with
-        dynamo, as any fit's compiled graphs do (their guards fail without the plan's forwards; a reset here would
-        make the user's validation compile the plain model again); a later plan starts afresh."""
+        dynamo (a reset here would make the user's validation compile the plain model again)."""
         self.remove_plan()
         self._forwards.clear()
         self._keeping = False
@@ -98,7 +93,7 @@ class AppliedPlan:
 class ReplanCheck:
     """The predicted figures of a re-planned plan and the first measured ones, filled in as the fit goes."""
 
-    predicted: Mapping[str, Any]  # the plan's ``provenance.replanned``
+    predicted: Mapping[str, Any]
     device: torch.device
     peak_bytes: int | None = None
     activation_bytes: int | None = None
@@ -111,8 +106,8 @@ class ReplanCheck:
         return cls(dict(predicted), device) if predicted else None
 
     def memory_read(self, peak_bytes: int, activation_bytes: int | None) -> None:
-        """A guard reading of a real step: the most of them is kept (the prediction is for a step that holds the
-        optimizer's state, which the first step does not yet)."""
+        """The most of the guard's readings is kept: the prediction is for a step that holds the optimizer's state,
+        which the first step does not yet."""
         self.peak_bytes = max(self.peak_bytes or 0, peak_bytes)
         if activation_bytes is not None:
             self.activation_bytes = max(self.activation_bytes or 0, activation_bytes)
@@ -131,7 +126,6 @@ class ReplanCheck:
             self._started = None
 
     def line(self) -> str:
-        """Predicted and first measured figures side by side."""
         p = self.predicted
         seconds = p.get("predicted_seconds")
         measured_ms = f"{1000 * self.seconds:.1f} ms" if self.seconds is not None else "not timed"

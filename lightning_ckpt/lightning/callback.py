@@ -1,12 +1,8 @@
-"""``ActivationCheckpointTuner``: the Lightning callback. A thin adapter from Trainer hooks to the package.
+"""``ActivationCheckpointTuner``: the Lightning callback, a thin adapter from Trainer hooks to the package.
 
-Trials are *sandboxed*. On the first training batch the callback runs the user's real ``training_step``
-(under the Trainer's precision context) forward and backward on that batch for each candidate plan, never
-steps the optimizer, and restores gradients, buffers, metric states and RNG afterwards. Only then is the
-winner applied, so the restore cannot undo it, and the real first step runs as if tuning had never
-happened - except that it is checkpointed. The callback checks its arguments and keeps what outlives a fit
-(the plan, for ``state_dict`` and the next fit); each hook hands over to the fit's ``FitSession``
-(``session.py``), which reuses or searches, follows the plan and guards the real steps.
+Trials are sandboxed: on the first training batch the user's real ``training_step`` runs forward and backward for
+each candidate plan, the optimizer never steps, and gradients, buffers, metric states and RNG are restored; only
+then is the winner applied, so the restore cannot undo it. Each hook hands over to the fit's ``FitSession``.
 """
 
 from __future__ import annotations
@@ -53,32 +49,26 @@ class ActivationCheckpointTuner(Callback):
             tuned for this model and budget, it is reused without searching. A file another run wrote
             while this one tuned is kept, with a warning naming its plan.
         search: the search's settings, a ``TuneConfig`` or a dict of its fields, e.g. ``{"n_trials": 20,
-            "measure_steps": 2, "search_space": {"modes": ["full"], "segments": False}, "storage":
-            "sqlite:///ckpt.db"}`` (trials, timeout, space, Optuna sampler/storage/study, seed, steps per
-            trial, ``on_infeasible``, ``tie_tolerance``, ``allow_graph_breaks``, ``block_types`` to override block
-            discovery: see ``TuneConfig``).
+            "search_space": {"modes": ["full"], "segments": False}, "storage": "sqlite:///ckpt.db"}``.
         guard: how real steps after lock-in are checked, a ``GuardConfig`` or a dict, e.g. ``{"steps": 2,
             "on_budget_exceeded": "switch"}`` (``"raise"``, ``"warn"``; ``steps=0`` turns it off).
         max_shape: the longest batch the run will see, ``(rows, length)`` or a length (tokens per sample), for
-            data whose lengths vary: the search runs on the first batch grown to it (rows and positions
-            repeated), so the plan fits the longest batch, not the first; shorter batches run their bucket's plan
-            (``buckets``). ``"probe"``: found before the first step, from the datamodule's ``max_seq_length``
-            (or ``max_length``) where it has one, else from the first 64 batches of the training loader (shapes
-            only; ``"probe:256"`` for more; random states put back, so training sees the same batches). Without it
-            the plan is tuned on the first batch and the guard catches longer ones before their forward.
+            data whose lengths vary: the search runs on the first batch grown to it, so the plan fits the longest
+            batch, not the first. ``"probe"``: found before the first step, from the datamodule's
+            ``max_seq_length`` (or ``max_length``), else from the first 64 batches of the training loader
+            (``"probe:256"`` for more; training sees the same batches). Without it the plan is tuned on the first
+            batch and the guard catches longer ones before their forward.
         buckets: with ``max_shape``, a plan table: lengths split into buckets, each running the fastest plan
-            predicted to fit the budget at its longest length (one profile per bucket before training, no
-            trials), switched by each batch's length before its forward. ``True`` (default): halving from the
-            longest length down to the first batch's (at most 8 buckets); a list of lengths sets the edges
-            (``[128, 256, 512]``: up to 128, up to 256, ...); ``False``: one plan for every length. Batches are
-            measured by ``guard``'s ``shape_key`` (a packed batch's own length), and cut to each bucket's length by
-            ``guard``'s ``resize`` where they have such a key (without it, no table).
+            predicted to fit the budget at its longest length (no trials), switched by each batch's length before
+            its forward. ``True`` (default): halving from the longest length down to the first batch's (at most 8
+            buckets); a list of lengths sets the edges (``[128, 256, 512]``); ``False``: one plan for every length.
+            Packed batches need ``guard``'s ``shape_key`` and ``resize`` for a table.
         tune_micro_batch: also search the micro-batch size with gradient accumulation (same global batch)
             jointly with the plan. ``True`` sets the LightningModule/DataModule attribute ``batch_size`` (as
             Lightning's ``BatchSizeFinder`` does); a string names another attribute.
         on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a reused plan (resumed
-            checkpoint, ``plan=``, plan file) was tuned for another model, budget or run conditions. Budgets
-            are compared by value (``"20GiB"`` is ``21474836480``); without a budget argument, the plan's own counts.
+            checkpoint, ``plan=``, plan file) was tuned for another model, budget (compared by value) or run
+            conditions.
         log_dir: TensorBoard directory when the Trainer has no TensorBoardLogger. With ``Trainer(logger=False)`` and
             no ``log_dir`` the search writes no TensorBoard files (the plan file only).
         verbose: print a line per trial and the full trial table (always in TensorBoard); otherwise one
@@ -108,7 +98,6 @@ class ActivationCheckpointTuner(Callback):
         log_dir: str | os.PathLike[str] | None = None,
         verbose: bool = False,
     ) -> None:
-        # Parsed once: every reuse decision compares this by value ("20GiB" is 21474836480).
         self._requested = RequestedBudget.parse(max_memory, activation_budget)
         check_types(plan=plan, plan_path=plan_path, tune_micro_batch=tune_micro_batch)
         self.config = search_config(search)
@@ -127,11 +116,10 @@ class ActivationCheckpointTuner(Callback):
         self.tune_micro_batch = bool(tune_micro_batch)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.verbose = verbose
-        self._found = Found(max_shape=declared)  # what the fits found, kept across them
+        self._found = Found(max_shape=declared)
         self._resumed_plan: Plan | None = None  # from a Lightning checkpoint (load_state_dict)
         self._session: FitSession | None = None  # the current (or last) fit's
-        # Created before anything starts CUDA (the model still on the host), the allocator then starts with expandable
-        # segments: the regime the search verifies and the training after it runs in (``measure.allocator``).
+        # Before anything starts CUDA: the search and the training after it run with expandable segments.
         start_expandable_segments()
 
     @property
@@ -201,8 +189,6 @@ class ActivationCheckpointTuner(Callback):
         self._fit().closure_ends()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # A failed or interrupted fit leaves the model as the user gave it; self.plan stays, so a new fit with this
-        # callback re-applies it without searching.
         if self._session is not None:
             self._session.end()
 
@@ -211,7 +197,7 @@ class ActivationCheckpointTuner(Callback):
             self._session.close()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fit().end()  # the model leaves fit as the user gave it; resuming or a new fit re-applies the plan
+        self._fit().end()
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_dict() if self.plan is not None else None}
@@ -226,7 +212,7 @@ class ActivationCheckpointTuner(Callback):
         return self._session
 
     def _settings(self) -> Settings:
-        """This fit's settings, from the callback's attributes as they are now."""
+        """This fit's settings, from the callback's attributes as they are now (a user may change them between fits)."""
         return Settings(
             requested=self._requested,
             config=self.config,

@@ -1,17 +1,15 @@
 """The check after lock-in: read real training steps' peak memory and pick a plan that fits when one does not.
 
-Trials predict a real step from a forward+backward on one batch plus a measured optimizer step. What
-they cannot see (an optimizer whose state appears late, a batch larger than the tuned one, memory a
-``training_step`` keeps across steps) shows up only in real steps. So the first real steps after
-lock-in, and any step on a batch larger than every one checked so far, are read whole: CUDA from the
-allocator's peak, CPU with the live-tensor tracker (several times slower, so only those steps).
-How a step is read is ``step_reader``'s part.
+What trials cannot see (an optimizer whose state appears late, a batch larger than the tuned one, memory a
+``training_step`` keeps across steps) shows up only in real steps, so the first ones after lock-in, and any step
+on a batch larger than every one read so far, are read whole (``step_reader``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -38,7 +36,6 @@ __all__ = [
     "largest_size",
     "lower_memory_trial",
     "lower_plan",
-    "trial_figures",
 ]
 
 
@@ -89,11 +86,9 @@ def lower_memory_trial(
 ) -> TrialRecord | None:
     """The fastest measured trial that should fit once the real step's ``excess`` over its trial is added.
 
-    ``excess`` (real peak minus the current plan's predicted one), what trials did not see, is assumed the same under
-    every plan (optimizer, retained tensors, roughly). ``predict``: a trial's ``(plan key, peak, activation)`` at the
-    tuned batch as the budget's value at the batch at hand (default: as measured). Only plans known to need less
-    than the current one at the tuned batch, and none in ``exclude`` (they went over), qualify: each switch goes
-    down, so the guard cannot oscillate."""
+    ``excess``, what trials did not see, is assumed the same under every plan. ``predict``: a trial's figures as the
+    budget's value at the batch at hand (default: as measured). Only plans known to need less than the current one,
+    and none in ``exclude`` (they went over), qualify: each switch goes down, so the guard cannot oscillate."""
     current = record_of(trials, current_key)
     current_value = budget.value_of(*trial_figures(current)) if current is not None else None
     if current_value is None:
@@ -123,9 +118,8 @@ def lower_plan(
     exclude: Collection[str] = (),
     predict: Callable[[str, int | None, int | None], int | None] | None = None,
 ) -> Plan | None:
-    """The plan to move to when ``plan`` does not fit (read after a step, or predicted before one): the fastest
-    searched plan expected to fit (``lower_memory_trial``), else full checkpointing, the lowest-memory per-block
-    plan, unless it is ``plan``, went over already, or is known to need more than ``plan``. None: stay."""
+    """The plan to move to when ``plan`` does not fit: the fastest searched plan expected to fit, else full
+    checkpointing, unless it is ``plan``, went over already, or is known to need more than ``plan``. None: stay."""
     found = lower_memory_trial(trials, plan.key(), budget, excess, exclude=exclude, predict=predict)
     if found is not None:
         lower = found.plan
@@ -208,9 +202,8 @@ class GuardConfig:
 
 
 def largest_size(trainer: Any, batch: Any, shape_key: Callable[[Any], Any] | None) -> BatchSize | None:
-    """``batch``'s size, the largest rows and length on any rank under several ranks (every rank must call it at the
-    same point). The batch a search measured is sized this way too: the trials' memory is the largest rank's, so the
-    size it is scaled from must be the largest rank's batch, the same on every rank."""
+    """``batch``'s size, the largest rows and length on any rank (every rank must call it at the same point): the
+    trials' memory is the largest rank's, so the size it is scaled from must be too."""
     size = batch_size_of(batch, shape_key)
     if trainer.world_size > 1:
         rows, length = max_over_ranks(trainer.strategy, (size.rows, size.length) if size else (0, 0))
@@ -221,17 +214,14 @@ def largest_size(trainer: Any, batch: Any, shape_key: Callable[[Any], Any] | Non
 class BudgetGuard:
     """The guard over one fit: which real steps to read, what they showed (``checks``), and the verdict.
 
-    Before a batch larger than any read so far (``lightning.shapes``), the current plan's memory at that size is
-    predicted from its trial (or its last real reading) and acted on before the forward. Every rank reads the
-    same steps and judges the worst rank's figures, so a switch (which gathers plan digests) is entered by all
-    ranks or none.
+    Every rank reads the same steps and judges the worst rank's figures, so a switch (which gathers plan digests)
+    is entered by all ranks or none.
     """
 
     def __init__(
         self, config: GuardConfig, device: torch.device, budget: Budget, *, reference: BatchSize | None = None
     ) -> None:
-        """``budget``: what the locked-in plan was chosen for (a search's, or a reused plan's resolved for this run;
-        kind ``none`` guards nothing). ``reference``: the batch the trials measured (None: a reused plan)."""
+        """``reference``: the batch the trials measured (None: a reused plan)."""
         self.config = config
         self.budget = budget
         self.reference = reference
@@ -256,9 +246,8 @@ class BudgetGuard:
         return self.budget.kind != "none" and bool(self.config.steps)
 
     def agree(self, trainer: Any, batch: Any, *, table: bool = False) -> BatchSize | None:
-        """This step's size, which the guard's checks and readings and a plan table's bucket go by (None while
-        neither needs it). Under several ranks the largest rows and length on any rank, so every rank acts alike
-        on a step whose batches differ, and a longer batch is caught before its forward whichever rank holds it."""
+        """This step's size, which the guard and a plan table's bucket go by (None while neither needs it): the
+        largest on any rank, so every rank acts alike on a step whose batches differ."""
         self.step_size = largest_size(trainer, batch, self.config.shape_key) if self.active or table else None
         return self.step_size
 
@@ -269,7 +258,6 @@ class BudgetGuard:
         (``first_of``: the key of a plan table's bucket plan running now) the first step under that plan."""
         if not self.active:
             return
-        # The step's agreed size (``agree``): every rank reads the same steps (the verdict is gathered).
         size = self.step_size
         larger = size is not None and self._covered is not None and size.exceeds(self._covered)
         self._since_read += 1
@@ -282,8 +270,7 @@ class BudgetGuard:
         self.reader.start(pl_module, list(trainer.optimizers), extra, activation=activation, compiled=compiled)
 
     def predicted_value(self, plan_key: str, trials: Sequence[TrialRecord], size: BatchSize) -> int | None:
-        """The budget's value for plan ``plan_key`` on a batch of ``size``: from its trial at the tuned batch, else
-        from a real step read under it; None when neither exists."""
+        """The budget's value for plan ``plan_key`` at ``size``: from its trial, else from a real step read under it."""
         trial = record_of(trials, plan_key)
         if trial is not None and self.reference is not None:
             value = self._scaled(plan_key, *trial_figures(trial), at=size, reference=self.reference)
@@ -307,12 +294,11 @@ class BudgetGuard:
     def before_forward(
         self, trainer: Any, batch: Any, plan: Plan, trials: Sequence[TrialRecord], view: ModelView
     ) -> Plan | None:
-        """Act on a batch larger than any read so far before it runs: predict the current plan's memory at its size
-        and, over the budget, move (``"switch"``) to a plan predicted to fit (the plan to switch to), raise, or
-        warn. The step is read either way (``maybe_start``), and what it used refits the prediction."""
+        """Act on a batch larger than any read so far before it runs (on a GPU, after is an out-of-memory error): over
+        the budget, the plan to switch to, or raise, or warn. The step is read either way (``maybe_start``)."""
         if not self.active:
             return None
-        size = self.step_size  # under several ranks the largest on any: every rank predicts, and acts, alike
+        size = self.step_size
         covered = self._covered or self.reference
         if self._covered is not None and self.reference is not None:
             covered = self._covered.covering(self.reference)  # the trials measured the reference batch too
@@ -333,16 +319,7 @@ class BudgetGuard:
             f"{format_bytes(value)} of {what} under plan {plan.describe()} ({growth}), over the budget of "
             f"{budget.description}; checked before its forward."
         )
-        return self._act(
-            message,
-            plan,
-            trials,
-            view,
-            fix="Raise the budget, declare the longest batch so the search covers it, or set",
-            going_on="running it with this one",
-            switching="before it runs ",
-            predict=lambda key, peak, act: self._scaled(key, peak, act, at=size, reference=self.reference or covered),
-        )
+        return self._act("before_forward", message, plan, trials, view, at=size, reference=self.reference or covered)
 
     def judge(
         self,
@@ -353,8 +330,7 @@ class BudgetGuard:
         sync: Any,
         trials: Sequence[TrialRecord] = (),
     ) -> StepCheck:
-        """Record one read step against the budget (the worst rank's figures under several ranks); ``trials``: the
-        search's, which the reading is compared with."""
+        """Record one read step against the budget (the worst rank's figures under several ranks)."""
         peak, act, retries = reading.peak_bytes, reading.activation_bytes, reading.alloc_retries
         if sync is not None:
             gathered = sync.all_gather((peak, act))
@@ -372,8 +348,8 @@ class BudgetGuard:
         return check
 
     def _learn(self, plan: Plan, size: BatchSize, peak: int, act: int | None, trials: Sequence[TrialRecord]) -> None:
-        """What a read step says: how memory grows with length (against the same plan's trial or earlier reading),
-        what real steps use beyond their prediction, and the largest size covered."""
+        """Learn from a read step: how memory grows with length, what real steps use beyond their prediction, and the
+        largest size covered."""
         reference = self._read_plans.get(plan.key())
         trial = record_of(trials, plan.key())
         if act is not None and trial is not None and self.reference is not None and trial.activation_bytes:
@@ -388,8 +364,7 @@ class BudgetGuard:
         self._covered = size if self._covered is None else self._covered.covering(size)
 
     def step_skipped(self) -> None:
-        """The step being read was skipped (``training_step`` returned None): drop the reading, count nothing,
-        and read the next step in its place."""
+        """The step being read was skipped (``training_step`` returned None): read the next one in its place."""
         self.reader.abandon()
         self._since_read = max(self._since_read, self.config.every)
 
@@ -409,25 +384,11 @@ class BudgetGuard:
             f"{format_bytes(value)} of {what}, over the budget of {budget.description}, under plan {plan.describe()}."
         )
         at = self._read_plans.get(plan.key(), (None, None, None))[0]
-        return self._act(
-            message,
-            plan,
-            trials,
-            view,
-            fix="Raise the budget, or set",
-            going_on="continuing with this one",
-            switching="",
-            predict=(
-                (lambda key, peak, act: self._scaled(key, peak, act, at=at, reference=self.reference))
-                if at is not None and self.reference is not None
-                else None
-            ),
-        )
+        return self._act("over_budget", message, plan, trials, view, at=at, reference=self.reference)
 
     def near_refusal(self, check: StepCheck, plan: Plan, trials: Sequence[TrialRecord], view: ModelView) -> Plan | None:
-        """A step within the budget that the allocator served only by releasing its cache (``alloc_retries``): the
-        card is one fragmented cache away from refusing a step whose allocated bytes fit. Acted on before that step:
-        the next plan down the frontier (``on_budget_exceeded="switch"``, said in one line), else a warning."""
+        """A step within the budget that the allocator served only by releasing its cache: the card is one fragmented
+        cache away from refusing a step whose allocated bytes fit. Switched away from before that step, or warned."""
         if not check.alloc_retries:
             return None
         reserved = f", reserved peak {format_bytes(check.reserved_peak_bytes)}" if check.reserved_peak_bytes else ""
@@ -441,43 +402,44 @@ class BudgetGuard:
                 f"{message} Continuing with this one (on_budget_exceeded={self.config.on_budget_exceeded!r})."
             )
             return None
-        self._left_behind.add(plan.key())
-        lower = lower_plan(plan, trials, self.budget, view.stacks, excess=self._excess, exclude=self._left_behind)
-        if lower is None:
-            rank_zero_warn(f"{message} No plan using less memory is left; continuing with this one.")
-            return None
-        rank_zero_warn(f"{message} Switching to {lower.describe()} before the next step (on_budget_exceeded='switch').")
-        return lower
+        return self._act("near_refusal", message, plan, trials, view)
 
     def _act(
-        self,
-        message: str,
-        plan: Plan,
-        trials: Sequence[TrialRecord],
-        view: ModelView,
-        *,
-        fix: str,
-        going_on: str,
-        switching: str,
-        predict: Callable[[str, int | None, int | None], int | None] | None,
+        self, why: str, text: str, plan: Plan, trials: Sequence[TrialRecord], view: ModelView, **sizes: BatchSize | None
     ) -> Plan | None:
-        """Raise, warn and go on, or switch to the plan ``lower_plan`` finds (None: stay), as ``on_budget_exceeded``
-        says; ``plan`` is left behind for good once a switch is attempted."""
+        """Raise, warn, or switch to the plan ``lower_plan`` finds (None: stay), as ``on_budget_exceeded`` says;
+        ``plan`` is left behind for good once a switch is attempted. ``sizes``: ``at`` and ``reference``, to predict
+        each trial's memory at the batch at hand."""
+        fix, going_on, switching = _ACTIONS[why]
         if self.config.on_budget_exceeded == "raise":
             raise InfeasibleBudgetError(
-                f"{message} {fix} guard={{'on_budget_exceeded': 'switch'}} to move to a lower-memory plan."
+                f"{text} {fix} guard={{'on_budget_exceeded': 'switch'}} to move to a lower-memory plan."
             )
         if self.config.on_budget_exceeded == "warn":
-            rank_zero_warn(f"{message} {going_on.capitalize()} (on_budget_exceeded='warn').")
+            rank_zero_warn(f"{text} {going_on.capitalize()} (on_budget_exceeded='warn').")
             return None
         self._left_behind.add(plan.key())
+        known = None not in (sizes.get("at"), sizes.get("reference"))
+        predict = partial(self._scaled, **sizes) if known else None
         excess, exclude = self._excess, self._left_behind
         lower = lower_plan(plan, trials, self.budget, view.stacks, excess=excess, exclude=exclude, predict=predict)
         if lower is None:
-            rank_zero_warn(f"{message} No plan using less memory is left; {going_on}.")
+            rank_zero_warn(f"{text} No plan using less memory is left; {going_on}.")
             return None
-        rank_zero_warn(f"{message} Switching to {lower.describe()} {switching}(on_budget_exceeded='switch').")
+        rank_zero_warn(f"{text} Switching to {lower.describe()} {switching}(on_budget_exceeded='switch').")
         return lower
+
+
+# Why the guard acts: the fix a raise names, how it goes on under "warn", and when a switch happens.
+_ACTIONS = {
+    "before_forward": (
+        "Raise the budget, declare the longest batch so the search covers it, or set",
+        "running it with this one",
+        "before it runs ",
+    ),
+    "over_budget": ("Raise the budget, or set", "continuing with this one", ""),
+    "near_refusal": ("", "continuing with this one", "before the next step "),
+}
 
 
 def _what(budget: Budget) -> str:

@@ -1,4 +1,4 @@
-"""The search's ``Sync`` (``lightning_ckpt.search.distributed``) over a Lightning strategy's process group."""
+"""Collectives over a Lightning strategy's process group."""
 
 from __future__ import annotations
 
@@ -38,11 +38,8 @@ class StrategySync:
 
 
 def max_over_ranks(strategy: Any, values: Sequence[int]) -> list[int]:
-    """Each of ``values`` at its largest over the ranks, on every rank: one all-reduce of a few integers (on the
-    strategy's device, as NCCL needs; there it waits for the previous step's kernels, one host sync per step). It is
-    what lets every rank judge a step by the same batch size when their batches differ (ragged lengths): the same
-    plan table bucket, the same before-forward verdict, the same steps read."""
-
+    """Each of ``values`` at its largest over the ranks, on every rank (one all-reduce on the strategy's device, as
+    NCCL needs): every rank then judges a step by the same batch size when their batches differ."""
     if strategy.world_size <= 1:
         return list(values)
     reduced = strategy.reduce(torch.tensor(list(values), device=strategy.root_device), reduce_op="max")

@@ -1,20 +1,11 @@
-"""When a saved plan (resumed checkpoint, ``plan=``, plan file) may be applied without searching: the run's
-conditions, the model, and the budget it was tuned for must match this run's; and the budget it is then
-guarded against.
+"""When a saved plan (resumed checkpoint, ``plan=``, plan file) may be applied without searching, and the budget
+it is then guarded against. A plan file is a cache of a measurement, reused only where it was measured: everything
+that moves the measurement (batch, precision, card, ranks, model, budget) is recorded with the plan and compared.
 
-A plan file is a cache of a measurement, reused only where it was measured. The fastest plan that fits at
-micro-batch 8 in bf16 on an 80 GB card is not the one that fits at micro-batch 16 in fp32 on a 40 GB card, so
-everything that moves the measurement is recorded with the plan and compared before reuse.
-
-The callback's ``plan_path``: read once per fit, written atomically by rank 0, and never over another run's plan.
-Two runs tuning into one file must not both believe their plan is there: the file's content is noted when
-a fit reads it (or last wrote it), and a save that finds it changed keeps the other run's plan and says so.
-
-The file is a by-product; the training run is what the user came for. A save that fails (a full disk, a
-directory made read-only after the fit started, a failing rename) never stops the fit: the plan stays applied,
-in memory and in the callback's ``state_dict`` (so in Lightning checkpoints), the previous file is intact (the
-write is atomic), and one warning per fit says where the plan would have gone and why it could not. Later saves
-still try, and the first that works says so.
+The callback's ``plan_path`` is written atomically by rank 0, and never over another run's plan: two runs tuning
+into one file must not both believe their plan is there. The file is a by-product of the training run, so a save
+that fails never stops the fit: the plan stays applied and in the callback's ``state_dict``, and one warning per
+fit says why it could not be written.
 """
 
 from __future__ import annotations
@@ -52,10 +43,8 @@ from lightning_ckpt.search.replan import replan
 __all__ = [
     "PlanFile",
     "RunConditions",
-    "check_reusable",
     "condition_changes",
     "plan_to_reuse",
-    "replan_for_budget",
     "retune_for_batch",
     "reusable",
     "reused_budget",
@@ -80,8 +69,7 @@ def run_conditions(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
 def condition_changes(plan: Plan, now: RunConditions, *, batch_known: bool) -> list[str]:
     """What differs from the conditions ``plan`` was tuned under (batch shape only once a batch is known)."""
     saved = dict(plan.provenance.conditions)
-    if plan.provenance.micro_batch is not None:
-        # The plan sets micro-batch and accumulation itself; the callback checks the global batch.
+    if plan.provenance.micro_batch is not None:  # it sets micro-batch and accumulation itself
         saved.pop("accumulation", None)
         if not batch_known:
             saved.pop("batch_size", None)
@@ -89,8 +77,8 @@ def condition_changes(plan: Plan, now: RunConditions, *, batch_known: bool) -> l
 
 
 def wanted_budget(plan: Plan, requested: RequestedBudget) -> RequestedBudget:
-    """The budget a reused ``plan`` must have been tuned for, and a re-tune tunes for: the callback's, or
-    when it was given none, the plan's own (a plan applied as it was saved keeps its budget)."""
+    """The budget a reused ``plan`` must have been tuned for, and a re-tune tunes for: the callback's, or when it
+    was given none, the plan's own."""
     saved = RequestedBudget.of_plan(plan)
     return saved if not requested.given and saved is not None and saved.recorded else requested
 
@@ -123,8 +111,8 @@ def check_reusable(
 
 
 def reused_budget(plan: Plan, wanted: RequestedBudget, device: torch.device) -> Budget | None:
-    """The budget a reused plan is guarded against: ``wanted``, resolved for this device. A share of activation
-    memory needs the no-checkpointing figure, known only from the plan's own record of that budget."""
+    """``wanted``, resolved for this device. A share of activation memory needs the no-checkpointing figure, known
+    only from the plan's own record of that budget."""
     if wanted.kind == "activation":
         saved = plan.provenance.budget
         limit = saved.get("limit_bytes") if RequestedBudget.of_plan(plan) == wanted else None
@@ -135,9 +123,8 @@ def reused_budget(plan: Plan, wanted: RequestedBudget, device: torch.device) -> 
 def plan_to_reuse(
     candidates: Sequence[tuple[Plan | None, str]], plan_file: PlanFile | None, *, on_stale_plan: str
 ) -> tuple[Plan | None, str]:
-    """The first of ``candidates`` (plan, where it came from) that is set, else the plan in ``plan_file``. A plan
-    file that no longer fits (``StalePlanError`` on reading: a block its own profile never saw) is re-tuned with a
-    warning naming it, as any stale plan is, unless ``on_stale_plan='raise'``; a corrupt one fails the fit."""
+    """The first of ``candidates`` (plan, where it came from) that is set, else the plan in ``plan_file``; a plan file
+    that no longer fits is re-tuned, as any stale plan is, and a corrupt one fails the fit."""
     for plan, source in candidates:
         if plan is not None:
             return plan, source
@@ -147,11 +134,8 @@ def plan_to_reuse(
     try:
         return plan_file.load(), source
     except StalePlanError as err:
-        if on_stale_plan == "raise":
-            raise StalePlanError(f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune'.") from None
-        warn_user(
-            f"{err} Re-tuning instead (on_stale_plan='retune'); the search's plan replaces the file.", StalePlanWarning
-        )
+        warned = f"{err} Re-tuning instead (on_stale_plan='retune'); the search's plan replaces the file."
+        _stale(on_stale_plan, f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune'.", warned)
         return None, source
 
 
@@ -164,10 +148,8 @@ def reusable(
     *,
     on_stale_plan: str,
 ) -> tuple[RequestedBudget, Plan | None]:
-    """The budget ``plan`` is reused under (or re-tuned for), and the plan to apply: ``plan`` as it is, or, when
-    only the budget changed and ``plan`` keeps its profile, the plan re-planned for this budget from it (zero
-    trials, marked predicted); None when the caller must search. A stale plan raises under
-    ``on_stale_plan='raise'``; otherwise it warns and the caller searches again."""
+    """The budget ``plan`` is reused under (or re-tuned for), and the plan to apply: ``plan``, or, when only the
+    budget changed, the plan re-planned from its profile (zero trials); None when the caller must search."""
     wanted = wanted_budget(plan, requested)
     changes = condition_changes(plan, conditions, batch_known=False)
     try:
@@ -176,11 +158,8 @@ def reusable(
         replanned = replan_for_budget(plan, source, changes=changes, model=model, wanted=wanted)
         if replanned is not None:
             return wanted, replanned
-        if on_stale_plan == "raise":
-            raise StalePlanError(
-                f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
-            ) from None
-        warn_user(f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').", StalePlanWarning)
+        raised = f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
+        _stale(on_stale_plan, raised, f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').")
         return wanted, None
     if plan.provenance.search.get("fell_back"):
         tuned_for = plan.provenance.budget.get("description", "unknown")
@@ -195,9 +174,7 @@ def reusable(
 def replan_for_budget(
     plan: Plan, source: str, *, changes: list[str], model: ModelView, wanted: RequestedBudget
 ) -> Plan | None:
-    """``plan`` re-planned for ``wanted`` from the profile it keeps (``search.replan``), when the budget is all that
-    differs: same model, same run conditions. None when something else differs, the plan keeps no profile, or
-    no plan is predicted to fit (warned: the caller searches)."""
+    """``plan`` re-planned for ``wanted`` from the profile it keeps, when the budget is all that differs; else None."""
     if changes or not plan.provenance.profile or not wanted.recorded:
         return None
     if plan.fingerprint is not None and plan.fingerprint != model.fingerprint:
@@ -213,19 +190,21 @@ def replan_for_budget(
 
 
 def retune_for_batch(plan: Plan, conditions: RunConditions, *, budget: RequestedBudget, on_stale_plan: str) -> bool:
-    """True when a reused ``plan`` was tuned on batches of another shape than the first one (warned: the
-    caller re-tunes on it); raises under ``on_stale_plan='raise'``."""
+    """True when a reused ``plan`` was tuned on batches of another shape than the first one (warned)."""
     changes = condition_changes(plan, conditions, batch_known=True)
     if not changes:
         return False
     message = f"The applied plan was tuned for other batches: {'; '.join(changes)}."
-    if on_stale_plan == "raise":
-        raise StalePlanError(message + " Re-tune (on_stale_plan='retune') or delete the plan file.")
-    warn_user(
-        f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (on_stale_plan='retune').",
-        StalePlanWarning,
-    )
+    warned = f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (on_stale_plan='retune')."
+    _stale(on_stale_plan, f"{message} Re-tune (on_stale_plan='retune') or delete the plan file.", warned)
     return True
+
+
+def _stale(on_stale_plan: str, raised: str, warned: str) -> None:
+    """A stale plan: raise ``raised`` under ``on_stale_plan='raise'``, else warn ``warned`` (the caller re-tunes)."""
+    if on_stale_plan == "raise":
+        raise StalePlanError(raised) from None
+    warn_user(warned, StalePlanWarning)
 
 
 _LABELS = {
@@ -256,7 +235,7 @@ class RunConditions:
         return asdict(self)
 
     def changes_from(self, saved: Mapping[str, Any] | None, *, include_batch: bool = True) -> list[str]:
-        """Human-readable differences from ``saved`` (a plan's ``provenance.conditions``); empty if it matches."""
+        """Human-readable differences from ``saved`` (a plan's ``provenance.conditions``)."""
         if not saved:
             return []
         changes = []
@@ -289,7 +268,6 @@ class PlanFile:
         self._version = plan_file_version(self.path)
 
     def load(self) -> Plan | None:
-        """The saved plan, if any (its budget, conditions and fingerprint are checked by ``reuse``)."""
         return Plan.load(self.path) if self.path.exists() else None
 
     def save(self, plan: Plan) -> bool:
@@ -326,8 +304,8 @@ class PlanFile:
 
 
 def warn_each_fit(message: str, category: type[Warning] = LightningCkptWarning) -> None:
-    """``warn_user`` shown on every fit, not once per process: entering ``catch_warnings`` resets the
-    'already shown' registry, while the user's own filters (e.g. ``ignore``) still apply."""
+    """``warn_user`` shown on every fit: entering ``catch_warnings`` resets the 'already shown' registry, while the
+    user's own filters still apply."""
     with warnings.catch_warnings():
         warn_user(message, category)
 
@@ -343,10 +321,8 @@ _INTERNAL = tuple(
 
 @rank_zero_only
 def warn_user(message: str, category: type[Warning] = LightningCkptWarning) -> None:
-    """Warn once per process on rank 0, under ``category`` (a ``LightningCkptWarning``: a user filters ours by class,
-    e.g. ``warnings.filterwarnings("ignore", category=StalePlanWarning)``), attributed to the user's line that
-    started the work (``trainer.fit(...)``) rather than to this package's file and line, which said nothing to a
-    user and could not be filtered by module."""
+    """Warn once per process on rank 0, attributed to the user's line that started the work (``trainer.fit(...)``):
+    this package's file and line said nothing to a user and could not be filtered by module."""
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1

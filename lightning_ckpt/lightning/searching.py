@@ -1,7 +1,6 @@
-"""The search as the callback runs it: on the Trainer's first batch, through the user's own ``training_step``,
-inside the trial sandbox, with Lightning's progress bars paused (their clocks leave the search out); its report
-once a plan is locked in; and the joint search's micro-batch, set as Lightning's ``BatchSizeFinder`` sets it.
-Glue from a Trainer to ``search.tune``/``search.microbatch``, where the algorithm lives.
+"""Glue from a Trainer to ``search.tune``/``search.microbatch``, where the algorithm lives: the search on the first
+batch through the user's own ``training_step``, in the sandbox, with Lightning's progress bars paused; its report;
+and the joint search's micro-batch, set as Lightning's ``BatchSizeFinder`` sets it.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_ckpt.budget import RequestedBudget
 from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.lightning.guard import GuardConfig
 from lightning_ckpt.lightning.ranks import StrategySync
 from lightning_ckpt.lightning.reuse import PlanFile, warn_each_fit, warn_user
 from lightning_ckpt.lightning.shapes import (
@@ -51,11 +51,7 @@ from lightning_ckpt.search.tune import tune
 
 __all__ = [
     "SearchRequest",
-    "check_micro_batch_tunable",
-    "first_batch",
     "LinesAboveTheBar",
-    "lightning_bars_paused",
-    "write_above_the_bar",
     "report_search",
     "search_first_batch",
     "search_micro_batch",
@@ -65,17 +61,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SearchRequest:
-    """What the callback asks of one search: the model as resolved for the fit, the search's settings, the budget
-    it tunes for, where it reports."""
+    """What the callback asks of one search."""
 
     view: ModelView
     config: TuneConfig
     budget: RequestedBudget
     tb: TunerRun
     verbose: bool
+    guard: GuardConfig  # its shape_key and resize size packed batches and cut them to a bucket's length
     table_lengths: tuple[int, ...] | None = None  # a plan table's bucket lengths (the last the tuned batch's)
-    resize: Callable[[Any, int], Any] | None = None  # guard resize: a packed batch at a bucket's length
-    shape_key: Callable[[Any], Any] | None = None  # guard shape_key: how long a packed batch is
     lines: LinesAboveTheBar | None = None  # the fit's log lines, written above the bar drawn at the time
 
     def progress(self, trainer: pl.Trainer) -> Any:
@@ -93,24 +87,17 @@ class SearchRequest:
 def search_first_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, request: SearchRequest
 ) -> tuple[TuneResult, Any, PlanTable | None] | None:
-    """Search on ``batch`` (moved to the device when Lightning has not yet): the result, the batch tuned on, and the
-    plan table when ``request.table_lengths`` asks for one (``search.buckets``: one profile per shorter bucket, no
-    trials); None when ``training_step`` skipped the batch (the search runs on the next one)."""
+    """Search on ``batch``: the result, the batch tuned on, and the plan table when ``request.table_lengths`` asks for
+    one; None when ``training_step`` skipped the batch (the search runs on the next one)."""
     batch = trainer.strategy.batch_to_device(batch) if needs_transfer(batch, pl_module.device) else batch
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
     zero_grad = zero_grad_fn(trainer, pl_module, optimizer, batch_idx)
     forward = training_loss(pl_module, trainer.strategy.precision_plugin, batch, batch_idx, zero_grad=zero_grad)
     batch_size, seq_len = batch_dims(batch)
     result = table = None
-    with (
-        _handed_over(batch_idx),
-        lightning_bars_paused(trainer, request) as progress,
-        sandbox(pl_module),
-        warnings.catch_warnings(),
-    ):
+    with _handed_over(batch_idx), _around_trials(trainer, pl_module, request) as hooks, warnings.catch_warnings():
         # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
         warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
-        fill_grads(pl_module)
         result = tune(
             request.view,
             forward,
@@ -120,17 +107,14 @@ def search_first_batch(
             seq_len=seq_len,
             extra_tensors=tuple(batch_tensors(batch)),
             config=request.config,
-            hooks=_hooks(trainer, progress),
+            hooks=hooks,
         )
         if request.table_lengths is not None and not result.fell_back:
             table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
     if result is None:
         return None
-    if getattr(trainer, "received_sigterm", False):
-        # SIGTERM after the last round: one behaviour whenever it comes, the search stops and nothing is applied
-        # or written (``_handed_over`` hands it to Lightning's own handling).
-        with _handed_over(batch_idx):
-            raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
+    with _handed_over(batch_idx):
+        _stop_if_sigterm(trainer)
     if result.fell_back:
         warn_each_fit(result.fallback_message)
     return result, batch, table
@@ -146,9 +130,8 @@ def _table(
     zero_grad: Any,
 ) -> PlanTable | None:
     """The plan table over ``request.table_lengths``: the search's plan on top, each shorter bucket's chosen from a
-    profile of ``batch`` cut to its length (in the search's sandbox; a compiled model's blocks compiled alone there);
-    under several ranks, rank 0's. None, said once, where the search kept no profile to predict from (its time model
-    was not fitted: it measured no plan)."""
+    profile of ``batch`` cut to its length (no trials); under several ranks, rank 0's. None, said, where the search
+    kept no profile to predict from."""
     compiled = bool(request.view.compiled)
     provenance = result.best.provenance
     saved = provenance.compiled_profile if compiled else provenance.profile
@@ -166,21 +149,21 @@ def _table(
         )
         return None
     assert request.table_lengths is not None
-    size = batch_size_of(batch, request.shape_key)
+    guard = request.guard
+    size = batch_size_of(batch, guard.shape_key)
     rows = size.rows if size is not None else 1
     precision = pl_module.trainer.strategy.precision_plugin
     # The space the search ran (for a compiled model, as its runner adapted it): the modes each bucket profiles.
     space = SearchSpace.from_config(saved["search_space"])
 
     def profile_at(length: int) -> Any:
-        resized = batch_at_length(batch, length, rows=rows, resize=request.resize, shape_key=request.shape_key)
+        resized = batch_at_length(batch, length, rows=rows, resize=guard.resize, shape_key=guard.shape_key)
         forward = training_loss(pl_module, precision, resized, batch_idx, zero_grad=zero_grad)
         extra = tuple(batch_tensors(resized))
         return bucket_profile(request.view, forward, space=space, optimizer=optimizer, extra=extra, compiled=compiled)
 
     table = plan_table(result.best, profile_at, request.table_lengths, result.budget, rows=rows)
-    # Every rank profiled the buckets in lockstep (a sharded model's profile gathers parameters); the table is rank
-    # 0's, so every rank switches the same way (the callback picks each step's bucket by its longest batch).
+    # Every rank profiled in lockstep (a sharded model's profile gathers parameters); rank 0's table for all.
     trainer = pl_module.trainer
     return StrategySync(trainer.strategy).broadcast(table) if trainer.world_size > 1 else table
 
@@ -211,14 +194,24 @@ def _sigterm_handed_over() -> Iterator[None]:
         raise SIGTERMException() from None
 
 
-def _sigterm_received(trainer: pl.Trainer) -> Callable[[], bool]:
+def _sigterm_received(trainer: pl.Trainer) -> bool:
     """What every search polls between trials: Lightning's flag, set by its SIGTERM handler."""
-    return lambda: bool(getattr(trainer, "received_sigterm", False))
+    return bool(getattr(trainer, "received_sigterm", False))
 
 
-def _hooks(trainer: pl.Trainer, progress: Any) -> SearchHooks:
-    sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
-    return SearchHooks(progress=progress, should_stop=_sigterm_received(trainer), sync=sync)
+def _stop_if_sigterm(trainer: pl.Trainer) -> None:
+    """SIGTERM after the last round: one behaviour whenever it comes, the search stops and nothing is applied."""
+    if _sigterm_received(trainer):
+        raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
+
+
+@contextlib.contextmanager
+def _around_trials(trainer: pl.Trainer, pl_module: pl.LightningModule, request: SearchRequest) -> Iterator[SearchHooks]:
+    """Around a search's trials: Lightning's bars paused, the sandbox, and the gradients a real step holds."""
+    with lightning_bars_paused(trainer, request) as progress, sandbox(pl_module):
+        fill_grads(pl_module)
+        sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
+        yield SearchHooks(progress=progress, should_stop=lambda: _sigterm_received(trainer), sync=sync)
 
 
 @contextlib.contextmanager
@@ -250,8 +243,8 @@ def _sigterm_noted(trainer: pl.Trainer) -> Iterator[None]:
 def search_micro_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, attribute: str, request: SearchRequest
 ) -> tuple[TuneResult, Any]:
-    """The joint search of plan and micro-batch (same global batch), before the loop draws its first batch:
-    the result (its plan's ``provenance.micro_batch``), and the batch tuned on."""
+    """The joint search of plan and micro-batch (same global batch), before the loop draws its first batch: the
+    result, and the batch tuned on."""
     from lightning.pytorch.utilities.parsing import lightning_getattr
 
     from lightning_ckpt.search.microbatch import resize_batch, tune_micro_batch
@@ -268,13 +261,7 @@ def search_micro_batch(
         zero_grad = zero_grad_fn(trainer, pl_module, optimizer, 0) if global_batch // m == 1 else None
         return training_loss(pl_module, precision, resize_batch(batch, base, m), 0, zero_grad=zero_grad)
 
-    with (
-        _sigterm_handed_over(),
-        _sigterm_noted(trainer),
-        lightning_bars_paused(trainer, request) as progress,
-        sandbox(pl_module),
-    ):
-        fill_grads(pl_module)
+    with _sigterm_handed_over(), _sigterm_noted(trainer), _around_trials(trainer, pl_module, request) as hooks:
         found = tune_micro_batch(
             request.view,
             loss_fn_for,
@@ -284,10 +271,9 @@ def search_micro_batch(
             extra_for=lambda m: tuple(batch_tensors(resize_batch(batch, base, m))),
             optimizer=optimizer,
             config=request.config,
-            hooks=_hooks(trainer, progress),
+            hooks=hooks,
         )
-        if _sigterm_received(trainer)():  # after the last round: the search stops and nothing is applied
-            raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
+        _stop_if_sigterm(trainer)
     return found.result, resize_batch(batch, base, found.micro_batch)
 
 
@@ -330,8 +316,7 @@ def report_search(
 
 
 def check_micro_batch_tunable(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_arg_name: str) -> None:
-    """Refuse what the joint search cannot do (several processes, no batch-size attribute, a scheduler that sets
-    the accumulation itself); warn where accumulation is not exactly the original batch (BatchNorm)."""
+    """Refuse what the joint search cannot do; warn where accumulation is not exactly the original batch."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
     from lightning.pytorch.utilities.parsing import lightning_hasattr
 
@@ -386,23 +371,23 @@ def set_micro_batch(
             f"has {old_size} x {old_accumulation}; keeping this run's batch settings."
         )
         return False
-    try:
-        lightning_setattr(pl_module, batch_arg_name, spec.size)
-        trainer.accumulate_grad_batches = spec.accumulation
+
+    def switch(size: int, accumulation: int) -> None:
+        lightning_setattr(pl_module, batch_arg_name, size)
+        trainer.accumulate_grad_batches = accumulation
         trainer.fit_loop._combined_loader = None  # force a reload, as Lightning's batch-size tuner does
         trainer.fit_loop.setup_data()
-        loader = trainer.train_dataloader
-        actual = getattr(loader, "batch_size", spec.size)
+
+    try:
+        switch(spec.size, spec.accumulation)
+        actual = getattr(trainer.train_dataloader, "batch_size", spec.size)
         if actual != spec.size:
             raise ConfigurationError(
                 f"Set {batch_arg_name}={spec.size} but the reloaded train DataLoader still has batch_size "
                 f"{actual}: train_dataloader() must build its DataLoader from self.{batch_arg_name}."
             )
     except BaseException:
-        lightning_setattr(pl_module, batch_arg_name, old_size)
-        trainer.accumulate_grad_batches = old_accumulation
-        trainer.fit_loop._combined_loader = None  # reloaded at the old size
-        trainer.fit_loop.setup_data()
+        switch(old_size, old_accumulation)
         raise
     if verbose:
         rank_zero_info(
@@ -415,12 +400,11 @@ def set_micro_batch(
 @contextlib.contextmanager
 def lightning_bars_paused(trainer: pl.Trainer, request: SearchRequest) -> Iterator[Any]:
     """Around the search: Lightning's own bar steps aside for the tuner's (yielded; None off rank 0), and its clock
-    leaves the search out, so step 1 is not reported as taking the whole search (the result line reports the
-    tuning time).
+    leaves the search out, so step 1 is not reported as taking the whole search.
 
     The tuner's bar is made once Lightning's is stopped: a running Rich display replaces ``sys.stdout`` with a proxy
-    that prints each redraw of a bar as a line of its own. Lightning's tqdm bar is disabled meanwhile, as a line
-    written above the tuner's bar (``tqdm.write``) would otherwise redraw it too.
+    that prints each redraw of a bar as a line of its own; a line written above the tuner's bar (``tqdm.write``)
+    would redraw Lightning's tqdm bar too.
     """
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
@@ -460,12 +444,9 @@ def lightning_bars_paused(trainer: pl.Trainer, request: SearchRequest) -> Iterat
 
 class LinesAboveTheBar(logging.Handler):
     """Every line logged during a fit (the tuner's and Lightning's own), written above whichever progress bar is
-    drawn then: the tuner's during the search, Lightning's tqdm or Rich bar after it.
-
-    A line written to the terminal while a bar is drawn lands after the bar's text, on its line (tqdm leaves the
-    cursor there; Rich redraws over it). Each bar has its own way to write above itself: tqdm's ``write``, Rich's
-    console while its live display runs. Installed on rank 0 for the fit in place of the console handlers of
-    Lightning's and the tuner's loggers (as tqdm's ``logging_redirect_tqdm`` does), and put back after.
+    drawn then: a line written while a bar is drawn lands on the bar's line (tqdm leaves the cursor there; Rich
+    redraws over it). Installed on rank 0 for the fit in place of the loggers' console handlers (as tqdm's
+    ``logging_redirect_tqdm`` does), and put back after.
     """
 
     LOGGERS = ("lightning.pytorch", "lightning_ckpt")
@@ -496,33 +477,30 @@ class LinesAboveTheBar(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            write_above_the_bar(self.trainer, self.format(record), search_bar=self.search_bar, stream=self.stream)
+            self._write(self.format(record))
         except Exception:
             self.handleError(record)
 
+    def _write(self, text: str) -> None:
+        """``text`` as a line of its own above the bar drawn now, or on ``stream`` when none is."""
+        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-def write_above_the_bar(trainer: pl.Trainer, text: str, *, search_bar: Any = None, stream: Any = None) -> None:
-    """``text`` as a line of its own above the bar drawn now (the tuner's, or Lightning's tqdm or Rich bar), or on
-    ``stream`` (default stderr) when none is."""
-    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-
-    if search_bar is not None:
-        search_bar.write(text)
-        return
-    callback = trainer.progress_bar_callback
-    if isinstance(callback, TQDMProgressBar):
-        bars = [getattr(callback, f"_{s}_progress_bar", None) for s in ("train", "val", "test", "predict")]
-        active = next((b for b in bars if b is not None and not b.disable), None)
-        if active is not None:
-            active.write(text, file=active.fp)
+        if self.search_bar is not None:
+            self.search_bar.write(text)
             return
-    rich = callback.progress if isinstance(callback, RichProgressBar) else None
-    if rich is not None and rich.live.is_started:
-        rich.console.print(text, markup=False, highlight=False, soft_wrap=True)  # above its live display
-        return
-    stream = stream or sys.stderr
-    stream.write(text + "\n")
-    stream.flush()
+        callback = self.trainer.progress_bar_callback
+        if isinstance(callback, TQDMProgressBar):
+            bars = [getattr(callback, f"_{s}_progress_bar", None) for s in ("train", "val", "test", "predict")]
+            active = next((b for b in bars if b is not None and not b.disable), None)
+            if active is not None:
+                active.write(text, file=active.fp)
+                return
+        rich = callback.progress if isinstance(callback, RichProgressBar) else None
+        if rich is not None and rich.live.is_started:
+            rich.console.print(text, markup=False, highlight=False, soft_wrap=True)  # above its live display
+            return
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
 
 def _is_console(handler: logging.Handler) -> bool:

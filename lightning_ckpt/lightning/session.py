@@ -1,8 +1,7 @@
 """One fit of the callback: what it reuses or searches, the plan it follows, and the guard over its real steps.
 
-The callback's hooks hand over to one ``FitSession`` per fit, which moves through named stages (``Stage``)
-instead of keeping flags. What outlives a fit (the plan a later fit re-applies, the search, the micro-batch, a
-probed ``max_shape``) is kept in ``Found``, which the callback owns and each session updates.
+One ``FitSession`` per fit moves through named stages (``Stage``) instead of keeping flags; what outlives a fit is
+kept in ``Found``, which the callback owns.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from lightning_ckpt.plan.table import PlanTable, bucket_edges, table_line
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.result import TuneResult
 
-__all__ = ["FitSession", "Found", "Settings", "Stage"]
+__all__ = ["FitSession", "Found", "Settings"]
 
 
 _SEARCHES = ("search", "joint micro-batch search")  # lock-in sources whose search ends with its own line
@@ -66,8 +65,7 @@ class Stage(enum.Enum):
     IDLE = "before on_fit_start decides between reuse and search, or after the fit: the hooks do nothing"
     SEARCH_PENDING = "the search runs on the next training batch"
     CHECKING_REUSED = "a reused plan is applied; the first batch is compared with the batches it was tuned on"
-    LOCKED_IN = "a plan is applied and the guard reads real steps"
-    FOLLOWING_TABLE = "locked in with a plan table: each batch's bucket plan is applied before its forward"
+    LOCKED_IN = "a plan is applied and the guard reads real steps (under a plan table, each batch's bucket plan)"
 
 
 @dataclass(frozen=True)
@@ -94,9 +92,9 @@ class Settings:
 class Found:
     """What the callback's fits found, kept across them: a later fit re-applies ``plan`` without searching."""
 
-    plan: Plan | None = None  # the locked-in plan
-    result: TuneResult | None = None  # the search, when one ran in this process
-    micro_batch: dict[str, int] | None = None  # the applied {size, accumulation, global, original_size}
+    plan: Plan | None = None
+    result: TuneResult | None = None
+    micro_batch: dict[str, int] | None = None
     max_shape: BatchSize | None = None  # declared, or probed by the first fit that needed it
 
 
@@ -104,8 +102,7 @@ class FitSession:
     """The per-fit state of the callback, and what each of its hooks does with it."""
 
     def __init__(self, settings: Settings, found: Found, pl_module: pl.LightningModule) -> None:
-        # Resolved once for the fit (a model with nothing to checkpoint fails here): the search, reuse, lock-in
-        # and the guard all see this one view.
+        # Resolved once for the fit (a model with nothing to checkpoint fails here).
         self.view = ModelView.of(pl_module, settings.config.block_types)
         refuse_existing_checkpointing(self.view.root)
         self.settings, self.found = settings, found
@@ -126,8 +123,8 @@ class FitSession:
         return self.guard.checks if self.guard is not None else []
 
     def fit_starts(self, trainer: pl.Trainer, pl_module: pl.LightningModule, resumed: Plan | None) -> None:
-        """Reuse a saved plan (resumed checkpoint, ``plan=``, an earlier fit, the plan file), or search: the joint
-        micro-batch search now (before the loop draws its first batch), the plan search on the first batch."""
+        """Reuse a saved plan, or search: the joint micro-batch search now (before the loop draws its first batch),
+        the plan search on the first batch."""
         s = self.settings
         if trainer.is_global_zero and trainer.progress_bar_callback is not None:
             self.lines = LinesAboveTheBar(trainer)
@@ -172,7 +169,7 @@ class FitSession:
             ):
                 return  # training_step skipped the batch: the search runs on the next one
         guard = self.guard
-        if guard is None or self.stage not in (Stage.LOCKED_IN, Stage.FOLLOWING_TABLE):
+        if guard is None or self.stage is not Stage.LOCKED_IN:
             return
         guard.agree(trainer, batch, table=self.table is not None)  # this step's size, alike on all ranks
         if self.table is not None:
@@ -227,15 +224,13 @@ class FitSession:
             self._save()
 
     def closure_ends(self) -> None:
-        """Forward and backward of the step are over; the optimizer's update starts."""
         if self.guard is not None:
             self.guard.reader.optimizer_update_starts()
         if self.replan_check is not None:
             self.replan_check.closure_ends()
 
     def end(self) -> None:
-        """The model leaves the fit as the user gave it (no instance forwards, HF cache setting back); the plan stays
-        in ``found``, so a new fit (or a resumed one) re-applies it without searching."""
+        """The model leaves the fit as the user gave it; the plan stays in ``found`` for a new fit to re-apply."""
         self._unlock()
         self.stage = Stage.IDLE
 
@@ -247,7 +242,7 @@ class FitSession:
             self.lines = None
 
     def _reuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Plan, source: str) -> bool:
-        """Apply a saved plan without searching (True), or return False to search (it was stale and re-tunes)."""
+        """Apply a saved plan without searching (True), or return False to search (it was stale)."""
         s = self.settings
         conditions = run_conditions(trainer, pl_module, None)
         wanted, reused = reusable(plan, source, conditions, self.view, s.requested, on_stale_plan=s.on_stale_plan)
@@ -274,13 +269,13 @@ class FitSession:
         return True
 
     def _check_reused(self, trainer: pl.Trainer, pl_module: pl.LightningModule, tuning_batch: Any) -> None:
-        """The first batch against the batches the reused plan was tuned on: keep it, or re-tune on this batch."""
+        """Keep the reused plan, or re-tune on this batch when it was tuned on batches of another shape."""
         plan = self.found.plan
         assert plan is not None
         conditions = run_conditions(trainer, pl_module, tuning_batch)
         on_stale_plan = self.settings.on_stale_plan
         if not retune_for_batch(plan, conditions, budget=self.search_budget, on_stale_plan=on_stale_plan):
-            self.stage = self._locked_stage()
+            self.stage = Stage.LOCKED_IN
             return
         self._unlock()
         check_tunable(pl_module)
@@ -332,15 +327,7 @@ class FitSession:
     def _request(self, table_lengths: tuple[int, ...] | None = None) -> SearchRequest:
         s = self.settings
         return SearchRequest(
-            self.view,
-            s.config,
-            self.search_budget,
-            self.tb,
-            s.verbose,
-            table_lengths,
-            resize=s.guard.resize,
-            shape_key=s.guard.shape_key,
-            lines=self.lines,
+            self.view, s.config, self.search_budget, self.tb, s.verbose, s.guard, table_lengths, self.lines
         )
 
     def _trials(self) -> tuple[Any, ...] | list[Any]:
@@ -358,8 +345,7 @@ class FitSession:
         rank_zero_info(f"lightning_ckpt: max_shape {shape}, from {probed.source}.")
 
     def _tuning_batch(self, batch: Any) -> Any:
-        """What the search measures (and a reused plan is compared with): the batch, grown to ``max_shape`` (by
-        guard ``resize`` for batches sized by ``shape_key``)."""
+        """What the search measures (and a reused plan is compared with): the batch, grown to ``max_shape``."""
         max_shape, guard = self.found.max_shape, self.settings.guard
         if max_shape is None:
             return batch
@@ -376,9 +362,7 @@ class FitSession:
         return grown
 
     def _table_lengths(self, trainer: pl.Trainer, batch: Any, tuning_batch: Any) -> tuple[int, ...] | None:
-        """The plan table's bucket lengths for this search, None when there is none: no ``max_shape`` or
-        ``buckets=False``, a compiled model (its plans' graphs), packed batches without ``resize``, or a declared
-        maximum no longer than the first batch."""
+        """The plan table's bucket lengths for this search, None when it builds none."""
         s = self.settings
         if self.found.max_shape is None or s.buckets is False:
             return None
@@ -395,7 +379,7 @@ class FitSession:
         return edges if len(edges) > 1 else None
 
     def _table_refused(self) -> str | None:
-        """Why this fit can follow no plan table (a search builds none, a reused one is not followed), or None."""
+        """Why this fit can follow no plan table, or None."""
         guard = self.settings.guard
         if guard.shape_key is None or guard.resize is not None:
             return None
@@ -405,7 +389,7 @@ class FitSession:
         )
 
     def _reused_table(self, plan: Plan, source: str) -> PlanTable | None:
-        """The plan table a reused plan keeps, when this fit follows one (as ``_table_lengths`` decides)."""
+        """The plan table a reused plan keeps, when this fit follows one."""
         if self.settings.buckets is False or self._table_refused() is not None:
             return None
         table = PlanTable.of_plan(plan, source=source)
@@ -414,10 +398,9 @@ class FitSession:
         return table
 
     def _follow_table(self, trainer: pl.Trainer) -> None:
-        """Before the forward: run the plan of this step's bucket (a batch longer than every bucket runs the top
-        one, and the guard's before-forward check covers it). Under several ranks the bucket is that of the step's
-        longest batch on any rank (``BudgetGuard.agree``), so every rank runs the same plan: a sharded model's
-        recompute gathers parameters, and ranks checkpointing different blocks would wait on each other."""
+        """Before the forward: run the plan of this step's bucket (a batch longer than every bucket runs the top one).
+        Every rank runs the same plan (the bucket of the longest batch on any rank): a sharded model's recompute
+        gathers parameters, and ranks checkpointing different blocks would wait on each other."""
         table, plan, guard = self.table, self.found.plan, self.guard
         assert table is not None and plan is not None and guard is not None
         size = guard.step_size
@@ -430,8 +413,7 @@ class FitSession:
 
     def _keeps_graphs(self) -> bool:
         """Whether switching between the plan table's plans keeps each one's compiled graphs (``AppliedPlan``): a
-        compiled model's table, whose plans share one PT2 budget (none: a search that chose one builds no table, as
-        the compiler reads it when compiling and no guard sees it)."""
+        compiled model's table whose plans share one PT2 budget."""
         table = self.table
         if table is None or not self.view.compiled:
             return False
@@ -443,17 +425,13 @@ class FitSession:
         self.applied.apply(self.view, plan, trainer, keep_graphs=self._keeps_graphs())
         self.found.plan = self.running = plan
         guard.arm(int(trainer.accumulate_grad_batches))
-        self.stage = self._locked_stage()
+        self.stage = Stage.LOCKED_IN
         if source not in _SEARCHES or self.settings.verbose:
             rank_zero_info(f"lightning_ckpt: applied plan from {source}: {plan.describe()}")
 
-    def _locked_stage(self) -> Stage:
-        return Stage.FOLLOWING_TABLE if self.table is not None else Stage.LOCKED_IN
-
     def _guard_switched(self, lower: Plan, trainer: pl.Trainer) -> None:
         """The guard moved to ``lower``: lock it in, or, under a plan table, make it the plan of the bucket that went
-        over (the top bucket's plan is the plan file's plan) and run it. A batch longer than every bucket grows the
-        table a bucket up to its length instead, so the batches the top bucket covers keep their plan."""
+        over. A batch longer than every bucket grows the table a bucket instead, so the top bucket keeps its plan."""
         table, running, plan, guard = self.table, self.running, self.found.plan, self.guard
         assert guard is not None
         size = guard.step_size  # the step's largest batch on any rank, as the table was followed
@@ -482,8 +460,7 @@ class FitSession:
         rank_zero_info(f"lightning_ckpt: bucket <= {table.buckets[index].max_length} now runs {lower.describe()}")
 
     def _report_replanned(self, trainer: pl.Trainer) -> None:
-        """Once a re-planned plan's first step was timed (its memory read before it): the side-by-side line, and
-        the measured figures into the plan file."""
+        """Once a re-planned plan's first step was timed: the side-by-side line, and the figures into the plan file."""
         check, plan = self.replan_check, self.found.plan
         if check is None or check.seconds is None or plan is None:
             return

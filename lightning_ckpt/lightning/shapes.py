@@ -1,31 +1,18 @@
 """How big a batch is, and how a plan's memory grows with it: what lets the guard act *before* a larger batch's
 forward instead of reading it after (on a GPU, after is an out-of-memory error and a dead fit).
 
-A batch's size is ``(rows, length)``: samples and tokens per sample for token batches (``trials.batch_dims``), and for
-any other structure the largest tensor's elements per row, so an image batch, a dict of features or a packed batch
-all have one. A packed batch (sequences concatenated, boundaries in ``cu_seqlens``) says nothing by its shape about
-the sequences it holds: the user's ``shape_key`` says it (``lambda b: (1, int(b["cu_seqlens"][-1]))``).
+A batch's size is ``(rows, length)``: samples and tokens per sample for token batches, else the largest tensor's
+elements per row. A packed batch (sequences concatenated, boundaries in ``cu_seqlens``) says nothing by its shape
+about the sequences it holds: the user's ``shape_key`` says it.
 
-A plan's activations at another size are predicted from a reference (a trial at the tuned batch, or a real step
-read under that plan): rows scale them linearly; length as ``a * x + (1 - a) * x**2`` of the reference's, ``x``
-the length ratio, the form a transformer's activations have (linear layers and fused attention grow with T,
-attention that materialises its T x T scores with T**2). Until a real step of that plan has been read at a second
-length, ``a`` is 0 (all quadratic): the guard assumes the worst and may move to a lower-memory plan a step early,
-never a step late. A reading at another length solves for ``a`` (the smallest over readings is kept, the more
-quadratic one), which then extrapolates exactly for that form where a fitted power would not: the power between
-two short lengths is lower than between a short and a long one.
+Activations at another size are predicted from a reference: linear in rows, and ``a * x + (1 - a) * x**2`` in the
+length ratio ``x``, the form a transformer's activations have (attention that materialises its T x T scores grows
+with T**2). Until a plan's real step is read at a second length, ``a`` is 0 (all quadratic): the guard may move to a
+lower-memory plan a step early, never a step late. A fitted power would not extrapolate: the power between two short
+lengths is lower than between a short and a long one.
 
-Running the user's ``training_step`` as a trial: without a trace (the sandbox), with the gradients Lightning
-would hold at that point of a real step, under the Trainer's precision; and reading a batch's shape.
-
-The longest batch a run will see, found before its first step: ``max_shape="probe"``.
-
-A plan tuned on the first batch runs over the budget on the first long one, many steps later. Users who cannot
-name their longest batch ask the run: the datamodule's declared maximum length where it exposes one (LitGPT's
-data modules and many Hugging Face ones keep ``max_seq_length``), else a bounded probe of the training loader:
-N batches drawn from a fresh iterator, only their shapes kept. The probe must not change training: the random
-states a loader draws from (torch's for a shuffling sampler, Python's and NumPy's for user code) are put back,
-and a loader that cannot be iterated afresh (a one-shot iterator or generator) is refused rather than consumed.
+Also here: running ``training_step`` as a trial (the sandbox), and ``max_shape="probe"``, which must not change
+training: the random states a loader draws from are put back, and a one-shot iterator is refused, not consumed.
 """
 
 from __future__ import annotations
@@ -38,7 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.measure.harness import loss_of
@@ -47,9 +34,7 @@ from lightning_ckpt.measure.snapshot import StateSnapshot, mark_zero_grad, rng_s
 
 __all__ = [
     "BatchSize",
-    "DATAMODULE_ATTRIBUTES",
     "PROBE_BATCHES",
-    "Probed",
     "ShapeScaling",
     "SkippedBatch",
     "batch_at_length",
@@ -62,7 +47,6 @@ __all__ = [
     "needs_transfer",
     "probe_request",
     "probed_max_shape",
-    "resized_to",
     "sandbox",
     "training_loss",
     "zero_grad_fn",
@@ -104,8 +88,7 @@ class BatchSize:
 
 
 def batch_size_of(batch: Any, shape_key: Callable[[Any], Any] | None = None) -> BatchSize | None:
-    """``batch``'s size (see the module docstring); None for a batch without tensors. ``shape_key`` (the user's)
-    returns ``(rows, length)`` or a length (one row)."""
+    """``batch``'s size (see the module docstring); None for a batch without tensors."""
     if shape_key is not None:
         value = shape_key(batch)
         pair = value if isinstance(value, (tuple, list)) else (1, value)
@@ -128,8 +111,8 @@ def batch_size_of(batch: Any, shape_key: Callable[[Any], Any] | None = None) -> 
 
 @dataclass
 class ShapeScaling:
-    """Predicts a plan's activation bytes at one size from a reference at another, and learns per plan how they
-    grow with length from real steps (see the module docstring)."""
+    """Predicts a plan's activation bytes at one size from a reference at another, learning per plan from real steps
+    how they grow with length (see the module docstring)."""
 
     linear_shares: dict[str, list[float]] = field(default_factory=dict)  # plan key -> ``a`` of each reading
 
@@ -150,9 +133,8 @@ class ShapeScaling:
     def observe(
         self, plan_key: str, activation: int, at: BatchSize, reference_activation: int, reference: BatchSize
     ) -> None:
-        """A real step under plan ``plan_key`` read at ``at`` used ``activation``; the same plan used
-        ``reference_activation`` at ``reference``. Readings at the reference's length say nothing of the growth
-        with length and are left out."""
+        """A real step read at ``at`` used ``activation``, the same plan ``reference_activation`` at ``reference``.
+        Readings at the reference's length say nothing of the growth with length."""
         if at.length == reference.length or activation <= 0 or reference_activation <= 0:
             return
         x = at.length / reference.length
@@ -162,18 +144,15 @@ class ShapeScaling:
 
 
 def grown_to(batch: Any, target: BatchSize) -> Any:
-    """``batch`` grown to ``target`` (``rows`` 0: its own) by tiling every dimension with its row count (the first)
-    or its length (any later one: ``(B, T)`` ids, ``(B, 1, T, T)`` masks): the tokens repeat, but a step's memory and
-    time are those of a batch that size, which is what the search measures. A dimension already that large keeps
-    its size. Packed batches (the shape does not carry the length) cannot be grown."""
+    """``batch`` grown to ``target`` (``rows`` 0: its own): the tokens repeat, but a step's memory and time are those
+    of a batch that size, which is what the search measures. A dimension already that large keeps its size."""
     rows, length = _token_dims(batch, "max_shape needs")
     return resized_to(batch, BatchSize(max(target.rows, rows), max(target.length, length)))
 
 
 def resized_to(batch: Any, target: BatchSize) -> Any:
-    """``batch`` at exactly ``target`` (``rows`` 0: its own rows): rows and positions repeated to grow it, the first
-    ones kept to shrink it (as ``grown_to``). What a plan table's buckets are profiled on: the first batch at each
-    bucket's longest length."""
+    """``batch`` at exactly ``target`` (``rows`` 0: its own rows), tiling every dimension as long as its rows (the
+    first) or its length (any later one: ``(B, T)`` ids, ``(B, 1, T, T)`` masks), or keeping the first ones."""
     rows, length = _token_dims(batch, "a plan table needs")
     to_rows, to_length = target.rows or rows, target.length
     if (to_rows, to_length) == (rows, length):
@@ -206,8 +185,7 @@ def batch_at_length(
     resize: Callable[[Any, int], Any] | None = None,
     shape_key: Callable[[Any], Any] | None = None,
 ) -> Any:
-    """``batch`` at ``length``: by the user's ``resize`` (guard ``resize``, for batches sized by ``shape_key``, whose
-    result is checked with it), else as ``resized_to`` (``rows`` 0: the batch's own)."""
+    """``batch`` at ``length``: by the user's guard ``resize`` (its result checked), else as ``resized_to``."""
     if resize is None:
         return resized_to(batch, BatchSize(rows, length))
     out = resize(batch, length)
@@ -223,11 +201,9 @@ def batch_at_length(
 
 
 def mark_length_dynamic(batch: Any, length: int) -> int:
-    """Mark every dimension ``length`` long of the batch's tensors, but the first (the rows), dynamic for dynamo
-    (``maybe_mark_dynamic``: a model that needs the length static keeps it static, without an error). The graph a
-    compiled plan gets at its bucket's first batch then serves every length of the bucket; otherwise it would be
-    compiled for that one length, and dynamo's automatic dynamic shapes would compile it again at the second. The
-    number of dimensions marked."""
+    """Mark every dimension ``length`` long but the rows dynamic for dynamo (``maybe_mark_dynamic``: a model that
+    needs it static keeps it static), so the graph compiled at a bucket's first batch serves every length of the
+    bucket instead of being compiled again at the second. The number of dimensions marked."""
     if length < 2:  # dynamo specialises sizes 0 and 1 whatever is marked
         return 0
     marked = 0
@@ -257,16 +233,13 @@ def _shapes(batch: Any) -> str:
 
 @contextlib.contextmanager
 def sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Run trials without leaving a trace: grads, buffers, metric states, Python attributes, RNG and logging.
-    Tensors, RNG and Python attributes are the measure stage's (``StateSnapshot``, ``PythonState``); what is
-    Lightning's own (metric states, logging, train/eval flags) is put back here."""
+    """Run trials without leaving a trace: grads, buffers, metric states, Python attributes, RNG and logging."""
     python_state = PythonState.capture(pl_module)  # tune() also restores them after every step it runs
     state = StateSnapshot.capture(pl_module)
-    metric_states = _metric_states(pl_module)
+    restore_metrics = _metric_states(pl_module)
     training = {m: m.training for m in pl_module.modules()}
     patched = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
-    pl_module.log = _no_log  # type: ignore[method-assign]
-    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    pl_module.log = pl_module.log_dict = _no_log  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -278,7 +251,7 @@ def sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
         state.restore()
         for m, was in training.items():
             m.training = was
-        _restore_metric_states(metric_states)
+        restore_metrics()
         python_state.restore()
 
 
@@ -286,30 +259,27 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _metric_states(pl_module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics ships with lightning
-        return []
+def _metric_states(pl_module: torch.nn.Module) -> Callable[[], None]:
+    """The torchmetrics states as they are now; the function returned puts them back."""
+    from torchmetrics import Metric  # a dependency of lightning
+
     saved = []
     for m in pl_module.modules():
         if isinstance(m, Metric):
             state = {k: copy.deepcopy(getattr(m, k)) for k in m._defaults}
-            state.update(_update_count=m._update_count, _computed=copy.deepcopy(m._computed))
-            saved.append((m, state))
-    return saved
+            saved.append((m, {**state, "_update_count": m._update_count, "_computed": copy.deepcopy(m._computed)}))
 
+    def restore() -> None:
+        for m, state in saved:
+            for k, v in state.items():
+                setattr(m, k, v)
 
-def _restore_metric_states(saved: list[tuple[Any, dict[str, Any]]]) -> None:
-    for m, state in saved:
-        for k, v in state.items():
-            setattr(m, k, v)
+    return restore
 
 
 def fill_grads(pl_module: pl.LightningModule) -> None:
-    """Give every trainable parameter a gradient for the trials (the sandbox puts the real ones back): from the
-    second real step on, gradients are live while the forward runs (Lightning zeroes them after ``training_step``,
-    under accumulation not at all within a window), so trials without them would under-state every later step."""
+    """Give every trainable parameter a gradient for the trials: from the second real step on, gradients are live
+    while the forward runs, so trials without them would under-state every later step."""
     for p in pl_module.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -326,9 +296,8 @@ def zero_grad_fn(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: 
 def training_loss(
     pl_module: pl.LightningModule, precision: Any, batch: Any, batch_idx: int, *, zero_grad: Any = None
 ) -> Any:
-    """The user's ``training_step`` on ``batch`` under the Trainer's precision (trials run exactly what training
-    runs, autocast included), as a zero-argument loss function. ``zero_grad`` runs after the forward, where
-    Lightning's automatic optimization zeroes gradients."""
+    """The user's ``training_step`` on ``batch`` under the Trainer's precision (autocast included), as a zero-argument
+    loss function. ``zero_grad`` runs after the forward, where Lightning's automatic optimization zeroes gradients."""
 
     def forward() -> torch.Tensor:
         with precision.forward_context():
@@ -348,8 +317,6 @@ class SkippedBatch(Exception):
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
     return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 
@@ -374,7 +341,7 @@ DATAMODULE_ATTRIBUTES = ("max_seq_length", "max_length", "max_seq_len")
 
 @dataclass(frozen=True)
 class Probed:
-    """The longest batch found, and where it came from, for the one line the callback prints."""
+    """The longest batch found, and where it came from."""
 
     size: BatchSize
     source: str
@@ -442,7 +409,7 @@ def probe_loader(loader: Any, size_of: Callable[[Any], BatchSize | None], batche
 
 def probed_max_shape(trainer: Any, size_of: Callable[[Any], BatchSize | None], batches: int) -> Probed:
     """The longest batch this fit will see: the datamodule's (or module's) declared maximum length, else a probe of
-    ``batches`` batches of its training loader. Several ranks take the longest any rank found."""
+    its training loader; the longest any rank found."""
     declared = _declared_length((trainer.datamodule, trainer.lightning_module))
     if declared is not None:
         probed = Probed(BatchSize(0, declared[0]), f"{declared[1]} ({declared[0]})")

@@ -1,7 +1,5 @@
-"""Reading a real training step's memory after lock-in: CUDA from the allocator's peak, CPU with the live-tensor
-tracker (several times slower, so only the steps the guard reads). A compiled model's steps are read as its trials
-were (``compile.SavedForBackward``): the tracker's dispatch mode would make dynamo run them eagerly and read the
-eager step.
+"""Reading a real training step's memory after lock-in. A compiled model's steps are read as its trials were
+(``SavedForBackward``): the tracker's dispatch mode would make dynamo run them eagerly and read the eager step.
 """
 
 from __future__ import annotations
@@ -23,13 +21,9 @@ __all__ = ["RealStepReader"]
 class RealStepReader:
     """Reads one real training step, started and stopped from two hooks (batch start, batch end).
 
-    Peak memory: CUDA from the allocator (what an OOM is decided on), CPU from the live-tensor tracker.
-    Activation memory means what it means in trials (``measure``): bytes the step creates other than
-    gradients and optimizer state, read by the live-tensor tracker on every device. On CUDA the
-    allocator's ``peak - resting`` would also count the new gradients, the optimizer state the first
-    step creates and its foreach temporaries, so an activation budget would see a step several times
-    its trial. The tracker runs only when activation is asked for (it slows the step) and only on the
-    few steps the guard reads.
+    Peak memory: CUDA from the allocator (what an OOM is decided on), CPU from the live-tensor tracker (several times
+    slower, so only the steps the guard reads). Activation memory is read by the tracker on every device, as in
+    trials: the allocator's ``peak - resting`` would also count new gradients and the optimizer's state.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -106,15 +100,9 @@ class RealStepReader:
 
     def stop(self) -> MemoryReading | None:
         """The step's reading, or None when no step was being read. Activation is None when it was not read."""
-        tracker, self._tracker = self._tracker, None
-        saved, self._saved = self._saved, None
-        if tracker is not None:
-            tracker.__exit__(None, None, None)
-        activation = tracker.activation_peak if tracker is not None else None
-        if saved is not None:
-            saved.__exit__(None, None, None)
-            activation = saved.saved_bytes
-        resting, self._resting = self._resting, 0
+        tracker, saved, resting = self._tracker, self._saved, self._resting
+        self.abandon()
+        activation = saved.saved_bytes if saved is not None else tracker.activation_peak if tracker else None
         if self.device.type == "cuda":
             if resting == 0:
                 return None
@@ -126,18 +114,13 @@ class RealStepReader:
             peak = tracker.total_peak
         else:
             return None
-        return MemoryReading(peak, activation, resting, str(self.device), *self._pressure())
-
-    def _pressure(self) -> tuple[int | None, int]:
-        """(reserved peak, allocator retries) of the step read."""
-        return self._reserved_peak(), self._alloc_retries() - self._retries
+        retries = self._alloc_retries() - self._retries
+        return MemoryReading(peak, activation, resting, str(self.device), self._reserved_peak(), retries)
 
     def abandon(self) -> None:
         """Stop reading without a result (the step raised, or the fit ends)."""
-        if self._tracker is not None:
-            tracker, self._tracker = self._tracker, None
-            tracker.__exit__(None, None, None)
-        if self._saved is not None:
-            saved, self._saved = self._saved, None
-            saved.__exit__(None, None, None)
+        for reading in (self._tracker, self._saved):
+            if reading is not None:
+                reading.__exit__(None, None, None)
+        self._tracker = self._saved = None
         self._resting = 0

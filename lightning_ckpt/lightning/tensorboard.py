@@ -26,12 +26,9 @@ class TunerRun:
         return next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
 
     def declare_hparams_table(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Declare the HParams table's columns in the Trainer's TensorBoard run, before Lightning writes its own.
-
-        TensorBoard keeps the first experiment summary of a run, and Lightning writes one (the module's
-        hyperparameters and ``hp_metric``) right after ``on_fit_start``; written first, the tuner's columns win.
-        The module's hyperparameters stay columns too, so the training run's own row still shows them.
-        """
+        """Declare the HParams table's columns in the Trainer's TensorBoard run: TensorBoard keeps a run's first
+        experiment summary, and Lightning writes one right after ``on_fit_start`` (the module's hyperparameters stay
+        columns too)."""
         from lightning_ckpt.report.tensorboard import write_experiment
 
         tb = self.trainer_logger(trainer)
@@ -40,17 +37,12 @@ class TunerRun:
         write_experiment(tb.experiment, logged_hparams(trainer, pl_module))
         self.declared_in_logger = True
 
-    def enabled(self, trainer: pl.Trainer) -> bool:
-        """Whether the search writes TensorBoard files: into ``log_dir`` when given, else beside the Trainer's
-        loggers; not with ``Trainer(logger=False)``, which asks for no log files (the plan file is still written).
-        It wrote ``lightning_logs/lightning_ckpt`` into the working directory all the same."""
-        return self.log_dir is not None or bool(trainer.loggers)
-
     def writer(self, trainer: pl.Trainer) -> Any:
-        """The search's ``SummaryWriter`` (opened once), None where ``enabled`` says no files are written."""
+        """The search's ``SummaryWriter`` (opened once); None with ``Trainer(logger=False)`` and no ``log_dir``,
+        which asks for no log files."""
         if self._writer is not None:
             return self._writer
-        if not self.enabled(trainer):
+        if self.log_dir is None and not trainer.loggers:
             return None
         from lightning_ckpt.report.tensorboard import open_writer
 
