@@ -2,17 +2,12 @@
 real segment), or a clear word that they are not; and the split-resistant setting a refused pass is retried with.
 
 Why expandable segments: the cap limits *reserved* memory, and a search runs steps of many shapes in turn, whose
-split cached blocks cannot serve a large request (one H200 capped at 21.8 GiB refused the memory profile 6.14 GiB
-with 11.17 GiB allocated and 4.74 GiB "reserved by PyTorch but unallocated"). Expandable segments unmap free pages
-before refusing, so reserved follows allocated, which is what the budget, the memory model and the guard speak of.
+split cached blocks cannot serve a large request. Expandable segments unmap free pages before refusing, so reserved
+follows allocated, which is what the budget, the memory model and the guard speak of.
 
-They are turned on before CUDA starts (``start_expandable_segments``, when the callback is created and ``tune``
-entered: the allocator reads ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` when it starts), else at run time
-(``search_allocator``: the setter, given the user's whole configuration, which it parses as complete). On torch
-2.11 the run-time switch did nothing, unchecked: so a probe's segment is read (``is_expandable`` in
-``memory_snapshot()``) before and after, and a switch that did not take is put back and said once
-(``AllocatorWarning``). Training keeps the regime the search verified (a plan is not trained under another that
-fragments); a user's own ``expandable_segments`` setting is never changed.
+They are turned on before CUDA starts (``start_expandable_segments``), else at run time (``search_allocator``). On
+torch 2.11 the run-time switch did nothing, unchecked: so a probe's segment is read before and after, and a switch
+that did not take is put back and said once. A user's own ``expandable_segments`` setting is never changed.
 """
 
 from __future__ import annotations
@@ -49,9 +44,8 @@ class AllocatorWarning(UserWarning):
 
 @dataclass(frozen=True)
 class AllocatorRegime:
-    """What the search ran under, read off the allocator (recorded in the result and the plan file):
-    ``expandable_segments`` verified on a new segment; ``how`` they came on, or why they are off; ``settings``, the
-    options in force (``PYTORCH_ALLOC_CONF`` syntax)."""
+    """What the search ran under, read off the allocator (recorded in the result and the plan file): ``how``
+    expandable segments came on, or why they are off; ``settings``, the options in force."""
 
     expandable_segments: bool
     how: str
@@ -68,8 +62,8 @@ class AllocatorRegime:
 
 def start_expandable_segments(environ: dict[str, str] | None = None) -> str | None:
     """Put ``expandable_segments:True`` into the allocator's configuration before CUDA starts, keeping the user's
-    other options; returns the variable set, or None (no GPU, CUDA started, or the user chose either way). It stays
-    for the whole process: training runs in the regime the search measured."""
+    other options, for the whole process; returns the variable set, or None (no GPU, CUDA started, or the user
+    chose either way)."""
     environ = os.environ if environ is None else environ
     if not torch.cuda.is_available() or torch.cuda.is_initialized():
         return None
@@ -86,10 +80,7 @@ def start_expandable_segments(environ: dict[str, str] | None = None) -> str | No
 def _regime(memory: DeviceMemory) -> AllocatorRegime:
     version = torch.__version__.split("+")[0]
     options = memory.allocator_options()
-    memory.empty_cache()  # a probe served from the cache would read an old segment, not a new one
-    expandable = memory.expandable_in_effect()
-    memory.empty_cache()  # and the probe's own segment is not left cached for the search's first pass
-    if expandable:
+    if _probe(memory):
         how = "configured before the device started" if options.expandable_segments else "already on"
         return AllocatorRegime(True, how, options.text(), version)
     if options.expandable_segments is False:
@@ -100,10 +91,7 @@ def _regime(memory: DeviceMemory) -> AllocatorRegime:
         return AllocatorRegime(
             False, f"the allocator refused the switch ({type(err).__name__}: {err})", options.text(), version
         )
-    memory.empty_cache()
-    expandable = memory.expandable_in_effect()
-    memory.empty_cache()
-    if expandable:
+    if _probe(memory):
         return AllocatorRegime(True, "run-time switch", memory.allocator_options().text(), version)
     memory.set_allocator_options(options)  # the user's configuration, exactly as it was
     warnings.warn(
@@ -116,6 +104,14 @@ def _regime(memory: DeviceMemory) -> AllocatorRegime:
         stacklevel=2,
     )
     return AllocatorRegime(False, "the run-time switch had no effect", options.text(), version)
+
+
+def _probe(memory: DeviceMemory) -> bool:
+    # From an emptied cache (a cached block would be an old segment), and the probe's segment not left cached.
+    memory.empty_cache()
+    expandable = memory.expandable_in_effect()
+    memory.empty_cache()
+    return expandable
 
 
 @contextlib.contextmanager
@@ -133,8 +129,7 @@ def search_allocator(device: torch.device | str) -> Iterator[AllocatorRegime | N
 @contextlib.contextmanager
 def split_resistant(memory: DeviceMemory, request: int) -> Iterator[str | None]:
     """For one retried pass, ``max_split_size_mb`` at half the refused request, so the cache cannot split the room
-    such a request needs. Yields the option set (None with expandable segments, which need none, or when refused);
-    the user's options are put back exactly."""
+    such a request needs. Yields the option set (None with expandable segments or when refused)."""
     options = memory.allocator_options()
     if options.expandable_segments:
         yield None
@@ -153,8 +148,7 @@ def split_resistant(memory: DeviceMemory, request: int) -> Iterator[str | None]:
 
 
 def allocator_figures(memory: DeviceMemory | None, *, segments: int = 12) -> dict[str, Any]:
-    """What the allocator went through, for an error and the GPU check's JSON: ``memory_stats`` figures and the
-    ``segments`` largest segments (size, allocated, expandable, free blocks)."""
+    """What the allocator went through, for an error and the GPU check: figures and the largest segments."""
     if memory is None:
         return {}
     listed = sorted(memory.segments(), key=lambda s: -int(s.get("total_size", 0)))

@@ -1,6 +1,5 @@
 """The device's allocator, read one way: CUDA's caching allocator, or a simulated card installed by the tests.
 
-Budgets are judged on *allocated* bytes; the cap (``set_per_process_memory_fraction``) limits *reserved* bytes.
 Everything that reads or caps device memory goes through ``device_memory(device)``, so the suite runs the CUDA
 path's failures on CPU with ``lightning_ckpt.testing.SimulatedCard`` (a small card, a refusing allocator).
 """
@@ -105,8 +104,7 @@ class CudaMemory:
         return parse_options(text) if text else configured_options(os.environ)
 
     def set_allocator_options(self, options: AllocatorOptions) -> None:
-        """All options at once (the setter takes the string as the whole configuration); 2.9+'s setter, else
-        ``torch.cuda.memory._set_allocator_settings``."""
+        """All options at once: the setter takes the string as the whole configuration."""
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
         if setter is None:
             setter = torch.cuda.memory._set_allocator_settings
@@ -118,8 +116,7 @@ class CudaMemory:
         setter(text)
 
     def expandable_in_effect(self) -> bool:
-        """Whether a new segment is expandable, read off a probe larger than every cached free block (so not served
-        from the cache), looked up in ``memory_snapshot()``."""
+        """Whether a new segment is expandable, read off a probe larger than every cached free block."""
         largest_free = max(
             (b["size"] for s in self.segments() for b in s.get("blocks", ()) if b.get("state") == "inactive"),
             default=0,
@@ -156,8 +153,8 @@ def allocator_type(device: torch.device | str) -> str:
 
 def refused_although_it_fits(exc: BaseException, memory: DeviceMemory | None, limit: int | None) -> str | None:
     """Why an out-of-memory error deserves one more try: the bytes allocated when it was raised plus the request fit
-    ``limit`` (default: the device's cap), so the refusal came from the allocator's cache, not the step; else None.
-    Read inside the ``except``, while the failed pass's tensors are alive (``allocated`` is where it stopped)."""
+    ``limit`` (default: the device's cap), so the allocator's cache refused, not the step; else None. Read inside
+    the ``except``, while the failed pass's tensors are alive."""
     request = None if memory is None else requested_bytes(str(exc))
     if memory is None or request is None:
         return None

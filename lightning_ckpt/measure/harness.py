@@ -1,8 +1,5 @@
-"""One training step as the tuner runs it: the loss of a step function's output, and the harness around it.
-
-Every part of the search (profile, trials, re-timing, compiled trials, the joint micro-batch search)
-runs the same thing: the user's step function, the loss taken out of what it returns, ``backward``.
-This module owns that, once.
+"""One training step as every part of the search runs it: the loss of a step function's output, and the harness
+around it.
 """
 
 from __future__ import annotations
@@ -49,11 +46,8 @@ def loss_of(out: Any, *, require_grad: bool = True) -> torch.Tensor:
 class StepHarness:
     """What measuring a step needs besides the plan: the model, its step function and the run's shape.
 
-    ``root`` is the uncompiled model (plans are applied to it); ``step_fn`` runs the forward (compiled
-    or not) on a fixed batch and returns the loss; ``extra`` are tensors made outside the step (the
-    batch) that count as resting memory; ``batch_size``/``seq_len`` turn step times into samples/s
-    and tokens/s (without a batch size a step counts as one sample, which ranks plans the same).
-    ``clock`` times the steps: ``time.perf_counter`` unless a test gives the search a machine whose speed it sets.
+    ``root`` is the uncompiled model (plans are applied to it); ``step_fn`` runs the forward (compiled or not) on a
+    fixed batch and returns the loss. Without a batch size a step counts as one sample, which ranks plans the same.
     """
 
     root: nn.Module
@@ -66,7 +60,7 @@ class StepHarness:
     warmup_steps: int = 1
     measure_steps: int = 3
     view: ModelView | None = None  # ``root`` resolved once (the search's): plans are checked against its fingerprint
-    clock: Callable[[], float] = time.perf_counter  # what steps are timed with (``TuneConfig.clock``)
+    clock: Callable[[], float] = time.perf_counter  # a test's machine whose speed it sets (``TuneConfig.clock``)
 
     @property
     def target(self) -> nn.Module | ModelView:
@@ -78,9 +72,8 @@ class StepHarness:
         loss_of(self.step_fn()).backward()
 
     def measure(self, *, warmup: int, steps: int, step: Callable[[], Any] | None = None, **passes: Any) -> Measurement:
-        """``step.measure_step`` of this harness's step (``step``: another one over the same model and batch, a
-        compiled step), with its model, optimizer, device, shape, clock and resting tensors: every caller measures
-        the same way. ``passes``: the other ``StepSettings`` (``track_memory``, ``count_flops``...)."""
+        """``step.measure_step`` of this harness's step (or ``step``, over the same model and batch, e.g. compiled),
+        so every caller measures the same way. ``passes``: the other ``StepSettings``."""
         from lightning_ckpt.measure.step import StepSettings, measure_step
 
         return measure_step(

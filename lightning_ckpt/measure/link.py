@@ -1,8 +1,7 @@
 """The host link, measured: how fast pinned memory moves between the card and the host, each way.
 
-Offload can only hide behind compute what the link moves in that time: an H200's PCIe Gen5 link is about 64 GB/s
-each way at line rate, pinned copies reach tens of GB/s, pageable ones a few. So the figure is measured on the
-machine, not assumed, with pinned buffers as the offload pool uses, timed on the device's own clock (CUDA events).
+Offload can only hide behind compute what the link moves in that time, and what a link reaches varies by machine,
+so it is measured with pinned buffers as the offload pool uses, timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ class LinkBandwidth:
 
 
 def measure_link(device: torch.device | str, *, nbytes: int = 256 * 2**20, repeats: int = 5) -> LinkBandwidth | None:
-    """The median of ``repeats`` pinned copies of ``nbytes`` each way on ``device`` (None where there is no link to
-    measure: a CPU). The buffers are released afterwards."""
+    """The median of ``repeats`` pinned copies of ``nbytes`` each way on ``device`` (None on a CPU)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None

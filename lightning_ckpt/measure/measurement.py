@@ -1,26 +1,16 @@
-"""What measuring one training step finds (``Measurement``: time, peak and activation memory, recompute FLOPs), and
-how a failed pass is told apart and survived (OOM classification, ``run_pass``). ``measure.step`` runs the step.
+"""What measuring one training step finds (``Measurement``), and how a failed pass is told apart and survived.
 
 Definitions used everywhere in lightning_ckpt (budgets, predictions, tests):
 
-* **peak bytes**: the highest number of bytes held by live tensors at any moment of the step,
-  everything included (parameters, buffers, gradients, optimizer state, activations, temporaries).
+* **peak bytes**: the most bytes held by live tensors at any moment of the step, everything included.
   CUDA: ``torch.cuda.max_memory_allocated``. CPU: a live-tensor tracker, since no allocator counter exists.
-* **activation bytes**: the highest number of bytes held at any moment by tensors the step itself
-  created *other than* parameter gradients and optimizer state: saved activations, recomputed
-  activations and backward temporaries. This is the part checkpointing changes. It is read with the
-  live-tensor tracker on every device (the CUDA allocator cannot tell gradients from activations), so
-  it means the same on a GPU as on a CPU.
-* **resting bytes**: live bytes when the step starts (parameters, buffers, existing gradients,
-  optimizer state, and the tensors passed as ``extra``, e.g. the batch).
-* **recompute FLOPs**: FLOPs of the forward ops that run *again* during backward because of
-  checkpointing. They are counted exactly with ``FlopCounterMode``: an op counts as recompute when it
-  runs inside the autograd engine (``torch._C._current_graph_task_id() != -1``) with grad mode on.
-  Backward formulas run with grad mode off (unless ``create_graph=True``), while checkpoint
-  recomputation explicitly enables it, so the two are told apart without knowing the plan.
-
-Memory is read by ``measure.tracker``'s live-tensor tracker (CPU, and activation bytes everywhere) and the
-CUDA allocator; the state a step disturbs is put back by ``measure.snapshot``.
+* **activation bytes**: the most bytes held at any moment by tensors the step created *other than* parameter
+  gradients and optimizer state: the part checkpointing changes. Read with the live-tensor tracker on every
+  device (the CUDA allocator cannot tell gradients from activations), so it means the same everywhere.
+* **resting bytes**: live bytes when the step starts (model state, and ``extra`` tensors such as the batch).
+* **recompute FLOPs**: FLOPs of forward ops run *again* during backward, counted with ``FlopCounterMode``: an
+  op inside the autograd engine (``torch._C._current_graph_task_id() != -1``) with grad mode on. Backward
+  formulas run with grad mode off, checkpoint recomputation enables it, so no plan is needed to tell them apart.
 """
 
 from __future__ import annotations
@@ -54,20 +44,11 @@ __all__ = [
     "median_and_spread",
     "PassOutOfMemory",
     "run_pass",
+    "synchronize",
 ]
 
 # The measurement's part of the status vocabulary (measure.status.TrialStatus owns it).
-MEASUREMENT_STATUSES = tuple(
-    s.value
-    for s in (
-        TrialStatus.OK,
-        TrialStatus.OVER_BUDGET,
-        TrialStatus.OOM,
-        TrialStatus.INVALID,
-        TrialStatus.ERROR,
-        TrialStatus.CONFLICT,
-    )
-)
+MEASUREMENT_STATUSES = tuple(s.value for s in TrialStatus if s is not TrialStatus.PRUNED)
 
 # Messages of CPU allocation failures (c10/core/impl/alloc_cpu.cpp and friends). CPU OOM surfaces as a
 # plain RuntimeError, so the message is the only way to tell it from a bug.
@@ -83,17 +64,8 @@ _OOM_MESSAGES = (
     "cudaErrorMemoryAllocation",
 )
 _MAX_ERROR_CHARS = 2000
-# A failed step that leaves more than this allocated above where it started is reported (allocator rounding and
-# cached workspaces stay below it).
-LEAK_TOLERANCE_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
-_MAX_TRACE_CHARS = 8000
-
-
-# ---------------------------------------------------------------------------------------------------
-# Failure classification
-# ---------------------------------------------------------------------------------------------------
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -135,6 +107,11 @@ def release_memory(device: torch.device) -> None:
         memory.empty_cache()
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PassOutOfMemory(Exception):
     """A pass that ``run_pass`` ran was refused memory, also on its retry: which pass, the refusal's message and
     the allocator's figures when it was refused. Raised once the pass's memory is released, holding no tensor."""
@@ -167,11 +144,10 @@ def run_pass(
     *,
     cold: bool = True,
 ) -> Any:
-    """``run()``, from an emptied cache when it needs step-sized buffers (``cold``; a block run alone does not, and
-    emptying a CUDA cache synchronises); once more, from an emptied cache, when the allocator refused a request that
-    the allocated bytes fit (its cache was fragmented), this time split-resistant (``allocator.split_resistant``;
-    nothing to change with expandable segments, so no retry). ``restore`` puts the model back between the two. A
-    refusal that stays raises ``PassOutOfMemory``; other errors pass through."""
+    """``run()``, from an emptied cache when it needs step-sized buffers (``cold``: emptying a CUDA cache
+    synchronises); once more, split-resistant, when the allocator refused a request the allocated bytes fit (a
+    fragmented cache; never with expandable segments). ``restore`` puts the model back between the two. A refusal
+    that stays raises ``PassOutOfMemory``; other errors pass through."""
     memory = device_memory(device)
     retry: str | None = None
     request = 0
@@ -198,31 +174,15 @@ def run_pass(
     raise PassOutOfMemory(what, message, figures, retry)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The measurement
-# ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Measurement:
     """The outcome of measuring one training-step callable (one candidate plan).
 
-    status: ``ok`` | ``over_budget`` (the step completed above ``memory_limit_bytes``: peak and activation
-    hold what it reached, there are no timings) | ``oom`` (out of memory) | ``invalid`` (a
-    ``CheckpointError``, ``PlanError`` or ``ApplyError``: the plan cannot run on this model) |
-    ``error`` (anything else; ``error`` holds the exception type and message) | ``conflict`` (the compiler
-    refused the plan outright: ``fullgraph=True`` and a graph break).
-    step_seconds: wall time of each timed step, warm-up excluded; empty unless status is ``ok``.
-    median_seconds / spread_seconds: median of ``step_seconds`` and their median absolute deviation
-    (MAD, unscaled: the median of ``|t - median|``), a spread robust to one slow outlier step.
-    peak_bytes / activation_bytes / resting_bytes: see the module docstring.
-    recompute_flops / step_flops: only when ``count_flops=True``; see the module docstring.
-    steps: training steps the measurement ran (tuning cost): by default its warm-up, timed steps and memory
-    pass; a runner that ran more (a compiled trial's compile step) says so.
-    conflict: why a plan that ran fights ``torch.compile`` (graph breaks, the recompile limit), else None.
-    extra: facts for display that the runner adds (compile statistics, pinned host memory, stacks a segment
-    left the chain on).
-
-    This is the one shape a trial's figures take before ``TrialRecord.with_measurement`` puts them in the
-    study's record: a new figure is added here and there.
+    status: a ``TrialStatus`` value other than ``pruned`` (``over_budget``: peak and activation hold what the step
+    reached, with no timings). median_seconds / spread_seconds: median of ``step_seconds`` and their unscaled
+    median absolute deviation, a spread robust to one slow outlier step. steps: training steps run (tuning cost);
+    a runner that ran more (a compiled trial's compile step) says so. conflict: why a plan that ran fights
+    ``torch.compile``. extra: facts for display that the runner adds (compile statistics, pinned host memory).
     """
 
     status: str

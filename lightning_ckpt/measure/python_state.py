@@ -1,17 +1,10 @@
 """The plain Python attributes of a model's modules: captured before a search, put back after every step.
 
-A ``training_step`` may keep Python state next to its tensors (a step counter driving a curriculum, a warm-up
-flag). The search runs that step dozens of times: without this the first real step would see the counter advanced
-by the number of trials (a curriculum skipped, other batches), and the profile and trials would see different
-batches. Restored after *every* step (tensors have ``measure.snapshot.StateSnapshot``):
-
-* plain values (numbers, strings, None, bytes, and containers of them), put back in place for a mutated list,
-  dict or set (other references see the restored contents);
-* any attribute rebound, added or deleted: the original reference is put back (a new one removed);
-* the plain attributes of an object a module holds (``self.curriculum = Curriculum()``), one level deep.
-
-Not restorable: a tensor attribute that is not a registered buffer, modified in place (detected by its version
-counter and named in a warning: register it with ``register_buffer``), and deeper mutations of non-plain objects.
+A ``training_step`` may keep Python state next to its tensors (a step counter driving a curriculum): without this
+the first real step would see the counter advanced by the number of trials, and the profile and trials would see
+different batches. Restored: plain values (in place for a mutated list, dict or set), any attribute rebound, added
+or deleted, and the plain attributes of an object a module holds, one level deep. Not restorable: a tensor
+attribute that is not a registered buffer, modified in place (named in a warning), and deeper mutations.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,7 +65,7 @@ class _Entry:
     original: Any  # the reference held at capture
     plain_copy: Any = _MISSING  # a deep copy, for plain values
     version: int | None = None  # a tensor attribute's version counter at capture
-    holder: dict[str, Any] | None = field(default=None)  # a held object's plain fields at capture
+    holder: dict[str, Any] | None = None  # a held object's plain fields at capture
 
 
 def _restore_plain(owner_dict: dict[str, Any], key: str, original: Any, saved: Any) -> bool:

@@ -1,9 +1,7 @@
 """What a step saves for backward, counted by storage: the activation memory of a *compiled* step.
 
-The live-tensor tracker of ``measure`` is a dispatch mode, under which dynamo runs compiled frames eagerly,
-so it reads the eager step; ``saved_tensors_hooks`` see what compiled graphs save (``compile.py``'s module
-docstring has the definitions). Compiled trials and the guard's reading of a real compiled step both count
-with ``SavedForBackward``, so the two compare like with like.
+Under the live-tensor tracker's dispatch mode dynamo runs compiled frames eagerly; ``saved_tensors_hooks`` see
+what compiled graphs save. Compiled trials and the guard's real compiled steps both count this way.
 """
 
 from __future__ import annotations
@@ -18,10 +16,9 @@ __all__ = ["SavedForBackward"]
 
 
 class SavedForBackward:
-    """Counts the distinct storages a step saves for backward, other than the model's state (a context manager):
-    what checkpointing and the partitioner change. ``resting_bytes`` is the state's size when entered: parameters,
-    buffers, gradients, optimizer state and ``extra`` (the batch). Entering it changes no dynamo guard (no
-    recompile; checked with torch 2.13)."""
+    """Counts the distinct storages a step saves for backward, other than the model's state (a context manager).
+    ``resting_bytes`` is the state's size when entered, ``extra`` (the batch) included. Entering it changes no
+    dynamo guard (no recompile; checked with torch 2.13)."""
 
     def __init__(self, root: nn.Module, optimizers: Sequence[Any] = (), extra: Sequence[Any] = ()) -> None:
         self._root, self._optimizers, self._extra = root, tuple(o for o in optimizers if o is not None), extra

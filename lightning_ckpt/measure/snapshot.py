@@ -1,6 +1,5 @@
 """Leaving no trace: what measuring a step may disturb (RNG streams, buffers, gradients, the parameters a forward
-writes in place), captured so it can be put back exactly: the search's dozens of steps must leave the model as the
-first real step would find it with no search at all.
+writes in place), captured so the first real step finds the model as it would with no search at all.
 """
 
 from __future__ import annotations
@@ -30,10 +29,9 @@ __all__ = [
 
 
 class StateSnapshot:
-    """The global RNG streams, every buffer (BatchNorm statistics) and every ``.grad``, copied to host memory (not
-    counted against the device measured). Parameters are not copied (that would double the model's memory), but
-    for those the forward writes in place (``find_parameters_written_in_forward``), put back before every step and
-    at ``restore()``; ``changed_parameters()`` catches other in-place updates (an optimizer step) by version counter.
+    """The global RNG streams, every buffer and every ``.grad``, copied to host memory (not counted against the device
+    measured). Parameters are not copied (that would double the model's memory), but for those the forward writes in
+    place; ``changed_parameters()`` catches other in-place updates (an optimizer step) by version counter.
     """
 
     def __init__(self) -> None:
@@ -156,8 +154,7 @@ class _ParameterWrites(TorchDispatchMode):
 def find_parameters_written_in_forward(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[str, ...]:
     """Run ``step_fn``'s forward once, without grad, mark the parameters it writes in place and return their names;
     everything this pass changes is put back. ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in
-    every forward (a model may clamp a weight too): the search's dozens of forwards must not move the weights the
-    first real step starts from (``StateSnapshot`` restores them)."""
+    every forward: the search's forwards must not move the weights the first real step starts from."""
     snapshot = StateSnapshot.capture(model)
     watch = _ParameterWrites(model)
     try:

@@ -5,6 +5,7 @@ it reads are defined once, in ``measure.measurement``'s docstring; ``StepSetting
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import traceback
@@ -24,7 +25,13 @@ from lightning_ckpt.measure.device_memory import (
     refused_although_it_fits,
     requested_bytes,
 )
-from lightning_ckpt.measure.measurement import Measurement, classify_failure, median_and_spread, release_memory
+from lightning_ckpt.measure.measurement import (
+    Measurement,
+    classify_failure,
+    median_and_spread,
+    release_memory,
+    synchronize,
+)
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.status import TrialStatus
 from lightning_ckpt.measure.tracker import new_live_tracker, normalise_device, removing_grad_hooks
@@ -48,12 +55,10 @@ def _is_int(v: Any) -> bool:
 class StepSettings:
     """Which passes ``measure_step`` runs and how many steps it times; checked when built.
 
-    warmup: untimed steps first (compile and allocator warm-up are not throughput). steps: timed steps; with
-    ``target_rel_spread``, timing goes on until MAD/median falls below it or ``max_steps`` (default ``4 * steps``)
-    were timed. track_memory: one step under the live-tensor tracker first. count_flops: one step under
-    ``FlopCounterMode`` last. memory_limit_bytes / reserve_headroom_bytes: the budget enforced (see
-    ``measure_step``). read_allocator: CUDA without the tracker: the allocator's peak over the timed steps.
-    clock: what steps are timed with.
+    warmup: untimed steps first (compile and allocator warm-up are not throughput). With ``target_rel_spread``,
+    timing goes on past ``steps`` until MAD/median falls below it or ``max_steps`` (default ``4 * steps``).
+    track_memory: one step under the live-tensor tracker first; count_flops: one under ``FlopCounterMode`` last.
+    read_allocator: CUDA without the tracker: the allocator's peak over the timed steps.
     """
 
     warmup: int = 1
@@ -102,14 +107,13 @@ def _check_shape(batch_size: int | None, seq_len: int | None) -> None:
 
 @dataclass(frozen=True)
 class MemoryReading:
-    """Memory of one step; see the module docstring for the definitions."""
+    """Memory of one step (definitions: ``measure.measurement``)."""
 
     peak_bytes: int
     activation_bytes: int | None  # None only from the guard's reader when activation was not asked for
     resting_bytes: int  # live bytes when the step started (parameters, existing grads, optimizer state)
     device: str
-    # The allocator's, where there is one (the guard's real steps): its reserved peak, and how many times it had to
-    # release its cache to serve a request (``num_alloc_retries``): a card near refusing what allocated bytes fit.
+    # The guard's real steps, from the allocator: a card near refusing what allocated bytes fit retries often.
     reserved_peak_bytes: int | None = None
     alloc_retries: int = 0
 
@@ -124,9 +128,7 @@ def track_step_memory(
 ) -> MemoryReading:
     """Run ``step_fn`` once and read its peak and activation memory.
 
-    On CPU this runs under a dispatch-mode tracker, which slows the step several-fold: never time
-    a step and track its memory in the same pass. ``extra`` are tensors created outside the step
-    (e.g. the batch) that should count as resting state.
+    Never time a step in the same pass: the dispatch-mode tracker slows it several-fold.
     """
     device = normalise_device(torch.device(device) if device is not None else model_device(model))
     return _tracked_step(step_fn, _step_tracker(device, model, optimizer, extra), device)
@@ -135,7 +137,6 @@ def track_step_memory(
 def _step_tracker(
     device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: tuple[Any, ...]
 ) -> Any:
-    """A live-tensor tracker counting ``model``, ``optimizer`` and ``extra`` as resting state, its peak at rest."""
     tracker = new_live_tracker(device, model, optimizer)
     externals = [model, *extra] + ([optimizer] if optimizer is not None else [])
     tracker.track_external(*externals)
@@ -146,14 +147,13 @@ def _step_tracker(
 def _tracked_step(step_fn: Callable[[], Any], tracker: Any, device: torch.device) -> MemoryReading:
     memory = device_memory(device)
     if memory is not None:
-        # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, whose
-        # categories tell them from gradients, as on CPU.
-        _synchronize(device)
+        # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, as on CPU.
+        synchronize(device)
         resting = memory.allocated()  # no collection: see ``_enforced_memory_limit``
         memory.reset_peak()
         with tracker:
             step_fn()
-        _synchronize(device)
+        synchronize(device)
         return MemoryReading(memory.max_allocated(), tracker.activation_peak, resting, str(device))
     resting = tracker.total_peak
     with tracker:
@@ -161,38 +161,24 @@ def _tracked_step(step_fn: Callable[[], Any], tracker: Any, device: torch.device
     return MemoryReading(tracker.total_peak, tracker.activation_peak, resting, str(device))
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _BudgetExceeded(Exception):
-    """The step completed above ``memory_limit_bytes`` where no allocator cap enforces it (CPU, or on CUDA
-    between the limit and the cap).
-
-    A measured verdict, not an OOM: as an OOM it would end a sharded (FSDP2) search on this rank alone while
-    the other ranks wait in a collective; as ``over_budget`` every rank records the trial and the ranks' worst
-    status is the trial's.
-    """
+    """The step completed above ``memory_limit_bytes`` where no allocator cap enforces it: a verdict, not an OOM,
+    which would end a sharded (FSDP2) search on this rank alone while the others wait in a collective."""
 
 
 @contextlib.contextmanager
 def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reserve_headroom: int = 0) -> Iterator[bool]:
-    """Cap this process's allocator near ``limit`` bytes (``set_per_process_memory_fraction``), restoring the previous
-    cap afterwards; yields whether it is tighter than the one before (the user's own, or the whole card). The cap
-    counts *reserved* memory and budgets allocated bytes: ``reserve_headroom`` (the allocator's reserve above
-    allocated, measured on the profile's step) is added, and ``measure_step`` re-runs once without the cap a step it
-    refused although its allocated bytes fitted. The budget is still judged on ``max_memory_allocated``."""
+    """Cap this process's allocator near ``limit`` bytes, restoring the previous cap afterwards; yields whether it is
+    tighter than the one before. The cap counts *reserved* memory, so ``reserve_headroom`` (reserve above allocated,
+    measured on the profile's step) is added; the budget is still judged on ``max_memory_allocated``."""
     if limit is None or memory is None:
         if memory is not None:
             memory.empty_cache()  # step-sized buffers from a cold cache, not from what the last plan's steps split
         yield False
         return
     previous = memory.get_fraction()
-    # Cached free blocks are handed out without checking the cap, so empty the cache first or a
-    # plan over budget could pass by reusing memory an earlier candidate left reserved. No collection: a step that
-    # ran freed all it allocated by reference counting, and a failed one was collected when it failed
-    # (``measure_step``); a full collection cost ~0.2 s, several times per trial, on a GPU step of milliseconds.
+    # Cached free blocks are handed out without checking the cap: a plan over budget could pass by reusing memory an
+    # earlier candidate left reserved. No collection: refcounting freed a step that ran, a failed one was collected.
     memory.empty_cache()
     fraction = min(previous, (limit + max(0, reserve_headroom)) / memory.total_bytes)
     memory.set_fraction(fraction)
@@ -206,54 +192,41 @@ def _in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
 
 
-_FLOP_COUNTER_CLASS: type | None = None
-
-
-class _GlobalModuleOnly:
+class _GlobalModuleOnly(contextlib.nullcontext):
     """Stands in for ``FlopCounterMode``'s module tracker: every op is the step's ("Global"), no hook registered."""
 
     parents = frozenset({"Global"})
     is_bw = False
 
-    def __enter__(self) -> _GlobalModuleOnly:
-        return self
 
-    def __exit__(self, *args: Any) -> None:
-        return None
+@functools.cache
+def _flop_counter_class() -> type:
+    from torch.utils.flop_counter import FlopCounterMode
 
+    class _RecomputeFlopCounter(FlopCounterMode):
+        """FlopCounterMode that also sums the FLOPs of ops run by checkpoint recomputation."""
 
-def _flop_counter() -> Any:
-    global _FLOP_COUNTER_CLASS
-    if _FLOP_COUNTER_CLASS is None:
-        from torch.utils.flop_counter import FlopCounterMode
+        def __init__(self) -> None:
+            super().__init__(display=False)
+            self.recompute_flops = 0
+            # No per-module attribution: torch's module tracker hooks every module's outputs, recomputed ones
+            # included, and a recomputed graph whose backward never runs stays alive in a hook cycle: a fully
+            # checkpointed step counted with it peaked as high as no checkpointing.
+            if hasattr(self, "mod_tracker"):
+                self.mod_tracker = _GlobalModuleOnly()
 
-        class _RecomputeFlopCounter(FlopCounterMode):
-            """FlopCounterMode that also sums the FLOPs of ops run by checkpoint recomputation."""
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            if func_packet in self.flop_registry and _in_recompute():
+                self.recompute_flops += self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+            return super()._count_flops(func_packet, out, args, kwargs)
 
-            def __init__(self) -> None:
-                super().__init__(display=False)
-                self.recompute_flops = 0
-                # Only the step's total is read, so no per-module attribution: torch's module tracker registers a
-                # multi-grad hook on every module's outputs, recomputed ones included, and a recomputed graph whose
-                # backward never runs stays alive in a hook cycle until the pass ends: a fully checkpointed step
-                # counted with it peaked as high as no checkpointing, enough to fail a plan on a card it fits.
-                if hasattr(self, "mod_tracker"):
-                    self.mod_tracker = _GlobalModuleOnly()
-
-            def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
-                if func_packet in self.flop_registry and _in_recompute():
-                    self.recompute_flops += self.flop_registry[func_packet](*args, **kwargs, out_val=out)
-                return super()._count_flops(func_packet, out, args, kwargs)
-
-        _FLOP_COUNTER_CLASS = _RecomputeFlopCounter
-    return _FLOP_COUNTER_CLASS()
+    return _RecomputeFlopCounter
 
 
 @dataclass
 class _Passes:
     """One ``measure_step``'s passes over ``step_fn``, and what they read. The tracked step comes first, the cheapest
-    way to learn that a candidate does not fit; timed steps are synchronised (CUDA: ``max_memory_allocated`` read
-    after them); the FLOP count last. Each step starts from the captured gradients."""
+    way to learn that a candidate does not fit; the FLOP count last. Each step starts from the captured gradients."""
 
     step_fn: Callable[[], Any]
     snapshot: StateSnapshot
@@ -273,7 +246,7 @@ class _Passes:
         self.timed()
         if self.settings.count_flops:
             self.snapshot.reset_grads()
-            counter = _flop_counter()
+            counter = _flop_counter_class()()
             with removing_grad_hooks(), counter:  # FlopCounterMode's module tracker hooks every module, as MemTracker's
                 self.step_fn()
             self.flops = (counter.recompute_flops, counter.get_total_flops())
@@ -291,15 +264,15 @@ class _Passes:
         self.snapshot.reset_grads()
         memory = device_memory(self.device)
         if memory is not None:
-            _synchronize(self.device)
+            synchronize(self.device)
             resting = memory.allocated()
             memory.reset_peak()
         while True:  # ``steps`` times, then more until MAD/median reaches ``target_rel_spread`` or ``limit_steps``
             self.snapshot.reset_grads()
-            _synchronize(self.device)
+            synchronize(self.device)
             start = s.clock()
             self.step_fn()
-            _synchronize(self.device)
+            synchronize(self.device)
             self.times.append(s.clock() - start)
             if len(self.times) < s.steps:
                 continue
@@ -325,24 +298,18 @@ class _Passes:
         extra: Mapping[str, Any] | None = None,
     ) -> Measurement:
         """The ``Measurement`` of these passes: failed, over budget, or timed (with their memory and FLOPs)."""
-        device, reading, flops, extra = str(self.device), self.reading, self.flops, dict(extra or {})
-        warmup = self.settings.warmup
+        common: dict[str, Any] = dict(
+            warmup_steps=self.settings.warmup, device=str(self.device), extra=dict(extra or {})
+        )
         if failure is not None:
             trace = failure[2] if len(failure) > 2 else None
-            return Measurement(
-                failure[0], error=failure[1], warmup_steps=warmup, device=device, traceback=trace, extra=extra
-            )
-        if over_budget is not None and reading is not None:
-            return Measurement(
-                TrialStatus.OVER_BUDGET.value,
-                peak_bytes=reading.peak_bytes,
-                activation_bytes=reading.activation_bytes,
-                resting_bytes=reading.resting_bytes,
-                error=over_budget,
-                warmup_steps=warmup,
-                device=device,
-                extra=extra,
-            )
+            return Measurement(failure[0], error=failure[1], traceback=trace, **common)
+        reading, flops = self.reading, self.flops
+        if reading is not None:
+            common.update(peak_bytes=reading.peak_bytes, activation_bytes=reading.activation_bytes)
+            common["resting_bytes"] = reading.resting_bytes
+            if over_budget is not None:
+                return Measurement(TrialStatus.OVER_BUDGET.value, error=over_budget, **common)
         med, spread = median_and_spread(self.times)
         samples = batch_size / med if batch_size is not None and med > 0 else None
         tokens = samples * seq_len if samples is not None and seq_len is not None else None
@@ -353,20 +320,14 @@ class _Passes:
             spread_seconds=spread,
             samples_per_second=samples,
             tokens_per_second=tokens,
-            peak_bytes=reading.peak_bytes if reading else None,
-            activation_bytes=reading.activation_bytes if reading else None,
             recompute_flops=flops[0] if flops else None,
-            warmup_steps=warmup,
             step_flops=flops[1] if flops else None,
-            resting_bytes=reading.resting_bytes if reading else None,
-            device=device,
-            extra=extra,
+            **common,
         )
 
 
 def _failure_of(exc: Exception) -> tuple[str, ...]:
-    """(status, message) for a failed step; a bug (``error``, not a verdict on the plan) also keeps where it
-    happened, for the user."""
+    """(status, message) for a failed step; a bug (``error``, not a verdict on the plan) also keeps its traceback."""
     failure = classify_failure(exc)
     if failure[0] == "error":
         trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -397,17 +358,11 @@ def measure_step(
 ) -> Measurement:
     """Time ``step_fn`` (forward + backward of one batch) and read its memory, never raising for OOM.
 
-    ``step_fn`` takes no arguments and must *not* step the optimizer: every ``.grad``, buffer and global RNG stream is
-    restored afterwards, ``.grad`` is reset before every step, and a parameter modified in place raises
-    ``ConfigurationError``. ``optimizer`` and ``extra`` (the batch) count as resting memory; ``batch_size``/``seq_len``
-    turn step times into samples/s and tokens/s. ``settings.read_allocator`` (CUDA, without ``track_memory``) reads
-    the peak off the allocator over the timed steps: under the tracker's dispatch mode dynamo runs a compiled frame
-    eagerly (the activation figure is then the caller's, ``compile.SavedForBackward``).
-
-    ``memory_limit_bytes`` is enforced on CUDA by capping the allocator (never above a cap already set, plus
-    ``reserve_headroom_bytes``), so a plan over budget fails as ``oom`` instead of passing by luck; a step that
-    completes above the limit is ``over_budget``. Failures never escape (``BaseException``s are re-raised after
-    restoring state), and a failed step's memory is collected outside the ``except``, so the next plan can run.
+    ``step_fn`` takes no arguments and must *not* step the optimizer: ``.grad``, buffers and global RNG streams are
+    restored, and a parameter modified in place raises ``ConfigurationError``. ``optimizer`` and ``extra`` (the batch)
+    count as resting memory. ``memory_limit_bytes`` is enforced on CUDA by capping the allocator, so a plan over budget
+    fails as ``oom`` instead of passing by luck; a step that completes above it is ``over_budget``; one the cap refused
+    although its allocated bytes fitted runs once more without it, split-resistant.
     """
     settings = settings or StepSettings()
     _check_shape(batch_size, seq_len)
@@ -436,19 +391,13 @@ def measure_step(
                 refused_but_fits = refused_although_it_fits(exc, memory, limit)
                 retry_request = requested_bytes(str(exc)) or 0
         finally:
-            if failure is not None:
-                # A failed step's frames (held by the traceback) can hold its tensors in reference cycles.
-                # After a step that ran, refcounting has freed everything: a full collection would only cost
-                # time (~0.2 s on a 32-layer model, paid by every trial and every re-timing).
+            if failure is not None:  # its frames (held by the traceback) can hold its tensors in reference cycles
                 release_memory(device)
             snapshot.restore()
         if failure is not None:
             _note_leak(notes, failure[0], _left_allocated(memory, started, passes.tracker))
         if refused_but_fits is not None and "leaked_bytes" not in notes:  # a step that leaked would only fail again
-            # The allocator's cap counts reserved bytes: run once more from an emptied cache, under the user's own cap
-            # only and split-resistant (without expandable segments the same sequence of requests would split the
-            # cache the same way again), and judge the budget on the allocated peak, as the memory model and the
-            # guard do.
+            # Split-resistant: without expandable segments the same requests would split the cache the same way again.
             notes["cap_refused"] = refused_but_fits
             cap_limit, request = None, retry_request
             continue
@@ -473,8 +422,7 @@ def _note_leak(notes: dict[str, Any], status: str, leaked: int | None) -> None:
 
 
 def _left_allocated(memory: DeviceMemory | None, started: int | None, tracker: Any) -> int | None:
-    """Bytes a failed step left allocated above where it started: the allocator's (CUDA, a simulated card), else the
-    tracker's live bytes when the tracked pass ran (CPU). None when nothing can tell."""
+    """Bytes a failed step left allocated above where it started (allocator, else tracker); None when unknown."""
     if memory is not None and started is not None:
         return memory.allocated() - started
     if tracker is not None:

@@ -1,9 +1,8 @@
-"""The live-tensor tracker, and the byte counts every stage shares (local shards, the device a model is on).
+"""The live-tensor tracker, and the byte counts every stage shares.
 
-CPU has no allocator counter and CUDA's cannot tell gradients from activations, so activation bytes (and the CPU
-peak) come from torch's ``MemTracker``, which files each live tensor under a category. It reports categories when
-the *total* peaks, understating checkpointed plans' activation peak (the total peaks late in backward, activations
-half freed), so this tracker keeps running maxima of both, per step and per phase.
+Activation bytes (and the CPU peak) come from torch's ``MemTracker``, which files each live tensor under a category.
+It reports categories when the *total* peaks, understating checkpointed plans' activation peak (the total peaks late
+in backward, activations half freed), so this tracker keeps running maxima of both, per step and per phase.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ _MULTI_GRAD_HOOK_MODULES = ("torch.distributed._tools.mod_tracker", "torch.utils
 
 @contextlib.contextmanager
 def removing_grad_hooks() -> Iterator[list[Any]]:
-    """Remove, on exit, every multi-grad hook torch's module trackers registered inside: a no-op for a hook that
-    fired (a completed step), while a failed step's graph is let go. Nested uses restore last in, first out."""
+    """Remove, on exit, every multi-grad hook torch's module trackers registered inside (see above)."""
     handles: list[Any] = []
     patched: list[tuple[Any, Any]] = []
     for name in _MULTI_GRAD_HOOK_MODULES:
@@ -68,9 +66,8 @@ class _IdSet(WeakIdKeyDictionary):
 
 
 class _LiveTracking:
-    """MemTracker with running maxima of the total and of activations+temporaries on one device, per step and
-    per *phase* (caller-set labels: what the memory model is built from), instead of its per-module peaks (a loop
-    over all modules on every op). A mixin put in front of torch's tracker by ``_tracker_class``."""
+    """MemTracker with running maxima of the total and of activations+temporaries on one device, per step and per
+    *phase* (caller-set labels), instead of its per-module peaks (a loop over all modules on every op)."""
 
     _total_key: Any = None  # mem_tracker._TOTAL_KEY
     _ref_type: Any = None  # mem_tracker._MemRefType
@@ -238,8 +235,7 @@ def tensor_bytes(tensors: Iterable[Any]) -> int:
 
 def new_live_tracker(device: torch.device | str, model: nn.Module | None = None, optimizer: Any = None) -> Any:
     """A ``MemTracker`` counting bytes on ``device`` only: enter it after ``track_external(model, optimizer,
-    *tensors)``, read ``total_peak``, ``activation_peak``, ``now()`` and ``phase_peaks[label] == [total_max,
-    activation_max]``. An FSDP2 ``model`` gets torch's FSDP-aware tracker (collective buffers are no activation)."""
+    *tensors)``. An FSDP2 ``model`` gets torch's FSDP-aware tracker (collective buffers are no activation)."""
     device = normalise_device(torch.device(device))
     root = fsdp_root(model) if model is not None else None
     if root is not None:

@@ -1,8 +1,6 @@
-"""The memory profile's anchor step: one forward+backward with *every* block fully checkpointed (the cheapest plan),
-a live-tensor tracker recording the maximum of live bytes in each *phase* of the step (before the stack, each
-block's forward, the head's forward, the head's backward, each block's backward, after the stack), delimited by
-module hooks and gradient hooks on the blocks' hidden states. It catches what per-block arithmetic gets wrong:
-gradients accumulating during backward, the logits and loss temporaries, the embedding backward.
+"""The memory profile's anchor step: one forward+backward with *every* block fully checkpointed, the maximum of live
+bytes recorded per *phase* (``model.PhasePeak``), delimited by module hooks and gradient hooks. It catches what
+per-block arithmetic gets wrong: gradients accumulating during backward, the logits and loss, the embedding backward.
 """
 
 from __future__ import annotations
@@ -18,8 +16,8 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.measure.harness import loss_of
 from lightning_ckpt.measure.tracker import new_live_tracker
-from lightning_ckpt.memory.capture import hidden_index
 from lightning_ckpt.plan.apply import apply_plan
+from lightning_ckpt.plan.chain import hidden_slot, in_slot
 from lightning_ckpt.plan.format import BlockPlan, Plan
 
 __all__ = ["Calls", "anchor_step", "cuda_allocator_anchor", "phase_rank"]
@@ -42,8 +40,8 @@ def phase_rank(label: tuple[Any, ...], n: int) -> int:
 
 @dataclass
 class Calls:
-    """How the anchor step called each block (one entry per call), read with every block ``full``:
-    checkpointing changes neither whether a tensor needs a gradient nor which outputs receive one."""
+    """How the anchor step called each block (one entry per call); checkpointing changes neither whether a tensor
+    needs a gradient nor which outputs receive one."""
 
     input_grad: list[bool]  # the hidden input needed a gradient
     output_grad: list[bool]  # some output needed a gradient (False: no gradient flows through the call)
@@ -51,8 +49,7 @@ class Calls:
 
 
 class _AnchorPhases:
-    """Module hooks on the blocks and gradient hooks on their hidden states move the tracker from phase to phase,
-    and record how each call was made (``Calls``)."""
+    """Hooks that move the tracker from phase to phase and record how each call was made."""
 
     def __init__(self, root: nn.Module, order: list[str], tracker: Any) -> None:
         self.n = n = len(order)
@@ -83,9 +80,9 @@ class _AnchorPhases:
         calls_of = self.positions[fqn]
         i = self.running[id(module)] = calls_of[min(k, len(calls_of) - 1)]  # a shared block: its k-th call
         self.enter(("fwd", i))
-        where = hidden_index(args, kwargs)
+        where = hidden_slot(args, kwargs, strict=True)
         if where is not None:
-            t = args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+            t = in_slot(args, kwargs, where)
             self.calls.input_grad[i] = t.requires_grad
             if t.requires_grad:
                 t.register_hook(lambda _grad, label=("bw_gap", i): self.enter(label))
@@ -93,9 +90,8 @@ class _AnchorPhases:
     def post_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         i = self.running[id(module)]
         self.enter(("fwd_gap", i))
-        # Every output that needs a gradient starts the block's backward, not only the hidden state: an
-        # auxiliary loss (an MoE router's) reaches the block first when it is computed from the block's output,
-        # and under ``full`` its gradient recomputes the block right then.
+        # Every output that needs a gradient starts the block's backward: an auxiliary loss (an MoE router's) may
+        # reach the block first, and under ``full`` recompute it right then.
         for leaf, t in enumerate(tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 self.calls.output_grad[i] = True

@@ -1,15 +1,12 @@
 """Time each distinct block alone under every mode, during the profile: what ``timing.model.TimeModel`` predicts from.
 
-The memory profile captured one call of each distinct block (inputs, autocast, how the step's gradient reaches it)
-and ran it under every mode under the live-tensor tracker, whose cost would be timed too: the same call runs again
-here without it, forward and backward, its mode applied with ``apply_plan`` as a trial would. The modes are
-interleaved round by round (a machine that slows part-way slows every mode alike) and each mode's median is kept;
-the incoming gradient is ones, whose cost cancels in the differences used.
+The memory profile's captured call runs again here without the tracker (whose cost would be timed too), its mode
+applied with ``apply_plan`` as a trial would. Modes are interleaved round by round (a machine that slows part-way
+slows every mode alike) and each mode's median is kept.
 
-A compiled model's blocks run *compiled alone* (``compiled_block_modes``): one compile per distinct block and mode,
-the modes applied inside ``plan.apply.reused_forwards`` so a second round runs the graph the first compiled. One
-untimed round compiles, one reads what each mode's graph saves for backward (``measure.saved_for_backward``, which
-a dispatch-mode tracker cannot see), then the timed rounds.
+A compiled model's blocks run *compiled alone* (``compiled_block_modes``), the modes applied inside
+``plan.apply.reused_forwards`` so a later round runs the graph the first compiled. One untimed round compiles, one
+reads what each mode's graph saves for backward (which a dispatch-mode tracker cannot see), then the timed rounds.
 """
 
 from __future__ import annotations
@@ -23,26 +20,25 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.discovery import is_compile_wrapper, unwrap_compiled
+from lightning_ckpt.measure.measurement import synchronize
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
-from lightning_ckpt.memory.capture import Captured, autocast_as, backward_leaves, called_with, hidden_index, hidden_of
+from lightning_ckpt.memory.capture import (
+    Captured,
+    autocast_as,
+    backward_leaves,
+    captured_tensors,
+)
 from lightning_ckpt.plan.apply import apply_plan, reused_forwards
+from lightning_ckpt.plan.chain import hidden_slot, in_slot, with_hidden
 from lightning_ckpt.plan.format import BlockPlan, Plan
 
-__all__ = [
-    "MIN_TIMING_ROUNDS",
-    "TIMING_ROUNDS",
-    "TIMING_STEPS",
-    "CompiledBlockRuns",
-    "compiled_block_modes",
-    "time_block_modes",
-]
+__all__ = ["CompiledBlockRuns", "compiled_block_modes", "time_block_modes"]
 
 # Rounds per mode after one untimed warm-up round: the median of 5 is steady to a few percent on a busy 2-core
-# machine. A round (each mode applied, run, removed) is a small share of a deep model's step but more than a whole
-# step of a shallow fast one: as many rounds as ``TIMING_STEPS`` of the block's share of the step pay for, at least 3.
+# machine. A round is more than a whole step of a shallow fast model: as many rounds as ``TIMING_STEPS`` of the
+# block's share of the step pay for, at least 3.
 TIMING_ROUNDS = 5
 MIN_TIMING_ROUNDS = 3
 TIMING_STEPS = 4
@@ -54,14 +50,12 @@ def time_block_modes(
     modes: Mapping[str, BlockPlan],
     *,
     device: torch.device,
-    rounds: int = TIMING_ROUNDS,
     calls: int | None = None,
     restore: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes`` (key -> block
-    plan); a mode that fails here is left out. ``calls``: the block calls of the step this block stands for, which
-    size the rounds (``TIMING_STEPS``; None: ``rounds``). ``restore`` puts the model's state back (gradients, RNG)."""
-    where = hidden_index(cap.args, cap.kwargs)
+    """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes``; a mode that fails here
+    is left out. ``calls``: the block calls of the step this block stands for, which size the rounds."""
+    where = hidden_slot(cap.args, cap.kwargs, strict=True)
     if where is None:
         return {}
 
@@ -72,11 +66,12 @@ def time_block_modes(
             root, cap, where, modes[key], device, cap.module, forwards=forwards if key == "none" else None
         )
 
+    rounds = TIMING_ROUNDS
     try:
         t0 = time.perf_counter()
         warm = _interleaved(modes, 1, once, timed_from=0)
         if calls is not None and warm.get("none") and (took := time.perf_counter() - t0) > 0:
-            rounds = max(min(rounds, MIN_TIMING_ROUNDS), min(rounds, int(TIMING_STEPS * calls * warm["none"] / took)))
+            rounds = max(MIN_TIMING_ROUNDS, min(rounds, int(TIMING_STEPS * calls * warm["none"] / took)))
         seconds = _interleaved({k: modes[k] for k in warm}, rounds, once, timed_from=0)
         return {**seconds, "forward": statistics.median(forwards[1:] or forwards)} if "none" in seconds else seconds
     finally:
@@ -101,12 +96,11 @@ def compiled_block_modes(
     modes: Mapping[str, BlockPlan],
     *,
     device: torch.device,
-    rounds: int = TIMING_ROUNDS,
     restore: Callable[[], None] | None = None,
 ) -> CompiledBlockRuns:
     """``cap``'s block compiled alone under each of ``modes`` (see the module docstring), as ``time_block_modes``."""
     runs = CompiledBlockRuns()
-    where = hidden_index(cap.args, cap.kwargs)
+    where = hidden_slot(cap.args, cap.kwargs, strict=True)
     if where is None:
         return runs
     region = _compiled_region(cap.module)
@@ -114,7 +108,7 @@ def compiled_block_modes(
 
     def once(key: str, r: int) -> float:
         if r == 1:  # the graph compiled in round 0, run under the saved-tensor hooks
-            with SavedForBackward(root, extra=_inputs_of(cap)) as saved:
+            with SavedForBackward(root, extra=captured_tensors(cap)) as saved:
                 seconds = _time_once(root, cap, where, modes[key], device, region, memo)
             runs.saved_bytes[key] = saved.saved_bytes
             return seconds
@@ -125,7 +119,7 @@ def compiled_block_modes(
         return seconds
 
     with _compiling(len(modes)):
-        runs.seconds = _interleaved(modes, rounds + 2, once, timed_from=2, restore=restore)
+        runs.seconds = _interleaved(modes, TIMING_ROUNDS + 2, once, timed_from=2, restore=restore)
     runs.saved_bytes = {k: v for k, v in runs.saved_bytes.items() if k in runs.seconds}
     return runs
 
@@ -138,9 +132,8 @@ def _interleaved(
     timed_from: int,
     restore: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Median of ``once(key, round)`` per mode over the rounds from ``timed_from`` on, modes interleaved and the
-    order reversed every other round; a mode that raises (but for running out of memory) is left out. ``restore``
-    puts the model's state back (gradients, RNG) at the end."""
+    """Median of ``once(key, round)`` per mode over the rounds from ``timed_from`` on, the order reversed every other
+    round; a mode that raises (but for running out of memory) is left out."""
     samples: dict[str, list[float]] = {k: [] for k in modes}
     failed: set[str] = set()
     try:
@@ -164,9 +157,8 @@ def _interleaved(
 
 
 def _compiled_region(block: nn.Module) -> Callable[..., Any]:
-    """The block as its compiled region runs it: itself where the user compiled it alone (``block.compile()``, a
-    ``torch.compile`` wrapper: their options), else its ``_call_impl`` compiled with the defaults, as the search's
-    trials run it (``search.assembly``), so the graphs compiled here are the ones the trials run."""
+    """The block as its compiled region runs it: itself where the user compiled it alone (their options), else its
+    ``_call_impl`` compiled with the defaults, as the search's trials run it (``search.assembly``)."""
     if is_compile_wrapper(block) or getattr(block, "_compiled_call_impl", None) is not None:
         return block
     return torch.compile(unwrap_compiled(block)._call_impl)
@@ -174,17 +166,12 @@ def _compiled_region(block: nn.Module) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def _compiling(n_modes: int) -> Iterator[None]:
-    """Compile inside the profile's eager stance (``search.compile.eager_while_profiling``), with room in dynamo's
-    recompile limit for one graph per mode: every block call compiles into one code object's cache."""
+    """Compile despite the profile's eager stance, with room in dynamo's recompile limit for one graph per mode."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # before torch 2.7
     limit = max(int(getattr(config, name)), n_modes + 8)
     with torch.compiler.set_stance("default"), config.patch(**{name: limit}):
         yield
-
-
-def _inputs_of(cap: Captured) -> list[torch.Tensor]:
-    return [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
 
 
 def _time_once(
@@ -198,33 +185,26 @@ def _time_once(
     *,
     forwards: list[float] | None = None,
 ) -> float:
-    """One forward+backward of the block under ``bp`` through ``call`` (the block or its compiled region), inside
-    ``reused_forwards(memo)`` when a memo is given (a compiled mode runs its graph again)."""
-    hidden = hidden_of(cap, where)
+    """One forward+backward of the block under ``bp`` through ``call`` (the block or its compiled region)."""
+    hidden = in_slot(cap.args, cap.kwargs, where)
     reuse = reused_forwards(memo) if memo is not None else contextlib.nullcontext()
     with reuse:
         handle = apply_plan(root, Plan({cap.fqn: bp}) if bp.mode != "none" else Plan())
     try:
-        _synchronize(device)
+        synchronize(device)
         t0 = time.perf_counter()
-        # As the memory profile runs it: a fresh non-leaf input (a leaf would keep its gradient, and with it
-        # whatever a checkpointed child's graph still refers to, until the garbage collector runs).
+        # A fresh non-leaf input, as the memory profile runs it (``memory.profile._run_block`` says why).
         seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=cap.input_grad)
-        args, kwargs = called_with(cap, where, hidden.detach() + seed)
+        args, kwargs = with_hidden(cap.args, cap.kwargs, where, hidden.detach() + seed)
         with autocast_as(cap.autocast):
             out = call(*args, **kwargs)
             leaves = backward_leaves(out, cap.grad_leaves)
         if forwards is not None:
-            _synchronize(device)
+            synchronize(device)
             forwards.append(time.perf_counter() - t0)
         if leaves:
             torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
-        _synchronize(device)
+        synchronize(device)
         return time.perf_counter() - t0
     finally:
         handle.remove()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

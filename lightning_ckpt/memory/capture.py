@@ -1,9 +1,7 @@
 """The capture: one ``torch.no_grad`` forward that learns how the step calls its blocks, keeping almost nothing.
 
-Forward pre-hooks record the blocks' call order and keep the inputs of one representative per group of identical
-blocks (class, parameter and input shapes) with its autocast regions, so each distinct block can later run alone as
-the step ran it; a no-grad forward holds one block's internals at a time. The same hooks check whether each stack's
-blocks run as a chain (``_ChainCheck``), which segments need.
+Forward pre-hooks record the call order and keep the inputs and autocast regions of one representative per group of
+identical blocks, so each can later run alone as the step ran it; they also check which stacks run as a chain.
 """
 
 from __future__ import annotations
@@ -20,23 +18,16 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.plan.caches import CACHE_ARGS, forward_params
-from lightning_ckpt.plan.chain import hidden_slot, rng_equal, rng_states, same_value, tensor_devices
+from lightning_ckpt.plan.chain import hidden_slot, in_slot, rng_equal, rng_states, same_value, tensor_devices
 
 __all__ = [
     "Captured",
     "autocast_as",
     "backward_leaves",
-    "called_with",
     "capture_calls",
-    "hidden_index",
-    "hidden_of",
+    "captured_tensors",
     "hidden_tensor",
 ]
-
-
-def hidden_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, Any] | None:
-    """Where the block's hidden state is, by segments' rule (``chain.hidden_slot``; none without a float tensor)."""
-    return hidden_slot(args, kwargs, strict=True)
 
 
 def hidden_tensor(obj: Any) -> torch.Tensor | None:
@@ -64,11 +55,15 @@ def _group_key(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, An
     return (type(module), params, buffers, _spec(args), _spec(dict(sorted(kwargs.items()))))
 
 
+def captured_tensors(cap: Captured) -> list[torch.Tensor]:
+    return [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
+
+
 def _without_kv_cache(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The block's arguments without KV cache: run again with the captured cache, a block would append to it twice
-    (attention over twice the sequence); backward never reads it, and ``apply_plan`` drops it too."""
+    """The block's arguments without KV cache: run again with the captured cache, a block would append to it twice;
+    backward never reads it, and ``apply_plan`` drops it too."""
     names = forward_params(type(module))
     args = tuple(None if i < len(names) and names[i] in CACHE_ARGS else a for i, a in enumerate(args))
     kwargs = {k: (None if k in CACHE_ARGS else v) for k, v in kwargs.items()}
@@ -95,12 +90,10 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 def _autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
     """The autocast regions active now, as (device type, dtype, cache enabled): a block replayed without the step's
-    bf16/fp16 autocast saves full-precision activations (maybe another attention kernel), over-predicting every
-    mode but ``full`` by a quarter or more."""
+    autocast saves full-precision activations, over-predicting every mode but ``full`` by a quarter or more."""
     state = []
     for dev in _AUTOCAST_DEVICES:
         if torch.is_autocast_enabled(dev):
-            # With the weight-cast cache, fp32 weights' low-precision copies live for the whole forward.
             state.append((dev, torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled()))
     return tuple(state)
 
@@ -114,11 +107,9 @@ def autocast_as(state: tuple[tuple[str, torch.dtype, bool], ...]) -> Iterator[No
 
 
 class _ChainCheck:
-    """Whether each stack's blocks run as a chain, which segments (one checkpoint over several blocks) need: each
-    block gets the previous one's output as its hidden state and the same other arguments (T5 is no chain: block 0
-    returns a position bias the parent passes on, which a segment's recompute would lose), in order from the
-    first, none skipped, and the parent draws no random numbers between them (LayerDrop's coin: a chunk run at once
-    would hand blocks the wrong outputs and random state). Tensors are compared by weak reference, by identity."""
+    """Whether each stack's blocks run as a chain, which segments need: each block gets the previous one's output as
+    its hidden state and the same other arguments (not T5: its position bias would be lost to a segment's recompute),
+    in order, none skipped, and the parent draws no random numbers between them (LayerDrop's coin)."""
 
     def __init__(self, stack_of: Mapping[str, str]) -> None:
         self.stack_of = stack_of
@@ -142,7 +133,7 @@ class _ChainCheck:
         stack = self.stack_of.get(fqn)
         if stack is None or stack in self.unchained:
             return
-        where = hidden_index(args, kwargs)
+        where = hidden_slot(args, kwargs, strict=True)
         others = self._others(args, kwargs, where)
         last = self._last.get(stack)
         index, ran, rng = self._index[fqn], self._ran.get(stack), self._rng.get(stack)
@@ -152,7 +143,7 @@ class _ChainCheck:
             self.unchained.add(stack)
             return
         if last is not None:
-            hidden = None if where is None else (args[where[1]] if where[0] == "arg" else kwargs[where[1]])
+            hidden = None if where is None else in_slot(args, kwargs, where)
             out_ref, (prev_spec, prev_leaves) = last
             chained = (
                 hidden is not None
@@ -187,14 +178,13 @@ def capture_calls(
     forward_fn: Callable[[], Any],
     blocks: dict[int, str],
     share: bool,
-    stack_of: Mapping[str, str] | None = None,
+    stack_of: Mapping[str, str],
 ) -> tuple[list[str], dict[str, Captured], list[str], set[str]]:
-    """No-grad forward: block call order (a block shared across depth, like ALBERT's layer, once per call), one input
-    per group, each call's representative, and the stacks that are no chain (``_ChainCheck``, or sharing a block)."""
+    """No-grad forward: block call order (a block shared across depth once per call), one input per group, each
+    call's representative, and the stacks that are no chain."""
     order: list[str] = []
     reps: dict[Any, Captured] = {}
     rep_of: list[str] = []
-    stack_of = stack_of or {}
     chain = _ChainCheck(stack_of)
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -220,8 +210,7 @@ def capture_calls(
     finally:
         for h in handles:
             h.remove()
-    # A block called several times (weights shared across depth) is one FQN in a plan, its mode applying to every
-    # call (each a row of its own in the model): one checkpoint cannot span several calls.
+    # A block called several times is one FQN in a plan: one checkpoint cannot span several calls.
     shared = {f for f, calls in collections.Counter(order).items() if calls > 1}
     unchained = chain.unchained | {stack_of[f] for f in shared if f in stack_of}
     return order, {c.fqn: c for c in reps.values()}, rep_of, unchained
@@ -234,18 +223,3 @@ def backward_leaves(out: Any, positions: tuple[int, ...] | None) -> list[torch.T
     if positions is None:
         return [t for _, t in leaves[:1]]
     return [t for i, t in leaves if i in positions]
-
-
-def hidden_of(cap: Captured, where: tuple[str, Any]) -> torch.Tensor:
-    """The captured call's hidden state, at ``where`` (``hidden_index``)."""
-    return cap.args[where[1]] if where[0] == "arg" else cap.kwargs[where[1]]
-
-
-def called_with(cap: Captured, where: tuple[str, Any], x: torch.Tensor) -> tuple[list[Any], dict[str, Any]]:
-    """The captured call's arguments with ``x`` in place of its hidden state: a block run alone on ``x``."""
-    args, kwargs = list(cap.args), dict(cap.kwargs)
-    if where[0] == "arg":
-        args[where[1]] = x
-    else:
-        kwargs[where[1]] = x
-    return args, kwargs

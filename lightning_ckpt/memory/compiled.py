@@ -1,17 +1,14 @@
 """Predict a *compiled* step's memory from blocks compiled alone: what the compiled search prunes by.
 
-A compiled step's activation memory is what its graphs save for backward (``measure.saved_for_backward``: the
-eager tracker cannot see inside compiled kernels, and the partitioner saves less than eager ops). The profile
-compiles each distinct block alone under every mode (``memory.block_times.compiled_block_modes``) and reads those
-bytes; checkpointing a block changes the step's saved bytes by what it changes in that block, so, anchored on the
-compiled ``none`` step the search measures anyway:
+A compiled step's activation memory is what its graphs save for backward (the partitioner saves less than eager
+ops). Checkpointing a block changes the step's saved bytes by what it changes in that block compiled alone, so,
+anchored on the compiled ``none`` step the search measures anyway:
 
     activation(plan) = activation(none) - sum over blocks of (saved[none] - saved[mode])
     peak(plan)       = peak(none)       - the same sum
 
-A segment saves its first block's input (that block's ``full`` bytes) and nothing of the later blocks, whose inputs
-the chunk's recompute rebuilds; a child set profiled child by child adds the children's savings. A plan setting
-PT2's ``activation_memory_budget`` is the partitioner's choice across the whole graph: not predicted, but measured.
+A segment saves its first block's input (that block's ``full`` bytes) and nothing of the later blocks. PT2's
+``activation_memory_budget`` is the partitioner's choice across the whole graph: measured, not predicted.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ class CompiledBlockMemory:
 
 @dataclass(frozen=True)
 class CompiledMemoryModel:
-    """A compiled step's activation and peak bytes under any plan (see the module docstring). ``eager``: the eager
-    memory model of the same profile, which says whether a plan can run at all. ``none_*_bytes``: the compiled
-    ``none`` step as measured (``anchored``); nothing is predicted before. ``compile_*``: what compiling cost."""
+    """A compiled step's activation and peak bytes under any plan. ``eager``: the eager memory model of the same
+    profile, which says whether a plan can run at all. Nothing is predicted before it is ``anchored``."""
 
     blocks: tuple[CompiledBlockMemory, ...]
     stacks: Mapping[str, tuple[str, ...]]
@@ -54,8 +50,7 @@ class CompiledMemoryModel:
         return replace(self, none_activation_bytes=activation_bytes, none_peak_bytes=peak_bytes)
 
     def saved_delta(self, plan: Plan) -> int | None:
-        """Bytes ``plan`` removes from the compiled ``none`` step's saved activations; None when it cannot be
-        predicted (a PT2 budget, a mode a block was not compiled under, an unknown stack)."""
+        """Bytes ``plan`` removes from the compiled ``none`` step's saved activations; None where unpredictable."""
         if plan.compile_memory_budget is not None:
             return None
         heads: set[str] = set()
@@ -69,21 +64,10 @@ class CompiledMemoryModel:
                 members.update(fqns[start + 1 : end])
         total = 0
         for row in self.blocks:
-            none = row.saved_bytes.get("none")
-            if none is None:
-                return None
-            if row.fqn in members:
-                total += none
-                continue
-            if row.fqn in heads:
-                key = "full"
-            else:
-                bp = plan.blocks.get(row.fqn)
-                if bp is None or bp.mode == "none":
-                    continue
-                key = mode_key(bp)
-            saved = _saved(row, key)
-            if saved is None:
+            none, bp = row.saved_bytes.get("none"), plan.blocks.get(row.fqn)
+            key = "full" if row.fqn in heads else mode_key(bp) if bp is not None else "none"
+            saved = 0 if row.fqn in members else _saved(row, key)
+            if none is None or saved is None:
                 return None
             total += none - saved
         return total

@@ -1,19 +1,12 @@
 """Predict a plan's peak and activation memory without running it, from one memory-safe profile.
 
-The profile (``memory.profile.profile_memory``, which says how it is built) holds the anchor step's timeline
-(every block fully checkpointed, the cheapest plan: the maximum of live bytes in each phase) and each distinct
-block's memory under every mode, run alone.
+A plan's prediction is, for every phase of the anchor step (every block ``full``), that phase's measured maximum
+plus the difference the plan makes there (``mode - full``): the saved bytes of blocks whose forward is done and
+whose backward is not, and the block's own forward or backward peak in its own phases. The predicted peak is the
+maximum over phases. Segments are modelled as torch runs them: a chunk stores its first block's input; in backward
+the whole chunk is recomputed at once, so the earlier blocks of the chunk hold their ``none``-mode activations.
 
-A plan's prediction is, for every phase of the anchor, that phase's measured maximum plus the
-difference the plan makes there (``mode - full``) for the blocks alive in it: the saved bytes of
-blocks whose forward is done and whose backward is not, and the block's own forward or backward
-peak in its own phases. The predicted peak is the maximum over phases. Segments are modelled as
-torch runs them: a chunk stores its first block's input; in backward the whole chunk is recomputed
-at once, so while its blocks run backward the earlier blocks of the chunk hold their ``none``-mode
-activations.
-
-All byte counts follow ``lightning_ckpt.measure.measurement``'s definitions, so ``predict_peak`` is comparable to
-``Measurement.peak_bytes`` and ``predict_activation`` to ``Measurement.activation_bytes``.
+Byte counts follow ``measure.measurement``'s definitions, so predictions compare with a ``Measurement``'s.
 """
 
 from __future__ import annotations
@@ -40,16 +33,13 @@ _STRUCTURED = ("blocks", "stacks", "phases")  # MemoryModel's fields ``to_dict``
 
 @dataclass(frozen=True)
 class ModeProfile:
-    """One block run alone under one mode. Bytes are relative to the level before its input existed,
-    so they include constant offsets (input, output, incoming gradient) that cancel between modes.
+    """One block run alone under one mode. Bytes are relative to the level before its input existed, so they
+    include constant offsets (input, output, incoming gradient) that cancel between modes.
 
-    keep_bytes: held after the forward, the block's own output excluded: its saved activations
-    (its input included when the block saves it). keep_with_input_bytes: the same while the caller
-    still holds the input (the moment right after the block returns).
-    forward_peak_bytes: peak during its forward. backward_peak_bytes / backward_peak_activation_bytes:
-    peak during its backward, everything / without parameter gradients.
-    autocast_cache_bytes: weight copies autocast cached during the forward that this mode does not
-    save: they live on until the step's autocast region ends (the end of the forward), not longer.
+    keep_bytes: held after the forward, its own output excluded (its input included when saved).
+    keep_with_input_bytes: the same while the caller still holds the input, right after the block returns.
+    autocast_cache_bytes: weight copies autocast cached that this mode does not save: they live until the end of
+    the forward.
     """
 
     keep_bytes: int
@@ -65,12 +55,8 @@ class ModeProfile:
 class BlockMemory:
     """Per-block table row: what this block keeps for backward under each mode.
 
-    saved_bytes: mode key (see ``mode_key``) -> activation bytes the block keeps from its forward to
-    its backward (its input included when saved, its output excluded). ``offload`` counts device
-    bytes only (on CPU offloading is a no-op, so it equals ``none``); the block fetched ahead of backward is added
-    where it is held (``MemoryModel._prefetch_deltas``).
-    recompute_transient_bytes: extra memory while the block is recomputed and run backward under
-    ``full`` (its recomputed internals plus backward temporaries, gradients excluded).
+    saved_bytes: mode key -> activation bytes kept from forward to backward (``offload``: device bytes only).
+    recompute_transient_bytes: extra memory while the block is recomputed and run backward under ``full``.
     shared_with: FQN of the identical block whose profile this row reuses (None: measured itself).
     """
 
@@ -83,8 +69,7 @@ class BlockMemory:
     failed: Mapping[str, str] = field(default_factory=dict, repr=False)  # mode key -> why it could not run
 
     def offloaded_bytes(self, key: str) -> int:
-        """Under offloading mode ``key``: the bytes its saved tensors put in host memory (what it would keep on the
-        card without the pool, less what it keeps); 0 under any other mode, or where nothing moves (a CPU model)."""
+        """Under offloading mode ``key``: the bytes its saved tensors put in host memory (else 0)."""
         kept = _KEPT_ON_CARD.get(key)
         if kept not in self.saved_bytes or key not in self.saved_bytes:
             return 0
@@ -93,12 +78,11 @@ class BlockMemory:
 
 @dataclass(frozen=True)
 class PhasePeak:
-    """The anchor (all blocks ``full``) step's maximum of live bytes in one phase.
+    """The anchor step's maximum of live bytes in one phase.
 
-    kind: ``pre`` (before the first block) | ``fwd`` (block ``block``'s forward) | ``fwd_gap`` (after
-    block ``block``'s forward, up to the next block; for the last block: the head and loss) |
-    ``bw_head`` (backward before the last block) | ``bw`` (block ``block``'s backward) | ``bw_gap``
-    (after block ``block``'s backward, up to the previous block's; for block 0: the embeddings).
+    kind: ``pre`` | ``fwd`` (block ``block``'s forward) | ``fwd_gap`` (after it, up to the next block; after the
+    last: head and loss) | ``bw_head`` | ``bw`` | ``bw_gap`` (after block ``block``'s backward; after block 0's: the
+    embeddings').
     """
 
     kind: str
@@ -120,28 +104,13 @@ class Prediction:
 class MemoryModel:
     """Predicted memory of any plan for one model, batch and training state (see the module docstring).
 
-    fixed_bytes: parameters + gradients (one per trainable parameter) + optimizer state + buffers.
-    other_activation_bytes: activations held outside the blocks at the end of the forward
-    (embeddings, head, loss), measured with every block fully checkpointed.
-    blocks: one row per block call, in execution order. stacks: stack FQN -> its block FQNs in order.
-    resting_bytes: live bytes before the step, as ``measure_step`` reports them (CUDA: allocated bytes).
-    phases: the anchor step's timeline that predictions are built on (see ``PhasePeak``).
-    device_overhead_bytes: CUDA only: allocator peak minus tracked peak of the anchor step (memory
-    no tensor tracker sees: cuBLAS workspaces, other tensors in the process, block rounding), added to
-    every peak prediction. reserve_overhead_bytes: CUDA only: the allocator's reserved peak above its
-    allocated peak on the anchor step, the headroom a cap on reserved memory needs (see measure.py).
-    fingerprint: ``model_fingerprint`` of the profiled model; a plan made for another model is refused.
-    idle_blocks: discovered blocks the profiled forward never ran; plans may name them, to no effect.
-    unchained_stacks: stacks whose blocks do not hand each other their outputs (T5's shared position
-    bias, a block shared across depth), so segments cannot run on them; ``can_run`` refuses such plans
-    before any step is spent.
-    inert_blocks: blocks no gradient flows through (frozen, behind frozen embeddings or frozen blocks):
-    they save nothing for backward, so no mode can save anything there and none is offered
-    (``plannable_stacks``). Plans may still name them; their cost is predicted like any other's.
-    The time model of the same profiling pass sits beside it (``memory.profile.Profile``), not in it.
-
-    A block called several times in one step (ALBERT's shared layer) has one row per call in ``blocks``:
-    a plan's mode for its FQN applies to every call, and each call's memory is counted.
+    other_activation_bytes: activations held outside the blocks at the end of the anchor's forward.
+    blocks: one row per block call (a block shared across depth has several), in execution order.
+    device_overhead_bytes: CUDA: allocator peak minus tracked peak of the anchor step (memory no tensor tracker
+    sees: cuBLAS workspaces, block rounding), added to every peak. reserve_overhead_bytes: CUDA: reserved above
+    allocated on the anchor step, the headroom a cap on reserved memory needs.
+    idle_blocks: blocks the profiled forward never ran. unchained_stacks: stacks segments cannot run on.
+    inert_blocks: blocks no gradient flows through: no mode saves anything there (``plannable_stacks``).
     """
 
     fixed_bytes: int
@@ -164,7 +133,6 @@ class MemoryModel:
     reserve_overhead_bytes: int = 0
     inert_blocks: tuple[str, ...] = ()
 
-    # -- prediction ---------------------------------------------------------------------------------
     def predict_peak(self, plan: Plan) -> int:
         """Predicted ``Measurement.peak_bytes`` of a forward+backward step under ``plan``."""
         return self.predict(plan).peak_bytes
@@ -179,8 +147,7 @@ class MemoryModel:
         n = len(self.blocks)
         best_total, best_phase, best_act = -1, "", -1
         keep_prefix = list(itertools.accumulate(st.keep_delta, initial=0))
-        # While the forward runs, autocast's weight cache holds what a block does not save: the anchor
-        # measured it, so the forward phases add only each block's difference in (saved + cached) bytes.
+        # While the forward runs, autocast's weight cache holds what a block does not save.
         fwd_prefix = list(itertools.accumulate(st.keep_fwd_delta, initial=0))
         chunk_adjust = st.chunk_adjust
         for ph in self.phases:
@@ -194,13 +161,10 @@ class MemoryModel:
             elif ph.kind == "bw_head":
                 d_total = d_act = keep_prefix[n]
             else:  # bw / bw_gap: earlier blocks still hold their activations
-                held = keep_prefix[i] + chunk_adjust[i]
-                own = (
-                    (st.bw_delta[i] + st.prefetch[i], st.bw_act_delta[i] + st.prefetch[i])
-                    if ph.kind == "bw"
-                    else (0, 0)
-                )
-                d_total, d_act = held + own[0], held + own[1]
+                d_total = d_act = keep_prefix[i] + chunk_adjust[i]
+                if ph.kind == "bw":
+                    d_total += st.bw_delta[i] + st.prefetch[i]
+                    d_act += st.bw_act_delta[i] + st.prefetch[i]
             total = ph.peak_bytes + d_total
             if total > best_total:
                 label = ph.kind if i is None else f"{ph.kind} {self.blocks[i].fqn}"
@@ -210,8 +174,7 @@ class MemoryModel:
         return Prediction(peak, max(0, best_act), best_phase)
 
     def can_run(self, plan: Plan) -> str | None:
-        """Why ``plan`` cannot run on the profiled model (a mode a block failed under, segments over a stack
-        that is not a chain, an unknown FQN), or None when it can."""
+        """Why ``plan`` cannot run on the profiled model (the ``PlanError``'s message), or None when it can."""
         try:
             self._resolve(plan)
         except PlanError as err:
@@ -238,14 +201,11 @@ class MemoryModel:
                 out.append(dataclasses.replace(s, blocks=renumbered))
         return out
 
-    # -- presentation -------------------------------------------------------------------------------
     def table(self, plan: Plan | None = None) -> str:
-        """A printable per-block breakdown in MiB: saved activations under each mode (and under ``plan``).
-
-        Columns are mode keys (``sel:`` = selective of one child); ``recompute`` is the transient of a
-        fully checkpointed block's backward. With ``plan``, a last column and the predicted peak.
-        """
-        keys = self._mode_keys()
+        """A printable per-block breakdown in MiB: saved activations under each mode (and under ``plan``)."""
+        keys: list[str] = []  # child combinations stay in ``saved_bytes``: they would make the table unreadably wide
+        for b in self.blocks:
+            keys += [k for k in b.saved_bytes if k not in keys and "," not in k]
         saved_under = self.saved_bytes(plan) if plan is not None else None
         header = ["block", *(k.replace("selective:", "sel:") for k in keys), "recompute"]
         header += ["plan"] if saved_under is not None else []
@@ -285,7 +245,7 @@ class MemoryModel:
             "stacks": {k: list(v) for k, v in self.stacks.items()},
             "phases": [[p.kind, p.block, p.peak_bytes, p.peak_activation_bytes] for p in self.phases],
             "blocks": [
-                {**dataclasses.asdict(b), "profiles": {k: list(_profile_tuple(p)) for k, p in b.profiles.items()}}
+                {**dataclasses.asdict(b), "profiles": {k: list(dataclasses.astuple(p)) for k, p in b.profiles.items()}}
                 for b in self.blocks
             ],
         }
@@ -302,14 +262,6 @@ class MemoryModel:
         stacks = {k: tuple(v) for k, v in data["stacks"].items()}
         return cls(**values, blocks=blocks, stacks=stacks, phases=tuple(PhasePeak(*p) for p in data["phases"]))
 
-    # -- internals ------------------------------------------------------------------------------------
-    def _mode_keys(self) -> list[str]:
-        # Child combinations stay in the data (``saved_bytes``) but would make the table unreadably wide.
-        keys: list[str] = []
-        for b in self.blocks:
-            keys += [k for k in b.saved_bytes if k not in keys and "," not in k]
-        return keys
-
     def _resolve(self, plan: Plan) -> _PlanState:
         """Check ``plan`` against the profile and work out the differences it makes to the anchor, per block."""
         if plan.fingerprint is not None and self.fingerprint is not None and plan.fingerprint != self.fingerprint:
@@ -321,9 +273,8 @@ class MemoryModel:
         rows_of: dict[str, list[int]] = {}  # a block shared across depth has a row per call
         for i, b in enumerate(self.blocks):
             rows_of.setdefault(b.fqn, []).append(i)
-        index = {fqn: rows[0] for fqn, rows in rows_of.items()}
-        keys = self._mode_keys_of(plan, rows_of, index)
-        chunk_of, chunk_pos = self._chunks_of(plan, index)
+        keys = self._mode_keys_of(plan, rows_of)
+        chunk_of, chunk_pos = self._chunks_of(plan, rows_of)
         st = _PlanState(len(self.blocks), chunk_of)
         for i, b in enumerate(self.blocks):
             full = b.profiles.get("full")
@@ -331,17 +282,19 @@ class MemoryModel:
                 continue
             none = self._profile(b, "none")
             st.recompute_delta[i] = none.keep_bytes - full.keep_bytes
+            own = none if chunk_of[i] is not None else self._profile(b, keys[i])  # a chunk's backward runs ``none``
+            st.bw_delta[i] = own.backward_peak_bytes - full.backward_peak_bytes
+            st.bw_act_delta[i] = own.backward_peak_activation_bytes - full.backward_peak_activation_bytes
             if chunk_of[i] is not None:
-                self._chunk_member_deltas(st, i, chunk_pos[i], full, none)
+                self._chunk_member_deltas(st, i, chunk_pos[i], full)
             else:
-                self._mode_deltas(st, i, self._profile(b, keys[i]), full)
+                self._mode_deltas(st, i, own, full)
         self._prefetch_deltas(st, keys)
         return st
 
     def _prefetch_deltas(self, st: _PlanState, keys: Sequence[str]) -> None:
-        """Offloaded blocks come back one ahead of backward (``plan.offload``): from the first backward use of an
-        offloaded block's tensors until the previous offloaded block's own backward, that block's offloaded bytes
-        are on the device again, beside what the block-alone profile saw."""
+        """Offloaded blocks come back one ahead of backward: from the first backward use of an offloaded block's
+        tensors until the previous offloaded block's own backward, that block's bytes are on the device again."""
         previous = None
         for i, key in enumerate(keys):
             if not key.startswith("offload") or self.blocks[i].profiles.get("full") is None:
@@ -353,26 +306,25 @@ class MemoryModel:
             previous = i
 
     def host_bytes(self, plan: Plan) -> int:
-        """The host memory ``plan``'s offloaded blocks hold at once (the pool's peak): what each offloaded block keeps
-        beside it on the card without offload (``none``'s saved tensors, or ``full``'s input), over all blocks."""
+        """The host memory ``plan``'s offloaded blocks hold at once (the pool's peak)."""
         return sum(self._resolve(plan).moved)
 
-    def _mode_keys_of(self, plan: Plan, rows_of: Mapping[str, list[int]], index: Mapping[str, int]) -> list[str]:
+    def _mode_keys_of(self, plan: Plan, rows_of: Mapping[str, list[int]]) -> list[str]:
         """Each row's mode key under ``plan``'s per-block modes (``none`` where it names none)."""
         keys = ["none"] * len(self.blocks)
         for fqn, bp in plan.blocks.items():
             if fqn in self.idle_blocks:
                 continue
-            if fqn not in index:
+            if fqn not in rows_of:
                 raise PlanError(
                     f"The memory model has no profile for block {fqn!r}. Closest profiled blocks: "
-                    f"{closest_names(fqn, list(index))}. Fix the FQN in the plan, or profile the stack that holds it."
+                    f"{closest_names(fqn, list(rows_of))}. Fix the FQN in the plan, or profile the stack that holds it."
                 )
             for i in rows_of[fqn]:
                 keys[i] = mode_key(bp)
         return keys
 
-    def _chunks_of(self, plan: Plan, index: Mapping[str, int]) -> tuple[list[int | None], list[tuple[int, int]]]:
+    def _chunks_of(self, plan: Plan, rows: Mapping[str, list[int]]) -> tuple[list[int | None], list[tuple[int, int]]]:
         """Per row: the segment chunk it runs in (None: none) and its (position in chunk, chunk length)."""
         n = len(self.blocks)
         chunk_of: list[int | None] = [None] * n
@@ -381,7 +333,7 @@ class MemoryModel:
         for stack_fqn, n_chunks in plan.segments.items():
             fqns = self._segmentable_stack(plan, stack_fqn, n_chunks)
             for start, end in segment_chunks(len(fqns), n_chunks)[:-1]:
-                members = [index[f] for f in fqns[start:end] if f in index]
+                members = [rows[f][0] for f in fqns[start:end] if f in rows]
                 for pos, i in enumerate(members):
                     chunk_of[i] = chunk_id
                     chunk_pos[i] = (pos, len(members))
@@ -417,9 +369,7 @@ class MemoryModel:
             )
         return fqns
 
-    def _chunk_member_deltas(
-        self, st: _PlanState, i: int, chunk_pos: tuple[int, int], full: ModeProfile, none: ModeProfile
-    ) -> None:
+    def _chunk_member_deltas(self, st: _PlanState, i: int, chunk_pos: tuple[int, int], full: ModeProfile) -> None:
         """Row ``i``'s differences from ``full`` as a member of a segment chunk."""
         b = self.blocks[i]
         pos, length = chunk_pos
@@ -437,8 +387,6 @@ class MemoryModel:
             st.keep_delta[i] = st.keep_fwd_delta[i] = -full.keep_bytes
             st.fw_delta[i] = b.input_bytes + (length - pos) * out - full.forward_peak_bytes
             st.gap_delta[i] = b.input_bytes + (length - 1 - pos) * out - input_held_full
-        st.bw_delta[i] = none.backward_peak_bytes - full.backward_peak_bytes
-        st.bw_act_delta[i] = none.backward_peak_activation_bytes - full.backward_peak_activation_bytes
 
     @staticmethod
     def _mode_deltas(st: _PlanState, i: int, prof: ModeProfile, full: ModeProfile) -> None:
@@ -448,8 +396,6 @@ class MemoryModel:
         st.keep_fwd_delta[i] = st.keep_delta[i] + prof.autocast_cache_bytes - full.autocast_cache_bytes
         st.fw_delta[i] = prof.forward_peak_bytes - full.forward_peak_bytes
         st.gap_delta[i] = (prof.keep_with_input_bytes - prof.keep_bytes) - input_held_full
-        st.bw_delta[i] = prof.backward_peak_bytes - full.backward_peak_bytes
-        st.bw_act_delta[i] = prof.backward_peak_activation_bytes - full.backward_peak_activation_bytes
 
     def _profile(self, block: BlockMemory, key: str) -> ModeProfile:
         prof = block.profiles.get(key)
@@ -466,8 +412,7 @@ class MemoryModel:
         )
 
     def _combined_selective(self, block: BlockMemory, key: str) -> ModeProfile:
-        # Children checkpointed together save what each saves alone: their differences from ``none``
-        # add up. Peaks are approximated the same way (exact combinations: profile_memory(selective_sets=)).
+        # Children checkpointed together save what each saves alone: their differences from ``none`` add up.
         none = self._profile(block, "none")
         parts = [self._profile(block, f"selective:{c}") for c in key.partition(":")[2].split(",")]
         fields = [f.name for f in dataclasses.fields(ModeProfile) if f.name != "output_bytes"]
@@ -506,7 +451,3 @@ class _PlanState:
 
 def _mib(n: int) -> str:
     return format_bytes(n, unit="MiB", digits=2, suffix=False)
-
-
-def _profile_tuple(p: ModeProfile) -> tuple[int, ...]:
-    return dataclasses.astuple(p)

@@ -1,11 +1,8 @@
 """Measuring what the optimizer adds to a real training step: its state, and the peak of ``optimizer.step()``.
 
-Trials run forward and backward only, before the optimizer has ever stepped; the real steps carry its state through
-every forward and backward (AdamW: two copies of the trainable parameters), and ``optimizer.step()`` peaks with every
-gradient live plus temporaries (``foreach`` implementations allocate a parameter-sized buffer per group). A budget
-checked on trials alone is broken by both. So one step of whatever optimizer is measured (no table of known ones):
-missing gradients filled in, read as a trial is (CPU: the tracker; CUDA: the allocator's peak), and everything put
-back exactly from host copies (which the device's figures do not count).
+Trials run forward and backward only, before the optimizer has ever stepped; real steps carry its state (AdamW: two
+copies of the trainable parameters), and ``optimizer.step()`` peaks with every gradient live plus temporaries. So
+one step of whatever optimizer is measured (no table of known ones) and put back exactly from host copies.
 """
 
 from __future__ import annotations
@@ -19,15 +16,16 @@ from torch import nn
 
 from lightning_ckpt.errors import InfeasibleBudgetError
 from lightning_ckpt.measure.device_memory import device_memory
-from lightning_ckpt.measure.measurement import PassOutOfMemory, is_out_of_memory, release_memory, run_pass
+from lightning_ckpt.measure.measurement import PassOutOfMemory, is_out_of_memory, release_memory, run_pass, synchronize
 from lightning_ckpt.measure.snapshot import StateSnapshot
-from lightning_ckpt.measure.tracker import new_live_tracker, tensor_bytes
+from lightning_ckpt.measure.step import track_step_memory
+from lightning_ckpt.measure.tracker import tensor_bytes
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory
 
-__all__ = ["measure_optimizer_step"]
+__all__ = ["measure_optimizer_step", "optimizer_state_bytes"]
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tensor_bytes(v for state in optimizer.state.values() for v in state.values())
 
 
@@ -67,10 +65,9 @@ def measure_optimizer_step(
 ) -> OptimizerStepMemory:
     """Run ``optimizer.step()`` once on ``model`` and read what it adds to a real step; leave no trace.
 
-    Missing gradients (none exist before the first backward) are zeros for the step: a real one sees every
-    trainable parameter's. It runs as ``measurement.run_pass`` runs a pass (retried split-resistant); a refusal that
-    stays is not "unmeasured": the step alone, no activation held, does not fit, so every real step would run out
-    of memory whatever the plan, and ``InfeasibleBudgetError`` says so with the allocator's figures.
+    Missing gradients are zeros for the step: a real one sees every trainable parameter's. A refusal that stays
+    (``run_pass`` retries once) means every real step would run out of memory whatever the plan:
+    ``InfeasibleBudgetError``.
     """
     device = torch.device(device)
     try:
@@ -90,7 +87,7 @@ def _step_once(
     model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, extra: tuple[Any, ...]
 ) -> OptimizerStepMemory:
     """One ``optimizer.step()``, read and undone; out of memory, ``torch.OutOfMemoryError`` once all is restored."""
-    before = _state_bytes(optimizer)
+    before = optimizer_state_bytes(optimizer)
     snapshot = StateSnapshot.capture(model)
     saved = _OptimizerSnapshot(optimizer)
     filled = []
@@ -101,22 +98,17 @@ def _step_once(
                 filled.append(p)
         memory = device_memory(device)
         if memory is not None:  # CUDA, or a simulated card: the allocator's peak
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             gc.collect()
             memory.reset_peak()
             optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             peak = memory.max_allocated()
         else:
-            tracker = new_live_tracker(device, model, optimizer)
-            tracker.track_external(model, optimizer, *extra)
-            tracker.total_peak = tracker.now()[0]
-            with tracker:
-                optimizer.step()
-            peak = tracker.total_peak
-        after = _state_bytes(optimizer)
+            peak = track_step_memory(
+                optimizer.step, model=model, optimizer=optimizer, device=device, extra=extra
+            ).peak_bytes
+        after = optimizer_state_bytes(optimizer)
         refused = None
     except Exception as err:
         if not is_out_of_memory(err):  # e.g. LBFGS: step() needs a closure. Nothing to predict; the guard checks.

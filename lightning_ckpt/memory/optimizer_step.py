@@ -1,5 +1,5 @@
-"""What the optimizer adds to a real training step, as figures (measured by ``optimizer_measure``; kept in the plan
-file, read back by re-planning without torch), and the real step's memory they turn a trial's into.
+"""What the optimizer adds to a real training step, as figures (kept in the plan file, read back without torch), and
+the real step's memory they turn a trial's into.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ __all__ = ["OptimizerStepMemory", "RealStepMemory"]
 
 @dataclass(frozen=True)
 class OptimizerStepMemory:
-    """The optimizer's part of a real training step. ``measured`` is False when the step could not run alone (an
-    optimizer that needs a closure, e.g. LBFGS): the figures are then zero and only the guard checks real steps."""
+    """The optimizer's part of a real training step. ``measured`` is False when the step could not run alone (e.g.
+    LBFGS needs a closure): only the guard checks real steps then."""
 
     state_bytes_before: int  # present when the trials ran (none before the first step)
     state_bytes_after: int  # present after one step: what every later forward and backward carries
@@ -49,7 +49,7 @@ class OptimizerStepMemory:
 @dataclass(frozen=True)
 class RealStepMemory:
     """What the budget sees of a plan: the memory model's forward+backward prediction turned into the real step's.
-    ``model`` is a ``MemoryModel`` or anything with ``predict_peak``/``predict_activation``/``can_run``."""
+    ``model``: a ``MemoryModel`` or ``CompiledMemoryModel``."""
 
     model: Any
     optimizer: OptimizerStepMemory = field(default_factory=lambda: OptimizerStepMemory.absent())
@@ -65,7 +65,7 @@ class RealStepMemory:
         return self.model.can_run(plan)
 
     def host_bytes(self, plan: Any) -> int:
-        """The host memory ``plan``'s offloaded blocks pin (``MemoryModel.host_bytes``; 0 where the model has none)."""
+        """The host memory ``plan``'s offloaded blocks pin (0 where the model has no ``host_bytes``)."""
         host = getattr(self.model, "host_bytes", None)
         return host(plan) if host is not None else 0
 

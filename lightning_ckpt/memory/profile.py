@@ -1,19 +1,9 @@
 """Profile a model's memory on one batch (``profile_memory``), memory-safely: the data ``MemoryModel`` predicts from.
 
-How the profile is built, and why it never needs the no-checkpointing peak:
-
-1. **Capture** (``torch.no_grad`` forward, ``memory.capture``): forward pre-hooks record each block's
-   call order and keep the inputs of one representative per group of identical blocks (same class,
-   parameter shapes and input shapes). A no-grad forward holds one block's internals at a time.
-2. **Anchor** (``memory.anchor``): one forward+backward with every block fully checkpointed, its live bytes'
-   maximum recorded per phase of the step.
-3. **Per-block profiles**: each representative block runs alone (forward+backward, its captured
-   inputs) under every mode (``none``, ``full``, ``offload(_input)``, each op save-list, selective children)
-   via ``apply_plan`` on that one FQN, under the tracker. Per mode we keep what the block holds after
-   its forward (its saved activations), its forward peak and its backward peak, relative to the same
-   starting level. Constant offsets (the input, the incoming gradient) cancel in the differences.
-
-How a plan is predicted from these is ``memory.model``'s part.
+It never needs the no-checkpointing peak: a no-grad **capture** forward (``memory.capture``) keeps one input per
+group of identical blocks; the **anchor** step (``memory.anchor``) runs every block fully checkpointed, its maximum
+recorded per phase; then each representative runs **alone** under every mode, under the tracker, keeping what it
+holds after its forward and its forward and backward peaks, relative to one starting level (constant offsets cancel).
 """
 
 from __future__ import annotations
@@ -25,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.discovery import discover_blocks, unwrap_compiled
 from lightning_ckpt.errors import ApplyError, LightningCkptError
@@ -39,21 +28,21 @@ from lightning_ckpt.measure.tracker import (
     tensor_bytes,
 )
 from lightning_ckpt.memory.anchor import Calls, anchor_step, cuda_allocator_anchor, phase_rank
-from lightning_ckpt.memory.block_times import compiled_block_modes, time_block_modes
+from lightning_ckpt.memory.block_times import CompiledBlockRuns, compiled_block_modes, time_block_modes
 from lightning_ckpt.memory.capture import (
     Captured,
     autocast_as,
     backward_leaves,
-    called_with,
     capture_calls,
-    hidden_index,
-    hidden_of,
+    captured_tensors,
     hidden_tensor,
 )
 from lightning_ckpt.memory.compiled import CompiledBlockMemory, CompiledMemoryModel
 from lightning_ckpt.memory.model import BlockMemory, MemoryModel, ModeProfile, PhasePeak
+from lightning_ckpt.memory.optimizer_measure import optimizer_state_bytes
 from lightning_ckpt.model import ModelView, is_sharded, model_device, model_fingerprint
 from lightning_ckpt.plan.apply import apply_plan
+from lightning_ckpt.plan.chain import hidden_slot, in_slot, with_hidden
 from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.plan.handle import applied_plan
 from lightning_ckpt.plan.policies import SAVE_LISTS
@@ -77,29 +66,27 @@ def _run_block(
     root: nn.Module, cap: Captured, bp: BlockPlan, externals: list[Any], device: torch.device
 ) -> tuple[ModeProfile, int]:
     """Run one block alone under ``bp``; returns its profile and its input's bytes."""
-    where = hidden_index(cap.args, cap.kwargs)
+    where = hidden_slot(cap.args, cap.kwargs, strict=True)
     if where is None:
         raise LightningCkptError(
             f"Block {cap.fqn!r} takes no floating-point tensor input, so there is no hidden state to run it "
             "on alone. Name blocks whose first argument is the hidden state via block_types."
         )
-    hidden = hidden_of(cap, where)
+    hidden = in_slot(cap.args, cap.kwargs, where)
     tracker = new_live_tracker(device, root)
-    captured = [t for t in tree_flatten((cap.args, cap.kwargs))[0] if isinstance(t, torch.Tensor)]
-    tracker.track_external(*externals, *captured)
+    tracker.track_external(*externals, *captured_tensors(cap))
     plan = Plan({cap.fqn: bp}) if bp.mode != "none" else Plan()
     handle = apply_plan(root, plan)
     try:
         with tracker:
             # A fresh non-leaf input, as in the chain: a leaf would be kept alive by its AccumulateGrad
-            # node, hiding whether the block itself saves its input. When the step's input needed no
-            # gradient (frozen embeddings or frozen blocks before it) a plain copy: a frozen block then
-            # saves nothing, and a LoRA block only what its adapters need.
+            # node, hiding whether the block itself saves its input. Where the step's input needed no
+            # gradient (frozen layers before it) a plain copy: a frozen block then saves nothing.
             seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=cap.input_grad)
             base, base_act = tracker.now()
             x = hidden.detach() + seed
             in_bytes = tracker.now()[0] - base
-            args, kwargs = called_with(cap, where, x)
+            args, kwargs = with_hidden(cap.args, cap.kwargs, where, x)
             tracker.enter_phase("fwd")
             with autocast_as(cap.autocast):
                 out = cap.module(*args, **kwargs)
@@ -108,8 +95,7 @@ def _run_block(
                 backward_from = backward_leaves(out, cap.grad_leaves)
                 in_context = tracker.now()[0]
             keep_with_input = tracker.enter_phase("after_fwd")[0] - base - out_bytes
-            # Autocast caches the low-precision copies of the weights until the step's autocast region
-            # ends: a mode that saves them keeps them anyway, one that does not frees them only then.
+            # Autocast caches low-precision weight copies until the step's autocast region ends.
             cache = max(0, in_context - base - out_bytes - keep_with_input)
             del args, kwargs, x
             keep = tracker.now()[0] - base - out_bytes
@@ -127,7 +113,10 @@ def _run_block(
     return profile, in_bytes
 
 
-def _default_selective_sets(stacks: Sequence[LayerStack]) -> dict[str, list[tuple[str, ...]]]:
+def _selective_sets(
+    stacks: Sequence[LayerStack], selective_sets: Mapping[str, Iterable[Iterable[str]]] | Iterable[Iterable[str]] | None
+) -> dict[str, list[tuple[str, ...]]]:
+    """Per block, every single child, each kind's children, attention+MLP, and the caller's ``selective_sets``."""
     sets: dict[str, list[tuple[str, ...]]] = {}
     for s in stacks:
         for b in s.blocks:
@@ -137,6 +126,13 @@ def _default_selective_sets(stacks: Sequence[LayerStack]) -> dict[str, list[tupl
                 if len(combo) > 1 and tuple(sorted(combo)) not in mine:
                     mine.append(tuple(sorted(combo)))
             sets[b.fqn] = mine
+    if selective_sets is not None:
+        extra_sets = selective_sets if isinstance(selective_sets, Mapping) else {f: selective_sets for f in sets}
+        for fqn, combos in extra_sets.items():
+            for combo in combos:
+                c = tuple(sorted(combo))
+                if c not in sets.setdefault(fqn, []):
+                    sets[fqn].append(c)
     return sets
 
 
@@ -145,17 +141,14 @@ def _state_bytes(root: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
     param_bytes = tensor_bytes(params)
     grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in params if p.requires_grad)
     buffer_bytes = tensor_bytes(root.buffers())
-    opt_bytes = 0
-    if optimizer is not None:
-        opt_bytes = tensor_bytes(v for state in optimizer.state.values() for v in state.values())
+    opt_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
     return param_bytes, grad_bytes, opt_bytes, buffer_bytes
 
 
 @dataclass(frozen=True)
 class Profile:
-    """What one profiling pass measured, side by side: the memory model (``memory.model``) and, where the blocks
-    were timed, the time model (``timing.model``). The search fits the time model to the plans it measures
-    (``with_time``); the plan file keeps both (``search.replan.profile_metadata``)."""
+    """What one profiling pass measured, side by side: the memory model and, where the blocks were timed, the time
+    model, which the search refits to the plans it measures (``with_time``)."""
 
     memory: MemoryModel
     time: TimeModel | None = None
@@ -181,20 +174,15 @@ def profile_step(
     """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time
     model (``time_blocks``) its step time.
 
-    ``forward_fn`` takes no arguments, runs the forward and returns the loss (a scalar tensor, a dict with
-    ``"loss"``, or an object with ``.loss``); the profile calls ``backward`` on it as the measured step will. Profile
-    in the state you will measure in (batch, gradients, optimizer state); ``extra`` are tensors made outside the step
-    (the batch) that count as resting memory. HF models should run with ``use_cache=False``.
+    ``forward_fn`` takes no arguments, runs the forward and returns the loss (see ``loss_of``). Profile in the state
+    you will measure in (batch, gradients, optimizer state); ``extra`` are tensors made outside the step (the batch)
+    that count as resting memory. No plan may be applied; model state is left as it was.
 
-    Memory-safe: no pass needs more than one step with every block fully checkpointed or one block's forward and
-    backward without checkpointing; model state (gradients, buffers, RNG) is left as it was, and no plan may be
-    applied. ``selective_sets``: child sets to profile exactly (by default every single child and each block's
-    attention, MLP and attention+MLP children), a mapping from block FQN or one list for all blocks; other sets add
-    single-child effects. ``share_identical_blocks``: blocks with the same class, parameter and input shapes share
-    one profile. ``time_blocks``: time each representative under every mode (a collection of mode keys: only those;
-    False: ``Profile.time`` is None). ``compiled_blocks``: time them *compiled alone* instead
-    (``memory.block_times.compiled_block_modes``), and ``Profile.compiled`` holds what each mode's compiled graph
-    saves for backward, which ``CompiledMemoryModel`` predicts a compiled step's memory from.
+    ``selective_sets``: child sets to profile exactly (by default every single child and each block's attention,
+    MLP and attention+MLP children), per block FQN or one list for all; other sets add single-child effects.
+    ``share_identical_blocks``: identical blocks share one profile. ``time_blocks``: time each representative under
+    every mode (or only the given mode keys; False: no time model). ``compiled_blocks``: time them *compiled alone*
+    instead, and ``Profile.compiled`` holds what each mode's compiled graph saves for backward.
     """
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
@@ -221,24 +209,8 @@ def profile_step(
 
 
 def profile_memory(model: nn.Module | ModelView, forward_fn: Callable[[], Any], **options: Any) -> MemoryModel:
-    """The memory model alone: ``profile_step`` (same ``options``) without timing the blocks, which is what
-    predicting memory needs."""
+    """The memory model alone: ``profile_step`` (same ``options``) without timing the blocks."""
     return profile_step(model, forward_fn, **options, time_blocks=False).memory
-
-
-def _selective_sets(
-    stacks: Sequence[LayerStack], selective_sets: Mapping[str, Iterable[Iterable[str]]] | Iterable[Iterable[str]] | None
-) -> dict[str, list[tuple[str, ...]]]:
-    """The default child sets of every block, with the caller's ``selective_sets`` added."""
-    sets = _default_selective_sets(stacks)
-    if selective_sets is not None:
-        extra_sets = selective_sets if isinstance(selective_sets, Mapping) else {f: selective_sets for f in sets}
-        for fqn, combos in extra_sets.items():
-            for combo in combos:
-                c = tuple(sorted(combo))
-                if c not in sets.setdefault(fqn, []):
-                    sets[fqn].append(c)
-    return sets
 
 
 @dataclass
@@ -258,11 +230,14 @@ class _Runs:
     in_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # per representative key: median seconds per mode (memory.block_times)
     timings: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    compiled_saved: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # compiled alone, per mode
-    compile_seconds: float = 0.0  # the blocks' compiles (compiled_blocks)
-    compiles: int = 0
+    compiled: dict[str, CompiledBlockRuns] = dataclasses.field(default_factory=dict)  # ``compiled_blocks``
     overhead: int = 0  # CUDA: allocator peak minus tracked peak of the anchor step
     reserve: int = 0  # CUDA: reserved above allocated on the anchor step
+
+    def rows(self) -> list[tuple[str, str, str | None]]:
+        """Per block call: its FQN, its key in ``profiled``, and the block whose profile it shares (None: itself)."""
+        reps = [self.profiled[key].fqn for key in self.call_rep]
+        return [(f, k, r if r != f else None) for f, k, r in zip(self.order, self.call_rep, reps, strict=True)]
 
 
 def _run_profile(
@@ -278,8 +253,8 @@ def _run_profile(
     compiled: bool = False,
 ) -> _Runs:
     """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the state the
-    model was in and from a cold cache (``run_pass``), as under a trial's cap: the capture's forward left blocks cached
-    that the anchor step split, and on an H200 capped near the budget the anchor's logits then found no room."""
+    model was in and from a cold cache (``run_pass``): the capture's forward left blocks cached that the anchor step
+    split, and on an H200 capped near the budget the anchor's logits then found no room."""
     snapshot = StateSnapshot.capture(root)
 
     def profile_pass(what: str, run: Callable[[], Any]) -> Any:
@@ -292,8 +267,7 @@ def _run_profile(
         stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
         capture = lambda: capture_calls(root, forward_fn, blocks, share, stack_of)  # noqa: E731
         order, reps, rep_of, unchained = profile_pass("capture (a forward without gradients)", capture)
-        # FSDP2 all-gathers a sharded block's parameters in its own forward hooks, which a segment's recompute
-        # of several blocks as one function does not run: no segments over sharded blocks.
+        # FSDP2 all-gathers in each block's own hooks, which a segment's recompute does not run.
         unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
         unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
         anchor = lambda: anchor_step(root, forward_fn, order, externals, dev)  # noqa: E731
@@ -305,16 +279,10 @@ def _run_profile(
             runs.overhead = allocator_peak - tracker.total_peak
         runs.profiles, runs.failed, runs.in_bytes = _profile_blocks(root, runs.profiled, sets, externals, dev, snapshot)
         if timed and compiled:
-            compiled_runs = _run_blocks(compiled_block_modes, root, runs.profiled, runs.profiles, dev, snapshot, timed)
-            runs.timings = {k: r.seconds for k, r in compiled_runs.items()}
-            runs.compiled_saved = {k: r.saved_bytes for k, r in compiled_runs.items()}
-            runs.compile_seconds = sum(r.compile_seconds for r in compiled_runs.values())
-            runs.compiles = sum(r.compiles for r in compiled_runs.values())
+            runs.compiled = _run_blocks(compiled_block_modes, runs, root, dev, snapshot, timed)
+            runs.timings = {k: r.seconds for k, r in runs.compiled.items()}
         elif timed:
-            calls = {key: runs.call_rep.count(key) for key in runs.profiled}  # what each one's rounds are sized by
-            runs.timings = _run_blocks(
-                time_block_modes, root, runs.profiled, runs.profiles, dev, snapshot, timed, calls
-            )
+            runs.timings = _run_blocks(time_block_modes, runs, root, dev, snapshot, timed, sized=True)
     finally:
         snapshot.restore()
     return runs
@@ -323,11 +291,9 @@ def _run_profile(
 def _calls_to_profile(
     rep_of: list[str], reps: Mapping[str, Captured], calls: Calls
 ) -> tuple[list[str], dict[str, Captured]]:
-    """Per call, the key of the run that profiles it; and per key, the captured call to run.
-
-    One profile per representative and way of being called: a frozen block behind frozen embeddings
-    saves nothing, its trainable twin later in the stack does; an MoE block's router loss adds a gradient.
-    """
+    """Per call, the key of the run that profiles it; and per key, the captured call to run. One profile per
+    representative and way of being called: a frozen block behind frozen embeddings saves nothing, its trainable
+    twin later in the stack does; an MoE block's router loss adds a gradient."""
     call_rep, profiled = [], {}
     for i, rep in enumerate(rep_of):
         grad_leaves = tuple(sorted(calls.grad_leaves[i]))
@@ -340,10 +306,8 @@ def _calls_to_profile(
 
 
 def _block_rows(runs: _Runs) -> list[BlockMemory]:
-    """One ``BlockMemory`` per block call, in call order."""
     rows = []
-    for fqn, key in zip(runs.order, runs.call_rep, strict=True):
-        rep = runs.profiled[key].fqn
+    for fqn, key, shared in runs.rows():
         prof = runs.profiles[key]
         full = prof["full"]
         transient = max(0, full.backward_peak_activation_bytes - full.keep_bytes - 2 * full.output_bytes)
@@ -353,7 +317,7 @@ def _block_rows(runs: _Runs) -> list[BlockMemory]:
                 saved_bytes={k: p.keep_bytes for k, p in prof.items()},
                 recompute_transient_bytes=transient,
                 input_bytes=runs.in_bytes[key],
-                shared_with=rep if rep != fqn else None,
+                shared_with=shared,
                 profiles=dict(prof),
                 failed=dict(runs.failed[key]),
             )
@@ -370,7 +334,6 @@ def _memory_model(
     runs: _Runs,
     fingerprint: str,
 ) -> MemoryModel:
-    """The ``MemoryModel`` the runs make: block rows, the anchor's phases, the fixed state."""
     rows = _block_rows(runs)
     order, tracker = runs.order, runs.tracker
     n = len(order)
@@ -411,13 +374,11 @@ def _memory_model(
 
 
 def _time_model(runs: _Runs, memory: MemoryModel, dev: torch.device) -> TimeModel:
-    """The ``TimeModel`` of the runs' timings: one row per block call, as the memory model's, with the bytes each
-    offloading mode moves; and where they move any, the host link measured (``measure.link``)."""
+    """One row per block call, as the memory model's, with the bytes each offloading mode moves."""
     rows = []
-    for fqn, key, mem in zip(runs.order, runs.call_rep, memory.blocks, strict=True):
-        rep = runs.profiled[key].fqn
+    for (fqn, key, shared), mem in zip(runs.rows(), memory.blocks, strict=True):
         moved = {k: n for k in ("offload", "offload_input") if (n := mem.offloaded_bytes(k))}
-        rows.append(BlockTime(fqn, dict(runs.timings.get(key, {})), rep if rep != fqn else None, moved))
+        rows.append(BlockTime(fqn, dict(runs.timings.get(key, {})), shared, moved))
     autocast = [[d, str(t).removeprefix("torch."), c] for d, t, c in next(iter(runs.profiled.values())).autocast]
     measured_at = {
         "device": str(dev),
@@ -432,34 +393,24 @@ def _time_model(runs: _Runs, memory: MemoryModel, dev: torch.device) -> TimeMode
 
 
 def _compiled_model(runs: _Runs, memory: MemoryModel) -> CompiledMemoryModel:
-    """The blocks' compiled saved bytes, one row per block call (as the memory model's), not yet anchored on a
-    compiled step (``CompiledMemoryModel.anchored``)."""
-    rows = []
-    for fqn, key in zip(runs.order, runs.call_rep, strict=True):
-        rep = runs.profiled[key].fqn
-        rows.append(CompiledBlockMemory(fqn, dict(runs.compiled_saved.get(key, {})), rep if rep != fqn else None))
-    return CompiledMemoryModel(
-        blocks=tuple(rows),
-        stacks=memory.stacks,
-        eager=memory,
-        compile_seconds=runs.compile_seconds,
-        compiles=runs.compiles,
-    )
+    """One row per block call, as the memory model's, not yet anchored on a compiled step."""
+    rows = tuple(CompiledBlockMemory(f, dict(runs.compiled[k].saved_bytes), r) for f, k, r in runs.rows())
+    compiled = runs.compiled.values()
+    seconds, compiles = sum(r.compile_seconds for r in compiled), sum(r.compiles for r in compiled)
+    return CompiledMemoryModel(rows, memory.stacks, memory, compile_seconds=seconds, compiles=compiles)
 
 
 def _run_blocks(
     run: Callable[..., Any],
+    runs: _Runs,
     root: nn.Module,
-    reps: Mapping[str, Captured],
-    profiles: Mapping[str, Mapping[str, ModeProfile]],
     dev: torch.device,
     snapshot: StateSnapshot,
     modes: bool | Collection[str],
-    calls: Mapping[str, int] | None = None,
+    sized: bool = False,
 ) -> dict[str, Any]:
-    """``run`` (``memory.block_times``: ``time_block_modes``, or ``compiled_block_modes`` for a compiled model) on
-    each representative alone under every mode its memory profile ran, or only ``modes``, and always ``none``,
-    which the others are measured against; ``calls``: each one's block calls, which size its rounds."""
+    """``run`` (``memory.block_times``) on each representative alone under every mode its memory profile ran, or
+    only ``modes`` and ``none``, which the others are measured against; ``sized``: its block calls size its rounds."""
     wanted = None if isinstance(modes, bool) else {"none", *modes}
     return {
         key: run_pass(
@@ -468,15 +419,15 @@ def _run_blocks(
             lambda cap=cap, key=key: run(
                 root,
                 cap,
-                {k: _block_plan_of(k) for k in profiles[key] if wanted is None or k in wanted},
+                {k: _block_plan_of(k) for k in runs.profiles[key] if wanted is None or k in wanted},
                 device=dev,
                 restore=snapshot.restore,
-                **({"calls": calls[key]} if calls is not None else {}),
+                **({"calls": runs.call_rep.count(key)} if sized else {}),
             ),
             snapshot.restore,
             cold=False,  # one block's buffers, not a step's: no sync and emptied cache per block
         )
-        for key, cap in reps.items()
+        for key, cap in runs.profiled.items()
     }
 
 
@@ -488,7 +439,7 @@ def _profile_blocks(
     dev: torch.device,
     snapshot: StateSnapshot,
 ) -> tuple[dict[str, dict[str, ModeProfile]], dict[str, dict[str, str]], dict[str, int]]:
-    """Each representative block alone under every mode: (profiles, modes it failed under, input bytes)."""
+    """Each representative alone under every mode: (profiles, modes it failed under, input bytes)."""
     profiles: dict[str, dict[str, ModeProfile]] = {}
     failed: dict[str, dict[str, str]] = {}
     in_bytes: dict[str, int] = {}
@@ -508,8 +459,7 @@ def _profile_blocks(
             except (torch.OutOfMemoryError, PassOutOfMemory):
                 raise
             except Exception as err:
-                # A mode this block cannot run under (e.g. an op save-list that does not apply) is
-                # recorded; predicting a plan that uses it raises PlanError with this reason.
+                # Predicting a plan that uses this mode raises PlanError with this reason.
                 if key in ("none", "full"):
                     raise
                 failed[fqn][key] = f"{type(err).__name__}: {err}"
