@@ -8,7 +8,7 @@ tuned plan wins only when the lower bound clears ``1 + tie_tolerance``; in betwe
 until it is decided or capped, and then the baseline is kept.
 
 The rounds that choose a plan favour it (the winner's curse), so it and the reference are timed again in fresh rounds
-(``rounds.holdout``) and the verdict reported is theirs (``chosen_after``: the rounds that chose it).
+(``confirmation.hold_out``) and the verdict reported is theirs (``chosen_after``: the rounds that chose it).
 
 Pure Python (no torch): a plan file's verdict is read by ``lightning-ckpt show`` without importing torch.
 """
