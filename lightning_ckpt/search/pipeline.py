@@ -118,14 +118,16 @@ def run_search(
     time model, for the time model's sampler where the runner's steps are the ones it timed. The warm-up runs the
     first workload's step (its runner's harness)."""
     runner = workloads[0].runner
-    plain_fits = _plain_fits_host(resolved, workloads, config)
+    sync = hooks.sync or LocalSync()
+    # Rank 0 decides, as every choice of the search: ranks that warmed up with different steps would run different
+    # numbers of a sharded step's collectives (each rank reads its own free memory).
+    plain_fits = sync.broadcast(_plain_fits_host(resolved, workloads, config))
     with phases.timing("warm_up"):
         warm_steps, plain_seconds = warm_up_process(
             runner.harness, resolved, config, isinstance(runner, CompiledTrials), plain=plain_fits
         )
     stacks, plain = offered_candidates(space, resolved.stacks, resolved.fingerprint, memory_model)
     candidates = resized(plain, workloads)
-    sync = hooks.sync or LocalSync()
     trials = Trials(
         workloads, budget, config, device_type=allocator_type(resolved.device), sync=sync, should_stop=hooks.should_stop
     )
