@@ -14,5 +14,7 @@ def run_ranks(worker: Path, out: Path, *args: str) -> list[dict]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, str(worker), str(out), *args], capture_output=True, text=True,
                           timeout=300, env=env, cwd=out)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # Rank 0's lines apart: when rank 0 dies, rank 1's traceback (the lost peer) fills the tail and hides its cause.
+    rank0 = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("[rank1]"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + rank0[-5000:] + proc.stderr[-2000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
