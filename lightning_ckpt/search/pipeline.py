@@ -146,8 +146,10 @@ def run_search(
     sampler = sampler_for(timing, ledger, unseen, config, predicts_time=workloads[0].predicts_time)
     with phases.timing("trials"):
         none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
-    search = Search(ledger, trials, sampler, tuple(candidates), tuple(stacks), Confirmed(), none_fits, warm_steps)
-    search = replace(search, progress=hooks.progress, phases=phases, plain_seconds=plain_seconds)
+    search = Search(
+        ledger, trials, sampler, tuple(candidates), tuple(stacks), Confirmed(), none_fits, warm_steps,
+        progress=hooks.progress, phases=phases, plain_seconds=plain_seconds,
+    )  # fmt: skip
     with phases.timing("confirmation"):
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
     release_cached_memory(resolved.device)
