@@ -77,7 +77,7 @@ class Study:
 
     def run(self) -> tuple[TrialRecord, ...]:
         self.none_fits = run_trials(self.ledger, self.trials, self.proposer, self.candidates, self.space, self.stacks,
-                                    progress=self.progress)  # fmt: skip
+                                    progress=self.progress).none_fits  # fmt: skip
         return self.records
 
     def confirm(self) -> None:

@@ -224,3 +224,23 @@ def test_the_allowance_counts_in_the_plain_step_timed_in_the_warm_up_not_the_tim
     none = next(t for t in result.trials if t.baseline == "none")
     assert none.status == "pruned" and none.pruned_by == "memory", "over the budget: never run as a trial"
     assert result.cost.plain_step_seconds == pytest.approx(plain)
+
+
+def test_the_trials_stop_where_the_allowance_could_no_longer_pay_for_the_rounds_floor(gpt, tokens):
+    # A tuned plan is chosen only by its verdict from the side-by-side rounds. On a fast step the trials spent the
+    # allowance and left the rounds two (the mixer then kept a baseline 6% slower than another, repeatability.py):
+    # now the loop stops measuring tuned plans where the confirmation's floor (six rounds) would no longer fit.
+    # On the Linear clock this search costs 119 plain steps unbounded, its trials measure four plans.
+    def search(steps: float | None):
+        clock = LinearClock()
+        with clock.installed():
+            return tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.5,
+                        config=TuneConfig(measure_steps=1, clock=clock, search_steps=steps))  # fmt: skip
+
+    free, bounded = search(None), search(100.0)
+    stopped = bounded.best.metadata["search"]["allowance"]["stopped"]
+    assert free.n_measured > bounded.n_measured >= 2, "every baseline and at least one tuned plan, not all"
+    assert any(s.startswith(f"the trials after {bounded.n_measured} plans measured") for s in stopped)
+    assert not any("the confirmation" in s for s in stopped), "the rounds reached their floor"
+    confirmed = [t for t in bounded.trials if t.confirmed]
+    assert len(confirmed) >= 2 and bounded.cost.plain_steps <= 100.0

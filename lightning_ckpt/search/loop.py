@@ -5,28 +5,29 @@ Ranks move in lockstep: rank 0 proposes (``_Proposals``), every rank measures, r
 predicted over budget (or over ``max_host_memory``) and every offload plan predicted to wait longer for its transfer
 than it saves in recompute (``TimeModelSampler.offload_loses``; pruned, free); every baseline that can run (the
 references, measured whatever ``n_trials``); then every plan when the space is no larger than ``n_trials``, else the
-sampler's proposals until ``n_trials`` ran, ``timeout`` passed, or the time model's ``nothing_left_can_win`` holds
-(the rest pruned, each with its prediction).
+sampler's proposals until ``n_trials`` ran, ``timeout`` passed, the time model's ``nothing_left_can_win`` holds
+(the rest pruned, each with its prediction), or ``rounds_first()`` (the search's allowance must keep what the side-by-side
+rounds need: a tuned plan they cannot confirm is never chosen, so measuring it would be waste).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from optuna.samplers import BaseSampler
 
-from lightning_ckpt.formatting import format_bytes
+from lightning_ckpt.formatting import count, format_bytes
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.search.ledger import Ledger, ProgressFn, TrialRecord
 from lightning_ckpt.search.sampler import TimeModelSampler
 from lightning_ckpt.search.space import Candidate, SearchSpace
 from lightning_ckpt.search.trials import Trials
 
-__all__ = ["measure", "run_trials"]
+__all__ = ["TrialsRun", "measure", "run_trials"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,15 @@ log = logging.getLogger(__name__)
 # seen most of a space redraws known points, and every redraw costs a suggest call whose cost grows with the study
 # (54 of 105 s of a 16-layer search went there before this bound).
 _MAX_REDRAWS = 2
+
+
+@dataclass(frozen=True)
+class TrialsRun:
+    """How the loop ended: ``none_fits``, no checkpointing was predicted to fit and, measured alone, fitted (no plan
+    can then be faster, so nothing else was measured); ``stopped``, the allowance kept the rest for the rounds."""
+
+    none_fits: bool = False
+    stopped: str | None = None
 
 
 def run_trials(
@@ -45,14 +55,15 @@ def run_trials(
     stacks: Sequence[Any],
     *,
     progress: ProgressFn | None = None,
-) -> bool:
-    """Fill ``ledger`` (see the module docstring). True when no checkpointing was predicted to fit and, measured
-    alone, fitted: no plan can then be faster, so nothing else was measured."""
+    rounds_first: Callable[[], bool] | None = None,
+) -> TrialsRun:
+    """Fill ``ledger`` (see the module docstring). ``rounds_first()``: rank 0's, polled before each tuned plan."""
     accumulation = {m: w.accumulation for m, w in trials.workloads.items()}
     ledger.open(sampler, trials.predicted_over_budget, accumulation)
     if _none_fits(ledger, trials, sampler, candidates, progress):
-        return True
-    proposals = _Proposals(ledger, trials, sampler, candidates, space, stacks) if trials.sync.is_leader else None
+        return TrialsRun(none_fits=True)
+    leader = trials.sync.is_leader
+    proposals = _Proposals(ledger, trials, sampler, candidates, space, stacks, rounds_first) if leader else None
     while True:
         trials.check_stop()
         proposal = proposals.next() if proposals is not None else None
@@ -71,7 +82,7 @@ def run_trials(
         if proposal is not None:
             ledger.tell(proposal[1], record)
     trials.check_stop()
-    return False
+    return TrialsRun(stopped=trials.sync.broadcast(proposals.stopped if proposals is not None else None))
 
 
 def measure(
@@ -133,9 +144,11 @@ class _Proposals:
         candidates: Sequence[Candidate],
         space: SearchSpace,
         stacks: Sequence[Any],
+        rounds_first: Callable[[], bool] | None = None,
     ) -> None:
         self.ledger, self.trials, self.sampler, self.candidates = ledger, trials, sampler, candidates
-        self.space, self.stacks = space, stacks
+        self.space, self.stacks, self.rounds_first = space, stacks, rounds_first
+        self.stopped: str | None = None  # why the allowance ended the trials early
         self.timed = sampler if isinstance(sampler, TimeModelSampler) else None
         self.exhaustive = len(candidates) <= trials.config.n_trials
         self.rng = random.Random(trials.config.seed)
@@ -167,6 +180,12 @@ class _Proposals:
         self.trials.check_stop()
         if self.ledger.measured >= self.trials.config.n_trials or self.trials.out_of_time() or not unseen:
             return None  # ``n_trials`` plans measured (pruned ones are free), or out of time
+        if self.rounds_first is not None and self.rounds_first():
+            self.stopped = (
+                f"the trials after {count(self.ledger.measured, 'plan')} measured, keeping the rest for the side-by-side "
+                "rounds"
+            )
+            return None
         if self.exhaustive and self.timed is None:
             return self._enqueued(unseen[0])
         if self.timed is not None and self.timed.nothing_left_can_win():

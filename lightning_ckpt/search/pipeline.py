@@ -5,7 +5,6 @@ Between the two the caller reads the ledger for what the plan file records.
 
 from __future__ import annotations
 
-import statistics
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -25,7 +24,7 @@ from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.choice import choose_plan
 from lightning_ckpt.search.compile import CompiledTrials, eager_while_profiling
 from lightning_ckpt.search.config import TuneConfig
-from lightning_ckpt.search.confirmation import Confirmed, confirm, hold_out
+from lightning_ckpt.search.confirmation import Confirmed, confirm, floor_seconds, hold_out
 from lightning_ckpt.search.distributed import LocalSync, Sync
 from lightning_ckpt.search.ledger import Ledger, ProgressFn, TrialRecord
 from lightning_ckpt.search.loop import measure, run_trials
@@ -44,7 +43,7 @@ __all__ = ["TAIL_STEPS", "Search", "SearchHooks", "conclude", "run_search", "war
 # Plain steps the allowance keeps for what follows the side-by-side rounds: the winner's (and a kept reference's)
 # tracked memory pass and FLOP count (3.5 and 2 plain steps on CPU, more on a fast step: the tracker's cost is per op).
 TAIL_STEPS = 10
-# Plain steps the warm-up times for the search's plain step (``warm_up_process``): their median, one slow step aside.
+# Plain steps the warm-up times for the search's plain step (``warm_up_process``): the fastest counts.
 PLAIN_TIMED_STEPS = 3
 
 
@@ -144,16 +143,25 @@ def run_search(
         return [c for c in candidates if c.key() not in ledger and trials.offered(c.plan)]
 
     sampler = sampler_for(timing, ledger, unseen, config, predicts_time=workloads[0].predicts_time)
-    with phases.timing("trials"):
-        none_fits = run_trials(ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress)
     search = Search(
-        ledger, trials, sampler, tuple(candidates), tuple(stacks), Confirmed(), none_fits, warm_steps,
+        ledger, trials, sampler, tuple(candidates), tuple(stacks), Confirmed(), False, warm_steps,
         progress=hooks.progress, phases=phases, plain_seconds=plain_seconds,
     )  # fmt: skip
+
+    def rounds_first() -> bool:
+        left, floor = search.left(), floor_seconds(ledger, config)
+        return left is not None and floor is not None and left < floor
+
+    with phases.timing("trials"):
+        ran = run_trials(
+            ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress, rounds_first=rounds_first
+        )
     with phases.timing("confirmation"):
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
+    if ran.stopped is not None:
+        confirmed = replace(confirmed, stopped=(ran.stopped, *confirmed.stopped))
     release_cached_memory(resolved.device)
-    return replace(search, confirmed=confirmed)
+    return replace(search, confirmed=confirmed, none_fits=ran.none_fits)
 
 
 def conclude(
@@ -274,7 +282,9 @@ def warm_up_process(
     timed = PLAIN_TIMED_STEPS if plan.is_empty else 1
     with plan_applied(resolved, plan), eager_while_profiling(compiled):
         warm = harness.measure(warmup=config.process_warmup_steps, steps=timed, track_memory=False, count_flops=False)
-    seconds = statistics.median(warm.step_seconds) if plan.is_empty and warm.step_seconds else None
+    # The fastest, not the median: the allowance is a bound, and these are a process's first steps (still slower
+    # than its later ones: 0.79-1.17x of a plain step timed after the search, in ``tuning_cost.py --shapes``).
+    seconds = min(warm.step_seconds) if plan.is_empty and warm.step_seconds else None
     return warm.warmup_steps + len(warm.step_seconds), seconds or None
 
 
