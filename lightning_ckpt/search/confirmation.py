@@ -122,9 +122,10 @@ def floor_seconds(ledger: Ledger, config: Any) -> float | None:
         return None
     baselines = sum(t.baseline is not None for t in fitting)  # one more tuned plan adds at most one leader
     entries = min(baselines, _MAX_REFERENCES) + min(config.confirm_top, len(fitting) - baselines + 1)
-    steps = (
+    rounds = (
         entries * (config.confirm_rounds * config.confirm_steps + 1) + 2 * config.holdout_rounds * config.confirm_steps
     )
+    steps = rounds + config.measure_steps + 1  # and the reference re-timed first (``_speed_changed_since_search``)
     return statistics.fmean(t.median_seconds for t in fitting) * steps
 
 
