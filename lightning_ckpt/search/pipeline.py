@@ -89,6 +89,11 @@ class Search:
             plain = timed.predict_seconds(Plan())
         return self.phases.cost(plain)
 
+    def rounds_first(self) -> bool:
+        """Whether the allowance left could no longer pay for the side-by-side rounds' floor (``floor_seconds``)."""
+        left, floor = self.left(), floor_seconds(self.ledger, self.trials.config)
+        return left is not None and floor is not None and left < floor
+
     def left(self) -> float | None:
         """Seconds of the search's allowance (``TuneConfig.search_steps`` plain steps) left for its rounds, less
         ``TAIL_STEPS`` for what follows them; None without an allowance or a plain step."""
@@ -147,14 +152,16 @@ def run_search(
         ledger, trials, sampler, tuple(candidates), tuple(stacks), Confirmed(), False, warm_steps,
         progress=hooks.progress, phases=phases, plain_seconds=plain_seconds,
     )  # fmt: skip
-
-    def rounds_first() -> bool:
-        left, floor = search.left(), floor_seconds(ledger, config)
-        return left is not None and floor is not None and left < floor
-
     with phases.timing("trials"):
         ran = run_trials(
-            ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress, rounds_first=rounds_first
+            ledger,
+            trials,
+            sampler,
+            candidates,
+            space,
+            stacks,
+            progress=hooks.progress,
+            rounds_first=search.rounds_first,
         )
     with phases.timing("confirmation"):
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
