@@ -135,14 +135,10 @@ def run_search(
     trials = Trials(
         workloads, budget, config, device_type=allocator_type(resolved.device), sync=sync, should_stop=hooks.should_stop
     )
-    distributions = dict(space.distributions(stacks))
-    sizes = sorted(w.micro_batch for w in workloads if w.micro_batch is not None)
-    if sizes:  # the joint search: the micro-batch is one more dimension for the sampler
-        import optuna
-
-        distributions["micro_batch"] = optuna.distributions.CategoricalDistribution(sizes)
     info = run_info(resolved.fingerprint, workloads[0].samples_per_step, sync.world_size, run)
-    ledger = Ledger(config=config, run_info=info, budget=budget, distributions=distributions, sync=sync)
+    ledger = Ledger(
+        config=config, run_info=info, budget=budget, distributions=_distributions(space, stacks, workloads), sync=sync
+    )
 
     def unseen() -> list[Candidate]:
         return [c for c in candidates if c.key() not in ledger and trials.offered(c.plan)]
@@ -153,15 +149,9 @@ def run_search(
         progress=hooks.progress, phases=phases, plain_seconds=plain_seconds,
     )  # fmt: skip
     with phases.timing("trials"):
+        first = search.rounds_first
         ran = run_trials(
-            ledger,
-            trials,
-            sampler,
-            candidates,
-            space,
-            stacks,
-            progress=hooks.progress,
-            rounds_first=search.rounds_first,
+            ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress, rounds_first=first
         )
     with phases.timing("confirmation"):
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
@@ -169,6 +159,17 @@ def run_search(
         confirmed = replace(confirmed, stopped=(ran.stopped, *confirmed.stopped))
     release_cached_memory(resolved.device)
     return replace(search, confirmed=confirmed, none_fits=ran.none_fits)
+
+
+def _distributions(space: SearchSpace, stacks: Sequence[Any], workloads: Sequence[Workload]) -> dict[str, Any]:
+    """The space's Optuna distributions; in the joint search the micro-batch is one more dimension."""
+    distributions = dict(space.distributions(stacks))
+    sizes = sorted(w.micro_batch for w in workloads if w.micro_batch is not None)
+    if sizes:
+        import optuna
+
+        distributions["micro_batch"] = optuna.distributions.CategoricalDistribution(sizes)
+    return distributions
 
 
 def conclude(
