@@ -182,8 +182,7 @@ class _Proposals:
             return None  # ``n_trials`` plans measured (pruned ones are free), or out of time
         if self.rounds_first is not None and self.rounds_first():
             self.stopped = (
-                f"the trials after {count(self.ledger.measured, 'plan')} measured, keeping the rest for the side-by-side "
-                "rounds"
+                f"the trials after {count(self.ledger.measured, 'plan')} measured (the rest kept for the rounds)"
             )
             return None
         if self.exhaustive and self.timed is None:
