@@ -229,9 +229,8 @@ class SearchSpace:
         if not self.segments:
             return ()
         n = max(len(s.blocks) for s in stacks)
-        if self.chunks is not None:
-            return tuple(sorted({c for c in self.chunks if 2 <= c <= n}))
-        return tuple(sorted({c for c in (2, round(math.sqrt(n)), n // 2) if 2 <= c <= n}))
+        chunks = self.chunks if self.chunks is not None else (2, round(math.sqrt(n)), n // 2)
+        return tuple(sorted({c for c in chunks if 2 <= c <= n}))
 
     def structures(self, stacks: Sequence[LayerStack]) -> tuple[str, ...]:
         out = ["none"]
