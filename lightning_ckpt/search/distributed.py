@@ -1,12 +1,9 @@
 """Rank agreement for the tuner: every rank runs the same trials in lockstep and sees the same results.
 
-The tuner knows nothing about Lightning or process groups: it talks to a ``Sync`` (the callback
-adapts Lightning's strategy to it). Rank 0 (the leader) owns the Optuna study, decides every
-candidate and whether the memory model prunes it, and broadcasts the decision; every rank measures
-the candidate on its own batch *without any collective inside the step*, so an OOM on one rank
-cannot leave another rank waiting in an all-reduce; then all ranks gather their measurements and
-combine them identically: memory is the maximum over ranks, throughput the global samples/s
-limited by the slowest rank, and a failure on any rank fails the trial on all ranks.
+The tuner talks to a ``Sync`` (the callback adapts Lightning's strategy to it). Rank 0 owns the Optuna study and
+broadcasts each decision; every rank measures the candidate on its own batch with no collective inside the step, so an
+OOM on one rank cannot leave another waiting in an all-reduce; then the ranks gather their measurements and combine
+them identically (``combine_trials``).
 """
 
 from __future__ import annotations
@@ -82,9 +79,9 @@ def combine_trials(per_rank: Sequence[TrialRecord], budget: Budget) -> TrialReco
         seconds=_max([t.seconds for t in per_rank]) or 0.0,
         steps=_max([t.steps for t in per_rank]) or 0,
         error="; ".join(errors) or None,
-        extra={**lead.extra, "ranks": len(per_rank), "per_rank": [_rank_figures(t) for t in per_rank]},
+        extra={**lead.extra, "ranks": len(per_rank), "per_rank": [_figures(t) for t in per_rank]},
     )
 
 
-def _rank_figures(trial: TrialRecord) -> dict[str, Any]:
-    return {"status": str(trial.status), "samples_per_second": trial.samples_per_second, "peak_bytes": trial.peak_bytes}
+def _figures(t: TrialRecord) -> dict[str, Any]:
+    return {"status": str(t.status), "samples_per_second": t.samples_per_second, "peak_bytes": t.peak_bytes}

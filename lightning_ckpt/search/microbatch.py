@@ -161,7 +161,7 @@ def tune_micro_batch(
     with search_session(resolved, config.clock) as session:  # the set-up and tear-down ``tune`` has, the same code
 
         def step_for(m: int) -> Callable[[], Any]:
-            return session.restoring(loss_fn_for(m))
+            return session.python_state.restoring(loss_fn_for(m))
 
         session.check_parameter_writes(step_for(base_micro_batch))
         space = config.search_space.for_device(resolved.device.type)

@@ -9,7 +9,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["PHASES", "Phases", "SearchCost"]
@@ -76,9 +76,4 @@ class SearchCost:
         return self.total_seconds / self.plain_step_seconds if self.plain_step_seconds else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "total_seconds": self.total_seconds,
-            "seconds": dict(self.seconds),
-            "plain_step_seconds": self.plain_step_seconds,
-            "plain_steps": self.plain_steps,
-        }
+        return {**asdict(self), "plain_steps": self.plain_steps}

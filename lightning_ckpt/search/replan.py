@@ -28,7 +28,7 @@ from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.table import Bucket, PlanTable
 from lightning_ckpt.search.choice import BeatsFn, choose_best
 from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
-from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
+from lightning_ckpt.search.space import SearchSpace, offered_candidates
 from lightning_ckpt.search.verdict import Verdict
 from lightning_ckpt.stacks import LayerStack
 from lightning_ckpt.timing.model import WELL_PREDICTED_ERROR, TimeModel
@@ -238,8 +238,11 @@ def _replan(
     budget = requested.resolve(
         device=dev, none_activation_bytes=memory_model.predict_activation(Plan()), capacity_bytes=capacity
     )
-    records = predicted_records(profile, memory, profile.time, budget, device=dev, ratio=ratio, batch=batch)
-    records, measured = _with_measured_times(records, _measured_seconds(plan, profile), ratio, batch)
+    measured_seconds = _measured_seconds(plan, profile)
+    records = predicted_records(
+        profile, memory, profile.time, budget, device=dev, rows=batch, ratio=ratio, measured=measured_seconds
+    )
+    measured = {r.number for r in records if r.label in measured_seconds}
     beats = _beats(Verdict.recorded(plan.provenance.search), measured, profile.tie_tolerance)
     best = choose_best(records, budget, tie_tolerance=profile.tie_tolerance, beats=beats)
     if best is None:
@@ -283,19 +286,6 @@ def _measured_seconds(plan: Plan, profile: SavedProfile) -> dict[str, float]:
         if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0:
             out[chosen["label"]] = float(seconds)
     return out
-
-
-def _with_measured_times(
-    records: list[TrialRecord], measured: Mapping[str, float], ratio: float, batch: int
-) -> tuple[list[TrialRecord], set[int]]:
-    """``records`` with the step time the file measured where it measured that plan (``predicted_seconds`` keeps the
-    prediction), and the numbers of those records."""
-
-    def timed(r: TrialRecord) -> TrialRecord:
-        seconds = measured[r.label] * ratio
-        return replace(r, median_seconds=seconds, samples_per_second=batch / seconds)
-
-    return [timed(r) if r.label in measured else r for r in records], {r.number for r in records if r.label in measured}
 
 
 def _beats(verdict: Verdict | None, measured: set[int], tie_tolerance: float) -> BeatsFn:
@@ -345,20 +335,48 @@ def predicted_records(
     budget: Budget,
     *,
     device: torch.device | str,
+    rows: int,
     ratio: float = 1.0,
-    batch: int | None = None,
     model: MemoryModel | None = None,
+    measured: Mapping[str, float] | None = None,
 ) -> list[TrialRecord]:
     """Every plan of ``profile``'s space scored by ``memory`` and ``time`` alone, as records ``choose_best`` picks
     from (plans whose time is not predicted are left out). ``model``: the memory model that says which plans can run
-    (default the profile's)."""
+    (default the profile's); ``measured``: step seconds the file measured, by label, which a plan's record takes in
+    place of its predicted time (``predicted_seconds`` keeps the prediction)."""
     model = model or profile.memory
     _, candidates = offered_candidates(
         profile.space.for_device(device_type(device)), profile.stacks, model.fingerprint, model
     )
-    rows = batch or profile.batch_size
-    records = [_scored(i, c, memory, time, ratio, rows, budget) for i, c in enumerate(candidates)]
-    return [r for r in records if r is not None]
+    records = []
+    for number, cand in enumerate(candidates):
+        predicted = time.predict_seconds(cand.plan)
+        if predicted is None:
+            continue
+        figures = memory.predict(cand.plan)
+        if figures is None:  # a PT2 budget under compile: the partitioner's choice, never predicted
+            continue
+        peak, activation = figures
+        seconds = (measured[cand.label] if measured and cand.label in measured else predicted) * ratio
+        records.append(
+            TrialRecord(
+                number=number,
+                plan=cand.plan,
+                label=cand.label,
+                params=dict(cand.params),
+                baseline=cand.baseline,
+                status=TrialStatus.OK if budget.fits(peak, activation) else TrialStatus.OVER_BUDGET,
+                predicted_peak_bytes=peak,
+                predicted_activation_bytes=activation,
+                peak_bytes=peak,
+                activation_bytes=activation,
+                samples_per_second=rows / seconds,
+                median_seconds=seconds,
+                memory_measured=False,
+                predicted_seconds=predicted * ratio,
+            )
+        )
+    return records
 
 
 def table_bucket(
@@ -378,7 +396,7 @@ def table_bucket(
     predicts eager steps."""
     memory = RealStepMemory(compiled or memory_model, searched.optimizer)
     records = predicted_records(
-        searched, memory, time, budget, device=memory_model.device, batch=rows, model=memory_model
+        searched, memory, time, budget, device=memory_model.device, rows=rows, model=memory_model
     )
     best = choose_best(records, budget, tie_tolerance=searched.tie_tolerance)
     profile = None if compiled is not None else {"memory": memory_model.to_dict(), "time": time.to_dict()}
@@ -425,42 +443,6 @@ def replanned_table(original: Plan, top: Plan, budget: Budget, profile: SavedPro
         predicted_seconds=replanned.get("predicted_seconds"),
     )
     return PlanTable((*buckets, head), table.rows)
-
-
-def _scored(
-    number: int,
-    cand: Candidate,
-    memory: RealStepMemory,
-    time: TimeModel,
-    ratio: float,
-    batch: int,
-    budget: Budget,
-) -> TrialRecord | None:
-    """A record of ``cand``'s predicted figures (memory and speed both predicted), None if its time is not."""
-    seconds = time.predict_seconds(cand.plan)
-    if seconds is None:
-        return None
-    seconds *= ratio
-    predicted = memory.predict(cand.plan)
-    if predicted is None:  # a PT2 budget under compile: the partitioner's choice, never predicted
-        return None
-    peak, activation = predicted
-    return TrialRecord(
-        number=number,
-        plan=cand.plan,
-        label=cand.label,
-        params=dict(cand.params),
-        baseline=cand.baseline,
-        status=TrialStatus.OK if budget.fits(peak, activation) else TrialStatus.OVER_BUDGET,
-        predicted_peak_bytes=peak,
-        predicted_activation_bytes=activation,
-        peak_bytes=peak,
-        activation_bytes=activation,
-        samples_per_second=batch / seconds,
-        median_seconds=seconds,
-        memory_measured=False,
-        predicted_seconds=seconds,
-    )
 
 
 def _replanned_plan(

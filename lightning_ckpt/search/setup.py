@@ -51,13 +51,10 @@ class SearchSession:
         self.allocator = allocator  # what the search runs under, recorded in the plan file
         memory = device_memory(resolved.device)
         self.began = memory.allocated() if memory is not None else None  # held before the search: named if none fits
+        # Each step starts from the Python attributes as they were (a counter-driven curriculum sees call 1 each
+        # time, and so does the first real step): ``python_state.restoring(step_fn)``.
         self.python_state = PythonState.capture(resolved.root)
         self.phases = Phases(clock)  # where the search's time goes (``result.cost``)
-
-    def restoring(self, step_fn: Callable[[], Any]) -> Callable[[], Any]:
-        """``step_fn`` starting from the Python attributes as they were (a counter-driven curriculum sees call 1
-        each time, and so does the first real step)."""
-        return self.python_state.restoring(step_fn)
 
     def check_parameter_writes(self, step_fn: Callable[[], Any]) -> None:
         """Find the parameters the forward itself writes (``Embedding(max_norm=...)``), to put back after each step."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -117,11 +117,9 @@ def _check_selection(selection: Any) -> None:
             raise ConfigurationError(
                 f"Selection {selection!r}: 'first:<fraction>' takes a fraction of the blocks in (0, 1]. {example}"
             )
-    elif kind == "every":
-        if not arg.isdigit() or int(arg) < 1:
-            raise ConfigurationError(f"Selection {selection!r}: 'every:<n>' takes an integer n >= 1. {example}")
-    else:
-        _selected(0, 1, selection)  # 'all', or the unknown-selection error
+    if kind == "every" and not (arg.isdigit() and int(arg) >= 1):
+        raise ConfigurationError(f"Selection {selection!r}: 'every:<n>' takes an integer n >= 1. {example}")
+    _selected(0, 1, selection)  # the unknown-selection error
 
 
 @dataclass(frozen=True)
@@ -203,38 +201,23 @@ class SearchSpace:
 
     def to_config(self) -> dict[str, Any]:
         """The dict ``from_config`` builds this space from (what a plan file keeps of the space searched)."""
-        config: dict[str, Any] = {
-            "modes": list(self.modes),
-            "selections": list(self.selections),
-            "rest_modes": list(self.rest_modes),
-            "segments": self.segments,
-            "baselines": self.baselines,
-        }
-        if self.chunks is not None:
-            config["chunks"] = list(self.chunks)
-        if self.compile_budgets is not None:
-            config["compile_budgets"] = list(self.compile_budgets)
-        return config
+        names = ("modes", "selections", "rest_modes", "segments", "baselines", "chunks", "compile_budgets")
+        values = {n: getattr(self, n) for n in names}
+        return {n: list(v) if isinstance(v, tuple) else v for n, v in values.items() if v is not None}
+
+    def _without(self, drop: Callable[[str], bool], **changes: Any) -> SearchSpace:
+        """This space without the modes ``drop`` names, as the selected and as the rest mode."""
+        modes, rest = (tuple(m for m in ms if not drop(m)) for ms in (self.modes, self.rest_modes))
+        return replace(self, modes=modes, rest_modes=rest, **changes)
 
     def for_device(self, device_type: str) -> SearchSpace:
-        if device_type == "cuda":
-            return self
         # On a CPU model activations already live in host memory: offload cannot save anything.
-        return replace(
-            self,
-            modes=tuple(m for m in self.modes if not m.startswith("offload")),
-            rest_modes=tuple(m for m in self.rest_modes if not m.startswith("offload")),
-        )
+        return self if device_type == "cuda" else self._without(lambda m: m.startswith("offload"))
 
     def for_compile(self) -> SearchSpace:
         """The space for a model run under ``torch.compile``: PT2 memory budgets in, covered modes out."""
-        return replace(
-            self,
-            compiled=True,
-            compile_budgets=_DEFAULT_COMPILE_BUDGETS if self.compile_budgets is None else self.compile_budgets,
-            modes=tuple(m for m in self.modes if m not in COVERED_BY_PARTITIONER),
-            rest_modes=tuple(m for m in self.rest_modes if m not in COVERED_BY_PARTITIONER),
-        )
+        budgets = _DEFAULT_COMPILE_BUDGETS if self.compile_budgets is None else self.compile_budgets
+        return self._without(lambda m: m in COVERED_BY_PARTITIONER, compiled=True, compile_budgets=budgets)
 
     @property
     def budget_choices(self) -> tuple[float, ...]:
@@ -246,9 +229,8 @@ class SearchSpace:
         if not self.segments:
             return ()
         n = max(len(s.blocks) for s in stacks)
-        if self.chunks is not None:
-            return tuple(sorted({c for c in self.chunks if 2 <= c <= n}))
-        return tuple(sorted({c for c in (2, round(math.sqrt(n)), n // 2) if 2 <= c <= n}))
+        chunks = self.chunks if self.chunks is not None else (2, round(math.sqrt(n)), n // 2)
+        return tuple(sorted({c for c in chunks if 2 <= c <= n}))
 
     def structures(self, stacks: Sequence[LayerStack]) -> tuple[str, ...]:
         out = ["none"]

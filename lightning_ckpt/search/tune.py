@@ -7,7 +7,7 @@ the search (``pipeline``). The same engine runs inside the Lightning callback an
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -33,7 +33,6 @@ from lightning_ckpt.search.compile import (
 )
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.distributed import LocalSync
-from lightning_ckpt.search.ledger import TrialRecord
 from lightning_ckpt.search.pipeline import Search, SearchHooks, conclude, run_search
 from lightning_ckpt.search.replan import profile_metadata
 from lightning_ckpt.search.result import TuneResult
@@ -147,7 +146,7 @@ def tune(
     start_expandable_segments()  # only while CUDA has not started (a model still on the host): see measure.allocator
     resolved = ModelView.of(model, config.block_types)
     with search_session(resolved, config.clock) as session:
-        step_fn = session.restoring(step_fn)
+        step_fn = session.python_state.restoring(step_fn)
         shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
         steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
         harness = StepHarness(
@@ -276,10 +275,10 @@ def _sections(
     if session.allocator is not None:
         sections["allocator"] = session.allocator.to_dict()
     if isinstance(memory.model, CompiledMemoryModel):
-        sections["compiled_blocks"] = {
-            **memory.model.to_dict(),
-            "activation_errors": _activation_errors(search.records),
-        }
+        # How far the compiled memory predictions were from the compiled steps measured (of the activation bytes).
+        measured = [t for t in search.records if t.memory_measured and t.predicted_activation_bytes is not None]
+        errors = [t.predicted_activation_bytes / t.activation_bytes - 1.0 for t in measured if t.activation_bytes]
+        sections["compiled_blocks"] = {**memory.model.to_dict(), "activation_errors": error_summary(errors)}
     if is_compiled:
         sections["compiles"] = compiles = compiles_of(runner, profile.compiled)
         session.phases.moved(compiles["profile_seconds"], "profile", "compile")
@@ -296,14 +295,6 @@ def _sections(
             tie_tolerance=search.trials.config.tie_tolerance,
         )
     return sections
-
-
-def _activation_errors(records: Sequence[TrialRecord]) -> dict[str, Any]:
-    """How far the compiled memory predictions were from the compiled steps measured (of the activation bytes)."""
-    measured = [t for t in records if t.memory_measured and t.predicted_activation_bytes is not None]
-    return error_summary(
-        [t.predicted_activation_bytes / t.activation_bytes - 1.0 for t in measured if t.activation_bytes]
-    )
 
 
 def _compiled_memory(

@@ -1,14 +1,10 @@
 """The verdict of a side-by-side confirmation: how much faster a tuned plan is than the fastest fitting baseline,
-with the interval the rounds support, and whether that is enough to choose it.
+with the interval the rounds support, and whether that is enough to choose it (``choice.CHOICE_RULE``).
 
 A tuned plan's figure and the baseline's are paired by round (timed at the same moment of a shared machine, so their
 ratio cancels its speed then). The verdict is their geometric mean and a Student-t interval on the log ratios (90%):
-not a bootstrap, which over 3-8 rounds is overconfident exactly when it matters. The rule (``choice.CHOICE_RULE``): a
-tuned plan wins only when the lower bound clears ``1 + tie_tolerance``; in between it is undecided, more rounds run
-until it is decided or capped, and then the baseline is kept.
-
-The rounds that choose a plan favour it (the winner's curse), so it and the reference are timed again in fresh rounds
-(``confirmation.hold_out``) and the verdict reported is theirs (``chosen_after``: the rounds that chose it).
+not a bootstrap, which over 3-8 rounds is overconfident exactly when it matters. A holdout verdict
+(``confirmation.hold_out``, ``chosen_after``) comes from fresh rounds: the rounds that chose a plan favour it.
 
 Pure Python (no torch): a plan file's verdict is read by ``lightning-ckpt show`` without importing torch.
 """

@@ -16,7 +16,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_ckpt.formatting import format_bytes
@@ -48,11 +48,7 @@ log = logging.getLogger(__name__)
 def holds_several_blocks(regions: Sequence[str], blocks: Sequence[str]) -> bool:
     """Whether one compiled region of ``regions`` (canonical FQNs, ``""``: the whole model) holds more than one of
     ``blocks``: one graph, so one PT2 knapsack, over several blocks."""
-    for region in regions:
-        prefix = f"{region}." if region else ""
-        if sum(1 for b in blocks if b.startswith(prefix)) > 1:
-            return True
-    return False
+    return any(sum(b.startswith(f"{region}." if region else "") for b in blocks) > 1 for region in regions)
 
 
 @dataclass(frozen=True)
@@ -80,8 +76,7 @@ class WholeCheck:
     rivals: tuple[str, ...] = ()  # every plan of ours weighed; ``rival``: the fastest of them against the leader
 
     def to_dict(self) -> dict[str, Any]:
-        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     def describe(self) -> str:
         speed = (
@@ -109,7 +104,7 @@ class Partitioned:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return asdict(self)
 
     def describe(self) -> str:
         if self.whole is None:
@@ -234,11 +229,11 @@ def _weigh(
     trials.check_stop()
     # The plain model compiled the user's way, what graph breaks are compared with (the caches serve it); on the
     # blocks the search's runner has its own.
-    reference = runner.measure_compiled(Plan()) if compiled_whole else None
+    plain = _compile_seconds(runner.measure_compiled(Plan())) if compiled_whole else 0.0
     # A leader whose fit was judged partitioned whole is kept as given.
     judged: dict[int, TrialRecord] = {leader.number: leader} if leader_fits is not None else {}
     fits: dict[int, bool] = {leader.number: bool(leader_fits)} if leader_fits is not None else {}
-    compile_each = dict.fromkeys(judged, 0.0)
+    compile_each: dict[int, float] = {}
     for trial in (t for t in (leader, *rivals) if t.number not in judged):
         trials.check_stop()
         out = runner.measure(trial.plan, trials.memory_limit(trial.micro_batch))
@@ -261,7 +256,6 @@ def _weigh(
     # blocks it is the trials' kind, and a pruned rival has no other.
     kept = (rival if compiled_whole or rival.feasible else judged[rival.number]) if keep_rival else leader
     if compiled_whole:
-        plain = _compile_seconds(reference)
         graphs, compile_seconds = 3, plain + sum(compile_each.values())
         each = (plain, compile_each[leader.number], compile_each[rival.number])
     else:  # only what the blocks had not compiled yet (a pruned rival's segment, say)
@@ -314,7 +308,7 @@ def _rivals(records: Sequence[TrialRecord], count: int) -> list[TrialRecord]:
 
 
 def _compile_seconds(out: Any) -> float:
-    return float((out.extra.get("compile") or {}).get("compile_seconds") or 0.0) if out is not None else 0.0
+    return float((out.extra.get("compile") or {}).get("compile_seconds") or 0.0)
 
 
 def _side_by_side(
