@@ -149,7 +149,9 @@ def run_search(
         progress=hooks.progress, phases=phases, plain_seconds=plain_seconds,
     )  # fmt: skip
     with phases.timing("trials"):
-        first = search.rounds_first
+        # Not in a compiled search: its compile alone spends the allowance (its cost is weighed against the user's
+        # compile instead), and only its trials price the PT2 budgets, which the time model cannot predict.
+        first = None if isinstance(runner, CompiledTrials) else search.rounds_first
         ran = run_trials(
             ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress, rounds_first=first
         )
