@@ -149,8 +149,7 @@ class Plan:
             object.__setattr__(self, "compile_memory_budget", float(budget))
 
     def key(self) -> str:
-        """A canonical string of what the plan *does* (not its name or metadata): equal plans, equal keys. Made once
-        per plan: a search asks for keys thousands of times (every candidate's, at every proposal)."""
+        """What the plan *does* (not its name or metadata), canonically; made once: a search asks thousands of times."""
         key = self.__dict__.get("_key")
         if key is None:
             d = self.to_dict()
@@ -209,9 +208,8 @@ class Plan:
     def describe(self) -> str:
         """A one-line human summary that names the blocks, e.g. ``full h.0-3, selective(mlp) h.4-7``.
 
-        Blocks are grouped by mode, without the dotted prefix every block shares (``transformer.h.0`` reads
-        ``h.0``), indices folded into ranges; the empty plan reads ``none``. Since the prefix is dropped, a plan on
-        ``encoder.block`` reads like the same plan on ``decoder.block``: ``key()`` is the exact identity.
+        The prefix every block shares is dropped, so a plan on ``encoder.block`` reads like the same plan on
+        ``decoder.block``: ``key()`` is the exact identity.
         """
         if self.is_empty:
             return "none"
@@ -460,8 +458,6 @@ def library_versions() -> dict[str, str]:
 
     out = {}
     for dist in ("lightning-ckpt", "torch", "lightning", "optuna"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             out[dist] = version(dist)
-        except PackageNotFoundError:
-            continue
     return out

@@ -146,10 +146,8 @@ class TimeModel:
         return ["full" if row.fqn in chunked else modes.get(row.fqn) for row in self.blocks]
 
     def predict_seconds(self, plan: Plan) -> float | None:
-        """``plan``'s predicted step seconds; None before calibration or when ``added_seconds`` is None.
-
-        A plain step fitted at or below zero (blocks timed in a busy moment, steps in a quiet one) is taken as the
-        blocks' own sum, or every plan would be predicted at the clamp and the least memory win every tie."""
+        """``plan``'s predicted step seconds; None before calibration or when ``added_seconds`` is None. A plain step
+        fitted at or below zero is taken as the blocks' own sum, or every plan would tie at the clamp."""
         added = self.added_seconds(plan)
         if added is None or self.calibration is None:
             return None
@@ -211,10 +209,8 @@ class TimeModel:
 
 
 def _added(row: BlockTime, key: str) -> float | None:
-    """Seconds ``key`` adds to the block's forward+backward; child sets timed only one by one add up.
-
-    Never below zero: recomputing never makes a step faster, and a noisy negative once predicted a checkpointed plan
-    1.6x faster than the plain step (issue #64)."""
+    """Seconds ``key`` adds to the block's forward+backward; child sets timed only one by one add up. Never below
+    zero: recomputing never makes a step faster."""
     none = row.seconds.get("none")
     if none is None:
         return None
