@@ -1,11 +1,9 @@
-"""Apply a plan to a model in place, reversibly, without changing a single FQN.
+"""Apply a plan to a model in place, reversibly, without changing a single FQN: each planned module gets an
+instance-level ``forward`` (a ``functools.partial`` of a module-level function, so ``deepcopy`` and ``pickle`` work),
+which ``PlanHandle.remove()`` deletes.
 
-Modules are never wrapped or replaced: each planned module gets an instance-level ``forward`` (a
-``functools.partial`` of a module-level function, so ``deepcopy`` and ``pickle`` keep working), so
-``state_dict`` keys stay as they were and ``PlanHandle.remove()`` restores the original by deleting it.
-
-Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had: to
-dynamo's guards a plan applied again is the code it compiled, so switching back to it does not recompile.
+Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had, so to
+dynamo's guards switching back to a plan does not recompile.
 """
 
 from __future__ import annotations
@@ -59,8 +57,7 @@ _REUSED: ContextVar[dict[tuple[Any, ...], Any] | None] = ContextVar("lightning_c
 
 @contextlib.contextmanager
 def reused_forwards(memo: dict[tuple[Any, ...], Any]) -> Iterator[None]:
-    """Plans applied inside reuse the forward objects ``memo`` kept (see the module docstring); the caller drops
-    ``memo`` with the compiled graphs it was kept for."""
+    """Plans applied inside reuse the forward objects ``memo`` kept; the caller drops it with the compiled graphs."""
     token = _REUSED.set(memo)
     try:
         yield
@@ -264,9 +261,8 @@ def apply_plan(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: b
     _refuse_conflicts(installs)
 
     # Process-wide while the plan is applied: the partitioner reads it at every (re)compile.
-    previous_budget = None
-    if plan.compile_memory_budget is not None:
-        previous_budget = set_compile_memory_budget(plan.compile_memory_budget)
+    budget = plan.compile_memory_budget
+    previous_budget = set_compile_memory_budget(budget) if budget is not None else None
     patches = [_install(module, forward) for module, _fqn, forward in installs]
     pool = next((f.args[1] for _m, _f, f in installs if getattr(f, "func", None) is offloaded_forward), None)
     handle = PlanHandle(root, plan, patches, previous_budget, watches, offload_pool=pool)

@@ -1,6 +1,5 @@
-"""How a segment tells that the parent calls the chunk's blocks as a chain: a precomputed output goes only to the
-call the chunk predicted (next block, previous output as hidden state, same other arguments and random state).
-"""
+"""How a segment tells that the parent calls the chunk's blocks as a chain (next block, previous output as hidden
+state, same other arguments and random state)."""
 
 from __future__ import annotations
 

@@ -52,8 +52,8 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Transfer:
-    """A plan's offload in one step (``TimeModel.transfer``): bytes each way, their time on the link, the part
-    backward waits for, and the recompute that checkpointing its ``offload`` blocks instead would cost."""
+    """A plan's offload in one step: bytes each way, their time on the link, the part backward waits for, and the
+    recompute that checkpointing its ``offload`` blocks instead would cost."""
 
     bytes: int
     link_seconds: float
@@ -76,8 +76,7 @@ class TimeModel:
 
     def added_seconds(self, plan: Plan) -> float | None:
         """What ``plan``'s modes add to a step; None when a block was not timed under its mode, or for a PT2 memory
-        budget (the partitioner's choice: measured, not predicted). Offloaded blocks add the transfer backward
-        waits for where the link was measured, else what they added timed alone."""
+        budget (measured, not predicted). Offloaded blocks add the transfer backward waits for, where measured."""
         keys = self._keys(plan)
         if keys is None:
             return None
