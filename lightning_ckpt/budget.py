@@ -34,8 +34,7 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 # number are taken as written.
 _LEAST_UNITLESS_BYTES = 2**20
 
-# Without a budget on CUDA we leave this share of the device free: the caching allocator's
-# fragmentation and other processes' contexts make the last few percent unusable in practice.
+# Without a budget on CUDA this share is left free: fragmentation and other contexts make the last percent unusable.
 CUDA_SAFETY_MARGIN = 0.10
 
 

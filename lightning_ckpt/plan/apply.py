@@ -92,7 +92,11 @@ def _resolve(root: nn.Module, fqn: str, what: str) -> nn.Module:
         ) from None
 
 
-def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan, *, compiled_alone: bool) -> list[_Install]:
+def _selective_installs(root: nn.Module, block: nn.Module, fqn: str, bp: BlockPlan) -> list[_Install]:
+    # A block compiled alone (``block.compile()``, or ``torch.compile(block)`` in its parent): its children's forwards
+    # must let one graph serve every block (``forwards.child_forward``).
+    wrapper = root.get_submodule(fqn) if fqn else root
+    compiled_alone = is_compile_wrapper(wrapper) or getattr(block, "_compiled_call_impl", None) is not None
     installs = []
     for child_name in bp.children:
         try:
@@ -109,13 +113,6 @@ def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan, *, compiled_a
             forward = _reused((id(child), "checkpoint", None), _checkpointing, child, None)
         installs.append((child, f"{fqn}.{child_name}", forward))
     return installs
-
-
-def _compiled_alone(root: nn.Module, fqn: str, block: nn.Module) -> bool:
-    """Whether ``block`` runs as a compiled region of its own (``block.compile()``, or ``torch.compile(block)`` in its
-    parent): its children's forwards must then let one graph serve every block (``forwards.child_forward``)."""
-    wrapper = root.get_submodule(fqn) if fqn else root
-    return is_compile_wrapper(wrapper) or getattr(block, "_compiled_call_impl", None) is not None
 
 
 def _checkpointing(module: nn.Module, save_list: str | None, saves_inputs: bool = False) -> functools.partial[Any]:
@@ -142,7 +139,7 @@ def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
         if bp.mode != "selective":
             installs.append((block, fqn, forward))
         else:
-            installs += _selective_installs(block, fqn, bp, compiled_alone=_compiled_alone(root, fqn, block))
+            installs += _selective_installs(root, block, fqn, bp)
     return installs
 
 

@@ -21,8 +21,9 @@ if TYPE_CHECKING:  # memory_model imports the plan machinery; baselines must sta
 __all__ = ["BASELINE_NAMES", "baselines", "uniform_plan"]
 
 BASELINE_NAMES = ("none", "full", "sqrt_segments", "selective_mlp", "ops_save_matmuls", "offload")
-"""The fixed recipes every search measures beside its own plans; the fastest that fits the budget is the reference a
-tuned plan must beat."""
+"""The fixed recipes every search measures beside its own plans: nothing checkpointed, every block, sqrt(N) segments,
+each block's MLP, torchtitan-style op-level saving of matmuls, and every block's activations offloaded to the CPU.
+The fastest that fits the budget is the reference a tuned plan must beat."""
 
 
 def uniform_plan(

@@ -370,11 +370,13 @@ def _index_ranges(indices: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _compact_fqns(fqns: list[str], drop: int) -> str:
-    """The blocks as short module paths, one entry per container: ``h.0-3``, ``encoder.block.0 lm_head``."""
+def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
+    """``fqns`` written as ``describe()`` writes a group of blocks, one entry per container (``h.0-3``,
+    ``encoder.block.0 lm_head``), without the prefix that every FQN of ``among`` (default: ``fqns``) shares."""
+    drop = _shared_prefix_length(list(among if among is not None else fqns))
     # Key: (path, is_container), so a planned ``h`` and the planned blocks inside it stay two entries.
     entries: dict[tuple[str, bool], list[int]] = {}
-    for fqn in fqns:
+    for fqn in sorted(fqns, key=_natural_key):
         path = fqn.split(".")[drop:] if fqn else []
         if path and _is_index(path[-1]):
             entries.setdefault((".".join(path[:-1]), True), []).append(int(path[-1]))
@@ -384,13 +386,6 @@ def _compact_fqns(fqns: list[str], drop: int) -> str:
         (f"{name}.{_index_ranges(ix)}" if name else _index_ranges(ix)) if is_container else name
         for (name, is_container), ix in entries.items()
     )
-
-
-def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
-    """``fqns`` written as ``describe()`` writes a group of blocks (``h.0-3``), without the prefix that
-    every FQN of ``among`` (default: ``fqns``) shares."""
-    drop = _shared_prefix_length(list(among if among is not None else fqns))
-    return _compact_fqns(sorted(fqns, key=_natural_key), drop)
 
 
 def _check_against_own_profile(plan: Plan, source: str) -> None:

@@ -24,8 +24,7 @@ SKIP_ATTRIBUTES = (
     "drop_path_rate",
     "stochastic_depth_prob",
 )
-# On the parent's config only the generic name: a shared seq2seq config holds both the encoder's and the
-# decoder's rates, and the parent's own attribute says which one it uses.
+# On the parent's config only the generic name: a shared seq2seq config holds the encoder's and decoder's rates.
 _CONFIG_ATTRIBUTES = ("layerdrop",)
 
 
