@@ -136,12 +136,8 @@ class Budget:
 
 @dataclass(frozen=True)
 class RequestedBudget:
-    """The budget a run asks for, parsed once from ``max_memory`` / ``activation_budget`` and compared by value:
-    ``"20GiB"``, ``"20 GiB"`` and ``21474836480`` are one request; a fraction is compared as a float.
-
-    Whether a saved plan may be reused, and what the CLI reports as a plan's request, are both decided on this
-    object, so the two can never disagree.
-    """
+    """The budget a run asks for, parsed once from ``max_memory`` / ``activation_budget`` and compared by value
+    (``"20GiB"`` and ``21474836480`` are one request), so plan reuse and the CLI's report can never disagree."""
 
     kind: Literal["default", "peak", "device_fraction", "activation"] = "default"
     """``default``: nothing asked (on CUDA the memory available less 10%, elsewhere no limit); ``peak``: bytes
@@ -195,7 +191,7 @@ class RequestedBudget:
         if not saved:
             return None
         kind, fraction, limit = saved.get("kind"), saved.get("fraction"), saved.get("limit_bytes")
-        try:
+        with contextlib.suppress(ConfigurationError, TypeError, ValueError):
             if kind == "activation" and fraction is not None:
                 return cls.parse(activation_budget=fraction)
             if kind != "activation" and "requested" in saved:  # the callback's: the max_memory argument as given
@@ -207,8 +203,6 @@ class RequestedBudget:
                 return cls.parse(float(fraction))
             if kind == "peak" and limit is not None:
                 return cls.parse(limit)
-        except (ConfigurationError, TypeError, ValueError):
-            pass
         return cls(kind) if kind in ("peak", "activation") else None  # its size is not recorded
 
     @property
@@ -218,7 +212,6 @@ class RequestedBudget:
 
     @property
     def given(self) -> bool:
-        """Whether a budget was asked for at all."""
         return self.kind != "default"
 
     @property
@@ -236,8 +229,7 @@ class RequestedBudget:
         self, *, device: torch.device | str, none_activation_bytes: int | None = None, capacity_bytes: int | None = None
     ) -> Budget:
         """The ``Budget`` this request means on ``device``. ``activation`` needs the no-checkpointing activation
-        memory; ``capacity_bytes`` (the device's memory as a plan file recorded it) is what a share of the device is
-        taken of when given (re-planning a GPU plan on a machine without that GPU)."""
+        memory; a share of the device is taken of ``capacity_bytes`` when given (as a plan file recorded it)."""
         if not self.recorded:
             raise ConfigurationError(f"{self.describe()} cannot be resolved: its size is not recorded.")
         if self.kind == "activation":

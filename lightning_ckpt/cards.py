@@ -22,5 +22,4 @@ def uninstall_card(device_type: str, card: Any) -> None:
 
 
 def installed_card(device_type: str) -> Any:
-    """The simulated card installed for ``device_type``, or None."""
     return _CARDS.get(device_type)

@@ -120,7 +120,6 @@ def _checkpointing(module: nn.Module, save_list: str | None, saves_inputs: bool 
 
 
 def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
-    """What the plan's per-block modes install, in the plan's block order."""
     installs: list[_Install] = []
     pool: OffloadPool | None = None  # one per plan: every offloaded block's saved tensors, fetched a block ahead
     for fqn, bp in plan.blocks.items():
@@ -168,7 +167,6 @@ def _segmented_stack(root: nn.Module, plan: Plan, stack_fqn: str, n_chunks: int)
 
 
 def _segment_installs(root: nn.Module, plan: Plan) -> tuple[list[_Install], list[StackWatch]]:
-    """What the plan's segments install, and one watch per segmented stack."""
     installs: list[_Install] = []
     watches: list[StackWatch] = []
     for stack_fqn, n_chunks in plan.segments.items():
