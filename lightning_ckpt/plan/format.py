@@ -1,8 +1,5 @@
-"""Plans: what to checkpoint, per block FQN, as frozen data with a versioned JSON form.
-
-A plan names modules by fully qualified name, never by position, so it survives compile wrappers and can be
-checked against any model; blocks not listed are left alone (mode ``none``), which keeps plan files short.
-Files are validated against ``schema.py``'s JSON Schema before anything is built; ``file.py`` owns the bytes.
+"""Plans: what to checkpoint, per block FQN (never by position, so a plan survives compile wrappers), as frozen data
+with a versioned JSON form; blocks not listed are left alone. ``schema.py`` validates files, ``file.py`` owns bytes.
 """
 
 from __future__ import annotations
