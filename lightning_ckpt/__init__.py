@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# Where each public name a user needs lives. The root imports nothing until a name is used (PEP 562), so that
-# ``lightning-ckpt replan`` and ``show`` read a plan file without importing torch; the first name used imports
-# ``versions`` first, which warns once about an untested torch before any module touches its internals.
+# Where each public name lives. The root imports nothing until a name is used (PEP 562), so ``replan`` and ``show``
+# run without torch; the first name used imports ``versions`` first (its warning precedes any torch internals).
 _MODULES = {  # module: the names it exports here, space-separated
     "discovery": "discover_blocks",
     "errors": "ConfigurationError LightningCkptError LightningCkptWarning PlanError StalePlanError StalePlanWarning",

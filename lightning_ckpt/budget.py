@@ -31,11 +31,10 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 # A size string without a unit below this is taken for a forgotten unit ("2" for "2GiB") and refused; bytes given as a
-# number are taken as written (a test of the fallback asks for 1024 bytes on purpose).
+# number are taken as written.
 _LEAST_UNITLESS_BYTES = 2**20
 
-# Without a budget on CUDA we leave this share of the device free: the caching allocator's
-# fragmentation and other processes' contexts make the last few percent unusable in practice.
+# Without a budget on CUDA this share is left free: fragmentation and other contexts make the last percent unusable.
 CUDA_SAFETY_MARGIN = 0.10
 
 
@@ -54,8 +53,7 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
             )
     elif isinstance(value, str):
         if value != value.strip():
-            # Refused rather than stripped: a size with stray spaces comes from a template or a config line that
-            # was cut wrong (``"20GB "``, ``"20GB # per GPU"`` minus the comment), and the file would record it.
+            # Refused rather than stripped: stray spaces mean a config line cut wrong, and the file would record it.
             raise ConfigurationError(
                 f"{what}={value!r} has spaces around the size. Write it without them, e.g. {value.strip()!r}."
             )
@@ -75,7 +73,7 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
                 "'1.5GiB'."
             )
         if not m.group(2) and n < _LEAST_UNITLESS_BYTES:
-            # "2" is 2 bytes: no step fits, and the user meant a unit (a search ran and fell back on it).
+            # "2" is 2 bytes: no step fits, and the user meant a unit.
             raise ConfigurationError(
                 f"{what}={value!r} has no unit, so it reads as {value} bytes, which no training step fits in. "
                 f"Give the unit, e.g. '{value}GiB' or '{value}GB'; a fraction of device memory is a number (0.8)."
@@ -116,22 +114,21 @@ class Budget:
         return activation_bytes if self.kind == "activation" else peak_bytes
 
     def within(self, cap_bytes: int, where: str) -> tuple[Budget, str | None]:
-        """This budget, its peak clamped to what the device lets this process allocate (``cap_bytes``: the card, or
-        its ``set_per_process_memory_fraction``), and the line that says so. A peak above the cap cannot be reached:
-        plans the memory model knows cannot fit would still run and fail. No budget means the card's own."""
+        """This budget, its peak clamped to what the device lets this process allocate (``cap_bytes``), and the line
+        that says so: plans above the cap would still run and fail. No budget means the card's own."""
         if self.kind == "none" or self.limit_bytes is None:
             return Budget("peak", int(cap_bytes), None, f"{where}: {format_bytes(cap_bytes)} peak"), None
         if self.kind != "peak" or self.limit_bytes <= cap_bytes:
             return self, None
-        note = (
-            f"lightning_ckpt: max_memory ({format_bytes(self.limit_bytes)}) is above what this process may allocate on "
-            f"{where} ({format_bytes(cap_bytes)}); the budget is clamped to {format_bytes(cap_bytes)}"
-        )
-        return self._clamped(int(cap_bytes), where), note
+        return self._clamped(int(cap_bytes), where, f"what this process may allocate on {where}")
 
-    def _clamped(self, cap_bytes: int, where: str) -> Budget:
+    def _clamped(self, cap_bytes: int, where: str, above: str, after: str = "") -> tuple[Budget, str]:
+        note = (
+            f"lightning_ckpt: max_memory ({format_bytes(self.limit_bytes)}) is above {above} "
+            f"({format_bytes(cap_bytes)}){after}; the budget is clamped to {format_bytes(cap_bytes)}"
+        )
         description = f"{format_bytes(cap_bytes)} peak, clamped from {self.description} to {where}"
-        return Budget("peak", cap_bytes, self.fraction, description)
+        return Budget("peak", cap_bytes, self.fraction, description), note
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -139,12 +136,8 @@ class Budget:
 
 @dataclass(frozen=True)
 class RequestedBudget:
-    """The budget a run asks for, parsed once from ``max_memory`` / ``activation_budget`` and compared by value:
-    ``"20GiB"``, ``"20 GiB"`` and ``21474836480`` are one request; a fraction is compared as a float.
-
-    Whether a saved plan may be reused, and what the CLI reports as a plan's request, are both decided on this
-    object, so the two can never disagree.
-    """
+    """The budget a run asks for, parsed once from ``max_memory`` / ``activation_budget`` and compared by value
+    (``"20GiB"`` and ``21474836480`` are one request), so plan reuse and the CLI's report can never disagree."""
 
     kind: Literal["default", "peak", "device_fraction", "activation"] = "default"
     """``default``: nothing asked (on CUDA the memory available less 10%, elsewhere no limit); ``peak``: bytes
@@ -160,8 +153,7 @@ class RequestedBudget:
     def of(
         cls, max_memory: int | float | str | RequestedBudget | None = None, activation_budget: float | None = None
     ) -> RequestedBudget:
-        """``max_memory`` itself when the caller already parsed it (the callback parses its arguments once, at
-        construction, and hands the value on), else ``parse``."""
+        """``max_memory`` itself when the caller already parsed it (the callback does), else ``parse``."""
         if isinstance(max_memory, RequestedBudget):
             if activation_budget is not None:
                 raise ConfigurationError(
@@ -199,7 +191,7 @@ class RequestedBudget:
         if not saved:
             return None
         kind, fraction, limit = saved.get("kind"), saved.get("fraction"), saved.get("limit_bytes")
-        try:
+        with contextlib.suppress(ConfigurationError, TypeError, ValueError):
             if kind == "activation" and fraction is not None:
                 return cls.parse(activation_budget=fraction)
             if kind != "activation" and "requested" in saved:  # the callback's: the max_memory argument as given
@@ -211,8 +203,6 @@ class RequestedBudget:
                 return cls.parse(float(fraction))
             if kind == "peak" and limit is not None:
                 return cls.parse(limit)
-        except (ConfigurationError, TypeError, ValueError):
-            pass
         return cls(kind) if kind in ("peak", "activation") else None  # its size is not recorded
 
     @property
@@ -222,7 +212,6 @@ class RequestedBudget:
 
     @property
     def given(self) -> bool:
-        """Whether a budget was asked for at all."""
         return self.kind != "default"
 
     @property
@@ -240,8 +229,7 @@ class RequestedBudget:
         self, *, device: torch.device | str, none_activation_bytes: int | None = None, capacity_bytes: int | None = None
     ) -> Budget:
         """The ``Budget`` this request means on ``device``. ``activation`` needs the no-checkpointing activation
-        memory; ``capacity_bytes`` (the device's memory as a plan file recorded it) is what a share of the device is
-        taken of when given (re-planning a GPU plan on a machine without that GPU)."""
+        memory; a share of the device is taken of ``capacity_bytes`` when given (as a plan file recorded it)."""
         if not self.recorded:
             raise ConfigurationError(f"{self.describe()} cannot be resolved: its size is not recorded.")
         if self.kind == "activation":
@@ -339,11 +327,7 @@ def within_host(budget: Budget) -> tuple[Budget, str | None]:
     if host is None or budget.kind != "peak" or budget.limit_bytes is None or budget.limit_bytes <= host[0]:
         return budget, None
     cap, where = host
-    note = (
-        f"lightning_ckpt: max_memory ({format_bytes(budget.limit_bytes)}) is above {where} ({format_bytes(cap)}), "
-        f"which no step on this CPU can exceed; the budget is clamped to {format_bytes(cap)}"
-    )
-    return budget._clamped(cap, where), note
+    return budget._clamped(cap, where, where, ", which no step on this CPU can exceed")
 
 
 def cuda_available_bytes(device: torch.device | str) -> int:

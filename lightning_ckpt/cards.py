@@ -1,7 +1,5 @@
-"""Which device type a simulated card (``lightning_ckpt.testing.SimulatedCard``) stands in for, if any.
-
-Shared by every stage: ``measure.device_memory`` reads the card's allocator through it, and ``plan``'s offload copies
-saved tensors off a device only where it has memory of its own to free (a GPU, or a simulated card on CPU).
+"""Which device type a simulated card (``lightning_ckpt.testing.SimulatedCard``) stands in for, if any: shared by
+every stage (``measure.device_memory`` reads its allocator, offload copies off a device with memory of its own).
 """
 
 from __future__ import annotations
@@ -24,5 +22,4 @@ def uninstall_card(device_type: str, card: Any) -> None:
 
 
 def installed_card(device_type: str) -> Any:
-    """The simulated card installed for ``device_type``, or None."""
     return _CARDS.get(device_type)

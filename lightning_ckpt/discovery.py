@@ -1,8 +1,5 @@
-"""Find the repeated layer stack(s) of an arbitrary model.
-
-Checkpointing pays off at block granularity: a transformer layer has a small input (the residual stream) and
-large internals. Models keep their layers in an ``nn.ModuleList`` or ``nn.Sequential`` of same-class modules, so
-the stack holding most parameters is the one to plan over; other models name their blocks explicitly.
+"""Find the repeated layer stack(s) of an arbitrary model: checkpointing pays off per block (a small input, large
+internals), and models keep their blocks in an ``nn.ModuleList``/``nn.Sequential`` of same-class modules.
 """
 
 from __future__ import annotations
@@ -18,21 +15,17 @@ from lightning_ckpt.stacks import Block, Child, LayerStack
 
 __all__ = ["canonical_fqn", "discover_blocks", "is_compile_wrapper", "unwrap_compiled"]
 
-# Stacks holding less than this share of the largest stack's parameters are ignored by default:
-# encoder-decoder models have two large stacks, while small helper lists (e.g. a ModuleList of
-# two projection heads) are not worth planning over.
+# Stacks holding less than this share of the largest stack's parameters are ignored: encoder-decoder models have
+# two large stacks, while small helper lists (two projection heads) are not worth planning over.
 _MIN_SHARE_OF_LARGEST = 0.1
 
-# Child names (or class names) that identify the feed-forward part of a block across nanoGPT,
-# HF Llama/GPT-2/ViT/BERT, timm and torchtitan naming conventions.
+# Child names (or class names) of a block's feed-forward part in nanoGPT, HF, timm and torchtitan.
 _MLP_PATTERN = re.compile(r"(mlp|ffn|feed_?forward|intermediate|c_fc|fc\d?$|dense_h_to_4h|moe|experts)", re.I)
 _ATTN_PATTERN = re.compile(r"(attn|attention|self_attn|mixer)", re.I)
 _NORM_PATTERN = re.compile(r"(norm|ln)", re.I)
-# Containers whose members run side by side on the same input rather than one after another: never a
-# stack of layers, whatever their share of the parameters (MoE experts, output heads, branches).
+# Containers whose members run side by side on one input: never a stack of layers (MoE experts, heads, branches).
 _PARALLEL_PATTERN = re.compile(r"(expert|moe|head|branch|tower)", re.I)
-# A stack's blocks are replaced by the repeated layers inside them (ResNet/ConvNeXt stages hold a
-# ``layers`` list each) when those layers hold at least this share of the blocks' parameters.
+# A stack's blocks are replaced by the repeated layers inside them (ResNet/ConvNeXt stages) when those hold this share.
 _MIN_INNER_SHARE = 0.5
 
 
@@ -49,12 +42,8 @@ def is_compile_wrapper(module: nn.Module) -> bool:
 
 
 def canonical_fqn(fqn: str) -> str:
-    """``fqn`` without the ``_orig_mod`` steps that ``torch.compile(submodule)`` wrappers add.
-
-    ``self.model = torch.compile(self.model)`` inside a LightningModule makes the blocks' names
-    ``model._orig_mod.transformer.h.0``; plans use ``model.transformer.h.0`` either way, which still
-    resolves on the compiled model because the wrapper forwards attribute lookups to ``_orig_mod``.
-    """
+    """``fqn`` without the ``_orig_mod`` steps that ``torch.compile(submodule)`` wrappers add; the plain name still
+    resolves on the compiled model, as the wrapper forwards attribute lookups to ``_orig_mod``."""
     if "_orig_mod" not in fqn:
         return fqn
     return ".".join(part for part in fqn.split(".") if part != "_orig_mod")
@@ -76,11 +65,7 @@ def _classify(name: str, module: nn.Module) -> str:
 
 
 def _callable_children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """A block's children that its forward calls, looking through plain containers.
-
-    T5 keeps a block's attention and feed-forward in ``self.layer = nn.ModuleList(...)``: the list
-    itself is never called, so the units to checkpoint selectively are ``layer.0``, ``layer.1``, ...
-    """
+    """A block's children that its forward calls, looking through plain containers (T5's ``layer.0``, ``layer.1``)."""
     out = []
     for name, child in module.named_children():
         if type(child) in (nn.ModuleList, nn.ModuleDict):
@@ -113,12 +98,10 @@ def _same_class_container(module: nn.Module) -> bool:
 
 
 def _inner_stacks(model: nn.Module, stack: LayerStack) -> list[LayerStack] | None:
-    """The repeated layers inside ``stack``'s blocks when those blocks are stages, one stack per stage, or None.
+    """The repeated layers inside ``stack``'s blocks when those blocks are CNN stages, one stack per stage, or None.
 
-    CNNs keep their layers in stages (HF ResNet/ConvNeXt ``encoder.stages[i].layers``): a stage is a poor unit to
-    checkpoint, since checkpointing it still keeps every stage's input, a large share of the activations at high
-    resolution; whole stages remain reachable as segments over the layers. One level only: a ResNet layer's own
-    ``Sequential`` of convolutions is the inside of a residual block, not a stack of blocks.
+    A stage is a poor unit to checkpoint (its input is a large share of the activations); whole stages remain
+    reachable as segments over the layers. One level only: a ResNet layer's ``Sequential`` is a residual block.
     """
     shapes = {tuple(p.shape for p in model.get_submodule(b.fqn).parameters()) for b in stack.blocks}
     if len(shapes) == 1:
@@ -169,12 +152,9 @@ def _auto_stacks(model: nn.Module, *, shared: bool = False) -> list[LayerStack]:
     for stack in candidates:
         if stack.num_params < _MIN_SHARE_OF_LARGEST * largest:
             break
-        # A stack nested inside a chosen block (e.g. MoE experts inside a layer) is part of that
-        # block's plan, not a stack of its own.
+        # Not a stack inside a chosen block (MoE experts), nor one enclosing a chosen stack (keep the finer one).
         if any(stack.fqn.startswith(b + ".") for c in chosen for b in c.block_fqns):
             continue
-        # A stack enclosing a chosen one (a Sequential of stages each holding a ModuleList) would
-        # double-count; keep the inner, finer-grained one.
         if any(c.fqn.startswith(stack.fqn + ".") or stack.fqn == "" for c in chosen):
             continue
         chosen.append(stack)
@@ -229,8 +209,7 @@ def discover_blocks(model: nn.Module, *, block_types: Iterable[type | str] | Non
     """Return the layer stacks to plan over, largest-parameter stacks first in FQN order.
 
     ``block_types`` overrides the search: module classes, class names, or FQN glob patterns
-    (``"encoder.layer.*"``). FQNs are those of the uncompiled model, so a plan tuned on a compiled
-    model applies to the plain one and vice versa.
+    (``"encoder.layer.*"``). FQNs are those of the uncompiled model, so plans apply compiled or not.
     """
     root = unwrap_compiled(model)
     if block_types is not None:

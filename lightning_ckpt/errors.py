@@ -1,8 +1,5 @@
 """One exception family for everything lightning_ckpt refuses, and one warning family for what it goes on after.
-
-Every message says what was wrong, what was found, and how to fix it, so a user can act on it
-without reading our source. Subclasses let callers (the tuner, the CLI) tell a bad plan from a
-bad argument without parsing strings.
+Subclasses let callers (the tuner, the CLI) tell a bad plan from a bad argument without parsing strings.
 """
 
 from __future__ import annotations
@@ -61,10 +58,8 @@ class ConfigurationError(LightningCkptError, ValueError):
 
 class InfeasibleBudgetError(LightningCkptError):
     """No plan can fit: none fits the memory budget and the caller asked to raise rather than fall back, or a pass
-    that needs no more memory than the lowest-memory plan (the memory profile, the optimizer step) ran out of memory,
-    so every training step would too. The message names what was allocated and what the device allows; ``allocator``
-    holds the allocator's figures when a pass was refused (retries, OOMs, inactive split bytes, its largest segments).
-    """
+    that needs no more memory than the lowest-memory plan ran out of memory. ``allocator`` holds the allocator's
+    figures when a pass was refused."""
 
     def __init__(self, message: str, *, allocator: dict | None = None) -> None:
         super().__init__(message)

@@ -1,9 +1,5 @@
-"""How the package writes sizes and tables: one byte formatter and one table renderer for every page.
-
-Fixed-width tables (the trial table, ``show``, ``diff``, the memory profile) are ``tabulate``'s: widths and
-alignment are a well-kept library's job, not ours. Markdown tables (TensorBoard's Text tab) are rows of cells
-between pipes: markdown needs no widths, and unpadded rows keep the logged text small. Sizes go through
-``format_bytes``, so a figure reads the same on every page.
+"""How the package writes sizes and tables, so a figure reads the same on every page: fixed-width tables are
+``tabulate``'s; markdown tables (TensorBoard's Text tab) need no widths, and unpadded rows keep the logged text small.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ _UNITS = {"B": 1, "KiB": 1024, "MiB": MIB, "GiB": 1024**3, "TiB": 1024**4}
 
 
 def count(n: int, noun: str) -> str:
-    """``"1 plan"``, ``"2 plans"``: a count and its noun, agreeing (a run that measured one plan read "1 plans")."""
+    """``"1 plan"``, ``"2 plans"``: a count and its noun, agreeing."""
     return f"{n} {noun if n == 1 else noun + 's'}"
 
 

@@ -1,8 +1,5 @@
-"""``ModelView``: the model as every stage sees it, resolved once where it enters the package.
-
-A model reaches us in many wrappings (``torch.compile``, compiled submodules or blocks, FSDP2's ``FSDP<Name>``
-classes). Computing its facts in each stage is slow (the fingerprint hashes every parameter's name and shape) and
-lets stages disagree, so ``tune`` builds one view at its entry and passes it down.
+"""``ModelView``: the model as every stage sees it, resolved once where it enters the package: computing its facts
+in each stage is slow (the fingerprint hashes every parameter) and lets stages disagree.
 """
 
 from __future__ import annotations
@@ -14,8 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# Every module that works on a model imports this one, and so the version check (a warning, once, for a torch
-# outside the tested range) runs before any of them touches torch internals, however the package is entered.
+# Every module that works on a model imports this one: the version check runs before any touches torch internals.
 from lightning_ckpt import versions  # noqa: F401
 from lightning_ckpt.discovery import canonical_fqn, discover_blocks, is_compile_wrapper, unwrap_compiled
 from lightning_ckpt.stacks import LayerStack
@@ -53,11 +49,8 @@ class ModelView:
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """Hash of the module tree (FQN, class) and parameter/buffer names, shapes and dtypes.
-
-    Devices are deliberately excluded (a plan tuned on one GPU applies to the same model on another),
-    and compile wrappers are seen through so compiled and eager models share a fingerprint.
-    """
+    """Hash of the module tree (FQN, class) and parameter/buffer names, shapes and dtypes; not devices (a plan tuned
+    on one GPU applies on another), and through compile wrappers (compiled and eager models share it)."""
     root = unwrap_compiled(model)
     h = hashlib.sha256()
     for fqn, mod in root.named_modules():
@@ -71,13 +64,9 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def compiled_regions(model: nn.Module) -> tuple[str, ...]:
-    """Canonical FQNs of the parts of ``model`` that run under ``torch.compile`` (``""``: all of it).
-
-    Recognises ``torch.compile(model)`` (an ``OptimizedModule``, also as Lightning unwraps it for
-    ``trainer.fit(torch.compile(model))``: ``LightningModule._compiler_ctx``), compiled submodules
-    (``self.model = torch.compile(self.model)``) and in-place ``module.compile()`` (per block,
-    torchtitan style, or on a submodule in ``configure_model``). A ``torch.compile``-d step function
-    cannot be seen from the model: pass ``compiled=True`` to ``tune`` for that.
+    """Canonical FQNs of the parts of ``model`` that run under ``torch.compile`` (``""``: all of it): a wrapper (also
+    as Lightning unwraps it: ``_compiler_ctx``), compiled submodules, in-place ``module.compile()``. A compiled step
+    function cannot be seen from the model: pass ``compiled=True`` to ``tune`` for that.
     """
     regions: list[str] = []
     root = unwrap_compiled(model)

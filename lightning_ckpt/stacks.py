@@ -1,13 +1,11 @@
-"""What discovery finds: a stack of blocks and each block's children, as plain frozen dataclasses.
-
-They name modules by their fully qualified names and hold no module, so a plan file keeps them
-(``LayerStack.to_dict``) and re-planning reads them back without the model and without torch.
+"""What discovery finds: a stack of blocks and each block's children, by FQN and holding no module, so a plan file
+keeps them (``LayerStack.to_dict``) and re-planning reads them back without the model and without torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Any
 
 __all__ = ["Block", "Child", "LayerStack"]
@@ -58,16 +56,7 @@ class LayerStack:
         return {
             "fqn": self.fqn,
             "container_class": self.container_class,
-            "blocks": [
-                {
-                    "fqn": b.fqn,
-                    "index": b.index,
-                    "class_name": b.class_name,
-                    "num_params": b.num_params,
-                    "children": [[c.name, c.class_name, c.kind, c.num_params] for c in b.children],
-                }
-                for b in self.blocks
-            ],
+            "blocks": [{**asdict(b), "children": [list(astuple(c)) for c in b.children]} for b in self.blocks],
         }
 
     @classmethod

@@ -1,9 +1,5 @@
-"""Which torch lightning_ckpt is tested with, and the features that need a newer one.
-
-lightning_ckpt reaches into torch internals that change between minor releases (``mem_tracker``, functorch's
-config, the selective-checkpoint dispatch modes, ``fully_shard``). Lightning's rule is followed: declare a wide
-range, test it leg by leg in CI, never refuse at import, and refuse a feature only where it is used and only on a
-torch where it is known to be wrong. Above the newest tested minor, import warns once.
+"""Which torch lightning_ckpt is tested with, and the features that need a newer one: as Lightning does, a wide
+range, never refused at import; a feature is refused only where it is used, on a torch where it is known to be wrong.
 """
 
 from __future__ import annotations

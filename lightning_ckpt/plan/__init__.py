@@ -1,3 +1,1 @@
-"""Plans: what to checkpoint (frozen dataclasses and their versioned file format), the baseline plans, and
-applying a plan to any ``nn.Module`` reversibly.
-"""
+"""Plans: what to checkpoint, its file format, the baseline plans, and applying a plan to a model reversibly."""

@@ -1,11 +1,9 @@
-"""Apply a plan to a model in place, reversibly, without changing a single FQN.
+"""Apply a plan to a model in place, reversibly, without changing a single FQN: each planned module gets an
+instance-level ``forward`` (a ``functools.partial`` of a module-level function, so ``deepcopy`` and ``pickle`` work),
+which ``PlanHandle.remove()`` deletes.
 
-Modules are never wrapped or replaced: each planned module gets an instance-level ``forward`` (a
-``functools.partial`` of a module-level function, so ``deepcopy`` and ``pickle`` keep working), so
-``state_dict`` keys stay as they were and ``PlanHandle.remove()`` restores the original by deleting it.
-
-Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had: to
-dynamo's guards a plan applied again is the code it compiled, so switching back to it does not recompile.
+Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had, so to
+dynamo's guards switching back to a plan does not recompile.
 """
 
 from __future__ import annotations
@@ -59,8 +57,7 @@ _REUSED: ContextVar[dict[tuple[Any, ...], Any] | None] = ContextVar("lightning_c
 
 @contextlib.contextmanager
 def reused_forwards(memo: dict[tuple[Any, ...], Any]) -> Iterator[None]:
-    """Plans applied inside reuse the forward objects ``memo`` kept (see the module docstring); the caller drops
-    ``memo`` with the compiled graphs it was kept for."""
+    """Plans applied inside reuse the forward objects ``memo`` kept; the caller drops it with the compiled graphs."""
     token = _REUSED.set(memo)
     try:
         yield
@@ -95,7 +92,11 @@ def _resolve(root: nn.Module, fqn: str, what: str) -> nn.Module:
         ) from None
 
 
-def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan, *, compiled_alone: bool) -> list[_Install]:
+def _selective_installs(root: nn.Module, block: nn.Module, fqn: str, bp: BlockPlan) -> list[_Install]:
+    # A block compiled alone (``block.compile()``, or ``torch.compile(block)`` in its parent): its children's forwards
+    # must let one graph serve every block (``forwards.child_forward``).
+    wrapper = root.get_submodule(fqn) if fqn else root
+    compiled_alone = is_compile_wrapper(wrapper) or getattr(block, "_compiled_call_impl", None) is not None
     installs = []
     for child_name in bp.children:
         try:
@@ -114,19 +115,11 @@ def _selective_installs(block: nn.Module, fqn: str, bp: BlockPlan, *, compiled_a
     return installs
 
 
-def _compiled_alone(root: nn.Module, fqn: str, block: nn.Module) -> bool:
-    """Whether ``block`` runs as a compiled region of its own (``block.compile()``, or ``torch.compile(block)`` in its
-    parent): its children's forwards must then let one graph serve every block (``forwards.child_forward``)."""
-    wrapper = root.get_submodule(fqn) if fqn else root
-    return is_compile_wrapper(wrapper) or getattr(block, "_compiled_call_impl", None) is not None
-
-
 def _checkpointing(module: nn.Module, save_list: str | None, saves_inputs: bool = False) -> functools.partial[Any]:
     return functools.partial(checkpointed_forward, module, save_list, BufferGuard([module], saves_inputs=saves_inputs))
 
 
 def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
-    """What the plan's per-block modes install, in the plan's block order."""
     installs: list[_Install] = []
     pool: OffloadPool | None = None  # one per plan: every offloaded block's saved tensors, fetched a block ahead
     for fqn, bp in plan.blocks.items():
@@ -145,7 +138,7 @@ def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
         if bp.mode != "selective":
             installs.append((block, fqn, forward))
         else:
-            installs += _selective_installs(block, fqn, bp, compiled_alone=_compiled_alone(root, fqn, block))
+            installs += _selective_installs(root, block, fqn, bp)
     return installs
 
 
@@ -174,7 +167,6 @@ def _segmented_stack(root: nn.Module, plan: Plan, stack_fqn: str, n_chunks: int)
 
 
 def _segment_installs(root: nn.Module, plan: Plan) -> tuple[list[_Install], list[StackWatch]]:
-    """What the plan's segments install, and one watch per segmented stack."""
     installs: list[_Install] = []
     watches: list[StackWatch] = []
     for stack_fqn, n_chunks in plan.segments.items():
@@ -264,9 +256,8 @@ def apply_plan(model: nn.Module | ModelView, plan: Plan, *, check_fingerprint: b
     _refuse_conflicts(installs)
 
     # Process-wide while the plan is applied: the partitioner reads it at every (re)compile.
-    previous_budget = None
-    if plan.compile_memory_budget is not None:
-        previous_budget = set_compile_memory_budget(plan.compile_memory_budget)
+    budget = plan.compile_memory_budget
+    previous_budget = set_compile_memory_budget(budget) if budget is not None else None
     patches = [_install(module, forward) for module, _fqn, forward in installs]
     pool = next((f.args[1] for _m, _f, f in installs if getattr(f, "func", None) is offloaded_forward), None)
     handle = PlanHandle(root, plan, patches, previous_budget, watches, offload_pool=pool)

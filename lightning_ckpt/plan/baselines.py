@@ -21,9 +21,9 @@ if TYPE_CHECKING:  # memory_model imports the plan machinery; baselines must sta
 __all__ = ["BASELINE_NAMES", "baselines", "uniform_plan"]
 
 BASELINE_NAMES = ("none", "full", "sqrt_segments", "selective_mlp", "ops_save_matmuls", "offload")
-"""The fixed recipes every search measures beside its own plans (``baselines`` builds them for a model): nothing
-checkpointed, every block, sqrt(N) segments, each block's MLP, torchtitan-style op-level saving of matmuls, and every
-block's activations offloaded to the CPU. The fastest that fits the budget is the reference a tuned plan must beat."""
+"""The fixed recipes every search measures beside its own plans: nothing checkpointed, every block, sqrt(N) segments,
+each block's MLP, torchtitan-style op-level saving of matmuls, and every block's activations offloaded to the CPU.
+The fastest that fits the budget is the reference a tuned plan must beat."""
 
 
 def uniform_plan(
@@ -42,10 +42,9 @@ def baselines(
 ) -> dict[str, Plan]:
     """Named baseline plans for ``model``: none, full, sqrt_segments, selective_mlp, ops_save_matmuls, offload.
 
-    A baseline that does not make sense for the model is left out rather than faked: ``sqrt_segments`` needs a
-    ``ModuleList``/``Sequential`` stack whose parent does not skip blocks and a chunk of two or more blocks;
-    ``selective_mlp`` needs a recognisable feed-forward child. With ``memory_model``, plans its profile shows
-    cannot run (blocks that are not a chain, a save-list a block failed under) are left out too.
+    A baseline that does not make sense for the model is left out rather than faked (``sqrt_segments`` without a
+    stack segments can run on, ``selective_mlp`` without a feed-forward child), and with ``memory_model`` so are
+    plans its profile shows cannot run.
     """
     root = unwrap_compiled(model)
     stacks = list(stacks) if stacks is not None else discover_blocks(root, block_types=block_types)
@@ -79,9 +78,8 @@ def baselines(
 def _without_inert_blocks(
     plans: dict[str, Plan], memory_model: MemoryModel, stacks: Sequence[LayerStack]
 ) -> dict[str, Plan]:
-    """``plans`` with no mode on a block no gradient flows through (frozen, behind frozen layers): such a
-    block saves nothing for backward, so checkpointing it only adds recompute. Segments stay on stacks
-    with a block that saves something; a baseline left doing nothing is dropped (``none`` stays)."""
+    """``plans`` with no mode on a block no gradient flows through (it saves nothing for backward, so checkpointing
+    it only adds recompute); a baseline left doing nothing is dropped (``none`` stays)."""
     inert = set(getattr(memory_model, "inert_blocks", ()))
     if not inert:
         return plans

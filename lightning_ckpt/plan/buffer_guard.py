@@ -1,8 +1,5 @@
-"""Buffers under recompute: a checkpointed region's recompute never updates a buffer a second time.
-
-Otherwise BatchNorm statistics, EMAs and counters would advance twice per step, and a forward that reads a buffer
-it updates would be recomputed from the new value. So a recompute runs on throwaway copies of the pre-forward
-values. Under torch.compile, AOTAutograd applies a buffer update once, after the graph.
+"""Buffers under recompute: a checkpointed region's recompute runs on throwaway copies of the pre-forward values,
+or BatchNorm statistics, EMAs and counters would advance twice per step. (Compiled, AOTAutograd updates once.)
 """
 
 from __future__ import annotations
@@ -110,8 +107,7 @@ class BufferGuard:
     """Checkpoints one region (a block, a child, a segment's blocks) so that its recompute leaves buffers alone.
 
     Which buffers the forward updates is learned on its first call per train/eval configuration; later calls copy
-    only those, so a large constant buffer (a causal mask) costs nothing per step. Holds no tensors between steps,
-    so a planned model still deep-copies and pickles.
+    only those, so a constant buffer (a causal mask) costs nothing per step. Holds no tensors between steps.
     """
 
     def __init__(self, modules: list[nn.Module], *, saves_inputs: bool = False) -> None:
@@ -140,8 +136,7 @@ class BufferGuard:
         versions = {k: version_counter(buf) for k, (_, _, buf) in slots.items()}
         before = _copies({k: slots[k][2] for k in (slots.keys() if known is None else known & slots.keys())})
         out = self._checkpoint(recompute, args, kwargs, extra)
-        # Values are compared (a host sync on CUDA) only on the first call in a configuration; later calls check
-        # by version counter and identity alone.
+        # Values are compared (a host sync on CUDA) only on a configuration's first call.
         if known is None:
             updated = self.updated[flags] = {k for k, s in slots.items() if _changed(s, before.get(k), versions[k])}
         else:

@@ -1,7 +1,5 @@
-"""Training forwards without KV caches (HF ``use_cache``).
-
-A training step never reads the cache, yet it holds every layer's K and V until the forward ends: memory no plan
-can remove. HF turns it off under gradient checkpointing; so do we, while tuning and training with a plan.
+"""Training forwards without KV caches (HF ``use_cache``): a training step never reads the cache, yet holds every
+layer's K and V until the forward ends. HF turns it off under gradient checkpointing; so do we.
 """
 
 from __future__ import annotations
@@ -73,7 +71,7 @@ def _notice_on_first_call(module: nn.Module) -> Any:
 
 def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
     """Set ``use_cache=False`` on every HF config in ``model``; returns a function that restores them. Says so once
-    per model class (as HF does: a user who set ``use_cache=True`` should know), for models that build a cache."""
+    per model class, for models that build a cache (as HF does)."""
     changed = []
     hooks = []
     seen: set[int] = set()
@@ -128,8 +126,7 @@ CACHE_ARGS = frozenset({"past_key_values", "past_key_value", "layer_past", "cach
 _FORWARD_PARAMS: dict[type, tuple[str, ...]] = {}
 
 
-# Called inside compiled regions: constant, so dynamo calls it once at trace time instead of tracing
-# inspect.signature; a dict cache, as dynamo traces through lru_cache's wrapper (warning) and not as constant.
+# Constant to dynamo, called once at trace time; a dict cache, as dynamo traces through lru_cache's wrapper.
 @torch.compiler.assume_constant_result
 def forward_params(cls: type) -> tuple[str, ...]:
     names = _FORWARD_PARAMS.get(cls)

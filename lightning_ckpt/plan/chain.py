@@ -1,10 +1,10 @@
-"""How a segment tells that the parent calls the chunk's blocks as a chain: a precomputed output goes only to the
-call the chunk predicted (next block, previous output as hidden state, same other arguments and random state).
-"""
+"""How a segment tells that the parent calls the chunk's blocks as a chain (next block, previous output as hidden
+state, same other arguments and random state)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,12 +98,10 @@ def rng_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@dataclass(slots=True, eq=False)
 class StackWatch:
     """How one stack's segments fared under one applied plan: the first reason a step left the chain."""
 
-    __slots__ = ("deviations", "reason", "stack_fqn")
-
-    def __init__(self, stack_fqn: str) -> None:
-        self.stack_fqn = stack_fqn
-        self.reason: str | None = None
-        self.deviations = 0
+    stack_fqn: str
+    reason: str | None = None
+    deviations: int = 0

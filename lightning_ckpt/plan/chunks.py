@@ -1,6 +1,4 @@
-"""How a stack is cut into segments: each chunk's blocks, and the sqrt(N) rule for how many chunks. Plain arithmetic,
-apart from the machinery that runs a chunk, so the models, the search space and re-planning use it without torch.
-"""
+"""How a stack is cut into segments, and the sqrt(N) rule for how many: plain arithmetic, usable without torch."""
 
 from __future__ import annotations
 
@@ -26,8 +24,8 @@ def sqrt_chunks(n_blocks: int) -> int:
 
 
 def sqrt_segments(stacks: Sequence[LayerStack], *, skipping: Collection[str] = ()) -> dict[str, int]:
-    """The ``sqrt_segments`` baseline (the search space's too): stack FQN -> ``sqrt_chunks`` for every stack segments
-    can run on (a ``ModuleList``/``Sequential`` of 2+ blocks, not ``skipping``); empty if it repeats another."""
+    """The ``sqrt_segments`` baseline: stack FQN -> ``sqrt_chunks`` for every ``ModuleList``/``Sequential`` of 2+
+    blocks not ``skipping``; empty if it repeats another."""
     segments = {
         s.fqn: sqrt_chunks(len(s.blocks))
         for s in stacks

@@ -1,5 +1,5 @@
-"""Plan files as bytes on disk: replaced atomically, saved under a directory lock, read with errors that say what
-is wrong with the file, and versioned by a digest of their bytes. Nothing here knows what a plan is.
+"""Plan files as bytes on disk: replaced atomically under a directory lock, read with errors that say what is
+wrong, versioned by a digest of their bytes. Nothing here knows what a plan is.
 """
 
 from __future__ import annotations
@@ -108,8 +108,7 @@ def _parse_float(text: str) -> float | Unreadable:
     return value if math.isfinite(value) else Unreadable(text)
 
 
-# The largest plan file read: a real one is well under 1 MiB; this keeps a mistaken path (a log, /dev/zero) from
-# being parsed and printed. LIGHTNING_CKPT_MAX_PLAN_BYTES raises it.
+# A real plan file is well under 1 MiB; this keeps a mistaken path (a log) from being parsed and printed.
 MAX_PLAN_BYTES = 8 * 2**20
 
 

@@ -84,8 +84,7 @@ def _foreign_checkpointing(model: nn.Module) -> list[tuple[str, str, str]]:
 
 def existing_checkpointing(model: nn.Module) -> list[str]:
     """Activation checkpointing already installed in ``model`` by something other than lightning_ckpt (Hugging Face,
-    timm, ``use_checkpoint=True``, torch's ``checkpoint_wrapper`` and composable ``checkpoint``), one ``"FQN: what"``
-    per module (``<root>`` for the model). A plan on top would recompute twice, so ``apply_plan`` refuses it."""
+    timm, ``use_checkpoint=True``, torch's wrappers), one ``"FQN: what"`` per module (``<root>`` for the model)."""
     return [f"{fqn or '<root>'}: {what}" for fqn, what, _ in _foreign_checkpointing(model)]
 
 

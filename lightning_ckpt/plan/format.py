@@ -1,8 +1,5 @@
-"""Plans: what to checkpoint, per block FQN, as frozen data with a versioned JSON form.
-
-A plan names modules by fully qualified name, never by position, so it survives compile wrappers and can be
-checked against any model; blocks not listed are left alone (mode ``none``), which keeps plan files short.
-Files are validated against ``schema.py``'s JSON Schema before anything is built; ``file.py`` owns the bytes.
+"""Plans: what to checkpoint, per block FQN (never by position, so a plan survives compile wrappers), as frozen data
+with a versioned JSON form; blocks not listed are left alone. ``schema.py`` validates files, ``file.py`` owns bytes.
 """
 
 from __future__ import annotations
@@ -149,8 +146,7 @@ class Plan:
             object.__setattr__(self, "compile_memory_budget", float(budget))
 
     def key(self) -> str:
-        """A canonical string of what the plan *does* (not its name or metadata): equal plans, equal keys. Made once
-        per plan: a search asks for keys thousands of times (every candidate's, at every proposal)."""
+        """What the plan *does* (not its name or metadata), canonically; made once: a search asks thousands of times."""
         key = self.__dict__.get("_key")
         if key is None:
             d = self.to_dict()
@@ -209,9 +205,8 @@ class Plan:
     def describe(self) -> str:
         """A one-line human summary that names the blocks, e.g. ``full h.0-3, selective(mlp) h.4-7``.
 
-        Blocks are grouped by mode, without the dotted prefix every block shares (``transformer.h.0`` reads
-        ``h.0``), indices folded into ranges; the empty plan reads ``none``. Since the prefix is dropped, a plan on
-        ``encoder.block`` reads like the same plan on ``decoder.block``: ``key()`` is the exact identity.
+        The prefix every block shares is dropped, so a plan on ``encoder.block`` reads like the same plan on
+        ``decoder.block``: ``key()`` is the exact identity.
         """
         if self.is_empty:
             return "none"
@@ -372,11 +367,13 @@ def _index_ranges(indices: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _compact_fqns(fqns: list[str], drop: int) -> str:
-    """The blocks as short module paths, one entry per container: ``h.0-3``, ``encoder.block.0 lm_head``."""
+def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
+    """``fqns`` written as ``describe()`` writes a group of blocks, one entry per container (``h.0-3``,
+    ``encoder.block.0 lm_head``), without the prefix that every FQN of ``among`` (default: ``fqns``) shares."""
+    drop = _shared_prefix_length(list(among if among is not None else fqns))
     # Key: (path, is_container), so a planned ``h`` and the planned blocks inside it stay two entries.
     entries: dict[tuple[str, bool], list[int]] = {}
-    for fqn in fqns:
+    for fqn in sorted(fqns, key=_natural_key):
         path = fqn.split(".")[drop:] if fqn else []
         if path and _is_index(path[-1]):
             entries.setdefault((".".join(path[:-1]), True), []).append(int(path[-1]))
@@ -386,13 +383,6 @@ def _compact_fqns(fqns: list[str], drop: int) -> str:
         (f"{name}.{_index_ranges(ix)}" if name else _index_ranges(ix)) if is_container else name
         for (name, is_container), ix in entries.items()
     )
-
-
-def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
-    """``fqns`` written as ``describe()`` writes a group of blocks (``h.0-3``), without the prefix that
-    every FQN of ``among`` (default: ``fqns``) shares."""
-    drop = _shared_prefix_length(list(among if among is not None else fqns))
-    return _compact_fqns(sorted(fqns, key=_natural_key), drop)
 
 
 def _check_against_own_profile(plan: Plan, source: str) -> None:
@@ -460,8 +450,6 @@ def library_versions() -> dict[str, str]:
 
     out = {}
     for dist in ("lightning-ckpt", "torch", "lightning", "optuna"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             out[dist] = version(dist)
-        except PackageNotFoundError:
-            continue
     return out

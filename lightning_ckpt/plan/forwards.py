@@ -7,6 +7,7 @@ frame of this file named in ``CHECKPOINT_FRAMES``.
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 import warnings
 from collections.abc import Callable
@@ -82,21 +83,14 @@ def checkpointed_forward(
     return guard.checkpoint(functools.partial(_call, inner), args, kwargs, **extra)
 
 
-def _first_device(module: nn.Module, args: tuple[Any, ...]) -> torch.device | None:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.device
-    p = next(module.parameters(), None)
-    return p.device if p is not None else None
-
-
 def offloaded_forward(
     module: nn.Module, pool: OffloadPool, checkpointed: Callable[..., Any] | None, *args: Any, **kwargs: Any
 ) -> Any:
     """The block's forward with its saved tensors in ``pool`` (host memory): every one, or with ``checkpointed``
     (``offload_input``) the input alone, which a non-reentrant checkpoint saves under the hooks around it."""
     inner = checkpointed or original_forward(module)
-    device = _first_device(module, args)
+    first = next((t for t in itertools.chain(args, module.parameters()) if isinstance(t, torch.Tensor)), None)
+    device = first.device if first is not None else None
     # On a CPU model the activations already live in host memory (a simulated card is a device of its own).
     if not torch.is_grad_enabled() or device is None or (device.type == "cpu" and installed_card("cpu") is None):
         return inner(*args, **kwargs)
@@ -144,9 +138,8 @@ class Chunk:
     """Run-time state of one segment: several consecutive blocks recomputed as one region.
 
     The parent still calls every block: the first runs the whole chunk in one checkpoint and the later ones are
-    handed their outputs, as long as the parent calls them as a chain (``off_chain``). Any other call ends the
-    chunk for that step (``deviate``): exact, only the memory is higher than planned. The step's state is never
-    copied or pickled.
+    handed their outputs while the parent calls them as a chain (``off_chain``); any other call ends the chunk for
+    that step (``deviate``): exact, only the memory is higher than planned.
     """
 
     def __init__(self, fqns: tuple[str, ...], modules: list[nn.Module], watch: StackWatch) -> None:
@@ -301,13 +294,9 @@ CHILD_GUARD = "_lightning_ckpt_child_guard"
 
 
 def child_forward(module: nn.Module) -> types.MethodType:
-    """A selectively checkpointed child's forward inside a block compiled alone: a method bound to the child.
-
-    Dynamo guards a partial instance forward by identity, so each block compiled alone would compile its own graph
-    and hit the recompile limit; a bound method of one function is guarded by code: one graph serves every block.
-    Used only there, as pickling a bound method leaves the copy's child unplanned. Its buffer guard is
-    ``CHILD_GUARD``.
-    """
+    """A selectively checkpointed child's forward inside a block compiled alone: a method bound to the child, as
+    dynamo guards a partial by identity (a graph per block) but a bound method by code (one graph for all). Used only
+    there, as pickling a bound method leaves the copy's child unplanned."""
     return types.MethodType(_child_forward, module)
 
 

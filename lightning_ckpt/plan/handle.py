@@ -30,8 +30,7 @@ HANDLE_ATTR = "_lightning_ckpt_plan_handle"
 
 
 def plan_attributes() -> frozenset[str]:
-    """The instance attributes an applied plan puts on modules (their forwards, the model's handle, a checkpointed
-    child's buffer guard): not the user's state, so a snapshot of a module's Python attributes leaves them out."""
+    """The instance attributes an applied plan puts on modules: not the user's state, which snapshots leave out."""
     return frozenset({"forward", PREV_FORWARD, HANDLE_ATTR, CHILD_GUARD})
 
 
@@ -47,8 +46,8 @@ class Patch:
 class PlanHandle:
     """What ``apply_plan`` returns: the applied plan and the means to undo it exactly.
 
-    A copy of a planned model (``copy.deepcopy``, pickle, ``torch.save``) carries a handle of its own, bound to
-    the copy's modules (``plan_handle(copy).remove()``); the compile memory budget stays with the original's.
+    A copy of a planned model (deepcopy, pickle, ``torch.save``) carries a handle of its own, bound to the copy's
+    modules (``plan_handle(copy).remove()``); the compile memory budget stays with the original's.
     """
 
     def __init__(
@@ -149,8 +148,7 @@ def applied_plan(model: nn.Module) -> Plan | None:
 
 
 def plan_handle(model: nn.Module) -> PlanHandle | None:
-    """The active ``PlanHandle`` of ``model``: the one ``apply_plan`` returned, or the one a copy of a planned
-    model (deepcopy, pickle, ``torch.save``) carries, so a plan can be removed without holding its handle."""
+    """The active ``PlanHandle`` of ``model`` (``apply_plan``'s, or a copy's), to remove a plan without its handle."""
     handle = ACTIVE.get(unwrap_compiled(model))
     return handle if handle is not None and handle.active else None
 

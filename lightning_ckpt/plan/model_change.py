@@ -15,10 +15,11 @@ MAX_LISTED = 3
 def _stacks_of(profile: Any) -> list[Mapping[str, Any]] | None:
     """The saved stacks, or None where the file holds none in a readable form (an old or hand-made plan)."""
     stacks = profile.get("stacks") if isinstance(profile, Mapping) else None
-    if not isinstance(stacks, list) or not all(isinstance(s, Mapping) for s in stacks):
-        return None
-    ok = all(isinstance(s.get("fqn"), str) and isinstance(s.get("blocks"), list) for s in stacks)
-    return stacks if ok else None
+    readable = (
+        isinstance(s, Mapping) and isinstance(s.get("fqn"), str) and isinstance(s.get("blocks"), list)
+        for s in stacks or ()
+    )
+    return stacks if isinstance(stacks, list) and all(readable) else None
 
 
 def _block_words(stack: Mapping[str, Any]) -> str:
@@ -28,29 +29,26 @@ def _block_words(stack: Mapping[str, Any]) -> str:
 
 
 def _compare_blocks(saved: list[Any], now: list[Mapping[str, Any]]) -> list[str]:
-    out: list[str] = []
+    """The first block that differs, in words: identical blocks differ alike."""
     for old, new in zip(saved, now, strict=False):
         if not isinstance(old, Mapping):
             continue
         if old.get("class_name") != new["class_name"]:
-            out.append(f"{new['fqn']} is a {old.get('class_name')} in the plan and a {new['class_name']} in this model")
-        elif old.get("num_params") != new["num_params"]:
-            out.append(
+            return [f"{new['fqn']} is a {old.get('class_name')} in the plan and a {new['class_name']} in this model"]
+        if old.get("num_params") != new["num_params"]:
+            return [
                 f"{new['fqn']} ({new['class_name']}) has {old.get('num_params'):,} parameters in the plan and "
                 f"{new['num_params']:,} in this model"
                 if isinstance(old.get("num_params"), int)
                 else f"{new['fqn']} has another parameter count in this model ({new['num_params']:,})"
-            )
-        elif (names := [c[0] for c in old.get("children") or [] if isinstance(c, list) and c]) != [
-            c[0] for c in new["children"]
-        ]:
-            out.append(
+            ]
+        names = [c[0] for c in old.get("children") or [] if isinstance(c, list) and c]
+        if names != [c[0] for c in new["children"]]:
+            return [
                 f"{new['fqn']}'s children are {', '.join(map(str, names)) or 'none'} in the plan and "
                 f"{', '.join(c[0] for c in new['children']) or 'none'} in this model"
-            )
-        if out:  # identical blocks differ alike: the first one says it
-            break
-    return out
+            ]
+    return []
 
 
 def model_changes(

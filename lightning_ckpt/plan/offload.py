@@ -1,8 +1,6 @@
-"""Offload that hides behind compute: saved activations copied to host memory on their own stream, into one pool,
-and back a block ahead of backward. (``save_on_cpu(pin_memory=True)`` copied on the compute stream and back on
-first use: 6.5x the step time of no checkpointing on an H200.) Per plan, one pool of power-of-two host chunks,
-bump-allocated and reused every step; a failed step rewinds it (``OffloadPool.abandon``). Without streams (CPU,
-``SimulatedCard``) the same pool runs with synchronous copies.
+"""Offload that hides behind compute (``save_on_cpu`` copies on the compute stream): saved activations copied to
+host memory on their own stream, into one pool of power-of-two host chunks per plan, bump-allocated and reused every
+step, and back a block ahead of backward. Without streams (CPU, ``SimulatedCard``) the copies are synchronous.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ SMALLEST_OFFLOADED = 64 * 2**10  # smaller saved tensors stay where they are: a 
 
 @dataclass(frozen=True)
 class OffloadStats:
-    """What a pool holds and did: host bytes reserved (its chunks) and at most in use in one step, tensors
-    offloaded and fetched ahead of use."""
+    """What a pool holds and did: host bytes reserved and at most in use, tensors offloaded and fetched ahead."""
 
     capacity_bytes: int
     peak_bytes: int
@@ -45,8 +42,7 @@ class _Packed:
         self.event: Any = None
 
     def to_device(self) -> torch.Tensor:
-        """A device copy of the host bytes, on the current stream: the device's memory (a tracker or a simulated card
-        counts it), the host chunk unseen."""
+        """A device copy of the host bytes, on the current stream (a tracker counts it; the host chunk it does not)."""
         out = torch.empty_strided(self.host.shape, self.host.stride(), dtype=self.host.dtype, device=self.device)
         with _disable_current_modes():
             out.copy_(self.host, non_blocking=self.device.type == "cuda")
@@ -54,11 +50,8 @@ class _Packed:
 
 
 class OffloadPool:
-    """The host memory and streams of one plan's offloaded blocks (see the module docstring).
-
-    ``chunk_bytes``: the size of each host chunk (a power of two; a larger tensor gets one of its own). ``pinned``:
-    page-locked chunks (the default on CUDA), which asynchronous copies need.
-    """
+    """The host memory and streams of one plan's offloaded blocks. ``chunk_bytes``: each host chunk's size (a power of
+    two; a larger tensor gets its own). ``pinned``: page-locked chunks (default on CUDA), for asynchronous copies."""
 
     def __init__(
         self, *, chunk_bytes: int = 64 * _MIB, pinned: bool | None = None, min_bytes: int = SMALLEST_OFFLOADED
@@ -111,8 +104,7 @@ class OffloadPool:
             self._last = None  # held only within the block: autograd alone keeps a packed tensor alive
 
     def abandon(self) -> None:
-        """A step that failed: wait for every copy in flight (their host memory is about to be reused), then rewind
-        the pool and forget what was packed; the device copies were already dropped."""
+        """A step that failed: wait for every copy in flight (their host memory is reused), then rewind the pool."""
         if self._streams is not None:
             for stream in self._streams:
                 stream.synchronize()
@@ -181,8 +173,7 @@ class OffloadPool:
         self._last = (weakref.ref(t), packed)
         self._live += 1
         self.offloaded += 1
-        # Counted out when autograd drops it (after its backward, or with a graph never run backward), not when it is
-        # unpacked: a saved tensor can be unpacked twice (retain_graph) or never.
+        # Counted out when autograd drops it, not when unpacked: it is unpacked twice (retain_graph) or never.
         weakref.finalize(packed, self._dropped, self._generation)
         return packed
 

@@ -1,6 +1,5 @@
-"""Op-level save-lists: which aten ops' outputs an ``ops`` plan keeps instead of recomputing. Policies return
-``MUST_SAVE``/``PREFER_RECOMPUTE`` only, what ``torch.compile`` honours for selective activation checkpointing, so
-a plan means the same thing eager or compiled.
+"""Op-level save-lists: which aten ops' outputs an ``ops`` plan keeps. Policies return ``MUST_SAVE`` or
+``PREFER_RECOMPUTE`` only, what ``torch.compile`` honours, so a plan means the same thing eager or compiled.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ _ATTENTION = _optional_ops(
 _REDUCTIONS = _optional_ops("max", "amax", "mean", "sum")
 
 
-# torchtitan alternates aten.mm only (its Llama linears have no bias); biased linears on 3-D inputs
-# dispatch to addmm, so we alternate over both to mean the same thing for GPT-2-style models.
+# torchtitan alternates aten.mm only (no biases); biased linears on 3-D inputs dispatch to addmm: both alternate.
 _ALTERNATED = frozenset(_optional_ops("mm", "addmm"))
 
 
@@ -103,8 +101,7 @@ def _selective_contexts(name: str) -> tuple[Any, Any]:
 
 
 def selective_context_fn(name: str) -> Callable[[], tuple[Any, Any]]:
-    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` implementing save-list ``name``: a partial of a
-    module-level function, as dynamo accepts no closure ("checkpoint not implemented for NestedUserFunctionVariable
-    context_fn"), of the name, as dynamo guards on a partial's arguments as constants."""
+    """A ``context_fn`` for ``checkpoint`` implementing save-list ``name``: a partial of a module-level function, as
+    dynamo accepts no closure, of the name, as dynamo guards on a partial's arguments as constants."""
     check_save_list_name(name)  # refuse unknown names here, not at the first backward
     return functools.partial(_selective_contexts, name)

@@ -1,8 +1,5 @@
 """What a plan file records beyond the plan: one typed object, ``Plan.provenance``, the only reader of
-``Plan.metadata``'s sections.
-
-Each stage writes its own section through ``Plan.with_provenance`` (an unknown name is refused, so a typo cannot
-start an unread section). A section of the wrong JSON type (a hand edit) reads as absent and is kept in ``other``,
+``Plan.metadata``'s sections. A section of the wrong JSON type (a hand edit) reads as absent and is kept in ``other``,
 so no reader checks types again.
 """
 
@@ -108,8 +105,7 @@ class Provenance:
         return cls(**known, other=MappingProxyType(other))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as the metadata it reads (its read-only mappings cannot be): ranks gather plans, and Lightning
-        checkpoints carry the callback's."""
+        """Pickled as the metadata it reads: its read-only mappings cannot be."""
         present = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "other"}
         return (Provenance.of, ({**self.other, **Provenance.sections(**{k: v for k, v in present.items() if v})},))
 

@@ -1,5 +1,5 @@
-"""The names of the op-level save-lists, apart from their ops (``plan.policies``, kept in step by a test): reading,
-checking and re-planning a plan file need only the name, so no torch (``show``/``replan`` start in under a second).
+"""The op-level save-lists' names apart from their ops (``plan.policies``, kept in step by a test): reading a plan
+file needs only the name, so no torch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""The plan file's JSON Schema (``plan_schema.json``, so other tools can check a plan too), and refusals worded
-for the person who has to fix the file: jsonschema's messages name neither the field's place nor what would fit.
-"""
+"""The plan file's JSON Schema (``plan_schema.json``), and refusals that name the field and what would fit."""
 
 from __future__ import annotations
 
@@ -24,14 +22,13 @@ __all__ = [
     "validate",
 ]
 
-# Version 2 added ``compile_memory_budget``. A plan is written with the lowest version that can hold it, so plans
-# without the field stay readable by releases that only know version 1.
+# Version 2 added ``compile_memory_budget``; a plan is written with the lowest version that can hold it.
 SCHEMA_VERSION = 2
 SCHEMA_FILE = "plan_schema.json"
 
 
-# NaN, Infinity and endless integers break whoever reads them, and JSON Schema cannot say "finite" (NaN passes every
-# bound): ``file.read_json`` parses them into ``Unreadable`` and ``refuse_unreadable`` names their field.
+# JSON Schema cannot say "finite" (NaN passes every bound): ``file.read_json`` parses NaN, Infinity and endless
+# integers into ``Unreadable``, and ``refuse_unreadable`` names their field.
 MAX_INT_DIGITS = 20  # every count, byte figure and seed a plan keeps fits (2**64 has 20 digits)
 MAX_PLAN_DEPTH = 32  # a real plan file nests 11 levels (a plan table's bucket profile); more is not a plan
 
@@ -65,8 +62,8 @@ def _unreadable(value: Any) -> Unreadable | None:
 
 
 def refuse_unreadable(data: Any, source: str) -> None:
-    """``PlanError`` naming the first field holding a value no plan holds (``Unreadable``) or nesting deeper than
-    ``MAX_PLAN_DEPTH``. A stack, not recursion: the data may nest as deeply as the parser allowed."""
+    """``PlanError`` naming the first field holding an ``Unreadable`` or nesting deeper than ``MAX_PLAN_DEPTH``. A
+    stack, not recursion: the data may nest as deeply as the parser allowed."""
     stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
     while stack:
         path, value = stack.pop()

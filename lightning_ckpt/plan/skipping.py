@@ -1,8 +1,6 @@
 """Stacks whose parent skips blocks by configuration (LayerDrop, stochastic depth): no segments there, as a
-segment needs a parent that calls each block every step (the profile's chain check sees a skip only when it draws).
-
-The draw also makes a profile measure whichever depth its step ran (once: a plan at 1.7x the budget on every
-full-depth step), so ``full_depth`` zeroes the rates for the search: every figure is the deepest step's.
+segment needs a parent that calls each block every step. The draw would also make a profile measure whichever depth
+its step ran, so ``full_depth`` zeroes the rates for the search: every figure is the deepest step's.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ SKIP_ATTRIBUTES = (
     "drop_path_rate",
     "stochastic_depth_prob",
 )
-# On the parent's config only the generic name: a shared seq2seq config holds both the encoder's and the
-# decoder's rates, and the parent's own attribute says which one it uses.
+# On the parent's config only the generic name: a shared seq2seq config holds the encoder's and decoder's rates.
 _CONFIG_ATTRIBUTES = ("layerdrop",)
 
 
@@ -69,8 +66,7 @@ def skipping_stacks(root: nn.Module, stacks: Sequence[LayerStack]) -> dict[str, 
 @contextmanager
 def full_depth(root: nn.Module, stacks: Sequence[LayerStack]) -> Iterator[dict[str, str]]:
     """Every parent that skips blocks by configuration runs all of them while this holds (rates zeroed, restored on
-    exit; ``skipping_stacks`` still reports them). Yields stack FQN -> ``"<attribute> = <rate>"`` zeroed. Parents
-    still draw their coins (Hugging Face draws ``torch.rand`` and compares): the random stream is unchanged."""
+    exit); yields stack FQN -> ``"<attribute> = <rate>"`` zeroed. Parents still draw: the random stream is unchanged."""
     zeroed: list[tuple[object, str, float]] = []
     said: dict[str, str] = {}
     try:

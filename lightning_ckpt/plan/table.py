@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from lightning_ckpt.budget import Budget
@@ -18,8 +18,8 @@ MAX_BUCKETS = 8  # every bucket is a profile before training and a plan to switc
 
 def bucket_edges(shortest: int, longest: int, edges: Sequence[int] | None = None) -> tuple[int, ...]:
     """The buckets' longest lengths, ascending, the last ``longest``: the user's ``edges``, or halving from
-    ``longest`` while above ``shortest`` (the first batch's length): a long tail spreads over octaves, and a bucket
-    twice as long needs at most four times the activations, so no plan pays for much more than its batches need."""
+    ``longest`` while above ``shortest``: a bucket twice as long needs at most four times the activations, so no plan
+    pays for much more than its batches need."""
     if edges is not None:
         chosen = sorted({int(e) for e in edges if 0 < int(e) < longest})
         if len(chosen) + 1 > MAX_BUCKETS:
@@ -48,12 +48,8 @@ class Bucket:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "max_length": self.max_length,
+            **{f.name: getattr(self, f.name) for f in fields(self)},
             "plan": {k: v for k, v in self.plan.to_dict().items() if k != "metadata"},
-            "source": self.source,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "predicted_activation_bytes": self.predicted_activation_bytes,
-            "predicted_seconds": self.predicted_seconds,
             "profile": dict(self.profile) if self.profile is not None else None,
         }
 

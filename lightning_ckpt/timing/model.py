@@ -52,8 +52,8 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Transfer:
-    """A plan's offload in one step (``TimeModel.transfer``): bytes each way, their time on the link, the part
-    backward waits for, and the recompute that checkpointing its ``offload`` blocks instead would cost."""
+    """A plan's offload in one step: bytes each way, their time on the link, the part backward waits for, and the
+    recompute that checkpointing its ``offload`` blocks instead would cost."""
 
     bytes: int
     link_seconds: float
@@ -76,8 +76,7 @@ class TimeModel:
 
     def added_seconds(self, plan: Plan) -> float | None:
         """What ``plan``'s modes add to a step; None when a block was not timed under its mode, or for a PT2 memory
-        budget (the partitioner's choice: measured, not predicted). Offloaded blocks add the transfer backward
-        waits for where the link was measured, else what they added timed alone."""
+        budget (measured, not predicted). Offloaded blocks add the transfer backward waits for, where measured."""
         keys = self._keys(plan)
         if keys is None:
             return None
@@ -146,10 +145,8 @@ class TimeModel:
         return ["full" if row.fqn in chunked else modes.get(row.fqn) for row in self.blocks]
 
     def predict_seconds(self, plan: Plan) -> float | None:
-        """``plan``'s predicted step seconds; None before calibration or when ``added_seconds`` is None.
-
-        A plain step fitted at or below zero (blocks timed in a busy moment, steps in a quiet one) is taken as the
-        blocks' own sum, or every plan would be predicted at the clamp and the least memory win every tie."""
+        """``plan``'s predicted step seconds; None before calibration or when ``added_seconds`` is None. A plain step
+        fitted at or below zero is taken as the blocks' own sum, or every plan would tie at the clamp."""
         added = self.added_seconds(plan)
         if added is None or self.calibration is None:
             return None
@@ -211,10 +208,8 @@ class TimeModel:
 
 
 def _added(row: BlockTime, key: str) -> float | None:
-    """Seconds ``key`` adds to the block's forward+backward; child sets timed only one by one add up.
-
-    Never below zero: recomputing never makes a step faster, and a noisy negative once predicted a checkpointed plan
-    1.6x faster than the plain step (issue #64)."""
+    """Seconds ``key`` adds to the block's forward+backward; child sets timed only one by one add up. Never below
+    zero: recomputing never makes a step faster."""
     none = row.seconds.get("none")
     if none is None:
         return None
