@@ -7,10 +7,10 @@ median batch and the longest needs checkpointing. Each row is a fresh fit with t
 - ``first batch, no switching``: tuned on the first batch; the guard only warns (v0.3's plan for the run);
 - ``first batch, guard``: tuned on the first batch; the guard predicts each batch longer than any read so far
   before its forward and moves to a plan that fits (the default);
-- ``max_shape, one plan``: the longest length declared, ``max_shape=(rows, max_len)``, ``buckets=False``: one plan
-  tuned for it runs every batch;
-- ``plan table``: the same declaration with the default ``buckets=True``: the search's plan for the longest bucket,
-  and for each shorter bucket (halving lengths) the plan predicted fastest that fits at its longest length,
+- ``max_shape, one plan``: the longest length declared, ``max_shape=(rows, max_len)``, ``guard={"buckets": False}``:
+  one plan tuned for it runs every batch;
+- ``plan table``: the same declaration with the default ``guard={"buckets": True}``: the search's plan for the longest
+  bucket, and for each shorter bucket (halving lengths) the plan predicted fastest that fits at its longest length,
   switched before each batch's forward (the first step under each bucket's plan is read by the guard).
 
 Every real step's peak (forward, backward and the optimizer's update) is read by the live-tensor tracker in one
@@ -154,7 +154,7 @@ def main() -> None:
     rows = {
         "first batch, no switching": dict(guard={"on_budget_exceeded": "warn", "every": 1}),
         "first batch, guard": dict(guard={"every": 1}),
-        "max_shape, one plan": dict(max_shape=(args.rows, args.max_len), buckets=False, guard={"every": 1}),
+        "max_shape, one plan": dict(max_shape=(args.rows, args.max_len), guard={"every": 1, "buckets": False}),
         "plan table": dict(max_shape=(args.rows, args.max_len), guard={"every": 1}),
     }
     results = []

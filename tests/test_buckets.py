@@ -39,10 +39,10 @@ def test_bucket_edges_halve_from_the_longest_or_follow_the_users():
 
 def test_buckets_are_checked_at_construction():
     with pytest.raises(ConfigurationError, match="needs max_shape"):
-        ActivationCheckpointTuner(max_memory=10**9, buckets=[64, 128])
+        ActivationCheckpointTuner(max_memory=10**9, guard={"buckets": [64, 128]})
     with pytest.raises(ConfigurationError, match="buckets must be True"):
-        ActivationCheckpointTuner(max_memory=10**9, max_shape=256, buckets=[64, "128"])
-    ActivationCheckpointTuner(max_memory=10**9, max_shape=256, buckets=[64, 128])
+        ActivationCheckpointTuner(max_memory=10**9, max_shape=256, guard={"buckets": [64, "128"]})
+    ActivationCheckpointTuner(max_memory=10**9, max_shape=256, guard={"buckets": [64, 128]})
 
 
 class _Recording(Net):
@@ -136,7 +136,7 @@ def test_each_batch_runs_its_buckets_plan_within_the_budget_and_trains_as_withou
 
 def test_without_buckets_every_batch_runs_the_plan_tuned_for_the_longest(tmp_path, budget):
     net = _Recording()
-    cb = _tuner(budget, buckets=False)
+    cb = _tuner(budget, guard=dict(on_budget_exceeded="raise", steps=2, every=1, buckets=False))
     fit(tmp_path, [cb], net, steps=3, data=_Batches(CURRICULUM[:3]))
     assert cb.plan_table is None and "plan_table" not in cb.plan.metadata
     assert {key for _, key in net.ran} == {cb.plan.key()}
@@ -371,10 +371,10 @@ def test_a_compiled_model_switches_buckets_without_compiling_again_after_each_bu
     cb = ActivationCheckpointTuner(
         activation_budget=0.5,
         max_shape=(8, 32),
-        buckets=[8, 32],
         verbose=False,
         search=dict(n_trials=3, measure_steps=1, search_space=space),
-        guard=dict(on_budget_exceeded="raise", steps=2, every=1),  # every step read; any over the budget fails
+        # every step read; any over the budget fails
+        guard=dict(on_budget_exceeded="raise", steps=2, every=1, buckets=[8, 32]),
     )
     spy = _CountingCompiles()
     trainer = quiet_trainer(tmp_path, [cb, spy], steps=len(lengths))

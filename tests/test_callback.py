@@ -179,7 +179,7 @@ def test_tensorboard_entries(tmp_path):
         ({"search": {"n_trials": 0}}, "n_trials"),
         ({"search": {"search_space": {"mode": ["full"]}}}, "Unknown search-space names"),
         ({"plan_path": f"{__file__}/plan.json"}, "cannot be written"),  # parent is a file
-        ({"plan": Plan(), "search": {"n_trials": 5}, "on_stale_plan": "raise"}, "could never be used"),
+        ({"plan": Plan(), "search": {"n_trials": 5}, "guard": {"on_stale_plan": "raise"}}, "could never be used"),
         ({"search": {"on_infeasible": "shrug"}}, "on_infeasible"),
         ({"search": {"n_trial": 5}}, "Unknown tune settings"),
         ({"search": 5}, "search must be a TuneConfig or a dict"),
@@ -220,7 +220,7 @@ def test_stale_plan_file_retunes_or_raises(tmp_path):
     from lightning_ckpt.errors import StalePlanError
 
     with pytest.raises(StalePlanError):
-        trainer(tmp_path, [ActivationCheckpointTuner(plan=path, on_stale_plan="raise", verbose=False)]).fit(
+        trainer(tmp_path, [ActivationCheckpointTuner(plan=path, guard={"on_stale_plan": "raise"}, verbose=False)]).fit(
             TinyGPT(), token_loader(64)
         )
     cb = tuner(plan=path)

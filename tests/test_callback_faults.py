@@ -204,7 +204,7 @@ def test_stale_plan_message_speaks_the_callbacks_language(tmp_path):
     path = tmp_path / "plan.json"
     Plan({"model.transformer.h.0": BlockPlan("full")}, fingerprint="0000000000000000").save(path)
     with pytest.raises(StalePlanError) as info:
-        cb = ActivationCheckpointTuner(plan=path, on_stale_plan="raise", verbose=False)
+        cb = ActivationCheckpointTuner(plan=path, guard={"on_stale_plan": "raise"}, verbose=False)
         trainer(tmp_path, cb).fit(Net(), token_loader(32))
     assert "check_fingerprint" not in str(info.value) and "on_stale_plan='retune'" in str(info.value)
 

@@ -63,7 +63,7 @@ def test_same_conditions_reuse_without_trials(tmp_path, tuned):
 )
 def test_a_changed_condition_retunes_or_raises(tmp_path, tuned, change, match):
     with pytest.raises(StalePlanError, match=match):
-        fit(tmp_path, tuner(tuned, on_stale_plan="raise"), **change)
+        fit(tmp_path, tuner(tuned, guard={"on_stale_plan": "raise"}), **change)
     cb = tuner(tuned)
     with pytest.warns(UserWarning, match=match):
         fit(tmp_path, cb, **change)

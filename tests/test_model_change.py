@@ -90,6 +90,8 @@ def test_the_callback_reusing_a_plan_for_another_model_says_what_differs(tmp_pat
     quiet_trainer(tmp_path, [tuner], steps=1).fit(LitGPT(dropout=0.0), token_loader(64))
     deeper = LitGPT(dropout=0.0)
     deeper.model.transformer.h.append(copy.deepcopy(deeper.model.transformer.h[0]))
-    reuse = ActivationCheckpointTuner(activation_budget=0.9, plan_path=path, on_stale_plan="raise", verbose=False)
+    reuse = ActivationCheckpointTuner(
+        activation_budget=0.9, plan_path=path, guard={"on_stale_plan": "raise"}, verbose=False
+    )
     with pytest.raises(StalePlanError, match=r"model\.transformer\.h has \d+ blocks in the plan and \d+ in this model"):
         quiet_trainer(tmp_path, [reuse], steps=1).fit(deeper, token_loader(64))

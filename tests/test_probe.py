@@ -47,7 +47,8 @@ def test_the_request_is_parsed_at_construction():
             probe_request(bad)
     with pytest.raises(ConfigurationError, match="max_shape='probe'"):
         ActivationCheckpointTuner(activation_budget=0.5, max_shape="probe:many")
-    ActivationCheckpointTuner(activation_budget=0.5, max_shape="probe", buckets=[8, 16])  # edges need a maximum
+    # edges need a maximum
+    ActivationCheckpointTuner(activation_budget=0.5, max_shape="probe", guard={"buckets": [8, 16]})
 
 
 def test_a_probe_of_a_shuffled_loader_finds_the_longest_batch_and_leaves_training_as_it_was(tmp_path, caplog):

@@ -77,7 +77,7 @@ def _checkpoint_tuned_without_budget(tmp_path):
 def test_resuming_with_a_changed_budget_retunes_for_it_and_guards_it(tmp_path):
     ckpt = _checkpoint_tuned_without_budget(tmp_path)
     with pytest.raises(StalePlanError, match=r"resumed checkpoint was tuned for no budget.*activation_budget=0\.3"):
-        trainer(tmp_path, tuner(activation_budget=0.3, on_stale_plan="raise"), steps=4).fit(
+        trainer(tmp_path, tuner(activation_budget=0.3, guard={"on_stale_plan": "raise"}), steps=4).fit(
             net(), token_loader(32), ckpt_path=ckpt
         )
     cb = tuner(activation_budget=0.3)

@@ -18,12 +18,10 @@ __all__ = ["run_bench"]
 
 
 def _find_benchmark(name: str) -> Path | None:
-    """The script in the checkout this package itself was installed from (``pip install -e``), or None: the
-    checkout is ours when its ``lightning_ckpt`` package is the one running."""
+    """The script in the checkout this package itself was installed from (``pip install -e``), or None (a wheel)."""
     root = Path(__file__).resolve().parents[2]
-    ours = (root / "lightning_ckpt" / "cli" / "bench.py").resolve() == Path(__file__).resolve()
     candidate = root / "benchmarks" / name
-    return candidate if ours and (root / "pyproject.toml").is_file() and candidate.is_file() else None
+    return candidate if (root / "pyproject.toml").is_file() and candidate.is_file() else None
 
 
 def run_bench(args: argparse.Namespace, extra: list[str]) -> int:

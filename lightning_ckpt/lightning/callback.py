@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -50,25 +50,18 @@ class ActivationCheckpointTuner(Callback):
             while this one tuned is kept, with a warning naming its plan.
         search: the search's settings, a ``TuneConfig`` or a dict of its fields, e.g. ``{"n_trials": 20,
             "search_space": {"modes": ["full"], "segments": False}, "storage": "sqlite:///ckpt.db"}``.
-        guard: how real steps after lock-in are checked, a ``GuardConfig`` or a dict, e.g. ``{"steps": 2,
-            "on_budget_exceeded": "switch"}`` (``"raise"``, ``"warn"``; ``steps=0`` turns it off).
+        guard: how a reused plan and the real steps after lock-in are checked, a ``GuardConfig`` or a dict, e.g.
+            ``{"steps": 2, "on_budget_exceeded": "switch", "on_stale_plan": "raise"}`` (``steps=0`` reads no steps).
+            Its ``buckets`` sets the plan table of data whose lengths vary (with ``max_shape``).
         max_shape: the longest batch the run will see, ``(rows, length)`` or a length (tokens per sample), for
             data whose lengths vary: the search runs on the first batch grown to it, so the plan fits the longest
             batch, not the first. ``"probe"``: found before the first step, from the datamodule's
             ``max_seq_length`` (or ``max_length``), else from the first 64 batches of the training loader
             (``"probe:256"`` for more; training sees the same batches). Without it the plan is tuned on the first
             batch and the guard catches longer ones before their forward.
-        buckets: with ``max_shape``, a plan table: lengths split into buckets, each running the fastest plan
-            predicted to fit the budget at its longest length (no trials), switched by each batch's length before
-            its forward. ``True`` (default): halving from the longest length down to the first batch's (at most 8
-            buckets); a list of lengths sets the edges (``[128, 256, 512]``); ``False``: one plan for every length.
-            Packed batches need ``guard``'s ``shape_key`` and ``resize`` for a table.
         tune_micro_batch: also search the micro-batch size with gradient accumulation (same global batch)
             jointly with the plan. ``True`` sets the LightningModule/DataModule attribute ``batch_size`` (as
             Lightning's ``BatchSizeFinder`` does); a string names another attribute.
-        on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a reused plan (resumed
-            checkpoint, ``plan=``, plan file) was tuned for another model, budget (compared by value) or run
-            conditions.
         log_dir: TensorBoard directory when the Trainer has no TensorBoardLogger. With ``Trainer(logger=False)`` and
             no ``log_dir`` the search writes no TensorBoard files (the plan file only).
         verbose: print a line per trial and the full trial table (always in TensorBoard); otherwise one
@@ -92,9 +85,7 @@ class ActivationCheckpointTuner(Callback):
         search: TuneConfig | Mapping[str, Any] | None = None,
         guard: GuardConfig | Mapping[str, Any] | None = None,
         max_shape: int | tuple[int, int] | str | None = None,
-        buckets: bool | list[int] = True,
         tune_micro_batch: bool | str = False,
-        on_stale_plan: Literal["retune", "raise"] = "retune",
         log_dir: str | os.PathLike[str] | None = None,
         verbose: bool = False,
     ) -> None:
@@ -103,15 +94,14 @@ class ActivationCheckpointTuner(Callback):
         self.config = search_config(search)
         self.guard = GuardConfig.of(guard)
         self.max_memory, self.activation_budget = max_memory, activation_budget
-        self.max_shape, self.buckets = max_shape, buckets
+        self.max_shape = max_shape
         self._probe = probe_request(max_shape)  # max_shape="probe": found before the first step
         declared = None if self._probe is not None else BatchSize.declared(max_shape)
-        self._bucket_edges = check_buckets(buckets, declared or self._probe)
-        check_reuse_arguments(plan, search, on_stale_plan)
+        self._bucket_edges = check_buckets(self.guard.buckets, declared or self._probe)
+        check_reuse_arguments(plan, search, self.guard.on_stale_plan)
         self._given_plan = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
         self._given_source = "plan= argument" if plan is None or isinstance(plan, Plan) else f"plan={os.fspath(plan)!r}"
         self._plan_file = PlanFile(plan_path) if plan_path is not None else None
-        self.on_stale_plan = on_stale_plan
         self.batch_arg_name = tune_micro_batch if isinstance(tune_micro_batch, str) else "batch_size"
         self.tune_micro_batch = bool(tune_micro_batch)
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -155,7 +145,7 @@ class ActivationCheckpointTuner(Callback):
 
     @property
     def plan_table(self) -> PlanTable | None:
-        """The plan of each length bucket this fit follows (``buckets``; ``search.buckets``), None without one."""
+        """The plan of each length bucket this fit follows (``guard.buckets``; ``search.buckets``), None without one."""
         return self._session.table if self._session is not None else None
 
     @property
@@ -217,13 +207,11 @@ class ActivationCheckpointTuner(Callback):
             requested=self._requested,
             config=self.config,
             guard=self.guard,
-            buckets=self.buckets,
             bucket_edges=self._bucket_edges,
             probe=self._probe,
             given_plan=self._given_plan,
             given_source=self._given_source,
             plan_file=self._plan_file,
-            on_stale_plan=self.on_stale_plan,
             tune_micro_batch=self.tune_micro_batch,
             batch_arg_name=self.batch_arg_name,
             log_dir=self.log_dir,

@@ -27,7 +27,7 @@ __all__ = [
 
 
 def check_buckets(buckets: Any, max_shape: Any) -> tuple[int, ...] | None:
-    """``buckets=`` checked: True/False, or bucket edges (lengths) below ``max_shape``'s; the edges, or None."""
+    """``guard.buckets`` checked: True/False, or bucket edges (lengths) below ``max_shape``'s; the edges, or None."""
     if isinstance(buckets, bool):
         return None
     ok = isinstance(buckets, (list, tuple)) and bool(buckets)
@@ -35,12 +35,12 @@ def check_buckets(buckets: Any, max_shape: Any) -> tuple[int, ...] | None:
     if not ok:
         raise ConfigurationError(
             "buckets must be True (halving from max_shape's length), False (one plan for every length) or a list "
-            f"of lengths (bucket edges, e.g. buckets=[128, 256, 512]), but got {buckets!r}."
+            f"of lengths (bucket edges, e.g. guard={{'buckets': [128, 256, 512]}}), but got {buckets!r}."
         )
     if max_shape is None:
         raise ConfigurationError(
             f"buckets={list(buckets)} needs max_shape, the longest batch (the top bucket, which the search tunes "
-            "for), e.g. max_shape=1024 with buckets=[128, 256, 512]."
+            "for), e.g. max_shape=1024 with guard={'buckets': [128, 256, 512]}."
         )
     return tuple(sorted(set(buckets)))
 
@@ -72,8 +72,6 @@ def check_types(**values: Any) -> None:
 
 
 def check_reuse_arguments(plan: Any, search: Any, on_stale_plan: str) -> None:
-    if on_stale_plan not in ("retune", "raise"):
-        raise ConfigurationError(f"on_stale_plan must be 'retune' or 'raise', but got {on_stale_plan!r}.")
     if plan is not None and search is not None and on_stale_plan == "raise":
         raise ConfigurationError(
             "plan= applies a saved plan without searching, but search settings were also given "

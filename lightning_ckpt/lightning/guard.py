@@ -135,7 +135,8 @@ def lower_plan(
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """How the real steps after lock-in are checked against the budget.
+    """How the plan is checked against the run: a reused plan against this model, budget and batches, and the real
+    steps after lock-in against the budget.
 
     steps: real training steps read whole after lock-in (CUDA: the allocator's peak; CPU: the live-tensor
         tracker, slower, so only those steps), at least up to the first step that starts with the optimizer's
@@ -152,6 +153,13 @@ class GuardConfig:
         first ``length`` tokens with ``cu_seqlens`` clipped, or its sequences' lengths cut to sum to ``length``).
         It lets batches sized by ``shape_key`` be grown to ``max_shape`` for the search and cut to each bucket's
         length for a plan table; without it such batches get neither (the shapes alone say nothing of their size).
+    buckets: with the callback's ``max_shape``, a plan table: lengths split into buckets, each running the fastest
+        plan predicted to fit the budget at its longest length (no trials), switched by each batch's length before its
+        forward. ``True`` (default): halving from the longest length down to the first batch's (at most 8 buckets); a
+        list of lengths sets the edges (``[128, 256, 512]``); ``False``: one plan for every length. Packed batches
+        need ``shape_key`` and ``resize`` for a table.
+    on_stale_plan: ``"retune"`` (warn and search again) or ``"raise"`` when a reused plan (resumed checkpoint,
+        ``plan=``, plan file) was tuned for another model, budget (compared by value) or run conditions.
     """
 
     steps: int = 2
@@ -159,6 +167,8 @@ class GuardConfig:
     on_budget_exceeded: Literal["switch", "raise", "warn"] = "switch"
     shape_key: Callable[[Any], Any] | None = None
     resize: Callable[[Any, int], Any] | None = None
+    buckets: bool | list[int] = True
+    on_stale_plan: Literal["retune", "raise"] = "retune"
 
     def __post_init__(self) -> None:
         for name in ("steps", "every"):
@@ -173,6 +183,8 @@ class GuardConfig:
                 "guard on_budget_exceeded must be 'switch', 'raise' or 'warn' (e.g. guard={'on_budget_exceeded': "
                 f"'raise'}}), but got {self.on_budget_exceeded!r}."
             )
+        if self.on_stale_plan not in ("retune", "raise"):
+            raise ConfigurationError(f"on_stale_plan must be 'retune' or 'raise', but got {self.on_stale_plan!r}.")
         if self.shape_key is not None and not callable(self.shape_key):
             raise ConfigurationError(
                 "guard shape_key must be a function of the batch returning (rows, length), e.g. "

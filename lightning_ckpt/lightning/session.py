@@ -75,13 +75,11 @@ class Settings:
     requested: RequestedBudget  # parsed once: every reuse decision compares this by value
     config: TuneConfig
     guard: GuardConfig
-    buckets: bool | list[int]
     bucket_edges: tuple[int, ...] | None
     probe: int | None  # max_shape="probe": batches to probe before the first step
     given_plan: Plan | None
     given_source: str  # where given_plan came from, as messages name it: plan='plans/gpt.json'
     plan_file: PlanFile | None
-    on_stale_plan: str
     tune_micro_batch: bool
     batch_arg_name: str
     log_dir: Path | None
@@ -136,7 +134,7 @@ class FitSession:
             (s.given_plan, s.given_source),
             (self.found.plan, "an earlier fit with this callback"),
         )
-        plan, source = plan_to_reuse(sources, s.plan_file, on_stale_plan=s.on_stale_plan)
+        plan, source = plan_to_reuse(sources, s.plan_file, on_stale_plan=s.guard.on_stale_plan)
         if trainer.world_size > 1:
             # Rank 0 decides (its plan file, its checkpoint state); a rank that decided differently
             # would run trials alone and hang the others' collectives.
@@ -245,7 +243,7 @@ class FitSession:
         """Apply a saved plan without searching (True), or return False to search (it was stale)."""
         s = self.settings
         conditions = run_conditions(trainer, pl_module, None)
-        wanted, reused = reusable(plan, source, conditions, self.view, s.requested, on_stale_plan=s.on_stale_plan)
+        wanted, reused = reusable(plan, source, conditions, self.view, s.requested, on_stale_plan=s.guard.on_stale_plan)
         self.search_budget = wanted
         if reused is None:
             return False
@@ -273,7 +271,7 @@ class FitSession:
         plan = self.found.plan
         assert plan is not None
         conditions = run_conditions(trainer, pl_module, tuning_batch)
-        on_stale_plan = self.settings.on_stale_plan
+        on_stale_plan = self.settings.guard.on_stale_plan
         if not retune_for_batch(plan, conditions, budget=self.search_budget, on_stale_plan=on_stale_plan):
             self.stage = Stage.LOCKED_IN
             return
@@ -364,7 +362,7 @@ class FitSession:
     def _table_lengths(self, trainer: pl.Trainer, batch: Any, tuning_batch: Any) -> tuple[int, ...] | None:
         """The plan table's bucket lengths for this search, None when it builds none."""
         s = self.settings
-        if self.found.max_shape is None or s.buckets is False:
+        if self.found.max_shape is None or s.guard.buckets is False:
             return None
         why = self._table_refused()
         if why is not None:
@@ -390,7 +388,7 @@ class FitSession:
 
     def _reused_table(self, plan: Plan, source: str) -> PlanTable | None:
         """The plan table a reused plan keeps, when this fit follows one."""
-        if self.settings.buckets is False or self._table_refused() is not None:
+        if self.settings.guard.buckets is False or self._table_refused() is not None:
             return None
         table = PlanTable.of_plan(plan, source=source)
         if table is not None:

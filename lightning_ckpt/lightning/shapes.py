@@ -28,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_ckpt.errors import ConfigurationError
+from lightning_ckpt.lightning.ranks import max_over_ranks
 from lightning_ckpt.measure.harness import loss_of
 from lightning_ckpt.measure.python_state import PythonState
 from lightning_ckpt.measure.snapshot import StateSnapshot, mark_zero_grad, rng_state, set_rng_state
@@ -416,8 +417,6 @@ def probed_max_shape(trainer: Any, size_of: Callable[[Any], BatchSize | None], b
     else:
         probed = probe_loader(trainer.train_dataloader, size_of, batches)
     if trainer.world_size > 1:
-        mine = torch.tensor([probed.size.rows, probed.size.length], device=trainer.strategy.root_device)
-        sizes = trainer.strategy.all_gather(mine)
-        rows, length = (int(v) for v in sizes.reshape(-1, 2).max(dim=0).values)
+        rows, length = max_over_ranks(trainer.strategy, (probed.size.rows, probed.size.length))
         probed = Probed(BatchSize(rows, length), probed.source + ", the longest of every rank's")
     return probed

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,28 +33,16 @@ class RealStepReader:
         self._resting = 0
         self._retries = 0
 
-    def _allocator(self) -> Any:
-        """The device's allocator (CUDA, or a simulated card), or None; a CPU build has none to read."""
+    def _allocator(self, read: Callable[[Any], Any], default: Any) -> Any:
+        """``read`` of the device's allocator (CUDA, or a simulated card); ``default`` where there is none to read."""
         try:
-            return device_memory(self.device)
+            memory = device_memory(self.device)
+            return read(memory) if memory is not None else default
         except (AssertionError, RuntimeError):  # torch built without CUDA
-            return None
+            return default
 
     def _alloc_retries(self) -> int:
-        memory = self._allocator()
-        try:
-            return int(memory.stats().get("num_alloc_retries", 0)) if memory is not None else 0
-        except (AssertionError, RuntimeError):
-            return 0
-
-    def _reserved_peak(self) -> int | None:
-        memory = self._allocator()
-        if memory is None or self.device.type != "cuda":  # a simulated card's peaks are the test's, not reset here
-            return None
-        try:
-            return memory.max_reserved()
-        except (AssertionError, RuntimeError):
-            return None
+        return self._allocator(lambda memory: int(memory.stats().get("num_alloc_retries", 0)), 0)
 
     @property
     def active(self) -> bool:
@@ -115,7 +103,9 @@ class RealStepReader:
         else:
             return None
         retries = self._alloc_retries() - self._retries
-        return MemoryReading(peak, activation, resting, str(self.device), self._reserved_peak(), retries)
+        # A simulated card's reserved peak is the test's, not reset here.
+        reserved = self._allocator(lambda memory: memory.max_reserved(), None) if self.device.type == "cuda" else None
+        return MemoryReading(peak, activation, resting, str(self.device), reserved, retries)
 
     def abandon(self) -> None:
         """Stop reading without a result (the step raised, or the fit ends)."""

@@ -1,14 +1,10 @@
 """CUDA's caching allocator in miniature, for ``SimulatedCard``: segments, best fit, splits, merges and refusals.
 
-A card is more than a byte count. The first small-card run on an H200 died with 11.17 GiB allocated, 4.74 GiB
-"reserved by PyTorch but unallocated" and a request of 6.14 GiB that allocated bytes alone would have fitted: the
-free bytes were scattered over cached segments that smaller tensors had split. This module follows
-``c10/cuda/CUDACachingAllocator.cpp`` in what decides such a refusal: the small and large pools and their segment
-sizes, best fit and splitting (``max_split_size`` included), releasing every free segment and retrying before a
-refusal, merging freed neighbours, and expandable segments that map pages as they grow and unmap free ones.
-
-``AllocatorSizes.scaled(n)`` divides every threshold by ``n`` so a model of a few MiB meets the allocator as a
-124M-parameter model meets a 24 GB card.
+A card is more than a byte count: a request that allocated bytes alone would fit is refused when the free bytes are
+scattered over cached segments. This follows ``c10/cuda/CUDACachingAllocator.cpp`` in what decides a refusal: the
+small and large pools, best fit and splitting (``max_split_size`` included), releasing free segments and retrying,
+merging freed neighbours, and expandable segments. ``AllocatorSizes.scaled(n)`` divides every threshold by ``n``, so
+a model of a few MiB meets the allocator as a large model meets a card.
 """
 
 from __future__ import annotations

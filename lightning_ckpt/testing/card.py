@@ -1,11 +1,9 @@
 """A simulated small GPU for CPU tests: CUDA's allocator failures, reproduced where CI runs.
 
-The tool exists for the card a model does not fit on, and CI has no card. ``SimulatedCard`` is a dispatch mode
-that counts the bytes of live storages on its ``device`` (plus the resident tensors it is given) and raises
-``torch.OutOfMemoryError`` past what the card allows; while it is active ``lightning_ckpt.measure.device_memory``
-reads it as it reads CUDA's allocator. So a small card, a cap that counts reserved bytes (``reserve_factor``), a
-cache that keeps its high-water mark until ``empty_cache()`` and a leak a failed step leaves all run on CPU. With
-``segments`` the card is a caching allocator (``testing.allocator``), so fragmentation fails a step as on a card.
+``SimulatedCard`` is a dispatch mode that counts the bytes of live storages on its ``device`` (plus the resident
+tensors it is given) and raises ``torch.OutOfMemoryError`` past what the card allows; while it is active
+``lightning_ckpt.measure.device_memory`` reads it as it reads CUDA's allocator. With ``segments`` the card is a
+caching allocator (``testing.allocator``), so fragmentation fails a step as on a card.
 
     card = SimulatedCard(total_bytes=40 * 2**20, resident=(model, optimizer))
     with card:
