@@ -81,4 +81,4 @@ class LightningCkptWarning(UserWarning):
 
 class StalePlanWarning(LightningCkptWarning):
     """A plan (a file, or ``plan=``) no longer fits this model or run, and the search runs again instead
-    (``on_stale_plan='retune'``). Filter it by this category, or pass ``on_stale_plan='raise'`` to make it an error."""
+    (``guard={'on_stale_plan': 'retune'}``). Filter it by this category, or pass ``guard={'on_stale_plan': 'raise'}`` to make it an error."""

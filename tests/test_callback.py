@@ -265,8 +265,10 @@ def test_quiet_search_one_bar_one_result_line_and_step_one_is_not_the_search(tmp
 
     if bar == "rich":
         pytest.importorskip("rich")  # optional for Lightning (the GPU image has no rich)
-    # Every plan measured (predict_time=False): a search long enough beside two training steps to tell them apart.
-    settings = dict(n_trials=8, measure_steps=3, warmup_steps=2, search_space=SMALL_SPACE, predict_time=False)
+    # Every plan measured (predict_time=False, no allowance, which would keep the trials short for the rounds): a
+    # search long enough beside two training steps to tell them apart.
+    settings = dict(n_trials=8, measure_steps=3, warmup_steps=2, search_space=SMALL_SPACE, predict_time=False,
+                    search_steps=None)  # fmt: skip
     cb = ActivationCheckpointTuner(activation_budget=0.9, search=settings)  # verbose left at its default
     clock = _BarClock()
     progress_bar = TQDMProgressBar() if bar == "tqdm" else RichProgressBar()

@@ -206,7 +206,7 @@ def test_stale_plan_message_speaks_the_callbacks_language(tmp_path):
     with pytest.raises(StalePlanError) as info:
         cb = ActivationCheckpointTuner(plan=path, guard={"on_stale_plan": "raise"}, verbose=False)
         trainer(tmp_path, cb).fit(Net(), token_loader(32))
-    assert "check_fingerprint" not in str(info.value) and "on_stale_plan='retune'" in str(info.value)
+    assert "check_fingerprint" not in str(info.value) and "guard={'on_stale_plan': 'retune'}" in str(info.value)
 
 
 def test_fallback_is_warned_on_every_fit_and_when_the_fallen_back_plan_is_reused(tmp_path):

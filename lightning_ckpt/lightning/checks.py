@@ -75,7 +75,7 @@ def check_reuse_arguments(plan: Any, search: Any, on_stale_plan: str) -> None:
     if plan is not None and search is not None and on_stale_plan == "raise":
         raise ConfigurationError(
             "plan= applies a saved plan without searching, but search settings were also given "
-            f"({search!r}) with on_stale_plan='raise', so they could never be used. "
+            f"({search!r}) with guard={{'on_stale_plan': 'raise'}}, so they could never be used. "
             "Remove plan= to search, or remove search= to reuse the plan."
         )
 

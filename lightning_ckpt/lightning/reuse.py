@@ -134,8 +134,8 @@ def plan_to_reuse(
     try:
         return plan_file.load(), source
     except StalePlanError as err:
-        warned = f"{err} Re-tuning instead (on_stale_plan='retune'); the search's plan replaces the file."
-        _stale(on_stale_plan, f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune'.", warned)
+        warned = f"{err} Re-tuning instead (guard on_stale_plan='retune'); the search's plan replaces the file."
+        _stale(on_stale_plan, f"{err} Delete or re-tune the plan, or pass guard={{'on_stale_plan': 'retune'}}.", warned)
         return None, source
 
 
@@ -158,8 +158,10 @@ def reusable(
         replanned = replan_for_budget(plan, source, changes=changes, model=model, wanted=wanted)
         if replanned is not None:
             return wanted, replanned
-        raised = f"{err} Delete or re-tune the plan, or pass on_stale_plan='retune' to search again."
-        _stale(on_stale_plan, raised, f"{err} Re-tuning for {wanted.describe()} instead (on_stale_plan='retune').")
+        raised = f"{err} Delete or re-tune the plan, or pass guard={{'on_stale_plan': 'retune'}} to search again."
+        _stale(
+            on_stale_plan, raised, f"{err} Re-tuning for {wanted.describe()} instead (guard on_stale_plan='retune')."
+        )
         return wanted, None
     if plan.provenance.search.get("fell_back"):
         tuned_for = plan.provenance.budget.get("description", "unknown")
@@ -195,8 +197,10 @@ def retune_for_batch(plan: Plan, conditions: RunConditions, *, budget: Requested
     if not changes:
         return False
     message = f"The applied plan was tuned for other batches: {'; '.join(changes)}."
-    warned = f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (on_stale_plan='retune')."
-    _stale(on_stale_plan, f"{message} Re-tune (on_stale_plan='retune') or delete the plan file.", warned)
+    warned = (
+        f"lightning_ckpt: {message} Re-tuning on this batch for {budget.describe()} (guard on_stale_plan='retune')."
+    )
+    _stale(on_stale_plan, f"{message} Re-tune (guard on_stale_plan='retune') or delete the plan file.", warned)
     return True
 
 
