@@ -1,13 +1,10 @@
-"""The allocator regime a search and the training after it run under: expandable segments really on (verified on a
-real segment), or a clear word that they are not; and the split-resistant setting a refused pass is retried with.
+"""The allocator regime a search runs under: expandable segments verified on a real segment, or a clear word that
+they are off; and the split-resistant setting a refused pass is retried with.
 
-Why expandable segments: the cap limits *reserved* memory, and a search runs steps of many shapes in turn, whose
-split cached blocks cannot serve a large request. Expandable segments unmap free pages before refusing, so reserved
-follows allocated, which is what the budget, the memory model and the guard speak of.
-
-They are turned on before CUDA starts (``start_expandable_segments``), else at run time (``search_allocator``). On
-torch 2.11 the run-time switch did nothing, unchecked: so a probe's segment is read before and after, and a switch
-that did not take is put back and said once. A user's own ``expandable_segments`` setting is never changed.
+The cap limits *reserved* memory, and steps of many shapes leave split cached blocks that cannot serve a large
+request; expandable segments unmap free pages before refusing, so reserved follows allocated (what the budget speaks
+of). A run-time switch can silently do nothing (torch 2.11), so a probe's segment is read after it. A user's own
+``expandable_segments`` setting is never changed.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lightning_ckpt.formatting import MIB
 from lightning_ckpt.measure.allocator_options import ENV_VARS, configured_options
 from lightning_ckpt.measure.device_memory import DeviceMemory, device_memory
 
@@ -35,7 +33,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_MIB = 2**20
 
 
 class AllocatorWarning(UserWarning):
@@ -44,8 +41,8 @@ class AllocatorWarning(UserWarning):
 
 @dataclass(frozen=True)
 class AllocatorRegime:
-    """What the search ran under, read off the allocator (recorded in the result and the plan file): ``how``
-    expandable segments came on, or why they are off; ``settings``, the options in force."""
+    """What the search ran under (recorded in the plan file): ``how`` expandable segments came on, or why they are
+    off; ``settings``, the options in force."""
 
     expandable_segments: bool
     how: str
@@ -62,8 +59,7 @@ class AllocatorRegime:
 
 def start_expandable_segments(environ: dict[str, str] | None = None) -> str | None:
     """Put ``expandable_segments:True`` into the allocator's configuration before CUDA starts, keeping the user's
-    other options, for the whole process; returns the variable set, or None (no GPU, CUDA started, or the user
-    chose either way)."""
+    other options; returns the variable set, or None (no GPU, CUDA started, or the user chose either way)."""
     environ = os.environ if environ is None else environ
     if not torch.cuda.is_available() or torch.cuda.is_initialized():
         return None
@@ -142,7 +138,7 @@ def split_resistant(memory: DeviceMemory, request: int) -> Iterator[str | None]:
         yield None
         return
     try:
-        yield f"max_split_size_mb:{-(-(split.max_split_bytes or 0) // _MIB)}"
+        yield f"max_split_size_mb:{-(-(split.max_split_bytes or 0) // MIB)}"
     finally:
         memory.set_allocator_options(options)
 

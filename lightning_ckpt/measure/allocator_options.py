@@ -9,12 +9,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from lightning_ckpt.formatting import MIB
+
 __all__ = ["AllocatorOptions", "ENV_VARS", "configured_options", "parse_options"]
 
 # Read by torch when CUDA starts: PYTORCH_ALLOC_CONF from 2.9 on (the older name is still read), before it only
 # PYTORCH_CUDA_ALLOC_CONF.
 ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-_MB = 2**20
 
 
 @dataclass(frozen=True)
@@ -36,37 +37,24 @@ class AllocatorOptions:
         """The configuration string CUDA reads (``PYTORCH_ALLOC_CONF`` syntax)."""
         parts = list(self.other)
         if self.max_split_bytes is not None:
-            parts.append(f"max_split_size_mb:{max(1, -(-self.max_split_bytes // _MB))}")
+            parts.append(f"max_split_size_mb:{max(1, -(-self.max_split_bytes // MIB))}")
         if self.expandable_segments is not None:
             parts.append(f"expandable_segments:{self.expandable_segments}")
         return ",".join(parts)
-
-
-def _split_options(text: str) -> list[str]:
-    """``a:1,b:[x:1,y:2],c:3`` into its options: commas inside brackets (``roundup_power2_divisions``) stay."""
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        depth += (ch == "[") - (ch == "]")
-        if ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += ch
-    parts.append(current)
-    return [p.strip() for p in parts if p.strip()]
 
 
 def parse_options(text: str) -> AllocatorOptions:
     expandable: bool | None = None
     max_split: int | None = None
     other: list[str] = []
-    for option in _split_options(text):
+    # Split at commas outside brackets: ``roundup_power2_divisions:[256:1,512:2]`` is one option.
+    for option in filter(None, (part.strip() for part in re.split(r",(?![^\[]*\])", text))):
         key, _, value = option.partition(":")
         key, value = key.strip(), value.strip()
         if key == "expandable_segments":
             expandable = value.lower() == "true"
         elif key == "max_split_size_mb" and re.fullmatch(r"\d+", value):
-            max_split = int(value) * _MB
+            max_split = int(value) * MIB
         else:
             other.append(option)
     return AllocatorOptions(expandable, max_split, tuple(other))

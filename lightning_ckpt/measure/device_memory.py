@@ -14,6 +14,7 @@ import torch
 
 from lightning_ckpt.cards import installed_card
 from lightning_ckpt.measure.allocator_options import AllocatorOptions, configured_options, parse_options
+from lightning_ckpt.measure.tracker import normalise_device
 
 __all__ = ["DeviceMemory", "allocator_type", "device_memory", "refused_although_it_fits", "requested_bytes"]
 
@@ -138,11 +139,7 @@ def device_memory(device: torch.device | str) -> DeviceMemory | None:
     card = installed_card(device.type)
     if card is not None:
         return card
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return CudaMemory(device)
-    return None
+    return CudaMemory(normalise_device(device)) if device.type == "cuda" else None
 
 
 def allocator_type(device: torch.device | str) -> str:

@@ -54,7 +54,6 @@ MEASUREMENT_STATUSES = tuple(s.value for s in TrialStatus if s is not TrialStatu
 # plain RuntimeError, so the message is the only way to tell it from a bug.
 _OOM_MESSAGES = (
     "DefaultCPUAllocator: can't allocate memory",
-    "DefaultCPUAllocator: not enough memory",
     "not enough memory",
     # Out of memory outside the caching allocator: a raw CUDA error (torch.AcceleratorError or RuntimeError,
     # e.g. pinned host memory exhausted by an offload trial), and the libraries' own workspace allocations.
@@ -113,8 +112,7 @@ def synchronize(device: torch.device) -> None:
 
 
 class PassOutOfMemory(Exception):
-    """A pass that ``run_pass`` ran was refused memory, also on its retry: which pass, the refusal's message and
-    the allocator's figures when it was refused. Raised once the pass's memory is released, holding no tensor."""
+    """A pass ``run_pass`` ran was refused memory, also on its retry; raised once its memory is released."""
 
     def __init__(self, what: str, message: str, figures: dict[str, Any], retry: str | None) -> None:
         super().__init__(f"{what} ran out of memory: {message}")

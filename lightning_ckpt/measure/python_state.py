@@ -1,10 +1,9 @@
-"""The plain Python attributes of a model's modules: captured before a search, put back after every step.
+"""The plain Python attributes of a model's modules: captured before a search, put back after every step, so a
+step counter driving a curriculum is not advanced by the trials.
 
-A ``training_step`` may keep Python state next to its tensors (a step counter driving a curriculum): without this
-the first real step would see the counter advanced by the number of trials, and the profile and trials would see
-different batches. Restored: plain values (in place for a mutated list, dict or set), any attribute rebound, added
-or deleted, and the plain attributes of an object a module holds, one level deep. Not restorable: a tensor
-attribute that is not a registered buffer, modified in place (named in a warning), and deeper mutations.
+Restored: plain values (in place for a mutated list, dict or set), any attribute rebound, added or deleted, and the
+plain attributes of an object a module holds, one level deep. Not restorable: a tensor attribute that is not a
+registered buffer, modified in place (named in a warning), and deeper mutations.
 """
 
 from __future__ import annotations
@@ -68,11 +67,10 @@ class _Entry:
     holder: dict[str, Any] | None = None  # a held object's plain fields at capture
 
 
-def _restore_plain(owner_dict: dict[str, Any], key: str, original: Any, saved: Any) -> bool:
-    """Put a plain value back; returns whether it had changed."""
+def _restore_plain(owner_dict: dict[str, Any], key: str, original: Any, saved: Any) -> None:
     now = owner_dict.get(key, _MISSING)
     if now is original and now == saved and type(now) is type(saved):
-        return False
+        return
     if now is original and isinstance(now, list):
         now[:] = copy.deepcopy(saved)
     elif now is original and isinstance(now, (dict, set)):
@@ -80,26 +78,24 @@ def _restore_plain(owner_dict: dict[str, Any], key: str, original: Any, saved: A
         now.update(copy.deepcopy(saved))
     else:
         owner_dict[key] = original if original == saved and type(original) is type(saved) else copy.deepcopy(saved)
-    return True
 
 
 class PythonState:
     """Captures the Python attributes of every module of a model; ``restore()`` puts them back."""
 
-    def __init__(self, entries: list[_Entry], keys: dict[int, tuple[Any, str, set[str]]]) -> None:
+    def __init__(self, entries: list[_Entry], keys: list[tuple[nn.Module, set[str]]]) -> None:
         self._entries = entries
-        self._keys = keys  # id(module) -> (module, qualified name, attribute names at capture)
-        self.restored: set[str] = set()  # attributes put back at least once
+        self._keys = keys  # (module, its attribute names at capture)
         self.unrestorable: set[str] = set()  # attributes changed in a way that cannot be undone
 
     @classmethod
     def capture(cls, model: nn.Module) -> PythonState:
         entries: list[_Entry] = []
-        keys: dict[int, tuple[Any, str, set[str]]] = {}
+        keys: list[tuple[nn.Module, set[str]]] = []
         for fqn, module in model.named_modules(remove_duplicate=True):
             prefix = f"{fqn}." if fqn else ""
             d = module.__dict__
-            keys[id(module)] = (module, prefix, set(d))
+            keys.append((module, set(d)))
             for key, value in d.items():
                 if key in _SKIP:
                     continue
@@ -118,24 +114,19 @@ class PythonState:
         for e in self._entries:
             d = e.owner.__dict__
             if e.plain_copy is not _MISSING:
-                if _restore_plain(d, e.key, e.original, e.plain_copy):
-                    self.restored.add(e.name)
+                _restore_plain(d, e.key, e.original, e.plain_copy)
                 continue
-            if d.get(e.key, _MISSING) is not e.original:
-                d[e.key] = e.original
-                self.restored.add(e.name)
+            d[e.key] = e.original
             if e.version is not None and version_counter(e.original) != e.version:
                 self.unrestorable.add(e.name)
                 e.version = version_counter(e.original)  # named once
             if e.holder:
                 fields = e.original.__dict__
                 for k, saved in e.holder.items():
-                    if _restore_plain(fields, k, fields.get(k, _MISSING), saved):
-                        self.restored.add(f"{e.name}.{k}")
-        for module, prefix, names in self._keys.values():
+                    _restore_plain(fields, k, fields.get(k, _MISSING), saved)
+        for module, names in self._keys:
             for key in [k for k in module.__dict__ if k not in names and k not in _SKIP]:
                 del module.__dict__[key]
-                self.restored.add(prefix + key)
 
     def restoring(self, step_fn: Callable[[], Any]) -> Callable[[], Any]:
         """``step_fn`` followed by ``restore()``: every call starts from the captured attributes."""

@@ -49,11 +49,7 @@ class StateSnapshot:
         callback's trials start from such gradients: on a 7B model a host copy is tens of GB per rank)."""
         snap = cls()
         snap._rng = rng_state()
-        seen: set[int] = set()
-        for name, p in model.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
+        for name, p in model.named_parameters():  # a shared parameter once
             g = p.grad
             copy = None if g is None else _ZERO if _is_known_zero(g) else g.detach().to("cpu", copy=True)
             snap._grads.append((p, weakref.ref(g) if g is not None else None, copy))
@@ -67,41 +63,31 @@ class StateSnapshot:
                     snap._buffers.append((module, name, b, b.detach().to("cpu", copy=True)))
         return snap
 
+    @torch.no_grad()
     def reset_grads(self) -> None:
         """Put every ``.grad`` back as captured (``None`` stays ``None``), and the parameters the forward writes."""
-        if self._written:
-            with torch.no_grad():
-                for p, saved in self._written:
-                    p.copy_(saved)
+        for p, saved in self._written:
+            p.copy_(saved)
         for p, ref, copy in self._grads:
-            if ref is None or copy is None:
+            g = ref() if ref is not None else None
+            if copy is None:
                 p.grad = None
-                continue
-            g = ref()
+            elif g is None:  # freed by the step: a fresh tensor with the captured values
+                p.grad = torch.zeros_like(p) if copy is _ZERO else copy.to(device=p.device)
+            elif copy is _ZERO:
+                p.grad = g.zero_()
+            else:
+                # Always copy: not every in-place update bumps the version counter (BatchNorm's running statistics).
+                p.grad = g.copy_(copy)
             if copy is _ZERO:
-                if g is None:  # freed by the step
-                    g = torch.zeros_like(p)
-                else:
-                    with torch.no_grad():
-                        g.zero_()
-                p.grad = g
-                mark_zero_grad(g)
-                continue
-            if g is None:  # freed by the step: a fresh tensor with the captured values
-                p.grad = copy.to(device=p.device)
-                continue
-            if p.grad is not g:
-                p.grad = g
-            # Always copy: not every in-place update bumps the version counter (BatchNorm's running statistics).
-            with torch.no_grad():
-                g.copy_(copy)
+                mark_zero_grad(p.grad)
 
+    @torch.no_grad()
     def restore(self) -> None:
         self.reset_grads()
         for module, name, b, copy in self._buffers:
             module._buffers[name] = b
-            with torch.no_grad():
-                b.copy_(copy)
+            b.copy_(copy)
         set_rng_state(self._rng)
 
     def changed_parameters(self) -> list[str]:

@@ -18,11 +18,8 @@ class TrialStatus(str, enum.Enum):
     ERROR = "error"  # anything else: a bug, reported with its traceback
     CONFLICT = "conflict"  # under torch.compile: graph breaks or the recompile limit (compile.py)
 
-    def __str__(self) -> str:
+    def __str__(self) -> str:  # Enum's ``format()`` uses it too
         return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
     @property
     def severity(self) -> int:

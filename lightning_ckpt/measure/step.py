@@ -51,6 +51,11 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise ConfigurationError(f"`{name} >= {minimum}` must hold, but got {name}={value!r}.")
+
+
 @dataclass(frozen=True)
 class StepSettings:
     """Which passes ``measure_step`` runs and how many steps it times; checked when built.
@@ -73,11 +78,9 @@ class StepSettings:
     clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
-        warmup, steps, max_steps, spread = self.warmup, self.steps, self.max_steps, self.target_rel_spread
-        if not _is_int(warmup) or warmup < 0:
-            raise ConfigurationError(f"`warmup >= 0` must hold, but got warmup={warmup!r}.")
-        if not _is_int(steps) or steps < 1:
-            raise ConfigurationError(f"`steps >= 1` must hold, but got steps={steps!r}.")
+        _check_count("warmup", self.warmup, 0)
+        _check_count("steps", self.steps, 1)
+        steps, max_steps, spread = self.steps, self.max_steps, self.target_rel_spread
         if max_steps is not None and (not _is_int(max_steps) or max_steps < steps):
             raise ConfigurationError(
                 f"`max_steps >= steps` must hold, but got (steps={steps!r}, max_steps={max_steps!r}). "
@@ -95,10 +98,9 @@ class StepSettings:
 
 
 def _check_shape(batch_size: int | None, seq_len: int | None) -> None:
-    if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
-        raise ConfigurationError(f"`batch_size >= 1` must hold, but got batch_size={batch_size!r}.")
-    if seq_len is not None and (not _is_int(seq_len) or seq_len < 1):
-        raise ConfigurationError(f"`seq_len >= 1` must hold, but got seq_len={seq_len!r}.")
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value is not None:
+            _check_count(name, value, 1)
     if seq_len is not None and batch_size is None:
         raise ConfigurationError(
             "tokens/s needs the number of sequences per step: pass batch_size together with seq_len."
@@ -138,27 +140,25 @@ def _step_tracker(
     device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: tuple[Any, ...]
 ) -> Any:
     tracker = new_live_tracker(device, model, optimizer)
-    externals = [model, *extra] + ([optimizer] if optimizer is not None else [])
-    tracker.track_external(*externals)
+    tracker.track_external(model, *extra, *([optimizer] if optimizer is not None else []))
     tracker.resting_bytes = tracker.total_peak = tracker.now()[0]
     return tracker
 
 
 def _tracked_step(step_fn: Callable[[], Any], tracker: Any, device: torch.device) -> MemoryReading:
     memory = device_memory(device)
-    if memory is not None:
-        # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, as on CPU.
-        synchronize(device)
-        resting = memory.allocated()  # no collection: see ``_enforced_memory_limit``
-        memory.reset_peak()
+    if memory is None:
         with tracker:
             step_fn()
-        synchronize(device)
-        return MemoryReading(memory.max_allocated(), tracker.activation_peak, resting, str(device))
-    resting = tracker.total_peak
+        return MemoryReading(tracker.total_peak, tracker.activation_peak, tracker.resting_bytes, str(device))
+    # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, as on CPU.
+    synchronize(device)
+    resting = memory.allocated()  # no collection: see ``_enforced_memory_limit``
+    memory.reset_peak()
     with tracker:
         step_fn()
-    return MemoryReading(tracker.total_peak, tracker.activation_peak, resting, str(device))
+    synchronize(device)
+    return MemoryReading(memory.max_allocated(), tracker.activation_peak, resting, str(device))
 
 
 class _BudgetExceeded(Exception):
@@ -188,10 +188,6 @@ def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reser
         memory.set_fraction(previous)
 
 
-def _in_recompute() -> bool:
-    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
-
-
 class _GlobalModuleOnly(contextlib.nullcontext):
     """Stands in for ``FlopCounterMode``'s module tracker: every op is the step's ("Global"), no hook registered."""
 
@@ -216,7 +212,9 @@ def _flop_counter_class() -> type:
                 self.mod_tracker = _GlobalModuleOnly()
 
         def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
-            if func_packet in self.flop_registry and _in_recompute():
+            # Inside the autograd engine with grad mode on: recomputation (``measure.measurement``'s definitions).
+            in_recompute = torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+            if func_packet in self.flop_registry and in_recompute:
                 self.recompute_flops += self.flop_registry[func_packet](*args, **kwargs, out_val=out)
             return super()._count_flops(func_packet, out, args, kwargs)
 
@@ -240,6 +238,7 @@ class _Passes:
     def run(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: tuple[Any, ...]) -> None:
         if self.settings.track_memory:
             self.snapshot.reset_grads()
+            # Kept before the step runs: after a failed step it tells whether the step freed what it allocated.
             self.tracker = _step_tracker(self.device, model, optimizer, extra)
             self.reading = _tracked_step(self.step_fn, self.tracker, self.device)
             self._judge(self.reading.peak_bytes, "tracked peak")
@@ -360,9 +359,8 @@ def measure_step(
 
     ``step_fn`` takes no arguments and must *not* step the optimizer: ``.grad``, buffers and global RNG streams are
     restored, and a parameter modified in place raises ``ConfigurationError``. ``optimizer`` and ``extra`` (the batch)
-    count as resting memory. ``memory_limit_bytes`` is enforced on CUDA by capping the allocator, so a plan over budget
-    fails as ``oom`` instead of passing by luck; a step that completes above it is ``over_budget``; one the cap refused
-    although its allocated bytes fitted runs once more without it, split-resistant.
+    count as resting memory. ``memory_limit_bytes`` caps the CUDA allocator (a plan over budget fails as ``oom``); a
+    step that completes above it is ``over_budget``; one refused although its bytes fit reruns uncapped, split-resistant.
     """
     settings = settings or StepSettings()
     _check_shape(batch_size, seq_len)
@@ -395,7 +393,7 @@ def measure_step(
                 release_memory(device)
             snapshot.restore()
         if failure is not None:
-            _note_leak(notes, failure[0], _left_allocated(memory, started, passes.tracker))
+            _note_leak(notes, failure[0], memory, started, passes.tracker)
         if refused_but_fits is not None and "leaked_bytes" not in notes:  # a step that leaked would only fail again
             # Split-resistant: without expandable segments the same requests would split the cache the same way again.
             notes["cap_refused"] = refused_but_fits
@@ -408,8 +406,17 @@ def measure_step(
     return passes.outcome(failure, over_budget, batch_size, seq_len, notes)
 
 
-def _note_leak(notes: dict[str, Any], status: str, leaked: int | None) -> None:
-    if leaked is None or leaked <= LEAK_TOLERANCE_BYTES:
+def _note_leak(
+    notes: dict[str, Any], status: str, memory: DeviceMemory | None, started: int | None, tracker: Any
+) -> None:
+    """Note and warn when a failed step left bytes allocated above where it started (allocator, else tracker)."""
+    if memory is not None and started is not None:
+        leaked = memory.allocated() - started
+    elif tracker is not None:
+        leaked = tracker.now()[0] - tracker.resting_bytes
+    else:
+        return
+    if leaked <= LEAK_TOLERANCE_BYTES:
         return
     notes["leaked_bytes"] = leaked
     log.warning(
@@ -419,12 +426,3 @@ def _note_leak(notes: dict[str, Any], status: str, leaked: int | None) -> None:
         status,
         format_bytes(leaked),
     )
-
-
-def _left_allocated(memory: DeviceMemory | None, started: int | None, tracker: Any) -> int | None:
-    """Bytes a failed step left allocated above where it started (allocator, else tracker); None when unknown."""
-    if memory is not None and started is not None:
-        return memory.allocated() - started
-    if tracker is not None:
-        return tracker.now()[0] - tracker.resting_bytes
-    return None

@@ -24,18 +24,11 @@ __all__ = ["Calls", "anchor_step", "cuda_allocator_anchor", "phase_rank"]
 
 
 def phase_rank(label: tuple[Any, ...], n: int) -> int:
-    kind = label[0]
-    if kind == "pre":
-        return 0
-    if kind == "fwd":
-        return 1 + 2 * label[1]
-    if kind == "fwd_gap":
-        return 2 + 2 * label[1]
-    if kind == "bw_head":
-        return 1 + 2 * n
-    if kind == "bw":
-        return 2 + 2 * n + 2 * (n - 1 - label[1])
-    return 3 + 2 * n + 2 * (n - 1 - label[1])  # bw_gap
+    """The phase's place in the step: the blocks' forwards in order, then their backwards in reverse."""
+    i = label[1] if len(label) > 1 else 0
+    back = 2 * n + 2 * (n - 1 - i)
+    ranks = {"pre": 0, "fwd": 1 + 2 * i, "fwd_gap": 2 + 2 * i, "bw_head": 1 + 2 * n, "bw": 2 + back, "bw_gap": 3 + back}
+    return ranks[label[0]]
 
 
 @dataclass

@@ -20,14 +20,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_ckpt.plan.caches import CACHE_ARGS, forward_params
 from lightning_ckpt.plan.chain import hidden_slot, in_slot, rng_equal, rng_states, same_value, tensor_devices
 
-__all__ = [
-    "Captured",
-    "autocast_as",
-    "backward_leaves",
-    "capture_calls",
-    "captured_tensors",
-    "hidden_tensor",
-]
+__all__ = ["Captured", "autocast_as", "backward_leaves", "capture_calls", "captured_tensors", "hidden_tensor"]
 
 
 def hidden_tensor(obj: Any) -> torch.Tensor | None:
@@ -85,17 +78,14 @@ class Captured:
     grad_leaves: tuple[int, ...] | None = None
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
 def _autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
     """The autocast regions active now, as (device type, dtype, cache enabled): a block replayed without the step's
     autocast saves full-precision activations, over-predicting every mode but ``full`` by a quarter or more."""
-    state = []
-    for dev in _AUTOCAST_DEVICES:
-        if torch.is_autocast_enabled(dev):
-            state.append((dev, torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled()))
-    return tuple(state)
+    return tuple(
+        (dev, torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled())
+        for dev in ("cpu", "cuda")
+        if torch.is_autocast_enabled(dev)
+    )
 
 
 @contextlib.contextmanager

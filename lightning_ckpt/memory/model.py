@@ -203,9 +203,8 @@ class MemoryModel:
 
     def table(self, plan: Plan | None = None) -> str:
         """A printable per-block breakdown in MiB: saved activations under each mode (and under ``plan``)."""
-        keys: list[str] = []  # child combinations stay in ``saved_bytes``: they would make the table unreadably wide
-        for b in self.blocks:
-            keys += [k for k in b.saved_bytes if k not in keys and "," not in k]
+        # Child combinations stay in ``saved_bytes``: they would make the table unreadably wide.
+        keys = list(dict.fromkeys(k for b in self.blocks for k in b.saved_bytes if "," not in k))
         saved_under = self.saved_bytes(plan) if plan is not None else None
         header = ["block", *(k.replace("selective:", "sel:") for k in keys), "recompute"]
         header += ["plan"] if saved_under is not None else []

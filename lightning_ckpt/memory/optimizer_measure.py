@@ -1,8 +1,7 @@
 """Measuring what the optimizer adds to a real training step: its state, and the peak of ``optimizer.step()``.
 
-Trials run forward and backward only, before the optimizer has ever stepped; real steps carry its state (AdamW: two
-copies of the trainable parameters), and ``optimizer.step()`` peaks with every gradient live plus temporaries. So
-one step of whatever optimizer is measured (no table of known ones) and put back exactly from host copies.
+Trials run forward and backward only, before the optimizer has stepped; so one step of whatever optimizer is given
+is measured (no table of known ones) and put back exactly from host copies.
 """
 
 from __future__ import annotations

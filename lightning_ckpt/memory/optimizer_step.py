@@ -52,7 +52,7 @@ class RealStepMemory:
     ``model``: a ``MemoryModel`` or ``CompiledMemoryModel``."""
 
     model: Any
-    optimizer: OptimizerStepMemory = field(default_factory=lambda: OptimizerStepMemory.absent())
+    optimizer: OptimizerStepMemory = field(default_factory=OptimizerStepMemory.absent)
 
     def predict(self, plan: Any) -> tuple[int, int] | None:
         """(real-step peak, activation bytes) for ``plan``; None where the model predicts nothing (PT2's choice)."""

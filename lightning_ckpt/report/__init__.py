@@ -7,7 +7,6 @@ The package exports the few names callers use (``report.write_tensorboard(...)``
 
 from __future__ import annotations
 
-from lightning_ckpt.report import figure, progress, quantities, tags, tensorboard, text
 from lightning_ckpt.report.figure import pareto_figure
 from lightning_ckpt.report.progress import SearchProgress
 from lightning_ckpt.report.tensorboard import write_tensorboard
@@ -15,15 +14,9 @@ from lightning_ckpt.report.text import result_line, summary_table, timing_warnin
 
 __all__ = [
     "SearchProgress",
-    "figure",
     "pareto_figure",
-    "progress",
-    "quantities",
     "result_line",
     "summary_table",
-    "tags",
-    "tensorboard",
-    "text",
     "timing_warning",
     "trial_line",
     "write_tensorboard",

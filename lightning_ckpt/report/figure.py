@@ -79,9 +79,8 @@ def _unit_for(max_bytes: float) -> tuple[str, float]:
 
 def pareto_figure(result: TuneResult) -> Figure:
     """Throughput against the budget's memory quantity for every measured trial: the step line is the Pareto front,
-    the dashed line the budget, the ringed point the winner, so it shows at a glance whether the winner sits on the
-    front just inside the budget, and what more memory would buy. Trials that never ran sit on the x axis at their
-    *predicted* memory. An Agg canvas, never pyplot: no global backend state, headless."""
+    the dashed line the budget, the ringed point the winner, so it shows whether the winner sits on the front just
+    inside the budget, and what more memory would buy. Trials that never ran sit on the x axis at predicted memory."""
     budget = result.budget
     measured = _measured(result)
     unmeasured = [
@@ -106,10 +105,7 @@ def pareto_figure(result: TuneResult) -> Figure:
         ax.step(fx, fy, where="post", color="tab:blue", lw=1.5, alpha=0.7, label="Pareto front", zorder=2)
 
     winner = result.best_trial
-    wxy = None
-    if winner is not None and constrained_bytes(winner, budget) is not None and winner.samples_per_second is not None:
-        wy = next((y for t, _, y in measured if t.number == winner.number), winner.samples_per_second)
-        wxy = (constrained_bytes(winner, budget) / scale, wy)  # type: ignore[operator]
+    wxy = points.get(winner.number) if winner is not None else None
     x_span = max(xs_all, default=1.0) / scale * 1.1
     y_span = max((y for _, _, y in measured), default=1.0) * 1.15
     _label_baselines(ax, measured, winner, wxy, scale, (x_span, y_span))
@@ -128,8 +124,8 @@ def _plot_trials(
     budget: Budget,
 ) -> None:
     """Every trial by status: measured ones at their figures, never-run ones on a rug at predicted memory. Where a
-    confirmation ran, plans re-timed side by side with the winner are filled, those timed one at a time hollow: a
-    hollow point above the winner was timed in a quieter moment (issue #64: it read as a wrong choice)."""
+    confirmation ran, plans re-timed beside the winner are filled, those timed one at a time hollow: a hollow point
+    above the winner was timed in a quieter moment, not chosen wrongly."""
     side_by_side = any(t.confirmed for t, _, _ in measured)
     for status, (colour, marker, text) in _STATUS_STYLE.items():
         if status == "ok" and budget.kind == "none":

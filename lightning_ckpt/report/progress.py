@@ -85,8 +85,7 @@ class SearchProgress:
         self, phase: str, round_number: int, max_rounds: int, timed: int, to_time: int, leader: str | None
     ) -> None:
         """Move the line during side-by-side rounds (``phase``: confirming, re-ranking, fresh rounds), every plan timed:
-        rounds done (the clock restarted per phase), this round and the leader's interval. A confirmation's single
-        frame, drawn once, sat unchanged for 8.6 minutes."""
+        rounds done (the clock restarted per phase), this round and the leader's interval."""
         status = f"round {round_number} of at most {max_rounds}: {timed}/{to_time} plans timed"
         status += f"; leader {leader}" if leader else ""
         if self._phase != phase:  # a new phase: its own clock and count, drawn once set (``reset`` redraws)

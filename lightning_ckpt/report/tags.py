@@ -1,9 +1,7 @@
 """The names a reader of the tuner's TensorBoard output looks up: tags, HParams columns and metrics, files.
 
-They are defined here and nowhere else, so the writer (``report.tensorboard``), the Lightning callback and
-anything that reads the logs back (tests, dashboards, ``docs/screenshots.py``) cannot drift apart. Nothing
-here imports TensorBoard: the names are plain strings. ``docs/monitoring.md`` shows where each one appears.
-Memory is logged in MiB so the scalar charts read naturally.
+Defined here only, so the writer and whatever reads the logs back cannot drift apart (``docs/monitoring.md`` shows
+where each appears). Plain strings: nothing here imports TensorBoard.
 """
 
 from __future__ import annotations

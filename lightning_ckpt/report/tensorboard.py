@@ -1,9 +1,6 @@
-"""Writing a search to TensorBoard: the per-trial scalars, the HParams table of the leaders, the texts and
-the Pareto image, under the names defined in ``report.tags``.
-
-It takes a ``torch.utils.tensorboard.SummaryWriter`` (or a log directory), never a Trainer: the Lightning
-callback and a plain script call it the same way. The HParams summaries are built from TensorBoard's
-protos directly, because ``tensorboard.plugins.hparams.summary`` would import TensorFlow.
+"""Writing a search to TensorBoard under the names in ``report.tags``: per-trial scalars, the HParams table of the
+leaders, the texts and the Pareto image. It takes a ``SummaryWriter`` (or a log directory), never a Trainer. The
+HParams summaries are built from the protos, because ``tensorboard.plugins.hparams.summary`` would import TensorFlow.
 """
 
 from __future__ import annotations
@@ -31,22 +28,12 @@ from lightning_ckpt.search.ledger import TrialRecord, vs_reference
 from lightning_ckpt.search.result import TuneResult, offload_figures
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = [
-    "best_so_far",
-    "log_trial",
-    "open_writer",
-    "table_trials",
-    "write_experiment",
-    "write_tensorboard",
-]
+__all__ = ["best_so_far", "log_trial", "open_writer", "table_trials", "write_experiment", "write_tensorboard"]
 
 
 def _hparam_value(v: Any) -> str | int | float:
-    """A TensorBoard hparam value: numbers stay numbers, everything else becomes a readable string.
-
-    Bools become "True"/"False" because ``summary.hparams`` would store them as 1.0/0.0; ``None``
-    becomes "None" because it would be dropped, leaving a blank that reads like a missing value.
-    """
+    """Numbers stay numbers, the rest a readable string: bools as "True"/"False" (``summary.hparams`` would store
+    1.0/0.0), ``None`` as "None" (dropped, it would leave a blank that reads like a missing value)."""
     if isinstance(v, bool) or v is None:
         return str(v)
     if isinstance(v, (int, float, str)):
@@ -60,7 +47,6 @@ def _hparam_value(v: Any) -> str | int | float:
 
 
 def _hparams_summary(tag: str, **data: Any) -> Summary:
-    # What tensorboard.plugins.hparams.summary builds, without its TensorFlow import.
     content = plugin_data_pb2.HParamsPluginData(version=hparams_metadata.PLUGIN_DATA_VERSION, **data)
     plugin = SummaryMetadata.PluginData(plugin_name=hparams_metadata.PLUGIN_NAME, content=content.SerializeToString())
     return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
@@ -78,13 +64,10 @@ _COLUMN_KEYS = frozenset(key for key, _, _ in tags.HPARAM_COLUMNS)
 _NUMERIC_COLUMNS = frozenset({"compile_budget"})  # TensorBoard shows numbers as 41.000: counts read better as text
 
 
-def experiment_summary(other_hparams: Mapping[str, Any] | None = None) -> Summary:
-    """The HParams experiment: the table's columns and metrics, with short display names.
-
-    TensorBoard takes the *first* experiment summary it reads in a run, and Lightning's ``TensorBoardLogger``
-    writes one when the fit starts: written before it, this one wins. ``other_hparams``: further columns (name ->
-    an example value, for its type) to keep visible: the LightningModule's own hyperparameters.
-    """
+def write_experiment(writer: SummaryWriter, other_hparams: Mapping[str, Any] | None = None) -> None:
+    """Declare the HParams table (its columns and metrics) in ``writer``'s run, before anyone else does: TensorBoard
+    takes the *first* one it reads in a run (Lightning's logger writes one when the fit starts). ``other_hparams``:
+    further columns (name -> an example value, for its type) to keep visible: the LightningModule's own ones."""
     infos = [
         api_pb2.HParamInfo(
             name=tags.hparam_name(name),
@@ -109,7 +92,8 @@ def experiment_summary(other_hparams: Mapping[str, Any] | None = None) -> Summar
     experiment = api_pb2.Experiment(
         description=description, time_created_secs=time.time(), hparam_infos=infos, metric_infos=metrics
     )
-    return _hparams_summary(hparams_metadata.EXPERIMENT_TAG, experiment=experiment)
+    writer.file_writer.add_summary(_hparams_summary(hparams_metadata.EXPERIMENT_TAG, experiment=experiment))
+    writer.flush()
 
 
 def _session_start(hparams: Mapping[str, Any]) -> Summary:
@@ -132,12 +116,6 @@ def _session_end() -> Summary:
 def open_writer(log_dir: str | os.PathLike[str]) -> SummaryWriter:
     """A TensorBoard writer for the search's run in ``log_dir`` (TensorBoard is imported only in this package)."""
     return SummaryWriter(log_dir=str(log_dir))
-
-
-def write_experiment(writer: SummaryWriter, other_hparams: Mapping[str, Any] | None = None) -> None:
-    """Declare the HParams table in ``writer``'s run (see ``experiment_summary``); call before anyone else does."""
-    writer.file_writer.add_summary(experiment_summary(other_hparams))
-    writer.flush()
 
 
 def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
@@ -166,15 +144,13 @@ def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
 
 
 def alone_samples_per_second(trial: TrialRecord) -> float | None:
-    """The trial's throughput measured alone, as the search ran: what the per-trial series plots, also after the
-    confirmation replaced ``samples_per_second`` with the side-by-side figure."""
+    """The trial's throughput measured alone, also after the confirmation replaced ``samples_per_second``."""
     return trial.first_samples_per_second or trial.samples_per_second
 
 
 def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None:
-    """``writer.add_scalar(..., new_style=True)``, with the chart's description where ``SCALAR_DESCRIPTIONS`` has one.
-    Every scalar of the report is written this way, so readers see one form; TensorBoard's Rust data server would
-    drop the description of a legacy ``simple_value``."""
+    """``writer.add_scalar(..., new_style=True)`` with the description from ``SCALAR_DESCRIPTIONS``, for every scalar
+    (TensorBoard's Rust data server drops a legacy ``simple_value``'s description)."""
     metadata = SummaryMetadata(
         display_name=tag,
         summary_description=tags.SCALAR_DESCRIPTIONS.get(tag, ""),
@@ -187,8 +163,7 @@ def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None
 
 
 def log_trial(writer: SummaryWriter, trial: TrialRecord, *, best_samples_per_second: float | None = None) -> None:
-    """Log one finished trial's scalars at global_step = trial number, and the best-so-far curve's point
-    (``best_samples_per_second``). Nothing is logged as NaN: a quantity a trial did not produce is skipped."""
+    """Log one finished trial's scalars at step = trial number, and the best-so-far point; nothing as NaN."""
     for tag, value in _trial_scalars(trial).items():
         add_scalar(writer, tag, value, trial.number)
     if best_samples_per_second is not None:
@@ -197,8 +172,7 @@ def log_trial(writer: SummaryWriter, trial: TrialRecord, *, best_samples_per_sec
 
 
 def best_so_far(trials: Iterable[TrialRecord]) -> list[tuple[int, float]]:
-    """(trial number, fastest feasible samples/s measured alone up to it) for each trial once a feasible one exists:
-    the curve the search streamed, the same whether it is written as the search runs or afterwards."""
+    """(trial number, fastest feasible samples/s measured alone up to it): the curve the search streamed."""
     out, best = [], None
     for t in sorted(trials, key=lambda t: t.number):
         alone = alone_samples_per_second(t)
@@ -230,12 +204,11 @@ def table_trials(result: TuneResult, limit: int = tags.HPARAM_ROWS) -> list[Tria
     return chosen
 
 
-def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = tags.HPARAM_ROWS) -> list[str]:
-    """One HParams session (a run under ``writer``'s directory) per leader; returns their run names."""
+def write_hparams_table(writer: SummaryWriter, result: TuneResult) -> None:
+    """One HParams session (a run under ``writer``'s directory) per leader."""
     winner = result.best_trial
-    names = []
     speeds = comparable_speeds(result)  # side-by-side rows on one scale with the winner's
-    for rank, t in enumerate(table_trials(result, limit), start=1):
+    for rank, t in enumerate(table_trials(result), start=1):
         is_winner = winner is not None and t.number == winner.number
         values: dict[str, Any] = {
             "winner": tags.WINNER_MARK if is_winner else "",
@@ -263,13 +236,10 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult, limit: int = 
                 if value is not None:
                     add_scalar(run, tag, float(value), t.number)
             run.file_writer.add_summary(_session_end())
-        names.append(name)
-    return names
 
 
 def _search_scalars(result: TuneResult) -> dict[str, float]:
-    """The search's own figures, one point each at step 0: the verdict and its interval, the compiles, and where
-    its time went."""
+    """The search's own figures at step 0: the verdict, the compiles, and where its time went."""
     verdict = Verdict.recorded(result.best.provenance.search)
     compiles, cost = result.best.provenance.compiles, result.cost
     scalars: dict[str, Any] = {}
@@ -295,15 +265,13 @@ def write_tensorboard(
 ) -> Path:
     """Write the whole tuning report to TensorBoard and ``pareto.png``; return the log directory.
 
-    ``writer_or_logdir``: a ``SummaryWriter``, flushed but left open for its owner; or a directory, for which a
-    writer is opened and closed here. ``memory_breakdown_table`` (markdown) overrides the table built from
-    ``result.memory_breakdown``. ``log_trials=False`` when ``log_trial`` already streamed every trial to this writer;
+    ``writer_or_logdir``: a ``SummaryWriter`` (flushed, left open) or a directory (a writer opened and closed here).
+    ``memory_breakdown_table`` (markdown) overrides the one built from ``result.memory_breakdown``.
+    ``log_trials=False`` when ``log_trial`` already streamed every trial to this writer;
     ``write_experiment_summary=False`` when the caller already declared the HParams table in a parent run.
     """
-    if isinstance(writer_or_logdir, SummaryWriter):
-        writer, owned = writer_or_logdir, False
-    else:
-        writer, owned = SummaryWriter(log_dir=os.fspath(writer_or_logdir)), True
+    owned = not isinstance(writer_or_logdir, SummaryWriter)
+    writer = SummaryWriter(log_dir=os.fspath(writer_or_logdir)) if owned else writer_or_logdir
     try:
         logdir = Path(writer.get_logdir())
         if write_experiment_summary:

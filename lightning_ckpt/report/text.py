@@ -1,18 +1,17 @@
-"""What a search says in words: the line per trial, the result line, the verdict and the summary table,
-and the same in markdown for TensorBoard's Text tab (summary, plan, memory breakdown, compile conflicts).
+"""What a search says in words: the trial lines, the result line, the summary, and their markdown for TensorBoard.
 
-It takes plain data (``TrialRecord``, ``TuneResult``, ``Plan``), never a Trainer or a writer, so the
-Lightning callback, a plain script and the TensorBoard writer all print the same words.
+Plain data in (``TrialRecord``, ``TuneResult``, ``Plan``), never a Trainer or a writer, so the callback, a script
+and the TensorBoard writer print the same words.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping
 from typing import Any
 
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.formatting import count, format_bytes, markdown_table, offload_phrase, table
+from lightning_ckpt.measure.measurement import median_and_spread
 from lightning_ckpt.plan.format import Plan, block_names
 from lightning_ckpt.report.quantities import (
     best_feasible_baseline,
@@ -43,13 +42,13 @@ __all__ = [
 NOISY_SPREAD = 0.02
 
 
-def _short_error(error: str | None, limit: int = 80) -> str:
+def _short_error(error: str | None, limit: int) -> str:
     line = (error or "").strip().splitlines()[0] if (error or "").strip() else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _memory_cell(trial: TrialRecord, value: int | None) -> str:
-    """A memory figure for the summary table: '~' marks a prediction (the trial was timed only)."""
+    # '~' marks a prediction: the trial was timed only.
     return format_bytes(value) if trial.memory_measured or value is None else "~" + format_bytes(value)
 
 
@@ -75,11 +74,7 @@ def time_model_line(result: TuneResult) -> str | None:
     summary = result.best.provenance.search.get("time_model")
     if not summary:
         return None
-    n, median, worst = (
-        summary.get("predicted_and_measured"),
-        summary.get("median_abs_error"),
-        summary.get("max_abs_error"),
-    )
+    n, median, worst = (summary.get(k) for k in ("predicted_and_measured", "median_abs_error", "max_abs_error"))
     errors = (
         f"median error {median:.1%} (max {worst:.1%}) over {count(n, 'plan')} predicted, then measured"
         if n
@@ -92,11 +87,8 @@ def time_model_line(result: TuneResult) -> str | None:
 
 
 def trial_line(trial: TrialRecord, budget: Budget) -> str:
-    """One line per finished trial, so a user watching the log sees what each candidate cost.
-
-    ``[trial 3] selective(mlp) h.0-7 | 123.4 samples/s | peak 1.2 GiB (pred 1.1 GiB) | ok``. Under an
-    activation budget the activation figure comes first, because that is what decides the trial.
-    """
+    """One line per finished trial: ``[trial 3] selective(mlp) h.0-7 | 123.4 samples/s | peak 1.2 GiB (pred 1.1 GiB)
+    | ok``. Under an activation budget the activation figure comes first: it decides the trial."""
     parts = [f"[trial {trial.number}] {trial.label}"]
     if trial.samples_per_second is not None:
         error = trial.prediction_error
@@ -148,10 +140,10 @@ def _verdict_phrase(verdict: Verdict) -> str:
     return f"kept the baseline {name}: best tuned plan {verdict.describe()}, {verdict.explain()}"
 
 
-def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | None:
+def timing_warning(result: TuneResult) -> str | None:
     """A warning when the side-by-side rounds could not decide: the verdict's interval still straddles the
     threshold after the most rounds, or, without a verdict, the two fastest plans that fit overlap within spreads
-    wider than ``noisy`` (two plans overlapping within tight spreads are simply as fast)."""
+    wider than ``NOISY_SPREAD`` (two plans overlapping within tight spreads are simply as fast)."""
     verdict = Verdict.recorded(result.best.provenance.search)
     if verdict is not None:
         if verdict.outcome != "undecided":
@@ -168,12 +160,8 @@ def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | Non
     )
     if len(confirmed) < 2:
         return None
-    stats = []
-    for t in confirmed[:2]:
-        med = statistics.median(t.confirmation_seconds)
-        stats.append((t, med, statistics.median(abs(x - med) for x in t.confirmation_seconds)))
-    (a, ma, da), (b, mb, db) = stats
-    if abs(mb - ma) > da + db or max(da / ma, db / mb) <= noisy:
+    (a, ma, da), (b, mb, db) = ((t, *median_and_spread(t.confirmation_seconds)) for t in confirmed[:2])
+    if abs(mb - ma) > da + db or max(da / ma, db / mb) <= NOISY_SPREAD:
         return None
     return (
         f"lightning_ckpt: timing spread too high to separate the leaders: [{a.label}] "
@@ -187,8 +175,7 @@ def timing_warning(result: TuneResult, noisy: float = NOISY_SPREAD) -> str | Non
 
 
 def result_line(result: TuneResult) -> str:
-    """The one line a quiet search ends with (like Lightning's BatchSizeFinder): what was chosen, how fast, how
-    much memory against the budget, against the best baseline that fits, and what the search cost."""
+    """The one line a quiet search ends with (like Lightning's BatchSizeFinder)."""
     winner, budget, search = result.best_trial, result.budget, result.best.provenance.search
     mem = memory_name(budget)
     parts = [f"lightning_ckpt: chose {result.best.describe()}"]
@@ -308,10 +295,8 @@ def _against_baselines(result: TuneResult, winner: TrialRecord) -> list[str]:
     name, base = best_base
     if base.number == winner.number:
         return [*lines, f"vs baselines: the winner is the best feasible baseline itself ({name})."]
-    if verdict is not None and verdict.ratio is not None:
-        speed = verdict.describe()
-    else:
-        speed = _ratio(winner.samples_per_second, base.samples_per_second)
+    paired = verdict is not None and verdict.ratio is not None
+    speed = verdict.describe() if paired else _ratio(winner.samples_per_second, base.samples_per_second)
     return [
         *lines,
         f"vs best feasible baseline {name} ({_fmt(base.samples_per_second)} samples/s, "
@@ -321,10 +306,8 @@ def _against_baselines(result: TuneResult, winner: TrialRecord) -> list[str]:
 
 
 def verdict_lines(result: TuneResult) -> list[str]:
-    """What won, by how much against the best baseline that fits, under which budget, at what tuning cost.
-
-    Against the best baseline that *fits*: beating one that would not run under the budget proves nothing.
-    """
+    """What won, by how much against the best baseline that *fits* (beating one that would not run under the budget
+    proves nothing), under which budget, at what tuning cost."""
     winner, budget, search = result.best_trial, result.budget, result.best.provenance.search
     mem = memory_name(budget)
     lines = []
@@ -416,7 +399,9 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
                 _memory_cell(t, t.peak_bytes),
                 _memory_cell(t, t.activation_bytes),
                 _fmt(speeds.get(t.number, t.samples_per_second)),
-                _timed(t, side_by_side),
+                # side: re-timed beside the winner (comparable); alone: timed at another moment (a quiet one can
+                # put it above the winner).
+                "-" if t.samples_per_second is None else "side" if t.confirmed and side_by_side else "alone",
                 f"{ratio:.2f}x" if (ratio := vs_reference(t)) is not None else "-",
                 _fmt_ms(t.predicted_seconds),
                 _fmt(t.prediction_error, "{:+.1%}"),
@@ -426,14 +411,6 @@ def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
             )
         )
     return rows
-
-
-def _timed(trial: TrialRecord, side_by_side: bool) -> str:
-    """How a row's samples/s was taken: ``side`` (re-timed with the winner in interleaved rounds: comparable with its
-    figure) or ``alone`` (one plan at a time, at another moment: a quiet one can put it above the winner)."""
-    if trial.samples_per_second is None:
-        return "-"
-    return "side" if trial.confirmed and side_by_side else "alone"
 
 
 def summary_table(result: TuneResult) -> str:
@@ -469,11 +446,8 @@ def _escape(text: str) -> str:
 
 
 def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> str:
-    """The memory model's breakdown (``MemoryModel.to_dict``) as markdown tables in MiB.
-
-    Tables, not fixed-width text: TensorBoard wraps table cells to the page, while a wide code block is cut off on
-    the right. Blocks with the same figures (and mode in ``plan``) share one column, so 48 layers read at a glance.
-    """
+    """The memory model's breakdown (``MemoryModel.to_dict``) as markdown tables in MiB: TensorBoard wraps table
+    cells, but cuts a wide code block off. Blocks with the same figures (and mode in ``plan``) share one column."""
 
     def mib(n: Any) -> str:
         return format_bytes(n, unit="MiB", suffix=False)
@@ -544,11 +518,7 @@ def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
         lines.append(markdown_table(["block", "mode"], rows))
         lines += ["", "Blocks not listed are not checkpointed."]
     if trial is not None:
-        lines += [
-            "",
-            f"**Measured** (trial {trial.number}, {trial.status}):",
-            "",
-        ]
+        lines += ["", f"**Measured** (trial {trial.number}, {trial.status}):", ""]
         rows = [
             ["samples/s", _fmt(trial.samples_per_second)],
             ["peak memory", f"{format_bytes(trial.peak_bytes)} (predicted {format_bytes(trial.predicted_peak_bytes)})"],
