@@ -159,8 +159,7 @@ VS_REFERENCE = "vs_reference"
 
 
 def vs_reference(trial: TrialRecord) -> float | None:
-    """``trial``'s speed over the reference baseline from the side-by-side rounds both ran in (1.0 for the reference
-    itself), None where it was not re-timed beside it."""
+    """``trial``'s ``VS_REFERENCE`` ratio (1.0 for the reference itself), None where it was not re-timed beside it."""
     note = trial.extra.get(VS_REFERENCE)
     ratio = note.get("ratio") if isinstance(note, Mapping) else None
     return float(ratio) if isinstance(ratio, (int, float)) else None
@@ -253,12 +252,12 @@ class Ledger:
                 stored = self._stored_records(predicted_over_budget)
             except Exception as exc:  # the other ranks must not wait in the broadcast below for ever
                 problem = exc
-        message = self.sync.broadcast((repr(problem) if problem is not None else None, stored))
+        failure, stored = self.sync.broadcast((repr(problem) if problem is not None else None, stored))
         if problem is not None:
             raise problem
-        if message[0] is not None:
-            raise ConfigurationError(f"Rank 0 could not open the Optuna study {self.study_name!r}: {message[0]}")
-        resumed = [record for record in message[1] if record.micro_batch in accumulation]
+        if failure is not None:
+            raise ConfigurationError(f"Rank 0 could not open the Optuna study {self.study_name!r}: {failure}")
+        resumed = [record for record in stored if record.micro_batch in accumulation]
         for record in resumed:
             self._learn(record)
             record = replace(record, number=len(self._records), accumulation=accumulation[record.micro_batch])
@@ -270,23 +269,22 @@ class Ledger:
         """The sampler's study (in memory) and the record (``storage`` or in memory), named ``study_name``."""
         import optuna
 
-        config = self.config
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.sampler_study = optuna.create_study(direction="maximize", sampler=sampler, study_name=self.study_name)
         # Nothing is ever sampled from the record; whoever loads it chooses their own sampler.
         self.record = optuna.create_study(
             direction="maximize",
-            sampler=optuna.samplers.RandomSampler(seed=config.seed),
-            storage=config.storage,
+            sampler=optuna.samplers.RandomSampler(seed=self.config.seed),
+            storage=self.config.storage,
             study_name=self.study_name,
-            load_if_exists=config.storage is not None,
+            load_if_exists=self.config.storage is not None,
         )
         self._check_run()
         if self.record.metric_names != list(METRIC_NAMES):
             with warnings.catch_warnings():  # experimental since Optuna 3.2, and still the way to name a metric
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 self.record.set_metric_names(list(METRIC_NAMES))
-        log.info("lightning_ckpt: Optuna study %r (%s)", self.study_name, storage_for_display(config.storage))
+        log.info("lightning_ckpt: Optuna study %r (%s)", self.study_name, storage_for_display(self.config.storage))
 
     def _check_run(self) -> None:
         """Refuse a stored study made for another run; mark a new one with this run."""
@@ -354,9 +352,7 @@ class Ledger:
     def ask(self, params: Mapping[str, Any] | None = None) -> Any:
         """A new trial of the sampler: its proposal; or, with ``params``, a trial enqueued with them (a baseline, a
         plan the loop takes itself). A baseline outside the space's distributions gets no Optuna params."""
-        if params is None:
-            return self.sampler_study.ask()
-        fixed = _optuna_params(params, self.distributions)
+        fixed = _optuna_params(params or {}, self.distributions)
         if fixed:
             self.sampler_study.enqueue_trial(fixed, skip_if_exists=False)
         asked = self.sampler_study.ask()
@@ -437,9 +433,8 @@ def record_of(records: Sequence[TrialRecord], plan_key: str) -> TrialRecord | No
 METRIC_NAMES = ("samples_per_second",)
 OVER_BUDGET_CONSTRAINT = "over_budget_bytes"
 FAILED_CONSTRAINT = "failed"
-# The record's fields an Optuna trial keeps (all a resumed search rebuilds it from), derived from the record type:
-# everything but what is rebuilt apart (plan, params, micro-batch), kept for display only (extra, traceback) or
-# known only in this process (number, resumed, accumulation).
+# The record's fields a stored trial keeps, all a resumed search rebuilds it from: not those rebuilt apart (plan,
+# params, micro-batch), kept for display only (extra, traceback) or known only in this process.
 _NOT_STORED = ("number", "plan", "params", "extra", "traceback", "resumed", "micro_batch", "accumulation")
 _RECORD_FIELDS = tuple(f.name for f in fields(TrialRecord) if f.name not in _NOT_STORED)
 # Every stored trial's user attributes: ``params`` also for plans outside the distributions (no Optuna params).
