@@ -166,9 +166,7 @@ def vs_reference(trial: TrialRecord) -> float | None:
 
 
 @dataclass
-class _StoredTrial:
-    """The record's Optuna trial of one plan: its number and id, whether it is still open, the attributes written."""
-
+class _StoredTrial:  # the record's Optuna trial of one plan
     number: int
     trial_id: int  # FrozenTrial._trial_id: Optuna has no public id, and ``optuna.trial.Trial`` needs it
     running: bool
@@ -382,8 +380,7 @@ class Ledger:
     # -- the record ----------------------------------------------------------------------------------
     def _store(self, trial: TrialRecord) -> None:
         """Write ``trial`` to the record study: a new ``RUNNING`` trial for a new plan, else the attributes that
-        changed. A trial finished by an earlier run keeps that run's figures (Optuna never changes a finished
-        trial, and adding another would store the plan twice)."""
+        changed; a trial an earlier run finished keeps its figures (Optuna never changes a finished trial)."""
         if self.record is None:
             return
         import optuna
