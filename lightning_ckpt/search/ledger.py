@@ -1,15 +1,13 @@
 """The ledger of a search: one ``TrialRecord`` per candidate, the one place records are kept, and their Optuna record.
 
-The search loop (``loop.py``) puts records in; every later phase reads the ledger and puts back what it re-measured,
-so a plan has exactly one record. ``TuneResult.trials`` is the ledger's frozen snapshot.
+Every phase puts back what it re-measured, so a plan has exactly one record; ``TuneResult.trials`` is its snapshot.
 
-What Optuna keeps, on rank 0 only. The *record* (``study_name``, in ``storage`` when given) holds one trial per
-distinct plan, ``RUNNING`` while the search goes on: a finished Optuna trial cannot change, and confirmation, a
-finalist's memory pass and the fallback still change figures. When the search ends every trial is finished with its
-final figures (one objective, ``samples_per_second``; ``COMPLETE``, ``PRUNED`` with its predicted samples/s, or
-``FAIL``; the constraints and user attributes below), so ``optuna.load_study`` shows what the tuner chose from; a
-killed search leaves its trials ``RUNNING``, and the next run resumes and finishes them. The sampler proposes from
-its own working study in memory (samplers learn only from finished trials), which is never stored.
+Two Optuna studies, on rank 0 only. The *record* (``study_name``, in ``storage`` when given) holds one trial per plan,
+``RUNNING`` while the search goes on, because a finished trial cannot change and confirmation, a finalist's memory
+pass and the fallback still change figures; ``finish`` closes each with its final figures (``_outcome``,
+``TRIAL_ATTRS``), so ``optuna.load_study`` shows what the tuner chose from, and trials a killed search left ``RUNNING``
+the next run resumes and finishes. The sampler proposes from its own study in memory, never stored: samplers learn
+only from finished trials.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import hashlib
 import json
 import logging
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -87,11 +86,8 @@ class TrialRecord:
     memory_measured: bool = True  # False: peak/activation are the memory model's prediction (see Trials.verify)
     micro_batch: int | None = None  # joint micro-batch search: this trial's micro-batch and accumulation
     accumulation: int | None = None
-    # The time model's step seconds for this plan when the search proposed it (fitted to the plans measured
-    # before it, so the error it shows is out of sample), and what pruned it: "memory" (predicted over
-    # budget) or "time" (predicted no faster than the best measured plan by the noise margin).
-    predicted_seconds: float | None = None
-    pruned_by: str | None = None
+    predicted_seconds: float | None = None  # the time model's, fitted to earlier plans only (out of sample)
+    pruned_by: str | None = None  # "memory" (predicted over budget) or "time" (predicted no faster, by the margin)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", TrialStatus(self.status))
@@ -126,11 +122,10 @@ class TrialRecord:
     def with_measurement(
         self, out: Measurement, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True
     ) -> TrialRecord:
-        """This record with what running its plan gave (``out``): the one place a trial's figures enter a record
-        (``Trials.judge`` judges the status). ``memory=False``: the record keeps its predicted memory, else
-        ``real_peak_bytes`` (derived from ``out``'s forward+backward peak) is its peak. ``timed=False``: a memory
-        pass, whose one step says nothing about speed."""
-        figures: dict[str, Any] = {}
+        """This record with what running its plan gave (``out``), the one place a trial's figures enter a record (its
+        status: ``Trials.judge``). ``memory=False`` keeps the predicted memory, else ``real_peak_bytes`` (derived from
+        ``out``'s forward+backward peak) is the peak; ``timed=False``: a memory pass, which says nothing of speed."""
+        figures: dict[str, Any] = {"steps": self.steps + out.steps, "error": out.error, "traceback": out.traceback}
         if timed and out.samples_per_second is not None:
             figures.update(
                 samples_per_second=out.samples_per_second,
@@ -146,14 +141,7 @@ class TrialRecord:
                 recompute_flops=out.recompute_flops,
                 recompute_overhead=out.recompute_overhead,
             )
-        return replace(
-            self,
-            steps=self.steps + out.steps,
-            error=out.error,
-            traceback=out.traceback,
-            extra={**self.extra, **out.extra},
-            **figures,
-        )
+        return replace(self, extra={**self.extra, **out.extra}, **figures)
 
     def memory(self, budget: Budget) -> float:
         """The figure ``budget`` constrains, measured (else peak); inf when nothing was measured."""
@@ -165,24 +153,20 @@ class TrialRecord:
 
 ProgressFn = Callable[[TrialRecord, Budget], None]
 
-# ``TrialRecord.extra`` key: a re-timed trial's speed over the reference baseline, from the rounds both ran in
-# (``search.confirmation``): ``{"reference", "ratio", "low", "high", "rounds", "fresh"}``. Its samples/s is not
-# comparable with another trial's timed in other rounds; this ratio is.
+# ``TrialRecord.extra`` key (``search.confirmation``): ``{"reference", "ratio", "low", "high", "rounds", "fresh"}``.
+# A re-timed trial's samples/s is not comparable with another's timed in other rounds; this ratio is.
 VS_REFERENCE = "vs_reference"
 
 
 def vs_reference(trial: TrialRecord) -> float | None:
-    """``trial``'s speed over the reference baseline from the side-by-side rounds both ran in (1.0 for the reference
-    itself), None where it was not re-timed beside it."""
+    """``trial``'s ``VS_REFERENCE`` ratio (1.0 for the reference itself), None where it was not re-timed beside it."""
     note = trial.extra.get(VS_REFERENCE)
     ratio = note.get("ratio") if isinstance(note, Mapping) else None
     return float(ratio) if isinstance(ratio, (int, float)) else None
 
 
 @dataclass
-class _StoredTrial:
-    """The record's Optuna trial of one plan: its number and id, whether it is still open, the attributes written."""
-
+class _StoredTrial:  # the record's Optuna trial of one plan
     number: int
     trial_id: int  # FrozenTrial._trial_id: Optuna has no public id, and ``optuna.trial.Trial`` needs it
     running: bool
@@ -206,8 +190,8 @@ class Ledger:
         self.run_info = dict(run_info)
         self.study_name = config.study_name or _default_study_name(self.run_info)
         self._records: dict[str, TrialRecord] = {}
-        self._record: Any = None  # the record study
-        self._sampler: Any = None  # the sampler's working study
+        self.record: Any = None  # the record study, what ``optuna.load_study`` shows (None before ``open``, off rank 0)
+        self.sampler_study: Any = None  # the sampler's working study, in memory (likewise)
         self._stored: dict[str, _StoredTrial] = {}  # the record's trial per plan key
 
     # -- the records ---------------------------------------------------------------------------------
@@ -246,17 +230,8 @@ class Ledger:
         return sum(t.status != TrialStatus.PRUNED for t in self._records.values())
 
     @property
-    def record(self) -> Any:
-        """The Optuna record study, what ``optuna.load_study`` shows (None before ``open``, and off rank 0)."""
-        return self._record
-
-    @property
-    def sampler_study(self) -> Any:  # the sampler's working study in memory (None before ``open``, and off rank 0)
-        return self._sampler
-
-    @property
     def sampler_name(self) -> str | None:
-        return type(self._sampler.sampler).__name__ if self._sampler is not None else None
+        return type(self.sampler_study.sampler).__name__ if self.sampler_study is not None else None
 
     # -- opening and resuming ------------------------------------------------------------------------
     def open(
@@ -266,9 +241,8 @@ class Ledger:
         accumulation: Mapping[int | None, int | None],
     ) -> None:
         """Open the studies (rank 0: ``sampler`` proposes from its own) and put, on every rank, the plans an earlier
-        run stored (``storage=``), judged against today's budget, for the micro-batches this search has (the keys of
-        ``accumulation``, each micro-batch's gradient accumulation); the trials it left ``RUNNING`` (it was killed)
-        this run finishes."""
+        run stored (``storage=``) for the micro-batches of ``accumulation`` (each one's gradient accumulation), judged
+        against today's budget; the trials it left ``RUNNING`` (it was killed) this run finishes."""
         problem, stored = None, []
         if self.sync.is_leader:
             try:
@@ -276,51 +250,44 @@ class Ledger:
                 stored = self._stored_records(predicted_over_budget)
             except Exception as exc:  # the other ranks must not wait in the broadcast below for ever
                 problem = exc
-        message = self.sync.broadcast((repr(problem) if problem is not None else None, stored))
+        failure, stored = self.sync.broadcast((repr(problem) if problem is not None else None, stored))
         if problem is not None:
             raise problem
-        if message[0] is not None:
-            raise ConfigurationError(f"Rank 0 could not open the Optuna study {self.study_name!r}: {message[0]}")
-        resumed = 0
-        for attrs in message[1]:
-            record = _record_from_attrs(attrs)
-            if record is None or record.key() in self._records or record.micro_batch not in accumulation:
-                continue
+        if failure is not None:
+            raise ConfigurationError(f"Rank 0 could not open the Optuna study {self.study_name!r}: {failure}")
+        resumed = [record for record in stored if record.micro_batch in accumulation]
+        for record in resumed:
             self._learn(record)
             record = replace(record, number=len(self._records), accumulation=accumulation[record.micro_batch])
             self._records[record.key()] = record
-            resumed += 1
         if resumed:
-            log.info("lightning_ckpt: resumed %d trials from the Optuna study %r", resumed, self.study_name)
+            log.info("lightning_ckpt: resumed %d trials from the Optuna study %r", len(resumed), self.study_name)
 
     def _open(self, sampler: Any) -> None:
         """The sampler's study (in memory) and the record (``storage`` or in memory), named ``study_name``."""
         import optuna
 
-        config = self.config
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self._sampler = optuna.create_study(direction="maximize", sampler=sampler, study_name=self.study_name)
+        self.sampler_study = optuna.create_study(direction="maximize", sampler=sampler, study_name=self.study_name)
         # Nothing is ever sampled from the record; whoever loads it chooses their own sampler.
-        self._record = optuna.create_study(
+        self.record = optuna.create_study(
             direction="maximize",
-            sampler=optuna.samplers.RandomSampler(seed=config.seed),
-            storage=config.storage,
+            sampler=optuna.samplers.RandomSampler(seed=self.config.seed),
+            storage=self.config.storage,
             study_name=self.study_name,
-            load_if_exists=config.storage is not None,
+            load_if_exists=self.config.storage is not None,
         )
         self._check_run()
-        if self._record.metric_names != list(METRIC_NAMES):
-            import warnings
-
+        if self.record.metric_names != list(METRIC_NAMES):
             with warnings.catch_warnings():  # experimental since Optuna 3.2, and still the way to name a metric
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                self._record.set_metric_names(list(METRIC_NAMES))
-        log.info("lightning_ckpt: Optuna study %r (%s)", self.study_name, storage_for_display(config.storage))
+                self.record.set_metric_names(list(METRIC_NAMES))
+        log.info("lightning_ckpt: Optuna study %r (%s)", self.study_name, storage_for_display(self.config.storage))
 
     def _check_run(self) -> None:
         """Refuse a stored study made for another run; mark a new one with this run."""
         run = json.loads(json.dumps(self.run_info, default=str))  # as storage gives it back
-        stored_run = self._record.user_attrs.get("run")
+        stored_run = self.record.user_attrs.get("run")
         if stored_run is not None and stored_run != run:
             differ = ", ".join(
                 f"{k} {stored_run.get(k)!r} there, {v!r} now" for k, v in run.items() if stored_run.get(k) != v
@@ -331,15 +298,15 @@ class Ledger:
                 "leave study_name unset to get one study per model and run."
             )
         if stored_run is None:
-            self._record.set_user_attr("run", run)
+            self.record.set_user_attr("run", run)
 
-    def _stored_records(self, predicted_over_budget: Callable[[Plan, int | None], bool]) -> list[dict[str, Any]]:
-        """Rank 0: the record study's plans (the first trial of each), as attributes of records judged against
-        this run's budget; a plan pruned under another budget that now may fit is left out, to be measured."""
+    def _stored_records(self, predicted_over_budget: Callable[[Plan, int | None], bool]) -> list[TrialRecord]:
+        """Rank 0: the record study's plans (the first trial of each), judged against this run's budget; a plan
+        pruned under another budget that now may fit is left out, to be measured."""
         import optuna
 
         out = []
-        for t in self._record.get_trials(deepcopy=False):
+        for t in self.record.get_trials(deepcopy=False):
             record = _record_from_attrs(t.user_attrs)
             if record is None or record.key() in self._stored:
                 continue  # not ours (no record attributes), or a duplicate left by an older version
@@ -350,18 +317,17 @@ class Ledger:
             if record.status.ran:
                 fits = self.budget.fits(record.peak_bytes, record.activation_bytes)
                 record = replace(record, status=TrialStatus.OK if fits else TrialStatus.OVER_BUDGET)
-            out.append(_attrs(record))
+            out.append(record)
         return out
 
     # -- the sampler's working study -----------------------------------------------------------------
     def _learn(self, trial: TrialRecord) -> None:
         """Add a resumed ``trial`` to the sampler's history as a finished trial (failures count as infeasible)."""
-        if self._sampler is None:
+        if self.sampler_study is None:
             return
         state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
-        predicted = self._predicted_value(trial)
-        intermediate = {0: predicted} if predicted is not None else None
-        self._sampler.add_trial(
+        intermediate = self._intermediate(trial)
+        self.sampler_study.add_trial(
             self._created(trial, state=state, value=value, constraints=constraints, intermediate_values=intermediate)
         )
 
@@ -373,23 +339,21 @@ class Ledger:
         distributions = {k: self.distributions[k] for k in params}
         return optuna.trial.create_trial(params=params, distributions=distributions, **kwargs)
 
-    def _predicted_value(self, trial: TrialRecord) -> float | None:
-        """The samples/s the time model predicted for a plan it pruned: Optuna's value of a pruned trial is its last
-        intermediate value, so this is reported as one; None for any other trial."""
+    def _intermediate(self, trial: TrialRecord) -> dict[int, float]:
+        """A pruned plan's samples/s as the time model predicted it, as its one intermediate value: Optuna's value of
+        a pruned trial is its last one. Empty for any other trial."""
         if trial.status != TrialStatus.PRUNED or not trial.predicted_seconds:
-            return None
+            return {}
         samples = int(self.run_info.get("batch_size") or 1) * int(self.run_info.get("world_size") or 1)
-        return samples / trial.predicted_seconds
+        return {0: samples / trial.predicted_seconds}
 
     def ask(self, params: Mapping[str, Any] | None = None) -> Any:
         """A new trial of the sampler: its proposal; or, with ``params``, a trial enqueued with them (a baseline, a
         plan the loop takes itself). A baseline outside the space's distributions gets no Optuna params."""
-        if params is None:
-            return self._sampler.ask()
-        fixed = _optuna_params(params, self.distributions)
+        fixed = _optuna_params(params or {}, self.distributions)
         if fixed:
-            self._sampler.enqueue_trial(fixed, skip_if_exists=False)
-        asked = self._sampler.ask()
+            self.sampler_study.enqueue_trial(fixed, skip_if_exists=False)
+        asked = self.sampler_study.ask()
         for name in fixed:  # the enqueued values: a trial's params are those it suggested
             asked.suggest_categorical(name, self.distributions[name].choices)
         return asked
@@ -400,26 +364,24 @@ class Ledger:
         import optuna
 
         if trial is None:
-            self._sampler.tell(asked, state=optuna.trial.TrialState.FAIL)
-            return
-        state, value, _ = _outcome(trial, self.budget, for_sampler=True)
-        self._report(asked, trial)
-        self._sampler.tell(asked, value, state=state)
+            self.sampler_study.tell(asked, state=optuna.trial.TrialState.FAIL)
+        else:
+            self._tell(self.sampler_study, asked, trial, for_sampler=True)
 
-    def _report(self, handle: Any, trial: TrialRecord) -> None:
-        """``trial``'s constraints on the Optuna trial ``handle``, and a pruned trial's value: its predicted samples/s."""
-        for name, violation in _outcome(trial, self.budget)[2].items():
+    def _tell(self, study: Any, handle: Any, trial: TrialRecord, *, for_sampler: bool = False) -> None:
+        """Finish ``study``'s trial ``handle`` with ``trial``'s outcome, constraints and intermediate value."""
+        state, value, constraints = _outcome(trial, self.budget, for_sampler=for_sampler)
+        for name, violation in constraints.items():
             handle.set_constraint(name, violation)
-        predicted = self._predicted_value(trial)
-        if predicted is not None:
-            handle.report(predicted, 0)
+        for step, predicted in self._intermediate(trial).items():
+            handle.report(predicted, step)
+        study.tell(handle, value, state=state)
 
     # -- the record ----------------------------------------------------------------------------------
     def _store(self, trial: TrialRecord) -> None:
         """Write ``trial`` to the record study: a new ``RUNNING`` trial for a new plan, else the attributes that
-        changed. A trial finished by an earlier run keeps that run's figures (Optuna never changes a finished
-        trial, and adding another would store the plan twice)."""
-        if self._record is None:
+        changed; a trial an earlier run finished keeps its figures (Optuna never changes a finished trial)."""
+        if self.record is None:
             return
         import optuna
 
@@ -427,13 +389,13 @@ class Ledger:
         stored = self._stored.get(key)
         if stored is None:
             running = optuna.trial.TrialState.RUNNING
-            self._record.add_trial(self._created(trial, state=running, user_attrs=attrs))
-            added = self._record.get_trials(deepcopy=False, states=(running,))[-1]
+            self.record.add_trial(self._created(trial, state=running, user_attrs=attrs))
+            added = self.record.get_trials(deepcopy=False, states=(running,))[-1]
             self._stored[key] = _StoredTrial(added.number, added._trial_id, running=True, attrs=attrs)
             return
         changed = {k: v for k, v in attrs.items() if k not in stored.attrs or stored.attrs[k] != v}
         if stored.running and changed:
-            handle = optuna.trial.Trial(self._record, stored.trial_id)
+            handle = optuna.trial.Trial(self.record, stored.trial_id)
             for k, v in changed.items():
                 handle.set_user_attr(k, v)
             stored.attrs.update(changed)
@@ -441,7 +403,7 @@ class Ledger:
     def finish(self, chosen: TrialRecord | None = None) -> None:
         """Finish every trial of the record this run holds ``RUNNING`` with its final figures and constraints, and
         name the ``chosen`` plan's trial (``chosen_trial``)."""
-        if self._record is None:
+        if self.record is None:
             return
         import optuna
 
@@ -452,12 +414,10 @@ class Ledger:
             if trial is None:
                 continue
             self._store(trial)
-            state, value, _ = _outcome(trial, self.budget)
-            self._report(optuna.trial.Trial(self._record, stored.trial_id), trial)
-            self._record.tell(stored.number, value, state=state)
+            self._tell(self.record, optuna.trial.Trial(self.record, stored.trial_id), trial)
             stored.running = False
         if chosen is not None and chosen.key() in self._stored:
-            self._record.set_user_attr("chosen_trial", self._stored[chosen.key()].number)
+            self.record.set_user_attr("chosen_trial", self._stored[chosen.key()].number)
 
 
 def record_of(records: Sequence[TrialRecord], plan_key: str) -> TrialRecord | None:
@@ -470,13 +430,11 @@ def record_of(records: Sequence[TrialRecord], plan_key: str) -> TrialRecord | No
 METRIC_NAMES = ("samples_per_second",)
 OVER_BUDGET_CONSTRAINT = "over_budget_bytes"
 FAILED_CONSTRAINT = "failed"
-# The record's fields an Optuna trial keeps (all a resumed search rebuilds it from), derived from the record type:
-# everything but what is rebuilt apart (plan, params, micro-batch), kept for display only (extra, traceback) or
-# known only in this process (number, resumed, accumulation).
+# The record's fields a stored trial keeps, all a resumed search rebuilds it from: not those rebuilt apart (plan,
+# params, micro-batch), kept for display only (extra, traceback) or known only in this process.
 _NOT_STORED = ("number", "plan", "params", "extra", "traceback", "resumed", "micro_batch", "accumulation")
 _RECORD_FIELDS = tuple(f.name for f in fields(TrialRecord) if f.name not in _NOT_STORED)
-# Every stored trial's user attributes: the fields above, the plan (``Plan.to_dict``) and ``params`` (kept also for
-# plans outside the Optuna distributions, which store no Optuna params).
+# Every stored trial's user attributes: ``params`` also for plans outside the distributions (no Optuna params).
 TRIAL_ATTRS = (*_RECORD_FIELDS, "plan", "params")
 
 
@@ -532,8 +490,8 @@ def _record_from_attrs(attrs: Mapping[str, Any]) -> TrialRecord | None:
     fields["confirmation_seconds"] = tuple(fields["confirmation_seconds"] or ())
     params = dict(attrs.get("params", {}))
     m = params.get("micro_batch")  # the joint search's dimension: the record's micro-batch
-    joint = {"micro_batch": int(m)} if m is not None else {}
-    return TrialRecord(number=0, plan=plan, params=params, resumed=True, **fields, **joint)
+    micro_batch = int(m) if m is not None else None
+    return TrialRecord(number=0, plan=plan, params=params, resumed=True, micro_batch=micro_batch, **fields)
 
 
 def _optuna_params(params: Mapping[str, Any], distributions: Mapping[str, Any]) -> dict[str, Any]:

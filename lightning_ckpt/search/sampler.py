@@ -1,10 +1,6 @@
-"""Who picks the next plan: an Optuna sampler. The time model's own, or any other (the user's, seeded TPE).
-
-- ``TimeModelSampler`` (eager models, the default): proposes the plan the profile's time model, refitted to the
-  ledger's timed plans, predicts fastest among those not measured yet; ``nothing_left_can_win`` is the loop's
-  stopping rule. What it cannot predict, its fallback sampler (seeded TPE) draws.
-- Any other sampler as it is (``default_sampler``: seeded TPE): where a step's time cannot be predicted
-  (``torch.compile``), with ``predict_time=False``, and whenever the user hands the search a sampler.
+"""Who picks the next plan: an Optuna sampler. ``TimeModelSampler`` (eager models, the default) proposes what the
+time model predicts fastest; the user's sampler, or seeded TPE, where a step's time cannot be predicted
+(``torch.compile``), with ``predict_time=False``, or when the user hands the search one.
 """
 
 from __future__ import annotations
@@ -15,7 +11,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optuna
+from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler
+from optuna.trial import FrozenTrial
 
 from lightning_ckpt.formatting import count
 from lightning_ckpt.search.ledger import Ledger, TrialRecord, TrialStatus
@@ -29,9 +27,7 @@ log = logging.getLogger(__name__)
 # The noise margin's bounds (``TimeModelSampler.noise_margin``), and the margin before any error is known.
 _MARGIN_BOUNDS = (0.03, WELL_PREDICTED_ERROR)
 _DEFAULT_MARGIN = 0.05
-# The tuned plans confirmed beside the predicted-fastest one: those measured within twice the noise margin (at
-# least this share) of the fastest.
-_CONFIRM_WINDOW = 0.05
+_CONFIRM_WINDOW = 0.05  # the least window of ``leaders``
 
 
 def default_sampler(seed: int, n_trials: int) -> BaseSampler:
@@ -43,11 +39,10 @@ def default_sampler(seed: int, n_trials: int) -> BaseSampler:
 
 class TimeModelSampler(BaseSampler):
     """The time model as an Optuna sampler over the candidates ``unseen()`` gives (those the ledger has no record of
-    and that can run), refitted to the ledger's timed plans.
+    and that can run), refitted to the ledger's timed plans; what it cannot predict, ``fallback`` draws.
 
-    ``time_model``: the profile's model, or in the joint micro-batch search one model per micro-batch, each fitted
-    to its own micro-batch's records; candidates of different micro-batches are then compared per sample (a step of
-    ``m`` samples against one of ``m'``), as the search compares their measurements."""
+    ``time_model``: the profile's model, or in the joint micro-batch search one per micro-batch; candidates of
+    different micro-batches are then compared per sample, as the search compares their measurements."""
 
     name = "time_model"
 
@@ -80,11 +75,6 @@ class TimeModelSampler(BaseSampler):
         return self._models[micro_batch]
 
     @property
-    def time_model(self) -> TimeModel:
-        """The model of a search of one shape (the joint search's: its first micro-batch's)."""
-        return self.model_for(None if None in self._models else min(self._models))
-
-    @property
     def joint(self) -> bool:
         return None not in self._models
 
@@ -93,14 +83,13 @@ class TimeModelSampler(BaseSampler):
 
     def ranked(self, candidates: Sequence[Candidate]) -> list[Candidate]:
         """``candidates`` the model can rank, predicted-fastest (per sample) first."""
-        ranked = [(s, i, c) for i, c in enumerate(candidates) if (s := self._rank_seconds(c)) is not None]
-        return [c for _, _, c in sorted(ranked, key=lambda x: (x[0], x[1]))]
+        ranked = [(s, c) for c in candidates if (s := self._rank_seconds(c)) is not None]
+        return [c for _, c in sorted(ranked, key=lambda x: x[0])]
 
     def choice(self, remaining: Sequence[Candidate]) -> Candidate | None:
         """The predicted-fastest of ``remaining``; None while one of them cannot be predicted (the fallback's)."""
-        if not remaining or any(self._rank_seconds(c) is None for c in remaining):
-            return None
-        return self.ranked(remaining)[0]
+        ranked = self.ranked(remaining)
+        return ranked[0] if ranked and len(ranked) == len(remaining) else None
 
     def predictable(self, cand: Candidate) -> bool:
         return self._rank_seconds(cand) is not None
@@ -129,24 +118,11 @@ class TimeModelSampler(BaseSampler):
         choice = self.choice(self.unseen())
         return choice is not None and not self.can_win(choice)
 
-    def leaders(self, tuned: Sequence[TrialRecord], top: int) -> list[TrialRecord]:
-        """The one predicted fastest first (a plan timed in a slow moment of the machine still gets its
-        side-by-side figure), then the fastest measured within the window (twice the noise margin, at least
-        ``_CONFIRM_WINDOW``)."""
-        if not tuned:
-            return []
-        window = max(_CONFIRM_WINDOW, 2 * self.noise_margin())
-        floor = (tuned[0].samples_per_second or 0.0) * (1.0 - window)
-        by_prediction = sorted((t for t in tuned if t.predicted_seconds is not None), key=lambda t: t.predicted_seconds)
-        by_measurement = [t for t in tuned if (t.samples_per_second or 0.0) >= floor]
-        return list({t.number: t for t in (*by_prediction[:1], *by_measurement)}.values())[:top]
-
     def summary(self) -> dict[str, Any]:
         """What the time model did: its fit, its measured errors, the margin, and what it pruned."""
         records = self.ledger.snapshot()
         errors = [e for t in records if (e := t.prediction_error) is not None]
-        calibrations = {m: self.model_for(m).calibration for m in self._models}
-        calibrated = {str(m): c.to_dict() for m, c in calibrations.items() if c is not None}
+        calibrated = {str(m): c.to_dict() for m in self._models if (c := self.model_for(m).calibration) is not None}
         return {
             "calibration": calibrated.get("None") if not self.joint else None,
             **({"calibration_by_micro_batch": calibrated} if self.joint else {}),
@@ -181,49 +157,32 @@ class TimeModelSampler(BaseSampler):
     def _rank_seconds(self, cand: Candidate) -> float | None:
         """What orders the candidates: the predicted step per sample, or before its model's first anchor what the
         plan's modes add to one (every micro-batch's baselines are measured first, which anchors each model)."""
-        model = self.model_for(cand.micro_batch)
-        predicted = model.predict_seconds(cand.plan)
+        predicted = self.predict_seconds(cand)
         if predicted is None:
-            predicted = model.added_seconds(cand.plan)
+            predicted = self.model_for(cand.micro_batch).added_seconds(cand.plan)
         return _per_sample(predicted, cand.micro_batch) if predicted is not None else None
 
     # -- the Optuna sampler ---------------------------------------------------------------------------
-    def infer_relative_search_space(
-        self, study: optuna.Study, trial: optuna.trial.FrozenTrial
-    ) -> dict[str, optuna.distributions.BaseDistribution]:
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return dict(self.ledger.distributions)
 
     def sample_relative(
-        self,
-        study: optuna.Study,
-        trial: optuna.trial.FrozenTrial,
-        search_space: dict[str, optuna.distributions.BaseDistribution],
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
     ) -> dict[str, Any]:
         """The params of the plan predicted fastest among those not measured; nothing (the fallback then draws
         each dimension) while some plan left cannot be predicted."""
         choice = self.choice(self.unseen()) if search_space else None
         return {k: v for k, v in choice.params.items() if k in search_space} if choice is not None else {}
 
-    def sample_independent(
-        self,
-        study: optuna.Study,
-        trial: optuna.trial.FrozenTrial,
-        param_name: str,
-        param_distribution: optuna.distributions.BaseDistribution,
-    ) -> Any:
-        return self.fallback.sample_independent(study, trial, param_name, param_distribution)
+    # The fallback draws what the time model does not propose, and sees every trial.
+    def sample_independent(self, *args: Any) -> Any:
+        return self.fallback.sample_independent(*args)
 
-    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        self.fallback.before_trial(study, trial)
+    def before_trial(self, *args: Any) -> None:
+        self.fallback.before_trial(*args)
 
-    def after_trial(
-        self,
-        study: optuna.Study,
-        trial: optuna.trial.FrozenTrial,
-        state: optuna.trial.TrialState,
-        values: Sequence[float] | None,
-    ) -> None:
-        self.fallback.after_trial(study, trial, state, values)
+    def after_trial(self, *args: Any) -> None:
+        self.fallback.after_trial(*args)
 
     def reseed_rng(self) -> None:
         self.fallback.reseed_rng()
@@ -236,7 +195,7 @@ def _per_sample(seconds: float, micro_batch: int | None) -> float:
 def fitted(sampler: BaseSampler) -> TimeModel | None:
     """The time model as the search of one shape fitted it, for re-planning from the plan file (None: no time model,
     or the joint micro-batch search's, which the plan file does not keep)."""
-    return sampler.time_model if isinstance(sampler, TimeModelSampler) and not sampler.joint else None
+    return sampler.model_for(None) if isinstance(sampler, TimeModelSampler) and not sampler.joint else None
 
 
 def sampler_for(
@@ -257,8 +216,15 @@ def sampler_for(
 
 
 def leaders(sampler: BaseSampler, tuned: Sequence[TrialRecord], top: int) -> list[TrialRecord]:
-    """The tuned plans worth confirming (``tuned``: the fitting ones, fastest first)."""
-    return sampler.leaders(tuned, top) if isinstance(sampler, TimeModelSampler) else list(tuned[:top])
+    """The tuned plans worth confirming (``tuned``: the fitting ones, fastest first). With the time model: the one
+    predicted fastest first (a plan timed in a slow moment of the machine still gets its side-by-side figure), then
+    the fastest measured within twice the noise margin (at least ``_CONFIRM_WINDOW``)."""
+    if not isinstance(sampler, TimeModelSampler) or not tuned:
+        return list(tuned[:top])
+    floor = (tuned[0].samples_per_second or 0.0) * (1.0 - max(_CONFIRM_WINDOW, 2 * sampler.noise_margin()))
+    by_prediction = sorted((t for t in tuned if t.predicted_seconds is not None), key=lambda t: t.predicted_seconds)
+    by_measurement = [t for t in tuned if (t.samples_per_second or 0.0) >= floor]
+    return list({t.number: t for t in (*by_prediction[:1], *by_measurement)}.values())[:top]
 
 
 def error_summary(errors: Sequence[float]) -> dict[str, Any]:
