@@ -8,6 +8,7 @@ several fits in one launch (the tuned one, FSDP2 alone, a reuse of the plan file
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -139,6 +140,8 @@ def main() -> None:
     parser.add_argument("--fail-on", default="")
     parser.add_argument("--timeout", type=float, default=1800.0, help="the collectives' timeout, seconds")
     args = parser.parse_args()
+    # A launch that hangs prints where each rank waits before the test's 300 s limit kills it without a word.
+    faulthandler.dump_traceback_later(240, exit=True)
     for name in args.fits.split(","):
         if name == "table":
             report = table_fit(args.out, args)
@@ -149,6 +152,9 @@ def main() -> None:
         prefix = "reuse-" if name == "reuse" else ""
         report = fit(out, args, tuner=name != "plain", prefix=prefix)
         (out / f"{prefix}rank{report['rank']}.json").write_text(json.dumps(report))
+    # The group's threads outlived the interpreter otherwise: "terminate called without an active exception" at exit.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -172,3 +172,30 @@ def test_where_the_allowance_cannot_pay_for_the_floor_a_decided_choice_ends_the_
     assert len(side.rounds) == 2 and not side.stopped_by_allowance and side.decided(0.01)
     roomy = confirm_interleaved(entries(), min_rounds=6, max_rounds=20, tie_tolerance=0.01, left=lambda: 1e9)
     assert len(roomy.rounds) == 6, "with room for the floor, the floor holds"
+
+
+def test_rank_0s_clock_decides_when_the_floor_gives_way_to_a_decided_choice():
+    # The rounds before the floor end early where the allowance cannot pay for the floor and the choice is decided.
+    # That was each rank's own clock: rank 0 stopped and went on to verify the chosen plan while rank 1 waited in
+    # the next round's broadcast for ever (the FSDP2 test hung). Rank 0's answer now decides for every rank.
+    from lightning_ckpt.search.distributed import LocalSync
+    from lightning_ckpt.search.ledger import TrialRecord
+    from lightning_ckpt.search.rounds import ConfirmEntry, confirm_interleaved
+
+    class Rank1(LocalSync):  # rank 0's answers: no round start refused; the floor out of reach after round 2
+        answers = iter([False, False, True])
+
+        def broadcast(self, obj):
+            return next(self.answers) if isinstance(obj, bool) else obj
+
+    def entries():
+        return [ConfirmEntry(TrialRecord(0, Plan(), "full", baseline="full", median_seconds=1.0), lambda: 1.0, 1),
+                ConfirmEntry(TrialRecord(1, Plan(), "tuned", median_seconds=1.5), lambda: 1.5, 1)]  # fmt: skip
+
+    # This rank's own clock finds plenty left: alone, it would run the floor's six rounds.
+    side = confirm_interleaved(
+        entries(), min_rounds=6, max_rounds=20, tie_tolerance=0.01, sync=Rank1(), left=lambda: 1e9
+    )
+    assert len(side.rounds) == 2 and side.decided(0.01) and not side.stopped_by_allowance
+    alone = confirm_interleaved(entries(), min_rounds=6, max_rounds=20, tie_tolerance=0.01, left=lambda: 1e9)
+    assert len(alone.rounds) == 6

@@ -119,8 +119,12 @@ def confirm_interleaved(
         on_step(done, max_rounds, len(order), len(order), result)
         # Where the allowance cannot pay for the floor, the rounds after it start from the second (the first with an
         # interval): settled plans stop being timed, and a decided choice ends them, rather than a cut left undecided.
+        # Rank 0's clock decides here too: a rank that went on to the next round while rank 0 stopped waited for it
+        # in that round's broadcast for ever (the FSDP2 test's hang, rank 0 already verifying the chosen plan).
         floor = (min_rounds - done) * sum(e.steps_per_round for e in active) + reserve_steps
-        if done < min_rounds and not (done >= 2 and after is not None and after < per_step * floor):
+        if done < min_rounds and not (
+            done >= 2 and left is not None and sync.broadcast(after is not None and after < per_step * floor)
+        ):
             continue
         if until(result) if until is not None else result.decided(tie_tolerance):
             break
