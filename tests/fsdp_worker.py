@@ -140,8 +140,8 @@ def main() -> None:
     parser.add_argument("--fail-on", default="")
     parser.add_argument("--timeout", type=float, default=1800.0, help="the collectives' timeout, seconds")
     args = parser.parse_args()
-    # A launch that hangs prints where each rank waits before the test's 300 s limit kills it without a word.
-    faulthandler.dump_traceback_later(240, exit=True)
+    # A launch that hangs prints where each rank waits just before the test's 300 s limit kills it without a word.
+    faulthandler.dump_traceback_later(280, exit=True)
     for name in args.fits.split(","):
         if name == "table":
             report = table_fit(args.out, args)
