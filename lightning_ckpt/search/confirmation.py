@@ -16,6 +16,7 @@ from typing import Any
 from optuna.samplers import BaseSampler
 
 from lightning_ckpt.formatting import count
+from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.ledger import VS_REFERENCE, Ledger, ProgressFn, TrialRecord
 from lightning_ckpt.search.rounds import (
     CLAIM_HALF_WIDTH,
@@ -49,7 +50,7 @@ class Confirmed:
 
     side: SideBySide | None = None
     speed_changes: tuple[str, ...] = ()
-    stopped: tuple[str, ...] = ()  # rounds the search's allowance ended before every verdict was decided
+    stopped: tuple[str, ...] = ()  # what the search's allowance ended early: the trials, rounds left undecided
 
 
 def confirm(
@@ -111,12 +112,12 @@ def confirm(
     return Confirmed(side, tuple(changes), stopped)
 
 
-def floor_seconds(ledger: Ledger, config: Any) -> float | None:
+def floor_seconds(ledger: Ledger, config: TuneConfig) -> float | None:
     """Seconds the confirmation's floor would take with one more tuned plan measured (``confirm_rounds`` rounds of
     every fitting baseline and the leaders, their first-round warm-ups, and the fresh rounds' floor of two plans), at
-    the fitting trials' mean step; None where no confirmation runs or nothing fits yet. The loop stops measuring tuned plans
-    when the allowance cannot pay for it: a tuned plan is chosen only by its verdict, so on a fast step the trials
-    had left two rounds, too few to tell baselines 3% apart (the mixer kept a 6% slower one in 2 of 10 searches)."""
+    the fitting trials' mean step; None where no confirmation runs or nothing fits yet. The loop stops measuring
+    tuned plans when the allowance cannot pay for it: a tuned plan is chosen only by its verdict, so on a fast step
+    the trials had left two rounds, too few to tell baselines 3% apart (the mixer kept a 6% slower one in 2 of 10)."""
     fitting = [t for t in ledger.fastest_fitting() if t.median_seconds]
     if config.confirm_top <= 0 or not fitting:
         return None

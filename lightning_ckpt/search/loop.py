@@ -6,8 +6,8 @@ predicted over budget (or over ``max_host_memory``) and every offload plan predi
 than it saves in recompute (``TimeModelSampler.offload_loses``; pruned, free); every baseline that can run (the
 references, measured whatever ``n_trials``); then every plan when the space is no larger than ``n_trials``, else the
 sampler's proposals until ``n_trials`` ran, ``timeout`` passed, the time model's ``nothing_left_can_win`` holds
-(the rest pruned, each with its prediction), or ``rounds_first()`` (the search's allowance must keep what the side-by-side
-rounds need: a tuned plan they cannot confirm is never chosen, so measuring it would be waste).
+(the rest pruned, each with its prediction), or ``rounds_first()`` (the search's allowance must keep what the
+side-by-side rounds need: a tuned plan they cannot confirm is never chosen, so measuring it would be waste).
 """
 
 from __future__ import annotations
