@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.plan.format import BlockPlan
 from lightning_ckpt.search.choice import choose_best
 from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.search.confirmation import Confirmed
 from lightning_ckpt.search.ledger import TrialRecord
-from lightning_ckpt.search.pipeline import SearchHooks
+from lightning_ckpt.search.phases import Phases
+from lightning_ckpt.search.pipeline import TAIL_STEPS, Search, SearchHooks
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
 
@@ -244,3 +247,46 @@ def test_the_trials_stop_where_the_allowance_could_no_longer_pay_for_the_rounds_
     assert not any("the confirmation" in s for s in stopped), "the rounds reached their floor"
     confirmed = [t for t in bounded.trials if t.confirmed]
     assert len(confirmed) >= 2 and bounded.cost.plain_steps <= 100.0
+
+
+class _SpeedingClock(LinearClock):
+    """A Linear clock whose machine speeds up when told (``cost`` changes what the next calls take, not the past)."""
+
+    def _tick(self, module, args) -> None:
+        if isinstance(module, torch.nn.Linear):
+            self.linear_calls += 1
+            self.now += self.cost
+
+
+def test_the_allowance_counts_in_the_plain_step_as_fast_as_the_process_became_after_its_first_steps(gpt, tokens):
+    # A fresh process's first steps run slower than its later ones (1.3x on 10 ms steps, tuning_cost --shapes): an
+    # allowance counted in them overran 150 plain steps timed after the search. Here the machine runs twice as fast
+    # from the first trial on; the plain step timed again after the trials is the unit.
+    clock = _SpeedingClock()
+
+    def faster(trial, budget) -> None:
+        clock.cost = 0.5e-3
+
+    with clock.installed():
+        start = clock()
+        gpt(tokens, tokens).backward()
+        plain = clock() - start
+        gpt.zero_grad(set_to_none=True)
+        result = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.5,
+                      config=TuneConfig(search_space=SPACE, measure_steps=1, clock=clock),
+                      hooks=SearchHooks(progress=faster))  # fmt: skip
+    assert result.cost.plain_step_seconds == pytest.approx(plain / 2)
+
+
+def test_the_fresh_rounds_get_back_the_tail_the_winners_memory_pass_spent_before_them():
+    # The winner's memory pass runs between the choosing rounds and the fresh ones, and is paid for by the tail the
+    # allowance keeps (TAIL_STEPS): the fresh rounds' floor was reserved whole, so they get back what it spent, no more.
+    now = [0.0]
+    phases = Phases(clock=lambda: now[0])
+    trials = SimpleNamespace(config=TuneConfig(search_steps=100.0))
+    search = Search(SimpleNamespace(snapshot=lambda: ()), trials, None, (), (), Confirmed(), False, 0,
+                    phases=phases, plain_seconds=0.5)  # fmt: skip
+    now[0] = 20.0
+    assert search.left() == pytest.approx((100 - TAIL_STEPS) * 0.5 - 20.0)
+    assert search.left(tail_spent=1.5) == pytest.approx(search.left() + 1.5)
+    assert search.left(tail_spent=100.0) == pytest.approx(100 * 0.5 - 20.0), "never more than the tail"

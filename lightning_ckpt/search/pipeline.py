@@ -31,7 +31,7 @@ from lightning_ckpt.search.loop import measure, run_trials
 from lightning_ckpt.search.phases import Phases, SearchCost
 from lightning_ckpt.search.result import SearchFacts, TuneResult, build_result
 from lightning_ckpt.search.rounds import beats_by, reported_verdict
-from lightning_ckpt.search.runners import release_cached_memory
+from lightning_ckpt.search.runners import TrialRunner, release_cached_memory
 from lightning_ckpt.search.sampler import TimeModelSampler, fitted, sampler_for, sampler_summary
 from lightning_ckpt.search.space import Candidate, SearchSpace, offered_candidates
 from lightning_ckpt.search.trials import Trials, Workload, resized, run_info
@@ -45,6 +45,8 @@ __all__ = ["TAIL_STEPS", "Search", "SearchHooks", "conclude", "run_search", "war
 TAIL_STEPS = 10
 # Plain steps the warm-up times for the search's plain step (``warm_up_process``): the fastest counts.
 PLAIN_TIMED_STEPS = 3
+# ... and again after the trials (``_plain_again``).
+LATE_PLAIN_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -94,14 +96,17 @@ class Search:
         left, floor = self.left(), floor_seconds(self.ledger, self.trials.config)
         return left is not None and floor is not None and left < floor
 
-    def left(self) -> float | None:
+    def left(self, tail_spent: float = 0.0) -> float | None:
         """Seconds of the search's allowance (``TuneConfig.search_steps`` plain steps) left for its rounds, less
-        ``TAIL_STEPS`` for what follows them; None without an allowance or a plain step."""
+        ``TAIL_STEPS`` for what follows them, of which ``tail_spent`` seconds are spent already (the chosen plan's
+        memory pass runs before the fresh rounds: charged to them, it cut their floor of six rounds short);
+        None without an allowance or a plain step."""
         allowance = self.trials.config.search_steps
         cost = self.cost() if allowance is not None else None
         if cost is None or not cost.plain_step_seconds:
             return None
-        return (allowance - TAIL_STEPS) * cost.plain_step_seconds - cost.total_seconds
+        tail = TAIL_STEPS * cost.plain_step_seconds
+        return allowance * cost.plain_step_seconds - tail + min(tail_spent, tail) - cost.total_seconds
 
 
 def run_search(
@@ -155,12 +160,24 @@ def run_search(
         ran = run_trials(
             ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress, rounds_first=first
         )
+    if plain_seconds is not None:
+        with phases.timing("warm_up"):
+            search = replace(search, plain_seconds=_plain_again(runner, plain_seconds))
+        warm_steps += LATE_PLAIN_STEPS
     with phases.timing("confirmation"):
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
     if ran.stopped is not None:
         confirmed = replace(confirmed, stopped=(ran.stopped, *confirmed.stopped))
     release_cached_memory(resolved.device)
-    return replace(search, confirmed=confirmed, none_fits=ran.none_fits)
+    return replace(search, confirmed=confirmed, none_fits=ran.none_fits, warm_steps=warm_steps)
+
+
+def _plain_again(runner: TrialRunner, seconds: float) -> float:
+    """The search's plain step, timed again after the trials: a process's first steps run slower than its later ones
+    (1.3x on 10 ms steps, in ``tuning_cost.py --shapes``), and the allowance, counted in the first, overran 150 plain
+    steps timed after the search by a fifth. The fastest of all counts: the allowance is a bound."""
+    again = runner.retime(Plan(), LATE_PLAIN_STEPS, warmup=0)
+    return min([seconds, *again.step_seconds]) if again.status == "ok" else seconds
 
 
 def _distributions(space: SearchSpace, stacks: Sequence[Any], workloads: Sequence[Workload]) -> dict[str, Any]:
@@ -188,10 +205,16 @@ def conclude(
     ledger, trials = search.ledger, search.trials
     verdict, stopped = None, list(search.confirmed.stopped)
     try:
+        chose = search.phases.clock()
         best, fell_back, message = _choose(search)
+        chose = search.phases.clock() - chose  # mostly the winner's memory pass, which the tail pays for
+
+        def left() -> float | None:
+            return search.left(tail_spent=chose)
+
         if not fell_back:
             with search.phases.timing("hold_out"):
-                best, verdict, held = hold_out(best, ledger, trials, search.confirmed, search.progress, search.left)
+                best, verdict, held = hold_out(best, ledger, trials, search.confirmed, search.progress, left)
             if held:
                 stopped.append("the fresh rounds that hold the winner out, before its claim was within ±3%")
             if after_choice is not None:
