@@ -13,6 +13,7 @@ from lightning_ckpt import Plan, tune
 from lightning_ckpt.budget import Budget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
 from lightning_ckpt.plan.format import BlockPlan
+from lightning_ckpt.search import pipeline
 from lightning_ckpt.search.choice import choose_best
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.confirmation import Confirmed
@@ -290,3 +291,30 @@ def test_the_fresh_rounds_get_back_the_tail_the_winners_memory_pass_spent_before
     assert search.left() == pytest.approx((100 - TAIL_STEPS) * 0.5 - 20.0)
     assert search.left(tail_spent=1.5) == pytest.approx(search.left() + 1.5)
     assert search.left(tail_spent=100.0) == pytest.approx(100 * 0.5 - 20.0), "never more than the tail"
+
+
+def test_the_unit_is_timed_again_where_the_trials_would_stop_for_the_rounds_floor(gpt, tokens, monkeypatch):
+    # Timed again only after the trials, a smaller unit left the rounds none of the floor the trials had kept for them
+    # (a 10 ms step: the confirmation after 0 rounds in two of four searches). The trials, where they would stop for
+    # the floor, have every rank time it first, and ask again.
+    events: list[str] = []
+    timed_again, looped = pipeline._plain_again, pipeline.run_trials
+
+    def plain_again(runner, seconds):
+        events.append("plain again")
+        return timed_again(runner, seconds)
+
+    def run_trials(*args, **kwargs):
+        ran = looped(*args, **kwargs)
+        events.append("trials over")
+        return ran
+
+    monkeypatch.setattr(pipeline, "_plain_again", plain_again)
+    monkeypatch.setattr(pipeline, "run_trials", run_trials)
+    clock = LinearClock()
+    with clock.installed():
+        result = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.5,
+                      config=TuneConfig(measure_steps=1, clock=clock, search_steps=100.0))  # fmt: skip
+    stopped = result.best.metadata["search"]["allowance"]["stopped"]
+    assert any(s.startswith("the trials after") for s in stopped)
+    assert events == ["plain again", "trials over"]

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 # seen most of a space redraws known points, and every redraw costs a suggest call whose cost grows with the study
 # (54 of 105 s of a 16-layer search went there before this bound).
 _MAX_REDRAWS = 2
+# Rank 0's word to every rank: time the allowance's unit again (``run_trials``'s ``plain_again``).
+_PLAIN_AGAIN = "plain again"
 
 
 @dataclass(frozen=True)
@@ -56,25 +58,37 @@ def run_trials(
     *,
     progress: ProgressFn | None = None,
     rounds_first: Callable[[], bool] | None = None,
+    plain_again: Callable[[], None] | None = None,
 ) -> TrialsRun:
-    """Fill ``ledger`` (see the module docstring). ``rounds_first()``: rank 0's, polled before each tuned plan."""
+    """Fill ``ledger`` (see the module docstring). ``rounds_first()``: rank 0's, polled before each tuned plan; the
+    first time it would stop the trials, every rank runs ``plain_again()`` (which times the allowance's unit again)
+    and it is asked once more."""
     accumulation = {m: w.accumulation for m, w in trials.workloads.items()}
     ledger.open(sampler, trials.predicted_over_budget, accumulation)
     if _none_fits(ledger, trials, sampler, candidates, progress):
         return TrialsRun(none_fits=True)
     leader = trials.sync.is_leader
-    proposals = _Proposals(ledger, trials, sampler, candidates, space, stacks, rounds_first) if leader else None
+    proposals = (
+        _Proposals(ledger, trials, sampler, candidates, space, stacks, rounds_first, plain_again is not None)
+        if leader
+        else None
+    )
     while True:
         trials.check_stop()
         proposal = proposals.next() if proposals is not None else None
         message = None
-        if proposal is not None:
+        if proposal == _PLAIN_AGAIN:
+            message = proposal
+        elif proposal is not None:
             cand, _, prune = proposal
             prune = "memory" if trials.predicted_over_budget(cand.plan, cand.micro_batch) else prune
             message = (dict(cand.params), cand.plan.to_dict(), cand.label, cand.baseline, prune)
         message = trials.sync.broadcast(message)
         if message is None:
             break
+        if message == _PLAIN_AGAIN:
+            plain_again()
+            continue
         params, plan, label, baseline, prune = message
         if proposal is None:
             cand = Candidate(params, Plan.from_dict(plan, source="candidate from rank 0"), label, baseline)
@@ -145,9 +159,10 @@ class _Proposals:
         space: SearchSpace,
         stacks: Sequence[Any],
         rounds_first: Callable[[], bool] | None = None,
+        plain_again: bool = False,
     ) -> None:
         self.ledger, self.trials, self.sampler, self.candidates = ledger, trials, sampler, candidates
-        self.space, self.stacks, self.rounds_first = space, stacks, rounds_first
+        self.space, self.stacks, self.rounds_first, self.plain_again = space, stacks, rounds_first, plain_again
         self.stopped: str | None = None  # why the allowance ended the trials early
         self.timed = sampler if isinstance(sampler, TimeModelSampler) else None
         self.exhaustive = len(candidates) <= trials.config.n_trials
@@ -158,7 +173,7 @@ class _Proposals:
     def unseen(self) -> list[Candidate]:
         return [c for c in self.candidates if c.key() not in self.ledger and self.trials.offered(c.plan)]
 
-    def next(self) -> tuple[Candidate, Any, str | None] | None:
+    def next(self) -> tuple[Candidate, Any, str | None] | str | None:
         unseen = self.unseen()
         if self.timed is not None:
             over = [c for c in unseen if self.trials.predicted_over_budget(c.plan, c.micro_batch)]
@@ -181,6 +196,9 @@ class _Proposals:
         if self.ledger.measured >= self.trials.config.n_trials or self.trials.out_of_time() or not unseen:
             return None  # ``n_trials`` plans measured (pruned ones are free), or out of time
         if self.rounds_first is not None and self.rounds_first():
+            if self.plain_again:  # the unit first: the floor it prices decides
+                self.plain_again = False
+                return _PLAIN_AGAIN
             self.stopped = (
                 f"the trials after {count(self.ledger.measured, 'plan')} measured (the rest kept for the rounds)"
             )

@@ -45,7 +45,7 @@ __all__ = ["TAIL_STEPS", "Search", "SearchHooks", "conclude", "run_search", "war
 TAIL_STEPS = 10
 # Plain steps the warm-up times for the search's plain step (``warm_up_process``): the fastest counts.
 PLAIN_TIMED_STEPS = 3
-# ... and again after the trials (``_plain_again``).
+# ... and again before the trials stop for the rounds (``_plain_again``).
 LATE_PLAIN_STEPS = 2
 
 
@@ -153,29 +153,40 @@ def run_search(
         ledger, trials, sampler, tuple(candidates), tuple(stacks), Confirmed(), False, warm_steps,
         progress=hooks.progress, phases=phases, plain_seconds=plain_seconds,
     )  # fmt: skip
+    retimed = plain_seconds is None  # a plain step to time again (``_plain_again``), where the warm-up timed one
+
+    def plain_again() -> None:
+        nonlocal search, retimed
+        retimed = True
+        unit = _plain_again(runner, search.plain_seconds)
+        search = replace(search, plain_seconds=unit, warm_steps=search.warm_steps + LATE_PLAIN_STEPS)
+
     with phases.timing("trials"):
         # Not in a compiled search: its compile alone spends the allowance (its cost is weighed against the user's
         # compile instead), and only its trials price the PT2 budgets, which the time model cannot predict.
-        first = None if isinstance(runner, CompiledTrials) else search.rounds_first
+        compiled = isinstance(runner, CompiledTrials)
         ran = run_trials(
-            ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress, rounds_first=first
-        )
-    if plain_seconds is not None:
+            ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress,
+            rounds_first=None if compiled else (lambda: search.rounds_first()),
+            plain_again=None if retimed else plain_again,
+        )  # fmt: skip
+    if not retimed:
         with phases.timing("warm_up"):
-            search = replace(search, plain_seconds=_plain_again(runner, plain_seconds))
-        warm_steps += LATE_PLAIN_STEPS
+            plain_again()
     with phases.timing("confirmation"):
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
     if ran.stopped is not None:
         confirmed = replace(confirmed, stopped=(ran.stopped, *confirmed.stopped))
     release_cached_memory(resolved.device)
-    return replace(search, confirmed=confirmed, none_fits=ran.none_fits, warm_steps=warm_steps)
+    return replace(search, confirmed=confirmed, none_fits=ran.none_fits)
 
 
 def _plain_again(runner: TrialRunner, seconds: float) -> float:
-    """The search's plain step, timed again after the trials: a process's first steps run slower than its later ones
-    (1.3x on 10 ms steps, in ``tuning_cost.py --shapes``), and the allowance, counted in the first, overran 150 plain
-    steps timed after the search by a fifth. The fastest of all counts: the allowance is a bound."""
+    """The search's plain step, timed again where the trials would stop for the rounds' floor (else after them): a
+    process's first steps run slower than its later ones (1.3x on 10 ms steps, in ``tuning_cost.py --shapes``), and
+    the allowance, counted in the first, overran 150 plain steps timed after the search by a fifth. Timed only after
+    the trials, the smaller unit left the rounds none of the floor the trials had kept for them. The fastest of all
+    counts: the allowance is a bound."""
     again = runner.retime(Plan(), LATE_PLAIN_STEPS, warmup=0)
     return min([seconds, *again.step_seconds]) if again.status == "ok" else seconds
 
