@@ -176,7 +176,7 @@ def _segment_installs(root: nn.Module, plan: Plan) -> tuple[list[_Install], list
         # Reused: nothing of a step that ended part-way (a failed trial) is handed out, and the watch starts afresh.
         for chunk in chunks:
             chunk.clear()
-        watch.reason, watch.deviations = None, 0
+        watch.reason = None
         installs += stack_installs
         watches.append(watch)
     return installs, watches

@@ -173,7 +173,7 @@ class Plan:
         labels = {fqn: self.mode_of(fqn).describe() for fqn in block_fqns}
         for stack, chunks in self.segments.items():
             members = [f for f in block_fqns if f.rpartition(".")[0] == stack]
-            if not members or chunks < 1:
+            if not members:
                 continue
             ranges = segment_chunks(len(members), min(chunks, len(members)))
             for i, (start, end) in enumerate(ranges):
@@ -203,11 +203,8 @@ class Plan:
         return replace(self, metadata={k: v for k, v in metadata.items() if v is not None})
 
     def describe(self) -> str:
-        """A one-line human summary that names the blocks, e.g. ``full h.0-3, selective(mlp) h.4-7``.
-
-        The prefix every block shares is dropped, so a plan on ``encoder.block`` reads like the same plan on
-        ``decoder.block``: ``key()`` is the exact identity.
-        """
+        """A one-line human summary that names the blocks, e.g. ``full h.0-3, selective(mlp) h.4-7``, without the
+        prefix every block shares (``key()`` is the exact identity)."""
         if self.is_empty:
             return "none"
         groups: dict[str, list[str]] = {}
@@ -233,7 +230,7 @@ class Plan:
         return d
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=False, default=_json_default)
+        return json.dumps(self.to_dict(), indent=2, default=_json_default)
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
@@ -264,9 +261,8 @@ class Plan:
     def save(self, path: str | os.PathLike[str], *, unchanged_since: str | None | object = _ANY_VERSION) -> Path:
         """Write atomically: a crash or a full disk leaves any previous plan file intact.
 
-        ``unchanged_since``: the file's ``plan_file_version`` when the caller last read or wrote it (None: there
-        was no file). If another run saved to it meanwhile, nothing is written and ``PlanFileChangedError`` names
-        the plan it holds; the check runs under a directory lock, so of two concurrent saves one loses.
+        ``unchanged_since``: the file's ``plan_file_version`` when the caller last read or wrote it (None: no file).
+        If another run saved to it since (checked under a directory lock), nothing is written: ``PlanFileChangedError``.
         """
         path = Path(path)
         data = self.to_json().encode("utf-8")
@@ -387,22 +383,14 @@ def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
 
 def _check_against_own_profile(plan: Plan, source: str) -> None:
     """Refuse a plan naming a block (or a segmented stack) the profile it keeps never saw (a hand edit, or two runs
-    pieced together): without a model (``show``, ``replan``) its figures would be quoted for a plan they do not fit."""
+    pieced together): without a model (``show``, ``replan``) its figures would be quoted for a plan they do not fit.
+    ``from_dict`` validated the profile, so its stacks and blocks have the schema's shape."""
     profile = plan.provenance.profile
-    stacks = profile.get("stacks")
-    if not isinstance(stacks, list) or not all(isinstance(s, Mapping) for s in stacks):
+    if not profile:
         return
-    stack_names = [s.get("fqn") for s in stacks]
-    blocks = [
-        b.get("fqn")
-        for s in stacks
-        for b in (s.get("blocks") or [])
-        if isinstance(s.get("blocks"), list) and isinstance(b, Mapping)
-    ]
-    memory = profile.get("memory")
-    if isinstance(memory, Mapping) and isinstance(memory.get("blocks"), list):
-        blocks += [b.get("fqn") for b in memory["blocks"] if isinstance(b, Mapping)]
-    known = sorted({n for n in blocks if isinstance(n, str)})
+    stack_names = [s["fqn"] for s in profile["stacks"]]
+    blocks = [b for s in profile["stacks"] for b in s["blocks"]] + list(profile["memory"]["blocks"])
+    known = sorted({b["fqn"] for b in blocks})
     if not known:
         return
     for fqn in plan.blocks:
@@ -416,8 +404,7 @@ def _check_against_own_profile(plan: Plan, source: str) -> None:
         if fqn not in stack_names:
             raise StalePlanError(
                 f"{source}: segments name the stack {fqn!r}, which is not in the profile the file keeps (its stacks: "
-                f"{closest_names(fqn, [n for n in stack_names if isinstance(n, str)])}). Remove it from "
-                "'segments', or re-tune to write a new plan."
+                f"{closest_names(fqn, stack_names)}). Remove it from 'segments', or re-tune to write a new plan."
             )
 
 
