@@ -125,11 +125,9 @@ def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
     for fqn, bp in plan.blocks.items():
         block = _resolve(root, fqn, "Block")
         if bp.mode in ("full", "ops", "offload_input"):
-            save_list = bp.save_list if bp.mode == "ops" else None
             offloaded = bp.mode == "offload_input"
-            forward = _reused(
-                (id(block), "checkpoint", save_list, offloaded), _checkpointing, block, save_list, offloaded
-            )
+            key = (id(block), "checkpoint", bp.save_list, offloaded)
+            forward = _reused(key, _checkpointing, block, bp.save_list, offloaded)
         if bp.mode.startswith("offload"):  # ``offload_input``: the checkpoint's one saved input goes to the pool
             pool = pool or _reused((id(root), "offload pool"), OffloadPool)
             inner = forward if bp.mode == "offload_input" else None
