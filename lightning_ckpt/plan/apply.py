@@ -1,9 +1,6 @@
 """Apply a plan to a model in place, reversibly, without changing a single FQN: each planned module gets an
 instance-level ``forward`` (a ``functools.partial`` of a module-level function, so ``deepcopy`` and ``pickle`` work),
 which ``PlanHandle.remove()`` deletes.
-
-Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had, so to
-dynamo's guards switching back to a plan does not recompile.
 """
 
 from __future__ import annotations
@@ -57,7 +54,8 @@ _REUSED: ContextVar[dict[tuple[Any, ...], Any] | None] = ContextVar("lightning_c
 
 @contextlib.contextmanager
 def reused_forwards(memo: dict[tuple[Any, ...], Any]) -> Iterator[None]:
-    """Plans applied inside reuse the forward objects ``memo`` kept; the caller drops it with the compiled graphs."""
+    """Plans applied inside give a module a mode it had before with the very forward object it had (``memo``), so to
+    dynamo's guards switching back to a plan does not recompile; the caller drops ``memo`` with the compiled graphs."""
     token = _REUSED.set(memo)
     try:
         yield
