@@ -44,8 +44,6 @@ def is_compile_wrapper(module: nn.Module) -> bool:
 def canonical_fqn(fqn: str) -> str:
     """``fqn`` without the ``_orig_mod`` steps that ``torch.compile(submodule)`` wrappers add; the plain name still
     resolves on the compiled model, as the wrapper forwards attribute lookups to ``_orig_mod``."""
-    if "_orig_mod" not in fqn:
-        return fqn
     return ".".join(part for part in fqn.split(".") if part != "_orig_mod")
 
 

@@ -10,8 +10,7 @@ from lit import LitGPT, quiet_trainer, token_loader
 
 from lightning_ckpt import ActivationCheckpointTuner, Plan, apply_plan, tune
 from lightning_ckpt.errors import StalePlanError
-from lightning_ckpt.plan.format import BlockPlan
-from lightning_ckpt.plan.model_change import describe_model_change, model_changes
+from lightning_ckpt.plan.format import BlockPlan, describe_model_change, model_changes
 from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.testing import GPT, GPTConfig
 

@@ -1,9 +1,6 @@
 """Apply a plan to a model in place, reversibly, without changing a single FQN: each planned module gets an
 instance-level ``forward`` (a ``functools.partial`` of a module-level function, so ``deepcopy`` and ``pickle`` work),
 which ``PlanHandle.remove()`` deletes.
-
-Inside ``reused_forwards(memo)`` a module given a mode it had before gets the very forward object it had, so to
-dynamo's guards switching back to a plan does not recompile.
 """
 
 from __future__ import annotations
@@ -57,7 +54,8 @@ _REUSED: ContextVar[dict[tuple[Any, ...], Any] | None] = ContextVar("lightning_c
 
 @contextlib.contextmanager
 def reused_forwards(memo: dict[tuple[Any, ...], Any]) -> Iterator[None]:
-    """Plans applied inside reuse the forward objects ``memo`` kept; the caller drops it with the compiled graphs."""
+    """Plans applied inside give a module a mode it had before with the very forward object it had (``memo``), so to
+    dynamo's guards switching back to a plan does not recompile; the caller drops ``memo`` with the compiled graphs."""
     token = _REUSED.set(memo)
     try:
         yield
@@ -125,11 +123,9 @@ def _block_installs(root: nn.Module, plan: Plan) -> list[_Install]:
     for fqn, bp in plan.blocks.items():
         block = _resolve(root, fqn, "Block")
         if bp.mode in ("full", "ops", "offload_input"):
-            save_list = bp.save_list if bp.mode == "ops" else None
             offloaded = bp.mode == "offload_input"
-            forward = _reused(
-                (id(block), "checkpoint", save_list, offloaded), _checkpointing, block, save_list, offloaded
-            )
+            key = (id(block), "checkpoint", bp.save_list, offloaded)
+            forward = _reused(key, _checkpointing, block, bp.save_list, offloaded)
         if bp.mode.startswith("offload"):  # ``offload_input``: the checkpoint's one saved input goes to the pool
             pool = pool or _reused((id(root), "offload pool"), OffloadPool)
             inner = forward if bp.mode == "offload_input" else None
@@ -176,7 +172,7 @@ def _segment_installs(root: nn.Module, plan: Plan) -> tuple[list[_Install], list
         # Reused: nothing of a step that ended part-way (a failed trial) is handed out, and the watch starts afresh.
         for chunk in chunks:
             chunk.clear()
-        watch.reason, watch.deviations = None, 0
+        watch.reason = None
         installs += stack_installs
         watches.append(watch)
     return installs, watches

@@ -146,7 +146,8 @@ class BufferGuard:
             known |= late
             now = {k: slots[k][0]._buffers[slots[k][1]] for k in late}
             before.update(_copies({k: t for k, t in now.items() if t is not None}))
-            _warn_late_update_once(type(self.modules[0]).__name__, tuple(sorted(_key_name(k) for k in late)))
+            names = tuple(sorted(f"{owner}.{name}" if owner else name for _, owner, name in late))
+            _warn_late_update_once(type(self.modules[0]).__name__, names)
         recompute.prepare([(slots[k][0], slots[k][1], before[k]) for k in sorted(updated) if k in before])
         if updates is not None:
             for k in sorted(updated):
@@ -200,11 +201,6 @@ def _warn_eager_in_compiled_once(cls_name: str, version: str) -> None:
         f"{COMPILED_BUFFER_UPDATES_EXACT[0]}.{COMPILED_BUFFER_UPDATES_EXACT[1]} compiles it exactly.",
         stacklevel=3,
     )
-
-
-def _key_name(key: _BufferKey) -> str:
-    _, owner_fqn, name = key
-    return f"{owner_fqn}.{name}" if owner_fqn else name
 
 
 @functools.lru_cache(maxsize=64)

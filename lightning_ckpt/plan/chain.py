@@ -104,4 +104,3 @@ class StackWatch:
 
     stack_fqn: str
     reason: str | None = None
-    deviations: int = 0

@@ -173,7 +173,7 @@ class Plan:
         labels = {fqn: self.mode_of(fqn).describe() for fqn in block_fqns}
         for stack, chunks in self.segments.items():
             members = [f for f in block_fqns if f.rpartition(".")[0] == stack]
-            if not members or chunks < 1:
+            if not members:
                 continue
             ranges = segment_chunks(len(members), min(chunks, len(members)))
             for i, (start, end) in enumerate(ranges):
@@ -203,11 +203,8 @@ class Plan:
         return replace(self, metadata={k: v for k, v in metadata.items() if v is not None})
 
     def describe(self) -> str:
-        """A one-line human summary that names the blocks, e.g. ``full h.0-3, selective(mlp) h.4-7``.
-
-        The prefix every block shares is dropped, so a plan on ``encoder.block`` reads like the same plan on
-        ``decoder.block``: ``key()`` is the exact identity.
-        """
+        """A one-line human summary that names the blocks, e.g. ``full h.0-3, selective(mlp) h.4-7``, without the
+        prefix every block shares (``key()`` is the exact identity)."""
         if self.is_empty:
             return "none"
         groups: dict[str, list[str]] = {}
@@ -233,7 +230,7 @@ class Plan:
         return d
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=False, default=_json_default)
+        return json.dumps(self.to_dict(), indent=2, default=_json_default)
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
@@ -264,9 +261,8 @@ class Plan:
     def save(self, path: str | os.PathLike[str], *, unchanged_since: str | None | object = _ANY_VERSION) -> Path:
         """Write atomically: a crash or a full disk leaves any previous plan file intact.
 
-        ``unchanged_since``: the file's ``plan_file_version`` when the caller last read or wrote it (None: there
-        was no file). If another run saved to it meanwhile, nothing is written and ``PlanFileChangedError`` names
-        the plan it holds; the check runs under a directory lock, so of two concurrent saves one loses.
+        ``unchanged_since``: the file's ``plan_file_version`` when the caller last read or wrote it (None: no file).
+        If another run saved to it since (checked under a directory lock), nothing is written: ``PlanFileChangedError``.
         """
         path = Path(path)
         data = self.to_json().encode("utf-8")
@@ -305,8 +301,6 @@ class Plan:
 
     def model_change(self, model: ModelView) -> str:
         """How ``model`` differs from the one this plan was tuned for, read from the plan's saved profile."""
-        from lightning_ckpt.plan.model_change import describe_model_change, model_changes
-
         root = model.root
         changes = model_changes(
             self.provenance.profile,
@@ -316,6 +310,104 @@ class Plan:
             module_names=frozenset(name for name, _ in root.named_modules()),
         )
         return describe_model_change(changes)
+
+
+# What differs between the model a plan was tuned for and this one, in words a user can act on: two fingerprints say
+# *that* the model changed, the plan file's profile says *how*. Torch-free: it compares ``LayerStack.to_dict``s.
+_MAX_LISTED = 3
+
+
+def _stacks_of(profile: Any) -> list[Mapping[str, Any]] | None:
+    """The saved stacks, or None where the file holds none in a readable form (an old or hand-made plan)."""
+    stacks = profile.get("stacks") if isinstance(profile, Mapping) else None
+    readable = (
+        isinstance(s, Mapping) and isinstance(s.get("fqn"), str) and isinstance(s.get("blocks"), list)
+        for s in stacks or ()
+    )
+    return stacks if isinstance(stacks, list) and all(readable) else None
+
+
+def _block_words(stack: Mapping[str, Any]) -> str:
+    blocks = [b for b in stack["blocks"] if isinstance(b, Mapping)]
+    classes = sorted({str(b.get("class_name")) for b in blocks})
+    return f"{len(stack['blocks'])} x {'/'.join(classes) or 'block'}"
+
+
+def _compare_blocks(saved: list[Any], now: list[Mapping[str, Any]]) -> list[str]:
+    """The first block that differs, in words: identical blocks differ alike."""
+    for old, new in zip(saved, now, strict=False):
+        if not isinstance(old, Mapping):
+            continue
+        if old.get("class_name") != new["class_name"]:
+            return [f"{new['fqn']} is a {old.get('class_name')} in the plan and a {new['class_name']} in this model"]
+        if old.get("num_params") != new["num_params"]:
+            return [
+                f"{new['fqn']} ({new['class_name']}) has {old.get('num_params'):,} parameters in the plan and "
+                f"{new['num_params']:,} in this model"
+                if isinstance(old.get("num_params"), int)
+                else f"{new['fqn']} has another parameter count in this model ({new['num_params']:,})"
+            ]
+        names = [c[0] for c in old.get("children") or [] if isinstance(c, list) and c]
+        if names != [c[0] for c in new["children"]]:
+            return [
+                f"{new['fqn']}'s children are {', '.join(map(str, names)) or 'none'} in the plan and "
+                f"{', '.join(c[0] for c in new['children']) or 'none'} in this model"
+            ]
+    return []
+
+
+def model_changes(
+    profile: Any,
+    stacks: Sequence[Mapping[str, Any]],
+    *,
+    parameter_bytes: int | None = None,
+    plan_blocks: Sequence[str] = (),
+    module_names: frozenset[str] = frozenset(),
+) -> list[str]:
+    """What differs, most telling first: stacks added, removed, resized or changed, then parameter bytes, between
+    the plan file's ``metadata.profile`` and this model's ``stacks`` (``LayerStack.to_dict()``s). Without a saved
+    profile only the plan's block FQNs (``plan_blocks``) can be checked against this model's ``module_names``."""
+    saved = _stacks_of(profile)
+    if saved is None:
+        missing = [f for f in plan_blocks if f not in module_names]
+        if missing:
+            return [
+                f"{len(missing)} of the plan's {len(plan_blocks)} blocks are not in this model (e.g. {missing[0]!r})"
+            ]
+        return []
+    out: list[str] = []
+    now = {s["fqn"]: s for s in stacks}
+    before = {s["fqn"]: s for s in saved}
+    for fqn, old in before.items():
+        new = now.get(fqn)
+        if new is None:
+            out.append(f"the plan's stack {fqn} ({_block_words(old)}) is not in this model")
+        elif len(old["blocks"]) != len(new["blocks"]):
+            out.append(f"{fqn} has {len(old['blocks'])} blocks in the plan and {len(new['blocks'])} in this model")
+        else:
+            out.extend(_compare_blocks(old["blocks"], list(new["blocks"])))
+    out.extend(
+        f"this model has a stack {fqn} ({_block_words(s)}) the plan does not"
+        for fqn, s in now.items()
+        if fqn not in before
+    )
+    memory = profile.get("memory")
+    saved_bytes = memory.get("parameter_bytes") if isinstance(memory, Mapping) else None
+    if not out and isinstance(saved_bytes, int) and parameter_bytes is not None and saved_bytes != parameter_bytes:
+        out.append(
+            f"the parameters take {saved_bytes:,} bytes in the plan's profile and {parameter_bytes:,} in this model "
+            "(another dtype, or parameters outside the layer stacks)"
+        )
+    return out
+
+
+def describe_model_change(changes: list[str]) -> str:
+    """The differences as one clause, at most three of them, or what is left to suspect when none was found."""
+    if not changes:
+        return "its layer stacks match the plan's; the module tree, parameter shapes or dtypes differ elsewhere"
+    more = len(changes) - _MAX_LISTED
+    listed = "; ".join(changes[:_MAX_LISTED])
+    return listed + (f"; and {more} more" if more > 0 else "")
 
 
 def _refuse_if_changed(target: Path, expected: str | None) -> None:
@@ -367,10 +459,10 @@ def _index_ranges(indices: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
+def block_names(fqns: Sequence[str], among: Sequence[str]) -> str:
     """``fqns`` written as ``describe()`` writes a group of blocks, one entry per container (``h.0-3``,
-    ``encoder.block.0 lm_head``), without the prefix that every FQN of ``among`` (default: ``fqns``) shares."""
-    drop = _shared_prefix_length(list(among if among is not None else fqns))
+    ``encoder.block.0 lm_head``), without the prefix that every FQN of ``among`` shares."""
+    drop = _shared_prefix_length(list(among))
     # Key: (path, is_container), so a planned ``h`` and the planned blocks inside it stay two entries.
     entries: dict[tuple[str, bool], list[int]] = {}
     for fqn in sorted(fqns, key=_natural_key):
@@ -387,22 +479,14 @@ def block_names(fqns: Sequence[str], among: Sequence[str] | None = None) -> str:
 
 def _check_against_own_profile(plan: Plan, source: str) -> None:
     """Refuse a plan naming a block (or a segmented stack) the profile it keeps never saw (a hand edit, or two runs
-    pieced together): without a model (``show``, ``replan``) its figures would be quoted for a plan they do not fit."""
+    pieced together): without a model (``show``, ``replan``) its figures would be quoted for a plan they do not fit.
+    ``from_dict`` validated the profile, so its stacks and blocks have the schema's shape."""
     profile = plan.provenance.profile
-    stacks = profile.get("stacks")
-    if not isinstance(stacks, list) or not all(isinstance(s, Mapping) for s in stacks):
+    if not profile:
         return
-    stack_names = [s.get("fqn") for s in stacks]
-    blocks = [
-        b.get("fqn")
-        for s in stacks
-        for b in (s.get("blocks") or [])
-        if isinstance(s.get("blocks"), list) and isinstance(b, Mapping)
-    ]
-    memory = profile.get("memory")
-    if isinstance(memory, Mapping) and isinstance(memory.get("blocks"), list):
-        blocks += [b.get("fqn") for b in memory["blocks"] if isinstance(b, Mapping)]
-    known = sorted({n for n in blocks if isinstance(n, str)})
+    stack_names = [s["fqn"] for s in profile["stacks"]]
+    blocks = [b for s in profile["stacks"] for b in s["blocks"]] + list(profile["memory"]["blocks"])
+    known = sorted({b["fqn"] for b in blocks})
     if not known:
         return
     for fqn in plan.blocks:
@@ -416,8 +500,7 @@ def _check_against_own_profile(plan: Plan, source: str) -> None:
         if fqn not in stack_names:
             raise StalePlanError(
                 f"{source}: segments name the stack {fqn!r}, which is not in the profile the file keeps (its stacks: "
-                f"{closest_names(fqn, [n for n in stack_names if isinstance(n, str)])}). Remove it from "
-                "'segments', or re-tune to write a new plan."
+                f"{closest_names(fqn, stack_names)}). Remove it from 'segments', or re-tune to write a new plan."
             )
 
 

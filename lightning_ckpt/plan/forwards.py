@@ -109,7 +109,6 @@ def deviate(chunk: Chunk, start: int, reason: str) -> None:
                 buf.copy_(before)
     chunk.clear()
     watch = chunk.watch
-    watch.deviations += 1
     if watch.reason is not None:
         return
     watch.reason = reason
@@ -124,14 +123,9 @@ def deviate(chunk: Chunk, start: int, reason: str) -> None:
     )
 
 
-class ChunkBlocks:
-    """How a segment's chunk runs each of its blocks: ``call(block, *args, **kwargs)``, or (None) the block's forward.
-    Set by ``search.assembly`` so a chunk runs each block's own compiled graph, compiling nothing new."""
-
-    call: Callable[..., Any] | None = None
-
-
-CHUNK_BLOCKS = ChunkBlocks()
+# How a segment's chunk runs each of its blocks: ``call(block, *args, **kwargs)``, or (None) the block's forward.
+# Set by ``search.assembly`` so a chunk runs each block's own compiled graph, compiling nothing new.
+CHUNK_BLOCKS = types.SimpleNamespace(call=None)
 
 
 class Chunk:

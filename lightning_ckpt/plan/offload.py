@@ -51,16 +51,14 @@ class _Packed:
 
 class OffloadPool:
     """The host memory and streams of one plan's offloaded blocks. ``chunk_bytes``: each host chunk's size (a power of
-    two; a larger tensor gets its own). ``pinned``: page-locked chunks (default on CUDA), for asynchronous copies."""
+    two; a larger tensor gets its own)."""
 
-    def __init__(
-        self, *, chunk_bytes: int = 64 * _MIB, pinned: bool | None = None, min_bytes: int = SMALLEST_OFFLOADED
-    ) -> None:
+    def __init__(self, *, chunk_bytes: int = 64 * _MIB) -> None:
         if chunk_bytes < 1 or chunk_bytes & (chunk_bytes - 1):
             raise ValueError(f"OffloadPool needs chunk_bytes to be a power of two, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
-        self.pinned = pinned
-        self.min_bytes = min_bytes  # smaller saved tensors stay on the device
+        self.pinned: bool | None = None  # page-locked chunks, for asynchronous copies: on CUDA (set by the first pack)
+        self.min_bytes = SMALLEST_OFFLOADED
         self._chunks: list[torch.Tensor] = []
         self._at = (0, 0)  # (chunk, offset) of the next free byte
         self._live = 0  # packed tensors autograd still holds (of this generation)

@@ -22,13 +22,8 @@ aten = torch.ops.aten
 
 def _optional_ops(*names: str) -> tuple[Any, ...]:
     """Ops that exist only in some builds (flash/cudnn attention)."""
-    found = []
-    for name in names:
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(aten, packet, None), overload or "default", None)
-        if op is not None:
-            found.append(op)
-    return tuple(found)
+    found = (getattr(getattr(aten, name, None), "default", None) for name in names)
+    return tuple(op for op in found if op is not None)
 
 
 _MATMULS = _optional_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear")

@@ -12,8 +12,6 @@ from lightning_ckpt.errors import PlanError
 
 __all__ = [
     "MAX_INT_DIGITS",
-    "MAX_PLAN_DEPTH",
-    "SCHEMA_FILE",
     "SCHEMA_VERSION",
     "Unreadable",
     "field_path",
@@ -83,13 +81,8 @@ def refuse_unreadable(data: Any, source: str) -> None:
         stack.extend(((*path, key), item) for key, item in reversed(list(items)))
 
 
-@functools.lru_cache(maxsize=1)
-def _schema_text() -> str:
-    return resources.files("lightning_ckpt.plan").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
-
-
 def plan_schema() -> dict[str, Any]:
-    return json.loads(_schema_text())
+    return json.loads(resources.files("lightning_ckpt.plan").joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
 
 
 @functools.lru_cache(maxsize=1)
