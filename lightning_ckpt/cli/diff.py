@@ -45,11 +45,6 @@ def _figures(plan: Plan) -> dict[str, str]:
     return {name: text + mark if text != "-" else text for name, text in texts.items()}
 
 
-def _measured_figures(plan: Plan) -> dict[str, Any]:
-    measured = plan.provenance.measured
-    return {k: measured.get(k) for k in ("samples_per_second", "peak_bytes", "activation_bytes")}
-
-
 def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> dict[str, Any]:
     """What differs between two plans, as data: the object ``diff --json`` prints, which ``format_diff`` renders."""
     changes: list[dict[str, Any]] = []
@@ -90,7 +85,10 @@ def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> 
         "budget": {"same": same["budget"], "a": budget_a, "b": budget_b},
         "run": side("run"),
         "versions": side("versions"),
-        "measured": {"a": _measured_figures(a), "b": _measured_figures(b)},
+        "measured": {
+            side: {k: p.provenance.measured.get(k) for k in ("samples_per_second", "peak_bytes", "activation_bytes")}
+            for side, p in (("a", a), ("b", b))
+        },
     }
 
 

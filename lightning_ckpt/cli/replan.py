@@ -35,6 +35,7 @@ def run_replan(args: argparse.Namespace) -> int:
         )
     except ConfigurationError as err:
         raise UsageError(str(err)) from None
+    table = PlanTable.of_plan(result.plan)
     if args.json:
         out = {
             "predicted": True,
@@ -49,7 +50,7 @@ def run_replan(args: argparse.Namespace) -> int:
             "plans_fitting": result.fitting,
             "time_measured": result.time_measured,
             "notes": list(result.notes),
-            "plan_table": table.describe() if (table := PlanTable.of_plan(result.plan)) else None,
+            "plan_table": table.describe() if table else None,
             "written": args.output,
         }
         print(json.dumps(out, indent=2))
@@ -57,7 +58,6 @@ def run_replan(args: argparse.Namespace) -> int:
         print(result.describe())
         for note in result.notes:
             print(f"note: {note}")
-        table = PlanTable.of_plan(result.plan)
         if table is not None:
             print(table_line(table, result.budget) + " (each bucket re-planned from the profile it keeps)")
     if args.output:

@@ -16,6 +16,7 @@ __all__ = [
     "best_feasible_baseline",
     "compile_stats",
     "constrained_bytes",
+    "fastest_first",
     "memory_name",
     "predicted_constrained_bytes",
 ]
@@ -64,3 +65,18 @@ def comparable_speeds(result: TuneResult) -> dict[int, float]:
         if ratio is not None and reference is not None and reference.samples_per_second:
             out[t.number] = reference.samples_per_second * ratio
     return out
+
+
+def fastest_first(result: TuneResult, *, fitting_first: bool = False) -> list[TrialRecord]:
+    """The winner, then the other measured trials fastest first on the side-by-side scale (``comparable_speeds``),
+    with ``fitting_first`` those that fit before those that do not: the order people read in."""
+    winner, speeds = result.best_trial, comparable_speeds(result)
+    others = sorted(
+        (
+            t
+            for t in result.trials
+            if t.samples_per_second is not None and (winner is None or t.number != winner.number)
+        ),
+        key=lambda t: (fitting_first and not t.feasible, -speeds.get(t.number, t.samples_per_second or 0.0), t.number),
+    )
+    return ([winner] if winner is not None else []) + others

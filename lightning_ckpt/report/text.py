@@ -18,6 +18,7 @@ from lightning_ckpt.report.quantities import (
     comparable_speeds,
     compile_stats,
     constrained_bytes,
+    fastest_first,
     memory_name,
     predicted_constrained_bytes,
 )
@@ -254,34 +255,18 @@ def compiles_phrase(result: TuneResult) -> str | None:
 
 def conflicts_markdown(result: TuneResult) -> str:
     """Every compiled trial whose plan conflicted with torch.compile, and why (markdown for TensorBoard)."""
-    rows = [t for t in result.trials if t.extra.get("conflict")]
-    if not rows:
+    cells = [
+        [t.number, t.label, t.status, (compile_stats(t) or {}).get("graph_breaks", "-"), _escape(str(conflict), "|")]
+        for t in result.trials
+        if (conflict := t.extra.get("conflict"))
+    ]
+    if not cells:
         return "No plan conflicted with torch.compile (no added graph breaks, no recompile limit reached)."
-    cells = []
-    for t in rows:
-        stats = compile_stats(t) or {}
-        reason = str(t.extra["conflict"]).replace("|", "\\|")
-        cells.append([t.number, t.label, t.status, stats.get("graph_breaks", "-"), reason])
     return markdown_table(["trial", "plan", "status", "graph breaks", "reason"], cells)
 
 
 def _ratio(a: float | None, b: float | None) -> str:
-    if a is None or b is None or b == 0:
-        return "n/a"
-    return f"{a / b:.2f}x"
-
-
-def _by_throughput(result: TuneResult) -> list[TrialRecord]:
-    """The winner, then measured trials fastest first, then the rest in trial order: the order people read in."""
-    winner = result.best_trial
-    speeds = comparable_speeds(result)
-    others = [t for t in result.trials if winner is None or t.number != winner.number]
-    measured = sorted(
-        (t for t in others if t.samples_per_second is not None),
-        key=lambda t: -speeds.get(t.number, t.samples_per_second or 0.0),
-    )
-    rest = [t for t in others if t.samples_per_second is None]
-    return ([winner] if winner is not None else []) + measured + rest
+    return "n/a" if a is None or not b else f"{a / b:.2f}x"
 
 
 def _against_baselines(result: TuneResult, winner: TrialRecord) -> list[str]:
@@ -379,14 +364,12 @@ _SUMMARY_COLUMNS = (
 
 def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
     winner = result.best_trial
-    header: tuple[str, ...] = _SUMMARY_COLUMNS
     compiled = any(compile_stats(t) is not None for t in result.trials)
-    if compiled:
-        header += ("compile s",)
-    rows = [header]
+    rows = [_SUMMARY_COLUMNS + (("compile s",) if compiled else ())]
     side_by_side = any(t.confirmed for t in result.trials)
     speeds = comparable_speeds(result)  # a side-by-side row on one scale with the winner's
-    for t in _by_throughput(result):
+    leaders = fastest_first(result)  # then the unmeasured, in trial order
+    for t in leaders + [t for t in result.trials if t.samples_per_second is None and t not in leaders]:
         stats = compile_stats(t)
         compile_cell = (f"{stats.get('compile_seconds', 0.0):.1f}" if stats else "-",) if compiled else ()
         rows.append(
@@ -440,9 +423,11 @@ def summary_markdown(result: TuneResult) -> str:
     return "\n".join(out)
 
 
-def _escape(text: str) -> str:
+def _escape(text: str, chars: str = "|*_") -> str:
     # Markdown would read '|' as a column break and '*' / '_' as emphasis.
-    return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
+    for c in chars:
+        text = text.replace(c, "\\" + c)
+    return text
 
 
 def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> str:
@@ -469,7 +454,8 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
         return "\n".join(lines)
     in_plan = plan is not None and not plan.is_empty
 
-    labels = plan.block_labels([b["fqn"] for b in blocks]) if plan is not None else {}
+    all_fqns = [b["fqn"] for b in blocks]
+    labels = plan.block_labels(all_fqns) if plan is not None else {}
     keys = list(dict.fromkeys(k for b in blocks for k in b.get("saved_bytes", {})))
     groups: dict[tuple[Any, ...], list[str]] = {}
     for b in blocks:
@@ -478,7 +464,6 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
         figures = tuple(mib(saved.get(k)) for k in keys)
         signature = (figures, mib(b.get("recompute_transient_bytes")), labels.get(b["fqn"], "none"))
         groups.setdefault(signature, []).append(b["fqn"])
-    all_fqns = [b["fqn"] for b in blocks]
     headers = [block_names(fqns, among=all_fqns) for fqns in groups.values()]
     lines += [
         "",
