@@ -1,8 +1,5 @@
-"""``lightning-ckpt replan``: the best plan for another budget, predicted from the profile a plan file keeps.
-
-No model is built and nothing runs: the saved memory and time models score every plan of the space the
-search covered (``search.replan``), in well under a second. The result is marked predicted; a run that
-applies it has its first real steps checked by the budget guard, as for any plan.
+"""``lightning-ckpt replan``: the best plan for another budget, predicted from the profile a plan file keeps
+(``search.replan``): no model is built and nothing runs.
 """
 
 from __future__ import annotations

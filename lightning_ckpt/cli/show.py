@@ -146,8 +146,7 @@ def _cost_lines(search: Mapping[str, Any]) -> list[str]:
     for phase, seconds in sorted(cost["seconds"].items(), key=lambda kv: -kv[1]):
         steps = f" = {seconds / plain:6.1f} plain steps" if plain else ""
         lines.append(f"{' ' * 13}{phase.replace('_', ' '):15s}{seconds:7.1f} s{steps}")
-    stopped = (search.get("allowance") or {}).get("stopped") or []
-    if stopped:
+    if stopped := (search.get("allowance") or {}).get("stopped") or []:
         allowance = search["allowance"].get("plain_steps")
         lines.append(f"{' ' * 13}the allowance of {allowance:g} plain steps stopped {' and '.join(stopped)}")
     return lines
@@ -177,8 +176,7 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
         lines.append(f"  run        {kv_text(run)}")
         lines.append(f"  budget     {budget_text(budget)}")
         lines.append(f"  versions   {versions_text(versions)}")
-        allocator = p.allocator
-        if allocator:  # what the search ran under, verified on a segment (measure.allocator)
+        if allocator := p.allocator:  # what the search ran under, verified on a segment (measure.allocator)
             state = "on" if allocator.get("expandable_segments") else "off"
             lines.append(f"  allocator  expandable segments {state} ({allocator.get('how')})")
         if search:
@@ -186,18 +184,11 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
         if search.get("fell_back"):
             lines.append("  WARNING    no plan fit the budget; this is the lowest-memory plan measured")
 
-    lines += _block_lines(plan)
-    measured, baselines = p.measured, p.baselines
-    if measured or baselines:
-        lines += _evidence_lines(plan, measured, baselines)
-
-    lines += _table_lines(plan)
-    lines += _profile_lines(p)
+    lines += _block_lines(plan) + _evidence_lines(plan) + _table_lines(plan) + _profile_lines(p)
     # The sections shown above (a compiled plan table's profile is not re-planned from); the rest as written.
     shown = ("run", "budget", "versions", "search", "measured", "baselines", "memory_breakdown", "profile")
     shown += ("plan_table", "compiled_profile", "replanned", "allocator")
-    other = {k: v for k, v in md.items() if k not in shown}
-    if other:
+    if other := {k: v for k, v in md.items() if k not in shown}:
         lines += ["", "other metadata"]
         lines += [f"  {k}: {_cut(json.dumps(v, default=str))}" for k, v in other.items()]
     return "\n".join(lines)
@@ -253,8 +244,7 @@ def _profile_lines(provenance: Provenance) -> list[str]:
         fitted = f"; plain step fitted at {1000 * base:.1f} ms" if base else ""
         lines += ["", f"profile      kept: {len(timing.get('blocks') or ())} block calls timed per mode{fitted}"]
         lines.append("             (lightning-ckpt replan FILE --max-memory ... predicts the plan for another budget)")
-    replanned = provenance.replanned
-    if replanned:
+    if replanned := provenance.replanned:
         first = replanned.get("first_measured") or {}
         predicted = replanned.get("predicted_seconds")
         lines += [
@@ -305,8 +295,11 @@ def _block_lines(plan: Plan) -> list[str]:
 _MEMORY_FIGURES = ("peak_bytes", "activation_bytes", "predicted_peak_bytes")
 
 
-def _evidence_lines(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[str]:
+def _evidence_lines(plan: Plan) -> list[str]:
     """The winner's and the baselines' figures measured while tuning, as one table."""
+    measured, baselines = plan.provenance.measured, plan.provenance.baselines
+    if not (measured or baselines):
+        return []
     win = measured.get("samples_per_second")
     rows = []
     if measured:

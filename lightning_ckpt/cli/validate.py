@@ -126,13 +126,11 @@ def check_plan(plan: Plan, model: Any) -> list[str]:
 
     root = unwrap_compiled(model)
     problems = []
-    if plan.fingerprint is not None:
-        actual = model_fingerprint(root)
-        if actual != plan.fingerprint:
-            problems.append(
-                f"fingerprint: the plan was tuned for a model with fingerprint {plan.fingerprint}, but this "
-                f"{type(root).__name__} has {actual} (module tree, parameter shapes or dtypes differ). Re-tune for it."
-            )
+    if plan.fingerprint is not None and (actual := model_fingerprint(root)) != plan.fingerprint:
+        problems.append(
+            f"fingerprint: the plan was tuned for a model with fingerprint {plan.fingerprint}, but this "
+            f"{type(root).__name__} has {actual} (module tree, parameter shapes or dtypes differ). Re-tune for it."
+        )
     # Plans name modules without the "_orig_mod" steps a nested torch.compile wrapper adds.
     names = list(dict.fromkeys(canonical_fqn(n) for n, _ in root.named_modules() if n))
     name_set = set(names)

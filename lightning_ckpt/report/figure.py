@@ -49,12 +49,11 @@ def _style(t: TrialRecord) -> str:
 
 def _measured(result: TuneResult) -> list[tuple[TrialRecord, int, float]]:
     speeds = comparable_speeds(result)
-    out = []
-    for t in result.trials:
-        x = constrained_bytes(t, result.budget)
-        if x is not None and t.samples_per_second is not None:
-            out.append((t, x, speeds.get(t.number, t.samples_per_second)))
-    return out
+    return [
+        (t, x, speeds.get(t.number, t.samples_per_second))
+        for t in result.trials
+        if t.samples_per_second is not None and (x := constrained_bytes(t, result.budget)) is not None
+    ]
 
 
 def pareto_front(result: TuneResult) -> list[TrialRecord]:
@@ -148,8 +147,7 @@ def _plot_trials(
             ax.scatter(
                 px, [0.03] * len(px), c=colour, marker=marker, s=45, label=_wrapped(text), transform=rug, zorder=3
             )
-    other = [x / scale for t, x in unmeasured if _style(t) not in _STATUS_STYLE]
-    if other:
+    if other := [x / scale for t, x in unmeasured if _style(t) not in _STATUS_STYLE]:
         ax.scatter(other, [0.03] * len(other), c="black", marker="*", s=45, label="other (at predicted memory)")
 
 

@@ -42,15 +42,13 @@ def compile_stats(trial: TrialRecord) -> Mapping[str, Any] | None:
 def best_feasible_baseline(result: TuneResult) -> tuple[str, TrialRecord] | None:
     """The fastest fitting baseline; beside a winner re-timed side by side, only baselines re-timed with it
     (a ratio of figures taken at different moments, on a machine whose load changed, means nothing)."""
-    best: tuple[str, TrialRecord] | None = None
     same_moment = result.best_trial is not None and result.best_trial.confirmed
-    for name, t in result.baselines.items():
-        if same_moment and not t.confirmed:
-            continue
-        faster = best is None or (t.samples_per_second or 0.0) > (best[1].samples_per_second or 0.0)
-        if t.feasible and t.samples_per_second is not None and faster:
-            best = (name, t)
-    return best
+    fitting = [
+        (name, t)
+        for name, t in result.baselines.items()
+        if t.feasible and t.samples_per_second is not None and (t.confirmed or not same_moment)
+    ]
+    return max(fitting, key=lambda named: named[1].samples_per_second or 0.0, default=None)
 
 
 def comparable_speeds(result: TuneResult) -> dict[int, float]:

@@ -5,6 +5,7 @@ HParams summaries are built from the protos, because ``tensorboard.plugins.hpara
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -233,7 +234,7 @@ def write_tensorboard(
     """
     owned = not isinstance(writer_or_logdir, SummaryWriter)
     writer = SummaryWriter(log_dir=os.fspath(writer_or_logdir)) if owned else writer_or_logdir
-    try:
+    with writer if owned else contextlib.nullcontext():
         logdir = Path(writer.get_logdir())
         if write_experiment_summary:
             write_experiment(writer, other_hparams)
@@ -263,7 +264,4 @@ def write_tensorboard(
         fig.savefig(logdir / tags.PARETO_PNG, dpi=110)
         writer.add_image(tags.TAG_PARETO, figure_to_hwc(fig), global_step=0, dataformats="HWC")
         writer.flush()
-    finally:
-        if owned:
-            writer.close()
     return logdir

@@ -108,11 +108,9 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     if budget.kind == "activation":
         peak = f"{memory('activation', trial.activation_bytes, trial.predicted_activation_bytes)}, {peak}"
     parts.append(peak)
-    offload = offload_figures(trial)
-    if offload is not None:
+    if (offload := offload_figures(trial)) is not None:
         parts.append(offload_phrase(offload))
-    stats = compile_stats(trial)
-    if stats is not None:
+    if (stats := compile_stats(trial)) is not None:
         parts.append(f"compile {stats.get('compile_seconds', 0.0):.1f} s, {stats.get('graph_breaks', 0)} graph breaks")
     limit = format_bytes(budget.limit_bytes)
     conflict = trial.extra.get("conflict")
@@ -184,8 +182,7 @@ def result_line(result: TuneResult) -> str:
         used = constrained_bytes(winner, budget)
         limit = f" of {format_bytes(budget.limit_bytes)}" if budget.limit_bytes is not None else ""
         parts.append(f"{_fmt(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
-        offload = offload_figures(winner)
-        if offload is not None:
+        if (offload := offload_figures(winner)) is not None:
             parts.append(offload_phrase(offload))
         base = best_feasible_baseline(result)
         verdict = Verdict.recorded(search)
@@ -206,8 +203,7 @@ def result_line(result: TuneResult) -> str:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
     if search.get("speed_changes"):
         parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
-    stopped = (search.get("allowance") or {}).get("stopped") or []
-    if stopped:
+    if stopped := (search.get("allowance") or {}).get("stopped") or []:
         parts.append(
             f"the allowance of {search['allowance'].get('plain_steps'):g} plain steps stopped {' and '.join(stopped)}"
         )
@@ -216,8 +212,7 @@ def result_line(result: TuneResult) -> str:
     parts.append(
         f"tuned in {result.tuning_seconds:.1f} s{in_steps} ({count(len(result.trials), 'plan')}: {pruned_counts(result)})"
     )
-    compiles = compiles_phrase(result)
-    if compiles is not None:
+    if (compiles := compiles_phrase(result)) is not None:
         parts.append(compiles)
     return " | ".join(parts)
 
@@ -325,8 +320,7 @@ def verdict_lines(result: TuneResult) -> list[str]:
         f"tuning cost: {result.tuning_seconds:.1f} s, {result.tuning_steps} steps over {len(result.trials)} trials "
         f"({pruned_counts(result, 'pruned')})"
     )
-    time_line = time_model_line(result)
-    if time_line is not None:
+    if (time_line := time_model_line(result)) is not None:
         lines.append(time_line)
     compiling = [s for t in result.trials if (s := compile_stats(t)) is not None]
     if compiling:
@@ -405,15 +399,15 @@ def summary_table(result: TuneResult) -> str:
 
 def summary_markdown(result: TuneResult) -> str:
     """The summary for TensorBoard's Text tab: the verdict, then the trials as a table, fastest first."""
-    rows = _summary_rows(result)
-    verdict = [line.replace("winner (*)", "winner (bold)", 1) for line in verdict_lines(result)]
-    out = [f"- {_escape(line)}" for line in verdict]
-    cells = []
-    for r in rows[1:]:
-        row = [_escape(c) if i == 1 else c for i, c in enumerate(r[1:])]
-        cells.append([f"**{c}**" if r[0] == "*" and c else c for c in row])
-    out += ["", markdown_table(rows[0][1:], cells)]
+    (_, *header), *rows = _summary_rows(result)
+    out = [f"- {_escape(line.replace('winner (*)', 'winner (bold)', 1))}" for line in verdict_lines(result)]
+    # Labels escaped; the winner's row (marked '*') in bold.
+    cells = [
+        [f"**{c}**" if mark == "*" and c else c for c in (n, _escape(label), *rest)] for mark, n, label, *rest in rows
+    ]
     out += [
+        "",
+        markdown_table(header, cells),
         "",
         "Bold: the winner. `~`: memory predicted by the memory model (the trial was timed only). timed: `side` = "
         "re-timed side by side in the confirmation's rounds, `alone` = timed one plan at a time while the search ran "
@@ -518,7 +512,6 @@ def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
             rows.append(["step time (median)", f"{trial.median_seconds:.4f} s{spread}"])
         lines.append(markdown_table(["quantity", "value"], rows))
     else:
-        measured = plan.provenance.measured
-        if measured:
+        if measured := plan.provenance.measured:
             lines += ["", "**Measured:**", "", markdown_table(["quantity", "value"], list(measured.items()))]
     return "\n".join(lines)
