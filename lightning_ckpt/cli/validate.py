@@ -36,8 +36,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
         path = Path(target)
         if not path.is_file():
             raise UsageError(f"--model {spec!r}: the file {target!r} does not exist.")
-        module_name = f"_lightning_ckpt_model_{path.stem}"
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        loader_spec = importlib.util.spec_from_file_location(f"_lightning_ckpt_model_{path.stem}", path)
         if loader_spec is None or loader_spec.loader is None:
             raise UsageError(f"--model {spec!r}: {target!r} cannot be loaded as a Python file.")
         module = importlib.util.module_from_spec(loader_spec)

@@ -70,10 +70,8 @@ def pareto_front(result: TuneResult) -> list[TrialRecord]:
 
 
 def _unit_for(max_bytes: float) -> tuple[str, float]:
-    for name, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
-        if max_bytes >= size:
-            return name, size
-    return "B", 1.0
+    units = (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
+    return next(((name, size) for name, size in units if max_bytes >= size), ("B", 1.0))
 
 
 def pareto_figure(result: TuneResult) -> Figure:
