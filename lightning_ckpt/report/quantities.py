@@ -69,12 +69,9 @@ def fastest_first(result: TuneResult, *, fitting_first: bool = False) -> list[Tr
     """The winner, then the other measured trials fastest first on the side-by-side scale (``comparable_speeds``),
     with ``fitting_first`` those that fit before those that do not: the order people read in."""
     winner, speeds = result.best_trial, comparable_speeds(result)
+    won = None if winner is None else winner.number
     others = sorted(
-        (
-            t
-            for t in result.trials
-            if t.samples_per_second is not None and (winner is None or t.number != winner.number)
-        ),
+        (t for t in result.trials if t.samples_per_second is not None and t.number != won),
         key=lambda t: (fitting_first and not t.feasible, -speeds.get(t.number, t.samples_per_second or 0.0), t.number),
     )
     return ([winner] if winner is not None else []) + others
