@@ -1,9 +1,4 @@
-"""``lightning-ckpt bench``: run the repository's benchmark script as ``python script.py ARGS`` would.
-
-The script is not part of an installed wheel, so it is looked up in the source checkout this package was installed
-from, never in the current directory (another checkout's script would run); ``--script PATH`` names one
-explicitly.
-"""
+"""``lightning-ckpt bench``: run the repository's benchmark script as ``python script.py ARGS`` would."""
 
 from __future__ import annotations
 
@@ -18,7 +13,8 @@ __all__ = ["run_bench"]
 
 
 def _find_benchmark(name: str) -> Path | None:
-    """The script in the checkout this package itself was installed from (``pip install -e``), or None (a wheel)."""
+    """The script in the checkout this package itself was installed from (``pip install -e``), or None (a wheel):
+    never the current directory's, where another checkout's script would run."""
     root = Path(__file__).resolve().parents[2]
     candidate = root / "benchmarks" / name
     return candidate if (root / "pyproject.toml").is_file() and candidate.is_file() else None

@@ -45,11 +45,6 @@ def _figures(plan: Plan) -> dict[str, str]:
     return {name: text + mark if text != "-" else text for name, text in texts.items()}
 
 
-def _measured_figures(plan: Plan) -> dict[str, Any]:
-    measured = plan.provenance.measured
-    return {k: measured.get(k) for k in ("samples_per_second", "peak_bytes", "activation_bytes")}
-
-
 def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> dict[str, Any]:
     """What differs between two plans, as data: the object ``diff --json`` prints, which ``format_diff`` renders."""
     changes: list[dict[str, Any]] = []
@@ -90,7 +85,10 @@ def compare_plans(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> 
         "budget": {"same": same["budget"], "a": budget_a, "b": budget_b},
         "run": side("run"),
         "versions": side("versions"),
-        "measured": {"a": _measured_figures(a), "b": _measured_figures(b)},
+        "measured": {
+            side: {k: p.provenance.measured.get(k) for k in ("samples_per_second", "peak_bytes", "activation_bytes")}
+            for side, p in (("a", a), ("b", b))
+        },
     }
 
 
@@ -110,32 +108,24 @@ DIFF_JSON_HELP = """\
 """
 
 
-def _change_label(change: Mapping[str, Any]) -> str:
-    if change["what"] == "block":
-        return change["name"]
-    if change["what"] == "segments":
-        return f"{change['name'] or '<root>'} (segments)"
-    return "torch.compile activation_memory_budget"
-
-
-def _side_text(change: Mapping[str, Any], side: str) -> str:
-    value = change[side]
-    if change["what"] == "block":
-        return BlockPlan(value["mode"], tuple(value.get("children", ())), value.get("save_list")).describe()
-    if change["what"] == "segments":
-        return f"{value} chunks" if value else "none"
-    return str(value)
+def _change_row(change: Mapping[str, Any]) -> list[str]:
+    """One ``compare_plans`` change as ``diff`` prints it: sign, what changed, a's side -> b's."""
+    what, name = change["what"], change["name"]
+    if what == "block":
+        label, text = name, lambda v: BlockPlan(v["mode"], tuple(v.get("children", ())), v.get("save_list")).describe()
+    elif what == "segments":
+        label, text = f"{name or '<root>'} (segments)", lambda v: f"{v} chunks" if v else "none"
+    else:
+        label, text = "torch.compile activation_memory_budget", str
+    sign = {"added": "+", "removed": "-", "changed": "~"}[change["change"]]
+    return [sign, label, text(change["a"]), "->", text(change["b"])]
 
 
 def format_diff(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> str:
     """What ``lightning-ckpt diff`` prints: blocks and segments that changed, then identity and evidence."""
     comparison = compare_plans(a, b, a_name=a_name, b_name=b_name)
     lines = [f"a: {a_name}  [{a.describe()}]", f"b: {b_name}  [{b.describe()}]", ""]
-    signs = {"added": "+", "removed": "-", "changed": "~"}
-    rows = [
-        [signs[c["change"]], _change_label(c), _side_text(c, "a"), "->", _side_text(c, "b")]
-        for c in comparison["checkpointing"]
-    ]
+    rows = [_change_row(c) for c in comparison["checkpointing"]]
     if rows:
         lines.append(table(["", "block", "a", "", "b"], rows))
         lines.append("(+ checkpointed only in b, - only in a, ~ checkpointed differently)")
@@ -143,21 +133,19 @@ def format_diff(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> st
         lines.append("same checkpointing: every block and segment has the same mode in both plans")
 
     lines.append("")
-    if a.fingerprint == b.fingerprint:
-        lines.append(f"fingerprint  same ({a.fingerprint or 'not recorded'})")
-    elif a.fingerprint and b.fingerprint:
-        lines.append(f"fingerprint  {a.fingerprint} -> {b.fingerprint}: tuned for different models")
-    else:
-        lines.append(f"fingerprint  {a.fingerprint or 'not recorded'} -> {b.fingerprint or 'not recorded'}")
+
+    def pair(name: str, before: str, after: str, same: bool, note: str = "") -> None:
+        lines.append(f"{name:<12} " + (f"same ({before})" if same else f"{before} -> {after}{note}"))
+
+    recorded = (a.fingerprint or "not recorded", b.fingerprint or "not recorded", a.fingerprint == b.fingerprint)
+    pair("fingerprint", *recorded, ": tuned for different models" if a.fingerprint and b.fingerprint else "")
     budget = comparison["budget"]
     if budget["a"] or budget["b"]:
-        before, after = budget_value_text(budget["a"]), budget_value_text(budget["b"])
-        lines.append("budget       " + (f"same ({before})" if budget["same"] else f"{before} -> {after}"))
+        pair("budget", budget_value_text(budget["a"]), budget_value_text(budget["b"]), budget["same"])
     for key in ("run", "versions"):
-        if not (getattr(a.provenance, key) or getattr(b.provenance, key)):
-            continue
-        before, after = kv_text(getattr(a.provenance, key)), kv_text(getattr(b.provenance, key))
-        lines.append(f"{key:<12} " + (f"same ({before})" if before == after else f"{before} -> {after}"))
+        if getattr(a.provenance, key) or getattr(b.provenance, key):
+            before, after = kv_text(getattr(a.provenance, key)), kv_text(getattr(b.provenance, key))
+            pair(key, before, after, before == after)
     fa, fb = _figures(a), _figures(b)
     if fa or fb:
         fa, fb = (f or dict.fromkeys(("samples/s", "peak", "activation"), "-") for f in (fa, fb))

@@ -148,13 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra) if args.func is run_bench else args.func(args)
-    except (UsageError, PlanError) as err:  # a file that is not a well-formed plan is bad input, as a missing one is
+    except (UsageError, LightningCkptError) as err:
         print(f"lightning-ckpt {args.command}: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except LightningCkptError as err:
-        print(f"lightning-ckpt {args.command}: error: {err}", file=sys.stderr)
-        return getattr(args, "error_exit", EXIT_REFUSED)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        # A file that is not a well-formed plan is bad input, as a missing one is.
+        return EXIT_USAGE if isinstance(err, (UsageError, PlanError)) else getattr(args, "error_exit", EXIT_REFUSED)

@@ -1,8 +1,5 @@
-"""``lightning-ckpt replan``: the best plan for another budget, predicted from the profile a plan file keeps.
-
-No model is built and nothing runs: the saved memory and time models score every plan of the space the
-search covered (``search.replan``), in well under a second. The result is marked predicted; a run that
-applies it has its first real steps checked by the budget guard, as for any plan.
+"""``lightning-ckpt replan``: the best plan for another budget, predicted from the profile a plan file keeps
+(``search.replan``): no model is built and nothing runs.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ def run_replan(args: argparse.Namespace) -> int:
         )
     except ConfigurationError as err:
         raise UsageError(str(err)) from None
+    table = PlanTable.of_plan(result.plan)
     if args.json:
         out = {
             "predicted": True,
@@ -49,7 +47,7 @@ def run_replan(args: argparse.Namespace) -> int:
             "plans_fitting": result.fitting,
             "time_measured": result.time_measured,
             "notes": list(result.notes),
-            "plan_table": table.describe() if (table := PlanTable.of_plan(result.plan)) else None,
+            "plan_table": table.describe() if table else None,
             "written": args.output,
         }
         print(json.dumps(out, indent=2))
@@ -57,7 +55,6 @@ def run_replan(args: argparse.Namespace) -> int:
         print(result.describe())
         for note in result.notes:
             print(f"note: {note}")
-        table = PlanTable.of_plan(result.plan)
         if table is not None:
             print(table_line(table, result.budget) + " (each bucket re-planned from the profile it keeps)")
     if args.output:

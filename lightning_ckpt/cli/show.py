@@ -102,13 +102,13 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
     if search.get("seed") is not None:
         settings.append(f"seed {search['seed']}")
     how = f" ({', '.join(settings)})" if settings else ""
-    considered, space = counts["considered"], counts["space_size"]
+    considered, space = "?" if counts["considered"] is None else counts["considered"], counts["space_size"]
     if counts["exhaustive"] and space is not None:
         head = f"all {space} candidate plans in the search space were considered{how}"
     elif space is not None:
-        head = f"{_or_unknown(considered)} of the {space} candidate plans in the search space were considered{how}"
+        head = f"{considered} of the {space} candidate plans in the search space were considered{how}"
     else:
-        head = f"{_or_unknown(considered)} candidate plans were considered{how}"
+        head = f"{considered} candidate plans were considered{how}"
     cap = f"n_trials={counts['n_trials']}" if counts["n_trials"] is not None else "n_trials"
     if counts["by_status"] is None:
         return [
@@ -119,10 +119,15 @@ def _search_lines(search: Mapping[str, Any]) -> list[str]:
         ]
     by_status = counts["by_status"]
     outcomes = ", ".join(f"{n} {_STATUS_WORDS[s]}" for s in _STATUS_WORDS if (n := by_status.get(s.value, 0)))
+    # The plans ruled out without running, and by what, as the search's result line says it.
+    by_memory, by_time = counts["pruned_by_memory"], counts["pruned_by_time"]
+    pruned = f"{pad}{counts['pruned']} ruled out without running (pruned)"
+    if by_memory is not None and by_time is not None:
+        pruned += f": {by_memory} by the memory model" + (f", {by_time} by the time model" if by_time else "")
     lines = [
         f"  search     {head}",
         f"{pad}{counts['measured']} measured (run for real)" + (f": {outcomes}" if outcomes else ""),
-        _pruned_line(counts, pad),
+        pruned,
     ]
     if counts["confirmed"]:
         lines.append(f"{pad}{counts['confirmed']} of the measured re-timed side by side to confirm the choice")
@@ -141,8 +146,7 @@ def _cost_lines(search: Mapping[str, Any]) -> list[str]:
     for phase, seconds in sorted(cost["seconds"].items(), key=lambda kv: -kv[1]):
         steps = f" = {seconds / plain:6.1f} plain steps" if plain else ""
         lines.append(f"{' ' * 13}{phase.replace('_', ' '):15s}{seconds:7.1f} s{steps}")
-    stopped = (search.get("allowance") or {}).get("stopped") or []
-    if stopped:
+    if stopped := (search.get("allowance") or {}).get("stopped") or []:
         allowance = search["allowance"].get("plain_steps")
         lines.append(f"{' ' * 13}the allowance of {allowance:g} plain steps stopped {' and '.join(stopped)}")
     return lines
@@ -154,19 +158,6 @@ def _verdict_lines(search: Mapping[str, Any]) -> list[str]:
         return []
     tuned = f"{verdict.candidate}: " if verdict.candidate else ""  # the tuned plan the verdict is about
     return [f"  verdict    {tuned}{verdict.describe()}: {verdict.outcome} ({verdict.explain()})"]
-
-
-def _pruned_line(counts: Mapping[str, Any], pad: str) -> str:
-    """The plans ruled out without running, and by what, as the search's result line says it."""
-    by_memory, by_time = counts["pruned_by_memory"], counts["pruned_by_time"]
-    if by_memory is None or by_time is None:
-        return f"{pad}{counts['pruned']} ruled out without running (pruned)"
-    text = f"{pad}{counts['pruned']} ruled out without running (pruned): {by_memory} by the memory model"
-    return text + (f", {by_time} by the time model" if by_time else "")
-
-
-def _or_unknown(x: Any) -> str:
-    return "?" if x is None else str(x)
 
 
 def format_plan(plan: Plan, *, source: str = "") -> str:
@@ -185,8 +176,7 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
         lines.append(f"  run        {kv_text(run)}")
         lines.append(f"  budget     {budget_text(budget)}")
         lines.append(f"  versions   {versions_text(versions)}")
-        allocator = p.allocator
-        if allocator:  # what the search ran under, verified on a segment (measure.allocator)
+        if allocator := p.allocator:  # what the search ran under, verified on a segment (measure.allocator)
             state = "on" if allocator.get("expandable_segments") else "off"
             lines.append(f"  allocator  expandable segments {state} ({allocator.get('how')})")
         if search:
@@ -194,18 +184,11 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
         if search.get("fell_back"):
             lines.append("  WARNING    no plan fit the budget; this is the lowest-memory plan measured")
 
-    lines += _block_lines(plan)
-    measured, baselines = p.measured, p.baselines
-    if measured or baselines:
-        lines += _evidence_lines(plan, measured, baselines)
-
-    lines += _table_lines(plan)
-    lines += _profile_lines(p)
+    lines += _block_lines(plan) + _evidence_lines(plan) + _table_lines(plan) + _profile_lines(p)
     # The sections shown above (a compiled plan table's profile is not re-planned from); the rest as written.
     shown = ("run", "budget", "versions", "search", "measured", "baselines", "memory_breakdown", "profile")
     shown += ("plan_table", "compiled_profile", "replanned", "allocator")
-    other = {k: v for k, v in md.items() if k not in shown}
-    if other:
+    if other := {k: v for k, v in md.items() if k not in shown}:
         lines += ["", "other metadata"]
         lines += [f"  {k}: {_cut(json.dumps(v, default=str))}" for k, v in other.items()]
     return "\n".join(lines)
@@ -261,8 +244,7 @@ def _profile_lines(provenance: Provenance) -> list[str]:
         fitted = f"; plain step fitted at {1000 * base:.1f} ms" if base else ""
         lines += ["", f"profile      kept: {len(timing.get('blocks') or ())} block calls timed per mode{fitted}"]
         lines.append("             (lightning-ckpt replan FILE --max-memory ... predicts the plan for another budget)")
-    replanned = provenance.replanned
-    if replanned:
+    if replanned := provenance.replanned:
         first = replanned.get("first_measured") or {}
         predicted = replanned.get("predicted_seconds")
         lines += [
@@ -313,8 +295,11 @@ def _block_lines(plan: Plan) -> list[str]:
 _MEMORY_FIGURES = ("peak_bytes", "activation_bytes", "predicted_peak_bytes")
 
 
-def _evidence_lines(plan: Plan, measured: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[str]:
+def _evidence_lines(plan: Plan) -> list[str]:
     """The winner's and the baselines' figures measured while tuning, as one table."""
+    measured, baselines = plan.provenance.measured, plan.provenance.baselines
+    if not (measured or baselines):
+        return []
     win = measured.get("samples_per_second")
     rows = []
     if measured:
@@ -358,11 +343,8 @@ def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
             for name, b in baselines.items()
             if isinstance(b, Mapping) and number(win) and number(b.get("samples_per_second"))
         }
-    memory = _block_memory(plan)
-    block_memory = None
-    if memory is not None:
-        kept, unplanned = memory
-        block_memory = {fqn: {"kept_for_backward": n, "without_ckpt": unplanned.get(fqn)} for fqn, n in kept.items()}
+    kept, unplanned = _block_memory(plan) or (None, {})
+    per_block = {fqn: {"kept_for_backward": n, "without_ckpt": unplanned.get(fqn)} for fqn, n in (kept or {}).items()}
     return {
         "json_format": JSON_FORMAT,
         "file": source or None,
@@ -379,7 +361,7 @@ def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
         "trials": trial_counts(search) if search else None,
         "fell_back": search.get("fell_back") if search else None,
         "verdict": verdict.to_dict() if search and (verdict := Verdict.recorded(search)) is not None else None,
-        "predicted_block_memory": block_memory,
+        "predicted_block_memory": None if kept is None else per_block,
         "plan_table": _table_summary(plan),
         "plan": plan.to_dict(),
     }

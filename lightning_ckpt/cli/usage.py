@@ -1,9 +1,6 @@
-"""What a command line can get wrong, and the exit codes every command shares.
-
-A ``UsageError`` is the shell user's mistake (a path or a name that is not there), exit code 2 like
-argparse's own errors, and so is a file that is not a well-formed plan (a ``PlanError``: corrupt, hand-edited
-wrongly, another tool's): a crash never reads as a verdict. A refused plan or model (it does not fit the model,
-nothing fits the budget) is another ``LightningCkptError``, exit code 1.
+"""What a command line can get wrong, and the exit codes every command shares: a file that is not a well-formed plan
+(a ``PlanError``) exits 2 as a ``UsageError`` does, so a crash never reads as a verdict; a refused plan or model (any
+other ``LightningCkptError``) exits 1.
 """
 
 from __future__ import annotations

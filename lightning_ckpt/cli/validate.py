@@ -36,21 +36,20 @@ def load_factory(spec: str) -> Callable[[], Any]:
         path = Path(target)
         if not path.is_file():
             raise UsageError(f"--model {spec!r}: the file {target!r} does not exist.")
-        module_name = f"_lightning_ckpt_model_{path.stem}"
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        loader_spec = importlib.util.spec_from_file_location(f"_lightning_ckpt_model_{path.stem}", path)
         if loader_spec is None or loader_spec.loader is None:
             raise UsageError(f"--model {spec!r}: {target!r} cannot be loaded as a Python file.")
         module = importlib.util.module_from_spec(loader_spec)
         sys.path.insert(0, str(path.resolve().parent))
         try:
-            with _importing(spec, f"importing {target!r}", f"importing {target!r} failed"):
+            with _running_user_code(spec, f"importing {target!r}", f"importing {target!r} failed:"):
                 loader_spec.loader.exec_module(module)
         finally:
             sys.path.remove(str(path.resolve().parent))
     else:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
             sys.path.insert(0, str(Path.cwd()))  # console scripts do not put the current directory on the path
-        with _importing(spec, f"importing module {target!r}", f"cannot import module {target!r}"):
+        with _running_user_code(spec, f"importing module {target!r}", f"cannot import module {target!r}:"):
             module = importlib.import_module(target)
     obj: Any = module
     for part in attr.split("."):
@@ -64,26 +63,21 @@ def load_factory(spec: str) -> Callable[[], Any]:
 
 
 @contextlib.contextmanager
-def _importing(spec: str, doing: str, failed: str) -> Iterator[None]:
-    """The user's code failing to import, as a usage error."""
+def _running_user_code(spec: str, doing: str, failed: str, error: type[Exception] = UsageError) -> Iterator[None]:
+    """The user's code failing, as ``error``. SystemExit is not an Exception: left alone it would end ``validate``
+    silently with the model's exit code (0 for a bare ``sys.exit()``, which a CI job would take for a pass)."""
     try:
         yield
     except SystemExit as exit_:
-        raise UsageError(_exit_message(spec, doing, exit_)) from None
+        call = "sys.exit()" if exit_.code is None else f"sys.exit({exit_.code!r})"
+        raise UsageError(
+            f"--model {spec!r}: {doing} called {call} (SystemExit), so no model was built and the plan was not "
+            "checked. The code that --model loads must only define the model: move the script part (argument "
+            'parsing, training) under `if __name__ == "__main__":`, or point --model at a module that does not run a '
+            "script when imported."
+        ) from None
     except Exception as err:
-        raise UsageError(f"--model {spec!r}: {failed}: {type(err).__name__}: {err}") from None
-
-
-def _exit_message(spec: str, doing: str, exit_: SystemExit) -> str:
-    """SystemExit is not an Exception: left alone it would end ``validate`` silently with the model's exit code
-    (0 for a bare ``sys.exit()``, which a CI job would take for a pass)."""
-    code = exit_.code
-    call = "sys.exit()" if code is None else f"sys.exit({code!r})"
-    return (
-        f"--model {spec!r}: {doing} called {call} (SystemExit), so no model was built and the plan was not checked. "
-        "The code that --model loads must only define the model: move the script part (argument parsing, training) "
-        'under `if __name__ == "__main__":`, or point --model at a module that does not run a script when imported.'
-    )
+        raise error(f"--model {spec!r}: {failed} {type(err).__name__}: {err}") from None
 
 
 def build_model(spec: str) -> Any:
@@ -95,14 +89,8 @@ def build_model(spec: str) -> Any:
         return obj
     if not callable(obj):
         raise UsageError(f"--model {spec!r} names a {type(obj).__name__}, not a callable that returns an nn.Module.")
-    try:
+    with _running_user_code(spec, "calling it", "calling it with no arguments raised", LightningCkptError):
         model = obj()
-    except SystemExit as exit_:
-        raise UsageError(_exit_message(spec, "calling it", exit_)) from None
-    except Exception as err:
-        raise LightningCkptError(
-            f"--model {spec!r}: calling it with no arguments raised {type(err).__name__}: {err}"
-        ) from None
     if not isinstance(model, nn.Module):
         raise LightningCkptError(f"--model {spec!r} returned {type(model).__name__} {model!r:.60}, not an nn.Module.")
     return model
@@ -137,13 +125,11 @@ def check_plan(plan: Plan, model: Any) -> list[str]:
 
     root = unwrap_compiled(model)
     problems = []
-    if plan.fingerprint is not None:
-        actual = model_fingerprint(root)
-        if actual != plan.fingerprint:
-            problems.append(
-                f"fingerprint: the plan was tuned for a model with fingerprint {plan.fingerprint}, but this "
-                f"{type(root).__name__} has {actual} (module tree, parameter shapes or dtypes differ). Re-tune for it."
-            )
+    if plan.fingerprint is not None and (actual := model_fingerprint(root)) != plan.fingerprint:
+        problems.append(
+            f"fingerprint: the plan was tuned for a model with fingerprint {plan.fingerprint}, but this "
+            f"{type(root).__name__} has {actual} (module tree, parameter shapes or dtypes differ). Re-tune for it."
+        )
     # Plans name modules without the "_orig_mod" steps a nested torch.compile wrapper adds.
     names = list(dict.fromkeys(canonical_fqn(n) for n, _ in root.named_modules() if n))
     name_set = set(names)

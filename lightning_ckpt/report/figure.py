@@ -49,12 +49,11 @@ def _style(t: TrialRecord) -> str:
 
 def _measured(result: TuneResult) -> list[tuple[TrialRecord, int, float]]:
     speeds = comparable_speeds(result)
-    out = []
-    for t in result.trials:
-        x = constrained_bytes(t, result.budget)
-        if x is not None and t.samples_per_second is not None:
-            out.append((t, x, speeds.get(t.number, t.samples_per_second)))
-    return out
+    return [
+        (t, x, speeds.get(t.number, t.samples_per_second))
+        for t in result.trials
+        if t.samples_per_second is not None and (x := constrained_bytes(t, result.budget)) is not None
+    ]
 
 
 def pareto_front(result: TuneResult) -> list[TrialRecord]:
@@ -71,10 +70,8 @@ def pareto_front(result: TuneResult) -> list[TrialRecord]:
 
 
 def _unit_for(max_bytes: float) -> tuple[str, float]:
-    for name, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
-        if max_bytes >= size:
-            return name, size
-    return "B", 1.0
+    units = (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
+    return next(((name, size) for name, size in units if max_bytes >= size), ("B", 1.0))
 
 
 def pareto_figure(result: TuneResult) -> Figure:
@@ -131,26 +128,24 @@ def _plot_trials(
         if status == "ok" and budget.kind == "none":
             text = "measured"
         group = [(t, x, y) for t, x, y in measured if _style(t) == status]
-        filled = [(x, y) for t, x, y in group if t.confirmed or not side_by_side]
-        hollow = [(x, y) for t, x, y in group if side_by_side and not t.confirmed]
+        filled = [(x / scale, y) for t, x, y in group if t.confirmed or not side_by_side]
+        hollow = [(x / scale, y) for t, x, y in group if side_by_side and not t.confirmed]
         if filled:
-            ax.scatter(*_xy(filled, scale), c=colour, marker=marker, s=50, label=_wrapped(text), zorder=3,
+            ax.scatter(*zip(*filled, strict=True), c=colour, marker=marker, s=50, label=_wrapped(text), zorder=3,
                        edgecolors="black", linewidths=0.5)  # fmt: skip
         if hollow:
-            ax.scatter(*_xy(hollow, scale), marker=marker, s=50, label=None if filled else _wrapped(text), zorder=3,
-                       facecolors="none", edgecolors=colour, linewidths=1.2)  # fmt: skip
+            ax.scatter(*zip(*hollow, strict=True), marker=marker, s=50, label=None if filled else _wrapped(text),
+                       zorder=3, facecolors="none", edgecolors=colour, linewidths=1.2)  # fmt: skip
     if side_by_side and any(not t.confirmed for t, _, _ in measured):
         ax.scatter([], [], marker="o", s=50, facecolors="none", edgecolors="black", linewidths=1.2, label=_HOLLOW)
     # Never-run trials: x in data coordinates, y pinned just above the axis.
     rug = blended_transform_factory(ax.transData, ax.transAxes)
     for status, (colour, marker, text) in _STATUS_STYLE.items():
-        px = [x / scale for t, x in unmeasured if _style(t) == status]
-        if px:
+        if px := [x / scale for t, x in unmeasured if _style(t) == status]:
             ax.scatter(
                 px, [0.03] * len(px), c=colour, marker=marker, s=45, label=_wrapped(text), transform=rug, zorder=3
             )
-    other = [x / scale for t, x in unmeasured if _style(t) not in _STATUS_STYLE]
-    if other:
+    if other := [x / scale for t, x in unmeasured if _style(t) not in _STATUS_STYLE]:
         ax.scatter(other, [0.03] * len(other), c="black", marker="*", s=45, label="other (at predicted memory)")
 
 
@@ -166,10 +161,6 @@ def _wrapped(text: str) -> str:
     return "\n".join(textwrap.wrap(text, _LEGEND_WIDTH, break_long_words=True, subsequent_indent="  "))
 
 
-def _xy(points: list[tuple[int, float]], scale: float) -> tuple[list[float], list[float]]:
-    return [x / scale for x, _ in points], [y for _, y in points]
-
-
 def _label_baselines(
     ax: Axes,
     measured: list[tuple[TrialRecord, int, float]],
@@ -180,14 +171,11 @@ def _label_baselines(
 ) -> None:
     """Name each measured baseline beside its point, clear of the winner's ring."""
     x_span, y_span = span
-
-    def near_winner(x: float, y: float) -> bool:
-        return wxy is not None and abs(x - wxy[0]) < 0.08 * x_span and abs(y - wxy[1]) < 0.08 * y_span
-
     for t, x, y in measured:
         if t.baseline is not None and (winner is None or t.number != winner.number):
             # Under the markers on a faint box; below the point when above it would sit on the winner's ring.
-            below = near_winner(x / scale, y) and y <= (wxy[1] if wxy else y)  # type: ignore[index]
+            wx, wy = wxy or (math.inf, math.inf)
+            below = abs(x / scale - wx) < 0.08 * x_span and abs(y - wy) < 0.08 * y_span and y <= wy
             box = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.7}
             at = {"xytext": (7, -13 if below else 5), "textcoords": "offset points", "bbox": box}
             ax.annotate(t.baseline, (x / scale, y), fontsize=8, color="dimgray", zorder=2.5, **at)

@@ -16,6 +16,7 @@ __all__ = [
     "best_feasible_baseline",
     "compile_stats",
     "constrained_bytes",
+    "fastest_first",
     "memory_name",
     "predicted_constrained_bytes",
 ]
@@ -41,15 +42,13 @@ def compile_stats(trial: TrialRecord) -> Mapping[str, Any] | None:
 def best_feasible_baseline(result: TuneResult) -> tuple[str, TrialRecord] | None:
     """The fastest fitting baseline; beside a winner re-timed side by side, only baselines re-timed with it
     (a ratio of figures taken at different moments, on a machine whose load changed, means nothing)."""
-    best: tuple[str, TrialRecord] | None = None
     same_moment = result.best_trial is not None and result.best_trial.confirmed
-    for name, t in result.baselines.items():
-        if same_moment and not t.confirmed:
-            continue
-        faster = best is None or (t.samples_per_second or 0.0) > (best[1].samples_per_second or 0.0)
-        if t.feasible and t.samples_per_second is not None and faster:
-            best = (name, t)
-    return best
+    fitting = [
+        (name, t)
+        for name, t in result.baselines.items()
+        if t.feasible and t.samples_per_second is not None and (t.confirmed or not same_moment)
+    ]
+    return max(fitting, key=lambda named: named[1].samples_per_second or 0.0, default=None)
 
 
 def comparable_speeds(result: TuneResult) -> dict[int, float]:
@@ -64,3 +63,15 @@ def comparable_speeds(result: TuneResult) -> dict[int, float]:
         if ratio is not None and reference is not None and reference.samples_per_second:
             out[t.number] = reference.samples_per_second * ratio
     return out
+
+
+def fastest_first(result: TuneResult, *, fitting_first: bool = False) -> list[TrialRecord]:
+    """The winner, then the other measured trials fastest first on the side-by-side scale (``comparable_speeds``),
+    with ``fitting_first`` those that fit before those that do not: the order people read in."""
+    winner, speeds = result.best_trial, comparable_speeds(result)
+    won = None if winner is None else winner.number
+    others = sorted(
+        (t for t in result.trials if t.samples_per_second is not None and t.number != won),
+        key=lambda t: (fitting_first and not t.feasible, -speeds.get(t.number, t.samples_per_second or 0.0), t.number),
+    )
+    return ([winner] if winner is not None else []) + others

@@ -1,61 +1,11 @@
 """The names a reader of the tuner's TensorBoard output looks up: tags, HParams columns and metrics, files.
 
 Defined here only, so the writer and whatever reads the logs back cannot drift apart (``docs/monitoring.md`` shows
-where each appears). Plain strings: nothing here imports TensorBoard.
+where each appears). Plain strings: nothing here imports TensorBoard. Every name here is public (read as
+``tags.NAME``), so the module lists no ``__all__``.
 """
 
 from __future__ import annotations
-
-__all__ = [
-    "HPARAM_ACTIVATION_MIB",
-    "HPARAM_COLUMNS",
-    "HPARAM_METRICS",
-    "HPARAM_METRIC_TAGS",
-    "HPARAM_PEAK_MIB",
-    "HPARAM_PREDICTED_PEAK_MIB",
-    "HPARAM_RECOMPUTE_PERCENT",
-    "HPARAM_ROWS",
-    "HPARAM_VS_REFERENCE",
-    "HPARAM_RUN_DIR",
-    "HPARAM_SAMPLES_PER_SECOND",
-    "PARETO_PNG",
-    "TAG_ACTIVATION_MIB",
-    "TAG_BEST_SAMPLES_PER_SECOND",
-    "TAG_VERDICT_HIGH",
-    "TAG_VERDICT_LOW",
-    "TAG_VERDICT_RATIO",
-    "VERDICT_SCALAR_TAGS",
-    "TAG_COMPILE_SECONDS",
-    "TAG_CONFLICTS",
-    "TAG_GRAPH_BREAKS",
-    "TAG_MEMORY_BREAKDOWN",
-    "TAG_PARETO",
-    "TAG_PEAK_MIB",
-    "TAG_PLAN",
-    "TAG_PREDICTED_ACTIVATION_MIB",
-    "TAG_PREDICTED_PEAK_MIB",
-    "TAG_PREFIX",
-    "TAG_RECOMPILES",
-    "TAG_RECOMPUTE_OVERHEAD",
-    "TAG_SAMPLES_PER_SECOND",
-    "TAG_SIDE_BY_SIDE_SAMPLES_PER_SECOND",
-    "SCALAR_DESCRIPTIONS",
-    "TAG_SUMMARY",
-    "TAG_TRIAL_SECONDS",
-    "TAG_PREDICTED_STEP_MS",
-    "TAG_TIME_PREDICTION_ERROR",
-    "TAG_OFFLOAD_POOL_MIB",
-    "TAG_OFFLOAD_EXPOSED_PREDICTED_MS",
-    "TAG_OFFLOAD_EXPOSED_MEASURED_MS",
-    "TRIAL_SCALAR_TAGS",
-    "WINNER_MARK",
-    "hparam_name",
-    "text_tag",
-    "TAG_SEARCH_COMPILES",
-    "TAG_SEARCH_COMPILE_SECONDS",
-    "TAG_SEARCH_PHASE_SECONDS",
-    "TAG_SEARCH_PLAIN_STEPS",
-]
 
 TAG_PREFIX = "lightning_ckpt"
 

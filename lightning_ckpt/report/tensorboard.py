@@ -5,6 +5,7 @@ HParams summaries are built from the protos, because ``tensorboard.plugins.hpara
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -22,28 +23,13 @@ from torch.utils.tensorboard import SummaryWriter
 from lightning_ckpt.formatting import MIB
 from lightning_ckpt.report import tags
 from lightning_ckpt.report.figure import figure_to_hwc, pareto_figure
-from lightning_ckpt.report.quantities import best_feasible_baseline, comparable_speeds, compile_stats
+from lightning_ckpt.report.quantities import best_feasible_baseline, comparable_speeds, compile_stats, fastest_first
 from lightning_ckpt.report.text import conflicts_markdown, memory_markdown, plan_markdown, summary_markdown
 from lightning_ckpt.search.ledger import TrialRecord, vs_reference
 from lightning_ckpt.search.result import TuneResult, offload_figures
 from lightning_ckpt.search.verdict import Verdict
 
 __all__ = ["best_so_far", "log_trial", "open_writer", "table_trials", "write_experiment", "write_tensorboard"]
-
-
-def _hparam_value(v: Any) -> str | int | float:
-    """Numbers stay numbers, the rest a readable string: bools as "True"/"False" (``summary.hparams`` would store
-    1.0/0.0), ``None`` as "None" (dropped, it would leave a blank that reads like a missing value)."""
-    if isinstance(v, bool) or v is None:
-        return str(v)
-    if isinstance(v, (int, float, str)):
-        return v
-    if hasattr(v, "item"):  # numpy / torch scalars
-        return _hparam_value(v.item())
-    if isinstance(v, (list, tuple, set, frozenset)):
-        items = sorted(v, key=str) if isinstance(v, (set, frozenset)) else v
-        return ",".join(str(x) for x in items)
-    return str(v)
 
 
 def _hparams_summary(tag: str, **data: Any) -> Summary:
@@ -96,23 +82,6 @@ def write_experiment(writer: SummaryWriter, other_hparams: Mapping[str, Any] | N
     writer.flush()
 
 
-def _session_start(hparams: Mapping[str, Any]) -> Summary:
-    info = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
-    for name, value in hparams.items():
-        if isinstance(value, bool):
-            info.hparams[name].bool_value = value
-        elif isinstance(value, (int, float)):
-            info.hparams[name].number_value = value
-        else:
-            info.hparams[name].string_value = str(value)
-    return _hparams_summary(hparams_metadata.SESSION_START_INFO_TAG, session_start_info=info)
-
-
-def _session_end() -> Summary:
-    info = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time())
-    return _hparams_summary(hparams_metadata.SESSION_END_INFO_TAG, session_end_info=info)
-
-
 def open_writer(log_dir: str | os.PathLike[str]) -> SummaryWriter:
     """A TensorBoard writer for the search's run in ``log_dir`` (TensorBoard is imported only in this package)."""
     return SummaryWriter(log_dir=str(log_dir))
@@ -124,7 +93,8 @@ def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
 
     offload, stats = offload_figures(trial) or {}, compile_stats(trial) or {}
     scalars = {
-        tags.TAG_SAMPLES_PER_SECOND: alone_samples_per_second(trial),
+        # Measured alone, also after the confirmation replaced ``samples_per_second``.
+        tags.TAG_SAMPLES_PER_SECOND: trial.first_samples_per_second or trial.samples_per_second,
         tags.TAG_PEAK_MIB: scaled(trial.peak_bytes, 1 / MIB),
         tags.TAG_PREDICTED_PEAK_MIB: scaled(trial.predicted_peak_bytes, 1 / MIB),
         tags.TAG_ACTIVATION_MIB: scaled(trial.activation_bytes, 1 / MIB),
@@ -141,11 +111,6 @@ def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
         tags.TAG_RECOMPILES: stats.get("recompiles"),
     }
     return {tag: float(v) for tag, v in scalars.items() if v is not None}
-
-
-def alone_samples_per_second(trial: TrialRecord) -> float | None:
-    """The trial's throughput measured alone, also after the confirmation replaced ``samples_per_second``."""
-    return trial.first_samples_per_second or trial.samples_per_second
 
 
 def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None:
@@ -175,7 +140,7 @@ def best_so_far(trials: Iterable[TrialRecord]) -> list[tuple[int, float]]:
     """(trial number, fastest feasible samples/s measured alone up to it): the curve the search streamed."""
     out, best = [], None
     for t in sorted(trials, key=lambda t: t.number):
-        alone = alone_samples_per_second(t)
+        alone = t.first_samples_per_second or t.samples_per_second
         if t.feasible and alone is not None:
             best = alone if best is None else max(best, alone)
         if best is not None:
@@ -186,18 +151,7 @@ def best_so_far(trials: Iterable[TrialRecord]) -> list[tuple[int, float]]:
 def table_trials(result: TuneResult, limit: int = tags.HPARAM_ROWS) -> list[TrialRecord]:
     """The HParams table's rows: the winner, then measured trials fastest first (those that fit before
     those that do not), with the best feasible baseline kept in for comparison; at most ``limit``."""
-    winner = result.best_trial
-    speeds = comparable_speeds(result)
-    rest = sorted(
-        (
-            t
-            for t in result.trials
-            if t.samples_per_second is not None and (winner is None or t.number != winner.number)
-        ),
-        key=lambda t: (not t.feasible, -speeds.get(t.number, t.samples_per_second or 0.0), t.number),
-    )
-    rows = ([winner] if winner is not None else []) + rest
-    chosen = rows[:limit]
+    chosen = fastest_first(result, fitting_first=True)[:limit]
     base = best_feasible_baseline(result)
     if base is not None and limit > 1 and all(t.number != base[1].number for t in chosen):
         chosen[-1] = base[1]
@@ -218,8 +172,7 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult) -> None:
             "trial": str(t.number),
             "baseline": t.baseline or "",
         }
-        values.update({k: _hparam_value(v) for k, v in t.params.items() if k in _COLUMN_KEYS and k not in values})
-        hparams = {tags.hparam_name(k): v if k in _NUMERIC_COLUMNS else str(v) for k, v in values.items()}
+        values.update({k: v for k, v in t.params.items() if k in _COLUMN_KEYS and k not in values})
         scalars = _trial_scalars(t)  # the same figures as the trial's own series, under the table's names
         metrics = {
             tags.HPARAM_SAMPLES_PER_SECOND: speeds.get(t.number, t.samples_per_second),
@@ -230,12 +183,21 @@ def write_hparams_table(writer: SummaryWriter, result: TuneResult) -> None:
             tags.HPARAM_VS_REFERENCE: vs_reference(t),
         }
         name = f"{tags.HPARAM_RUN_DIR}/{rank:02d}_{'winner_' if is_winner else ''}trial_{t.number:03d}"
+        start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        for k, v in values.items():  # optuna's values; bools as "True" (not 1.0), None as "None" (not a blank)
+            if k in _NUMERIC_COLUMNS and isinstance(v, (int, float)) and not isinstance(v, bool):
+                start.hparams[tags.hparam_name(k)].number_value = v
+            else:
+                start.hparams[tags.hparam_name(k)].string_value = str(v)
         with SummaryWriter(log_dir=os.path.join(writer.get_logdir(), name)) as run:
-            run.file_writer.add_summary(_session_start(hparams))
+            run.file_writer.add_summary(
+                _hparams_summary(hparams_metadata.SESSION_START_INFO_TAG, session_start_info=start)
+            )
             for tag, value in metrics.items():
                 if value is not None:
                     add_scalar(run, tag, float(value), t.number)
-            run.file_writer.add_summary(_session_end())
+            end = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time())
+            run.file_writer.add_summary(_hparams_summary(hparams_metadata.SESSION_END_INFO_TAG, session_end_info=end))
 
 
 def _search_scalars(result: TuneResult) -> dict[str, float]:
@@ -272,7 +234,7 @@ def write_tensorboard(
     """
     owned = not isinstance(writer_or_logdir, SummaryWriter)
     writer = SummaryWriter(log_dir=os.fspath(writer_or_logdir)) if owned else writer_or_logdir
-    try:
+    with writer if owned else contextlib.nullcontext():
         logdir = Path(writer.get_logdir())
         if write_experiment_summary:
             write_experiment(writer, other_hparams)
@@ -302,7 +264,4 @@ def write_tensorboard(
         fig.savefig(logdir / tags.PARETO_PNG, dpi=110)
         writer.add_image(tags.TAG_PARETO, figure_to_hwc(fig), global_step=0, dataformats="HWC")
         writer.flush()
-    finally:
-        if owned:
-            writer.close()
     return logdir

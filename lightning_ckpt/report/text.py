@@ -18,6 +18,7 @@ from lightning_ckpt.report.quantities import (
     comparable_speeds,
     compile_stats,
     constrained_bytes,
+    fastest_first,
     memory_name,
     predicted_constrained_bytes,
 )
@@ -107,11 +108,9 @@ def trial_line(trial: TrialRecord, budget: Budget) -> str:
     if budget.kind == "activation":
         peak = f"{memory('activation', trial.activation_bytes, trial.predicted_activation_bytes)}, {peak}"
     parts.append(peak)
-    offload = offload_figures(trial)
-    if offload is not None:
+    if (offload := offload_figures(trial)) is not None:
         parts.append(offload_phrase(offload))
-    stats = compile_stats(trial)
-    if stats is not None:
+    if (stats := compile_stats(trial)) is not None:
         parts.append(f"compile {stats.get('compile_seconds', 0.0):.1f} s, {stats.get('graph_breaks', 0)} graph breaks")
     limit = format_bytes(budget.limit_bytes)
     conflict = trial.extra.get("conflict")
@@ -183,8 +182,7 @@ def result_line(result: TuneResult) -> str:
         used = constrained_bytes(winner, budget)
         limit = f" of {format_bytes(budget.limit_bytes)}" if budget.limit_bytes is not None else ""
         parts.append(f"{_fmt(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
-        offload = offload_figures(winner)
-        if offload is not None:
+        if (offload := offload_figures(winner)) is not None:
             parts.append(offload_phrase(offload))
         base = best_feasible_baseline(result)
         verdict = Verdict.recorded(search)
@@ -205,8 +203,7 @@ def result_line(result: TuneResult) -> str:
         parts.append("NOTHING FIT THE BUDGET (fell back to the lowest-memory plan)")
     if search.get("speed_changes"):
         parts.append("the machine's speed changed during the search: chosen on side-by-side figures only")
-    stopped = (search.get("allowance") or {}).get("stopped") or []
-    if stopped:
+    if stopped := (search.get("allowance") or {}).get("stopped") or []:
         parts.append(
             f"the allowance of {search['allowance'].get('plain_steps'):g} plain steps stopped {' and '.join(stopped)}"
         )
@@ -215,8 +212,7 @@ def result_line(result: TuneResult) -> str:
     parts.append(
         f"tuned in {result.tuning_seconds:.1f} s{in_steps} ({count(len(result.trials), 'plan')}: {pruned_counts(result)})"
     )
-    compiles = compiles_phrase(result)
-    if compiles is not None:
+    if (compiles := compiles_phrase(result)) is not None:
         parts.append(compiles)
     return " | ".join(parts)
 
@@ -254,34 +250,18 @@ def compiles_phrase(result: TuneResult) -> str | None:
 
 def conflicts_markdown(result: TuneResult) -> str:
     """Every compiled trial whose plan conflicted with torch.compile, and why (markdown for TensorBoard)."""
-    rows = [t for t in result.trials if t.extra.get("conflict")]
-    if not rows:
+    cells = [
+        [t.number, t.label, t.status, (compile_stats(t) or {}).get("graph_breaks", "-"), _escape(str(conflict), "|")]
+        for t in result.trials
+        if (conflict := t.extra.get("conflict"))
+    ]
+    if not cells:
         return "No plan conflicted with torch.compile (no added graph breaks, no recompile limit reached)."
-    cells = []
-    for t in rows:
-        stats = compile_stats(t) or {}
-        reason = str(t.extra["conflict"]).replace("|", "\\|")
-        cells.append([t.number, t.label, t.status, stats.get("graph_breaks", "-"), reason])
     return markdown_table(["trial", "plan", "status", "graph breaks", "reason"], cells)
 
 
 def _ratio(a: float | None, b: float | None) -> str:
-    if a is None or b is None or b == 0:
-        return "n/a"
-    return f"{a / b:.2f}x"
-
-
-def _by_throughput(result: TuneResult) -> list[TrialRecord]:
-    """The winner, then measured trials fastest first, then the rest in trial order: the order people read in."""
-    winner = result.best_trial
-    speeds = comparable_speeds(result)
-    others = [t for t in result.trials if winner is None or t.number != winner.number]
-    measured = sorted(
-        (t for t in others if t.samples_per_second is not None),
-        key=lambda t: -speeds.get(t.number, t.samples_per_second or 0.0),
-    )
-    rest = [t for t in others if t.samples_per_second is None]
-    return ([winner] if winner is not None else []) + measured + rest
+    return "n/a" if a is None or not b else f"{a / b:.2f}x"
 
 
 def _against_baselines(result: TuneResult, winner: TrialRecord) -> list[str]:
@@ -340,8 +320,7 @@ def verdict_lines(result: TuneResult) -> list[str]:
         f"tuning cost: {result.tuning_seconds:.1f} s, {result.tuning_steps} steps over {len(result.trials)} trials "
         f"({pruned_counts(result, 'pruned')})"
     )
-    time_line = time_model_line(result)
-    if time_line is not None:
+    if (time_line := time_model_line(result)) is not None:
         lines.append(time_line)
     compiling = [s for t in result.trials if (s := compile_stats(t)) is not None]
     if compiling:
@@ -359,34 +338,18 @@ def verdict_lines(result: TuneResult) -> list[str]:
 
 
 # The summary table's columns; compiled searches add "compile s".
-_SUMMARY_COLUMNS = (
-    "",
-    "#",
-    "label",
-    "status",
-    "pred peak",
-    "peak",
-    "activation",
-    "samples/s",
-    "timed",
-    "vs ref",
-    "pred step",
-    "time err",
-    "recompute",
-    "seconds",
-)
+_SUMMARY_COLUMNS = ("", "#", "label", "status", "pred peak", "peak", "activation", "samples/s", "timed", "vs ref")
+_SUMMARY_COLUMNS += ("pred step", "time err", "recompute", "seconds")
 
 
 def _summary_rows(result: TuneResult) -> list[tuple[str, ...]]:
     winner = result.best_trial
-    header: tuple[str, ...] = _SUMMARY_COLUMNS
     compiled = any(compile_stats(t) is not None for t in result.trials)
-    if compiled:
-        header += ("compile s",)
-    rows = [header]
+    rows = [_SUMMARY_COLUMNS + (("compile s",) if compiled else ())]
     side_by_side = any(t.confirmed for t in result.trials)
     speeds = comparable_speeds(result)  # a side-by-side row on one scale with the winner's
-    for t in _by_throughput(result):
+    leaders = fastest_first(result)  # then the unmeasured, in trial order
+    for t in leaders + [t for t in result.trials if t.samples_per_second is None and t not in leaders]:
         stats = compile_stats(t)
         compile_cell = (f"{stats.get('compile_seconds', 0.0):.1f}" if stats else "-",) if compiled else ()
         rows.append(
@@ -422,15 +385,15 @@ def summary_table(result: TuneResult) -> str:
 
 def summary_markdown(result: TuneResult) -> str:
     """The summary for TensorBoard's Text tab: the verdict, then the trials as a table, fastest first."""
-    rows = _summary_rows(result)
-    verdict = [line.replace("winner (*)", "winner (bold)", 1) for line in verdict_lines(result)]
-    out = [f"- {_escape(line)}" for line in verdict]
-    cells = []
-    for r in rows[1:]:
-        row = [_escape(c) if i == 1 else c for i, c in enumerate(r[1:])]
-        cells.append([f"**{c}**" if r[0] == "*" and c else c for c in row])
-    out += ["", markdown_table(rows[0][1:], cells)]
+    (_, *header), *rows = _summary_rows(result)
+    out = [f"- {_escape(line.replace('winner (*)', 'winner (bold)', 1))}" for line in verdict_lines(result)]
+    # Labels escaped; the winner's row (marked '*') in bold.
+    cells = [
+        [f"**{c}**" if mark == "*" and c else c for c in (n, _escape(label), *rest)] for mark, n, label, *rest in rows
+    ]
     out += [
+        "",
+        markdown_table(header, cells),
         "",
         "Bold: the winner. `~`: memory predicted by the memory model (the trial was timed only). timed: `side` = "
         "re-timed side by side in the confirmation's rounds, `alone` = timed one plan at a time while the search ran "
@@ -440,9 +403,11 @@ def summary_markdown(result: TuneResult) -> str:
     return "\n".join(out)
 
 
-def _escape(text: str) -> str:
+def _escape(text: str, chars: str = "|*_") -> str:
     # Markdown would read '|' as a column break and '*' / '_' as emphasis.
-    return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
+    for c in chars:
+        text = text.replace(c, "\\" + c)
+    return text
 
 
 def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> str:
@@ -469,7 +434,8 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
         return "\n".join(lines)
     in_plan = plan is not None and not plan.is_empty
 
-    labels = plan.block_labels([b["fqn"] for b in blocks]) if plan is not None else {}
+    all_fqns = [b["fqn"] for b in blocks]
+    labels = plan.block_labels(all_fqns) if plan is not None else {}
     keys = list(dict.fromkeys(k for b in blocks for k in b.get("saved_bytes", {})))
     groups: dict[tuple[Any, ...], list[str]] = {}
     for b in blocks:
@@ -478,7 +444,6 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
         figures = tuple(mib(saved.get(k)) for k in keys)
         signature = (figures, mib(b.get("recompute_transient_bytes")), labels.get(b["fqn"], "none"))
         groups.setdefault(signature, []).append(b["fqn"])
-    all_fqns = [b["fqn"] for b in blocks]
     headers = [block_names(fqns, among=all_fqns) for fqns in groups.values()]
     lines += [
         "",
@@ -533,7 +498,6 @@ def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
             rows.append(["step time (median)", f"{trial.median_seconds:.4f} s{spread}"])
         lines.append(markdown_table(["quantity", "value"], rows))
     else:
-        measured = plan.provenance.measured
-        if measured:
+        if measured := plan.provenance.measured:
             lines += ["", "**Measured:**", "", markdown_table(["quantity", "value"], list(measured.items()))]
     return "\n".join(lines)
