@@ -28,11 +28,7 @@ import torch
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
 from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.measure.allocator import allocator_figures, split_resistant
-from lightning_ckpt.measure.device_memory import (
-    device_memory,
-    refused_although_it_fits,
-    requested_bytes,
-)
+from lightning_ckpt.measure.device_memory import device_memory, refused_although_it_fits, requested_bytes
 from lightning_ckpt.measure.status import TrialStatus
 
 __all__ = [

@@ -19,12 +19,7 @@ from torch import nn
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.measure.allocator import split_resistant
-from lightning_ckpt.measure.device_memory import (
-    DeviceMemory,
-    device_memory,
-    refused_although_it_fits,
-    requested_bytes,
-)
+from lightning_ckpt.measure.device_memory import DeviceMemory, device_memory, refused_although_it_fits, requested_bytes
 from lightning_ckpt.measure.measurement import (
     Measurement,
     classify_failure,
@@ -146,19 +141,17 @@ def _step_tracker(
 
 
 def _tracked_step(step_fn: Callable[[], Any], tracker: Any, device: torch.device) -> MemoryReading:
+    # With an allocator, the peak is its (what an OOM is decided on); activation bytes come from the tracker anyway.
     memory = device_memory(device)
-    if memory is None:
-        with tracker:
-            step_fn()
-        return MemoryReading(tracker.total_peak, tracker.activation_peak, tracker.resting_bytes, str(device))
-    # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, as on CPU.
     synchronize(device)
-    resting = memory.allocated()  # no collection: see ``_enforced_memory_limit``
-    memory.reset_peak()
+    resting = memory.allocated() if memory is not None else tracker.resting_bytes  # no collection: see below
+    if memory is not None:
+        memory.reset_peak()
     with tracker:
         step_fn()
     synchronize(device)
-    return MemoryReading(memory.max_allocated(), tracker.activation_peak, resting, str(device))
+    peak = memory.max_allocated() if memory is not None else tracker.total_peak
+    return MemoryReading(peak, tracker.activation_peak, resting, str(device))
 
 
 class _BudgetExceeded(Exception):
@@ -171,15 +164,15 @@ def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reser
     """Cap this process's allocator near ``limit`` bytes, restoring the previous cap afterwards; yields whether it is
     tighter than the one before. The cap counts *reserved* memory, so ``reserve_headroom`` (reserve above allocated,
     measured on the profile's step) is added; the budget is still judged on ``max_memory_allocated``."""
+    # Step-sized buffers from a cold cache, not from what the last plan's steps split; and cached free blocks are
+    # handed out without checking the cap: a plan over budget could pass by reusing memory an earlier candidate left
+    # reserved. No collection: refcounting freed a step that ran, a failed one was collected.
+    if memory is not None:
+        memory.empty_cache()
     if limit is None or memory is None:
-        if memory is not None:
-            memory.empty_cache()  # step-sized buffers from a cold cache, not from what the last plan's steps split
         yield False
         return
     previous = memory.get_fraction()
-    # Cached free blocks are handed out without checking the cap: a plan over budget could pass by reusing memory an
-    # earlier candidate left reserved. No collection: refcounting freed a step that ran, a failed one was collected.
-    memory.empty_cache()
     fraction = min(previous, (limit + max(0, reserve_headroom)) / memory.total_bytes)
     memory.set_fraction(fraction)
     try:
@@ -334,16 +327,6 @@ def _failure_of(exc: Exception) -> tuple[str, ...]:
     return failure
 
 
-def _refuse_changed_parameters(snapshot: StateSnapshot) -> None:
-    changed = snapshot.changed_parameters()
-    if changed:
-        raise ConfigurationError(
-            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
-            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
-            "outside measure_step."
-        )
-
-
 def measure_step(
     step_fn: Callable[[], Any],
     settings: StepSettings | None = None,
@@ -402,7 +385,13 @@ def measure_step(
         if request is not None and split:
             notes["retried_with"] = split
         break
-    _refuse_changed_parameters(snapshot)
+    changed = snapshot.changed_parameters()
+    if changed:
+        raise ConfigurationError(
+            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
+            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
+            "outside measure_step."
+        )
     return passes.outcome(failure, over_budget, batch_size, seq_len, notes)
 
 
