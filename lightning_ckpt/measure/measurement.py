@@ -232,10 +232,7 @@ class Measurement:
         return self.spread_seconds / self.median_seconds
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["step_seconds"] = list(self.step_seconds)
-        d["extra"] = dict(self.extra)
-        return d
+        return {**asdict(self), "step_seconds": list(self.step_seconds), "extra": dict(self.extra)}
 
 
 def median_and_spread(times: Sequence[float]) -> tuple[float, float]:

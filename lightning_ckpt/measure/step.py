@@ -87,10 +87,6 @@ class StepSettings:
         if limit is not None and (not _is_int(limit) or limit < 1):
             raise ConfigurationError(f"`memory_limit_bytes >= 1` must hold, but got {limit!r}.")
 
-    @property
-    def limit_steps(self) -> int:
-        return self.steps if self.target_rel_spread is None else (self.max_steps or 4 * self.steps)
-
 
 def _check_shape(batch_size: int | None, seq_len: int | None) -> None:
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -259,7 +255,7 @@ class _Passes:
             synchronize(self.device)
             resting = memory.allocated()
             memory.reset_peak()
-        while True:  # ``steps`` times, then more until MAD/median reaches ``target_rel_spread`` or ``limit_steps``
+        while True:  # ``steps`` times, then more until MAD/median reaches ``target_rel_spread`` or ``max_steps``
             self.snapshot.reset_grads()
             synchronize(self.device)
             start = s.clock()
@@ -268,17 +264,15 @@ class _Passes:
             self.times.append(s.clock() - start)
             if len(self.times) < s.steps:
                 continue
-            if len(self.times) >= s.limit_steps:
+            if s.target_rel_spread is None or len(self.times) >= (s.max_steps or 4 * s.steps):
                 break
             med, spread = median_and_spread(self.times)
             if med > 0 and spread / med <= float(s.target_rel_spread or 0):
                 break
         if memory is not None and (self.reading is not None or s.read_allocator):
-            peak = memory.max_allocated()
-            if self.reading is not None:
-                peak = max(peak, self.reading.peak_bytes)
-            activation = self.reading.activation_bytes if self.reading else None
-            self.reading = MemoryReading(peak, activation, resting, str(self.device))
+            tracked = self.reading
+            peak = max(memory.max_allocated(), tracked.peak_bytes if tracked else 0)
+            self.reading = MemoryReading(peak, tracked.activation_bytes if tracked else None, resting, str(self.device))
             self._judge(peak, "peak")
 
     def outcome(
@@ -325,6 +319,16 @@ def _failure_of(exc: Exception) -> tuple[str, ...]:
         trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         return (failure[0], failure[1], trace[-_MAX_TRACE_CHARS:])
     return failure
+
+
+def _refuse_changed_parameters(snapshot: StateSnapshot) -> None:
+    changed = snapshot.changed_parameters()
+    if changed:
+        raise ConfigurationError(
+            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
+            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
+            "outside measure_step."
+        )
 
 
 def measure_step(
@@ -385,13 +389,7 @@ def measure_step(
         if request is not None and split:
             notes["retried_with"] = split
         break
-    changed = snapshot.changed_parameters()
-    if changed:
-        raise ConfigurationError(
-            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
-            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
-            "outside measure_step."
-        )
+    _refuse_changed_parameters(snapshot)
     return passes.outcome(failure, over_budget, batch_size, seq_len, notes)
 
 

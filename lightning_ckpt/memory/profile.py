@@ -114,21 +114,14 @@ def _selective_sets(
 ) -> dict[str, list[tuple[str, ...]]]:
     """Per block, every single child, each kind's children, attention+MLP, and the caller's ``selective_sets``."""
     sets: dict[str, list[tuple[str, ...]]] = {}
-    for s in stacks:
-        for b in s.blocks:
-            mine: list[tuple[str, ...]] = [(c.name,) for c in b.children]
-            kinds = [b.children_of_kind(k) for k in ("attention", "mlp", "norm", "other")]
-            for combo in (*kinds, kinds[0] + kinds[1]):
-                if len(combo) > 1 and tuple(sorted(combo)) not in mine:
-                    mine.append(tuple(sorted(combo)))
-            sets[b.fqn] = mine
+    for b in (b for s in stacks for b in s.blocks):
+        kinds = [b.children_of_kind(k) for k in ("attention", "mlp", "norm", "other")]
+        combos = [tuple(sorted(c)) for c in (*kinds, kinds[0] + kinds[1]) if len(c) > 1]
+        sets[b.fqn] = list(dict.fromkeys([*((c.name,) for c in b.children), *combos]))
     if selective_sets is not None:
-        extra_sets = selective_sets if isinstance(selective_sets, Mapping) else {f: selective_sets for f in sets}
-        for fqn, combos in extra_sets.items():
-            for combo in combos:
-                c = tuple(sorted(combo))
-                if c not in sets.setdefault(fqn, []):
-                    sets[fqn].append(c)
+        extra = selective_sets if isinstance(selective_sets, Mapping) else dict.fromkeys(sets, selective_sets)
+        for fqn, combos in extra.items():
+            sets[fqn] = list(dict.fromkeys([*sets.get(fqn, []), *(tuple(sorted(c)) for c in combos)]))
     return sets
 
 
@@ -188,9 +181,9 @@ def profile_step(
             f"profiling needs the model without checkpointing, but plan {current.describe()!r} "
             "is applied. Call handle.remove() first; the profile covers every plan, the applied one included."
         )
-    if stacks is None and view is not None:
-        stacks = view.stacks
-    stacks = list(stacks) if stacks is not None else discover_blocks(root)
+    if stacks is None:
+        stacks = view.stacks if view is not None else discover_blocks(root)
+    stacks = list(stacks)
     dev = normalise_device(torch.device(device) if device is not None else model_device(root))
     blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
     sets = _selective_sets(stacks, selective_sets)
@@ -334,14 +327,8 @@ def _memory_model(
 ) -> MemoryModel:
     rows = [dataclasses.replace(runs.alone[key], fqn=fqn, shared_with=shared) for fqn, key, shared in runs.rows()]
     order, tracker = runs.order, runs.tracker
-    n = len(order)
-    phases = sorted(
-        (
-            PhasePeak(label[0], label[1] if len(label) > 1 else None, *peaks)
-            for label, peaks in tracker.phase_peaks.items()
-        ),
-        key=lambda p: phase_rank((p.kind,) if p.block is None else (p.kind, p.block), n),
-    )
+    labels = sorted(tracker.phase_peaks, key=lambda label: phase_rank(label, len(order)))
+    phases = [PhasePeak(lb[0], lb[1] if len(lb) > 1 else None, *tracker.phase_peaks[lb]) for lb in labels]
     # Blocks' saved bytes include their inputs, so what is left at the end of the forward is the
     # embeddings', head's and loss's (the last block's output included).
     other = max(0, runs.end_of_forward[1] - sum(r.saved_bytes["full"] for r in rows))
