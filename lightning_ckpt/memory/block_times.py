@@ -49,10 +49,13 @@ def time_block_modes(
 ) -> dict[str, float]:
     """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes``; a mode that fails here
     is left out. ``calls``: the block calls of the step this block stands for, which size the rounds."""
+    where = hidden_slot(cap.args, cap.kwargs, strict=True)
     forwards: list[float] = []  # ``none``'s forward alone: the window an offloaded block's copies hide behind
 
     def once(key: str, r: int) -> float:
-        return _time_once(root, cap, modes[key], device, cap.module, forwards=forwards if key == "none" else None)
+        return _time_once(
+            root, cap, where, modes[key], device, cap.module, forwards=forwards if key == "none" else None
+        )
 
     rounds = TIMING_ROUNDS
     t0 = time.perf_counter()
@@ -83,16 +86,17 @@ def compiled_block_modes(
 ) -> CompiledBlockRuns:
     """``cap``'s block compiled alone under each of ``modes`` (see the module docstring), as ``time_block_modes``."""
     runs = CompiledBlockRuns()
+    where = hidden_slot(cap.args, cap.kwargs, strict=True)
     region = _compiled_region(cap.module)
     memo: dict[tuple[Any, ...], Any] = {}
 
     def once(key: str, r: int) -> float:
         if r == 1:  # the graph compiled in round 0, run under the saved-tensor hooks
             with SavedForBackward(root, extra=captured_tensors(cap)) as saved:
-                seconds = _time_once(root, cap, modes[key], device, region, memo)
+                seconds = _time_once(root, cap, where, modes[key], device, region, memo)
             runs.saved_bytes[key] = saved.saved_bytes
             return seconds
-        seconds = _time_once(root, cap, modes[key], device, region, memo)
+        seconds = _time_once(root, cap, where, modes[key], device, region, memo)
         if r == 0:
             runs.compile_seconds += seconds
             runs.compiles += 1
@@ -152,6 +156,7 @@ def _compiling(n_modes: int) -> Iterator[None]:
 def _time_once(
     root: nn.Module,
     cap: Captured,
+    where: tuple[str, Any],
     bp: BlockPlan,
     device: torch.device,
     call: Callable[..., Any],
@@ -160,7 +165,6 @@ def _time_once(
     forwards: list[float] | None = None,
 ) -> float:
     """One forward+backward of the block under ``bp`` through ``call`` (the block or its compiled region)."""
-    where = hidden_slot(cap.args, cap.kwargs, strict=True)
     hidden = in_slot(cap.args, cap.kwargs, where)
     reuse = reused_forwards(memo) if memo is not None else contextlib.nullcontext()
     with reuse:

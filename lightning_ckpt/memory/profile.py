@@ -291,10 +291,10 @@ def _time_blocks(
             runs.compiled[key] = result
 
 
-def _pass(what: str, dev: torch.device, snapshot: StateSnapshot, run: Callable[[], Any], *, cold: bool = True) -> Any:
-    """``run_pass`` of one of the profile's passes, the model put back as it was captured afterwards."""
+def _pass(what: str, dev: torch.device, snapshot: StateSnapshot, run: Callable[[], Any], **options: Any) -> Any:
+    """``run_pass`` (with its ``options``) of one of the profile's passes, the model put back as captured after it."""
     try:
-        return run_pass(f"the memory profile's {what}", dev, run, snapshot.restore, cold=cold)
+        return run_pass(f"the memory profile's {what}", dev, run, snapshot.restore, **options)
     finally:
         snapshot.restore()
 
