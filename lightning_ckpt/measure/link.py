@@ -22,10 +22,6 @@ class LinkBandwidth:
     to_device: float
     nbytes: int
 
-    def seconds(self, nbytes: int, *, to_host: bool) -> float:
-        """How long ``nbytes`` take one way at the measured rate."""
-        return nbytes / (self.to_host if to_host else self.to_device)
-
 
 def measure_link(device: torch.device | str, *, nbytes: int = 256 * 2**20, repeats: int = 5) -> LinkBandwidth | None:
     """The median of ``repeats`` pinned copies of ``nbytes`` each way on ``device`` (None on a CPU)."""

@@ -28,11 +28,7 @@ import torch
 from lightning_ckpt.errors import ApplyError, ConfigurationError, PlanError
 from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.measure.allocator import allocator_figures, split_resistant
-from lightning_ckpt.measure.device_memory import (
-    device_memory,
-    refused_although_it_fits,
-    requested_bytes,
-)
+from lightning_ckpt.measure.device_memory import device_memory, refused_although_it_fits, requested_bytes
 from lightning_ckpt.measure.status import TrialStatus
 
 __all__ = [
@@ -236,10 +232,7 @@ class Measurement:
         return self.spread_seconds / self.median_seconds
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["step_seconds"] = list(self.step_seconds)
-        d["extra"] = dict(self.extra)
-        return d
+        return {**asdict(self), "step_seconds": list(self.step_seconds), "extra": dict(self.extra)}
 
 
 def median_and_spread(times: Sequence[float]) -> tuple[float, float]:

@@ -35,12 +35,9 @@ class SavedForBackward:
         return sum(self._state.values())
 
     def __enter__(self) -> SavedForBackward:
-        self._state, self._saved = {}, {}
-        for t in _state_tensors(self._root, self._optimizers, self._extra):
-            key = _storage_key(t)
-            if key is not None:
-                self._state[key[0]] = key[1]
-        state, saved = self._state, self._saved
+        tensors = _state_tensors(self._root, self._optimizers, self._extra)
+        state = self._state = dict(key for t in tensors if (key := _storage_key(t)) is not None)
+        saved = self._saved = {}
 
         # Called for tensors saved by eager ops too, inside frames dynamo compiles: without disable() dynamo would
         # trace the hook, graph-break on untyped_storage() and recompile it per dtype until the recompile limit.

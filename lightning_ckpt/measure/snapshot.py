@@ -51,7 +51,8 @@ class StateSnapshot:
         snap._rng = rng_state()
         for name, p in model.named_parameters():  # a shared parameter once
             g = p.grad
-            copy = None if g is None else _ZERO if _is_known_zero(g) else g.detach().to("cpu", copy=True)
+            known_zero = g is not None and g in _KNOWN_ZERO and _KNOWN_ZERO[g] == version_counter(g)
+            copy = None if g is None else _ZERO if known_zero else g.detach().to("cpu", copy=True)
             snap._grads.append((p, weakref.ref(g) if g is not None else None, copy))
             if getattr(p, WRITTEN_IN_FORWARD, False):
                 snap._written.append((p, p.detach().to("cpu", copy=True)))
@@ -102,10 +103,6 @@ _KNOWN_ZERO: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def mark_zero_grad(grad: torch.Tensor) -> None:
     _KNOWN_ZERO[grad] = version_counter(grad)
-
-
-def _is_known_zero(grad: torch.Tensor) -> bool:
-    return grad in _KNOWN_ZERO and _KNOWN_ZERO[grad] == version_counter(grad)
 
 
 # Marks a parameter the model's forward writes in place, so every ``StateSnapshot`` copies and restores it.

@@ -19,12 +19,7 @@ from torch import nn
 from lightning_ckpt.errors import ConfigurationError
 from lightning_ckpt.formatting import format_bytes
 from lightning_ckpt.measure.allocator import split_resistant
-from lightning_ckpt.measure.device_memory import (
-    DeviceMemory,
-    device_memory,
-    refused_although_it_fits,
-    requested_bytes,
-)
+from lightning_ckpt.measure.device_memory import DeviceMemory, device_memory, refused_although_it_fits, requested_bytes
 from lightning_ckpt.measure.measurement import (
     Measurement,
     classify_failure,
@@ -92,10 +87,6 @@ class StepSettings:
         if limit is not None and (not _is_int(limit) or limit < 1):
             raise ConfigurationError(f"`memory_limit_bytes >= 1` must hold, but got {limit!r}.")
 
-    @property
-    def limit_steps(self) -> int:
-        return self.steps if self.target_rel_spread is None else (self.max_steps or 4 * self.steps)
-
 
 def _check_shape(batch_size: int | None, seq_len: int | None) -> None:
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -146,19 +137,17 @@ def _step_tracker(
 
 
 def _tracked_step(step_fn: Callable[[], Any], tracker: Any, device: torch.device) -> MemoryReading:
+    # With an allocator, the peak is its (what an OOM is decided on); activation bytes come from the tracker anyway.
     memory = device_memory(device)
-    if memory is None:
-        with tracker:
-            step_fn()
-        return MemoryReading(tracker.total_peak, tracker.activation_peak, tracker.resting_bytes, str(device))
-    # Peak from the allocator (what an OOM is decided on); activation bytes from the tracker, as on CPU.
     synchronize(device)
-    resting = memory.allocated()  # no collection: see ``_enforced_memory_limit``
-    memory.reset_peak()
+    resting = memory.allocated() if memory is not None else tracker.resting_bytes  # no collection: see below
+    if memory is not None:
+        memory.reset_peak()
     with tracker:
         step_fn()
     synchronize(device)
-    return MemoryReading(memory.max_allocated(), tracker.activation_peak, resting, str(device))
+    peak = memory.max_allocated() if memory is not None else tracker.total_peak
+    return MemoryReading(peak, tracker.activation_peak, resting, str(device))
 
 
 class _BudgetExceeded(Exception):
@@ -171,15 +160,15 @@ def _enforced_memory_limit(memory: DeviceMemory | None, limit: int | None, reser
     """Cap this process's allocator near ``limit`` bytes, restoring the previous cap afterwards; yields whether it is
     tighter than the one before. The cap counts *reserved* memory, so ``reserve_headroom`` (reserve above allocated,
     measured on the profile's step) is added; the budget is still judged on ``max_memory_allocated``."""
+    # Step-sized buffers from a cold cache, not from what the last plan's steps split; and cached free blocks are
+    # handed out without checking the cap: a plan over budget could pass by reusing memory an earlier candidate left
+    # reserved. No collection: refcounting freed a step that ran, a failed one was collected.
+    if memory is not None:
+        memory.empty_cache()
     if limit is None or memory is None:
-        if memory is not None:
-            memory.empty_cache()  # step-sized buffers from a cold cache, not from what the last plan's steps split
         yield False
         return
     previous = memory.get_fraction()
-    # Cached free blocks are handed out without checking the cap: a plan over budget could pass by reusing memory an
-    # earlier candidate left reserved. No collection: refcounting freed a step that ran, a failed one was collected.
-    memory.empty_cache()
     fraction = min(previous, (limit + max(0, reserve_headroom)) / memory.total_bytes)
     memory.set_fraction(fraction)
     try:
@@ -266,7 +255,7 @@ class _Passes:
             synchronize(self.device)
             resting = memory.allocated()
             memory.reset_peak()
-        while True:  # ``steps`` times, then more until MAD/median reaches ``target_rel_spread`` or ``limit_steps``
+        while True:  # ``steps`` times, then more until MAD/median reaches ``target_rel_spread`` or ``max_steps``
             self.snapshot.reset_grads()
             synchronize(self.device)
             start = s.clock()
@@ -275,17 +264,15 @@ class _Passes:
             self.times.append(s.clock() - start)
             if len(self.times) < s.steps:
                 continue
-            if len(self.times) >= s.limit_steps:
+            if s.target_rel_spread is None or len(self.times) >= (s.max_steps or 4 * s.steps):
                 break
             med, spread = median_and_spread(self.times)
             if med > 0 and spread / med <= float(s.target_rel_spread or 0):
                 break
         if memory is not None and (self.reading is not None or s.read_allocator):
-            peak = memory.max_allocated()
-            if self.reading is not None:
-                peak = max(peak, self.reading.peak_bytes)
-            activation = self.reading.activation_bytes if self.reading else None
-            self.reading = MemoryReading(peak, activation, resting, str(self.device))
+            tracked = self.reading
+            peak = max(memory.max_allocated(), tracked.peak_bytes if tracked else 0)
+            self.reading = MemoryReading(peak, tracked.activation_bytes if tracked else None, resting, str(self.device))
             self._judge(peak, "peak")
 
     def outcome(

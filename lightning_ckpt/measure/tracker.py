@@ -71,7 +71,7 @@ class _LiveTracking:
 
     _total_key: Any = None  # mem_tracker._TOTAL_KEY
     _ref_type: Any = None  # mem_tracker._MemRefType
-    _module_stats: type | None = None  # FSDP only: the module statistics to keep (``_fsdp_stats_on_demand``)
+    _module_stats: type | None = None  # FSDP only: the module statistics to keep (``_tracker_class``)
 
     def __init__(self, device: torch.device, *base_args: Any) -> None:
         super().__init__(*base_args)
@@ -177,34 +177,27 @@ class _LiveTracking:
             peaks[0], peaks[1] = max(peaks[0], total), max(peaks[1], act)
 
 
-def _fsdp_stats_on_demand() -> type:
-    """Module statistics for ``FSDPMemTracker`` that make an empty record on lookup (see ``_LiveTracking``)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
-
-    class _StatsOnDemand(WeakIdKeyDictionary):
-        def __getitem__(self, key: Any) -> Any:
-            if key not in self:
-                self[key] = _FSDPModMemStats(type(key).__name__)
-            return super().__getitem__(key)
-
-    return _StatsOnDemand
-
-
 @functools.cache
 def _tracker_class(fsdp: bool = False) -> type:
     from torch.distributed._tools import mem_tracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    base = MemTracker
     if fsdp:
         # FSDP2: unsharded parameters and collective buffers count in the total, not as activation.
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker as base
-    else:
-        base = MemTracker
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
+
+        class _StatsOnDemand(WeakIdKeyDictionary):  # an empty record on lookup (see ``_LiveTracking``)
+            def __getitem__(self, key: Any) -> Any:
+                if key not in self:
+                    self[key] = _FSDPModMemStats(type(key).__name__)
+                return super().__getitem__(key)
 
     class _LiveTracker(_LiveTracking, base):  # type: ignore[valid-type,misc]
         _total_key = mem_tracker._TOTAL_KEY
         _ref_type = mem_tracker._MemRefType
-        _module_stats = _fsdp_stats_on_demand() if fsdp else None
+        _module_stats = _StatsOnDemand if fsdp else None
 
     return _LiveTracker
 

@@ -99,16 +99,14 @@ def anchor_step(
     tracker = new_live_tracker(device, root)
     tracker.track_external(*externals)
     phases = _AnchorPhases(root, order, tracker)
-    plan = Plan({f: BlockPlan("full") for f in order})
-    handle = apply_plan(root, plan)
+    handle = apply_plan(root, Plan({f: BlockPlan("full") for f in order}))
     handles = []
     try:
         for f in phases.positions:
             m = root.get_submodule(f)
             handles.append(m.register_forward_pre_hook(phases.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(phases.post_hook, with_kwargs=True))
-        resting = tracker.now()[0]
-        tracker.total_peak = resting
+        resting = tracker.total_peak = tracker.now()[0]
         with tracker:
             tracker.enter_phase(("pre",))
             loss = loss_of(forward_fn())
@@ -128,8 +126,7 @@ def cuda_allocator_anchor(
 ) -> tuple[int, int, int]:
     """(max_memory_allocated, memory_allocated before, reserved-above-allocated peak) of the anchor step:
     the tracker-to-allocator offset, and the headroom a cap on reserved memory needs."""
-    plan = Plan({f: BlockPlan("full") for f in order})
-    handle = apply_plan(root, plan)
+    handle = apply_plan(root, Plan({f: BlockPlan("full") for f in order}))
     try:
         torch.cuda.synchronize(device)  # the cache is cold already (``run_pass``): the reserve this step itself needs
         resting = torch.cuda.memory_allocated(device)

@@ -24,12 +24,7 @@ from torch import nn
 from lightning_ckpt.discovery import is_compile_wrapper, unwrap_compiled
 from lightning_ckpt.measure.measurement import synchronize
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
-from lightning_ckpt.memory.capture import (
-    Captured,
-    autocast_as,
-    backward_leaves,
-    captured_tensors,
-)
+from lightning_ckpt.memory.capture import Captured, autocast_as, backward_leaves, captured_tensors
 from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.chain import hidden_slot, in_slot, with_hidden
 from lightning_ckpt.plan.format import BlockPlan, Plan
@@ -51,14 +46,10 @@ def time_block_modes(
     *,
     device: torch.device,
     calls: int | None = None,
-    restore: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes``; a mode that fails here
     is left out. ``calls``: the block calls of the step this block stands for, which size the rounds."""
     where = hidden_slot(cap.args, cap.kwargs, strict=True)
-    if where is None:
-        return {}
-
     forwards: list[float] = []  # ``none``'s forward alone: the window an offloaded block's copies hide behind
 
     def once(key: str, r: int) -> float:
@@ -67,16 +58,12 @@ def time_block_modes(
         )
 
     rounds = TIMING_ROUNDS
-    try:
-        t0 = time.perf_counter()
-        warm = _interleaved(modes, 1, once, timed_from=0)
-        if calls is not None and warm.get("none") and (took := time.perf_counter() - t0) > 0:
-            rounds = max(MIN_TIMING_ROUNDS, min(rounds, int(TIMING_STEPS * calls * warm["none"] / took)))
-        seconds = _interleaved({k: modes[k] for k in warm}, rounds, once, timed_from=0)
-        return {**seconds, "forward": statistics.median(forwards[1:] or forwards)} if "none" in seconds else seconds
-    finally:
-        if restore is not None:
-            restore()
+    t0 = time.perf_counter()
+    warm = _interleaved(modes, 1, once)
+    if calls is not None and warm.get("none") and (took := time.perf_counter() - t0) > 0:
+        rounds = max(MIN_TIMING_ROUNDS, min(rounds, int(TIMING_STEPS * calls * warm["none"] / took)))
+    seconds = _interleaved({k: modes[k] for k in warm}, rounds, once)
+    return {**seconds, "forward": statistics.median(forwards[1:] or forwards)} if "none" in seconds else seconds
 
 
 @dataclass
@@ -96,13 +83,10 @@ def compiled_block_modes(
     modes: Mapping[str, BlockPlan],
     *,
     device: torch.device,
-    restore: Callable[[], None] | None = None,
 ) -> CompiledBlockRuns:
     """``cap``'s block compiled alone under each of ``modes`` (see the module docstring), as ``time_block_modes``."""
     runs = CompiledBlockRuns()
     where = hidden_slot(cap.args, cap.kwargs, strict=True)
-    if where is None:
-        return runs
     region = _compiled_region(cap.module)
     memo: dict[tuple[Any, ...], Any] = {}
 
@@ -119,7 +103,7 @@ def compiled_block_modes(
         return seconds
 
     with _compiling(len(modes)):
-        runs.seconds = _interleaved(modes, TIMING_ROUNDS + 2, once, timed_from=2, restore=restore)
+        runs.seconds = _interleaved(modes, TIMING_ROUNDS + 2, once, timed_from=2)
     runs.saved_bytes = {k: v for k, v in runs.saved_bytes.items() if k in runs.seconds}
     return runs
 
@@ -129,30 +113,25 @@ def _interleaved(
     rounds: int,
     once: Callable[[str, int], float],
     *,
-    timed_from: int,
-    restore: Callable[[], None] | None = None,
+    timed_from: int = 0,
 ) -> dict[str, float]:
     """Median of ``once(key, round)`` per mode over the rounds from ``timed_from`` on, the order reversed every other
     round; a mode that raises (but for running out of memory) is left out."""
     samples: dict[str, list[float]] = {k: [] for k in modes}
     failed: set[str] = set()
-    try:
-        for r in range(rounds):
-            for key in list(modes) if r % 2 == 0 else list(reversed(modes)):
-                if key in failed:
-                    continue
-                try:
-                    seconds = once(key, r)
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception:
-                    failed.add(key)  # the memory profile records why a mode cannot run
-                    continue
-                if r >= timed_from:
-                    samples[key].append(seconds)
-    finally:
-        if restore is not None:
-            restore()
+    for r in range(rounds):
+        for key in list(modes) if r % 2 == 0 else list(reversed(modes)):
+            if key in failed:
+                continue
+            try:
+                seconds = once(key, r)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:
+                failed.add(key)  # the memory profile records why a mode cannot run
+                continue
+            if r >= timed_from:
+                samples[key].append(seconds)
     return {k: statistics.median(v) for k, v in samples.items() if v and k not in failed}
 
 

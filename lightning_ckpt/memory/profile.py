@@ -9,6 +9,7 @@ holds after its forward and its forward and backward peaks, relative to one star
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +22,7 @@ from lightning_ckpt.errors import ApplyError, LightningCkptError
 from lightning_ckpt.measure.link import measure_link
 from lightning_ckpt.measure.measurement import PassOutOfMemory, run_pass
 from lightning_ckpt.measure.snapshot import StateSnapshot
-from lightning_ckpt.measure.tracker import (
-    local_tensor,
-    new_live_tracker,
-    normalise_device,
-    tensor_bytes,
-)
+from lightning_ckpt.measure.tracker import local_tensor, new_live_tracker, normalise_device, tensor_bytes
 from lightning_ckpt.memory.anchor import Calls, anchor_step, cuda_allocator_anchor, phase_rank
 from lightning_ckpt.memory.block_times import CompiledBlockRuns, compiled_block_modes, time_block_modes
 from lightning_ckpt.memory.capture import (
@@ -118,21 +114,14 @@ def _selective_sets(
 ) -> dict[str, list[tuple[str, ...]]]:
     """Per block, every single child, each kind's children, attention+MLP, and the caller's ``selective_sets``."""
     sets: dict[str, list[tuple[str, ...]]] = {}
-    for s in stacks:
-        for b in s.blocks:
-            mine: list[tuple[str, ...]] = [(c.name,) for c in b.children]
-            kinds = [b.children_of_kind(k) for k in ("attention", "mlp", "norm", "other")]
-            for combo in (*kinds, kinds[0] + kinds[1]):
-                if len(combo) > 1 and tuple(sorted(combo)) not in mine:
-                    mine.append(tuple(sorted(combo)))
-            sets[b.fqn] = mine
+    for b in (b for s in stacks for b in s.blocks):
+        kinds = [b.children_of_kind(k) for k in ("attention", "mlp", "norm", "other")]
+        combos = [tuple(sorted(c)) for c in (*kinds, kinds[0] + kinds[1]) if len(c) > 1]
+        sets[b.fqn] = list(dict.fromkeys([*((c.name,) for c in b.children), *combos]))
     if selective_sets is not None:
-        extra_sets = selective_sets if isinstance(selective_sets, Mapping) else {f: selective_sets for f in sets}
-        for fqn, combos in extra_sets.items():
-            for combo in combos:
-                c = tuple(sorted(combo))
-                if c not in sets.setdefault(fqn, []):
-                    sets[fqn].append(c)
+        extra = selective_sets if isinstance(selective_sets, Mapping) else dict.fromkeys(sets, selective_sets)
+        for fqn, combos in extra.items():
+            sets[fqn] = list(dict.fromkeys([*sets.get(fqn, []), *(tuple(sorted(c)) for c in combos)]))
     return sets
 
 
@@ -192,9 +181,9 @@ def profile_step(
             f"profiling needs the model without checkpointing, but plan {current.describe()!r} "
             "is applied. Call handle.remove() first; the profile covers every plan, the applied one included."
         )
-    if stacks is None and view is not None:
-        stacks = view.stacks
-    stacks = list(stacks) if stacks is not None else discover_blocks(root)
+    if stacks is None:
+        stacks = view.stacks if view is not None else discover_blocks(root)
+    stacks = list(stacks)
     dev = normalise_device(torch.device(device) if device is not None else model_device(root))
     blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
     sets = _selective_sets(stacks, selective_sets)
@@ -225,9 +214,7 @@ class _Runs:
     calls: Calls
     call_rep: list[str]  # per call: its key in ``profiled``
     profiled: dict[str, Captured]
-    profiles: dict[str, dict[str, ModeProfile]] = dataclasses.field(default_factory=dict)
-    failed: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
-    in_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    alone: dict[str, BlockMemory] = dataclasses.field(default_factory=dict)  # per key: its runs alone, every mode
     # per representative key: median seconds per mode (memory.block_times)
     timings: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     compiled: dict[str, CompiledBlockRuns] = dataclasses.field(default_factory=dict)  # ``compiled_blocks``
@@ -256,36 +243,60 @@ def _run_profile(
     model was in and from a cold cache (``run_pass``): the capture's forward left blocks cached that the anchor step
     split, and on an H200 capped near the budget the anchor's logits then found no room."""
     snapshot = StateSnapshot.capture(root)
-
-    def profile_pass(what: str, run: Callable[[], Any]) -> Any:
-        try:
-            return run_pass(f"the memory profile's {what}", dev, run, snapshot.restore)
-        finally:
-            snapshot.restore()
-
     try:
         stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
-        capture = lambda: capture_calls(root, forward_fn, blocks, share, stack_of)  # noqa: E731
-        order, reps, rep_of, unchained = profile_pass("capture (a forward without gradients)", capture)
+        capture = functools.partial(capture_calls, root, forward_fn, blocks, share, stack_of)
+        order, reps, rep_of, unchained = _pass("capture (a forward without gradients)", dev, snapshot, capture)
         # FSDP2 all-gathers in each block's own hooks, which a segment's recompute does not run.
         unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
         unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
-        anchor = lambda: anchor_step(root, forward_fn, order, externals, dev)  # noqa: E731
-        tracker, resting, end_of_forward, calls = profile_pass("anchor step (every block fully checkpointed)", anchor)
+        anchor = functools.partial(anchor_step, root, forward_fn, order, externals, dev)
+        what = "anchor step (every block fully checkpointed)"
+        tracker, resting, end_of_forward, calls = _pass(what, dev, snapshot, anchor)
         runs = _Runs(order, unchained, tracker, resting, end_of_forward, calls, *_calls_to_profile(rep_of, reps, calls))
         if dev.type == "cuda":
-            twin = lambda: cuda_allocator_anchor(root, forward_fn, order, dev)  # noqa: E731
-            allocator_peak, runs.resting, runs.reserve = profile_pass("allocator reading of the anchor step", twin)
+            twin = functools.partial(cuda_allocator_anchor, root, forward_fn, order, dev)
+            what = "allocator reading of the anchor step"
+            allocator_peak, runs.resting, runs.reserve = _pass(what, dev, snapshot, twin)
             runs.overhead = allocator_peak - tracker.total_peak
-        runs.profiles, runs.failed, runs.in_bytes = _profile_blocks(root, runs.profiled, sets, externals, dev, snapshot)
-        if timed and compiled:
-            runs.compiled = _run_blocks(compiled_block_modes, runs, root, dev, snapshot, timed)
-            runs.timings = {k: r.seconds for k, r in runs.compiled.items()}
-        elif timed:
-            runs.timings = _run_blocks(time_block_modes, runs, root, dev, snapshot, timed, sized=True)
+        _profile_blocks(root, runs, sets, externals, dev, snapshot)
+        if timed:
+            _time_blocks(root, runs, dev, snapshot, timed, compiled)
     finally:
         snapshot.restore()
     return runs
+
+
+def _time_blocks(
+    root: nn.Module,
+    runs: _Runs,
+    dev: torch.device,
+    snapshot: StateSnapshot,
+    timed: bool | Collection[str],
+    compiled: bool,
+) -> None:
+    """``memory.block_times`` on each representative alone under every mode its memory profile ran, or only ``timed``
+    and ``none``, which the others are measured against."""
+    wanted = None if isinstance(timed, bool) else {"none", *timed}
+    for key, cap in runs.profiled.items():
+        modes = {k: _block_plan_of(k) for k in runs.alone[key].profiles if wanted is None or k in wanted}
+        if compiled:
+            run = functools.partial(compiled_block_modes, root, cap, modes, device=dev)
+        else:  # its block calls size its rounds
+            run = functools.partial(time_block_modes, root, cap, modes, device=dev, calls=runs.call_rep.count(key))
+        # One block's buffers, not a step's: no sync and emptied cache per block.
+        result = _pass(f"timing of {cap.fqn} alone", dev, snapshot, run, cold=False)
+        runs.timings[key] = result.seconds if compiled else result
+        if compiled:
+            runs.compiled[key] = result
+
+
+def _pass(what: str, dev: torch.device, snapshot: StateSnapshot, run: Callable[[], Any], **options: Any) -> Any:
+    """``run_pass`` (with its ``options``) of one of the profile's passes, the model put back as captured after it."""
+    try:
+        return run_pass(f"the memory profile's {what}", dev, run, snapshot.restore, **options)
+    finally:
+        snapshot.restore()
 
 
 def _calls_to_profile(
@@ -305,26 +316,6 @@ def _calls_to_profile(
     return call_rep, profiled
 
 
-def _block_rows(runs: _Runs) -> list[BlockMemory]:
-    rows = []
-    for fqn, key, shared in runs.rows():
-        prof = runs.profiles[key]
-        full = prof["full"]
-        transient = max(0, full.backward_peak_activation_bytes - full.keep_bytes - 2 * full.output_bytes)
-        rows.append(
-            BlockMemory(
-                fqn=fqn,
-                saved_bytes={k: p.keep_bytes for k, p in prof.items()},
-                recompute_transient_bytes=transient,
-                input_bytes=runs.in_bytes[key],
-                shared_with=shared,
-                profiles=dict(prof),
-                failed=dict(runs.failed[key]),
-            )
-        )
-    return rows
-
-
 def _memory_model(
     root: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -334,20 +325,15 @@ def _memory_model(
     runs: _Runs,
     fingerprint: str,
 ) -> MemoryModel:
-    rows = _block_rows(runs)
+    rows = [dataclasses.replace(runs.alone[key], fqn=fqn, shared_with=shared) for fqn, key, shared in runs.rows()]
     order, tracker = runs.order, runs.tracker
-    n = len(order)
-    phases = []
-    for label, (total, act) in tracker.phase_peaks.items():
-        phases.append(PhasePeak(label[0], label[1] if len(label) > 1 else None, total, act))
-    phases.sort(key=lambda p: phase_rank((p.kind,) if p.block is None else (p.kind, p.block), n))
+    labels = sorted(tracker.phase_peaks, key=lambda label: phase_rank(label, len(order)))
+    phases = [PhasePeak(lb[0], lb[1] if len(lb) > 1 else None, *tracker.phase_peaks[lb]) for lb in labels]
     # Blocks' saved bytes include their inputs, so what is left at the end of the forward is the
     # embeddings', head's and loss's (the last block's output included).
     other = max(0, runs.end_of_forward[1] - sum(r.saved_bytes["full"] for r in rows))
     param_b, grad_b, opt_b, buf_b = _state_bytes(root, optimizer)
-    gradient_flows: dict[str, bool] = {}
-    for fqn, flows in zip(order, runs.calls.output_grad, strict=True):
-        gradient_flows[fqn] = gradient_flows.get(fqn, False) or flows
+    flowing = {fqn for fqn, flows in zip(order, runs.calls.output_grad, strict=True) if flows}
     # All of each stack's blocks, run or not: apply_plan cuts segments over all of them.
     stack_map = {s.fqn: s.block_fqns for s in stacks}
     return MemoryModel(
@@ -367,7 +353,7 @@ def _memory_model(
         anchor_activation_bytes=tracker.activation_peak,
         fingerprint=fingerprint,
         idle_blocks=tuple(f for f in blocks.values() if f not in order),
-        inert_blocks=tuple(f for f, flows in gradient_flows.items() if not flows),
+        inert_blocks=tuple(f for f in dict.fromkeys(order) if f not in flowing),
         unchained_stacks=tuple(sorted(runs.unchained)),
         reserve_overhead_bytes=max(0, runs.reserve),
     )
@@ -400,61 +386,28 @@ def _compiled_model(runs: _Runs, memory: MemoryModel) -> CompiledMemoryModel:
     return CompiledMemoryModel(rows, memory.stacks, memory, compile_seconds=seconds, compiles=compiles)
 
 
-def _run_blocks(
-    run: Callable[..., Any],
-    runs: _Runs,
-    root: nn.Module,
-    dev: torch.device,
-    snapshot: StateSnapshot,
-    modes: bool | Collection[str],
-    sized: bool = False,
-) -> dict[str, Any]:
-    """``run`` (``memory.block_times``) on each representative alone under every mode its memory profile ran, or
-    only ``modes`` and ``none``, which the others are measured against; ``sized``: its block calls size its rounds."""
-    wanted = None if isinstance(modes, bool) else {"none", *modes}
-    return {
-        key: run_pass(
-            f"the memory profile's timing of {cap.fqn} alone",
-            dev,
-            lambda cap=cap, key=key: run(
-                root,
-                cap,
-                {k: _block_plan_of(k) for k in runs.profiles[key] if wanted is None or k in wanted},
-                device=dev,
-                restore=snapshot.restore,
-                **({"calls": runs.call_rep.count(key)} if sized else {}),
-            ),
-            snapshot.restore,
-            cold=False,  # one block's buffers, not a step's: no sync and emptied cache per block
-        )
-        for key, cap in runs.profiled.items()
-    }
-
-
 def _profile_blocks(
     root: nn.Module,
-    reps: Mapping[str, Captured],
+    runs: _Runs,
     sets: Mapping[str, list[tuple[str, ...]]],
     externals: list[Any],
     dev: torch.device,
     snapshot: StateSnapshot,
-) -> tuple[dict[str, dict[str, ModeProfile]], dict[str, dict[str, str]], dict[str, int]]:
-    """Each representative alone under every mode: (profiles, modes it failed under, input bytes)."""
-    profiles: dict[str, dict[str, ModeProfile]] = {}
-    failed: dict[str, dict[str, str]] = {}
-    in_bytes: dict[str, int] = {}
-    for fqn, cap in reps.items():
+) -> None:
+    """Each representative alone under every mode: its profiles, the modes it failed under, its input's bytes."""
+    for rep, cap in runs.profiled.items():
         keys = ["none", "full", "offload", "offload_input", *(f"ops:{name}" for name in SAVE_LISTS)]
         keys += ["selective:" + ",".join(c) for c in sets.get(cap.fqn, [])]
-        profiles[fqn], failed[fqn] = {}, {}
+        profiles: dict[str, ModeProfile] = {}
+        failed: dict[str, str] = {}
         for key in keys:
             try:
-                profiles[fqn][key], in_bytes[fqn] = run_pass(
-                    f"the memory profile's run of {cap.fqn} alone under {key}",
+                profiles[key], in_bytes = _pass(
+                    f"run of {cap.fqn} alone under {key}",
                     dev,
+                    snapshot,
                     lambda cap=cap, key=key: _run_block(root, cap, _block_plan_of(key), externals, dev),
-                    snapshot.restore,
-                    cold=False,  # one block's buffers, not a step's
+                    cold=False,
                 )
             except (torch.OutOfMemoryError, PassOutOfMemory):
                 raise
@@ -462,7 +415,8 @@ def _profile_blocks(
                 # Predicting a plan that uses this mode raises PlanError with this reason.
                 if key in ("none", "full"):
                     raise
-                failed[fqn][key] = f"{type(err).__name__}: {err}"
-            finally:
-                snapshot.restore()
-    return profiles, failed, in_bytes
+                failed[key] = f"{type(err).__name__}: {err}"
+        full = profiles["full"]
+        transient = max(0, full.backward_peak_activation_bytes - full.keep_bytes - 2 * full.output_bytes)
+        saved = {k: p.keep_bytes for k, p in profiles.items()}
+        runs.alone[rep] = BlockMemory(cap.fqn, saved, transient, in_bytes, profiles=profiles, failed=failed)
