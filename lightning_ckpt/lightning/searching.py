@@ -111,10 +111,9 @@ def search_first_batch(
         )
         if request.table_lengths is not None and not result.fell_back:
             table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
+        _stop_if_sigterm(trainer)
     if result is None:
         return None
-    with _handed_over(batch_idx):
-        _stop_if_sigterm(trainer)
     if result.fell_back:
         warn_each_fit(result.fallback_message)
     return result, batch, table

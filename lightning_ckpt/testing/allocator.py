@@ -201,7 +201,7 @@ class CachingAllocator:
         block = self._free_block(pool, size)
         if block is None:
             block = self._new_block(pool, size)
-        if block is None and self._release_cached():
+        if block is None and self.empty_cache():
             self.num_alloc_retries += 1
             block = self._new_block(pool, size)
         if block is None:
@@ -222,9 +222,6 @@ class CachingAllocator:
         self.allocated -= block.size
         block.state = "free"
         block.segment.merge_around(block)
-
-    def empty_cache(self) -> None:
-        self._release_cached()
 
     def _free_block(self, pool: str, size: int) -> Block | None:
         best: Block | None = None
@@ -321,7 +318,7 @@ class CachingAllocator:
         block.segment.replace(block, [head, tail])
         return head
 
-    def _release_cached(self) -> bool:
+    def empty_cache(self) -> bool:
         """Release every fully free segment and unmap every free page of the expandable ones; whether any was."""
         before = self.reserved
         kept = []

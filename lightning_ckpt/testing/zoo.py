@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.testing.hf import image_batch
 
 __all__ = ["ZOO", "ZooCase", "build", "exactness", "memory_errors", "tune_at_half_activation"]
 
@@ -53,12 +54,8 @@ def _seq2seq(step: int) -> dict[str, Any]:
     return {"input_ids": _ids(step), "labels": _ids(step + 500, seq=SEQ // 2), "use_cache": False}
 
 
-def _images(step: int, size: int = 32, labels: int = 10) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(2000 + step)
-    return {
-        "pixel_values": torch.randn(BATCH, 3, size, size, generator=g),
-        "labels": torch.randint(0, labels, (BATCH,), generator=g),
-    }
+def _images(step: int) -> dict[str, Any]:
+    return image_batch(BATCH, seed=2000 + step)
 
 
 # The sizes the tiny transformers share.
