@@ -68,10 +68,8 @@ def run_conditions(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
 def condition_changes(plan: Plan, now: RunConditions, *, batch_known: bool) -> list[str]:
     """What differs from the conditions ``plan`` was tuned under (batch shape only once a batch is known)."""
     saved = dict(plan.provenance.conditions)
-    if plan.provenance.micro_batch is not None:  # it sets micro-batch and accumulation itself
+    if plan.provenance.micro_batch is not None:  # it sets accumulation itself
         saved.pop("accumulation", None)
-        if not batch_known:
-            saved.pop("batch_size", None)
     return now.changes_from(saved, include_batch=batch_known)
 
 

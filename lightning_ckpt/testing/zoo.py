@@ -1,11 +1,8 @@
 """A zoo of real architectures, built tiny from ``transformers`` configs (no weights are downloaded).
 
-One builder per architecture, in the shape of transformers' own ``ModelTesterMixin``: each returns a
-``ZooCase`` (the model in train mode, a batch per step, and the loss the model computes itself), so one
-conformance suite (``tests/test_zoo.py``) and one benchmark (``benchmarks/zoo.py``) run the same checks
-on every architecture users train: decoder-only, MoE with the router's aux loss, encoders with a padded
-mask, a layer shared across depth, encoder-decoders (one with LayerDrop), vision transformers and CNNs.
-Dropout stays on everywhere, so exactness also covers the RNG replayed by recompute.
+One builder per architecture, as in transformers' ``ModelTesterMixin``, so one conformance suite
+(``tests/test_zoo.py``) and one benchmark (``benchmarks/zoo.py``) run the same checks on every kind of model users
+train. Dropout stays on everywhere, so exactness also covers the RNG replayed by recompute.
 """
 
 from __future__ import annotations
