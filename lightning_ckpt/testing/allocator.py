@@ -50,11 +50,7 @@ class AllocatorSizes:
 
 
 class AllocatorOutOfMemory(Exception):
-    """The allocator refused a request; ``message`` is CUDA's out-of-memory text."""
-
-    def __init__(self, message: str, request: int) -> None:
-        super().__init__(message)
-        self.request = request
+    """The allocator refused a request; the message is CUDA's out-of-memory text."""
 
 
 def format_size(nbytes: int) -> str:
@@ -143,7 +139,6 @@ class CachingAllocator:
         self.peak_reserved = 0
         self.num_alloc_retries = 0
         self.num_ooms = 0
-        self.refused: list[str] = []
 
     def set_expandable(self, on: bool) -> bool:
         """The run-time switch; returns whether it took effect (new segments follow it, as CUDA's do)."""
@@ -206,9 +201,7 @@ class CachingAllocator:
             block = self._new_block(pool, size)
         if block is None:
             self.num_ooms += 1
-            message = self._refusal(size)
-            self.refused.append(message)
-            raise AllocatorOutOfMemory(message, size)
+            raise AllocatorOutOfMemory(self._refusal(size))
         block = self._split(block, size)
         block.state = "active"
         self.allocated += block.size
