@@ -1,11 +1,6 @@
-"""The plan applied to the model during a fit, and the check of a re-planned one.
-
-``AppliedPlan``: applied before the step that uses it, swapped by the guard, removed when the fit ends or fails
-(the model leaves ``fit`` as the user gave it), and the same on every rank.
-
-``ReplanCheck``: a plan re-planned from a saved profile ran zero trials, so its figures are predictions; one line
-puts them beside the first real steps' (memory as the guard reads it, the step after those timed as trials time a
-step), and the plan's ``provenance.replanned["first_measured"]`` keeps the measured ones.
+"""The plan applied to the model during a fit (removed when the fit ends or fails: the model leaves ``fit`` as the
+user gave it), and the check of a re-planned one: it ran zero trials, so its figures are predictions, put beside
+the first real steps' in one line and kept in the plan's ``provenance.replanned["first_measured"]``.
 """
 
 from __future__ import annotations

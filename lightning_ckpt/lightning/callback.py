@@ -1,9 +1,5 @@
-"""``ActivationCheckpointTuner``: the Lightning callback, a thin adapter from Trainer hooks to the package.
-
-Trials are sandboxed: on the first training batch the user's real ``training_step`` runs forward and backward for
-each candidate plan, the optimizer never steps, and gradients, buffers, metric states and RNG are restored; only
-then is the winner applied, so the restore cannot undo it. Each hook hands over to the fit's ``FitSession``.
-"""
+"""``ActivationCheckpointTuner``: the Lightning callback, a thin adapter from Trainer hooks to the fit's
+``FitSession``."""
 
 from __future__ import annotations
 

@@ -257,11 +257,10 @@ class BudgetGuard:
     def active(self) -> bool:
         return self.budget.kind != "none" and bool(self.config.steps)
 
-    def agree(self, trainer: Any, batch: Any, *, table: bool = False) -> BatchSize | None:
+    def agree(self, trainer: Any, batch: Any, *, table: bool = False) -> None:
         """This step's size, which the guard and a plan table's bucket go by (None while neither needs it): the
         largest on any rank, so every rank acts alike on a step whose batches differ."""
         self.step_size = largest_size(trainer, batch, self.config.shape_key) if self.active or table else None
-        return self.step_size
 
     def maybe_start(
         self, trainer: Any, pl_module: nn.Module, batch: Any, *, compiled: bool, first_of: str | None = None

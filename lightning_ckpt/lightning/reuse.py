@@ -49,7 +49,6 @@ __all__ = [
     "reusable",
     "reused_budget",
     "run_conditions",
-    "wanted_budget",
     "warn_each_fit",
     "warn_user",
 ]
@@ -69,18 +68,9 @@ def run_conditions(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
 def condition_changes(plan: Plan, now: RunConditions, *, batch_known: bool) -> list[str]:
     """What differs from the conditions ``plan`` was tuned under (batch shape only once a batch is known)."""
     saved = dict(plan.provenance.conditions)
-    if plan.provenance.micro_batch is not None:  # it sets micro-batch and accumulation itself
+    if plan.provenance.micro_batch is not None:  # it sets accumulation itself
         saved.pop("accumulation", None)
-        if not batch_known:
-            saved.pop("batch_size", None)
     return now.changes_from(saved, include_batch=batch_known)
-
-
-def wanted_budget(plan: Plan, requested: RequestedBudget) -> RequestedBudget:
-    """The budget a reused ``plan`` must have been tuned for, and a re-tune tunes for: the callback's, or when it
-    was given none, the plan's own."""
-    saved = RequestedBudget.of_plan(plan)
-    return saved if not requested.given and saved is not None and saved.recorded else requested
 
 
 def check_reusable(
@@ -149,8 +139,10 @@ def reusable(
     on_stale_plan: str,
 ) -> tuple[RequestedBudget, Plan | None]:
     """The budget ``plan`` is reused under (or re-tuned for), and the plan to apply: ``plan``, or, when only the
-    budget changed, the plan re-planned from its profile (zero trials); None when the caller must search."""
-    wanted = wanted_budget(plan, requested)
+    budget changed, the plan re-planned from its profile (zero trials); None when the caller must search. The budget
+    is the callback's, or when it was given none, the plan's own."""
+    saved = RequestedBudget.of_plan(plan)
+    wanted = saved if not requested.given and saved is not None and saved.recorded else requested
     changes = condition_changes(plan, conditions, batch_known=False)
     try:
         check_reusable(plan, source, changes=changes, model=model, wanted=wanted, budget_given=requested.given)

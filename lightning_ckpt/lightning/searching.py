@@ -72,17 +72,6 @@ class SearchRequest:
     table_lengths: tuple[int, ...] | None = None  # a plan table's bucket lengths (the last the tuned batch's)
     lines: LinesAboveTheBar | None = None  # the fit's log lines, written above the bar drawn at the time
 
-    def progress(self, trainer: pl.Trainer) -> Any:
-        """The search's bar on rank 0 (trial lines above it when verbose), streaming each trial to TensorBoard."""
-        from lightning_ckpt.report.progress import SearchProgress
-
-        if not trainer.is_global_zero:
-            return None
-        enabled, writer = trainer.progress_bar_callback is not None, self.tb.writer(trainer)
-        # The time model measures only the plans that can win (a few of n_trials): no total, so no fiction of one.
-        total = None if self.config.predict_time else self.config.n_trials
-        return SearchProgress(total, writer=writer, verbose=self.verbose, enabled=enabled, file=sys.stdout)
-
 
 def search_first_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, request: SearchRequest
@@ -113,8 +102,6 @@ def search_first_batch(
             table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
     if result is None:
         return None
-    with _handed_over(batch_idx):
-        _stop_if_sigterm(trainer)
     if result.fell_back:
         warn_each_fit(result.fallback_message)
     return result, batch, table
@@ -199,19 +186,16 @@ def _sigterm_received(trainer: pl.Trainer) -> bool:
     return bool(getattr(trainer, "received_sigterm", False))
 
 
-def _stop_if_sigterm(trainer: pl.Trainer) -> None:
-    """SIGTERM after the last round: one behaviour whenever it comes, the search stops and nothing is applied."""
-    if _sigterm_received(trainer):
-        raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
-
-
 @contextlib.contextmanager
 def _around_trials(trainer: pl.Trainer, pl_module: pl.LightningModule, request: SearchRequest) -> Iterator[SearchHooks]:
-    """Around a search's trials: Lightning's bars paused, the sandbox, and the gradients a real step holds."""
+    """Around a search's trials: Lightning's bars paused, the sandbox, and the gradients a real step holds. SIGTERM
+    after the last round stops the search as one during it does: nothing is applied."""
     with lightning_bars_paused(trainer, request) as progress, sandbox(pl_module):
         fill_grads(pl_module)
         sync = StrategySync(trainer.strategy) if trainer.world_size > 1 else None
         yield SearchHooks(progress=progress, should_stop=lambda: _sigterm_received(trainer), sync=sync)
+        if _sigterm_received(trainer):
+            raise SearchInterrupted("SIGTERM arrived as the search ended; no plan was chosen.")
 
 
 @contextlib.contextmanager
@@ -252,7 +236,12 @@ def search_micro_batch(
     check_micro_batch_tunable(trainer, pl_module, attribute)
     base = int(lightning_getattr(pl_module, attribute))
     global_batch = base * int(trainer.accumulate_grad_batches)
-    batch = first_batch(trainer)
+    trainer.fit_loop.setup_data()
+    loader = trainer.train_dataloader
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise ConfigurationError("tune_micro_batch=True needs a single train DataLoader.")
+    with isolate_rng():  # drawing the first batch must not move the data order or any RNG
+        batch = trainer.strategy.batch_to_device(next(iter(loader)))
     precision = trainer.strategy.precision_plugin
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
 
@@ -273,7 +262,6 @@ def search_micro_batch(
             config=request.config,
             hooks=hooks,
         )
-        _stop_if_sigterm(trainer)
     return found.result, resize_batch(batch, base, found.micro_batch)
 
 
@@ -340,17 +328,6 @@ def check_micro_batch_tunable(trainer: pl.Trainer, pl_module: pl.LightningModule
         )
 
 
-def first_batch(trainer: pl.Trainer) -> Any:
-    """The first training batch, on the device, drawn without moving the data order or any RNG."""
-    trainer.fit_loop.setup_data()
-    loader = trainer.train_dataloader
-    if not isinstance(loader, torch.utils.data.DataLoader):
-        raise ConfigurationError("tune_micro_batch=True needs a single train DataLoader.")
-    with isolate_rng():  # drawing a batch must not move the data order or any RNG
-        batch = next(iter(loader))
-    return trainer.strategy.batch_to_device(batch)
-
-
 def set_micro_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch_arg_name: str, spec: MicroBatch, *, verbose: bool
 ) -> bool:
@@ -408,6 +385,8 @@ def lightning_bars_paused(trainer: pl.Trainer, request: SearchRequest) -> Iterat
     """
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
+    from lightning_ckpt.report.progress import SearchProgress
+
     callback = trainer.progress_bar_callback
     tqdm_bar = getattr(callback, "_train_progress_bar", None) if isinstance(callback, TQDMProgressBar) else None
     rich = callback.progress if isinstance(callback, RichProgressBar) else None
@@ -419,8 +398,12 @@ def lightning_bars_paused(trainer: pl.Trainer, request: SearchRequest) -> Iterat
         rich.live.transient = True  # stopped, its display is erased, not left frozen above the tuner's bar
         rich.stop()
         rich.live.transient = False
-    started = time.monotonic()
-    progress = request.progress(trainer)
+    started, progress = time.monotonic(), None
+    if trainer.is_global_zero:  # the search's bar (trial lines above it when verbose), streaming trials to TensorBoard
+        # The time model measures only the plans that can win (a few of n_trials): no total, so no fiction of one.
+        total = None if request.config.predict_time else request.config.n_trials
+        writer, verbose = request.tb.writer(trainer), request.verbose
+        progress = SearchProgress(total, writer=writer, verbose=verbose, enabled=callback is not None, file=sys.stdout)
     if request.lines is not None:
         request.lines.search_bar = progress
     try:

@@ -109,7 +109,7 @@ class FitSession:
         self.tb = TunerRun(settings.log_dir)  # this fit's logger run has no tuner HParams columns yet
         self.applied = AppliedPlan()
         self.guard: BudgetGuard | None = None  # built at lock-in, with the budget the plan was chosen for
-        self.search_budget = settings.requested  # what a search in this fit tunes for (see reuse.wanted_budget)
+        self.search_budget = settings.requested  # what a search in this fit tunes for (see reuse.reusable)
         self.tuned_batch: Any = None
         self.replan_check: ReplanCheck | None = None  # a re-planned plan's predictions, beside its first real steps
         self.table: PlanTable | None = None  # a plan per length bucket (``search.buckets``); the top one: found.plan
@@ -434,28 +434,26 @@ class FitSession:
         assert guard is not None
         size = guard.step_size  # the step's largest batch on any rank, as the table was followed
         length = size.length if size is not None else None
+        bare = replace(lower, metadata={})
         if table is not None and length is not None and length > table.longest and plan is not None:
-            self.table = table.grown(length, replace(lower, metadata={}))
+            self.table = table.grown(length, bare)
             rank_zero_info(
                 f"lightning_ckpt: a batch of length {length} is longer than the plan table's longest bucket "
                 f"({table.longest}): the table grows a bucket <= {length} running {lower.describe()}."
             )
-            self._lock_in(
-                lower.with_provenance(plan_table=self.table.to_dict()), source="the budget guard", trainer=trainer
-            )
+        elif table is not None and running is not None and plan is not None and running.key() != plan.key():
+            index = next(i for i, b in enumerate(table.buckets) if b.plan.key() == running.key())
+            self.table = table.with_plan(index, replace(bare, name=running.name), "guard")
+            self.found.plan = plan.with_provenance(plan_table=self.table.to_dict())
+            self.applied.apply(self.view, self.table.buckets[index].plan, trainer, keep_graphs=self._keeps_graphs())
+            self.running = self.table.buckets[index].plan
+            rank_zero_info(f"lightning_ckpt: bucket <= {table.buckets[index].max_length} now runs {lower.describe()}")
             return
-        if table is None or running is None or plan is None or running.key() == plan.key():
-            if table is not None:
-                self.table = table.with_top(replace(lower, metadata={}))
-                lower = lower.with_provenance(plan_table=self.table.to_dict())
-            self._lock_in(lower, source="the budget guard", trainer=trainer)
-            return
-        index = next(i for i, b in enumerate(table.buckets) if b.plan.key() == running.key())
-        self.table = table.with_plan(index, replace(lower, metadata={}, name=running.name), "guard")
-        self.found.plan = plan.with_provenance(plan_table=self.table.to_dict())
-        self.applied.apply(self.view, self.table.buckets[index].plan, trainer, keep_graphs=self._keeps_graphs())
-        self.running = self.table.buckets[index].plan
-        rank_zero_info(f"lightning_ckpt: bucket <= {table.buckets[index].max_length} now runs {lower.describe()}")
+        elif table is not None:
+            self.table = table.with_top(bare)
+        if self.table is not None:
+            lower = lower.with_provenance(plan_table=self.table.to_dict())
+        self._lock_in(lower, source="the budget guard", trainer=trainer)
 
     def _report_replanned(self, trainer: pl.Trainer) -> None:
         """Once a re-planned plan's first step was timed: the side-by-side line, and the figures into the plan file."""

@@ -240,7 +240,7 @@ def sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
     restore_metrics = _metric_states(pl_module)
     training = {m: m.training for m in pl_module.modules()}
     patched = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
-    pl_module.log = pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -254,10 +254,6 @@ def sandbox(pl_module: pl.LightningModule) -> Iterator[None]:
             m.training = was
         restore_metrics()
         python_state.restore()
-
-
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def _metric_states(pl_module: torch.nn.Module) -> Callable[[], None]:

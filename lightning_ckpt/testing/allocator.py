@@ -50,11 +50,7 @@ class AllocatorSizes:
 
 
 class AllocatorOutOfMemory(Exception):
-    """The allocator refused a request; ``message`` is CUDA's out-of-memory text."""
-
-    def __init__(self, message: str, request: int) -> None:
-        super().__init__(message)
-        self.request = request
+    """The allocator refused a request; the message is CUDA's out-of-memory text."""
 
 
 def format_size(nbytes: int) -> str:
@@ -143,7 +139,6 @@ class CachingAllocator:
         self.peak_reserved = 0
         self.num_alloc_retries = 0
         self.num_ooms = 0
-        self.refused: list[str] = []
 
     def set_expandable(self, on: bool) -> bool:
         """The run-time switch; returns whether it took effect (new segments follow it, as CUDA's do)."""
@@ -201,14 +196,12 @@ class CachingAllocator:
         block = self._free_block(pool, size)
         if block is None:
             block = self._new_block(pool, size)
-        if block is None and self._release_cached():
+        if block is None and self.empty_cache():
             self.num_alloc_retries += 1
             block = self._new_block(pool, size)
         if block is None:
             self.num_ooms += 1
-            message = self._refusal(size)
-            self.refused.append(message)
-            raise AllocatorOutOfMemory(message, size)
+            raise AllocatorOutOfMemory(self._refusal(size))
         block = self._split(block, size)
         block.state = "active"
         self.allocated += block.size
@@ -222,9 +215,6 @@ class CachingAllocator:
         self.allocated -= block.size
         block.state = "free"
         block.segment.merge_around(block)
-
-    def empty_cache(self) -> None:
-        self._release_cached()
 
     def _free_block(self, pool: str, size: int) -> Block | None:
         best: Block | None = None
@@ -321,7 +311,7 @@ class CachingAllocator:
         block.segment.replace(block, [head, tail])
         return head
 
-    def _release_cached(self) -> bool:
+    def empty_cache(self) -> bool:
         """Release every fully free segment and unmap every free page of the expandable ones; whether any was."""
         before = self.reserved
         kept = []

@@ -1,11 +1,8 @@
 """A zoo of real architectures, built tiny from ``transformers`` configs (no weights are downloaded).
 
-One builder per architecture, in the shape of transformers' own ``ModelTesterMixin``: each returns a
-``ZooCase`` (the model in train mode, a batch per step, and the loss the model computes itself), so one
-conformance suite (``tests/test_zoo.py``) and one benchmark (``benchmarks/zoo.py``) run the same checks
-on every architecture users train: decoder-only, MoE with the router's aux loss, encoders with a padded
-mask, a layer shared across depth, encoder-decoders (one with LayerDrop), vision transformers and CNNs.
-Dropout stays on everywhere, so exactness also covers the RNG replayed by recompute.
+One builder per architecture, as in transformers' ``ModelTesterMixin``, so one conformance suite
+(``tests/test_zoo.py``) and one benchmark (``benchmarks/zoo.py``) run the same checks on every kind of model users
+train. Dropout stays on everywhere, so exactness also covers the RNG replayed by recompute.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.search.config import TuneConfig
+from lightning_ckpt.testing.hf import image_batch
 
 __all__ = ["ZOO", "ZooCase", "build", "exactness", "memory_errors", "tune_at_half_activation"]
 
@@ -53,12 +51,8 @@ def _seq2seq(step: int) -> dict[str, Any]:
     return {"input_ids": _ids(step), "labels": _ids(step + 500, seq=SEQ // 2), "use_cache": False}
 
 
-def _images(step: int, size: int = 32, labels: int = 10) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(2000 + step)
-    return {
-        "pixel_values": torch.randn(BATCH, 3, size, size, generator=g),
-        "labels": torch.randint(0, labels, (BATCH,), generator=g),
-    }
+def _images(step: int) -> dict[str, Any]:
+    return image_batch(BATCH, seed=2000 + step)
 
 
 # The sizes the tiny transformers share.
