@@ -50,6 +50,8 @@ __all__ = [
     "WRITE_CHECK_STEPS",
     "build_runner",
     "check_tunable",
+    "harness_for",
+    "optimizer_step_memory",
     "space_modes",
     "tune",
 ]
@@ -85,6 +87,32 @@ def build_runner(
     if compiled_runner is not None:
         return compiled_runner
     return EagerRunner(harness, count_flops=config.count_flops, reserve_headroom_bytes=reserve_headroom)
+
+
+def harness_for(
+    resolved: ModelView,
+    step_fn: Callable[[], Any],
+    optimizer: torch.optim.Optimizer | None,
+    extra: tuple[Any, ...],
+    config: TuneConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+) -> StepHarness:
+    """The harness that runs ``step_fn`` for the profile's passes and every trial, as ``config`` says to time it."""
+    steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
+    shape = {"batch_size": batch_size, "seq_len": seq_len}
+    return StepHarness(
+        resolved.root, step_fn, resolved.device, optimizer, extra, **shape, **steps, view=resolved, clock=config.clock
+    )
+
+
+def optimizer_step_memory(
+    resolved: ModelView, optimizer: torch.optim.Optimizer | None, extra: tuple[Any, ...]
+) -> OptimizerStepMemory:
+    """One ``optimizer.step()`` measured and undone (an OOM: infeasible), which does not grow with the batch."""
+    if optimizer is None:
+        return OptimizerStepMemory.absent()
+    return measure_optimizer_step(resolved.root, optimizer, device=resolved.device, extra=extra)
 
 
 def check_tunable(resolved: ModelView) -> None:
@@ -147,19 +175,7 @@ def tune(
     resolved = ModelView.of(model, config.block_types)
     with search_session(resolved, config.clock) as session:
         step_fn = session.python_state.restoring(step_fn)
-        shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
-        steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
-        harness = StepHarness(
-            resolved.root,
-            step_fn,
-            resolved.device,
-            optimizer,
-            tuple(extra_tensors),
-            **shape,
-            **steps,
-            view=resolved,
-            clock=config.clock,
-        )
+        harness = harness_for(resolved, step_fn, optimizer, tuple(extra_tensors), config, batch_size or 1, seq_len)
         check_tunable(resolved)
         is_compiled = compiled_target(resolved.model, compiled=config.compiled) is not None
         with eager_while_profiling(is_compiled):
@@ -177,7 +193,7 @@ def _search(
     session: SearchSession,
 ) -> TuneResult:
     """Profile, resolve the budget, then run the search and conclude it, with what the plan file records."""
-    device, optimizer = resolved.device, harness.optimizer
+    device = resolved.device
     space = config.search_space.for_device(device.type)
     if is_compiled:
         space = compiled_space(space, resolved.root)
@@ -190,13 +206,9 @@ def _search(
         resolved, harness, config, compiled=is_compiled, reserve_headroom=memory_model.reserve_overhead_bytes
     )
     with phases.timing("optimizer_step"):
-        optimizer_step = (
-            measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)  # an OOM: infeasible
-            if optimizer is not None
-            else OptimizerStepMemory.absent()
-        )
+        optimizer_step = optimizer_step_memory(resolved, harness.optimizer, harness.extra)
     memory = RealStepMemory(memory_model, optimizer_step)
-    sync = hooks.sync or LocalSync()
+    sync = hooks.sync or LocalSync()  # ``run_search``'s too
     budget = sync.broadcast(resolve_budget(requested, memory, runner, resolved, sync))
     profiled = profile.compiled  # anchored on the compiled ``none`` step below, where that step ran
     predicts = None  # the runner's own
@@ -213,7 +225,7 @@ def _search(
         config,
         timing=profile.time,
         memory_model=memory_model,
-        hooks=replace(hooks, sync=sync),
+        hooks=hooks,
         run=run,
         phases=phases,
     )
