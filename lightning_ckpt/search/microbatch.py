@@ -23,7 +23,6 @@ from torch.utils._pytree import tree_map
 
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
-from lightning_ckpt.measure.harness import StepHarness
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_step
 from lightning_ckpt.model import ModelView
@@ -155,11 +154,10 @@ def tune_micro_batch(
     *the user's* no-checkpointing activation memory. ``config`` and ``hooks`` as for ``tune``; ``n_trials`` bounds the
     whole search, ``config.micro_batches`` names the sizes tried (None: every divisor of ``global_batch``).
 
-    The same engine as ``tune``'s (``pipeline``), over candidates that are (plan, micro-batch) pairs, each run through
-    its micro-batch's ``Workload``, figures compared per sample; the result's plan carries its micro-batch in
+    Candidates are (plan, micro-batch) pairs, compared per sample; the chosen plan carries its micro-batch in
     ``provenance.micro_batch``.
     """
-    config = config or TuneConfig()
+    config, hooks = config or TuneConfig(), hooks or SearchHooks()
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     sizes = _checked_micro_batches(config.micro_batches, global_batch)
     started = time.perf_counter()
@@ -177,29 +175,24 @@ def tune_micro_batch(
                 resolved,
                 lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch, config),
             )
-        sync = (hooks or SearchHooks()).sync or LocalSync()
+        sync = hooks.sync or LocalSync()
         none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
         budget = sync.broadcast(resolve_on_device(requested, resolved.device, none_at_base))
         feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
-        workloads = [  # largest first: the micro-batches checkpointing can unlock
-            _workload(
-                resolved,
-                harness_for(resolved, step_for(m), optimizer, extra_for(m), config, m),
-                config,
-                RealStepMemory(scaled.at(m), opt_mem),
-                global_batch,
-            )
-            for m in sorted(feasible, reverse=True)
-        ]
+
+        def workload(m: int) -> Workload:  # its runner built complete, with its micro-batch's memory model
+            harness = harness_for(resolved, step_for(m), optimizer, extra_for(m), config, m)
+            headroom = scaled.at(m).reserve_overhead_bytes
+            runner = build_runner(resolved, harness, config, compiled=None, reserve_headroom=headroom)
+            return Workload(runner, RealStepMemory(scaled.at(m), opt_mem), m, m, global_batch // m)
+
+        workloads = [workload(m) for m in sorted(feasible, reverse=True)]  # largest first: checkpointing unlocks them
         timing = {m: times.at(m) for m in feasible} if times is not None else None
-        result = _search(
-            resolved, workloads, budget, config, timing, scaled, opt_mem, hooks or SearchHooks(), session.phases
-        )
+        result = _search(resolved, workloads, budget, config, timing, scaled, opt_mem, hooks, session.phases)
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = MicroBatch(m, global_batch // m, global_batch, base_micro_batch, config.tie_tolerance)
     run = {**result.best.provenance.run, "batch_size": m}  # the step the plan runs: the chosen micro-batch
-    # What the search ran under, as tune records it.
-    allocator = {"allocator": session.allocator.to_dict()} if session.allocator is not None else {}
+    allocator = {"allocator": session.allocator.to_dict()} if session.allocator is not None else {}  # as tune
     result = replace(
         result,
         best=result.best.with_provenance(**allocator, micro_batch=spec, run=run),
@@ -208,17 +201,6 @@ def tune_micro_batch(
         memory_breakdown=scaled.at(m).to_dict(),
     )
     return MicroBatchResult(result, m, global_batch // m, global_batch, skipped)
-
-
-def _workload(
-    resolved: ModelView, harness: StepHarness, config: TuneConfig, memory: RealStepMemory, global_batch: int
-) -> Workload:
-    """The workload of ``harness``'s micro-batch: its runner, complete, and its scaled memory model."""
-    m = harness.batch_size
-    runner = build_runner(
-        resolved, harness, config, compiled=None, reserve_headroom=memory.model.reserve_overhead_bytes
-    )
-    return Workload(runner, memory, m, m, global_batch // m)
 
 
 def _search(
@@ -232,8 +214,8 @@ def _search(
     hooks: SearchHooks,
     phases: Phases,
 ) -> TuneResult:
-    """The one search over every (plan, micro-batch) candidate (``pipeline``), by the time model of each micro-batch
-    (``timing``; None: the sampler's draws, as for a compiled model)."""
+    """The one search over every (plan, micro-batch) candidate, by each micro-batch's time model (``timing``; None:
+    the sampler's draws, as for a compiled model)."""
     is_compiled = isinstance(workloads[0].runner, CompiledTrials)
     space = config.search_space.for_device(resolved.device.type)
     space = workloads[0].runner.adapt(space) if is_compiled else space
@@ -280,8 +262,7 @@ def _scaled_profiles(
     config: TuneConfig,
 ) -> tuple[ScaledMemoryModel, ScaledTimeModel | None, OptimizerStepMemory]:
     """Two memory-safe profiles (the user's micro-batch and half of it) as one memory model scaled to any
-    micro-batch (and, where the time model proposes, one time model likewise), and the optimizer step's memory,
-    which does not grow with the micro-batch: measured once, shared by all."""
+    micro-batch (and, where the time model proposes, one time model likewise), and the optimizer step's memory."""
     timed = config.predict_time and config.sampler is None and not (resolved.compiled or config.compiled)
     time_modes = space_modes(config.search_space.for_device(resolved.device.type), resolved) if timed else False
     small_size = max(1, base_micro_batch // 2) if base_micro_batch > 1 else 2
@@ -306,8 +287,7 @@ def _scaled_profiles(
 @dataclass(frozen=True)
 class ScaledTimeModel:
     """Each block's seconds under each mode at any micro-batch, affine between two profiles' timings (``small`` <
-    ``large`` samples, clamped at zero): a block's forward and backward grow with its samples, and what a mode adds
-    with them. Each micro-batch's model is calibrated by the search to its own measured steps."""
+    ``large`` samples, clamped at zero); the search calibrates each micro-batch's model to its own steps."""
 
     small: TimeModel
     large: TimeModel

@@ -164,10 +164,8 @@ def tune(
     with ``SearchInterrupted``, the model as it was. ``TuneConfig.compiled`` (default: detected): every trial compiles
     its plan, and plans that add graph breaks are ``conflict`` trials.
 
-    The search is an Optuna study named ``result.study_name``, one trial per plan (objective ``samples_per_second``,
-    the budget as a constraint, figures in user attributes; ``ledger.py``). With ``storage=`` it persists
-    (``optuna.load_study(study_name=result.study_name, storage=result.storage)``), and a search started again on the
-    same model and run resumes it instead of measuring again.
+    The search is an Optuna study, ``result.study_name``, one trial per plan (``ledger.py``). With ``storage=`` it
+    persists (``optuna.load_study``), and a search started again on the same model and run resumes it.
     """
     config = config or TuneConfig()
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
@@ -210,13 +208,18 @@ def _search(
     memory = RealStepMemory(memory_model, optimizer_step)
     sync = hooks.sync or LocalSync()  # ``run_search``'s too
     budget = sync.broadcast(resolve_budget(requested, memory, runner, resolved, sync))
-    profiled = profile.compiled  # anchored on the compiled ``none`` step below, where that step ran
-    predicts = None  # the runner's own
+    profiled, predicts = profile.compiled, None  # None: the runner's own
     if is_compiled and profile.compiled is not None:
-        memory = _compiled_memory(runner, profile.compiled, optimizer_step, resolved)
-        predicts = isinstance(memory.model, CompiledMemoryModel)
-        profiled = memory.model if predicts else profile.compiled
-    run = {"seq_len": harness.seq_len, "device": _device_name(device), "compiled": is_compiled}
+        # The blocks' compiled saved bytes anchored on the compiled ``none`` step (measured already: an activation
+        # budget is a fraction of it); without that step (it failed) the eager model.
+        none = runner.measure_compiled(Plan(fingerprint=resolved.fingerprint))
+        predicts = none.ok and none.activation_bytes is not None
+        if predicts:
+            profiled = profile.compiled.anchored(none.activation_bytes, none.peak_bytes)
+        memory = RealStepMemory(profiled if predicts else profile.compiled.eager, optimizer_step)
+    # The model of GPU, not its index, bears on the figures: part of a study's identity.
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    run = {"seq_len": harness.seq_len, "device": name, "compiled": is_compiled}
     search = run_search(
         resolved,
         [Workload(runner, memory, harness.batch_size, predicts=predicts)],
@@ -246,8 +249,7 @@ def _profile(
     resolved: ModelView, harness: StepHarness, space: SearchSpace, is_compiled: bool, began: int | None
 ) -> Any:
     """The memory-safe profile, its time model marked with the shape it was timed at. A compiled model's blocks are
-    timed compiled alone (regional compilation), so its time model predicts compiled steps as the eager one predicts
-    eager steps. No pass of it needs more than the lowest-memory plan's step, so an OOM here means none fits."""
+    timed compiled alone (regional compilation), so its time model predicts compiled steps."""
     with eager_while_profiling(is_compiled):
         profile = lowest_memory_pass(
             "the memory profile",
@@ -277,9 +279,8 @@ def _sections(
     space: SearchSpace,
     session: SearchSession,
 ) -> dict[str, Any]:
-    """The provenance sections the plan file records beyond the chosen plan's evidence, among them the profile as
-    the search fitted it (a later budget re-plans from it: ``replan``; a compiled one is kept apart, as ``replan``
-    predicts eager steps and a plan table its shorter buckets from it, ``search.buckets``)."""
+    """The plan file's sections beyond the chosen plan's evidence, among them the profile as the search fitted it (a
+    later budget re-plans from it; a compiled one is kept apart, as ``replan`` predicts eager steps)."""
     is_compiled = isinstance(runner, CompiledTrials)
     regions = list(runner.regions) if is_compiled else None
     run = {"device": str(harness.device), "batch_size": harness.batch_size, "seq_len": harness.seq_len}
@@ -307,22 +308,6 @@ def _sections(
             tie_tolerance=search.trials.config.tie_tolerance,
         )
     return sections
-
-
-def _compiled_memory(
-    runner: CompiledTrials, compiled: CompiledMemoryModel, optimizer_step: OptimizerStepMemory, resolved: ModelView
-) -> RealStepMemory:
-    """What the compiled search prunes by: the blocks' compiled saved bytes anchored on the compiled ``none`` step
-    (measured already: an activation budget is a fraction of it); without that step (it failed) the eager model."""
-    none = runner.measure_compiled(Plan(fingerprint=resolved.fingerprint))
-    if not none.ok or none.activation_bytes is None:
-        return RealStepMemory(compiled.eager, optimizer_step)
-    return RealStepMemory(compiled.anchored(none.activation_bytes, none.peak_bytes), optimizer_step)
-
-
-def _device_name(device: torch.device) -> str:
-    """The device as it bears on the figures (the model of GPU, not its index): part of a study's identity."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def space_modes(space: SearchSpace, resolved: ModelView) -> set[str]:
