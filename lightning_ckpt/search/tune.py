@@ -191,8 +191,7 @@ def _search(
     session: SearchSession,
 ) -> TuneResult:
     """Profile, resolve the budget, then run the search and conclude it, with what the plan file records."""
-    device = resolved.device
-    space = config.search_space.for_device(device.type)
+    space = config.search_space.for_device(resolved.device.type)
     if is_compiled:
         space = compiled_space(space, resolved.root)
     phases = session.phases
@@ -218,7 +217,7 @@ def _search(
             profiled = profile.compiled.anchored(none.activation_bytes, none.peak_bytes)
         memory = RealStepMemory(profiled if predicts else profile.compiled.eager, optimizer_step)
     # The model of GPU, not its index, bears on the figures: part of a study's identity.
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = torch.cuda.get_device_name(resolved.device) if resolved.device.type == "cuda" else resolved.device.type
     run = {"seq_len": harness.seq_len, "device": name, "compiled": is_compiled}
     search = run_search(
         resolved,
