@@ -98,17 +98,19 @@ def choose_plan(
     """The one choice every search makes: ``choose_best`` (confirmed trials first), else ``lowest_memory``; (chosen,
     fell back, the fallback's warning).
 
-    ``trials`` reads the records as they are now, since ``verify`` and ``measure`` change them. ``verify(t)`` gives a
-    trial timed only its measured memory, so no plan is chosen, nor fallen back to, on a prediction. ``measure(t)``
-    runs a pruned plan: when everything was pruned (or failed), the one predicted to use least memory, so there is
-    one to fall back to. ``nothing_fits(trials)`` starts the warning, or the error when nothing fits and
-    ``on_infeasible="raise"`` or nothing ran.
+    ``trials`` reads the records as they are now, since ``verify`` (a trial timed only: its memory measured) and
+    ``measure`` (a pruned plan run, when everything was pruned or failed, so there is one to fall back to) change
+    them. ``nothing_fits(trials)`` starts the warning, or the error when ``on_infeasible="raise"`` or nothing ran.
     """
-    while True:
-        best = choose_best(trials(), budget, tie_tolerance=tie_tolerance, confirmed_only=True, beats=beats)
-        if best is None or best.memory_measured or verify is None:
-            break
-        verify(best)  # never choose on a prediction alone
+
+    def verified(pick: Callable[[Sequence[TrialRecord]], TrialRecord | None]) -> TrialRecord | None:
+        chosen = pick(trials())
+        while chosen is not None and not chosen.memory_measured and verify is not None:
+            verify(chosen)  # never choose, nor fall back, on a prediction alone
+            chosen = pick(trials())
+        return chosen
+
+    best = verified(lambda ts: choose_best(ts, budget, tie_tolerance=tie_tolerance, confirmed_only=True, beats=beats))
     if best is not None:
         return best, False, ""
     if on_infeasible == "fallback" and measure is not None and lowest_memory(trials(), budget) is None:
@@ -117,10 +119,7 @@ def choose_plan(
             measure(
                 min(pruned, key=lambda t: budget.value_of(t.predicted_peak_bytes, t.predicted_activation_bytes) or 0)
             )
-    lowest = lowest_memory(trials(), budget)
-    while lowest is not None and not lowest.memory_measured and verify is not None:  # a fallback is measured too
-        verify(lowest)
-        lowest = lowest_memory(trials(), budget)
+    lowest = verified(lambda ts: lowest_memory(ts, budget))
     records = trials()
     message = nothing_fits(records)
     if lowest is None and any(t.status == TrialStatus.ERROR for t in records):

@@ -59,8 +59,7 @@ def combine_trials(per_rank: Sequence[TrialRecord], budget: Budget) -> TrialReco
     status = min((t.status for t in per_rank), key=lambda s: TrialStatus(s).severity)
     peak = _max([t.peak_bytes for t in per_rank])
     activation = _max([t.activation_bytes for t in per_rank])
-    sps = None
-    median = _max([t.median_seconds for t in per_rank])
+    sps, median = None, _max([t.median_seconds for t in per_rank])
     if status == TrialStatus.OK and all(t.samples_per_second and t.median_seconds for t in per_rank):
         # Ranks step together, so the global step takes as long as the slowest rank's.
         samples = sum((t.samples_per_second or 0.0) * (t.median_seconds or 0.0) for t in per_rank)
@@ -68,6 +67,10 @@ def combine_trials(per_rank: Sequence[TrialRecord], budget: Budget) -> TrialReco
     if status == TrialStatus.OK and not budget.fits(peak, activation):
         status = TrialStatus.OVER_BUDGET
     errors = [f"rank {i}: {t.error}" for i, t in enumerate(per_rank) if t.error]
+    figures = [
+        {"status": str(t.status), "samples_per_second": t.samples_per_second, "peak_bytes": t.peak_bytes}
+        for t in per_rank
+    ]
     return replace(
         lead,
         status=status,
@@ -79,9 +82,5 @@ def combine_trials(per_rank: Sequence[TrialRecord], budget: Budget) -> TrialReco
         seconds=_max([t.seconds for t in per_rank]) or 0.0,
         steps=_max([t.steps for t in per_rank]) or 0,
         error="; ".join(errors) or None,
-        extra={**lead.extra, "ranks": len(per_rank), "per_rank": [_figures(t) for t in per_rank]},
+        extra={**lead.extra, "ranks": len(per_rank), "per_rank": figures},
     )
-
-
-def _figures(t: TrialRecord) -> dict[str, Any]:
-    return {"status": str(t.status), "samples_per_second": t.samples_per_second, "peak_bytes": t.peak_bytes}

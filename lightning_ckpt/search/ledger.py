@@ -1,13 +1,10 @@
-"""The ledger of a search: one ``TrialRecord`` per candidate, the one place records are kept, and their Optuna record.
-
-Every phase puts back what it re-measured, so a plan has exactly one record; ``TuneResult.trials`` is its snapshot.
+"""The ledger of a search: one ``TrialRecord`` per candidate (every phase puts back what it re-measured), and their
+Optuna record.
 
 Two Optuna studies, on rank 0 only. The *record* (``study_name``, in ``storage`` when given) holds one trial per plan,
-``RUNNING`` while the search goes on, because a finished trial cannot change and confirmation, a finalist's memory
-pass and the fallback still change figures; ``finish`` closes each with its final figures (``_outcome``,
-``TRIAL_ATTRS``), so ``optuna.load_study`` shows what the tuner chose from, and trials a killed search left ``RUNNING``
-the next run resumes and finishes. The sampler proposes from its own study in memory, never stored: samplers learn
-only from finished trials.
+``RUNNING`` while later phases may still change its figures (a finished trial cannot change); ``finish`` closes each,
+and a killed search's ``RUNNING`` trials the next run resumes. The sampler proposes from its own study in memory:
+samplers learn only from finished trials.
 """
 
 from __future__ import annotations
@@ -122,9 +119,8 @@ class TrialRecord:
     def with_measurement(
         self, out: Measurement, *, memory: bool = True, real_peak_bytes: int | None = None, timed: bool = True
     ) -> TrialRecord:
-        """This record with what running its plan gave (``out``), the one place a trial's figures enter a record (its
-        status: ``Trials.judge``). ``memory=False`` keeps the predicted memory, else ``real_peak_bytes`` (derived from
-        ``out``'s forward+backward peak) is the peak; ``timed=False``: a memory pass, which says nothing of speed."""
+        """This record with ``out``'s figures (its status: ``Trials.judge``). ``memory=False`` keeps the predicted
+        memory, else ``real_peak_bytes`` is the peak; ``timed=False``: a memory pass, which says nothing of speed."""
         figures: dict[str, Any] = {"steps": self.steps + out.steps, "error": out.error, "traceback": out.traceback}
         if timed and out.samples_per_second is not None:
             figures.update(
@@ -208,7 +204,6 @@ class Ledger:
         return self._records.get(key)
 
     def snapshot(self) -> tuple[TrialRecord, ...]:
-        """The records as they are now, in the order their plans were first put."""
         return tuple(self._records.values())
 
     def put(self, record: TrialRecord) -> TrialRecord:
@@ -220,7 +215,6 @@ class Ledger:
         return record
 
     def fastest_fitting(self) -> list[TrialRecord]:
-        """The records that fit and were timed, fastest first."""
         timed = [t for t in self._records.values() if t.feasible and t.samples_per_second]
         return sorted(timed, key=lambda t: -(t.samples_per_second or 0.0))
 
@@ -240,9 +234,8 @@ class Ledger:
         predicted_over_budget: Callable[[Plan, int | None], bool],
         accumulation: Mapping[int | None, int | None],
     ) -> None:
-        """Open the studies (rank 0: ``sampler`` proposes from its own) and put, on every rank, the plans an earlier
-        run stored (``storage=``) for the micro-batches of ``accumulation`` (each one's gradient accumulation), judged
-        against today's budget; the trials it left ``RUNNING`` (it was killed) this run finishes."""
+        """Open the studies (rank 0) and put, on every rank, the plans an earlier run stored for the micro-batches of
+        ``accumulation`` (each one's gradient accumulation), judged against today's budget."""
         problem, stored = None, []
         if self.sync.is_leader:
             try:
@@ -264,7 +257,6 @@ class Ledger:
             log.info("lightning_ckpt: resumed %d trials from the Optuna study %r", len(resumed), self.study_name)
 
     def _open(self, sampler: Any) -> None:
-        """The sampler's study (in memory) and the record (``storage`` or in memory), named ``study_name``."""
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -322,7 +314,7 @@ class Ledger:
 
     # -- the sampler's working study -----------------------------------------------------------------
     def _learn(self, trial: TrialRecord) -> None:
-        """Add a resumed ``trial`` to the sampler's history as a finished trial (failures count as infeasible)."""
+        """Add a resumed ``trial`` to the sampler's history, finished."""
         if self.sampler_study is None:
             return
         state, value, constraints = _outcome(trial, self.budget, for_sampler=True)
@@ -332,7 +324,6 @@ class Ledger:
         )
 
     def _created(self, trial: TrialRecord, **kwargs: Any) -> Any:
-        """``trial`` as a new Optuna trial, with its params where they lie inside the space's distributions."""
         import optuna
 
         params = _optuna_params(trial.params, self.distributions)
@@ -349,7 +340,7 @@ class Ledger:
 
     def ask(self, params: Mapping[str, Any] | None = None) -> Any:
         """A new trial of the sampler: its proposal; or, with ``params``, a trial enqueued with them (a baseline, a
-        plan the loop takes itself). A baseline outside the space's distributions gets no Optuna params."""
+        plan the loop takes itself)."""
         fixed = _optuna_params(params or {}, self.distributions)
         if fixed:
             self.sampler_study.enqueue_trial(fixed, skip_if_exists=False)
@@ -369,7 +360,6 @@ class Ledger:
             self._tell(self.sampler_study, asked, trial, for_sampler=True)
 
     def _tell(self, study: Any, handle: Any, trial: TrialRecord, *, for_sampler: bool = False) -> None:
-        """Finish ``study``'s trial ``handle`` with ``trial``'s outcome, constraints and intermediate value."""
         state, value, constraints = _outcome(trial, self.budget, for_sampler=for_sampler)
         for name, violation in constraints.items():
             handle.set_constraint(name, violation)
@@ -380,7 +370,7 @@ class Ledger:
     # -- the record ----------------------------------------------------------------------------------
     def _store(self, trial: TrialRecord) -> None:
         """Write ``trial`` to the record study: a new ``RUNNING`` trial for a new plan, else the attributes that
-        changed; a trial an earlier run finished keeps its figures (Optuna never changes a finished trial)."""
+        changed (a trial an earlier run finished keeps its figures)."""
         if self.record is None:
             return
         import optuna
@@ -401,8 +391,7 @@ class Ledger:
             stored.attrs.update(changed)
 
     def finish(self, chosen: TrialRecord | None = None) -> None:
-        """Finish every trial of the record this run holds ``RUNNING`` with its final figures and constraints, and
-        name the ``chosen`` plan's trial (``chosen_trial``)."""
+        """Finish the record's ``RUNNING`` trials with their final figures, and name the ``chosen`` plan's trial."""
         if self.record is None:
             return
         import optuna
@@ -470,7 +459,6 @@ def _over_budget_bytes(trial: TrialRecord, budget: Budget) -> float:
 
 
 def _attrs(trial: TrialRecord) -> dict[str, Any]:
-    """The user attributes of ``trial``'s stored Optuna trial (``TRIAL_ATTRS``), plain JSON."""
     attrs = {k: getattr(trial, k) for k in _RECORD_FIELDS}
     attrs["status"] = trial.status.value
     attrs["confirmation_seconds"] = list(trial.confirmation_seconds)
@@ -495,8 +483,8 @@ def _record_from_attrs(attrs: Mapping[str, Any]) -> TrialRecord | None:
 
 
 def _optuna_params(params: Mapping[str, Any], distributions: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` as Optuna params: empty when outside the space's distributions (a baseline outside the user's
-    restricted space), which keeps the trial out of the sampler's model; the ``params`` attribute keeps them."""
+    """``params`` as Optuna params: empty outside the space's distributions (a baseline outside the user's restricted
+    space), which keeps the trial out of the sampler's model."""
     inside = {k: v for k, v in params.items() if k in distributions}
     if len(inside) != len(params) or any(v not in distributions[k].choices for k, v in inside.items()):
         return {}

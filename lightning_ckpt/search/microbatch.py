@@ -23,8 +23,6 @@ from torch.utils._pytree import tree_map
 
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
-from lightning_ckpt.measure.harness import StepHarness
-from lightning_ckpt.memory.optimizer_measure import measure_optimizer_step
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_step
 from lightning_ckpt.model import ModelView
@@ -40,7 +38,14 @@ from lightning_ckpt.search.pipeline import SearchHooks, conclude, run_search
 from lightning_ckpt.search.result import TuneResult
 from lightning_ckpt.search.setup import lowest_memory_pass, resolve_on_device, search_session
 from lightning_ckpt.search.trials import Workload
-from lightning_ckpt.search.tune import PROFILE_STEPS, WRITE_CHECK_STEPS, build_runner, space_modes
+from lightning_ckpt.search.tune import (
+    PROFILE_STEPS,
+    WRITE_CHECK_STEPS,
+    build_runner,
+    harness_for,
+    optimizer_step_memory,
+    space_modes,
+)
 from lightning_ckpt.timing.model import BlockTime, TimeModel
 
 __all__ = ["MicroBatchResult", "ScaledMemoryModel", "ScaledTimeModel", "divisors", "resize_batch", "tune_micro_batch"]
@@ -149,8 +154,7 @@ def tune_micro_batch(
     *the user's* no-checkpointing activation memory. ``config`` and ``hooks`` as for ``tune``; ``n_trials`` bounds the
     whole search, ``config.micro_batches`` names the sizes tried (None: every divisor of ``global_batch``).
 
-    The same engine as ``tune``'s (``pipeline``), over candidates that are (plan, micro-batch) pairs, each run through
-    its micro-batch's ``Workload``, figures compared per sample; the result's plan carries its micro-batch in
+    Candidates are (plan, micro-batch) pairs, compared per sample; the chosen plan carries its micro-batch in
     ``provenance.micro_batch``.
     """
     config, hooks = config or TuneConfig(), hooks or SearchHooks()
@@ -164,30 +168,31 @@ def tune_micro_batch(
             return session.python_state.restoring(loss_fn_for(m))
 
         session.check_parameter_writes(step_for(base_micro_batch))
-        space = config.search_space.for_device(resolved.device.type)
-        timed = config.predict_time and config.sampler is None and not (resolved.compiled or config.compiled)
-        time_modes = space_modes(space, resolved) if timed else None
         with session.phases.timing("profile"):
             scaled, times, opt_mem = lowest_memory_pass(
                 "the memory profile",
                 session.began,
                 resolved,
-                lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch, time_modes),
+                lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch, config),
             )
+        sync = hooks.sync or LocalSync()
         none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
-        hooks = replace(hooks, sync=hooks.sync or LocalSync())
-        budget = hooks.sync.broadcast(resolve_on_device(requested, resolved.device, none_at_base))
+        budget = sync.broadcast(resolve_on_device(requested, resolved.device, none_at_base))
         feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
-        workloads = _workloads(
-            resolved, step_for, extra_for, optimizer, config, scaled, opt_mem, feasible, global_batch
-        )
-        timing = {w.micro_batch: times.at(w.micro_batch) for w in workloads} if times is not None else None
-        result = _search(resolved, workloads, scaled, opt_mem, budget, config, timing, hooks, session.phases)
+
+        def workload(m: int) -> Workload:  # its runner built complete, with its micro-batch's memory model
+            harness = harness_for(resolved, step_for(m), optimizer, extra_for(m), config, m)
+            headroom = scaled.at(m).reserve_overhead_bytes
+            runner = build_runner(resolved, harness, config, compiled=None, reserve_headroom=headroom)
+            return Workload(runner, RealStepMemory(scaled.at(m), opt_mem), m, m, global_batch // m)
+
+        workloads = [workload(m) for m in sorted(feasible, reverse=True)]  # largest first: checkpointing unlocks them
+        timing = {m: times.at(m) for m in feasible} if times is not None else None
+        result = _search(resolved, workloads, budget, config, timing, scaled, opt_mem, hooks, session.phases)
     m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = MicroBatch(m, global_batch // m, global_batch, base_micro_batch, config.tie_tolerance)
     run = {**result.best.provenance.run, "batch_size": m}  # the step the plan runs: the chosen micro-batch
-    # What the search ran under, as tune records it.
-    allocator = {"allocator": session.allocator.to_dict()} if session.allocator is not None else {}
+    allocator = {"allocator": session.allocator.to_dict()} if session.allocator is not None else {}  # as tune
     result = replace(
         result,
         best=result.best.with_provenance(**allocator, micro_batch=spec, run=run),
@@ -198,58 +203,23 @@ def tune_micro_batch(
     return MicroBatchResult(result, m, global_batch // m, global_batch, skipped)
 
 
-def _workloads(
-    resolved: ModelView,
-    step_for: Callable[[int], Callable[[], Any]],
-    extra_for: Callable[[int], tuple[Any, ...]],
-    optimizer: torch.optim.Optimizer | None,
-    config: TuneConfig,
-    scaled: ScaledMemoryModel,
-    opt_mem: OptimizerStepMemory,
-    feasible: Sequence[int],
-    global_batch: int,
-) -> list[Workload]:
-    """One workload per feasible micro-batch, largest first (they are the ones checkpointing can unlock): its
-    harness and runner, and the scaled memory model with the optimizer step (measured once, shared by all)."""
-    workloads = []
-    for m in sorted(feasible, reverse=True):
-        harness = StepHarness(
-            resolved.root,
-            step_for(m),
-            resolved.device,
-            optimizer,
-            extra_for(m),
-            batch_size=m,
-            view=resolved,
-            clock=config.clock,
-            warmup_steps=config.warmup_steps,
-            measure_steps=config.measure_steps,
-        )
-        runner = build_runner(
-            resolved, harness, config, compiled=None, reserve_headroom=scaled.at(m).reserve_overhead_bytes
-        )
-        workloads.append(Workload(runner, RealStepMemory(scaled.at(m), opt_mem), m, m, global_batch // m))
-    return workloads
-
-
 def _search(
     resolved: ModelView,
     workloads: list[Workload],
-    scaled: ScaledMemoryModel,
-    opt_mem: OptimizerStepMemory,
     budget: Budget,
     config: TuneConfig,
     timing: Mapping[int, TimeModel] | None,
+    scaled: ScaledMemoryModel,
+    opt_mem: OptimizerStepMemory,
     hooks: SearchHooks,
     phases: Phases,
 ) -> TuneResult:
-    """The one search over every (plan, micro-batch) candidate (``pipeline``), by the time model of each micro-batch
-    (``timing``; None: the sampler's draws, as for a compiled model)."""
+    """The one search over every (plan, micro-batch) candidate, by each micro-batch's time model (``timing``; None:
+    the sampler's draws, as for a compiled model)."""
     is_compiled = isinstance(workloads[0].runner, CompiledTrials)
     space = config.search_space.for_device(resolved.device.type)
-    if is_compiled:
-        space = workloads[0].runner.adapt(space)
-    sizes = sorted(w.micro_batch for w in workloads if w.micro_batch is not None)
+    space = workloads[0].runner.adapt(space) if is_compiled else space
+    sizes = sorted(w.micro_batch for w in workloads)
     run = {"device": resolved.device.type, "compiled": is_compiled, "micro_batches": sizes}
     search = run_search(
         resolved,
@@ -285,33 +255,29 @@ def _checked_micro_batches(micro_batches: Sequence[int] | None, global_batch: in
 
 def _scaled_profiles(
     resolved: ModelView,
-    loss_fn_for: Callable[[int], Callable[[], Any]],
+    step_for: Callable[[int], Callable[[], Any]],
     extra_for: Callable[[int], tuple[Any, ...]],
     optimizer: torch.optim.Optimizer | None,
     base_micro_batch: int,
-    time_modes: set[str] | None,
+    config: TuneConfig,
 ) -> tuple[ScaledMemoryModel, ScaledTimeModel | None, OptimizerStepMemory]:
     """Two memory-safe profiles (the user's micro-batch and half of it) as one memory model scaled to any
-    micro-batch (and, with ``time_modes``, one time model likewise), and the optimizer step's memory, which does not
-    grow with the micro-batch: measured once, shared by all."""
-    root, stacks = resolved.root, resolved.stacks
+    micro-batch (and, where the time model proposes, one time model likewise), and the optimizer step's memory."""
+    timed = config.predict_time and config.sampler is None and not (resolved.compiled or config.compiled)
+    time_modes = space_modes(config.search_space.for_device(resolved.device.type), resolved) if timed else False
     small_size = max(1, base_micro_batch // 2) if base_micro_batch > 1 else 2
     profiles = {
         size: profile_step(
-            root,
-            loss_fn_for(size),
-            stacks=stacks,
+            resolved.root,
+            step_for(size),
+            stacks=resolved.stacks,
             optimizer=optimizer,
             extra=extra_for(size),
-            time_blocks=time_modes if time_modes is not None else False,
+            time_blocks=time_modes,
         )
         for size in sorted({base_micro_batch, small_size})
     }
-    opt_mem = (
-        measure_optimizer_step(root, optimizer, device=resolved.device, extra=extra_for(base_micro_batch))
-        if optimizer is not None
-        else OptimizerStepMemory.absent()
-    )
+    opt_mem = optimizer_step_memory(resolved, optimizer, extra_for(base_micro_batch))
     lo, hi = min(profiles), max(profiles)
     small_time, large_time = profiles[lo].time, profiles[hi].time
     times = ScaledTimeModel(small_time, large_time, lo, hi) if small_time is not None and large_time else None
@@ -321,8 +287,7 @@ def _scaled_profiles(
 @dataclass(frozen=True)
 class ScaledTimeModel:
     """Each block's seconds under each mode at any micro-batch, affine between two profiles' timings (``small`` <
-    ``large`` samples, clamped at zero): a block's forward and backward grow with its samples, and what a mode adds
-    with them. Each micro-batch's model is calibrated by the search to its own measured steps."""
+    ``large`` samples, clamped at zero); the search calibrates each micro-batch's model to its own steps."""
 
     small: TimeModel
     large: TimeModel

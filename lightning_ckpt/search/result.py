@@ -15,7 +15,7 @@ from lightning_ckpt.search.ledger import TrialRecord, TrialStatus
 from lightning_ckpt.search.phases import SearchCost
 from lightning_ckpt.search.verdict import Verdict
 
-__all__ = ["SearchFacts", "TuneResult", "build_result", "evidence", "offload_figures"]
+__all__ = ["SearchFacts", "TuneResult", "build_result", "offload_figures"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def evidence(
         "budget": budget.to_dict(),
         "measured": _measured_figures(best),
         "baselines": {
-            t.baseline: _baseline_figures(t)
+            t.baseline: {k: v for k, v in _measured_figures(t).items() if k in _BASELINE_FIGURES}
             for t in records
             if t.baseline is not None and t.micro_batch == best.micro_batch
         },
@@ -128,6 +128,10 @@ def offload_figures(trial: TrialRecord) -> dict[str, Any] | None:
     }
 
 
+# A baseline's figures in the plan file: the chosen plan's that bear on the comparison.
+_BASELINE_FIGURES = ("status", "samples_per_second", "peak_bytes", "activation_bytes")
+
+
 def _measured_figures(best: TrialRecord) -> dict[str, Any]:
     offload = offload_figures(best)
     return {
@@ -140,15 +144,6 @@ def _measured_figures(best: TrialRecord) -> dict[str, Any]:
         "activation_bytes": best.activation_bytes,
         "predicted_peak_bytes": best.predicted_peak_bytes,
         "recompute_overhead": best.recompute_overhead,
-    }
-
-
-def _baseline_figures(trial: TrialRecord) -> dict[str, Any]:
-    return {
-        "status": trial.status.value,
-        "samples_per_second": trial.samples_per_second,
-        "peak_bytes": trial.peak_bytes,
-        "activation_bytes": trial.activation_bytes,
     }
 
 

@@ -31,18 +31,15 @@ _CONFIRM_WINDOW = 0.05  # the least window of ``leaders``
 
 
 def default_sampler(seed: int, n_trials: int) -> BaseSampler:
-    """Seeded TPE. It reads each trial's constraints itself (Optuna 5 deprecated ``constraints_func`` for
-    ``Trial.set_constraint``, which is how trials get them here), so infeasible plans inform it too."""
+    """Seeded TPE; it reads each trial's constraints (``Trial.set_constraint``), so infeasible plans inform it too."""
     startup = min(10, max(1, n_trials // 3))
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup)
 
 
 class TimeModelSampler(BaseSampler):
-    """The time model as an Optuna sampler over the candidates ``unseen()`` gives (those the ledger has no record of
-    and that can run), refitted to the ledger's timed plans; what it cannot predict, ``fallback`` draws.
-
-    ``time_model``: the profile's model, or in the joint micro-batch search one per micro-batch; candidates of
-    different micro-batches are then compared per sample, as the search compares their measurements."""
+    """The time model as an Optuna sampler over the candidates ``unseen()`` gives, refitted to the ledger's timed
+    plans; what it cannot predict, ``fallback`` draws. ``time_model``: the profile's, or one per micro-batch in the
+    joint search, whose candidates are compared per sample."""
 
     name = "time_model"
 
@@ -63,8 +60,8 @@ class TimeModelSampler(BaseSampler):
         self._warned = False  # the margin followed the model's error (``noise_margin``): said once
 
     def model_for(self, micro_batch: int | None = None) -> TimeModel:
-        """The model of ``micro_batch``'s steps calibrated to the search's own figures of every plan the ledger has
-        timed at it (within budget or not: speed does not depend on it), refitted when a plan was added."""
+        """The model of ``micro_batch``'s steps calibrated to every plan the ledger has timed at it (within budget or
+        not: speed does not depend on it)."""
         if len(self.ledger) != self._fitted_to:
             records = self.ledger.snapshot()
             timed = [t for t in records if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds]
@@ -82,7 +79,6 @@ class TimeModelSampler(BaseSampler):
         return self.model_for(cand.micro_batch).predict_seconds(cand.plan)
 
     def ranked(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        """``candidates`` the model can rank, predicted-fastest (per sample) first."""
         ranked = [(s, c) for c in candidates if (s := self._rank_seconds(c)) is not None]
         return [c for _, c in sorted(ranked, key=lambda x: x[0])]
 
@@ -95,8 +91,7 @@ class TimeModelSampler(BaseSampler):
         return self._rank_seconds(cand) is not None
 
     def can_win(self, cand: Candidate) -> bool:
-        """Whether ``cand`` could beat the best plan measured within budget: it could unless it is predicted slower
-        (per sample) even after the noise margin is taken off its time."""
+        """Whether ``cand`` could beat the best plan measured within budget, its predicted time less the noise margin."""
         predicted = self.predict_seconds(cand)
         best = self.ledger.fastest_fitting()
         if predicted is None or not best or not best[0].median_seconds:
@@ -105,9 +100,9 @@ class TimeModelSampler(BaseSampler):
         return _per_sample(predicted, cand.micro_batch) * (1.0 - self.noise_margin()) < theirs
 
     def offload_loses(self, cand: Candidate) -> bool:
-        """Whether ``cand``'s plan offloads at a loss: the transfer backward is predicted to wait for exceeds the
-        recompute its offloaded blocks would cost instead by more than the noise margin of its step (before any plan
-        was timed: of its blocks' own forward and backward), so a plan that recomputes does better."""
+        """Whether ``cand``'s plan offloads at a loss: the transfer backward waits for exceeds the recompute its
+        offloaded blocks would cost instead by more than the noise margin of its step (before any plan was timed: of
+        its blocks' own forward and backward)."""
         model, plan = self.model_for(cand.micro_batch), cand.plan
         moves, predicted = model.transfer(plan), model.predict_seconds(plan)
         slack = self.noise_margin() * (predicted if predicted is not None else model.plain_block_seconds())
@@ -119,7 +114,6 @@ class TimeModelSampler(BaseSampler):
         return choice is not None and not self.can_win(choice)
 
     def summary(self) -> dict[str, Any]:
-        """What the time model did: its fit, its measured errors, the margin, and what it pruned."""
         records = self.ledger.snapshot()
         errors = [e for t in records if (e := t.prediction_error) is not None]
         calibrated = {str(m): c.to_dict() for m in self._models if (c := self.model_for(m).calibration) is not None}
@@ -169,8 +163,7 @@ class TimeModelSampler(BaseSampler):
     def sample_relative(
         self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
     ) -> dict[str, Any]:
-        """The params of the plan predicted fastest among those not measured; nothing (the fallback then draws
-        each dimension) while some plan left cannot be predicted."""
+        """The params of the plan predicted fastest; nothing (the fallback draws) while some plan cannot be predicted."""
         choice = self.choice(self.unseen()) if search_space else None
         return {k: v for k, v in choice.params.items() if k in search_space} if choice is not None else {}
 
@@ -209,10 +202,12 @@ def sampler_for(
     """The time model's sampler where the profile timed the blocks, the runner's steps are the ones it timed (eager:
     a compiled step's time is the compiler's), and the user neither turned it off nor handed a ``sampler``; else the
     user's sampler, or seeded TPE."""
-    if timing is not None and predicts_time and config.predict_time and config.sampler is None:
-        fallback = default_sampler(config.seed, config.n_trials)
+    if config.sampler is not None:
+        return config.sampler
+    fallback = default_sampler(config.seed, config.n_trials)
+    if timing is not None and predicts_time and config.predict_time:
         return TimeModelSampler(timing, ledger, unseen, tie_tolerance=config.tie_tolerance, fallback=fallback)
-    return config.sampler if config.sampler is not None else default_sampler(config.seed, config.n_trials)
+    return fallback
 
 
 def leaders(sampler: BaseSampler, tuned: Sequence[TrialRecord], top: int) -> list[TrialRecord]:

@@ -1,6 +1,5 @@
-"""What every search (``tune``, the joint micro-batch search) sets up before its first step and undoes after its
-last, the budget it resolves on the device, and the passes that need no more memory than the lowest-memory plan.
-"""
+"""What every search sets up before its first step and undoes after its last, the budget it resolves on the device,
+and the passes that need no more memory than the lowest-memory plan."""
 
 from __future__ import annotations
 
@@ -41,10 +40,9 @@ log = logging.getLogger(__name__)
 
 
 class SearchSession:
-    """A search's set-up and tear-down, in one place, however the search ends. Set up: every block runs (LayerDrop
-    at full depth: the budget must hold for the deepest step), the modules' Python attributes captured so each step
-    starts from them, expandable segments on CUDA where they can be verified (kept for training). Undone: cached
-    memory, the allocator, kept compiled graphs, parameters the forward writes, Python attributes."""
+    """A search's set-up, undone however it ends: every block runs (LayerDrop at full depth: the budget must hold for
+    the deepest step), each step starts from the modules' Python attributes, expandable segments on CUDA where they
+    can be verified (kept for training)."""
 
     def __init__(self, resolved: ModelView, allocator: AllocatorRegime | None, clock: Callable[[], float]) -> None:
         self.resolved = resolved
@@ -66,19 +64,11 @@ class SearchSession:
                 lambda: find_parameters_written_in_forward(self.resolved.root, step_fn),
             )
 
-    def close(self) -> None:
-        release_cached_memory(self.resolved.device)
-        release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive it
-        forget_parameters_written_in_forward(self.resolved.root)
-        self.python_state.restore()
-        self.python_state.warn_unrestorable()
-
 
 @contextlib.contextmanager
 def search_session(resolved: ModelView, clock: Callable[[], float] = time.perf_counter) -> Iterator[SearchSession]:
-    """A ``SearchSession`` for the duration of one search (see there), its phases timed by ``clock``."""
-    # Entered before the Python attributes are captured, which would otherwise put LayerDrop's rates back after
-    # every step.
+    """A ``SearchSession`` for the duration of one search, its phases timed by ``clock``."""
+    # Full depth is entered before the Python attributes are captured, which would put LayerDrop's rates back.
     with full_depth(resolved.root, resolved.stacks) as deepened, search_allocator(resolved.device) as allocator:
         if deepened:
             log.info("lightning_ckpt: searching at full depth (every block runs): %s", deepened)
@@ -86,7 +76,11 @@ def search_session(resolved: ModelView, clock: Callable[[], float] = time.perf_c
         try:
             yield session
         finally:
-            session.close()
+            release_cached_memory(resolved.device)
+            release_kept_graphs()  # a compiled model's re-timing rounds keep graphs (search.compile): none outlive it
+            forget_parameters_written_in_forward(resolved.root)
+            session.python_state.restore()
+            session.python_state.warn_unrestorable()
 
 
 def resolve_budget(
@@ -135,10 +129,9 @@ def resolve_on_device(requested: RequestedBudget, device: torch.device, none_act
 
 
 def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run: Callable[[], Any]) -> Any:
-    """``run()``, a pass that needs no more memory than the lowest-memory plan (the parameter-write check, the memory
-    profile, the optimizer-step measurement), through ``measurement.run_pass``. An out-of-memory error that survives
-    it means no plan can fit: ``InfeasibleBudgetError``, raised once the failed pass's memory is released and not
-    chained to the OOM (whose traceback would keep the pass's tensors alive)."""
+    """``run()``, a pass that needs no more memory than the lowest-memory plan (``measurement.run_pass``): an OOM that
+    survives it means no plan fits, ``InfeasibleBudgetError``, not chained to the OOM (whose traceback would keep the
+    pass's tensors alive)."""
     try:
         return run_pass(what, resolved.device, run)
     except PassOutOfMemory as failed:

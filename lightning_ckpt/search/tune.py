@@ -50,6 +50,8 @@ __all__ = [
     "WRITE_CHECK_STEPS",
     "build_runner",
     "check_tunable",
+    "harness_for",
+    "optimizer_step_memory",
     "space_modes",
     "tune",
 ]
@@ -85,6 +87,32 @@ def build_runner(
     if compiled_runner is not None:
         return compiled_runner
     return EagerRunner(harness, count_flops=config.count_flops, reserve_headroom_bytes=reserve_headroom)
+
+
+def harness_for(
+    resolved: ModelView,
+    step_fn: Callable[[], Any],
+    optimizer: torch.optim.Optimizer | None,
+    extra: tuple[Any, ...],
+    config: TuneConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+) -> StepHarness:
+    """The harness that runs ``step_fn`` for the profile's passes and every trial, as ``config`` says to time it."""
+    steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
+    shape = {"batch_size": batch_size, "seq_len": seq_len}
+    return StepHarness(
+        resolved.root, step_fn, resolved.device, optimizer, extra, **shape, **steps, view=resolved, clock=config.clock
+    )
+
+
+def optimizer_step_memory(
+    resolved: ModelView, optimizer: torch.optim.Optimizer | None, extra: tuple[Any, ...]
+) -> OptimizerStepMemory:
+    """One ``optimizer.step()`` measured and undone (an OOM: infeasible), which does not grow with the batch."""
+    if optimizer is None:
+        return OptimizerStepMemory.absent()
+    return measure_optimizer_step(resolved.root, optimizer, device=resolved.device, extra=extra)
 
 
 def check_tunable(resolved: ModelView) -> None:
@@ -136,10 +164,8 @@ def tune(
     with ``SearchInterrupted``, the model as it was. ``TuneConfig.compiled`` (default: detected): every trial compiles
     its plan, and plans that add graph breaks are ``conflict`` trials.
 
-    The search is an Optuna study named ``result.study_name``, one trial per plan (objective ``samples_per_second``,
-    the budget as a constraint, figures in user attributes; ``ledger.py``). With ``storage=`` it persists
-    (``optuna.load_study(study_name=result.study_name, storage=result.storage)``), and a search started again on the
-    same model and run resumes it instead of measuring again.
+    The search is an Optuna study, ``result.study_name``, one trial per plan (``ledger.py``). With ``storage=`` it
+    persists (``optuna.load_study``), and a search started again on the same model and run resumes it.
     """
     config = config or TuneConfig()
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
@@ -147,19 +173,7 @@ def tune(
     resolved = ModelView.of(model, config.block_types)
     with search_session(resolved, config.clock) as session:
         step_fn = session.python_state.restoring(step_fn)
-        shape = {"batch_size": batch_size or 1, "seq_len": seq_len}
-        steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
-        harness = StepHarness(
-            resolved.root,
-            step_fn,
-            resolved.device,
-            optimizer,
-            tuple(extra_tensors),
-            **shape,
-            **steps,
-            view=resolved,
-            clock=config.clock,
-        )
+        harness = harness_for(resolved, step_fn, optimizer, tuple(extra_tensors), config, batch_size or 1, seq_len)
         check_tunable(resolved)
         is_compiled = compiled_target(resolved.model, compiled=config.compiled) is not None
         with eager_while_profiling(is_compiled):
@@ -177,8 +191,7 @@ def _search(
     session: SearchSession,
 ) -> TuneResult:
     """Profile, resolve the budget, then run the search and conclude it, with what the plan file records."""
-    device, optimizer = resolved.device, harness.optimizer
-    space = config.search_space.for_device(device.type)
+    space = config.search_space.for_device(resolved.device.type)
     if is_compiled:
         space = compiled_space(space, resolved.root)
     phases = session.phases
@@ -190,21 +203,22 @@ def _search(
         resolved, harness, config, compiled=is_compiled, reserve_headroom=memory_model.reserve_overhead_bytes
     )
     with phases.timing("optimizer_step"):
-        optimizer_step = (
-            measure_optimizer_step(resolved.root, optimizer, device=device, extra=harness.extra)  # an OOM: infeasible
-            if optimizer is not None
-            else OptimizerStepMemory.absent()
-        )
+        optimizer_step = optimizer_step_memory(resolved, harness.optimizer, harness.extra)
     memory = RealStepMemory(memory_model, optimizer_step)
-    sync = hooks.sync or LocalSync()
+    sync = hooks.sync or LocalSync()  # ``run_search``'s too
     budget = sync.broadcast(resolve_budget(requested, memory, runner, resolved, sync))
-    profiled = profile.compiled  # anchored on the compiled ``none`` step below, where that step ran
-    predicts = None  # the runner's own
+    profiled, predicts = profile.compiled, None  # None: the runner's own
     if is_compiled and profile.compiled is not None:
-        memory = _compiled_memory(runner, profile.compiled, optimizer_step, resolved)
-        predicts = isinstance(memory.model, CompiledMemoryModel)
-        profiled = memory.model if predicts else profile.compiled
-    run = {"seq_len": harness.seq_len, "device": _device_name(device), "compiled": is_compiled}
+        # The blocks' compiled saved bytes anchored on the compiled ``none`` step (measured already: an activation
+        # budget is a fraction of it); without that step (it failed) the eager model.
+        none = runner.measure_compiled(Plan(fingerprint=resolved.fingerprint))
+        predicts = none.ok and none.activation_bytes is not None
+        if predicts:
+            profiled = profile.compiled.anchored(none.activation_bytes, none.peak_bytes)
+        memory = RealStepMemory(profiled if predicts else profile.compiled.eager, optimizer_step)
+    # The model of GPU, not its index, bears on the figures: part of a study's identity.
+    name = torch.cuda.get_device_name(resolved.device) if resolved.device.type == "cuda" else resolved.device.type
+    run = {"seq_len": harness.seq_len, "device": name, "compiled": is_compiled}
     search = run_search(
         resolved,
         [Workload(runner, memory, harness.batch_size, predicts=predicts)],
@@ -213,7 +227,7 @@ def _search(
         config,
         timing=profile.time,
         memory_model=memory_model,
-        hooks=replace(hooks, sync=sync),
+        hooks=hooks,
         run=run,
         phases=phases,
     )
@@ -234,8 +248,7 @@ def _profile(
     resolved: ModelView, harness: StepHarness, space: SearchSpace, is_compiled: bool, began: int | None
 ) -> Any:
     """The memory-safe profile, its time model marked with the shape it was timed at. A compiled model's blocks are
-    timed compiled alone (regional compilation), so its time model predicts compiled steps as the eager one predicts
-    eager steps. No pass of it needs more than the lowest-memory plan's step, so an OOM here means none fits."""
+    timed compiled alone (regional compilation), so its time model predicts compiled steps."""
     with eager_while_profiling(is_compiled):
         profile = lowest_memory_pass(
             "the memory profile",
@@ -265,9 +278,8 @@ def _sections(
     space: SearchSpace,
     session: SearchSession,
 ) -> dict[str, Any]:
-    """The provenance sections the plan file records beyond the chosen plan's evidence, among them the profile as
-    the search fitted it (a later budget re-plans from it: ``replan``; a compiled one is kept apart, as ``replan``
-    predicts eager steps and a plan table its shorter buckets from it, ``search.buckets``)."""
+    """The plan file's sections beyond the chosen plan's evidence, among them the profile as the search fitted it (a
+    later budget re-plans from it; a compiled one is kept apart, as ``replan`` predicts eager steps)."""
     is_compiled = isinstance(runner, CompiledTrials)
     regions = list(runner.regions) if is_compiled else None
     run = {"device": str(harness.device), "batch_size": harness.batch_size, "seq_len": harness.seq_len}
@@ -295,22 +307,6 @@ def _sections(
             tie_tolerance=search.trials.config.tie_tolerance,
         )
     return sections
-
-
-def _compiled_memory(
-    runner: CompiledTrials, compiled: CompiledMemoryModel, optimizer_step: OptimizerStepMemory, resolved: ModelView
-) -> RealStepMemory:
-    """What the compiled search prunes by: the blocks' compiled saved bytes anchored on the compiled ``none`` step
-    (measured already: an activation budget is a fraction of it); without that step (it failed) the eager model."""
-    none = runner.measure_compiled(Plan(fingerprint=resolved.fingerprint))
-    if not none.ok or none.activation_bytes is None:
-        return RealStepMemory(compiled.eager, optimizer_step)
-    return RealStepMemory(compiled.anchored(none.activation_bytes, none.peak_bytes), optimizer_step)
-
-
-def _device_name(device: torch.device) -> str:
-    """The device as it bears on the figures (the model of GPU, not its index): part of a study's identity."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def space_modes(space: SearchSpace, resolved: ModelView) -> set[str]:
