@@ -1,11 +1,10 @@
 """Run a compiled model's trials on blocks compiled alone, so a plan change swaps compiled blocks instead of compiling.
 
-A search that compiled every plan the way the user compiles paid one compile per plan. A block's mode is the unit a
-plan is made of, so the trials run the model as a regional compile does (torchtitan's way): every block of the stacks
-compiled alone, every other compiled region eagerly, and a plan's forwards the objects the block had under that mode
-before (``reused_forwards``), which dynamo guards by code and type: one graph per distinct block and mode serves every
-plan. Only the chosen plan compiles the user's way, once, at the first training step. What this does not see (fusion
-across blocks, a PT2 budget's one knapsack over a whole graph): ``search.whole_check`` and docs/compile.md.
+The trials run the model as a regional compile does (torchtitan's way): every stack block compiled alone, every other
+compiled region eager, and a plan's forwards the objects the block had under that mode before (``reused_forwards``),
+which dynamo guards by code and type: one graph per distinct block and mode serves every plan. Only the chosen plan
+compiles the user's way. What this does not see (fusion across blocks, a PT2 budget's one knapsack over a whole
+graph): ``search.whole_check`` and docs/compile.md.
 """
 
 from __future__ import annotations
@@ -35,15 +34,12 @@ def graphs_compiled() -> int:
 
 
 def partition_only_backend() -> Any:
-    """A ``torch.compile`` backend that runs inductor up to and including its partition (decompositions, joint-graph
-    passes, the min-cut partitioner under ``activation_memory_budget``) and returns the partitioned graphs to run as
-    they are, without generating kernels: the tensors a whole compile saves for backward (to the byte, unlike
+    """A ``torch.compile`` backend that runs inductor up to and including its partition and runs the partitioned
+    graphs as they are, no kernels: what a whole compile saves for backward, to the byte (unlike
     ``aot_eager_decomp_partition``, which lacks the joint-graph passes), at a fraction of its cost (docs/compile.md).
 
-    Not for convolutions: inductor's layout optimization, after the partition, saves channels-last copies this backend
-    does not see; the guard reads the real steps after lock-in. A new backend object per call: dynamo guards a frame's
-    graphs on their backend, and a budget is read only when partitioning. Nothing it produces is cached, so the user's
-    compile never receives it."""
+    Not for convolutions: inductor's later layout optimization saves channels-last copies this does not see. A new
+    backend per call: dynamo guards a frame's graphs on their backend, and a budget is read only when partitioning."""
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
 
@@ -67,12 +63,8 @@ def room_for_graphs(limit: int = GRAPHS_PER_FRAME) -> Iterator[None]:
 
 
 class BlocksCompiledAlone:
-    """``model`` as a compiled search runs it (see the module docstring): its stack blocks compiled alone, every
-    other compiled region eager, while ``installed()`` is entered.
-
-    ``blocks``: the stacks' block FQNs (canonical, as plans name them). Nothing is changed until ``installed()``, and
-    everything it changes is put back when it exits.
-    """
+    """``model`` as a compiled search runs it, while ``installed()`` is entered. ``blocks``: the stacks' block FQNs
+    (canonical, as plans name them)."""
 
     def __init__(self, model: nn.Module, root: nn.Module, blocks: tuple[str, ...]) -> None:
         self.blocks = blocks
@@ -89,7 +81,8 @@ class BlocksCompiledAlone:
         # A segment's blocks, called one by one inside its eager checkpoint (``segments_eager``).
         self._chunk_call = torch.compile(_chunk_block)
         self._eager: list[tuple[Any, str, Any]] = []  # (object, attribute, value while installed)
-        for module in _modules_of(model):
+        # ``model`` and every module under it, compile wrappers included, each once.
+        for module in {id(m): m for m in (model, *model.modules())}.values():
             inner = unwrap_compiled(module)
             if id(inner) in alone:
                 continue
@@ -103,11 +96,9 @@ class BlocksCompiledAlone:
 
     @contextlib.contextmanager
     def segments_eager(self, root: nn.Module, stacks: Iterable[str]) -> Iterator[None]:
-        """The blocks of the segmented ``stacks`` called eagerly, each block of a chunk through one compiled call.
-
-        Compiled alone, a segment's head block would trace its whole chunk into one graph, one per chunk length. Here
-        the chunk's checkpoint runs eagerly and each of its blocks runs ``original_forward`` compiled: the graph of the
-        block without a plan. The last segment is not checkpointed, and its blocks run compiled alone as any other."""
+        """The blocks of the segmented ``stacks`` called eagerly, each block of a chunk through one compiled call of its
+        ``original_forward``: compiled alone, a segment's head block would trace its whole chunk, one graph per chunk
+        length."""
         prefixes = tuple(f"{s}." if s else "" for s in stacks)
         touched: list[tuple[nn.Module, str, Any]] = []
         for fqn in self.blocks:
@@ -125,9 +116,8 @@ class BlocksCompiledAlone:
 
     @contextlib.contextmanager
     def partitioned(self) -> Iterator[None]:
-        """Every compiled region other than the blocks compiled through ``partition_only_backend`` (a fresh one),
-        the blocks as they run inside it, for the enclosed steps: what the user's compile would save for backward
-        (``CompiledTrials.measure_partitioned``). The user's compile afterwards."""
+        """Every compiled region other than the blocks compiled through a fresh ``partition_only_backend`` for the
+        enclosed steps: what the user's compile would save for backward."""
         backend = partition_only_backend()
         # ``None``: a ``.compile()``-d module, whose eager call is its ``_call_impl``.
         compiled = [(obj, name, torch.compile(eager if eager is not None else obj._call_impl, backend=backend))
@@ -163,11 +153,3 @@ def _patched(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
 
 def _chunk_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return original_forward(block)(*args, **kwargs)
-
-
-def _modules_of(model: nn.Module) -> list[nn.Module]:
-    """``model`` and every module under it, compile wrappers included, each once."""
-    seen: dict[int, nn.Module] = {}
-    for module in (model, *model.modules()):
-        seen.setdefault(id(module), module)
-    return list(seen.values())

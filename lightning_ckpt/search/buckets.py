@@ -1,14 +1,10 @@
 """One plan per range of batch lengths: the plan table.
 
-A plan tuned for the longest batch pays its recompute on every short one, where a cheaper plan (often none at
-all) fits; a plan tuned on a short batch runs over the budget on a long one. So for data whose lengths vary the table
-splits lengths into buckets, each with the fastest plan predicted to fit the budget at the bucket's longest length,
-and the run switches plans by each batch's bucket before its forward (``lightning.callback``).
-
-The search runs once, at the longest length: its plan is the top bucket's. Every shorter bucket costs one profile at
-its own longest length and zero trials: its plan is chosen by the search's own rule (``choice.choose_best``) from the
-profile's predictions. The budget is the search's, in bytes. Switching plans is exact (every plan leaves gradients
-bit-equal to no plan) and cheap; the budget guard reads the real steps under each bucket's plan like any.
+A plan tuned for the longest batch pays its recompute on every short one, where a cheaper plan often fits. So for
+data whose lengths vary, the table splits lengths into buckets, each with the fastest plan predicted to fit the budget
+at its longest length, and the run switches plans by each batch's bucket (``lightning.callback``). The search runs
+once, at the longest length (the top bucket); every shorter bucket costs one profile and zero trials, its plan chosen
+by the search's own rule (``choice.choose_best``) from the profile's predictions.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ __all__ = ["bucket_profile", "compiled_at", "plan_table", "rescaled_time"]
 
 
 def rescaled_time(time_at: TimeModel, searched: TimeModel) -> TimeModel:
-    """``time_at`` (a bucket's blocks, timed at its length) calibrated from ``searched`` (the search's): the plain step
-    scaled by the blocks' plain seconds at the two lengths. It moves no plan ahead of another within a bucket; it only
-    sets how much a plan's recompute weighs against the step (the tie tolerance)."""
+    """``time_at`` (a bucket's blocks, timed at its length) calibrated from ``searched``: the plain step scaled by the
+    blocks' plain seconds at the two lengths (it only sets how much recompute weighs against the step)."""
     if searched.calibration is None:
         raise PlanError("the search's time model is not calibrated (it measured no plan): no table can be predicted")
     here, there = time_at.plain_block_seconds(), searched.plain_block_seconds()
@@ -62,9 +57,8 @@ def bucket_profile(
     extra: tuple[Any, ...] = (),
     compiled: bool = False,
 ) -> Profile | None:
-    """The profile of one bucket, taken as the search takes its own: ``step_fn`` runs the tuned batch at the bucket's
-    longest length (``compiled``: blocks compiled alone). None when it ran out of memory (a card something else
-    filled since the search): the bucket is left out, and its lengths run the next longer bucket's plan."""
+    """The profile of one bucket, taken as the search takes its own (``step_fn``: the tuned batch at the bucket's
+    longest length). None when it ran out of memory: its lengths then run the next longer bucket's plan."""
     with full_depth(view.root, view.stacks), eager_while_profiling(compiled):
         state = PythonState.capture(view.root)
         try:
@@ -91,12 +85,7 @@ def bucket_profile(
 
 
 def plan_table(
-    top: Plan,
-    profile_at: Callable[[int], Any],
-    edges: Sequence[int],
-    budget: Budget,
-    *,
-    rows: int,
+    top: Plan, profile_at: Callable[[int], Any], edges: Sequence[int], budget: Budget, *, rows: int
 ) -> PlanTable:
     """The table for ``edges`` (ascending, the last the length ``top``, the search's choice, was searched at);
     ``profile_at(length)`` profiles the model on the tuned batch at that length (``bucket_profile``)."""
@@ -125,9 +114,8 @@ def plan_table(
 
 
 def compiled_at(top: Plan, profile: Profile, length_ratio: float) -> CompiledMemoryModel:
-    """A compiled model's memory at a bucket's length (``length_ratio`` of the longest): what its blocks, compiled
-    alone at that length, save per mode, anchored on the compiled ``none`` step the search measured. That step's
-    bytes outside the blocks (embeddings, head, loss: linear in the length) are scaled by the ratio."""
+    """A compiled model's memory at a bucket's length (``length_ratio`` of the longest): its blocks compiled alone
+    there, anchored on the search's compiled ``none`` step, whose bytes outside the blocks scale with the length."""
     if profile.compiled is None:
         raise PlanError("the bucket's profile compiled no block alone: its compiled memory cannot be predicted")
     kept = top.provenance.compiled_blocks

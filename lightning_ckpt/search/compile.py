@@ -35,23 +35,11 @@ from lightning_ckpt.measure.measurement import Measurement, classify_failure, re
 from lightning_ckpt.measure.saved_for_backward import SavedForBackward
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.model import ModelView, compiled_regions
-from lightning_ckpt.plan.apply import apply_plan, reused_forwards
+from lightning_ckpt.plan.apply import apply_plan, plan_applied, reused_forwards
 from lightning_ckpt.plan.format import Plan
 from lightning_ckpt.plan.handle import PlanHandle
+from lightning_ckpt.search import dynamo
 from lightning_ckpt.search.assembly import BlocksCompiledAlone, graphs_compiled, room_for_graphs
-from lightning_ckpt.search.dynamo import (
-    CompileStats,
-    DynamoWatch,
-    break_count,
-    break_summaries,
-    conflict_reason,
-    eager_ops,
-    is_dynamo_refusal,
-    random_ops,
-    recompile_count,
-    recompile_limit,
-    uses_cuda_graphs,
-)
 
 __all__ = [
     "CompiledTrials",
@@ -76,25 +64,23 @@ def reset_compiled() -> None:
 
 
 class KeptGraphs:
-    """The graphs dynamo holds for one search since the last reset: the plans re-timing rounds kept (``keys``: plan
-    key and owner, as another batch shape has other graphs), the PT2 budget the unmarked ones were compiled under, and
-    whether trials ran on blocks compiled alone. Shared by the runners of one search: they compile the same frames,
-    whose graphs count together towards the recompile limit."""
+    """The graphs dynamo holds for a runner since the last reset: the plans re-timing rounds kept (``keys``: plan key
+    and owner, as another batch shape has other graphs), the PT2 budget the unmarked ones were compiled under, and
+    whether trials ran on blocks compiled alone."""
 
     def __init__(self) -> None:
         self.keys: set[tuple[int, str]] = set()
-        self.budget: float | None = None
-        self.assembled = False
+        self.forget()
         _LIVE.add(self)
 
     def forget(self) -> None:
+        self.budget: float | None = None
         self.keys.clear()
-        self.budget = None
         self.assembled = False
 
     def release(self) -> None:
-        """Drop what was kept (re-timing rounds' graphs, the blocks compiled alone), if anything: a search ends with
-        this, so the model's next step compiles the chosen plan the way the user compiles, once."""
+        """Drop what was kept, if anything: a search ends with this, so the model's next step compiles the chosen plan
+        the way the user compiles."""
         if self.keys or self.assembled:
             reset_compiled()
 
@@ -103,7 +89,7 @@ class KeptGraphs:
     ) -> PlanHandle:
         """Apply ``plan`` with the forward objects it had before (``reused_forwards``), so dynamo's guards match its
         graph and nothing compiles again; first drop the graphs kept where one more would reach the recompile limit."""
-        if self.keys and key not in self.keys and len(self.keys) + 1 >= recompile_limit():
+        if self.keys and key not in self.keys and len(self.keys) + 1 >= dynamo.recompile_limit():
             self.release()
         with reused_forwards(forwards):
             return apply_plan(target, plan)
@@ -143,8 +129,7 @@ def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -
 
 @dataclass
 class _CompiledRun:
-    """What one compiled trial found so far, filled in pass by pass (compile, timed steps, memory), and the state each
-    pass restores."""
+    """What one compiled trial found so far, pass by pass, and the state each pass restores."""
 
     snapshot: StateSnapshot
     compile_seconds: float = 0.0
@@ -160,7 +145,7 @@ class _CompiledRun:
 class CompiledTrials:
     """The trial runner of a compiled model (``runners.TrialRunner``): on its blocks compiled alone
     (``search.assembly``), else each plan compiled from a reset, so no trial's recompiles count towards the next one's
-    limit. Re-timing rounds keep their graphs in ``kept``, released when the search ends."""
+    limit."""
 
     def __init__(
         self,
@@ -171,17 +156,16 @@ class CompiledTrials:
         reserve_headroom_bytes: int = 0,
         blocks: tuple[str, ...] = (),
         model: nn.Module | None = None,
-        kept: KeptGraphs | None = None,
     ) -> None:
         self.harness = harness
-        self.kept = kept if kept is not None else KeptGraphs()  # shared by the runners of one search
+        self.kept = KeptGraphs()
         self.root, self.step_fn, self.device, self.extra = harness.root, harness.step_fn, harness.device, harness.extra
         self.regions = regions
         self.allow_graph_breaks = allow_graph_breaks
         self.memory_limit_bytes: int | None = None
         self.reserve_headroom_bytes = reserve_headroom_bytes  # the CUDA cap's headroom for the allocator's reserve
-        self.reference: CompileStats | None = None
-        self._cache: dict[str, tuple[Measurement, CompileStats]] = {}
+        self.reference: dynamo.CompileStats | None = None
+        self._cache: dict[str, tuple[Measurement, dynamo.CompileStats]] = {}
         self._forwards: dict[Any, Any] = {}  # what plans installed, reinstalled as they were (``reused_forwards``)
         self.retime_compiles = 0  # re-timings that compiled (the first of a plan, or after a reset)
         self.assembly = (
@@ -216,7 +200,7 @@ class CompiledTrials:
         self.memory_limit_bytes = memory_limit
         m = self.measure_compiled(plan)
         stats = self._cache[plan.key()][1]
-        reason = None if plan.is_empty else conflict_reason(stats, self.reference)
+        reason = None if plan.is_empty else dynamo.conflict_reason(stats, self.reference)
         extra: dict[str, Any] = {**m.extra, "compiled_regions": list(self.regions)}
         steps = 1 + m.warmup_steps + len(m.step_seconds) + (1 if stats.saved_bytes is not None else 0)
         return replace(m, steps=steps, conflict=reason, extra=extra)
@@ -224,16 +208,13 @@ class CompiledTrials:
     def retime(self, plan: Plan, steps: int | None = None, *, warmup: int = 1) -> Measurement:
         """Time ``plan`` again, no memory pass: an untimed first step (it compiles the plan, or runs its kept graph:
         every round's warm-up, so ``warmup`` is unused here), then the timed steps. Each plan gets the forward objects
-        it had the first time (``KeptGraphs.apply_reusing``), so a later round costs steps, not a compile; no guard
-        sees a PT2 budget, so the regions read it (``_budget_marked``), or a budget change drops the kept graphs."""
+        it had the first time (``KeptGraphs.apply_reusing``), so a later round costs steps, not a compile."""
         if self.assembly is not None:
             return self._assembled_retime(plan, steps, warmup)
         key = (id(self), plan.key())  # another runner (micro-batch) is another batch shape: other graphs
         handle = self.kept.apply_reusing(self.harness.target, plan, self._forwards, key)
         try:
-            with self._budget_marked(plan.compile_memory_budget) as marked:
-                if not marked and self.kept.keys and plan.compile_memory_budget != self.kept.budget:
-                    self.kept.release()  # the unmarked graphs kept were compiled under another budget
+            with self._budget_marked(plan.compile_memory_budget):
                 compiles = key not in self.kept.keys
                 run = _CompiledRun(StateSnapshot.capture(self.root))
                 self._compile_then_time(run, steps)
@@ -243,36 +224,37 @@ class CompiledTrials:
             reset_compiled()  # whatever the failed step left compiled is not kept
         else:
             self.kept.keys.add(key)
-            if not marked:
-                self.kept.budget = plan.compile_memory_budget
             self.retime_compiles += compiles
         m = self._reading(run)
         return replace(m, extra={**m.extra, "compile": {"compile_seconds": run.compile_seconds, "compiled": compiles}})
 
     @contextlib.contextmanager
-    def _budget_marked(self, budget: float | None) -> Iterator[bool]:
-        """Every compiled region given the forward that names ``budget`` (``_budget_forward``) while entered; yields
-        whether they were (not without a budget, nor where a region already has an instance forward)."""
+    def _budget_marked(self, budget: float | None) -> Iterator[None]:
+        """Every compiled region given the forward that names ``budget`` (``_budget_forward``) while entered. Unmarked
+        (no budget, or a region with an instance forward already), no guard tells budgets apart, so the graphs kept
+        under another budget are dropped."""
         fqns = () if budget is None else self.assembly.blocks if self.assembly is not None else self.regions
         # The root may be the compiled wrapper itself (``torch.compile(model)``), whose ``forward`` is an instance one.
         modules = [unwrap_compiled(self.root.get_submodule(fqn) if fqn else self.root) for fqn in fqns]
         if not modules or any("forward" in vars(m) for m in modules):
-            yield False
+            if budget != self.kept.budget:
+                self.kept.release()
+            self.kept.budget = budget
+            yield
             return
         for m in modules:
             marker = functools.partial(_budget_forward, m, repr(budget))
             m.__dict__["forward"] = self._forwards.setdefault((id(m), "budget", repr(budget)), marker)
         try:
-            yield True
+            yield
         finally:
             for m in modules:
                 del m.__dict__["forward"]
 
-    def measure_compiled(self, plan: Plan, *, cached: bool = True) -> Measurement:
-        """Compile ``plan`` from scratch and measure it (``cached``: reuse an earlier measurement of it). Its
-        peak and activation follow the module docstring; ``extra["compile"]`` is what dynamo did."""
+    def measure_compiled(self, plan: Plan) -> Measurement:
+        """Measure ``plan`` compiled, once (cached); ``extra["compile"]`` is what dynamo did."""
         key = plan.key()
-        if not cached or key not in self._cache:
+        if key not in self._cache:
             assembled = self.assembly is not None
             self._cache[key] = self._assembled_measure(plan) if assembled else self._compile_and_measure(plan)
         m, stats = self._cache[key]
@@ -282,22 +264,17 @@ class CompiledTrials:
 
     def measure_partitioned(self, plan: Plan) -> Measurement:
         """``plan`` (a PT2 budget) as measured on the blocks compiled alone, with the bytes the user's compile of
-        several blocks in one graph saves for backward, where the budget is one knapsack over every block's ops: each
-        region partitioned as inductor partitions it, no kernels (``assembly.partition_only_backend``). The time stays
-        the blocks'; the peak moves by what the saved bytes moved."""
+        several blocks in one graph saves for backward (``assembly.partition_only_backend``). The time stays the
+        blocks'; the peak moves by what the saved bytes moved."""
         assert self.assembly is not None, "partitioning whole needs the blocks a compiled search ran alone"
         on_blocks = self.measure_compiled(plan)
         graphs_before = graphs_compiled()
         run = _CompiledRun(StateSnapshot.capture(self.root))
         try:
-            with self.assembly.partitioned(), room_for_graphs():
-                handle = apply_plan(self.harness.target, plan)
-                try:
-                    self._compile_step(run)
-                    if run.failure is None:
-                        self._memory_pass(run)
-                finally:
-                    handle.remove()
+            with self.assembly.partitioned(), room_for_graphs(), plan_applied(self.harness.target, plan):
+                self._compile_step(run)
+                if run.failure is None:
+                    self._memory_pass(run)
         finally:
             release_memory(self.device)
         graphs = self._count_compiles(graphs_before, run)
@@ -315,19 +292,14 @@ class CompiledTrials:
     @contextlib.contextmanager
     def _assembled(self, plan: Plan) -> Iterator[None]:
         """``plan`` applied to the blocks compiled alone, with the forwards it had before (``reused_forwards``), so its
-        graphs are the ones any earlier trial compiled for its modes; a PT2 budget as in ``retime``."""
+        graphs are the ones any earlier trial compiled for its modes."""
         assert self.assembly is not None
         with self.assembly.installed(), room_for_graphs(), contextlib.ExitStack() as stack:
             with reused_forwards(self._forwards):
-                handle = apply_plan(self.harness.target, plan)
-            stack.callback(handle.remove)
+                stack.enter_context(plan_applied(self.harness.target, plan))
             stack.enter_context(self.assembly.segments_eager(self.root, plan.segments))
-            marked = stack.enter_context(self._budget_marked(plan.compile_memory_budget))
-            if not marked and plan.compile_memory_budget != self.kept.budget and self.kept.assembled:
-                reset_compiled()
+            stack.enter_context(self._budget_marked(plan.compile_memory_budget))
             self.kept.assembled = True
-            if not marked:
-                self.kept.budget = plan.compile_memory_budget
             yield
 
     def _count_compiles(self, graphs: int, run: _CompiledRun) -> int:
@@ -338,11 +310,10 @@ class CompiledTrials:
             self.compile_seconds += run.compile_seconds
         return new
 
-    def _assembled_measure(self, plan: Plan) -> tuple[Measurement, CompileStats]:
-        """Measure ``plan`` on the blocks compiled alone: compiles only the block modes no earlier trial compiled.
-        What dynamo did is read as differences (nothing is reset between trials)."""
-        watch = DynamoWatch()
-        breaks_before, graphs_before = break_count(), graphs_compiled()
+    def _assembled_measure(self, plan: Plan) -> tuple[Measurement, dynamo.CompileStats]:
+        """Measure ``plan`` on the blocks compiled alone; what dynamo did is read as differences (nothing is reset)."""
+        watch = dynamo.DynamoWatch()
+        breaks_before, graphs_before = dynamo.break_count(), graphs_compiled()
         run = _CompiledRun(StateSnapshot.capture(self.root))
         try:
             with self._assembled(plan):
@@ -357,12 +328,13 @@ class CompiledTrials:
         finally:
             release_memory(self.device)
         seconds = run.compile_seconds if compiled_now else 0.0
-        return self._with_stats(run, seconds, compiled_now, break_summaries(since=breaks_before), watch.limit_hit())
+        return self._with_stats(
+            run, seconds, compiled_now, dynamo.break_summaries(since=breaks_before), watch.limit_hit()
+        )
 
     def _assembled_retime(self, plan: Plan, steps: int | None, warmup: int) -> Measurement:
-        """``retime`` on the blocks compiled alone. A plan that ran before has its graphs: its round is ``warmup`` and
-        ``steps`` steps, as an eager round (a plan switch swaps compiled blocks, nothing compiles); a plan's first run
-        starts with the untimed step that compiles what it needs."""
+        """``retime`` on the blocks compiled alone. A plan that ran before has its graphs, so its round is an eager
+        round's; a plan's first run starts with the untimed step that compiles what it needs."""
         graphs_before = graphs_compiled()
         run = _CompiledRun(StateSnapshot.capture(self.root))
         with self._assembled(plan):
@@ -377,32 +349,33 @@ class CompiledTrials:
         extra = {"compile_seconds": run.compile_seconds if compiled_now else 0.0, "compiled": bool(compiled_now)}
         return replace(m, extra={**m.extra, "compile": {**extra, "graphs": compiled_now}})
 
-    def _compile_and_measure(self, plan: Plan) -> tuple[Measurement, CompileStats]:
+    def _compile_and_measure(self, plan: Plan) -> tuple[Measurement, dynamo.CompileStats]:
         with reused_forwards(self._forwards):
             handle = apply_plan(self.harness.target, plan)
         reset_compiled()
-        watch = DynamoWatch()
+        watch = dynamo.DynamoWatch()
         run = _CompiledRun(StateSnapshot.capture(self.root))
         try:
             self._compile_then_time(run, None)
             if run.failure is None:
-                run.recompiles = recompile_count()  # before the memory pass, which must not count
+                run.recompiles = dynamo.recompile_count()  # before the memory pass, which must not count
                 if run.measurement.ok:
                     self._memory_pass(run)
         finally:
             handle.remove()
-            breaks, limit_hit = break_summaries(), watch.limit_hit()
+            breaks, limit_hit = dynamo.break_summaries(), watch.limit_hit()
             reset_compiled()
             release_memory(self.device)
         return self._with_stats(run, run.compile_seconds, 1, breaks, limit_hit)
 
     def _with_stats(
         self, run: _CompiledRun, seconds: float, graphs: int, breaks: tuple[int, int, tuple[str, ...]], limit_hit: bool
-    ) -> tuple[Measurement, CompileStats]:
+    ) -> tuple[Measurement, dynamo.CompileStats]:
         """The trial's reading with what dynamo did (``breaks``: ``dynamo.break_summaries``) in its extra."""
         total, in_regions, reasons = breaks
-        stats = CompileStats(seconds, graphs, total, in_regions, run.recompiles, limit_hit, run.eager_ops, run.saved,
-                             reasons)  # fmt: skip
+        stats = dynamo.CompileStats(
+            seconds, graphs, total, in_regions, run.recompiles, limit_hit, run.eager_ops, run.saved, reasons
+        )
         return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
 
     def _compile_then_time(self, run: _CompiledRun, steps: int | None) -> None:
@@ -420,7 +393,7 @@ class CompiledTrials:
             run.compile_seconds = time.perf_counter() - t0
         except Exception as exc:  # the compiler refused or failed on this plan
             run.failure = classify_failure(exc)
-            run.conflict = is_dynamo_refusal(exc)
+            run.conflict = dynamo.is_dynamo_refusal(exc)
         finally:
             run.snapshot.restore()
 
@@ -463,7 +436,7 @@ class CompiledTrials:
         snapshot.reset_grads()
         with SavedForBackward(self.root, [self.harness.optimizer], self.extra) as saved:
             loss = loss_of(self.step_fn())
-        eager = eager_ops(loss)
+        eager = dynamo.eager_ops(loss)
         loss.backward()
         return saved.saved_bytes, eager, saved.resting_bytes
 
@@ -474,7 +447,7 @@ def compiled_space(space: Any, root: nn.Module) -> Any:
     budget < 1 (pytorch#190758, pytorch#190717), so with active dropout they are left out unless the user listed them.
     """
     adapted = space.for_compile()
-    rng = random_ops(root)
+    rng = dynamo.random_ops(root)
     if rng and adapted.budget_choices:
         if space.compile_budgets is None:
             log.warning(
@@ -501,7 +474,6 @@ def compiled_search(
     allow_graph_breaks: bool,
     reserve_headroom_bytes: int = 0,
     blocks: tuple[str, ...] = (),
-    kept: KeptGraphs | None = None,
 ) -> CompiledTrials | None:
     """``CompiledTrials`` for ``model`` when it is compiled (``compiled_target``), else ``None``."""
     regions = compiled_target(model, compiled=compiled)
@@ -514,7 +486,6 @@ def compiled_search(
         reserve_headroom_bytes=reserve_headroom_bytes,
         blocks=blocks,
         model=model,
-        kept=kept,
     )
     how = "on its blocks compiled alone" if trials.assembly is not None else "every trial compiles its plan"
     log.info("lightning_ckpt: compiled model (%s): %s", trials.describe(), how)
@@ -529,7 +500,7 @@ def compiled_target(model: nn.Module, *, compiled: bool | None) -> tuple[str, ..
     regions = compiled_regions(model)
     if not regions and not compiled:
         return None
-    if uses_cuda_graphs(model):
+    if dynamo.uses_cuda_graphs(model):
         raise ConfigurationError(
             "The model is compiled with CUDA graphs (torch.compile(mode='reduce-overhead')), which the tuner does not "
             "support: a graph's memory lives in a private pool recorded once, and every plan change would record new "

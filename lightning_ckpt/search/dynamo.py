@@ -37,9 +37,8 @@ _MAX_REASONS = 5
 
 
 def random_ops(root: nn.Module) -> str | None:
-    """The first module of ``root`` (the uncompiled model) that draws random numbers in training (dropout), if any:
-    dropout modules by type, attention modules that pass a dropout float to SDPA (nanoGPT, HF) by that attribute.
-    Functional dropout called with a literal probability cannot be seen from the module tree."""
+    """The first module of ``root`` (uncompiled) that draws random numbers in training: dropout modules, and attention
+    modules that pass a dropout float to SDPA (nanoGPT, HF). Functional dropout with a literal probability is unseen."""
     for fqn, module in root.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             return canonical_fqn(fqn) or type(module).__name__
@@ -72,8 +71,7 @@ def uses_cuda_graphs(model: nn.Module) -> bool:
 def recompile_limit() -> int:
     """Dynamo's limit on the graphs one frame may hold (``recompile_limit``; ``cache_size_limit`` before torch 2.6)."""
     config = torch._dynamo.config
-    limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8)
-    return int(limit)
+    return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
 
 
 def recompile_count() -> int:
@@ -151,12 +149,12 @@ def break_summaries(since: int = 0) -> tuple[int, int, tuple[str, ...]]:
     from torch._dynamo.utils import graph_break_reasons
 
     ours = os.path.abspath(forwards_module.__file__)
-    total, in_region, reasons = 0, 0, []
-    for r in graph_break_reasons[since:]:
-        total += 1
+    breaks = graph_break_reasons[since:]
+    in_region, reasons = 0, []
+    for r in breaks:
         inside = any(os.path.abspath(f.filename) == ours and f.name in CHECKPOINT_FRAMES for f in r.user_stack)
         in_region += inside
-        first = (r.reason or "").strip().splitlines()[0] if (r.reason or "").strip() else "graph break"
+        first = ((r.reason or "").strip() or "graph break").splitlines()[0]
         frame = r.user_stack[-1] if r.user_stack else None
         where = f" ({os.path.basename(frame.filename)}:{frame.lineno})" if frame is not None else ""
         text = f"{first[:120]}{where}{' [in checkpointed region]' if inside else ''}"
@@ -164,22 +162,19 @@ def break_summaries(since: int = 0) -> tuple[int, int, tuple[str, ...]]:
             reasons.append(text)
     # Region breaks first: they are the ones a user must see.
     reasons.sort(key=lambda t: "[in checkpointed region]" not in t)
-    return total, in_region, tuple(reasons)
+    return len(breaks), in_region, tuple(reasons)
 
 
 def eager_ops(loss: torch.Tensor) -> int:
     """Autograd nodes of the step's graph outside compiled graphs (each an op that ran eagerly)."""
     seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    count = 0
+    stack, count = [loss.grad_fn], 0
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        name = type(node).__name__
-        if name != _COMPILED_NODE and name != "AccumulateGrad":
-            count += 1
+        count += type(node).__name__ not in (_COMPILED_NODE, "AccumulateGrad")
         stack.extend(fn for fn, _ in node.next_functions)
     return count
 

@@ -1,13 +1,9 @@
 """Re-plan for a new budget from the profile a plan file keeps: no model, no step, zero trials.
 
-A search leaves in its plan's ``provenance.profile`` what it predicted every plan from (memory and time models, the
-optimizer step's memory, the stacks and the space), so any budget's best plan is a prediction: every plan of the space
-scored, and the search's own rule (``choice.choose_best``) picks among those predicted to fit. The result is marked
-``predicted`` (``provenance.replanned``); the budget guard checks the first real steps, as for any plan.
-
-A plan the search measured keeps its measured step time, but a figure timed one plan at a time is not side by side
-with a baseline's prediction: a tuned plan beats a baseline only where the file's verdict says so, or predicted
-against predicted.
+Every plan of the saved space is scored from the saved models and the search's own rule (``choice.choose_best``)
+picks among those predicted to fit; the budget guard checks the first real steps, as for any plan. A plan the search
+measured keeps its measured time, but a figure timed alone is no evidence against a baseline's prediction: a tuned
+plan beats a baseline only where the file's verdict says so, or predicted against predicted.
 """
 
 from __future__ import annotations
@@ -121,8 +117,8 @@ class SavedProfile:
 
 @contextlib.contextmanager
 def _reading_profile(source: str) -> Iterator[None]:
-    """Predictions from a profile a file kept: the schema checks its types, not how its parts refer to each other, so
-    whatever a prediction fails on there is the file's fault, and a ``PlanError`` that says so."""
+    """Predictions from a file's profile: the schema checks types, not how parts refer to each other, so a failure
+    there is the file's fault, and a ``PlanError`` says so."""
     try:
         yield
     except LightningCkptError:
@@ -135,8 +131,7 @@ def _reading_profile(source: str) -> Iterator[None]:
 
 
 def _check_consistent(profile: SavedProfile, source: str) -> None:
-    """Refuse, naming the part, what no prediction can hold; then predict the plan without checkpointing, which
-    reads every block's row, phase and timing."""
+    """Refuse, naming the part, what no prediction can hold; then predict no checkpointing, which reads every part."""
     memory = profile.memory
     for i, phase in enumerate(memory.phases):
         needs_block = phase.kind not in ("pre", "bw_head")
@@ -180,8 +175,8 @@ class Replanned:
 
 
 class _BatchScaled:
-    """The memory model at another batch size: what is above the fixed state (activations, the batch,
-    temporaries) scales with the batch; parameters, gradients, optimizer state and buffers do not."""
+    """The memory model at another batch size: what is above the fixed state (parameters, gradients, optimizer
+    state, buffers) scales with the batch."""
 
     def __init__(self, model: MemoryModel, ratio: float) -> None:
         self.model, self.ratio = model, ratio
@@ -272,8 +267,8 @@ def _replan(
 
 
 def _measured_seconds(plan: Plan, profile: SavedProfile) -> dict[str, float]:
-    """Step seconds the file measured, by trial label, at the profiled batch: the time model's anchors (the median
-    where a plan was timed twice), the chosen plan's own ``measured`` figure over its anchor."""
+    """Step seconds the file measured, by label: the time model's anchors (median of repeats), the chosen plan's own
+    ``measured`` figure over its anchor."""
     timed: dict[str, list[float]] = {}
     calibration = profile.time.calibration
     for label, _, seconds in calibration.anchors if calibration is not None else ():
@@ -290,8 +285,7 @@ def _measured_seconds(plan: Plan, profile: SavedProfile) -> dict[str, float]:
 
 def _beats(verdict: Verdict | None, measured: set[int], tie_tolerance: float) -> BeatsFn:
     """Whether a tuned record beats the reference baseline: the file's verdict for that pair; else, where one figure was
-    measured and the other predicted, their predictions (a step timed alone is no evidence against a prediction fitted
-    to many); else None, and their figures decide."""
+    measured and the other predicted, their predictions; else None, and their figures decide."""
 
     def beats(t: TrialRecord, reference: TrialRecord) -> bool | None:
         if verdict is not None and verdict.candidate == t.label and verdict.reference == reference.label:
@@ -307,7 +301,7 @@ def _beats(verdict: Verdict | None, measured: set[int], tie_tolerance: float) ->
 
 def _time_model_note(plan: Plan, profile: SavedProfile, n_measured: int) -> str | None:
     """A line when the saved time model predicted the measured steps badly (as the search recorded it, else its fit's
-    own residuals): its predicted speeds may then rank plans wrongly."""
+    residuals)."""
     summary = plan.provenance.search.get("time_model")
     error = summary.get("median_abs_error") if isinstance(summary, Mapping) else None
     where = "of the plans the search predicted and then measured"
@@ -340,10 +334,9 @@ def predicted_records(
     model: MemoryModel | None = None,
     measured: Mapping[str, float] | None = None,
 ) -> list[TrialRecord]:
-    """Every plan of ``profile``'s space scored by ``memory`` and ``time`` alone, as records ``choose_best`` picks
-    from (plans whose time is not predicted are left out). ``model``: the memory model that says which plans can run
-    (default the profile's); ``measured``: step seconds the file measured, by label, which a plan's record takes in
-    place of its predicted time (``predicted_seconds`` keeps the prediction)."""
+    """Every plan of ``profile``'s space scored by ``memory`` and ``time`` alone, as records for ``choose_best``.
+    ``model``: what says which plans can run (default the profile's); ``measured``: step seconds by label, taken in
+    place of the predicted time."""
     model = model or profile.memory
     _, candidates = offered_candidates(
         profile.space.for_device(device_type(device)), profile.stacks, model.fingerprint, model
@@ -390,10 +383,9 @@ def table_bucket(
     *,
     compiled: CompiledMemoryModel | None = None,
 ) -> Bucket:
-    """The bucket at ``length``: the search's rule over every plan's predicted figures there; the top plan (which
-    fits at the longest length, so at this one) when nothing is predicted to fit. ``compiled``: a compiled model's
-    memory there (``memory_model`` then only says which plans can run); its bucket keeps no profile, as ``replan``
-    predicts eager steps."""
+    """The bucket at ``length``: the search's rule over every plan's predicted figures there, else the top plan (it
+    fits at the longest length). ``compiled``: a compiled model's memory there; its bucket keeps no profile, as
+    ``replan`` predicts eager steps."""
     memory = RealStepMemory(compiled or memory_model, searched.optimizer)
     records = predicted_records(
         searched, memory, time, budget, device=memory_model.device, rows=rows, model=memory_model
@@ -415,9 +407,8 @@ def table_bucket(
 
 
 def replanned_table(original: Plan, top: Plan, budget: Budget, profile: SavedProfile) -> PlanTable | None:
-    """``original``'s plan table re-planned for ``budget`` (``top``: the plan re-planned for the longest bucket), each
-    shorter bucket from the profile it keeps; None when there is no table or a bucket keeps no profile (every batch
-    then runs ``top``)."""
+    """``original``'s plan table re-planned for ``budget`` (``top``: the longest bucket's plan) from the profiles its
+    buckets keep; None when there is no table or a bucket keeps no profile."""
     table = PlanTable.of_plan(original)
     if table is None or any(b.profile is None for b in table.buckets[:-1]):
         return None

@@ -53,6 +53,8 @@ _DEFAULT_COMPILE_BUDGETS = (0.7, 0.5, 0.3, 0.1)
 # recomputes cheap pointwise ops and keeps matmul outputs, exactly what ``save_matmuls`` asks for. Save-lists that
 # *also* drop matmuls go beyond it and stay.
 COVERED_BY_PARTITIONER = ("ops:save_matmuls",)
+# What ``from_config`` takes, in the order a plan file keeps them (``to_config``).
+_CONFIG_NAMES = ("modes", "selections", "rest_modes", "segments", "baselines", "chunks", "compile_budgets")
 
 
 @dataclass(frozen=True)
@@ -92,22 +94,14 @@ def _mode_plan(block: Block, mode: str) -> BlockPlan | None:
     raise ConfigurationError(f"Unknown mode {mode!r} in the search space.")
 
 
-def _selected(index: int, n_blocks: int, selection: str) -> bool:
-    if selection == "all":
-        return True
-    kind, _, arg = selection.partition(":")
-    if kind == "first":
-        return index < max(1, math.ceil(float(arg) * n_blocks))
-    if kind == "every":
-        return index % int(arg) == 0
-    raise ConfigurationError(f"Unknown selection {selection!r}; use 'all', 'first:<fraction>' or 'every:<n>'.")
-
-
-def _check_selection(selection: Any) -> None:
+def _selection(selection: Any) -> Callable[[int, int], bool]:
+    """Whether ``selection`` selects a block (its index, the stack's length); refused where it is malformed."""
     example = "Use e.g. search_space={'selections': ['all', 'first:0.5', 'every:2']}."
     if not isinstance(selection, str):
         raise ConfigurationError(f"search_space selections must be strings, but got {selection!r}. {example}")
     kind, _, arg = selection.partition(":")
+    if selection == "all":
+        return lambda index, n_blocks: True
     if kind == "first":
         try:
             fraction = float(arg)
@@ -117,9 +111,12 @@ def _check_selection(selection: Any) -> None:
             raise ConfigurationError(
                 f"Selection {selection!r}: 'first:<fraction>' takes a fraction of the blocks in (0, 1]. {example}"
             )
-    if kind == "every" and not (arg.isdigit() and int(arg) >= 1):
-        raise ConfigurationError(f"Selection {selection!r}: 'every:<n>' takes an integer n >= 1. {example}")
-    _selected(0, 1, selection)  # the unknown-selection error
+        return lambda index, n_blocks: index < max(1, math.ceil(fraction * n_blocks))
+    if kind == "every":
+        if not (arg.isdigit() and int(arg) >= 1):
+            raise ConfigurationError(f"Selection {selection!r}: 'every:<n>' takes an integer n >= 1. {example}")
+        return lambda index, n_blocks: index % int(arg) == 0
+    raise ConfigurationError(f"Unknown selection {selection!r}; use 'all', 'first:<fraction>' or 'every:<n>'.")
 
 
 @dataclass(frozen=True)
@@ -161,7 +158,7 @@ class SearchSpace:
                     "'selective:<kind>[+<kind>]' with kinds mlp, attention, norm, other."
                 )
         for sel in self.selections:
-            _check_selection(sel)
+            _selection(sel)
         for c in self.chunks or ():
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
                 raise ConfigurationError(
@@ -180,11 +177,10 @@ class SearchSpace:
             return config
         if not isinstance(config, Mapping):
             raise ConfigurationError(f"search_space must be a dict or SearchSpace, but got {type(config).__name__}.")
-        known = {"modes", "selections", "rest_modes", "chunks", "segments", "baselines", "compile_budgets"}
-        unknown = sorted(set(config) - known)
+        unknown = sorted(set(config) - set(_CONFIG_NAMES))
         if unknown:
             raise ConfigurationError(
-                f"Unknown search-space names {unknown}. Known names: {', '.join(sorted(known))}. "
+                f"Unknown search-space names {unknown}. Known names: {', '.join(sorted(_CONFIG_NAMES))}. "
                 "For example search_space={'modes': ['full', 'selective:mlp'], 'segments': False}."
             )
         kwargs: dict[str, Any] = {}
@@ -201,8 +197,7 @@ class SearchSpace:
 
     def to_config(self) -> dict[str, Any]:
         """The dict ``from_config`` builds this space from (what a plan file keeps of the space searched)."""
-        names = ("modes", "selections", "rest_modes", "segments", "baselines", "chunks", "compile_budgets")
-        values = {n: getattr(self, n) for n in names}
+        values = {n: getattr(self, n) for n in _CONFIG_NAMES}
         return {n: list(v) if isinstance(v, tuple) else v for n, v in values.items() if v is not None}
 
     def _without(self, drop: Callable[[str], bool], **changes: Any) -> SearchSpace:
@@ -259,9 +254,10 @@ class SearchSpace:
         selection, mode = params["selection"], params["mode"]
         rest = params.get("rest_mode", "none") if selection != "all" else "none"
         blocks: dict[str, BlockPlan] = {}
+        selected = _selection(selection)
         for stack in stacks:
             for block in stack.blocks:
-                chosen = mode if _selected(block.index, len(stack.blocks), selection) else rest
+                chosen = mode if selected(block.index, len(stack.blocks)) else rest
                 bp = _mode_plan(block, chosen)
                 if bp is not None:
                     blocks[block.fqn] = bp
@@ -344,27 +340,23 @@ class SearchSpace:
             if mode == "selective:mlp" and not cand.plan.blocks:
                 continue  # no block has a recognisable MLP child
             out.append(cand)
-        sqrt = self._sqrt_segments(stacks, fingerprint=fingerprint)
-        if sqrt is not None:
-            out.append(sqrt)
+        segments = sqrt_segments(stacks)
+        if self.segments and segments and "segments" in self.structures(stacks):
+            plan = Plan(segments=segments, name="sqrt_segments", fingerprint=fingerprint)
+            params: dict[str, Any] = {
+                "structure": "segments",
+                "chunks": sqrt_chunks(max(len(s.blocks) for s in stacks)),
+            }
+            if self.plan_for(params, stacks, fingerprint=fingerprint).key() != plan.key():
+                # Stacks of different depths get different counts, which no one value of ``chunks`` means: the
+                # explicit counts keep the trial out of the sampler's model (as for a baseline outside the space).
+                params = {"structure": "segments", "segments": dict(segments)}
+            out.append(Candidate(params, plan, "baseline:sqrt_segments", baseline="sqrt_segments"))
         # The compiler's own answer at each memory level: what a user of torch.compile would try by hand.
         out += [
             named(f"pt2_budget_{b:g}", {"structure": "pt2_budget", "compile_budget": b}) for b in self.budget_choices
         ]
         return out
-
-    def _sqrt_segments(self, stacks: Sequence[LayerStack], *, fingerprint: str | None) -> Candidate | None:
-        """plan/baselines.py's ``sqrt_segments`` as a point of this space, when the space has segments."""
-        segments = sqrt_segments(stacks)
-        if not (self.segments and segments and "segments" in self.structures(stacks)):
-            return None
-        plan = Plan(segments=segments, name="sqrt_segments", fingerprint=fingerprint)
-        params: dict[str, Any] = {"structure": "segments", "chunks": sqrt_chunks(max(len(s.blocks) for s in stacks))}
-        if self.plan_for(params, stacks, fingerprint=fingerprint).key() != plan.key():
-            # Stacks of different depths get different counts, which no one value of ``chunks`` means: the
-            # explicit counts keep the trial out of the sampler's model (as for a baseline outside the space).
-            params = {"structure": "segments", "segments": dict(segments)}
-        return Candidate(params, plan, "baseline:sqrt_segments", baseline="sqrt_segments")
 
 
 def offered_candidates(

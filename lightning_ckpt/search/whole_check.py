@@ -1,12 +1,10 @@
 """A PT2 budget chosen on blocks compiled alone, checked compiled the user's way before it is kept.
 
-On blocks compiled alone (``search.assembly``) our plans rank as the user's compile runs them, but PT2's global
-``activation_memory_budget`` does not where the user compiles several blocks in one graph: the partitioner solves one
-knapsack over every block's ops, not one per block. So budgets near the limit are partitioned as the user's compile
-partitions them (``partition_pt2_budgets``), and a chosen budget is weighed against our fastest fitting plans: on the
-blocks, where it must lead by ``whole_compile_margin`` (``weigh_on_blocks``), or with ``check_whole_compile=True``
-compiled the user's way (exact, but several times the user's first compile). Measurements: docs/compile.md, "Is the
-compiled choice the fastest plan that fits?".
+Where the user compiles several blocks in one graph, PT2's ``activation_memory_budget`` is one knapsack over every
+block's ops, not one per block, so a budget does not rank on the blocks as it runs. Budgets near the limit are
+partitioned as the user's compile partitions them, and a chosen budget is weighed against our fastest fitting plans:
+on the blocks, where it must lead by ``whole_compile_margin``, or (``check_whole_compile=True``) compiled the user's
+way. Measurements: docs/compile.md.
 """
 
 from __future__ import annotations
@@ -53,10 +51,8 @@ def holds_several_blocks(regions: Sequence[str], blocks: Sequence[str]) -> bool:
 
 @dataclass(frozen=True)
 class WholeCheck:
-    """What the check did: the PT2 budget chosen on the blocks (``leader``) against the fastest fitting plan of ours
-    (``rival``), measured compiled the user's way (``compiled_whole``) or on the blocks compiled alone; the rival's
-    speed over the leader's (``ratio``, paired by round, with its 90% interval); the lead the budget needed
-    (``margin``); the plan ``kept``; and the compiles it ran."""
+    """What the check did: the PT2 budget (``leader``) against our fastest fitting plan (``rival``), compiled the
+    user's way or on the blocks; ``ratio``: the rival's speed over the leader's, paired by round (90% interval)."""
 
     leader: str
     rival: str
@@ -94,8 +90,7 @@ class WholeCheck:
 
 @dataclass(frozen=True)
 class Partitioned:
-    """A PT2 budget partitioned as the user's compile would partition it (``CompiledTrials.measure_partitioned``):
-    its bytes on the blocks compiled alone and partitioned whole (None: the partition failed), and whether that fits."""
+    """A PT2 budget's bytes on the blocks and partitioned whole (None: the partition failed), and whether that fits."""
 
     plan: str
     on_blocks: int | None
@@ -121,8 +116,8 @@ PARTITIONS = 1
 
 
 def outside_blocks_bytes(profiled: Any) -> int:
-    """Bytes the compiled ``none`` step saves outside the blocks (``memory.compiled.CompiledMemoryModel``): code that
-    runs eagerly on the blocks compiled alone and that a whole graph's partitioner may recompute instead (0: unknown)."""
+    """Bytes the compiled ``none`` step saves outside the blocks, which a whole graph's partitioner may recompute
+    instead (0: unknown)."""
     none = getattr(profiled, "none_activation_bytes", None)
     blocks = [row.saved_bytes.get("none") for row in getattr(profiled, "blocks", ())]
     if none is None or not blocks or any(b is None for b in blocks):
@@ -133,11 +128,10 @@ def outside_blocks_bytes(profiled: Any) -> int:
 def partition_pt2_budgets(
     records: Sequence[TrialRecord], trials: Trials, leader: TrialRecord, runner: Any, outside: int
 ) -> tuple[TrialRecord | None, tuple[Partitioned, ...]]:
-    """The PT2 budget to weigh against the plans of ours: the first here that fits partitioned as the user's compile
-    partitions it (judged with that memory; None: none did), and what was partitioned. In order: the largest budgets
-    over budget on the blocks by at most ``outside`` bytes (at most ``PARTITIONS``), which a whole graph's knapsack
-    may fit as it also weighs that code (the largest recomputes least), then the leader unless it has room on the
-    blocks for all that code saves. Each is measured: a budget's bytes are not monotonic in it (pytorch#197838)."""
+    """The first PT2 budget that fits partitioned whole (None: none did), and what was partitioned. Tried: the largest
+    budgets over budget on the blocks by at most ``outside`` bytes, which a whole graph's knapsack may fit as it also
+    weighs that code, then the leader unless it has room for all that code saves. Each is measured: a budget's bytes
+    are not monotonic in it (pytorch#197838)."""
     budget = trials.budget
     limit = getattr(budget, "limit_bytes", None)
 
@@ -167,15 +161,9 @@ def partition_pt2_budgets(
         t0 = time.perf_counter()
         judged = trials.judge(trial, runner.measure_partitioned(trial.plan))
         fits = all(trials.sync.all_gather(bool(judged.feasible)))  # every rank keeps the same
-        found.append(
-            Partitioned(
-                plan=trial.label,
-                on_blocks=budget.value_of(trial.peak_bytes, trial.activation_bytes),
-                whole=budget.value_of(judged.peak_bytes, judged.activation_bytes) if judged.activation_bytes else None,
-                fits=fits,
-                seconds=time.perf_counter() - t0,
-            )
-        )
+        on_blocks = budget.value_of(trial.peak_bytes, trial.activation_bytes)
+        whole = budget.value_of(judged.peak_bytes, judged.activation_bytes) if judged.activation_bytes else None
+        found.append(Partitioned(trial.label, on_blocks, whole, fits, time.perf_counter() - t0))
         log.info("lightning_ckpt: %s", found[-1].describe())
         if fits:
             return judged, tuple(found)
@@ -185,9 +173,8 @@ def partition_pt2_budgets(
 def check_whole_compile(
     records: Sequence[TrialRecord], trials: Trials, leader: TrialRecord, whole: Any
 ) -> tuple[TrialRecord, WholeCheck | None]:
-    """``leader`` (the search's choice), or the fastest fitting plan of ours where, both compiled the user's way by
-    ``whole`` (a ``CompiledTrials`` without blocks), that one fits and is faster; and what was done (None: the leader
-    sets no PT2 budget or no plan of ours fits)."""
+    """``leader``, or our fastest fitting plan where it fits and is faster, both compiled the user's way by ``whole``
+    (a ``CompiledTrials`` without blocks); and what was done (None: nothing to weigh)."""
     return _weigh(records, trials, leader, whole, compiled_whole=True, margin=0.0)
 
 
@@ -200,11 +187,9 @@ def weigh_on_blocks(
     *,
     leader_fits: bool | None = None,
 ) -> tuple[TrialRecord, WholeCheck | None]:
-    """``leader`` (the search's choice), or the fastest fitting plan of ours unless the leader, a PT2 budget, runs
-    more than ``1 + margin`` times its speed: both re-timed side by side on the blocks compiled alone by the search's
-    own ``runner``, where the blocks' figure flatters the budget; a plan of ours the time model pruned is measured
-    first. ``leader_fits``: the leader's fit as judged partitioned whole (``partition_pt2_budgets``), which then
-    stands for its fit on the blocks."""
+    """``leader``, or our fastest fitting plan unless the leader runs more than ``1 + margin`` times its speed, both
+    re-timed side by side on the blocks by ``runner`` (where the blocks' figure flatters the budget). ``leader_fits``:
+    the leader's fit as judged partitioned whole, which then stands for its fit on the blocks."""
     return _weigh(records, trials, leader, runner, compiled_whole=False, margin=margin, leader_fits=leader_fits)
 
 
@@ -289,11 +274,9 @@ RIVALS_ON_BLOCKS = 3
 
 
 def _rivals(records: Sequence[TrialRecord], count: int) -> list[TrialRecord]:
-    """The ``count`` fastest plans of ours (no PT2 budget, some checkpointing) that fit: measured, or pruned by the
-    time model (against a PT2 budget whose figure on the blocks flatters it, so the plan that beats it compiled whole
-    may be one the search never ran). A pruned plan's prediction is scaled by the median measured over predicted
-    seconds: the time model's base may sit well off the machine's later figures, which would put every pruned plan
-    behind every measured one."""
+    """The ``count`` fastest fitting plans of ours, measured or pruned by the time model (the plan that beats a
+    flattered budget may be one the search never ran). Predictions are scaled by the median measured over predicted
+    seconds, else a time model's base off the machine's figures would put every pruned plan behind every measured one."""
     pairs = [t.median_seconds / t.predicted_seconds for t in records if t.median_seconds and t.predicted_seconds]
     scale = statistics.median(pairs) if pairs else 1.0
     ours: list[tuple[float, int, TrialRecord]] = []
@@ -312,15 +295,10 @@ def _compile_seconds(out: Any) -> float:
 
 
 def _side_by_side(
-    trials: Trials,
-    leader: TrialRecord,
-    rivals: Sequence[TrialRecord],
-    runner: Any,
-    threshold: float,
+    trials: Trials, leader: TrialRecord, rivals: Sequence[TrialRecord], runner: Any, threshold: float
 ) -> dict[int, Verdict | None]:
-    """The leader and ``rivals`` re-timed by ``runner`` in interleaved rounds, each rival's verdict against the
-    leader: at least ``holdout_rounds``, then until the fastest rival's ratio is precise or decided against
-    ``threshold``, at most ``holdout_max_rounds``."""
+    """Each rival's verdict against the leader, re-timed in interleaved rounds until the fastest rival's ratio is
+    precise or decided against ``threshold``."""
     config = trials.config
     steps = config.confirm_steps
     # Entered as plans, none a baseline: the rounds' own rule would stop timing a baseline found slower than the
@@ -363,10 +341,8 @@ def pt2_budget_check(
     sections: dict[str, Any],
     profiled: CompiledMemoryModel | None = None,
 ) -> Callable[[TrialRecord], TrialRecord] | None:
-    """The check to run on the choice (``pipeline.conclude``'s ``after_choice``) where the trials ran on blocks
-    compiled alone and the user compiles several blocks in one graph (see the module docstring), None elsewhere. What
-    was done goes into the provenance ``sections`` and its compiles into the search's count. ``search``: the
-    ``pipeline.Search``."""
+    """``pipeline.conclude``'s ``after_choice`` where the trials ran on blocks compiled alone and the user compiles
+    several blocks in one graph, None elsewhere; it records what it did in the provenance ``sections``."""
     if runner.assembly is None or not holds_several_blocks(runner.regions, runner.assembly.blocks):
         return None
 
@@ -406,8 +382,8 @@ def pt2_budget_check(
 
 
 def compiles_of(runner: CompiledTrials, profiled: CompiledMemoryModel | None) -> dict[str, Any]:
-    """What a compiled search compiled: graphs and the seconds of the steps that compiled them, in the profile (each
-    distinct block alone, once per mode) and in the trials (``assembled``: on blocks compiled alone)."""
+    """What a compiled search compiled (graphs, and the seconds of the steps that compiled them), in the profile and
+    in the trials."""
     profile_graphs = profiled.compiles if profiled is not None else 0
     profile_seconds = profiled.compile_seconds if profiled is not None else 0.0
     trial_seconds = runner.compile_seconds
