@@ -153,7 +153,16 @@ def run_search(
         ledger, trials, sampler, tuple(candidates), tuple(stacks), Confirmed(), False, warm_steps,
         progress=hooks.progress, phases=phases, plain_seconds=plain_seconds,
     )  # fmt: skip
-    retimed = plain_seconds is None  # a plain step to time again (``_plain_again``), where the warm-up timed one
+    search = _trials_and_rounds(search, space, runner, hooks)
+    release_cached_memory(resolved.device)
+    return search
+
+
+def _trials_and_rounds(search: Search, space: SearchSpace, runner: TrialRunner, hooks: SearchHooks) -> Search:
+    """The loop, the allowance's unit timed again (``_plain_again``) where the warm-up timed one, and the
+    confirmation."""
+    ledger, trials, sampler, phases = search.ledger, search.trials, search.sampler, search.phases
+    retimed = search.plain_seconds is None
 
     def plain_again() -> None:
         nonlocal search, retimed
@@ -166,7 +175,7 @@ def run_search(
         # compile instead), and only its trials price the PT2 budgets, which the time model cannot predict.
         compiled = isinstance(runner, CompiledTrials)
         ran = run_trials(
-            ledger, trials, sampler, candidates, space, stacks, progress=hooks.progress,
+            ledger, trials, sampler, search.candidates, space, search.stacks, progress=hooks.progress,
             rounds_first=None if compiled else (lambda: search.rounds_first()),
             plain_again=None if retimed else plain_again,
         )  # fmt: skip
@@ -177,7 +186,6 @@ def run_search(
         confirmed = confirm(ledger, trials, sampler, hooks.progress, search.left)
     if ran.stopped is not None:
         confirmed = replace(confirmed, stopped=(ran.stopped, *confirmed.stopped))
-    release_cached_memory(resolved.device)
     return replace(search, confirmed=confirmed, none_fits=ran.none_fits)
 
 
