@@ -98,15 +98,16 @@ class Search:
 
     def left(self, tail_spent: float = 0.0) -> float | None:
         """Seconds of the search's allowance (``TuneConfig.search_steps`` plain steps) left for its rounds, less
-        ``TAIL_STEPS`` for what follows them, of which ``tail_spent`` seconds are spent already (the chosen plan's
-        memory pass runs before the fresh rounds: charged to them, it cut their floor of six rounds short);
-        None without an allowance or a plain step."""
+        ``TAIL_STEPS`` for what follows them, of which ``tail_spent`` seconds are spent already, up to half (the chosen
+        plan's memory pass runs before the fresh rounds: charged to them, it cut their floor of six rounds short; a
+        kept reference's memory pass, the record and the result follow them); None without an allowance or a plain
+        step."""
         allowance = self.trials.config.search_steps
         cost = self.cost() if allowance is not None else None
         if cost is None or not cost.plain_step_seconds:
             return None
         tail = TAIL_STEPS * cost.plain_step_seconds
-        return allowance * cost.plain_step_seconds - tail + min(tail_spent, tail) - cost.total_seconds
+        return allowance * cost.plain_step_seconds - tail + min(tail_spent, tail / 2) - cost.total_seconds
 
 
 def run_search(
