@@ -5,6 +5,7 @@ Between the two the caller reads the ledger for what the plan file records.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -228,10 +229,7 @@ def conclude(
         chose = search.phases.clock()
         best, fell_back, message = _choose(search)
         chose = search.phases.clock() - chose  # mostly the winner's memory pass, which the tail pays for
-
-        def left() -> float | None:
-            return search.left(tail_spent=chose)
-
+        left = functools.partial(search.left, tail_spent=chose)
         if not fell_back:
             with search.phases.timing("hold_out"):
                 best, verdict, held = hold_out(best, ledger, trials, search.confirmed, search.progress, left)

@@ -164,8 +164,10 @@ def tune(
     with ``SearchInterrupted``, the model as it was. ``TuneConfig.compiled`` (default: detected): every trial compiles
     its plan, and plans that add graph breaks are ``conflict`` trials.
 
-    The search is an Optuna study, ``result.study_name``, one trial per plan (``ledger.py``). With ``storage=`` it
-    persists (``optuna.load_study``), and a search started again on the same model and run resumes it.
+    The search is an Optuna study named ``result.study_name``, one trial per plan (objective ``samples_per_second``,
+    the budget as a constraint, figures in user attributes; ``ledger.py``). With ``storage=`` it persists
+    (``optuna.load_study(study_name=result.study_name, storage=result.storage)``), and a search started again on the
+    same model and run resumes it instead of measuring again.
     """
     config = config or TuneConfig()
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
