@@ -137,3 +137,24 @@ def test_the_profiles_timing_rounds_are_sized_by_the_blocks_share_of_the_step(la
         profile = profile_step(model, lambda: model(x, x), time_blocks={"none", "full"})
     assert profile.time is not None
     assert runs.count("none") == per_mode and runs.count("full") == per_mode
+
+
+def test_a_sharded_blocks_timing_rounds_do_not_follow_this_ranks_clock(monkeypatch):
+    # CI, stop 73: FSDP2 blocks gather their parameters from every rank at each call. One rank sized its rounds at
+    # 3, the other at more, and rank 0 waited in the all-gather while rank 1 had moved on to the table's broadcast.
+    # A sharded block runs the fixed rounds, where the same clock sizes an unsharded one at the floor (the test above).
+    from lightning_ckpt.memory import block_times, profile
+
+    runs: list[str] = []
+    time_once = block_times._time_once
+    monkeypatch.setattr(block_times, "_time_once", lambda *a, **k: runs.append(a[3].mode) or time_once(*a, **k))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=0.0))
+    sharded = {id(b) for b in model.transformer.h}
+    monkeypatch.setattr(profile, "is_sharded", lambda m: id(m) in sharded)
+    x = torch.randint(0, 32, (2, 8))
+    with LinearClock().installed():
+        step = profile_step(model, lambda: model(x, x), time_blocks={"none", "full"})
+    assert step.time is not None
+    rounds = 1 + block_times.TIMING_ROUNDS
+    assert runs.count("none") == rounds and runs.count("full") == rounds

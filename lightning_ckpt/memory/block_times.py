@@ -48,7 +48,8 @@ def time_block_modes(
     calls: int | None = None,
 ) -> dict[str, float]:
     """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes``; a mode that fails here
-    is left out. ``calls``: the block calls of the step this block stands for, which size the rounds."""
+    is left out. ``calls``: the block calls of the step this block stands for, which size the rounds; None runs the
+    fixed ``TIMING_ROUNDS``."""
     where = hidden_slot(cap.args, cap.kwargs, strict=True)
     forwards: list[float] = []  # ``none``'s forward alone: the window an offloaded block's copies hide behind
 

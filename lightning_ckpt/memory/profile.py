@@ -282,13 +282,22 @@ def _time_blocks(
         modes = {k: _block_plan_of(k) for k in runs.alone[key].profiles if wanted is None or k in wanted}
         if compiled:
             run = functools.partial(compiled_block_modes, root, cap, modes, device=dev)
-        else:  # its block calls size its rounds
-            run = functools.partial(time_block_modes, root, cap, modes, device=dev, calls=runs.call_rep.count(key))
+        else:  # its block calls size its rounds, but for a sharded block (see ``_sized_by_clock``)
+            calls = runs.call_rep.count(key) if _sized_by_clock(cap.module) else None
+            run = functools.partial(time_block_modes, root, cap, modes, device=dev, calls=calls)
         # One block's buffers, not a step's: no sync and emptied cache per block.
         result = _pass(f"timing of {cap.fqn} alone", dev, snapshot, run, cold=False)
         runs.timings[key] = result.seconds if compiled else result
         if compiled:
             runs.compiled[key] = result
+
+
+def _sized_by_clock(block: nn.Module) -> bool:
+    """Whether the block's timing rounds may be sized by this rank's clock. A block FSDP2 sharded gathers its
+    parameters from every rank at each call, so every rank must run it as often: rounds sized by each rank's own
+    clock differed by one, and one rank waited in the all-gather while the other had moved on. It runs the fixed
+    rounds."""
+    return not any(is_sharded(m) for m in block.modules())
 
 
 def _pass(what: str, dev: torch.device, snapshot: StateSnapshot, run: Callable[[], Any], **options: Any) -> Any:
