@@ -32,6 +32,7 @@ from lightning_ckpt.search.ledger import (
     TrialStatus,
 )
 from lightning_ckpt.search.phases import PHASES
+from lightning_ckpt.search.pipeline import UNIT_SPREAD
 from lightning_ckpt.search.rounds import CLAIM_HALF_WIDTH
 from lightning_ckpt.search.sampler import TimeModelSampler
 from lightning_ckpt.search.space import SearchSpace
@@ -436,7 +437,7 @@ def test_a_plan_measured_after_the_machine_slowed_5x_is_still_found_and_chosen()
     fast = CANDIDATES[-1].plan
     speed = {c.plan.key(): 1.0 for c in CANDIDATES} | {fast.key(): 0.85}
     runner = ChangingSpeed(at=6, factor=5.0, speed=speed, noise=0.03)
-    s = study(runner, Budget("peak", 10_000))
+    s = study(runner, Budget("peak", 10_000), search_steps=150 / (1 - UNIT_SPREAD))  # planned to 150 steps
     s.run()
     searched = {t.plan.key(): t.samples_per_second for t in s.records}
     assert searched[fast.key()] < 0.5 * min(t.samples_per_second for t in s.records if t.baseline)  # looks slow
@@ -827,8 +828,8 @@ def test_a_noisy_machine_s_search_stays_within_its_allowance(seed):
     fast = CANDIDATES[-1].plan
     speed = {c.plan.key(): 1.0 for c in CANDIDATES} | {fast.key(): 1 / 1.3}
     runner = TimedRunner(noise=0.2, speed=speed, seed=seed)
-    s = study(runner, Budget("peak", 10_000), holdout_rounds=4, holdout_max_rounds=20, search_steps=60,
-              clock=runner.clock)  # fmt: skip
+    s = study(runner, Budget("peak", 10_000), holdout_rounds=4, holdout_max_rounds=20,
+              search_steps=60 / (1 - UNIT_SPREAD), clock=runner.clock)  # fmt: skip
     s.run()
     s.confirm()
     with warnings.catch_warnings():

@@ -19,7 +19,7 @@ from lightning_ckpt.search.config import TuneConfig
 from lightning_ckpt.search.confirmation import Confirmed
 from lightning_ckpt.search.ledger import TrialRecord
 from lightning_ckpt.search.phases import Phases
-from lightning_ckpt.search.pipeline import TAIL_STEPS, Search, SearchHooks
+from lightning_ckpt.search.pipeline import TAIL_STEPS, UNIT_SPREAD, Search, SearchHooks
 
 SPACE = {"modes": ["full", "selective:mlp"], "selections": ["all"], "rest_modes": [], "segments": False}
 
@@ -241,7 +241,7 @@ def test_the_trials_stop_where_the_allowance_could_no_longer_pay_for_the_rounds_
             return tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.5,
                         config=TuneConfig(measure_steps=1, clock=clock, search_steps=steps))  # fmt: skip
 
-    free, bounded = search(None), search(100.0)
+    free, bounded = search(None), search(100.0 / (1 - UNIT_SPREAD))  # the search plans to 100
     stopped = bounded.best.metadata["search"]["allowance"]["stopped"]
     assert free.n_measured > bounded.n_measured >= 2, "every baseline and at least one tuned plan, not all"
     assert any(s.startswith(f"the trials after {bounded.n_measured} plans measured") for s in stopped)
@@ -285,7 +285,7 @@ def test_the_fresh_rounds_get_back_the_tail_the_winners_memory_pass_spent_before
     # half the tail (a kept reference's memory pass, the record and the result follow them).
     now = [0.0]
     phases = Phases(clock=lambda: now[0])
-    trials = SimpleNamespace(config=TuneConfig(search_steps=100.0))
+    trials = SimpleNamespace(config=TuneConfig(search_steps=100.0 / (1 - UNIT_SPREAD)))  # planned: 100
     search = Search(SimpleNamespace(snapshot=lambda: ()), trials, None, (), (), Confirmed(), False, 0,
                     phases=phases, plain_seconds=0.5)  # fmt: skip
     now[0] = 20.0

@@ -82,7 +82,8 @@ class TuneConfig:
     figure.
     search_steps: the search's allowance in plain training steps: each side-by-side round starts only where the
     allowance can pay for it and for what follows; a tuned plan the rounds could not confirm keeps the reference.
-    None: no allowance.
+    The search plans to 90% of it, so that counted in a plain step timed at another moment (up to 10% apart) it stays
+    within. None: no allowance.
     compiled: whether every trial compiles its plan (None: detected). micro_batches: the sizes the joint micro-batch
     search tries (None: every divisor of the global batch). clock: what the trials and rounds time their steps with
     (``time.perf_counter``): a test can pass a clock that runs faster instead of sleeping.

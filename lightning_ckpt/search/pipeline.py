@@ -39,11 +39,16 @@ from lightning_ckpt.search.trials import Trials, Workload, resized, run_info
 from lightning_ckpt.search.verdict import Verdict
 from lightning_ckpt.timing.model import TimeModel
 
-__all__ = ["TAIL_STEPS", "Search", "SearchHooks", "conclude", "run_search", "warm_up_process"]
+__all__ = ["TAIL_STEPS", "UNIT_SPREAD", "Search", "SearchHooks", "conclude", "run_search", "warm_up_process"]
 
 # Plain steps the allowance keeps for what follows the side-by-side rounds: the winner's (and a kept reference's)
 # tracked memory pass and FLOP count (3.5 and 2 plain steps on CPU, more on a fast step: the tracker's cost is per op).
 TAIL_STEPS = 10
+# The share of the allowance the search leaves unplanned: a plain step timed at another moment of the same process
+# differs from the search's unit by up to about 10% either way (``benchmarks/tuning_cost.py --shapes``: the searches
+# that ran over 150 steps counted against the step timed after them had a unit 6-10% off), so a search planned to the
+# whole allowance ran over it in one of five counts.
+UNIT_SPREAD = 0.1
 # Plain steps the warm-up times for the search's plain step (``warm_up_process``): the fastest counts.
 PLAIN_TIMED_STEPS = 3
 # ... and again before the trials stop for the rounds (``_plain_again``).
@@ -98,17 +103,18 @@ class Search:
         return left is not None and floor is not None and left < floor
 
     def left(self, tail_spent: float = 0.0) -> float | None:
-        """Seconds of the search's allowance (``TuneConfig.search_steps`` plain steps) left for its rounds, less
-        ``TAIL_STEPS`` for what follows them, of which ``tail_spent`` seconds are spent already, up to half (the chosen
-        plan's memory pass runs before the fresh rounds: charged to them, it cut their floor of six rounds short; a
-        kept reference's memory pass, the record and the result follow them); None without an allowance or a plain
-        step."""
+        """Seconds of the search's allowance (``TuneConfig.search_steps`` plain steps, less ``UNIT_SPREAD``) left for
+        its rounds, less ``TAIL_STEPS`` for what follows them, of which ``tail_spent`` seconds are spent already, up to
+        half (the chosen plan's memory pass runs before the fresh rounds: charged to them, it cut their floor of six
+        rounds short; a kept reference's memory pass, the record and the result follow them); None without an
+        allowance or a plain step."""
         allowance = self.trials.config.search_steps
         cost = self.cost() if allowance is not None else None
         if cost is None or not cost.plain_step_seconds:
             return None
         tail = TAIL_STEPS * cost.plain_step_seconds
-        return allowance * cost.plain_step_seconds - tail + min(tail_spent, tail / 2) - cost.total_seconds
+        planned = allowance * (1 - UNIT_SPREAD) * cost.plain_step_seconds
+        return planned - tail + min(tail_spent, tail / 2) - cost.total_seconds
 
 
 def run_search(
