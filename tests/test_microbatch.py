@@ -272,3 +272,24 @@ def test_the_joint_search_polls_should_stop_and_leaves_the_model_as_it_was():
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]), k
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_joint_search_resolves_an_activation_budget_on_the_largest_ranks_step_as_tune_does():
+    # The joint search resolved its budget on each rank's own profile and took rank 0's: a share of a shorter batch
+    # than another rank's, where ``tune`` takes the largest rank's (tests/test_distributed.py).
+    class TwoRanks:
+        is_leader, world_size = True, 2
+
+        def broadcast(self, obj):
+            return obj
+
+        def all_gather(self, obj):  # rank 1's batch is longer: its no-checkpointing activations are 3x
+            return [obj, 3 * obj] if isinstance(obj, int) and not isinstance(obj, bool) else [obj, obj]
+
+    model, tokens, loss_for = _tiny_gpt()
+    config = TuneConfig(micro_batches=[2, 4], n_trials=2, search_space=SPACE, measure_steps=1, confirm_top=0,
+                        search_steps=None)  # fmt: skip
+    common = dict(base_micro_batch=4, global_batch=8, activation_budget=0.5, extra_for=lambda m: (resize_batch(tokens, 4, m),), config=config)  # fmt: skip
+    alone = tune_micro_batch(model, loss_for, **common).result.budget
+    ranks = tune_micro_batch(model, loss_for, hooks=SearchHooks(sync=TwoRanks()), **common).result.budget
+    assert ranks.limit_bytes == pytest.approx(3 * alone.limit_bytes, rel=1e-6)

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_ckpt.budget import Budget, RequestedBudget
 from lightning_ckpt.errors import ConfigurationError, InfeasibleBudgetError
+from lightning_ckpt.measure.allocator import start_expandable_segments
 from lightning_ckpt.memory.optimizer_step import OptimizerStepMemory, RealStepMemory
 from lightning_ckpt.memory.profile import profile_step
 from lightning_ckpt.model import ModelView
@@ -36,12 +37,13 @@ from lightning_ckpt.search.distributed import LocalSync
 from lightning_ckpt.search.phases import Phases
 from lightning_ckpt.search.pipeline import SearchHooks, conclude, run_search
 from lightning_ckpt.search.result import TuneResult
-from lightning_ckpt.search.setup import lowest_memory_pass, resolve_on_device, search_session
+from lightning_ckpt.search.setup import lowest_memory_pass, resolve_budget, search_session
 from lightning_ckpt.search.trials import Workload
 from lightning_ckpt.search.tune import (
     PROFILE_STEPS,
     WRITE_CHECK_STEPS,
     build_runner,
+    check_tunable,
     harness_for,
     optimizer_step_memory,
     space_modes,
@@ -161,7 +163,9 @@ def tune_micro_batch(
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
     sizes = _checked_micro_batches(config.micro_batches, global_batch)
     started = time.perf_counter()
+    start_expandable_segments()  # as ``tune``: only while CUDA has not started
     resolved = ModelView.of(model, config.block_types)
+    check_tunable(resolved)
     with search_session(resolved, config.clock) as session:  # the set-up and tear-down ``tune`` has, the same code
 
         def step_for(m: int) -> Callable[[], Any]:
@@ -176,8 +180,8 @@ def tune_micro_batch(
                 lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch, config),
             )
         sync = hooks.sync or LocalSync()
-        none_at_base = scaled.at(base_micro_batch).predict_activation(Plan())
-        budget = sync.broadcast(resolve_on_device(requested, resolved.device, none_at_base))
+        at_base = RealStepMemory(scaled.at(base_micro_batch), opt_mem)
+        budget = sync.broadcast(resolve_budget(requested, at_base, None, resolved, sync))  # as ``tune``'s
         feasible, skipped = _feasible_micro_batches(sizes, scaled, opt_mem, budget, resolved.stacks, global_batch)
 
         def workload(m: int) -> Workload:  # its runner built complete, with its micro-batch's memory model

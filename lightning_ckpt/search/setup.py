@@ -86,10 +86,12 @@ def search_session(resolved: ModelView, clock: Callable[[], float] = time.perf_c
 def resolve_budget(
     requested: RequestedBudget,
     memory: RealStepMemory,
-    runner: TrialRunner,
+    runner: TrialRunner | None,
     resolved: ModelView,
     sync: Sync,
 ) -> Budget:
+    """The requested budget, an activation share of the largest rank's no-checkpointing step (``memory``'s, or under
+    a compiled ``runner`` the compiled step's), the same on every rank. ``runner`` None: the eager step's."""
     none_activation = memory.model.predict_activation(Plan())
     if isinstance(runner, CompiledTrials):  # an activation budget is a fraction of the *compiled* step's activations
         none_activation = runner.none_activation_bytes(Plan(fingerprint=resolved.fingerprint)) or none_activation
