@@ -60,9 +60,9 @@ def run_trials(
     rounds_first: Callable[[], bool] | None = None,
     plain_again: Callable[[], None] | None = None,
 ) -> TrialsRun:
-    """Fill ``ledger`` (see the module docstring). ``rounds_first()``: rank 0's, polled before each tuned plan.
-    ``plain_again()``: once the baselines ran, before any tuned plan, every rank runs it (it times the allowance's
-    unit again)."""
+    """Fill ``ledger`` (see the module docstring). ``rounds_first()``: rank 0's, polled before each tuned plan; the
+    first time it would stop the trials, every rank runs ``plain_again()`` (which times the allowance's unit again)
+    and it is asked once more."""
     accumulation = {m: w.accumulation for m, w in trials.workloads.items()}
     ledger.open(sampler, trials.predicted_over_budget, accumulation)
     if _none_fits(ledger, trials, sampler, candidates, progress):
@@ -195,10 +195,10 @@ class _Proposals:
         self.trials.check_stop()
         if self.ledger.measured >= self.trials.config.n_trials or self.trials.out_of_time() or not unseen:
             return None  # ``n_trials`` plans measured (pruned ones are free), or out of time
-        if self.plain_again:  # the unit first, once the baselines ran: the floor it prices decides every tuned plan
-            self.plain_again = False
-            return _PLAIN_AGAIN
         if self.rounds_first is not None and self.rounds_first():
+            if self.plain_again:  # the unit first: the floor it prices decides
+                self.plain_again = False
+                return _PLAIN_AGAIN
             self.stopped = (
                 f"the trials after {count(self.ledger.measured, 'plan')} measured (the rest kept for the rounds)"
             )

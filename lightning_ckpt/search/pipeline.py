@@ -51,7 +51,7 @@ TAIL_STEPS = 10
 UNIT_SPREAD = 0.1
 # Plain steps the warm-up times for the search's plain step (``warm_up_process``): the fastest counts.
 PLAIN_TIMED_STEPS = 3
-# ... and again once the baselines ran (``_plain_again``).
+# ... and again before the trials stop for the rounds (``_plain_again``).
 LATE_PLAIN_STEPS = 2
 
 
@@ -198,11 +198,11 @@ def _trials_and_rounds(search: Search, space: SearchSpace, runner: TrialRunner, 
 
 
 def _plain_again(runner: TrialRunner, seconds: float) -> float:
-    """The search's plain step, timed again once the baselines ran (else after the trials): a process's first steps
-    run slower than its later ones (1.3x on 10 ms steps, in ``tuning_cost.py --shapes``), and the allowance, counted in
-    the first, overran 150 plain steps timed after the search by a fifth. Timed later, where the trials would stop
-    for the rounds' floor or after them, the smaller unit shrank the allowance the trials had already spent, and the
-    rounds were left short of the floor kept for them. The fastest of all counts: the allowance is a bound."""
+    """The search's plain step, timed again where the trials would stop for the rounds' floor (else after them): a
+    process's first steps run slower than its later ones (1.3x on 10 ms steps, in ``tuning_cost.py --shapes``), and
+    the allowance, counted in the first, overran 150 plain steps timed after the search by a fifth. Timed only after
+    the trials, the smaller unit left the rounds none of the floor the trials had kept for them. The fastest of all
+    counts: the allowance is a bound."""
     again = runner.retime(Plan(), LATE_PLAIN_STEPS, warmup=0)
     return min([seconds, *again.step_seconds]) if again.status == "ok" else seconds
 
