@@ -158,3 +158,15 @@ def test_a_sharded_blocks_timing_rounds_do_not_follow_this_ranks_clock(monkeypat
     assert step.time is not None
     rounds = 1 + block_times.TIMING_ROUNDS
     assert runs.count("none") == rounds and runs.count("full") == rounds
+
+
+def test_the_profile_times_its_tracked_anchor_step_on_the_profile_clock():
+    # The search prices the chosen plan's memory pass from it (``Trials.memory_pass_seconds``). On the Linear clock
+    # the anchor step (every block ``full``) is each block's 4 Linear calls twice (the recompute) and the head's once.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=0.0))
+    x = torch.randint(0, 32, (2, 8))
+    clock = LinearClock()
+    with clock.installed():
+        step = profile_step(model, lambda: model(x, x), time_blocks=False)
+    assert step.tracked_step_seconds == pytest.approx((2 * 2 * 4 + 1) * clock.cost)

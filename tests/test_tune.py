@@ -279,20 +279,51 @@ def test_the_allowance_counts_in_the_plain_step_as_fast_as_the_process_became_af
     assert result.cost.plain_step_seconds == pytest.approx(plain / 2)
 
 
-def test_the_fresh_rounds_get_back_the_tail_the_winners_memory_pass_spent_before_them():
-    # The winner's memory pass runs between the choosing rounds and the fresh ones, and is paid for by the tail the
-    # allowance keeps (TAIL_STEPS): the fresh rounds' floor was reserved whole, so they get back what it spent, up to
-    # half the tail (a kept reference's memory pass, the record and the result follow them).
+def test_the_rounds_before_the_choice_keep_the_winners_memory_pass_for_after_them():
+    # The winner's memory pass runs between the choosing rounds and the fresh ones: until a plan is chosen the
+    # allowance keeps it (``Trials.memory_pass_seconds``) beside the tail (TAIL_STEPS), after it only the tail.
     now = [0.0]
     phases = Phases(clock=lambda: now[0])
-    trials = SimpleNamespace(config=TuneConfig(search_steps=100.0 / (1 - UNIT_SPREAD)))  # planned: 100
+    config = TuneConfig(search_steps=100.0 / (1 - UNIT_SPREAD))  # planned: 100
+    trials = SimpleNamespace(config=config, memory_pass_seconds=lambda: 7.0)
     search = Search(SimpleNamespace(snapshot=lambda: ()), trials, None, (), (), Confirmed(), False, 0,
                     phases=phases, plain_seconds=0.5)  # fmt: skip
     now[0] = 20.0
-    assert search.left() == pytest.approx((100 - TAIL_STEPS) * 0.5 - 20.0)
-    assert search.left(tail_spent=1.5) == pytest.approx(search.left() + 1.5)
-    kept = (100 - TAIL_STEPS / 2) * 0.5 - 20.0
-    assert search.left(tail_spent=100.0) == pytest.approx(kept), "never more than half the tail: more follows"
+    assert search.left(chosen=True) == pytest.approx((100 - TAIL_STEPS) * 0.5 - 20.0)
+    assert search.left() == pytest.approx(search.left(chosen=True) - 7.0)
+
+
+def test_the_fresh_rounds_keep_their_floor_where_the_winners_memory_pass_costs_many_plain_steps(
+    gpt, tokens, monkeypatch
+):
+    # The tracker's cost is per op, so on a fast step the winner's memory pass costs many plain steps (14-18 on 30 ms
+    # steps): a fixed ten-step tail paid for it out of the fresh rounds' floor of six, and one ran. Here a memory pass
+    # costs 18 plain steps more than its steps, and the profile's tracked step 9 (its FLOP count is a second pass).
+    from lightning_ckpt.memory import profile
+    from lightning_ckpt.search import runners
+
+    clock = LinearClock()
+    linears = sum(isinstance(m, torch.nn.Linear) for m in gpt.modules())
+
+    def costing(run, plain_steps):
+        def costly(*args, **kwargs):
+            out = run(*args, **kwargs)
+            clock.linear_calls += plain_steps * linears
+            clock.now = clock.linear_calls * clock.cost
+            return out
+
+        return costly
+
+    monkeypatch.setattr(runners.EagerRunner, "measure_memory", costing(runners.EagerRunner.measure_memory, 18))
+    monkeypatch.setattr(profile, "anchor_step", costing(profile.anchor_step, 9))
+    config = TuneConfig(clock=clock)
+    with clock.installed():
+        result = tune(gpt, _loss_fn(gpt, tokens), activation_budget=0.5, config=config)
+    search = result.best.metadata["search"]
+    assert result.best_trial.baseline is None and search["verdict"]["outcome"] == "tuned", "held out"
+    assert search["verdict"]["rounds"] >= config.holdout_rounds
+    assert not any("fresh rounds" in s for s in search["allowance"]["stopped"])
+    assert result.cost.plain_steps <= config.search_steps
 
 
 def test_the_unit_is_timed_again_where_the_trials_would_stop_for_the_rounds_floor(gpt, tokens, monkeypatch):

@@ -29,7 +29,7 @@ from lightning_ckpt.plan.apply import apply_plan, reused_forwards
 from lightning_ckpt.plan.chain import hidden_slot, in_slot, with_hidden
 from lightning_ckpt.plan.format import BlockPlan, Plan
 
-__all__ = ["CompiledBlockRuns", "compiled_block_modes", "time_block_modes"]
+__all__ = ["CompiledBlockRuns", "compiled_block_modes", "profile_clock", "time_block_modes"]
 
 # Rounds per mode after one untimed warm-up round: the median of 5 is steady to a few percent on a busy 2-core
 # machine. A round is more than a whole step of a shallow fast model: as many rounds as ``TIMING_STEPS`` of the
@@ -37,6 +37,11 @@ __all__ = ["CompiledBlockRuns", "compiled_block_modes", "time_block_modes"]
 TIMING_ROUNDS = 5
 MIN_TIMING_ROUNDS = 3
 TIMING_STEPS = 4
+
+
+def profile_clock() -> float:
+    """The profile's seconds: the blocks' rounds and the anchor step are timed by it (a test's clock replaces it)."""
+    return time.perf_counter()
 
 
 def time_block_modes(

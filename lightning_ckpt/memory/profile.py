@@ -24,7 +24,7 @@ from lightning_ckpt.measure.measurement import PassOutOfMemory, run_pass
 from lightning_ckpt.measure.snapshot import StateSnapshot
 from lightning_ckpt.measure.tracker import local_tensor, new_live_tracker, normalise_device, tensor_bytes
 from lightning_ckpt.memory.anchor import Calls, anchor_step, cuda_allocator_anchor, phase_rank
-from lightning_ckpt.memory.block_times import CompiledBlockRuns, compiled_block_modes, time_block_modes
+from lightning_ckpt.memory.block_times import CompiledBlockRuns, compiled_block_modes, profile_clock, time_block_modes
 from lightning_ckpt.memory.capture import (
     Captured,
     autocast_as,
@@ -142,6 +142,8 @@ class Profile:
     memory: MemoryModel
     time: TimeModel | None = None
     compiled: CompiledMemoryModel | None = None  # blocks compiled alone (``compiled_blocks``): saved bytes per mode
+    # The anchor step's seconds, tracked: what the search's memory pass of a chosen plan is priced from.
+    tracked_step_seconds: float | None = None
 
     def with_time(self, time: TimeModel | None) -> Profile:
         return dataclasses.replace(self, time=time)
@@ -194,7 +196,8 @@ def profile_step(
     fingerprint = view.fingerprint if view is not None else model_fingerprint(root)
     memory = _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
     time_model = _time_model(runs, memory, dev) if runs.timings else None
-    return Profile(memory, time_model, _compiled_model(runs, memory) if compiled_blocks and runs.timings else None)
+    compiled = _compiled_model(runs, memory) if compiled_blocks and runs.timings else None
+    return Profile(memory, time_model, compiled, runs.anchor_seconds)
 
 
 def profile_memory(model: nn.Module | ModelView, forward_fn: Callable[[], Any], **options: Any) -> MemoryModel:
@@ -220,6 +223,7 @@ class _Runs:
     compiled: dict[str, CompiledBlockRuns] = dataclasses.field(default_factory=dict)  # ``compiled_blocks``
     overhead: int = 0  # CUDA: allocator peak minus tracked peak of the anchor step
     reserve: int = 0  # CUDA: reserved above allocated on the anchor step
+    anchor_seconds: float | None = None  # the anchor step's, tracked (``profile_clock``)
 
     def rows(self) -> list[tuple[str, str, str | None]]:
         """Per block call: its FQN, its key in ``profiled``, and the block whose profile it shares (None: itself)."""
@@ -252,8 +256,10 @@ def _run_profile(
         unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
         anchor = functools.partial(anchor_step, root, forward_fn, order, externals, dev)
         what = "anchor step (every block fully checkpointed)"
+        t0 = profile_clock()
         tracker, resting, end_of_forward, calls = _pass(what, dev, snapshot, anchor)
         runs = _Runs(order, unchained, tracker, resting, end_of_forward, calls, *_calls_to_profile(rep_of, reps, calls))
+        runs.anchor_seconds = profile_clock() - t0
         if dev.type == "cuda":
             twin = functools.partial(cuda_allocator_anchor, root, forward_fn, order, dev)
             what = "allocator reading of the anchor step"

@@ -173,7 +173,7 @@ def tune_micro_batch(
 
         session.check_parameter_writes(step_for(base_micro_batch))
         with session.phases.timing("profile"):
-            scaled, times, opt_mem = lowest_memory_pass(
+            scaled, times, opt_mem, tracked = lowest_memory_pass(
                 "the memory profile",
                 session.began,
                 resolved,
@@ -188,7 +188,8 @@ def tune_micro_batch(
             harness = harness_for(resolved, step_for(m), optimizer, extra_for(m), config, m)
             headroom = scaled.at(m).reserve_overhead_bytes
             runner = build_runner(resolved, harness, config, compiled=None, reserve_headroom=headroom)
-            return Workload(runner, RealStepMemory(scaled.at(m), opt_mem), m, m, global_batch // m)
+            memory = RealStepMemory(scaled.at(m), opt_mem)
+            return Workload(runner, memory, m, m, global_batch // m, tracked_step_seconds=tracked(m))
 
         workloads = [workload(m) for m in sorted(feasible, reverse=True)]  # largest first: checkpointing unlocks them
         timing = {m: times.at(m) for m in feasible} if times is not None else None
@@ -264,9 +265,10 @@ def _scaled_profiles(
     optimizer: torch.optim.Optimizer | None,
     base_micro_batch: int,
     config: TuneConfig,
-) -> tuple[ScaledMemoryModel, ScaledTimeModel | None, OptimizerStepMemory]:
+) -> tuple[ScaledMemoryModel, ScaledTimeModel | None, OptimizerStepMemory, Callable[[int], float | None]]:
     """Two memory-safe profiles (the user's micro-batch and half of it) as one memory model scaled to any
-    micro-batch (and, where the time model proposes, one time model likewise), and the optimizer step's memory."""
+    micro-batch (and, where the time model proposes, one time model likewise), the optimizer step's memory, and the
+    tracked step's seconds at any micro-batch (the larger profile's, in proportion above it)."""
     timed = config.predict_time and config.sampler is None and not (resolved.compiled or config.compiled)
     time_modes = space_modes(config.search_space.for_device(resolved.device.type), resolved) if timed else False
     small_size = max(1, base_micro_batch // 2) if base_micro_batch > 1 else 2
@@ -285,7 +287,13 @@ def _scaled_profiles(
     lo, hi = min(profiles), max(profiles)
     small_time, large_time = profiles[lo].time, profiles[hi].time
     times = ScaledTimeModel(small_time, large_time, lo, hi) if small_time is not None and large_time else None
-    return ScaledMemoryModel(profiles[lo].memory, profiles[hi].memory, lo, hi, base_micro_batch), times, opt_mem
+    scaled = ScaledMemoryModel(profiles[lo].memory, profiles[hi].memory, lo, hi, base_micro_batch)
+    seconds = profiles[hi].tracked_step_seconds
+
+    def tracked(size: int) -> float | None:
+        return seconds * max(1.0, size / hi) if seconds is not None else None
+
+    return scaled, times, opt_mem, tracked
 
 
 @dataclass(frozen=True)

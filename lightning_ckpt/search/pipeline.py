@@ -41,9 +41,10 @@ from lightning_ckpt.timing.model import TimeModel
 
 __all__ = ["TAIL_STEPS", "UNIT_SPREAD", "Search", "SearchHooks", "conclude", "run_search", "warm_up_process"]
 
-# Plain steps the allowance keeps for what follows the side-by-side rounds: the winner's (and a kept reference's)
-# tracked memory pass and FLOP count (3.5 and 2 plain steps on CPU, more on a fast step: the tracker's cost is per op).
-TAIL_STEPS = 10
+# Plain steps the allowance keeps for what follows the side-by-side rounds: the record, the result and part of a kept
+# reference's memory pass. The winner's memory pass is priced apart (``Trials.memory_pass_seconds``): it runs between
+# the choosing rounds and the fresh ones.
+TAIL_STEPS = 5
 # The share of the allowance the search leaves unplanned: a plain step timed at another moment of the same process
 # differs from the search's unit by up to about 10% either way (``benchmarks/tuning_cost.py --shapes``: the searches
 # that ran over 150 steps counted against the step timed after them had a unit 6-10% off), so a search planned to the
@@ -102,19 +103,17 @@ class Search:
         left, floor = self.left(), floor_seconds(self.ledger, self.trials.config)
         return left is not None and floor is not None and left < floor
 
-    def left(self, tail_spent: float = 0.0) -> float | None:
+    def left(self, *, chosen: bool = False) -> float | None:
         """Seconds of the search's allowance (``TuneConfig.search_steps`` plain steps, less ``UNIT_SPREAD``) left for
-        its rounds, less ``TAIL_STEPS`` for what follows them, of which ``tail_spent`` seconds are spent already, up to
-        half (the chosen plan's memory pass runs before the fresh rounds: charged to them, it cut their floor of six
-        rounds short; a kept reference's memory pass, the record and the result follow them); None without an
-        allowance or a plain step."""
+        its rounds, less ``TAIL_STEPS`` and, until a plan is ``chosen``, the winner's memory pass, which runs between the
+        choosing rounds and the fresh ones: priced at a fixed ten steps, it cost 14-18 on 30 ms steps, and the fresh
+        rounds lost their floor of six (two ran). None without an allowance or a plain step."""
         allowance = self.trials.config.search_steps
         cost = self.cost() if allowance is not None else None
         if cost is None or not cost.plain_step_seconds:
             return None
-        tail = TAIL_STEPS * cost.plain_step_seconds
-        planned = allowance * (1 - UNIT_SPREAD) * cost.plain_step_seconds
-        return planned - tail + min(tail_spent, tail / 2) - cost.total_seconds
+        reserve = TAIL_STEPS * cost.plain_step_seconds + (0.0 if chosen else self.trials.memory_pass_seconds())
+        return allowance * (1 - UNIT_SPREAD) * cost.plain_step_seconds - reserve - cost.total_seconds
 
 
 def run_search(
@@ -232,10 +231,8 @@ def conclude(
     ledger, trials = search.ledger, search.trials
     verdict, stopped = None, list(search.confirmed.stopped)
     try:
-        chose = search.phases.clock()
         best, fell_back, message = _choose(search)
-        chose = search.phases.clock() - chose  # mostly the winner's memory pass, which the tail pays for
-        left = functools.partial(search.left, tail_spent=chose)
+        left = functools.partial(search.left, chosen=True)
         if not fell_back:
             with search.phases.timing("hold_out"):
                 best, verdict, held = hold_out(best, ledger, trials, search.confirmed, search.progress, left)

@@ -39,6 +39,7 @@ class Workload:
     # Whether the memory and time models' predictions hold for this workload's steps; None: the runner's own (a
     # compiled runner's hold once its blocks' saved bytes are anchored on its compiled ``none`` step).
     predicts: bool | None = None
+    tracked_step_seconds: float | None = None  # the profile's tracked step (``Profile.tracked_step_seconds``)
 
     @property
     def predicts_memory(self) -> bool:
@@ -192,6 +193,16 @@ class Trials:
         error = trial.error or (conflict if status == TrialStatus.CONFLICT else None)
         extra = {**trial.extra, **({"conflict": conflict} if conflict else {})}
         return replace(trial, status=status, error=error, extra=extra)
+
+    def memory_pass_seconds(self) -> float:
+        """What the chosen plan's memory pass (``verify``) will cost: nothing where every trial measured its memory,
+        else the profile's tracked step, twice where FLOPs are counted (a tracked step, then a counted one: 1.7-2.8x the
+        profile's, in one search of each ``benchmarks/repeatability.py`` case). The tracker's cost is per op, so on a
+        fast step it is many plain steps (14-18 on 30 ms ones)."""
+        if not self.lazy_memory:
+            return 0.0
+        tracked = max(w.tracked_step_seconds or 0.0 for w in self.workloads.values())
+        return tracked * (2 if self.config.count_flops else 1)
 
     def verify(self, trial: TrialRecord) -> TrialRecord:
         """``trial``, timed without its memory pass (``lazy_memory``), with its measured memory, on every rank: only

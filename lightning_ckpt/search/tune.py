@@ -223,7 +223,11 @@ def _search(
     run = {"seq_len": harness.seq_len, "device": name, "compiled": is_compiled}
     search = run_search(
         resolved,
-        [Workload(runner, memory, harness.batch_size, predicts=predicts)],
+        [
+            Workload(
+                runner, memory, harness.batch_size, predicts=predicts, tracked_step_seconds=profile.tracked_step_seconds
+            )
+        ],
         space,
         budget,
         config,
