@@ -1,7 +1,6 @@
 """Glue from a Trainer to ``search.tune``/``search.microbatch``, where the algorithm lives: the search on the first
 batch through the user's own ``training_step``, in the sandbox, with Lightning's progress bars paused; its report;
-and the joint search's micro-batch, set as Lightning's ``BatchSizeFinder`` sets it.
-"""
+and the joint search's micro-batch, set as Lightning's ``BatchSizeFinder`` sets it."""
 
 from __future__ import annotations
 
@@ -377,11 +376,9 @@ def set_micro_batch(
 @contextlib.contextmanager
 def lightning_bars_paused(trainer: pl.Trainer, request: SearchRequest) -> Iterator[Any]:
     """Around the search: Lightning's own bar steps aside for the tuner's (yielded; None off rank 0), and its clock
-    leaves the search out, so step 1 is not reported as taking the whole search.
-
-    The tuner's bar is made once Lightning's is stopped: a running Rich display replaces ``sys.stdout`` with a proxy
-    that prints each redraw of a bar as a line of its own; a line written above the tuner's bar (``tqdm.write``)
-    would redraw Lightning's tqdm bar too.
+    leaves the search out, so step 1 is not reported as taking the whole search. The tuner's bar is made once
+    Lightning's is stopped: a running Rich display replaces ``sys.stdout`` with a proxy that prints each redraw of a
+    bar as a line of its own; a line written above the tuner's bar (``tqdm.write``) would redraw Lightning's tqdm bar.
     """
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
@@ -429,8 +426,7 @@ class LinesAboveTheBar(logging.Handler):
     """Every line logged during a fit (the tuner's and Lightning's own), written above whichever progress bar is
     drawn then: a line written while a bar is drawn lands on the bar's line (tqdm leaves the cursor there; Rich
     redraws over it). Installed on rank 0 for the fit in place of the loggers' console handlers (as tqdm's
-    ``logging_redirect_tqdm`` does), and put back after.
-    """
+    ``logging_redirect_tqdm`` does), and put back after."""
 
     LOGGERS = ("lightning.pytorch", "lightning_ckpt")
 
@@ -444,7 +440,11 @@ class LinesAboveTheBar(logging.Handler):
     def install(self) -> None:
         for name in self.LOGGERS:
             logger = logging.getLogger(name)
-            console = [h for h in logger.handlers if _is_console(h)]
+            console = [
+                h
+                for h in logger.handlers
+                if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+            ]
             if console:
                 self.setFormatter(console[0].formatter)
                 self.stream = console[0].stream
@@ -459,32 +459,22 @@ class LinesAboveTheBar(logging.Handler):
         self._replaced = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._write(self.format(record))
-        except Exception:
-            self.handleError(record)
-
-    def _write(self, text: str) -> None:
-        """``text`` as a line of its own above the bar drawn now, or on ``stream`` when none is."""
+        """The record as a line of its own above the bar drawn now, or on ``stream`` when none is."""
         from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-        if self.search_bar is not None:
-            self.search_bar.write(text)
-            return
-        callback = self.trainer.progress_bar_callback
-        if isinstance(callback, TQDMProgressBar):
-            bars = [getattr(callback, f"_{s}_progress_bar", None) for s in ("train", "val", "test", "predict")]
-            active = next((b for b in bars if b is not None and not b.disable), None)
-            if active is not None:
-                active.write(text, file=active.fp)
-                return
-        rich = callback.progress if isinstance(callback, RichProgressBar) else None
-        if rich is not None and rich.live.is_started:
-            rich.console.print(text, markup=False, highlight=False, soft_wrap=True)  # above its live display
-            return
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-
-def _is_console(handler: logging.Handler) -> bool:
-    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
+        try:
+            text, callback = self.format(record), self.trainer.progress_bar_callback
+            if self.search_bar is not None:
+                return self.search_bar.write(text)
+            if isinstance(callback, TQDMProgressBar):
+                bars = [getattr(callback, f"_{s}_progress_bar", None) for s in ("train", "val", "test", "predict")]
+                active = next((b for b in bars if b is not None and not b.disable), None)
+                if active is not None:
+                    return active.write(text, file=active.fp)
+            rich = callback.progress if isinstance(callback, RichProgressBar) else None
+            if rich is not None and rich.live.is_started:  # above its live display
+                return rich.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        except Exception:
+            self.handleError(record)

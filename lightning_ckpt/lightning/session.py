@@ -1,8 +1,5 @@
-"""One fit of the callback: what it reuses or searches, the plan it follows, and the guard over its real steps.
-
-One ``FitSession`` per fit moves through named stages (``Stage``) instead of keeping flags; what outlives a fit is
-kept in ``Found``, which the callback owns.
-"""
+"""One fit of the callback (``FitSession``, moving through named ``Stage``s): what it reuses or searches, the plan it
+follows, and the guard over its real steps. What outlives a fit is kept in ``Found``, which the callback owns."""
 
 from __future__ import annotations
 
@@ -252,7 +249,11 @@ class FitSession:
             self.replan_check = ReplanCheck.of(plan, self.device)
             if trainer.is_global_zero and s.plan_file is not None:
                 s.plan_file.wrote = s.plan_file.save(plan)
-        self.table = self._reused_table(plan, source)
+        self.table = None  # the plan table a reused plan keeps, when this fit follows one
+        if s.guard.buckets is not False and self._table_refused() is None:
+            self.table = PlanTable.of_plan(plan, source=source)
+            if self.table is not None:
+                rank_zero_info(f"lightning_ckpt: {table_line(self.table, None)}")
         budget = reused_budget(plan, wanted, pl_module.device)
         if trainer.world_size > 1:
             # Resolved per rank (the default CUDA budget is a share of each GPU's free memory): ranks that judged a
@@ -329,8 +330,7 @@ class FitSession:
         )
 
     def _trials(self) -> tuple[Any, ...] | list[Any]:
-        result = self.found.result
-        return result.trials if result is not None else ()
+        return self.found.result.trials if self.found.result is not None else ()
 
     def _find_max_shape(self, trainer: pl.Trainer) -> None:
         """``max_shape="probe"``: the longest batch, found before the first step (once per callback)."""
@@ -385,15 +385,6 @@ class FitSession:
             "batches sized by guard's shape_key and no guard resize (a packed batch is cut to each bucket's "
             "length by resize(batch, length), which only the user can write)"
         )
-
-    def _reused_table(self, plan: Plan, source: str) -> PlanTable | None:
-        """The plan table a reused plan keeps, when this fit follows one."""
-        if self.settings.guard.buckets is False or self._table_refused() is not None:
-            return None
-        table = PlanTable.of_plan(plan, source=source)
-        if table is not None:
-            rank_zero_info(f"lightning_ckpt: {table_line(table, None)}")
-        return table
 
     def _follow_table(self, trainer: pl.Trainer) -> None:
         """Before the forward: run the plan of this step's bucket (a batch longer than every bucket runs the top one).
