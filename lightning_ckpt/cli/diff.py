@@ -1,8 +1,7 @@
 """``lightning-ckpt diff``: what changed between two plan files, as text or as one JSON object.
 
-Only checkpointing, fingerprint and budget make two plans differ (the ``--exit-code`` answer); the run,
-library versions and measured figures change with every re-tune and are shown, never counted.
-"""
+Only checkpointing, fingerprint and budget make two plans differ (the ``--exit-code`` answer); the run, library versions
+and measured figures change with every re-tune and are shown, never counted."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Reading a plan file's metadata and laying out what ``show`` and ``diff`` print about it.
 
-A plan's provenance reads a mistyped section as absent; inside a section, every reader here tolerates absent or
-mistyped keys. The budget is read into fixed keys once (``budget_values``), so ``show --json``, ``diff --json``
-and ``diff --exit-code`` agree on what a budget is and when two are the same.
-"""
+A plan's provenance reads a mistyped section as absent; inside a section, every reader here tolerates absent or mistyped
+keys. The budget is read into fixed keys once (``budget_values``), so ``show --json``, ``diff --json`` and ``diff
+--exit-code`` agree on what a budget is and when two are the same."""
 
 from __future__ import annotations
 

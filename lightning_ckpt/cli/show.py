@@ -1,6 +1,5 @@
-"""``lightning-ckpt show``: a plan file in words (or one JSON object), with the run, budget and search it came from.
-It reads only what the file records: a plan written without the search counts shows the plan without them.
-"""
+"""``lightning-ckpt show``: a plan file in words (or one JSON object), with the run, budget and search it came from. It
+reads only what the file records: a plan written without the search counts shows the plan without them."""
 
 from __future__ import annotations
 

@@ -377,9 +377,8 @@ def set_micro_batch(
 def lightning_bars_paused(trainer: pl.Trainer, request: SearchRequest) -> Iterator[Any]:
     """Around the search: Lightning's own bar steps aside for the tuner's (yielded; None off rank 0), and its clock
     leaves the search out, so step 1 is not reported as taking the whole search. The tuner's bar is made once
-    Lightning's is stopped: a running Rich display replaces ``sys.stdout`` with a proxy that prints each redraw of a
-    bar as a line of its own; a line written above the tuner's bar (``tqdm.write``) would redraw Lightning's tqdm bar.
-    """
+    Lightning's is stopped: a running Rich display replaces ``sys.stdout`` with a proxy that prints each redraw of a bar
+    as a line of its own; a line written above the tuner's bar (``tqdm.write``) would redraw Lightning's tqdm bar."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     from lightning_ckpt.report.progress import SearchProgress

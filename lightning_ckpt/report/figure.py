@@ -1,8 +1,7 @@
 """The Pareto figure: throughput against the budget's memory quantity for every trial, and its front.
 
-matplotlib is imported here only (and only its object API, never pyplot), so drawing the figure touches no
-global backend state and works headless.
-"""
+matplotlib is imported here only (and only its object API, never pyplot), so drawing the figure touches no global
+backend state and works headless."""
 
 from __future__ import annotations
 

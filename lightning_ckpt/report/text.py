@@ -1,8 +1,7 @@
 """What a search says in words: the trial lines, the result line, the summary, and their markdown for TensorBoard.
 
-Plain data in (``TrialRecord``, ``TuneResult``, ``Plan``), never a Trainer or a writer, so the callback, a script
-and the TensorBoard writer print the same words.
-"""
+Plain data in (``TrialRecord``, ``TuneResult``, ``Plan``), never a Trainer or a writer, so the callback, a script and
+the TensorBoard writer print the same words."""
 
 from __future__ import annotations
 

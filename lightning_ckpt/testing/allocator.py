@@ -1,11 +1,10 @@
 """CUDA's caching allocator in miniature, for ``SimulatedCard``: segments, best fit, splits, merges and refusals.
 
 A card is more than a byte count: a request that allocated bytes alone would fit is refused when the free bytes are
-scattered over cached segments. This follows ``c10/cuda/CUDACachingAllocator.cpp`` in what decides a refusal: the
-small and large pools, best fit and splitting (``max_split_size`` included), releasing free segments and retrying,
-merging freed neighbours, and expandable segments. ``AllocatorSizes.scaled(n)`` divides every threshold by ``n``, so
-a model of a few MiB meets the allocator as a large model meets a card.
-"""
+scattered over cached segments. This follows ``c10/cuda/CUDACachingAllocator.cpp`` in what decides a refusal: the small
+and large pools, best fit and splitting (``max_split_size`` included), releasing free segments and retrying, merging
+freed neighbours, and expandable segments. ``AllocatorSizes.scaled(n)`` divides every threshold by ``n``, so a model of
+a few MiB meets the allocator as a large model meets a card."""
 
 from __future__ import annotations
 
