@@ -130,7 +130,6 @@ def format_diff(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> st
         lines.append("(+ checkpointed only in b, - only in a, ~ checkpointed differently)")
     else:
         lines.append("same checkpointing: every block and segment has the same mode in both plans")
-
     lines.append("")
 
     def pair(name: str, before: str, after: str, same: bool, note: str = "") -> None:

@@ -90,9 +90,8 @@ def budget_key(values: Mapping[str, Any] | None) -> tuple[Any, ...] | None:
     request, then the description."""
     if values is None:
         return None
-    if values["limit_bytes"] is not None or values["kind"] == "none":
-        fallback = None
-    else:
+    fallback = None
+    if values["limit_bytes"] is None and values["kind"] != "none":
         fallback = values["requested"] if values["requested"] is not None else values["description"]
     return values["kind"], values["limit_bytes"], values["fraction"], fallback
 
@@ -118,8 +117,8 @@ def budget_value_text(values: Mapping[str, Any] | None) -> str:
 def versions_text(versions: Mapping[str, Any]) -> str:
     """Library versions the plan was tuned with, flagging the ones that differ from what is installed."""
     installed = library_versions()
-    parts = []
-    for dist, version in versions.items():
-        now = installed.get(dist)
-        parts.append(f"{dist} {version}" + (f" (installed: {now})" if now is not None and now != version else ""))
+    parts = [
+        f"{dist} {version}" + (f" (installed: {now})" if (now := installed.get(dist)) not in (None, version) else "")
+        for dist, version in versions.items()
+    ]
     return ", ".join(parts) or "-"

@@ -177,15 +177,8 @@ class CachingAllocator:
             ]
             active = sum(b.size for b in s.blocks if b.state == "active")
             sizes = {"total_size": s.mapped_bytes(), "allocated_size": active, "active_size": active}
-            out.append(
-                {
-                    "address": s.number << 48,
-                    **sizes,
-                    "segment_type": s.pool,
-                    "is_expandable": s.expandable,
-                    "blocks": blocks,
-                }
-            )
+            kind = {"segment_type": s.pool, "is_expandable": s.expandable}
+            out.append({"address": s.number << 48, **sizes, **kind, "blocks": blocks})
         return out
 
     def malloc(self, nbytes: int) -> Block:
@@ -329,8 +322,7 @@ class CachingAllocator:
         return self.reserved < before
 
     def _refusal(self, size: int) -> str:
-        reserved = self.reserved
-        room = self._room()
+        reserved, room = self.reserved, self._room()
         return (
             f"CUDA out of memory. Tried to allocate {format_size(size)}. GPU 0 has a total capacity of "
             f"{format_size(self.total())} of which {format_size(max(0, room - reserved))} is free. This process "
