@@ -222,14 +222,11 @@ class BudgetGuard:
         self, config: GuardConfig, device: torch.device, budget: Budget, *, reference: BatchSize | None = None
     ) -> None:
         """``reference``: the batch the trials measured (None: a reused plan)."""
-        self.config = config
-        self.budget = budget
-        self.reference = reference
+        self.config, self.budget, self.reference = config, budget, reference
         self.reader = RealStepReader(device)
         self.checks: list[StepCheck] = []
         self.scaling = ShapeScaling()
-        self._left = 0
-        self._since_read = 0
+        self._left = self._since_read = 0
         self._covered: BatchSize | None = None  # the largest rows and length read so far
         self._excess = 0  # what real steps used beyond their prediction (state trials do not see)
         self._left_behind: set[str] = set()  # plans that went over: never switched back to

@@ -339,8 +339,7 @@ def set_micro_batch(
             f"The plan sets micro-batch {spec.size} x {spec.accumulation} accumulation, but the model has "
             f"no '{batch_arg_name}' attribute to set. Add it, or re-tune without tune_micro_batch."
         )
-    old_size = lightning_getattr(pl_module, batch_arg_name)
-    old_accumulation = trainer.accumulate_grad_batches
+    old_size, old_accumulation = lightning_getattr(pl_module, batch_arg_name), trainer.accumulate_grad_batches
     if old_size * old_accumulation != spec.global_batch:
         warn_user(
             f"lightning_ckpt: the plan's micro-batch was tuned for a global batch of {spec.global_batch}, but this run "

@@ -364,8 +364,7 @@ class FitSession:
         s = self.settings
         if self.found.max_shape is None or s.guard.buckets is False:
             return None
-        why = self._table_refused()
-        if why is not None:
+        if (why := self._table_refused()) is not None:
             rank_zero_info(f"lightning_ckpt: no plan table with {why}: every batch runs the plan tuned for max_shape.")
             return None
         first, tuned = batch_size_of(batch, s.guard.shape_key), batch_size_of(tuning_batch, s.guard.shape_key)

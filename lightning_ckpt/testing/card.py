@@ -76,8 +76,7 @@ class SimulatedCard(TorchDispatchMode):
         self._resident = list(resident)
         self._live: dict[int, int] = {}  # id of a counted storage -> its bytes
         self._refs: dict[int, weakref.ref] = {}
-        self.allocated_bytes = 0
-        self.peak_bytes = 0
+        self.allocated_bytes = self.peak_bytes = 0
         self.cached_bytes = 0  # reserved high-water mark since the last ``empty_cache``
         self.refusals: list[str] = []  # the message of every OOM the card raised
         self._expandable_at_start = expandable
@@ -109,9 +108,7 @@ class SimulatedCard(TorchDispatchMode):
         return max(self.cached_bytes, self._reserved_for(self.allocated_bytes))
 
     def max_reserved(self) -> int:
-        if self.allocator is not None:
-            return self.allocator.peak_reserved
-        return self.cached_bytes
+        return self.allocator.peak_reserved if self.allocator is not None else self.cached_bytes
 
     def empty_cache(self) -> None:
         if self.allocator is not None:
