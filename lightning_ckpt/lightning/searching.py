@@ -83,22 +83,28 @@ def search_first_batch(
     forward = training_loss(pl_module, trainer.strategy.precision_plugin, batch, batch_idx, zero_grad=zero_grad)
     batch_size, seq_len = batch_dims(batch)
     result = table = None
-    with _handed_over(batch_idx), _around_trials(trainer, pl_module, request) as hooks, warnings.catch_warnings():
-        # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
-        warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
-        result = tune(
-            request.view,
-            forward,
-            optimizer=optimizer,
-            max_memory=request.budget,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            extra_tensors=tuple(batch_tensors(batch)),
-            config=request.config,
-            hooks=hooks,
+    try:  # SIGTERM goes to Lightning's own handling; the model is untouched either way (trials are sandboxed)
+        with _sigterm_handed_over(), _around_trials(trainer, pl_module, request) as hooks, warnings.catch_warnings():
+            # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
+            warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
+            result = tune(
+                request.view,
+                forward,
+                optimizer=optimizer,
+                max_memory=request.budget,
+                batch_size=batch_size,
+                seq_len=seq_len,
+                extra_tensors=tuple(batch_tensors(batch)),
+                config=request.config,
+                hooks=hooks,
+            )
+            if request.table_lengths is not None and not result.fell_back:
+                table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
+    except SkippedBatch:  # a batch ``training_step`` skips waits for the next one
+        rank_zero_info(
+            f"lightning_ckpt: training_step returned None for batch {batch_idx} (Lightning skips it); "
+            "tuning on the next batch."
         )
-        if request.table_lengths is not None and not result.fell_back:
-            table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
     if result is None:
         return None
     if result.fell_back:
@@ -152,20 +158,6 @@ def _table(
     # Every rank profiled in lockstep (a sharded model's profile gathers parameters); rank 0's table for all.
     trainer = pl_module.trainer
     return StrategySync(trainer.strategy).broadcast(table) if trainer.world_size > 1 else table
-
-
-@contextlib.contextmanager
-def _handed_over(batch_idx: int) -> Iterator[None]:
-    """A batch ``training_step`` skips waits for the next one; SIGTERM during the search goes to Lightning's own
-    handling. The model is untouched either way (trials are sandboxed)."""
-    try:
-        with _sigterm_handed_over():
-            yield
-    except SkippedBatch:
-        rank_zero_info(
-            f"lightning_ckpt: training_step returned None for batch {batch_idx} (Lightning skips it); "
-            "tuning on the next batch."
-        )
 
 
 @contextlib.contextmanager

@@ -46,12 +46,11 @@ def _storages(values: Iterable[Any]) -> list[torch.UntypedStorage]:
 class SimulatedCard(TorchDispatchMode):
     """A card of ``total_bytes`` for tensors on ``device`` (CPU in the tests).
 
-    ``resident``: modules, optimizers and tensors that already live on the card when it is entered, counted as
-    allocated from the start. ``reserve_factor``: reserved bytes per allocated byte (>= 1), what the cap counts
-    (CUDA's cap limits reserved memory, not allocated). ``expandable``: expandable segments when the card starts
-    (None: read from ``PYTORCH_CUDA_ALLOC_CONF`` on entering); ``runtime_switch=False``: the run-time switch does
-    nothing, as on torch 2.11.
-    """
+    ``resident``: modules, optimizers and tensors that already live on the card when it is entered, counted as allocated
+    from the start. ``reserve_factor``: reserved bytes per allocated byte (>= 1), what the cap counts (CUDA's cap limits
+    reserved memory, not allocated). ``expandable``: expandable segments when the card starts (None: read from
+    ``PYTORCH_CUDA_ALLOC_CONF`` on entering); ``runtime_switch=False``: the run-time switch does nothing, as on torch
+    2.11."""
 
     def __init__(
         self,
