@@ -60,8 +60,6 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SearchRequest:
-    """What the callback asks of one search."""
-
     view: ModelView
     config: TuneConfig
     budget: RequestedBudget

@@ -360,7 +360,6 @@ class FitSession:
         return grown
 
     def _table_lengths(self, trainer: pl.Trainer, batch: Any, tuning_batch: Any) -> tuple[int, ...] | None:
-        """The plan table's bucket lengths for this search, None when it builds none."""
         s = self.settings
         if self.found.max_shape is None or s.guard.buckets is False:
             return None
@@ -376,7 +375,6 @@ class FitSession:
         return edges if len(edges) > 1 else None
 
     def _table_refused(self) -> str | None:
-        """Why this fit can follow no plan table, or None."""
         guard = self.settings.guard
         if guard.shape_key is None or guard.resize is not None:
             return None

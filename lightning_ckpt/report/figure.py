@@ -184,22 +184,13 @@ def _mark_winner(ax: Axes, winner: TrialRecord, wxy: tuple[float, float]) -> Non
     ax.scatter([wx], [wy], s=320, facecolors="none", edgecolors="black", linewidths=2, label=label, zorder=4)
     # Named on the plot too, with an arrow from the side away from the crowded front (up and to the left).
     name = f"winner (trial {winner.number})" + (f" = {winner.baseline}" if winner.baseline else "")
-    ax.annotate(
-        name,
-        (wx, wy),
-        xytext=(-30, 22),
-        textcoords="offset points",
-        ha="right",
-        fontsize=9,
-        fontweight="bold",
-        zorder=5,
-        arrowprops={"arrowstyle": "->", "color": "black", "lw": 1.2, "shrinkB": 10},
-        bbox={"boxstyle": "round,pad=0.25", "fc": "lightyellow", "ec": "black", "lw": 0.8},
-    )
+    arrow = {"arrowstyle": "->", "color": "black", "lw": 1.2, "shrinkB": 10}
+    box = {"boxstyle": "round,pad=0.25", "fc": "lightyellow", "ec": "black", "lw": 0.8}
+    at = {"xytext": (-30, 22), "textcoords": "offset points", "ha": "right", "fontsize": 9, "fontweight": "bold"}
+    ax.annotate(name, (wx, wy), zorder=5, arrowprops=arrow, bbox=box, **at)
 
 
 def _frame(ax: Axes, result: TuneResult, unit: str, scale: float, span: tuple[float, float]) -> None:
-    """The budget line and the shaded area past it, the axes' limits, labels and title."""
     budget, mem = result.budget, memory_name(result.budget)
     x_max, y_span = span
     if budget.kind != "none" and budget.limit_bytes is not None:

@@ -115,13 +115,9 @@ def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
 def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None:
     """``writer.add_scalar(..., new_style=True)`` with the description from ``SCALAR_DESCRIPTIONS``, for every scalar
     (TensorBoard's Rust data server drops a legacy ``simple_value``'s description)."""
-    metadata = SummaryMetadata(
-        display_name=tag,
-        summary_description=tags.SCALAR_DESCRIPTIONS.get(tag, ""),
-        plugin_data=SummaryMetadata.PluginData(
-            plugin_name="scalars", content=ScalarPluginData(version=0).SerializeToString()
-        ),
-    )
+    plugin = SummaryMetadata.PluginData(plugin_name="scalars", content=ScalarPluginData(version=0).SerializeToString())
+    description = tags.SCALAR_DESCRIPTIONS.get(tag, "")
+    metadata = SummaryMetadata(display_name=tag, summary_description=description, plugin_data=plugin)
     tensor = TensorProto(dtype="DT_FLOAT", float_val=[float(value)], tensor_shape=TensorShapeProto())
     writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, tensor=tensor, metadata=metadata)]), step)
 
