@@ -95,10 +95,6 @@ class _Segment:
     def fully_free(self) -> bool:
         return len(self.blocks) == 1 and self.blocks[0].state == "free"
 
-    def replace(self, old: Block, new: list[Block]) -> None:
-        i = self.blocks.index(old)
-        self.blocks[i : i + 1] = new
-
     def merge_around(self, block: Block) -> Block:
         """Merge ``block`` with neighbours in the same state (a freed block with free ones; unmapped with unmapped)."""
         i = self.blocks.index(block)
@@ -138,12 +134,6 @@ class CachingAllocator:
         self.peak_reserved = 0
         self.num_alloc_retries = 0
         self.num_ooms = 0
-
-    def set_expandable(self, on: bool) -> bool:
-        """The run-time switch; returns whether it took effect (new segments follow it, as CUDA's do)."""
-        if self.runtime_switch:
-            self.expandable = on
-        return self.runtime_switch
 
     @property
     def reserved(self) -> int:
@@ -300,7 +290,8 @@ class CachingAllocator:
             return block
         head = Block(block.segment, block.offset, size, block.state)
         tail = Block(block.segment, block.offset + size, rest, block.state)
-        block.segment.replace(block, [head, tail])
+        i = block.segment.blocks.index(block)
+        block.segment.blocks[i : i + 1] = [head, tail]
         return head
 
     def empty_cache(self) -> bool:

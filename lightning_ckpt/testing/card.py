@@ -134,7 +134,8 @@ class SimulatedCard(TorchDispatchMode):
     def set_allocator_options(self, options: AllocatorOptions) -> None:
         self.options = options
         if self.allocator is not None:
-            self.allocator.set_expandable(bool(options.expandable_segments))
+            if self.allocator.runtime_switch:  # new segments follow the run-time switch, as CUDA's do
+                self.allocator.expandable = bool(options.expandable_segments)
             self.allocator.max_split_size = options.max_split_bytes
 
     def expandable_in_effect(self) -> bool:
