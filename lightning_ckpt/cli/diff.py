@@ -1,8 +1,7 @@
 """``lightning-ckpt diff``: what changed between two plan files, as text or as one JSON object.
 
-Only checkpointing, fingerprint and budget make two plans differ (the ``--exit-code`` answer); the run,
-library versions and measured figures change with every re-tune and are shown, never counted.
-"""
+Only checkpointing, fingerprint and budget make two plans differ (the ``--exit-code`` answer); the run, library versions
+and measured figures change with every re-tune and are shown, never counted."""
 
 from __future__ import annotations
 
@@ -131,7 +130,6 @@ def format_diff(a: Plan, b: Plan, *, a_name: str = "a", b_name: str = "b") -> st
         lines.append("(+ checkpointed only in b, - only in a, ~ checkpointed differently)")
     else:
         lines.append("same checkpointing: every block and segment has the same mode in both plans")
-
     lines.append("")
 
     def pair(name: str, before: str, after: str, same: bool, note: str = "") -> None:

@@ -1,9 +1,8 @@
 """Reading a plan file's metadata and laying out what ``show`` and ``diff`` print about it.
 
-A plan's provenance reads a mistyped section as absent; inside a section, every reader here tolerates absent or
-mistyped keys. The budget is read into fixed keys once (``budget_values``), so ``show --json``, ``diff --json``
-and ``diff --exit-code`` agree on what a budget is and when two are the same.
-"""
+A plan's provenance reads a mistyped section as absent; inside a section, every reader here tolerates absent or mistyped
+keys. The budget is read into fixed keys once (``budget_values``), so ``show --json``, ``diff --json`` and ``diff
+--exit-code`` agree on what a budget is and when two are the same."""
 
 from __future__ import annotations
 
@@ -91,9 +90,8 @@ def budget_key(values: Mapping[str, Any] | None) -> tuple[Any, ...] | None:
     request, then the description."""
     if values is None:
         return None
-    if values["limit_bytes"] is not None or values["kind"] == "none":
-        fallback = None
-    else:
+    fallback = None
+    if values["limit_bytes"] is None and values["kind"] != "none":
         fallback = values["requested"] if values["requested"] is not None else values["description"]
     return values["kind"], values["limit_bytes"], values["fraction"], fallback
 
@@ -119,8 +117,8 @@ def budget_value_text(values: Mapping[str, Any] | None) -> str:
 def versions_text(versions: Mapping[str, Any]) -> str:
     """Library versions the plan was tuned with, flagging the ones that differ from what is installed."""
     installed = library_versions()
-    parts = []
-    for dist, version in versions.items():
-        now = installed.get(dist)
-        parts.append(f"{dist} {version}" + (f" (installed: {now})" if now is not None and now != version else ""))
+    parts = [
+        f"{dist} {version}" + (f" (installed: {now})" if (now := installed.get(dist)) not in (None, version) else "")
+        for dist, version in versions.items()
+    ]
     return ", ".join(parts) or "-"

@@ -1,6 +1,5 @@
 """``lightning-ckpt replan``: the best plan for another budget, predicted from the profile a plan file keeps
-(``search.replan``): no model is built and nothing runs.
-"""
+(``search.replan``): no model is built and nothing runs."""
 
 from __future__ import annotations
 

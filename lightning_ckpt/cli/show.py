@@ -1,6 +1,5 @@
-"""``lightning-ckpt show``: a plan file in words (or one JSON object), with the run, budget and search it came from.
-It reads only what the file records: a plan written without the search counts shows the plan without them.
-"""
+"""``lightning-ckpt show``: a plan file in words (or one JSON object), with the run, budget and search it came from. It
+reads only what the file records: a plan written without the search counts shows the plan without them."""
 
 from __future__ import annotations
 
@@ -172,9 +171,7 @@ def format_plan(plan: Plan, *, source: str = "") -> str:
         lines.append(f"compile      torch.compile activation_memory_budget={plan.compile_memory_budget:g}")
     run, budget, versions, search = p.run, p.budget, p.versions, p.search
     if run or budget or versions or search:
-        lines += ["", "tuned for"]
-        lines.append(f"  run        {kv_text(run)}")
-        lines.append(f"  budget     {budget_text(budget)}")
+        lines += ["", "tuned for", f"  run        {kv_text(run)}", f"  budget     {budget_text(budget)}"]
         lines.append(f"  versions   {versions_text(versions)}")
         if allocator := p.allocator:  # what the search ran under, verified on a segment (measure.allocator)
             state = "on" if allocator.get("expandable_segments") else "off"
@@ -236,8 +233,7 @@ def _cut(text: str, limit: int = 200) -> str:
 def _profile_lines(provenance: Provenance) -> list[str]:
     """Whether the plan keeps a profile to re-plan from, and whether it was itself re-planned (predicted)."""
     lines = []
-    profile = provenance.profile
-    if profile:
+    if profile := provenance.profile:
         # Files of 0.3-0.4 kept the time model inside the memory model's ``timing``, as ``SavedProfile`` reads them.
         timing = profile.get("time") or (profile.get("memory") or {}).get("timing") or {}
         base = (timing.get("calibration") or {}).get("base_seconds")
@@ -334,8 +330,7 @@ def plan_summary(plan: Plan, *, source: str = "") -> dict[str, Any]:
     for fqn, bp in plan.blocks.items():
         by_mode.setdefault(bp.describe(), []).append(fqn)
     measured, baselines, search = plan.provenance.measured, plan.provenance.baselines, plan.provenance.search
-    win = measured.get("samples_per_second")
-    winner = None
+    win, winner = measured.get("samples_per_second"), None
     if measured:
         winner = {k: measured.get(k) for k in _WINNER_FIGURES}
         winner["speedup_over_baselines"] = {

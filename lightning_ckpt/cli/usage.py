@@ -1,7 +1,6 @@
-"""What a command line can get wrong, and the exit codes every command shares: a file that is not a well-formed plan
-(a ``PlanError``) exits 2 as a ``UsageError`` does, so a crash never reads as a verdict; a refused plan or model (any
-other ``LightningCkptError``) exits 1.
-"""
+"""What a command line can get wrong, and the exit codes every command shares: a file that is not a well-formed plan (a
+``PlanError``) exits 2 as a ``UsageError`` does, so a crash never reads as a verdict; a refused plan or model (any other
+``LightningCkptError``) exits 1."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """``lightning-ckpt validate``: is a plan file well formed, and does it fit a model the user names with ``--model``?
 
-Loading the user's code is the delicate part: a ``sys.exit()`` in it is reported as a usage error rather than ending
-the command with the model's exit code.
-"""
+Loading the user's code is the delicate part: a ``sys.exit()`` in it is reported as a usage error rather than ending the
+command with the model's exit code."""
 
 from __future__ import annotations
 

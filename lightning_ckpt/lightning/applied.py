@@ -1,7 +1,6 @@
-"""The plan applied to the model during a fit (removed when the fit ends or fails: the model leaves ``fit`` as the
-user gave it), and the check of a re-planned one: it ran zero trials, so its figures are predictions, put beside
-the first real steps' in one line and kept in the plan's ``provenance.replanned["first_measured"]``.
-"""
+"""The plan applied to the model during a fit (removed when the fit ends or fails: the model leaves ``fit`` as the user
+gave it), and the check of a re-planned one: it ran zero trials, so its figures are predictions, put beside the first
+real steps' in one line and kept in the plan's ``provenance.replanned["first_measured"]``."""
 
 from __future__ import annotations
 

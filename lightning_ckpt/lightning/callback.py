@@ -1,5 +1,4 @@
-"""``ActivationCheckpointTuner``: the Lightning callback, a thin adapter from Trainer hooks to the fit's
-``FitSession``."""
+"""``ActivationCheckpointTuner``: the Lightning callback, a thin adapter from Trainer hooks to the fit's ``FitSession``."""
 
 from __future__ import annotations
 
@@ -158,7 +157,22 @@ class ActivationCheckpointTuner(Callback):
             check_strategy(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._session = FitSession(self._settings(), self._found, pl_module)
+        # This fit's settings, from the callback's attributes as they are now (a user may change them between fits).
+        settings = Settings(
+            requested=self._requested,
+            config=self.config,
+            guard=self.guard,
+            bucket_edges=self._bucket_edges,
+            probe=self._probe,
+            given_plan=self._given_plan,
+            given_source=self._given_source,
+            plan_file=self._plan_file,
+            tune_micro_batch=self.tune_micro_batch,
+            batch_arg_name=self.batch_arg_name,
+            log_dir=self.log_dir,
+            verbose=self.verbose,
+        )
+        self._session = FitSession(settings, self._found, pl_module)
         self._session.fit_starts(trainer, pl_module, self._resumed_plan)
 
     def on_train_batch_start(
@@ -196,20 +210,3 @@ class ActivationCheckpointTuner(Callback):
     def _fit(self) -> FitSession:
         assert self._session is not None, "on_fit_start starts the fit's session"
         return self._session
-
-    def _settings(self) -> Settings:
-        """This fit's settings, from the callback's attributes as they are now (a user may change them between fits)."""
-        return Settings(
-            requested=self._requested,
-            config=self.config,
-            guard=self.guard,
-            bucket_edges=self._bucket_edges,
-            probe=self._probe,
-            given_plan=self._given_plan,
-            given_source=self._given_source,
-            plan_file=self._plan_file,
-            tune_micro_batch=self.tune_micro_batch,
-            batch_arg_name=self.batch_arg_name,
-            log_dir=self.log_dir,
-            verbose=self.verbose,
-        )

@@ -1,9 +1,7 @@
 """The check after lock-in: read real training steps' peak memory and pick a plan that fits when one does not.
-
 What trials cannot see (an optimizer whose state appears late, a batch larger than the tuned one, memory a
 ``training_step`` keeps across steps) shows up only in real steps, so the first ones after lock-in, and any step
-on a batch larger than every one read so far, are read whole (``step_reader``).
-"""
+on a batch larger than every one read so far, are read whole (``step_reader``)."""
 
 from __future__ import annotations
 
@@ -29,14 +27,7 @@ from lightning_ckpt.plan.format import BlockPlan, Plan
 from lightning_ckpt.search.ledger import TrialRecord, record_of
 from lightning_ckpt.stacks import LayerStack
 
-__all__ = [
-    "BudgetGuard",
-    "GuardConfig",
-    "StepCheck",
-    "largest_size",
-    "lower_memory_trial",
-    "lower_plan",
-]
+__all__ = ["BudgetGuard", "GuardConfig", "StepCheck", "largest_size", "lower_memory_trial", "lower_plan"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +76,6 @@ def lower_memory_trial(
     predict: Callable[[str, int | None, int | None], int | None] | None = None,
 ) -> TrialRecord | None:
     """The fastest measured trial that should fit once the real step's ``excess`` over its trial is added.
-
     ``excess``, what trials did not see, is assumed the same under every plan. ``predict``: a trial's figures as the
     budget's value at the batch at hand (default: as measured). Only plans known to need less than the current one,
     and none in ``exclude`` (they went over), qualify: each switch goes down, so the guard cannot oscillate."""
@@ -224,24 +214,19 @@ def largest_size(trainer: Any, batch: Any, shape_key: Callable[[Any], Any] | Non
 
 
 class BudgetGuard:
-    """The guard over one fit: which real steps to read, what they showed (``checks``), and the verdict.
-
-    Every rank reads the same steps and judges the worst rank's figures, so a switch (which gathers plan digests)
-    is entered by all ranks or none.
-    """
+    """The guard over one fit: which real steps to read, what they showed (``checks``), and the verdict. Every rank
+    reads the same steps and judges the worst rank's figures, so a switch (which gathers plan digests) is entered by
+    all ranks or none."""
 
     def __init__(
         self, config: GuardConfig, device: torch.device, budget: Budget, *, reference: BatchSize | None = None
     ) -> None:
         """``reference``: the batch the trials measured (None: a reused plan)."""
-        self.config = config
-        self.budget = budget
-        self.reference = reference
+        self.config, self.budget, self.reference = config, budget, reference
         self.reader = RealStepReader(device)
         self.checks: list[StepCheck] = []
         self.scaling = ShapeScaling()
-        self._left = 0
-        self._since_read = 0
+        self._left = self._since_read = 0
         self._covered: BatchSize | None = None  # the largest rows and length read so far
         self._excess = 0  # what real steps used beyond their prediction (state trials do not see)
         self._left_behind: set[str] = set()  # plans that went over: never switched back to
@@ -319,7 +304,6 @@ class BudgetGuard:
         value = self.predicted_value(plan.key(), trials, size)
         if value is None or budget.limit_bytes is None or value <= budget.limit_bytes:
             return None
-        what = _what(budget)
         growth = (
             "growing with length as its read steps showed"
             if self.scaling.learned(plan.key())
@@ -327,19 +311,13 @@ class BudgetGuard:
         )
         message = (
             f"lightning_ckpt: the next batch ({size}, larger than the {covered} read so far) is predicted to use "
-            f"{format_bytes(value)} of {what} under plan {plan.describe()} ({growth}), over the budget of "
+            f"{format_bytes(value)} of {_what(budget)} under plan {plan.describe()} ({growth}), over the budget of "
             f"{budget.description}; checked before its forward."
         )
         return self._act("before_forward", message, plan, trials, view, at=size, reference=self.reference or covered)
 
     def judge(
-        self,
-        trainer: Any,
-        reading: MemoryReading,
-        batch: Any,
-        plan: Plan,
-        sync: Any,
-        trials: Sequence[TrialRecord] = (),
+        self, trainer: Any, reading: MemoryReading, batch: Any, plan: Plan, sync: Any, trials: Sequence[TrialRecord]
     ) -> StepCheck:
         """Record one read step against the budget (the worst rank's figures under several ranks)."""
         peak, act, retries = reading.peak_bytes, reading.activation_bytes, reading.alloc_retries
@@ -389,10 +367,9 @@ class BudgetGuard:
         budget = self.budget
         value = budget.value_of(check.peak_bytes, check.activation_bytes) or 0
         size, seq = check.batch_dims
-        what = _what(budget)
         message = (
             f"lightning_ckpt: a real training step (step {check.step}, batch {size} x {seq}) used "
-            f"{format_bytes(value)} of {what}, over the budget of {budget.description}, under plan {plan.describe()}."
+            f"{format_bytes(value)} of {_what(budget)}, over the budget of {budget.description}, under plan {plan.describe()}."
         )
         at = self._read_plans.get(plan.key(), (None, None, None))[0]
         return self._act("over_budget", message, plan, trials, view, at=at, reference=self.reference)

@@ -1,12 +1,10 @@
 """When a saved plan (resumed checkpoint, ``plan=``, plan file) may be applied without searching, and the budget
 it is then guarded against. A plan file is a cache of a measurement, reused only where it was measured: everything
 that moves the measurement (batch, precision, card, ranks, model, budget) is recorded with the plan and compared.
-
 The callback's ``plan_path`` is written atomically by rank 0, and never over another run's plan: two runs tuning
 into one file must not both believe their plan is there. The file is a by-product of the training run, so a save
 that fails never stops the fit: the plan stays applied and in the callback's ``state_dict``, and one warning per
-fit says why it could not be written.
-"""
+fit says why it could not be written."""
 
 from __future__ import annotations
 

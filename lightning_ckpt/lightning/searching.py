@@ -1,7 +1,6 @@
 """Glue from a Trainer to ``search.tune``/``search.microbatch``, where the algorithm lives: the search on the first
 batch through the user's own ``training_step``, in the sandbox, with Lightning's progress bars paused; its report;
-and the joint search's micro-batch, set as Lightning's ``BatchSizeFinder`` sets it.
-"""
+and the joint search's micro-batch, set as Lightning's ``BatchSizeFinder`` sets it."""
 
 from __future__ import annotations
 
@@ -61,8 +60,6 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SearchRequest:
-    """What the callback asks of one search."""
-
     view: ModelView
     config: TuneConfig
     budget: RequestedBudget
@@ -84,22 +81,28 @@ def search_first_batch(
     forward = training_loss(pl_module, trainer.strategy.precision_plugin, batch, batch_idx, zero_grad=zero_grad)
     batch_size, seq_len = batch_dims(batch)
     result = table = None
-    with _handed_over(batch_idx), _around_trials(trainer, pl_module, request) as hooks, warnings.catch_warnings():
-        # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
-        warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
-        result = tune(
-            request.view,
-            forward,
-            optimizer=optimizer,
-            max_memory=request.budget,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            extra_tensors=tuple(batch_tensors(batch)),
-            config=request.config,
-            hooks=hooks,
+    try:  # SIGTERM goes to Lightning's own handling; the model is untouched either way (trials are sandboxed)
+        with _sigterm_handed_over(), _around_trials(trainer, pl_module, request) as hooks, warnings.catch_warnings():
+            # tune() warns of a fallback through the warnings module, shown once per process; said below each fit.
+            warnings.filterwarnings("ignore", message="No checkpointing plan fits the budget")
+            result = tune(
+                request.view,
+                forward,
+                optimizer=optimizer,
+                max_memory=request.budget,
+                batch_size=batch_size,
+                seq_len=seq_len,
+                extra_tensors=tuple(batch_tensors(batch)),
+                config=request.config,
+                hooks=hooks,
+            )
+            if request.table_lengths is not None and not result.fell_back:
+                table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
+    except SkippedBatch:  # a batch ``training_step`` skips waits for the next one
+        rank_zero_info(
+            f"lightning_ckpt: training_step returned None for batch {batch_idx} (Lightning skips it); "
+            "tuning on the next batch."
         )
-        if request.table_lengths is not None and not result.fell_back:
-            table = _table(pl_module, batch, batch_idx, request, result, optimizer, zero_grad)
     if result is None:
         return None
     if result.fell_back:
@@ -153,20 +156,6 @@ def _table(
     # Every rank profiled in lockstep (a sharded model's profile gathers parameters); rank 0's table for all.
     trainer = pl_module.trainer
     return StrategySync(trainer.strategy).broadcast(table) if trainer.world_size > 1 else table
-
-
-@contextlib.contextmanager
-def _handed_over(batch_idx: int) -> Iterator[None]:
-    """A batch ``training_step`` skips waits for the next one; SIGTERM during the search goes to Lightning's own
-    handling. The model is untouched either way (trials are sandboxed)."""
-    try:
-        with _sigterm_handed_over():
-            yield
-    except SkippedBatch:
-        rank_zero_info(
-            f"lightning_ckpt: training_step returned None for batch {batch_idx} (Lightning skips it); "
-            "tuning on the next batch."
-        )
 
 
 @contextlib.contextmanager
@@ -340,8 +329,7 @@ def set_micro_batch(
             f"The plan sets micro-batch {spec.size} x {spec.accumulation} accumulation, but the model has "
             f"no '{batch_arg_name}' attribute to set. Add it, or re-tune without tune_micro_batch."
         )
-    old_size = lightning_getattr(pl_module, batch_arg_name)
-    old_accumulation = trainer.accumulate_grad_batches
+    old_size, old_accumulation = lightning_getattr(pl_module, batch_arg_name), trainer.accumulate_grad_batches
     if old_size * old_accumulation != spec.global_batch:
         warn_user(
             f"lightning_ckpt: the plan's micro-batch was tuned for a global batch of {spec.global_batch}, but this run "
@@ -377,12 +365,9 @@ def set_micro_batch(
 @contextlib.contextmanager
 def lightning_bars_paused(trainer: pl.Trainer, request: SearchRequest) -> Iterator[Any]:
     """Around the search: Lightning's own bar steps aside for the tuner's (yielded; None off rank 0), and its clock
-    leaves the search out, so step 1 is not reported as taking the whole search.
-
-    The tuner's bar is made once Lightning's is stopped: a running Rich display replaces ``sys.stdout`` with a proxy
-    that prints each redraw of a bar as a line of its own; a line written above the tuner's bar (``tqdm.write``)
-    would redraw Lightning's tqdm bar too.
-    """
+    leaves the search out, so step 1 is not reported as taking the whole search. The tuner's bar is made once
+    Lightning's is stopped: a running Rich display replaces ``sys.stdout`` with a proxy that prints each redraw of a bar
+    as a line of its own; a line written above the tuner's bar (``tqdm.write``) would redraw Lightning's tqdm bar."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     from lightning_ckpt.report.progress import SearchProgress
@@ -429,8 +414,7 @@ class LinesAboveTheBar(logging.Handler):
     """Every line logged during a fit (the tuner's and Lightning's own), written above whichever progress bar is
     drawn then: a line written while a bar is drawn lands on the bar's line (tqdm leaves the cursor there; Rich
     redraws over it). Installed on rank 0 for the fit in place of the loggers' console handlers (as tqdm's
-    ``logging_redirect_tqdm`` does), and put back after.
-    """
+    ``logging_redirect_tqdm`` does), and put back after."""
 
     LOGGERS = ("lightning.pytorch", "lightning_ckpt")
 
@@ -444,7 +428,11 @@ class LinesAboveTheBar(logging.Handler):
     def install(self) -> None:
         for name in self.LOGGERS:
             logger = logging.getLogger(name)
-            console = [h for h in logger.handlers if _is_console(h)]
+            console = [
+                h
+                for h in logger.handlers
+                if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+            ]
             if console:
                 self.setFormatter(console[0].formatter)
                 self.stream = console[0].stream
@@ -459,32 +447,22 @@ class LinesAboveTheBar(logging.Handler):
         self._replaced = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._write(self.format(record))
-        except Exception:
-            self.handleError(record)
-
-    def _write(self, text: str) -> None:
-        """``text`` as a line of its own above the bar drawn now, or on ``stream`` when none is."""
+        """The record as a line of its own above the bar drawn now, or on ``stream`` when none is."""
         from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-        if self.search_bar is not None:
-            self.search_bar.write(text)
-            return
-        callback = self.trainer.progress_bar_callback
-        if isinstance(callback, TQDMProgressBar):
-            bars = [getattr(callback, f"_{s}_progress_bar", None) for s in ("train", "val", "test", "predict")]
-            active = next((b for b in bars if b is not None and not b.disable), None)
-            if active is not None:
-                active.write(text, file=active.fp)
-                return
-        rich = callback.progress if isinstance(callback, RichProgressBar) else None
-        if rich is not None and rich.live.is_started:
-            rich.console.print(text, markup=False, highlight=False, soft_wrap=True)  # above its live display
-            return
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-
-def _is_console(handler: logging.Handler) -> bool:
-    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
+        try:
+            text, callback = self.format(record), self.trainer.progress_bar_callback
+            if self.search_bar is not None:
+                return self.search_bar.write(text)
+            if isinstance(callback, TQDMProgressBar):
+                bars = [getattr(callback, f"_{s}_progress_bar", None) for s in ("train", "val", "test", "predict")]
+                active = next((b for b in bars if b is not None and not b.disable), None)
+                if active is not None:
+                    return active.write(text, file=active.fp)
+            rich = callback.progress if isinstance(callback, RichProgressBar) else None
+            if rich is not None and rich.live.is_started:  # above its live display
+                return rich.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        except Exception:
+            self.handleError(record)

@@ -1,8 +1,5 @@
-"""One fit of the callback: what it reuses or searches, the plan it follows, and the guard over its real steps.
-
-One ``FitSession`` per fit moves through named stages (``Stage``) instead of keeping flags; what outlives a fit is
-kept in ``Found``, which the callback owns.
-"""
+"""One fit of the callback (``FitSession``, moving through named ``Stage``s): what it reuses or searches, the plan it
+follows, and the guard over its real steps. What outlives a fit is kept in ``Found``, which the callback owns."""
 
 from __future__ import annotations
 
@@ -252,7 +249,11 @@ class FitSession:
             self.replan_check = ReplanCheck.of(plan, self.device)
             if trainer.is_global_zero and s.plan_file is not None:
                 s.plan_file.wrote = s.plan_file.save(plan)
-        self.table = self._reused_table(plan, source)
+        self.table = None  # the plan table a reused plan keeps, when this fit follows one
+        if s.guard.buckets is not False and self._table_refused() is None:
+            self.table = PlanTable.of_plan(plan, source=source)
+            if self.table is not None:
+                rank_zero_info(f"lightning_ckpt: {table_line(self.table, None)}")
         budget = reused_budget(plan, wanted, pl_module.device)
         if trainer.world_size > 1:
             # Resolved per rank (the default CUDA budget is a share of each GPU's free memory): ranks that judged a
@@ -329,8 +330,7 @@ class FitSession:
         )
 
     def _trials(self) -> tuple[Any, ...] | list[Any]:
-        result = self.found.result
-        return result.trials if result is not None else ()
+        return self.found.result.trials if self.found.result is not None else ()
 
     def _find_max_shape(self, trainer: pl.Trainer) -> None:
         """``max_shape="probe"``: the longest batch, found before the first step (once per callback)."""
@@ -360,12 +360,10 @@ class FitSession:
         return grown
 
     def _table_lengths(self, trainer: pl.Trainer, batch: Any, tuning_batch: Any) -> tuple[int, ...] | None:
-        """The plan table's bucket lengths for this search, None when it builds none."""
         s = self.settings
         if self.found.max_shape is None or s.guard.buckets is False:
             return None
-        why = self._table_refused()
-        if why is not None:
+        if (why := self._table_refused()) is not None:
             rank_zero_info(f"lightning_ckpt: no plan table with {why}: every batch runs the plan tuned for max_shape.")
             return None
         first, tuned = batch_size_of(batch, s.guard.shape_key), batch_size_of(tuning_batch, s.guard.shape_key)
@@ -377,7 +375,6 @@ class FitSession:
         return edges if len(edges) > 1 else None
 
     def _table_refused(self) -> str | None:
-        """Why this fit can follow no plan table, or None."""
         guard = self.settings.guard
         if guard.shape_key is None or guard.resize is not None:
             return None
@@ -385,15 +382,6 @@ class FitSession:
             "batches sized by guard's shape_key and no guard resize (a packed batch is cut to each bucket's "
             "length by resize(batch, length), which only the user can write)"
         )
-
-    def _reused_table(self, plan: Plan, source: str) -> PlanTable | None:
-        """The plan table a reused plan keeps, when this fit follows one."""
-        if self.settings.guard.buckets is False or self._table_refused() is not None:
-            return None
-        table = PlanTable.of_plan(plan, source=source)
-        if table is not None:
-            rank_zero_info(f"lightning_ckpt: {table_line(table, None)}")
-        return table
 
     def _follow_table(self, trainer: pl.Trainer) -> None:
         """Before the forward: run the plan of this step's bucket (a batch longer than every bucket runs the top one).

@@ -1,19 +1,18 @@
-"""How big a batch is, and how a plan's memory grows with it: what lets the guard act *before* a larger batch's
-forward instead of reading it after (on a GPU, after is an out-of-memory error and a dead fit).
+"""How big a batch is, and how a plan's memory grows with it: what lets the guard act *before* a larger batch's forward
+instead of reading it after (on a GPU, after is an out-of-memory error and a dead fit).
 
 A batch's size is ``(rows, length)``: samples and tokens per sample for token batches, else the largest tensor's
-elements per row. A packed batch (sequences concatenated, boundaries in ``cu_seqlens``) says nothing by its shape
-about the sequences it holds: the user's ``shape_key`` says it.
+elements per row. A packed batch (sequences concatenated, boundaries in ``cu_seqlens``) says nothing by its shape about
+the sequences it holds: the user's ``shape_key`` says it.
 
-Activations at another size are predicted from a reference: linear in rows, and ``a * x + (1 - a) * x**2`` in the
-length ratio ``x``, the form a transformer's activations have (attention that materialises its T x T scores grows
-with T**2). Until a plan's real step is read at a second length, ``a`` is 0 (all quadratic): the guard may move to a
-lower-memory plan a step early, never a step late. A fitted power would not extrapolate: the power between two short
-lengths is lower than between a short and a long one.
+Activations at another size are predicted from a reference: linear in rows, and ``a * x + (1 - a) * x**2`` in the length
+ratio ``x``, the form a transformer's activations have (attention that materialises its T x T scores grows with T**2).
+Until a plan's real step is read at a second length, ``a`` is 0 (all quadratic): the guard may move to a lower-memory
+plan a step early, never a step late. A fitted power would not extrapolate: the power between two short lengths is lower
+than between a short and a long one.
 
 Also here: running ``training_step`` as a trial (the sandbox), and ``max_shape="probe"``, which must not change
-training: the random states a loader draws from are put back, and a one-shot iterator is refused, not consumed.
-"""
+training: the random states a loader draws from are put back, and a one-shot iterator is refused, not consumed."""
 
 from __future__ import annotations
 

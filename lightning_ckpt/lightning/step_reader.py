@@ -1,6 +1,5 @@
 """Reading a real training step's memory after lock-in. A compiled model's steps are read as its trials were
-(``SavedForBackward``): the tracker's dispatch mode would make dynamo run them eagerly and read the eager step.
-"""
+(``SavedForBackward``): the tracker's dispatch mode would make dynamo run them eagerly and read the eager step."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ class RealStepReader:
     """Reads one real training step, started and stopped from two hooks (batch start, batch end).
 
     Peak memory: CUDA from the allocator (what an OOM is decided on), CPU from the live-tensor tracker (several times
-    slower, so only the steps the guard reads). Activation memory is read by the tracker on every device, as in
-    trials: the allocator's ``peak - resting`` would also count new gradients and the optimizer's state.
-    """
+    slower, so only the steps the guard reads). Activation memory is read by the tracker on every device, as in trials:
+    the allocator's ``peak - resting`` would also count new gradients and the optimizer's state."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,9 +1,8 @@
-"""What a search shows: the result line, summary tables, progress, the Pareto figure and TensorBoard.
-TensorBoard and matplotlib are imported only here.
+"""What a search shows: the result line, summary tables, progress, the Pareto figure and TensorBoard. TensorBoard and
+matplotlib are imported only here.
 
 The package exports the few names callers use (``report.write_tensorboard(...)``); the rest live in their module
-(``report.tags.HPARAM_COLUMNS``, ``report.text.plan_markdown``).
-"""
+(``report.tags.HPARAM_COLUMNS``, ``report.text.plan_markdown``)."""
 
 from __future__ import annotations
 

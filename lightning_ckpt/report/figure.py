@@ -1,8 +1,7 @@
 """The Pareto figure: throughput against the budget's memory quantity for every trial, and its front.
 
-matplotlib is imported here only (and only its object API, never pyplot), so drawing the figure touches no
-global backend state and works headless.
-"""
+matplotlib is imported here only (and only its object API, never pyplot), so drawing the figure touches no global
+backend state and works headless."""
 
 from __future__ import annotations
 
@@ -59,10 +58,9 @@ def _measured(result: TuneResult) -> list[tuple[TrialRecord, int, float]]:
 def pareto_front(result: TuneResult) -> list[TrialRecord]:
     """Measured trials strictly faster than every trial using no more memory (the budget's constrained quantity:
     peak without a budget), by memory ascending."""
-    points = sorted(_measured(result), key=lambda p: (p[1], -p[2]))
     front: list[TrialRecord] = []
     best = -math.inf
-    for t, _, y in points:
+    for t, _, y in sorted(_measured(result), key=lambda p: (p[1], -p[2])):
         if y > best:
             front.append(t)
             best = y
@@ -78,8 +76,7 @@ def pareto_figure(result: TuneResult) -> Figure:
     """Throughput against the budget's memory quantity for every measured trial: the step line is the Pareto front,
     the dashed line the budget, the ringed point the winner, so it shows whether the winner sits on the front just
     inside the budget, and what more memory would buy. Trials that never ran sit on the x axis at predicted memory."""
-    budget = result.budget
-    measured = _measured(result)
+    budget, measured = result.budget, _measured(result)
     unmeasured = [
         (t, x)
         for t in result.trials
@@ -187,33 +184,21 @@ def _mark_winner(ax: Axes, winner: TrialRecord, wxy: tuple[float, float]) -> Non
     ax.scatter([wx], [wy], s=320, facecolors="none", edgecolors="black", linewidths=2, label=label, zorder=4)
     # Named on the plot too, with an arrow from the side away from the crowded front (up and to the left).
     name = f"winner (trial {winner.number})" + (f" = {winner.baseline}" if winner.baseline else "")
-    ax.annotate(
-        name,
-        (wx, wy),
-        xytext=(-30, 22),
-        textcoords="offset points",
-        ha="right",
-        fontsize=9,
-        fontweight="bold",
-        zorder=5,
-        arrowprops={"arrowstyle": "->", "color": "black", "lw": 1.2, "shrinkB": 10},
-        bbox={"boxstyle": "round,pad=0.25", "fc": "lightyellow", "ec": "black", "lw": 0.8},
-    )
+    arrow = {"arrowstyle": "->", "color": "black", "lw": 1.2, "shrinkB": 10}
+    box = {"boxstyle": "round,pad=0.25", "fc": "lightyellow", "ec": "black", "lw": 0.8}
+    at = {"xytext": (-30, 22), "textcoords": "offset points", "ha": "right", "fontsize": 9, "fontweight": "bold"}
+    ax.annotate(name, (wx, wy), zorder=5, arrowprops=arrow, bbox=box, **at)
 
 
 def _frame(ax: Axes, result: TuneResult, unit: str, scale: float, span: tuple[float, float]) -> None:
-    """The budget line and the shaded area past it, the axes' limits, labels and title."""
-    budget = result.budget
-    mem = memory_name(budget)
+    budget, mem = result.budget, memory_name(result.budget)
     x_max, y_span = span
     if budget.kind != "none" and budget.limit_bytes is not None:
         lim = budget.limit_bytes / scale
         label = _wrapped(f"budget: {format_bytes(budget.limit_bytes)} {mem}")
         ax.axvline(lim, color="tab:red", ls="--", lw=1.5, label=label)
         ax.axvspan(lim, x_max, color="tab:red", alpha=0.06, lw=0)
-    ax.set_xlim(0, x_max)
-    ax.set_ylim(0, y_span)
-    ax.set_xlabel(f"measured {mem} memory ({unit})")
+    ax.set(xlim=(0, x_max), ylim=(0, y_span), xlabel=f"measured {mem} memory ({unit})")
     scaled = bool(comparable_speeds(result))
     ax.set_ylabel("samples / s (filled: the reference's x its paired ratio)" if scaled else "samples / s (median step)")
     title = f"Activation checkpointing trials: throughput vs {mem} memory"

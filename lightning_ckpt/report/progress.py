@@ -1,6 +1,5 @@
 """The live view of a search: one progress bar while trials run, each trial streamed to TensorBoard. Apart from the
-end-of-search report: it holds state (the bar, the best so far) and runs per finished trial, inside the search loop.
-"""
+end-of-search report: it holds state (the bar, the best so far) and runs per finished trial, inside the search loop."""
 
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ __all__ = ["SearchProgress"]
 class SearchProgress:
     """What a user watches during the search: one progress bar, nothing else unless ``verbose``.
 
-    ``total``: how many plans at most will be measured, or None when the time model may stop early: the bar then
-    counts with no fraction and no ETA, not a ``2/14`` that never fills. Called with each finished trial (a
-    ``ProgressFn``); the callback pauses Lightning's own bar around it.
-    """
+    ``total``: how many plans at most will be measured, or None when the time model may stop early: the bar then counts
+    with no fraction and no ETA, not a ``2/14`` that never fills. Called with each finished trial (a ``ProgressFn``);
+    the callback pauses Lightning's own bar around it."""
 
     def __init__(
         self,

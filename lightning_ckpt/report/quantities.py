@@ -1,6 +1,5 @@
-"""What every view of a search (the text, the figure, the TensorBoard table) reads off its trials the same way, so
-a plan's memory or its "best baseline" cannot mean one thing in the log line and another on the plot.
-"""
+"""What every view of a search (the text, the figure, the TensorBoard table) reads off its trials the same way, so a
+plan's memory or its "best baseline" cannot mean one thing in the log line and another on the plot."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The names a reader of the tuner's TensorBoard output looks up: tags, HParams columns and metrics, files.
 
-Defined here only, so the writer and whatever reads the logs back cannot drift apart (``docs/monitoring.md`` shows
-where each appears). Plain strings: nothing here imports TensorBoard. Every name here is public (read as
-``tags.NAME``), so the module lists no ``__all__``.
-"""
+Defined here only, so the writer and whatever reads the logs back cannot drift apart (``docs/monitoring.md`` shows where
+each appears). Plain strings: nothing here imports TensorBoard. Every name here is public (read as ``tags.NAME``), so
+the module lists no ``__all__``."""
 
 from __future__ import annotations
 

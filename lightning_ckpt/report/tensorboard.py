@@ -1,7 +1,6 @@
 """Writing a search to TensorBoard under the names in ``report.tags``: per-trial scalars, the HParams table of the
-leaders, the texts and the Pareto image. It takes a ``SummaryWriter`` (or a log directory), never a Trainer. The
-HParams summaries are built from the protos, because ``tensorboard.plugins.hparams.summary`` would import TensorFlow.
-"""
+leaders, the texts and the Pareto image. It takes a ``SummaryWriter`` (or a log directory), never a Trainer. The HParams
+summaries are built from the protos, because ``tensorboard.plugins.hparams.summary`` would import TensorFlow."""
 
 from __future__ import annotations
 
@@ -116,13 +115,9 @@ def _trial_scalars(trial: TrialRecord) -> dict[str, float]:
 def add_scalar(writer: SummaryWriter, tag: str, value: float, step: int) -> None:
     """``writer.add_scalar(..., new_style=True)`` with the description from ``SCALAR_DESCRIPTIONS``, for every scalar
     (TensorBoard's Rust data server drops a legacy ``simple_value``'s description)."""
-    metadata = SummaryMetadata(
-        display_name=tag,
-        summary_description=tags.SCALAR_DESCRIPTIONS.get(tag, ""),
-        plugin_data=SummaryMetadata.PluginData(
-            plugin_name="scalars", content=ScalarPluginData(version=0).SerializeToString()
-        ),
-    )
+    plugin = SummaryMetadata.PluginData(plugin_name="scalars", content=ScalarPluginData(version=0).SerializeToString())
+    description = tags.SCALAR_DESCRIPTIONS.get(tag, "")
+    metadata = SummaryMetadata(display_name=tag, summary_description=description, plugin_data=plugin)
     tensor = TensorProto(dtype="DT_FLOAT", float_val=[float(value)], tensor_shape=TensorShapeProto())
     writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, tensor=tensor, metadata=metadata)]), step)
 
@@ -228,10 +223,9 @@ def write_tensorboard(
     """Write the whole tuning report to TensorBoard and ``pareto.png``; return the log directory.
 
     ``writer_or_logdir``: a ``SummaryWriter`` (flushed, left open) or a directory (a writer opened and closed here).
-    ``memory_breakdown_table`` (markdown) overrides the one built from ``result.memory_breakdown``.
-    ``log_trials=False`` when ``log_trial`` already streamed every trial to this writer;
-    ``write_experiment_summary=False`` when the caller already declared the HParams table in a parent run.
-    """
+    ``memory_breakdown_table`` (markdown) overrides the one built from ``result.memory_breakdown``. ``log_trials=False``
+    when ``log_trial`` already streamed every trial to this writer; ``write_experiment_summary=False`` when the caller
+    already declared the HParams table in a parent run."""
     owned = not isinstance(writer_or_logdir, SummaryWriter)
     writer = SummaryWriter(log_dir=os.fspath(writer_or_logdir)) if owned else writer_or_logdir
     with writer if owned else contextlib.nullcontext():

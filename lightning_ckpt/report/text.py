@@ -1,12 +1,12 @@
 """What a search says in words: the trial lines, the result line, the summary, and their markdown for TensorBoard.
 
-Plain data in (``TrialRecord``, ``TuneResult``, ``Plan``), never a Trainer or a writer, so the callback, a script
-and the TensorBoard writer print the same words.
-"""
+Plain data in (``TrialRecord``, ``TuneResult``, ``Plan``), never a Trainer or a writer, so the callback, a script and
+the TensorBoard writer print the same words."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from lightning_ckpt.budget import Budget
@@ -54,7 +54,6 @@ def _memory_cell(trial: TrialRecord, value: int | None) -> str:
 
 
 def _fmt(x: float | None, spec: str = "{:.1f}") -> str:
-    """``x`` formatted by ``spec`` (samples/s by default), ``-`` when nothing was recorded."""
     return "-" if x is None else spec.format(x)
 
 
@@ -176,16 +175,14 @@ def timing_warning(result: TuneResult) -> str | None:
 def result_line(result: TuneResult) -> str:
     """The one line a quiet search ends with (like Lightning's BatchSizeFinder)."""
     winner, budget, search = result.best_trial, result.budget, result.best.provenance.search
-    mem = memory_name(budget)
     parts = [f"lightning_ckpt: chose {result.best.describe()}"]
     if winner is not None:
         used = constrained_bytes(winner, budget)
         limit = f" of {format_bytes(budget.limit_bytes)}" if budget.limit_bytes is not None else ""
-        parts.append(f"{_fmt(winner.samples_per_second)} samples/s, {mem} {format_bytes(used)}{limit}")
+        parts.append(f"{_fmt(winner.samples_per_second)} samples/s, {memory_name(budget)} {format_bytes(used)}{limit}")
         if (offload := offload_figures(winner)) is not None:
             parts.append(offload_phrase(offload))
-        base = best_feasible_baseline(result)
-        verdict = Verdict.recorded(search)
+        base, verdict = best_feasible_baseline(result), Verdict.recorded(search)
         if search.get("none_fits"):
             parts.append(
                 "the memory model predicts no checkpointing fits the budget, so nothing else was searched (it could "
@@ -290,18 +287,17 @@ def verdict_lines(result: TuneResult) -> list[str]:
     proves nothing), under which budget, at what tuning cost."""
     winner, budget, search = result.best_trial, result.budget, result.best.provenance.search
     mem = memory_name(budget)
-    lines = []
+    plan = result.best.describe()
     if winner is None:
-        lines.append(f"winner: {result.best.describe()} (not measured)")
+        lines = [f"winner: {plan} (not measured)"]
     else:
-        plan = result.best.describe()
-        lines.append(
+        lines = [
             f"winner (*): [trial {winner.number}] {winner.label}{'' if plan == winner.label else f' = {plan}'}: "
             f"{_fmt(winner.samples_per_second)} samples/s, peak {format_bytes(winner.peak_bytes)}, "
             f"activation {format_bytes(winner.activation_bytes)}, "
-            f"recompute {_fmt(winner.recompute_overhead, '+{:.1%}')}"
-        )
-        lines += _against_baselines(result, winner)
+            f"recompute {_fmt(winner.recompute_overhead, '+{:.1%}')}",
+            *_against_baselines(result, winner),
+        ]
     if result.fell_back:
         chosen = f" ({winner.label}, {mem} {format_bytes(constrained_bytes(winner, budget))})" if winner else ""
         lines.append(
@@ -414,9 +410,7 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
     """The memory model's breakdown (``MemoryModel.to_dict``) as markdown tables in MiB: TensorBoard wraps table
     cells, but cuts a wide code block off. Blocks with the same figures (and mode in ``plan``) share one column."""
 
-    def mib(n: Any) -> str:
-        return format_bytes(n, unit="MiB", suffix=False)
-
+    mib = partial(format_bytes, unit="MiB", suffix=False)
     parts = [
         ("parameters", breakdown.get("parameter_bytes")),
         ("gradients", breakdown.get("gradient_bytes")),
@@ -433,7 +427,6 @@ def memory_markdown(breakdown: Mapping[str, Any], plan: Plan | None = None) -> s
     if not blocks:
         return "\n".join(lines)
     in_plan = plan is not None and not plan.is_empty
-
     all_fqns = [b["fqn"] for b in blocks]
     labels = plan.block_labels(all_fqns) if plan is not None else {}
     keys = list(dict.fromkeys(k for b in blocks for k in b.get("saved_bytes", {})))
@@ -497,7 +490,6 @@ def plan_markdown(plan: Plan, trial: TrialRecord | None = None) -> str:
             spread = f" ± {trial.spread_seconds:.4f}" if trial.spread_seconds is not None else ""
             rows.append(["step time (median)", f"{trial.median_seconds:.4f} s{spread}"])
         lines.append(markdown_table(["quantity", "value"], rows))
-    else:
-        if measured := plan.provenance.measured:
-            lines += ["", "**Measured:**", "", markdown_table(["quantity", "value"], list(measured.items()))]
+    elif measured := plan.provenance.measured:
+        lines += ["", "**Measured:**", "", markdown_table(["quantity", "value"], list(measured.items()))]
     return "\n".join(lines)

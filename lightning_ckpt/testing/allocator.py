@@ -1,11 +1,10 @@
 """CUDA's caching allocator in miniature, for ``SimulatedCard``: segments, best fit, splits, merges and refusals.
 
 A card is more than a byte count: a request that allocated bytes alone would fit is refused when the free bytes are
-scattered over cached segments. This follows ``c10/cuda/CUDACachingAllocator.cpp`` in what decides a refusal: the
-small and large pools, best fit and splitting (``max_split_size`` included), releasing free segments and retrying,
-merging freed neighbours, and expandable segments. ``AllocatorSizes.scaled(n)`` divides every threshold by ``n``, so
-a model of a few MiB meets the allocator as a large model meets a card.
-"""
+scattered over cached segments. This follows ``c10/cuda/CUDACachingAllocator.cpp`` in what decides a refusal: the small
+and large pools, best fit and splitting (``max_split_size`` included), releasing free segments and retrying, merging
+freed neighbours, and expandable segments. ``AllocatorSizes.scaled(n)`` divides every threshold by ``n``, so a model of
+a few MiB meets the allocator as a large model meets a card."""
 
 from __future__ import annotations
 
@@ -96,10 +95,6 @@ class _Segment:
     def fully_free(self) -> bool:
         return len(self.blocks) == 1 and self.blocks[0].state == "free"
 
-    def replace(self, old: Block, new: list[Block]) -> None:
-        i = self.blocks.index(old)
-        self.blocks[i : i + 1] = new
-
     def merge_around(self, block: Block) -> Block:
         """Merge ``block`` with neighbours in the same state (a freed block with free ones; unmapped with unmapped)."""
         i = self.blocks.index(block)
@@ -140,12 +135,6 @@ class CachingAllocator:
         self.num_alloc_retries = 0
         self.num_ooms = 0
 
-    def set_expandable(self, on: bool) -> bool:
-        """The run-time switch; returns whether it took effect (new segments follow it, as CUDA's do)."""
-        if self.runtime_switch:
-            self.expandable = on
-        return self.runtime_switch
-
     @property
     def reserved(self) -> int:
         return sum(s.mapped_bytes() for s in self.segments)
@@ -178,15 +167,8 @@ class CachingAllocator:
             ]
             active = sum(b.size for b in s.blocks if b.state == "active")
             sizes = {"total_size": s.mapped_bytes(), "allocated_size": active, "active_size": active}
-            out.append(
-                {
-                    "address": s.number << 48,
-                    **sizes,
-                    "segment_type": s.pool,
-                    "is_expandable": s.expandable,
-                    "blocks": blocks,
-                }
-            )
+            kind = {"segment_type": s.pool, "is_expandable": s.expandable}
+            out.append({"address": s.number << 48, **sizes, **kind, "blocks": blocks})
         return out
 
     def malloc(self, nbytes: int) -> Block:
@@ -308,7 +290,8 @@ class CachingAllocator:
             return block
         head = Block(block.segment, block.offset, size, block.state)
         tail = Block(block.segment, block.offset + size, rest, block.state)
-        block.segment.replace(block, [head, tail])
+        i = block.segment.blocks.index(block)
+        block.segment.blocks[i : i + 1] = [head, tail]
         return head
 
     def empty_cache(self) -> bool:
@@ -330,8 +313,7 @@ class CachingAllocator:
         return self.reserved < before
 
     def _refusal(self, size: int) -> str:
-        reserved = self.reserved
-        room = self._room()
+        reserved, room = self.reserved, self._room()
         return (
             f"CUDA out of memory. Tried to allocate {format_size(size)}. GPU 0 has a total capacity of "
             f"{format_size(self.total())} of which {format_size(max(0, room - reserved))} is free. This process "

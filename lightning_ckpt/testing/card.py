@@ -46,12 +46,11 @@ def _storages(values: Iterable[Any]) -> list[torch.UntypedStorage]:
 class SimulatedCard(TorchDispatchMode):
     """A card of ``total_bytes`` for tensors on ``device`` (CPU in the tests).
 
-    ``resident``: modules, optimizers and tensors that already live on the card when it is entered, counted as
-    allocated from the start. ``reserve_factor``: reserved bytes per allocated byte (>= 1), what the cap counts
-    (CUDA's cap limits reserved memory, not allocated). ``expandable``: expandable segments when the card starts
-    (None: read from ``PYTORCH_CUDA_ALLOC_CONF`` on entering); ``runtime_switch=False``: the run-time switch does
-    nothing, as on torch 2.11.
-    """
+    ``resident``: modules, optimizers and tensors that already live on the card when it is entered, counted as allocated
+    from the start. ``reserve_factor``: reserved bytes per allocated byte (>= 1), what the cap counts (CUDA's cap limits
+    reserved memory, not allocated). ``expandable``: expandable segments when the card starts (None: read from
+    ``PYTORCH_CUDA_ALLOC_CONF`` on entering); ``runtime_switch=False``: the run-time switch does nothing, as on torch
+    2.11."""
 
     def __init__(
         self,
@@ -76,8 +75,7 @@ class SimulatedCard(TorchDispatchMode):
         self._resident = list(resident)
         self._live: dict[int, int] = {}  # id of a counted storage -> its bytes
         self._refs: dict[int, weakref.ref] = {}
-        self.allocated_bytes = 0
-        self.peak_bytes = 0
+        self.allocated_bytes = self.peak_bytes = 0
         self.cached_bytes = 0  # reserved high-water mark since the last ``empty_cache``
         self.refusals: list[str] = []  # the message of every OOM the card raised
         self._expandable_at_start = expandable
@@ -109,9 +107,7 @@ class SimulatedCard(TorchDispatchMode):
         return max(self.cached_bytes, self._reserved_for(self.allocated_bytes))
 
     def max_reserved(self) -> int:
-        if self.allocator is not None:
-            return self.allocator.peak_reserved
-        return self.cached_bytes
+        return self.allocator.peak_reserved if self.allocator is not None else self.cached_bytes
 
     def empty_cache(self) -> None:
         if self.allocator is not None:
@@ -138,7 +134,8 @@ class SimulatedCard(TorchDispatchMode):
     def set_allocator_options(self, options: AllocatorOptions) -> None:
         self.options = options
         if self.allocator is not None:
-            self.allocator.set_expandable(bool(options.expandable_segments))
+            if self.allocator.runtime_switch:  # new segments follow the run-time switch, as CUDA's do
+                self.allocator.expandable = bool(options.expandable_segments)
             self.allocator.max_split_size = options.max_split_bytes
 
     def expandable_in_effect(self) -> bool:

@@ -1,7 +1,6 @@
 """Small HuggingFace models built from configs (no weights are downloaded), for tests and benchmarks.
 
-``transformers`` is an optional (dev) dependency; these factories import it when called.
-"""
+``transformers`` is an optional (dev) dependency; these factories import it when called."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """A nanoGPT-style decoder-only transformer (after karpathy/nanoGPT's model.py), readable in one sitting.
 
-It is the reference model of our tests and benchmarks: blocks live in ``transformer.h`` (an
-``nn.ModuleList``) and are called in a plain loop, each with attention and MLP children, exactly the
-shape ``discover_blocks`` looks for in any model.
-"""
+It is the reference model of our tests and benchmarks: blocks live in ``transformer.h`` (an ``nn.ModuleList``) and are
+called in a plain loop, each with attention and MLP children, exactly the shape ``discover_blocks`` looks for in any
+model."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """A zoo of real architectures, built tiny from ``transformers`` configs (no weights are downloaded).
 
-One builder per architecture, as in transformers' ``ModelTesterMixin``, so one conformance suite
-(``tests/test_zoo.py``) and one benchmark (``benchmarks/zoo.py``) run the same checks on every kind of model users
-train. Dropout stays on everywhere, so exactness also covers the RNG replayed by recompute.
-"""
+One builder per architecture, as in transformers' ``ModelTesterMixin``, so one conformance suite (``tests/test_zoo.py``)
+and one benchmark (``benchmarks/zoo.py``) run the same checks on every kind of model users train. Dropout stays on
+everywhere, so exactness also covers the RNG replayed by recompute."""
 
 from __future__ import annotations
 
