@@ -79,8 +79,7 @@ class KeptGraphs:
         self.assembled = False
 
     def release(self) -> None:
-        """Drop what was kept, if anything: a search ends with this, so the model's next step compiles the chosen plan
-        the way the user compiles."""
+        """Drop what was kept: the model's next step then compiles the chosen plan the way the user compiles."""
         if self.keys or self.assembled:
             reset_compiled()
 
@@ -196,7 +195,7 @@ class CompiledTrials:
         return self.measure(plan, memory_limit)  # every compiled trial is measured whole (cached)
 
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
-        """Measure ``plan`` compiled (``memory_limit``: the CUDA cap), and say whether it fights the compiler."""
+        """``plan`` compiled (``memory_limit``: the CUDA cap), and whether it fights the compiler."""
         self.memory_limit_bytes = memory_limit
         m = self.measure_compiled(plan)
         stats = self._cache[plan.key()][1]
@@ -253,11 +252,10 @@ class CompiledTrials:
 
     def measure_compiled(self, plan: Plan) -> Measurement:
         """Measure ``plan`` compiled, once (cached); ``extra["compile"]`` is what dynamo did."""
-        key = plan.key()
-        if key not in self._cache:
-            assembled = self.assembly is not None
-            self._cache[key] = self._assembled_measure(plan) if assembled else self._compile_and_measure(plan)
-        m, stats = self._cache[key]
+        if plan.key() not in self._cache:
+            measure = self._assembled_measure if self.assembly is not None else self._compile_and_measure
+            self._cache[plan.key()] = measure(plan)
+        m, stats = self._cache[plan.key()]
         if plan.is_empty and self.reference is None:
             self.reference = stats
         return m
@@ -303,7 +301,7 @@ class CompiledTrials:
             yield
 
     def _count_compiles(self, graphs: int, run: _CompiledRun) -> int:
-        """Graphs compiled since ``graphs``, added to the search's count with the compiling step's seconds."""
+        """Graphs compiled since ``graphs``, counted with the compiling step's seconds."""
         new = graphs_compiled() - graphs
         if new:
             self.graphs += new
@@ -412,8 +410,14 @@ class CompiledTrials:
         )
 
     def _memory_pass(self, run: _CompiledRun) -> None:
+        """The saved activation bytes, eager ops and resting bytes of one compiled step (see the module docstring)."""
         try:
-            run.saved, run.eager_ops, run.resting = self._saved_bytes(run.snapshot)
+            run.snapshot.reset_grads()
+            with SavedForBackward(self.root, [self.harness.optimizer], self.extra) as saved:
+                loss = loss_of(self.step_fn())
+            eager = dynamo.eager_ops(loss)
+            loss.backward()
+            run.saved, run.eager_ops, run.resting = saved.saved_bytes, eager, saved.resting_bytes
         except Exception as exc:  # noqa: BLE001 - a memory pass failure fails the trial, not the search
             run.failure = classify_failure(exc)
         finally:
@@ -430,15 +434,6 @@ class CompiledTrials:
         if saved is None:
             return m
         return replace(m, peak_bytes=run.resting + saved, activation_bytes=saved)
-
-    def _saved_bytes(self, snapshot: Any) -> tuple[int, int, int]:
-        """(saved activation bytes, eager ops, resting bytes) of one compiled step; see the module docstring."""
-        snapshot.reset_grads()
-        with SavedForBackward(self.root, [self.harness.optimizer], self.extra) as saved:
-            loss = loss_of(self.step_fn())
-        eager = dynamo.eager_ops(loss)
-        loss.backward()
-        return saved.saved_bytes, eager, saved.resting_bytes
 
 
 def compiled_space(space: Any, root: nn.Module) -> Any:

@@ -28,13 +28,7 @@ from lightning_ckpt.search.distributed import Sync
 from lightning_ckpt.search.phases import Phases
 from lightning_ckpt.search.runners import TrialRunner, release_cached_memory
 
-__all__ = [
-    "SearchSession",
-    "lowest_memory_pass",
-    "resolve_budget",
-    "resolve_on_device",
-    "search_session",
-]
+__all__ = ["SearchSession", "lowest_memory_pass", "resolve_budget", "resolve_on_device", "search_session"]
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +78,7 @@ def search_session(resolved: ModelView, clock: Callable[[], float] = time.perf_c
 
 
 def resolve_budget(
-    requested: RequestedBudget,
-    memory: RealStepMemory,
-    runner: TrialRunner | None,
-    resolved: ModelView,
-    sync: Sync,
+    requested: RequestedBudget, memory: RealStepMemory, runner: TrialRunner | None, resolved: ModelView, sync: Sync
 ) -> Budget:
     """The requested budget, an activation share of the largest rank's no-checkpointing step (``memory``'s, or under
     a compiled ``runner`` the compiled step's), the same on every rank. ``runner`` None: the eager step's."""

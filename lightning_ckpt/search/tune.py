@@ -66,12 +66,7 @@ WRITE_CHECK_STEPS = 1
 
 
 def build_runner(
-    resolved: ModelView,
-    harness: StepHarness,
-    config: TuneConfig,
-    *,
-    compiled: bool | None,
-    reserve_headroom: int = 0,
+    resolved: ModelView, harness: StepHarness, config: TuneConfig, *, compiled: bool | None, reserve_headroom: int = 0
 ) -> TrialRunner:
     """The runner for this model, complete: ``CompiledTrials`` when it is compiled, else an ``EagerRunner``;
     ``reserve_headroom``: the allocator's reserve the profile measured, added to the CUDA cap."""

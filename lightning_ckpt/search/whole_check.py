@@ -44,8 +44,7 @@ log = logging.getLogger(__name__)
 
 
 def holds_several_blocks(regions: Sequence[str], blocks: Sequence[str]) -> bool:
-    """Whether one compiled region of ``regions`` (canonical FQNs, ``""``: the whole model) holds more than one of
-    ``blocks``: one graph, so one PT2 knapsack, over several blocks."""
+    """Whether one compiled region (``""``: the whole model) holds several ``blocks``: one PT2 knapsack over them."""
     return any(sum(b.startswith(f"{region}." if region else "") for b in blocks) > 1 for region in regions)
 
 
@@ -116,8 +115,7 @@ PARTITIONS = 1
 
 
 def outside_blocks_bytes(profiled: Any) -> int:
-    """Bytes the compiled ``none`` step saves outside the blocks, which a whole graph's partitioner may recompute
-    instead (0: unknown)."""
+    """Bytes the compiled ``none`` step saves outside the blocks, which a whole graph may recompute (0: unknown)."""
     none = getattr(profiled, "none_activation_bytes", None)
     blocks = [row.saved_bytes.get("none") for row in getattr(profiled, "blocks", ())]
     if none is None or not blocks or any(b is None for b in blocks):
