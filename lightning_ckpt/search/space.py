@@ -332,10 +332,8 @@ class SearchSpace:
         segments = sqrt_segments(stacks)
         if self.segments and segments and "segments" in self.structures(stacks):
             plan = Plan(segments=segments, name="sqrt_segments", fingerprint=fingerprint)
-            params: dict[str, Any] = {
-                "structure": "segments",
-                "chunks": sqrt_chunks(max(len(s.blocks) for s in stacks)),
-            }
+            chunks = sqrt_chunks(max(len(s.blocks) for s in stacks))
+            params: dict[str, Any] = {"structure": "segments", "chunks": chunks}
             if self.plan_for(params, stacks, fingerprint=fingerprint).key() != plan.key():
                 # Stacks of different depths get different counts, which no one value of ``chunks`` means: the
                 # explicit counts keep the trial out of the sampler's model (as for a baseline outside the space).

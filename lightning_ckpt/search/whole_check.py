@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any
 
 from lightning_ckpt.formatting import format_bytes
@@ -168,39 +169,20 @@ def partition_pt2_budgets(
     return leader_free, tuple(found)
 
 
-def check_whole_compile(
-    records: Sequence[TrialRecord], trials: Trials, leader: TrialRecord, whole: Any
-) -> tuple[TrialRecord, WholeCheck | None]:
-    """``leader``, or our fastest fitting plan where it fits and is faster, both compiled the user's way by ``whole``
-    (a ``CompiledTrials`` without blocks); and what was done (None: nothing to weigh)."""
-    return _weigh(records, trials, leader, whole, compiled_whole=True, margin=0.0)
-
-
-def weigh_on_blocks(
-    records: Sequence[TrialRecord],
-    trials: Trials,
-    leader: TrialRecord,
-    runner: Any,
-    margin: float,
-    *,
-    leader_fits: bool | None = None,
-) -> tuple[TrialRecord, WholeCheck | None]:
-    """``leader``, or our fastest fitting plan unless the leader runs more than ``1 + margin`` times its speed, both
-    re-timed side by side on the blocks by ``runner`` (where the blocks' figure flatters the budget). ``leader_fits``:
-    the leader's fit as judged partitioned whole, which then stands for its fit on the blocks."""
-    return _weigh(records, trials, leader, runner, compiled_whole=False, margin=margin, leader_fits=leader_fits)
-
-
 def _weigh(
     records: Sequence[TrialRecord],
     trials: Trials,
     leader: TrialRecord,
     runner: Any,
+    margin: float = 0.0,
     *,
     compiled_whole: bool,
-    margin: float,
     leader_fits: bool | None = None,
 ) -> tuple[TrialRecord, WholeCheck | None]:
+    """``leader``, or our fastest fitting plan unless the leader runs more than ``1 + margin`` times its speed, both
+    measured by ``runner``: compiled the user's way (a ``CompiledTrials`` without blocks), or re-timed side by side on
+    the blocks (where the blocks' figure flatters the budget); and what was done (None: nothing to weigh).
+    ``leader_fits``: the leader's fit as judged partitioned whole, which then stands for its fit on the blocks."""
     if leader.plan.compile_memory_budget is None:
         return leader, None
     # Compiled whole each rival is a compile of the user's model: one. On the blocks a rival costs steps.
@@ -265,6 +247,10 @@ def _weigh(
     )
     (log.warning if keep_rival and compiled_whole else log.info)("lightning_ckpt: %s", check.describe())
     return kept, check
+
+
+check_whole_compile = partial(_weigh, compiled_whole=True)
+weigh_on_blocks = partial(_weigh, compiled_whole=False)
 
 
 # Plans of ours weighed against the budget on the blocks: the time model ranks them, the rounds choose.
