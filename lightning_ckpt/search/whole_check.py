@@ -179,63 +179,44 @@ def _weigh(
     compiled_whole: bool,
     leader_fits: bool | None = None,
 ) -> tuple[TrialRecord, WholeCheck | None]:
-    """``leader``, or our fastest fitting plan unless the leader runs more than ``1 + margin`` times its speed, both
-    measured by ``runner``: compiled the user's way (a ``CompiledTrials`` without blocks), or re-timed side by side on
-    the blocks (where the blocks' figure flatters the budget); and what was done (None: nothing to weigh).
-    ``leader_fits``: the leader's fit as judged partitioned whole, which then stands for its fit on the blocks."""
     if leader.plan.compile_memory_budget is None:
         return leader, None
-    # Compiled whole each rival is a compile of the user's model: one. On the blocks a rival costs steps.
     rivals = _rivals(records, 1 if compiled_whole else RIVALS_ON_BLOCKS)
     if not rivals:
         return leader, None
-    t0 = time.perf_counter()
-    graphs0, seconds0 = getattr(runner, "graphs", 0), getattr(runner, "compile_seconds", 0.0)
+    t0, graphs0, seconds0 = time.perf_counter(), getattr(runner, "graphs", 0), getattr(runner, "compile_seconds", 0.0)
     trials.check_stop()
-    # The plain model compiled the user's way, what graph breaks are compared with (the caches serve it); on the
-    # blocks the search's runner has its own.
+    # The plain model compiled the user's way: what graph breaks are compared with (the blocks' runner has its own).
     plain = _compile_seconds(runner.measure_compiled(Plan())) if compiled_whole else 0.0
     # A leader whose fit was judged partitioned whole is kept as given.
-    judged: dict[int, TrialRecord] = {leader.number: leader} if leader_fits is not None else {}
-    fits: dict[int, bool] = {leader.number: bool(leader_fits)} if leader_fits is not None else {}
-    compile_each: dict[int, float] = {}
-    for trial in (t for t in (leader, *rivals) if t.number not in judged):
-        trials.check_stop()
-        out = runner.measure(trial.plan, trials.memory_limit(trial.micro_batch))
-        judged[trial.number] = trials.judge(trial, out)
-        fits[trial.number] = all(trials.sync.all_gather(bool(judged[trial.number].feasible)))  # every rank the same
-        compile_each[trial.number] = _compile_seconds(out)
+    fits = {leader.number: bool(leader_fits)} if leader_fits is not None else {}
+    judged, compile_each = _measured(trials, runner, (leader, *rivals), fits)
     fitting = [r for r in rivals if fits[r.number]]
     threshold = 1.0 / (1.0 + margin)  # the rival's speed over the leader's above which the rival is kept
-    verdicts = _side_by_side(trials, leader, fitting, runner, threshold) if fits[leader.number] and fitting else {}
-    # The rival: the one the rounds found fastest against the leader; without rounds, the first by rank that fits.
-    timed = [r for r in fitting if (v := verdicts.get(r.number)) is not None and v.ratio is not None]
-    rival = max(timed, key=lambda r: verdicts[r.number].ratio or 0.0) if timed else (fitting or rivals)[0]
-    verdict = verdicts.get(rival.number)
-    ratio = verdict.ratio if verdict is not None else None
-    # Both fit: the rival unless the leader leads by more than the margin (a tie keeps the leader where the margin is
-    # 0); else the one that fits, if one does.
+    rounds = fits[leader.number] and bool(fitting)
+    rival, verdict = _side_by_side(trials, leader, fitting, runner, threshold) if rounds else (None, None)
+    rival, verdict = rival or (fitting or rivals)[0], verdict or _NOT_RETIMED  # else the first by rank that fits
+    # Both fit: the rival unless the leader leads by more than the margin (a tie keeps the leader at margin 0).
     both = fits[leader.number] and fits[rival.number]
-    keep_rival = (ratio is not None and ratio > threshold) if both else (fits[rival.number] and not fits[leader.number])
+    keep_rival = (verdict.ratio or 0.0) > threshold if both else (fits[rival.number] and not fits[leader.number])
     # Compiled whole, the measurement is of another graph than the trials': the rival keeps its search record. On the
     # blocks it is the trials' kind, and a pruned rival has no other.
     kept = (rival if compiled_whole or rival.feasible else judged[rival.number]) if keep_rival else leader
+    each = (plain, compile_each[leader.number], compile_each[rival.number]) if compiled_whole else (0.0, 0.0, 0.0)
     if compiled_whole:
         graphs, compile_seconds = 3, plain + sum(compile_each.values())
-        each = (plain, compile_each[leader.number], compile_each[rival.number])
     else:  # only what the blocks had not compiled yet (a pruned rival's segment, say)
         graphs = getattr(runner, "graphs", 0) - graphs0
         compile_seconds = getattr(runner, "compile_seconds", 0.0) - seconds0
-        each = (0.0, 0.0, 0.0)
     check = WholeCheck(
         leader=leader.label,
         rival=rival.label,
         leader_fits=fits[leader.number],
         rival_fits=fits[rival.number],
-        ratio=ratio,
-        low=verdict.low if verdict is not None else None,
-        high=verdict.high if verdict is not None else None,
-        rounds=verdict.rounds if verdict is not None else 0,
+        ratio=verdict.ratio,
+        low=verdict.low,
+        high=verdict.high,
+        rounds=verdict.rounds,
         kept=kept.label,
         graphs=graphs,
         compile_seconds=compile_seconds,
@@ -249,12 +230,19 @@ def _weigh(
     return kept, check
 
 
+# ``leader``, or our fastest fitting plan unless the leader runs more than ``1 + margin`` times its speed, both measured
+# by the runner: compiled the user's way (a ``CompiledTrials`` without blocks), or re-timed side by side on the blocks
+# (where the blocks' figure flatters the budget); and what was done (None: nothing to weigh). ``leader_fits``: the
+# leader's fit as judged partitioned whole, which then stands for its fit on the blocks.
 check_whole_compile = partial(_weigh, compiled_whole=True)
 weigh_on_blocks = partial(_weigh, compiled_whole=False)
 
 
-# Plans of ours weighed against the budget on the blocks: the time model ranks them, the rounds choose.
+# Plans of ours weighed against the budget on the blocks: the time model ranks them, the rounds choose (compiled whole,
+# each rival is a compile of the user's model: one).
 RIVALS_ON_BLOCKS = 3
+# The verdict of a rival not re-timed beside the leader.
+_NOT_RETIMED = Verdict("", None, None, None, None, 0, 1.0)
 
 
 def _rivals(records: Sequence[TrialRecord], count: int) -> list[TrialRecord]:
@@ -278,11 +266,26 @@ def _compile_seconds(out: Any) -> float:
     return float((out.extra.get("compile") or {}).get("compile_seconds") or 0.0)
 
 
+def _measured(
+    trials: Trials, runner: Any, plans: Sequence[TrialRecord], fits: dict[int, bool]
+) -> tuple[dict[int, TrialRecord], dict[int, float]]:
+    """Each of ``plans`` whose fit ``fits`` does not give measured by ``runner`` and judged, its fit on every rank added
+    to ``fits``: the records by number, and the seconds each measured plan's compile took."""
+    judged, seconds = {t.number: t for t in plans if t.number in fits}, {}
+    for trial in (t for t in plans if t.number not in judged):
+        trials.check_stop()
+        out = runner.measure(trial.plan, trials.memory_limit(trial.micro_batch))
+        judged[trial.number] = trials.judge(trial, out)
+        fits[trial.number] = all(trials.sync.all_gather(bool(judged[trial.number].feasible)))  # every rank the same
+        seconds[trial.number] = _compile_seconds(out)
+    return judged, seconds
+
+
 def _side_by_side(
     trials: Trials, leader: TrialRecord, rivals: Sequence[TrialRecord], runner: Any, threshold: float
-) -> dict[int, Verdict | None]:
-    """Each rival's verdict against the leader, re-timed in interleaved rounds until the fastest rival's ratio is
-    precise or decided against ``threshold``."""
+) -> tuple[TrialRecord | None, Verdict | None]:
+    """The rival the rounds found fastest against the leader, with its verdict (None: no ratio), re-timed in interleaved
+    rounds until that ratio is precise or decided against ``threshold``."""
     config = trials.config
     steps = config.confirm_steps
     # Entered as plans, none a baseline: the rounds' own rule would stop timing a baseline found slower than the
@@ -314,7 +317,10 @@ def _side_by_side(
         until=precise,
         check_stop=trials.check_stop,
     )
-    return verdicts_of(side)
+    verdicts = verdicts_of(side)
+    timed = [r for r in rivals if (v := verdicts[r.number]) is not None and v.ratio is not None]
+    rival = max(timed, key=lambda r: verdicts[r.number].ratio or 0.0, default=None)
+    return rival, verdicts[rival.number] if rival is not None else None
 
 
 def pt2_budget_check(
