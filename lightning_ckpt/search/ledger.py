@@ -383,9 +383,7 @@ class Ledger:
         import optuna
 
         for key, stored in self._stored.items():
-            if not stored.running:
-                continue
-            trial = self._records.get(key) or _record_from_attrs(stored.attrs)
+            trial = (self._records.get(key) or _record_from_attrs(stored.attrs)) if stored.running else None
             if trial is None:
                 continue
             self._store(trial)
@@ -438,10 +436,8 @@ def _over_budget_bytes(trial: TrialRecord, budget: Budget) -> float:
     if value is None:
         value = budget.value_of(trial.predicted_peak_bytes, trial.predicted_activation_bytes)
     over = float(value - budget.limit_bytes) if value is not None else 0.0
-    if trial.status in (TrialStatus.OVER_BUDGET, TrialStatus.PRUNED):
-        # Judged over budget on a figure not kept here (one rank's, or a figure missing): the status decides.
-        over = max(over, 1.0)
-    return over
+    # Judged over budget on a figure not kept here (one rank's, or a figure missing): the status decides.
+    return max(over, 1.0) if trial.status in (TrialStatus.OVER_BUDGET, TrialStatus.PRUNED) else over
 
 
 def _attrs(trial: TrialRecord) -> dict[str, Any]:
