@@ -34,12 +34,10 @@ def graphs_compiled() -> int:
 
 
 def partition_only_backend() -> Any:
-    """A ``torch.compile`` backend that runs inductor up to and including its partition and runs the partitioned
-    graphs as they are, no kernels: what a whole compile saves for backward, to the byte (unlike
-    ``aot_eager_decomp_partition``, which lacks the joint-graph passes), at a fraction of its cost (docs/compile.md).
-
-    Not for convolutions: inductor's later layout optimization saves channels-last copies this does not see. A new
-    backend per call: dynamo guards a frame's graphs on their backend, and a budget is read only when partitioning."""
+    """A ``torch.compile`` backend running inductor up to its partition, then the partitioned graphs as they are: what
+    a whole compile saves for backward, to the byte (unlike ``aot_eager_decomp_partition``, which lacks the joint-graph
+    passes), at a fraction of its cost. Not for convolutions: inductor's later layout optimization saves channels-last
+    copies this does not see. A new backend per call: dynamo guards a frame's graphs on their backend."""
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
 
@@ -63,8 +61,7 @@ def room_for_graphs(limit: int = GRAPHS_PER_FRAME) -> Iterator[None]:
 
 
 class BlocksCompiledAlone:
-    """``model`` as a compiled search runs it, while ``installed()`` is entered. ``blocks``: the stacks' block FQNs
-    (canonical, as plans name them)."""
+    """``model`` as a compiled search runs it, while ``installed()`` is entered; ``blocks``: the stacks' block FQNs."""
 
     def __init__(self, model: nn.Module, root: nn.Module, blocks: tuple[str, ...]) -> None:
         self.blocks = blocks
@@ -96,9 +93,8 @@ class BlocksCompiledAlone:
 
     @contextlib.contextmanager
     def segments_eager(self, root: nn.Module, stacks: Iterable[str]) -> Iterator[None]:
-        """The blocks of the segmented ``stacks`` called eagerly, each block of a chunk through one compiled call of its
-        ``original_forward``: compiled alone, a segment's head block would trace its whole chunk, one graph per chunk
-        length."""
+        """The segmented ``stacks``' blocks eager, each called through one compiled call of its ``original_forward``:
+        compiled alone, a segment's head block would trace its whole chunk, one graph per chunk length."""
         prefixes = tuple(f"{s}." if s else "" for s in stacks)
         touched: list[tuple[nn.Module, str, Any]] = []
         for fqn in self.blocks:
@@ -116,8 +112,7 @@ class BlocksCompiledAlone:
 
     @contextlib.contextmanager
     def partitioned(self) -> Iterator[None]:
-        """Every compiled region other than the blocks compiled through a fresh ``partition_only_backend`` for the
-        enclosed steps: what the user's compile would save for backward."""
+        """Every compiled region but the blocks compiled through a fresh ``partition_only_backend`` while entered."""
         backend = partition_only_backend()
         # ``None``: a ``.compile()``-d module, whose eager call is its ``_call_impl``.
         compiled = [(obj, name, torch.compile(eager if eager is not None else obj._call_impl, backend=backend))

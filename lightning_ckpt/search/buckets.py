@@ -38,7 +38,7 @@ __all__ = ["bucket_profile", "compiled_at", "plan_table", "rescaled_time"]
 
 def rescaled_time(time_at: TimeModel, searched: TimeModel) -> TimeModel:
     """``time_at`` (a bucket's blocks, timed at its length) calibrated from ``searched``: the plain step scaled by the
-    blocks' plain seconds at the two lengths (it only sets how much recompute weighs against the step)."""
+    blocks' plain seconds at the two lengths."""
     if searched.calibration is None:
         raise PlanError("the search's time model is not calibrated (it measured no plan): no table can be predicted")
     here, there = time_at.plain_block_seconds(), searched.plain_block_seconds()
@@ -63,13 +63,9 @@ def bucket_profile(
         state = PythonState.capture(view.root)
         try:
             modes = space_modes(space, view)
+            step = state.restoring(step_fn)
             return profile_step(
-                view,
-                state.restoring(step_fn),
-                optimizer=optimizer,
-                extra=extra,
-                time_blocks=modes,
-                compiled_blocks=compiled,
+                view, step, optimizer=optimizer, extra=extra, time_blocks=modes, compiled_blocks=compiled
             )
         except Exception as exc:
             if not is_out_of_memory(exc):
@@ -91,15 +87,7 @@ def plan_table(
     ``profile_at(length)`` profiles the model on the tuned batch at that length (``bucket_profile``)."""
     compiled = bool(top.provenance.compiled_profile)
     searched = SavedProfile.of_plan(top, source="the search's plan", compiled=compiled)
-    measured = top.provenance.measured
-    top_bucket = Bucket(
-        max_length=edges[-1],
-        plan=top,
-        source="search",
-        predicted_peak_bytes=measured.get("peak_bytes"),
-        predicted_activation_bytes=measured.get("activation_bytes"),
-        predicted_seconds=measured.get("median_seconds"),
-    )
+    measured = [top.provenance.measured.get(k) for k in ("peak_bytes", "activation_bytes", "median_seconds")]
     buckets = []
     for length in edges[:-1]:
         profile = profile_at(length)
@@ -110,7 +98,7 @@ def plan_table(
         time = rescaled_time(profile.time, searched.time)
         at = compiled_at(top, profile, length / edges[-1]) if compiled else None
         buckets.append(table_bucket(length, profile.memory, time, searched, budget, rows, top, compiled=at))
-    return PlanTable((*buckets, top_bucket), rows)
+    return PlanTable((*buckets, Bucket(edges[-1], top, "search", *measured)), rows)
 
 
 def compiled_at(top: Plan, profile: Profile, length_ratio: float) -> CompiledMemoryModel:

@@ -15,10 +15,9 @@ __all__ = ["BeatsFn", "CHOICE_RULE", "choose_best", "choose_plan", "judge_status
 def judge_status(
     measured: TrialStatus | str, conflict: str | None, *, allow_graph_breaks: bool, fits: bool
 ) -> TrialStatus:
-    """A trial's status from its measurement: a failure stays what it is; a plan that fights torch.compile is
-    a ``conflict`` (unless graph breaks are allowed); otherwise ``ok`` or ``over_budget``."""
-    measured = TrialStatus(measured)
-    if measured != TrialStatus.OK:
+    """A failure stays what it is; a plan that fights torch.compile is a ``conflict`` (unless graph breaks are
+    allowed); otherwise ``ok`` or ``over_budget``."""
+    if (measured := TrialStatus(measured)) != TrialStatus.OK:
         return measured
     if conflict and not allow_graph_breaks:
         return TrialStatus.CONFLICT
@@ -45,12 +44,10 @@ def choose_best(
     confirmed_only: bool = False,
     beats: BeatsFn | None = None,
 ) -> TrialRecord | None:
-    """The plan ``CHOICE_RULE`` picks (the README and the result line state the same rule); without a fitting
-    baseline, the fastest plan, ties to lower memory.
+    """The plan ``CHOICE_RULE`` picks; without a fitting baseline, the fastest plan, ties to lower memory.
 
-    ``confirmed_only``: trials re-timed side by side compare with each other but not with figures taken at other
-    moments (a slow moment would hand the win to an unconfirmed trial), so when any exist only they compete.
-    ``beats``: the confirmation's verdicts; without one for a pair, the figures decide.
+    ``confirmed_only``: trials re-timed side by side do not compare with figures taken at other moments (a slow moment
+    would hand the win to an unconfirmed trial), so when any exist only they compete. ``beats``: the verdicts.
     """
     feasible = [t for t in trials if t.feasible and t.samples_per_second]
     if not feasible:
@@ -95,12 +92,11 @@ def choose_plan(
     measure: Callable[[TrialRecord], None] | None = None,
     beats: BeatsFn | None = None,
 ) -> tuple[TrialRecord, bool, str]:
-    """The one choice every search makes: ``choose_best`` (confirmed trials first), else ``lowest_memory``; (chosen,
-    fell back, the fallback's warning).
+    """(chosen, fell back, the fallback's warning): ``choose_best`` (confirmed trials first), else ``lowest_memory``.
 
-    ``trials`` reads the records as they are now, since ``verify`` (a trial timed only: its memory measured) and
-    ``measure`` (a pruned plan run, when everything was pruned or failed, so there is one to fall back to) change
-    them. ``nothing_fits(trials)`` starts the warning, or the error when ``on_infeasible="raise"`` or nothing ran.
+    ``trials`` reads the records as they are now, since ``verify`` (a timed-only trial's memory measured) and
+    ``measure`` (a pruned plan run, when all were pruned or failed, to have one to fall back to) change them.
+    ``nothing_fits(trials)`` starts the warning, or the error when ``on_infeasible="raise"`` or nothing ran.
     """
 
     def verified(pick: Callable[[Sequence[TrialRecord]], TrialRecord | None]) -> TrialRecord | None:

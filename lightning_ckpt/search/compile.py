@@ -65,8 +65,7 @@ def reset_compiled() -> None:
 
 class KeptGraphs:
     """The graphs dynamo holds for a runner since the last reset: the plans re-timing rounds kept (``keys``: plan key
-    and owner, as another batch shape has other graphs), the PT2 budget the unmarked ones were compiled under, and
-    whether trials ran on blocks compiled alone."""
+    and owner), the PT2 budget the unmarked ones were compiled under, and whether blocks ran compiled alone."""
 
     def __init__(self) -> None:
         self.keys: set[tuple[int, str]] = set()
@@ -79,8 +78,7 @@ class KeptGraphs:
         self.assembled = False
 
     def release(self) -> None:
-        """Drop what was kept, if anything: a search ends with this, so the model's next step compiles the chosen plan
-        the way the user compiles."""
+        """Drop what was kept: the model's next step then compiles the chosen plan the way the user compiles."""
         if self.keys or self.assembled:
             reset_compiled()
 
@@ -100,15 +98,14 @@ _LIVE: weakref.WeakSet[KeptGraphs] = weakref.WeakSet()
 
 
 def release_kept_graphs() -> None:
-    """``KeptGraphs.release`` of every search's graphs."""
     for graphs in list(_LIVE):
         graphs.release()
 
 
 @contextlib.contextmanager
 def eager_while_profiling(enabled: bool) -> Iterator[None]:
-    """Run the enclosed passes eagerly when ``enabled``: the memory profile and the process warm-up describe the eager
-    step and would otherwise pay a compile each (tens of seconds on CPU)."""
+    """The enclosed passes eager when ``enabled``: the memory profile and the warm-up describe the eager step and
+    would otherwise pay a compile each (tens of seconds on CPU)."""
     if not enabled:
         yield
         return
@@ -129,7 +126,7 @@ def _budget_forward(module: nn.Module, budget: str, *args: Any, **kwargs: Any) -
 
 @dataclass
 class _CompiledRun:
-    """What one compiled trial found so far, pass by pass, and the state each pass restores."""
+    """What one compiled trial found so far, and the state each pass restores."""
 
     snapshot: StateSnapshot
     compile_seconds: float = 0.0
@@ -143,9 +140,8 @@ class _CompiledRun:
 
 
 class CompiledTrials:
-    """The trial runner of a compiled model (``runners.TrialRunner``): on its blocks compiled alone
-    (``search.assembly``), else each plan compiled from a reset, so no trial's recompiles count towards the next one's
-    limit."""
+    """The trial runner of a compiled model: on its blocks compiled alone (``search.assembly``), else each plan
+    compiled from a reset, so no trial's recompiles count towards the next one's limit."""
 
     def __init__(
         self,
@@ -196,7 +192,7 @@ class CompiledTrials:
         return self.measure(plan, memory_limit)  # every compiled trial is measured whole (cached)
 
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
-        """Measure ``plan`` compiled (``memory_limit``: the CUDA cap), and say whether it fights the compiler."""
+        """``plan`` compiled (``memory_limit``: the CUDA cap), and whether it fights the compiler."""
         self.memory_limit_bytes = memory_limit
         m = self.measure_compiled(plan)
         stats = self._cache[plan.key()][1]
@@ -206,9 +202,8 @@ class CompiledTrials:
         return replace(m, steps=steps, conflict=reason, extra=extra)
 
     def retime(self, plan: Plan, steps: int | None = None, *, warmup: int = 1) -> Measurement:
-        """Time ``plan`` again, no memory pass: an untimed first step (it compiles the plan, or runs its kept graph:
-        every round's warm-up, so ``warmup`` is unused here), then the timed steps. Each plan gets the forward objects
-        it had the first time (``KeptGraphs.apply_reusing``), so a later round costs steps, not a compile."""
+        """Time ``plan`` again: an untimed first step (it compiles the plan, or runs its kept graph: the warm-up),
+        then the timed steps. Each plan gets the forwards it had the first time, so a later round costs no compile."""
         if self.assembly is not None:
             return self._assembled_retime(plan, steps, warmup)
         key = (id(self), plan.key())  # another runner (micro-batch) is another batch shape: other graphs
@@ -230,9 +225,8 @@ class CompiledTrials:
 
     @contextlib.contextmanager
     def _budget_marked(self, budget: float | None) -> Iterator[None]:
-        """Every compiled region given the forward that names ``budget`` (``_budget_forward``) while entered. Unmarked
-        (no budget, or a region with an instance forward already), no guard tells budgets apart, so the graphs kept
-        under another budget are dropped."""
+        """Every compiled region given the forward that names ``budget`` (``_budget_forward``). Unmarked (no budget, or
+        an instance forward already), no guard tells budgets apart: the graphs kept under another budget are dropped."""
         fqns = () if budget is None else self.assembly.blocks if self.assembly is not None else self.regions
         # The root may be the compiled wrapper itself (``torch.compile(model)``), whose ``forward`` is an instance one.
         modules = [unwrap_compiled(self.root.get_submodule(fqn) if fqn else self.root) for fqn in fqns]
@@ -253,19 +247,17 @@ class CompiledTrials:
 
     def measure_compiled(self, plan: Plan) -> Measurement:
         """Measure ``plan`` compiled, once (cached); ``extra["compile"]`` is what dynamo did."""
-        key = plan.key()
-        if key not in self._cache:
-            assembled = self.assembly is not None
-            self._cache[key] = self._assembled_measure(plan) if assembled else self._compile_and_measure(plan)
-        m, stats = self._cache[key]
+        if plan.key() not in self._cache:
+            measure = self._assembled_measure if self.assembly is not None else self._compile_and_measure
+            self._cache[plan.key()] = measure(plan)
+        m, stats = self._cache[plan.key()]
         if plan.is_empty and self.reference is None:
             self.reference = stats
         return m
 
     def measure_partitioned(self, plan: Plan) -> Measurement:
-        """``plan`` (a PT2 budget) as measured on the blocks compiled alone, with the bytes the user's compile of
-        several blocks in one graph saves for backward (``assembly.partition_only_backend``). The time stays the
-        blocks'; the peak moves by what the saved bytes moved."""
+        """``plan`` (a PT2 budget) measured on the blocks, with the bytes the user's compile of several blocks in one
+        graph saves (``assembly.partition_only_backend``): the blocks' time, the peak moved by the saved bytes."""
         assert self.assembly is not None, "partitioning whole needs the blocks a compiled search ran alone"
         on_blocks = self.measure_compiled(plan)
         graphs_before = graphs_compiled()
@@ -288,11 +280,9 @@ class CompiledTrials:
         return replace(on_blocks, activation_bytes=run.saved, peak_bytes=peak,
                        extra={**on_blocks.extra, "partitioned": partition})  # fmt: skip
 
-    # -- on blocks compiled alone (``search.assembly``) ------------------------------------------------------------
     @contextlib.contextmanager
     def _assembled(self, plan: Plan) -> Iterator[None]:
-        """``plan`` applied to the blocks compiled alone, with the forwards it had before (``reused_forwards``), so its
-        graphs are the ones any earlier trial compiled for its modes."""
+        """``plan`` applied to the blocks compiled alone, with the forwards it had before: earlier trials' graphs."""
         assert self.assembly is not None
         with self.assembly.installed(), room_for_graphs(), contextlib.ExitStack() as stack:
             with reused_forwards(self._forwards):
@@ -303,7 +293,7 @@ class CompiledTrials:
             yield
 
     def _count_compiles(self, graphs: int, run: _CompiledRun) -> int:
-        """Graphs compiled since ``graphs``, added to the search's count with the compiling step's seconds."""
+        """Graphs compiled since ``graphs``, counted with the compiling step's seconds."""
         new = graphs_compiled() - graphs
         if new:
             self.graphs += new
@@ -333,8 +323,7 @@ class CompiledTrials:
         )
 
     def _assembled_retime(self, plan: Plan, steps: int | None, warmup: int) -> Measurement:
-        """``retime`` on the blocks compiled alone. A plan that ran before has its graphs, so its round is an eager
-        round's; a plan's first run starts with the untimed step that compiles what it needs."""
+        """``retime`` on the blocks compiled alone: a plan's first run starts with the step that compiles its graphs."""
         graphs_before = graphs_compiled()
         run = _CompiledRun(StateSnapshot.capture(self.root))
         with self._assembled(plan):
@@ -379,7 +368,6 @@ class CompiledTrials:
         return replace(self._reading(run), extra={"compile": stats.to_dict()}), stats
 
     def _compile_then_time(self, run: _CompiledRun, steps: int | None) -> None:
-        """The untimed first step (it compiles, or runs a kept graph), then the timed steps unless it failed."""
         self._compile_step(run)
         if run.failure is None:
             run.measurement = self._timed_steps(steps)
@@ -412,15 +400,21 @@ class CompiledTrials:
         )
 
     def _memory_pass(self, run: _CompiledRun) -> None:
+        """The saved activation bytes, eager ops and resting bytes of one compiled step (see the module docstring)."""
         try:
-            run.saved, run.eager_ops, run.resting = self._saved_bytes(run.snapshot)
+            run.snapshot.reset_grads()
+            with SavedForBackward(self.root, [self.harness.optimizer], self.extra) as saved:
+                loss = loss_of(self.step_fn())
+            eager = dynamo.eager_ops(loss)
+            loss.backward()
+            run.saved, run.eager_ops, run.resting = saved.saved_bytes, eager, saved.resting_bytes
         except Exception as exc:  # noqa: BLE001 - a memory pass failure fails the trial, not the search
             run.failure = classify_failure(exc)
         finally:
             run.snapshot.restore()
 
     def _reading(self, run: _CompiledRun) -> Measurement:
-        """The trial's figures as the module docstring defines them for this device."""
+        """The trial's figures as the module docstring defines them."""
         if run.failure is not None:
             status, message = run.failure
             return Measurement("conflict" if run.conflict else status, error=message, device=str(self.device))
@@ -431,21 +425,11 @@ class CompiledTrials:
             return m
         return replace(m, peak_bytes=run.resting + saved, activation_bytes=saved)
 
-    def _saved_bytes(self, snapshot: Any) -> tuple[int, int, int]:
-        """(saved activation bytes, eager ops, resting bytes) of one compiled step; see the module docstring."""
-        snapshot.reset_grads()
-        with SavedForBackward(self.root, [self.harness.optimizer], self.extra) as saved:
-            loss = loss_of(self.step_fn())
-        eager = dynamo.eager_ops(loss)
-        loss.backward()
-        return saved.saved_bytes, eager, saved.resting_bytes
-
 
 def compiled_space(space: Any, root: nn.Module) -> Any:
-    """The search space for this compiled model (``SearchSpace.for_compile``), minus unsafe PT2 budgets: torch 2.13's
-    memory-budget partitioner may recompute dropout in backward with fresh randomness, corrupting gradients at any
-    budget < 1 (pytorch#190758, pytorch#190717), so with active dropout they are left out unless the user listed them.
-    """
+    """``space.for_compile()`` minus unsafe PT2 budgets: torch 2.13's memory-budget partitioner may recompute dropout
+    in backward with fresh randomness, corrupting gradients at any budget < 1 (pytorch#190758, pytorch#190717), so
+    with active dropout they are left out unless the user listed them."""
     adapted = space.for_compile()
     rng = dynamo.random_ops(root)
     if rng and adapted.budget_choices:
@@ -493,8 +477,8 @@ def compiled_search(
 
 
 def compiled_target(model: nn.Module, *, compiled: bool | None) -> tuple[str, ...] | None:
-    """The compiled regions of ``model`` when it is compiled (``compiled=None``: detect, one walk over the modules;
-    ``True``: compiled even where none is found), else ``None``; a model compiled with CUDA graphs is refused."""
+    """The compiled regions of ``model`` (``compiled=None``: detect; ``True``: compiled even where none is found), else
+    ``None``; a model compiled with CUDA graphs is refused."""
     if compiled is False:
         return None
     regions = compiled_regions(model)

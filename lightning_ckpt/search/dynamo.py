@@ -1,7 +1,5 @@
 """What dynamo did: a model's random ops and CUDA graphs, and what compiling one plan cost and broke
-(``CompileStats``, ``conflict_reason``), read off dynamo's process-wide counters. ``search.compile`` runs the
-trials.
-"""
+(``CompileStats``, ``conflict_reason``), read off dynamo's process-wide counters."""
 
 from __future__ import annotations
 
@@ -103,8 +101,7 @@ class CompileStats:
 
 def conflict_reason(stats: CompileStats, reference: CompileStats | None) -> str | None:
     """Why ``stats`` shows a plan fighting the compiler, compared with the no-checkpointing reference."""
-    ref = reference or CompileStats()
-    reasons = []
+    ref, reasons = reference or CompileStats(), []
     if stats.region_breaks:
         where = next((r for r in stats.break_reasons if "[in checkpointed region]" in r), "")
         reasons.append(

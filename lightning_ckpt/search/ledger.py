@@ -103,15 +103,14 @@ class TrialRecord:
 
     @property
     def searched_seconds(self) -> float | None:
-        """The step seconds the search measured, before side-by-side rounds re-timed the plan at whatever speed the
-        machine then had: the figure the time model is fitted to and judged by."""
+        """The step seconds the search measured, before the rounds re-timed it: what the time model is fitted to."""
         if self.median_seconds and self.first_samples_per_second and self.samples_per_second:
             return self.median_seconds * self.samples_per_second / self.first_samples_per_second
         return self.median_seconds
 
     @property
     def prediction_error(self) -> float | None:
-        """The time model's error on this plan: predicted / searched step seconds - 1. None when either is unknown."""
+        """The time model's error on this plan: predicted / searched step seconds - 1 (None: either is unknown)."""
         if self.predicted_seconds is None or not self.median_seconds or self.status == TrialStatus.PRUNED:
             return None
         return self.predicted_seconds / self.searched_seconds - 1.0
@@ -123,11 +122,8 @@ class TrialRecord:
         memory, else ``real_peak_bytes`` is the peak; ``timed=False``: a memory pass, which says nothing of speed."""
         figures: dict[str, Any] = {"steps": self.steps + out.steps, "error": out.error, "traceback": out.traceback}
         if timed and out.samples_per_second is not None:
-            figures.update(
-                samples_per_second=out.samples_per_second,
-                median_seconds=out.median_seconds,
-                spread_seconds=out.spread_seconds,
-            )
+            figures.update(samples_per_second=out.samples_per_second, median_seconds=out.median_seconds)
+            figures.update(spread_seconds=out.spread_seconds)
         if memory:
             figures.update(
                 peak_bytes=real_peak_bytes,
@@ -142,8 +138,7 @@ class TrialRecord:
     def memory(self, budget: Budget) -> float:
         """The figure ``budget`` constrains, measured (else peak); inf when nothing was measured."""
         value = budget.value_of(self.peak_bytes, self.activation_bytes)
-        if value is None:
-            value = self.peak_bytes
+        value = self.peak_bytes if value is None else value
         return float(value) if value is not None else float("inf")
 
 
@@ -190,7 +185,6 @@ class Ledger:
         self.sampler_study: Any = None  # the sampler's working study, in memory (likewise)
         self._stored: dict[str, _StoredTrial] = {}  # the record's trial per plan key
 
-    # -- the records ---------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._records)
 
@@ -227,7 +221,6 @@ class Ledger:
     def sampler_name(self) -> str | None:
         return type(self.sampler_study.sampler).__name__ if self.sampler_study is not None else None
 
-    # -- opening and resuming ------------------------------------------------------------------------
     def open(
         self,
         sampler: Any,
@@ -269,15 +262,7 @@ class Ledger:
             study_name=self.study_name,
             load_if_exists=self.config.storage is not None,
         )
-        self._check_run()
-        if self.record.metric_names != list(METRIC_NAMES):
-            with warnings.catch_warnings():  # experimental since Optuna 3.2, and still the way to name a metric
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                self.record.set_metric_names(list(METRIC_NAMES))
-        log.info("lightning_ckpt: Optuna study %r (%s)", self.study_name, storage_for_display(self.config.storage))
-
-    def _check_run(self) -> None:
-        """Refuse a stored study made for another run; mark a new one with this run."""
+        # Refuse a stored study made for another run; mark a new one with this run.
         run = json.loads(json.dumps(self.run_info, default=str))  # as storage gives it back
         stored_run = self.record.user_attrs.get("run")
         if stored_run is not None and stored_run != run:
@@ -291,6 +276,11 @@ class Ledger:
             )
         if stored_run is None:
             self.record.set_user_attr("run", run)
+        if self.record.metric_names != list(METRIC_NAMES):
+            with warnings.catch_warnings():  # experimental since Optuna 3.2, and still the way to name a metric
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                self.record.set_metric_names(list(METRIC_NAMES))
+        log.info("lightning_ckpt: Optuna study %r (%s)", self.study_name, storage_for_display(self.config.storage))
 
     def _stored_records(self, predicted_over_budget: Callable[[Plan, int | None], bool]) -> list[TrialRecord]:
         """Rank 0: the record study's plans (the first trial of each), judged against this run's budget; a plan
@@ -312,7 +302,6 @@ class Ledger:
             out.append(record)
         return out
 
-    # -- the sampler's working study -----------------------------------------------------------------
     def _learn(self, trial: TrialRecord) -> None:
         """Add a resumed ``trial`` to the sampler's history, finished."""
         if self.sampler_study is None:
@@ -331,16 +320,14 @@ class Ledger:
         return optuna.trial.create_trial(params=params, distributions=distributions, **kwargs)
 
     def _intermediate(self, trial: TrialRecord) -> dict[int, float]:
-        """A pruned plan's samples/s as the time model predicted it, as its one intermediate value: Optuna's value of
-        a pruned trial is its last one. Empty for any other trial."""
+        """A pruned plan's predicted samples/s as its one intermediate value (Optuna's value of a pruned trial)."""
         if trial.status != TrialStatus.PRUNED or not trial.predicted_seconds:
             return {}
         samples = int(self.run_info.get("batch_size") or 1) * int(self.run_info.get("world_size") or 1)
         return {0: samples / trial.predicted_seconds}
 
     def ask(self, params: Mapping[str, Any] | None = None) -> Any:
-        """A new trial of the sampler: its proposal; or, with ``params``, a trial enqueued with them (a baseline, a
-        plan the loop takes itself)."""
+        """A new trial of the sampler: its proposal, or one enqueued with ``params`` (a plan the loop takes itself)."""
         fixed = _optuna_params(params or {}, self.distributions)
         if fixed:
             self.sampler_study.enqueue_trial(fixed, skip_if_exists=False)
@@ -367,7 +354,6 @@ class Ledger:
             handle.report(predicted, step)
         study.tell(handle, value, state=state)
 
-    # -- the record ----------------------------------------------------------------------------------
     def _store(self, trial: TrialRecord) -> None:
         """Write ``trial`` to the record study: a new ``RUNNING`` trial for a new plan, else the attributes that
         changed (a trial an earlier run finished keeps its figures)."""
@@ -397,9 +383,7 @@ class Ledger:
         import optuna
 
         for key, stored in self._stored.items():
-            if not stored.running:
-                continue
-            trial = self._records.get(key) or _record_from_attrs(stored.attrs)
+            trial = (self._records.get(key) or _record_from_attrs(stored.attrs)) if stored.running else None
             if trial is None:
                 continue
             self._store(trial)
@@ -452,19 +436,14 @@ def _over_budget_bytes(trial: TrialRecord, budget: Budget) -> float:
     if value is None:
         value = budget.value_of(trial.predicted_peak_bytes, trial.predicted_activation_bytes)
     over = float(value - budget.limit_bytes) if value is not None else 0.0
-    if trial.status in (TrialStatus.OVER_BUDGET, TrialStatus.PRUNED):
-        # Judged over budget on a figure not kept here (one rank's, or a figure missing): the status decides.
-        over = max(over, 1.0)
-    return over
+    # Judged over budget on a figure not kept here (one rank's, or a figure missing): the status decides.
+    return max(over, 1.0) if trial.status in (TrialStatus.OVER_BUDGET, TrialStatus.PRUNED) else over
 
 
 def _attrs(trial: TrialRecord) -> dict[str, Any]:
     attrs = {k: getattr(trial, k) for k in _RECORD_FIELDS}
-    attrs["status"] = trial.status.value
-    attrs["confirmation_seconds"] = list(trial.confirmation_seconds)
-    attrs["plan"] = trial.plan.to_dict()
-    attrs["params"] = dict(trial.params)
-    return attrs
+    attrs.update(status=trial.status.value, confirmation_seconds=list(trial.confirmation_seconds))
+    return {**attrs, "plan": trial.plan.to_dict(), "params": dict(trial.params)}
 
 
 def _record_from_attrs(attrs: Mapping[str, Any]) -> TrialRecord | None:
@@ -478,8 +457,7 @@ def _record_from_attrs(attrs: Mapping[str, Any]) -> TrialRecord | None:
     fields["confirmation_seconds"] = tuple(fields["confirmation_seconds"] or ())
     params = dict(attrs.get("params", {}))
     m = params.get("micro_batch")  # the joint search's dimension: the record's micro-batch
-    micro_batch = int(m) if m is not None else None
-    return TrialRecord(number=0, plan=plan, params=params, resumed=True, micro_batch=micro_batch, **fields)
+    return TrialRecord(0, plan, params=params, resumed=True, micro_batch=int(m) if m is not None else None, **fields)
 
 
 def _optuna_params(params: Mapping[str, Any], distributions: Mapping[str, Any]) -> dict[str, Any]:

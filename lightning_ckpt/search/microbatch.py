@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,8 +62,8 @@ def divisors(n: int) -> list[int]:
 
 
 def resize_batch(batch: Any, base: int, size: int) -> Any:
-    """``batch`` with ``size`` samples: tensors whose first dimension is ``base`` are cut or tiled (a dense model's
-    step time and memory do not depend on the values, so no more data is drawn)."""
+    """``batch`` with ``size`` samples: tensors whose first dimension is ``base`` cut or tiled (a dense model's step
+    time and memory do not depend on the values)."""
 
     def fit(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != base:
@@ -116,9 +117,8 @@ class ScaledMemoryModel:
         return self.large.plannable_stacks(stacks)
 
     def table(self) -> str:
-        return f"(scaled to micro-batch {self.size} from profiles at {self.small_size} and {self.large_size})\n" + (
-            self.large.table()
-        )
+        scaled = f"(scaled to micro-batch {self.size} from profiles at {self.small_size} and {self.large_size})"
+        return f"{scaled}\n{self.large.table()}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"scaled_to": self.size, "profiled_at": [self.small_size, self.large_size], **self.large.to_dict()}
@@ -149,15 +149,13 @@ def tune_micro_batch(
     config: TuneConfig | None = None,
     hooks: SearchHooks | None = None,
 ) -> MicroBatchResult:
-    """Search (plan, micro-batch) for the most samples/s within the budget at a fixed global batch.
+    """Search (plan, micro-batch) pairs, compared per sample, for the most samples/s within the budget at a fixed
+    global batch; the chosen plan carries its micro-batch in ``provenance.micro_batch``.
 
-    ``loss_fn_for(m)`` returns a zero-argument function running the forward on a batch of ``m`` samples and returning
-    the loss. The budget is resolved at ``base_micro_batch`` (the user's), so ``activation_budget`` means a fraction of
-    *the user's* no-checkpointing activation memory. ``config`` and ``hooks`` as for ``tune``; ``n_trials`` bounds the
-    whole search, ``config.micro_batches`` names the sizes tried (None: every divisor of ``global_batch``).
-
-    Candidates are (plan, micro-batch) pairs, compared per sample; the chosen plan carries its micro-batch in
-    ``provenance.micro_batch``.
+    ``loss_fn_for(m)`` returns a zero-argument function running the forward on ``m`` samples and returning the loss.
+    The budget is resolved at ``base_micro_batch`` (the user's): ``activation_budget`` is a fraction of *the user's*
+    no-checkpointing activations. ``config`` and ``hooks`` as for ``tune``; ``config.micro_batches``: the sizes tried
+    (None: every divisor of ``global_batch``).
     """
     config, hooks = config or TuneConfig(), hooks or SearchHooks()
     requested = RequestedBudget.of(max_memory, activation_budget)  # a bad budget fails before any step runs
@@ -173,11 +171,9 @@ def tune_micro_batch(
 
         session.check_parameter_writes(step_for(base_micro_batch))
         with session.phases.timing("profile"):
+            profiles = partial(_scaled_profiles, resolved, step_for, extra_for, optimizer, base_micro_batch, config)
             scaled, times, opt_mem, tracked = lowest_memory_pass(
-                "the memory profile",
-                session.began,
-                resolved,
-                lambda: _scaled_profiles(resolved, step_for, extra_for, optimizer, base_micro_batch, config),
+                "the memory profile", session.began, resolved, profiles
             )
         sync = hooks.sync or LocalSync()
         at_base = RealStepMemory(scaled.at(base_micro_batch), opt_mem)
@@ -194,17 +190,13 @@ def tune_micro_batch(
         workloads = [workload(m) for m in sorted(feasible, reverse=True)]  # largest first: checkpointing unlocks them
         timing = {m: times.at(m) for m in feasible} if times is not None else None
         result = _search(resolved, workloads, budget, config, timing, scaled, opt_mem, hooks, session.phases)
-    m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
+    m = int(getattr(result.best_trial, "micro_batch", None) or base_micro_batch)
     spec = MicroBatch(m, global_batch // m, global_batch, base_micro_batch, config.tie_tolerance)
     run = {**result.best.provenance.run, "batch_size": m}  # the step the plan runs: the chosen micro-batch
     allocator = {"allocator": session.allocator.to_dict()} if session.allocator is not None else {}  # as tune
-    result = replace(
-        result,
-        best=result.best.with_provenance(**allocator, micro_batch=spec, run=run),
-        tuning_seconds=time.perf_counter() - started,
-        memory_table=scaled.at(m).table(),
-        memory_breakdown=scaled.at(m).to_dict(),
-    )
+    best = result.best.with_provenance(**allocator, micro_batch=spec, run=run)
+    at_m = {"memory_table": scaled.at(m).table(), "memory_breakdown": scaled.at(m).to_dict()}
+    result = replace(result, best=best, tuning_seconds=time.perf_counter() - started, **at_m)
     return MicroBatchResult(result, m, global_batch // m, global_batch, skipped)
 
 
@@ -219,8 +211,7 @@ def _search(
     hooks: SearchHooks,
     phases: Phases,
 ) -> TuneResult:
-    """The one search over every (plan, micro-batch) candidate, by each micro-batch's time model (``timing``; None:
-    the sampler's draws, as for a compiled model)."""
+    """The one search over every (plan, micro-batch), by each micro-batch's time model (``timing``; None: sampled)."""
     is_compiled = isinstance(workloads[0].runner, CompiledTrials)
     space = config.search_space.for_device(resolved.device.type)
     space = workloads[0].runner.adapt(space) if is_compiled else space
@@ -247,7 +238,7 @@ def _search(
 
 
 def _checked_micro_batches(micro_batches: Sequence[int] | None, global_batch: int) -> list[int]:
-    """The micro-batches to search, ascending: every divisor of the global batch unless the user listed some."""
+    """The micro-batches to search, ascending (default: every divisor of the global batch)."""
     candidates = sorted(micro_batches or divisors(global_batch))
     bad = [m for m in candidates if m < 1 or global_batch % m]
     if bad:
@@ -266,9 +257,9 @@ def _scaled_profiles(
     base_micro_batch: int,
     config: TuneConfig,
 ) -> tuple[ScaledMemoryModel, ScaledTimeModel | None, OptimizerStepMemory, Callable[[int], float | None]]:
-    """Two memory-safe profiles (the user's micro-batch and half of it) as one memory model scaled to any
-    micro-batch (and, where the time model proposes, one time model likewise), the optimizer step's memory, and the
-    tracked step's seconds at any micro-batch (the larger profile's, in proportion above it)."""
+    """Two memory-safe profiles (the user's micro-batch and half of it) as one memory model scaled to any micro-batch
+    (and one time model likewise, where it proposes), the optimizer step's memory, and the tracked step's seconds at
+    any micro-batch (the larger profile's, in proportion above it)."""
     timed = config.predict_time and config.sampler is None and not (resolved.compiled or config.compiled)
     time_modes = space_modes(config.search_space.for_device(resolved.device.type), resolved) if timed else False
     small_size = max(1, base_micro_batch // 2) if base_micro_batch > 1 else 2

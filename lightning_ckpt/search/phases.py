@@ -6,7 +6,6 @@ is ``other`` (Python between phases, collection, synchronisation), so the phases
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -31,10 +30,9 @@ PHASES = (
 
 
 class Phases:
-    """A running account of one search's phases (see the module docstring), by ``clock`` (``TuneConfig.clock``: a
-    test that sets the machine's speed sets what the allowance counts)."""
+    """A running account of one search's phases, by ``clock`` (``TuneConfig.clock``)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.started = clock()
         self.seconds: defaultdict[str, float] = defaultdict(float)

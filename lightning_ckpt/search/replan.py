@@ -117,8 +117,8 @@ class SavedProfile:
 
 @contextlib.contextmanager
 def _reading_profile(source: str) -> Iterator[None]:
-    """Predictions from a file's profile: the schema checks types, not how parts refer to each other, so a failure
-    there is the file's fault, and a ``PlanError`` says so."""
+    """A failure predicting from a file's profile as a ``PlanError``: the schema checks types, not how parts refer to
+    each other."""
     try:
         yield
     except LightningCkptError:
@@ -163,7 +163,6 @@ class Replanned:
     notes: tuple[str, ...] = ()  # what a user should know about the figures (a time model that predicted badly)
 
     def describe(self) -> str:
-        """One line for people: the plan, marked predicted, with its figures."""
         speed = f"{self.predicted_samples_per_second:.2f} samples/s ({1000 * self.predicted_seconds:.1f} ms/step)"
         speed = f"measured {speed} when it was tuned" if self.time_measured else f"predicted {speed}"
         fit = f"{self.fitting} of {self.considered} plan{'s' * (self.considered != 1)} predicted to fit"
@@ -270,8 +269,7 @@ def _measured_seconds(plan: Plan, profile: SavedProfile) -> dict[str, float]:
     """Step seconds the file measured, by label: the time model's anchors (median of repeats), the chosen plan's own
     ``measured`` figure over its anchor."""
     timed: dict[str, list[float]] = {}
-    calibration = profile.time.calibration
-    for label, _, seconds in calibration.anchors if calibration is not None else ():
+    for label, _, seconds in profile.time.calibration.anchors:  # ``of_plan`` refuses a time model without one
         if seconds > 0:
             timed.setdefault(label, []).append(seconds)
     out = {label: statistics.median(values) for label, values in timed.items()}
@@ -300,15 +298,13 @@ def _beats(verdict: Verdict | None, measured: set[int], tie_tolerance: float) ->
 
 
 def _time_model_note(plan: Plan, profile: SavedProfile, n_measured: int) -> str | None:
-    """A line when the saved time model predicted the measured steps badly (as the search recorded it, else its fit's
-    residuals)."""
+    """A line when the saved time model predicted the measured steps badly (as the search recorded, else its fit)."""
     summary = plan.provenance.search.get("time_model")
     error = summary.get("median_abs_error") if isinstance(summary, Mapping) else None
     where = "of the plans the search predicted and then measured"
     if not isinstance(error, (int, float)) or isinstance(error, bool):
-        calibration = profile.time.calibration
-        anchors = calibration.anchors if calibration is not None else ()
-        residuals = [abs((calibration.base_seconds + a) / m - 1) for _, a, m in anchors if m > 0] if anchors else []
+        calibration = profile.time.calibration  # ``of_plan`` refuses a time model without one
+        residuals = [abs((calibration.base_seconds + a) / m - 1) for _, a, m in calibration.anchors if m > 0]
         if not residuals:
             return None
         error, where = statistics.median(residuals), "of the plans its fit rests on"
@@ -335,8 +331,7 @@ def predicted_records(
     measured: Mapping[str, float] | None = None,
 ) -> list[TrialRecord]:
     """Every plan of ``profile``'s space scored by ``memory`` and ``time`` alone, as records for ``choose_best``.
-    ``model``: what says which plans can run (default the profile's); ``measured``: step seconds by label, taken in
-    place of the predicted time."""
+    ``model``: what says which plans can run (default the profile's); ``measured``: step seconds by label."""
     model = model or profile.memory
     _, candidates = offered_candidates(
         profile.space.for_device(device_type(device)), profile.stacks, model.fingerprint, model
@@ -395,15 +390,7 @@ def table_bucket(
     if best is None:
         return Bucket(length, top, "search", profile=profile)
     plan = replace(best.plan, name=f"bucket <= {length}", fingerprint=top.fingerprint, metadata={})
-    return Bucket(
-        length,
-        plan,
-        "predicted",
-        predicted_peak_bytes=best.peak_bytes,
-        predicted_activation_bytes=best.activation_bytes,
-        predicted_seconds=best.median_seconds,
-        profile=profile,
-    )
+    return Bucket(length, plan, "predicted", best.peak_bytes, best.activation_bytes, best.median_seconds, profile)
 
 
 def replanned_table(original: Plan, top: Plan, budget: Budget, profile: SavedProfile) -> PlanTable | None:
@@ -425,15 +412,8 @@ def replanned_table(original: Plan, top: Plan, budget: Budget, profile: SavedPro
             ) from None
         buckets.append(table_bucket(b.max_length, memory, time, profile, budget, table.rows, top))
     replanned = top.provenance.replanned
-    head = Bucket(
-        table.longest,
-        top,
-        "predicted",
-        predicted_peak_bytes=replanned.get("predicted_peak_bytes"),
-        predicted_activation_bytes=replanned.get("predicted_activation_bytes"),
-        predicted_seconds=replanned.get("predicted_seconds"),
-    )
-    return PlanTable((*buckets, head), table.rows)
+    figures = (replanned.get(f"predicted_{k}") for k in ("peak_bytes", "activation_bytes", "seconds"))
+    return PlanTable((*buckets, Bucket(table.longest, top, "predicted", *figures)), table.rows)
 
 
 def _replanned_plan(

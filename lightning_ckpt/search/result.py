@@ -1,7 +1,5 @@
-"""The outcome of a search: ``pipeline.conclude`` chooses; ``build_result``, a pure function of the ledger's
-snapshot, the chosen record and the facts, makes the ``TuneResult`` and the evidence the plan file, ``lightning-ckpt
-show`` and the reports read.
-"""
+"""The outcome of a search: ``pipeline.conclude`` chooses; ``build_result``, a pure function of the records, the
+chosen one and the facts, makes the ``TuneResult`` and the evidence the plan file and the reports read."""
 
 from __future__ import annotations
 
@@ -111,9 +109,8 @@ def evidence(
 
 
 def offload_figures(trial: TrialRecord) -> dict[str, Any] | None:
-    """What a trial's offloaded blocks did (None where none ran): the bytes they held in host memory, the host pool's
-    size, and the transfer backward waited for, predicted and measured (the trial's own step less the time model's
-    prediction of it without that wait)."""
+    """What a trial's offloaded blocks did (None where none ran): host bytes held, the host pool's size, and the
+    transfer backward waited for, predicted and measured (the step less its prediction without that wait)."""
     extra = trial.extra
     if not extra.get("offload_host_pool_bytes") and extra.get("offload_exposed_seconds") is None:
         return None
@@ -160,8 +157,7 @@ def build_result(
     sections: Mapping[str, Any] | None = None,
     memory: Any = None,
 ) -> TuneResult:
-    """The ``TuneResult``: the chosen plan named, fingerprinted and carrying its evidence (and the search's
-    provenance ``sections``); ``memory``: the memory model, whose per-block table and breakdown the result shows."""
+    """The chosen plan named, fingerprinted and carrying its evidence and ``sections``; ``memory``: the memory model."""
     chosen = replace(best.plan, name=best.plan.name or "tuned", fingerprint=facts.fingerprint).with_provenance(
         **{**evidence(best, records, budget, facts, fell_back), **(sections or {})}
     )

@@ -34,15 +34,13 @@ class TrialRunner(Protocol):
     harness: StepHarness  # the step it runs (the search's warm-up runs it too)
 
     def measure(self, plan: Plan, memory_limit: int | None, *, memory: bool = True) -> Measurement:
-        """Run ``plan`` (warm-up, timed steps; the memory pass unless ``memory=False``), ``memory_limit``
-        capping the CUDA allocator."""
+        """Run ``plan`` (warm-up, timed steps; the memory pass unless ``memory=False``) under the CUDA cap."""
 
     def measure_memory(self, plan: Plan, memory_limit: int | None) -> Measurement:
         """Only the memory pass (and the FLOP count) of ``plan``: for a trial timed with ``memory=False``."""
 
     def retime(self, plan: Plan, steps: int, *, warmup: int = 1) -> Measurement:
-        """Time ``plan`` again, ``warmup`` untimed then ``steps`` timed steps, no memory pass: a confirmation
-        round's figures."""
+        """A confirmation round's figures: ``warmup`` untimed then ``steps`` timed steps, no memory pass."""
 
 
 class EagerRunner:
@@ -95,9 +93,8 @@ class EagerRunner:
 
 
 def _with_deviations(outcome: Measurement, deviations: Mapping[str, str]) -> Measurement:
-    """A trial whose segments left the chain in some step (the parent skipped blocks, e.g. LayerDrop) ran
-    those steps exactly but unsegmented, so its figures are not the plan's: it is ``invalid``, and
-    ``extra["unchained_stacks"]`` tells the study to offer no more segments over those stacks."""
+    """A trial whose segments left the chain in some step (LayerDrop) ran unsegmented there, so its figures are not
+    the plan's: ``invalid``, and ``extra["unchained_stacks"]`` tells the study to offer no more segments over them."""
     if not deviations or outcome.trial_status.failed:
         return outcome
     why = "; ".join(f"segments[{stack!r}]: {reason}" for stack, reason in sorted(deviations.items()))

@@ -37,9 +37,8 @@ def default_sampler(seed: int, n_trials: int) -> BaseSampler:
 
 
 class TimeModelSampler(BaseSampler):
-    """The time model as an Optuna sampler over the candidates ``unseen()`` gives, refitted to the ledger's timed
-    plans; what it cannot predict, ``fallback`` draws. ``time_model``: the profile's, or one per micro-batch in the
-    joint search, whose candidates are compared per sample."""
+    """The time model as an Optuna sampler over ``unseen()``, refitted to the ledger's timed plans; ``fallback`` draws
+    what it cannot predict. ``time_model``: the profile's, or one per micro-batch (compared per sample)."""
 
     name = "time_model"
 
@@ -60,8 +59,7 @@ class TimeModelSampler(BaseSampler):
         self._warned = False  # the margin followed the model's error (``noise_margin``): said once
 
     def model_for(self, micro_batch: int | None = None) -> TimeModel:
-        """The model of ``micro_batch``'s steps calibrated to every plan the ledger has timed at it (within budget or
-        not: speed does not depend on it)."""
+        """The model of ``micro_batch``'s steps calibrated to every plan the ledger timed at it (fitting or not)."""
         if len(self.ledger) != self._fitted_to:
             records = self.ledger.snapshot()
             timed = [t for t in records if t.status in (TrialStatus.OK, TrialStatus.OVER_BUDGET) and t.median_seconds]
@@ -100,9 +98,8 @@ class TimeModelSampler(BaseSampler):
         return _per_sample(predicted, cand.micro_batch) * (1.0 - self.noise_margin()) < theirs
 
     def offload_loses(self, cand: Candidate) -> bool:
-        """Whether ``cand``'s plan offloads at a loss: the transfer backward waits for exceeds the recompute its
-        offloaded blocks would cost instead by more than the noise margin of its step (before any plan was timed: of
-        its blocks' own forward and backward)."""
+        """Whether the transfer backward waits for exceeds the recompute the offloaded blocks would cost instead, by
+        more than the noise margin of the step (before any plan was timed: of the blocks' own forward and backward)."""
         model, plan = self.model_for(cand.micro_batch), cand.plan
         moves, predicted = model.transfer(plan), model.predict_seconds(plan)
         slack = self.noise_margin() * (predicted if predicted is not None else model.plain_block_seconds())
@@ -127,9 +124,8 @@ class TimeModelSampler(BaseSampler):
         }
 
     def noise_margin(self) -> float:
-        """How far the time model's predictions may be off: 1.25x the median of its out-of-sample errors so far,
-        within ``_MARGIN_BOUNDS``, never below the tie tolerance, and never below the median error itself: a model
-        off by 21% must not prune with 8% (``margin_follows_error`` in the summary; a warning says so)."""
+        """1.25x the median of the time model's out-of-sample errors, within ``_MARGIN_BOUNDS``, never below the tie
+        tolerance nor the median error itself: a model off by 21% must not prune with 8% (a warning says so)."""
         errors = [abs(e) for t in self.ledger.snapshot() if (e := t.prediction_error) is not None]
         median = statistics.median(errors) if errors else None
         observed = 1.25 * median if median is not None else _DEFAULT_MARGIN
@@ -149,14 +145,12 @@ class TimeModelSampler(BaseSampler):
         return median
 
     def _rank_seconds(self, cand: Candidate) -> float | None:
-        """What orders the candidates: the predicted step per sample, or before its model's first anchor what the
-        plan's modes add to one (every micro-batch's baselines are measured first, which anchors each model)."""
+        """The predicted step per sample, or before its model's first anchor what the plan's modes add to one."""
         predicted = self.predict_seconds(cand)
         if predicted is None:
             predicted = self.model_for(cand.micro_batch).added_seconds(cand.plan)
         return _per_sample(predicted, cand.micro_batch) if predicted is not None else None
 
-    # -- the Optuna sampler ---------------------------------------------------------------------------
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return dict(self.ledger.distributions)
 
@@ -186,8 +180,7 @@ def _per_sample(seconds: float, micro_batch: int | None) -> float:
 
 
 def fitted(sampler: BaseSampler) -> TimeModel | None:
-    """The time model as the search of one shape fitted it, for re-planning from the plan file (None: no time model,
-    or the joint micro-batch search's, which the plan file does not keep)."""
+    """The time model as the search of one shape fitted it, for re-planning (None: none, or the joint search's)."""
     return sampler.model_for(None) if isinstance(sampler, TimeModelSampler) and not sampler.joint else None
 
 
@@ -199,9 +192,8 @@ def sampler_for(
     *,
     predicts_time: bool,
 ) -> BaseSampler:
-    """The time model's sampler where the profile timed the blocks, the runner's steps are the ones it timed (eager:
-    a compiled step's time is the compiler's), and the user neither turned it off nor handed a ``sampler``; else the
-    user's sampler, or seeded TPE."""
+    """The time model's sampler where the profile timed the blocks as the runner runs them (eager) and the user
+    neither turned it off nor handed a ``sampler``; else the user's sampler, or seeded TPE."""
     if config.sampler is not None:
         return config.sampler
     fallback = default_sampler(config.seed, config.n_trials)
@@ -223,7 +215,7 @@ def leaders(sampler: BaseSampler, tuned: Sequence[TrialRecord], top: int) -> lis
 
 
 def error_summary(errors: Sequence[float]) -> dict[str, Any]:
-    """How far predictions were from what was measured (``errors``: predicted / measured - 1), as the plan file keeps it."""
+    """``errors`` (predicted / measured - 1) as the plan file keeps them."""
     return {
         "predicted_and_measured": len(errors),
         "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,13 +27,7 @@ from lightning_ckpt.search.distributed import Sync
 from lightning_ckpt.search.phases import Phases
 from lightning_ckpt.search.runners import TrialRunner, release_cached_memory
 
-__all__ = [
-    "SearchSession",
-    "lowest_memory_pass",
-    "resolve_budget",
-    "resolve_on_device",
-    "search_session",
-]
+__all__ = ["SearchSession", "lowest_memory_pass", "resolve_budget", "resolve_on_device", "search_session"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +59,7 @@ class SearchSession:
 
 
 @contextlib.contextmanager
-def search_session(resolved: ModelView, clock: Callable[[], float] = time.perf_counter) -> Iterator[SearchSession]:
-    """A ``SearchSession`` for the duration of one search, its phases timed by ``clock``."""
+def search_session(resolved: ModelView, clock: Callable[[], float]) -> Iterator[SearchSession]:
     # Full depth is entered before the Python attributes are captured, which would put LayerDrop's rates back.
     with full_depth(resolved.root, resolved.stacks) as deepened, search_allocator(resolved.device) as allocator:
         if deepened:
@@ -84,11 +76,7 @@ def search_session(resolved: ModelView, clock: Callable[[], float] = time.perf_c
 
 
 def resolve_budget(
-    requested: RequestedBudget,
-    memory: RealStepMemory,
-    runner: TrialRunner | None,
-    resolved: ModelView,
-    sync: Sync,
+    requested: RequestedBudget, memory: RealStepMemory, runner: TrialRunner | None, resolved: ModelView, sync: Sync
 ) -> Budget:
     """The requested budget, an activation share of the largest rank's no-checkpointing step (``memory``'s, or under
     a compiled ``runner`` the compiled step's), the same on every rank. ``runner`` None: the eager step's."""
@@ -142,11 +130,10 @@ def lowest_memory_pass(what: str, started: int | None, resolved: ModelView, run:
     facts = [f"{format_bytes(started)} was already allocated when the search began"] if started is not None else []
     if memory is not None:
         facts.append(f"this process may allocate {format_bytes(memory.cap_bytes())} there")
-    error = InfeasibleBudgetError(
+    raise InfeasibleBudgetError(
         f"{failure.what} ran out of memory on {resolved.device} ({failure.message}){failure.allocator_note()}. It "
         "needs no more memory than the lowest-memory plan (every block fully checkpointed), so no plan fits"
         f"{': ' + '; '.join(facts) if facts else ''}. Free memory before the fit (other models, cached tensors), use a "
         "smaller batch or micro-batch, shard the model (FSDP2), or give the process more of the device.",
         allocator=failure.figures,
-    )
-    raise error from None
+    ) from None

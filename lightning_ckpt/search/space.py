@@ -11,8 +11,7 @@ Dimensions (each switchable):
 * ``compile_budget``: PT2's ``activation_memory_budget`` when ``structure == pt2_budget`` (compiled
   models only: the partitioner's own knapsack, no checkpointing of ours).
 
-Plans are built from these values alone, so every Optuna trial, enqueued baseline and exhaustive
-enumeration goes through the same ``plan_for`` function.
+Plans are built from these values alone: every trial, baseline and enumeration goes through ``plan_for``.
 """
 
 from __future__ import annotations
@@ -73,7 +72,6 @@ class Candidate:
         return int(value) if value is not None else None
 
     def key(self) -> str:
-        """The plan's key, and the micro-batch's where the search has one: ``records.trial_key``."""
         return trial_key(self.plan, self.micro_batch)
 
 
@@ -87,10 +85,8 @@ def _mode_plan(block: Block, mode: str) -> BlockPlan | None:
     if kind == "ops":
         return BlockPlan("ops", save_list=arg)
     if kind == "selective":
-        children: list[str] = []
-        for child_kind in arg.split("+"):
-            children.extend(block.children_of_kind(child_kind))
-        return BlockPlan("selective", tuple(children)) if children else None
+        children = tuple(child for child_kind in arg.split("+") for child in block.children_of_kind(child_kind))
+        return BlockPlan("selective", children) if children else None
     raise ConfigurationError(f"Unknown mode {mode!r} in the search space.")
 
 
@@ -121,12 +117,9 @@ def _selection(selection: Any) -> Callable[[int, int], bool]:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Which dimensions are searched and with which values; ``None``/empty switches a dimension off.
-
-    ``segments=False`` drops the segments structure; the offloading modes are dropped for models not on CUDA.
-    ``compile_budgets`` are the PT2 memory budgets tried for compiled models (``None``: the defaults, ``()``: none);
-    ``for_compile()`` switches them on and drops what the partitioner already covers.
-    """
+    """Which dimensions are searched and with which values; ``None``/empty switches a dimension off. Offloading
+    modes are dropped for models not on CUDA. ``compile_budgets``: the PT2 memory budgets tried for compiled models
+    (``None``: the defaults, ``()``: none); ``for_compile()`` switches them on."""
 
     modes: tuple[str, ...] = _DEFAULT_MODES
     selections: tuple[str, ...] = _DEFAULT_SELECTIONS
@@ -177,8 +170,7 @@ class SearchSpace:
             return config
         if not isinstance(config, Mapping):
             raise ConfigurationError(f"search_space must be a dict or SearchSpace, but got {type(config).__name__}.")
-        unknown = sorted(set(config) - set(_CONFIG_NAMES))
-        if unknown:
+        if unknown := sorted(set(config) - set(_CONFIG_NAMES)):
             raise ConfigurationError(
                 f"Unknown search-space names {unknown}. Known names: {', '.join(sorted(_CONFIG_NAMES))}. "
                 "For example search_space={'modes': ['full', 'selective:mlp'], 'segments': False}."
@@ -219,7 +211,6 @@ class SearchSpace:
         """The PT2 memory budgets searched (empty unless the model is compiled)."""
         return tuple(sorted(set(self.compile_budgets or ()), reverse=True)) if self.compiled else ()
 
-    # ---------------------------------------------------------------------------------------------
     def chunk_choices(self, stacks: Sequence[LayerStack]) -> tuple[int, ...]:
         if not self.segments:
             return ()
@@ -253,12 +244,10 @@ class SearchSpace:
             return Plan(segments=segments, fingerprint=fingerprint)
         selection, mode = params["selection"], params["mode"]
         rest = params.get("rest_mode", "none") if selection != "all" else "none"
-        blocks: dict[str, BlockPlan] = {}
-        selected = _selection(selection)
+        selected, blocks = _selection(selection), {}
         for stack in stacks:
             for block in stack.blocks:
-                chosen = mode if selected(block.index, len(stack.blocks)) else rest
-                bp = _mode_plan(block, chosen)
+                bp = _mode_plan(block, mode if selected(block.index, len(stack.blocks)) else rest)
                 if bp is not None:
                     blocks[block.fqn] = bp
         return Plan(blocks, fingerprint=fingerprint)
@@ -343,10 +332,8 @@ class SearchSpace:
         segments = sqrt_segments(stacks)
         if self.segments and segments and "segments" in self.structures(stacks):
             plan = Plan(segments=segments, name="sqrt_segments", fingerprint=fingerprint)
-            params: dict[str, Any] = {
-                "structure": "segments",
-                "chunks": sqrt_chunks(max(len(s.blocks) for s in stacks)),
-            }
+            chunks = sqrt_chunks(max(len(s.blocks) for s in stacks))
+            params: dict[str, Any] = {"structure": "segments", "chunks": chunks}
             if self.plan_for(params, stacks, fingerprint=fingerprint).key() != plan.key():
                 # Stacks of different depths get different counts, which no one value of ``chunks`` means: the
                 # explicit counts keep the trial out of the sampler's model (as for a baseline outside the space).
@@ -374,9 +361,8 @@ def offered_candidates(
         return list(stacks), [Candidate({"structure": "none"}, none, "baseline:none", baseline="none")]
     out = []
     for cand in space.enumerate(planned, fingerprint=fingerprint):
-        why = memory_model.can_run(cand.plan)
-        if why is None:
-            out.append(cand)
-        else:
+        if (why := memory_model.can_run(cand.plan)) is not None:
             log.info("lightning_ckpt: not offering %s: %s", cand.label, why)
+        else:
+            out.append(cand)
     return planned, out

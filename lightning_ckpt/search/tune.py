@@ -66,15 +66,9 @@ WRITE_CHECK_STEPS = 1
 
 
 def build_runner(
-    resolved: ModelView,
-    harness: StepHarness,
-    config: TuneConfig,
-    *,
-    compiled: bool | None,
-    reserve_headroom: int = 0,
+    resolved: ModelView, harness: StepHarness, config: TuneConfig, *, compiled: bool | None, reserve_headroom: int = 0
 ) -> TrialRunner:
-    """The runner for this model, complete: ``CompiledTrials`` when it is compiled, else an ``EagerRunner``;
-    ``reserve_headroom``: the allocator's reserve the profile measured, added to the CUDA cap."""
+    """``CompiledTrials`` for a compiled model, else an ``EagerRunner``; ``reserve_headroom``: added to the CUDA cap."""
     check_tunable(resolved)
     compiled_runner = compiled_search(
         resolved.model,
@@ -99,10 +93,9 @@ def harness_for(
     seq_len: int | None = None,
 ) -> StepHarness:
     """The harness that runs ``step_fn`` for the profile's passes and every trial, as ``config`` says to time it."""
-    steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps}
-    shape = {"batch_size": batch_size, "seq_len": seq_len}
+    steps = {"warmup_steps": config.warmup_steps, "measure_steps": config.measure_steps, "clock": config.clock}
     return StepHarness(
-        resolved.root, step_fn, resolved.device, optimizer, extra, **shape, **steps, view=resolved, clock=config.clock
+        resolved.root, step_fn, resolved.device, optimizer, extra, batch_size, seq_len, **steps, view=resolved
     )
 
 
@@ -196,17 +189,15 @@ def _search(
     space = config.search_space.for_device(resolved.device.type)
     if is_compiled:
         space = compiled_space(space, resolved.root)
-    phases = session.phases
-    with phases.timing("profile"):
+    with session.phases.timing("profile"):
         profile = _profile(resolved, harness, space, is_compiled, session.began)
-    memory_model = profile.memory
     # Built complete from the profile: the CUDA cap's headroom for the allocator's reserve, eager and compiled alike.
     runner = build_runner(
-        resolved, harness, config, compiled=is_compiled, reserve_headroom=memory_model.reserve_overhead_bytes
+        resolved, harness, config, compiled=is_compiled, reserve_headroom=profile.memory.reserve_overhead_bytes
     )
-    with phases.timing("optimizer_step"):
+    with session.phases.timing("optimizer_step"):
         optimizer_step = optimizer_step_memory(resolved, harness.optimizer, harness.extra)
-    memory = RealStepMemory(memory_model, optimizer_step)
+    memory = RealStepMemory(profile.memory, optimizer_step)
     sync = hooks.sync or LocalSync()  # ``run_search``'s too
     budget = sync.broadcast(resolve_budget(requested, memory, runner, resolved, sync))
     profiled, predicts = profile.compiled, None  # None: the runner's own
@@ -232,10 +223,10 @@ def _search(
         budget,
         config,
         timing=profile.time,
-        memory_model=memory_model,
+        memory_model=profile.memory,
         hooks=hooks,
         run=run,
-        phases=phases,
+        phases=session.phases,
     )
     sections = _sections(search, profile, memory, runner, harness, space, session)
     after_choice = None
@@ -245,7 +236,7 @@ def _search(
         search,
         extra_steps=PROFILE_STEPS + WRITE_CHECK_STEPS + search.warm_steps,
         sections=sections,
-        memory=memory_model,
+        memory=profile.memory,
         after_choice=after_choice,
     )
 
@@ -253,8 +244,8 @@ def _search(
 def _profile(
     resolved: ModelView, harness: StepHarness, space: SearchSpace, is_compiled: bool, began: int | None
 ) -> Any:
-    """The memory-safe profile, its time model marked with the shape it was timed at. A compiled model's blocks are
-    timed compiled alone (regional compilation), so its time model predicts compiled steps."""
+    """The memory-safe profile, its time model marked with the shape it was timed at (a compiled model's: its blocks
+    compiled alone, so it predicts compiled steps)."""
     with eager_while_profiling(is_compiled):
         profile = lowest_memory_pass(
             "the memory profile",

@@ -46,9 +46,8 @@ def t_quantile(df: int) -> float:
 def paired_interval(
     reference_seconds: Mapping[int, float], candidate_seconds: Mapping[int, float]
 ) -> tuple[float | None, float | None, float | None, int]:
-    """(ratio, low, high, rounds): the candidate's speed over the reference's from the rounds both ran in (by
-    round index), as the geometric mean of the per-round ratios and its 90% t interval. ``low``/``high`` are None
-    with fewer than two paired rounds (one round has no spread to judge by); ``ratio`` None with none."""
+    """(ratio, low, high, rounds): the geometric mean of the candidate's per-round speed over the reference's in the
+    rounds both ran, and its 90% t interval (None under two paired rounds: one has no spread; ``ratio``: under one)."""
     logs = [
         math.log(reference_seconds[r] / candidate_seconds[r])
         for r in sorted(reference_seconds.keys() & candidate_seconds.keys())
@@ -100,16 +99,14 @@ class Verdict:
 
     @property
     def wins(self) -> bool:
-        """The candidate is faster than the reference by more than the tie tolerance, with ``confidence``; for a
-        holdout verdict (``chosen_after``), the fresh rounds find it faster at all."""
+        """Faster by more than the tie tolerance with ``confidence``; a holdout's fresh rounds find it faster at all."""
         if self.chosen_after:
             return self.ratio is not None and self.ratio > 1.0
         return self.low is not None and self.low > self.threshold
 
     @property
     def cannot_win(self) -> bool:
-        """Even the interval's upper bound does not clear the threshold: more rounds would not make it win (a
-        holdout verdict's rounds are fixed: it cannot win once it did not)."""
+        """Even the interval's upper bound does not clear the threshold (a holdout's rounds are fixed: not ``wins``)."""
         if self.chosen_after:
             return not self.wins
         return self.high is not None and self.high <= self.threshold
@@ -120,15 +117,13 @@ class Verdict:
 
     @property
     def outcome(self) -> Outcome:
-        """``tuned`` (the candidate is chosen), ``baseline`` (it is clearly not faster enough), or ``undecided``
-        (the rounds could not separate them: the baseline is kept)."""
+        """``tuned``, ``baseline`` (clearly not faster enough), or ``undecided`` (the baseline is kept)."""
         if self.wins:
             return "tuned"
         return "baseline" if self.decided else "undecided"
 
     def describe(self) -> str:
-        """``1.06x [1.03, 1.09] vs sqrt_segments, 6 rounds`` (a holdout: ``..., 32 fresh rounds after the 24 that chose
-        it``): the figure every report shows."""
+        """``1.06x [1.03, 1.09] vs sqrt_segments, 6 rounds``, or ``32 fresh rounds after the 24 that chose it``."""
         name = self.reference.removeprefix("baseline:")
         if self.candidate is None or self.ratio is None:
             return f"{name} kept: no tuned plan was re-timed beside it"
@@ -139,7 +134,7 @@ class Verdict:
         return f"{self.ratio:.2f}x{interval} vs {name}, {rounds}"
 
     def explain(self) -> str:
-        """Why the verdict decided as it did, in words (the result line and the summary add what was kept)."""
+        """Why the verdict decided as it did (the result line and the summary add what was kept)."""
         pct = f"{self.confidence:.0%}"
         if self.outcome == "tuned" and self.chosen_after:
             return (
@@ -157,8 +152,7 @@ class Verdict:
         return f"the machine could not separate them ({pct} interval)"
 
     def to_dict(self) -> dict[str, Any]:
-        """The verdict as the plan file keeps it, bounds clamped to the file's range (``RATIO_BOUND``): a t interval with
-        one degree of freedom can pass it."""
+        """As the plan file keeps it, clamped to ``RATIO_BOUND`` (a t interval with 1 degree of freedom can pass it)."""
         data = {**asdict(self), "outcome": self.outcome}
         for key in ("ratio", "low", "high"):
             if data[key] is not None:
@@ -171,8 +165,7 @@ class Verdict:
 
     @classmethod
     def recorded(cls, search: Mapping[str, Any] | None) -> Verdict | None:
-        """The verdict a plan's ``provenance.search`` records, None where it records none (or a malformed one):
-        what the reports and ``lightning-ckpt show`` read."""
+        """The verdict a plan's ``provenance.search`` records, None where it records none (or a malformed one)."""
         data = search.get("verdict") if isinstance(search, Mapping) else None
         if not isinstance(data, Mapping):
             return None

@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any
 
 from lightning_ckpt.formatting import format_bytes
@@ -44,8 +45,7 @@ log = logging.getLogger(__name__)
 
 
 def holds_several_blocks(regions: Sequence[str], blocks: Sequence[str]) -> bool:
-    """Whether one compiled region of ``regions`` (canonical FQNs, ``""``: the whole model) holds more than one of
-    ``blocks``: one graph, so one PT2 knapsack, over several blocks."""
+    """Whether one compiled region (``""``: the whole model) holds several ``blocks``: one PT2 knapsack over them."""
     return any(sum(b.startswith(f"{region}." if region else "") for b in blocks) > 1 for region in regions)
 
 
@@ -116,8 +116,7 @@ PARTITIONS = 1
 
 
 def outside_blocks_bytes(profiled: Any) -> int:
-    """Bytes the compiled ``none`` step saves outside the blocks, which a whole graph's partitioner may recompute
-    instead (0: unknown)."""
+    """Bytes the compiled ``none`` step saves outside the blocks, which a whole graph may recompute (0: unknown)."""
     none = getattr(profiled, "none_activation_bytes", None)
     blocks = [row.saved_bytes.get("none") for row in getattr(profiled, "blocks", ())]
     if none is None or not blocks or any(b is None for b in blocks):
@@ -170,92 +169,54 @@ def partition_pt2_budgets(
     return leader_free, tuple(found)
 
 
-def check_whole_compile(
-    records: Sequence[TrialRecord], trials: Trials, leader: TrialRecord, whole: Any
-) -> tuple[TrialRecord, WholeCheck | None]:
-    """``leader``, or our fastest fitting plan where it fits and is faster, both compiled the user's way by ``whole``
-    (a ``CompiledTrials`` without blocks); and what was done (None: nothing to weigh)."""
-    return _weigh(records, trials, leader, whole, compiled_whole=True, margin=0.0)
-
-
-def weigh_on_blocks(
-    records: Sequence[TrialRecord],
-    trials: Trials,
-    leader: TrialRecord,
-    runner: Any,
-    margin: float,
-    *,
-    leader_fits: bool | None = None,
-) -> tuple[TrialRecord, WholeCheck | None]:
-    """``leader``, or our fastest fitting plan unless the leader runs more than ``1 + margin`` times its speed, both
-    re-timed side by side on the blocks by ``runner`` (where the blocks' figure flatters the budget). ``leader_fits``:
-    the leader's fit as judged partitioned whole, which then stands for its fit on the blocks."""
-    return _weigh(records, trials, leader, runner, compiled_whole=False, margin=margin, leader_fits=leader_fits)
-
-
 def _weigh(
     records: Sequence[TrialRecord],
     trials: Trials,
     leader: TrialRecord,
     runner: Any,
+    margin: float = 0.0,
     *,
     compiled_whole: bool,
-    margin: float,
     leader_fits: bool | None = None,
 ) -> tuple[TrialRecord, WholeCheck | None]:
     if leader.plan.compile_memory_budget is None:
         return leader, None
-    # Compiled whole each rival is a compile of the user's model: one. On the blocks a rival costs steps.
     rivals = _rivals(records, 1 if compiled_whole else RIVALS_ON_BLOCKS)
     if not rivals:
         return leader, None
-    t0 = time.perf_counter()
-    graphs0, seconds0 = getattr(runner, "graphs", 0), getattr(runner, "compile_seconds", 0.0)
+    t0, graphs0, seconds0 = time.perf_counter(), getattr(runner, "graphs", 0), getattr(runner, "compile_seconds", 0.0)
     trials.check_stop()
-    # The plain model compiled the user's way, what graph breaks are compared with (the caches serve it); on the
-    # blocks the search's runner has its own.
+    # The plain model compiled the user's way: what graph breaks are compared with (the blocks' runner has its own).
     plain = _compile_seconds(runner.measure_compiled(Plan())) if compiled_whole else 0.0
     # A leader whose fit was judged partitioned whole is kept as given.
-    judged: dict[int, TrialRecord] = {leader.number: leader} if leader_fits is not None else {}
-    fits: dict[int, bool] = {leader.number: bool(leader_fits)} if leader_fits is not None else {}
-    compile_each: dict[int, float] = {}
-    for trial in (t for t in (leader, *rivals) if t.number not in judged):
-        trials.check_stop()
-        out = runner.measure(trial.plan, trials.memory_limit(trial.micro_batch))
-        judged[trial.number] = trials.judge(trial, out)
-        fits[trial.number] = all(trials.sync.all_gather(bool(judged[trial.number].feasible)))  # every rank the same
-        compile_each[trial.number] = _compile_seconds(out)
+    fits = {leader.number: bool(leader_fits)} if leader_fits is not None else {}
+    judged, compile_each = _measured(trials, runner, (leader, *rivals), fits)
     fitting = [r for r in rivals if fits[r.number]]
     threshold = 1.0 / (1.0 + margin)  # the rival's speed over the leader's above which the rival is kept
-    verdicts = _side_by_side(trials, leader, fitting, runner, threshold) if fits[leader.number] and fitting else {}
-    # The rival: the one the rounds found fastest against the leader; without rounds, the first by rank that fits.
-    timed = [r for r in fitting if (v := verdicts.get(r.number)) is not None and v.ratio is not None]
-    rival = max(timed, key=lambda r: verdicts[r.number].ratio or 0.0) if timed else (fitting or rivals)[0]
-    verdict = verdicts.get(rival.number)
-    ratio = verdict.ratio if verdict is not None else None
-    # Both fit: the rival unless the leader leads by more than the margin (a tie keeps the leader where the margin is
-    # 0); else the one that fits, if one does.
+    rounds = fits[leader.number] and bool(fitting)
+    rival, verdict = _side_by_side(trials, leader, fitting, runner, threshold) if rounds else (None, None)
+    rival, verdict = rival or (fitting or rivals)[0], verdict or _NOT_RETIMED  # else the first by rank that fits
+    # Both fit: the rival unless the leader leads by more than the margin (a tie keeps the leader at margin 0).
     both = fits[leader.number] and fits[rival.number]
-    keep_rival = (ratio is not None and ratio > threshold) if both else (fits[rival.number] and not fits[leader.number])
+    keep_rival = (verdict.ratio or 0.0) > threshold if both else (fits[rival.number] and not fits[leader.number])
     # Compiled whole, the measurement is of another graph than the trials': the rival keeps its search record. On the
     # blocks it is the trials' kind, and a pruned rival has no other.
     kept = (rival if compiled_whole or rival.feasible else judged[rival.number]) if keep_rival else leader
+    each = (plain, compile_each[leader.number], compile_each[rival.number]) if compiled_whole else (0.0, 0.0, 0.0)
     if compiled_whole:
         graphs, compile_seconds = 3, plain + sum(compile_each.values())
-        each = (plain, compile_each[leader.number], compile_each[rival.number])
     else:  # only what the blocks had not compiled yet (a pruned rival's segment, say)
         graphs = getattr(runner, "graphs", 0) - graphs0
         compile_seconds = getattr(runner, "compile_seconds", 0.0) - seconds0
-        each = (0.0, 0.0, 0.0)
     check = WholeCheck(
         leader=leader.label,
         rival=rival.label,
         leader_fits=fits[leader.number],
         rival_fits=fits[rival.number],
-        ratio=ratio,
-        low=verdict.low if verdict is not None else None,
-        high=verdict.high if verdict is not None else None,
-        rounds=verdict.rounds if verdict is not None else 0,
+        ratio=verdict.ratio,
+        low=verdict.low,
+        high=verdict.high,
+        rounds=verdict.rounds,
         kept=kept.label,
         graphs=graphs,
         compile_seconds=compile_seconds,
@@ -269,8 +230,19 @@ def _weigh(
     return kept, check
 
 
-# Plans of ours weighed against the budget on the blocks: the time model ranks them, the rounds choose.
+# ``leader``, or our fastest fitting plan unless the leader runs more than ``1 + margin`` times its speed, both measured
+# by the runner: compiled the user's way (a ``CompiledTrials`` without blocks), or re-timed side by side on the blocks
+# (where the blocks' figure flatters the budget); and what was done (None: nothing to weigh). ``leader_fits``: the
+# leader's fit as judged partitioned whole, which then stands for its fit on the blocks.
+check_whole_compile = partial(_weigh, compiled_whole=True)
+weigh_on_blocks = partial(_weigh, compiled_whole=False)
+
+
+# Plans of ours weighed against the budget on the blocks: the time model ranks them, the rounds choose (compiled whole,
+# each rival is a compile of the user's model: one).
 RIVALS_ON_BLOCKS = 3
+# The verdict of a rival not re-timed beside the leader.
+_NOT_RETIMED = Verdict("", None, None, None, None, 0, 1.0)
 
 
 def _rivals(records: Sequence[TrialRecord], count: int) -> list[TrialRecord]:
@@ -294,11 +266,26 @@ def _compile_seconds(out: Any) -> float:
     return float((out.extra.get("compile") or {}).get("compile_seconds") or 0.0)
 
 
+def _measured(
+    trials: Trials, runner: Any, plans: Sequence[TrialRecord], fits: dict[int, bool]
+) -> tuple[dict[int, TrialRecord], dict[int, float]]:
+    """Each of ``plans`` whose fit ``fits`` does not give measured by ``runner`` and judged, its fit on every rank added
+    to ``fits``: the records by number, and the seconds each measured plan's compile took."""
+    judged, seconds = {t.number: t for t in plans if t.number in fits}, {}
+    for trial in (t for t in plans if t.number not in judged):
+        trials.check_stop()
+        out = runner.measure(trial.plan, trials.memory_limit(trial.micro_batch))
+        judged[trial.number] = trials.judge(trial, out)
+        fits[trial.number] = all(trials.sync.all_gather(bool(judged[trial.number].feasible)))  # every rank the same
+        seconds[trial.number] = _compile_seconds(out)
+    return judged, seconds
+
+
 def _side_by_side(
     trials: Trials, leader: TrialRecord, rivals: Sequence[TrialRecord], runner: Any, threshold: float
-) -> dict[int, Verdict | None]:
-    """Each rival's verdict against the leader, re-timed in interleaved rounds until the fastest rival's ratio is
-    precise or decided against ``threshold``."""
+) -> tuple[TrialRecord | None, Verdict | None]:
+    """The rival the rounds found fastest against the leader, with its verdict (None: no ratio), re-timed in interleaved
+    rounds until that ratio is precise or decided against ``threshold``."""
     config = trials.config
     steps = config.confirm_steps
     # Entered as plans, none a baseline: the rounds' own rule would stop timing a baseline found slower than the
@@ -330,7 +317,10 @@ def _side_by_side(
         until=precise,
         check_stop=trials.check_stop,
     )
-    return verdicts_of(side)
+    verdicts = verdicts_of(side)
+    timed = [r for r in rivals if (v := verdicts[r.number]) is not None and v.ratio is not None]
+    rival = max(timed, key=lambda r: verdicts[r.number].ratio or 0.0, default=None)
+    return rival, verdicts[rival.number] if rival is not None else None
 
 
 def pt2_budget_check(
