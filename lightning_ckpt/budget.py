@@ -92,13 +92,9 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
 
 @dataclass(frozen=True)
 class Budget:
-    """The memory limit a plan must respect.
-
-    kind ``peak``: the step's peak bytes (everything) <= limit_bytes.
-    kind ``activation``: the step's activation bytes <= limit_bytes (a fraction of the
-    no-checkpointing activation memory, resolved once that is known).
-    kind ``none``: no limit; the fastest plan wins.
-    """
+    """The memory limit a plan must respect. kind ``peak``: the step's peak bytes (everything) <= limit_bytes. kind
+    ``activation``: the step's activation bytes <= limit_bytes (a fraction of the no-checkpointing activation memory,
+    resolved once that is known). kind ``none``: no limit; the fastest plan wins."""
 
     kind: str
     limit_bytes: int | None = None

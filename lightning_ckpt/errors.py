@@ -1,6 +1,5 @@
 """One exception family for everything lightning_ckpt refuses, and one warning family for what it goes on after.
-Subclasses let callers (the tuner, the CLI) tell a bad plan from a bad argument without parsing strings.
-"""
+Subclasses let callers (the tuner, the CLI) tell a bad plan from a bad argument without parsing strings."""
 
 from __future__ import annotations
 

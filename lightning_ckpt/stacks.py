@@ -1,6 +1,5 @@
-"""What discovery finds: a stack of blocks and each block's children, by FQN and holding no module, so a plan file
-keeps them (``LayerStack.to_dict``) and re-planning reads them back without the model and without torch.
-"""
+"""What discovery finds: a stack of blocks and each block's children, by FQN and holding no module, so a plan file keeps
+them (``LayerStack.to_dict``) and re-planning reads them back without the model and without torch."""
 
 from __future__ import annotations
 

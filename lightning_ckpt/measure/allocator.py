@@ -1,11 +1,8 @@
-"""The allocator regime a search runs under: expandable segments verified on a real segment, or a clear word that
-they are off; and the split-resistant setting a refused pass is retried with.
-
-The cap limits *reserved* memory, and steps of many shapes leave split cached blocks that cannot serve a large
-request; expandable segments unmap free pages before refusing, so reserved follows allocated (what the budget speaks
-of). A run-time switch can silently do nothing (torch 2.11), so a probe's segment is read after it. A user's own
-``expandable_segments`` setting is never changed.
-"""
+"""The allocator regime a search runs under: expandable segments verified on a real segment, or a clear word that they
+are off; and the split-resistant setting a refused pass is retried with. The cap limits *reserved* memory, and steps of
+many shapes leave split cached blocks that cannot serve a large request; expandable segments unmap free pages before
+refusing, so reserved follows allocated (what the budget speaks of). A run-time switch can silently do nothing (torch
+2.11), so a probe's segment is read after it. A user's own ``expandable_segments`` setting is never changed."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The device's allocator, read one way: CUDA's caching allocator, or a simulated card installed by the tests.
-
-Everything that reads or caps device memory goes through ``device_memory(device)``, so the suite runs the CUDA
-path's failures on CPU with ``lightning_ckpt.testing.SimulatedCard`` (a small card, a refusing allocator).
-"""
+Everything that reads or caps device memory goes through ``device_memory(device)``, so the suite runs the CUDA path's
+failures on CPU with ``lightning_ckpt.testing.SimulatedCard`` (a small card, a refusing allocator)."""
 
 from __future__ import annotations
 

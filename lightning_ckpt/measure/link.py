@@ -1,8 +1,6 @@
-"""The host link, measured: how fast pinned memory moves between the card and the host, each way.
-
-Offload can only hide behind compute what the link moves in that time, and what a link reaches varies by machine,
-so it is measured with pinned buffers as the offload pool uses, timed with CUDA events.
-"""
+"""The host link, measured: how fast pinned memory moves between the card and the host, each way. Offload can only hide
+behind compute what the link moves in that time, and what a link reaches varies by machine, so it is measured with
+pinned buffers as the offload pool uses, timed with CUDA events."""
 
 from __future__ import annotations
 

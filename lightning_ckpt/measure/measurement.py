@@ -170,14 +170,12 @@ def run_pass(
 
 @dataclass(frozen=True)
 class Measurement:
-    """The outcome of measuring one training-step callable (one candidate plan).
-
-    status: a ``TrialStatus`` value other than ``pruned`` (``over_budget``: peak and activation hold what the step
-    reached, with no timings). median_seconds / spread_seconds: median of ``step_seconds`` and their unscaled
-    median absolute deviation, a spread robust to one slow outlier step. steps: training steps run (tuning cost);
-    a runner that ran more (a compiled trial's compile step) says so. conflict: why a plan that ran fights
-    ``torch.compile``. extra: facts for display that the runner adds (compile statistics, pinned host memory).
-    """
+    """The outcome of measuring one training-step callable (one candidate plan). status: a ``TrialStatus`` value other
+    than ``pruned`` (``over_budget``: peak and activation hold what the step reached, with no timings). median_seconds /
+    spread_seconds: median of ``step_seconds`` and their unscaled median absolute deviation, a spread robust to one slow
+    outlier step. steps: training steps run (tuning cost); a runner that ran more (a compiled trial's compile step) says
+    so. conflict: why a plan that ran fights ``torch.compile``. extra: facts for display that the runner adds (compile
+    statistics, pinned host memory)."""
 
     status: str
     step_seconds: tuple[float, ...] = ()

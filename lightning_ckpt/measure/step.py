@@ -1,6 +1,5 @@
-"""``measure_step``: one training step timed and its memory read honestly, never raising for an OOM. The figures
-it reads are defined once, in ``measure.measurement``'s docstring; ``StepSettings`` says which passes run.
-"""
+"""``measure_step``: one training step timed and its memory read honestly, never raising for an OOM. The figures it
+reads are defined once, in ``measure.measurement``'s docstring; ``StepSettings`` says which passes run."""
 
 from __future__ import annotations
 
@@ -53,13 +52,11 @@ def _check_count(name: str, value: Any, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """Which passes ``measure_step`` runs and how many steps it times; checked when built.
-
-    warmup: untimed steps first (compile and allocator warm-up are not throughput). With ``target_rel_spread``,
-    timing goes on past ``steps`` until MAD/median falls below it or ``max_steps`` (default ``4 * steps``).
-    track_memory: one step under the live-tensor tracker first; count_flops: one under ``FlopCounterMode`` last.
-    read_allocator: CUDA without the tracker: the allocator's peak over the timed steps.
-    """
+    """Which passes ``measure_step`` runs and how many steps it times; checked when built. warmup: untimed steps first
+    (compile and allocator warm-up are not throughput). With ``target_rel_spread``, timing goes on past ``steps`` until
+    MAD/median falls below it or ``max_steps`` (default ``4 * steps``). track_memory: one step under the live-tensor
+    tracker first; count_flops: one under ``FlopCounterMode`` last. read_allocator: CUDA without the tracker: the
+    allocator's peak over the timed steps."""
 
     warmup: int = 1
     steps: int = 3
@@ -119,10 +116,8 @@ def track_step_memory(
     device: torch.device | str | None = None,
     extra: tuple[Any, ...] = (),
 ) -> MemoryReading:
-    """Run ``step_fn`` once and read its peak and activation memory.
-
-    Never time a step in the same pass: the dispatch-mode tracker slows it several-fold.
-    """
+    """Run ``step_fn`` once and read its peak and activation memory. Never time a step in the same pass: the
+    dispatch-mode tracker slows it several-fold."""
     device = normalise_device(torch.device(device) if device is not None else model_device(model))
     return _tracked_step(step_fn, _step_tracker(device, model, optimizer, extra), device)
 

@@ -1,9 +1,7 @@
-"""The live-tensor tracker, and the byte counts every stage shares.
-
-Activation bytes (and the CPU peak) come from torch's ``MemTracker``, which files each live tensor under a category.
-It reports categories when the *total* peaks, understating checkpointed plans' activation peak (the total peaks late
-in backward, activations half freed), so this tracker keeps running maxima of both, per step and per phase.
-"""
+"""The live-tensor tracker, and the byte counts every stage shares. Activation bytes (and the CPU peak) come from
+torch's ``MemTracker``, which files each live tensor under a category. It reports categories when the *total* peaks,
+understating checkpointed plans' activation peak (the total peaks late in backward, activations half freed), so this
+tracker keeps running maxima of both, per step and per phase."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """Time each distinct block alone under every mode, during the profile: what ``timing.model.TimeModel`` predicts from.
-
-The memory profile's captured call runs again here without the tracker (whose cost would be timed too), its mode
-applied with ``apply_plan`` as a trial would. Modes are interleaved round by round (a machine that slows part-way
-slows every mode alike) and each mode's median is kept.
-
-A compiled model's blocks run *compiled alone* (``compiled_block_modes``), the modes applied inside
-``plan.apply.reused_forwards`` so a later round runs the graph the first compiled. One untimed round compiles, one
-reads what each mode's graph saves for backward (which a dispatch-mode tracker cannot see), then the timed rounds.
-"""
+The memory profile's captured call runs again here without the tracker (whose cost would be timed too), its mode applied
+with ``apply_plan`` as a trial would. Modes are interleaved round by round (a machine that slows part-way slows every
+mode alike) and each mode's median is kept. A compiled model's blocks run *compiled alone* (``compiled_block_modes``),
+the modes applied inside ``plan.apply.reused_forwards`` so a later round runs the graph the first compiled. One untimed
+round compiles, one reads what each mode's graph saves for backward (which a dispatch-mode tracker cannot see), then the
+timed rounds."""
 
 from __future__ import annotations
 

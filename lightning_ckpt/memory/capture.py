@@ -1,8 +1,6 @@
-"""The capture: one ``torch.no_grad`` forward that learns how the step calls its blocks, keeping almost nothing.
-
-Forward pre-hooks record the call order and keep the inputs and autocast regions of one representative per group of
-identical blocks, so each can later run alone as the step ran it; they also check which stacks run as a chain.
-"""
+"""The capture: one ``torch.no_grad`` forward that learns how the step calls its blocks, keeping almost nothing. Forward
+pre-hooks record the call order and keep the inputs and autocast regions of one representative per group of identical
+blocks, so each can later run alone as the step ran it; they also check which stacks run as a chain."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""Predict a plan's peak and activation memory without running it, from one memory-safe profile.
-
-A plan's prediction is, for every phase of the anchor step (every block ``full``), that phase's measured maximum
-plus the difference the plan makes there (``mode - full``): the saved bytes of blocks whose forward is done and
-whose backward is not, and the block's own forward or backward peak in its own phases. The predicted peak is the
-maximum over phases. Segments are modelled as torch runs them: a chunk stores its first block's input; in backward
-the whole chunk is recomputed at once, so the earlier blocks of the chunk hold their ``none``-mode activations.
-
-Byte counts follow ``measure.measurement``'s definitions, so predictions compare with a ``Measurement``'s.
-"""
+"""Predict a plan's peak and activation memory without running it, from one memory-safe profile. A plan's prediction is,
+for every phase of the anchor step (every block ``full``), that phase's measured maximum plus the difference the plan
+makes there (``mode - full``): the saved bytes of blocks whose forward is done and whose backward is not, and the
+block's own forward or backward peak in its own phases. The predicted peak is the maximum over phases. Segments are
+modelled as torch runs them: a chunk stores its first block's input; in backward the whole chunk is recomputed at once,
+so the earlier blocks of the chunk hold their ``none``-mode activations. Byte counts follow ``measure.measurement``'s
+definitions, so predictions compare with a ``Measurement``'s."""
 
 from __future__ import annotations
 
@@ -33,14 +30,11 @@ _STRUCTURED = ("blocks", "stacks", "phases")  # MemoryModel's fields ``to_dict``
 
 @dataclass(frozen=True)
 class ModeProfile:
-    """One block run alone under one mode. Bytes are relative to the level before its input existed, so they
-    include constant offsets (input, output, incoming gradient) that cancel between modes.
-
-    keep_bytes: held after the forward, its own output excluded (its input included when saved).
-    keep_with_input_bytes: the same while the caller still holds the input, right after the block returns.
-    autocast_cache_bytes: weight copies autocast cached that this mode does not save: they live until the end of
-    the forward.
-    """
+    """One block run alone under one mode. Bytes are relative to the level before its input existed, so they include
+    constant offsets (input, output, incoming gradient) that cancel between modes. keep_bytes: held after the forward,
+    its own output excluded (its input included when saved). keep_with_input_bytes: the same while the caller still
+    holds the input, right after the block returns. autocast_cache_bytes: weight copies autocast cached that this mode
+    does not save: they live until the end of the forward."""
 
     keep_bytes: int
     keep_with_input_bytes: int
@@ -53,12 +47,10 @@ class ModeProfile:
 
 @dataclass(frozen=True)
 class BlockMemory:
-    """Per-block table row: what this block keeps for backward under each mode.
-
-    saved_bytes: mode key -> activation bytes kept from forward to backward (``offload``: device bytes only).
-    recompute_transient_bytes: extra memory while the block is recomputed and run backward under ``full``.
-    shared_with: FQN of the identical block whose profile this row reuses (None: measured itself).
-    """
+    """Per-block table row: what this block keeps for backward under each mode. saved_bytes: mode key -> activation
+    bytes kept from forward to backward (``offload``: device bytes only). recompute_transient_bytes: extra memory while
+    the block is recomputed and run backward under ``full``. shared_with: FQN of the identical block whose profile this
+    row reuses (None: measured itself)."""
 
     fqn: str
     saved_bytes: Mapping[str, int]
@@ -78,12 +70,9 @@ class BlockMemory:
 
 @dataclass(frozen=True)
 class PhasePeak:
-    """The anchor step's maximum of live bytes in one phase.
-
-    kind: ``pre`` | ``fwd`` (block ``block``'s forward) | ``fwd_gap`` (after it, up to the next block; after the
-    last: head and loss) | ``bw_head`` | ``bw`` | ``bw_gap`` (after block ``block``'s backward; after block 0's: the
-    embeddings').
-    """
+    """The anchor step's maximum of live bytes in one phase. kind: ``pre`` | ``fwd`` (block ``block``'s forward) |
+    ``fwd_gap`` (after it, up to the next block; after the last: head and loss) | ``bw_head`` | ``bw`` | ``bw_gap``
+    (after block ``block``'s backward; after block 0's: the embeddings')."""
 
     kind: str
     block: int | None
@@ -103,15 +92,12 @@ class Prediction:
 @dataclass(frozen=True)
 class MemoryModel:
     """Predicted memory of any plan for one model, batch and training state (see the module docstring).
-
-    other_activation_bytes: activations held outside the blocks at the end of the anchor's forward.
-    blocks: one row per block call (a block shared across depth has several), in execution order.
-    device_overhead_bytes: CUDA: allocator peak minus tracked peak of the anchor step (memory no tensor tracker
-    sees: cuBLAS workspaces, block rounding), added to every peak. reserve_overhead_bytes: CUDA: reserved above
-    allocated on the anchor step, the headroom a cap on reserved memory needs.
-    idle_blocks: blocks the profiled forward never ran. unchained_stacks: stacks segments cannot run on.
-    inert_blocks: blocks no gradient flows through: no mode saves anything there (``plannable_stacks``).
-    """
+    other_activation_bytes: activations held outside the blocks at the end of the anchor's forward. blocks: one row per
+    block call (a block shared across depth has several), in execution order. device_overhead_bytes: CUDA: allocator
+    peak minus tracked peak of the anchor step (memory no tensor tracker sees: cuBLAS workspaces, block rounding), added
+    to every peak. reserve_overhead_bytes: CUDA: reserved above allocated on the anchor step, the headroom a cap on
+    reserved memory needs. idle_blocks: blocks the profiled forward never ran. unchained_stacks: stacks segments cannot
+    run on. inert_blocks: blocks no gradient flows through: no mode saves anything there (``plannable_stacks``)."""
 
     fixed_bytes: int
     other_activation_bytes: int
@@ -190,9 +176,8 @@ class MemoryModel:
         return out
 
     def plannable_stacks(self, stacks: Sequence[LayerStack]) -> list[LayerStack]:
-        """``stacks`` without the blocks no mode can save anything on (``inert_blocks``), renumbered; stacks
-        left empty are dropped. The search plans over these: checkpointing a frozen block recomputes it for
-        nothing."""
+        """``stacks`` without the blocks no mode can save anything on (``inert_blocks``), renumbered; stacks left empty
+        are dropped. The search plans over these: checkpointing a frozen block recomputes it for nothing."""
         out = []
         for s in stacks:
             kept = [b for b in s.blocks if b.fqn not in self.inert_blocks]

@@ -1,6 +1,5 @@
-"""What the optimizer adds to a real training step, as figures (kept in the plan file, read back without torch), and
-the real step's memory they turn a trial's into.
-"""
+"""What the optimizer adds to a real training step, as figures (kept in the plan file, read back without torch), and the
+real step's memory they turn a trial's into."""
 
 from __future__ import annotations
 

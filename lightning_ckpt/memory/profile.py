@@ -1,10 +1,8 @@
-"""Profile a model's memory on one batch (``profile_memory``), memory-safely: the data ``MemoryModel`` predicts from.
-
-It never needs the no-checkpointing peak: a no-grad **capture** forward (``memory.capture``) keeps one input per
-group of identical blocks; the **anchor** step (``memory.anchor``) runs every block fully checkpointed, its maximum
-recorded per phase; then each representative runs **alone** under every mode, under the tracker, keeping what it
-holds after its forward and its forward and backward peaks, relative to one starting level (constant offsets cancel).
-"""
+"""Profile a model's memory on one batch (``profile_memory``), memory-safely: the data ``MemoryModel`` predicts from. It
+never needs the no-checkpointing peak: a no-grad **capture** forward (``memory.capture``) keeps one input per group of
+identical blocks; the **anchor** step (``memory.anchor``) runs every block fully checkpointed, its maximum recorded per
+phase; then each representative runs **alone** under every mode, under the tracker, keeping what it holds after its
+forward and its forward and backward peaks, relative to one starting level (constant offsets cancel)."""
 
 from __future__ import annotations
 
@@ -160,19 +158,15 @@ def profile_step(
     time_blocks: bool | Collection[str] = True,
     compiled_blocks: bool = False,
 ) -> Profile:
-    """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time
-    model (``time_blocks``) its step time.
-
-    ``forward_fn`` takes no arguments, runs the forward and returns the loss (see ``loss_of``). Profile in the state
-    you will measure in (batch, gradients, optimizer state); ``extra`` are tensors made outside the step (the batch)
-    that count as resting memory. No plan may be applied; model state is left as it was.
-
-    ``selective_sets``: child sets to profile exactly (by default every single child and each block's attention,
+    """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time model
+    (``time_blocks``) its step time. ``forward_fn`` takes no arguments, runs the forward and returns the loss (see
+    ``loss_of``). Profile in the state you will measure in (batch, gradients, optimizer state); ``extra`` are tensors
+    made outside the step (the batch) that count as resting memory. No plan may be applied; model state is left as it
+    was. ``selective_sets``: child sets to profile exactly (by default every single child and each block's attention,
     MLP and attention+MLP children), per block FQN or one list for all; other sets add single-child effects.
     ``share_identical_blocks``: identical blocks share one profile. ``time_blocks``: time each representative under
     every mode (or only the given mode keys; False: no time model). ``compiled_blocks``: time them *compiled alone*
-    instead, and ``Profile.compiled`` holds what each mode's compiled graph saves for backward.
-    """
+    instead, and ``Profile.compiled`` holds what each mode's compiled graph saves for backward."""
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
     current = applied_plan(root)
@@ -293,10 +287,9 @@ def _time_blocks(
 
 
 def _sized_by_clock(block: nn.Module) -> bool:
-    """Whether the block's timing rounds may be sized by this rank's clock. A block FSDP2 sharded gathers its
-    parameters from every rank at each call, so every rank must run it as often: rounds sized by each rank's own
-    clock differed by one, and one rank waited in the all-gather while the other had moved on. It runs the fixed
-    rounds."""
+    """Whether the block's timing rounds may be sized by this rank's clock. A block FSDP2 sharded gathers its parameters
+    from every rank at each call, so every rank must run it as often: rounds sized by each rank's own clock differed by
+    one, and one rank waited in the all-gather while the other had moved on. It runs the fixed rounds."""
     return not any(is_sharded(m) for m in block.modules())
 
 

@@ -1,7 +1,6 @@
 """Apply a plan to a model in place, reversibly, without changing a single FQN: each planned module gets an
 instance-level ``forward`` (a ``functools.partial`` of a module-level function, so ``deepcopy`` and ``pickle`` work),
-which ``PlanHandle.remove()`` deletes.
-"""
+which ``PlanHandle.remove()`` deletes."""
 
 from __future__ import annotations
 

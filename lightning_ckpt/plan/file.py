@@ -1,6 +1,5 @@
-"""Plan files as bytes on disk: replaced atomically under a directory lock, read with errors that say what is
-wrong, versioned by a digest of their bytes. Nothing here knows what a plan is.
-"""
+"""Plan files as bytes on disk: replaced atomically under a directory lock, read with errors that say what is wrong,
+versioned by a digest of their bytes. Nothing here knows what a plan is."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Plans: what to checkpoint, per block FQN (never by position, so a plan survives compile wrappers), as frozen data
-with a versioned JSON form; blocks not listed are left alone. ``schema.py`` validates files, ``file.py`` owns bytes.
-"""
+with a versioned JSON form; blocks not listed are left alone. ``schema.py`` validates files, ``file.py`` owns bytes."""
 
 from __future__ import annotations
 
@@ -259,11 +258,9 @@ class Plan:
         return plan
 
     def save(self, path: str | os.PathLike[str], *, unchanged_since: str | None | object = _ANY_VERSION) -> Path:
-        """Write atomically: a crash or a full disk leaves any previous plan file intact.
-
-        ``unchanged_since``: the file's ``plan_file_version`` when the caller last read or wrote it (None: no file).
-        If another run saved to it since (checked under a directory lock), nothing is written: ``PlanFileChangedError``.
-        """
+        """Write atomically: a crash or a full disk leaves any previous plan file intact. ``unchanged_since``: the
+        file's ``plan_file_version`` when the caller last read or wrote it (None: no file). If another run saved to it
+        since (checked under a directory lock), nothing is written: ``PlanFileChangedError``."""
         path = Path(path)
         data = self.to_json().encode("utf-8")
         target = path.resolve() if path.is_symlink() else path

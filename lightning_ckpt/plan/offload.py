@@ -1,7 +1,6 @@
-"""Offload that hides behind compute (``save_on_cpu`` copies on the compute stream): saved activations copied to
-host memory on their own stream, into one pool of power-of-two host chunks per plan, bump-allocated and reused every
-step, and back a block ahead of backward. Without streams (CPU, ``SimulatedCard``) the copies are synchronous.
-"""
+"""Offload that hides behind compute (``save_on_cpu`` copies on the compute stream): saved activations copied to host
+memory on their own stream, into one pool of power-of-two host chunks per plan, bump-allocated and reused every step,
+and back a block ahead of backward. Without streams (CPU, ``SimulatedCard``) the copies are synchronous."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Op-level save-lists: which aten ops' outputs an ``ops`` plan keeps. Policies return ``MUST_SAVE`` or
-``PREFER_RECOMPUTE`` only, what ``torch.compile`` honours, so a plan means the same thing eager or compiled.
-"""
+``PREFER_RECOMPUTE`` only, what ``torch.compile`` honours, so a plan means the same thing eager or compiled."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What a plan file records beyond the plan: one typed object, ``Plan.provenance``, the only reader of
 ``Plan.metadata``'s sections. A section of the wrong JSON type (a hand edit) reads as absent and is kept in ``other``,
-so no reader checks types again.
-"""
+so no reader checks types again."""
 
 from __future__ import annotations
 

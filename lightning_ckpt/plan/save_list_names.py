@@ -1,6 +1,5 @@
-"""The op-level save-lists' names apart from their ops (``plan.policies``, kept in step by a test): reading a plan
-file needs only the name, so no torch.
-"""
+"""The op-level save-lists' names apart from their ops (``plan.policies``, kept in step by a test): reading a plan file
+needs only the name, so no torch."""
 
 from __future__ import annotations
 
