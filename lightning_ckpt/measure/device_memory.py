@@ -117,8 +117,7 @@ class CudaMemory:
     def expandable_in_effect(self) -> bool:
         """Whether a new segment is expandable, read off a probe larger than every cached free block."""
         largest_free = max(
-            (b["size"] for s in self.segments() for b in s.get("blocks", ()) if b.get("state") == "inactive"),
-            default=0,
+            (b["size"] for s in self.segments() for b in s.get("blocks", ()) if b.get("state") == "inactive"), default=0
         )
         probe = torch.empty(max(_PROBE_BYTES, largest_free + 2 * 2**20), dtype=torch.uint8, device=self.device)
         try:

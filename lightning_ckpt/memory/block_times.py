@@ -37,12 +37,7 @@ TIMING_STEPS = 4
 
 
 def time_block_modes(
-    root: nn.Module,
-    cap: Captured,
-    modes: Mapping[str, BlockPlan],
-    *,
-    device: torch.device,
-    calls: int | None = None,
+    root: nn.Module, cap: Captured, modes: Mapping[str, BlockPlan], *, device: torch.device, calls: int | None = None
 ) -> dict[str, float]:
     """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes``; a mode that fails here
     is left out. ``calls``: the block calls of the step this block stands for, which size the rounds; None runs the
@@ -76,11 +71,7 @@ class CompiledBlockRuns:
 
 
 def compiled_block_modes(
-    root: nn.Module,
-    cap: Captured,
-    modes: Mapping[str, BlockPlan],
-    *,
-    device: torch.device,
+    root: nn.Module, cap: Captured, modes: Mapping[str, BlockPlan], *, device: torch.device
 ) -> CompiledBlockRuns:
     """``cap``'s block compiled alone under each of ``modes`` (see the module docstring), as ``time_block_modes``."""
     runs = CompiledBlockRuns()
@@ -107,11 +98,7 @@ def compiled_block_modes(
 
 
 def _interleaved(
-    modes: Mapping[str, BlockPlan],
-    rounds: int,
-    once: Callable[[str, int], float],
-    *,
-    timed_from: int = 0,
+    modes: Mapping[str, BlockPlan], rounds: int, once: Callable[[str, int], float], *, timed_from: int = 0
 ) -> dict[str, float]:
     """Median of ``once(key, round)`` per mode over the rounds from ``timed_from`` on, the order reversed every other
     round; a mode that raises (but for running out of memory) is left out."""

@@ -162,11 +162,7 @@ def _same_leaf(a: Any, b: Any) -> bool:
 
 
 def capture_calls(
-    root: nn.Module,
-    forward_fn: Callable[[], Any],
-    blocks: dict[int, str],
-    share: bool,
-    stack_of: Mapping[str, str],
+    root: nn.Module, forward_fn: Callable[[], Any], blocks: dict[int, str], share: bool, stack_of: Mapping[str, str]
 ) -> tuple[list[str], dict[str, Captured], list[str], set[str]]:
     """No-grad forward: block call order (a block shared across depth once per call), one input per group, each
     call's representative, and the stacks that are no chain."""
