@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_ckpt.errors import PlanError, StalePlanError
 from lightning_ckpt.formatting import format_bytes, table
-from lightning_ckpt.plan.chunks import segment_chunks
+from lightning_ckpt.plan.chunks import refuse_segment_misfit, segment_chunks
 from lightning_ckpt.plan.format import Plan, closest_names, mode_key
 from lightning_ckpt.stacks import LayerStack
 
@@ -340,17 +340,7 @@ class MemoryModel:
                 "between them, e.g. LayerDrop), or each is sharded by FSDP2 (whose all-gathers run in each "
                 "block's own hooks). Use per-block modes there."
             )
-        if n_chunks > len(fqns):
-            raise PlanError(
-                f"segments[{stack_fqn!r}] = {n_chunks} but that stack has only {len(fqns)} blocks. "
-                f"Use a chunk count between 1 and {len(fqns)}."
-            )
-        overlapping = [f for f in fqns if f in plan.blocks]
-        if overlapping:
-            raise PlanError(
-                f"Stack {stack_fqn!r} has segments and also per-block modes for {overlapping[:3]}; a plan gives "
-                "a stack either segments or per-block modes. Remove one of them."
-            )
+        refuse_segment_misfit(stack_fqn, n_chunks, len(fqns), [f for f in fqns if f in plan.blocks])
         return fqns
 
     def _chunk_member_deltas(self, st: _PlanState, i: int, chunk_pos: tuple[int, int], full: ModeProfile) -> None:
