@@ -307,25 +307,6 @@ class _Passes:
         )
 
 
-def _failure_of(exc: Exception) -> tuple[str, ...]:
-    """(status, message) for a failed step; a bug (``error``, not a verdict on the plan) also keeps its traceback."""
-    failure = classify_failure(exc)
-    if failure[0] == "error":
-        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return (failure[0], failure[1], trace[-_MAX_TRACE_CHARS:])
-    return failure
-
-
-def _refuse_changed_parameters(snapshot: StateSnapshot) -> None:
-    changed = snapshot.changed_parameters()
-    if changed:
-        raise ConfigurationError(
-            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
-            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
-            "outside measure_step."
-        )
-
-
 def measure_step(
     step_fn: Callable[[], Any],
     settings: StepSettings | None = None,
@@ -364,7 +345,10 @@ def measure_step(
         except _BudgetExceeded as exc:
             over_budget = str(exc)
         except Exception as exc:  # BaseException (KeyboardInterrupt, SystemExit) propagates, state restored below
-            failure = _failure_of(exc)
+            failure = classify_failure(exc)
+            if failure[0] == "error":  # a bug, not a verdict on the plan: its traceback is kept too
+                trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                failure = (*failure, trace[-_MAX_TRACE_CHARS:])
             if failure[0] == "oom" and request is None:
                 # Under the search's cap: judged against the budget; under the device's own: against the device.
                 limit = settings.memory_limit_bytes if capped else None
@@ -384,7 +368,13 @@ def measure_step(
         if request is not None and split:
             notes["retried_with"] = split
         break
-    _refuse_changed_parameters(snapshot)
+    changed = snapshot.changed_parameters()
+    if changed:
+        raise ConfigurationError(
+            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
+            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
+            "outside measure_step."
+        )
     return passes.outcome(failure, over_budget, batch_size, seq_len, notes)
 
 

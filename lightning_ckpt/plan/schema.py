@@ -122,15 +122,8 @@ def _subschema(root: dict[str, Any], path: list[Any]) -> dict[str, Any] | None:
     return node if isinstance(node, dict) else None
 
 
-_TYPE_WORDS = {
-    "object": "an object",
-    "array": "an array",
-    "string": "a string",
-    "integer": "an integer",
-    "number": "a number",
-    "boolean": "true or false",
-    "null": "null",
-}
+_TYPE_WORDS = {"object": "an object", "array": "an array", "string": "a string", "integer": "an integer"}
+_TYPE_WORDS |= {"number": "a number", "boolean": "true or false", "null": "null"}
 
 
 def _found(value: Any) -> str:
