@@ -123,15 +123,6 @@ def _selective_sets(
     return sets
 
 
-def _state_bytes(root: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int, int]:
-    params = {id(p): p for p in root.parameters()}.values()
-    param_bytes = tensor_bytes(params)
-    grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in params if p.requires_grad)
-    buffer_bytes = tensor_bytes(root.buffers())
-    opt_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
-    return param_bytes, grad_bytes, opt_bytes, buffer_bytes
-
-
 @dataclass(frozen=True)
 class Profile:
     """What one profiling pass measured, side by side: the memory model and, where the blocks were timed, the time
@@ -188,7 +179,14 @@ def profile_step(
     fingerprint = view.fingerprint if view is not None else model_fingerprint(root)
     memory = _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
     time_model = _time_model(runs, memory, dev) if runs.timings else None
-    return Profile(memory, time_model, _compiled_model(runs, memory) if compiled_blocks and runs.timings else None)
+    if not (compiled_blocks and runs.timings):
+        return Profile(memory, time_model)
+    # One row per block call, as the memory model's, not yet anchored on a compiled step.
+    rows = tuple(CompiledBlockMemory(f, dict(runs.compiled[k].saved_bytes), r) for f, k, r in runs.rows())
+    done = runs.compiled.values()
+    seconds, compiles = sum(r.compile_seconds for r in done), sum(r.compiles for r in done)
+    compiled = CompiledMemoryModel(rows, memory.stacks, memory, compile_seconds=seconds, compiles=compiles)
+    return Profile(memory, time_model, compiled)
 
 
 def profile_memory(model: nn.Module | ModelView, forward_fn: Callable[[], Any], **options: Any) -> MemoryModel:
@@ -276,21 +274,17 @@ def _time_blocks(
         modes = {k: _block_plan_of(k) for k in runs.alone[key].profiles if wanted is None or k in wanted}
         if compiled:
             run = functools.partial(compiled_block_modes, root, cap, modes, device=dev)
-        else:  # its block calls size its rounds, but for a sharded block (see ``_sized_by_clock``)
-            calls = runs.call_rep.count(key) if _sized_by_clock(cap.module) else None
+        else:
+            # Its block calls size its rounds, but a block FSDP2 sharded gathers from every rank at each call, so it
+            # runs the fixed rounds: sized by each rank's clock, they differed by one and a rank hung in the all-gather.
+            sharded = any(is_sharded(m) for m in cap.module.modules())
+            calls = None if sharded else runs.call_rep.count(key)
             run = functools.partial(time_block_modes, root, cap, modes, device=dev, calls=calls)
         # One block's buffers, not a step's: no sync and emptied cache per block.
         result = _pass(f"timing of {cap.fqn} alone", dev, snapshot, run, cold=False)
         runs.timings[key] = result.seconds if compiled else result
         if compiled:
             runs.compiled[key] = result
-
-
-def _sized_by_clock(block: nn.Module) -> bool:
-    """Whether the block's timing rounds may be sized by this rank's clock. A block FSDP2 sharded gathers its parameters
-    from every rank at each call, so every rank must run it as often: rounds sized by each rank's own clock differed by
-    one, and one rank waited in the all-gather while the other had moved on. It runs the fixed rounds."""
-    return not any(is_sharded(m) for m in block.modules())
 
 
 def _pass(what: str, dev: torch.device, snapshot: StateSnapshot, run: Callable[[], Any], **options: Any) -> Any:
@@ -334,7 +328,10 @@ def _memory_model(
     # Blocks' saved bytes include their inputs, so what is left at the end of the forward is the
     # embeddings', head's and loss's (the last block's output included).
     other = max(0, runs.end_of_forward[1] - sum(r.saved_bytes["full"] for r in rows))
-    param_b, grad_b, opt_b, buf_b = _state_bytes(root, optimizer)
+    params = {id(p): p for p in root.parameters()}.values()
+    param_b, buf_b = tensor_bytes(params), tensor_bytes(root.buffers())
+    grad_b = sum(local_tensor(p).numel() * p.element_size() for p in params if p.requires_grad)
+    opt_b = optimizer_state_bytes(optimizer) if optimizer is not None else 0
     flowing = {fqn for fqn, flows in zip(order, runs.calls.output_grad, strict=True) if flows}
     # All of each stack's blocks, run or not: apply_plan cuts segments over all of them.
     stack_map = {s.fqn: s.block_fqns for s in stacks}
@@ -378,14 +375,6 @@ def _time_model(runs: _Runs, memory: MemoryModel, dev: torch.device) -> TimeMode
     if link is not None:
         measured_at["link"] = {"to_host": link.to_host, "to_device": link.to_device}
     return TimeModel(blocks=tuple(rows), stacks=memory.stacks, measured_at=measured_at)
-
-
-def _compiled_model(runs: _Runs, memory: MemoryModel) -> CompiledMemoryModel:
-    """One row per block call, as the memory model's, not yet anchored on a compiled step."""
-    rows = tuple(CompiledBlockMemory(f, dict(runs.compiled[k].saved_bytes), r) for f, k, r in runs.rows())
-    compiled = runs.compiled.values()
-    seconds, compiles = sum(r.compile_seconds for r in compiled), sum(r.compiles for r in compiled)
-    return CompiledMemoryModel(rows, memory.stacks, memory, compile_seconds=seconds, compiles=compiles)
 
 
 def _profile_blocks(
