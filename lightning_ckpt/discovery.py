@@ -160,9 +160,7 @@ def _matches(fqn: str, module: nn.Module, item: type | str) -> bool:
     """A module class, a class name, or an FQN glob (a name with a dot or a wildcard)."""
     if isinstance(item, type):
         return isinstance(module, item)
-    if any(c in item for c in ".*?["):
-        return fnmatch.fnmatchcase(fqn, item)
-    return type(module).__name__ == item
+    return fnmatch.fnmatchcase(fqn, item) if any(c in item for c in ".*?[") else type(module).__name__ == item
 
 
 def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[LayerStack]:

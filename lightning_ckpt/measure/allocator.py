@@ -50,8 +50,7 @@ class AllocatorRegime:
         return asdict(self)
 
     def describe(self) -> str:
-        state = "on" if self.expandable_segments else "off"
-        return f"expandable segments {state} ({self.how})"
+        return f"expandable segments {'on' if self.expandable_segments else 'off'} ({self.how})"
 
 
 def start_expandable_segments(environ: dict[str, str] | None = None) -> str | None:

@@ -168,6 +168,4 @@ _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2
 def requested_bytes(message: str) -> int | None:
     """The size an out-of-memory message says was asked for (CUDA's "Tried to allocate 6.14 GiB"), else None."""
     match = re.search(r"Tried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)", message)
-    if match is None:
-        return None
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    return None if match is None else int(float(match.group(1)) * _UNITS[match.group(2)])

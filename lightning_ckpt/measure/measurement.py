@@ -88,9 +88,7 @@ def classify_failure(exc: Exception) -> tuple[str, str]:
     if is_out_of_memory(exc):
         return "oom", message
     # A checkpoint or plan error means "this plan cannot run on this model", not "the code is broken".
-    if isinstance(exc, (CheckpointError, PlanError, ApplyError)):
-        return "invalid", message
-    return "error", message
+    return ("invalid", message) if isinstance(exc, (CheckpointError, PlanError, ApplyError)) else ("error", message)
 
 
 def release_memory(device: torch.device) -> None:

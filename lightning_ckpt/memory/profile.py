@@ -51,9 +51,7 @@ def _block_plan_of(key: str) -> BlockPlan:
     kind, _, rest = key.partition(":")
     if kind == "ops":
         return BlockPlan("ops", save_list=rest)
-    if kind == "selective":
-        return BlockPlan("selective", tuple(rest.split(",")))
-    return BlockPlan(kind)
+    return BlockPlan("selective", tuple(rest.split(","))) if kind == "selective" else BlockPlan(kind)
 
 
 def _run_block(

@@ -48,6 +48,4 @@ def sqrt_segments(stacks: Sequence[LayerStack], *, skipping: Collection[str] = (
     }
     # The last chunk is never checkpointed, so only a chunk of two or more blocks differs from "none" or "full".
     sizes = {s.fqn: len(s.blocks) for s in stacks}
-    if not any(1 < n < sizes[fqn] for fqn, n in segments.items()):
-        return {}
-    return segments
+    return {} if not any(1 < n < sizes[fqn] for fqn, n in segments.items()) else segments

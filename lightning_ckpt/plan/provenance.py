@@ -125,9 +125,7 @@ def _to_json(value: Any) -> Any:
         return value.to_dict()
     if isinstance(value, Mapping):
         return {k: _to_json(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_to_json(v) for v in value]
-    return value
+    return [_to_json(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _kind(annotation: str) -> type:

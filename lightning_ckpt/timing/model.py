@@ -193,13 +193,9 @@ class TimeModel:
             blocks.append(
                 BlockTime(r["fqn"], timed.get(source, {}), r.get("shared_with"), r.get("offloaded_bytes", {}))
             )
-        calibration = data.get("calibration")
-        return cls(
-            blocks=tuple(blocks),
-            stacks={k: tuple(v) for k, v in data["stacks"].items()},
-            measured_at=dict(data.get("measured_at", {})),
-            calibration=Calibration.from_dict(calibration) if calibration else None,
-        )
+        calibration = Calibration.from_dict(data["calibration"]) if data.get("calibration") else None
+        stacks = {k: tuple(v) for k, v in data["stacks"].items()}
+        return cls(tuple(blocks), stacks, dict(data.get("measured_at", {})), calibration)
 
 
 def _added(row: BlockTime, key: str) -> float | None:
