@@ -111,18 +111,9 @@ class PlanTable:
                     raise ValueError(f"buckets[{i}].max_length must be an integer >= 1, got {length!r}")
                 body = {**row["plan"], "fingerprint": plan.fingerprint}
                 bucket_plan = Plan.from_dict(body, source=f"{where}.buckets[{i}].plan")
-                profile = row.get("profile")
-                buckets.append(
-                    Bucket(
-                        max_length=length,
-                        plan=bucket_plan,
-                        source=str(row.get("source", "predicted")),
-                        predicted_peak_bytes=_optional(row.get("predicted_peak_bytes"), int),
-                        predicted_activation_bytes=_optional(row.get("predicted_activation_bytes"), int),
-                        predicted_seconds=_optional(row.get("predicted_seconds"), float),
-                        profile=profile if isinstance(profile, Mapping) else None,
-                    )
-                )
+                predicted = [_optional(row.get(name), kind) for name, kind in _PREDICTED]
+                profile = row.get("profile") if isinstance(row.get("profile"), Mapping) else None
+                buckets.append(Bucket(length, bucket_plan, str(row.get("source", "predicted")), *predicted, profile))
         except (KeyError, TypeError, ValueError) as err:
             raise PlanError(
                 f"{where} is malformed ({type(err).__name__}: {err}); re-tune to write a new one."
@@ -149,6 +140,9 @@ def table_line(table: PlanTable, budget: Budget | None) -> str:
         figure = f", {format_bytes(value)}" if value is not None else ""
         parts.append(f"<= {b.max_length}: {b.plan.describe()} ({b.source}{figure})")
     return f"plan table by length, {len(table.buckets)} buckets: " + "; ".join(parts)
+
+
+_PREDICTED = (("predicted_peak_bytes", int), ("predicted_activation_bytes", int), ("predicted_seconds", float))
 
 
 def _optional(value: Any, kind: type) -> Any:
