@@ -163,8 +163,7 @@ class RequestedBudget:
     def parse(
         cls, max_memory: int | float | str | None = None, activation_budget: float | None = None
     ) -> RequestedBudget:
-        """The request behind the callback's arguments; raises ``ConfigurationError`` for any budget
-        ``resolve_budget`` would refuse."""
+        """The request behind the arguments; ``ConfigurationError`` for any budget ``resolve_budget`` would refuse."""
         validate_budget_args(max_memory, activation_budget)
         if activation_budget is not None:
             return cls("activation", float(activation_budget), activation_budget)

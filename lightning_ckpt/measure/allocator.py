@@ -38,8 +38,7 @@ class AllocatorWarning(UserWarning):
 
 @dataclass(frozen=True)
 class AllocatorRegime:
-    """What the search ran under (recorded in the plan file): ``how`` expandable segments came on, or why they are
-    off; ``settings``, the options in force."""
+    """What the search ran under (in the plan file): ``how`` expandable segments came on, or why not; ``settings``."""
 
     expandable_segments: bool
     how: str

@@ -1,5 +1,4 @@
-"""One training step as every part of the search runs it: the loss of a step function's output, and the harness around
-it."""
+"""One training step as every part of the search runs it: the loss of a step function's output, and its harness."""
 
 from __future__ import annotations
 

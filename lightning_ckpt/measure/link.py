@@ -35,11 +35,9 @@ def measure_link(device: torch.device | str, *, nbytes: int = 256 * 2**20, repea
         for _ in range(repeats):
             for to_host in (True, False):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                destination, source = (host, card) if to_host else (card, host)
                 start.record()
-                if to_host:
-                    host.copy_(card, non_blocking=True)
-                else:
-                    card.copy_(host, non_blocking=True)
+                destination.copy_(source, non_blocking=True)
                 end.record()
                 end.synchronize()
                 rates[to_host].append(nbytes / (start.elapsed_time(end) / 1000))

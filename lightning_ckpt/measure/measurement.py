@@ -172,8 +172,7 @@ class Measurement:
     than ``pruned`` (``over_budget``: peak and activation hold what the step reached, with no timings). median_seconds /
     spread_seconds: median of ``step_seconds`` and their unscaled median absolute deviation, a spread robust to one slow
     outlier step. steps: training steps run (tuning cost); a runner that ran more (a compiled trial's compile step) says
-    so. conflict: why a plan that ran fights ``torch.compile``. extra: facts for display that the runner adds (compile
-    statistics, pinned host memory)."""
+    so. conflict: why a plan that ran fights ``torch.compile``. extra: the runner's facts for display."""
 
     status: str
     step_seconds: tuple[float, ...] = ()

@@ -55,8 +55,7 @@ class StepSettings:
     """Which passes ``measure_step`` runs and how many steps it times; checked when built. warmup: untimed steps first
     (compile and allocator warm-up are not throughput). With ``target_rel_spread``, timing goes on past ``steps`` until
     MAD/median falls below it or ``max_steps`` (default ``4 * steps``). track_memory: one step under the live-tensor
-    tracker first; count_flops: one under ``FlopCounterMode`` last. read_allocator: CUDA without the tracker: the
-    allocator's peak over the timed steps."""
+    tracker first; count_flops: one under ``FlopCounterMode`` last. read_allocator: the CUDA peak of the timed steps."""
 
     warmup: int = 1
     steps: int = 3
@@ -83,16 +82,6 @@ class StepSettings:
         limit = self.memory_limit_bytes
         if limit is not None and (not _is_int(limit) or limit < 1):
             raise ConfigurationError(f"`memory_limit_bytes >= 1` must hold, but got {limit!r}.")
-
-
-def _check_shape(batch_size: int | None, seq_len: int | None) -> None:
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if value is not None:
-            _check_count(name, value, 1)
-    if seq_len is not None and batch_size is None:
-        raise ConfigurationError(
-            "tokens/s needs the number of sequences per step: pass batch_size together with seq_len."
-        )
 
 
 @dataclass(frozen=True)
@@ -294,17 +283,9 @@ class _Passes:
         med, spread = median_and_spread(self.times)
         samples = batch_size / med if batch_size is not None and med > 0 else None
         tokens = samples * seq_len if samples is not None and seq_len is not None else None
-        return Measurement(
-            "ok",
-            step_seconds=tuple(self.times),
-            median_seconds=med,
-            spread_seconds=spread,
-            samples_per_second=samples,
-            tokens_per_second=tokens,
-            recompute_flops=flops[0] if flops else None,
-            step_flops=flops[1] if flops else None,
-            **common,
-        )
+        recompute, total = flops or (None, None)
+        timed = (tuple(self.times), med, spread, samples, tokens)  # step_seconds, median, spread, samples/s, tokens/s
+        return Measurement("ok", *timed, recompute_flops=recompute, step_flops=total, **common)
 
 
 def measure_step(
@@ -326,7 +307,13 @@ def measure_step(
     step that completes above it is ``over_budget``; one refused although its bytes fit reruns uncapped, split-resistant.
     """
     settings = settings or StepSettings()
-    _check_shape(batch_size, seq_len)
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value is not None:
+            _check_count(name, value, 1)
+    if seq_len is not None and batch_size is None:
+        raise ConfigurationError(
+            "tokens/s needs the number of sequences per step: pass batch_size together with seq_len."
+        )
     device = normalise_device(torch.device(device) if device is not None else model_device(model))
     memory = device_memory(device)
     snapshot = StateSnapshot.capture(model)

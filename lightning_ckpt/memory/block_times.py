@@ -3,8 +3,7 @@ The memory profile's captured call runs again here without the tracker (whose co
 with ``apply_plan`` as a trial would. Modes are interleaved round by round (a machine that slows part-way slows every
 mode alike) and each mode's median is kept. A compiled model's blocks run *compiled alone* (``compiled_block_modes``),
 the modes applied inside ``plan.apply.reused_forwards`` so a later round runs the graph the first compiled. One untimed
-round compiles, one reads what each mode's graph saves for backward (which a dispatch-mode tracker cannot see), then the
-timed rounds."""
+round compiles, one reads what each mode's graph saves for backward (no tracker can), then the timed ones."""
 
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ TIMING_STEPS = 4
 def time_block_modes(
     root: nn.Module, cap: Captured, modes: Mapping[str, BlockPlan], *, device: torch.device, calls: int | None = None
 ) -> dict[str, float]:
-    """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes``; a mode that fails here
-    is left out. ``calls``: the block calls of the step this block stands for, which size the rounds; None runs the
-    fixed ``TIMING_ROUNDS``."""
+    """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes`` (a mode that fails is left
+    out). ``calls``: the step's calls of this block, which size the rounds; None runs the fixed ``TIMING_ROUNDS``."""
     where = hidden_slot(cap.args, cap.kwargs, strict=True)
     forwards: list[float] = []  # ``none``'s forward alone: the window an offloaded block's copies hide behind
 

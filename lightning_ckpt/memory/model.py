@@ -257,7 +257,17 @@ class MemoryModel:
         rows_of: dict[str, list[int]] = {}  # a block shared across depth has a row per call
         for i, b in enumerate(self.blocks):
             rows_of.setdefault(b.fqn, []).append(i)
-        keys = self._mode_keys_of(plan, rows_of)
+        keys = ["none"] * len(self.blocks)  # each row's mode key under ``plan``'s per-block modes
+        for fqn, bp in plan.blocks.items():
+            if fqn in self.idle_blocks:
+                continue
+            if fqn not in rows_of:
+                raise PlanError(
+                    f"The memory model has no profile for block {fqn!r}. Closest profiled blocks: "
+                    f"{closest_names(fqn, list(rows_of))}. Fix the FQN in the plan, or profile the stack that holds it."
+                )
+            for i in rows_of[fqn]:
+                keys[i] = mode_key(bp)
         chunk_of, chunk_pos = self._chunks_of(plan, rows_of)
         st = _PlanState(len(self.blocks), chunk_of)
         for i, b in enumerate(self.blocks):
@@ -293,29 +303,28 @@ class MemoryModel:
         """The host memory ``plan``'s offloaded blocks hold at once (the pool's peak)."""
         return sum(self._resolve(plan).moved)
 
-    def _mode_keys_of(self, plan: Plan, rows_of: Mapping[str, list[int]]) -> list[str]:
-        """Each row's mode key under ``plan``'s per-block modes (``none`` where it names none)."""
-        keys = ["none"] * len(self.blocks)
-        for fqn, bp in plan.blocks.items():
-            if fqn in self.idle_blocks:
-                continue
-            if fqn not in rows_of:
-                raise PlanError(
-                    f"The memory model has no profile for block {fqn!r}. Closest profiled blocks: "
-                    f"{closest_names(fqn, list(rows_of))}. Fix the FQN in the plan, or profile the stack that holds it."
-                )
-            for i in rows_of[fqn]:
-                keys[i] = mode_key(bp)
-        return keys
-
     def _chunks_of(self, plan: Plan, rows: Mapping[str, list[int]]) -> tuple[list[int | None], list[tuple[int, int]]]:
-        """Per row: the segment chunk it runs in (None: none) and its (position in chunk, chunk length)."""
+        """Per row: its segment chunk (None: none) and (position, chunk length); refuses segments that cannot run."""
         n = len(self.blocks)
         chunk_of: list[int | None] = [None] * n
         chunk_pos: list[tuple[int, int]] = [(0, 0)] * n
         chunk_id = 0
         for stack_fqn, n_chunks in plan.segments.items():
-            fqns = self._segmentable_stack(plan, stack_fqn, n_chunks)
+            if stack_fqn not in self.stacks:
+                raise PlanError(
+                    f"The memory model has no profiled stack {stack_fqn!r}; profiled stacks: "
+                    f"{', '.join(repr(s) for s in self.stacks) or '(none)'}. Fix 'segments' in the plan."
+                )
+            fqns = self.stacks[stack_fqn]
+            if stack_fqn in self.unchained_stacks:
+                raise PlanError(
+                    f"segments[{stack_fqn!r}]: one checkpoint cannot span several blocks of this stack: they do not "
+                    "run as a chain (a block receives something other than the previous block's output and the same "
+                    "other arguments, e.g. T5's position bias; or the parent skips blocks or draws random numbers "
+                    "between them, e.g. LayerDrop), or each is sharded by FSDP2 (whose all-gathers run in each "
+                    "block's own hooks). Use per-block modes there."
+                )
+            refuse_segment_misfit(stack_fqn, n_chunks, len(fqns), [f for f in fqns if f in plan.blocks])
             for start, end in segment_chunks(len(fqns), n_chunks)[:-1]:
                 members = [rows[f][0] for f in fqns[start:end] if f in rows]
                 for pos, i in enumerate(members):
@@ -323,25 +332,6 @@ class MemoryModel:
                     chunk_pos[i] = (pos, len(members))
                 chunk_id += 1
         return chunk_of, chunk_pos
-
-    def _segmentable_stack(self, plan: Plan, stack_fqn: str, n_chunks: int) -> tuple[str, ...]:
-        """The blocks of ``stack_fqn``, once the profile shows ``n_chunks`` segments can run on it."""
-        if stack_fqn not in self.stacks:
-            raise PlanError(
-                f"The memory model has no profiled stack {stack_fqn!r}; profiled stacks: "
-                f"{', '.join(repr(s) for s in self.stacks) or '(none)'}. Fix 'segments' in the plan."
-            )
-        fqns = self.stacks[stack_fqn]
-        if stack_fqn in self.unchained_stacks:
-            raise PlanError(
-                f"segments[{stack_fqn!r}]: one checkpoint cannot span several blocks of this stack: they do not "
-                "run as a chain (a block receives something other than the previous block's output and the same "
-                "other arguments, e.g. T5's position bias; or the parent skips blocks or draws random numbers "
-                "between them, e.g. LayerDrop), or each is sharded by FSDP2 (whose all-gathers run in each "
-                "block's own hooks). Use per-block modes there."
-            )
-        refuse_segment_misfit(stack_fqn, n_chunks, len(fqns), [f for f in fqns if f in plan.blocks])
-        return fqns
 
     def _chunk_member_deltas(self, st: _PlanState, i: int, chunk_pos: tuple[int, int], full: ModeProfile) -> None:
         """Row ``i``'s differences from ``full`` as a member of a segment chunk."""

@@ -49,8 +49,7 @@ class _Packed:
 
 
 class OffloadPool:
-    """The host memory and streams of one plan's offloaded blocks. ``chunk_bytes``: each host chunk's size (a power of
-    two; a larger tensor gets its own)."""
+    """Host memory and streams of one plan's offloaded blocks; ``chunk_bytes``: a chunk's size (a power of two)."""
 
     def __init__(self, *, chunk_bytes: int = 64 * _MIB) -> None:
         if chunk_bytes < 1 or chunk_bytes & (chunk_bytes - 1):

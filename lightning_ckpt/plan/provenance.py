@@ -32,14 +32,9 @@ class MicroBatch:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MicroBatch:
         size, accumulation = int(data["size"]), int(data["accumulation"])
-        tolerance = data.get("tie_tolerance")
-        return cls(
-            size,
-            accumulation,
-            int(data.get("global", size * accumulation)),
-            int(data.get("original_size", size)),
-            float(tolerance) if tolerance is not None else None,
-        )
+        tolerance = None if data.get("tie_tolerance") is None else float(data["tie_tolerance"])
+        global_batch, original = int(data.get("global", size * accumulation)), int(data.get("original_size", size))
+        return cls(size, accumulation, global_batch, original, tolerance)
 
     def to_dict(self) -> dict[str, Any]:
         return {

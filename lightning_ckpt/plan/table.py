@@ -17,9 +17,8 @@ MAX_BUCKETS = 8  # every bucket is a profile before training and a plan to switc
 
 
 def bucket_edges(shortest: int, longest: int, edges: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The buckets' longest lengths, ascending, the last ``longest``: the user's ``edges``, or halving from
-    ``longest`` while above ``shortest``: a bucket twice as long needs at most four times the activations, so no plan
-    pays for much more than its batches need."""
+    """The buckets' longest lengths, ascending, the last ``longest``: the user's ``edges``, or halving from ``longest``
+    while above ``shortest`` (twice as long needs at most four times the activations: no plan pays much more)."""
     if edges is not None:
         chosen = sorted({int(e) for e in edges if 0 < int(e) < longest})
         if len(chosen) + 1 > MAX_BUCKETS:
