@@ -136,10 +136,9 @@ def run_pass(
     *,
     cold: bool = True,
 ) -> Any:
-    """``run()``, from an emptied cache when it needs step-sized buffers (``cold``: emptying a CUDA cache
-    synchronises); once more, split-resistant, when the allocator refused a request the allocated bytes fit (a
-    fragmented cache; never with expandable segments). ``restore`` puts the model back between the two. A refusal
-    that stays raises ``PassOutOfMemory``; other errors pass through."""
+    """``run()``, from an emptied cache when it needs step-sized buffers (``cold``: emptying a CUDA cache synchronises);
+    once more, split-resistant, when the allocator refused a request the allocated bytes fit (a fragmented cache; never
+    with expandable segments), ``restore`` run in between. A refusal that stays raises ``PassOutOfMemory``."""
     memory = device_memory(device)
     retry: str | None = None
     request = 0

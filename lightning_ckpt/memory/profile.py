@@ -148,14 +148,13 @@ def profile_step(
     compiled_blocks: bool = False,
 ) -> Profile:
     """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time model
-    (``time_blocks``) its step time. ``forward_fn`` takes no arguments, runs the forward and returns the loss (see
-    ``loss_of``). Profile in the state you will measure in (batch, gradients, optimizer state); ``extra`` are tensors
-    made outside the step (the batch) that count as resting memory. No plan may be applied; model state is left as it
-    was. ``selective_sets``: child sets to profile exactly (by default every single child and each block's attention,
-    MLP and attention+MLP children), per block FQN or one list for all; other sets add single-child effects.
-    ``share_identical_blocks``: identical blocks share one profile. ``time_blocks``: time each representative under
-    every mode (or only the given mode keys; False: no time model). ``compiled_blocks``: time them *compiled alone*
-    instead, and ``Profile.compiled`` holds what each mode's compiled graph saves for backward."""
+    (``time_blocks``) its step time. ``forward_fn()`` runs the forward and returns the loss (``loss_of``). Profile in
+    the state you will measure in (batch, gradients, optimizer state); ``extra``: tensors made outside the step (the
+    batch), resting memory. No plan may be applied; model state is left as it was. ``selective_sets``: child sets to
+    profile exactly (default: every single child, each block's attention, MLP and both), per block FQN or one list for
+    all; other sets add single-child effects. ``share_identical_blocks``: identical blocks share one profile.
+    ``time_blocks``: time each representative under every mode (or the given mode keys; False: no time model).
+    ``compiled_blocks``: time them *compiled alone*; ``Profile.compiled`` holds what each mode's graph saves."""
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
     current = applied_plan(root)
