@@ -92,13 +92,9 @@ def parse_bytes(value: int | float | str, *, what: str = "max_memory") -> int:
 
 @dataclass(frozen=True)
 class Budget:
-    """The memory limit a plan must respect.
-
-    kind ``peak``: the step's peak bytes (everything) <= limit_bytes.
-    kind ``activation``: the step's activation bytes <= limit_bytes (a fraction of the
-    no-checkpointing activation memory, resolved once that is known).
-    kind ``none``: no limit; the fastest plan wins.
-    """
+    """The memory limit a plan must respect. kind ``peak``: the step's peak bytes (everything) <= limit_bytes. kind
+    ``activation``: the step's activation bytes <= limit_bytes (a fraction of the no-checkpointing activation memory,
+    resolved once that is known). kind ``none``: no limit; the fastest plan wins."""
 
     kind: str
     limit_bytes: int | None = None
@@ -167,8 +163,7 @@ class RequestedBudget:
     def parse(
         cls, max_memory: int | float | str | None = None, activation_budget: float | None = None
     ) -> RequestedBudget:
-        """The request behind the callback's arguments; raises ``ConfigurationError`` for any budget
-        ``resolve_budget`` would refuse."""
+        """The request behind the arguments; ``ConfigurationError`` for any budget ``resolve_budget`` would refuse."""
         validate_budget_args(max_memory, activation_budget)
         if activation_budget is not None:
             return cls("activation", float(activation_budget), activation_budget)

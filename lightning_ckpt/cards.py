@@ -1,6 +1,5 @@
-"""Which device type a simulated card (``lightning_ckpt.testing.SimulatedCard``) stands in for, if any: shared by
-every stage (``measure.device_memory`` reads its allocator, offload copies off a device with memory of its own).
-"""
+"""Which device type a simulated card (``lightning_ckpt.testing.SimulatedCard``) stands in for, if any: shared by every
+stage (``measure.device_memory`` reads its allocator, offload copies off a device with memory of its own)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Find the repeated layer stack(s) of an arbitrary model: checkpointing pays off per block (a small input, large
-internals), and models keep their blocks in an ``nn.ModuleList``/``nn.Sequential`` of same-class modules.
-"""
+internals), and models keep their blocks in an ``nn.ModuleList``/``nn.Sequential`` of same-class modules."""
 
 from __future__ import annotations
 
@@ -96,11 +95,9 @@ def _same_class_container(module: nn.Module) -> bool:
 
 
 def _inner_stacks(model: nn.Module, stack: LayerStack) -> list[LayerStack] | None:
-    """The repeated layers inside ``stack``'s blocks when those blocks are CNN stages, one stack per stage, or None.
-
-    A stage is a poor unit to checkpoint (its input is a large share of the activations); whole stages remain
-    reachable as segments over the layers. One level only: a ResNet layer's ``Sequential`` is a residual block.
-    """
+    """The repeated layers inside ``stack``'s blocks when those blocks are CNN stages, one stack per stage, or None. A
+    stage is a poor unit to checkpoint (its input is a large share of the activations); whole stages remain reachable as
+    segments over the layers. One level only: a ResNet layer's ``Sequential`` is a residual block."""
     shapes = {tuple(p.shape for p in model.get_submodule(b.fqn).parameters()) for b in stack.blocks}
     if len(shapes) == 1:
         return None  # identical blocks: already the repeated unit
@@ -163,9 +160,7 @@ def _matches(fqn: str, module: nn.Module, item: type | str) -> bool:
     """A module class, a class name, or an FQN glob (a name with a dot or a wildcard)."""
     if isinstance(item, type):
         return isinstance(module, item)
-    if any(c in item for c in ".*?["):
-        return fnmatch.fnmatchcase(fqn, item)
-    return type(module).__name__ == item
+    return fnmatch.fnmatchcase(fqn, item) if any(c in item for c in ".*?[") else type(module).__name__ == item
 
 
 def _explicit_stacks(model: nn.Module, spec: Iterable[type | str]) -> list[LayerStack]:

@@ -1,6 +1,5 @@
 """One exception family for everything lightning_ckpt refuses, and one warning family for what it goes on after.
-Subclasses let callers (the tuner, the CLI) tell a bad plan from a bad argument without parsing strings.
-"""
+Subclasses let callers (the tuner, the CLI) tell a bad plan from a bad argument without parsing strings."""
 
 from __future__ import annotations
 
@@ -57,9 +56,8 @@ class ConfigurationError(LightningCkptError, ValueError):
 
 
 class InfeasibleBudgetError(LightningCkptError):
-    """No plan can fit: none fits the memory budget and the caller asked to raise rather than fall back, or a pass
-    that needs no more memory than the lowest-memory plan ran out of memory. ``allocator`` holds the allocator's
-    figures when a pass was refused."""
+    """No plan can fit: none fits the memory budget and the caller asked to raise rather than fall back, or a pass that
+    needs no more memory than the lowest-memory plan ran out of it (``allocator``: the allocator's figures then)."""
 
     def __init__(self, message: str, *, allocator: dict | None = None) -> None:
         super().__init__(message)

@@ -47,12 +47,8 @@ def table(
     line up; the rest left-aligned. ``rule``: a line of dashes under the header, as wide as the table."""
     align = ["right" if i in right else "left" for i in range(len(headers))]
     # The header goes in as a row: tabulate widens a header's column by two spaces, which the rows do not need.
-    text = tabulate(
-        [list(map(str, headers)), *[list(map(str, r)) for r in rows]],
-        tablefmt="plain",
-        colalign=align,
-        disable_numparse=True,
-    )
+    cells = [list(map(str, headers)), *[list(map(str, r)) for r in rows]]
+    text = tabulate(cells, tablefmt="plain", colalign=align, disable_numparse=True)
     lines = [(indent + line).rstrip() for line in text.splitlines()]
     if rule and lines:
         lines.insert(1, indent + "-" * (max(len(line) for line in lines) - len(indent)))

@@ -1,6 +1,5 @@
-"""``ModelView``: the model as every stage sees it, resolved once where it enters the package: computing its facts
-in each stage is slow (the fingerprint hashes every parameter) and lets stages disagree.
-"""
+"""``ModelView``: the model as every stage sees it, resolved once where it enters the package: computing its facts in
+each stage is slow (the fingerprint hashes every parameter) and lets stages disagree."""
 
 from __future__ import annotations
 
@@ -64,10 +63,9 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def compiled_regions(model: nn.Module) -> tuple[str, ...]:
-    """Canonical FQNs of the parts of ``model`` that run under ``torch.compile`` (``""``: all of it): a wrapper (also
-    as Lightning unwraps it: ``_compiler_ctx``), compiled submodules, in-place ``module.compile()``. A compiled step
-    function cannot be seen from the model: pass ``compiled=True`` to ``tune`` for that.
-    """
+    """Canonical FQNs of the parts of ``model`` that run under ``torch.compile`` (``""``: all of it): a wrapper (also as
+    Lightning unwraps it: ``_compiler_ctx``), compiled submodules, in-place ``module.compile()``. A compiled step
+    function cannot be seen from the model: pass ``compiled=True`` to ``tune`` for that."""
     regions: list[str] = []
     root = unwrap_compiled(model)
     if root is not model or getattr(root, "_compiler_ctx", None):

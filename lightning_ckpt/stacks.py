@@ -1,6 +1,5 @@
-"""What discovery finds: a stack of blocks and each block's children, by FQN and holding no module, so a plan file
-keeps them (``LayerStack.to_dict``) and re-planning reads them back without the model and without torch.
-"""
+"""What discovery finds: a stack of blocks and each block's children, by FQN and holding no module, so a plan file keeps
+them (``LayerStack.to_dict``) and re-planning reads them back without the model and without torch."""
 
 from __future__ import annotations
 
@@ -61,14 +60,8 @@ class LayerStack:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LayerStack:
-        blocks = tuple(
-            Block(
-                b["fqn"],
-                int(b["index"]),
-                b["class_name"],
-                int(b["num_params"]),
-                tuple(Child(*c) for c in b["children"]),
-            )
-            for b in data["blocks"]
-        )
-        return cls(data["fqn"], data["container_class"], blocks)
+        blocks = []
+        for b in data["blocks"]:
+            children = tuple(Child(*c) for c in b["children"])
+            blocks.append(Block(b["fqn"], int(b["index"]), b["class_name"], int(b["num_params"]), children))
+        return cls(data["fqn"], data["container_class"], tuple(blocks))

@@ -1,6 +1,5 @@
-"""Which torch lightning_ckpt is tested with, and the features that need a newer one: as Lightning does, a wide
-range, never refused at import; a feature is refused only where it is used, on a torch where it is known to be wrong.
-"""
+"""Which torch lightning_ckpt is tested with, and the features that need a newer one: as Lightning does, a wide range,
+never refused at import; a feature is refused only where it is used, on a torch where it is known to be wrong."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The allocator regime a search runs under: expandable segments verified on a real segment, or a clear word that
-they are off; and the split-resistant setting a refused pass is retried with.
-
-The cap limits *reserved* memory, and steps of many shapes leave split cached blocks that cannot serve a large
-request; expandable segments unmap free pages before refusing, so reserved follows allocated (what the budget speaks
-of). A run-time switch can silently do nothing (torch 2.11), so a probe's segment is read after it. A user's own
-``expandable_segments`` setting is never changed.
-"""
+"""The allocator regime a search runs under: expandable segments verified on a real segment, or a clear word that they
+are off; and the split-resistant setting a refused pass is retried with. The cap limits *reserved* memory, and steps of
+many shapes leave split cached blocks that cannot serve a large request; expandable segments unmap free pages before
+refusing, so reserved follows allocated (what the budget speaks of). A run-time switch can silently do nothing (torch
+2.11), so a probe's segment is read after it. A user's own ``expandable_segments`` setting is never changed."""
 
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ class AllocatorWarning(UserWarning):
 
 @dataclass(frozen=True)
 class AllocatorRegime:
-    """What the search ran under (recorded in the plan file): ``how`` expandable segments came on, or why they are
-    off; ``settings``, the options in force."""
+    """What the search ran under (in the plan file): ``how`` expandable segments came on, or why not; ``settings``."""
 
     expandable_segments: bool
     how: str
@@ -53,8 +49,7 @@ class AllocatorRegime:
         return asdict(self)
 
     def describe(self) -> str:
-        state = "on" if self.expandable_segments else "off"
-        return f"expandable segments {state} ({self.how})"
+        return f"expandable segments {'on' if self.expandable_segments else 'off'} ({self.how})"
 
 
 def start_expandable_segments(environ: dict[str, str] | None = None) -> str | None:

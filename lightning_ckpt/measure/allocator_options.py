@@ -1,7 +1,6 @@
 """The CUDA caching allocator's options as one value, changed one at a time and written back whole: torch's run-time
 setter parses its string as the complete configuration, so setting ``expandable_segments:True`` alone reset a user's
-other options. Every change here keeps the others exactly as the user wrote them.
-"""
+other options. Every change here keeps the others exactly as the user wrote them."""
 
 from __future__ import annotations
 

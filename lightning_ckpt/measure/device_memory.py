@@ -1,8 +1,6 @@
 """The device's allocator, read one way: CUDA's caching allocator, or a simulated card installed by the tests.
-
-Everything that reads or caps device memory goes through ``device_memory(device)``, so the suite runs the CUDA
-path's failures on CPU with ``lightning_ckpt.testing.SimulatedCard`` (a small card, a refusing allocator).
-"""
+Everything that reads or caps device memory goes through ``device_memory(device)``, so the suite runs the CUDA path's
+failures on CPU with ``lightning_ckpt.testing.SimulatedCard`` (a small card, a refusing allocator)."""
 
 from __future__ import annotations
 
@@ -119,8 +117,7 @@ class CudaMemory:
     def expandable_in_effect(self) -> bool:
         """Whether a new segment is expandable, read off a probe larger than every cached free block."""
         largest_free = max(
-            (b["size"] for s in self.segments() for b in s.get("blocks", ()) if b.get("state") == "inactive"),
-            default=0,
+            (b["size"] for s in self.segments() for b in s.get("blocks", ()) if b.get("state") == "inactive"), default=0
         )
         probe = torch.empty(max(_PROBE_BYTES, largest_free + 2 * 2**20), dtype=torch.uint8, device=self.device)
         try:
@@ -171,6 +168,4 @@ _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2
 def requested_bytes(message: str) -> int | None:
     """The size an out-of-memory message says was asked for (CUDA's "Tried to allocate 6.14 GiB"), else None."""
     match = re.search(r"Tried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)", message)
-    if match is None:
-        return None
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    return None if match is None else int(float(match.group(1)) * _UNITS[match.group(2)])

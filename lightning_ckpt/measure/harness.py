@@ -1,6 +1,4 @@
-"""One training step as every part of the search runs it: the loss of a step function's output, and the harness
-around it.
-"""
+"""One training step as every part of the search runs it: the loss of a step function's output, and its harness."""
 
 from __future__ import annotations
 
@@ -23,9 +21,7 @@ __all__ = ["StepHarness", "loss_of"]
 
 def loss_of(out: Any, *, require_grad: bool = True) -> torch.Tensor:
     """The scalar to call ``backward`` on: a tensor, a dict's ``"loss"`` (Lightning) or ``.loss`` (HF outputs).
-
-    ``require_grad=False`` accepts a loss computed under ``torch.no_grad`` (the profile's capture pass).
-    """
+    ``require_grad=False`` accepts a loss computed under ``torch.no_grad`` (the profile's capture pass)."""
     loss = out
     if isinstance(out, Mapping) and "loss" in out:
         loss = out["loss"]
@@ -44,11 +40,9 @@ def loss_of(out: Any, *, require_grad: bool = True) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StepHarness:
-    """What measuring a step needs besides the plan: the model, its step function and the run's shape.
-
-    ``root`` is the uncompiled model (plans are applied to it); ``step_fn`` runs the forward (compiled or not) on a
-    fixed batch and returns the loss. Without a batch size a step counts as one sample, which ranks plans the same.
-    """
+    """What measuring a step needs besides the plan: the model, its step function and the run's shape. ``root`` is the
+    uncompiled model (plans are applied to it); ``step_fn`` runs the forward (compiled or not) on a fixed batch and
+    returns the loss. Without a batch size a step counts as one sample, which ranks plans the same."""
 
     root: nn.Module
     step_fn: Callable[[], Any]

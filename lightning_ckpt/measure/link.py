@@ -1,8 +1,6 @@
-"""The host link, measured: how fast pinned memory moves between the card and the host, each way.
-
-Offload can only hide behind compute what the link moves in that time, and what a link reaches varies by machine,
-so it is measured with pinned buffers as the offload pool uses, timed with CUDA events.
-"""
+"""The host link, measured: how fast pinned memory moves between the card and the host, each way. Offload can only hide
+behind compute what the link moves in that time, and what a link reaches varies by machine, so it is measured with
+pinned buffers as the offload pool uses, timed with CUDA events."""
 
 from __future__ import annotations
 
@@ -37,11 +35,9 @@ def measure_link(device: torch.device | str, *, nbytes: int = 256 * 2**20, repea
         for _ in range(repeats):
             for to_host in (True, False):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                destination, source = (host, card) if to_host else (card, host)
                 start.record()
-                if to_host:
-                    host.copy_(card, non_blocking=True)
-                else:
-                    card.copy_(host, non_blocking=True)
+                destination.copy_(source, non_blocking=True)
                 end.record()
                 end.synchronize()
                 rates[to_host].append(nbytes / (start.elapsed_time(end) / 1000))

@@ -88,9 +88,7 @@ def classify_failure(exc: Exception) -> tuple[str, str]:
     if is_out_of_memory(exc):
         return "oom", message
     # A checkpoint or plan error means "this plan cannot run on this model", not "the code is broken".
-    if isinstance(exc, (CheckpointError, PlanError, ApplyError)):
-        return "invalid", message
-    return "error", message
+    return ("invalid", message) if isinstance(exc, (CheckpointError, PlanError, ApplyError)) else ("error", message)
 
 
 def release_memory(device: torch.device) -> None:
@@ -138,10 +136,9 @@ def run_pass(
     *,
     cold: bool = True,
 ) -> Any:
-    """``run()``, from an emptied cache when it needs step-sized buffers (``cold``: emptying a CUDA cache
-    synchronises); once more, split-resistant, when the allocator refused a request the allocated bytes fit (a
-    fragmented cache; never with expandable segments). ``restore`` puts the model back between the two. A refusal
-    that stays raises ``PassOutOfMemory``; other errors pass through."""
+    """``run()``, from an emptied cache when it needs step-sized buffers (``cold``: emptying a CUDA cache synchronises);
+    once more, split-resistant, when the allocator refused a request the allocated bytes fit (a fragmented cache; never
+    with expandable segments), ``restore`` run in between. A refusal that stays raises ``PassOutOfMemory``."""
     memory = device_memory(device)
     retry: str | None = None
     request = 0
@@ -170,14 +167,11 @@ def run_pass(
 
 @dataclass(frozen=True)
 class Measurement:
-    """The outcome of measuring one training-step callable (one candidate plan).
-
-    status: a ``TrialStatus`` value other than ``pruned`` (``over_budget``: peak and activation hold what the step
-    reached, with no timings). median_seconds / spread_seconds: median of ``step_seconds`` and their unscaled
-    median absolute deviation, a spread robust to one slow outlier step. steps: training steps run (tuning cost);
-    a runner that ran more (a compiled trial's compile step) says so. conflict: why a plan that ran fights
-    ``torch.compile``. extra: facts for display that the runner adds (compile statistics, pinned host memory).
-    """
+    """The outcome of measuring one training-step callable (one candidate plan). status: a ``TrialStatus`` value other
+    than ``pruned`` (``over_budget``: peak and activation hold what the step reached, with no timings). median_seconds /
+    spread_seconds: median of ``step_seconds`` and their unscaled median absolute deviation, a spread robust to one slow
+    outlier step. steps: training steps run (tuning cost); a runner that ran more (a compiled trial's compile step) says
+    so. conflict: why a plan that ran fights ``torch.compile``. extra: the runner's facts for display."""
 
     status: str
     step_seconds: tuple[float, ...] = ()

@@ -1,10 +1,7 @@
-"""The plain Python attributes of a model's modules: captured before a search, put back after every step, so a
-step counter driving a curriculum is not advanced by the trials.
-
-Restored: plain values (in place for a mutated list, dict or set), any attribute rebound, added or deleted, and the
-plain attributes of an object a module holds, one level deep. Not restorable: a tensor attribute that is not a
-registered buffer, modified in place (named in a warning), and deeper mutations.
-"""
+"""The plain Python attributes of a model's modules: captured before a search, put back after every step, so a step
+counter driving a curriculum is not advanced by the trials. Restored: plain values (in place for a mutated list, dict or
+set), any attribute rebound, added or deleted, and the plain attributes of an object a module holds, one level deep. Not
+restorable: a tensor attribute (not a registered buffer) modified in place (named in a warning), deeper mutations."""
 
 from __future__ import annotations
 

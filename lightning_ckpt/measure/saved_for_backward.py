@@ -1,8 +1,6 @@
-"""What a step saves for backward, counted by storage: the activation memory of a *compiled* step.
-
-Under the live-tensor tracker's dispatch mode dynamo runs compiled frames eagerly; ``saved_tensors_hooks`` see
-what compiled graphs save. Compiled trials and the guard's real compiled steps both count this way.
-"""
+"""What a step saves for backward, counted by storage: the activation memory of a *compiled* step. Under the live-tensor
+tracker's dispatch mode dynamo runs compiled frames eagerly; ``saved_tensors_hooks`` see what compiled graphs save.
+Compiled trials and the guard's real compiled steps both count this way."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Leaving no trace: what measuring a step may disturb (RNG streams, buffers, gradients, the parameters a forward
-writes in place), captured so the first real step finds the model as it would with no search at all.
-"""
+"""Leaving no trace: what measuring a step may disturb (RNG streams, buffers, gradients, the parameters a forward writes
+in place), captured so the first real step finds the model as it would with no search at all."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ __all__ = [
 class StateSnapshot:
     """The global RNG streams, every buffer and every ``.grad``, copied to host memory (not counted against the device
     measured). Parameters are not copied (that would double the model's memory), but for those the forward writes in
-    place; ``changed_parameters()`` catches other in-place updates (an optimizer step) by version counter.
-    """
+    place; ``changed_parameters()`` catches other in-place updates (an optimizer step) by version counter."""
 
     def __init__(self) -> None:
         self._rng: dict[str, Any] = {}

@@ -1,6 +1,5 @@
-"""``measure_step``: one training step timed and its memory read honestly, never raising for an OOM. The figures
-it reads are defined once, in ``measure.measurement``'s docstring; ``StepSettings`` says which passes run.
-"""
+"""``measure_step``: one training step timed and its memory read honestly, never raising for an OOM. The figures it
+reads are defined once, in ``measure.measurement``'s docstring; ``StepSettings`` says which passes run."""
 
 from __future__ import annotations
 
@@ -53,13 +52,10 @@ def _check_count(name: str, value: Any, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """Which passes ``measure_step`` runs and how many steps it times; checked when built.
-
-    warmup: untimed steps first (compile and allocator warm-up are not throughput). With ``target_rel_spread``,
-    timing goes on past ``steps`` until MAD/median falls below it or ``max_steps`` (default ``4 * steps``).
-    track_memory: one step under the live-tensor tracker first; count_flops: one under ``FlopCounterMode`` last.
-    read_allocator: CUDA without the tracker: the allocator's peak over the timed steps.
-    """
+    """Which passes ``measure_step`` runs and how many steps it times; checked when built. warmup: untimed steps first
+    (compile and allocator warm-up are not throughput). With ``target_rel_spread``, timing goes on past ``steps`` until
+    MAD/median falls below it or ``max_steps`` (default ``4 * steps``). track_memory: one step under the live-tensor
+    tracker first; count_flops: one under ``FlopCounterMode`` last. read_allocator: the CUDA peak of the timed steps."""
 
     warmup: int = 1
     steps: int = 3
@@ -88,16 +84,6 @@ class StepSettings:
             raise ConfigurationError(f"`memory_limit_bytes >= 1` must hold, but got {limit!r}.")
 
 
-def _check_shape(batch_size: int | None, seq_len: int | None) -> None:
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if value is not None:
-            _check_count(name, value, 1)
-    if seq_len is not None and batch_size is None:
-        raise ConfigurationError(
-            "tokens/s needs the number of sequences per step: pass batch_size together with seq_len."
-        )
-
-
 @dataclass(frozen=True)
 class MemoryReading:
     """Memory of one step (definitions: ``measure.measurement``)."""
@@ -119,10 +105,8 @@ def track_step_memory(
     device: torch.device | str | None = None,
     extra: tuple[Any, ...] = (),
 ) -> MemoryReading:
-    """Run ``step_fn`` once and read its peak and activation memory.
-
-    Never time a step in the same pass: the dispatch-mode tracker slows it several-fold.
-    """
+    """Run ``step_fn`` once and read its peak and activation memory. Never time a step in the same pass: the
+    dispatch-mode tracker slows it several-fold."""
     device = normalise_device(torch.device(device) if device is not None else model_device(model))
     return _tracked_step(step_fn, _step_tracker(device, model, optimizer, extra), device)
 
@@ -299,36 +283,9 @@ class _Passes:
         med, spread = median_and_spread(self.times)
         samples = batch_size / med if batch_size is not None and med > 0 else None
         tokens = samples * seq_len if samples is not None and seq_len is not None else None
-        return Measurement(
-            "ok",
-            step_seconds=tuple(self.times),
-            median_seconds=med,
-            spread_seconds=spread,
-            samples_per_second=samples,
-            tokens_per_second=tokens,
-            recompute_flops=flops[0] if flops else None,
-            step_flops=flops[1] if flops else None,
-            **common,
-        )
-
-
-def _failure_of(exc: Exception) -> tuple[str, ...]:
-    """(status, message) for a failed step; a bug (``error``, not a verdict on the plan) also keeps its traceback."""
-    failure = classify_failure(exc)
-    if failure[0] == "error":
-        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return (failure[0], failure[1], trace[-_MAX_TRACE_CHARS:])
-    return failure
-
-
-def _refuse_changed_parameters(snapshot: StateSnapshot) -> None:
-    changed = snapshot.changed_parameters()
-    if changed:
-        raise ConfigurationError(
-            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
-            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
-            "outside measure_step."
-        )
+        recompute, total = flops or (None, None)
+        timed = (tuple(self.times), med, spread, samples, tokens)  # step_seconds, median, spread, samples/s, tokens/s
+        return Measurement("ok", *timed, recompute_flops=recompute, step_flops=total, **common)
 
 
 def measure_step(
@@ -350,7 +307,13 @@ def measure_step(
     step that completes above it is ``over_budget``; one refused although its bytes fit reruns uncapped, split-resistant.
     """
     settings = settings or StepSettings()
-    _check_shape(batch_size, seq_len)
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value is not None:
+            _check_count(name, value, 1)
+    if seq_len is not None and batch_size is None:
+        raise ConfigurationError(
+            "tokens/s needs the number of sequences per step: pass batch_size together with seq_len."
+        )
     device = normalise_device(torch.device(device) if device is not None else model_device(model))
     memory = device_memory(device)
     snapshot = StateSnapshot.capture(model)
@@ -369,7 +332,10 @@ def measure_step(
         except _BudgetExceeded as exc:
             over_budget = str(exc)
         except Exception as exc:  # BaseException (KeyboardInterrupt, SystemExit) propagates, state restored below
-            failure = _failure_of(exc)
+            failure = classify_failure(exc)
+            if failure[0] == "error":  # a bug, not a verdict on the plan: its traceback is kept too
+                trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                failure = (*failure, trace[-_MAX_TRACE_CHARS:])
             if failure[0] == "oom" and request is None:
                 # Under the search's cap: judged against the budget; under the device's own: against the device.
                 limit = settings.memory_limit_bytes if capped else None
@@ -389,7 +355,13 @@ def measure_step(
         if request is not None and split:
             notes["retried_with"] = split
         break
-    _refuse_changed_parameters(snapshot)
+    changed = snapshot.changed_parameters()
+    if changed:
+        raise ConfigurationError(
+            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
+            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
+            "outside measure_step."
+        )
     return passes.outcome(failure, over_budget, batch_size, seq_len, notes)
 
 

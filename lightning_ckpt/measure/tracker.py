@@ -1,9 +1,7 @@
-"""The live-tensor tracker, and the byte counts every stage shares.
-
-Activation bytes (and the CPU peak) come from torch's ``MemTracker``, which files each live tensor under a category.
-It reports categories when the *total* peaks, understating checkpointed plans' activation peak (the total peaks late
-in backward, activations half freed), so this tracker keeps running maxima of both, per step and per phase.
-"""
+"""The live-tensor tracker, and the byte counts every stage shares. Activation bytes (and the CPU peak) come from
+torch's ``MemTracker``, which files each live tensor under a category. It reports categories when the *total* peaks,
+understating checkpointed plans' activation peak (the total peaks late in backward, activations half freed), so this
+tracker keeps running maxima of both, per step and per phase."""
 
 from __future__ import annotations
 
@@ -231,9 +229,7 @@ def new_live_tracker(device: torch.device | str, model: nn.Module | None = None,
     *tensors)``. An FSDP2 ``model`` gets torch's FSDP-aware tracker (collective buffers are no activation)."""
     device = normalise_device(torch.device(device))
     root = fsdp_root(model) if model is not None else None
-    if root is not None:
-        return _tracker_class(fsdp=True)(device, root, optimizer)
-    return _tracker_class()(device)
+    return _tracker_class(fsdp=True)(device, root, optimizer) if root is not None else _tracker_class()(device)
 
 
 def normalise_device(device: torch.device) -> torch.device:

@@ -1,3 +1,1 @@
-"""Memory: the profile that runs each distinct block once, the model that predicts any plan's peak and
-activation bytes from it, and the optimizer step's memory.
-"""
+"""Memory: the profile (each distinct block run once), the model predicting any plan's bytes, the optimizer step's."""

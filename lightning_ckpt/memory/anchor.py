@@ -1,7 +1,6 @@
 """The memory profile's anchor step: one forward+backward with *every* block fully checkpointed, the maximum of live
 bytes recorded per *phase* (``model.PhasePeak``), delimited by module hooks and gradient hooks. It catches what
-per-block arithmetic gets wrong: gradients accumulating during backward, the logits and loss, the embedding backward.
-"""
+per-block arithmetic gets wrong: gradients accumulating during backward, the logits and loss, the embedding backward."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Time each distinct block alone under every mode, during the profile: what ``timing.model.TimeModel`` predicts from.
-
-The memory profile's captured call runs again here without the tracker (whose cost would be timed too), its mode
-applied with ``apply_plan`` as a trial would. Modes are interleaved round by round (a machine that slows part-way
-slows every mode alike) and each mode's median is kept.
-
-A compiled model's blocks run *compiled alone* (``compiled_block_modes``), the modes applied inside
-``plan.apply.reused_forwards`` so a later round runs the graph the first compiled. One untimed round compiles, one
-reads what each mode's graph saves for backward (which a dispatch-mode tracker cannot see), then the timed rounds.
-"""
+The memory profile's captured call runs again here without the tracker (whose cost would be timed too), its mode applied
+with ``apply_plan`` as a trial would. Modes are interleaved round by round (a machine that slows part-way slows every
+mode alike) and each mode's median is kept. A compiled model's blocks run *compiled alone* (``compiled_block_modes``),
+the modes applied inside ``plan.apply.reused_forwards`` so a later round runs the graph the first compiled. One untimed
+round compiles, one reads what each mode's graph saves for backward (no tracker can), then the timed ones."""
 
 from __future__ import annotations
 
@@ -45,16 +41,10 @@ def profile_clock() -> float:
 
 
 def time_block_modes(
-    root: nn.Module,
-    cap: Captured,
-    modes: Mapping[str, BlockPlan],
-    *,
-    device: torch.device,
-    calls: int | None = None,
+    root: nn.Module, cap: Captured, modes: Mapping[str, BlockPlan], *, device: torch.device, calls: int | None = None
 ) -> dict[str, float]:
-    """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes``; a mode that fails here
-    is left out. ``calls``: the block calls of the step this block stands for, which size the rounds; None runs the
-    fixed ``TIMING_ROUNDS``."""
+    """Median seconds of ``cap``'s block alone, forward and backward, under each of ``modes`` (a mode that fails is left
+    out). ``calls``: the step's calls of this block, which size the rounds; None runs the fixed ``TIMING_ROUNDS``."""
     where = hidden_slot(cap.args, cap.kwargs, strict=True)
     forwards: list[float] = []  # ``none``'s forward alone: the window an offloaded block's copies hide behind
 
@@ -84,11 +74,7 @@ class CompiledBlockRuns:
 
 
 def compiled_block_modes(
-    root: nn.Module,
-    cap: Captured,
-    modes: Mapping[str, BlockPlan],
-    *,
-    device: torch.device,
+    root: nn.Module, cap: Captured, modes: Mapping[str, BlockPlan], *, device: torch.device
 ) -> CompiledBlockRuns:
     """``cap``'s block compiled alone under each of ``modes`` (see the module docstring), as ``time_block_modes``."""
     runs = CompiledBlockRuns()
@@ -115,11 +101,7 @@ def compiled_block_modes(
 
 
 def _interleaved(
-    modes: Mapping[str, BlockPlan],
-    rounds: int,
-    once: Callable[[str, int], float],
-    *,
-    timed_from: int = 0,
+    modes: Mapping[str, BlockPlan], rounds: int, once: Callable[[str, int], float], *, timed_from: int = 0
 ) -> dict[str, float]:
     """Median of ``once(key, round)`` per mode over the rounds from ``timed_from`` on, the order reversed every other
     round; a mode that raises (but for running out of memory) is left out."""

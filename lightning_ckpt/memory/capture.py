@@ -1,8 +1,6 @@
-"""The capture: one ``torch.no_grad`` forward that learns how the step calls its blocks, keeping almost nothing.
-
-Forward pre-hooks record the call order and keep the inputs and autocast regions of one representative per group of
-identical blocks, so each can later run alone as the step ran it; they also check which stacks run as a chain.
-"""
+"""The capture: one ``torch.no_grad`` forward that learns how the step calls its blocks, keeping almost nothing. Forward
+pre-hooks record the call order and keep the inputs and autocast regions of one representative per group of identical
+blocks, so each can later run alone as the step ran it; they also check which stacks run as a chain."""
 
 from __future__ import annotations
 
@@ -164,11 +162,7 @@ def _same_leaf(a: Any, b: Any) -> bool:
 
 
 def capture_calls(
-    root: nn.Module,
-    forward_fn: Callable[[], Any],
-    blocks: dict[int, str],
-    share: bool,
-    stack_of: Mapping[str, str],
+    root: nn.Module, forward_fn: Callable[[], Any], blocks: dict[int, str], share: bool, stack_of: Mapping[str, str]
 ) -> tuple[list[str], dict[str, Captured], list[str], set[str]]:
     """No-grad forward: block call order (a block shared across depth once per call), one input per group, each
     call's representative, and the stacks that are no chain."""

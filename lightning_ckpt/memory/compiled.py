@@ -1,15 +1,13 @@
-"""Predict a *compiled* step's memory from blocks compiled alone: what the compiled search prunes by.
-
-A compiled step's activation memory is what its graphs save for backward (the partitioner saves less than eager
-ops). Checkpointing a block changes the step's saved bytes by what it changes in that block compiled alone, so,
-anchored on the compiled ``none`` step the search measures anyway:
+"""Predict a *compiled* step's memory from blocks compiled alone: what the compiled search prunes by. A compiled step's
+activation memory is what its graphs save for backward (the partitioner saves less than eager ops). Checkpointing a
+block changes the step's saved bytes by what it changes in that block compiled alone, so, anchored on the compiled
+``none`` step the search measures anyway:
 
     activation(plan) = activation(none) - sum over blocks of (saved[none] - saved[mode])
     peak(plan)       = peak(none)       - the same sum
 
 A segment saves its first block's input (that block's ``full`` bytes) and nothing of the later blocks. PT2's
-``activation_memory_budget`` is the partitioner's choice across the whole graph: measured, not predicted.
-"""
+``activation_memory_budget`` is the partitioner's choice across the whole graph: measured, not predicted."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""Predict a plan's peak and activation memory without running it, from one memory-safe profile.
-
-A plan's prediction is, for every phase of the anchor step (every block ``full``), that phase's measured maximum
-plus the difference the plan makes there (``mode - full``): the saved bytes of blocks whose forward is done and
-whose backward is not, and the block's own forward or backward peak in its own phases. The predicted peak is the
-maximum over phases. Segments are modelled as torch runs them: a chunk stores its first block's input; in backward
-the whole chunk is recomputed at once, so the earlier blocks of the chunk hold their ``none``-mode activations.
-
-Byte counts follow ``measure.measurement``'s definitions, so predictions compare with a ``Measurement``'s.
-"""
+"""Predict a plan's peak and activation memory without running it, from one memory-safe profile. A plan's prediction is,
+for every phase of the anchor step (every block ``full``), that phase's measured maximum plus the difference the plan
+makes there (``mode - full``): the saved bytes of blocks whose forward is done and whose backward is not, and the
+block's own forward or backward peak in its own phases. The predicted peak is the maximum over phases. Segments are
+modelled as torch runs them: a chunk stores its first block's input; in backward the whole chunk is recomputed at once,
+so the earlier blocks of the chunk hold their ``none``-mode activations. Byte counts follow ``measure.measurement``'s
+definitions, so predictions compare with a ``Measurement``'s."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ from typing import Any
 
 from lightning_ckpt.errors import PlanError, StalePlanError
 from lightning_ckpt.formatting import format_bytes, table
-from lightning_ckpt.plan.chunks import segment_chunks
+from lightning_ckpt.plan.chunks import refuse_segment_misfit, segment_chunks
 from lightning_ckpt.plan.format import Plan, closest_names, mode_key
 from lightning_ckpt.stacks import LayerStack
 
@@ -33,14 +30,11 @@ _STRUCTURED = ("blocks", "stacks", "phases")  # MemoryModel's fields ``to_dict``
 
 @dataclass(frozen=True)
 class ModeProfile:
-    """One block run alone under one mode. Bytes are relative to the level before its input existed, so they
-    include constant offsets (input, output, incoming gradient) that cancel between modes.
-
-    keep_bytes: held after the forward, its own output excluded (its input included when saved).
-    keep_with_input_bytes: the same while the caller still holds the input, right after the block returns.
-    autocast_cache_bytes: weight copies autocast cached that this mode does not save: they live until the end of
-    the forward.
-    """
+    """One block run alone under one mode. Bytes are relative to the level before its input existed, so they include
+    constant offsets (input, output, incoming gradient) that cancel between modes. keep_bytes: held after the forward,
+    its own output excluded (its input included when saved). keep_with_input_bytes: the same while the caller still
+    holds the input, right after the block returns. autocast_cache_bytes: weight copies autocast cached that this mode
+    does not save: they live until the end of the forward."""
 
     keep_bytes: int
     keep_with_input_bytes: int
@@ -53,12 +47,10 @@ class ModeProfile:
 
 @dataclass(frozen=True)
 class BlockMemory:
-    """Per-block table row: what this block keeps for backward under each mode.
-
-    saved_bytes: mode key -> activation bytes kept from forward to backward (``offload``: device bytes only).
-    recompute_transient_bytes: extra memory while the block is recomputed and run backward under ``full``.
-    shared_with: FQN of the identical block whose profile this row reuses (None: measured itself).
-    """
+    """Per-block table row: what this block keeps for backward under each mode. saved_bytes: mode key -> activation
+    bytes kept from forward to backward (``offload``: device bytes only). recompute_transient_bytes: extra memory while
+    the block is recomputed and run backward under ``full``. shared_with: FQN of the identical block whose profile this
+    row reuses (None: measured itself)."""
 
     fqn: str
     saved_bytes: Mapping[str, int]
@@ -78,12 +70,9 @@ class BlockMemory:
 
 @dataclass(frozen=True)
 class PhasePeak:
-    """The anchor step's maximum of live bytes in one phase.
-
-    kind: ``pre`` | ``fwd`` (block ``block``'s forward) | ``fwd_gap`` (after it, up to the next block; after the
-    last: head and loss) | ``bw_head`` | ``bw`` | ``bw_gap`` (after block ``block``'s backward; after block 0's: the
-    embeddings').
-    """
+    """The anchor step's maximum of live bytes in one phase. kind: ``pre`` | ``fwd`` (block ``block``'s forward) |
+    ``fwd_gap`` (after it, up to the next block; after the last: head and loss) | ``bw_head`` | ``bw`` | ``bw_gap``
+    (after block ``block``'s backward; after block 0's: the embeddings')."""
 
     kind: str
     block: int | None
@@ -103,15 +92,12 @@ class Prediction:
 @dataclass(frozen=True)
 class MemoryModel:
     """Predicted memory of any plan for one model, batch and training state (see the module docstring).
-
-    other_activation_bytes: activations held outside the blocks at the end of the anchor's forward.
-    blocks: one row per block call (a block shared across depth has several), in execution order.
-    device_overhead_bytes: CUDA: allocator peak minus tracked peak of the anchor step (memory no tensor tracker
-    sees: cuBLAS workspaces, block rounding), added to every peak. reserve_overhead_bytes: CUDA: reserved above
-    allocated on the anchor step, the headroom a cap on reserved memory needs.
-    idle_blocks: blocks the profiled forward never ran. unchained_stacks: stacks segments cannot run on.
-    inert_blocks: blocks no gradient flows through: no mode saves anything there (``plannable_stacks``).
-    """
+    other_activation_bytes: activations held outside the blocks at the end of the anchor's forward. blocks: one row per
+    block call (a block shared across depth has several), in execution order. device_overhead_bytes: CUDA: allocator
+    peak minus tracked peak of the anchor step (memory no tensor tracker sees: cuBLAS workspaces, block rounding), added
+    to every peak. reserve_overhead_bytes: CUDA: reserved above allocated on the anchor step, the headroom a cap on
+    reserved memory needs. idle_blocks: blocks the profiled forward never ran. unchained_stacks: stacks segments cannot
+    run on. inert_blocks: blocks no gradient flows through: no mode saves anything there (``plannable_stacks``)."""
 
     fixed_bytes: int
     other_activation_bytes: int
@@ -190,9 +176,8 @@ class MemoryModel:
         return out
 
     def plannable_stacks(self, stacks: Sequence[LayerStack]) -> list[LayerStack]:
-        """``stacks`` without the blocks no mode can save anything on (``inert_blocks``), renumbered; stacks
-        left empty are dropped. The search plans over these: checkpointing a frozen block recomputes it for
-        nothing."""
+        """``stacks`` without the blocks no mode can save anything on (``inert_blocks``), renumbered; stacks left empty
+        are dropped. The search plans over these: checkpointing a frozen block recomputes it for nothing."""
         out = []
         for s in stacks:
             kept = [b for b in s.blocks if b.fqn not in self.inert_blocks]
@@ -272,7 +257,17 @@ class MemoryModel:
         rows_of: dict[str, list[int]] = {}  # a block shared across depth has a row per call
         for i, b in enumerate(self.blocks):
             rows_of.setdefault(b.fqn, []).append(i)
-        keys = self._mode_keys_of(plan, rows_of)
+        keys = ["none"] * len(self.blocks)  # each row's mode key under ``plan``'s per-block modes
+        for fqn, bp in plan.blocks.items():
+            if fqn in self.idle_blocks:
+                continue
+            if fqn not in rows_of:
+                raise PlanError(
+                    f"The memory model has no profile for block {fqn!r}. Closest profiled blocks: "
+                    f"{closest_names(fqn, list(rows_of))}. Fix the FQN in the plan, or profile the stack that holds it."
+                )
+            for i in rows_of[fqn]:
+                keys[i] = mode_key(bp)
         chunk_of, chunk_pos = self._chunks_of(plan, rows_of)
         st = _PlanState(len(self.blocks), chunk_of)
         for i, b in enumerate(self.blocks):
@@ -308,29 +303,28 @@ class MemoryModel:
         """The host memory ``plan``'s offloaded blocks hold at once (the pool's peak)."""
         return sum(self._resolve(plan).moved)
 
-    def _mode_keys_of(self, plan: Plan, rows_of: Mapping[str, list[int]]) -> list[str]:
-        """Each row's mode key under ``plan``'s per-block modes (``none`` where it names none)."""
-        keys = ["none"] * len(self.blocks)
-        for fqn, bp in plan.blocks.items():
-            if fqn in self.idle_blocks:
-                continue
-            if fqn not in rows_of:
-                raise PlanError(
-                    f"The memory model has no profile for block {fqn!r}. Closest profiled blocks: "
-                    f"{closest_names(fqn, list(rows_of))}. Fix the FQN in the plan, or profile the stack that holds it."
-                )
-            for i in rows_of[fqn]:
-                keys[i] = mode_key(bp)
-        return keys
-
     def _chunks_of(self, plan: Plan, rows: Mapping[str, list[int]]) -> tuple[list[int | None], list[tuple[int, int]]]:
-        """Per row: the segment chunk it runs in (None: none) and its (position in chunk, chunk length)."""
+        """Per row: its segment chunk (None: none) and (position, chunk length); refuses segments that cannot run."""
         n = len(self.blocks)
         chunk_of: list[int | None] = [None] * n
         chunk_pos: list[tuple[int, int]] = [(0, 0)] * n
         chunk_id = 0
         for stack_fqn, n_chunks in plan.segments.items():
-            fqns = self._segmentable_stack(plan, stack_fqn, n_chunks)
+            if stack_fqn not in self.stacks:
+                raise PlanError(
+                    f"The memory model has no profiled stack {stack_fqn!r}; profiled stacks: "
+                    f"{', '.join(repr(s) for s in self.stacks) or '(none)'}. Fix 'segments' in the plan."
+                )
+            fqns = self.stacks[stack_fqn]
+            if stack_fqn in self.unchained_stacks:
+                raise PlanError(
+                    f"segments[{stack_fqn!r}]: one checkpoint cannot span several blocks of this stack: they do not "
+                    "run as a chain (a block receives something other than the previous block's output and the same "
+                    "other arguments, e.g. T5's position bias; or the parent skips blocks or draws random numbers "
+                    "between them, e.g. LayerDrop), or each is sharded by FSDP2 (whose all-gathers run in each "
+                    "block's own hooks). Use per-block modes there."
+                )
+            refuse_segment_misfit(stack_fqn, n_chunks, len(fqns), [f for f in fqns if f in plan.blocks])
             for start, end in segment_chunks(len(fqns), n_chunks)[:-1]:
                 members = [rows[f][0] for f in fqns[start:end] if f in rows]
                 for pos, i in enumerate(members):
@@ -338,35 +332,6 @@ class MemoryModel:
                     chunk_pos[i] = (pos, len(members))
                 chunk_id += 1
         return chunk_of, chunk_pos
-
-    def _segmentable_stack(self, plan: Plan, stack_fqn: str, n_chunks: int) -> tuple[str, ...]:
-        """The blocks of ``stack_fqn``, once the profile shows ``n_chunks`` segments can run on it."""
-        if stack_fqn not in self.stacks:
-            raise PlanError(
-                f"The memory model has no profiled stack {stack_fqn!r}; profiled stacks: "
-                f"{', '.join(repr(s) for s in self.stacks) or '(none)'}. Fix 'segments' in the plan."
-            )
-        fqns = self.stacks[stack_fqn]
-        if stack_fqn in self.unchained_stacks:
-            raise PlanError(
-                f"segments[{stack_fqn!r}]: one checkpoint cannot span several blocks of this stack: they do not "
-                "run as a chain (a block receives something other than the previous block's output and the same "
-                "other arguments, e.g. T5's position bias; or the parent skips blocks or draws random numbers "
-                "between them, e.g. LayerDrop), or each is sharded by FSDP2 (whose all-gathers run in each "
-                "block's own hooks). Use per-block modes there."
-            )
-        if n_chunks > len(fqns):
-            raise PlanError(
-                f"segments[{stack_fqn!r}] = {n_chunks} but that stack has only {len(fqns)} blocks. "
-                f"Use a chunk count between 1 and {len(fqns)}."
-            )
-        overlapping = [f for f in fqns if f in plan.blocks]
-        if overlapping:
-            raise PlanError(
-                f"Stack {stack_fqn!r} has segments and also per-block modes for {overlapping[:3]}; a plan gives "
-                "a stack either segments or per-block modes. Remove one of them."
-            )
-        return fqns
 
     def _chunk_member_deltas(self, st: _PlanState, i: int, chunk_pos: tuple[int, int], full: ModeProfile) -> None:
         """Row ``i``'s differences from ``full`` as a member of a segment chunk."""

@@ -1,8 +1,6 @@
-"""Measuring what the optimizer adds to a real training step: its state, and the peak of ``optimizer.step()``.
-
-Trials run forward and backward only, before the optimizer has stepped; so one step of whatever optimizer is given
-is measured (no table of known ones) and put back exactly from host copies.
-"""
+"""Measuring what the optimizer adds to a real training step: its state, and the peak of ``optimizer.step()``. Trials
+run forward and backward only, before the optimizer has stepped; so one step of whatever optimizer is given is measured
+(no table of known ones) and put back exactly from host copies."""
 
 from __future__ import annotations
 
@@ -62,12 +60,9 @@ class _OptimizerSnapshot:
 def measure_optimizer_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device | str, extra: tuple[Any, ...] = ()
 ) -> OptimizerStepMemory:
-    """Run ``optimizer.step()`` once on ``model`` and read what it adds to a real step; leave no trace.
-
-    Missing gradients are zeros for the step: a real one sees every trainable parameter's. A refusal that stays
-    (``run_pass`` retries once) means every real step would run out of memory whatever the plan:
-    ``InfeasibleBudgetError``.
-    """
+    """Run ``optimizer.step()`` once on ``model`` and read what it adds to a real step; leave no trace. Missing
+    gradients are zeros for the step: a real one sees every trainable parameter's. A refusal that stays (``run_pass``
+    retries once) means every real step would run out of memory whatever the plan: ``InfeasibleBudgetError``."""
     device = torch.device(device)
     try:
         return run_pass("the optimizer-step measurement", device, lambda: _step_once(model, optimizer, device, extra))

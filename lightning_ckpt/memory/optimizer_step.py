@@ -1,6 +1,5 @@
-"""What the optimizer adds to a real training step, as figures (kept in the plan file, read back without torch), and
-the real step's memory they turn a trial's into.
-"""
+"""What the optimizer adds to a real training step, as figures (kept in the plan file, read back without torch), and the
+real step's memory they turn a trial's into."""
 
 from __future__ import annotations
 
@@ -57,9 +56,7 @@ class RealStepMemory:
     def predict(self, plan: Any) -> tuple[int, int] | None:
         """(real-step peak, activation bytes) for ``plan``; None where the model predicts nothing (PT2's choice)."""
         peak, activation = self.model.predict_peak(plan), self.model.predict_activation(plan)
-        if peak is None or activation is None:
-            return None
-        return self.optimizer.real_peak(peak) or 0, activation
+        return None if peak is None or activation is None else (self.optimizer.real_peak(peak) or 0, activation)
 
     def can_run(self, plan: Any) -> str | None:
         return self.model.can_run(plan)

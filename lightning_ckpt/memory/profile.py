@@ -1,10 +1,8 @@
-"""Profile a model's memory on one batch (``profile_memory``), memory-safely: the data ``MemoryModel`` predicts from.
-
-It never needs the no-checkpointing peak: a no-grad **capture** forward (``memory.capture``) keeps one input per
-group of identical blocks; the **anchor** step (``memory.anchor``) runs every block fully checkpointed, its maximum
-recorded per phase; then each representative runs **alone** under every mode, under the tracker, keeping what it
-holds after its forward and its forward and backward peaks, relative to one starting level (constant offsets cancel).
-"""
+"""Profile a model's memory on one batch (``profile_memory``), memory-safely: the data ``MemoryModel`` predicts from. It
+never needs the no-checkpointing peak: a no-grad **capture** forward (``memory.capture``) keeps one input per group of
+identical blocks; the **anchor** step (``memory.anchor``) runs every block fully checkpointed, its maximum recorded per
+phase; then each representative runs **alone** under every mode, under the tracker, keeping what it holds after its
+forward and its forward and backward peaks, relative to one starting level (constant offsets cancel)."""
 
 from __future__ import annotations
 
@@ -53,9 +51,7 @@ def _block_plan_of(key: str) -> BlockPlan:
     kind, _, rest = key.partition(":")
     if kind == "ops":
         return BlockPlan("ops", save_list=rest)
-    if kind == "selective":
-        return BlockPlan("selective", tuple(rest.split(",")))
-    return BlockPlan(kind)
+    return BlockPlan("selective", tuple(rest.split(","))) if kind == "selective" else BlockPlan(kind)
 
 
 def _run_block(
@@ -125,15 +121,6 @@ def _selective_sets(
     return sets
 
 
-def _state_bytes(root: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int, int]:
-    params = {id(p): p for p in root.parameters()}.values()
-    param_bytes = tensor_bytes(params)
-    grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in params if p.requires_grad)
-    buffer_bytes = tensor_bytes(root.buffers())
-    opt_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
-    return param_bytes, grad_bytes, opt_bytes, buffer_bytes
-
-
 @dataclass(frozen=True)
 class Profile:
     """What one profiling pass measured, side by side: the memory model and, where the blocks were timed, the time
@@ -162,19 +149,14 @@ def profile_step(
     time_blocks: bool | Collection[str] = True,
     compiled_blocks: bool = False,
 ) -> Profile:
-    """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time
-    model (``time_blocks``) its step time.
-
-    ``forward_fn`` takes no arguments, runs the forward and returns the loss (see ``loss_of``). Profile in the state
-    you will measure in (batch, gradients, optimizer state); ``extra`` are tensors made outside the step (the batch)
-    that count as resting memory. No plan may be applied; model state is left as it was.
-
-    ``selective_sets``: child sets to profile exactly (by default every single child and each block's attention,
-    MLP and attention+MLP children), per block FQN or one list for all; other sets add single-child effects.
-    ``share_identical_blocks``: identical blocks share one profile. ``time_blocks``: time each representative under
-    every mode (or only the given mode keys; False: no time model). ``compiled_blocks``: time them *compiled alone*
-    instead, and ``Profile.compiled`` holds what each mode's compiled graph saves for backward.
-    """
+    """Profile ``model`` on one batch: a ``Profile`` whose memory model predicts any plan's memory and whose time model
+    (``time_blocks``) its step time. ``forward_fn()`` runs the forward and returns the loss (``loss_of``). Profile in
+    the state you will measure in (batch, gradients, optimizer state); ``extra``: tensors made outside the step (the
+    batch), resting memory. No plan may be applied; model state is left as it was. ``selective_sets``: child sets to
+    profile exactly (default: every single child, each block's attention, MLP and both), per block FQN or one list for
+    all; other sets add single-child effects. ``share_identical_blocks``: identical blocks share one profile.
+    ``time_blocks``: time each representative under every mode (or the given mode keys; False: no time model).
+    ``compiled_blocks``: time them *compiled alone*; ``Profile.compiled`` holds what each mode's graph saves."""
     view = model if isinstance(model, ModelView) else None  # resolved once by the caller: stacks, fingerprint
     root = view.root if view is not None else unwrap_compiled(model)
     current = applied_plan(root)
@@ -190,13 +172,42 @@ def profile_step(
     blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
     sets = _selective_sets(stacks, selective_sets)
     externals: list[Any] = [root, *extra] + ([optimizer] if optimizer is not None else [])
-    runs = _run_profile(
-        root, forward_fn, stacks, blocks, sets, externals, dev, share_identical_blocks, time_blocks, compiled_blocks
-    )
+    # Each pass from the state the model was in and from a cold cache (``run_pass``): the capture's forward left blocks
+    # cached that the anchor step split, and on an H200 capped near the budget the anchor's logits then found no room.
+    snapshot = StateSnapshot.capture(root)
+    try:
+        stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
+        capture = functools.partial(capture_calls, root, forward_fn, blocks, share_identical_blocks, stack_of)
+        order, reps, rep_of, unchained = _pass("capture (a forward without gradients)", dev, snapshot, capture)
+        # FSDP2 all-gathers in each block's own hooks, which a segment's recompute does not run.
+        unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
+        unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
+        anchor = functools.partial(anchor_step, root, forward_fn, order, externals, dev)
+        what = "anchor step (every block fully checkpointed)"
+        t0 = profile_clock()
+        tracker, resting, end_of_forward, calls = _pass(what, dev, snapshot, anchor)
+        runs = _Runs(order, unchained, tracker, resting, end_of_forward, calls, *_calls_to_profile(rep_of, reps, calls))
+        runs.anchor_seconds = profile_clock() - t0
+        if dev.type == "cuda":
+            twin = functools.partial(cuda_allocator_anchor, root, forward_fn, order, dev)
+            what = "allocator reading of the anchor step"
+            allocator_peak, runs.resting, runs.reserve = _pass(what, dev, snapshot, twin)
+            runs.overhead = allocator_peak - tracker.total_peak
+        _profile_blocks(root, runs, sets, externals, dev, snapshot)
+        if time_blocks:
+            _time_blocks(root, runs, dev, snapshot, time_blocks, compiled_blocks)
+    finally:
+        snapshot.restore()
     fingerprint = view.fingerprint if view is not None else model_fingerprint(root)
     memory = _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
     time_model = _time_model(runs, memory, dev) if runs.timings else None
-    compiled = _compiled_model(runs, memory) if compiled_blocks and runs.timings else None
+    if not (compiled_blocks and runs.timings):
+        return Profile(memory, time_model, tracked_step_seconds=runs.anchor_seconds)
+    # One row per block call, as the memory model's, not yet anchored on a compiled step.
+    rows = tuple(CompiledBlockMemory(f, dict(runs.compiled[k].saved_bytes), r) for f, k, r in runs.rows())
+    done = runs.compiled.values()
+    seconds, compiles = sum(r.compile_seconds for r in done), sum(r.compiles for r in done)
+    compiled = CompiledMemoryModel(rows, memory.stacks, memory, compile_seconds=seconds, compiles=compiles)
     return Profile(memory, time_model, compiled, runs.anchor_seconds)
 
 
@@ -231,48 +242,6 @@ class _Runs:
         return [(f, k, r if r != f else None) for f, k, r in zip(self.order, self.call_rep, reps, strict=True)]
 
 
-def _run_profile(
-    root: nn.Module,
-    forward_fn: Callable[[], Any],
-    stacks: Sequence[LayerStack],
-    blocks: dict[int, str],
-    sets: Mapping[str, list[tuple[str, ...]]],
-    externals: list[Any],
-    dev: torch.device,
-    share: bool,
-    timed: bool | Collection[str],
-    compiled: bool = False,
-) -> _Runs:
-    """The capture, the anchor step (and on CUDA its allocator twin) and the per-block runs, each from the state the
-    model was in and from a cold cache (``run_pass``): the capture's forward left blocks cached that the anchor step
-    split, and on an H200 capped near the budget the anchor's logits then found no room."""
-    snapshot = StateSnapshot.capture(root)
-    try:
-        stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
-        capture = functools.partial(capture_calls, root, forward_fn, blocks, share, stack_of)
-        order, reps, rep_of, unchained = _pass("capture (a forward without gradients)", dev, snapshot, capture)
-        # FSDP2 all-gathers in each block's own hooks, which a segment's recompute does not run.
-        unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
-        unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
-        anchor = functools.partial(anchor_step, root, forward_fn, order, externals, dev)
-        what = "anchor step (every block fully checkpointed)"
-        t0 = profile_clock()
-        tracker, resting, end_of_forward, calls = _pass(what, dev, snapshot, anchor)
-        runs = _Runs(order, unchained, tracker, resting, end_of_forward, calls, *_calls_to_profile(rep_of, reps, calls))
-        runs.anchor_seconds = profile_clock() - t0
-        if dev.type == "cuda":
-            twin = functools.partial(cuda_allocator_anchor, root, forward_fn, order, dev)
-            what = "allocator reading of the anchor step"
-            allocator_peak, runs.resting, runs.reserve = _pass(what, dev, snapshot, twin)
-            runs.overhead = allocator_peak - tracker.total_peak
-        _profile_blocks(root, runs, sets, externals, dev, snapshot)
-        if timed:
-            _time_blocks(root, runs, dev, snapshot, timed, compiled)
-    finally:
-        snapshot.restore()
-    return runs
-
-
 def _time_blocks(
     root: nn.Module,
     runs: _Runs,
@@ -288,22 +257,17 @@ def _time_blocks(
         modes = {k: _block_plan_of(k) for k in runs.alone[key].profiles if wanted is None or k in wanted}
         if compiled:
             run = functools.partial(compiled_block_modes, root, cap, modes, device=dev)
-        else:  # its block calls size its rounds, but for a sharded block (see ``_sized_by_clock``)
-            calls = runs.call_rep.count(key) if _sized_by_clock(cap.module) else None
+        else:
+            # Its block calls size its rounds, but a block FSDP2 sharded gathers from every rank at each call, so it
+            # runs the fixed rounds: sized by each rank's clock, they differed by one and a rank hung in the all-gather.
+            sharded = any(is_sharded(m) for m in cap.module.modules())
+            calls = None if sharded else runs.call_rep.count(key)
             run = functools.partial(time_block_modes, root, cap, modes, device=dev, calls=calls)
         # One block's buffers, not a step's: no sync and emptied cache per block.
         result = _pass(f"timing of {cap.fqn} alone", dev, snapshot, run, cold=False)
         runs.timings[key] = result.seconds if compiled else result
         if compiled:
             runs.compiled[key] = result
-
-
-def _sized_by_clock(block: nn.Module) -> bool:
-    """Whether the block's timing rounds may be sized by this rank's clock. A block FSDP2 sharded gathers its
-    parameters from every rank at each call, so every rank must run it as often: rounds sized by each rank's own
-    clock differed by one, and one rank waited in the all-gather while the other had moved on. It runs the fixed
-    rounds."""
-    return not any(is_sharded(m) for m in block.modules())
 
 
 def _pass(what: str, dev: torch.device, snapshot: StateSnapshot, run: Callable[[], Any], **options: Any) -> Any:
@@ -347,7 +311,10 @@ def _memory_model(
     # Blocks' saved bytes include their inputs, so what is left at the end of the forward is the
     # embeddings', head's and loss's (the last block's output included).
     other = max(0, runs.end_of_forward[1] - sum(r.saved_bytes["full"] for r in rows))
-    param_b, grad_b, opt_b, buf_b = _state_bytes(root, optimizer)
+    params = {id(p): p for p in root.parameters()}.values()
+    param_b, buf_b = tensor_bytes(params), tensor_bytes(root.buffers())
+    grad_b = sum(local_tensor(p).numel() * p.element_size() for p in params if p.requires_grad)
+    opt_b = optimizer_state_bytes(optimizer) if optimizer is not None else 0
     flowing = {fqn for fqn, flows in zip(order, runs.calls.output_grad, strict=True) if flows}
     # All of each stack's blocks, run or not: apply_plan cuts segments over all of them.
     stack_map = {s.fqn: s.block_fqns for s in stacks}
@@ -391,14 +358,6 @@ def _time_model(runs: _Runs, memory: MemoryModel, dev: torch.device) -> TimeMode
     if link is not None:
         measured_at["link"] = {"to_host": link.to_host, "to_device": link.to_device}
     return TimeModel(blocks=tuple(rows), stacks=memory.stacks, measured_at=measured_at)
-
-
-def _compiled_model(runs: _Runs, memory: MemoryModel) -> CompiledMemoryModel:
-    """One row per block call, as the memory model's, not yet anchored on a compiled step."""
-    rows = tuple(CompiledBlockMemory(f, dict(runs.compiled[k].saved_bytes), r) for f, k, r in runs.rows())
-    compiled = runs.compiled.values()
-    seconds, compiles = sum(r.compile_seconds for r in compiled), sum(r.compiles for r in compiled)
-    return CompiledMemoryModel(rows, memory.stacks, memory, compile_seconds=seconds, compiles=compiles)
 
 
 def _profile_blocks(

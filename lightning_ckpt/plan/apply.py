@@ -1,7 +1,6 @@
 """Apply a plan to a model in place, reversibly, without changing a single FQN: each planned module gets an
 instance-level ``forward`` (a ``functools.partial`` of a module-level function, so ``deepcopy`` and ``pickle`` work),
-which ``PlanHandle.remove()`` deletes.
-"""
+which ``PlanHandle.remove()`` deletes."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from lightning_ckpt.errors import ApplyError, PlanError
 from lightning_ckpt.model import ModelView
 from lightning_ckpt.plan.buffer_guard import BufferGuard
 from lightning_ckpt.plan.chain import StackWatch
-from lightning_ckpt.plan.chunks import segment_chunks
+from lightning_ckpt.plan.chunks import refuse_segment_misfit, segment_chunks
 from lightning_ckpt.plan.foreign import refuse_foreign_checkpointing
 from lightning_ckpt.plan.format import BlockPlan, Plan, closest_names
 from lightning_ckpt.plan.forwards import (
@@ -148,17 +147,8 @@ def _segmented_stack(root: nn.Module, plan: Plan, stack_fqn: str, n_chunks: int)
             "Use per-block modes for this model instead of segments."
         )
     names = [n for n, _ in stack.named_children()]
-    if n_chunks > len(names):
-        raise PlanError(
-            f"segments[{stack_fqn!r}] = {n_chunks} but that stack has only {len(names)} blocks. "
-            f"Use a chunk count between 1 and {len(names)}."
-        )
     overlapping = [f for f in plan.blocks if f == stack_fqn or f.startswith(f"{stack_fqn}." if stack_fqn else "")]
-    if overlapping:
-        raise PlanError(
-            f"Stack {stack_fqn!r} has segments and also per-block modes for {overlapping[:3]}; a plan gives a "
-            "stack either segments or per-block modes. Remove one of them."
-        )
+    refuse_segment_misfit(stack_fqn, n_chunks, len(names), overlapping)
     return stack, names
 
 

@@ -1,6 +1,5 @@
-"""Buffers under recompute: a checkpointed region's recompute runs on throwaway copies of the pre-forward values,
-or BatchNorm statistics, EMAs and counters would advance twice per step. (Compiled, AOTAutograd updates once.)
-"""
+"""Buffers under recompute: a checkpointed region's recompute runs on throwaway copies of the pre-forward values, or
+BatchNorm statistics, EMAs and counters would advance twice per step. (Compiled, AOTAutograd updates once.)"""
 
 from __future__ import annotations
 
@@ -104,11 +103,9 @@ class _Recompute:
 
 
 class BufferGuard:
-    """Checkpoints one region (a block, a child, a segment's blocks) so that its recompute leaves buffers alone.
-
-    Which buffers the forward updates is learned on its first call per train/eval configuration; later calls copy
-    only those, so a constant buffer (a causal mask) costs nothing per step. Holds no tensors between steps.
-    """
+    """Checkpoints one region (a block, a child, a segment's blocks) so that its recompute leaves buffers alone. Which
+    buffers the forward updates is learned on its first call per train/eval configuration; later calls copy only those,
+    so a constant buffer (a causal mask) costs nothing per step. Holds no tensors between steps."""
 
     def __init__(self, modules: list[nn.Module], *, saves_inputs: bool = False) -> None:
         self.modules = modules

@@ -1,6 +1,5 @@
 """Training forwards without KV caches (HF ``use_cache``): a training step never reads the cache, yet holds every
-layer's K and V until the forward ends. HF turns it off under gradient checkpointing; so do we.
-"""
+layer's K and V until the forward ends. HF turns it off under gradient checkpointing; so do we."""
 
 from __future__ import annotations
 

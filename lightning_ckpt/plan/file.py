@@ -1,6 +1,5 @@
-"""Plan files as bytes on disk: replaced atomically under a directory lock, read with errors that say what is
-wrong, versioned by a digest of their bytes. Nothing here knows what a plan is.
-"""
+"""Plan files as bytes on disk: replaced atomically under a directory lock, read with errors that say what is wrong,
+versioned by a digest of their bytes. Nothing here knows what a plan is."""
 
 from __future__ import annotations
 
@@ -158,8 +157,7 @@ def _read_bytes(path: Path, where: str) -> bytes:
 
 
 def read_json(path: Path, where: str) -> Any:
-    """The JSON value in the file at ``path``; anything unreadable or malformed raises ``PlanError`` starting with
-    ``where``."""
+    """The JSON value at ``path``; anything unreadable or malformed raises ``PlanError`` starting with ``where``."""
     raw = _read_bytes(path, where)
     try:
         text = raw.decode("utf-8-sig")  # tolerate the byte-order mark some editors add

@@ -1,6 +1,5 @@
-"""Activation checkpointing installed by something other than lightning_ckpt, found so a plan is never put on top:
-it would recompute twice (and tuning would compare plans against a "none" that still recomputes).
-"""
+"""Activation checkpointing installed by something other than lightning_ckpt, found so a plan is never put on top: it
+would recompute twice (and tuning would compare plans against a "none" that still recomputes)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Plans: what to checkpoint, per block FQN (never by position, so a plan survives compile wrappers), as frozen data
-with a versioned JSON form; blocks not listed are left alone. ``schema.py`` validates files, ``file.py`` owns bytes.
-"""
+with a versioned JSON form; blocks not listed are left alone. ``schema.py`` validates files, ``file.py`` owns bytes."""
 
 from __future__ import annotations
 
@@ -87,18 +86,14 @@ class BlockPlan:
     def describe(self) -> str:
         if self.mode == "selective":
             return f"selective({','.join(self.children)})"
-        if self.mode == "ops":
-            return f"ops({self.save_list})"
-        return self.mode
+        return f"ops({self.save_list})" if self.mode == "ops" else self.mode
 
 
 def mode_key(block_plan: BlockPlan) -> str:
     """A block plan as the profile keys its runs: the mode, ``ops:<save_list>`` or ``selective:<sorted children>``."""
     if block_plan.mode == "ops":
         return f"ops:{block_plan.save_list}"
-    if block_plan.mode == "selective":
-        return "selective:" + ",".join(sorted(block_plan.children))
-    return block_plan.mode
+    return "selective:" + ",".join(sorted(block_plan.children)) if block_plan.mode == "selective" else block_plan.mode
 
 
 @dataclass(frozen=True)
@@ -245,25 +240,17 @@ class Plan:
                 field_ = "save_list" if spec.get("save_list") else "mode"
                 raise PlanError(f"{source}: field {field_path(('blocks', fqn, field_))}: {err}") from None
         try:
-            plan = cls(
-                blocks,
-                data.get("segments", {}),
-                data.get("name", ""),
-                data.get("fingerprint"),
-                data.get("metadata", {}),
-                compile_memory_budget=data.get("compile_memory_budget"),
-            )
+            fields = (data.get("segments", {}), data.get("name", ""), data.get("fingerprint"), data.get("metadata", {}))
+            plan = cls(blocks, *fields, compile_memory_budget=data.get("compile_memory_budget"))
         except PlanError as err:
             raise PlanError(f"{source}: {err}") from None
         _check_against_own_profile(plan, source)
         return plan
 
     def save(self, path: str | os.PathLike[str], *, unchanged_since: str | None | object = _ANY_VERSION) -> Path:
-        """Write atomically: a crash or a full disk leaves any previous plan file intact.
-
-        ``unchanged_since``: the file's ``plan_file_version`` when the caller last read or wrote it (None: no file).
-        If another run saved to it since (checked under a directory lock), nothing is written: ``PlanFileChangedError``.
-        """
+        """Write atomically: a crash or a full disk leaves any previous plan file intact. ``unchanged_since``: the
+        file's ``plan_file_version`` when the caller last read or wrote it (None: no file). If another run saved to it
+        since (checked under a directory lock), nothing is written: ``PlanFileChangedError``."""
         path = Path(path)
         data = self.to_json().encode("utf-8")
         target = path.resolve() if path.is_symlink() else path

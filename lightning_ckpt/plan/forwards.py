@@ -1,8 +1,6 @@
-"""The forwards ``apply_plan`` installs, each taking the module first (bound with ``functools.partial``).
-
-They share one module on purpose: ``search/compile.py`` tells a graph break inside one of our regions by a
-frame of this file named in ``CHECKPOINT_FRAMES``.
-"""
+"""The forwards ``apply_plan`` installs, each taking the module first (bound with ``functools.partial``). They share one
+module on purpose: ``search/compile.py`` tells a graph break inside one of our regions by a frame of this file named in
+``CHECKPOINT_FRAMES``."""
 
 from __future__ import annotations
 
@@ -129,12 +127,10 @@ CHUNK_BLOCKS = types.SimpleNamespace(call=None)
 
 
 class Chunk:
-    """Run-time state of one segment: several consecutive blocks recomputed as one region.
-
-    The parent still calls every block: the first runs the whole chunk in one checkpoint and the later ones are
-    handed their outputs while the parent calls them as a chain (``off_chain``); any other call ends the chunk for
-    that step (``deviate``): exact, only the memory is higher than planned.
-    """
+    """Run-time state of one segment: several consecutive blocks recomputed as one region. The parent still calls every
+    block: the first runs the whole chunk in one checkpoint and the later ones are handed their outputs while the parent
+    calls them as a chain (``off_chain``); any other call ends the chunk for that step (``deviate``): exact, only the
+    memory is higher than planned."""
 
     def __init__(self, fqns: tuple[str, ...], modules: list[nn.Module], watch: StackWatch) -> None:
         self.fqns = fqns

@@ -1,7 +1,6 @@
-"""Offload that hides behind compute (``save_on_cpu`` copies on the compute stream): saved activations copied to
-host memory on their own stream, into one pool of power-of-two host chunks per plan, bump-allocated and reused every
-step, and back a block ahead of backward. Without streams (CPU, ``SimulatedCard``) the copies are synchronous.
-"""
+"""Offload that hides behind compute (``save_on_cpu`` copies on the compute stream): saved activations copied to host
+memory on their own stream, into one pool of power-of-two host chunks per plan, bump-allocated and reused every step,
+and back a block ahead of backward. Without streams (CPU, ``SimulatedCard``) the copies are synchronous."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class _Packed:
 
 
 class OffloadPool:
-    """The host memory and streams of one plan's offloaded blocks. ``chunk_bytes``: each host chunk's size (a power of
-    two; a larger tensor gets its own)."""
+    """Host memory and streams of one plan's offloaded blocks; ``chunk_bytes``: a chunk's size (a power of two)."""
 
     def __init__(self, *, chunk_bytes: int = 64 * _MIB) -> None:
         if chunk_bytes < 1 or chunk_bytes & (chunk_bytes - 1):

@@ -1,6 +1,5 @@
 """Op-level save-lists: which aten ops' outputs an ``ops`` plan keeps. Policies return ``MUST_SAVE`` or
-``PREFER_RECOMPUTE`` only, what ``torch.compile`` honours, so a plan means the same thing eager or compiled.
-"""
+``PREFER_RECOMPUTE`` only, what ``torch.compile`` honours, so a plan means the same thing eager or compiled."""
 
 from __future__ import annotations
 
@@ -85,9 +84,7 @@ def _policy(save_list: SaveList, meta: dict[str, int], ctx: Any, func: Any, *arg
         meta[key] = meta.get(key, 0) + 1
         if meta[key] % 2 == 0:
             return CheckpointPolicy.PREFER_RECOMPUTE
-    if func in save_list.ops:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if func in save_list.ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts(name: str) -> tuple[Any, Any]:

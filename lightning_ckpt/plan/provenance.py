@@ -1,7 +1,6 @@
 """What a plan file records beyond the plan: one typed object, ``Plan.provenance``, the only reader of
 ``Plan.metadata``'s sections. A section of the wrong JSON type (a hand edit) reads as absent and is kept in ``other``,
-so no reader checks types again.
-"""
+so no reader checks types again."""
 
 from __future__ import annotations
 
@@ -33,14 +32,9 @@ class MicroBatch:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MicroBatch:
         size, accumulation = int(data["size"]), int(data["accumulation"])
-        tolerance = data.get("tie_tolerance")
-        return cls(
-            size,
-            accumulation,
-            int(data.get("global", size * accumulation)),
-            int(data.get("original_size", size)),
-            float(tolerance) if tolerance is not None else None,
-        )
+        tolerance = None if data.get("tie_tolerance") is None else float(data["tie_tolerance"])
+        global_batch, original = int(data.get("global", size * accumulation)), int(data.get("original_size", size))
+        return cls(size, accumulation, global_batch, original, tolerance)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -126,9 +120,7 @@ def _to_json(value: Any) -> Any:
         return value.to_dict()
     if isinstance(value, Mapping):
         return {k: _to_json(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_to_json(v) for v in value]
-    return value
+    return [_to_json(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _kind(annotation: str) -> type:

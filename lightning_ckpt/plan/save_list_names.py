@@ -1,6 +1,4 @@
-"""The op-level save-lists' names apart from their ops (``plan.policies``, kept in step by a test): reading a plan
-file needs only the name, so no torch.
-"""
+"""The op save-lists' names without their ops (``plan.policies``; a test keeps them in step): read without torch."""
 
 from __future__ import annotations
 

@@ -122,15 +122,8 @@ def _subschema(root: dict[str, Any], path: list[Any]) -> dict[str, Any] | None:
     return node if isinstance(node, dict) else None
 
 
-_TYPE_WORDS = {
-    "object": "an object",
-    "array": "an array",
-    "string": "a string",
-    "integer": "an integer",
-    "number": "a number",
-    "boolean": "true or false",
-    "null": "null",
-}
+_TYPE_WORDS = {"object": "an object", "array": "an array", "string": "a string", "integer": "an integer"}
+_TYPE_WORDS |= {"number": "a number", "boolean": "true or false", "null": "null"}
 
 
 def _found(value: Any) -> str:
@@ -200,8 +193,8 @@ def _cut(text: str, limit: int = 200) -> str:
 
 
 def validate(data: Any, source: str) -> None:
-    """Refuse ``data`` with one ``PlanError`` (naming ``source``, the field, what was found and what is expected)
-    unless it is a plan this release reads."""
+    """Refuse ``data`` unless this release reads it as a plan: one ``PlanError`` naming ``source``, the field, what was
+    found and what is expected."""
     if not isinstance(data, dict):
         raise PlanError(
             f"{source}: field (top level): must be a JSON object, but found {_found(data)}. "

@@ -1,7 +1,6 @@
-"""Stacks whose parent skips blocks by configuration (LayerDrop, stochastic depth): no segments there, as a
-segment needs a parent that calls each block every step. The draw would also make a profile measure whichever depth
-its step ran, so ``full_depth`` zeroes the rates for the search: every figure is the deepest step's.
-"""
+"""Stacks whose parent skips blocks by configuration (LayerDrop, stochastic depth): no segments there, as a segment
+needs a parent that calls each block every step. The draw would also make a profile measure whichever depth its step
+ran, so ``full_depth`` zeroes the rates for the search: every figure is the deepest step's."""
 
 from __future__ import annotations
 

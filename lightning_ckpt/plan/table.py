@@ -17,9 +17,8 @@ MAX_BUCKETS = 8  # every bucket is a profile before training and a plan to switc
 
 
 def bucket_edges(shortest: int, longest: int, edges: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The buckets' longest lengths, ascending, the last ``longest``: the user's ``edges``, or halving from
-    ``longest`` while above ``shortest``: a bucket twice as long needs at most four times the activations, so no plan
-    pays for much more than its batches need."""
+    """The buckets' longest lengths, ascending, the last ``longest``: the user's ``edges``, or halving from ``longest``
+    while above ``shortest`` (twice as long needs at most four times the activations: no plan pays much more)."""
     if edges is not None:
         chosen = sorted({int(e) for e in edges if 0 < int(e) < longest})
         if len(chosen) + 1 > MAX_BUCKETS:
@@ -111,18 +110,9 @@ class PlanTable:
                     raise ValueError(f"buckets[{i}].max_length must be an integer >= 1, got {length!r}")
                 body = {**row["plan"], "fingerprint": plan.fingerprint}
                 bucket_plan = Plan.from_dict(body, source=f"{where}.buckets[{i}].plan")
-                profile = row.get("profile")
-                buckets.append(
-                    Bucket(
-                        max_length=length,
-                        plan=bucket_plan,
-                        source=str(row.get("source", "predicted")),
-                        predicted_peak_bytes=_optional(row.get("predicted_peak_bytes"), int),
-                        predicted_activation_bytes=_optional(row.get("predicted_activation_bytes"), int),
-                        predicted_seconds=_optional(row.get("predicted_seconds"), float),
-                        profile=profile if isinstance(profile, Mapping) else None,
-                    )
-                )
+                predicted = [_optional(row.get(name), kind) for name, kind in _PREDICTED]
+                profile = row.get("profile") if isinstance(row.get("profile"), Mapping) else None
+                buckets.append(Bucket(length, bucket_plan, str(row.get("source", "predicted")), *predicted, profile))
         except (KeyError, TypeError, ValueError) as err:
             raise PlanError(
                 f"{where} is malformed ({type(err).__name__}: {err}); re-tune to write a new one."
@@ -149,6 +139,9 @@ def table_line(table: PlanTable, budget: Budget | None) -> str:
         figure = f", {format_bytes(value)}" if value is not None else ""
         parts.append(f"<= {b.max_length}: {b.plan.describe()} ({b.source}{figure})")
     return f"plan table by length, {len(table.buckets)} buckets: " + "; ".join(parts)
+
+
+_PREDICTED = (("predicted_peak_bytes", int), ("predicted_activation_bytes", int), ("predicted_seconds", float))
 
 
 def _optional(value: Any, kind: type) -> Any:

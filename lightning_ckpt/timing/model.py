@@ -1,11 +1,8 @@
 """Predict a plan's step time without running it, from each block's modes timed alone (``memory.block_times``):
-
-    step(plan) = base + sum over blocks of max(0, seconds[mode] - seconds["none"])
-
-where a segment's blocks (all but the last chunk's) pay their ``full`` cost. ``base`` is the median of the
-measured steps less what their plans add (``calibrated``). The added seconds are not rescaled: a slope fitted to a
-handful of steps timed minutes apart would fit the machine's drift rather than the blocks.
-"""
+step(plan) = base + sum over blocks of max(0, seconds[mode] - seconds["none"]) where a segment's blocks (all but the
+last chunk's) pay their ``full`` cost. ``base`` is the median of the measured steps less what their plans add
+(``calibrated``). The added seconds are not rescaled: a slope fitted to a handful of steps timed minutes apart would fit
+the machine's drift rather than the blocks."""
 
 from __future__ import annotations
 
@@ -63,11 +60,9 @@ class Transfer:
 
 @dataclass(frozen=True)
 class TimeModel:
-    """Step time of any plan for one model, batch and machine (see the module docstring).
-
-    blocks: one row per block call, in execution order. measured_at: what the timings depend on (device, batch,
-    autocast, threads, torch, the host ``link``). calibration: None until a plan was measured.
-    """
+    """Step time of any plan for one model, batch and machine (see the module docstring). blocks: one row per block
+    call, in execution order. measured_at: what the timings depend on (device, batch, autocast, threads, torch, the host
+    ``link``). calibration: None until a plan was measured."""
 
     blocks: tuple[BlockTime, ...]
     stacks: Mapping[str, tuple[str, ...]]
@@ -198,13 +193,9 @@ class TimeModel:
             blocks.append(
                 BlockTime(r["fqn"], timed.get(source, {}), r.get("shared_with"), r.get("offloaded_bytes", {}))
             )
-        calibration = data.get("calibration")
-        return cls(
-            blocks=tuple(blocks),
-            stacks={k: tuple(v) for k, v in data["stacks"].items()},
-            measured_at=dict(data.get("measured_at", {})),
-            calibration=Calibration.from_dict(calibration) if calibration else None,
-        )
+        calibration = Calibration.from_dict(data["calibration"]) if data.get("calibration") else None
+        stacks = {k: tuple(v) for k, v in data["stacks"].items()}
+        return cls(tuple(blocks), stacks, dict(data.get("measured_at", {})), calibration)
 
 
 def _added(row: BlockTime, key: str) -> float | None:
