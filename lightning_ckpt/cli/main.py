@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"lightning-ckpt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{show,diff,validate,replan,bench}")
+    for add in (_add_show, _add_diff, _add_validate, _add_replan, _add_bench):
+        add(sub)
+    return parser
+
+
+def _add_show(sub: argparse._SubParsersAction) -> None:
     show = sub.add_parser(
         "show",
         help="print a plan file: blocks, the run it was tuned for, measured figures",
@@ -54,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print one JSON object for scripts (keys below)")
     show.set_defaults(func=run_show)
 
+
+def _add_diff(sub: argparse._SubParsersAction) -> None:
     diff = sub.add_parser(
         "diff",
         help="what changed between two plan files (--exit-code: 1 when they differ)",
@@ -74,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     # A plan that does not load is trouble (2), never "different" (1): a CI job must not read it as a change.
     diff.set_defaults(func=run_diff, error_exit=EXIT_USAGE)
 
+
+def _add_validate(sub: argparse._SubParsersAction) -> None:
     validate = sub.add_parser(
         "validate",
         help="check a plan file (schema, names, budget, profile), and with --model against a model: fingerprint "
@@ -92,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.set_defaults(func=run_validate)
 
+
+def _add_replan(sub: argparse._SubParsersAction) -> None:
     replan = sub.add_parser(
         "replan",
         help="the best plan for another budget, predicted from the profile the plan file keeps (no model, <1 s)",
@@ -112,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     replan.add_argument("--json", action="store_true", help="print one JSON object for scripts")
     replan.set_defaults(func=run_replan)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench",
         help="run benchmarks/seed_table.py (memory saved and recompute cost per baseline plan)",
@@ -121,7 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--script", help="the benchmark script to run (default: benchmarks/seed_table.py)")
     bench.set_defaults(func=run_bench)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

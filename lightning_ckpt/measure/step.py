@@ -84,6 +84,16 @@ class StepSettings:
             raise ConfigurationError(f"`memory_limit_bytes >= 1` must hold, but got {limit!r}.")
 
 
+def _check_shape(batch_size: int | None, seq_len: int | None) -> None:
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value is not None:
+            _check_count(name, value, 1)
+    if seq_len is not None and batch_size is None:
+        raise ConfigurationError(
+            "tokens/s needs the number of sequences per step: pass batch_size together with seq_len."
+        )
+
+
 @dataclass(frozen=True)
 class MemoryReading:
     """Memory of one step (definitions: ``measure.measurement``)."""
@@ -283,9 +293,36 @@ class _Passes:
         med, spread = median_and_spread(self.times)
         samples = batch_size / med if batch_size is not None and med > 0 else None
         tokens = samples * seq_len if samples is not None and seq_len is not None else None
-        recompute, total = flops or (None, None)
-        timed = (tuple(self.times), med, spread, samples, tokens)  # step_seconds, median, spread, samples/s, tokens/s
-        return Measurement("ok", *timed, recompute_flops=recompute, step_flops=total, **common)
+        return Measurement(
+            "ok",
+            step_seconds=tuple(self.times),
+            median_seconds=med,
+            spread_seconds=spread,
+            samples_per_second=samples,
+            tokens_per_second=tokens,
+            recompute_flops=flops[0] if flops else None,
+            step_flops=flops[1] if flops else None,
+            **common,
+        )
+
+
+def _failure_of(exc: Exception) -> tuple[str, ...]:
+    """(status, message) for a failed step; a bug (``error``, not a verdict on the plan) also keeps its traceback."""
+    failure = classify_failure(exc)
+    if failure[0] == "error":
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return (failure[0], failure[1], trace[-_MAX_TRACE_CHARS:])
+    return failure
+
+
+def _refuse_changed_parameters(snapshot: StateSnapshot) -> None:
+    changed = snapshot.changed_parameters()
+    if changed:
+        raise ConfigurationError(
+            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
+            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
+            "outside measure_step."
+        )
 
 
 def measure_step(
@@ -307,13 +344,7 @@ def measure_step(
     step that completes above it is ``over_budget``; one refused although its bytes fit reruns uncapped, split-resistant.
     """
     settings = settings or StepSettings()
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if value is not None:
-            _check_count(name, value, 1)
-    if seq_len is not None and batch_size is None:
-        raise ConfigurationError(
-            "tokens/s needs the number of sequences per step: pass batch_size together with seq_len."
-        )
+    _check_shape(batch_size, seq_len)
     device = normalise_device(torch.device(device) if device is not None else model_device(model))
     memory = device_memory(device)
     snapshot = StateSnapshot.capture(model)
@@ -332,10 +363,7 @@ def measure_step(
         except _BudgetExceeded as exc:
             over_budget = str(exc)
         except Exception as exc:  # BaseException (KeyboardInterrupt, SystemExit) propagates, state restored below
-            failure = classify_failure(exc)
-            if failure[0] == "error":  # a bug, not a verdict on the plan: its traceback is kept too
-                trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-                failure = (*failure, trace[-_MAX_TRACE_CHARS:])
+            failure = _failure_of(exc)
             if failure[0] == "oom" and request is None:
                 # Under the search's cap: judged against the budget; under the device's own: against the device.
                 limit = settings.memory_limit_bytes if capped else None
@@ -355,13 +383,7 @@ def measure_step(
         if request is not None and split:
             notes["retried_with"] = split
         break
-    changed = snapshot.changed_parameters()
-    if changed:
-        raise ConfigurationError(
-            f"step_fn modified {len(changed)} parameter(s) in place (first: {changed[0]!r}), e.g. by calling "
-            "optimizer.step(). A measured step must only run forward and backward; step the optimizer "
-            "outside measure_step."
-        )
+    _refuse_changed_parameters(snapshot)
     return passes.outcome(failure, over_budget, batch_size, seq_len, notes)
 
 

@@ -172,32 +172,9 @@ def profile_step(
     blocks = {id(root.get_submodule(b.fqn)): b.fqn for s in stacks for b in s.blocks}
     sets = _selective_sets(stacks, selective_sets)
     externals: list[Any] = [root, *extra] + ([optimizer] if optimizer is not None else [])
-    # Each pass from the state the model was in and from a cold cache (``run_pass``): the capture's forward left blocks
-    # cached that the anchor step split, and on an H200 capped near the budget the anchor's logits then found no room.
-    snapshot = StateSnapshot.capture(root)
-    try:
-        stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
-        capture = functools.partial(capture_calls, root, forward_fn, blocks, share_identical_blocks, stack_of)
-        order, reps, rep_of, unchained = _pass("capture (a forward without gradients)", dev, snapshot, capture)
-        # FSDP2 all-gathers in each block's own hooks, which a segment's recompute does not run.
-        unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
-        unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
-        anchor = functools.partial(anchor_step, root, forward_fn, order, externals, dev)
-        what = "anchor step (every block fully checkpointed)"
-        t0 = profile_clock()
-        tracker, resting, end_of_forward, calls = _pass(what, dev, snapshot, anchor)
-        runs = _Runs(order, unchained, tracker, resting, end_of_forward, calls, *_calls_to_profile(rep_of, reps, calls))
-        runs.anchor_seconds = profile_clock() - t0
-        if dev.type == "cuda":
-            twin = functools.partial(cuda_allocator_anchor, root, forward_fn, order, dev)
-            what = "allocator reading of the anchor step"
-            allocator_peak, runs.resting, runs.reserve = _pass(what, dev, snapshot, twin)
-            runs.overhead = allocator_peak - tracker.total_peak
-        _profile_blocks(root, runs, sets, externals, dev, snapshot)
-        if time_blocks:
-            _time_blocks(root, runs, dev, snapshot, time_blocks, compiled_blocks)
-    finally:
-        snapshot.restore()
+    runs = _run_profile(
+        root, forward_fn, stacks, blocks, sets, externals, dev, share_identical_blocks, time_blocks, compiled_blocks
+    )
     fingerprint = view.fingerprint if view is not None else model_fingerprint(root)
     memory = _memory_model(root, optimizer, stacks, blocks, dev, runs, fingerprint)
     time_model = _time_model(runs, memory, dev) if runs.timings else None
@@ -240,6 +217,49 @@ class _Runs:
         """Per block call: its FQN, its key in ``profiled``, and the block whose profile it shares (None: itself)."""
         reps = [self.profiled[key].fqn for key in self.call_rep]
         return [(f, k, r if r != f else None) for f, k, r in zip(self.order, self.call_rep, reps, strict=True)]
+
+
+def _run_profile(
+    root: nn.Module,
+    forward_fn: Callable[[], Any],
+    stacks: Sequence[LayerStack],
+    blocks: dict[int, str],
+    sets: Mapping[str, list[tuple[str, ...]]],
+    externals: list[Any],
+    dev: torch.device,
+    share: bool,
+    timed: bool | Collection[str],
+    compiled: bool = False,
+) -> _Runs:
+    """The capture, the anchor step (timed: ``Profile.tracked_step_seconds``; on CUDA with its allocator twin) and the
+    per-block runs, each from the state the model was in and from a cold cache (``run_pass``): the capture's forward
+    left blocks cached that the anchor step split, and on an H200 capped near the budget the anchor's logits then found
+    no room."""
+    snapshot = StateSnapshot.capture(root)
+    try:
+        stack_of = {b.fqn: s.fqn for s in stacks for b in s.blocks}
+        capture = functools.partial(capture_calls, root, forward_fn, blocks, share, stack_of)
+        order, reps, rep_of, unchained = _pass("capture (a forward without gradients)", dev, snapshot, capture)
+        # FSDP2 all-gathers in each block's own hooks, which a segment's recompute does not run.
+        unchained |= {s.fqn for s in stacks if any(is_sharded(root.get_submodule(b.fqn)) for b in s.blocks)}
+        unchained |= set(skipping_stacks(root, stacks))  # LayerDrop skips blocks on steps the capture may not see
+        anchor = functools.partial(anchor_step, root, forward_fn, order, externals, dev)
+        what = "anchor step (every block fully checkpointed)"
+        t0 = profile_clock()
+        tracker, resting, end_of_forward, calls = _pass(what, dev, snapshot, anchor)
+        runs = _Runs(order, unchained, tracker, resting, end_of_forward, calls, *_calls_to_profile(rep_of, reps, calls))
+        runs.anchor_seconds = profile_clock() - t0
+        if dev.type == "cuda":
+            twin = functools.partial(cuda_allocator_anchor, root, forward_fn, order, dev)
+            what = "allocator reading of the anchor step"
+            allocator_peak, runs.resting, runs.reserve = _pass(what, dev, snapshot, twin)
+            runs.overhead = allocator_peak - tracker.total_peak
+        _profile_blocks(root, runs, sets, externals, dev, snapshot)
+        if timed:
+            _time_blocks(root, runs, dev, snapshot, timed, compiled)
+    finally:
+        snapshot.restore()
+    return runs
 
 
 def _time_blocks(

@@ -171,10 +171,8 @@ def tune_micro_batch(
 
         session.check_parameter_writes(step_for(base_micro_batch))
         with session.phases.timing("profile"):
-            profiles = partial(_scaled_profiles, resolved, step_for, extra_for, optimizer, base_micro_batch, config)
-            scaled, times, opt_mem, tracked = lowest_memory_pass(
-                "the memory profile", session.began, resolved, profiles
-            )
+            profile = partial(_scaled_profiles, resolved, step_for, extra_for, optimizer, base_micro_batch, config)
+            scaled, times, opt_mem, tracked = lowest_memory_pass("the memory profile", session.began, resolved, profile)
         sync = hooks.sync or LocalSync()
         at_base = RealStepMemory(scaled.at(base_micro_batch), opt_mem)
         budget = sync.broadcast(resolve_budget(requested, at_base, None, resolved, sync))  # as ``tune``'s
@@ -184,13 +182,13 @@ def tune_micro_batch(
             harness = harness_for(resolved, step_for(m), optimizer, extra_for(m), config, m)
             headroom = scaled.at(m).reserve_overhead_bytes
             runner = build_runner(resolved, harness, config, compiled=None, reserve_headroom=headroom)
-            memory = RealStepMemory(scaled.at(m), opt_mem)
-            return Workload(runner, memory, m, m, global_batch // m, tracked_step_seconds=tracked(m))
+            memory, accumulation = RealStepMemory(scaled.at(m), opt_mem), global_batch // m
+            return Workload(runner, memory, m, m, accumulation, tracked_step_seconds=tracked(m))
 
         workloads = [workload(m) for m in sorted(feasible, reverse=True)]  # largest first: checkpointing unlocks them
         timing = {m: times.at(m) for m in feasible} if times is not None else None
         result = _search(resolved, workloads, budget, config, timing, scaled, opt_mem, hooks, session.phases)
-    m = int(getattr(result.best_trial, "micro_batch", None) or base_micro_batch)
+    m = int(result.best_trial.micro_batch or base_micro_batch) if result.best_trial is not None else base_micro_batch
     spec = MicroBatch(m, global_batch // m, global_batch, base_micro_batch, config.tie_tolerance)
     run = {**result.best.provenance.run, "batch_size": m}  # the step the plan runs: the chosen micro-batch
     allocator = {"allocator": session.allocator.to_dict()} if session.allocator is not None else {}  # as tune

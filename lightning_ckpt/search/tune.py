@@ -212,13 +212,10 @@ def _search(
     # The model of GPU, not its index, bears on the figures: part of a study's identity.
     name = torch.cuda.get_device_name(resolved.device) if resolved.device.type == "cuda" else resolved.device.type
     run = {"seq_len": harness.seq_len, "device": name, "compiled": is_compiled}
+    tracked = profile.tracked_step_seconds
     search = run_search(
         resolved,
-        [
-            Workload(
-                runner, memory, harness.batch_size, predicts=predicts, tracked_step_seconds=profile.tracked_step_seconds
-            )
-        ],
+        [Workload(runner, memory, harness.batch_size, predicts=predicts, tracked_step_seconds=tracked)],
         space,
         budget,
         config,
