@@ -54,9 +54,9 @@ def time_block_modes(
         )
 
     rounds = TIMING_ROUNDS
-    t0 = time.perf_counter()
+    t0 = profile_clock()
     warm = _interleaved(modes, 1, once)
-    if calls is not None and warm.get("none") and (took := time.perf_counter() - t0) > 0:
+    if calls is not None and warm.get("none") and (took := profile_clock() - t0) > 0:
         rounds = max(MIN_TIMING_ROUNDS, min(rounds, int(TIMING_STEPS * calls * warm["none"] / took)))
     seconds = _interleaved({k: modes[k] for k in warm}, rounds, once)
     return {**seconds, "forward": statistics.median(forwards[1:] or forwards)} if "none" in seconds else seconds
@@ -159,7 +159,7 @@ def _time_once(
         handle = apply_plan(root, Plan({cap.fqn: bp}) if bp.mode != "none" else Plan())
     try:
         synchronize(device)
-        t0 = time.perf_counter()
+        t0 = profile_clock()
         # A fresh non-leaf input, as the memory profile runs it (``memory.profile._run_block`` says why).
         seed = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=cap.input_grad)
         args, kwargs = with_hidden(cap.args, cap.kwargs, where, hidden.detach() + seed)
@@ -168,10 +168,10 @@ def _time_once(
             leaves = backward_leaves(out, cap.grad_leaves)
         if forwards is not None:
             synchronize(device)
-            forwards.append(time.perf_counter() - t0)
+            forwards.append(profile_clock() - t0)
         if leaves:
             torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
         synchronize(device)
-        return time.perf_counter() - t0
+        return profile_clock() - t0
     finally:
         handle.remove()
